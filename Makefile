@@ -1,0 +1,46 @@
+# The two commands of the README: `make run` and `make test`. Everything they need, they install.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# pip on these machines prints one warning per package about optional local indexes; keep the log readable.
+QUIET_PIP := grep -v "^WARNING: Location" || true
+
+export DAGSTER_HOME := $(CURDIR)/.dagster_home
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install run test ui lint validate bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@echo "==> creating $(VENV) and installing nexa-dagster (torch CPU build first)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+
+run: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/python -m nexa_dagster.demo
+
+test: install
+	$(BIN)/pytest
+
+ui: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/dagster dev -w workspace.yaml
+
+validate: install
+	$(BIN)/dagster definitions validate -w workspace.yaml
+
+lint: install
+	$(BIN)/ruff check nexa_dagster tests bench
+
+clean:
+	rm -rf data results .dagster_home

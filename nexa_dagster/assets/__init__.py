@@ -1,0 +1,1 @@
+"""The Nexa lifecycle as software-defined assets, one module per stage."""

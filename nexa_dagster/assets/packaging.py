@@ -1,0 +1,52 @@
+"""Packaging stage: all filtered samples so far become the packed SFT dataset (Parquet + JSONL)."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pandas as pd
+
+from nexa_dagster.assets.types import FilteredSamplesType
+from nexa_dagster.core.artifacts import SFTDataset
+from nexa_dagster.core.config import load_pipeline_config, load_scale, resolve_path
+from nexa_dagster.core.sft_dataset import build_sft_dataset
+from nexa_dagster.core.tiny_model import ensure_model
+from nexa_dagster.resources.storage import StorageResource
+
+
+def load_student_tokenizer() -> tuple[object, str]:
+    from transformers import AutoTokenizer
+
+    path = ensure_model(resolve_path(load_pipeline_config()["models"]["student_tokenizer"]))
+    return AutoTokenizer.from_pretrained(str(path)), str(path)
+
+
+@dg.asset(
+    group_name="packaging",
+    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    kinds={"python", "parquet"},
+    description="Every filtered sample up to now, rendered with the student's chat template, tokenized, packed "
+                "best-fit-decreasing into fixed-length sequences with an assistant-only loss mask, split into "
+                "train/validation and written as Parquet and JSONL under data/sft/<run_hash>/.",
+)
+def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
+                storage: StorageResource) -> SFTDataset:
+    scale = load_scale()
+    tokenizer, tokenizer_path = load_student_tokenizer()
+    dataset, stats = build_sft_dataset(filtered_samples, tokenizer, tokenizer_path, storage.path("sft"),
+                                       scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
+                                       log=context.log.info)
+    context.add_output_metadata({
+        "run_hash": dataset.run_hash,
+        "num_samples": dataset.num_samples,
+        "days": dg.MetadataValue.json(dataset.days),
+        "train_sequences": dataset.num_train_sequences,
+        "validation_sequences": dataset.num_validation_sequences,
+        "pack_size": dataset.pack_size,
+        "real_tokens": dataset.num_real_tokens,
+        "loss_tokens": dataset.num_loss_tokens,
+        "packing_efficiency": round(dataset.packing_efficiency, 4),
+        "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
+        "train_path": dg.MetadataValue.path(dataset.train_path),
+        "validation_path": dg.MetadataValue.path(dataset.validation_path),
+    })
+    return dataset

@@ -1,0 +1,24 @@
+"""Partitioning of the lifecycle (see the README's "Partitions" section for why).
+
+* Data stages are **daily**: a day's newly landed documents are ingested, distilled and judged once.
+* Packaging and training are **unpartitioned**: each materialization is a snapshot of all filtered data so far,
+  trained into a new checkpoint with its own id.
+* Evaluation and serving are partitioned by **checkpoint** (dynamic partitions): every checkpoint, whether
+  trained here or copied into the checkpoint store by hand, is evaluated exactly once and can be served.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from nexa_dagster.core.config import load_pipeline_config
+
+daily_partitions = dg.DailyPartitionsDefinition(
+    start_date=str(load_pipeline_config()["partitions_start_date"]), end_offset=1
+)
+checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
+
+
+def partition_days(context: dg.AssetExecutionContext) -> list[str]:
+    """The days this run covers: one for a normal run, several for a single-run backfill of a range."""
+    return list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []

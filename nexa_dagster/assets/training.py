@@ -1,0 +1,89 @@
+"""Training stage: the packed dataset trains a Mixture-of-Experts checkpoint with DeepSpeed, off-process.
+
+The asset never trains in the Dagster process: the GPU-cluster resource launches the DeepSpeed worker (locally,
+or later on Slurm/Kubernetes) and streams its logs and metrics back through Dagster Pipes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+
+from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.core import storage as io
+from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
+from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
+
+
+def new_checkpoint_id(run_id: str) -> str:
+    return f"ckpt-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{run_id[:8]}"
+
+
+@dg.asset(
+    group_name="training",
+    pool="gpu",
+    retry_policy=MODEL_CALL_RETRY,
+    kinds={"deepspeed", "pytorch"},
+    description="A Mixtral-architecture MoE causal LM trained with the DeepSpeed engine on sft_dataset, saved as "
+                "a Hugging Face checkpoint (safetensors, config, tokenizer) in data/checkpoints/<checkpoint_id>/.",
+)
+def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, gpu_cluster: GPUClusterResource,
+                   storage: StorageResource, tracking: TrackingResource) -> Checkpoint:
+    scale = load_scale()
+    checkpoint_id = new_checkpoint_id(context.run.run_id)
+    job = TrainingJob(
+        run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
+        tokenizer_path=sft_dataset.tokenizer_path, model_preset=scale.model_preset,
+        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=scale.training,
+        output_dir=str(storage.checkpoint_dir(checkpoint_id)), dataset_run_hash=sft_dataset.run_hash,
+        accelerator=gpu_cluster.accelerator,
+    )
+    work_dir = io.local_dir(storage.path("runs", checkpoint_id))
+    context.log.info(f"launching training of {checkpoint_id} ({scale.model_preset}, {scale.training.max_steps} "
+                     f"steps) on the {gpu_cluster.backend} cluster")
+    result, invocation = gpu_cluster.run_training(context, job, work_dir)
+
+    checkpoint = Checkpoint(
+        checkpoint_id=checkpoint_id, path=result.checkpoint_dir, num_steps=result.steps,
+        training_loss=result.final_loss, validation_loss=result.validation_loss,
+        dataset_run_hash=sft_dataset.run_hash, dataset_validation_path=sft_dataset.validation_path,
+        model_preset=scale.model_preset, parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active,
+    )
+    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
+
+    with tracking.start_run(run_name=checkpoint_id, tags={"stage": "training",
+                                                           "dagster_run_id": context.run.run_id}) as run:
+        run.log_params({"model_preset": scale.model_preset, "scale": scale.name,
+                        "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()})
+        for step, loss in result.loss_curve:
+            run.log_metrics({"train_loss": loss}, step=step)
+        run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
+        mlflow_run_id = run.run_id
+
+    pipes_metadata = {}
+    for r in invocation.get_results():
+        pipes_metadata.update(getattr(r, "metadata", None) or {})
+    context.add_output_metadata({
+        **{f"worker/{k}": v for k, v in pipes_metadata.items()},
+        "checkpoint_id": checkpoint_id,
+        "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
+        "steps": result.steps,
+        "final_train_loss": result.final_loss,
+        "validation_loss": result.validation_loss,
+        "tokens_seen": result.tokens_seen,
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "wall_s": round(result.wall_s, 1),
+        "parameters_total": result.parameters_total,
+        "parameters_active": result.parameters_active,
+        "dataset_run_hash": sft_dataset.run_hash,
+        "mlflow_run_id": mlflow_run_id,
+    })
+    return checkpoint

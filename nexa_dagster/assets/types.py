@@ -1,0 +1,17 @@
+"""Dagster types for the tables that cross stage boundaries, made from the pandera schemas in the core."""
+
+from __future__ import annotations
+
+import warnings
+
+from nexa_dagster.core import schemas
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # dagster-pandera marks this function beta
+    from dagster_pandera import pandera_schema_to_dagster_type
+
+    RawDocumentsType = pandera_schema_to_dagster_type(schemas.RawDocuments)
+    TeacherSamplesType = pandera_schema_to_dagster_type(schemas.TeacherSamples)
+    FilteredSamplesType = pandera_schema_to_dagster_type(schemas.FilteredSamples)
+    RejectedSamplesType = pandera_schema_to_dagster_type(schemas.RejectedSamples)
+    LeaderboardType = pandera_schema_to_dagster_type(schemas.Leaderboard)

@@ -1,0 +1,84 @@
+"""Validated artifacts: what a non-tabular stage produced, where it is, and what it came from.
+
+Following the Nemotron design, each artifact validates its fields on creation (catching errors at the step
+boundary, not hours later) and references the artifacts it was made from, so an evaluation holding a checkpoint
+can find the dataset the checkpoint was trained on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+class Artifact(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    created_at: str = Field(default_factory=_now)
+
+
+class SFTDataset(Artifact):
+    run_hash: str = Field(min_length=8)
+    root: str
+    train_path: str
+    validation_path: str
+    train_jsonl_path: str
+    validation_jsonl_path: str
+    num_samples: int = Field(gt=0)
+    num_train_sequences: int = Field(gt=0)
+    num_validation_sequences: int = Field(gt=0)
+    num_real_tokens: int = Field(gt=0)
+    num_loss_tokens: int = Field(gt=0)
+    pack_size: int = Field(gt=0)
+    packing_efficiency: float = Field(gt=0, le=1)
+    days: list[str]
+    tokenizer_path: str
+
+    @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        if "://" not in v and not Path(v).exists():
+            raise ValueError(f"dataset file does not exist: {v}")
+        return v
+
+
+class Checkpoint(Artifact):
+    checkpoint_id: str = Field(min_length=1)
+    path: str
+    num_steps: int = Field(ge=0)
+    training_loss: float | None = None
+    validation_loss: float | None = None
+    dataset_run_hash: str | None = None
+    dataset_validation_path: str | None = None
+    model_preset: str | None = None
+    parameters_total: int | None = None
+    parameters_active: int | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _is_hf_dir(cls, v: str) -> str:
+        p = Path(v)
+        if not (p / "config.json").exists():
+            raise ValueError(f"checkpoint {v} has no config.json (not a Hugging Face model directory)")
+        if not any(p.glob("*.safetensors")):
+            raise ValueError(f"checkpoint {v} has no .safetensors weights")
+        return v
+
+
+class EvalReport(Artifact):
+    checkpoint_id: str
+    checkpoint_path: str
+    validation_loss: float
+    perplexity: float = Field(ge=1)
+    validation_tokens: int = Field(gt=0)
+    judge_score: float | None = Field(default=None, ge=1, le=5)
+    judge_method: str | None = None
+    num_heldout_prompts: int = Field(ge=0)
+    dataset_run_hash: str | None = None
+    report_json: str
+    report_markdown: str

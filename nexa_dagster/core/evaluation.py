@@ -1,0 +1,131 @@
+"""Evaluation of a checkpoint: held-out loss and perplexity, and the judge's score of its answers.
+
+Loss is the mean next-token negative log-likelihood over the validation split's assistant tokens (the loss mask),
+exactly what training optimises, so the two are comparable. The judge uses the same scoring as SampleGate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nexa_dagster.core import storage
+from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
+from nexa_dagster.core.sample_gate import judge_one
+
+
+@dataclass
+class HeldoutLoss:
+    loss: float
+    perplexity: float
+    tokens: int
+    sequences: int
+
+
+def heldout_loss(model_dir: str | Path, validation_path: str, batch_size: int = 8) -> HeldoutLoss:
+    """Mean NLL of the model on the loss-masked tokens of the packed validation split."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    frame = storage.read_parquet(validation_path)
+    if frame.empty:
+        raise ValueError(f"validation split {validation_path} is empty")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    total_nll, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(frame), batch_size):
+            chunk = frame.iloc[start:start + batch_size]
+            ids = torch.tensor(chunk["input_ids"].tolist(), dtype=torch.long)
+            mask = torch.tensor(chunk["loss_mask"].tolist(), dtype=torch.long)
+            logits = model(input_ids=ids, position_ids=torch.tensor(chunk["position_ids"].tolist())).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            target = ids[:, 1:]
+            nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            m = mask[:, 1:].float()
+            total_nll += float((nll * m).sum())
+            total_tokens += int(m.sum())
+    if total_tokens == 0:
+        raise ValueError(f"validation split {validation_path} has no loss-masked tokens")
+    loss = total_nll / total_tokens
+    return HeldoutLoss(loss, math.exp(min(loss, 50.0)), total_tokens, len(frame))
+
+
+@dataclass
+class JudgedAnswer:
+    prompt: str
+    answer: str
+    score: float | None
+    method: str
+
+
+@dataclass
+class EvalResult:
+    checkpoint_id: str
+    loss: HeldoutLoss
+    answers: list[JudgedAnswer] = field(default_factory=list)
+
+    @property
+    def judge_score(self) -> float | None:
+        scores = [a.score for a in self.answers if a.score is not None]
+        return sum(scores) / len(scores) if scores else None
+
+
+def judge_answers(student: LLMClient, judge: LLMClient, prompts: Sequence[str], judge_template: str,
+                  max_new_tokens: int, log: Callable[[str], None] = print) -> list[JudgedAnswer]:
+    conversations: list[list[ChatMessage]] = [[{"role": "user", "content": p}] for p in prompts]
+    completions = student.chat_many(conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    out = []
+    for prompt, c in zip(prompts, completions, strict=True):
+        verdict = judge_one(judge, judge_template, prompt, c.text, max_tokens=8)
+        out.append(JudgedAnswer(prompt, c.text, verdict.score, verdict.method))
+    log(f"judged {len(out)} held-out answers")
+    return out
+
+
+def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
+    judge = f"{result.judge_score:.3f}" if result.judge_score is not None else "n/a"
+    lines = [
+        f"# Evaluation of checkpoint `{result.checkpoint_id}`",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| validation loss (assistant tokens) | {result.loss.loss:.4f} |",
+        f"| perplexity | {result.loss.perplexity:.2f} |",
+        f"| validation tokens | {result.loss.tokens} |",
+        f"| judge score (1-5, mean) | {judge} |",
+        "",
+        "## Lineage",
+        "",
+        *[f"- **{k}**: `{v}`" for k, v in lineage.items()],
+        "",
+        "## Held-out answers",
+        "",
+    ]
+    for a in result.answers:
+        score = f"{a.score:.2f}" if a.score is not None else "no verdict"
+        answer = a.answer.replace("\n", " ")[:300]
+        lines += [f"**Q:** {a.prompt}", "", f"**A:** {answer}", "", f"*judge ({a.method}):* {score}", ""]
+    return "\n".join(lines)
+
+
+def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -> tuple[str, str]:
+    """Write ``report.json`` and ``report.md`` (atomically) and return their paths."""
+    payload = {
+        "checkpoint_id": result.checkpoint_id,
+        "validation_loss": result.loss.loss,
+        "perplexity": result.loss.perplexity,
+        "validation_tokens": result.loss.tokens,
+        "validation_sequences": result.loss.sequences,
+        "judge_score": result.judge_score,
+        "answers": [a.__dict__ for a in result.answers],
+        "lineage": lineage,
+    }
+    json_path = storage.join(report_dir, "report.json")
+    md_path = storage.join(report_dir, "report.md")
+    storage.write_json(payload, json_path)
+    storage.write_text(render_markdown(result, lineage), md_path)
+    return json_path, md_path

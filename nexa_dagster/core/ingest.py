@@ -1,0 +1,172 @@
+"""Ingest: read a day's documents from its landing folder, normalise them, give them stable ids.
+
+A day's landing folder may hold JSONL, Parquet, plain-text/Markdown files and Hugging Face ``datasets``
+directories (``save_to_disk``). Bad input stops the stage with an ``IngestError`` that names the file, the line or
+row and the field, because a silently skipped shard is data lost without anyone knowing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+RAW_DOCUMENT_COLUMNS = ["doc_id", "day", "source", "title", "text", "n_chars"]
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SPACES = re.compile(r"[ \t\u00a0]+")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+class IngestError(ValueError):
+    """Bad input: the message names the file and the line, row or field at fault."""
+
+
+@dataclass(frozen=True)
+class RawDocument:
+    source: str  # file path plus the line/row, e.g. "day/docs.jsonl:12"
+    title: str
+    text: str
+
+
+def normalise_text(text: str) -> str:
+    """NFC, no control characters, one space between words, at most one blank line between paragraphs."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    text = _CONTROL.sub("", text)
+    text = "\n".join(_SPACES.sub(" ", line).strip() for line in text.split("\n"))
+    return _BLANK_LINES.sub("\n\n", text).strip()
+
+
+def stable_doc_id(text: str) -> str:
+    """A content hash: the same document gets the same id whichever file or day it arrives in."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _pick(record: dict[str, Any], candidates: Sequence[str], where: str, required: bool) -> str | None:
+    for name in candidates:
+        if name in record and record[name] is not None:
+            value = record[name]
+            if not isinstance(value, str):
+                raise IngestError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({value!r:.60})")
+            return value
+    if required:
+        raise IngestError(f"{where}: no text field (looked for {', '.join(candidates)}); fields are {sorted(record)}")
+    return None
+
+
+def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise IngestError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})") from None
+
+
+def read_jsonl(path: Path, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode_line(raw, path, lineno).strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise IngestError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise IngestError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            where = f"{path}:{lineno}"
+            yield RawDocument(where, _pick(record, title_fields, where, False) or "", _pick(record, text_fields, where, True) or "")
+
+
+def read_table(frame: pd.DataFrame, label: str, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
+    if not any(c in frame.columns for c in text_fields):
+        raise IngestError(f"{label}: no text column (looked for {', '.join(text_fields)}); columns are {list(frame.columns)}")
+    for i, record in enumerate(frame.to_dict(orient="records")):
+        where = f"{label} row {i}"
+        yield RawDocument(where, _pick(record, title_fields, where, False) or "", _pick(record, text_fields, where, True) or "")
+
+
+def read_text_file(path: Path) -> RawDocument:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise IngestError(f"{path}:{line}: not valid UTF-8 (byte offset {e.start}: {raw[e.start:e.start + 4]!r})") from None
+    return RawDocument(str(path), path.stem, text)
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def iter_landing(day_dir: Path, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
+    """Every document in a day's landing folder, in a deterministic order (sorted paths)."""
+    for path in sorted(day_dir.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if path.is_dir():
+            if not is_hf_dataset_dir(path):
+                raise IngestError(f"{path}: a folder that is not a Hugging Face dataset saved with save_to_disk")
+            from datasets import load_from_disk
+
+            ds = load_from_disk(str(path))
+            splits = ds.items() if hasattr(ds, "keys") else [("", ds)]
+            for split, part in splits:
+                label = f"{path}[{split}]" if split else str(path)
+                yield from read_table(part.to_pandas(), label, text_fields, title_fields)
+        elif path.suffix == ".jsonl":
+            yield from read_jsonl(path, text_fields, title_fields)
+        elif path.suffix == ".parquet":
+            try:
+                frame = pd.read_parquet(path)
+            except Exception as e:  # pyarrow raises several types for a corrupt file
+                raise IngestError(f"{path}: unreadable Parquet ({e})") from e
+            yield from read_table(frame, str(path), text_fields, title_fields)
+        elif path.suffix in (".txt", ".md"):
+            yield read_text_file(path)
+        else:
+            raise IngestError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md or a datasets folder)")
+
+
+def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
+               text_fields: Sequence[str] = ("text", "content", "body"),
+               title_fields: Sequence[str] = ("title", "name", "topic")) -> pd.DataFrame:
+    """Read, normalise and de-duplicate one day's documents into the ``raw_documents`` table.
+
+    Documents are cut to ``max_chars`` at a paragraph boundary where possible, empty ones are dropped, and
+    duplicates (same content id) are kept once. ``max_docs`` caps the day for scale presets.
+    """
+    if not day_dir.is_dir() or not any(p for p in day_dir.iterdir() if not p.name.startswith(".")):
+        raise IngestError(f"partition {day}: no documents landed in {day_dir} (missing or empty folder)")
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    root = day_dir.parent
+    for doc in iter_landing(day_dir, text_fields, title_fields):
+        text = _cut(normalise_text(doc.text), max_chars)
+        if not text:
+            continue
+        doc_id = stable_doc_id(text)
+        if doc_id in seen:
+            continue
+        seen.add(doc_id)
+        source = doc.source.replace(str(root) + "/", "")
+        rows.append({"doc_id": doc_id, "day": day, "source": source, "title": normalise_text(doc.title),
+                     "text": text, "n_chars": len(text)})
+        if max_docs is not None and len(rows) >= max_docs:
+            break
+    if not rows:
+        raise IngestError(f"partition {day}: {day_dir} holds files but no non-empty documents")
+    return pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS)
+
+
+def _cut(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    cut = text.rfind("\n\n", 0, max_chars)
+    return text[: cut if cut > max_chars // 2 else max_chars].rstrip()

@@ -1,0 +1,91 @@
+"""Pandera schemas of every table that crosses a stage boundary.
+
+They are plain pandera models (no Dagster here); ``nexa_dagster.assets.types`` turns them into Dagster types so
+that a bad frame fails at the boundary with a message naming the column and the failing rows.
+"""
+
+from __future__ import annotations
+
+import pandera.pandas as pa
+from pandera.typing import Series
+
+DAY_REGEX = r"^\d{4}-\d{2}-\d{2}$"
+
+
+class RawDocuments(pa.DataFrameModel):
+    """One row per ingested document of a day."""
+
+    doc_id: Series[str] = pa.Field(unique=True, str_length={"min_value": 16, "max_value": 16})
+    day: Series[str] = pa.Field(str_matches=DAY_REGEX)
+    source: Series[str] = pa.Field(str_length={"min_value": 1})
+    title: Series[str]
+    text: Series[str] = pa.Field(str_length={"min_value": 1})
+    n_chars: Series[int] = pa.Field(ge=1)
+
+    class Config:
+        strict = True
+        coerce = True
+
+
+class TeacherSamples(pa.DataFrameModel):
+    """One row per (document, generation): the teacher's answer and what it cost."""
+
+    sample_id: Series[str] = pa.Field(unique=True)
+    doc_id: Series[str]
+    day: Series[str] = pa.Field(str_matches=DAY_REGEX)
+    generation_index: Series[int] = pa.Field(ge=0)
+    system_prompt: Series[str]
+    prompt: Series[str] = pa.Field(str_length={"min_value": 1})
+    response: Series[str]
+    reasoning: Series[str] = pa.Field(nullable=True)
+    model: Series[str] = pa.Field(str_length={"min_value": 1})
+    prompt_tokens: Series[int] = pa.Field(ge=0)
+    completion_tokens: Series[int] = pa.Field(ge=0)
+    latency_s: Series[float] = pa.Field(ge=0)
+    finish_reason: Series[str] = pa.Field(nullable=True)
+    error: Series[str] = pa.Field(nullable=True)
+
+    class Config:
+        strict = True
+        coerce = True
+
+
+class FilteredSamples(TeacherSamples):
+    """Samples that passed SampleGate, with the judge's verdict."""
+
+    judge_score: Series[float] = pa.Field(ge=1, le=5)
+    judge_method: Series[str]
+
+
+class RejectedSamples(TeacherSamples):
+    """Samples SampleGate turned away; ``reason`` says which rule (or the judge) did it."""
+
+    judge_score: Series[float] = pa.Field(nullable=True)
+    judge_method: Series[str] = pa.Field(nullable=True)
+    reason: Series[str] = pa.Field(str_length={"min_value": 1})
+
+
+class PackedSequences(pa.DataFrameModel):
+    """Fixed-length packed training sequences (lists stored as Parquet list columns)."""
+
+    input_ids: Series[object]
+    loss_mask: Series[object]
+    position_ids: Series[object]
+    attention_mask: Series[object]
+    cu_seqlens: Series[object]
+    num_documents: Series[int] = pa.Field(ge=1)
+    num_tokens: Series[int] = pa.Field(ge=1)
+    num_loss_tokens: Series[int] = pa.Field(ge=0)
+
+    @pa.dataframe_check
+    def sequences_have_pack_size(cls, df):  # noqa: N805 - pandera passes the class
+        lengths = df["input_ids"].map(len)
+        same = (lengths == df["loss_mask"].map(len)) & (lengths == df["position_ids"].map(len))
+        return same & (lengths == lengths.iloc[0] if len(df) else True)
+
+
+class Leaderboard(pa.DataFrameModel):
+    checkpoint_id: Series[str] = pa.Field(unique=True)
+    validation_loss: Series[float]
+    perplexity: Series[float] = pa.Field(ge=1)
+    judge_score: Series[float] = pa.Field(nullable=True)

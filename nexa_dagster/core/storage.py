@@ -1,0 +1,98 @@
+"""Atomic writes through fsspec: nothing already materialized is ever half-overwritten.
+
+Every writer here writes to a temporary name beside the target and renames it into place, so a crash leaves
+either the old file or the new one, never a torn mix. Paths may be local paths or any fsspec URL
+(``memory://``, ``s3://``, ``gs://``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def join(root: str | os.PathLike[str], *parts: str) -> str:
+    base = str(root).rstrip("/")
+    return "/".join([base, *[p.strip("/") for p in parts if p]])
+
+
+def _fs(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, p = fsspec.core.url_to_fs(str(path))
+    return fs, p
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    fs, p = _fs(str(path))
+    return fs.exists(p)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols
+
+
+def _atomic_write_bytes(path: str, data: bytes) -> None:
+    fs, p = _fs(path)
+    parent = p.rsplit("/", 1)[0] if "/" in p else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.{p.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp" if parent else f".{p}.tmp"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        if _is_local(fs):
+            os.replace(tmp, p)  # atomic on POSIX
+        else:
+            fs.mv(tmp, p)
+    finally:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+
+
+def write_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> None:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), buf)
+    _atomic_write_bytes(str(path), buf.getvalue())
+
+
+def read_parquet(path: str | os.PathLike[str]) -> pd.DataFrame:
+    fs, p = _fs(str(path))
+    with fs.open(p, "rb") as f:
+        return pq.read_table(f).to_pandas()
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike[str]) -> int:
+    lines = [json.dumps(r, ensure_ascii=False, default=str) for r in rows]
+    _atomic_write_bytes(str(path), ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8"))
+    return len(lines)
+
+
+def write_json(obj: Any, path: str | os.PathLike[str]) -> None:
+    _atomic_write_bytes(str(path), (json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode())
+
+
+def write_text(text: str, path: str | os.PathLike[str]) -> None:
+    _atomic_write_bytes(str(path), text.encode("utf-8"))
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    fs, p = _fs(str(path))
+    with fs.open(p, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def local_dir(path: str | os.PathLike[str]) -> Path:
+    """A local directory path (created); model checkpoints live on local or mounted disks."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    return p

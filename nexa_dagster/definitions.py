@@ -1,0 +1,66 @@
+"""The nexa-dagster code location: every stage of the Nexa LLM lifecycle as a software-defined asset.
+
+Resources are built from environment variables so that the same location runs the tiny demo on a laptop and a
+real model on a cluster without code changes:
+
+* ``NEXA_TEACHER_BACKEND`` / ``NEXA_JUDGE_BACKEND``: ``local`` (in-process transformers, the default),
+  ``managed`` (start ``vllm serve`` / ``transformers serve`` for the step) or ``openai`` (any OpenAI-compatible
+  URL in ``NEXA_TEACHER_URL`` / ``NEXA_JUDGE_URL``, key read through ``dagster.EnvVar`` from
+  ``NEXA_TEACHER_API_KEY`` / ``NEXA_JUDGE_API_KEY``).
+* ``NEXA_TEACHER_MODEL`` / ``NEXA_JUDGE_MODEL``: a local model path or a served model name.
+* ``NEXA_DATA_ROOT``, ``NEXA_LANDING_ROOT``, ``NEXA_RESULTS_ROOT``, ``MLFLOW_TRACKING_URI``, ``NEXA_SCALE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from nexa_dagster.assets import distillation, evaluation, filtering, ingest, packaging, serving, training
+from nexa_dagster.core.config import load_pipeline_config
+from nexa_dagster.jobs import JOBS, SCHEDULES
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.io_manager import NexaIOManager
+from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
+from nexa_dagster.sensors import SENSORS
+
+
+def llm_resource(role: str, default_model: str) -> LLMResource:
+    """The teacher or judge endpoint, from ``NEXA_<ROLE>_*`` environment variables."""
+    prefix = f"NEXA_{role.upper()}_"
+    backend = os.environ.get(prefix + "BACKEND", "local")
+    if backend == "openai":
+        return LLMResource(backend="openai", model=os.environ.get(prefix + "MODEL", ""),
+                           base_url=os.environ[prefix + "URL"], api_key=dg.EnvVar(prefix + "API_KEY"))
+    return LLMResource(backend=backend, model=os.environ.get(prefix + "MODEL", default_model))
+
+
+def build_resources() -> dict[str, object]:
+    cfg = load_pipeline_config()
+    data_root = os.environ.get("NEXA_DATA_ROOT", cfg["data_root"])
+    return {
+        "io_manager": NexaIOManager(data_root=data_root),
+        "storage": StorageResource(data_root=data_root,
+                                   landing_root=os.environ.get("NEXA_LANDING_ROOT", cfg["ingest"]["landing_root"]),
+                                   results_root=os.environ.get("NEXA_RESULTS_ROOT", "results")),
+        "teacher_llm": llm_resource("teacher", cfg["models"]["teacher"]),
+        "judge_llm": llm_resource("judge", cfg["models"]["judge"]),
+        "gpu_cluster": GPUClusterResource(backend=os.environ.get("NEXA_CLUSTER_BACKEND", "local"),
+                                          accelerator=os.environ.get("NEXA_ACCELERATOR", "cpu")),
+        "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
+    }
+
+
+ASSET_MODULES = [ingest, distillation, filtering, packaging, training, evaluation, serving]
+
+defs = dg.Definitions(
+    assets=dg.load_assets_from_modules(ASSET_MODULES),
+    asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
+    jobs=JOBS,
+    schedules=SCHEDULES,
+    sensors=SENSORS,
+    resources=build_resources(),
+)

@@ -1,0 +1,50 @@
+"""Storage: where the pipeline's files live (data root, landing zone, checkpoint store, reports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from nexa_dagster.core import storage as io
+from nexa_dagster.core.config import resolve_path
+
+
+class StorageResource(dg.ConfigurableResource):
+    """The data root (any fsspec URL for tables) and the local folders models and reports need.
+
+    Checkpoints are model directories loaded by ``transformers`` and served by inference engines, so they live on
+    a local or mounted disk; tables and manifests may live anywhere fsspec reaches.
+    """
+
+    data_root: str = "data"
+    landing_root: str = "sample_data/landing"
+    results_root: str = "results"
+
+    def _root(self, value: str) -> str:
+        return value if "://" in value else str(resolve_path(value))
+
+    @property
+    def root(self) -> str:
+        return self._root(self.data_root)
+
+    def path(self, *parts: str) -> str:
+        return io.join(self.root, *parts)
+
+    def landing_dir(self, day: str) -> Path:
+        return resolve_path(self.landing_root) / day
+
+    def checkpoints_dir(self) -> Path:
+        return io.local_dir(Path(self.root) / "checkpoints")
+
+    def checkpoint_dir(self, checkpoint_id: str) -> Path:
+        return self.checkpoints_dir() / checkpoint_id
+
+    def models_dir(self) -> Path:
+        return io.local_dir(Path(self.root) / "models")
+
+    def report_dir(self, checkpoint_id: str) -> str:
+        return io.join(self._root(self.results_root), "evaluation", "reports", checkpoint_id)
+
+    def deployment_dir(self, checkpoint_id: str) -> Path:
+        return io.local_dir(Path(self._root(self.results_root)) / "deployments" / checkpoint_id)

@@ -1,0 +1,66 @@
+"""Experiment tracking: MLflow, with a local SQLite store under the data root by default."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from nexa_dagster.core.config import resolve_path
+
+
+class MLflowRun:
+    """A thin handle on one MLflow run (the client API, so nothing depends on MLflow's global state)."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        for k, v in params.items():
+            self.client.log_param(self.run_id, k, str(v)[:6000])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        for k, v in metrics.items():
+            if v is not None:
+                self.client.log_metric(self.run_id, k, float(v), step=step or 0)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+
+class TrackingResource(dg.ConfigurableResource):
+    """MLflow tracking. ``tracking_uri`` empty means ``sqlite:///<data_root>/mlflow.db``."""
+
+    tracking_uri: str = ""
+    data_root: str = "data"
+    experiment: str = "nexa"
+
+    def uri(self) -> str:
+        if self.tracking_uri:
+            return self.tracking_uri
+        root = resolve_path(self.data_root)
+        root.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{root / 'mlflow.db'}"
+
+    @contextmanager
+    def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[MLflowRun]:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri())
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            artifacts = resolve_path(self.data_root) / "mlartifacts"
+            exp_id = client.create_experiment(self.experiment, artifact_location=artifacts.as_uri())
+        else:
+            exp_id = exp.experiment_id
+        run = client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+        status = "FAILED"
+        try:
+            yield MLflowRun(client, run.info.run_id)
+            status = "FINISHED"
+        finally:
+            client.set_terminated(run.info.run_id, status=status)

@@ -1,0 +1,103 @@
+"""Ingest reads every supported format, gives stable ids, and names the file and row of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.ingest import IngestError, ingest_day, normalise_text, stable_doc_id
+from nexa_dagster.core.schemas import RawDocuments
+
+LANDING = REPO_ROOT / "sample_data" / "landing"
+
+
+@pytest.mark.parametrize("day", ["2026-11-20", "2026-11-21", "2026-11-22"])
+def test_sample_days_ingest_and_validate(day: str) -> None:
+    docs = ingest_day(LANDING / day, day, max_docs=None, max_chars=2000)
+    RawDocuments.validate(docs)
+    assert len(docs) >= 20
+    assert (docs["day"] == day).all()
+    assert docs["n_chars"].max() <= 2000
+
+
+def test_formats_jsonl_parquet_text_and_hf_dataset(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    day = tmp_path / "2026-01-02"
+    day.mkdir()
+    (day / "a.jsonl").write_text(json.dumps({"title": "A", "text": "alpha  text\t here"}) + "\n\n")
+    pd.DataFrame({"name": ["B"], "content": ["beta text"]}).to_parquet(day / "b.parquet")
+    (day / "c.txt").write_text("gamma text")
+    Dataset.from_list([{"topic": "D", "body": "delta text"}]).save_to_disk(str(day / "d_hf"))
+    docs = ingest_day(day, "2026-01-02", max_docs=None, max_chars=100)
+    assert docs["text"].tolist() == ["alpha text here", "beta text", "gamma text", "delta text"]
+    assert docs["title"].tolist() == ["A", "B", "c", "D"]
+    assert docs["source"].tolist()[0] == "2026-01-02/a.jsonl:1"
+
+
+def test_ids_are_content_hashes_and_duplicates_are_dropped(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-03"
+    day.mkdir()
+    rows = [{"text": "same text"}, {"text": "same   text"}, {"text": "other"}]
+    (day / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    docs = ingest_day(day, "2026-01-03", max_docs=None, max_chars=100)
+    assert len(docs) == 2
+    assert docs["doc_id"].iloc[0] == stable_doc_id(normalise_text("same text"))
+
+
+def test_cap_from_scale_preset(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-04"
+    day.mkdir()
+    (day / "a.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(50)))
+    assert len(ingest_day(day, "2026-01-04", max_docs=7, max_chars=100)) == 7
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-05"
+    day.mkdir()
+    (day / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken}\n')
+    with pytest.raises(IngestError, match=r"bad\.jsonl:2: malformed JSON"):
+        ingest_day(day, "2026-01-05", max_docs=None, max_chars=100)
+
+
+def test_non_utf8_names_file_and_line(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-06"
+    day.mkdir()
+    (day / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(IngestError, match=r"latin1\.jsonl:2: not valid UTF-8"):
+        ingest_day(day, "2026-01-06", max_docs=None, max_chars=100)
+    (day / "latin1.jsonl").unlink()
+    (day / "notes.txt").write_bytes(b"line one\nline \xff two\n")
+    with pytest.raises(IngestError, match=r"notes\.txt:2: not valid UTF-8"):
+        ingest_day(day, "2026-01-06", max_docs=None, max_chars=100)
+
+
+def test_wrong_column_type_names_row_and_field(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-07"
+    day.mkdir()
+    pd.DataFrame({"text": ["fine", None, "x"], "title": ["a", "b", "c"]}).assign(
+        text=lambda d: d["text"].astype(object)).to_parquet(day / "t.parquet")
+    (day / "u.jsonl").write_text(json.dumps({"text": 42}) + "\n")
+    with pytest.raises(IngestError, match=r"row 1: no text field|u\.jsonl:1: field 'text' must be a string"):
+        ingest_day(day, "2026-01-07", max_docs=None, max_chars=100)
+
+
+def test_json_number_in_text_field(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-08"
+    day.mkdir()
+    (day / "u.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": 42}) + "\n")
+    with pytest.raises(IngestError, match=r"u\.jsonl:2: field 'text' must be a string, got int"):
+        ingest_day(day, "2026-01-08", max_docs=None, max_chars=100)
+
+
+def test_empty_partition_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(IngestError, match=r"partition 2026-02-01: no documents landed in .*2026-02-01"):
+        ingest_day(tmp_path / "2026-02-01", "2026-02-01", max_docs=None, max_chars=100)
+    (tmp_path / "2026-02-02").mkdir()
+    (tmp_path / "2026-02-02" / "empty.jsonl").write_text("\n")
+    with pytest.raises(IngestError, match="no non-empty documents"):
+        ingest_day(tmp_path / "2026-02-02", "2026-02-02", max_docs=None, max_chars=100)
