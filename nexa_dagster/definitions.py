@@ -39,15 +39,17 @@ def llm_resource(role: str, default_model: str) -> LLMResource:
 
 
 def build_resources() -> dict[str, object]:
+    """Resources from configs/pipeline.yaml, overridden by environment variables."""
     cfg = load_pipeline_config()
     data_root = os.environ.get("NEXA_DATA_ROOT", cfg["data_root"])
+    storage = StorageResource(data_root=data_root,
+                              landing_root=os.environ.get("NEXA_LANDING_ROOT", cfg["ingest"]["landing_root"]),
+                              results_root=os.environ.get("NEXA_RESULTS_ROOT", "results"))
     return {
         "io_manager": NexaIOManager(data_root=data_root),
-        "storage": StorageResource(data_root=data_root,
-                                   landing_root=os.environ.get("NEXA_LANDING_ROOT", cfg["ingest"]["landing_root"]),
-                                   results_root=os.environ.get("NEXA_RESULTS_ROOT", "results")),
-        "teacher_llm": llm_resource("teacher", cfg["models"]["teacher"]),
-        "judge_llm": llm_resource("judge", cfg["models"]["judge"]),
+        "storage": storage,
+        "teacher_llm": llm_resource("teacher", storage.model_path(cfg["models"]["teacher"])),
+        "judge_llm": llm_resource("judge", storage.model_path(cfg["models"]["judge"])),
         "gpu_cluster": GPUClusterResource(backend=os.environ.get("NEXA_CLUSTER_BACKEND", "local"),
                                           accelerator=os.environ.get("NEXA_ACCELERATOR", "cpu")),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
@@ -56,11 +58,16 @@ def build_resources() -> dict[str, object]:
 
 ASSET_MODULES = [ingest, distillation, filtering, packaging, training, evaluation, serving]
 
-defs = dg.Definitions(
-    assets=dg.load_assets_from_modules(ASSET_MODULES),
-    asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
-    jobs=JOBS,
-    schedules=SCHEDULES,
-    sensors=SENSORS,
-    resources=build_resources(),
-)
+def build_defs() -> dg.Definitions:
+    """The code location; tests call this after pointing the environment at a temporary data root."""
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules(ASSET_MODULES),
+        asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
+        jobs=JOBS,
+        schedules=SCHEDULES,
+        sensors=SENSORS,
+        resources=build_resources(),
+    )
+
+
+defs = build_defs()

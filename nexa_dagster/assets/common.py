@@ -8,7 +8,7 @@ import dagster as dg
 import pandas as pd
 
 # Every stage that calls a model or a server retries with exponential backoff: endpoints blip, GPUs get preempted.
-MODEL_CALL_RETRY = dg.RetryPolicy(max_retries=3, delay=5, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+MODEL_CALL_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 SINGLE_RUN_BACKFILL = dg.BackfillPolicy.single_run()
 
 

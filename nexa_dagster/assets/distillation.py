@@ -38,6 +38,9 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
         samples = generate_teacher_samples(teacher, prompts, params, batch_size=teacher_llm.batch_size,
                                            progress=progress_logger(context, "teacher answers"))
     failed = int(samples["error"].notna().sum())
+    if len(samples) and failed == len(samples):
+        # nothing came back at all: the endpoint is down or misconfigured, not a few flaky requests
+        raise dg.Failure(f"every teacher request failed; first error: {samples['error'].iloc[0]}")
     context.add_output_metadata({
         "dagster/row_count": len(samples),
         "teacher": dg.MetadataValue.json(teacher_llm.describe()),

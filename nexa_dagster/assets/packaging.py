@@ -7,16 +7,16 @@ import pandas as pd
 
 from nexa_dagster.assets.types import FilteredSamplesType
 from nexa_dagster.core.artifacts import SFTDataset
-from nexa_dagster.core.config import load_pipeline_config, load_scale, resolve_path
+from nexa_dagster.core.config import load_pipeline_config, load_scale
 from nexa_dagster.core.sft_dataset import build_sft_dataset
 from nexa_dagster.core.tiny_model import ensure_model
 from nexa_dagster.resources.storage import StorageResource
 
 
-def load_student_tokenizer() -> tuple[object, str]:
+def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
     from transformers import AutoTokenizer
 
-    path = ensure_model(resolve_path(load_pipeline_config()["models"]["student_tokenizer"]))
+    path = ensure_model(storage.model_path(load_pipeline_config()["models"]["student_tokenizer"]))
     return AutoTokenizer.from_pretrained(str(path)), str(path)
 
 
@@ -31,7 +31,7 @@ def load_student_tokenizer() -> tuple[object, str]:
 def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
                 storage: StorageResource) -> SFTDataset:
     scale = load_scale()
-    tokenizer, tokenizer_path = load_student_tokenizer()
+    tokenizer, tokenizer_path = load_student_tokenizer(storage)
     dataset, stats = build_sft_dataset(filtered_samples, tokenizer, tokenizer_path, storage.path("sft"),
                                        scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
                                        log=context.log.info)
@@ -50,3 +50,20 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
         "validation_path": dg.MetadataValue.path(dataset.validation_path),
     })
     return dataset
+
+
+@dg.asset_check(asset=sft_dataset, description="Both splits re-read from storage are well-formed packed sequences "
+                                               "with assistant tokens to learn.")
+def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResult:
+    from nexa_dagster.core import storage as io
+    from nexa_dagster.core.schemas import PackedSequences
+
+    problems = []
+    for split, path in (("train", sft_dataset.train_path), ("validation", sft_dataset.validation_path)):
+        frame = io.read_parquet(path)
+        PackedSequences.validate(frame)
+        if not frame["input_ids"].map(len).eq(sft_dataset.pack_size).all():
+            problems.append(f"{split}: a row is not {sft_dataset.pack_size} tokens long")
+        if int(frame["num_loss_tokens"].sum()) == 0:
+            problems.append(f"{split}: no loss-masked (assistant) tokens")
+    return dg.AssetCheckResult(passed=not problems, metadata={"problems": dg.MetadataValue.json(problems)})

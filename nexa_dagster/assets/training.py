@@ -87,3 +87,20 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         "mlflow_run_id": mlflow_run_id,
     })
     return checkpoint
+
+
+@dg.asset_check(asset=moe_checkpoint, description="The checkpoint loads with plain transformers "
+                                                  "(AutoModelForCausalLM) and gives finite logits.")
+def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCheckResult:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(moe_checkpoint.path)
+    model = AutoModelForCausalLM.from_pretrained(moe_checkpoint.path)
+    ids = tokenizer("def f(x): return x", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**ids).logits
+    finite = bool(torch.isfinite(logits).all())
+    return dg.AssetCheckResult(passed=finite, metadata={"architecture": model.config.architectures[0],
+                                                        "num_experts": model.config.num_local_experts,
+                                                        "logits_finite": finite})

@@ -43,6 +43,12 @@ class StorageResource(dg.ConfigurableResource):
     def models_dir(self) -> Path:
         return io.local_dir(Path(self.root) / "models")
 
+    def model_path(self, name: str) -> str:
+        """Where a configured model lives: bare ``tiny-*`` names are under ``<data_root>/models/``."""
+        if name.startswith("tiny-") and "/" not in name:
+            return str(Path(self.root) / "models" / name)
+        return name
+
     def report_dir(self, checkpoint_id: str) -> str:
         return io.join(self._root(self.results_root), "evaluation", "reports", checkpoint_id)
 

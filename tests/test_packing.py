@@ -1,0 +1,98 @@
+"""Packaging: exact assistant loss masks, best-fit-decreasing packing, stable splits, deterministic output."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from nexa_dagster.core import storage
+from nexa_dagster.core.packing import (
+    TokenizedConversation,
+    best_fit_decreasing,
+    conversation,
+    pack,
+    split_train_validation,
+    tokenize_conversation,
+)
+from nexa_dagster.core.schemas import PackedSequences
+from nexa_dagster.core.sft_dataset import build_sft_dataset
+
+
+def test_loss_mask_covers_exactly_the_assistant_turn(tiny_tokenizer) -> None:
+    msgs = conversation("Be brief.", "What is a tuple?", "An immutable sequence.\nUse it for records.")
+    ids, mask = tokenize_conversation(tiny_tokenizer, msgs)
+    assert ids == tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(msgs, tokenize=False),
+                                        add_special_tokens=False)
+    learned = tiny_tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert learned == "An immutable sequence.\nUse it for records.<|im_end|>"
+
+
+def test_best_fit_decreasing_fills_bins_and_keeps_every_item() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    bins = best_fit_decreasing(lengths, 128)
+    assert sorted(i for b in bins for i in b) == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
+    lower_bound = -(-sum(lengths) // 128)
+    assert len(bins) <= lower_bound * 1.05 + 1  # BFD is within a few % of optimal on such data
+
+
+def test_pack_rows_have_pack_size_restarting_positions_and_boundaries() -> None:
+    convs = [TokenizedConversation(f"s{i}", list(range(10, 10 + n)), [0] * (n // 2) + [1] * (n - n // 2))
+             for i, n in enumerate([5, 7, 3, 9, 20])]
+    frame, stats = pack(convs, pack_size=16, pad_id=0)
+    PackedSequences.validate(frame)
+    assert all(len(r) == 16 for r in frame["input_ids"])
+    assert stats.documents == 5 and stats.truncated_documents == 1  # the 20-token one is cut to 16
+    for row in frame.itertuples():
+        cu = row.cu_seqlens
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            assert list(row.position_ids[a:b]) == list(range(b - a))
+        assert sum(row.attention_mask) == row.num_tokens == cu[-1]
+        assert all(m == 0 for m in row.loss_mask[row.num_tokens:])
+    assert stats.real_tokens == sum(min(n, 16) for n in [5, 7, 3, 9, 20])
+
+
+def test_split_is_stable_when_more_data_arrives() -> None:
+    ids = [f"sample-{i}" for i in range(200)]
+    train, val = split_train_validation(ids, 0.1)
+    assert 5 <= len(val) <= 40 and len(train) + len(val) == 200
+    more = ids + [f"new-{i}" for i in range(100)]
+    _, val2 = split_train_validation(more, 0.1)
+    assert {ids[i] for i in val} <= {more[i] for i in val2}
+
+
+def _samples(n: int) -> pd.DataFrame:
+    return pd.DataFrame({
+        "sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
+        "system_prompt": ["sys"] * n, "prompt": [f"question {i}?" for i in range(n)],
+        "response": [f"answer number {i} " * (1 + i % 5) for i in range(n)],
+    })
+
+
+def test_sft_dataset_is_deterministic_and_written_atomically(tiny_tokenizer, tmp_path: Path) -> None:
+    a, stats = build_sft_dataset(_samples(40), tiny_tokenizer, "tok", str(tmp_path / "a"), 128, 0.2, log=lambda m: None)
+    b, _ = build_sft_dataset(_samples(40).sample(frac=1, random_state=3), tiny_tokenizer, "tok",
+                             str(tmp_path / "b"), 128, 0.2, log=lambda m: None)
+    assert a.run_hash == b.run_hash
+    for name in ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl"):
+        assert (Path(a.root) / name).read_bytes() == (Path(b.root) / name).read_bytes()
+    assert not list(Path(a.root).glob(".*.tmp"))
+    assert a.num_train_sequences + a.num_validation_sequences == stats["train"].sequences + stats["validation"].sequences
+    assert 0.5 < a.packing_efficiency <= 1.0
+    first = Path(a.train_jsonl_path).read_text().splitlines()[0]
+    assert '"messages"' in first and '"role": "assistant"' in first
+
+
+def test_sft_dataset_refuses_empty_input(tiny_tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no filtered samples"):
+        build_sft_dataset(_samples(0), tiny_tokenizer, "tok", str(tmp_path), 128, 0.2)
+
+
+def test_storage_writes_to_memory_fs() -> None:
+    frame = pd.DataFrame({"a": [1, 2]})
+    storage.write_parquet(frame, "memory://nexa-test/x/t.parquet")
+    assert storage.read_parquet("memory://nexa-test/x/t.parquet")["a"].tolist() == [1, 2]

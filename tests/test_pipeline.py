@@ -1,0 +1,180 @@
+"""The whole tiny pipeline on a real Dagster instance: every stage materializes, then schedule, sensors, backfill.
+
+One module-scoped run of the lifecycle (two days of data, one training, one evaluation + serving) is shared by
+the orchestration tests, which then exercise the schedule, the retrain sensor and the checkpoint sensor against
+the instance that recorded it. A CLI backfill runs in its own instance.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from nexa_dagster.core.config import REPO_ROOT
+
+DAYS = ["2026-11-20", "2026-11-21"]
+ALL_KEYS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
+            "moe_checkpoint", "eval_report", "model_deployment"]
+
+
+def _env(root: Path) -> dict[str, str]:
+    landing = root / "landing"
+    if not landing.exists():
+        for day in DAYS:
+            shutil.copytree(REPO_ROOT / "sample_data" / "landing" / day, landing / day)
+    return {"NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results"),
+            "NEXA_LANDING_ROOT": str(landing), "DAGSTER_HOME": str(root / "home")}
+
+
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory: pytest.TempPathFactory):
+    """Run the three jobs in order on a fresh instance; yield (defs, instance, env, checkpoint)."""
+    root = tmp_path_factory.mktemp("lifecycle")
+    env = _env(root)
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    Path(env["DAGSTER_HOME"]).mkdir()
+    shutil.copy(REPO_ROOT / "dagster.yaml", Path(env["DAGSTER_HOME"]) / "dagster.yaml")
+    from nexa_dagster.definitions import build_defs
+
+    defs = build_defs()
+    instance = dg.DagsterInstance.get()
+    runs = {}
+    for day in DAYS:
+        runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(instance=instance, partition_key=day)
+    training = defs.resolve_job_def("training_job").execute_in_process(instance=instance)
+    checkpoint = training.output_for_node("moe_checkpoint")
+    defs.resolve_job_def("evaluation_job").execute_in_process(instance=instance, partition_key=checkpoint.checkpoint_id)
+    yield defs, instance, env, checkpoint, runs
+    mp.undo()
+    instance.dispose()
+
+
+def _metadata(instance: dg.DagsterInstance, key: str, partition: str | None = None) -> dict:
+    event = instance.get_latest_materialization_event(dg.AssetKey(key)) if partition is None else None
+    if partition is not None:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition]), limit=1).records
+        event = records[0].event_log_entry if records else None
+    assert event is not None, f"{key} has no materialization"
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def test_every_stage_is_materialized_with_metadata(lifecycle) -> None:
+    _, instance, _, checkpoint, _ = lifecycle
+    for key in ALL_KEYS:
+        assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None, key
+    for day in DAYS:
+        assert _metadata(instance, "raw_documents", day)["dagster/row_count"] > 0
+        teacher = _metadata(instance, "teacher_samples", day)
+        assert teacher["completion_tokens"] > 0 and teacher["failed_requests"] == 0
+        assert 0 < _metadata(instance, "filtered_samples", day)["pass_rate"] <= 1
+    sft = _metadata(instance, "sft_dataset")
+    assert sft["train_sequences"] > 0 and sft["validation_sequences"] > 0 and sft["packing_efficiency"] > 0.5
+    training = _metadata(instance, "moe_checkpoint")
+    assert training["steps"] > 0 and training["final_train_loss"] > 0
+    report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)
+    assert report["perplexity"] >= 1 and report["judge_method"] == "logprobs"
+    assert 1 <= report["judge_score"] <= 5
+    deployment = _metadata(instance, "model_deployment", checkpoint.checkpoint_id)
+    assert deployment["status"] == "ok" and deployment["smoke_latency_s"] > 0
+
+
+def test_artifacts_on_disk_are_real(lifecycle) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, _, env, checkpoint, _ = lifecycle
+    ckpt = Path(checkpoint.path)
+    assert (ckpt / "_COMPLETE").exists() and (ckpt / "checkpoint.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model.config.model_type == "mixtral" and model.config.num_local_experts > 1
+    assert AutoTokenizer.from_pretrained(ckpt).chat_template
+    reports = Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "reports" / checkpoint.checkpoint_id
+    assert (reports / "report.json").exists() and "# Evaluation" in (reports / "report.md").read_text()
+    assert (Path(env["NEXA_RESULTS_ROOT"]) / "deployments" / checkpoint.checkpoint_id / "deployment.json").exists()
+    rejected = Path(env["NEXA_DATA_ROOT"]) / "assets" / "rejected_samples"
+    import pandas as pd
+
+    frames = [pd.read_parquet(p) for p in rejected.glob("*.parquet")]
+    if frames and len(pd.concat(frames)):
+        assert pd.concat(frames)["reason"].str.len().gt(0).all()
+
+
+def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
+    defs = lifecycle[0]
+    schedule = defs.resolve_schedule_def("nightly_retrain")
+    assert schedule.cron_schedule == "0 2 * * *"
+    ctx = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC))
+    requests = schedule.evaluate_tick(ctx).run_requests
+    assert [r.partition_key for r in requests] == ["2026-11-22"]
+
+
+def test_retrain_sensor_requests_training_after_a_successful_data_run(lifecycle) -> None:
+    from nexa_dagster.sensors.retrain import filtered_rows_in_run, retrain_after_ingest
+
+    _, instance, _, _, runs = lifecycle
+    run = instance.get_run_by_id(runs[DAYS[0]].run_id)
+    assert filtered_rows_in_run(instance, run.run_id) > 0
+    success = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.RUN_SUCCESS).records[0]
+    ctx = dg.build_run_status_sensor_context(sensor_name="retrain_after_ingest", dagster_instance=instance,
+                                             dagster_run=run, dagster_event=success.event_log_entry.dagster_event)
+    request = retrain_after_ingest(ctx)
+    assert isinstance(request, dg.RunRequest) and request.run_key == f"retrain-after-{run.run_id}"
+
+
+def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> None:
+    from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
+
+    defs, instance, env, checkpoint, _ = lifecycle
+    storage = defs.resources["storage"]
+    store = Path(env["NEXA_DATA_ROOT"]) / "checkpoints"
+
+    # the trained checkpoint was evaluated by the pipeline already: no request for it
+    first = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage}))
+    assert first.run_requests == []
+
+    # a checkpoint copied in by hand, and one still being copied (no completion marker)
+    shutil.copytree(checkpoint.path, store / "hand-copied", ignore=shutil.ignore_patterns("checkpoint.json"))
+    shutil.copytree(checkpoint.path, store / "half-copied", ignore=shutil.ignore_patterns("_COMPLETE"))
+    second = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor,
+                                                           resources={"storage": storage}))
+    assert [(r.partition_key, r.run_key) for r in second.run_requests] == [("hand-copied", "evaluate-hand-copied")]
+    assert second.dynamic_partitions_requests[0].partition_keys == ["hand-copied"]
+
+    # a daemon restart re-reads the cursor: nothing is requested twice
+    third = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor,
+                                                          resources={"storage": storage}))
+    assert third.run_requests == []
+
+    # once the copy completes, it is picked up (once)
+    (store / "half-copied" / "_COMPLETE").write_text("ok\n")
+    fourth = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=third.cursor,
+                                                           resources={"storage": storage}))
+    assert [r.partition_key for r in fourth.run_requests] == ["half-copied"]
+
+
+def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
+    env = {**os.environ, **_env(tmp_path)}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
+           "--select", "raw_documents,teacher_samples,filtered_samples,rejected_samples",
+           "--partition-range", f"{DAYS[0]}...{DAYS[1]}"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    try:
+        assert len(instance.get_run_records()) == 1  # a single run covered the whole range
+        for key in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
+            assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS), key
+        for day in DAYS:
+            assert (Path(env["NEXA_DATA_ROOT"]) / "assets" / "teacher_samples" / f"{day}.parquet").exists()
+    finally:
+        instance.dispose()
