@@ -1,6 +1,5 @@
 """Small helpers shared by the asset modules (retry policy, previews, progress logging)."""
 
-from __future__ import annotations
 
 from collections.abc import Callable
 

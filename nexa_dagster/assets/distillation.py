@@ -1,6 +1,5 @@
 """Teacher generation stage: each document becomes a prompt, the teacher model answers it."""
 
-from __future__ import annotations
 
 import dagster as dg
 import pandas as pd

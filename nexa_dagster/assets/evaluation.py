@@ -1,6 +1,5 @@
 """Evaluation stage: every checkpoint (one partition each) gets held-out loss, perplexity and a judge score."""
 
-from __future__ import annotations
 
 from pathlib import Path
 

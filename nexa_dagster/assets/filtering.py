@@ -1,6 +1,5 @@
 """Judge filtering stage (SampleGate): heuristics, then the LLM judge; accepted and rejected rows both kept."""
 
-from __future__ import annotations
 
 import dagster as dg
 import pandas as pd

@@ -1,6 +1,5 @@
 """Ingest stage: a day's landed documents become the ``raw_documents`` table."""
 
-from __future__ import annotations
 
 import dagster as dg
 import pandas as pd

@@ -1,6 +1,5 @@
 """Packaging stage: all filtered samples so far become the packed SFT dataset (Parquet + JSONL)."""
 
-from __future__ import annotations
 
 import dagster as dg
 import pandas as pd
@@ -46,6 +45,7 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
         "loss_tokens": dataset.num_loss_tokens,
         "packing_efficiency": round(dataset.packing_efficiency, 4),
         "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
+        "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
         "train_path": dg.MetadataValue.path(dataset.train_path),
         "validation_path": dg.MetadataValue.path(dataset.validation_path),
     })

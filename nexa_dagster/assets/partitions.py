@@ -7,7 +7,6 @@
   trained here or copied into the checkpoint store by hand, is evaluated exactly once and can be served.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 

@@ -1,6 +1,5 @@
 """Serving stage: start an OpenAI-compatible server on the checkpoint, prove it answers, record a manifest."""
 
-from __future__ import annotations
 
 import dagster as dg
 

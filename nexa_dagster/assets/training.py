@@ -4,7 +4,6 @@ The asset never trains in the Dagster process: the GPU-cluster resource launches
 or later on Slurm/Kubernetes) and streams its logs and metrics back through Dagster Pipes.
 """
 
-from __future__ import annotations
 
 import datetime as dt
 

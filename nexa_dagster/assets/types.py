@@ -1,6 +1,5 @@
 """Dagster types for the tables that cross stage boundaries, made from the pandera schemas in the core."""
 
-from __future__ import annotations
 
 import warnings
 

@@ -70,6 +70,7 @@ class PackingStats:
     loss_tokens: int = 0
     slots: int = 0
     truncated_documents: int = 0
+    dropped_documents: int = 0
     per_bin: list[int] = field(default_factory=list)
 
     @property
@@ -96,12 +97,19 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 
 
 def pack(conversations: Sequence[TokenizedConversation], pack_size: int, pad_id: int) -> tuple[pd.DataFrame, PackingStats]:
-    """Pack tokenized conversations into rows of exactly ``pack_size`` tokens."""
+    """Pack tokenized conversations into rows of exactly ``pack_size`` tokens.
+
+    A conversation longer than ``pack_size`` is cut at the end; if the cut leaves none of the assistant's tokens
+    it is dropped (a prompt without its answer teaches nothing). Both are counted in the stats.
+    """
     docs = []
     stats = PackingStats()
     for c in conversations:
         ids, mask = c.input_ids[:pack_size], c.loss_mask[:pack_size]
         if len(c.input_ids) > pack_size:
+            if not any(mask):
+                stats.dropped_documents += 1
+                continue
             stats.truncated_documents += 1
         docs.append((ids, mask))
     rows = []

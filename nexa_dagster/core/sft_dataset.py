@@ -61,7 +61,10 @@ def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str
         storage.write_parquet(packed, paths[split])
         storage.write_jsonl(_chat_rows(part), paths[f"{split}_jsonl"])
         log(f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {pack_size} tokens "
-            f"({st.efficiency:.1%} efficiency, {st.truncated_documents} truncated)")
+            f"({st.efficiency:.1%} efficiency, {st.truncated_documents} truncated, {st.dropped_documents} dropped "
+            "as longer than a pack with no answer left)")
+        if st.sequences == 0:
+            raise ValueError(f"{split}: every conversation is longer than pack_size={pack_size}; raise pack_size")
     real = sum(s.real_tokens for s in stats.values())
     slots = sum(s.slots for s in stats.values())
     artifact = SFTDataset(

@@ -56,8 +56,13 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> Any:
     return fast
 
 
-def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer: Any | None = None) -> Any:
-    """A ``transformers`` config for a model preset from ``configs/models/``."""
+def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer: Any | None = None,
+                       output_router_logits: bool = False) -> Any:
+    """A ``transformers`` config for a model preset from ``configs/models/``.
+
+    ``output_router_logits`` adds the router's load-balancing loss to the LM loss: training wants it, inference
+    must not have it (transformers' Mixtral computes it on every forward, and it breaks left-padded batches).
+    """
     from transformers import MixtralConfig
 
     spec = dict(load_model_preset(preset) if isinstance(preset, str) else preset)
@@ -72,7 +77,7 @@ def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer:
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         }
-    return MixtralConfig(**spec, **extra, output_router_logits=True)
+    return MixtralConfig(**spec, **extra, output_router_logits=output_router_logits)
 
 
 def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", corpus: Iterable[str] | None = None,

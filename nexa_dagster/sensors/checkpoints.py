@@ -6,7 +6,6 @@ from three layers: the cursor (ids already handled), run keys (``evaluate-<id>``
 request), and a check that the partition was not already evaluated (e.g. by ``make run``).
 """
 
-from __future__ import annotations
 
 import json
 from pathlib import Path

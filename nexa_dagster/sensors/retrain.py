@@ -5,7 +5,6 @@ The nightly schedule processes a day (``daily_data_job``); when that run succeed
 train on the same data again and the sensor says so instead.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 
