@@ -33,7 +33,7 @@ def new_checkpoint_id(run_id: str) -> str:
                 "a Hugging Face checkpoint (safetensors, config, tokenizer) in data/checkpoints/<checkpoint_id>/.",
 )
 def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, gpu_cluster: GPUClusterResource,
-                   storage: StorageResource, tracking: TrackingResource) -> Checkpoint:
+                   storage: StorageResource, tracking: TrackingResource) -> dg.Output[Checkpoint]:
     scale = load_scale()
     checkpoint_id = new_checkpoint_id(context.run.run_id)
     job = TrainingJob(
@@ -67,11 +67,10 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
         mlflow_run_id = run.run_id
 
-    pipes_metadata = {}
-    for r in invocation.get_results():
-        pipes_metadata.update(getattr(r, "metadata", None) or {})
-    context.add_output_metadata({
-        **{f"worker/{k}": v for k, v in pipes_metadata.items()},
+    reported = invocation.get_custom_messages()  # what the worker sent back through Pipes
+    # a step that opened a Pipes session must return typed results (an Output), not a bare value
+    return dg.Output(checkpoint, metadata={
+        "worker_report": dg.MetadataValue.json(reported[-1] if reported else {}),
         "checkpoint_id": checkpoint_id,
         "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
         "steps": result.steps,
@@ -85,7 +84,6 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         "dataset_run_hash": sft_dataset.run_hash,
         "mlflow_run_id": mlflow_run_id,
     })
-    return checkpoint
 
 
 @dg.asset_check(asset=moe_checkpoint, description="The checkpoint loads with plain transformers "
