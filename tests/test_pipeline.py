@@ -112,9 +112,10 @@ def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     defs = lifecycle[0]
     schedule = defs.resolve_schedule_def("nightly_retrain")
     assert schedule.cron_schedule == "0 2 * * *"
-    ctx = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC))
+    ctx = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC),
+                                    repository_def=defs.get_repository_def())
     requests = schedule.evaluate_tick(ctx).run_requests
-    assert [r.partition_key for r in requests] == ["2026-11-22"]
+    assert [(r.partition_key, r.run_key) for r in requests] == [("2026-11-22", "nightly-2026-11-22")]
 
 
 def test_retrain_sensor_requests_training_after_a_successful_data_run(lifecycle) -> None:
@@ -148,6 +149,7 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
                                                            resources={"storage": storage}))
     assert [(r.partition_key, r.run_key) for r in second.run_requests] == [("hand-copied", "evaluate-hand-copied")]
     assert second.dynamic_partitions_requests[0].partition_keys == ["hand-copied"]
+    instance.add_dynamic_partitions("checkpoints", ["hand-copied"])  # what the daemon does with the request
 
     # a daemon restart re-reads the cursor: nothing is requested twice
     third = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor,

@@ -8,6 +8,8 @@ sensors start the other two (see ``nexa_dagster.sensors``).
 
 from __future__ import annotations
 
+import datetime as dt
+
 import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
@@ -30,13 +32,19 @@ evaluation_job = dg.define_asset_job(
     description="Evaluate one checkpoint and smoke-test serving it.",
 )
 
-nightly_data_schedule = dg.build_schedule_from_partitioned_job(
-    daily_data_job,
-    hour_of_day=int(load_pipeline_config()["schedule"]["nightly_retrain_hour_utc"]),
-    name="nightly_retrain",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Every night: process yesterday's documents; the retrain sensor then trains on the new snapshot.",
-)
+NIGHTLY_HOUR_UTC = int(load_pipeline_config()["schedule"]["nightly_retrain_hour_utc"])
+
+
+@dg.schedule(cron_schedule=f"0 {NIGHTLY_HOUR_UTC} * * *", execution_timezone="UTC", job=daily_data_job,
+             name="nightly_retrain", default_status=dg.DefaultScheduleStatus.RUNNING,
+             description="Every night: process the day that just ended; the retrain sensor then trains on the "
+                         "new snapshot and the checkpoint sensor evaluates the result.")
+def nightly_data_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    # the daily partitions include today (end_offset=1, so a day's data can be processed early by hand); the
+    # nightly run is for the day that has just ended, which is complete
+    day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
+    return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
+
 
 JOBS = [daily_data_job, training_job, evaluation_job]
 SCHEDULES = [nightly_data_schedule]
