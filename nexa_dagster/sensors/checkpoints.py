@@ -32,7 +32,8 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: StorageR
     found = complete_checkpoints(storage.checkpoints_dir())
     new = [c for c in found if c not in seen]
     if not new:
-        return dg.SensorResult(skip_reason=f"no new complete checkpoint ({len(found)} known)")
+        return dg.SensorResult(skip_reason=f"no new complete checkpoint ({len(found)} known)",
+                               cursor=context.cursor)
     existing = set(context.instance.get_dynamic_partitions(checkpoint_partitions.name))
     evaluated = context.instance.get_materialized_partitions(dg.AssetKey("eval_report"))
     to_evaluate = [c for c in new if c not in evaluated]
