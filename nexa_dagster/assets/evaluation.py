@@ -10,7 +10,13 @@ from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport, SFTDataset
 from nexa_dagster.core.config import load_scale, load_yaml, read_text
-from nexa_dagster.core.evaluation import EvalResult, heldout_loss, judge_answers, render_markdown, write_report
+from nexa_dagster.core.evaluation import (
+    EvalResult,
+    heldout_loss,
+    judge_answers,
+    render_markdown,
+    write_report,
+)
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource

@@ -64,8 +64,10 @@ class LLMResource(dg.ConfigurableResource):
         from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
         from nexa_dagster.core.tiny_model import ensure_model
 
-        with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, \
-                ManagedServer(ensure_model(path), logs) as server:
-            with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
-                                        self.timeout_s, self.max_retries) as client:
-                yield client
+        with (
+            tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs,
+            ManagedServer(ensure_model(path), logs) as server,
+            OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency, self.timeout_s,
+                                   self.max_retries) as client,
+        ):
+            yield client

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core.llm.base import Capabilities, ChatMessage, Completion, LLMClient, LLMError, SamplingParams
+from nexa_dagster.core.llm.base import (
+    Capabilities,
+    ChatMessage,
+    Completion,
+    LLMClient,
+    LLMError,
+    SamplingParams,
+)
 from nexa_dagster.core.tiny_model import ensure_model
 
 

@@ -7,6 +7,7 @@ any workers it spawned: no orphan processes after success, failure or cancellati
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -135,10 +136,8 @@ class ManagedServer:
             pass
         finally:
             # workers that outlived the leader of the group
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     def __enter__(self) -> ManagedServer:
         return self.start()

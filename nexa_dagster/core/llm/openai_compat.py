@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from nexa_dagster.core.llm.base import Capabilities, ChatMessage, Completion, LLMClient, LLMError, SamplingParams
+from nexa_dagster.core.llm.base import (
+    Capabilities,
+    ChatMessage,
+    Completion,
+    LLMClient,
+    LLMError,
+    SamplingParams,
+)
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 MISSING_CHOICE_LOGPROB = -100.0  # a choice absent from the engine's top-k: far less likely than any listed one
