@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 # pip on these machines prints one warning per package about optional local indexes; keep the log readable.
-QUIET_PIP := grep -v "^WARNING: Location" || true
+QUIET_PIP := (grep -v "^WARNING: Location" || true)
 
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export HF_HUB_OFFLINE := 1
