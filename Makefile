@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test ui lint validate bench clean
+.PHONY: install run test ui serve status rollback lint validate bench clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,15 @@ test: install
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
+
+serve: install
+	$(BIN)/python -m nexa_dagster.cli serve --port $${PORT:-8000}
+
+status: install
+	$(BIN)/python -m nexa_dagster.cli status
+
+rollback: install
+	$(BIN)/python -m nexa_dagster.cli rollback
 
 validate: install
 	$(BIN)/dagster definitions validate -w workspace.yaml

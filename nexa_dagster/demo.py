@@ -43,8 +43,8 @@ def main() -> int:
         t = time.perf_counter()
         print(f"==> {job_name} {kwargs.get('partition_key', '')}".rstrip(), flush=True)
         quiet = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # DEBUG events stay in the UI
-        result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, raise_on_error=True,
-                                                                   run_config=quiet, **kwargs)
+        kwargs.setdefault("raise_on_error", True)
+        result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, run_config=quiet, **kwargs)
         timings[f"{job_name} {kwargs.get('partition_key', '')}".strip()] = time.perf_counter() - t
         return result
 
@@ -52,7 +52,8 @@ def main() -> int:
         run("daily_data_job", partition_key=day)
     training = run("training_job")
     checkpoint = training.output_for_node("moe_checkpoint")
-    run("evaluation_job", partition_key=checkpoint.checkpoint_id)
+    evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
+    run("leaderboard_job")
 
     total = time.perf_counter() - t0
     report = instance.get_latest_materialization_event(dg.AssetKey("eval_report"))
@@ -68,8 +69,15 @@ def main() -> int:
           f"train loss {checkpoint.training_loss:.3f})")
     print(f"  evaluation        loss {md.get('validation_loss')}  ppl {md.get('perplexity')}  "
           f"judge {md.get('judge_score')}  -> results/evaluation/reports/{checkpoint.checkpoint_id}/")
-    print(f"  serving           {dm.get('engine')} ready in {dm.get('ready_s')} s, smoke request "
-          f"{dm.get('smoke_latency_s')} s -> results/deployments/{checkpoint.checkpoint_id}/deployment.json")
+    gate = [c for c in evaluation.get_asset_check_evaluations() if c.check_name == "beats_production"]
+    reason = gate[0].metadata["reason"].value if gate else "?"
+    if gate and gate[0].passed and evaluation.success:
+        print(f"  serving           {dm.get('engine')} ready in {dm.get('ready_s')} s, smoke request "
+              f"{dm.get('smoke_latency_s')} s -> results/deployments/{checkpoint.checkpoint_id}/deployment.json")
+        print(f"  production        {checkpoint.checkpoint_id} promoted ({reason})")
+    else:
+        print(f"  production        not promoted: {reason}")
+    print("  leaderboard       results/evaluation/leaderboard.csv")
     print(f"  data              {data_root}/  (tables under {data_root}/assets, MLflow in {data_root}/mlflow.db)")
     print("Open the UI to see the lineage graph with every asset materialized:  make ui  (http://127.0.0.1:3000)")
     return 0

@@ -18,10 +18,12 @@ import dagster as dg
 import pytest
 
 from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.promotion import ProductionRegistry
+from nexa_dagster.core.tiny_model import build_tiny_causal_lm
 
 DAYS = ["2026-11-20", "2026-11-21"]
 ALL_KEYS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
-            "moe_checkpoint", "eval_report", "model_deployment"]
+            "moe_checkpoint", "eval_report", "model_deployment", "leaderboard"]
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -52,7 +54,14 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
         runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(instance=instance, partition_key=day)
     training = defs.resolve_job_def("training_job").execute_in_process(instance=instance)
     checkpoint = training.output_for_node("moe_checkpoint")
-    defs.resolve_job_def("evaluation_job").execute_in_process(instance=instance, partition_key=checkpoint.checkpoint_id)
+    # an untrained model of the same architecture goes into production first (nothing to beat yet) ...
+    build_tiny_causal_lm(Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "untrained")
+    instance.add_dynamic_partitions("checkpoints", ["untrained"])
+    evaluate = defs.resolve_job_def("evaluation_job")
+    assert evaluate.execute_in_process(instance=instance, partition_key="untrained").success
+    # ... and the trained checkpoint must beat it to replace it
+    assert evaluate.execute_in_process(instance=instance, partition_key=checkpoint.checkpoint_id).success
+    defs.resolve_job_def("leaderboard_job").execute_in_process(instance=instance)
     yield defs, instance, env, checkpoint, runs
     mp.undo()
     instance.dispose()
@@ -112,10 +121,19 @@ def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     defs = lifecycle[0]
     schedule = defs.resolve_schedule_def("nightly_retrain")
     assert schedule.cron_schedule == "0 2 * * *"
-    ctx = dg.build_schedule_context(scheduled_execution_time=dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC),
-                                    repository_def=defs.get_repository_def())
-    requests = schedule.evaluate_tick(ctx).run_requests
-    assert [(r.partition_key, r.run_key) for r in requests] == [("2026-11-22", "nightly-2026-11-22")]
+    storage = defs.resources["storage"]
+
+    def tick(when: dt.datetime) -> dg.ScheduleExecutionData:
+        ctx = dg.build_schedule_context(scheduled_execution_time=when, repository_def=defs.get_repository_def(),
+                                        resources={"storage": storage})
+        return schedule.evaluate_tick(ctx)
+
+    # the night after a day with landed documents: one run for that day
+    requests = tick(dt.datetime(2026, 11, 22, 2, 0, tzinfo=dt.UTC)).run_requests
+    assert [(r.partition_key, r.run_key) for r in requests] == [("2026-11-21", "nightly-2026-11-21")]
+    # the night after a day with nothing landed: a skip with the reason, no run
+    empty = tick(dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC))
+    assert not empty.run_requests and "no documents landed for 2026-11-22" in empty.skip_message
 
 
 def test_retrain_sensor_requests_training_after_a_successful_data_run(lifecycle) -> None:
@@ -180,3 +198,42 @@ def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
             assert (Path(env["NEXA_DATA_ROOT"]) / "assets" / "teacher_samples" / f"{day}.parquet").exists()
     finally:
         instance.dispose()
+
+
+def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
+    defs, instance, env, checkpoint, _ = lifecycle
+    storage, tracking = defs.resources["storage"], defs.resources["tracking"]
+    registry = ProductionRegistry(storage.production_pointer())
+
+    # the trained checkpoint beat the untrained one and replaced it, pointer and MLflow alias alike
+    state = registry.state()
+    assert state.current.checkpoint_id == checkpoint.checkpoint_id
+    assert [h.checkpoint_id for h in state.history] == ["untrained"]
+    assert tracking.alias_version("nexa-moe", "production")[1] == checkpoint.checkpoint_id
+    report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)
+    assert 0 <= report["win_rate_vs_production"] <= 1 and report["production_checkpoint"] == "untrained"
+
+    # the leaderboard has one row per evaluated checkpoint, best first, production marked
+    board = _metadata(instance, "leaderboard")
+    assert board["dagster/row_count"] == 2 and board["production"] == checkpoint.checkpoint_id
+    csv = (Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv").read_text().splitlines()
+    assert csv[1].startswith(checkpoint.checkpoint_id) and csv[2].startswith("untrained")
+
+    # a worse checkpoint is evaluated but blocked: the gate fails and it is not deployed
+    store = Path(env["NEXA_DATA_ROOT"]) / "checkpoints"
+    shutil.copytree(store / "untrained", store / "untrained-again")
+    instance.add_dynamic_partitions("checkpoints", ["untrained-again"])
+    result = defs.resolve_job_def("evaluation_job").execute_in_process(
+        instance=instance, partition_key="untrained-again", raise_on_error=False)
+    gate = [c for c in result.get_asset_check_evaluations() if c.check_name == "beats_production"][0]
+    assert not gate.passed and "does not beat production" in gate.metadata["reason"].value
+    assert "untrained-again" in instance.get_materialized_partitions(dg.AssetKey("eval_report"))
+    assert "untrained-again" not in instance.get_materialized_partitions(dg.AssetKey("model_deployment"))
+    assert registry.current().checkpoint_id == checkpoint.checkpoint_id
+
+    # rollback is one command, and moves the MLflow alias back too
+    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], env={**os.environ, **env},
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert registry.current().checkpoint_id == "untrained"
+    assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"

@@ -1,12 +1,15 @@
-"""Evaluation stage: every checkpoint (one partition each) gets held-out loss, perplexity and a judge score."""
-
+"""Evaluation stage: every checkpoint (one partition each) gets held-out loss, perplexity, a judge score, a
+pairwise win rate against production, and the promotion gate (a blocking check) that decides whether it is served.
+"""
 
 from pathlib import Path
 
 import dagster as dg
+import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport, SFTDataset
 from nexa_dagster.core.config import load_scale, load_yaml, read_text
@@ -14,13 +17,22 @@ from nexa_dagster.core.evaluation import (
     EvalResult,
     heldout_loss,
     judge_answers,
+    pairwise_win_rate,
     render_markdown,
     write_report,
 )
+from nexa_dagster.core.llm.base import SamplingParams
+from nexa_dagster.core.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.promotion import ProductionRegistry, decide, load_policy, report_metric
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
+
+GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=True,
+                         description="Promotion gate (configs/promotion.yaml): the checkpoint beats the production "
+                                     "model on the configured metric by the margin, or there is none yet. "
+                                     "Blocking: a failing checkpoint is not deployed.")
 
 
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
@@ -33,56 +45,124 @@ def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
     return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)
 
 
+def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
+    metrics = Path(ckpt.path) / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rows = pd.read_json(metrics, lines=True)
+    png = loss_curve_png(list(zip(rows["step"], rows["loss"], strict=True)), ckpt.checkpoint_id, ckpt.validation_loss)
+    return markdown_image(png, "training loss")
+
+
 @dg.asset(
     group_name="evaluation",
     partitions_def=checkpoint_partitions,
     retry_policy=MODEL_CALL_RETRY,
     deps=["moe_checkpoint"],
+    check_specs=[GATE],
     kinds={"pytorch", "markdown"},
-    description="Held-out loss and perplexity on the validation split the checkpoint was trained with, and the "
-                "judge's mean score of its answers to the fixed held-out prompts; JSON + Markdown report in "
+    description="Held-out loss and perplexity on the validation split the checkpoint was trained with, the "
+                "judge's mean score of its answers to the fixed held-out prompts and, when a production model "
+                "exists, the judge's pairwise win rate against it; JSON + Markdown report in "
                 "results/evaluation/reports/<checkpoint_id>/.",
 )
 def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judge_llm: LLMResource,
-                storage: StorageResource, tracking: TrackingResource) -> EvalReport:
+                storage: StorageResource, tracking: TrackingResource):
     checkpoint_id = context.partition_key
     ckpt = load_checkpoint_record(storage.checkpoint_dir(checkpoint_id), checkpoint_id)
     validation_path = ckpt.dataset_validation_path or sft_dataset.validation_path
     dataset_hash = ckpt.dataset_run_hash or sft_dataset.run_hash
     scale = load_scale()
+    production = ProductionRegistry(storage.production_pointer()).current()
+    compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id
+                                  and Path(production.checkpoint_path).exists()) else None
 
     loss = heldout_loss(ckpt.path, validation_path)
     context.log.info(f"{checkpoint_id}: validation loss {loss.loss:.4f} (ppl {loss.perplexity:.1f}) "
                      f"over {loss.tokens} tokens")
     prompts = list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts]
+    win_rate = None
     with LLMResource(backend="local", model=ckpt.path).get_client() as student, judge_llm.get_client() as judge:
         answers = judge_answers(student, judge, prompts, read_text("prompts/judge.jinja"),
                                 scale.evaluation.max_new_tokens, log=context.log.info)
+        if compare_with is not None:
+            with LLMResource(backend="local", model=compare_with.checkpoint_path).get_client() as prod_model:
+                params = SamplingParams(max_tokens=scale.evaluation.max_new_tokens, temperature=0.0)
+                prod_answers = [c.text for c in prod_model.chat_many(
+                    [[{"role": "user", "content": p}] for p in prompts], params)]
+            win_rate = pairwise_win_rate(judge, prompts, [a.answer for a in answers], prod_answers)
+            context.log.info(f"{checkpoint_id}: pairwise win rate vs production {compare_with.checkpoint_id}: "
+                             f"{win_rate:.2f}")
     result = EvalResult(checkpoint_id, loss, answers)
     lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": dataset_hash, "validation_path": validation_path,
-               "model_preset": ckpt.model_preset, "training_steps": ckpt.num_steps, "dagster_run_id": context.run.run_id}
-    json_path, md_path = write_report(result, lineage, storage.report_dir(checkpoint_id))
+               "model_preset": ckpt.model_preset, "training_steps": ckpt.num_steps,
+               "dagster_run_id": context.run.run_id}
+    json_path, md_path = write_report(result, {**lineage, "win_rate_vs_production": win_rate},
+                                      storage.report_dir(checkpoint_id))
 
     with tracking.start_run(run_name=f"eval-{checkpoint_id}", tags={"stage": "evaluation",
                                                                      "checkpoint_id": checkpoint_id}) as run:
         run.log_params(lineage)
         run.log_metrics({"validation_loss": loss.loss, "perplexity": loss.perplexity,
-                         "judge_score": result.judge_score})
+                         "judge_score": result.judge_score, "win_rate_vs_production": win_rate})
 
     report = EvalReport(
         checkpoint_id=checkpoint_id, checkpoint_path=ckpt.path, validation_loss=loss.loss,
         perplexity=loss.perplexity, validation_tokens=loss.tokens, judge_score=result.judge_score,
         judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
-        dataset_run_hash=dataset_hash, report_json=json_path, report_markdown=md_path,
+        dataset_run_hash=dataset_hash, win_rate_vs_production=win_rate,
+        production_checkpoint_id=production.checkpoint_id if production else None,
+        report_json=json_path, report_markdown=md_path,
     )
-    context.add_output_metadata({
+    curve = loss_curve_markdown(ckpt)
+    yield dg.Output(report, metadata={
         "validation_loss": round(loss.loss, 4),
         "perplexity": round(loss.perplexity, 2),
         "validation_tokens": loss.tokens,
         "judge_score": round(result.judge_score, 3) if result.judge_score is not None else None,
         "judge_method": report.judge_method,
+        "win_rate_vs_production": round(win_rate, 3) if win_rate is not None else None,
+        "production_checkpoint": report.production_checkpoint_id,
         "dataset_run_hash": dataset_hash,
         "report": dg.MetadataValue.md(render_markdown(result, lineage)),
         "report_json": dg.MetadataValue.path(json_path),
+        **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {}),
     })
-    return report
+
+    policy = load_policy()
+    decision = decide(checkpoint_id, report_metric(report, policy.metric), production, policy)
+    context.log.info(f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} "
+                     f"({decision.reason})")
+    yield dg.AssetCheckResult(check_name="beats_production", passed=decision.passed,
+                              metadata={"reason": decision.reason, "metric": policy.metric,
+                                        "candidate": decision.candidate, "production": decision.production})
+
+
+@dg.asset(
+    group_name="evaluation",
+    ins={"eval_report": dg.AssetIn()},
+    dagster_type=LeaderboardType,
+    automation_condition=dg.AutomationCondition.eager(),
+    kinds={"csv", "markdown"},
+    description="One row per evaluated checkpoint (metrics, dataset, date, whether it is in production), best "
+                "first; a Markdown table in the UI and results/evaluation/leaderboard.csv.",
+)
+def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalReport],
+                storage: StorageResource) -> pd.DataFrame:
+    production = ProductionRegistry(storage.production_pointer()).current()
+    rows = [{
+        "checkpoint_id": r.checkpoint_id, "validation_loss": r.validation_loss, "perplexity": r.perplexity,
+        "judge_score": r.judge_score, "win_rate_vs_production": r.win_rate_vs_production,
+        "dataset_run_hash": r.dataset_run_hash or "", "evaluated_at": r.created_at,
+        "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
+    } for r in eval_report.values()]
+    board = pd.DataFrame(rows).sort_values("validation_loss").reset_index(drop=True)
+    csv_path = io.join(storage.results_path("evaluation"), "leaderboard.csv")
+    io.write_text(board.to_csv(index=False), csv_path)
+    context.add_output_metadata({
+        "dagster/row_count": len(board),
+        "leaderboard": dg.MetadataValue.md(board.to_markdown(index=False, floatfmt=".4f")),
+        "csv": dg.MetadataValue.path(csv_path),
+        "production": production.checkpoint_id if production else None,
+    })
+    return board

@@ -1,13 +1,15 @@
-"""Serving stage: start an OpenAI-compatible server on the checkpoint, prove it answers, record a manifest."""
-
+"""Serving stage: a checkpoint that passed the promotion gate is brought up behind an OpenAI-compatible server,
+smoke-tested, and becomes production (pointer file + MLflow registry alias ``production``)."""
 
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core.artifacts import EvalReport
+from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry, load_policy, report_metric
 from nexa_dagster.core.serving import DeploymentManifest, deploy_and_smoke
 from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
 
 
 @dg.asset(
@@ -16,15 +18,26 @@ from nexa_dagster.resources.storage import StorageResource
     retry_policy=MODEL_CALL_RETRY,
     kinds={"vllm", "transformers"},
     description="The checkpoint served by an OpenAI-compatible engine (vllm serve on a GPU host, transformers "
-                "serve otherwise): started, health-checked, smoke-tested, stopped; the deployment manifest records "
-                "engine, readiness time and smoke-request latency.",
+                "serve otherwise): started, health-checked, smoke-tested, stopped, and promoted to production. "
+                "Runs only when eval_report's blocking check `beats_production` passed.",
 )
-def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
-                     storage: StorageResource) -> DeploymentManifest:
+def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport, storage: StorageResource,
+                     tracking: TrackingResource) -> DeploymentManifest:
     checkpoint_id = context.partition_key
     work_dir = storage.deployment_dir(checkpoint_id)
     context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path}")
     manifest = deploy_and_smoke(eval_report.checkpoint_path, checkpoint_id, work_dir)
+    if manifest.status != "ok":
+        raise dg.Failure(f"{checkpoint_id}: the smoke request got no answer ({manifest.status}); not promoting")
+
+    policy = load_policy()
+    version = tracking.version_of(policy.registered_model, checkpoint_id) or tracking.register_checkpoint(
+        policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None)
+    tracking.set_alias(policy.registered_model, "production", version)
+    ProductionRegistry(storage.production_pointer()).promote(ProductionEntry(
+        checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric=policy.metric,
+        value=report_metric(eval_report, policy.metric), mlflow_version=version))
+    context.log.info(f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})")
     context.add_output_metadata({
         "engine": manifest.engine,
         "status": manifest.status,
@@ -34,5 +47,7 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
         "smoke_response": manifest.smoke_response[:500],
         "manifest": dg.MetadataValue.path(str(work_dir / "deployment.json")),
         "validation_loss": round(eval_report.validation_loss, 4),
+        "promoted_to_production": True,
+        "mlflow_model_version": f"{policy.registered_model}/{version}",
     })
     return manifest

@@ -6,6 +6,7 @@ or later on Slurm/Kubernetes) and streams its logs and metrics back through Dags
 
 
 import datetime as dt
+from pathlib import Path
 
 import dagster as dg
 
@@ -14,6 +15,7 @@ from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
@@ -56,6 +58,8 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         parameters_active=result.parameters_active,
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    png = loss_curve_png(result.loss_curve, f"{checkpoint_id} ({scale.model_preset})", result.validation_loss)
+    (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
 
     with tracking.start_run(run_name=checkpoint_id, tags={"stage": "training",
@@ -64,12 +68,14 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
                         "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()})
         for step, loss in result.loss_curve:
             run.log_metrics({"train_loss": loss}, step=step)
+        run.log_artifact(Path(result.checkpoint_dir) / "loss_curve.png")
         run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
         mlflow_run_id = run.run_id
 
     reported = invocation.get_custom_messages()  # what the worker sent back through Pipes
     # a step that opened a Pipes session must return typed results (an Output), not a bare value
     return dg.Output(checkpoint, metadata={
+        "loss_curve": dg.MetadataValue.md(markdown_image(png, "training loss")),
         "worker_report": dg.MetadataValue.json(reported[-1] if reported else {}),
         "checkpoint_id": checkpoint_id,
         "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),

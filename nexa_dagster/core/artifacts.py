@@ -80,5 +80,7 @@ class EvalReport(Artifact):
     judge_method: str | None = None
     num_heldout_prompts: int = Field(ge=0)
     dataset_run_hash: str | None = None
+    win_rate_vs_production: float | None = Field(default=None, ge=0, le=1)
+    production_checkpoint_id: str | None = None
     report_json: str
     report_markdown: str

@@ -129,3 +129,39 @@ def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -
     storage.write_json(payload, json_path)
     storage.write_text(render_markdown(result, lineage), md_path)
     return json_path, md_path
+
+
+PAIRWISE_TEMPLATE = """You compare two answers to the same question. Reply with the letter of the better answer only.
+
+QUESTION:
+{question}
+
+ANSWER A:
+{a}
+
+ANSWER B:
+{b}
+
+Better answer (A or B):"""
+
+
+def pairwise_win_rate(judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str],
+                      production: Sequence[str]) -> float:
+    """Share of prompts on which the judge prefers the candidate's answer over production's.
+
+    Each pair is judged twice with the positions swapped (judges favour a position) and the two preferences are
+    averaged; with log-probabilities the preference is P(candidate) rather than a hard vote.
+    """
+    wins = 0.0
+    for q, cand, prod in zip(prompts, candidate, production, strict=True):
+        for cand_is_a in (True, False):
+            a, b = (cand, prod) if cand_is_a else (prod, cand)
+            msgs: list[ChatMessage] = [{"role": "user", "content": PAIRWISE_TEMPLATE.format(question=q, a=a, b=b)}]
+            if judge.capabilities().logprobs:
+                lp = judge.choice_logprobs(msgs, ("A", "B"))
+                p_a = math.exp(lp["A"]) / (math.exp(lp["A"]) + math.exp(lp["B"]))
+            else:
+                text = judge.chat(msgs, SamplingParams(max_tokens=4, temperature=0.0)).text.strip().upper()
+                p_a = 1.0 if text.startswith("A") else 0.0 if text.startswith("B") else 0.5
+            wins += p_a if cand_is_a else 1.0 - p_a
+    return wins / (2 * len(prompts)) if prompts else 0.5

@@ -14,6 +14,7 @@ import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
 from nexa_dagster.core.config import load_pipeline_config
+from nexa_dagster.resources.storage import StorageResource
 
 DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"]
 TRAINING_ASSETS = ["sft_dataset", "moe_checkpoint"]
@@ -39,12 +40,22 @@ NIGHTLY_HOUR_UTC = int(load_pipeline_config()["schedule"]["nightly_retrain_hour_
              name="nightly_retrain", default_status=dg.DefaultScheduleStatus.RUNNING,
              description="Every night: process the day that just ended; the retrain sensor then trains on the "
                          "new snapshot and the checkpoint sensor evaluates the result.")
-def nightly_data_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
+                          storage: StorageResource) -> dg.RunRequest | dg.SkipReason:
     # the daily partitions include today (end_offset=1, so a day's data can be processed early by hand); the
     # nightly run is for the day that has just ended, which is complete
     day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
+    landing = storage.landing_dir(day)
+    if not landing.is_dir() or not any(p for p in landing.iterdir() if not p.name.startswith(".")):
+        return dg.SkipReason(f"no documents landed for {day} in {landing}: nothing new to process or retrain on")
     return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
 
 
-JOBS = [daily_data_job, training_job, evaluation_job]
+leaderboard_job = dg.define_asset_job(
+    "leaderboard_job", selection=dg.AssetSelection.assets("leaderboard"),
+    description="Rebuild the leaderboard of every evaluated checkpoint (also kept fresh by its automation "
+                "condition while the daemon runs).",
+)
+
+JOBS = [daily_data_job, training_job, evaluation_job, leaderboard_job]
 SCHEDULES = [nightly_data_schedule]

@@ -59,11 +59,15 @@ class NexaIOManager(dg.ConfigurableIOManager):
     def load_input(self, context: dg.InputContext) -> Any:
         key = context.asset_key
         keys: list[str | None] = list(context.asset_partition_keys) if context.has_asset_partitions else [None]
-        json_paths = [self._path(key, k, "json") for k in keys]
-        if len(keys) == 1 and io.exists(json_paths[0]):
-            payload = io.read_json(json_paths[0])
-            module, _, name = payload["type"].rpartition(".")
-            return getattr(importlib.import_module(module), name).model_validate(payload["data"])
+        json_paths = {k: self._path(key, k, "json") for k in keys}
+        # an unpartitioned asset reading a partitioned one gets every partition (e.g. every checkpoint's report)
+        many = context.has_asset_partitions and not context.has_partition_key
+        if not many and len(keys) == 1 and io.exists(json_paths[keys[0]]):
+            return _load_artifact(json_paths[keys[0]])
+        if many:  # {partition: artifact} for artifacts; tables fall through and are concatenated
+            found = {k: p for k, p in json_paths.items() if io.exists(p)}
+            if found:
+                return {k: _load_artifact(p) for k, p in found.items()}
         paths = [self._path(key, k, "parquet") for k in keys]
         present = [p for p in paths if io.exists(p)]
         if not present:
@@ -73,3 +77,9 @@ class NexaIOManager(dg.ConfigurableIOManager):
             context.log.info(f"{key.to_user_string()}: {len(paths) - len(present)} of {len(paths)} partitions "
                              "not materialized; reading the rest")
         return pd.concat([io.read_parquet(p) for p in present], ignore_index=True)
+
+
+def _load_artifact(path: str) -> BaseModel:
+    payload = io.read_json(path)
+    module, _, name = payload["type"].rpartition(".")
+    return getattr(importlib.import_module(module), name).model_validate(payload["data"])

@@ -52,5 +52,12 @@ class StorageResource(dg.ConfigurableResource):
     def report_dir(self, checkpoint_id: str) -> str:
         return io.join(self._root(self.results_root), "evaluation", "reports", checkpoint_id)
 
+    def results_path(self, *parts: str) -> str:
+        return io.join(self._root(self.results_root), *parts)
+
+    def production_pointer(self) -> str:
+        """The JSON file that says which checkpoint is in production (and which were before)."""
+        return self.path("serving", "production.json")
+
     def deployment_dir(self, checkpoint_id: str) -> Path:
         return io.local_dir(Path(self._root(self.results_root)) / "deployments" / checkpoint_id)

@@ -64,3 +64,41 @@ class TrackingResource(dg.ConfigurableResource):
             status = "FINISHED"
         finally:
             client.set_terminated(run.info.run_id, status=status)
+
+    # -- model registry ---------------------------------------------------------------------------------------
+    def _client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri())
+
+    def register_checkpoint(self, model_name: str, checkpoint_id: str, path: str, run_id: str | None) -> str:
+        """Register a checkpoint directory as a new version of ``model_name``; returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        client = self._client()
+        try:
+            client.create_registered_model(model_name)
+        except MlflowException:
+            pass  # already registered
+        version = client.create_model_version(model_name, source=path, run_id=run_id,
+                                              tags={"checkpoint_id": checkpoint_id})
+        return str(version.version)
+
+    def version_of(self, model_name: str, checkpoint_id: str) -> str | None:
+        for v in self._client().search_model_versions(f"name='{model_name}'"):
+            if v.tags.get("checkpoint_id") == checkpoint_id:
+                return str(v.version)
+        return None
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self._client().set_registered_model_alias(model_name, alias, version)
+
+    def alias_version(self, model_name: str, alias: str) -> tuple[str, str] | None:
+        """(version, checkpoint_id) behind an alias, or None."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            v = self._client().get_model_version_by_alias(model_name, alias)
+        except MlflowException:
+            return None
+        return str(v.version), v.tags.get("checkpoint_id", "")
