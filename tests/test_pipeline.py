@@ -21,7 +21,7 @@ from nexa_dagster.core.config import REPO_ROOT
 from nexa_dagster.core.promotion import ProductionRegistry
 from nexa_dagster.core.tiny_model import build_tiny_causal_lm
 
-DAYS = ["2026-11-20", "2026-11-21"]
+DAYS = ["2026-11-20", "2026-11-21", "2026-11-22"]
 ALL_KEYS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
             "moe_checkpoint", "eval_report", "model_deployment", "leaderboard"]
 
@@ -117,6 +117,23 @@ def test_artifacts_on_disk_are_real(lifecycle) -> None:
         assert pd.concat(frames)["reason"].str.len().gt(0).all()
 
 
+def test_each_new_day_costs_one_days_work(lifecycle) -> None:
+    """Day N+1 after N days of history: the data stages process that day's rows only, not the history."""
+    _, instance, _, _, runs = lifecycle
+    for day, result in runs.items():
+        by_key: dict[str, list[tuple[str, int]]] = {}
+        for event in result.get_asset_materialization_events():
+            mat = event.event_specific_data.materialization
+            by_key.setdefault(mat.asset_key.to_user_string(), []).append(
+                (mat.partition, int(mat.metadata["dagster/row_count"].value)))
+        docs = by_key["raw_documents"][0][1]
+        assert by_key["raw_documents"] == [(day, docs)] and by_key["teacher_samples"] == [(day, docs)], day
+        filtered, rejected = by_key["filtered_samples"][0][1], by_key["rejected_samples"][0][1]
+        assert filtered + rejected == docs and by_key["filtered_samples"][0][0] == day
+    # while the training snapshot covers every day so far
+    assert sorted(_metadata(instance, "sft_dataset")["days"]) == DAYS
+
+
 def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     defs = lifecycle[0]
     schedule = defs.resolve_schedule_def("nightly_retrain")
@@ -132,8 +149,8 @@ def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     requests = tick(dt.datetime(2026, 11, 22, 2, 0, tzinfo=dt.UTC)).run_requests
     assert [(r.partition_key, r.run_key) for r in requests] == [("2026-11-21", "nightly-2026-11-21")]
     # the night after a day with nothing landed: a skip with the reason, no run
-    empty = tick(dt.datetime(2026, 11, 23, 2, 0, tzinfo=dt.UTC))
-    assert not empty.run_requests and "no documents landed for 2026-11-22" in empty.skip_message
+    empty = tick(dt.datetime(2026, 11, 24, 2, 0, tzinfo=dt.UTC))
+    assert not empty.run_requests and "no documents landed for 2026-11-23" in empty.skip_message
 
 
 def test_retrain_sensor_requests_training_after_a_successful_data_run(lifecycle) -> None:
@@ -186,15 +203,15 @@ def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
     Path(env["DAGSTER_HOME"]).mkdir()
     cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
            "--select", "raw_documents,teacher_samples,filtered_samples,rejected_samples",
-           "--partition-range", f"{DAYS[0]}...{DAYS[1]}"]
+           "--partition-range", f"{DAYS[0]}...{DAYS[1]}"]  # two of the days, in one run
     proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
     try:
         assert len(instance.get_run_records()) == 1  # a single run covered the whole range
         for key in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
-            assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS), key
-        for day in DAYS:
+            assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS[:2]), key
+        for day in DAYS[:2]:
             assert (Path(env["NEXA_DATA_ROOT"]) / "assets" / "teacher_samples" / f"{day}.parquet").exists()
     finally:
         instance.dispose()
@@ -237,3 +254,27 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert registry.current().checkpoint_id == "untrained"
     assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"
+
+
+def test_gpu_pool_runs_one_training_at_a_time(lifecycle) -> None:
+    """Two training runs started together against an instance whose pools are limited to 1 never overlap."""
+    _, instance, env, _, _ = lifecycle
+    before = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))}
+    cmd = [sys.executable, "-m", "dagster", "job", "execute", "-m", "nexa_dagster.definitions", "-j", "training_job"]
+    procs = [subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=900)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors[0][-2000:] + errors[1][-2000:]
+    runs = [r for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))
+            if r.dagster_run.run_id not in before]
+    assert len(runs) == 2
+    spans = []
+    for run in runs:
+        events = instance.all_logs(run.dagster_run.run_id)
+        starts = [e.timestamp for e in events if e.step_key == "moe_checkpoint" and e.dagster_event
+                  and e.dagster_event.event_type == dg.DagsterEventType.STEP_START]
+        ends = [e.timestamp for e in events if e.step_key == "moe_checkpoint" and e.dagster_event
+                and e.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS]
+        spans.append((starts[0], ends[0]))
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0, f"training steps overlapped: {spans}"
