@@ -1,25 +1,38 @@
-"""One interface to every model: in-process transformers, a real `transformers serve`, and failure handling."""
+"""One interface to every model: in-process transformers, a real `transformers serve`, and failure handling.
+
+Real components throughout (the tiny model, a real server process); small in-test HTTP stubs only where a real
+engine cannot be had offline on a CPU: a flaky endpoint and an engine that honours ``logprobs`` (vLLM's shape).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from nexa_dagster.core.config import read_text
 from nexa_dagster.core.llm.base import LLMError, SamplingParams, expected_score
 from nexa_dagster.core.llm.local import LocalTransformersClient
-from nexa_dagster.core.llm.managed_server import ManagedServer
-from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
+from nexa_dagster.core.llm.managed_server import ManagedServer, transformers_serve_options
+from nexa_dagster.core.llm.openai_compat import MISSING_CHOICE_MARGIN, OpenAICompatibleClient
 from nexa_dagster.core.sample_gate import SCORE_CHOICES, judge_one
 from nexa_dagster.resources.llm import LLMResource
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SECRET = "sk-test-secret-123"
 
 
 def _alive(pid: int) -> bool:
@@ -30,42 +43,135 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _servers_of_this_process() -> list[psutil.Process]:
+    """`serve` processes descending from the test process (what an orphan would look like)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "serve" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
-def local(tiny_model_dir: Path):
-    with LocalTransformersClient(tiny_model_dir) as client:
+def local(tiny_model_dir: Path) -> Iterator[LocalTransformersClient]:
+    with LocalTransformersClient(tiny_model_dir, batch_size=4) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
     with ManagedServer(tiny_model_dir, tmp_path_factory.mktemp("serve")) as server:
         yield server
 
 
-def test_local_chat_counts_tokens_and_keeps_order(local) -> None:
-    convs = [[{"role": "user", "content": f"Tell me about number {i}."}] for i in range(5)]
+# -- in-process transformers --------------------------------------------------------------------------------------
+def test_local_chat_counts_tokens_and_keeps_order(local: LocalTransformersClient) -> None:
+    # prompts of different lengths, more of them than one batch: left padding and re-ordering are exercised
+    convs = [[{"role": "user", "content": "Tell me about number " + "very " * (3 * i) + f"{i}."}] for i in range(6)]
     out = local.chat_many(convs, GREEDY)
-    assert len(out) == 5
-    assert all(0 < c.completion_tokens <= 8 and c.prompt_tokens > 5 and c.error is None for c in out)
+    assert len(out) == 6
+    for conv, c in zip(convs, out, strict=True):
+        rendered = local.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert c.prompt_tokens == len(local.tokenizer.encode(rendered, add_special_tokens=False))
+        assert 0 < c.completion_tokens <= 8 and c.error is None and c.latency_s > 0
+        assert (c.completion_tokens == 8) == (c.finish_reason == "length")
     # batched generation gives each conversation its own answer, in order (greedy = deterministic)
     assert [c.text for c in out] == [local.chat(m, GREEDY).text for m in convs]
+    assert local.chat_many([], GREEDY) == []
 
 
-def test_local_scores_from_logprobs(local) -> None:
+def test_local_batching_beats_one_at_a_time(local: LocalTransformersClient,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    convs = [[{"role": "user", "content": f"Explain topic {i} in detail."}] for i in range(8)]
+    params = SamplingParams(max_tokens=8)
+    calls = []
+    generate = local.model.generate
+    monkeypatch.setattr(local.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw))
+    local.chat_many(convs, params)
+    assert calls == [4, 4]  # batch_size=4: two generate() calls for eight conversations
+    # wall time, best of three interleaved rounds, on one thread: with two OpenMP threads and another busy
+    # process on a 2-core machine every parallel region waits for a descheduled thread, which swamps the effect
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    batched, sequential = [], []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            local.chat_many(convs, params)
+            batched.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for m in convs:
+                local.chat(m, params)
+            sequential.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(batched) < min(sequential), (batched, sequential)  # measured idle: ~4x faster at batch 8
+
+
+def test_local_sampling_honours_the_seed(local: LocalTransformersClient) -> None:
+    import torch
+
+    msgs = [{"role": "user", "content": "Write something."}]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    first = local.chat(msgs, params)
+    assert torch.equal(torch.rand(1), expected_next)  # the request's seed did not reset the caller's RNG
+    assert local.chat(msgs, params).text == first.text
+    others = {local.chat(msgs, SamplingParams(max_tokens=12, temperature=1.0, seed=s)).text for s in range(8, 12)}
+    assert others != {first.text}
+
+
+def test_local_scores_from_logprobs(local: LocalTransformersClient) -> None:
     msgs = [{"role": "user", "content": "Rate this answer from 1 to 5."}]
     logprobs = local.choice_logprobs(msgs, SCORE_CHOICES)
-    assert set(logprobs) == set(SCORE_CHOICES) and all(v < 0 for v in logprobs.values())
+    assert set(logprobs) == set(SCORE_CHOICES)
+    assert all(math.isfinite(v) and v < 0 for v in logprobs.values())
     assert 1.0 <= expected_score(logprobs) <= 5.0
+    assert local.capabilities().logprobs and local.capabilities().engine == "transformers-local"
     verdict = judge_one(local, read_text("prompts/judge.jinja"), "Explain lists.", "A list holds items.", 8)
-    assert verdict.method == "logprobs" and 1.0 <= verdict.score <= 5.0
+    assert verdict.method == "logprobs" and verdict.score is not None and 1.0 <= verdict.score <= 5.0
 
 
-def test_real_transformers_serve_answers_through_the_openai_client(served) -> None:
+def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransformersClient) -> None:
+    import torch
+
+    msgs = [{"role": "user", "content": "What holds items in order?"}]
+    choice = "a list comprehension"
+    tok = local.tokenizer
+    choice_ids = tok.encode(choice, add_special_tokens=False)
+    assert len(choice_ids) > 1
+    # independent computation: one unpadded forward pass over prompt + choice
+    prompt_ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+    ids = torch.tensor([prompt_ids + choice_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(local.model(input_ids=ids).logits.float(), dim=-1)[0]
+    expected = sum(float(logp[len(prompt_ids) + j - 1, t]) for j, t in enumerate(choice_ids))
+    # scored together with short choices (so its row is padded differently) and alone: same value
+    together = local.choice_logprobs(msgs, ["1", choice, "2"])[choice]
+    alone = local.choice_logprobs(msgs, [choice])[choice]
+    assert together == pytest.approx(expected, abs=1e-3) and alone == pytest.approx(expected, abs=1e-3)
+
+
+# -- a real `transformers serve` ------------------------------------------------------------------------------------
+def test_real_transformers_serve_answers_through_the_openai_client(served: ManagedServer) -> None:
+    assert served.engine == "transformers" and served.ready_s > 0
+    assert served.continuous_batching is False  # measured slower on a CPU; on only for a GPU device
+    assert "continuous_batching" in transformers_serve_options()
     with OpenAICompatibleClient(served.base_url, model=served.model_name) as client:
         answer = client.chat([{"role": "user", "content": "hello"}], GREEDY)
-        assert answer.completion_tokens > 0 and answer.latency_s > 0
-        many = client.chat_many([[{"role": "user", "content": f"hi {i}"}] for i in range(3)], GREEDY)
+        assert answer.completion_tokens > 0 and answer.prompt_tokens > 0 and answer.latency_s > 0
+        convs = [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
+        many = client.chat_many(convs, GREEDY)
         assert [c.error for c in many] == [None] * 3
+        assert [c.text for c in many] == [client.chat(m, GREEDY).text for m in convs]  # in order
         # transformers serve ignores logprobs: the client finds out, and the judge falls back to reading text
         assert client.capabilities().logprobs is False
         with pytest.raises(NotImplementedError):
@@ -75,72 +181,182 @@ def test_real_transformers_serve_answers_through_the_openai_client(served) -> No
 
 
 def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_dir: Path) -> None:
+    before = {p.pid for p in _servers_of_this_process()}
     resource = LLMResource(backend="managed", model=str(tiny_model_dir))
-    with resource.get_client() as client:
+    with resource.get_client(log=logging.getLogger("test")) as client:
         assert client.chat([{"role": "user", "content": "hi"}], GREEDY).completion_tokens > 0
         base_url = client.base_url
+        started = [p for p in _servers_of_this_process() if p.pid not in before]
+        assert started
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
     with pytest.raises(LLMError, match="cannot reach"):
         OpenAICompatibleClient(base_url, model="m", max_retries=0, timeout_s=2).chat(
             [{"role": "user", "content": "hi"}], GREEDY)
 
 
-def test_server_is_stopped_when_the_block_fails(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("interrupt", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
+def test_server_is_stopped_when_the_block_fails(tiny_model_dir: Path, tmp_path: Path,
+                                                interrupt: BaseException) -> None:
     server = ManagedServer(tiny_model_dir, tmp_path)
-    with pytest.raises(RuntimeError, match="boom"), server:
+    with pytest.raises(type(interrupt)), server:
         pid = server.pid
         assert pid is not None and _alive(pid)
-        raise RuntimeError("boom")
-    time.sleep(0.2)
+        children = psutil.Process(pid).children(recursive=True)
+        raise interrupt
     assert not _alive(pid)
+    assert not any(_alive(c.pid) for c in children)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the whole process group is gone
+    assert server.log_path.exists()
 
 
-def test_unreachable_endpoint_is_named_and_the_key_never_leaks() -> None:
-    secret = "sk-test-secret-123"
-    client = OpenAICompatibleClient("http://127.0.0.1:9/v1", model="m", api_key=secret, max_retries=1,
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")
+def test_server_stops_when_its_parent_is_killed_outright(tiny_model_dir: Path, tmp_path: Path) -> None:
+    script = ("import sys, time\n"
+              "from nexa_dagster.core.llm.managed_server import ManagedServer\n"
+              "server = ManagedServer(sys.argv[1], sys.argv[2]).start()\n"
+              "print(server.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""
+        assert line.strip().isdigit(), "the parent did not start a server"
+        server = psutil.Process(int(line))
+        parent.kill()  # SIGKILL: no finally, no atexit
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if server.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.2)
+        else:
+            server.kill()
+            pytest.fail("the server outlived its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_a_server_that_dies_or_hangs_is_reported_with_its_log(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # no model_type, no weights: transformers serve cannot load it
+    with pytest.raises(LLMError, match="exited with code") as err:
+        ManagedServer(broken, tmp_path).start()
+    assert str(broken) in str(err.value) and "last log lines" in str(err.value)
+
+    before = {p.pid for p in _servers_of_this_process()}  # the module's `served` fixture may be running
+    slow = ManagedServer(broken, tmp_path, startup_timeout_s=0.5)
+    with pytest.raises(LLMError, match="not healthy after"):
+        slow.start()
+    assert slow.process is None
+    assert not [p for p in _servers_of_this_process() if p.pid not in before]
+
+    with pytest.raises(LLMError, match="no config.json"):
+        ManagedServer(tmp_path / "missing", tmp_path)
+
+
+# -- failures, retries, secrets -------------------------------------------------------------------------------------
+def test_unreachable_endpoint_is_named_and_the_key_never_leaks(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    client = OpenAICompatibleClient("http://127.0.0.1:9/v1", model="m", api_key=SECRET, max_retries=1,
                                     timeout_s=2, backoff_s=0.01)
     with pytest.raises(LLMError) as err:
         client.chat([{"role": "user", "content": "hi"}], GREEDY)
-    assert "http://127.0.0.1:9/v1" in str(err.value) and secret not in str(err.value)
-    assert secret not in repr(client)
+    assert "cannot reach http://127.0.0.1:9/v1" in str(err.value) and SECRET not in str(err.value)
+    assert err.value.__cause__ is None and err.value.__context__ is None  # the request (headers) is not attached
+    assert SECRET not in repr(client)
     out = client.chat_many([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY)
-    assert all(c.error and "127.0.0.1:9" in c.error and secret not in c.error for c in out)
-    assert secret not in json.dumps(LLMResource(backend="openai", base_url="http://x/v1", api_key=secret).describe())
+    assert len(out) == 2 and all(c.error and "127.0.0.1:9" in c.error and SECRET not in c.error for c in out)
+    assert all(c.text == "" and c.completion_tokens == 0 for c in out)
+    resource = LLMResource(backend="openai", base_url=f"http://user:{SECRET}@x/v1?key={SECRET}", api_key=SECRET)
+    assert SECRET not in json.dumps(resource.describe()) and resource.describe()["api_key_set"] is True
+    assert SECRET not in caplog.text
+    with pytest.raises(LLMError, match="127.0.0.1:9"):
+        OpenAICompatibleClient("http://127.0.0.1:9/v1", api_key=SECRET, max_retries=0, timeout_s=2)  # model lookup
 
 
-class _Flaky(BaseHTTPRequestHandler):
-    """An OpenAI-shaped endpoint that fails with 503 the first two times, then answers."""
+class _Stub(BaseHTTPRequestHandler):
+    """An OpenAI-shaped endpoint whose answers a test scripts: ``reply(call_number, body) -> (status, json)``."""
 
-    calls = 0
+    reply: Callable[[int, dict[str, Any]], tuple[int, dict[str, Any]]]
+    calls: list[dict[str, Any]]
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        type(self).calls += 1
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        if type(self).calls <= 2:
-            self.send_response(503)
-            self.end_headers()
-            return
-        body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "flaky",
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": "recovered"}}],
-                           "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}).encode()
-        self.send_response(200)
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        self.calls.append(body)
+        status, payload = type(self).reply(len(self.calls), body)
+        data = json.dumps(payload).encode()
+        self.send_response(status)
         self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
+        self.send_header("content-length", str(len(data)))
         self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write(data)
 
     def log_message(self, *args: object) -> None:
         pass
 
 
-def test_retries_with_backoff_on_503() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+@contextmanager
+def _stub_server(reply: Callable[[int, dict[str, Any]], tuple[int, dict[str, Any]]]) -> Iterator[tuple[str, list]]:
+    handler = type("Handler", (_Stub,), {"reply": staticmethod(reply), "calls": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        client = OpenAICompatibleClient(f"http://127.0.0.1:{server.server_port}/v1", model="flaky", max_retries=3,
-                                        backoff_s=0.01, timeout_s=5)
-        answer = client.chat([{"role": "user", "content": "hi"}], GREEDY)
-        assert answer.text == "recovered" and _Flaky.calls == 3
+        yield f"http://127.0.0.1:{server.server_port}/v1", handler.calls
     finally:
         server.shutdown()
+        server.server_close()
+
+
+def _chat_payload(content: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": "x", "object": "chat.completion", "created": 0, "model": "stub",
+            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": logprobs,
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+def test_retries_with_backoff_on_503() -> None:
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return (503, {"error": {"message": "busy"}}) if n <= 2 else (200, _chat_payload("recovered"))
+
+    with _stub_server(reply) as (url, calls):
+        client = OpenAICompatibleClient(url, model="stub", max_retries=3, backoff_s=0.01, timeout_s=5)
+        answer = client.chat([{"role": "user", "content": "hi"}], GREEDY)
+        assert answer.text == "recovered" and len(calls) == 3
+
+
+def test_a_client_error_is_not_retried_and_an_echoed_key_is_scrubbed() -> None:
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return 401, {"error": {"message": f"Incorrect API key provided: {SECRET}"}}
+
+    with _stub_server(reply) as (url, calls):
+        client = OpenAICompatibleClient(url, model="stub", api_key=SECRET, max_retries=3, backoff_s=0.01)
+        with pytest.raises(LLMError, match="HTTP 401") as err:
+            client.chat([{"role": "user", "content": "hi"}], GREEDY)
+        assert len(calls) == 1 and SECRET not in str(err.value) and url in str(err.value)
+
+
+def test_choice_logprobs_from_an_engine_that_honours_them() -> None:
+    top = [{"token": " 3", "logprob": -0.5}, {"token": "3", "logprob": -2.0}, {"token": "4", "logprob": -1.5},
+           {"token": "The", "logprob": -3.0}]
+
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        first = {"token": " 3", "logprob": -0.5, "bytes": None,
+                 "top_logprobs": [{**t, "bytes": None} for t in top[: body.get("top_logprobs", 0)]]}
+        return 200, _chat_payload("3", {"content": [first]} if body.get("logprobs") else None)
+
+    with _stub_server(reply) as (url, calls):
+        client = OpenAICompatibleClient(url, model="stub")
+        assert client.capabilities().logprobs is True
+        lp = client.choice_logprobs([{"role": "user", "content": "score"}], SCORE_CHOICES)
+        assert calls[-1]["max_tokens"] == 1 and calls[-1]["top_logprobs"] == 20
+        assert lp["3"] == pytest.approx(math.log(math.exp(-0.5) + math.exp(-2.0)))  # " 3" and "3" add up
+        assert lp["4"] == -1.5
+        assert lp["1"] == lp["2"] == lp["5"] == -3.0 - MISSING_CHOICE_MARGIN  # below the least likely listed
+        assert 3.0 < expected_score(lp) < 4.0

@@ -8,7 +8,9 @@ OpenAI-compatible URL: a hosted API, a ``vllm serve`` on a GPU node). Pass secre
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,23 +24,42 @@ from nexa_dagster.core.llm.base import LLMClient
 BACKENDS = ("local", "managed", "openai")
 
 
+def _safe_url(url: str) -> str:
+    """``base_url`` without user:password or query string, which may carry credentials."""
+    if not url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 class LLMResource(dg.ConfigurableResource):
+    """Configuration of a model endpoint; ``get_client()`` turns it into an ``LLMClient`` for one step."""
+
     backend: str = Field(default="local", description="local | managed | openai")
-    model: str = Field(default="", description="local model directory (local/managed) or served model name")
+    model: str = Field(default="", description="local model directory (local/managed) or served model name "
+                                                 "(openai; empty = the first model the server lists)")
     base_url: str = Field(default="", description="OpenAI-compatible base URL, e.g. http://host:8000/v1 (openai)")
     api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
-    max_concurrency: int = 8
-    timeout_s: float = 120.0
-    max_retries: int = 4
-    batch_size: int = 16
+    max_concurrency: int = Field(default=8, description="concurrent requests (openai, managed)")
+    timeout_s: float = Field(default=120.0, description="per-request timeout (openai, managed)")
+    max_retries: int = Field(default=4, description="retries with backoff on 429/5xx/timeouts (openai, managed)")
+    batch_size: int = Field(default=16, description="generate() batch size (local)")
 
     def describe(self) -> dict[str, Any]:
         """What is safe to show in metadata and logs (never the key)."""
-        return {"backend": self.backend, "model": self.model, "base_url": self.base_url,
+        return {"backend": self.backend, "model": self.model, "base_url": _safe_url(self.base_url),
                 "api_key_set": bool(self.api_key)}
 
     @contextmanager
-    def get_client(self) -> Iterator[LLMClient]:
+    def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
+        """The client for this configuration, released (model freed, server stopped) when the block exits.
+
+        ``log`` is a logger such as ``context.log``; it hears which backend starts and, for ``managed``, when the
+        server is healthy.
+        """
+        logger = log or logging.getLogger(__name__)
         if self.backend not in BACKENDS:
             raise ValueError(f"LLMResource.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "openai":
@@ -46,28 +67,32 @@ class LLMResource(dg.ConfigurableResource):
                 raise ValueError("LLMResource(backend='openai') needs base_url")
             from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
-            client = OpenAICompatibleClient(self.base_url, self.model, self.api_key, self.max_concurrency,
-                                            self.timeout_s, self.max_retries)
-            with client:
+            logger.info(f"LLM backend openai at {_safe_url(self.base_url)} (model {self.model or 'first listed'})")
+            with OpenAICompatibleClient(self.base_url, self.model, self.api_key, self.max_concurrency,
+                                        self.timeout_s, self.max_retries) as client:
                 yield client
             return
         if not self.model:
             raise ValueError(f"LLMResource(backend={self.backend!r}) needs model (a local model directory)")
-        path = resolve_path(self.model)
+        from nexa_dagster.core.tiny_model import ensure_model
+
+        path = ensure_model(resolve_path(self.model))
         if self.backend == "local":
             from nexa_dagster.core.llm.local import LocalTransformersClient
 
+            logger.info(f"LLM backend local transformers on {path} (batch size {self.batch_size})")
             with LocalTransformersClient(path, batch_size=self.batch_size) as client:
                 yield client
             return
         from nexa_dagster.core.llm.managed_server import ManagedServer
         from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-        from nexa_dagster.core.tiny_model import ensure_model
 
         with (
             tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs,
-            ManagedServer(ensure_model(path), logs) as server,
-            OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency, self.timeout_s,
-                                   self.max_retries) as client,
+            ManagedServer(path, logs, logger=logger) as server,
         ):
-            yield client
+            logger.info(f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
+                        f"healthy after {server.ready_s:.1f} s")
+            with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
+                                        self.timeout_s, self.max_retries) as client:
+                yield client

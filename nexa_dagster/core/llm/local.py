@@ -25,19 +25,25 @@ from nexa_dagster.core.tiny_model import ensure_model
 
 
 class LocalTransformersClient(LLMClient):
-    """A causal LM loaded with ``from_pretrained`` from a local directory, answering chat requests in batches."""
+    """A causal LM loaded with ``from_pretrained`` from a local directory, answering chat requests in batches.
+
+    One lock guards the tokenizer and the model: fast tokenizers are not safe to pad from several threads at once
+    ("Already borrowed"), and interleaved ``generate`` calls would only compete for the same cores anyway.
+    """
 
     def __init__(self, model_path: str | Path, batch_size: int = 16, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         path = ensure_model(model_path)
         self.model_id = str(path)
         self.batch_size = batch_size
         self.device = device
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+            self.model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
         except Exception as e:  # a corrupt or partial directory
             raise LLMError(f"cannot load model from {path}: {e}") from e
         if getattr(self.model.config, "output_router_logits", False):
@@ -47,75 +53,132 @@ class LocalTransformersClient(LLMClient):
         self.tokenizer.padding_side = "left"  # generation continues at the right edge of every row
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        return f"LocalTransformersClient(model={self.model_id!r}, batch_size={self.batch_size}, device={self.device!r})"
+
     def capabilities(self) -> Capabilities:
-        return Capabilities(logprobs=True, json_schema=False, engine="transformers-local")
+        return Capabilities(logprobs=True, json_schema=False, engine="transformers-local",
+                            extra={"model_path": self.model_id})
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _model(self) -> Any:
+        if self.model is None:
+            raise LLMError(f"{self.model_id}: client is closed")
+        return self.model
 
     def _render(self, messages: Sequence[ChatMessage]) -> str:
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
+    def _encode(self, text: str) -> list[int]:
+        # the chat template already writes every special token the model expects
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation -------------------------------------------------------------------------------------------
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
         return self.chat_many([messages], params)[0]
 
     def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
-        out: list[Completion] = []
-        for start in range(0, len(conversations), self.batch_size):
-            out += self._generate_batch(conversations[start:start + self.batch_size], params)
-        return out
+        """Generate for many conversations in left-padded batches of ``batch_size``, answers in input order.
 
-    def _generate_batch(self, batch: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
+        Conversations are grouped by prompt length first so that a batch pads as little as possible (padding is
+        compute spent on nothing); the answers are put back in the order they were asked.
+        """
+        if not conversations:
+            return []
+        prompts = [self._render(m) for m in conversations]
+        with self._lock:
+            lengths = [len(self._encode(p)) for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+        out: list[Completion | None] = [None] * len(prompts)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            for i, completion in zip(idx, self._generate_batch([prompts[i] for i in idx], params), strict=True):
+                out[i] = completion
+        return [c for c in out if c is not None]
+
+    def _generation_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """OpenAI semantics: greedy at temperature 0, else nucleus sampling with no hidden top-k.
+
+        The model's own ``generation_config`` may say ``do_sample=True, temperature=0.8``; every knob is set here
+        explicitly so a request means the same thing on every backend.
+        """
+        kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
+                                  "eos_token_id": self.tokenizer.eos_token_id}
+        if params.temperature > 0:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    def _generate_batch(self, prompts: Sequence[str], params: SamplingParams) -> list[Completion]:
         import torch
 
-        prompts = [self._render(m) for m in batch]
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        sample = params.temperature > 0
-        kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "do_sample": sample,
-                                  "pad_token_id": self.tokenizer.pad_token_id,
-                                  "eos_token_id": self.tokenizer.eos_token_id}
-        if sample:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        t0 = time.perf_counter()
-        with self._lock, torch.no_grad():
+        model = self._model()
+        kwargs = self._generation_kwargs(params)
+        eos = self.tokenizer.eos_token_id
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            # fork_rng: a request's seed makes its sampling reproducible without resetting the caller's RNG
+            t0 = time.perf_counter()
+            enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True,
+                                 add_special_tokens=False).to(self.device)
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            generated = self.model.generate(**enc, **kwargs)
-        latency = (time.perf_counter() - t0) / max(1, len(batch))  # the batch's time shared per request
+            generated = model.generate(**enc, **kwargs)
+            latency = time.perf_counter() - t0  # every request in the batch waited for the whole batch
         new = generated[:, enc["input_ids"].shape[1]:]
         completions = []
         for row, prompt_mask in zip(new, enc["attention_mask"], strict=True):
             ids = row.tolist()
             finish = "length"
-            if self.tokenizer.eos_token_id in ids:
-                ids = ids[: ids.index(self.tokenizer.eos_token_id)]
+            if eos in ids:
+                # generate() pads finished rows after their eos; everything before the first eos was generated
+                ids = ids[: ids.index(eos) + 1]
                 finish = "stop"
-            ids = [i for i in ids if i != self.tokenizer.pad_token_id]
             completions.append(Completion(
                 text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(), model=self.model_id,
-                prompt_tokens=int(prompt_mask.sum()), completion_tokens=len(ids) + (finish == "stop"),
+                prompt_tokens=int(prompt_mask.sum()), completion_tokens=len(ids),  # eos counted, as servers do
                 latency_s=latency, finish_reason=finish,
             ))
         return completions
 
+    # -- scoring ----------------------------------------------------------------------------------------------
     def choice_logprobs(self, messages: Sequence[ChatMessage], choices: Sequence[str]) -> dict[str, float]:
-        """Sum of the log-probabilities of each choice's tokens as the start of the assistant's answer."""
+        """Log-probability of each choice as the start of the assistant's answer (exact, multi-token safe).
+
+        Each choice is tokenized on its own and appended to the rendered prompt; its log-probability is the sum of
+        the log-probabilities of its tokens, each conditioned on the prompt and the choice's earlier tokens. All
+        choices go through the model in one right-padded forward pass (right padding cannot affect earlier
+        positions under a causal mask).
+        """
         import torch
 
-        prompt_ids = self.tokenizer.encode(self._render(messages), add_special_tokens=False)
-        rows = [prompt_ids + self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+        if not choices:
+            raise ValueError("choice_logprobs needs at least one choice")
+        model = self._model()
+        with self._lock:
+            prompt_ids = self._encode(self._render(messages))
+            choice_ids = [self._encode(c) for c in choices]
+        empty = [c for c, ids in zip(choices, choice_ids, strict=True) if not ids]
+        if empty:
+            raise ValueError(f"choices {empty!r} encode to no tokens")
+        rows = [prompt_ids + ids for ids in choice_ids]
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
         with self._lock, torch.no_grad():
-            logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-        out = {}
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        start = len(prompt_ids)
+        out: dict[str, float] = {}
         for k, (choice, row) in enumerate(zip(choices, rows, strict=True)):
-            total = 0.0
-            for pos in range(len(prompt_ids), len(row)):
-                total += float(logp[k, pos - 1, row[pos]])
-            out[choice] = total
+            # the token at position p is predicted by the logits at position p - 1
+            out[choice] = float(sum(logp[k, p - 1, row[p]] for p in range(start, len(row))))
         return out
 
     def close(self) -> None:
-        self.model = None  # type: ignore[assignment]
+        """Drop the model so its memory can be freed; later calls raise ``LLMError``."""
+        with self._lock:
+            self.model = None
