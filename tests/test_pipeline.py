@@ -170,32 +170,41 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
     from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
 
     defs, instance, env, checkpoint, _ = lifecycle
-    storage = defs.resources["storage"]
+    storage, tracking = defs.resources["storage"], defs.resources["tracking"]
     store = Path(env["NEXA_DATA_ROOT"]) / "checkpoints"
+    resources = {"storage": storage, "tracking": tracking}
 
     # the trained checkpoint was evaluated by the pipeline already: no request for it
-    first = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage}))
+    first = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=resources))
     assert first.run_requests == []
 
     # a checkpoint copied in by hand, and one still being copied (no completion marker)
     shutil.copytree(checkpoint.path, store / "hand-copied", ignore=shutil.ignore_patterns("checkpoint.json"))
     shutil.copytree(checkpoint.path, store / "half-copied", ignore=shutil.ignore_patterns("_COMPLETE"))
     second = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor,
-                                                           resources={"storage": storage}))
+                                                           resources=resources))
     assert [(r.partition_key, r.run_key) for r in second.run_requests] == [("hand-copied", "evaluate-hand-copied")]
     assert second.dynamic_partitions_requests[0].partition_keys == ["hand-copied"]
     instance.add_dynamic_partitions("checkpoints", ["hand-copied"])  # what the daemon does with the request
 
     # a daemon restart re-reads the cursor: nothing is requested twice
     third = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor,
-                                                          resources={"storage": storage}))
+                                                          resources=resources))
     assert third.run_requests == []
 
     # once the copy completes, it is picked up (once)
     (store / "half-copied" / "_COMPLETE").write_text("ok\n")
     fourth = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=third.cursor,
-                                                           resources={"storage": storage}))
+                                                           resources=resources))
     assert [r.partition_key for r in fourth.run_requests] == ["half-copied"]
+
+    # a checkpoint trained outside Dagster and registered in the MLflow model registry is found there
+    outside = Path(env["NEXA_DATA_ROOT"]).parent / "elsewhere" / "external-run"
+    shutil.copytree(checkpoint.path, outside)
+    tracking.register_checkpoint("nexa-moe", "external-run", str(outside), None)
+    fifth = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=fourth.cursor,
+                                                          resources=resources))
+    assert [r.run_key for r in fifth.run_requests] == ["evaluate-external-run"]
 
 
 def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:

@@ -69,7 +69,11 @@ def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
 def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judge_llm: LLMResource,
                 storage: StorageResource, tracking: TrackingResource):
     checkpoint_id = context.partition_key
-    ckpt = load_checkpoint_record(storage.checkpoint_dir(checkpoint_id), checkpoint_id)
+    ckpt_dir = storage.checkpoint_dir(checkpoint_id)
+    if not ckpt_dir.exists():  # registered in the MLflow model registry from elsewhere
+        source = tracking.registered_checkpoints(load_policy().registered_model).get(checkpoint_id)
+        ckpt_dir = Path(source) if source else ckpt_dir
+    ckpt = load_checkpoint_record(ckpt_dir, checkpoint_id)
     validation_path = ckpt.dataset_validation_path or sft_dataset.validation_path
     dataset_hash = ckpt.dataset_run_hash or sft_dataset.run_hash
     scale = load_scale()

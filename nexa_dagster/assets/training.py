@@ -16,6 +16,7 @@ from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.promotion import load_policy
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
@@ -71,6 +72,8 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         run.log_artifact(Path(result.checkpoint_dir) / "loss_curve.png")
         run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
         mlflow_run_id = run.run_id
+    model_name = load_policy().registered_model
+    version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
 
     reported = invocation.get_custom_messages()  # what the worker sent back through Pipes
     # a step that opened a Pipes session must return typed results (an Output), not a bare value
@@ -89,6 +92,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         "parameters_active": result.parameters_active,
         "dataset_run_hash": sft_dataset.run_hash,
         "mlflow_run_id": mlflow_run_id,
+        "mlflow_model_version": f"{model_name}/{version}",
     })
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,10 +77,8 @@ class TrackingResource(dg.ConfigurableResource):
         from mlflow.exceptions import MlflowException
 
         client = self._client()
-        try:
+        with contextlib.suppress(MlflowException):  # already registered
             client.create_registered_model(model_name)
-        except MlflowException:
-            pass  # already registered
         version = client.create_model_version(model_name, source=path, run_id=run_id,
                                               tags={"checkpoint_id": checkpoint_id})
         return str(version.version)
@@ -89,6 +88,16 @@ class TrackingResource(dg.ConfigurableResource):
             if v.tags.get("checkpoint_id") == checkpoint_id:
                 return str(v.version)
         return None
+
+    def registered_checkpoints(self, model_name: str) -> dict[str, str]:
+        """{checkpoint_id: source path} of every registered version of ``model_name`` (empty if none)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            versions = self._client().search_model_versions(f"name='{model_name}'")
+        except MlflowException:
+            return {}
+        return {v.tags["checkpoint_id"]: v.source for v in versions if v.tags.get("checkpoint_id")}
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self._client().set_registered_model_alias(model_name, alias, version)
