@@ -1,107 +1,275 @@
-"""Training with the real DeepSpeed engine (CPU, gloo) in its own process, and its launch through Dagster Pipes."""
+"""Training with the real DeepSpeed engine (CPU, gloo) in its own process, and its launch through Dagster Pipes.
 
+Every test trains or launches for real: the worker is a subprocess exactly as in production, the data is packed
+Parquet in the packaging stage's format (written here with random token ids), the model is the tiny preset.
+"""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import dagster as dg
-import pandas as pd
-import pytest
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config
-from nexa_dagster.core.packing import TokenizedConversation, conversation, pack, tokenize_conversation
-from nexa_dagster.core.training.job import TrainingJob, TrainingResult
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+import json  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
+import dagster as dg  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import psutil  # noqa: E402
+import pytest  # noqa: E402
 
-def _packed(tokenizer, n: int, out: Path, pack_size: int = 128) -> str:
-    convs = []
-    for i in range(n):
-        msgs = conversation("", f"What is item {i}?", f"Item {i} is a small example number {i}.")
-        ids, mask = tokenize_conversation(tokenizer, msgs)
-        convs.append(TokenizedConversation(str(i), ids, mask))
-    frame, _ = pack(convs, pack_size, tokenizer.pad_token_id)
-    frame.to_parquet(out)
-    return str(out)
+from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
+from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource  # noqa: E402
 
-
-def _job(tmp_path: Path, model_dir: Path, tokenizer, steps: int, lr: float = 3e-3, n: int = 16) -> TrainingJob:
-    train = _packed(tokenizer, n, tmp_path / "train.parquet")
-    val = _packed(tokenizer, 4, tmp_path / "validation.parquet")
-    settings = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1, learning_rate=lr,
-                                warmup_steps=1, weight_decay=0.0, grad_clip=1.0, log_every=2, seed=0, num_procs=1)
-    return TrainingJob(run_id="test-run", train_path=train, validation_path=val, tokenizer_path=str(model_dir),
-                       model_preset="tiny", deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
-                       settings=settings, output_dir=str(tmp_path / "checkpoints" / "test-run"),
-                       dataset_run_hash="abc12345", accelerator="cpu")
+WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
+PACK_SIZE = 64
 
 
-def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(tmp_path, tiny_model_dir, tiny_tokenizer) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# -- helpers ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenizer + random tiny Mixtral saved with save_pretrained (~7 s, once for this file)."""
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("training") / "models" / "tiny-teacher")
 
-    job = _job(tmp_path, tiny_model_dir, tiny_tokenizer, steps=12, lr=1e-2, n=2)
+
+def write_packed(path: Path, rows: int, vocab_size: int, pad_id: int, seed: int = 0) -> str:
+    """A packed Parquet file in the packaging stage's format: per row, documents of a prompt (loss 0) and an
+    answer (loss 1), position ids restarting at each document, padding (attention 0) at the end."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(rows):
+        input_ids, loss_mask, position_ids, docs = [], [], [], 0
+        while True:
+            prompt, answer = int(rng.integers(4, 12)), int(rng.integers(4, 16))
+            if len(input_ids) + prompt + answer > PACK_SIZE:
+                break
+            input_ids += rng.integers(len(SPECIAL_TOKENS), vocab_size, prompt + answer).tolist()
+            loss_mask += [0] * prompt + [1] * answer
+            position_ids += list(range(prompt + answer))
+            docs += 1
+        real, pad = len(input_ids), PACK_SIZE - len(input_ids)
+        records.append({"input_ids": input_ids + [pad_id] * pad, "loss_mask": loss_mask + [0] * pad,
+                        "position_ids": position_ids + [0] * pad, "attention_mask": [1] * real + [0] * pad,
+                        "num_documents": docs})
+    frame = pd.DataFrame(records)
+    frame["loss_mask"] = frame["loss_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
+    frame["attention_mask"] = frame["attention_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
+    frame.to_parquet(path)
+    return str(path)
+
+
+def make_job(tmp_path: Path, teacher_dir: Path, steps: int, rows: int = 8, lr: float = 3e-3,
+             log_every: int = 2, run_id: str = "test-run", num_procs: int = 1) -> TrainingJob:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    vocab, pad = len(tokenizer), tokenizer.pad_token_id
+    settings = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1,
+                                learning_rate=lr, warmup_steps=1, weight_decay=0.0, grad_clip=1.0,
+                                log_every=log_every, seed=0, num_procs=num_procs)
+    return TrainingJob(
+        run_id=run_id, train_path=write_packed(tmp_path / "train.parquet", rows, vocab, pad, seed=1),
+        validation_path=write_packed(tmp_path / "validation.parquet", 2, vocab, pad, seed=2),
+        tokenizer_path=str(teacher_dir), model_preset="tiny", deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
+        settings=settings, output_dir=str(tmp_path / "checkpoints" / run_id), dataset_run_hash="abc12345",
+        accelerator="cpu")
+
+
+def run_worker(job: TrainingJob, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ,
-                                                                             "DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return subprocess.run([*WORKER, "--job", str(job_file)], capture_output=True, text=True, timeout=300)
+
+
+def summary_of(job: TrainingJob) -> TrainingResult:
+    return TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
+
+
+# -- the worker -------------------------------------------------------------------------------------------------
+def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(tmp_path: Path, teacher_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job = make_job(tmp_path, teacher_dir, steps=6)
+    proc = run_worker(job, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "step 6/6 loss" in proc.stdout and "ZeRO stage 1" in proc.stdout
+
     ckpt = Path(job.output_dir)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "_COMPLETE", "training_summary.json"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "training_summary.json", "metrics.jsonl", COMPLETION_MARKER):
         assert (ckpt / name).exists(), name
-    result = TrainingResult.model_validate(json.loads((ckpt / "training_summary.json").read_text()))
-    assert result.steps == 12
-    # two sequences seen over and over: the real engine must fit them
-    assert result.final_loss < result.first_loss - 0.5
+    assert [p.name for p in ckpt.parent.iterdir()] == [ckpt.name], "a temporary directory was left behind"
+    result = summary_of(job)
+    assert result.steps == 6 and [s for s, _ in result.loss_curve] == [1, 2, 4, 6]
+    assert all(math.isfinite(v) for v in (result.first_loss, result.final_loss, result.validation_loss))
+    assert result.tokens_seen > 0 and result.tokens_per_s > 0
+    assert 0 < result.parameters_active < result.parameters_total
+    metrics = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 4, 6] and all(m["grad_norm"] > 0 for m in metrics)
+
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     assert model.config.model_type == "mixtral" and not model.config.output_router_logits
-    assert AutoTokenizer.from_pretrained(ckpt).chat_template
-    assert result.parameters_active < result.parameters_total
+    ids = AutoTokenizer.from_pretrained(ckpt)("def f(x): return x", return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**ids).logits).all()
 
 
-def test_training_through_the_gpu_cluster_resource_streams_pipes_messages(tmp_path, tiny_model_dir,
-                                                                        tiny_tokenizer) -> None:
-    job = _job(tmp_path, tiny_model_dir, tiny_tokenizer, steps=4)
+def test_training_fits_a_tiny_batch_seen_over_and_over(tmp_path: Path, teacher_dir: Path) -> None:
+    """Two sequences, twelve steps, a high learning rate: the real engine must drive the loss well down."""
+    job = make_job(tmp_path, teacher_dir, steps=12, rows=2, lr=1e-2, log_every=4)
+    proc = run_worker(job, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = summary_of(job)
+    assert result.steps == 12
+    assert result.final_loss < result.first_loss - 1.0, result.loss_curve
+
+
+def test_worker_refuses_an_unusable_job_file(tmp_path: Path) -> None:
+    (tmp_path / "job.json").write_text('{"run_id": "x"}')
+    proc = subprocess.run([*WORKER, "--job", str(tmp_path / "job.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "invalid training job" in proc.stderr
+
+
+# -- through Dagster ------------------------------------------------------------------------------------------
+def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=3, log_every=1)
 
     @dg.asset
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         result, invocation = gpu_cluster.run_training(context, job, tmp_path / "work")
-        report = invocation.get_custom_messages()[-1]
-        return dg.MaterializeResult(metadata={"steps": result.steps, "reported_steps": report["steps"],
-                                              "final_loss": result.final_loss})
+        assert invocation.get_custom_messages()[-1]["run_id"] == result.run_id
+        return invocation.get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
     res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, instance=instance)
     assert res.success
-    md = res.asset_materializations_for_node("trained")[0].metadata
-    assert md["steps"].value == 4 and md["reported_steps"].value == 4
-    logs = [e.message for e in instance.all_logs(res.run_id)]
-    assert any("step 4/4 loss" in (m or "") for m in logs), "worker progress did not stream through Pipes"
+    metadata = res.asset_materializations_for_node("trained")[0].metadata
+    result = summary_of(job)
+    assert metadata["steps"].value == 3
+    assert metadata["final_loss"].value == pytest.approx(result.final_loss, abs=1e-4)
+    assert math.isfinite(metadata["validation_loss"].value)
+    assert metadata["checkpoint_dir"] == dg.MetadataValue.path(job.output_dir)
+    logs = [e.user_message for e in instance.all_logs(res.run_id)]
+    assert any("step 3/3 loss" in m for m in logs), "worker progress did not stream into the run through Pipes"
 
 
-def test_missing_training_input_fails_naming_the_path(tmp_path, tiny_model_dir, tiny_tokenizer) -> None:
-    job = _job(tmp_path, tiny_model_dir, tiny_tokenizer, steps=2).model_copy(
-        update={"train_path": str(tmp_path / "nope.parquet")})
+def test_two_ranks_under_torchrun_train_one_model(tmp_path: Path, teacher_dir: Path) -> None:
+    """num_procs=2 launches torchrun: two gloo ranks share each global batch, only rank 0 reports and saves."""
+    job = make_job(tmp_path, teacher_dir, steps=2, log_every=1, num_procs=2)
 
     @dg.asset
-    def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> None:
-        gpu_cluster.run_training(context, job, tmp_path / "work")
+    def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+        return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, raise_on_error=False)
+    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(num_procs=2)},
+                         instance=dg.DagsterInstance.ephemeral())
+    assert res.success
+    metadata = res.asset_materializations_for_node("trained")[0].metadata
+    assert metadata["world_size"].value == 2 and metadata["steps"].value == 2
+    assert summary_of(job).world_size == 2 and (Path(job.output_dir) / COMPLETION_MARKER).exists()
+    assert sorted(p.name for p in (tmp_path / "work").glob("*.stderr.log")) == [
+        "worker.rank0.stderr.log", "worker.rank1.stderr.log"]
+
+
+def _failure_description(job: TrainingJob, tmp_path: Path) -> str:
+    @dg.asset
+    def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+        return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
+
+    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, raise_on_error=False,
+                         instance=dg.DagsterInstance.ephemeral())
     assert not res.success
     failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
-    assert failure is not None and "nope.parquet" in failure.description
+    assert failure is not None, res.get_step_failure_events()[0].step_failure_data.error
+    return failure.description or ""
 
 
-def test_cluster_backends_not_yet_built_say_so() -> None:
+def test_missing_training_input_fails_naming_the_path(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=2)
+    job = job.model_copy(update={"train_path": str(tmp_path / "nope" / "train.parquet")})
+    assert str(tmp_path / "nope" / "train.parquet") in _failure_description(job, tmp_path)
+
+
+def test_worker_failure_is_a_dagster_failure_quoting_its_stderr(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=2)
+    pd.DataFrame({"input_ids": [[1, 2, 3]]}).to_parquet(job.train_path)  # not packed: columns missing
+    description = _failure_description(job, tmp_path)
+    assert "lacks columns ['loss_mask', 'position_ids', 'attention_mask']" in description
+    assert "training test-run failed on rank 0: ValueError" in description
+
+
+def test_cluster_backends_not_yet_built_say_so(tmp_path: Path, teacher_dir: Path) -> None:
     with pytest.raises(NotImplementedError, match="issue #5"):
-        GPUClusterResource(backend="slurm").run_training(None, None, Path("."))  # type: ignore[arg-type]
+        GPUClusterResource(backend="slurm").run_training(dg.build_asset_context(), make_job(tmp_path, teacher_dir, 1),
+                                                         tmp_path)
 
 
-def test_packed_frame_round_trips(tmp_path, tiny_tokenizer) -> None:
-    path = _packed(tiny_tokenizer, 3, tmp_path / "p.parquet")
-    frame = pd.read_parquet(path)
-    assert len(frame) >= 1 and frame["num_loss_tokens"].sum() > 0
+# -- stopping ---------------------------------------------------------------------------------------------------
+LAUNCH_SCRIPT = """
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+
+job = TrainingJob.model_validate_json(Path(sys.argv[1]).read_text())
+
+
+@dg.asset
+def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+    return gpu_cluster.run_training(context, job, Path(sys.argv[2]))[1].get_materialize_result()
+
+
+result = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, raise_on_error=False)
+print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
+"""
+
+
+def _launch_long_training(tmp_path: Path, teacher_dir: Path) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
+    """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
+    job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCH_SCRIPT))
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "job.json"),
+                                     str(tmp_path / "work")], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "step 1/" not in log.read_text(errors="replace"):
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.5)
+    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+               if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    return launcher, workers[0], log
+
+
+def test_cancelling_the_dagster_run_stops_the_worker(tmp_path: Path, teacher_dir: Path) -> None:
+    """A cancelled run gets SIGINT (what Dagster's run worker receives on cancel): the worker must go with it."""
+    launcher, worker, log = _launch_long_training(tmp_path, teacher_dir)
+    launcher.send_signal(signal.SIGINT)
+    worker.wait(timeout=30)  # psutil.TimeoutExpired here means an orphaned training process
+    assert launcher.wait(timeout=60) is not None
+    text = log.read_text(errors="replace")
+    assert "sending SIGINT to subprocess" in text and "RUN FAILED" in text, text[-3000:]
+    assert not (tmp_path / "checkpoints" / "test-run" / COMPLETION_MARKER).exists()
+
+
+def test_killing_the_dagster_process_stops_the_worker(tmp_path: Path, teacher_dir: Path) -> None:
+    """SIGKILL gives Dagster no chance to forward anything: the worker notices its launcher is gone."""
+    launcher, worker, _ = _launch_long_training(tmp_path, teacher_dir)
+    launcher.kill()  # not reaped before the check: a zombie launcher must count as gone too
+    worker.wait(timeout=30)
+    launcher.wait(timeout=10)

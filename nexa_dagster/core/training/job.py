@@ -1,7 +1,8 @@
-"""What a training run needs (``TrainingJob``) and what it reports back (``TrainingResult``), both JSON.
+"""What a training run needs (``TrainingJob``) and what it reports back (``TrainingResult``), both plain JSON.
 
 The job is written to a file and handed to the worker process, which may run on this machine, a Slurm node or a
-Kubernetes pod; the result is written beside the checkpoint, so the checkpoint explains itself.
+Kubernetes pod: nothing in it may be a Python object that only exists in the Dagster process. The result is
+written beside the checkpoint (``training_summary.json``), so a checkpoint explains itself without Dagster.
 """
 
 from __future__ import annotations
@@ -12,33 +13,40 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster.core.config import TrainingSettings
 
+Accelerator = Literal["cpu", "cuda"]
+
 
 class TrainingJob(BaseModel):
+    """Everything one training run needs; ``extra="forbid"`` so a typo in a hand-written job fails loudly."""
+
     model_config = ConfigDict(extra="forbid")
 
-    run_id: str = Field(min_length=1)
-    train_path: str
-    validation_path: str
-    tokenizer_path: str
-    model_preset: str
-    deepspeed_config: dict[str, Any]
+    run_id: str = Field(min_length=1, description="unique per run; also the checkpoint's name")
+    train_path: str = Field(description="packed Parquet: input_ids, loss_mask, position_ids, attention_mask")
+    validation_path: str = Field(description="packed Parquet with the same columns, for the validation loss")
+    tokenizer_path: str = Field(description="a Hugging Face directory whose tokenizer the model is trained for")
+    model_preset: str = Field(description="name of a preset in configs/models/")
+    deepspeed_config: dict[str, Any] = Field(description='DeepSpeed JSON config; "auto" fields come from settings')
     settings: TrainingSettings
-    output_dir: str
-    dataset_run_hash: str = ""
-    accelerator: Literal["cpu", "cuda"] = "cpu"
+    output_dir: str = Field(description="final Hugging Face checkpoint directory (must not exist yet)")
+    dataset_run_hash: str = Field(default="", description="lineage: the packed dataset this run trained on")
+    accelerator: Accelerator = "cpu"
 
 
 class TrainingResult(BaseModel):
+    """What a finished run reports: read back by the launcher and stored as ``training_summary.json``."""
+
     run_id: str
     checkpoint_dir: str
     steps: int
-    final_loss: float
-    first_loss: float
-    validation_loss: float
-    tokens_seen: int
-    tokens_per_s: float
-    wall_s: float
-    loss_curve: list[tuple[int, float]]
+    first_loss: float = Field(description="LM loss (without the router aux loss) of step 1")
+    final_loss: float = Field(description="LM loss (without the router aux loss) of the last step")
+    validation_loss: float = Field(description="mean token NLL over the validation set's loss-mask tokens")
+    tokens_seen: int = Field(description="real (non-padding) tokens trained on, all ranks")
+    tokens_per_s: float = Field(description="tokens_seen over the training loop's wall time")
+    wall_s: float = Field(description="the run up to the save: loading, engine setup, training, validation")
+    loss_curve: list[tuple[int, float]] = Field(description="(step, LM loss) at every logged step")
     parameters_total: int
-    parameters_active: int
+    parameters_active: int = Field(description="parameters used per token: non-expert + top-k of the experts")
     world_size: int = 1
+    dataset_run_hash: str = ""
