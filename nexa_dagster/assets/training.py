@@ -75,11 +75,12 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
     model_name = load_policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
 
-    reported = invocation.get_custom_messages()  # what the worker sent back through Pipes
-    # a step that opened a Pipes session must return typed results (an Output), not a bare value
+    # what the worker reported through Pipes, merged into this asset's own materialization (a step that opened
+    # a Pipes session must return typed results: an Output, not a bare value)
+    worker_metadata = {f"worker/{k}": v for k, v in invocation.get_materialize_result().metadata.items()}
     return dg.Output(checkpoint, metadata={
+        **worker_metadata,
         "loss_curve": dg.MetadataValue.md(markdown_image(png, "training loss")),
-        "worker_report": dg.MetadataValue.json(reported[-1] if reported else {}),
         "checkpoint_id": checkpoint_id,
         "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
         "steps": result.steps,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nexa_dagster.core import storage
 from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
 from nexa_dagster.core.sample_gate import judge_one
@@ -39,9 +41,10 @@ def heldout_loss(model_dir: str | Path, validation_path: str, batch_size: int = 
     with torch.no_grad():
         for start in range(0, len(frame), batch_size):
             chunk = frame.iloc[start:start + batch_size]
-            ids = torch.tensor(chunk["input_ids"].tolist(), dtype=torch.long)
-            mask = torch.tensor(chunk["loss_mask"].tolist(), dtype=torch.long)
-            logits = model(input_ids=ids, position_ids=torch.tensor(chunk["position_ids"].tolist())).logits
+            ids = torch.from_numpy(np.stack(chunk["input_ids"].to_numpy())).long()
+            mask = torch.from_numpy(np.stack(chunk["loss_mask"].to_numpy())).long()
+            positions = torch.from_numpy(np.stack(chunk["position_ids"].to_numpy())).long()
+            logits = model(input_ids=ids, position_ids=positions).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             target = ids[:, 1:]
             nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
