@@ -68,10 +68,10 @@ def serve(port: int) -> int:
         return 1
     with ManagedServer(current.checkpoint_path, storage.path("serving", "logs"), port=port) as server:
         print(f"serving production model {current.checkpoint_id} ({server.engine}) at {server.base_url}")
-        print(f"  model name for requests: {server.model_name}")
+        print(f"  model name for requests: {server.model_name}", flush=True)
         print(f"  try: curl {server.base_url}/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{server.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
-        print("Ctrl-C stops it.")
+        print("Ctrl-C stops it.", flush=True)
         try:
             while server.process is not None and server.process.poll() is None:
                 time.sleep(1)

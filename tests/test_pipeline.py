@@ -287,3 +287,38 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle) -> None:
         spans.append((starts[0], ends[0]))
     (a0, a1), (b0, b1) = sorted(spans)
     assert a1 <= b0, f"training steps overlapped: {spans}"
+
+
+def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) -> None:
+    import json
+    import signal
+    import socket
+    import urllib.request
+
+    _, _, env, _, _ = lifecycle
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
+                            env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "model name for requests:" in line:
+                break
+        assert any("serving production model" in line for line in lines), "".join(lines)[-2000:]
+        model = lines[-1].split("model name for requests:")[1].strip()
+        body = json.dumps({"model": model, "max_tokens": 8,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        assert answer["usage"]["completion_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # the server went with the command

@@ -99,7 +99,8 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
                              f"{win_rate:.2f}")
     result = EvalResult(checkpoint_id, loss, answers)
     lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": dataset_hash, "validation_path": validation_path,
-               "model_preset": ckpt.model_preset, "training_steps": ckpt.num_steps,
+               "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
+               "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,
                "dagster_run_id": context.run.run_id}
     json_path, md_path = write_report(result, {**lineage, "win_rate_vs_production": win_rate},
                                       storage.report_dir(checkpoint_id))

@@ -51,18 +51,8 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
                      f"steps) on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(context, job, work_dir)
 
-    checkpoint = Checkpoint(
-        checkpoint_id=checkpoint_id, path=result.checkpoint_dir, num_steps=result.steps,
-        training_loss=result.final_loss, validation_loss=result.validation_loss,
-        dataset_run_hash=sft_dataset.run_hash, dataset_validation_path=sft_dataset.validation_path,
-        model_preset=scale.model_preset, parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active,
-    )
-    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
     png = loss_curve_png(result.loss_curve, f"{checkpoint_id} ({scale.model_preset})", result.validation_loss)
     (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
-    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
-
     with tracking.start_run(run_name=checkpoint_id, tags={"stage": "training",
                                                            "dagster_run_id": context.run.run_id}) as run:
         run.log_params({"model_preset": scale.model_preset, "scale": scale.name,
@@ -72,8 +62,20 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         run.log_artifact(Path(result.checkpoint_dir) / "loss_curve.png")
         run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
         mlflow_run_id = run.run_id
+
+    # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
+    checkpoint = Checkpoint(
+        checkpoint_id=checkpoint_id, path=result.checkpoint_dir, num_steps=result.steps,
+        training_loss=result.final_loss, validation_loss=result.validation_loss,
+        dataset_run_hash=sft_dataset.run_hash, dataset_validation_path=sft_dataset.validation_path,
+        model_preset=scale.model_preset, scale=scale.name, parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active, training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id,
+    )
+    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = load_policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
+    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
 
     # what the worker reported through Pipes, merged into this asset's own materialization (a step that opened
     # a Pipes session must return typed results: an Output, not a bare value)

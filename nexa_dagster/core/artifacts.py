@@ -56,6 +56,9 @@ class Checkpoint(Artifact):
     dataset_run_hash: str | None = None
     dataset_validation_path: str | None = None
     model_preset: str | None = None
+    scale: str | None = None
+    training_run_id: str | None = None  # the Dagster run that trained it
+    mlflow_run_id: str | None = None
     parameters_total: int | None = None
     parameters_active: int | None = None
 
