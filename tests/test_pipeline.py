@@ -322,3 +322,16 @@ def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) 
         proc.wait(timeout=60)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # the server went with the command
+
+
+def test_a_checkpoint_seen_before_its_record_keeps_its_dataset_lineage(lifecycle) -> None:
+    """The sensor may fire between the worker's completion marker and the asset's checkpoint.json."""
+    from nexa_dagster.assets.evaluation import load_checkpoint_record
+
+    _, _, env, checkpoint, _ = lifecycle
+    copy = Path(env["NEXA_DATA_ROOT"]).parent / "no-record" / "ckpt"
+    shutil.copytree(checkpoint.path, copy, ignore=shutil.ignore_patterns("checkpoint.json"))
+    record = load_checkpoint_record(copy, "ckpt")
+    assert record.dataset_run_hash == checkpoint.dataset_run_hash
+    assert record.dataset_validation_path == checkpoint.dataset_validation_path
+    assert record.num_steps == checkpoint.num_steps

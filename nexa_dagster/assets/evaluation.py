@@ -42,7 +42,16 @@ def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
     record = ckpt_dir / "checkpoint.json"
     if record.exists():
         return Checkpoint.model_validate(io.read_json(record))
-    return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)
+    job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
+    if job.exists() and summary.exists():
+        # written by the training worker before its completion marker, so always there for our own checkpoints
+        # (checkpoint.json, with the MLflow ids, follows a moment later from the training asset)
+        j, r = io.read_json(job), io.read_json(summary)
+        return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
+                          training_loss=r["final_loss"], validation_loss=r["validation_loss"],
+                          dataset_run_hash=j.get("dataset_run_hash") or None,
+                          dataset_validation_path=j["validation_path"], model_preset=j["model_preset"])
+    return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
 
 
 def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
