@@ -17,7 +17,3 @@ daily_partitions = dg.DailyPartitionsDefinition(
 )
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
-
-def partition_days(context: dg.AssetExecutionContext) -> list[str]:
-    """The days this run covers: one for a normal run, several for a single-run backfill of a range."""
-    return list(context.partition_keys) if context.has_partition_key_range or context.has_partition_key else []
