@@ -12,11 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from nexa_dagster.core.config import REPO_ROOT, load_pipeline_config, load_scale
-
-
-def _landed_days(landing_root: Path) -> list[str]:
-    return sorted(p.name for p in landing_root.iterdir() if p.is_dir() and len(p.name) == 10) if landing_root.is_dir() else []
+from nexa_dagster.core.config import REPO_ROOT, load_pipeline_config, load_scale, resolve_path
+from nexa_dagster.core.ingest import landed_days
 
 
 def main() -> int:
@@ -31,9 +28,10 @@ def main() -> int:
     t0 = time.perf_counter()
     instance = dg.DagsterInstance.get()
     storage = defs.resources["storage"]
-    days = _landed_days(storage.landing_dir("x").parent)
+    landing_root = resolve_path(storage.landing_root)
+    days = landed_days(landing_root)
     if not days:
-        print(f"no landed documents under {storage.landing_dir('x').parent}", file=sys.stderr)
+        print(f"no landed documents under {landing_root}", file=sys.stderr)
         return 1
     scale = load_scale()
     print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={os.environ['DAGSTER_HOME']}")

@@ -45,6 +45,12 @@ class PromptSpec:
         return msgs
 
 
+def for_generation(params: SamplingParams, generation_index: int) -> SamplingParams:
+    """Each generation of the same prompt gets its own seed, so n generations are n different samples."""
+    seed = None if params.seed is None else params.seed + generation_index
+    return SamplingParams(params.max_tokens, params.temperature, params.top_p, seed)
+
+
 def sample_key(prompt: str, system_prompt: str, model: str, params: SamplingParams, generation_index: int) -> str:
     payload = json.dumps({"p": prompt, "s": system_prompt, "m": model, "sp": asdict(params), "g": generation_index},
                          sort_keys=True)
@@ -58,9 +64,8 @@ def build_prompts(documents: pd.DataFrame, template: str, system_prompt: str, mo
     for doc in documents.itertuples(index=False):
         prompt = render(template, title=doc.title or "untitled", text=doc.text)
         for g in range(generations_per_prompt):
-            gen_params = SamplingParams(params.max_tokens, params.temperature, params.top_p,
-                                        None if params.seed is None else params.seed + g)
-            specs.append(PromptSpec(sample_key(prompt, system_prompt, model, gen_params, g), doc.doc_id, doc.day, g,
+            specs.append(PromptSpec(sample_key(prompt, system_prompt, model, for_generation(params, g), g),
+                                    doc.doc_id, doc.day, g,
                                     system_prompt, prompt))
     return specs
 
@@ -79,9 +84,7 @@ def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], param
         for spec in batch:
             by_generation.setdefault(spec.generation_index, []).append(spec)
         for g, specs in by_generation.items():
-            gen_params = SamplingParams(params.max_tokens, params.temperature, params.top_p,
-                                        None if params.seed is None else params.seed + g)
-            completions = client.chat_many([s.messages() for s in specs], gen_params)
+            completions = client.chat_many([s.messages() for s in specs], for_generation(params, g))
             for spec, c in zip(specs, completions, strict=True):
                 rows.append({
                     "sample_id": spec.sample_id, "doc_id": spec.doc_id, "day": spec.day,

@@ -134,6 +134,19 @@ def iter_landing(day_dir: Path, text_fields: Sequence[str], title_fields: Sequen
             raise IngestError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md or a datasets folder)")
 
 
+def has_landed(day_dir: Path) -> bool:
+    """Whether a day's landing folder exists and holds anything (hidden files, e.g. partial uploads, don't count)."""
+    return day_dir.is_dir() and any(not p.name.startswith(".") for p in day_dir.iterdir())
+
+
+def landed_days(landing_root: Path) -> list[str]:
+    """The days (YYYY-MM-DD folders) under a landing root that hold documents, in order."""
+    if not landing_root.is_dir():
+        return []
+    return sorted(p.name for p in landing_root.iterdir() if re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name)
+                  and has_landed(p))
+
+
 def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
                text_fields: Sequence[str] = ("text", "content", "body"),
                title_fields: Sequence[str] = ("title", "name", "topic")) -> pd.DataFrame:
@@ -142,7 +155,7 @@ def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
     Documents are cut to ``max_chars`` at a paragraph boundary where possible, empty ones are dropped, and
     duplicates (same content id) are kept once. ``max_docs`` caps the day for scale presets.
     """
-    if not day_dir.is_dir() or not any(p for p in day_dir.iterdir() if not p.name.startswith(".")):
+    if not has_landed(day_dir):
         raise IngestError(f"partition {day}: no documents landed in {day_dir} (missing or empty folder)")
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()

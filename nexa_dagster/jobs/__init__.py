@@ -14,6 +14,7 @@ import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
 from nexa_dagster.core.config import load_pipeline_config
+from nexa_dagster.core.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
 
 DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"]
@@ -46,7 +47,7 @@ def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
     # nightly run is for the day that has just ended, which is complete
     day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
     landing = storage.landing_dir(day)
-    if not landing.is_dir() or not any(p for p in landing.iterdir() if not p.name.startswith(".")):
+    if not has_landed(landing):
         return dg.SkipReason(f"no documents landed for {day} in {landing}: nothing new to process or retrain on")
     return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
 
