@@ -11,7 +11,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,6 +70,13 @@ class TrainingSettings(_Strict):
     log_every: int = Field(gt=0)
     seed: int = 0
     num_procs: int = Field(gt=0)
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    checkpoint_every: int = Field(default=0, ge=0, description="save resumable engine state every N steps (0: off)")
+    stall_timeout_s: float = Field(default=900.0, gt=0, description="fail the run when no step ends in this time")
+    activation_checkpointing: bool = False
+    compile: bool = Field(default=False, description="torch.compile each decoder layer (GPU presets)")
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    prefetch: int = Field(default=2, ge=0, description="micro-batches prepared ahead by a background thread")
 
 
 class EvaluationSettings(_Strict):

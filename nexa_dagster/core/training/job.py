@@ -50,3 +50,6 @@ class TrainingResult(BaseModel):
     parameters_active: int = Field(description="parameters used per token: non-expert + top-k of the experts")
     world_size: int = 1
     dataset_run_hash: str = ""
+    resumed_from_step: int = Field(default=0, description="0, or the step whose saved state this run resumed from")
+    mfu: float = Field(default=0.0, description="best model-FLOPs utilisation of a logging window (GPUs only)")
+    peak_mem_gb: float = Field(default=0.0, description="peak accelerator memory (GPU) or process RSS (CPU)")

@@ -1,18 +1,20 @@
 """The training loop: packed SFT sequences -> DeepSpeed engine -> Hugging Face MoE checkpoint.
 
-Read it top to bottom, torchtitan-style: load the data, build the model, build the engine, loop, evaluate, save.
-No trainer framework hides a step. The model is a ``transformers`` Mixtral-architecture MoE (router + SwiGLU
-experts), so the saved checkpoint loads with ``from_pretrained`` and serves with vLLM or ``transformers serve``
-unchanged. Nothing here imports Dagster: the worker process runs this, the Dagster process never does.
+Read it top to bottom, torchtitan-style: load the data, build the model, build the engine, resume if a previous
+attempt left state, loop, evaluate, save. No trainer framework hides a step. The model is the project's
+Mixtral-architecture MoE (``core/model/moe.py``: grouped-GEMM experts, attention kept within packed documents),
+exported as a plain ``transformers`` Mixtral checkpoint that vLLM and ``transformers serve`` load unchanged.
+Nothing here imports Dagster: the worker process runs this, the Dagster process never does.
 
-Distributed layout: one process per rank (``torchrun`` sets RANK/WORLD_SIZE); every rank builds the same model
-(same seed), reads its own slice of every global batch, and rank 0 alone writes the checkpoint.
+Distributed layout: one process per rank (``torchrun`` or Slurm sets RANK/WORLD_SIZE); every rank builds the same
+model (same seed), reads its own slice of every global batch, and rank 0 alone writes the final checkpoint.
+Resumable state (model, optimizer, scheduler, RNG, data position) is DeepSpeed's own checkpoint, written by every
+rank every ``checkpoint_every`` steps into ``<checkpoint>.state/``.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import os
@@ -23,91 +25,39 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from nexa_dagster.core.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.training import monitor
+from nexa_dagster.core.training.data import (
+    IGNORE_INDEX,
+    Batch,
+    Prefetcher,
+    check_packed,
+    labels_for,
+    load_packed,
+    micro_batches,
+)
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 
 LogFn = Callable[[int, dict[str, float]], None]
 MessageFn = Callable[[str], None]
-Batch = dict[str, torch.Tensor]
 
-PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "attention_mask")
-IGNORE_INDEX = -100  # what Hugging Face's cross-entropy skips
-
-
-# -- data -------------------------------------------------------------------------------------------------------
-def load_packed(path: str) -> Batch:
-    """Read a packed Parquet file into ``[rows, pack_size]`` tensors, failing with the path in every message."""
-    from nexa_dagster.core import storage
-
-    if not storage.exists(path):
-        raise FileNotFoundError(f"packed dataset not found: {path}")
-    frame = storage.read_parquet(path)
-    missing = [c for c in PACKED_COLUMNS if c not in frame.columns]
-    if missing:
-        raise ValueError(f"packed dataset {path} lacks columns {missing} (has {list(frame.columns)})")
-    if frame.empty:
-        raise ValueError(f"packed dataset is empty: {path}")
-    data: Batch = {}
-    for column in PACKED_COLUMNS:
-        try:
-            data[column] = torch.from_numpy(np.stack(frame[column].to_numpy()).astype(np.int64))
-        except ValueError as e:  # ragged rows: the packer must emit exactly pack_size tokens per row
-            raise ValueError(f"packed dataset {path}: column {column} has rows of different lengths") from e
-    return data
-
-
-def check_packed(data: Batch, path: str, vocab_size: int) -> None:
-    """Catch data the model cannot train on before the engine starts, with a message that says what to fix."""
-    top = int(data["input_ids"].max())
-    if top >= vocab_size:
-        raise ValueError(f"packed dataset {path} has token id {top} but the tokenizer's vocabulary has {vocab_size} "
-                         "entries: the data was tokenized with a different tokenizer")
-    if int(labels_for(data).ne(IGNORE_INDEX).sum()) == 0:
-        raise ValueError(f"packed dataset {path} has no loss-mask tokens: nothing to learn")
-
-
-def labels_for(batch: Batch) -> torch.Tensor:
-    """Targets for the causal-LM loss; Hugging Face shifts them by one itself.
-
-    Only assistant tokens are learned (``loss_mask``), never padding, and never the first token of a packed
-    document: its "previous token" is the end of an unrelated document in the same row.
-    """
-    learn = (batch["loss_mask"] == 1) & (batch["attention_mask"] == 1) & (batch["position_ids"] != 0)
-    return batch["input_ids"].masked_fill(~learn, IGNORE_INDEX)
-
-
-def index_stream(num_rows: int, seed: int) -> Iterator[int]:
-    """Row indices forever: one seeded permutation per epoch, identical on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        yield from torch.randperm(num_rows, generator=generator).tolist()
-
-
-def micro_batches(data: Batch, micro_batch: int, seed: int, rank: int, world_size: int) -> Iterator[Batch]:
-    """Cycle over the data deterministically: each global batch is split between ranks, no row twice per batch
-    unless the dataset is smaller than the global batch (then it simply repeats, which tiny runs rely on)."""
-    stream = index_stream(data["input_ids"].shape[0], seed)
-    while True:
-        global_batch = list(itertools.islice(stream, micro_batch * world_size))
-        mine = torch.tensor(global_batch[rank * micro_batch:(rank + 1) * micro_batch])
-        yield {name: tensor[mine] for name, tensor in data.items()}
+FAULT_STALL_ENV = "NEXA_FAULT_STALL_AT_STEP"  # fault injection for tests: hang after this step
 
 
 # -- model and optimisation -------------------------------------------------------------------------------------
-def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> torch.nn.Module:
+def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEForCausalLM:
     """A randomly initialised MoE from the preset; same seed on every rank, so every rank starts identical."""
-    from transformers import MixtralForCausalLM
-
     from nexa_dagster.core.tiny_model import build_model_config
 
     torch.manual_seed(job.settings.seed)
-    config = build_model_config(job.model_preset, vocab_size=vocab_size, tokenizer=tokenizer,
-                                output_router_logits=True)  # adds the router's load-balancing loss to the loss
-    return MixtralForCausalLM(config)
+    config = build_model_config(job.model_preset, vocab_size=vocab_size, tokenizer=tokenizer)
+    model = NexaMoEForCausalLM(config, attention=job.settings.attention)
+    model.activation_checkpointing = job.settings.activation_checkpointing
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -119,14 +69,16 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return total, active
 
 
-def build_optimizer(model: torch.nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW with the usual LLM split: matrices decay, norms (1-D) do not."""
+def build_optimizer(model: torch.nn.Module, name: str, learning_rate: float, weight_decay: float,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW (or Adam) with the usual LLM split: matrices decay, norms (1-D) do not."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    return cls(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, floor: float = 0.1) -> Callable[[int], float]:
@@ -162,9 +114,6 @@ def fill_deepspeed_config(job: TrainingJob, world_size: int) -> dict[str, Any]:
     leftover = _auto_keys(cfg)
     if leftover:
         raise ValueError(f'DeepSpeed config has "auto" values this loop cannot fill: {leftover}')
-    if cfg.get("zero_optimization", {}).get("stage", 0) >= 3:
-        raise ValueError("ZeRO-3 is not supported by this loop: the Hugging Face MoE blocks would need "
-                         "deepspeed.utils.set_z3_leaf_modules and saving would need gathered weights; use stage 1 or 2")
     if job.accelerator == "cpu":  # DeepSpeed's CPU accelerator trains in fp32; half precision is for GPUs
         cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": False}
         cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": False}
@@ -177,13 +126,34 @@ def _auto_keys(cfg: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if cfg == "auto" else []
 
 
+def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int) -> Any:
+    """Model + optimizer + warmup/cosine schedule wrapped by the DeepSpeed engine (ZeRO stage from the JSON)."""
+    import deepspeed
+
+    s = job.settings
+    ds_config = fill_deepspeed_config(job, world_size)
+    if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
+        # ZeRO-3 partitions parameters; an MoE block's experts must be gathered as one unit, not hooked per
+        # parameter, or ranks routing to different experts would wait on each other forever.
+        deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])
+    if s.compile and job.accelerator == "cuda":
+        model.compile_layers()
+    optimizer = build_optimizer(model, s.optimizer, s.learning_rate, s.weight_decay,
+                                fused=job.accelerator == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(s.warmup_steps, s.max_steps))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config)
+    return engine
+
+
 # -- distributed helpers ----------------------------------------------------------------------------------------
 def all_reduce_sum(*values: float) -> list[float]:
     """Sum scalars over ranks (a no-op for a single process)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # gloo reduces CPU tensors; NCCL would need them on the GPU
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.tolist()
 
 
@@ -193,7 +163,29 @@ def _as_float(value: Any) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-# -- evaluation -------------------------------------------------------------------------------------------------
+# -- one step and the validation pass ---------------------------------------------------------------------------
+def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """One optimizer step over ``accumulation`` micro-batches.
+
+    Returns the mean LM loss and router aux loss (as tensors: reading them would wait for the GPU every step),
+    the real tokens trained on, and the mean expert load. The engine minimises LM loss + router_aux_loss_coef x
+    load-balancing loss; the LM part alone is reported, comparable with the validation loss.
+    """
+    lm_loss = aux_loss = expert_load = 0
+    tokens = 0
+    for _ in range(accumulation):
+        batch = next(batches)
+        out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch))
+        engine.backward(out.loss)
+        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary
+        lm_loss = lm_loss + out.lm_loss.detach() / accumulation
+        aux_loss = aux_loss + out.aux_loss.detach() / accumulation
+        expert_load = expert_load + out.expert_load / accumulation
+        tokens += batch["input_ids"].numel()  # packed rows: padding is rare, count slots (no GPU sync)
+    return lm_loss, aux_loss, tokens, expert_load
+
+
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, data: Batch, device: torch.device, micro_batch: int,
                     rank: int, world_size: int) -> float:
@@ -203,46 +195,58 @@ def validation_loss(model: torch.nn.Module, data: Batch, device: torch.device, m
     nll, count = 0.0, 0
     for start in range(0, len(rows), micro_batch):
         batch = {k: v[rows[start:start + micro_batch]].to(device) for k, v in data.items()}
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                       output_router_logits=False).logits.float()
-        targets = labels_for(batch)[:, 1:]
-        nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets,
-                                                       ignore_index=IGNORE_INDEX, reduction="sum"))
-        count += int(targets.ne(IGNORE_INDEX).sum())
+        labels = labels_for(batch)
+        learned = int(labels[:, 1:].ne(IGNORE_INDEX).sum())
+        if learned:
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels)
+            nll += float(out.lm_loss) * learned
+            count += learned
     model.train()
     nll, count = all_reduce_sum(nll, count)
     return nll / count if count else float("nan")
 
 
-# -- the run ----------------------------------------------------------------------------------------------------
-def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int) -> tuple[float, float, int]:
-    """One optimizer step over ``accumulation`` micro-batches; returns mean LM loss, mean aux loss, real tokens.
+# -- resumable state --------------------------------------------------------------------------------------------
+def state_dir(job: TrainingJob) -> Path:
+    return Path(job.output_dir).with_name(Path(job.output_dir).name + ".state")
 
-    The engine minimises LM loss + router_aux_loss_coef x load-balancing loss (Mixtral adds it when
-    ``output_router_logits`` is on); the LM part alone is reported, comparable with the validation loss.
+
+def save_state(engine: Any, job: TrainingJob, step: int, metrics_log: list[dict[str, float]],
+               tokens_seen: int) -> None:
+    """DeepSpeed checkpoint of model, optimizer, scheduler (every rank writes its shard) + loop state.
+
+    DeepSpeed writes the ``latest`` pointer after the files, so a kill during the save leaves the previous state
+    as the one a relaunch resumes from.
     """
-    aux_coef = float(engine.module.config.router_aux_loss_coef)
-    lm_loss = aux_loss = 0.0
-    tokens = 0
-    for _ in range(accumulation):
-        batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-        out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch))
-        engine.backward(out.loss)
-        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary
-        aux = _as_float(out.aux_loss)
-        lm_loss += (_as_float(out.loss) - aux_coef * aux) / accumulation
-        aux_loss += aux / accumulation
-        tokens += int(batch["attention_mask"].sum())
-    return lm_loss, aux_loss, tokens
+    client_state = {"step": step, "tokens_seen": tokens_seen, "metrics_log": metrics_log,
+                    "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    engine.save_checkpoint(str(state_dir(job)), tag=f"step{step:08d}", client_state=client_state)
 
 
+def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
+    """Resume from the last complete state, if any; returns the loop state saved with it."""
+    directory = state_dir(job)
+    if not (directory / "latest").exists():
+        return None
+    path, client_state = engine.load_checkpoint(str(directory), load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"could not load the training state in {directory}; delete it to start over")
+    torch.set_rng_state(client_state["torch_rng"])
+    if client_state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(client_state["cuda_rng"])
+    return client_state
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
 def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None) -> TrainingResult:
     """Train ``job`` to completion in this process (one rank) and return its result; rank 0 saves the checkpoint.
 
     ``on_log(step, metrics)`` is called on rank 0 every ``log_every`` steps (and on the first and last step) with
-    loss, aux_loss, lr, grad_norm and tokens_per_s; ``on_message`` gets human-readable progress lines.
+    loss, aux_loss, lr, grad_norm, tokens_per_s, step_s, mfu, data_wait, expert_balance and mem_gb;
+    ``on_message`` gets human-readable progress lines.
     """
-    import deepspeed
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
@@ -265,63 +269,108 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     train_data, val_data = load_packed(job.train_path), load_packed(job.validation_path)
     check_packed(train_data, job.train_path, vocab_size)
     check_packed(val_data, job.validation_path, vocab_size)
+    seq_len = train_data["input_ids"].shape[1]
 
-    # 2. model, optimizer, schedule, engine
+    # 2. model and engine
     model = build_model(job, vocab_size, tokenizer)
     total_params, active_params = count_parameters(model)
-    optimizer = build_optimizer(model, s.learning_rate, s.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(s.warmup_steps, s.max_steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=fill_deepspeed_config(job, world_size))
+    engine = build_engine(model, job, world_size)
+    device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+    per_token_flops = monitor.flops_per_token(active_params, model.config.num_hidden_layers,
+                                              model.config.hidden_size, seq_len)
+    peak = monitor.peak_flops(device)
     say(f"engine ready: {total_params:,} parameters ({active_params:,} active), ZeRO stage "
-        f"{engine.zero_optimization_stage()}, {train_data['input_ids'].shape[0]} packed rows of "
-        f"{train_data['input_ids'].shape[1]} tokens, world size {world_size}, device {engine.device}")
+        f"{engine.zero_optimization_stage()}, {train_data['input_ids'].shape[0]} packed rows of {seq_len} tokens, "
+        f"world size {world_size}, device {device}")
 
-    # 3. the loop: one optimizer step per iteration, gradient accumulation inside
-    batches = micro_batches(train_data, s.micro_batch_size, s.seed, rank, world_size)
-    metrics_log: list[dict[str, float]] = []
-    tokens_seen, window_tokens, window_start, train_start = 0, 0, time.perf_counter(), time.perf_counter()
-    first_loss = last_loss = float("nan")
-    for step in range(1, s.max_steps + 1):
-        lr = engine.get_lr()[0]  # the rate this step's update uses
-        lm_loss, aux_loss, tokens = optimizer_step(engine, batches, s.gradient_accumulation_steps)
-        window_tokens += tokens
-        if not math.isfinite(lm_loss):
-            raise FloatingPointError(f"non-finite loss {lm_loss} at step {step}: lower the learning rate or check "
-                                     "the packed data")
-        if step == 1 or step % s.log_every == 0 or step == s.max_steps:
-            loss_sum, aux_sum, tokens = all_reduce_sum(lm_loss, aux_loss, window_tokens)
-            elapsed = time.perf_counter() - window_start
-            metrics = {"step": step, "loss": loss_sum / world_size, "aux_loss": aux_sum / world_size, "lr": lr,
-                       "grad_norm": _as_float(engine.get_global_grad_norm()),
-                       "tokens_per_s": tokens / max(elapsed, 1e-9)}
-            metrics_log.append(metrics)
-            tokens_seen += int(tokens)
-            window_tokens, window_start = 0, time.perf_counter()
-            last_loss = metrics["loss"]
-            if step == 1:
-                first_loss = last_loss
-            if on_log and rank == 0:
-                on_log(step, {k: v for k, v in metrics.items() if k != "step"})
+    # 3. resume from the last saved state of an earlier attempt of this run, if there is one
+    start_step, metrics_log, tokens_seen, tokens_before = 0, [], 0, 0
+    resumed = load_state(engine, job)
+    if resumed is not None:
+        start_step, metrics_log, tokens_seen = resumed["step"], resumed["metrics_log"], resumed["tokens_seen"]
+        tokens_before = tokens_seen
+        say(f"resumed from step {start_step} ({state_dir(job)})")
+
+    # 4. the loop: one optimizer step per iteration, gradient accumulation inside
+    accumulation = s.gradient_accumulation_steps
+    batches = Prefetcher(micro_batches(train_data, s.micro_batch_size, s.seed, rank, world_size,
+                                       start=start_step * accumulation), device, depth=s.prefetch)
+    step = start_step
+    watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
+    stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
+    window_tokens, window_start, window_wait = 0, time.perf_counter(), 0.0
+    train_start = time.perf_counter()
+    try:
+        for step in range(start_step + 1, s.max_steps + 1):
+            lr = engine.get_lr()[0]  # the rate this step's update uses
+            lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation)
+            window_tokens += tokens
+            watchdog.beat()
+            if step == stall_at:
+                time.sleep(10 * s.stall_timeout_s)
+            if step == 1 or step % s.log_every == 0 or step == s.max_steps:
+                loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), window_tokens)
+                if not math.isfinite(loss_sum):
+                    raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate "
+                                             "or check the packed data")
+                elapsed = time.perf_counter() - window_start
+                steps_in_window = step - (int(metrics_log[-1]["step"]) if metrics_log else start_step)
+                tokens_per_s = tokens / max(elapsed, 1e-9)
+                metrics = {"step": step, "loss": loss_sum / world_size, "aux_loss": aux_sum / world_size, "lr": lr,
+                           "grad_norm": _as_float(engine.get_global_grad_norm()), "tokens_per_s": tokens_per_s,
+                           "step_s": elapsed / max(steps_in_window, 1),
+                           "mfu": monitor.mfu(tokens_per_s / world_size, per_token_flops, peak) or 0.0,
+                           "data_wait": (batches.wait_s - window_wait) / max(elapsed, 1e-9),
+                           "expert_balance": monitor.expert_balance(expert_load),
+                           "mem_gb": monitor.peak_memory_gb(device)}
+                metrics_log.append(metrics)
+                tokens_seen += int(tokens)
+                window_tokens, window_start, window_wait = 0, time.perf_counter(), batches.wait_s
+                if on_log and rank == 0:
+                    on_log(step, {k: v for k, v in metrics.items() if k != "step"})
+            if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
+                save_state(engine, job, step, metrics_log, tokens_seen)
+                say(f"saved resumable state at step {step}")
+    finally:
+        watchdog.stop()
+        batches.close()
     train_s = time.perf_counter() - train_start
 
-    # 4. evaluate, then save (rank 0)
-    val_loss = validation_loss(engine.module, val_data, engine.device, s.micro_batch_size, rank, world_size)
+    # 5. evaluate, then save (rank 0)
+    val_loss = validation_loss(engine.module, val_data, device, s.micro_batch_size, rank, world_size)
     say(f"validation loss {val_loss:.4f}")
+    trained_now = [m for m in metrics_log if m["step"] > start_step]
     result = TrainingResult(
-        run_id=job.run_id, checkpoint_dir=str(output_dir), steps=s.max_steps, first_loss=first_loss,
-        final_loss=last_loss, validation_loss=val_loss, tokens_seen=tokens_seen,
-        tokens_per_s=tokens_seen / max(train_s, 1e-9), wall_s=time.perf_counter() - t_start,
+        run_id=job.run_id, checkpoint_dir=str(output_dir), steps=s.max_steps,
+        first_loss=metrics_log[0]["loss"], final_loss=metrics_log[-1]["loss"], validation_loss=val_loss,
+        tokens_seen=tokens_seen, tokens_per_s=(tokens_seen - tokens_before) / max(train_s, 1e-9),
+        wall_s=time.perf_counter() - t_start,
         loss_curve=[(int(m["step"]), m["loss"]) for m in metrics_log], parameters_total=total_params,
         parameters_active=active_params, world_size=world_size, dataset_run_hash=job.dataset_run_hash,
+        resumed_from_step=start_step, mfu=max((m["mfu"] for m in trained_now), default=0.0),
+        peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
     )
+    export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
     if rank == 0:
-        save_checkpoint(engine.module, tokenizer, job, result, metrics_log)
         say(f"saved {output_dir}")
+        shutil.rmtree(state_dir(job), ignore_errors=True)  # the run is complete: its resume state is garbage
     return result
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: Any, job: TrainingJob, result: TrainingResult,
+def export_checkpoint(engine: Any, tokenizer: Any, job: TrainingJob, result: TrainingResult,
+                      metrics_log: list[dict[str, float]], rank: int) -> None:
+    """Rank 0 writes the Hugging Face checkpoint; under ZeRO-3 every rank first helps gather the weights."""
+    if engine.zero_optimization_stage() >= 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            if rank == 0:
+                save_checkpoint(engine.module, tokenizer, job, result, metrics_log)
+    elif rank == 0:
+        save_checkpoint(engine.module, tokenizer, job, result, metrics_log)
+
+
+def save_checkpoint(model: NexaMoEForCausalLM, tokenizer: Any, job: TrainingJob, result: TrainingResult,
                     metrics_log: list[dict[str, float]]) -> Path:
     """Write the Hugging Face checkpoint under a temporary name, rename it into place, mark it complete last.
 
@@ -330,10 +379,11 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, job: TrainingJob, re
     """
     out = Path(job.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model.config.output_router_logits = False  # inference must not compute the aux loss (breaks padded batches)
+    hf_model = to_hf(model)
+    hf_model.config.output_router_logits = False  # inference must not compute the aux loss
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # same filesystem: rename is atomic
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        hf_model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "training_summary.json").write_text(result.model_dump_json(indent=2))
         (tmp / "training_job.json").write_text(job.model_dump_json(indent=2))

@@ -177,8 +177,11 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
 
     def on_log(self, max_steps: int) -> Callable[[int, dict[str, float]], None]:
         def log(step: int, m: dict[str, float]) -> None:
+            mfu = f" mfu {m['mfu']:.1%}" if m.get("mfu") else ""
             self.info(f"step {step}/{max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
-                      f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}")
+                      f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}{mfu} "
+                      f"step {m['step_s'] * 1000:.0f} ms data-wait {m['data_wait']:.1%} "
+                      f"expert-balance {m['expert_balance']:.2f} mem {m['mem_gb']:.2f} GB")
         return log
 
     def report_result(self, result: TrainingResult) -> None:
@@ -209,6 +212,9 @@ def materialization_metadata(result: TrainingResult) -> dict[str, Any]:
         "parameters_total": result.parameters_total,
         "parameters_active": result.parameters_active,
         "world_size": result.world_size,
+        "resumed_from_step": result.resumed_from_step,
+        "mfu": round(result.mfu, 4),
+        "peak_mem_gb": round(result.peak_mem_gb, 3),
         "dataset_run_hash": result.dataset_run_hash,
         "checkpoint_dir": {"raw_value": result.checkpoint_dir, "type": "path"},
     }

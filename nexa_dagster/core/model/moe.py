@@ -1,0 +1,323 @@
+"""The Nexa MoE language model used for training: Mixtral's architecture, written for speed and for packing.
+
+Why not train ``transformers.MixtralForCausalLM`` directly? It is the model we *export* to (every checkpoint is a
+plain Hugging Face Mixtral directory that ``transformers`` and vLLM load), but as a training model it leaves speed
+and correctness on the table:
+
+* packed rows hold several documents; Hugging Face's causal mask lets a token attend across the boundary into the
+  previous document. Here attention stays within each document (``position_ids`` restart at 0 per document):
+  FlexAttention with a block mask on GPUs, a boolean mask with SDPA elsewhere;
+* the experts run as two grouped GEMMs per layer over tokens sorted by expert (``torch.nn.functional.grouped_mm``),
+  not a Python loop over experts, and each decoder layer is compiled on its own (torchtitan's per-block compile);
+* the loss is computed from bf16 logits in chunks, never materialising ``tokens x vocab`` in fp32.
+
+The parameter names and shapes are exactly those of ``transformers``' Mixtral (5.x), so ``state_dict()`` loads into
+``MixtralForCausalLM`` unchanged; ``tests/test_moe_model.py`` checks that both give the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclass
+class MoEOutput:
+    """What a training forward returns: the loss the optimizer minimises and the parts a monitor reports."""
+
+    loss: torch.Tensor | None  # lm_loss + router_aux_loss_coef * aux_loss (None without labels)
+    lm_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+    logits: torch.Tensor | None  # only when asked for (evaluation, tests): training never materialises them
+    expert_load: torch.Tensor  # [layers, experts] fraction of routed token slots each expert received
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[batch, seq, head_dim]`` for rotary embeddings at each token's position in its own document."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_theta(config: object) -> float:
+    """RoPE base frequency; transformers 5 keeps it in ``rope_parameters``, older versions on the config."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Number each packed document in a row: a new document starts wherever ``position_ids`` is 0."""
+    return (position_ids == 0).cumsum(-1)
+
+
+class DocumentMask:
+    """Causal attention confined to each packed document, in the form the attention kernel wants."""
+
+    def __init__(self, position_ids: torch.Tensor, use_flex: bool) -> None:
+        docs = document_ids(position_ids)
+        batch, seq = docs.shape
+        self.flex = None
+        self.dense = None
+        if use_flex:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document_causal(b, h, q, kv):  # noqa: ANN001 - FlexAttention's mask_mod signature
+                return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+            self.flex = create_block_mask(same_document_causal, batch, None, seq, seq, device=docs.device)
+        else:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
+            self.dense = (docs[:, :, None] == docs[:, None, :]) & causal  # [batch, q, kv]
+            self.dense = self.dense[:, None]
+
+
+_flex_attention = None
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: object) -> torch.Tensor:
+    global _flex_attention
+    if _flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention as fa
+
+        _flex_attention = torch.compile(fa, dynamic=False)
+    return _flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
+                ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is not None and mask.flex is not None:
+            out = flex_attention(q, k, v, mask.flex)
+        elif mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Router(nn.Module):
+    """Mixtral's router: softmax over all experts, keep the top k, renormalise their weights to sum to 1."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        return probs, weights / weights.sum(-1, keepdim=True), experts
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of expert e] @ weight[e].T`` for every expert at once; rows are sorted by expert.
+
+    ``offsets[e]`` is the end row of expert ``e``. One grouped GEMM kernel where PyTorch has one for this dtype and
+    device (bf16 on Hopper/Ampere, fp32 on CPU); a loop over experts otherwise (fp16 on GPUs).
+    """
+    if _grouped_mm is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        return _grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ weight[e].T
+        start = end
+    return out
+
+
+class Experts(nn.Module):
+    """SwiGLU experts stored as Hugging Face does: ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        tokens, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        rows = x[order // k]
+        gate, up = grouped_linear(rows, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        out = grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+        out = out.float() * weights.reshape(-1)[order, None]
+        combined = torch.zeros(tokens, x.shape[-1], dtype=out.dtype, device=x.device)
+        combined.index_add_(0, order // k, out)
+        return combined.to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = Router(hidden, experts, top_k)
+        self.experts = Experts(hidden, ffn, experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the output and this layer's two load-balancing statistics (per-expert means)."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, weights, experts = self.gate(flat)
+        out = self.experts(flat, weights, experts)
+        # Switch/Mixtral load balancing: fraction of token slots per expert, and mean router probability
+        slot_fraction = F.one_hot(experts, probs.shape[-1]).float().mean(0)  # [k, E]
+        return out.view(shape), slot_fraction, probs.mean(0)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoEBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        moe_out, slot_fraction, mean_prob = self.mlp(self.post_attention_layernorm(x))
+        return x + moe_out, slot_fraction, mean_prob
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NexaMoEForCausalLM(nn.Module):
+    """Mixtral-architecture MoE for training; ``config`` is a ``transformers.MixtralConfig``.
+
+    ``forward(input_ids, position_ids, labels)`` returns an :class:`MoEOutput`. ``labels`` use -100 for tokens not
+    learned (Hugging Face's convention; they are shifted by one here, as Hugging Face does).
+    """
+
+    def __init__(self, config: object, attention: str = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.attention = attention  # "auto": FlexAttention on CUDA, SDPA with a dense mask elsewhere
+        self.activation_checkpointing = False
+        self.loss_chunk_tokens = 8192
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Hugging Face's initialisation for Mixtral: normal(0, initializer_range) for matrices, ones for norms."""
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def compile_layers(self) -> None:
+        """Compile each decoder layer on its own: short compile times, one graph reused by every layer."""
+        for i, layer in enumerate(self.model.layers):
+            self.model.layers[i] = torch.compile(layer, dynamic=False)
+        self._loss = torch.compile(self._loss, dynamic=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_logits: bool = False) -> MoEOutput:
+        cfg = self.config
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_tables(position_ids, self.head_dim, rope_theta(cfg), x.dtype)
+        packed = bool((position_ids[:, 1:] == 0).any())  # any row holding more than one document
+        use_flex = self.attention == "flex" or (self.attention == "auto" and x.is_cuda)
+        mask = DocumentMask(position_ids, use_flex) if packed or use_flex else None
+        slot_fractions, mean_probs = [], []
+        for layer in self.model.layers:
+            if self.activation_checkpointing and self.training:
+                x, frac, prob = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x, frac, prob = layer(x, cos, sin, mask)
+            slot_fractions.append(frac)
+            mean_probs.append(prob)
+        x = self.model.norm(x)
+        frac = torch.stack(slot_fractions)  # [layers, k, E]
+        prob = torch.stack(mean_probs)  # [layers, E]
+        # Hugging Face's load_balancing_loss_func over all layers' router outputs at once
+        aux_loss = (frac.mean(0) * prob.mean(0)[None]).sum() * cfg.num_local_experts
+        expert_load = frac.sum(1).detach() / frac.shape[1]
+        logits = self.lm_head(x) if return_logits else None
+        lm_loss = loss = None
+        if labels is not None:
+            lm_loss = self._loss(x, labels)
+            loss = lm_loss + cfg.router_aux_loss_coef * aux_loss
+        return MoEOutput(loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, logits=logits, expert_load=expert_load)
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over learned tokens, computed in chunks of ``loss_chunk_tokens``."""
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
+            logits = self.lm_head(hidden[start:start + self.loss_chunk_tokens]).float()
+            total = total + F.cross_entropy(logits, targets[start:start + self.loss_chunk_tokens],
+                                            ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / targets.ne(IGNORE_INDEX).sum().clamp(min=1)
+
+
+def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
+    """The same weights as a ``transformers.MixtralForCausalLM`` (for saving, serving and evaluation)."""
+    from transformers import MixtralForCausalLM
+
+    hf = MixtralForCausalLM(model.config)
+    state = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map onto transformers' Mixtral: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return hf.to(next(model.parameters()).dtype)

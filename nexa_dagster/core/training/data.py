@@ -1,0 +1,147 @@
+"""Training input: packed rows from ``sft_dataset``, a deterministic resumable order, and a prefetching loader.
+
+The order of rows is a pure function of (seed, position): a resumed run asks for the stream from the position it
+had reached and gets exactly the micro-batches an uninterrupted run would have seen next. The loader prepares the
+next micro-batches on a background thread (pinned memory on GPUs) and measures how long the training loop waited
+for each one, so the run can report the share of step time lost to input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "attention_mask")
+IGNORE_INDEX = -100  # what the cross-entropy skips
+
+
+def load_packed(path: str) -> Batch:
+    """Read a packed Parquet file into ``[rows, pack_size]`` tensors, failing with the path in every message."""
+    from nexa_dagster.core import storage
+
+    if not storage.exists(path):
+        raise FileNotFoundError(f"packed dataset not found: {path}")
+    frame = storage.read_parquet(path)
+    missing = [c for c in PACKED_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"packed dataset {path} lacks columns {missing} (has {list(frame.columns)})")
+    if frame.empty:
+        raise ValueError(f"packed dataset is empty: {path}")
+    data: Batch = {}
+    for column in PACKED_COLUMNS:
+        try:
+            data[column] = torch.from_numpy(np.stack(frame[column].to_numpy()).astype(np.int64))
+        except ValueError as e:  # ragged rows: the packer must emit exactly pack_size tokens per row
+            raise ValueError(f"packed dataset {path}: column {column} has rows of different lengths") from e
+    return data
+
+
+def check_packed(data: Batch, path: str, vocab_size: int) -> None:
+    """Catch data the model cannot train on before the engine starts, with a message that says what to fix."""
+    top = int(data["input_ids"].max())
+    if top >= vocab_size:
+        raise ValueError(f"packed dataset {path} has token id {top} but the tokenizer's vocabulary has {vocab_size} "
+                         "entries: the data was tokenized with a different tokenizer")
+    if int(labels_for(data).ne(IGNORE_INDEX).sum()) == 0:
+        raise ValueError(f"packed dataset {path} has no loss-mask tokens: nothing to learn")
+
+
+def labels_for(batch: Batch) -> torch.Tensor:
+    """Targets for the causal-LM loss (the model shifts them by one).
+
+    Only assistant tokens are learned (``loss_mask``), never padding, and never the first token of a packed
+    document: it would be predicted from the end of an unrelated document.
+    """
+    learn = (batch["loss_mask"] == 1) & (batch["attention_mask"] == 1) & (batch["position_ids"] != 0)
+    return batch["input_ids"].masked_fill(~learn, IGNORE_INDEX)
+
+
+def index_stream(num_rows: int, seed: int) -> Iterator[int]:
+    """Row indices forever: one seeded permutation per epoch, identical on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield from torch.randperm(num_rows, generator=generator).tolist()
+
+
+def micro_batches(data: Batch, micro_batch: int, seed: int, rank: int, world_size: int,
+                  start: int = 0) -> Iterator[Batch]:
+    """This rank's share of every global batch, from global batch number ``start`` on (resume).
+
+    Each global batch holds ``micro_batch * world_size`` rows, no row twice unless the dataset is smaller than a
+    global batch (then it repeats, which tiny runs rely on).
+    """
+    stream = index_stream(data["input_ids"].shape[0], seed)
+    if start:
+        next(itertools.islice(stream, start * micro_batch * world_size - 1, None))  # skip without building lists
+    while True:
+        global_batch = list(itertools.islice(stream, micro_batch * world_size))
+        mine = torch.tensor(global_batch[rank * micro_batch:(rank + 1) * micro_batch])
+        yield {name: tensor[mine] for name, tensor in data.items()}
+
+
+class Prefetcher:
+    """Pull micro-batches from ``source`` on a thread, ``depth`` ahead; ``next()`` returns them on ``device``.
+
+    ``wait_s`` accumulates the time the training loop spent blocked in ``next()``: input-bound steps show up as a
+    high data-wait share in the run's metrics instead of as a mysteriously slow GPU.
+    """
+
+    _END = object()
+
+    def __init__(self, source: Iterator[Batch], device: torch.device, depth: int = 2) -> None:
+        self.device = device
+        self.wait_s = 0.0
+        self._source = source
+        self._pin = device.type == "cuda"
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, depth))
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True) if depth > 0 else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._source:
+                if self._pin:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # surfaced in the training loop, not lost on a thread
+            self._error = e
+        self._queue.put(self._END)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Batch:
+        start = time.perf_counter()
+        if self._thread is None:
+            batch = next(self._source)
+        else:
+            item = self._queue.get()
+            if item is self._END:
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            batch = item  # type: ignore[assignment]
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        self.wait_s += time.perf_counter() - start
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
