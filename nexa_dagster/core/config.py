@@ -75,7 +75,8 @@ class TrainingSettings(_Strict):
     stall_timeout_s: float = Field(default=900.0, gt=0, description="fail the run when no step ends in this time")
     activation_checkpointing: bool = False
     compile: bool = Field(default=False, description="torch.compile each decoder layer (GPU presets)")
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    attention: Literal["auto", "sdpa", "flex", "causal"] = Field(
+        default="auto", description="auto: within-document masks (FlexAttention on GPUs); causal: across documents")
     prefetch: int = Field(default=2, ge=0, description="micro-batches prepared ahead by a background thread")
 
 

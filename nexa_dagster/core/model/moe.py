@@ -92,7 +92,8 @@ class DocumentMask:
             def same_document_causal(b, h, q, kv):  # noqa: ANN001 - FlexAttention's mask_mod signature
                 return (docs[b, q] == docs[b, kv]) & (q >= kv)
 
-            self.flex = create_block_mask(same_document_causal, batch, None, seq, seq, device=docs.device)
+            self.flex = create_block_mask(same_document_causal, batch, None, seq, seq, device=docs.device,
+                                          _compile=docs.is_cuda)
         else:
             causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
             self.dense = (docs[:, :, None] == docs[:, None, :]) & causal  # [batch, q, kv]
@@ -179,7 +180,8 @@ class Experts(nn.Module):
         tokens, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # not bincount: a fixed output shape compiles without graph breaks
         offsets = counts.cumsum(0).to(torch.int32)
         rows = x[order // k]
         gate, up = grouped_linear(rows, self.gate_up_proj, offsets).chunk(2, dim=-1)
@@ -246,7 +248,7 @@ class NexaMoEForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.attention = attention  # "auto": FlexAttention on CUDA, SDPA with a dense mask elsewhere
+        self.attention = attention  # "auto": FlexAttention on CUDA, SDPA with a dense mask elsewhere; "causal"
         self.activation_checkpointing = False
         self.loss_chunk_tokens = 8192
         self.reset_parameters()
@@ -273,9 +275,13 @@ class NexaMoEForCausalLM(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_tables(position_ids, self.head_dim, rope_theta(cfg), x.dtype)
-        packed = bool((position_ids[:, 1:] == 0).any())  # any row holding more than one document
         use_flex = self.attention == "flex" or (self.attention == "auto" and x.is_cuda)
-        mask = DocumentMask(position_ids, use_flex) if packed or use_flex else None
+        if use_flex:  # a block mask costs little even for single-document rows; no GPU sync to find out
+            mask = DocumentMask(position_ids, use_flex=True)
+        elif self.attention == "causal" or not bool((position_ids[:, 1:] == 0).any()):
+            mask = None  # plain causal attention (one document per row, or asked for: the baseline's attention)
+        else:
+            mask = DocumentMask(position_ids, use_flex=False)
         slot_fractions, mean_probs = [], []
         for layer in self.model.layers:
             if self.activation_checkpointing and self.training:
