@@ -208,10 +208,140 @@ def test_worker_failure_is_a_dagster_failure_quoting_its_stderr(tmp_path: Path, 
     assert "training test-run failed on rank 0: ValueError" in description
 
 
-def test_cluster_backends_not_yet_built_say_so(tmp_path: Path, teacher_dir: Path) -> None:
-    with pytest.raises(NotImplementedError, match="issue #5"):
-        GPUClusterResource(backend="slurm").run_training(dg.build_asset_context(), make_job(tmp_path, teacher_dir, 1),
-                                                         tmp_path)
+def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_dir: Path) -> None:
+    """A DeepSpeed value that contradicts the scale preset, or a typo in a model preset: a clear error from the
+    launching step, no worker started."""
+    job = make_job(tmp_path, teacher_dir, steps=2)
+    bad_ds = job.model_copy(update={"deepspeed_config": {**job.deepspeed_config, "gradient_accumulation_steps": 7}})
+    assert "gradient_accumulation_steps=7 but the scale preset implies 1" in _failure_description(bad_ds, tmp_path)
+    assert not (tmp_path / "work" / "worker.rank0.stderr.log").exists(), "a worker was launched"
+    (tmp_path / "configs" / "models").mkdir(parents=True)
+    (tmp_path / "configs" / "models" / "typo.yaml").write_text("architecture: MixtralForCausalLM\nhiden_size: 64\n")
+    os.environ["NEXA_CONFIG_DIR"] = str(tmp_path / "configs")
+    try:
+        description = _failure_description(job.model_copy(update={"model_preset": "typo"}), tmp_path)
+    finally:
+        del os.environ["NEXA_CONFIG_DIR"]
+    assert "unknown fields ['hiden_size']" in description
+
+
+# -- exact resume and the stall watchdog ------------------------------------------------------------------------
+def _torchrun(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    job_file = tmp_path / f"{job.run_id}.json"
+    job_file.write_text(job.model_dump_json())
+    command = GPUClusterResource(num_procs=2).worker_command(job_file, tmp_path / f"{job.run_id}-logs")
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def _losses(job: TrainingJob) -> list[tuple[int, float]]:
+    lines = (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+
+
+def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path: Path, teacher_dir: Path) -> None:
+    """2 gloo ranks, state every 3 steps; SIGKILL after the state of step 6 is saved; relaunch: steps 7-9 give
+    exactly the losses of an uninterrupted run (model, optimizer, schedule, RNG and data position restored)."""
+    base = make_job(tmp_path, teacher_dir, steps=9, rows=12, log_every=1, num_procs=2)
+    base = base.model_copy(update={"settings": base.settings.model_copy(update={"checkpoint_every": 3})})
+    straight = base.model_copy(update={"run_id": "straight", "output_dir": str(tmp_path / "ckpt" / "straight")})
+    proc = _torchrun(straight, tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+
+    killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed")})
+    proc = _torchrun(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"})  # hangs after step 7, state at 6
+    latest = tmp_path / "ckpt" / "killed.state" / "latest"
+    deadline = time.monotonic() + 240
+    while not (latest.exists() and latest.read_text().strip() == "step00000006"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # the ranks are now in step 7
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (Path(killed.output_dir) / COMPLETION_MARKER).exists()
+
+    proc = _torchrun(killed, tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from step 6" in out
+    assert summary_of(killed).resumed_from_step == 6
+    assert [s for s, _ in _losses(killed)] == list(range(1, 10))
+    assert _losses(killed) == _losses(straight)
+    assert not (tmp_path / "ckpt" / "killed.state").exists(), "a finished run's resume state is deleted"
+
+
+def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=5, log_every=1)
+    job = job.model_copy(update={"settings": job.settings.model_copy(update={"stall_timeout_s": 3.0})})
+    job_file = tmp_path / "job.json"
+    job_file.write_text(job.model_dump_json())
+    proc = subprocess.run([*WORKER, "--job", str(job_file)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NEXA_FAULT_STALL_AT_STEP": "2"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "STALL: no training step completed" in proc.stderr and "last completed step 2" in proc.stderr
+    assert 'File "' in proc.stderr.split("STALL:")[1], "the stacks of the threads are in the diagnostics"
+
+
+# -- what the cluster backends submit ---------------------------------------------------------------------------
+def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=2)
+    cluster = GPUClusterResource(backend="slurm", accelerator="cuda", num_procs=8, nodes=2, slurm_partition="gpu",
+                                 slurm_account="nexa", slurm_time_limit="12:00:00", python_executable="/opt/venv/bin/python",
+                                 slurm_setup_commands=["module load cuda/12.4"])
+    script = cluster.sbatch_script(job, tmp_path / "job.json", tmp_path / "work",
+                                   {"DAGSTER_PIPES_CONTEXT": "abc", "HF_HOME": "/shared/hf home"})
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in ("--job-name=nexa-test-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
+                      "--partition=gpu", "--account=nexa", "--time=12:00:00", f"--output={tmp_path}/work/slurm-%j.out",
+                      "--signal=B:INT@60"):
+        assert f"#SBATCH {directive}" in lines, directive
+    assert "export DAGSTER_PIPES_CONTEXT=abc" in lines and "export HF_HOME='/shared/hf home'" in lines
+    assert lines.index("module load cuda/12.4") < lines.index("export HEAD_NODE")
+    srun = lines[-1]
+    assert srun.startswith("srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
+                           "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
+                           "--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job ")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, "not valid bash"
+    cpu = GPUClusterResource(backend="slurm").sbatch_script(job, tmp_path / "j.json", tmp_path, {})
+    assert "--gpus-per-node" not in cpu and "torch.distributed.run" not in cpu
+
+
+def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=2)
+
+    @dg.asset
+    def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+        return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
+
+    old_path = os.environ["PATH"]
+    os.environ["PATH"] = str(tmp_path)  # no sbatch here
+    try:
+        res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(backend="slurm")},
+                             raise_on_error=False, instance=dg.DagsterInstance.ephemeral())
+    finally:
+        os.environ["PATH"] = old_path
+    description = res.get_step_failure_events()[0].step_failure_data.user_failure_data.description
+    assert "sbatch is not on PATH" in description
+
+
+def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
+    job = make_job(tmp_path, teacher_dir, steps=2)
+    cluster = GPUClusterResource(backend="kubernetes", accelerator="cuda", num_procs=4, k8s_image="nexa:latest",
+                                 k8s_data_pvc="nexa-data", k8s_node_selector={"gpu": "h100"},
+                                 k8s_tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                   "effect": "NoSchedule"}])
+    spec = cluster.pod_spec(job, Path("/data/work/job.json"), Path("/data/work"))
+    container = spec["containers"][0]
+    assert spec["restartPolicy"] == "Never" and container["image"] == "nexa:latest"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert container["command"] == ["python", "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+                                    "-m", "nexa_dagster.core.training.worker", "--job", "/data/work/job.json",
+                                    "--log-dir", "/data/work"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in spec["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
 
 
 # -- stopping ---------------------------------------------------------------------------------------------------

@@ -69,6 +69,10 @@ def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer:
     arch = spec.pop("architecture", "MixtralForCausalLM")
     if arch != "MixtralForCausalLM":
         raise ValueError(f"model preset {preset!r}: unsupported architecture {arch!r}")
+    unknown = sorted(set(spec) - set(MixtralConfig().to_dict()) - {"rope_theta"})
+    if unknown:  # transformers keeps unknown keys silently: a typo would train a different model than asked
+        raise ValueError(f"model preset {preset if isinstance(preset, str) else '(inline)'!r} has unknown fields "
+                         f"{unknown}; see MixtralConfig for the valid ones")
     spec["vocab_size"] = vocab_size  # the tokenizer decides
     extra: dict[str, Any] = {}
     if tokenizer is not None:

@@ -1,28 +1,43 @@
 """The GPU-cluster resource: where training runs, launched and watched through Dagster Pipes.
 
-The asset hands over a ``TrainingJob``; this resource starts the worker process (``local``: this machine's GPUs
-or CPU ranks; ``slurm`` and ``kubernetes`` are issue #5), streams its log lines and final metrics into the
-Dagster run, and returns the ``TrainingResult`` the worker wrote beside the checkpoint.
+The asset hands over a ``TrainingJob``; this resource starts the worker process and streams its log lines and
+final metrics into the Dagster run, then returns the ``TrainingResult`` the worker wrote beside the checkpoint.
+Three backends, one worker (``core/training/launch_specs.py`` builds what each one submits):
 
-Stopping: cancelling the Dagster run makes ``PipesSubprocessClient`` send SIGINT to the worker (or to ``torchrun``,
-which stops its ranks); the worker exits within its grace period even if stuck in native code, and it also exits
-by itself when the launching process disappears (a killed run worker), so no orphan keeps a GPU busy.
+* ``local``: this machine's GPUs (or CPU ranks), through ``PipesSubprocessClient``; ``torchrun`` for several ranks;
+* ``slurm``: an ``sbatch`` script (one task per node, ``torchrun`` inside), job id, polling with ``squeue``/
+  ``sacct``, ``scancel`` when the Dagster run is cancelled; Pipes context and messages go through files in the
+  run's work directory, which must be on a filesystem the nodes share;
+* ``kubernetes``: Dagster's ``PipesK8sClient`` (package ``dagster-k8s``) with a pod spec from this config.
+
+Stopping: cancelling the Dagster run makes the local backend send SIGINT to the worker (or to ``torchrun``), the
+Slurm backend ``scancel`` the job, and ``PipesK8sClient`` delete the pod; a local worker also exits by itself when
+the launching process disappears (a killed run worker), so no orphan keeps a GPU busy.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.training import launch_specs
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.worker import LAUNCHER_PID_ENV, STDERR_LOG
+
+SLURM_DONE = {"COMPLETED"}
+SLURM_FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE"}
 
 BACKENDS = ("local", "slurm", "kubernetes")
 ACCELERATORS = ("cpu", "cuda")
@@ -32,19 +47,50 @@ STDERR_TAIL_LINES = 40
 class GPUClusterResource(dg.ConfigurableResource):
     """Runs training jobs off the Dagster process; configured per deployment (tiny CPU demo vs. GPU cluster)."""
 
-    backend: str = Field(default="local", description="local | slurm | kubernetes (the latter two: issue #5)")
+    backend: str = Field(default="local", description="local | slurm | kubernetes")
     num_procs: int = Field(default=1, ge=1, description="ranks per node; more than one launches torchrun")
     accelerator: str = Field(default="cpu", description="cpu | cuda: what the cluster's nodes provide")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the worker")
     python_executable: str = Field(default="", description="interpreter for the worker (default: this one)")
+    # slurm
+    nodes: int = Field(default=1, ge=1, description="slurm: nodes per job (num_procs ranks on each)")
+    slurm_partition: str = ""
+    slurm_account: str = ""
+    slurm_time_limit: str = "24:00:00"
+    slurm_cpus_per_task: int = Field(default=8, ge=1)
+    slurm_extra_directives: list[str] = Field(default_factory=list, description='e.g. ["--qos=high"]')
+    slurm_setup_commands: list[str] = Field(default_factory=list,
+                                            description="shell lines run before the worker (module load, venv)")
+    poll_interval_s: float = Field(default=5.0, gt=0, description="slurm: how often the job's state is read")
+    # kubernetes
+    k8s_image: str = Field(default="", description="kubernetes: image with nexa-dagster installed")
+    k8s_namespace: str = "default"
+    k8s_data_pvc: str = Field(default="", description="kubernetes: PVC holding data/ and the run's work dir")
+    k8s_data_mount: str = "/data"
+    k8s_node_selector: dict[str, str] = Field(default_factory=dict)
+    k8s_tolerations: list[dict[str, str]] = Field(default_factory=list)
+    k8s_cpu: str = "8"
+    k8s_memory: str = "64Gi"
 
     def worker_command(self, job_file: Path, log_dir: Path) -> list[str]:
-        """The worker's command line: ``python -m ...worker``, under ``torchrun`` for more than one rank."""
-        python = self.python_executable or sys.executable
-        worker = ["-m", "nexa_dagster.core.training.worker", "--job", str(job_file), "--log-dir", str(log_dir)]
-        if self.num_procs == 1:
-            return [python, *worker]
-        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.num_procs}", *worker]
+        """The local worker's command line: ``python -m ...worker``, under ``torchrun`` for more than one rank."""
+        return launch_specs.worker_argv(self.python_executable or sys.executable, str(job_file), str(log_dir),
+                                        self.num_procs)
+
+    def sbatch_script(self, job: TrainingJob, job_file: Path, log_dir: Path, env: dict[str, str]) -> str:
+        return launch_specs.sbatch_script(
+            run_id=job.run_id, python=self.python_executable or sys.executable, job_file=str(job_file),
+            log_dir=str(log_dir), procs_per_node=self.num_procs, nodes=self.nodes, gpus=self.accelerator == "cuda",
+            env=env, partition=self.slurm_partition, account=self.slurm_account, time_limit=self.slurm_time_limit,
+            cpus_per_task=self.slurm_cpus_per_task, extra_directives=self.slurm_extra_directives,
+            setup_commands=self.slurm_setup_commands)
+
+    def pod_spec(self, job: TrainingJob, job_file: Path, log_dir: Path) -> dict[str, Any]:
+        return launch_specs.k8s_pod_spec(
+            run_id=job.run_id, image=self.k8s_image, job_file=str(job_file), log_dir=str(log_dir),
+            procs_per_node=self.num_procs, gpus=self.accelerator == "cuda", data_pvc=self.k8s_data_pvc,
+            data_mount=self.k8s_data_mount, node_selector=self.k8s_node_selector, tolerations=self.k8s_tolerations,
+            cpu=self.k8s_cpu, memory=self.k8s_memory)
 
     def run_training(self, context: dg.AssetExecutionContext, job: TrainingJob,
                      work_dir: Path) -> tuple[TrainingResult, dg.PipesClientCompletedInvocation]:
@@ -57,7 +103,7 @@ class GPUClusterResource(dg.ConfigurableResource):
         a Pipes session must return typed results (``Output``/``MaterializeResult``), not a bare value.
 
         Raises ``dg.Failure`` (with the worker's stderr tail) if the worker fails, or before launching if an
-        input is missing; ``NotImplementedError`` for the cluster backends not built yet.
+        input is missing or the backend lacks what it needs.
         """
         self._check_backend()
         self._check_job(job)
@@ -71,13 +117,20 @@ class GPUClusterResource(dg.ConfigurableResource):
             context.log.warning(f"the scale preset trains on {job.settings.num_procs} ranks, this cluster runs "
                                 f"{self.num_procs}: each step sees {per_rank * self.num_procs} packed rows instead "
                                 f"of the recipe's {per_rank * job.settings.num_procs}")
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env,
-               LAUNCHER_PID_ENV: str(os.getpid())}
-        command = self.worker_command(job_file, work_dir)
-        context.log.info(f"launching {' '.join(command)}")
+        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
         try:
-            invocation = dg.PipesSubprocessClient().run(context=context, command=command, env=env,
-                                                        cwd=str(work_dir))
+            if self.backend == "slurm":
+                invocation = self._run_slurm(context, job, job_file, work_dir, env)
+            elif self.backend == "kubernetes":
+                invocation = self._run_kubernetes(context, job, job_file, work_dir, env)
+            else:
+                command = self.worker_command(job_file, work_dir)
+                context.log.info(f"launching {' '.join(command)}")
+                invocation = dg.PipesSubprocessClient().run(
+                    context=context, command=command, env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
+                    cwd=str(work_dir))
+        except dg.Failure:
+            raise
         except Exception as e:  # a failed worker (DagsterPipesExecutionError is not public API) or launch;
             tail = stderr_tail(work_dir)  # a cancelled run is a BaseException and passes through untouched
             raise dg.Failure(
@@ -87,12 +140,51 @@ class GPUClusterResource(dg.ConfigurableResource):
             ) from e
         return read_result(job), invocation
 
+    def _run_slurm(self, context: dg.AssetExecutionContext, job: TrainingJob, job_file: Path, work_dir: Path,
+                   env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
+        """Submit with ``sbatch``, poll until the job ends, ``scancel`` it if this step is interrupted."""
+        if shutil.which("sbatch") is None:
+            raise dg.Failure("backend 'slurm': sbatch is not on PATH of the Dagster step process",
+                             allow_retries=False)
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=dg.PipesFileContextInjector(str(work_dir / "pipes_context.json")),
+            message_reader=dg.PipesFileMessageReader(str(work_dir / "pipes_messages.jsonl")),
+        ) as session:
+            script = work_dir / "train.sbatch"
+            script.write_text(self.sbatch_script(job, job_file, work_dir,
+                                                 {**env, **session.get_bootstrap_env_vars()}), encoding="utf-8")
+            job_id = _run(["sbatch", "--parsable", str(script)]).split(";")[0].strip()
+            context.log.info(f"submitted Slurm job {job_id} ({script})")
+            try:
+                state = wait_for_slurm_job(job_id, self.poll_interval_s, context.log.info)
+            except BaseException:
+                subprocess.run(["scancel", job_id], check=False)
+                context.log.warning(f"cancelled Slurm job {job_id}")
+                raise
+            if state not in SLURM_DONE:
+                out = work_dir / f"slurm-{job_id}.out"
+                text = out.read_text(errors="replace")[-4000:] if out.exists() else "(no output file)"
+                raise dg.Failure(f"Slurm job {job_id} ended {state}; output ends with:\n{text}\n"
+                                 f"{stderr_tail(work_dir)}")
+        return dg.PipesClientCompletedInvocation(session)
+
+    def _run_kubernetes(self, context: dg.AssetExecutionContext, job: TrainingJob, job_file: Path,
+                        work_dir: Path, env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
+        try:
+            from dagster_k8s import PipesK8sClient
+        except ImportError:
+            raise dg.Failure("backend 'kubernetes' needs the dagster-k8s package (pip install dagster-k8s)",
+                             allow_retries=False) from None
+        if not self.k8s_image:
+            raise dg.Failure("backend 'kubernetes' needs k8s_image", allow_retries=False)
+        spec = self.pod_spec(job, job_file, work_dir)
+        return PipesK8sClient().run(context=context, image=self.k8s_image, namespace=self.k8s_namespace,
+                                    command=spec["containers"][0]["command"], env=env, base_pod_spec=spec)
+
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"GPUClusterResource.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend != "local":
-            raise NotImplementedError(f"the {self.backend} backend is added by issue #5 (cluster launch through "
-                                      "Dagster Pipes); use backend='local' until then")
 
     def _check_job(self, job: TrainingJob) -> None:
         """Fail before spending minutes on process start-up, with the reason in the message; retrying won't help."""
@@ -104,6 +196,14 @@ class GPUClusterResource(dg.ConfigurableResource):
         if (Path(job.output_dir) / COMPLETION_MARKER).exists():
             raise dg.Failure(f"training {job.run_id}: checkpoint {job.output_dir} is already complete; a new run "
                              "needs a new run_id", allow_retries=False)
+        try:  # a wrong DeepSpeed field or model preset fails here, in seconds, not after the cluster's queue
+            from nexa_dagster.core.tiny_model import build_model_config
+            from nexa_dagster.core.training.loop import fill_deepspeed_config
+
+            fill_deepspeed_config(job, self.num_procs * self.nodes)
+            build_model_config(job.model_preset, vocab_size=32)
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            raise dg.Failure(f"training {job.run_id}: invalid configuration: {e}", allow_retries=False) from e
         for name, path in (("train", job.train_path), ("validation", job.validation_path)):
             if not storage.exists(path):
                 raise dg.Failure(f"training {job.run_id}: {name} data not found: {path}", allow_retries=False)
@@ -124,3 +224,34 @@ def read_result(job: TrainingJob) -> TrainingResult:
     if not summary.exists():
         raise dg.Failure(f"training {job.run_id}: the worker exited cleanly but wrote no {summary}")
     return TrainingResult.model_validate(json.loads(summary.read_text(encoding="utf-8")))
+
+
+def _run(command: list[str]) -> str:
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise dg.Failure(f"{' '.join(command)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}")
+    return proc.stdout
+
+
+def slurm_state(job_id: str) -> str:
+    """The job's state: ``squeue`` while it is known to the controller, then ``sacct`` (accounting)."""
+    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    state = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+    if state:
+        return state
+    proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
+    return lines[0].split()[0] if lines else "UNKNOWN"
+
+
+def wait_for_slurm_job(job_id: str, poll_s: float, log: Any) -> str:
+    """Poll until the job leaves the queue; log each change of state."""
+    last = ""
+    while True:
+        state = slurm_state(job_id)
+        if state != last:
+            log(f"Slurm job {job_id}: {state}")
+            last = state
+        if state in SLURM_DONE | SLURM_FAILED:
+            return state
+        time.sleep(poll_s)

@@ -1,0 +1,112 @@
+"""The training model is the exported model: same weights, same logits, attention kept within packed documents."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
+
+from nexa_dagster.core.model.moe import NexaMoEForCausalLM, to_hf  # noqa: E402
+
+
+def small_config(**overrides: object) -> MixtralConfig:
+    spec = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02, "rope_theta": 10000.0}
+    return MixtralConfig(**{**spec, **overrides})
+
+
+def test_exported_checkpoint_gives_the_training_models_logits(tmp_path: Path) -> None:
+    """Export through save_pretrained, load with plain transformers: fp32 logits agree to rounding."""
+    torch.manual_seed(0)
+    model = NexaMoEForCausalLM(small_config()).eval()
+    to_hf(model).save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert type(loaded) is MixtralForCausalLM
+    ids = torch.randint(0, 300, (3, 40))
+    with torch.no_grad():
+        ours = model(ids, return_logits=True).logits
+        theirs = loaded(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_logits_agree_within_bf16_tolerance() -> None:
+    torch.manual_seed(1)
+    model = NexaMoEForCausalLM(small_config()).eval().to(torch.bfloat16)
+    hf = to_hf(model).eval()
+    ids = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        ours, theirs = model(ids, return_logits=True).logits.float(), hf(input_ids=ids).logits.float()
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_loss_and_router_aux_loss_equal_transformers() -> None:
+    """Same LM loss (shifted labels, -100 ignored) and the same load-balancing loss as Mixtral's."""
+    torch.manual_seed(2)
+    model = NexaMoEForCausalLM(small_config()).eval()
+    hf = to_hf(model).eval()
+    hf.config.output_router_logits = True
+    ids = torch.randint(0, 300, (2, 24))
+    labels = ids.masked_fill(torch.rand(ids.shape) < 0.3, -100)
+    with torch.no_grad():
+        ours, theirs = model(ids, labels=labels), hf(input_ids=ids, labels=labels)
+    torch.testing.assert_close(ours.lm_loss + 0.02 * ours.aux_loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_do_not_attend_to_each_other() -> None:
+    """A row holding two documents gives each the logits it has alone (Hugging Face's causal mask would not)."""
+    torch.manual_seed(3)
+    model = NexaMoEForCausalLM(small_config()).eval()
+    hf = to_hf(model).eval()
+    ids = torch.randint(0, 300, (1, 30))
+    position_ids = torch.cat([torch.arange(18), torch.arange(12)])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids, return_logits=True).logits
+        alone = torch.cat([hf(input_ids=ids[:, :18]).logits, hf(input_ids=ids[:, 18:]).logits], dim=1)
+        leaky = hf(input_ids=ids, position_ids=position_ids).logits
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(leaky[:, 18:], alone[:, 18:], atol=1e-4), "the test would not see a leak"
+
+
+def test_experts_are_trained_and_load_is_reported() -> None:
+    torch.manual_seed(4)
+    model = NexaMoEForCausalLM(small_config())
+    ids = torch.randint(0, 300, (2, 16))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0, "the router learns through its weights"
+    assert out.expert_load.shape == (2, 4)
+    torch.testing.assert_close(out.expert_load.sum(-1), torch.ones(2))
+
+
+def test_tied_embeddings_export() -> None:
+    model = NexaMoEForCausalLM(small_config(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hf = to_hf(model)
+    assert torch.equal(hf.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.gpu
+def test_gpu_flex_attention_path_matches_the_exported_model() -> None:
+    """On CUDA in bf16: FlexAttention + grouped GEMMs (compiled) against transformers' own forward."""
+    torch.manual_seed(5)
+    model = NexaMoEForCausalLM(small_config(hidden_size=128, intermediate_size=256)).cuda().to(torch.bfloat16)
+    model.eval()
+    hf = to_hf(model).cuda().eval()
+    model.compile_layers()
+    ids = torch.randint(0, 300, (2, 256), device="cuda")
+    with torch.no_grad():
+        ours, theirs = model(ids, return_logits=True).logits.float(), hf(input_ids=ids).logits.float()
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+    position_ids = torch.cat([torch.arange(100), torch.arange(156)]).cuda()[None].expand(2, -1)
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids, return_logits=True).logits.float()
+        alone = hf(input_ids=ids[:, 100:]).logits.float()
+    assert (packed[:, 100:] - alone).abs().max() < 0.05 * alone.abs().max()
