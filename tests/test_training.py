@@ -271,6 +271,28 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path
     assert not (tmp_path / "ckpt" / "killed.state").exists(), "a finished run's resume state is deleted"
 
 
+def test_zero3_trains_like_zero1_and_exports_gathered_weights(tmp_path: Path, teacher_dir: Path) -> None:
+    """ZeRO-3 (parameters partitioned over 2 ranks, each MoE block gathered as one leaf module) computes the same
+    losses as ZeRO-1, and the exported checkpoint holds the full, gathered weights."""
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for stage in ("zero1_cpu.json", "zero3_bf16.json"):
+        (tmp_path / stage).mkdir()
+        job = make_job(tmp_path / stage, teacher_dir, steps=4, log_every=1, num_procs=2, run_id=stage[:5])
+        job = job.model_copy(update={"deepspeed_config": load_deepspeed_config(stage)})
+        proc = _torchrun(job, tmp_path)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+        runs[stage] = job
+    zero1, zero3 = (_losses(j) for j in runs.values())
+    assert [s for s, _ in zero3] == [1, 2, 3, 4]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(zero1, zero3, strict=True)), (zero1, zero3)
+    model = AutoModelForCausalLM.from_pretrained(runs["zero3_bf16.json"].output_dir)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 256, 64)
+    assert model.lm_head.weight.abs().sum() > 0
+
+
 def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=5, log_every=1)
     job = job.model_copy(update={"settings": job.settings.model_copy(update={"stall_timeout_s": 3.0})})

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import ModelOutput
 
 IGNORE_INDEX = -100
 
@@ -29,14 +30,17 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 @dataclass
-class MoEOutput:
-    """What a training forward returns: the loss the optimizer minimises and the parts a monitor reports."""
+class MoEOutput(ModelOutput):
+    """What a training forward returns: the loss the optimizer minimises and the parts a monitor reports.
 
-    loss: torch.Tensor | None  # lm_loss + router_aux_loss_coef * aux_loss (None without labels)
-    lm_loss: torch.Tensor | None
-    aux_loss: torch.Tensor
-    logits: torch.Tensor | None  # only when asked for (evaluation, tests): training never materialises them
-    expert_load: torch.Tensor  # [layers, experts] fraction of routed token slots each expert received
+    A ``ModelOutput`` (a dict underneath), so DeepSpeed's ZeRO-3 hooks can find the tensors in it.
+    """
+
+    loss: torch.Tensor | None = None  # lm_loss + router_aux_loss_coef * aux_loss (None without labels)
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # only when asked for (evaluation, tests): training never materialises them
+    expert_load: torch.Tensor | None = None  # [layers, experts] share of routed token slots each expert received
 
 
 class RMSNorm(nn.Module):
