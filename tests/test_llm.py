@@ -145,7 +145,7 @@ def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransform
 # -- a real `transformers serve` ------------------------------------------------------------------------------------
 def test_real_transformers_serve_answers_through_the_openai_client(served: ManagedServer) -> None:
     assert served.engine == "transformers" and served.ready_s > 0
-    assert served.continuous_batching is False  # measured slower on a CPU; on only for a GPU device
+    assert served.continuous_batching is False  # by default on only for a GPU device (teacher asks for it)
     assert "continuous_batching" in transformers_serve_options()
     with OpenAICompatibleClient(served.base_url, model=served.model_name) as client:
         answer = client.chat([{"role": "user", "content": "hello"}], GREEDY)

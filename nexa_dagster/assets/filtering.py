@@ -1,15 +1,34 @@
-"""Judge filtering stage (SampleGate): heuristics, then the LLM judge; accepted and rejected rows both kept."""
+"""Judge filtering stage (SampleGate): heuristics, dedup, then the LLM judge; accepted and rejected rows both kept.
 
+Two asset checks come with every materialization: the pass rate against the band in ``configs/filters.yaml``
+(a warning: a sudden drop usually means a broken teacher or judge, not bad data) and the schema of both tables.
+"""
 
 import dagster as dg
 import pandas as pd
+import pandera.errors
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, preview, progress_logger
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import FilteredSamplesType, RejectedSamplesType, TeacherSamplesType
-from nexa_dagster.core.config import load_filters, load_scale, read_text
-from nexa_dagster.core.sample_gate import apply_sample_gate
+from nexa_dagster.core import schemas
+from nexa_dagster.core.config import read_text
+from nexa_dagster.core.sample_gate import apply_sample_gate, load_gate_config
 from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.storage import StorageResource
+
+FILTERS_FILE = "filters.yaml"
+
+
+def _schema_check(name: str, frame: pd.DataFrame, model: type) -> dg.AssetCheckResult:
+    try:
+        model.validate(frame, lazy=True)
+    except pandera.errors.SchemaErrors as e:
+        cases = e.failure_cases.head(10).to_dict(orient="records")
+        return dg.AssetCheckResult(asset_key=name, check_name="matches_schema", passed=False,
+                                   metadata={"failure_cases": dg.MetadataValue.json(cases)})
+    return dg.AssetCheckResult(asset_key=name, check_name="matches_schema", passed=True,
+                               metadata={"schema": f"nexa_dagster.core.schemas.{model.__name__}"})
 
 
 @dg.multi_asset(
@@ -20,33 +39,53 @@ from nexa_dagster.resources.llm import LLMResource
     ins={"teacher_samples": dg.AssetIn(dagster_type=TeacherSamplesType)},
     outs={
         "filtered_samples": dg.AssetOut(dagster_type=FilteredSamplesType, kinds={"parquet"},
-                                        description="Samples that passed SampleGate, with the judge's score."),
+                                        description="Samples that passed SampleGate, with the judge's verdict."),
         "rejected_samples": dg.AssetOut(dagster_type=RejectedSamplesType, kinds={"parquet"},
-                                        description="Samples SampleGate rejected, each with its reason."),
+                                        description="Samples SampleGate rejected, each with its reason code and "
+                                                    "the judge's score and rationale when it saw them."),
     },
+    check_specs=[
+        dg.AssetCheckSpec("pass_rate_in_band", asset="filtered_samples",
+                          description="Warns when the share of samples that pass leaves configs/filters.yaml's "
+                                      "pass_rate_band."),
+        dg.AssetCheckSpec("matches_schema", asset="filtered_samples"),
+        dg.AssetCheckSpec("matches_schema", asset="rejected_samples"),
+    ],
 )
-def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame,
-                judge_llm: LLMResource) -> tuple[pd.DataFrame, pd.DataFrame]:
-    thresholds = load_filters()
-    with judge_llm.get_client() as judge:
-        method = "logprobs" if judge.capabilities().logprobs else "text"
-        context.log.info(f"judging {len(teacher_samples)} samples with {judge.model_id} (score from {method})")
-        filtered, rejected = apply_sample_gate(teacher_samples, thresholds, judge, read_text("prompts/judge.jinja"),
-                                               load_scale().judge.max_new_tokens,
-                                               progress=progress_logger(context, "judged"))
-    total = len(teacher_samples)
-    pass_rate = len(filtered) / total if total else 0.0
-    reasons = rejected["reason"].str.split(":").str[0].value_counts().to_dict() if len(rejected) else {}
-    common = {"judge": dg.MetadataValue.json(judge_llm.describe()), "judge_method": method,
-              "pass_rate": round(pass_rate, 4), "thresholds": "configs/filters.yaml (the demo's thresholds)"}
-    context.add_output_metadata(output_name="filtered_samples", metadata={
+def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame, judge_llm: LLMResource,
+                storage: StorageResource):
+    config = load_gate_config(FILTERS_FILE)
+    dedup_root = storage.path("dedup", "filtered_samples")
+    with judge_llm.get_client(log=context.log) as judge:
+        result = apply_sample_gate(teacher_samples, config, judge, read_text("prompts/judge.jinja"),
+                                   read_text("prompts/judge_verdict.jinja"), dedup_root,
+                                   progress=progress_logger(context, "gated"))
+    context.log.info(f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
+                     f"{result.judge_method}; engine offers {result.judge_capabilities})")
+    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
+    common = {"judge": dg.MetadataValue.json(judge_llm.describe()), "judge_method": result.judge_method,
+              "judge_capabilities": dg.MetadataValue.json(result.judge_capabilities),
+              "pass_rate": round(result.pass_rate, 4), "thresholds": f"configs/{FILTERS_FILE}"}
+    yield dg.Output(filtered, output_name="filtered_samples", metadata={
         **common, "dagster/row_count": len(filtered),
         "mean_judge_score": round(float(filtered["judge_score"].mean()), 3) if len(filtered) else None,
+        "dedup_history_partitions": len(result.history_partitions),
         "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
     })
-    context.add_output_metadata(output_name="rejected_samples", metadata={
+    yield dg.Output(rejected, output_name="rejected_samples", metadata={
         **common, "dagster/row_count": len(rejected), "reasons": dg.MetadataValue.json(reasons),
+        "judge_errors": reasons.get("judge_error", 0),
+        "duplicates": reasons.get("exact_duplicate", 0) + reasons.get("near_duplicate", 0),
+        "judged": result.judged, "judge_attempts": result.judge_attempts,
         "preview": preview(rejected, ["sample_id", "response", "reason"]),
     })
-    context.log.info(f"SampleGate kept {len(filtered)}/{total} ({pass_rate:.0%}); rejections by reason: {reasons}")
-    return filtered, rejected
+    lo, hi = config.pass_rate_band
+    yield dg.AssetCheckResult(
+        asset_key="filtered_samples", check_name="pass_rate_in_band",
+        passed=bool(result.total == 0 or lo <= result.pass_rate <= hi), severity=dg.AssetCheckSeverity.WARN,
+        metadata={"pass_rate": round(result.pass_rate, 4), "band": dg.MetadataValue.json([lo, hi]),
+                  "samples": result.total, "reasons": dg.MetadataValue.json(reasons)})
+    yield _schema_check("filtered_samples", filtered, schemas.FilteredSamples)
+    yield _schema_check("rejected_samples", rejected, schemas.RejectedSamples)
+    context.log.info(f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
+                     f"reason: {reasons}")

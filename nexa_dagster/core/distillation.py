@@ -1,20 +1,24 @@
 """Teacher generation: documents become prompts (Jinja templates in ``configs/prompts``), the teacher answers.
 
 Each sample's id hashes what determines its answer (prompt, system prompt, model, sampling parameters and
-generation index), so a changed model or sampling setting gives new ids and an unchanged one the same ids.
+generation index), so a changed model or sampling setting gives new ids and an unchanged one the same ids. That
+id is also the key of the durable answer store (``core.generation_store``): a resumed run reuses every stored
+answer whose inputs did not change and asks only for the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import jinja2
 import pandas as pd
 
-from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
+from nexa_dagster.core.generation_store import GenerationStore, StoredAnswer
+from nexa_dagster.core.llm.base import ChatMessage, ChatRequest, LLMClient, SamplingParams
 
 TEACHER_COLUMNS = [
     "sample_id", "doc_id", "day", "generation_index", "system_prompt", "prompt", "response", "reasoning", "model",
@@ -70,29 +74,81 @@ def build_prompts(documents: pd.DataFrame, template: str, system_prompt: str, mo
     return specs
 
 
-def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], params: SamplingParams,
-                             batch_size: int = 16, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
-    """Ask the teacher for every prompt, in batches, and return the ``teacher_samples`` table.
+@dataclass
+class GenerationStats:
+    """What one call of ``generate_teacher_samples`` did and cost, for the asset's metadata."""
 
-    Failed requests stay in the table with ``error`` set (the judge stage rejects them with that reason), so a
-    flaky endpoint costs rows, never the whole partition, and the failure is visible.
+    requested: int = 0  # distinct keys asked for
+    reused: int = 0  # answered from the store (paid for by an earlier run)
+    generated: int = 0  # answered by the teacher in this run (and stored)
+    failed: int = 0  # still failing after the client's retries (kept with ``error``; retried by the next run)
+    prompt_tokens: int = 0  # of the requests sent in this run
+    completion_tokens: int = 0  # generated in this run
+    wall_s: float = 0.0  # time spent waiting for the teacher in this run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def cost(self, usd_per_1m_input: float, usd_per_1m_output: float) -> float:
+        return (self.prompt_tokens * usd_per_1m_input + self.completion_tokens * usd_per_1m_output) / 1e6
+
+
+def _row(spec: PromptSpec, answer: StoredAnswer | None, error: str | None) -> dict[str, object]:
+    return {
+        "sample_id": spec.sample_id, "doc_id": spec.doc_id, "day": spec.day,
+        "generation_index": spec.generation_index, "system_prompt": spec.system_prompt, "prompt": spec.prompt,
+        "response": answer.text if answer else "", "reasoning": answer.reasoning if answer else None,
+        "model": answer.model if answer else "", "prompt_tokens": answer.prompt_tokens if answer else 0,
+        "completion_tokens": answer.completion_tokens if answer else 0,
+        "latency_s": answer.latency_s if answer else 0.0, "finish_reason": answer.finish_reason if answer else None,
+        "error": error,
+    }
+
+
+def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], params: SamplingParams,
+                             store: GenerationStore, batch_size: int = 16,
+                             progress: Callable[[int, int], None] | None = None,
+                             ) -> tuple[pd.DataFrame, GenerationStats]:
+    """Ask the teacher for every prompt whose key has no stored answer, and return the ``teacher_samples`` table.
+
+    Answers are committed to ``store`` (under the prompt's day) one by one as they arrive, so a killed run is
+    resumed by calling this again: stored keys are reused, only the rest is sent. The table has exactly one row
+    per distinct key, in prompt order. Failed requests stay in the table with ``error`` set (the judge stage
+    rejects them with that reason) and are not stored, so the next run asks again; a flaky endpoint costs rows,
+    never the whole partition, and the failure is visible.
     """
-    rows = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
-        by_generation: dict[int, list[PromptSpec]] = {}
-        for spec in batch:
-            by_generation.setdefault(spec.generation_index, []).append(spec)
-        for g, specs in by_generation.items():
-            completions = client.chat_many([s.messages() for s in specs], for_generation(params, g))
-            for spec, c in zip(specs, completions, strict=True):
-                rows.append({
-                    "sample_id": spec.sample_id, "doc_id": spec.doc_id, "day": spec.day,
-                    "generation_index": spec.generation_index, "system_prompt": spec.system_prompt,
-                    "prompt": spec.prompt, "response": c.text, "reasoning": c.reasoning, "model": c.model,
-                    "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                    "latency_s": c.latency_s, "finish_reason": c.finish_reason, "error": c.error,
-                })
-        if progress:
-            progress(min(start + batch_size, len(prompts)), len(prompts))
-    return pd.DataFrame(rows, columns=TEACHER_COLUMNS)
+    seen: set[str] = set()
+    specs = [s for s in prompts if not (s.sample_id in seen or seen.add(s.sample_id))]  # one per key, first wins
+    stats = GenerationStats(requested=len(specs))
+    answers: dict[str, StoredAnswer] = {}
+    by_day: dict[str, list[PromptSpec]] = {}
+    for spec in specs:
+        by_day.setdefault(spec.day, []).append(spec)
+    for day, day_specs in by_day.items():
+        answers.update(store.get_many(day, [s.sample_id for s in day_specs]))
+    stats.reused = len(answers)
+    pending = [s for s in specs if s.sample_id not in answers]
+    errors: dict[str, str] = {}
+    requests = [ChatRequest(s.messages(), for_generation(params, s.generation_index)) for s in pending]
+    t0 = time.perf_counter()
+    for done, (i, c) in enumerate(client.stream_chat(requests, chunk=batch_size), start=1):
+        spec = pending[i]
+        if c.error is not None:
+            errors[spec.sample_id] = c.error
+            stats.failed += 1
+        else:
+            answer = StoredAnswer(c.text, c.model, c.prompt_tokens, c.completion_tokens, c.latency_s,
+                                  c.finish_reason, c.reasoning)
+            store.put(spec.day, spec.sample_id, answer)
+            answers[spec.sample_id] = answer
+            stats.generated += 1
+            stats.prompt_tokens += c.prompt_tokens
+            stats.completion_tokens += c.completion_tokens
+        if progress and (done % batch_size == 0 or done == len(pending)):
+            progress(stats.reused + done, len(specs))
+    stats.wall_s = time.perf_counter() - t0
+    rows = [_row(s, answers.get(s.sample_id), errors.get(s.sample_id)) for s in specs]
+    frame = pd.DataFrame(rows, columns=TEACHER_COLUMNS)
+    frame["model"] = frame["model"].where(frame["model"] != "", client.model_id)
+    return frame, stats

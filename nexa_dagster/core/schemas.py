@@ -51,10 +51,13 @@ class TeacherSamples(pa.DataFrameModel):
 
 
 class FilteredSamples(TeacherSamples):
-    """Samples that passed SampleGate, with the judge's verdict."""
+    """Samples that passed SampleGate, with the judge's verdict (rationale: json_schema/text judges; confidence:
+    logprobs judges)."""
 
     judge_score: Series[float] = pa.Field(ge=1, le=5)
-    judge_method: Series[str]
+    judge_method: Series[str] = pa.Field(isin=["json_schema", "logprobs", "text"])
+    judge_rationale: Series[str] = pa.Field(nullable=True)
+    judge_confidence: Series[float] = pa.Field(nullable=True, ge=0, le=1)
 
 
 class RejectedSamples(TeacherSamples):
@@ -62,6 +65,8 @@ class RejectedSamples(TeacherSamples):
 
     judge_score: Series[float] = pa.Field(nullable=True)
     judge_method: Series[str] = pa.Field(nullable=True)
+    judge_rationale: Series[str] = pa.Field(nullable=True)
+    judge_confidence: Series[float] = pa.Field(nullable=True, ge=0, le=1)
     reason: Series[str] = pa.Field(str_length={"min_value": 1})
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
@@ -54,10 +54,20 @@ class Capabilities:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """One conversation and how to sample its answer (each generation of a prompt has its own seed)."""
+
+    messages: Sequence[ChatMessage]
+    params: SamplingParams
+
+
 class LLMClient(abc.ABC):
     """A chat model reachable through the OpenAI-compatible API shape."""
 
     model_id: str
+    # how many requests the caller may usefully have in flight (HTTP clients: their semaphore; in-process: 1)
+    max_concurrency: int = 1
 
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
@@ -69,6 +79,36 @@ class LLMClient(abc.ABC):
     def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
         """Many chat completions, in order. Backends override this to batch or run requests concurrently."""
         return [self.chat(c, params) for c in conversations]
+
+    def stream_chat(self, requests: Sequence[ChatRequest], chunk: int = 16) -> Iterator[tuple[int, Completion]]:
+        """Answers to ``requests`` as they complete, each with its index into ``requests``.
+
+        This is what teacher generation consumes: every answer is stored durably the moment it arrives, so a killed
+        run loses at most the requests that were in flight. The default answers chunks of requests that share
+        sampling parameters with ``chat_many`` (one batched ``generate`` for the in-process backend); the HTTP
+        client overrides it to keep ``max_concurrency`` requests in flight and yield in completion order.
+        A request that fails comes back with ``error`` set, never as an exception.
+        """
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.params, []).append(i)
+        for params, indices in groups.items():
+            for start in range(0, len(indices), max(1, chunk)):
+                idx = indices[start:start + chunk]
+                try:
+                    answers = self.chat_many([requests[i].messages for i in idx], params)
+                except LLMError as e:
+                    answers = [Completion("", self.model_id, 0, 0, 0.0, error=str(e)) for _ in idx]
+                yield from zip(idx, answers, strict=True)
+
+    def chat_json(self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str,
+                  params: SamplingParams) -> Completion:
+        """A chat completion whose decoding the engine constrains to the JSON ``schema`` (``response_format``).
+
+        Raises ``NotImplementedError`` when the engine does not honour ``response_format``
+        (``capabilities().json_schema`` is False).
+        """
+        raise NotImplementedError(f"{self.model_id}: this backend cannot constrain decoding to a JSON schema")
 
     @abc.abstractmethod
     def choice_logprobs(self, messages: Sequence[ChatMessage], choices: Sequence[str]) -> dict[str, float]:

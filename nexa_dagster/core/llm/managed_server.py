@@ -112,9 +112,11 @@ def server_command(model_dir: str, port: int, engine: str, device: str = "cpu",
 class ManagedServer:
     """``with ManagedServer(model_dir, log_dir) as server: ... server.base_url ...``
 
-    ``continuous_batching=None`` turns ``transformers serve --continuous-batching`` on only on a GPU: on a CPU its
-    paged-attention path was measured slower (first request ~20 s of warm-up, 8 concurrent requests 19 s against
-    3.4 s without it).
+    ``continuous_batching=None`` turns ``transformers serve --continuous-batching`` on only on a GPU. On a CPU it
+    depends on the workload: for a one-off smoke request its paged-attention path was measured slower (warm-up),
+    while for many concurrent teacher requests on the tiny model it is what makes concurrency pay (without it the
+    server answers one request at a time; ~3.5x the sequential throughput at 8 in flight, see
+    ``bench/generation.py``). Teacher generation (``LLMResource``) asks for it explicitly.
     """
 
     def __init__(self, model_dir: str | Path, log_dir: str | Path, engine: str = "auto",

@@ -1,25 +1,34 @@
-"""Any OpenAI-compatible server (vLLM, ``transformers serve``, a hosted API) through the ``openai`` client.
+"""Any OpenAI-compatible server (vLLM, ``transformers serve``, a hosted API) through the async ``openai`` client.
 
-Requests run concurrently up to ``max_concurrency``; each is retried with exponential backoff and jitter on the
-failures worth retrying (429, 5xx, timeouts, dropped connections). A request that still fails comes back from
-``chat_many`` as a ``Completion`` with ``error`` set, so one bad request never kills a partition, while ``chat``
-raises ``LLMError`` naming the URL. The API key is held by the ``openai`` client only: it never appears in
-errors, logs or ``repr`` (error texts are additionally scrubbed of it, in case a server echoes it back).
+One ``openai.AsyncOpenAI`` client runs on an event loop in a background thread owned by this object, so the
+same client serves synchronous callers (Dagster assets, the judge's worker threads) and keeps many requests in
+flight: an ``asyncio.Semaphore`` bounds them to ``max_concurrency``. Each request is retried with exponential
+backoff and jitter on the failures worth retrying (429, 5xx, timeouts, dropped connections); the semaphore is
+released while a request waits to retry, so a backing-off request does not hold a slot. A request that still
+fails comes back from ``chat_many``/``stream_chat`` as a ``Completion`` with ``error`` set, so one bad request
+never kills a partition, while ``chat`` raises ``LLMError`` naming the URL. The API key is held by the
+``openai`` client only: it never appears in errors, logs or ``repr`` (error texts are additionally scrubbed of
+it, in case a server echoes it back).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import logging
 import math
+import queue
 import random
+import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
 
 from nexa_dagster.core.llm.base import (
     Capabilities,
     ChatMessage,
+    ChatRequest,
     Completion,
     LLMClient,
     LLMError,
@@ -27,6 +36,7 @@ from nexa_dagster.core.llm.base import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 # A choice missing from the engine's top-k is less likely than every listed token; it gets the smallest listed
@@ -34,6 +44,31 @@ RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 # ``expected_score`` stays defined and a choice that just missed the cut keeps a small weight.
 MISSING_CHOICE_MARGIN = 1.0
 TOP_LOGPROBS = 20  # the most the OpenAI API allows
+# what the start-up probe asks for under ``response_format``; an engine that ignores it answers free text
+_PROBE_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                 "additionalProperties": False}
+
+
+class _LoopThread:
+    """An event loop running in a daemon thread; coroutines are submitted to it from any thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
 
 
 class OpenAICompatibleClient(LLMClient):
@@ -46,6 +81,7 @@ class OpenAICompatibleClient(LLMClient):
     def __init__(self, base_url: str, model: str = "", api_key: str = "", max_concurrency: int = 8,
                  timeout_s: float = 120.0, max_retries: int = 4, backoff_s: float = 0.5,
                  max_backoff_s: float = 30.0) -> None:
+        import httpx
         import openai
 
         if max_concurrency < 1:
@@ -57,11 +93,25 @@ class OpenAICompatibleClient(LLMClient):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._secret = api_key  # only for scrubbing error texts; never printed
-        # the openai client's own retries are off: ours back off with jitter and name the URL when they give up
-        self._client = openai.OpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s,
-                                     max_retries=0)
+        self._loop = _LoopThread(f"openai-{self.base_url}")
+        self._closed = False
+
+        async def make() -> tuple[Any, asyncio.Semaphore]:
+            # created on the loop that will use them: httpx connections and semaphores belong to one loop
+            limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency)
+            http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout_s)
+            # the openai client's own retries are off: ours back off with jitter and name the URL when they give up
+            client = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s,
+                                        max_retries=0, http_client=http)
+            return client, asyncio.Semaphore(max_concurrency)
+
+        self._client, self._slots = self._loop.run(make())
         self._capabilities: Capabilities | None = None
-        self.model_id = model or self._first_model()
+        try:
+            self.model_id = model or self._loop.run(self._first_model())
+        except BaseException:
+            self.close()
+            raise
 
     def __repr__(self) -> str:
         return f"OpenAICompatibleClient(base_url={self.base_url!r}, model={self.model_id!r})"
@@ -98,84 +148,161 @@ class OpenAICompatibleClient(LLMClient):
         """Exponential backoff with jitter (0.5x-1.5x), so that many clients do not retry in lockstep."""
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (0.5 + random.random())
 
-    def _call(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        """Call ``fn`` with retries; raise ``LLMError`` (naming the URL, never the key) when it keeps failing.
+    async def _call(self, fn: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
+        """Await ``fn`` with retries; raise ``LLMError`` (naming the URL, never the key) when it keeps failing.
 
         The ``LLMError`` is raised outside the ``except`` block, so it carries no ``__context__``: the ``openai``
         exception holds the request (headers included) and must not travel into Dagster's error records.
         """
+        if self._closed:
+            raise LLMError(f"{self.base_url}: client is closed")
         message = ""
         for attempt in range(self.max_retries + 1):
             try:
-                return fn(**kwargs)
+                async with self._slots:  # at most max_concurrency requests in flight, waiting ones hold no slot
+                    return await fn(**kwargs)
             except Exception as exc:  # every failure becomes an LLMError below
                 message = self._describe(exc)
                 if not self._retryable(exc) or attempt == self.max_retries:
                     if attempt:
                         message += f" (after {attempt + 1} attempts)"
                     break
-                delay = self._delay(attempt)
-                log.warning("%s; retry %d/%d in %.2f s", message, attempt + 1, self.max_retries, delay)
-                time.sleep(delay)
+            delay = self._delay(attempt)
+            log.warning("%s; retry %d/%d in %.2f s", message, attempt + 1, self.max_retries, delay)
+            await asyncio.sleep(delay)
         raise LLMError(message)
 
-    def _first_model(self) -> str:
-        models = self._call(self._client.models.list)
+    async def _first_model(self) -> str:
+        models = await self._call(self._client.models.list)
         if not models.data:
             raise LLMError(f"{self.base_url} lists no model on GET /models; pass the model name explicitly")
         return models.data[0].id
 
-    # -- the interface --------------------------------------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise LLMError(f"{self.base_url}: client is closed")
+        return self._loop.run(coro)
+
+    # -- capabilities ---------------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
-        """Probe once whether the engine honours ``logprobs`` (``transformers serve`` ignores it)."""
+        """Probe once whether the engine honours ``logprobs`` and ``response_format`` (``transformers serve``
+        ignores both): the judge picks its method from the answer and says which one it used."""
         if self._capabilities is None:
-            resp = self._call(self._client.chat.completions.create, model=self.model_id,
-                              messages=[{"role": "user", "content": "Say 1."}], max_tokens=1, logprobs=True,
-                              top_logprobs=5, temperature=0.0)
-            choice = resp.choices[0] if resp.choices else None
-            has = bool(choice is not None and choice.logprobs is not None and choice.logprobs.content)
-            self._capabilities = Capabilities(logprobs=has, json_schema=False, engine="openai-compatible",
-                                              extra={"base_url": self.base_url, "model": self.model_id})
+            self._capabilities = self._run(self._probe())
         return self._capabilities
 
-    def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
+    async def _probe(self) -> Capabilities:
+        import openai
+
+        resp = await self._call(self._client.chat.completions.create, model=self.model_id,
+                                messages=[{"role": "user", "content": "Say 1."}], max_tokens=1, logprobs=True,
+                                top_logprobs=5, temperature=0.0)
+        choice = resp.choices[0] if resp.choices else None
+        has_logprobs = bool(choice is not None and choice.logprobs is not None and choice.logprobs.content)
+        has_schema = False
+        try:
+            resp = await self._call(self._client.chat.completions.create, model=self.model_id,
+                                    messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true}.'}],
+                                    max_tokens=16, temperature=0.0,
+                                    response_format=_json_schema_format("probe", _PROBE_SCHEMA))
+            text = (resp.choices[0].message.content or "") if resp.choices else ""
+            value = json.loads(text)
+            has_schema = isinstance(value, dict) and isinstance(value.get("ok"), bool)
+        except (LLMError, ValueError, openai.OpenAIError):
+            has_schema = False  # rejected (400) or ignored (free text came back): not supported
+        return Capabilities(logprobs=has_logprobs, json_schema=has_schema, engine="openai-compatible",
+                            extra={"base_url": self.base_url, "model": self.model_id})
+
+    # -- chat -----------------------------------------------------------------------------------------------
+    def _request(self, messages: Sequence[ChatMessage], params: SamplingParams) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"model": self.model_id, "messages": list(messages), "max_tokens": params.max_tokens,
                                   "temperature": params.temperature, "top_p": params.top_p}
         if params.seed is not None:
             kwargs["seed"] = params.seed
+        return kwargs
+
+    async def achat(self, messages: Sequence[ChatMessage], params: SamplingParams,
+                    **extra: Any) -> Completion:
+        """One chat completion on the client's loop; raises ``LLMError`` naming the URL when it keeps failing."""
         t0 = time.perf_counter()
-        resp = self._call(self._client.chat.completions.create, **kwargs)
+        resp = await self._call(self._client.chat.completions.create, **self._request(messages, params), **extra)
         latency = time.perf_counter() - t0
         if not resp.choices:
             raise LLMError(f"{self.base_url} returned no choices for model {self.model_id!r}")
         choice = resp.choices[0]
         usage = resp.usage
         message = choice.message
+        # vLLM's reasoning parsers fill `reasoning_content`; some servers call it `reasoning`
         reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
         return Completion(
             text=(message.content or "").strip(), model=resp.model or self.model_id,
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
-            latency_s=latency, finish_reason=choice.finish_reason, reasoning=reasoning,
+            latency_s=latency, finish_reason=choice.finish_reason,
+            reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
         )
+
+    async def _achat_safe(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
+        t0 = time.perf_counter()
+        try:
+            return await self.achat(messages, params)
+        except Exception as e:  # a failed row is data, not a crash
+            error = str(e) if isinstance(e, LLMError) else self._scrub(f"{type(e).__name__}: {e}")
+            return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
+                              latency_s=time.perf_counter() - t0, error=error)
+
+    def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
+        return self._run(self.achat(messages, params))
+
+    def chat_json(self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str,
+                  params: SamplingParams) -> Completion:
+        if not self.capabilities().json_schema:
+            raise NotImplementedError(f"{self.base_url} does not honour response_format json_schema")
+        return self._run(self.achat(messages, params, response_format=_json_schema_format(name, schema)))
 
     def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
         """Concurrent ``chat`` calls, in order; a request that fails after its retries comes back with ``error``."""
-
-        def one(messages: Sequence[ChatMessage]) -> Completion:
-            t0 = time.perf_counter()
-            try:
-                return self.chat(messages, params)
-            except Exception as e:  # a failed row is data, not a crash
-                error = str(e) if isinstance(e, LLMError) else self._scrub(f"{type(e).__name__}: {e}")
-                return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
-                                  latency_s=time.perf_counter() - t0, error=error)
-
         if not conversations:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(conversations))) as pool:
-            return list(pool.map(one, conversations))
 
+        async def all_of() -> list[Completion]:
+            return list(await asyncio.gather(*(self._achat_safe(m, params) for m in conversations)))
+
+        return self._run(all_of())
+
+    def stream_chat(self, requests: Sequence[ChatRequest], chunk: int = 16) -> Iterator[tuple[int, Completion]]:
+        """``(index, answer)`` in completion order, ``max_concurrency`` requests in flight (``chunk`` unused).
+
+        Stopping the iteration early (the consumer raised, the run was interrupted) cancels what is in flight.
+        """
+        if not requests:
+            return
+        done: queue.Queue[tuple[int, Completion]] = queue.Queue()
+
+        async def one(i: int, r: ChatRequest) -> None:
+            done.put((i, await self._achat_safe(r.messages, r.params)))
+
+        async def all_of() -> None:
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+        if self._closed:
+            raise LLMError(f"{self.base_url}: client is closed")
+        future = self._loop.submit(all_of())
+        try:
+            for _ in range(len(requests)):
+                while True:
+                    try:
+                        yield done.get(timeout=0.5)
+                        break
+                    except queue.Empty:
+                        if future.done() and done.empty():
+                            future.result()  # re-raises what broke the batch, if anything did
+                            raise LLMError(f"{self.base_url}: streaming stopped before every answer came back") from None
+        finally:
+            future.cancel()
+
+    # -- scoring --------------------------------------------------------------------------------------------
     def choice_logprobs(self, messages: Sequence[ChatMessage], choices: Sequence[str]) -> dict[str, float]:
         """Log-probabilities of single-token choices, read from the top-20 alternatives for the first answer token.
 
@@ -188,8 +315,9 @@ class OpenAICompatibleClient(LLMClient):
             raise NotImplementedError(f"{self.base_url} does not return log-probabilities")
         if not choices:
             raise ValueError("choice_logprobs needs at least one choice")
-        resp = self._call(self._client.chat.completions.create, model=self.model_id, messages=list(messages),
-                          max_tokens=1, logprobs=True, top_logprobs=TOP_LOGPROBS, temperature=0.0)
+        resp = self._run(self._call(self._client.chat.completions.create, model=self.model_id,
+                                    messages=list(messages), max_tokens=1, logprobs=True,
+                                    top_logprobs=TOP_LOGPROBS, temperature=0.0))
         content = resp.choices[0].logprobs.content if resp.choices and resp.choices[0].logprobs else None
         if not content or not content[0].top_logprobs:
             raise LLMError(f"{self.base_url} returned no top_logprobs for model {self.model_id!r}")
@@ -204,7 +332,19 @@ class OpenAICompatibleClient(LLMClient):
         return {c: seen.get(c, floor) for c in choices}
 
     def close(self) -> None:
-        self._client.close()
+        """Close the connections and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if getattr(self, "_client", None) is not None:
+                self._loop.run(self._client.close())
+        finally:
+            self._closed = True
+            self._loop.stop()
+
+
+def _json_schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 def _logaddexp(a: float, b: float) -> float:
