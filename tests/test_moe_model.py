@@ -94,19 +94,29 @@ def test_tied_embeddings_export() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_flex_attention_path_matches_the_exported_model() -> None:
-    """On CUDA in bf16: FlexAttention + grouped GEMMs (compiled) against transformers' own forward."""
+def test_gpu_paths_match_the_exported_model() -> None:
+    """On CUDA: FlexAttention document masks and the experts against transformers' own forward.
+
+    fp32 (no TF32) must agree to rounding. In bf16 (grouped GEMMs, compiled layers) a token whose two best experts
+    are nearly tied can be routed differently by the two implementations' rounding, which changes that token's
+    output entirely; so bf16 is held to: nearly every token agrees within bf16 tolerance.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(5)
-    model = NexaMoEForCausalLM(small_config(hidden_size=128, intermediate_size=256)).cuda().to(torch.bfloat16)
-    model.eval()
+    model = NexaMoEForCausalLM(small_config(hidden_size=128, intermediate_size=256)).cuda().eval()
     hf = to_hf(model).cuda().eval()
-    model.compile_layers()
     ids = torch.randint(0, 300, (2, 256), device="cuda")
-    with torch.no_grad():
-        ours, theirs = model(ids, return_logits=True).logits.float(), hf(input_ids=ids).logits.float()
-    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
     position_ids = torch.cat([torch.arange(100), torch.arange(156)]).cuda()[None].expand(2, -1)
     with torch.no_grad():
-        packed = model(ids, position_ids=position_ids, return_logits=True).logits.float()
-        alone = hf(input_ids=ids[:, 100:]).logits.float()
-    assert (packed[:, 100:] - alone).abs().max() < 0.05 * alone.abs().max()
+        torch.testing.assert_close(model(ids, return_logits=True).logits, hf(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+        packed = model(ids, position_ids=position_ids, return_logits=True).logits
+        torch.testing.assert_close(packed[:, 100:], hf(input_ids=ids[:, 100:]).logits, rtol=1e-4, atol=1e-4)
+
+    model, hf = model.to(torch.bfloat16), hf.to(torch.bfloat16)
+    model.compile_layers()
+    with torch.no_grad():
+        ours, theirs = model(ids, return_logits=True).logits.float(), hf(input_ids=ids).logits.float()
+    per_token = (ours - theirs).abs().amax(-1)
+    agree = (per_token < 0.05 * theirs.abs().max()).float().mean()
+    assert agree > 0.97, f"only {agree:.1%} of tokens agree"
