@@ -50,8 +50,11 @@ def build_resources() -> dict[str, object]:
         "storage": storage,
         "teacher_llm": llm_resource("teacher", storage.model_path(cfg["models"]["teacher"])),
         "judge_llm": llm_resource("judge", storage.model_path(cfg["models"]["judge"])),
-        "gpu_cluster": GPUClusterResource(backend=os.environ.get("NEXA_CLUSTER_BACKEND", "local"),
-                                          accelerator=os.environ.get("NEXA_ACCELERATOR", "cpu")),
+        "gpu_cluster": GPUClusterResource(**{
+            **cfg.get("gpu_cluster", {}),
+            "backend": os.environ.get("NEXA_CLUSTER_BACKEND", cfg.get("gpu_cluster", {}).get("backend", "local")),
+            "accelerator": os.environ.get("NEXA_ACCELERATOR",
+                                          cfg.get("gpu_cluster", {}).get("accelerator", "cpu"))}),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
     }
 
