@@ -120,3 +120,16 @@ def test_gpu_paths_match_the_exported_model() -> None:
     per_token = (ours - theirs).abs().amax(-1)
     agree = (per_token < 0.05 * theirs.abs().max()).float().mean()
     assert agree > 0.97, f"only {agree:.1%} of tokens agree"
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    """Recomputing each layer in the backward pass trades compute for memory, never the result."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(6)
+        model = NexaMoEForCausalLM(small_config())
+        model.activation_checkpointing = checkpointing
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
