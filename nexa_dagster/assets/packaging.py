@@ -1,12 +1,30 @@
-"""Packaging stage: all filtered samples so far become the packed SFT dataset (Parquet + JSONL)."""
+"""Packaging stage: judged samples and ingested documents become training data in three formats.
+
+* ``sft_dataset``: packed SFT Parquet (chat template, assistant-only loss mask, per-document positions and
+  boundaries) plus the same conversations as JSONL;
+* ``pretrain_corpus``: Megatron-Core ``.bin``/``.idx`` shards of the ingested documents;
+* ``rl_prompts``: prompts with reference answers as JSONL.
+
+What goes in is the data blend named in ``configs/packaging.yaml``; its fingerprint is in each asset's metadata,
+so a blend change shows in lineage. The work is sharded, parallel across processes and resumable from receipts;
+the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
+"""
 
 
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.types import FilteredSamplesType
+from nexa_dagster.assets.types import FilteredSamplesType, RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
+from nexa_dagster.core.blend import DataBlend, load_packaging_config
 from nexa_dagster.core.config import load_pipeline_config, load_scale
+from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, samples_to_flat_jsonl
+from nexa_dagster.core.pretrain_dataset import (
+    PretrainCorpus,
+    PretrainSettings,
+    documents_to_jsonl,
+    package_pretrain,
+)
 from nexa_dagster.core.sft_dataset import build_sft_dataset
 from nexa_dagster.core.tiny_model import ensure_model
 from nexa_dagster.resources.storage import StorageResource
@@ -23,19 +41,26 @@ def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
     group_name="packaging",
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
     kinds={"python", "parquet"},
-    description="Every filtered sample up to now, rendered with the student's chat template, tokenized, packed "
-                "best-fit-decreasing into fixed-length sequences with an assistant-only loss mask, split into "
-                "train/validation and written as Parquet and JSONL under data/sft/<run_hash>/.",
+    description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
+                "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
+                "an assistant-only loss mask, split into train/validation and written as Parquet and JSONL under "
+                "data/sft/<run_hash>/, in resumable shards.",
 )
 def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
                 storage: StorageResource) -> SFTDataset:
-    scale = load_scale()
+    scale, cfg = load_scale(), load_packaging_config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
+    blend = DataBlend.load(cfg.sft_blend)
     dataset, stats = build_sft_dataset(filtered_samples, tokenizer, tokenizer_path, storage.path("sft"),
                                        scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
-                                       log=context.log.info)
+                                       log=context.log.info, blend=blend, on_error=cfg.on_error,
+                                       rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count())
     context.add_output_metadata({
         "run_hash": dataset.run_hash,
+        "blend": dataset.blend,
+        "blend_fingerprint": dataset.blend_fingerprint,
+        "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
+        "num_shards": dataset.num_shards,
         "num_samples": dataset.num_samples,
         "days": dg.MetadataValue.json(dataset.days),
         "train_sequences": dataset.num_train_sequences,
@@ -46,6 +71,7 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
         "packing_efficiency": round(dataset.packing_efficiency, 4),
         "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
         "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
+        "quarantined_rows": dataset.quarantined_rows,
         "train_path": dg.MetadataValue.path(dataset.train_path),
         "validation_path": dg.MetadataValue.path(dataset.validation_path),
     })
@@ -55,15 +81,63 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
 @dg.asset_check(asset=sft_dataset, description="Both splits re-read from storage are well-formed packed sequences "
                                                "with assistant tokens to learn.")
 def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResult:
-    from nexa_dagster.core import storage as io
-    from nexa_dagster.core.schemas import PackedSequences
+    from nexa_dagster.core.packing import check_packed_file
 
-    problems = []
-    for split, path in (("train", sft_dataset.train_path), ("validation", sft_dataset.validation_path)):
-        frame = io.read_parquet(path)
-        PackedSequences.validate(frame)
-        if not frame["input_ids"].map(len).eq(sft_dataset.pack_size).all():
-            problems.append(f"{split}: a row is not {sft_dataset.pack_size} tokens long")
-        if int(frame["num_loss_tokens"].sum()) == 0:
-            problems.append(f"{split}: no loss-masked (assistant) tokens")
+    problems = [p for split, path in (("train", sft_dataset.train_path),
+                                      ("validation", sft_dataset.validation_path))
+                for p in check_packed_file(path, sft_dataset.pack_size, split)]
     return dg.AssetCheckResult(passed=not problems, metadata={"problems": dg.MetadataValue.json(problems)})
+
+
+@dg.asset(
+    group_name="packaging",
+    ins={"raw_documents": dg.AssetIn(dagster_type=RawDocumentsType)},
+    kinds={"python"},
+    description="Every ingested document up to now (plus the other sources of the pretraining blend), tokenized "
+                "with the student's tokenizer into Megatron-Core bin/idx shards under data/pretrain/<run_hash>/ "
+                "with a megatron_blend.json for --data-path.",
+)
+def pretrain_corpus(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame,
+                    storage: StorageResource) -> PretrainCorpus:
+    cfg = load_packaging_config()
+    tokenizer, _ = load_student_tokenizer(storage)
+    blend = DataBlend.load(cfg.pretrain_blend)
+    out_root = storage.path("pretrain")
+    run = package_pretrain(blend, tokenizer, out_root,
+                           PretrainSettings(on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard,
+                                            workers=cfg.worker_count()),
+                           assets={"raw_documents": documents_to_jsonl(raw_documents, out_root)},
+                           log=context.log.info)
+    corpus = PretrainCorpus(run_hash=run.run_hash, root=run.root, megatron_blend_path=run.blend_path,
+                            prefixes=run.prefixes, num_documents=run.num_documents, num_tokens=run.num_tokens,
+                            blend=blend.name, blend_fingerprint=blend.fingerprint(),
+                            quarantined_rows=run.quarantined_rows)
+    context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,
+                                 "blend_fingerprint": blend.fingerprint(), "documents": run.num_documents,
+                                 "tokens": run.num_tokens, "shards": len(run.prefixes),
+                                 "megatron_blend": dg.MetadataValue.path(run.blend_path)})
+    return corpus
+
+
+@dg.asset(
+    group_name="packaging",
+    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    kinds={"python"},
+    description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
+                "of the RL blend.",
+)
+def rl_prompts(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
+               storage: StorageResource) -> JsonlDataset:
+    cfg = load_packaging_config()
+    blend = DataBlend.load(cfg.rl_blend)
+    out_root = storage.path("rl")
+    run = package_jsonl(blend, out_root, "rl_prompts",
+                        assets={"filtered_samples_flat": samples_to_flat_jsonl(filtered_samples, out_root)},
+                        on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
+                        log=context.log.info)
+    context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,
+                                 "blend_fingerprint": blend.fingerprint(), "records": run.records,
+                                 "quarantined_rows": run.quarantined_rows, "path": dg.MetadataValue.path(run.path)})
+    return JsonlDataset(run_hash=run.run_hash, path=run.path, records=run.records, blend=blend.name,
+                        blend_fingerprint=blend.fingerprint(), quarantined_rows=run.quarantined_rows,
+                        quarantine_path=run.quarantine_path)

@@ -38,6 +38,11 @@ class SFTDataset(Artifact):
     packing_efficiency: float = Field(gt=0, le=1)
     days: list[str]
     tokenizer_path: str
+    blend: str | None = None  # the data blend (configs/blends/) that decided what went in
+    blend_fingerprint: str | None = None
+    num_shards: int | None = None
+    quarantined_rows: int = 0  # bad input rows set aside (on_error: quarantine), listed in quarantine_path
+    quarantine_path: str | None = None
 
     @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
     @classmethod

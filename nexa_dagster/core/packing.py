@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from nexa_dagster.core.llm.base import ChatMessage
-
-PACKED_COLUMNS = ["input_ids", "loss_mask", "position_ids", "attention_mask", "cu_seqlens", "num_documents",
-                  "num_tokens", "num_loss_tokens"]
 
 
 @dataclass
@@ -77,6 +76,20 @@ class PackingStats:
     def efficiency(self) -> float:
         return self.real_tokens / self.slots if self.slots else 0.0
 
+    def add(self, other: PackingStats) -> None:
+        for name in ("sequences", "documents", "real_tokens", "loss_tokens", "slots", "truncated_documents",
+                     "dropped_documents"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_json(self) -> dict[str, int]:
+        return {"sequences": self.sequences, "documents": self.documents, "real_tokens": self.real_tokens,
+                "loss_tokens": self.loss_tokens, "slots": self.slots,
+                "truncated_documents": self.truncated_documents, "dropped_documents": self.dropped_documents}
+
+    @classmethod
+    def from_json(cls, data: dict[str, int]) -> PackingStats:
+        return cls(**data)
+
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into bins of ``capacity`` (each length must be <= capacity)."""
@@ -96,53 +109,86 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
-def pack(conversations: Sequence[TokenizedConversation], pack_size: int, pad_id: int) -> tuple[pd.DataFrame, PackingStats]:
-    """Pack tokenized conversations into rows of exactly ``pack_size`` tokens.
+PACKED_SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("position_ids", pa.list_(pa.int32())),
+    ("attention_mask", pa.list_(pa.int8())), ("cu_seqlens", pa.list_(pa.int32())), ("num_documents", pa.int64()),
+    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()),
+])
 
-    A conversation longer than ``pack_size`` is cut at the end; if the cut leaves none of the assistant's tokens
-    it is dropped (a prompt without its answer teaches nothing). Both are counted in the stats.
+
+PACKED_COLUMNS = PACKED_SCHEMA.names
+
+
+def _list_column(matrix: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    rows, width = matrix.shape
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32), pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.ravel(), value_type))
+
+
+def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pad_id: int,
+               stats: PackingStats | None = None) -> tuple[pa.Table, PackingStats]:
+    """Pack ``(input_ids, loss_mask)`` documents into an Arrow table of rows of exactly ``pack_size`` tokens.
+
+    A document longer than ``pack_size`` is cut at the end; if the cut leaves none of the assistant's tokens it is
+    dropped (a prompt without its answer teaches nothing). Both are counted in the stats. Rows are built as
+    NumPy matrices and handed to Arrow without per-token Python objects.
     """
-    docs = []
-    stats = PackingStats()
-    for c in conversations:
-        ids, mask = c.input_ids[:pack_size], c.loss_mask[:pack_size]
-        if len(c.input_ids) > pack_size:
-            if not any(mask):
+    stats = stats or PackingStats()
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    for ids, mask in docs:
+        if len(ids) > pack_size:
+            ids, mask = ids[:pack_size], mask[:pack_size]
+            if not np.any(mask):
                 stats.dropped_documents += 1
                 continue
             stats.truncated_documents += 1
-        docs.append((ids, mask))
-    rows = []
-    for members in best_fit_decreasing([len(d[0]) for d in docs], pack_size):
-        input_ids: list[int] = []
-        loss_mask: list[int] = []
-        position_ids: list[int] = []
+        if len(ids):
+            kept.append((ids, mask))
+    bins = best_fit_decreasing([len(d[0]) for d in kept], pack_size)
+    n = len(bins)
+    input_ids = np.full((n, pack_size), pad_id, dtype=np.int32)
+    loss_mask = np.zeros((n, pack_size), dtype=np.int8)
+    position_ids = np.empty((n, pack_size), dtype=np.int32)
+    attention_mask = np.zeros((n, pack_size), dtype=np.int8)
+    ramp = np.arange(pack_size, dtype=np.int32)
+    cu_seqlens: list[list[int]] = []
+    num_tokens = np.zeros(n, dtype=np.int64)
+    for r, members in enumerate(bins):
         cu = [0]
+        at = 0
         for i in members:
-            ids, mask = docs[i]
-            input_ids += ids
-            loss_mask += mask
-            position_ids += list(range(len(ids)))
-            cu.append(len(input_ids))
-        n_real = len(input_ids)
-        pad = pack_size - n_real
-        rows.append({
-            "input_ids": input_ids + [pad_id] * pad,
-            "loss_mask": loss_mask + [0] * pad,
-            "position_ids": position_ids + list(range(pad)),
-            "attention_mask": [1] * n_real + [0] * pad,
-            "cu_seqlens": cu,
-            "num_documents": len(members),
-            "num_tokens": n_real,
-            "num_loss_tokens": sum(loss_mask),
-        })
-        stats.real_tokens += n_real
-        stats.loss_tokens += sum(loss_mask)
-        stats.per_bin.append(n_real)
-    stats.sequences = len(rows)
-    stats.documents = len(docs)
-    stats.slots = stats.sequences * pack_size
-    return pd.DataFrame(rows, columns=PACKED_COLUMNS), stats
+            ids, mask = kept[i]
+            k = len(ids)
+            input_ids[r, at:at + k] = ids
+            loss_mask[r, at:at + k] = mask
+            position_ids[r, at:at + k] = ramp[:k]
+            at += k
+            cu.append(at)
+        position_ids[r, at:] = ramp[:pack_size - at]  # padding counts from 0 too; attention_mask hides it
+        attention_mask[r, :at] = 1
+        num_tokens[r] = at
+        cu_seqlens.append(cu)
+    num_loss = loss_mask.sum(axis=1, dtype=np.int64)
+    table = pa.Table.from_arrays([
+        _list_column(input_ids, pa.int32()), _list_column(loss_mask, pa.int8()),
+        _list_column(position_ids, pa.int32()), _list_column(attention_mask, pa.int8()),
+        pa.array(cu_seqlens, pa.list_(pa.int32())), pa.array([len(b) for b in bins], pa.int64()),
+        pa.array(num_tokens, pa.int64()), pa.array(num_loss, pa.int64()),
+    ], schema=PACKED_SCHEMA)
+    stats.sequences += n
+    stats.documents += len(kept)
+    stats.real_tokens += int(num_tokens.sum())
+    stats.loss_tokens += int(num_loss.sum())
+    stats.slots += n * pack_size
+    stats.per_bin.extend(int(t) for t in num_tokens)
+    return table, stats
+
+
+def pack(conversations: Sequence[TokenizedConversation], pack_size: int, pad_id: int) -> tuple[pd.DataFrame, PackingStats]:
+    """``pack_table`` for tokenized conversations, as a DataFrame (one row per packed sequence)."""
+    docs = [(np.asarray(c.input_ids, dtype=np.int32), np.asarray(c.loss_mask, dtype=np.int8)) for c in conversations]
+    table, stats = pack_table(docs, pack_size, pad_id)
+    return table.to_pandas(), stats
 
 
 def is_validation(sample_id: str, fraction: float, seed: int = 0) -> bool:
@@ -174,3 +220,126 @@ def run_hash(sample_ids: Sequence[str], tokenizer_fingerprint: str, chat_templat
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+
+
+_SENTINEL = "NEXA7SENTINEL7CONTENT"
+_LOADED: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class ChatTokenizer:
+    """Chat-template tokenization without rendering Jinja per conversation, picklable to worker processes.
+
+    The template is rendered once per role around a sentinel, which gives each role's head and tail (for the
+    project's template: ``<|im_start|>assistant\n`` and ``<|im_end|>\n``), tokenized once. A conversation is then
+    the concatenation of head, content and tail tokens per message, with the contents of a whole batch tokenized
+    in one call to the Rust tokenizer. ``from_hf`` checks that the template really is per-message (rendering a
+    conversation equals concatenating its messages' renderings) and refuses it otherwise, so the fast path never
+    gives different tokens from ``tokenize_conversation``.
+    """
+
+    tokenizer_file: str
+    fingerprint: str
+    heads: dict[str, tuple[int, ...]]
+    tails: dict[str, tuple[int, ...]]
+    pad_id: int
+    eos_id: int | None
+    vocab_size: int
+
+    @classmethod
+    def from_hf(cls, tokenizer: Any, tokenizer_file: str) -> ChatTokenizer:
+        """Build from a Hugging Face tokenizer; its ``tokenizer.json`` is written to ``tokenizer_file`` for workers."""
+        from nexa_dagster.core import storage
+
+        heads: dict[str, tuple[int, ...]] = {}
+        tails: dict[str, tuple[int, ...]] = {}
+        for role in ("system", "user", "assistant"):
+            rendered = tokenizer.apply_chat_template([{"role": role, "content": _SENTINEL}], tokenize=False)
+            if rendered.count(_SENTINEL) != 1:
+                raise ValueError(f"chat template renders a {role} message's content {rendered.count(_SENTINEL)} times")
+            head, _, tail = rendered.partition(_SENTINEL)
+            heads[role] = tuple(tokenizer.encode(head, add_special_tokens=False))
+            tails[role] = tuple(tokenizer.encode(tail, add_special_tokens=False))
+        probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
+                 {"role": "assistant", "content": "Because."}, {"role": "user", "content": "And?"},
+                 {"role": "assistant", "content": "Done."}]
+        whole = tokenizer.apply_chat_template(probe, tokenize=False)
+        parts = "".join(tokenizer.apply_chat_template([m], tokenize=False) for m in probe)
+        if whole != parts:
+            raise ValueError("the chat template is not per-message (a conversation renders differently from its "
+                             "messages rendered one by one); this packer needs a per-message template")
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        if not storage.exists(tokenizer_file):
+            storage.write_text(tokenizer.backend_tokenizer.to_str(), tokenizer_file)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has neither a pad nor an eos token to pad packed sequences with")
+        return cls(tokenizer_file, fingerprint, heads, tails, int(pad), tokenizer.eos_token_id, len(tokenizer))
+
+    def describe(self) -> dict[str, Any]:
+        """What the tokens depend on (goes into the run hash); the file location does not."""
+        return {"fingerprint": self.fingerprint, "heads": {k: list(v) for k, v in sorted(self.heads.items())},
+                "tails": {k: list(v) for k, v in sorted(self.tails.items())}, "pad_id": self.pad_id}
+
+    def _backend(self) -> Any:
+        tok = _LOADED.get(self.fingerprint)
+        if tok is None:
+            from tokenizers import Tokenizer
+
+            from nexa_dagster.core import storage
+
+            with storage.open_read(self.tokenizer_file) as f:
+                tok = Tokenizer.from_str(f.read().decode("utf-8"))
+            _LOADED[self.fingerprint] = tok
+        return tok
+
+    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Plain token ids for a batch of texts (no special tokens added)."""
+        backend = self._backend()
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def encode_conversations(self, conversations: Sequence[Sequence[ChatMessage]]) -> list[tuple[np.ndarray,
+                                                                                                   np.ndarray]]:
+        """``(input_ids, loss_mask)`` per conversation; the mask is 1 on the assistant's content and end-of-turn."""
+        bodies = self.encode_texts([m["content"] for c in conversations for m in c])
+        out = []
+        k = 0
+        for conv in conversations:
+            ids: list[int] = []
+            mask: list[int] = []
+            for m in conv:
+                head, tail, body = self.heads[m["role"]], self.tails[m["role"]], bodies[k]
+                k += 1
+                learn = 1 if m["role"] == "assistant" else 0
+                ids += head
+                ids += body
+                ids += tail
+                mask += [0] * len(head)
+                mask += [learn] * len(body)
+                if tail:  # the end-of-turn token is learned for the assistant; what follows it is template glue
+                    mask.append(learn)
+                    mask += [0] * (len(tail) - 1)
+            out.append((np.array(ids, dtype=np.int32), np.array(mask, dtype=np.int8)))
+        return out
+
+
+def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
+    """Problems with a packed Parquet file as training will read it (empty list: fine)."""
+    from nexa_dagster.core import storage
+    from nexa_dagster.core.schemas import PackedSequences
+
+    frame = storage.read_parquet(path)
+    where = label or path
+    PackedSequences.validate(frame)
+    problems = []
+    if not frame["input_ids"].map(len).eq(pack_size).all():
+        problems.append(f"{where}: a row is not {pack_size} tokens long")
+    for row in frame.itertuples():
+        cu = list(row.cu_seqlens)
+        if cu[0] != 0 or cu[-1] != row.num_tokens or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
+            problems.append(f"{where}: row {row.Index} has document boundaries {cu} for {row.num_tokens} tokens")
+            break
+    if int(frame["num_loss_tokens"].sum()) == 0:
+        problems.append(f"{where}: no loss-masked (assistant) tokens")
+    return problems

@@ -1,80 +1,282 @@
-"""Build the packaged SFT dataset from judged samples: split, tokenize, pack, write Parquet and JSONL."""
+"""The packed SFT dataset: blend -> shard plan -> (parallel, resumable) tokenize-and-pack -> Parquet + JSONL.
+
+Layout under ``<out_root>/<run_hash>/``::
+
+    plan.json                       the shards and the configuration the run hash is made of
+    shards/<id>.{train,validation}.parquet, .jsonl, .quarantine.jsonl
+    receipts/<id>.json              one per finished shard (outputs with size + SHA-256, counts)
+    train.parquet  validation.parquet   packed rows, shards concatenated in order
+    train.jsonl    validation.jsonl     the same conversations as {"sample_id", "messages"} (SFT/RL JSONL)
+    quarantine.jsonl                bad input rows with file:line and reason (``on_error: quarantine``)
+    dataset.json                    the SFTDataset artifact
+
+The output folder is named by the run hash, so re-packaging the same inputs resumes or rewrites identical bytes,
+and a changed input never overwrites an earlier dataset that a checkpoint may still point at.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
+from nexa_dagster.core import shards as sh
 from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import SFTDataset
-from nexa_dagster.core.packing import (
-    PackingStats,
-    TokenizedConversation,
-    conversation,
-    pack,
-    run_hash,
-    split_train_validation,
-    tokenize_conversation,
-    tokenizer_fingerprint,
+from nexa_dagster.core.blend import BlendSource, DataBlend
+from nexa_dagster.core.jsonl_formats import (
+    BadRow,
+    OnError,
+    apply_transform,
+    build_transform,
+    dumps,
+    iter_jsonl,
 )
-from nexa_dagster.core.schemas import PackedSequences
+from nexa_dagster.core.packing import (
+    PACKED_SCHEMA,
+    ChatTokenizer,
+    PackingStats,
+    conversation,
+    is_validation,
+    pack_table,
+)
+
+FORMAT = "packed-sft-parquet/2"
+SPLITS = ("train", "validation")
+DEFAULT_BLEND = "blends/sft.yaml"
+ENCODE_BATCH = 512  # conversations tokenized per call to the Rust tokenizer
 
 
-def _chat_rows(samples: pd.DataFrame) -> list[dict[str, Any]]:
-    return [{"sample_id": r.sample_id,
-             "messages": conversation(r.system_prompt, r.prompt, r.response)} for r in samples.itertuples()]
+@dataclass(frozen=True)
+class PackagingSettings:
+    """How packaging runs. Only the first four change the bytes of the output (they are in the run hash)."""
+
+    pack_size: int
+    validation_fraction: float
+    seed: int = 0
+    on_error: OnError = "raise"
+    rows_per_shard: int = 5000
+    workers: int = 1
+    write_jsonl: bool = True
+
+
+@dataclass
+class SftRun:
+    """What a packaging run produced: paths, the run hash, per-split packing stats and the shard report."""
+
+    run_hash: str
+    root: str
+    paths: dict[str, str]
+    stats: dict[str, PackingStats]
+    num_shards: int
+    rows_read: int
+    quarantined_rows: int
+    report: sh.RunReport
+    blend: DataBlend
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def packing_efficiency(self) -> float:
+        real = sum(s.real_tokens for s in self.stats.values())
+        slots = sum(s.slots for s in self.stats.values())
+        return real / slots if slots else 0.0
+
+
+def record_id(source: BlendSource, raw: dict[str, Any], transformed: dict[str, Any]) -> str:
+    """The record's own id when it has one, else a hash of its content (stable across files and days)."""
+    if source.id_field and isinstance(raw.get(source.id_field), str | int):
+        return str(raw[source.id_field])
+    return hashlib.sha256(json.dumps(transformed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
+    """Read, transform, split, tokenize and pack one shard; write its outputs atomically (worker side)."""
+    shard, cfg = task.shard, task.config
+    source = BlendSource.model_validate(cfg["sources"][shard.source])
+    transform = build_transform(source.transform)
+    chat: ChatTokenizer = task.runtime["chat_tokenizer"]
+    on_error: OnError = cfg["on_error"]
+    convs: dict[str, list[list[dict[str, str]]]] = {s: [] for s in SPLITS}
+    lines: dict[str, list[bytes]] = {s: [] for s in SPLITS}
+    bad: list[bytes] = []
+    rows = 0
+    with storage.open_read(shard.path) as f:
+        for where, item in iter_jsonl(f, shard.label, shard.start, shard.end, shard.first_line, on_error):
+            rows += 1
+            out = item if isinstance(item, BadRow) else apply_transform(transform, item, where, on_error)
+            if isinstance(out, BadRow):
+                bad.append(dumps({"source": shard.source, **out.to_json()}))
+                continue
+            assert not isinstance(item, BadRow)
+            sid = record_id(source, item, out)
+            split = "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train"
+            for copy in range(source.copies(sid, cfg["seed"])):
+                convs[split].append(out["messages"])
+                if task.runtime.get("write_jsonl", True):
+                    lines[split].append(dumps({"sample_id": sid if copy == 0 else f"{sid}#{copy}",
+                                               "messages": out["messages"]}))
+    outputs: list[str] = []
+    stats: dict[str, Any] = {"rows": rows, "quarantined": len(bad)}
+    for split in SPLITS:
+        docs = []
+        for i in range(0, len(convs[split]), ENCODE_BATCH):
+            docs += chat.encode_conversations(convs[split][i:i + ENCODE_BATCH])
+        convs[split] = []
+        table, st = pack_table(docs, cfg["pack_size"], chat.pad_id)
+        del docs
+        rel = f"shards/{shard.shard_id}.{split}.parquet"
+        _write_parquet(table, storage.join(task.root, rel))
+        outputs.append(rel)
+        stats[split] = st.to_json()
+        if task.runtime.get("write_jsonl", True):
+            rel = f"shards/{shard.shard_id}.{split}.jsonl"
+            with storage.atomic_writer(storage.join(task.root, rel)) as out_file:
+                out_file.write(b"".join(lines[split]))
+            outputs.append(rel)
+    if bad:
+        rel = f"shards/{shard.shard_id}.quarantine.jsonl"
+        with storage.atomic_writer(storage.join(task.root, rel)) as out_file:
+            out_file.write(b"".join(bad))
+        outputs.append(rel)
+    return sh.Receipt(shard.shard_id, task.key, rows, {o: sh.output_entry(task.root, o) for o in outputs}, stats)
+
+
+def _write_parquet(table: pa.Table, path: str) -> None:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", write_statistics=False)
+    with storage.atomic_writer(path) as f:
+        f.write(buf.getvalue())
+
+
+def plan_config(blend: DataBlend, chat: ChatTokenizer, template: str, settings: PackagingSettings) -> dict[str, Any]:
+    """Everything the output bytes depend on besides the input bytes (hashed into the run hash)."""
+    import pyarrow
+
+    return {"format": FORMAT, "blend": blend.name, "blend_fingerprint": blend.fingerprint(),
+            "sources": {s.name: s.model_dump() for s in blend.sources}, "tokenizer": chat.describe(),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(), "pack_size": settings.pack_size,
+            "validation_fraction": settings.validation_fraction, "seed": settings.seed,
+            "on_error": settings.on_error, "rows_per_shard": settings.rows_per_shard,
+            "write_jsonl": settings.write_jsonl, "pyarrow": pyarrow.__version__}
+
+
+def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: PackagingSettings,
+                assets: dict[str, str] | None = None, log: Callable[[str], None] = print) -> SftRun:
+    """Plan, run (skipping shards with valid receipts) and finalize a packed SFT dataset."""
+    inputs = blend.resolve(assets)
+    shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)
+    if not shards:
+        raise ValueError(f"blend {blend.name!r}: every input file is empty")
+    chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers",
+                                                         f"{tokenizer_fingerprint_of(tokenizer)}.json"))
+    config = plan_config(blend, chat, tokenizer.chat_template or "", settings)
+    rh = sh.run_hash(shards, config)
+    root = storage.join(out_root, rh)
+    storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
+                       storage.join(root, "plan.json"))
+    sh.clean_temporaries(root)
+    log(f"run {rh}: {len(shards)} shards of <= {settings.rows_per_shard} rows from {len(inputs)} sources, "
+        f"{settings.workers} workers")
+    report = sh.run_shards(shards, root, config, process_sft_shard,
+                           runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
+                           workers=settings.workers, log=log)
+    return finalize_sft(root, rh, report, blend, settings, log)
+
+
+def tokenizer_fingerprint_of(tokenizer: Any) -> str:
+    from nexa_dagster.core.packing import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tokenizer)
+
+
+def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, settings: PackagingSettings,
+                 log: Callable[[str], None]) -> SftRun:
+    """Concatenate the shards in plan order and sum the receipts' counts."""
+    stats = {s: PackingStats() for s in SPLITS}
+    for receipt in report.receipts:
+        for split in SPLITS:
+            stats[split].add(PackingStats.from_json(receipt.stats[split]))
+    paths: dict[str, str] = {}
+    for split in SPLITS:
+        paths[split] = storage.join(root, f"{split}.parquet")
+        sh.concat_parquet([storage.join(root, f"shards/{r.shard_id}.{split}.parquet") for r in report.receipts],
+                          paths[split], PACKED_SCHEMA)
+        if settings.write_jsonl:
+            paths[f"{split}_jsonl"] = storage.join(root, f"{split}.jsonl")
+            sh.concat_files([storage.join(root, f"shards/{r.shard_id}.{split}.jsonl") for r in report.receipts],
+                            paths[f"{split}_jsonl"])
+    quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
+    if quarantined:
+        paths["quarantine"] = storage.join(root, "quarantine.jsonl")
+        sh.concat_files([storage.join(root, o) for r in report.receipts for o in r.outputs
+                         if o.endswith(".quarantine.jsonl")], paths["quarantine"])
+        log(f"{quarantined} bad input rows quarantined in {paths['quarantine']}")
+    run = SftRun(rh, root, paths, stats, len(report.receipts), sum(r.rows for r in report.receipts), quarantined,
+                 report, blend)
+    for split, st in stats.items():
+        log(f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {settings.pack_size} "
+            f"tokens ({st.efficiency:.2%} efficiency, {st.truncated_documents} truncated, {st.dropped_documents} "
+            "dropped as longer than a pack with no answer left)")
+    return run
+
+
+def samples_to_jsonl(samples: pd.DataFrame, out_root: str) -> str:
+    """Judged samples as chat records in a content-addressed JSONL file (sorted by id: order-independent)."""
+    samples = samples.sort_values("sample_id", kind="stable").reset_index(drop=True)
+    body = b"".join(dumps({"sample_id": r.sample_id, "day": r.day,
+                           "messages": conversation(r.system_prompt, r.prompt, r.response)})
+                    for r in samples.itertuples())
+    path = storage.join(out_root, "inputs", f"filtered_samples-{hashlib.sha256(body).hexdigest()[:16]}.jsonl")
+    if not storage.exists(path):
+        with storage.atomic_writer(path) as f:
+            f.write(body)
+    return path
+
+
+def default_blend() -> DataBlend:
+    return DataBlend.load(DEFAULT_BLEND)
 
 
 def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str, out_root: str, pack_size: int,
-                      validation_fraction: float, seed: int = 0,
-                      log: Callable[[str], None] = print) -> tuple[SFTDataset, dict[str, PackingStats]]:
-    """Write ``<out_root>/<run_hash>/{train,validation}.{parquet,jsonl}`` and return the artifact.
-
-    The output folder is named by the run hash, so re-packaging the same inputs is a no-op rewrite of identical
-    bytes and a changed input never overwrites an earlier dataset that a checkpoint may still point at.
-    """
+                      validation_fraction: float, seed: int = 0, log: Callable[[str], None] = print,
+                      blend: DataBlend | None = None, on_error: OnError = "raise", rows_per_shard: int = 5000,
+                      workers: int = 1) -> tuple[SFTDataset, dict[str, PackingStats]]:
+    """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact."""
     if samples.empty:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
-    samples = samples.sort_values("sample_id").reset_index(drop=True)
-    rh = run_hash(samples["sample_id"].tolist(), tokenizer_fingerprint(tokenizer), tokenizer.chat_template or "",
-                  pack_size, seed)
-    root = storage.join(out_root, rh)
-    train_idx, val_idx = split_train_validation(samples["sample_id"].tolist(), validation_fraction, seed)
-    if not train_idx or not val_idx:
-        raise ValueError(f"need at least 2 filtered samples for a train/validation split, got {len(samples)}")
-    stats: dict[str, PackingStats] = {}
-    paths: dict[str, str] = {}
-    for split, idx in (("train", train_idx), ("validation", val_idx)):
-        part = samples.iloc[idx]
-        tokenized = []
-        for row in part.itertuples():
-            ids, mask = tokenize_conversation(tokenizer, conversation(row.system_prompt, row.prompt, row.response))
-            tokenized.append(TokenizedConversation(row.sample_id, ids, mask))
-        packed, st = pack(tokenized, pack_size, tokenizer.pad_token_id)
-        PackedSequences.validate(packed)
-        stats[split] = st
-        paths[split] = storage.join(root, f"{split}.parquet")
-        paths[f"{split}_jsonl"] = storage.join(root, f"{split}.jsonl")
-        storage.write_parquet(packed, paths[split])
-        storage.write_jsonl(_chat_rows(part), paths[f"{split}_jsonl"])
-        log(f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {pack_size} tokens "
-            f"({st.efficiency:.1%} efficiency, {st.truncated_documents} truncated, {st.dropped_documents} dropped "
-            "as longer than a pack with no answer left)")
-        if st.sequences == 0:
-            raise ValueError(f"{split}: every conversation is longer than pack_size={pack_size}; raise pack_size")
-    real = sum(s.real_tokens for s in stats.values())
-    slots = sum(s.slots for s in stats.values())
+    settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers)
+    blend = blend or default_blend()
+    run = package_sft(blend, tokenizer, out_root, settings,
+                      assets={"filtered_samples": samples_to_jsonl(samples, out_root)}, log=log)
+    for split in SPLITS:
+        if run.stats[split].sequences == 0:
+            if sum(s.documents for s in run.stats.values()) < 2:
+                raise ValueError(f"need at least 2 samples for a train/validation split, got {run.rows_read} rows")
+            raise ValueError(f"{split}: no packed sequence (no {split} sample, or every conversation is longer "
+                             f"than pack_size={pack_size} with no answer left); raise pack_size or add data")
+    real = sum(s.real_tokens for s in run.stats.values())
     artifact = SFTDataset(
-        run_hash=rh, root=root, train_path=paths["train"], validation_path=paths["validation"],
-        train_jsonl_path=paths["train_jsonl"], validation_jsonl_path=paths["validation_jsonl"],
-        num_samples=len(samples), num_train_sequences=stats["train"].sequences,
-        num_validation_sequences=stats["validation"].sequences, num_real_tokens=real,
-        num_loss_tokens=sum(s.loss_tokens for s in stats.values()), pack_size=pack_size,
-        packing_efficiency=real / slots, days=sorted(samples["day"].unique().tolist()),
-        tokenizer_path=os.fspath(tokenizer_path),
+        run_hash=run.run_hash, root=run.root, train_path=run.paths["train"],
+        validation_path=run.paths["validation"], train_jsonl_path=run.paths["train_jsonl"],
+        validation_jsonl_path=run.paths["validation_jsonl"], num_samples=run.rows_read - run.quarantined_rows,
+        num_train_sequences=run.stats["train"].sequences,
+        num_validation_sequences=run.stats["validation"].sequences, num_real_tokens=real,
+        num_loss_tokens=sum(s.loss_tokens for s in run.stats.values()), pack_size=pack_size,
+        packing_efficiency=run.packing_efficiency, days=sorted(samples["day"].unique().tolist()),
+        tokenizer_path=os.fspath(tokenizer_path), blend=run.blend.name,
+        blend_fingerprint=run.blend.fingerprint(), num_shards=run.num_shards, quarantined_rows=run.quarantined_rows, quarantine_path=run.paths.get("quarantine"),
     )
-    storage.write_json(artifact.model_dump(), storage.join(root, "dataset.json"))
-    return artifact, stats
+    storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
+    return artifact, run.stats
+
+
+__all__: Sequence[str] = ["PackagingSettings", "SftRun", "build_sft_dataset", "package_sft", "process_sft_shard"]

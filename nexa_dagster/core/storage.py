@@ -96,3 +96,74 @@ def local_dir(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+class atomic_writer:  # noqa: N801 - used like open()
+    """A writable binary file that appears at ``path`` only when the ``with`` block ends without an error.
+
+    Streams to a temporary name beside the target (so large outputs never sit in memory) and renames it into
+    place at the end; on an error the temporary file is removed and the target is left as it was.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.fs, self.path = _fs(str(path))
+        parent, _, name = self.path.rpartition("/")
+        if parent:
+            self.fs.makedirs(parent, exist_ok=True)
+        self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
+        self._file: Any = None
+
+    def __enter__(self) -> Any:
+        self._file = self.fs.open(self.tmp, "wb")
+        return self._file
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._file.close()
+        try:
+            if exc_type is None:
+                if _is_local(self.fs):
+                    os.replace(self.tmp, self.path)
+                else:
+                    self.fs.mv(self.tmp, self.path)
+        finally:
+            if self.fs.exists(self.tmp):
+                self.fs.rm(self.tmp)
+
+
+def open_read(path: str | os.PathLike[str]) -> Any:
+    """A readable binary file for a local path or any fsspec URL."""
+    fs, p = _fs(str(path))
+    return fs.open(p, "rb")
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Checksum of a file read in chunks (constant memory whatever its size)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open_read(path) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def size(path: str | os.PathLike[str]) -> int:
+    fs, p = _fs(str(path))
+    return int(fs.size(p))
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a file if it is there (a missing file is already the wanted state)."""
+    fs, p = _fs(str(path))
+    if fs.exists(p):
+        fs.rm(p)
+
+
+def glob(pattern: str) -> list[str]:
+    """Files matching a glob, sorted, with the URL scheme kept so they can be opened again."""
+    fs, p = _fs(pattern)
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    found = sorted(fs.glob(p))
+    if "://" in pattern and protocol not in ("file", "local"):
+        return [f"{protocol}://{f.lstrip('/')}" for f in found]
+    return found

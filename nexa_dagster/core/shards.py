@@ -1,0 +1,279 @@
+"""Shard plans, receipts and the parallel runner behind every packaging format.
+
+The work is planned before anything is computed: each input file is cut into shards of at most ``rows_per_shard``
+lines (byte ranges found by one streaming pass that also hashes the bytes). The plan (shards with their input
+hashes, plus the configuration: tokenizer, template, pack size, seed, blend...) hashes to the run hash. Each shard's
+output depends only on its own bytes and the configuration, and outputs are concatenated in shard order, so the
+result is byte-identical whatever the number of workers or the order in which they finish.
+
+A finished shard writes a receipt (temporary file, then rename) that lists its outputs with their sizes and
+SHA-256. A re-run of the same plan skips shards whose receipt is valid (same shard key, every output present with
+the recorded size and checksum) and redoes the others, so a run killed part-way resumes where it stopped and a
+corrupted receipt or output is redone rather than trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nexa_dagster.core import storage
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A byte range of one input file: lines ``first_line .. first_line + rows - 1``."""
+
+    index: int
+    source: str
+    path: str
+    start: int
+    end: int
+    first_line: int
+    rows: int
+    input_sha256: str
+
+    @property
+    def shard_id(self) -> str:
+        return f"{self.index:06d}"
+
+    @property
+    def label(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """What a worker needs: the shard, the run's configuration and where to write (picklable, no open handles)."""
+
+    shard: Shard
+    root: str
+    key: str
+    config: dict[str, Any]
+    runtime: dict[str, Any] = field(default_factory=dict)  # not hashed: tokenizer handle, options that don't change bytes
+
+
+@dataclass
+class Receipt:
+    """Proof that a shard finished: its outputs (relative path -> size and SHA-256) and its counts."""
+
+    shard_id: str
+    key: str
+    rows: int
+    outputs: dict[str, dict[str, Any]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def scan_file(path: str, rows_per_shard: int) -> list[tuple[int, int, int, int, str]]:
+    """``(start, end, first_line, rows, sha256)`` per shard of ``path``, in one streaming pass."""
+    if rows_per_shard <= 0:
+        raise ValueError(f"rows_per_shard must be positive, got {rows_per_shard}")
+    ranges = []
+    start = pos = 0
+    line = first = 1
+    rows = 0
+    h = hashlib.sha256()
+    with storage.open_read(path) as f:
+        while raw := f.readline():
+            h.update(raw)
+            pos += len(raw)
+            rows += 1
+            line += 1
+            if rows == rows_per_shard:
+                ranges.append((start, pos, first, rows, h.hexdigest()))
+                start, first, rows, h = pos, line, 0, hashlib.sha256()
+    if rows:
+        ranges.append((start, pos, first, rows, h.hexdigest()))
+    return ranges
+
+
+def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int) -> list[Shard]:
+    """Shards for ``(source name, files)`` pairs, numbered in order; an empty file gives no shard."""
+    shards: list[Shard] = []
+    for source, files in inputs:
+        for path in files:
+            for start, end, first, rows, digest in scan_file(path, rows_per_shard):
+                shards.append(Shard(len(shards), source, path, start, end, first, rows, digest))
+    return shards
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode("utf-8")
+
+
+def shard_key(shard: Shard, config: dict[str, Any]) -> str:
+    """What one shard's output is a function of: its input bytes, where it sits, and the configuration."""
+    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "input": shard.input_sha256, "source": shard.source,
+                                      "first_line": shard.first_line, "label": shard.label,
+                                      "config": config})).hexdigest()[:32]
+
+
+def run_hash(shards: Sequence[Shard], config: dict[str, Any]) -> str:
+    """What the whole output is a function of; equal run hashes mean byte-identical outputs.
+
+    File locations are left out (only the input bytes, the source names and the file names count), so the same
+    data copied to another bucket or machine hashes the same.
+    """
+    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config,
+                                      "shards": [shard_key(s, config) for s in shards]})).hexdigest()[:16]
+
+
+def receipt_path(root: str, shard_id: str) -> str:
+    return storage.join(root, "receipts", f"{shard_id}.json")
+
+
+def output_entry(root: str, relative: str) -> dict[str, Any]:
+    path = storage.join(root, relative)
+    return {"bytes": storage.size(path), "sha256": storage.sha256_file(path)}
+
+
+def write_receipt(root: str, receipt: Receipt) -> None:
+    """Written last, atomically: a receipt that exists was complete when written."""
+    storage.write_json(receipt.to_json(), receipt_path(root, receipt.shard_id))
+
+
+def check_receipt(root: str, shard_id: str, key: str) -> tuple[Receipt | None, str]:
+    """The receipt if it is valid for this shard key, else ``None`` and the reason it is not."""
+    path = receipt_path(root, shard_id)
+    if not storage.exists(path):
+        return None, "no receipt"
+    try:
+        data = storage.read_json(path)
+        receipt = Receipt(**data)
+    except (ValueError, TypeError) as e:
+        return None, f"unreadable receipt {path}: {e}"
+    if receipt.key != key:
+        return None, f"receipt {path} is for another plan (key {receipt.key}, expected {key})"
+    for relative, expected in receipt.outputs.items():
+        out = storage.join(root, relative)
+        if not storage.exists(out):
+            return None, f"output {out} is missing"
+        if storage.size(out) != expected.get("bytes"):
+            return None, f"output {out} is {storage.size(out)} bytes, receipt says {expected.get('bytes')}"
+        if storage.sha256_file(out) != expected.get("sha256"):
+            return None, f"output {out} does not match its checksum"
+    return receipt, "valid"
+
+
+def default_workers() -> int:
+    """All the cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class RunReport:
+    """Receipts in shard order, and which shards were done now, skipped, or redone (with the reason)."""
+
+    receipts: list[Receipt]
+    processed: list[str]
+    skipped: list[str]
+    redone: dict[str, str]
+
+
+def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work: Callable[[ShardTask], Receipt],
+               runtime: dict[str, Any] | None = None, workers: int = 1,
+               log: Callable[[str], None] = print) -> RunReport:
+    """Run ``work`` on every shard without a valid receipt, ``workers`` processes at a time.
+
+    ``work`` must be a module-level function (it is pickled to spawned processes) that writes the shard's outputs
+    atomically, then its receipt. With ``workers <= 1`` shards run in this process, one after the other.
+    """
+    tasks: list[ShardTask] = []
+    done: dict[str, Receipt] = {}
+    skipped: list[str] = []
+    redone: dict[str, str] = {}
+    for shard in shards:
+        key = shard_key(shard, config)
+        receipt, why = check_receipt(root, shard.shard_id, key)
+        if receipt is not None:
+            done[shard.shard_id] = receipt
+            skipped.append(shard.shard_id)
+            continue
+        if why != "no receipt":
+            redone[shard.shard_id] = why
+            log(f"shard {shard.shard_id}: redoing ({why})")
+        tasks.append(ShardTask(shard, root, key, config, dict(runtime or {})))
+    if skipped:
+        log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            done[task.shard.shard_id] = run_task(work, task)
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host process
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+            futures = [pool.submit(run_task, work, t) for t in tasks]
+            try:
+                for fut in as_completed(futures):
+                    receipt = fut.result()
+                    done[receipt.shard_id] = receipt
+            except BaseException:
+                for other in futures:
+                    other.cancel()
+                raise
+    ordered = [done[s.shard_id] for s in shards]
+    return RunReport(ordered, [t.shard.shard_id for t in tasks], skipped, redone)
+
+
+def run_task(work: Callable[[ShardTask], Receipt], task: ShardTask) -> Receipt:
+    """Do one shard and write its receipt, in the worker, as soon as its outputs are in place."""
+    receipt = work(task)
+    write_receipt(task.root, receipt)
+    return receipt
+
+
+def clean_temporaries(root: str) -> int:
+    """Remove the temporary files a killed run left behind (they never became outputs)."""
+    removed = 0
+    for pattern in ("shards/.*.tmp", "receipts/.*.tmp", ".*.tmp"):
+        for path in storage.glob(storage.join(root, pattern)):
+            storage.remove(path)
+            removed += 1
+    return removed
+
+
+def concat_files(parts: Sequence[str], out: str, chunk: int = 1 << 22) -> int:
+    """Concatenate files byte for byte into ``out`` (atomic, streaming); returns the bytes written."""
+    total = 0
+    with storage.atomic_writer(out) as dst:
+        for part in parts:
+            with storage.open_read(part) as src:
+                while block := src.read(chunk):
+                    dst.write(block)
+                    total += len(block)
+    return total
+
+
+def concat_parquet(parts: Sequence[str], out: str, schema: Any) -> int:
+    """Concatenate Parquet shards into one file (atomic), one shard in memory at a time; returns the row count.
+
+    Each shard becomes one row group, so the output's bytes depend only on the shards' contents and order.
+    """
+    import pyarrow.parquet as pq
+
+    rows = 0
+    with storage.atomic_writer(out) as dst:
+        writer = pq.ParquetWriter(dst, schema, compression="zstd", write_statistics=False)
+        try:
+            for part in parts:
+                with storage.open_read(part) as src:
+                    table = pq.read_table(src, schema=schema)
+                if table.num_rows:
+                    writer.write_table(table, row_group_size=max(table.num_rows, 1))
+                    rows += table.num_rows
+        finally:
+            writer.close()
+    return rows
