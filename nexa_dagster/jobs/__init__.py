@@ -3,7 +3,8 @@
 Dagster runs one partitions definition per job, so the lifecycle is three jobs that hand over to each other:
 ``daily_data_job`` (ingest -> teacher -> judge, one day), ``training_job`` (packaging + training of the
 snapshot) and ``evaluation_job`` (evaluation + serving of one checkpoint). The nightly schedule starts the first;
-sensors start the other two (see ``nexa_dagster.sensors``).
+sensors start the other two (see ``nexa_dagster.sensors``). ``ingest_job`` re-ingests days alone (no teacher
+calls), e.g. a backfill after a landing folder was corrected.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected
 TRAINING_ASSETS = ["sft_dataset", "moe_checkpoint"]
 EVALUATION_ASSETS = ["eval_report", "model_deployment"]
 
+ingest_job = dg.define_asset_job(
+    "ingest_job", selection=dg.AssetSelection.assets("raw_documents"), partitions_def=daily_partitions,
+    description="Ingest one day's landing folder (re-ingest a day, or backfill many without teacher calls).",
+)
 daily_data_job = dg.define_asset_job(
     "daily_data_job", selection=dg.AssetSelection.assets(*DATA_ASSETS), partitions_def=daily_partitions,
     description="Ingest, distill and judge one day's documents.",
@@ -58,5 +63,5 @@ leaderboard_job = dg.define_asset_job(
                 "condition while the daemon runs).",
 )
 
-JOBS = [daily_data_job, training_job, evaluation_job, leaderboard_job]
+JOBS = [ingest_job, daily_data_job, training_job, evaluation_job, leaderboard_job]
 SCHEDULES = [nightly_data_schedule]
