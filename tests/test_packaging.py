@@ -1,0 +1,332 @@
+"""Packaging at data-prep grade: loss masks, transforms, bad rows, determinism, receipts, kill-and-resume, blends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from nexa_dagster.core import shards as sh
+from nexa_dagster.core import storage
+from nexa_dagster.core.blend import BlendSource, DataBlend
+from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.indexed_dataset import IndexedDataset
+from nexa_dagster.core.jsonl_dataset import package_jsonl
+from nexa_dagster.core.jsonl_formats import RecordError, build_transform
+from nexa_dagster.core.packing import ChatTokenizer, check_packed_file, tokenize_conversation
+from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
+from nexa_dagster.core.sft_dataset import PackagingSettings, package_sft
+
+OUTPUTS = ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl")
+
+
+def _chat_records(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ["the", "a", "tuple", "list", "dict", "set", "value", "key", "index", "slice", "loop", "yield", "class",
+             "method", "return"]
+    out = []
+    for i in range(n):
+        q = " ".join(rng.choice(words, size=int(rng.integers(3, 20))))
+        a = " ".join(rng.choice(words, size=int(rng.integers(5, 120))))
+        out.append({"sample_id": f"s{i:05d}", "messages": [{"role": "user", "content": q},
+                                                            {"role": "assistant", "content": a}]})
+    return out
+
+
+def _write_jsonl(path: Path, records: list) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def _blend(path: str, **kw) -> DataBlend:
+    return DataBlend(name="test", sources=[BlendSource(name="chat", path=path, **kw)])
+
+
+def _settings(**kw) -> PackagingSettings:
+    return PackagingSettings(**{"pack_size": 256, "validation_fraction": 0.2, "seed": 0, "rows_per_shard": 40,
+                                "workers": 1, **kw})
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# -- loss mask ---------------------------------------------------------------------------------------------------
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer, tmp_path: Path) -> None:
+    msgs = [{"role": "system", "content": "You answer in one line."},
+            {"role": "user", "content": "What is a tuple?"},
+            {"role": "assistant", "content": "An immutable sequence."},
+            {"role": "user", "content": "And a list?"},
+            {"role": "assistant", "content": "A mutable one."}]
+    chat = ChatTokenizer.from_hf(tiny_tokenizer, str(tmp_path / "tok.json"))
+    ((ids, mask),) = chat.encode_conversations([msgs])
+    # the fast path gives exactly the tokens of the rendered template, and the reference path's mask
+    rendered = tiny_tokenizer.apply_chat_template(msgs, tokenize=False)
+    assert ids.tolist() == tiny_tokenizer.encode(rendered, add_special_tokens=False)
+    ref_ids, ref_mask = tokenize_conversation(tiny_tokenizer, msgs)
+    assert ids.tolist() == ref_ids and mask.tolist() == ref_mask
+    # hand-built expectation: 1 exactly on each assistant content + its <|im_end|>, 0 everywhere else
+    expected: list[int] = []
+    for m in msgs:
+        head = tiny_tokenizer.encode(f"<|im_start|>{m['role']}\n", add_special_tokens=False)
+        body = tiny_tokenizer.encode(m["content"], add_special_tokens=False)
+        learn = int(m["role"] == "assistant")
+        expected += [0] * len(head) + [learn] * len(body) + [learn] + [0]  # <|im_end|>, then "\n"
+    assert mask.tolist() == expected
+    learned = np.flatnonzero(mask)
+    spans = np.split(ids[learned], np.flatnonzero(np.diff(learned) > 1) + 1)
+    assert len(spans) == 2
+    assert [tiny_tokenizer.decode(s.tolist()) for s in spans] == ["An immutable sequence.<|im_end|>",
+                                                                   "A mutable one.<|im_end|>"]
+
+
+# -- transforms and bad rows -------------------------------------------------------------------------------------
+
+
+def test_each_transform() -> None:
+    assert build_transform("sft")({"input": "q", "output": "a", "system": "s"}) == {"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert build_transform({"sft": {"input_field": "question", "output_field": "answer"}})(
+        {"question": "q", "answer": "a"})["messages"][1] == {"role": "assistant", "content": "a"}
+    assert build_transform("openai_chat")({"messages": [{"role": "user", "content": "q", "name": "x"},
+                                                        {"role": "assistant", "content": "a"}], "id": 3}) == {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert build_transform("sharegpt")({"conversations": [{"from": "system", "value": "s"},
+                                                          {"from": "human", "value": "q"},
+                                                          {"from": "gpt", "value": "a"}]})["messages"] == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert build_transform("passthrough")({"x": [1, {"y": 2}]}) == {"x": [1, {"y": 2}]}
+    assert build_transform({"select": ["b", "a"]})({"a": 1, "b": 2, "c": 3}) == {"b": 2, "a": 1}
+    assert build_transform({"rename": {"a": "prompt"}})({"a": 1, "c": 3}) == {"prompt": 1, "c": 3}
+    chain = build_transform([{"select": ["q", "r"]}, {"rename": {"q": "input", "r": "output"}}, "sft"])
+    assert chain({"q": "Q", "r": "R", "junk": 0})["messages"][-1]["content"] == "R"
+    with pytest.raises(RecordError, match="field 'output': missing"):
+        build_transform("sft")({"input": "q"})
+    with pytest.raises(RecordError, match=r"conversations\[1\]\.from.*'bot'"):
+        build_transform("sharegpt")({"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]})
+    with pytest.raises(RecordError, match="no assistant message"):
+        build_transform("openai_chat")({"messages": [{"role": "user", "content": "q"}]})
+    with pytest.raises(RecordError, match="field 'z': missing"):
+        build_transform({"select": ["a", "z"]})({"a": 1})
+    with pytest.raises(ValueError, match="unknown transform 'chatml'"):
+        build_transform("chatml")
+
+
+BAD_ROWS = [
+    "",  # empty row
+    "{not json",
+    json.dumps([1, 2]),
+    json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 7}]}),
+    json.dumps({"messages": "hello"}),
+    json.dumps({}),
+]
+
+
+def test_bad_rows_raise_with_file_line_and_field(tiny_tokenizer, tmp_path: Path) -> None:
+    good = _chat_records(5)
+    for k, bad in enumerate(BAD_ROWS):
+        path = _write_jsonl(tmp_path / f"in{k}" / "chat.jsonl", [*good[:3], bad, *good[3:]])
+        with pytest.raises(RecordError, match=r"chat\.jsonl:4: ") as err:
+            package_sft(_blend(path), tiny_tokenizer, str(tmp_path / f"out{k}"), _settings(), log=_quiet)
+        print(err.value)
+    with pytest.raises(RecordError, match=r"chat\.jsonl:4: field 'messages\[1\]\.content': .*must be a string"):
+        package_sft(_blend(str(tmp_path / "in3" / "chat.jsonl")), tiny_tokenizer, str(tmp_path / "o"), _settings(),
+                    log=_quiet)
+
+
+def test_bad_rows_quarantined_with_reason(tiny_tokenizer, tmp_path: Path) -> None:
+    good = _chat_records(30)
+    path = _write_jsonl(tmp_path / "chat.jsonl", [*good[:10], *BAD_ROWS, *good[10:]])
+    run = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(on_error="quarantine"),
+                      log=_quiet)
+    assert run.quarantined_rows == len(BAD_ROWS) and run.rows_read == len(good) + len(BAD_ROWS)
+    assert sum(s.documents for s in run.stats.values()) == len(good)
+    quarantined = [json.loads(x) for x in Path(run.paths["quarantine"]).read_text().splitlines()]
+    assert [q["where"] for q in quarantined] == [f"chat.jsonl:{i}" for i in range(11, 11 + len(BAD_ROWS))]
+    reasons = [q["reason"] for q in quarantined]
+    assert reasons[0] == "empty row" and reasons[1].startswith("invalid JSON") and "JSON object" in reasons[2]
+    assert quarantined[3]["field"] == "messages[1].content"
+
+
+# -- determinism, receipts, resume -------------------------------------------------------------------------------
+
+
+def _bytes(root: str) -> dict[str, bytes]:
+    return {name: Path(root, name).read_bytes() for name in OUTPUTS}
+
+
+def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(200))
+    one = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "a"), _settings(workers=1), log=_quiet)
+    two = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "b"), _settings(workers=2), log=_quiet)
+    assert one.num_shards == 5 and one.run_hash == two.run_hash
+    assert _bytes(one.root) == _bytes(two.root)
+    again = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "a"), _settings(workers=2), log=_quiet)
+    assert again.report.skipped == [f"{i:06d}" for i in range(5)] and not again.report.processed
+    assert _bytes(again.root) == _bytes(one.root)
+    # the same bytes through fsspec's memory filesystem
+    mem = package_sft(_blend(path), tiny_tokenizer, "memory://nexa-pack-test/out", _settings(), log=_quiet)
+    assert mem.run_hash == one.run_hash
+    for name in OUTPUTS:
+        with storage.open_read(storage.join(mem.root, name)) as f:
+            assert f.read() == _bytes(one.root)[name]
+    # packed rows are what training reads: pack_size long, boundaries consistent, positions restart per document
+    assert check_packed_file(one.paths["train"], 256) == []
+    table = pq.read_table(one.paths["train"]).to_pylist()
+    for row in table:
+        cu = row["cu_seqlens"]
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            assert row["position_ids"][a:b] == list(range(b - a))
+    # a changed configuration is a different run
+    other = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "a"), _settings(seed=1), log=_quiet)
+    assert other.run_hash != one.run_hash
+
+
+def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
+    first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
+    reference = _bytes(first.root)
+    Path(sh.receipt_path(first.root, "000000")).write_text('{"shard_id": "000000", "key": ')  # torn JSON
+    out = Path(first.root, "shards", "000001.train.parquet")
+    out.write_bytes(out.read_bytes()[:-10] + b"0123456789")  # same size, other bytes
+    receipt = json.loads(Path(sh.receipt_path(first.root, "000002")).read_text())
+    receipt["key"] = "0" * 32  # a receipt from another plan
+    Path(sh.receipt_path(first.root, "000002")).write_text(json.dumps(receipt))
+    logged: list[str] = []
+    again = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=logged.append)
+    assert sorted(again.report.redone) == ["000000", "000001", "000002"]
+    assert "unreadable receipt" in again.report.redone["000000"]
+    assert "does not match its checksum" in again.report.redone["000001"]
+    assert "another plan" in again.report.redone["000002"]
+    assert any("redoing" in m for m in logged)
+    assert _bytes(again.root) == reference
+
+
+KILL_SCRIPT = r"""
+import sys, time
+from transformers import AutoTokenizer
+import nexa_dagster.core.sft_dataset as sd
+from nexa_dagster.core.blend import BlendSource, DataBlend
+
+real = sd.process_sft_shard
+def slow(task):
+    receipt = real(task)
+    time.sleep(0.4)  # a slow shard, so the test can kill the run between shards and inside one
+    return receipt
+sd.process_sft_shard = slow
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+blend = DataBlend(name="test", sources=[BlendSource(name="chat", path=sys.argv[2])])
+sd.package_sft(blend, tok, sys.argv[3], sd.PackagingSettings(256, 0.2, 0, "raise", 40, 1), log=print)
+"""
+
+
+def test_kill_and_resume_gives_the_uninterrupted_bytes(tiny_tokenizer, tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(400))  # 10 shards
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tiny_model_dir), path, str(out)],
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    receipts: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        receipts = list(out.glob("*/receipts/*.json"))
+        if len(receipts) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(out.glob("*/receipts/*.json")))
+    assert 3 <= done_before < 10
+    assert not (next(out.glob("*")) / "train.parquet").exists()  # killed before finalize
+
+    resumed = package_sft(_blend(path), tiny_tokenizer, str(out), _settings(workers=2), log=_quiet)
+    assert len(resumed.report.skipped) == done_before
+    assert len(resumed.report.processed) == 10 - done_before
+    assert not list(Path(resumed.root).rglob("*.tmp"))
+    clean = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "clean"), _settings(), log=_quiet)
+    assert clean.run_hash == resumed.run_hash and _bytes(clean.root) == _bytes(resumed.root)
+
+
+# -- blends, efficiency, other formats ---------------------------------------------------------------------------
+
+
+def test_blend_weights_and_fingerprint(tiny_tokenizer, tmp_path: Path) -> None:
+    a = _write_jsonl(tmp_path / "a.jsonl", _chat_records(100, seed=1))
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"input": f"q{i}", "output": f"answer {i} " * 5} for i in range(100)])
+    blend = DataBlend(name="mix", sources=[BlendSource(name="a", path=a, weight=2.0),
+                                           BlendSource(name="b", path=b, weight=0.5, transform="sft")])
+    run = package_sft(blend, tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
+    docs = sum(s.documents for s in run.stats.values())
+    kept_b = sum(BlendSource(name="b", path=b, weight=0.5).copies(f"s{i}", 0) for i in range(100))
+    assert docs == 200 + kept_b and 30 < kept_b < 70
+    lines = [json.loads(x) for x in Path(run.paths["train_jsonl"]).read_text().splitlines()]
+    assert any(x["sample_id"].endswith("#1") for x in lines)  # the repeated copies of source a
+    reweighted = DataBlend(name="mix", sources=[BlendSource(name="a", path=a, weight=1.0),
+                                                BlendSource(name="b", path=b, weight=0.5, transform="sft")])
+    assert reweighted.fingerprint() != blend.fingerprint()
+    assert package_sft(reweighted, tiny_tokenizer, str(tmp_path / "out"), _settings(),
+                       log=_quiet).run_hash != run.run_hash
+
+
+def test_shipped_blends_load() -> None:
+    for name in ("blends/sft.yaml", "blends/pretrain.yaml", "blends/rl.yaml"):
+        blend = DataBlend.load(name)
+        assert blend.sources and len(blend.fingerprint()) == 16
+
+
+def test_packing_efficiency_at_4096_on_the_sample_data(tiny_tokenizer, tmp_path: Path) -> None:
+    from nexa_dagster.core.ingest import ingest_day
+
+    records = []
+    for day_dir in sorted((REPO_ROOT / "sample_data" / "landing").iterdir()):
+        for d in ingest_day(day_dir, day_dir.name, max_docs=None, max_chars=4096 * 3).itertuples():
+            half = len(d.text) // 2
+            records.append({"sample_id": d.doc_id, "messages": [{"role": "user", "content": d.text[:half]},
+                                                                {"role": "assistant", "content": d.text[half:]}]})
+    path = _write_jsonl(tmp_path / "sample.jsonl", records)
+    run = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"),
+                      _settings(pack_size=4096, validation_fraction=0.0001, rows_per_shard=5000), log=_quiet)
+    assert run.stats["train"].documents >= 70
+    assert run.stats["train"].efficiency >= 0.98, run.stats["train"]
+
+
+def test_pretrain_corpus_bin_idx(tiny_tokenizer, tmp_path: Path) -> None:
+    docs = [{"doc_id": f"d{i}", "text": f"document number {i} " * (i + 1), "extra": i} for i in range(50)]
+    path = _write_jsonl(tmp_path / "docs.jsonl", [*docs[:20], json.dumps({"doc_id": "x", "text": 5}), *docs[20:]])
+    blend = DataBlend(name="pt", sources=[BlendSource(name="docs", path=path, transform={"select": ["text"]},
+                                                      id_field="doc_id")])
+    with pytest.raises(RecordError, match=r"docs\.jsonl:21: field 'text'"):
+        package_pretrain(blend, tiny_tokenizer, str(tmp_path / "pt"), PretrainSettings(rows_per_shard=16), log=_quiet)
+    run = package_pretrain(blend, tiny_tokenizer, str(tmp_path / "pt"),
+                           PretrainSettings(rows_per_shard=16, workers=2, on_error="quarantine"), log=_quiet)
+    assert run.num_documents == 50 and run.quarantined_rows == 1 and len(run.prefixes) == 4
+    got = [seq.tolist() for prefix in run.prefixes for seq in IndexedDataset(prefix)]
+    eos = tiny_tokenizer.eos_token_id
+    assert got == [tiny_tokenizer.encode(d["text"], add_special_tokens=False) + [eos] for d in docs]
+    megatron = json.loads(Path(run.blend_path).read_text())["data_paths"]
+    assert megatron[1::2] == run.prefixes and sum(megatron[0::2]) == run.num_tokens
+
+
+def test_rl_jsonl_through_transforms(tmp_path: Path) -> None:
+    rows = [{"sample_id": f"s{i}", "system_prompt": "", "prompt": f"q{i}", "response": f"a{i}", "judge_score": 4.0,
+             "day": "2026-11-20"} for i in range(30)]
+    path = _write_jsonl(tmp_path / "flat.jsonl", rows)
+    blend = DataBlend.load("blends/rl.yaml")
+    run = package_jsonl(blend, str(tmp_path / "rl"), "rl_prompts", assets={"filtered_samples_flat": path},
+                        rows_per_shard=8, workers=1, log=_quiet)
+    out = [json.loads(x) for x in Path(run.path).read_text().splitlines()]
+    assert out[0] == {"sample_id": "s0", "system_prompt": "", "prompt": "q0", "reference_answer": "a0",
+                      "judge_score": 4.0}
+    assert len(out) == 30 and run.records == 30
