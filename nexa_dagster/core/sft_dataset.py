@@ -20,8 +20,8 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -80,7 +80,6 @@ class SftRun:
     quarantined_rows: int
     report: sh.RunReport
     blend: DataBlend
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def packing_efficiency(self) -> float:
@@ -277,6 +276,3 @@ def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str
     )
     storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
     return artifact, run.stats
-
-
-__all__: Sequence[str] = ["PackagingSettings", "SftRun", "build_sft_dataset", "package_sft", "process_sft_shard"]
