@@ -117,12 +117,17 @@ class ManagedServer:
     while for many concurrent teacher requests on the tiny model it is what makes concurrency pay (without it the
     server answers one request at a time; ~3.5x the sequential throughput at 8 in flight, see
     ``bench/generation.py``). Teacher generation (``LLMResource``) asks for it explicitly.
+
+    Continuous batching reserves its paged KV cache up front, by default 60-90 % of the memory it sees: on a CPU
+    host that is system RAM shared with everything else (measured: 14.5 GB for the tiny model, then the OOM killer).
+    ``cb_max_memory_percent`` (default 5 % on a CPU, the engine's own default on a GPU) caps it.
     """
 
     def __init__(self, model_dir: str | Path, log_dir: str | Path, engine: str = "auto",
                  startup_timeout_s: float = 180.0, port: int | None = None, device: str = "auto",
                  continuous_batching: bool | None = None, extra_args: Sequence[str] = (),
-                 logger: logging.Logger | None = None, stop_grace_s: float = 10.0) -> None:
+                 logger: logging.Logger | None = None, stop_grace_s: float = 10.0,
+                 cb_max_memory_percent: float | None = None) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)")
@@ -136,7 +141,15 @@ class ManagedServer:
         elif continuous_batching and not supported and self.engine == "transformers":
             raise LLMError("this transformers version has no `transformers serve --continuous-batching`")
         self.continuous_batching = bool(continuous_batching) and self.engine == "transformers"
-        self.extra_args = tuple(extra_args)
+        if cb_max_memory_percent is None and not self.device.startswith("cuda"):
+            cb_max_memory_percent = 0.05
+        cb_args: tuple[str, ...] = ()
+        if self.continuous_batching and cb_max_memory_percent is not None:
+            if not 0 < cb_max_memory_percent <= 1:
+                raise ValueError(f"cb_max_memory_percent is a fraction in (0, 1], got {cb_max_memory_percent}")
+            if "cb_max_memory_percent" in transformers_serve_options():
+                cb_args = ("--cb-max-memory-percent", str(cb_max_memory_percent))
+        self.extra_args = (*cb_args, *extra_args)
         self._fixed_port = port
         self.port = port or free_port()
         self.log_dir = Path(log_dir)

@@ -1,0 +1,124 @@
+"""Teacher-stage client at concurrency 1, 8 and 32 vs. the same requests sent one by one with plain httpx.
+
+Run: .venv/bin/python bench/generation.py [--requests 48] [--max-tokens 32] [--model DIR | --url URL --name NAME]
+
+Without --model/--url it builds the project's tiny model and starts a local `transformers serve` on it
+(continuous batching on, as the teacher's managed backend does). The concurrent figures come from the client the
+teacher stage uses (``OpenAICompatibleClient.stream_chat``: async ``openai`` client, bounded in-flight requests);
+the baseline is a plain ``httpx.Client`` loop over the same requests, one at a time, against the same server, in
+the same run. Each configuration runs ``--rounds`` times (interleaved) and the best round counts, since the
+machine may be shared. Last line: one JSON object with the figures, including ``speedup_c8`` (generated tokens/s
+at concurrency 8 over the sequential baseline's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+# run as a script, bench/ is sys.path[0] and its other scripts (bench/packaging.py) would shadow installed modules
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import httpx  # noqa: E402
+
+from nexa_dagster.core.llm.base import ChatRequest, SamplingParams  # noqa: E402
+from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+
+
+def _messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "You are a careful senior engineer who teaches."},
+            {"role": "user", "content": f"Explain topic number {i} of the Python reference to a junior engineer."}]
+
+
+def sequential_baseline(base_url: str, model: str, n: int, params: SamplingParams) -> tuple[float, int]:
+    """Plain httpx, one request after the other: (seconds, generated tokens)."""
+    tokens = 0
+    with httpx.Client(timeout=300, trust_env=False) as http:
+        t0 = time.perf_counter()
+        for i in range(n):
+            body = {"model": model, "messages": _messages(i), "max_tokens": params.max_tokens,
+                    "temperature": params.temperature, "top_p": params.top_p}
+            resp = http.post(f"{base_url}/chat/completions", json=body)
+            resp.raise_for_status()
+            tokens += resp.json()["usage"]["completion_tokens"]
+        return time.perf_counter() - t0, tokens
+
+
+def client_run(base_url: str, model: str, n: int, params: SamplingParams, concurrency: int) -> tuple[float, int]:
+    """The teacher stage's client at ``concurrency`` in-flight requests: (seconds, generated tokens)."""
+    requests = [ChatRequest(_messages(i), params) for i in range(n)]
+    with OpenAICompatibleClient(base_url, model, max_concurrency=concurrency, max_retries=2) as client:
+        t0 = time.perf_counter()
+        answers = [c for _, c in client.stream_chat(requests)]
+        elapsed = time.perf_counter() - t0
+    failed = [c.error for c in answers if c.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {n} requests failed at concurrency {concurrency}: {failed[0]}")
+    return elapsed, sum(c.completion_tokens for c in answers)
+
+
+def main() -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", help="local model directory to serve (default: the tiny model)")
+    parser.add_argument("--url", help="an OpenAI-compatible base URL already serving (instead of --model)")
+    parser.add_argument("--name", default="", help="model name for --url (default: the first it lists)")
+    parser.add_argument("--no-continuous-batching", action="store_true")
+    args = parser.parse_args()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95)
+    with ExitStack() as stack:
+        if args.url:
+            base_url, model, engine, served = args.url.rstrip("/"), args.name, "external", args.url
+            if not model:
+                with OpenAICompatibleClient(base_url) as probe:
+                    model = probe.model_id
+        else:
+            from nexa_dagster.core.llm.managed_server import ManagedServer
+            from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nexa-bench-")))
+            model_dir = Path(args.model) if args.model else build_tiny_causal_lm(work / "models" / "tiny-bench")
+            server = stack.enter_context(ManagedServer(model_dir, work / "logs",
+                                                       continuous_batching=not args.no_continuous_batching))
+            base_url, model, served = server.base_url, server.model_name, str(model_dir)
+            engine = f"{server.engine} serve" + (" --continuous-batching" if server.continuous_batching else "")
+        client_run(base_url, model, 8, params, 8)  # warm-up (first requests pay for lazy initialisation)
+        best: dict[str, tuple[float, int]] = {}
+        for _ in range(args.rounds):
+            runs = {"sequential": sequential_baseline(base_url, model, args.requests, params)}
+            for c in CONCURRENCY:
+                runs[f"c{c}"] = client_run(base_url, model, args.requests, params, c)
+            for name, (secs, toks) in runs.items():
+                if name not in best or toks / secs > best[name][1] / best[name][0]:
+                    best[name] = (secs, toks)
+    figures: dict[str, object] = {"engine": engine, "model": served, "requests": args.requests,
+                                  "max_tokens": args.max_tokens, "rounds": args.rounds,
+                                  "cpus": os.cpu_count(), "machine": platform.machine()}
+    print(f"{'run':>12} {'seconds':>8} {'req/s':>8} {'tokens/s':>9}")
+    for name, (secs, toks) in best.items():
+        figures[f"{name}_requests_per_s"] = round(args.requests / secs, 2)
+        figures[f"{name}_tokens_per_s"] = round(toks / secs, 1)
+        print(f"{name:>12} {secs:8.2f} {args.requests / secs:8.2f} {toks / secs:9.1f}")
+    base = best["sequential"][1] / best["sequential"][0]
+    for c in CONCURRENCY:
+        secs, toks = best[f"c{c}"]
+        figures[f"speedup_c{c}"] = round(toks / secs / base, 2)
+    print(f"speed-up over the sequential baseline: c1 {figures['speedup_c1']}x, c8 {figures['speedup_c8']}x, "
+          f"c32 {figures['speedup_c32']}x")
+    return figures
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
