@@ -342,3 +342,30 @@ def test_choice_logprobs_from_an_engine_that_honours_them() -> None:
         assert lp["4"] == -1.5
         assert lp["1"] == lp["2"] == lp["5"] == -3.0 - MISSING_CHOICE_MARGIN  # below the least likely listed
         assert 3.0 < expected_score(lp) < 4.0
+
+
+def test_in_flight_requests_are_bounded_and_stream_in_completion_order() -> None:
+    """At most ``max_concurrency`` requests reach the server at once; answers stream as they finish."""
+    from nexa_dagster.core.llm.base import ChatRequest
+
+    lock = threading.Lock()
+    state = {"now": 0, "peak": 0}
+
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        delay = float(body["messages"][0]["content"])
+        time.sleep(delay)
+        with lock:
+            state["now"] -= 1
+        return 200, _chat_payload(f"slept {delay}")
+
+    delays = [0.6, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    with _stub_server(reply) as (url, calls):
+        with OpenAICompatibleClient(url, model="stub", max_concurrency=3) as client:
+            requests = [ChatRequest([{"role": "user", "content": str(d)}], GREEDY) for d in delays]
+            order = [i for i, c in client.stream_chat(requests) if c.error is None]
+        assert sorted(order) == list(range(len(delays))) and len(calls) == len(delays)
+        assert state["peak"] == 3  # bounded, and the bound was reached
+        assert order[-1] == 0  # the slow first request finished last, and did not hold back the others

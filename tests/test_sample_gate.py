@@ -9,7 +9,12 @@ import pandas as pd
 import pytest
 
 from nexa_dagster.core.config import read_text
-from nexa_dagster.core.sample_gate import apply_sample_gate, heuristic_reason, load_gate_config, repeat_ngram_ratio
+from nexa_dagster.core.sample_gate import (
+    apply_sample_gate,
+    heuristic_reason,
+    load_gate_config,
+    repeat_ngram_ratio,
+)
 
 PROD = load_gate_config("filters.production.yaml")
 DEMO = load_gate_config("filters.yaml")
