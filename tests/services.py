@@ -64,3 +64,59 @@ def postgres_server() -> Iterator[dict[str, str]]:
                        capture_output=True)
         time.sleep(0.2)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    """A one-node Slurm cluster on the loopback: munged, slurmctld and slurmd with a config of their own.
+
+    Returns the environment (``SLURM_CONF``) under which ``sbatch``, ``scontrol`` and ``scancel`` reach it.
+    """
+    for program in ("slurmctld", "slurmd", "munged"):
+        if shutil.which(program) is None and not Path(f"/usr/sbin/{program}").exists():
+            missing("Slurm", "apt-get install slurm-wlm munge")
+    if os.geteuid() != 0:
+        missing("root (slurmd starts jobs as their users)", "run the Slurm tests as root, as CI does")
+    root = Path(tempfile.mkdtemp(prefix="nexa-slurm-"))
+    for sub in ("state", "spool", "log"):
+        (root / sub).mkdir()
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    if not Path("/etc/munge/munge.key").exists():
+        subprocess.run(["/usr/sbin/mungekey", "--create"], check=True)
+        shutil.chown("/etc/munge/munge.key", "munge", "munge")
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+    host = socket.gethostname().split(".")[0]
+    conf = root / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=nexa-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
+        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
+        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
+        f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd.log",
+        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core", "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none", "ReturnToService=2", "MpiDefault=none",
+        "KillWait=5", "MinJobAge=600",
+        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
+    env = {"SLURM_CONF": str(conf)}
+    full_env = {**os.environ, **env}
+    subprocess.run(["/usr/sbin/slurmctld", "-i"], env=full_env, check=True)
+    subprocess.run(["/usr/sbin/slurmd"], env=full_env, check=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=full_env, capture_output=True,
+                                           text=True).stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError("Slurm node did not become idle: " + (root / "log" / "slurmd.log").read_text())
+            time.sleep(0.5)
+        yield env
+    finally:
+        for daemon in ("slurmd", "slurmctld"):
+            pid_file = root / f"{daemon}.pid"
+            if pid_file.exists():
+                subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
+        time.sleep(1)
+        shutil.rmtree(root, ignore_errors=True)

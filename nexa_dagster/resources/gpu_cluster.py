@@ -5,7 +5,7 @@ final metrics into the Dagster run, then returns the ``TrainingResult`` the work
 Three backends, one worker (``core/training/launch_specs.py`` builds what each one submits):
 
 * ``local``: this machine's GPUs (or CPU ranks), through ``PipesSubprocessClient``; ``torchrun`` for several ranks;
-* ``slurm``: an ``sbatch`` script (one task per node, ``torchrun`` inside), job id, polling with ``squeue``/
+* ``slurm``: an ``sbatch`` script (one task per node, ``torchrun`` inside), job id, polling with ``scontrol``/
   ``sacct``, ``scancel`` when the Dagster run is cancelled; Pipes context and messages go through files in the
   run's work directory, which must be on a filesystem the nodes share;
 * ``kubernetes``: Dagster's ``PipesK8sClient`` (package ``dagster-k8s``) with a pod spec from this config.
@@ -233,10 +233,17 @@ def _run(command: list[str]) -> str:
     return proc.stdout
 
 
+def slurm_job_fields(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (the controller keeps finished jobs for MinJobAge); empty if unknown."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {}
+    return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+
+
 def slurm_state(job_id: str) -> str:
-    """The job's state: ``squeue`` while it is known to the controller, then ``sacct`` (accounting)."""
-    proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    state = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+    """The job's state from the controller, else from accounting (``sacct``, where the cluster runs slurmdbd)."""
+    state = slurm_job_fields(job_id).get("JobState")
     if state:
         return state
     proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True)
@@ -245,13 +252,16 @@ def slurm_state(job_id: str) -> str:
 
 
 def wait_for_slurm_job(job_id: str, poll_s: float, log: Any) -> str:
-    """Poll until the job leaves the queue; log each change of state."""
+    """Poll until the job ends; log each change of state, with Slurm's reason while it waits (a job asking for
+    more than the partition has waits forever with reason PartitionConfig: the log says so)."""
     last = ""
     while True:
         state = slurm_state(job_id)
-        if state != last:
-            log(f"Slurm job {job_id}: {state}")
-            last = state
+        reason = slurm_job_fields(job_id).get("Reason", "None") if state == "PENDING" else "None"
+        shown = state if reason == "None" else f"{state} ({reason})"
+        if shown != last:
+            log(f"Slurm job {job_id}: {shown}")
+            last = shown
         if state in SLURM_DONE | SLURM_FAILED:
             return state
         time.sleep(poll_s)
