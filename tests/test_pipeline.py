@@ -335,3 +335,23 @@ def test_a_checkpoint_seen_before_its_record_keeps_its_dataset_lineage(lifecycle
     assert record.dataset_run_hash == checkpoint.dataset_run_hash
     assert record.dataset_validation_path == checkpoint.dataset_validation_path
     assert record.num_steps == checkpoint.num_steps
+
+
+def test_corpus_job_writes_a_megatron_corpus_and_rl_prompts(lifecycle) -> None:
+    """The data products for other trainers, from the same lineage: every ingested document as bin/idx shards
+    readable with the indexed-dataset reader, and one RL prompt per accepted sample."""
+    import json as json_
+
+    from nexa_dagster.core.indexed_dataset import IndexedDataset
+
+    defs, instance, _, _, _ = lifecycle
+    result = defs.resolve_job_def("corpus_job").execute_in_process(instance=instance)
+    assert result.success
+    corpus = result.output_for_node("pretrain_corpus")
+    documents = sum(len(dg_runs.output_for_node("raw_documents")) for dg_runs in lifecycle[4].values())
+    assert corpus.num_documents == documents and corpus.num_tokens > documents
+    assert sum(IndexedDataset(prefix).num_documents for prefix in corpus.prefixes) == documents
+    assert json_.loads(Path(corpus.megatron_blend_path).read_text())
+    prompts = result.output_for_node("rl_prompts")
+    metadata = _metadata(instance, "rl_prompts")
+    assert metadata["records"] > 0 and Path(str(metadata["path"])).exists(), (prompts, metadata)

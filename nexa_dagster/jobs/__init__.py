@@ -34,6 +34,10 @@ training_job = dg.define_asset_job(
     "training_job", selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
     description="Package every filtered sample so far and train a new MoE checkpoint on it.",
 )
+corpus_job = dg.define_asset_job(
+    "corpus_job", selection=dg.AssetSelection.assets("pretrain_corpus", "rl_prompts"),
+    description="Data products for other trainers: the Megatron bin/idx pretraining corpus and the RL prompts JSONL.",
+)
 evaluation_job = dg.define_asset_job(
     "evaluation_job", selection=dg.AssetSelection.assets(*EVALUATION_ASSETS), partitions_def=checkpoint_partitions,
     description="Evaluate one checkpoint and smoke-test serving it.",
@@ -63,5 +67,5 @@ leaderboard_job = dg.define_asset_job(
                 "condition while the daemon runs).",
 )
 
-JOBS = [ingest_job, daily_data_job, training_job, evaluation_job, leaderboard_job]
+JOBS = [ingest_job, daily_data_job, training_job, corpus_job, evaluation_job, leaderboard_job]
 SCHEDULES = [nightly_data_schedule]
