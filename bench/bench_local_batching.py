@@ -13,11 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+# run as a script, bench/ is sys.path[0]: bench/packaging.py would shadow the installed `packaging` module
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from nexa_dagster.core.llm.base import SamplingParams
-from nexa_dagster.core.llm.local import LocalTransformersClient
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+import torch  # noqa: E402
+
+from nexa_dagster.core.llm.base import SamplingParams  # noqa: E402
+from nexa_dagster.core.llm.local import LocalTransformersClient  # noqa: E402
+from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
 
 
 def main(n: int, max_tokens: int) -> dict[str, float]:

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# run as a script, bench/ is sys.path[0]: bench/packaging.py would shadow the installed `packaging` module
+sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 # The configuration the issue's baseline figure was measured on (h=512, 8 layers, 8 experts top-2, ffn 1024).
 ISSUE_CONFIG = {"architecture": "MixtralForCausalLM", "vocab_size": 32000, "hidden_size": 512,
