@@ -1,32 +1,49 @@
-# One image for the whole deployment: the Dagster webserver, the daemon (schedules, sensors, run queue) and the
-# nexa_dagster code location. Run the webserver and the daemon as two containers of this image, sharing
-# DAGSTER_HOME (use PostgreSQL storage in dagster.yaml for more than one host) and the data volume.
+# One image for the whole deployment: the Dagster webserver, the daemon and the nexa_dagster code server run as
+# separate containers of it (docker-compose.yaml). Multi-stage: compilers and pip caches stay in the build stage.
 #
-#   docker build -t nexa-dagster .
-#   docker run -p 3000:3000 -v nexa-data:/app/data nexa-dagster                     # webserver + daemon
-#   docker run -v nexa-data:/app/data nexa-dagster dagster-daemon run                # daemon alone
-FROM python:3.11-slim
+#   docker build -t nexa-dagster .                                   # CPU torch
+#   docker build -t nexa-dagster:gpu --build-arg EXTRAS=gpu,k8s .    # GPU hosts (vLLM); use a CUDA base for real work
+#   docker run -p 3000:3000 -v nexa-data:/app/data nexa-dagster      # single container: dagster dev, SQLite
+#   docker compose up --build                                        # Postgres + code server + webserver + daemon
 
-ENV PYTHONUNBUFFERED=1 \
+# ---- build: a virtual environment with the project installed (editable, so configs/ resolve under /app) ----
+FROM python:3.11-slim AS build
+ARG EXTRAS=k8s
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc g++ \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY nexa_dagster ./nexa_dagster
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+    && /opt/venv/bin/pip install --no-cache-dir -e ".[${EXTRAS}]"
+
+# ---- runtime ----
+FROM python:3.11-slim
+# g++: DeepSpeed compiles its CPU communication op on first use; munge/slurm clients are added by GPU-cluster images
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 1000 nexa
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
     DAGSTER_HOME=/app/.dagster_home \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
     DS_ACCELERATOR=cpu
-
-RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ make && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-
-# CPU torch from PyTorch's CPU index keeps the image small; GPU hosts use the `gpu` extra and a CUDA base image.
-COPY pyproject.toml README.md ./
-COPY nexa_dagster ./nexa_dagster
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir -e .
-
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /app /app
 COPY configs ./configs
 COPY sample_data ./sample_data
 COPY workspace.yaml dagster.yaml ./
-RUN mkdir -p "$DAGSTER_HOME" && cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# two instance configs: embedded SQLite (single container) and production (Postgres; compose sets DAGSTER_HOME)
+RUN mkdir -p .dagster_home .dagster_home_production data results \
+    && cp dagster.yaml .dagster_home/dagster.yaml \
+    && cp configs/dagster/production.yaml .dagster_home_production/dagster.yaml \
+    && chown -R nexa:nexa /app
+USER nexa
 
-EXPOSE 3000
-# `dagster dev` runs webserver + daemon + code server in one container; split them for production.
+EXPOSE 3000 4000
 CMD ["dagster", "dev", "-w", "workspace.yaml", "-h", "0.0.0.0", "-p", "3000"]

@@ -1,0 +1,68 @@
+"""The Docker image and docker-compose.yaml refer to things that exist (Docker cannot run on this machine).
+
+What a linter cannot tell: that every file the Dockerfile copies is in the repo, that every command the services
+run is a program the image installs, that the services agree with each other (gRPC host and port, DAGSTER_HOME,
+the Postgres URL the instance config reads), and that the image does not run as root.
+"""
+
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from dagster._core.instance.config import dagster_instance_config
+
+from nexa_dagster.core.config import REPO_ROOT
+
+BIN = Path(sys.executable).parent
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_copies_only_what_exists_and_runs_as_a_user() -> None:
+    instructions = dockerfile_instructions()
+    stages = [args for op, args in instructions if op == "FROM"]
+    assert len(stages) >= 2 and " AS build" in stages[0], "multi-stage build expected"
+    for op, args in instructions:
+        if op == "COPY" and "--from=" not in args:
+            sources = [a for a in shlex.split(args) if not a.startswith("--")][:-1]
+            for source in sources:
+                assert (REPO_ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repo"
+    final = instructions[[i for i, (op, _) in enumerate(instructions) if op == "FROM"][-1]:]
+    users = [args for op, args in final if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the runtime image must not run as root"
+    cmd = next(args for op, args in reversed(instructions) if op == "CMD")
+    assert yaml.safe_load(cmd)[0] in ("dagster", "dagster-webserver", "dagster-daemon")
+    assert any("configs/dagster/production.yaml" in args for op, args in final if op == "RUN")
+
+
+def test_compose_services_agree_with_each_other_and_the_image(tmp_path: Path) -> None:
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "user_code", "webserver", "daemon"} <= set(services)
+    for name in ("user_code", "webserver", "daemon"):
+        service = services[name]
+        program = service["command"][0]
+        assert (BIN / program).exists() or shutil.which(program), f"{name} runs {program}, which is not installed"
+        assert service["environment"]["DAGSTER_HOME"] == "/app/.dagster_home_production"
+        assert service["environment"]["DAGSTER_PG_URL"].startswith("postgresql+psycopg2://")
+        for arg in service["command"]:
+            if arg.endswith(".yaml"):
+                assert (REPO_ROOT / arg).exists(), f"{name} names {arg}, which is not in the repo"
+    code = services["user_code"]["command"]
+    module = code[code.index("-m") + 1]
+    __import__(module)
+    workspace = yaml.safe_load((REPO_ROOT / "configs/dagster/workspace.docker.yaml").read_text())
+    grpc = workspace["load_from"][0]["grpc_server"]
+    assert grpc["host"] == "user_code" and str(grpc["port"]) == code[code.index("-p") + 1]
+    # the instance config the services use is valid and reads the URL compose sets
+    shutil.copy(REPO_ROOT / "configs/dagster/production.yaml", tmp_path / "dagster.yaml")
+    config = dagster_instance_config(str(tmp_path))[0]
+    assert config["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
+    user = services["postgres"]["environment"]["POSTGRES_USER"]
+    assert f"//{user}:" in services["daemon"]["environment"]["DAGSTER_PG_URL"]
