@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Install the services the test suite starts for itself (PostgreSQL, Slurm with munge) from Debian's packages,
+# Install what the test suite starts for itself (PostgreSQL, Slurm with munge, headless Chromium) from Debian's packages,
 # where they are missing. Needs root (CI runs as root); does nothing for what is already installed.
 set -euo pipefail
 need=()
 command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || need+=(munge)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)   # the UI test drives it headless (no browser download)
 if [ ${#need[@]} -eq 0 ]; then
-  echo "==> services already installed (postgresql, slurm-wlm, munge)"
+  echo "==> services already installed (postgresql, slurm-wlm, munge, chromium)"
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
