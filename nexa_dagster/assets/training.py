@@ -17,14 +17,26 @@ from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.promotion import load_policy
+from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 
-def new_checkpoint_id(run_id: str) -> str:
-    return f"ckpt-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{run_id[:8]}"
+def checkpoint_id_for(context: dg.AssetExecutionContext, storage: StorageResource) -> str:
+    """One id per training, kept by step retries and run re-executions so that they resume its saved state.
+
+    The id comes from the root run of a re-execution chain; if that training already completed (a deliberate
+    re-execution to train again), this run gets an id of its own.
+    """
+    root = context.run.root_run_id or context.run.run_id
+    record = context.instance.get_run_record_by_id(root)
+    created = record.create_timestamp if record is not None else dt.datetime.now(dt.UTC)
+    checkpoint_id = f"ckpt-{created:%Y%m%d-%H%M%S}-{root[:8]}"
+    if (Path(storage.checkpoint_dir(checkpoint_id)) / COMPLETION_MARKER).exists():
+        checkpoint_id = f"ckpt-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{context.run.run_id[:8]}"
+    return checkpoint_id
 
 
 @dg.asset(
@@ -38,7 +50,7 @@ def new_checkpoint_id(run_id: str) -> str:
 def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, gpu_cluster: GPUClusterResource,
                    storage: StorageResource, tracking: TrackingResource) -> dg.Output[Checkpoint]:
     scale = load_scale()
-    checkpoint_id = new_checkpoint_id(context.run.run_id)
+    checkpoint_id = checkpoint_id_for(context, storage)
     job = TrainingJob(
         run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
         tokenizer_path=sft_dataset.tokenizer_path, model_preset=scale.model_preset,
