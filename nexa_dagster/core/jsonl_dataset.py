@@ -17,15 +17,12 @@ import pandas as pd
 from nexa_dagster.core import shards as sh
 from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import Artifact
-from nexa_dagster.core.blend import BlendSource, DataBlend
+from nexa_dagster.core.blend import DataBlend
 from nexa_dagster.core.jsonl_formats import (
-    BadRow,
     OnError,
-    apply_transform,
-    build_transform,
     dumps,
-    iter_jsonl,
 )
+from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
 FORMAT = "jsonl/1"
 
@@ -56,22 +53,15 @@ class JsonlDataset(Artifact):
 def process_jsonl_shard(task: sh.ShardTask) -> sh.Receipt:
     """Transform one shard's rows into ``shards/<id>.jsonl`` (worker side)."""
     shard, cfg = task.shard, task.config
-    source = BlendSource.model_validate(cfg["sources"][shard.source])
-    transform = build_transform(source.transform)
-    on_error: OnError = cfg["on_error"]
+    source = source_of(task)
     good: list[bytes] = []
     bad: list[bytes] = []
     rows = 0
-    with storage.open_read(shard.path) as f:
-        for where, item in iter_jsonl(f, shard.label, shard.start, shard.end, shard.first_line, on_error):
-            rows += 1
-            out = item if isinstance(item, BadRow) else apply_transform(transform, item, where, on_error)
-            if isinstance(out, BadRow):
-                bad.append(dumps({"source": shard.source, **out.to_json()}))
-                continue
-            assert not isinstance(item, BadRow)
-            rid = str(item.get(source.id_field or "", "")) or hashlib.sha256(dumps(out)).hexdigest()
-            good.extend([dumps(out)] * source.copies(rid, cfg["seed"]))
+    for item, out in transformed_rows(task, bad):
+        rows += 1
+        rid = str(item.get(source.id_field or "", "")) or hashlib.sha256(dumps(out)).hexdigest()
+        good.extend([dumps(out)] * source.copies(rid, cfg["seed"]))
+    rows += len(bad)
     outputs = [f"shards/{shard.shard_id}.jsonl"]
     with storage.atomic_writer(storage.join(task.root, outputs[0])) as o:
         o.write(b"".join(good))

@@ -19,18 +19,15 @@ import pandas as pd
 from nexa_dagster.core import shards as sh
 from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import Artifact
-from nexa_dagster.core.blend import BlendSource, DataBlend
+from nexa_dagster.core.blend import DataBlend
 from nexa_dagster.core.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype
 from nexa_dagster.core.jsonl_formats import (
-    BadRow,
     OnError,
     RecordError,
-    apply_transform,
-    build_transform,
     dumps,
-    iter_jsonl,
 )
 from nexa_dagster.core.packing import ChatTokenizer
+from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
 FORMAT = "megatron-bin-idx/1"
 ENCODE_BATCH = 1024
@@ -74,16 +71,19 @@ class PretrainCorpus(Artifact):
 def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
     """Tokenize one shard's texts into ``shards/<id>.bin``/``.idx`` (worker side)."""
     shard, cfg = task.shard, task.config
-    source = BlendSource.model_validate(cfg["sources"][shard.source])
-    transform = build_transform(source.transform)
+    source = source_of(task)
     chat: ChatTokenizer = task.runtime["chat_tokenizer"]
-    on_error: OnError = cfg["on_error"]
     field = cfg["text_field"]
     eos = [chat.eos_id] if cfg["append_eos"] and chat.eos_id is not None else []
     prefix_rel = f"shards/{shard.shard_id}"
     bad: list[bytes] = []
     rows = 0
     batch: list[str] = []
+
+    def has_text(out: dict[str, Any]) -> None:
+        if not isinstance(out.get(field), str):
+            raise RecordError("missing or not a string" if field in out else "missing", field=field)
+
     with IndexedDatasetWriter(storage.join(task.root, prefix_rel), best_fitting_dtype(chat.vocab_size)) as writer:
 
         def flush() -> None:
@@ -91,24 +91,14 @@ def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
                 writer.add_document(np.asarray(ids + eos, dtype=writer.dtype))
             batch.clear()
 
-        with storage.open_read(shard.path) as f:
-            for where, item in iter_jsonl(f, shard.label, shard.start, shard.end, shard.first_line, on_error):
-                rows += 1
-                out = item if isinstance(item, BadRow) else apply_transform(transform, item, where, on_error)
-                if not isinstance(out, BadRow) and not isinstance(out.get(field), str):
-                    err = RecordError("missing or not a string" if field in out else "missing", where, field)
-                    if on_error == "raise":
-                        raise err
-                    out = BadRow(where, field, err.reason, str(item)[:2000])
-                if isinstance(out, BadRow):
-                    bad.append(dumps({"source": shard.source, **out.to_json()}))
-                    continue
-                assert not isinstance(item, BadRow)
-                sid = str(item.get(source.id_field or "", "")) or hashlib.sha256(out[field].encode()).hexdigest()
-                batch.extend([out[field]] * source.copies(sid, cfg["seed"]))
-                if len(batch) >= ENCODE_BATCH:
-                    flush()
+        for item, out in transformed_rows(task, bad, validate=has_text):
+            rows += 1
+            sid = str(item.get(source.id_field or "", "")) or hashlib.sha256(out[field].encode()).hexdigest()
+            batch.extend([out[field]] * source.copies(sid, cfg["seed"]))
+            if len(batch) >= ENCODE_BATCH:
+                flush()
         flush()
+    rows += len(bad)
     outputs = [f"{prefix_rel}.bin", f"{prefix_rel}.idx"]
     if bad:
         with storage.atomic_writer(storage.join(task.root, f"shards/{shard.shard_id}.quarantine.jsonl")) as q:

@@ -32,12 +32,8 @@ from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import BlendSource, DataBlend
 from nexa_dagster.core.jsonl_formats import (
-    BadRow,
     OnError,
-    apply_transform,
-    build_transform,
     dumps,
-    iter_jsonl,
 )
 from nexa_dagster.core.packing import (
     PACKED_SCHEMA,
@@ -47,6 +43,7 @@ from nexa_dagster.core.packing import (
     is_validation,
     pack_table,
 )
+from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
 FORMAT = "packed-sft-parquet/2"
 SPLITS = ("train", "validation")
@@ -98,29 +95,22 @@ def record_id(source: BlendSource, raw: dict[str, Any], transformed: dict[str, A
 def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
     """Read, transform, split, tokenize and pack one shard; write its outputs atomically (worker side)."""
     shard, cfg = task.shard, task.config
-    source = BlendSource.model_validate(cfg["sources"][shard.source])
-    transform = build_transform(source.transform)
+    source = source_of(task)
     chat: ChatTokenizer = task.runtime["chat_tokenizer"]
-    on_error: OnError = cfg["on_error"]
     convs: dict[str, list[list[dict[str, str]]]] = {s: [] for s in SPLITS}
     lines: dict[str, list[bytes]] = {s: [] for s in SPLITS}
     bad: list[bytes] = []
     rows = 0
-    with storage.open_read(shard.path) as f:
-        for where, item in iter_jsonl(f, shard.label, shard.start, shard.end, shard.first_line, on_error):
-            rows += 1
-            out = item if isinstance(item, BadRow) else apply_transform(transform, item, where, on_error)
-            if isinstance(out, BadRow):
-                bad.append(dumps({"source": shard.source, **out.to_json()}))
-                continue
-            assert not isinstance(item, BadRow)
-            sid = record_id(source, item, out)
-            split = "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train"
-            for copy in range(source.copies(sid, cfg["seed"])):
-                convs[split].append(out["messages"])
-                if task.runtime.get("write_jsonl", True):
-                    lines[split].append(dumps({"sample_id": sid if copy == 0 else f"{sid}#{copy}",
-                                               "messages": out["messages"]}))
+    for item, out in transformed_rows(task, bad):
+        rows += 1
+        sid = record_id(source, item, out)
+        split = "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train"
+        for copy in range(source.copies(sid, cfg["seed"])):
+            convs[split].append(out["messages"])
+            if task.runtime.get("write_jsonl", True):
+                lines[split].append(dumps({"sample_id": sid if copy == 0 else f"{sid}#{copy}",
+                                           "messages": out["messages"]}))
+    rows += len(bad)
     outputs: list[str] = []
     stats: dict[str, Any] = {"rows": rows, "quarantined": len(bad)}
     for split in SPLITS:
