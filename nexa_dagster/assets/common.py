@@ -1,10 +1,9 @@
 """Small helpers shared by the asset modules (retry policy, previews, progress logging)."""
 
-
-from collections.abc import Callable
-
 import dagster as dg
 import pandas as pd
+
+from nexa_dagster.core.progress import Progress
 
 # Every stage that calls a model or a server retries with exponential backoff: endpoints blip, GPUs get preempted.
 MODEL_CALL_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
@@ -23,8 +22,6 @@ def preview(df: pd.DataFrame, columns: list[str], rows: int = 5, width: int = 80
     return dg.MetadataValue.md(cut.to_markdown(index=False))
 
 
-def progress_logger(context: dg.AssetExecutionContext, what: str) -> Callable[[int, int], None]:
-    def log(done: int, total: int) -> None:
-        context.log.info(f"{what}: {done}/{total}")
-
-    return log
+def progress_logger(context: dg.AssetExecutionContext, what: str, every_s: float = 10.0) -> Progress:
+    """Progress lines in the run log every ``every_s`` seconds while the stage runs (use it as a context manager)."""
+    return Progress(context.log.info, what, every_s)

@@ -52,9 +52,9 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
                                 read_text("prompts/teacher_system.txt").strip(), teacher.model_id, params,
                                 scale.generations_per_prompt)
         context.log.info(f"{len(prompts)} teacher prompts for {teacher.model_id}; store {store_dir}")
-        samples, stats = generate_teacher_samples(teacher, prompts, params, store,
-                                                  batch_size=teacher_llm.batch_size,
-                                                  progress=progress_logger(context, "teacher answers"))
+        with progress_logger(context, "teacher answers") as progress:
+            samples, stats = generate_teacher_samples(teacher, prompts, params, store,
+                                                      batch_size=teacher_llm.batch_size, progress=progress)
     if len(samples) and stats.failed == len(samples):
         # nothing came back at all: the endpoint is down or misconfigured, not a few flaky requests
         raise dg.Failure(f"every teacher request failed; first error: {samples['error'].iloc[0]}")

@@ -56,10 +56,9 @@ def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame
                 storage: StorageResource):
     config = load_gate_config(FILTERS_FILE)
     dedup_root = storage.path("dedup", "filtered_samples")
-    with judge_llm.get_client(log=context.log) as judge:
+    with judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress:
         result = apply_sample_gate(teacher_samples, config, judge, read_text("prompts/judge.jinja"),
-                                   read_text("prompts/judge_verdict.jinja"), dedup_root,
-                                   progress=progress_logger(context, "gated"))
+                                   read_text("prompts/judge_verdict.jinja"), dedup_root, progress=progress)
     context.log.info(f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
                      f"{result.judge_method}; engine offers {result.judge_capabilities})")
     filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()

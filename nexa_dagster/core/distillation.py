@@ -145,7 +145,7 @@ def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], param
             stats.generated += 1
             stats.prompt_tokens += c.prompt_tokens
             stats.completion_tokens += c.completion_tokens
-        if progress and (done % batch_size == 0 or done == len(pending)):
+        if progress:
             progress(stats.reused + done, len(specs))
     stats.wall_s = time.perf_counter() - t0
     rows = [_row(s, answers.get(s.sample_id), errors.get(s.sample_id)) for s in specs]

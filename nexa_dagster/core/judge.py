@@ -160,7 +160,7 @@ class Judge:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge") as pool:
             for i, verdict in enumerate(pool.map(lambda item: self.judge(*item), items), start=1):
                 out.append(verdict)
-                if progress and (i % 8 == 0 or i == len(items)):
+                if progress:
                     progress(i, len(items))
         return out
 
