@@ -42,21 +42,8 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
-    fs, p = _fs(path)
-    parent = p.rsplit("/", 1)[0] if "/" in p else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    tmp = f"{parent}/.{p.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp" if parent else f".{p}.tmp"
-    with fs.open(tmp, "wb") as f:
+    with atomic_writer(path) as f:
         f.write(data)
-    try:
-        if _is_local(fs):
-            os.replace(tmp, p)  # atomic on POSIX
-        else:
-            fs.mv(tmp, p)
-    finally:
-        if fs.exists(tmp):
-            fs.rm(tmp)
 
 
 def write_parquet(df: pd.DataFrame, path: str | os.PathLike[str]) -> None:
@@ -118,16 +105,28 @@ class atomic_writer:  # noqa: N801 - used like open()
         return self._file
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._file.close()
         try:
+            try:
+                self._file.close()  # flushes: a full disk often shows up only here
+            except OSError as e:
+                if exc_type is None:
+                    raise write_error(self.path, e) from e
             if exc_type is None:
                 if _is_local(self.fs):
                     os.replace(self.tmp, self.path)
                 else:
                     self.fs.mv(self.tmp, self.path)
+            elif isinstance(exc, OSError):
+                raise write_error(self.path, exc) from exc
         finally:
             if self.fs.exists(self.tmp):
                 self.fs.rm(self.tmp)
+
+
+def write_error(path: str, error: OSError) -> OSError:
+    """An error that names the file and says what was kept (a disk full, a read-only mount, a lost bucket)."""
+    return OSError(error.errno, f"cannot write {path}: {error.strerror or error}; nothing was replaced: the "
+                                "previous version, if any, is unchanged")
 
 
 def open_read(path: str | os.PathLike[str]) -> Any:
