@@ -7,9 +7,11 @@ either the old file or the new one, never a torn mix. Paths may be local paths o
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import os
+import signal
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -112,6 +114,7 @@ class atomic_writer:  # noqa: N801 - used like open()
                 if exc_type is None:
                     raise write_error(self.path, e) from e
             if exc_type is None:
+                _fault_point(self.path)
                 if _is_local(self.fs):
                     os.replace(self.tmp, self.path)
                 else:
@@ -121,6 +124,17 @@ class atomic_writer:  # noqa: N801 - used like open()
         finally:
             if self.fs.exists(self.tmp):
                 self.fs.rm(self.tmp)
+
+
+FAULT_KILL_ENV = "NEXA_FAULT_KILL_BEFORE_RENAME"
+
+
+def _fault_point(path: str) -> None:
+    """Fault injection for the kill tests: SIGKILL this process when the file about to be renamed into place
+    matches the glob in ``NEXA_FAULT_KILL_BEFORE_RENAME`` (the worst moment: fully written, not yet published)."""
+    pattern = os.environ.get(FAULT_KILL_ENV)
+    if pattern and fnmatch.fnmatch(path, pattern):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_error(path: str, error: OSError) -> OSError:
