@@ -351,6 +351,10 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
     )
     export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
+    if dist.is_available() and dist.is_initialized() and world_size > 1:
+        # every rank leaves together: a rank tearing down its communicator while rank 0 still writes the
+        # checkpoint was seen to abort at exit ("terminate called without an active exception")
+        dist.barrier()
     if rank == 0:
         say(f"saved {output_dir}")
         shutil.rmtree(state_dir(job), ignore_errors=True)  # the run is complete: its resume state is garbage
