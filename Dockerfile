@@ -43,7 +43,7 @@ RUN mkdir -p .dagster_home .dagster_home_production data results \
     && cp dagster.yaml .dagster_home/dagster.yaml \
     && cp configs/dagster/production.yaml .dagster_home_production/dagster.yaml \
     && chown -R nexa:nexa /app
-USER nexa
+USER 1000
 
 EXPOSE 3000 4000
 CMD ["dagster", "dev", "-w", "workspace.yaml", "-h", "0.0.0.0", "-p", "3000"]
