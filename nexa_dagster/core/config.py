@@ -102,17 +102,6 @@ class ScalePreset(_Strict):
     evaluation: EvaluationSettings
 
 
-class FilterThresholds(_Strict):
-    min_response_chars: int = Field(ge=0)
-    max_response_chars: int = Field(gt=0)
-    max_repeat_ngram_ratio: float = Field(ge=0, le=1)
-    repeat_ngram_n: int = Field(gt=0)
-    max_non_printable_ratio: float = Field(ge=0, le=1)
-    refusal_patterns: list[str] = Field(default_factory=list)
-    prompt_echo_max_overlap: float = Field(ge=0, le=1)
-    judge_min_score: float = Field(ge=1, le=5)
-
-
 def scale_name() -> str:
     return os.environ.get("NEXA_SCALE", "tiny")
 
@@ -121,10 +110,6 @@ def scale_name() -> str:
 def load_scale(name: str | None = None) -> ScalePreset:
     name = name or scale_name()
     return ScalePreset.model_validate(load_yaml(f"scales/{name}.yaml"))
-
-
-def load_filters(name: str = "filters.yaml") -> FilterThresholds:
-    return FilterThresholds.model_validate(load_yaml(name))
 
 
 def load_model_preset(name: str) -> dict[str, Any]:
