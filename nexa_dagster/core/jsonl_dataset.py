@@ -106,8 +106,4 @@ def samples_to_flat_jsonl(samples: pd.DataFrame, out_root: str) -> str:
     cols = [c for c in ("sample_id", "day", "system_prompt", "prompt", "response", "judge_score") if c in samples]
     samples = samples.sort_values("sample_id", kind="stable")[cols]
     body = b"".join(dumps({c: getattr(r, c) for c in cols}) for r in samples.itertuples())
-    path = storage.join(out_root, "inputs", f"filtered_samples_flat-{hashlib.sha256(body).hexdigest()[:16]}.jsonl")
-    if not storage.exists(path):
-        with storage.atomic_writer(path) as f:
-            f.write(body)
-    return path
+    return storage.write_content_addressed(storage.join(out_root, "inputs"), "filtered_samples_flat", body)

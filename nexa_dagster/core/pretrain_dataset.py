@@ -154,8 +154,4 @@ def documents_to_jsonl(documents: pd.DataFrame, out_root: str) -> str:
     documents = documents.sort_values("doc_id", kind="stable").drop_duplicates("doc_id")
     body = b"".join(dumps({"doc_id": r.doc_id, "day": r.day, "title": r.title, "text": r.text})
                     for r in documents.itertuples())
-    path = storage.join(out_root, "inputs", f"raw_documents-{hashlib.sha256(body).hexdigest()[:16]}.jsonl")
-    if not storage.exists(path):
-        with storage.atomic_writer(path) as f:
-            f.write(body)
-    return path
+    return storage.write_content_addressed(storage.join(out_root, "inputs"), "raw_documents", body)

@@ -224,11 +224,7 @@ def samples_to_jsonl(samples: pd.DataFrame, out_root: str) -> str:
     body = b"".join(dumps({"sample_id": r.sample_id, "day": r.day,
                            "messages": conversation(r.system_prompt, r.prompt, r.response)})
                     for r in samples.itertuples())
-    path = storage.join(out_root, "inputs", f"filtered_samples-{hashlib.sha256(body).hexdigest()[:16]}.jsonl")
-    if not storage.exists(path):
-        with storage.atomic_writer(path) as f:
-            f.write(body)
-    return path
+    return storage.write_content_addressed(storage.join(out_root, "inputs"), "filtered_samples", body)
 
 
 def default_blend() -> DataBlend:

@@ -8,6 +8,7 @@ either the old file or the new one, never a torn mix. Paths may be local paths o
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import io
 import json
 import os
@@ -141,6 +142,19 @@ def write_error(path: str, error: OSError) -> OSError:
     """An error that names the file and says what was kept (a disk full, a read-only mount, a lost bucket)."""
     return OSError(error.errno, f"cannot write {path}: {error.strerror or error}; nothing was replaced: the "
                                 "previous version, if any, is unchanged")
+
+
+def write_content_addressed(root: str | os.PathLike[str], stem: str, body: bytes, ext: str = "jsonl") -> str:
+    """Write ``body`` once as ``<root>/<stem>-<sha256[:16]>.<ext>`` and return that path.
+
+    The name is the content: the same input always lands at the same path (so a plan that hashes paths and bytes
+    stays stable), and an existing file is reused instead of rewritten.
+    """
+    path = join(root, f"{stem}-{hashlib.sha256(body).hexdigest()[:16]}.{ext}")
+    if not exists(path):
+        with atomic_writer(path) as f:
+            f.write(body)
+    return path
 
 
 def open_read(path: str | os.PathLike[str]) -> Any:
