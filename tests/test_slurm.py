@@ -9,9 +9,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -20,7 +17,7 @@ import dagster as dg  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 from services import slurm_cluster  # noqa: E402
-from test_training import make_job  # noqa: E402
+from test_training import launch_training_in_dagster, make_job  # noqa: E402
 
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource, slurm_state  # noqa: E402
@@ -66,43 +63,10 @@ def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: P
     assert "step 3/3 loss" in (tmp_path / "work" / f"slurm-{job_id}.out").read_text()
 
 
-LAUNCH = """
-import sys
-from pathlib import Path
-
-import dagster as dg
-
-from nexa_dagster.core.training.job import TrainingJob
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource
-
-job = TrainingJob.model_validate_json(Path(sys.argv[1]).read_text())
-
-
-@dg.asset
-def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
-    return gpu_cluster.run_training(context, job, Path(sys.argv[2]))[1].get_materialize_result()
-
-
-result = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(backend="slurm", slurm_cpus_per_task=1,
-                                                                         poll_interval_s=0.5)},
-                        raise_on_error=False)
-print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
-"""
-
-
 def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teacher_dir: Path,
                                                          slurm: dict[str, str]) -> None:
-    job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
-    (tmp_path / "job.json").write_text(job.model_dump_json())
-    (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCH))
-    log = tmp_path / "launch.log"
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "job.json"),
-                                     str(tmp_path / "work")], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while "step 1/" not in log.read_text(errors="replace"):
-        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.5)
+    launcher, log = launch_training_in_dagster(
+        tmp_path, teacher_dir, {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5}, timeout_s=180)
     job_id = next(line.split("submitted Slurm job ")[1].split()[0]
                   for line in log.read_text().splitlines() if "submitted Slurm job" in line)
     assert slurm_state(job_id) == "RUNNING"

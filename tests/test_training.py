@@ -368,6 +368,7 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
 
 # -- stopping ---------------------------------------------------------------------------------------------------
 LAUNCH_SCRIPT = """
+import json
 import sys
 from pathlib import Path
 
@@ -377,6 +378,7 @@ from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 
 job = TrainingJob.model_validate_json(Path(sys.argv[1]).read_text())
+cluster = GPUClusterResource(**json.loads(sys.argv[3]))
 
 
 @dg.asset
@@ -384,24 +386,33 @@ def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) 
     return gpu_cluster.run_training(context, job, Path(sys.argv[2]))[1].get_materialize_result()
 
 
-result = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, raise_on_error=False)
+result = dg.materialize([trained], resources={"gpu_cluster": cluster}, raise_on_error=False)
 print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
 """
 
 
-def _launch_long_training(tmp_path: Path, teacher_dir: Path) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
-    """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
+def launch_training_in_dagster(tmp_path: Path, teacher_dir: Path, cluster: dict[str, object] | None = None,
+                               timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], Path]:
+    """Materialize a long training asset in a separate Dagster process (``GPUClusterResource(**cluster)``);
+    return the process and its log once the worker reports its first step."""
     job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
     (tmp_path / "job.json").write_text(job.model_dump_json())
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCH_SCRIPT))
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "job.json"),
-                                     str(tmp_path / "work")], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+                                     str(tmp_path / "work"), json.dumps(cluster or {})],
+                                    stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
     while "step 1/" not in log.read_text(errors="replace"):
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
         time.sleep(0.5)
+    return launcher, log
+
+
+def _launch_long_training(tmp_path: Path, teacher_dir: Path) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
+    """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
+    launcher, log = launch_training_in_dagster(tmp_path, teacher_dir)
     workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
                if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())]
     assert len(workers) == 1
