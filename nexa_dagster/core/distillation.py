@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 import jinja2
 import pandas as pd
 
-from nexa_dagster.core.generation_store import GenerationStore, StoredAnswer
-from nexa_dagster.core.llm.base import ChatMessage, ChatRequest, LLMClient, SamplingParams
+from nexa_dagster.core.generation_store import GenerationStore
+from nexa_dagster.core.llm.base import ChatMessage, ChatRequest, Completion, LLMClient, SamplingParams
 
 TEACHER_COLUMNS = [
     "sample_id", "doc_id", "day", "generation_index", "system_prompt", "prompt", "response", "reasoning", "model",
@@ -94,7 +94,7 @@ class GenerationStats:
         return (self.prompt_tokens * usd_per_1m_input + self.completion_tokens * usd_per_1m_output) / 1e6
 
 
-def _row(spec: PromptSpec, answer: StoredAnswer | None, error: str | None) -> dict[str, object]:
+def _row(spec: PromptSpec, answer: Completion | None, error: str | None) -> dict[str, object]:
     return {
         "sample_id": spec.sample_id, "doc_id": spec.doc_id, "day": spec.day,
         "generation_index": spec.generation_index, "system_prompt": spec.system_prompt, "prompt": spec.prompt,
@@ -121,7 +121,7 @@ def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], param
     seen: set[str] = set()
     specs = [s for s in prompts if not (s.sample_id in seen or seen.add(s.sample_id))]  # one per key, first wins
     stats = GenerationStats(requested=len(specs))
-    answers: dict[str, StoredAnswer] = {}
+    answers: dict[str, Completion] = {}
     by_day: dict[str, list[PromptSpec]] = {}
     for spec in specs:
         by_day.setdefault(spec.day, []).append(spec)
@@ -138,10 +138,8 @@ def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], param
             errors[spec.sample_id] = c.error
             stats.failed += 1
         else:
-            answer = StoredAnswer(c.text, c.model, c.prompt_tokens, c.completion_tokens, c.latency_s,
-                                  c.finish_reason, c.reasoning)
-            store.put(spec.day, spec.sample_id, answer)
-            answers[spec.sample_id] = answer
+            store.put(spec.day, spec.sample_id, c)
+            answers[spec.sample_id] = c
             stats.generated += 1
             stats.prompt_tokens += c.prompt_tokens
             stats.completion_tokens += c.completion_tokens

@@ -21,23 +21,12 @@ import re
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
+from nexa_dagster.core.llm.base import Completion
+
 _SAFE_PARTITION = re.compile(r"^[A-Za-z0-9_.=-]+$")
-
-
-@dataclass(frozen=True)
-class StoredAnswer:
-    """What a model call returned, as kept in the store (the prompt side is rebuilt from the key's inputs)."""
-
-    text: str
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    latency_s: float
-    finish_reason: str | None = None
-    reasoning: str | None = None
 
 
 class GenerationStore:
@@ -75,26 +64,31 @@ class GenerationStore:
             self._connections[partition] = db
         return db
 
-    def get_many(self, partition: str, keys: Iterable[str]) -> dict[str, StoredAnswer]:
+    def get_many(self, partition: str, keys: Iterable[str]) -> dict[str, Completion]:
         """The stored answers among ``keys`` (missing keys are simply absent)."""
         wanted = list(dict.fromkeys(keys))
         if not wanted or not self.path(partition).exists():
             return {}
         db = self._db(partition)
-        found: dict[str, StoredAnswer] = {}
+        found: dict[str, Completion] = {}
         for start in range(0, len(wanted), 500):  # SQLite's bound-parameter limit
             chunk = wanted[start:start + 500]
             rows = db.execute(f"SELECT key, answer FROM answers WHERE key IN ({','.join('?' * len(chunk))})", chunk)
             for key, payload in rows:
                 try:
-                    found[key] = StoredAnswer(**json.loads(payload))
+                    found[key] = Completion(**json.loads(payload))
                 except (ValueError, TypeError) as e:
                     raise RuntimeError(f"generation store {self.path(partition)}: answer for key {key} is "
                                        f"unreadable ({e})") from e
         return found
 
-    def put(self, partition: str, key: str, answer: StoredAnswer) -> bool:
-        """Commit one answer; False (and the first answer kept) when the key was stored already."""
+    def put(self, partition: str, key: str, answer: Completion) -> bool:
+        """Commit one answer; False (and the first answer kept) when the key was stored already.
+
+        Only answers are stored: a failed request must be asked again by the next run, never replayed.
+        """
+        if answer.error is not None:
+            raise ValueError(f"generation store: key {key} failed ({answer.error}); failures are not stored")
         cur = self._db(partition).execute("INSERT OR IGNORE INTO answers (key, answer, stored_at) VALUES (?, ?, ?)",
                                           (key, json.dumps(asdict(answer), ensure_ascii=False), time.time()))
         return cur.rowcount == 1
