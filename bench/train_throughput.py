@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -166,13 +165,11 @@ def profile_steps(step, sync) -> None:  # noqa: ANN001
     sys.stderr.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn(args: argparse.Namespace, side: str) -> dict:
+    from nexa_dagster.core.net import free_port
+
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": args.device, "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false"}

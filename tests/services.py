@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from nexa_dagster.core.net import free_port
+
 
 def missing(what: str, install: str) -> None:
     message = f"{what} is not installed ({install})"
@@ -27,10 +29,6 @@ def missing(what: str, install: str) -> None:
     pytest.skip(message)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _as_postgres_user(command: list[str]) -> list[str]:

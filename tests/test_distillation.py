@@ -32,8 +32,9 @@ from nexa_dagster.core.config import REPO_ROOT, load_scale, read_text
 from nexa_dagster.core.distillation import PromptSpec, build_prompts, generate_teacher_samples
 from nexa_dagster.core.generation_store import GenerationStore
 from nexa_dagster.core.llm.base import SamplingParams
-from nexa_dagster.core.llm.managed_server import ManagedServer, free_port
+from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
+from nexa_dagster.core.net import free_port
 from nexa_dagster.core.sample_gate import apply_sample_gate, load_gate_config
 
 DAY = "2026-11-20"

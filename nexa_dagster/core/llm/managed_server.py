@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from nexa_dagster.core.llm.base import LLMError
+from nexa_dagster.core.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,6 @@ os.execv(sys.argv[2], sys.argv[2:])
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks never go via a proxy
 
 
-def free_port() -> int:
-    """A port that is free now; the server binds it a moment later, and a lost race is retried by ``start``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_available() -> bool:

@@ -16,7 +16,6 @@ import faulthandler
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from nexa_dagster.core.net import free_port
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 
 STDERR_LOG = "worker.rank{rank}.stderr.log"
@@ -50,10 +50,6 @@ def configure_environment(job: TrainingJob) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def exit_if_interrupt_hangs(grace_s: float = INTERRUPT_GRACE_S) -> None:
