@@ -187,12 +187,13 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # not bincount: a fixed output shape compiles without graph breaks
         offsets = counts.cumsum(0).to(torch.int32)
-        rows = x[order // k]
+        token = order // k  # the token each sorted slot belongs to
+        rows = x[token]
         gate, up = grouped_linear(rows, self.gate_up_proj, offsets).chunk(2, dim=-1)
         out = grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
         out = out.float() * weights.reshape(-1)[order, None]
         combined = torch.zeros(tokens, x.shape[-1], dtype=out.dtype, device=x.device)
-        combined.index_add_(0, order // k, out)
+        combined.index_add_(0, token, out)
         return combined.to(x.dtype)
 
 
