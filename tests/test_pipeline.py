@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,19 @@ def test_every_stage_is_materialized_with_metadata(lifecycle) -> None:
     assert 1 <= report["judge_score"] <= 5
     deployment = _metadata(instance, "model_deployment", checkpoint.checkpoint_id)
     assert deployment["status"] == "ok" and deployment["smoke_latency_s"] > 0
+
+
+def test_long_stages_report_how_far_they_are_in_the_run_logs(lifecycle) -> None:
+    """Each long stage ends its progress with a final "<what>: done/total" line in its run's log (the same
+    lines come every 10 s while it runs; tests/test_progress.py and test_training.py check the clock)."""
+    _, instance, _, checkpoint, _ = lifecycle
+    messages = [entry.user_message for run in instance.get_runs() for entry in instance.all_logs(run.run_id)]
+    patterns = [r"^teacher answers: (\d+)/\1 ", r"^gated: (\d+)/\1 ", r"^shards done: (\d+)/\1 ",
+                r"^training steps: (\d+)/\1 ",
+                rf"^{checkpoint.checkpoint_id}: validation sequences scored: (\d+)/\1 ",
+                rf"^{checkpoint.checkpoint_id}: held-out answers judged: (\d+)/\1 "]
+    for pattern in patterns:
+        assert any(re.search(pattern, m) for m in messages), f"no run log line matches {pattern}"
 
 
 def test_artifacts_on_disk_are_real(lifecycle) -> None:

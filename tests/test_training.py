@@ -11,12 +11,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import dagster as dg  # noqa: E402
 import numpy as np  # noqa: E402
@@ -67,19 +69,19 @@ def write_packed(path: Path, rows: int, vocab_size: int, pad_id: int, seed: int 
 
 
 def make_job(tmp_path: Path, teacher_dir: Path, steps: int, rows: int = 8, lr: float = 3e-3,
-             log_every: int = 2, run_id: str = "test-run", num_procs: int = 1) -> TrainingJob:
+             log_every: int = 2, run_id: str = "test-run", num_procs: int = 1, **settings: Any) -> TrainingJob:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
-    settings = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1,
+    training = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1,
                                 learning_rate=lr, warmup_steps=1, weight_decay=0.0, grad_clip=1.0,
-                                log_every=log_every, seed=0, num_procs=num_procs)
+                                log_every=log_every, seed=0, num_procs=num_procs, **settings)
     return TrainingJob(
         run_id=run_id, train_path=write_packed(tmp_path / "train.parquet", rows, vocab, pad, seed=1),
         validation_path=write_packed(tmp_path / "validation.parquet", 2, vocab, pad, seed=2),
         tokenizer_path=str(teacher_dir), model_preset="tiny", deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
-        settings=settings, output_dir=str(tmp_path / "checkpoints" / run_id), dataset_run_hash="abc12345",
+        settings=training, output_dir=str(tmp_path / "checkpoints" / run_id), dataset_run_hash="abc12345",
         accelerator="cpu")
 
 
@@ -131,6 +133,19 @@ def test_training_fits_a_tiny_batch_seen_over_and_over(tmp_path: Path, teacher_d
     result = summary_of(job)
     assert result.steps == 12
     assert result.final_loss < result.first_loss - 1.0, result.loss_curve
+
+
+def test_progress_reaches_the_log_on_the_clock_between_metric_lines(tmp_path: Path, teacher_dir: Path) -> None:
+    """Metrics only at steps 1 and 20 (log_every 1000), progress every 50 ms: the log still shows the steps in
+    between, so a stage with slow steps or a sparse log_every is never silent for longer than progress_every_s."""
+    job = make_job(tmp_path, teacher_dir, steps=20, rows=4, log_every=1000, progress_every_s=0.05)
+    proc = run_worker(job, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split(" loss")[0] for line in proc.stdout.splitlines() if " loss " in line
+            and line.startswith("step ")] == ["step 1/20", "step 20/20"]
+    done = [int(m) for m in re.findall(r"^training steps: (\d+)/20 ", proc.stdout, flags=re.M)]
+    assert done and done[-1] == 20 and done == sorted(done), proc.stdout[-2000:]
+    assert any(1 < n < 20 for n in done), f"no progress line between the metric lines: {done}"
 
 
 def test_worker_refuses_an_unusable_job_file(tmp_path: Path) -> None:

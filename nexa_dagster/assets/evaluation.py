@@ -7,7 +7,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.common import MODEL_CALL_RETRY, progress_logger
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
@@ -90,14 +90,16 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
     compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id
                                   and Path(production.checkpoint_path).exists()) else None
 
-    loss = heldout_loss(ckpt.path, validation_path)
+    with progress_logger(context, f"{checkpoint_id}: validation sequences scored") as progress:
+        loss = heldout_loss(ckpt.path, validation_path, progress=progress)
     context.log.info(f"{checkpoint_id}: validation loss {loss.loss:.4f} (ppl {loss.perplexity:.1f}) "
                      f"over {loss.tokens} tokens")
     prompts = list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts]
     win_rate = None
     with LLMResource(backend="local", model=ckpt.path).get_client() as student, judge_llm.get_client() as judge:
-        answers = judge_answers(student, judge, prompts, read_text("prompts/judge.jinja"),
-                                scale.evaluation.max_new_tokens, log=context.log.info)
+        with progress_logger(context, f"{checkpoint_id}: held-out answers judged") as progress:
+            answers = judge_answers(student, judge, prompts, read_text("prompts/judge.jinja"),
+                                    scale.evaluation.max_new_tokens, log=context.log.info, progress=progress)
         if compare_with is not None:
             with LLMResource(backend="local", model=compare_with.checkpoint_path).get_client() as prod_model:
                 params = SamplingParams(max_tokens=scale.evaluation.max_new_tokens, temperature=0.0)

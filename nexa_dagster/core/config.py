@@ -73,6 +73,7 @@ class TrainingSettings(_Strict):
     optimizer: Literal["adamw", "adam"] = "adamw"
     checkpoint_every: int = Field(default=0, ge=0, description="save resumable engine state every N steps (0: off)")
     stall_timeout_s: float = Field(default=900.0, gt=0, description="fail the run when no step ends in this time")
+    progress_every_s: float = Field(default=10.0, gt=0, description="log \"training steps: n/N\" this often")
     activation_checkpointing: bool = False
     compile: bool = Field(default=False, description="torch.compile each decoder layer (GPU presets)")
     attention: Literal["auto", "sdpa", "flex", "causal"] = Field(

@@ -27,8 +27,12 @@ class HeldoutLoss:
     sequences: int
 
 
-def heldout_loss(model_dir: str | Path, validation_path: str, batch_size: int = 8) -> HeldoutLoss:
-    """Mean NLL of the model on the loss-masked tokens of the packed validation split."""
+def heldout_loss(model_dir: str | Path, validation_path: str, batch_size: int = 8,
+                 progress: Callable[[int, int], None] | None = None) -> HeldoutLoss:
+    """Mean NLL of the model on the loss-masked tokens of the packed validation split.
+
+    ``progress(sequences_done, total)`` is called after every batch (a `core.progress.Progress` logs it).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -51,6 +55,8 @@ def heldout_loss(model_dir: str | Path, validation_path: str, batch_size: int = 
             m = mask[:, 1:].float()
             total_nll += float((nll * m).sum())
             total_tokens += int(m.sum())
+            if progress:
+                progress(min(start + batch_size, len(frame)), len(frame))
     if total_tokens == 0:
         raise ValueError(f"validation split {validation_path} has no loss-masked tokens")
     loss = total_nll / total_tokens
@@ -78,13 +84,18 @@ class EvalResult:
 
 
 def judge_answers(student: LLMClient, judge: LLMClient, prompts: Sequence[str], judge_template: str,
-                  max_new_tokens: int, log: Callable[[str], None] = print) -> list[JudgedAnswer]:
+                  max_new_tokens: int, log: Callable[[str], None] = print,
+                  progress: Callable[[int, int], None] | None = None) -> list[JudgedAnswer]:
+    """The student answers every prompt (one batched call), then the judge scores each answer;
+    ``progress(judged, total)`` follows the judging, the slow part with a remote judge."""
     conversations: list[list[ChatMessage]] = [[{"role": "user", "content": p}] for p in prompts]
     completions = student.chat_many(conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
     out = []
     for prompt, c in zip(prompts, completions, strict=True):
         verdict = judge_one(judge, judge_template, prompt, c.text, max_tokens=8)
         out.append(JudgedAnswer(prompt, c.text, verdict.score, verdict.method))
+        if progress:
+            progress(len(out), len(prompts))
     log(f"judged {len(out)} held-out answers")
     return out
 

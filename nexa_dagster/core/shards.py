@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.progress import Progress
 
 PLAN_FORMAT = 1
 
@@ -209,21 +210,25 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
         tasks.append(ShardTask(shard, root, key, config, dict(runtime or {})))
     if skipped:
         log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            done[task.shard.shard_id] = run_task(work, task)
-    else:
-        ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host process
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-            futures = [pool.submit(run_task, work, t) for t in tasks]
-            try:
-                for fut in as_completed(futures):
-                    receipt = fut.result()
-                    done[receipt.shard_id] = receipt
-            except BaseException:
-                for other in futures:
-                    other.cancel()
-                raise
+    with Progress(log, "shards done") as progress:
+        progress(len(done), len(shards))
+        if workers <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                done[task.shard.shard_id] = run_task(work, task)
+                progress(len(done), len(shards))
+        else:
+            ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
+            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+                futures = [pool.submit(run_task, work, t) for t in tasks]
+                try:
+                    for fut in as_completed(futures):
+                        receipt = fut.result()
+                        done[receipt.shard_id] = receipt
+                        progress(len(done), len(shards))
+                except BaseException:
+                    for other in futures:
+                        other.cancel()
+                    raise
     ordered = [done[s.shard_id] for s in shards]
     return RunReport(ordered, [t.shard.shard_id for t in tasks], skipped, redone)
 

@@ -14,6 +14,7 @@ rank every ``checkpoint_every`` steps into ``<checkpoint>.state/``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nexa_dagster.core.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
+from nexa_dagster.core.progress import Progress
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import monitor
 from nexa_dagster.core.training.data import (
@@ -300,12 +302,19 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
     window_tokens, window_start, window_wait = 0, time.perf_counter(), 0.0
     train_start = time.perf_counter()
-    try:
+    # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
+    # only (no collective), so a slow step or a large log_every never leaves the run log silent
+    with contextlib.ExitStack() as running:  # leaving it, however: stop the watchdog and the loader
+        running.callback(watchdog.stop)
+        running.callback(batches.close)
+        progress = running.enter_context(Progress(say, "training steps", every_s=s.progress_every_s))
+        progress(start_step, s.max_steps)
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
             lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation)
             window_tokens += tokens
             watchdog.beat()
+            progress(step, s.max_steps)
             if step == stall_at:
                 time.sleep(10 * s.stall_timeout_s)
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
@@ -331,9 +340,6 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
                 save_state(engine, job, step, metrics_log, tokens_seen)
                 say(f"saved resumable state at step {step}")
-    finally:
-        watchdog.stop()
-        batches.close()
     train_s = time.perf_counter() - train_start
 
     # 5. evaluate, then save (rank 0)

@@ -161,15 +161,17 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
 
     def __init__(self, rank: int) -> None:
         self.pipes: Any = None
+        self._lock = threading.Lock()
         if rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
             from dagster_pipes import open_dagster_pipes
 
             self.pipes = open_dagster_pipes()
 
     def info(self, message: str) -> None:
-        print(message, flush=True)
-        if self.pipes is not None:
-            self.pipes.log.info(message)
+        with self._lock:  # the loop's progress thread writes too: one message at a time into the Pipes channel
+            print(message, flush=True)
+            if self.pipes is not None:
+                self.pipes.log.info(message)
 
     def on_log(self, max_steps: int) -> Callable[[int, dict[str, float]], None]:
         def log(step: int, m: dict[str, float]) -> None:
