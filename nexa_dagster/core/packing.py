@@ -191,21 +191,41 @@ def pack(conversations: Sequence[TokenizedConversation], pack_size: int, pad_id:
     return table.to_pandas(), stats
 
 
+def _split_hash(sample_id: str, seed: int) -> float:
+    return int(hashlib.sha256(f"{seed}:{sample_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
 def is_validation(sample_id: str, fraction: float, seed: int = 0) -> bool:
     """A stable split: a sample stays on its side whatever else arrives later."""
-    h = int(hashlib.sha256(f"{seed}:{sample_id}".encode()).hexdigest()[:8], 16)
-    return h / 0xFFFFFFFF < fraction
+    return _split_hash(sample_id, seed) < fraction
+
+
+def side_overrides(sample_ids: Sequence[str], fraction: float, seed: int = 0) -> dict[str, str]:
+    """The samples that must change side so that, with two or more samples, neither split is empty.
+
+    With a dozen samples and a 10% fraction, the hash split leaves validation empty about one time in four (and a
+    partition's sample ids depend on the teacher's answers): then the sample closest to the validation side
+    (the smallest split hash) moves there; symmetrically for an empty train side. Deterministic, and empty as soon
+    as both sides have a sample of their own.
+    """
+    ids = sorted(set(sample_ids))
+    if len(ids) < 2:
+        return {}
+    by_hash = sorted(ids, key=lambda s: (_split_hash(s, seed), s))
+    validation = [s for s in ids if is_validation(s, fraction, seed)]
+    if not validation:
+        return {by_hash[0]: "validation"}
+    if len(validation) == len(ids):
+        return {by_hash[-1]: "train"}
+    return {}
 
 
 def split_train_validation(sample_ids: Sequence[str], fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
     """Indices for train and validation; both sides get at least one sample when there are two or more."""
-    val = [i for i, s in enumerate(sample_ids) if is_validation(s, fraction, seed)]
-    train = [i for i, s in enumerate(sample_ids) if not is_validation(s, fraction, seed)]
-    if len(sample_ids) >= 2 and not val:
-        val, train = train[-1:], train[:-1]
-    if len(sample_ids) >= 2 and not train:
-        train, val = val[-1:], val[:-1]
-    return train, val
+    moved = side_overrides(sample_ids, fraction, seed)
+    sides = [moved.get(s) or ("validation" if is_validation(s, fraction, seed) else "train") for s in sample_ids]
+    return ([i for i, side in enumerate(sides) if side == "train"],
+            [i for i, side in enumerate(sides) if side == "validation"])
 
 
 def run_hash(sample_ids: Sequence[str], tokenizer_fingerprint: str, chat_template: str, pack_size: int,

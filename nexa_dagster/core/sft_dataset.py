@@ -21,7 +21,7 @@ import io
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -42,6 +42,7 @@ from nexa_dagster.core.packing import (
     conversation,
     is_validation,
     pack_table,
+    side_overrides,
 )
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
@@ -62,6 +63,7 @@ class PackagingSettings:
     rows_per_shard: int = 5000
     workers: int = 1
     write_jsonl: bool = True
+    side_overrides: dict[str, str] = field(default_factory=dict)  # sample id -> split (see packing.side_overrides)
 
 
 @dataclass
@@ -104,7 +106,8 @@ def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
     for item, out in transformed_rows(task, bad):
         rows += 1
         sid = record_id(source, item, out)
-        split = "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train"
+        split = cfg["side_overrides"].get(sid) or (
+            "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train")
         for copy in range(source.copies(sid, cfg["seed"])):
             convs[split].append(out["messages"])
             if task.runtime.get("write_jsonl", True):
@@ -154,6 +157,7 @@ def plan_config(blend: DataBlend, chat: ChatTokenizer, template: str, settings: 
             "sources": {s.name: s.model_dump() for s in blend.sources}, "tokenizer": chat.describe(),
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(), "pack_size": settings.pack_size,
             "validation_fraction": settings.validation_fraction, "seed": settings.seed,
+            "side_overrides": dict(sorted(settings.side_overrides.items())),
             "on_error": settings.on_error, "rows_per_shard": settings.rows_per_shard,
             "write_jsonl": settings.write_jsonl, "pyarrow": pyarrow.__version__}
 
@@ -238,8 +242,14 @@ def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str
     """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact."""
     if samples.empty:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
-    settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers)
     blend = blend or default_blend()
+    # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
+    # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
+    keyed_by_sample_id = any(s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources)
+    moved = side_overrides(samples["sample_id"].astype(str).tolist(), validation_fraction, seed) \
+        if keyed_by_sample_id else {}
+    settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers,
+                                 side_overrides=moved)
     run = package_sft(blend, tokenizer, out_root, settings,
                       assets={"filtered_samples": samples_to_jsonl(samples, out_root)}, log=log)
     for split in SPLITS:
