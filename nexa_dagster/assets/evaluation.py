@@ -7,21 +7,17 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.common import MODEL_CALL_RETRY, progress_logger
+from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport, SFTDataset
 from nexa_dagster.core.config import load_scale, load_yaml, read_text
 from nexa_dagster.core.evaluation import (
-    EvalResult,
-    heldout_loss,
-    judge_answers,
-    pairwise_win_rate,
+    evaluate_checkpoint,
     render_markdown,
     write_report,
 )
-from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.promotion import ProductionRegistry, decide, load_policy, report_metric
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
@@ -90,25 +86,14 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
     compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id
                                   and Path(production.checkpoint_path).exists()) else None
 
-    with progress_logger(context, f"{checkpoint_id}: validation sequences scored") as progress:
-        loss = heldout_loss(ckpt.path, validation_path, progress=progress)
-    context.log.info(f"{checkpoint_id}: validation loss {loss.loss:.4f} (ppl {loss.perplexity:.1f}) "
-                     f"over {loss.tokens} tokens")
-    prompts = list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts]
-    win_rate = None
-    with LLMResource(backend="local", model=ckpt.path).get_client() as student, judge_llm.get_client() as judge:
-        with progress_logger(context, f"{checkpoint_id}: held-out answers judged") as progress:
-            answers = judge_answers(student, judge, prompts, read_text("prompts/judge.jinja"),
-                                    scale.evaluation.max_new_tokens, log=context.log.info, progress=progress)
-        if compare_with is not None:
-            with LLMResource(backend="local", model=compare_with.checkpoint_path).get_client() as prod_model:
-                params = SamplingParams(max_tokens=scale.evaluation.max_new_tokens, temperature=0.0)
-                prod_answers = [c.text for c in prod_model.chat_many(
-                    [[{"role": "user", "content": p}] for p in prompts], params)]
-            win_rate = pairwise_win_rate(judge, prompts, [a.answer for a in answers], prod_answers)
-            context.log.info(f"{checkpoint_id}: pairwise win rate vs production {compare_with.checkpoint_id}: "
-                             f"{win_rate:.2f}")
-    result = EvalResult(checkpoint_id, loss, answers)
+    with judge_llm.get_client() as judge:
+        evaluation = evaluate_checkpoint(
+            checkpoint_id, ckpt.path, validation_path,
+            list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts],
+            judge, read_text("prompts/judge.jinja"), scale.evaluation.max_new_tokens,
+            production_path=compare_with.checkpoint_path if compare_with else None, log=context.log.info)
+    result, win_rate = evaluation.result, evaluation.win_rate_vs_production
+    loss, answers = result.loss, result.answers
     lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": dataset_hash, "validation_path": validation_path,
                "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
                "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,

@@ -179,3 +179,39 @@ def pairwise_win_rate(judge: LLMClient, prompts: Sequence[str], candidate: Seque
                 p_a = 1.0 if text.startswith("A") else 0.0 if text.startswith("B") else 0.5
             wins += p_a if cand_is_a else 1.0 - p_a
     return wins / (2 * len(prompts)) if prompts else 0.5
+
+
+@dataclass
+class CheckpointEvaluation:
+    """Everything measured about one checkpoint: what the report, MLflow and the promotion gate are built from."""
+
+    result: EvalResult
+    win_rate_vs_production: float | None = None
+
+
+def evaluate_checkpoint(checkpoint_id: str, checkpoint_path: str, validation_path: str, prompts: Sequence[str],
+                        judge: LLMClient, judge_template: str, max_new_tokens: int,
+                        production_path: str | None = None, log: Callable[[str], None] = print,
+                        batch_size: int = 16) -> CheckpointEvaluation:
+    """Held-out loss, the judge's scores of the checkpoint's answers and, given a production model's directory,
+    the pairwise win rate against it. Both models run in-process (they are ours); the judge is any endpoint.
+    Progress of the scoring and the judging goes to ``log`` on a clock (``core.progress``)."""
+    from nexa_dagster.core.llm.local import LocalTransformersClient
+    from nexa_dagster.core.progress import Progress
+
+    with Progress(log, f"{checkpoint_id}: validation sequences scored") as progress:
+        loss = heldout_loss(checkpoint_path, validation_path, progress=progress)
+    log(f"{checkpoint_id}: validation loss {loss.loss:.4f} (ppl {loss.perplexity:.1f}) over {loss.tokens} tokens")
+    with LocalTransformersClient(checkpoint_path, batch_size=batch_size) as student, \
+            Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
+        answers = judge_answers(student, judge, prompts, judge_template, max_new_tokens, log=log, progress=progress)
+    evaluation = CheckpointEvaluation(EvalResult(checkpoint_id, loss, answers))
+    if production_path is not None:
+        with LocalTransformersClient(production_path, batch_size=batch_size) as production:
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+            production_answers = [c.text for c in production.chat_many(
+                [[{"role": "user", "content": p}] for p in prompts], params)]
+        evaluation.win_rate_vs_production = pairwise_win_rate(judge, prompts, [a.answer for a in answers],
+                                                              production_answers)
+        log(f"{checkpoint_id}: pairwise win rate vs production: {evaluation.win_rate_vs_production:.2f}")
+    return evaluation
