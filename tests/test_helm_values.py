@@ -162,7 +162,6 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
                                                ("dequeueIntervalSeconds", "dequeue_interval_seconds"))
              if (value := coordinator.get("config", {}).get("queuedRunCoordinator", {}).get(camel))}
     monitoring = daemon["runMonitoring"]
-    assert monitoring["enabled"]
     pg = values["postgresql"]
     postgres_db = {"username": pg["postgresqlUsername"], "password": {"env": "DAGSTER_PG_PASSWORD"},
                    "hostname": pg["postgresqlHost"], "db_name": pg["postgresqlDatabase"],
@@ -175,9 +174,6 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
                                "config": {"postgres_db": postgres_db}} for kind, module, cls in storages},
         "run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator",
                             **({"config": queue} if queue else {})},
-        "run_monitoring": {"enabled": True, "start_timeout_seconds": monitoring["startTimeoutSeconds"],
-                           "cancel_timeout_seconds": monitoring["cancelTimeoutSeconds"],
-                           "poll_interval_seconds": monitoring["pollIntervalSeconds"]},
         "telemetry": {"enabled": values["telemetry"]["enabled"]},
     }
     concurrency = values.get("concurrency", {})
@@ -196,6 +192,11 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
         # _concurrency.tpl fails the install when a limit is set both here and on the run coordinator
         assert not ({"max_concurrent_runs", "tag_concurrency_limits"} & set(queue) & set(runs))
         sections["concurrency"] = {**({"pools": pools} if pools else {}), **({"runs": runs} if runs else {})}
+    if monitoring["enabled"]:  # the template writes these three fields only, and nothing when disabled
+        sections["run_monitoring"] = {"enabled": True, "start_timeout_seconds": monitoring["startTimeoutSeconds"],
+                                      "poll_interval_seconds": monitoring["pollIntervalSeconds"],
+                                      **({"max_resume_run_attempts": monitoring["maxResumeRunAttempts"]}
+                                         if monitoring.get("maxResumeRunAttempts") else {})}
     if daemon["runRetries"]["enabled"]:
         sections["run_retries"] = {"enabled": True, "max_retries": daemon["runRetries"]["maxRetries"]}
     extra = values.get("additionalInstanceConfig") or {}

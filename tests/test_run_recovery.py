@@ -31,8 +31,8 @@ the hang after STARTED, which follows from dagster/_daemon/monitoring/run_monito
 
 * a worker that dies together with the code server that forked it (the user_code container lost), or that
   hangs after the run reached STARTED, leaves the run STARTED indefinitely: only
-  ``run_monitoring.max_runtime_seconds`` (or the run tag ``dagster/max_runtime``) would end it, and
-  production.yaml sets neither (asserted below); the daemon never resumes a run in place
+  ``run_monitoring.max_runtime_seconds`` (or the run tag ``dagster/max_runtime``) ends it: production.yaml
+  sets 48 h (asserted below, not exercised here); the daemon never resumes a run in place
   (``max_resume_run_attempts`` needs a launcher that supports resuming).
 * SIGKILL of the worker process alone (not its step subprocesses) leaves the step processes running: they
   finish their step and record its output and materialization under the run already marked FAILURE, while the
@@ -297,7 +297,9 @@ def test_the_default_run_launcher_has_no_worker_health_check(production: Product
         "Dagster now checks run worker health for the DefaultRunLauncher: update this module's docstring"
     assert production.instance.run_retries_enabled and production.instance.run_retries_max_retries == 2
     assert production.instance.run_monitoring_enabled
-    assert production.instance.run_monitoring_max_runtime_seconds == 0, "production.yaml now bounds run time"
+    # the only net for a run whose worker died with its code server, or hangs after starting: a cap on run time
+    assert production.instance.run_monitoring_max_runtime_seconds == 48 * 3600
+    assert production.instance.run_monitoring_settings["free_slots_after_run_end_seconds"] > 0
 
 
 def test_a_run_worker_killed_mid_step_fails_and_is_retried_to_the_same_output(production: Production) -> None:
