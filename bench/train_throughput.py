@@ -86,7 +86,8 @@ def run_side(args: argparse.Namespace) -> dict:
                                 compile=cuda and not args.no_compile, attention=args.attention)
     job = TrainingJob(run_id="bench", train_path="-", validation_path="-", tokenizer_path="-",
                       model_preset=args.preset if isinstance(spec, str) else "issue",
-                      deepspeed_config=load_deepspeed_config("zero1_bf16.json" if cuda else "zero1_cpu.json"),
+                      deepspeed_config=load_deepspeed_config(args.ds_config or ("zero1_bf16.json" if cuda
+                                                                                else "zero1_cpu.json")),
                       settings=settings, output_dir="/tmp/bench-unused", accelerator=args.device)
     data = synthetic_rows(max(64, args.micro_batch * 4), args.seq, vocab, seed=0)
     torch.manual_seed(0)
@@ -176,7 +177,8 @@ def spawn(args: argparse.Namespace, side: str) -> dict:
     command = [sys.executable, __file__, "--side", side, "--device", args.device, "--preset", args.preset,
                "--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--attention", args.attention] + \
-        (["--no-compile"] if args.no_compile else []) + (["--profile"] if args.profile else [])
+        (["--no-compile"] if args.no_compile else []) + (["--profile"] if args.profile else []) + \
+        (["--ds-config", args.ds_config] if args.ds_config else [])
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if args.profile:
         sys.stderr.write(proc.stderr[-20000:])
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="auto (within documents) | causal | sdpa | flex")
     parser.add_argument("--only", choices=["nexa", "baseline"], default=None, help="run one side")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per side")
+    parser.add_argument("--ds-config", default=None, help="a configs/deepspeed/ file for both sides (default "
+                                                          "zero1_bf16.json on cuda, zero1_cpu.json on cpu)")
     parser.add_argument("--side", choices=["nexa", "baseline"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cuda = args.device == "cuda"
