@@ -208,6 +208,45 @@ def validation_loss(model: torch.nn.Module, data: Batch, device: torch.device, m
     return nll / count if count else float("nan")
 
 
+# -- the metrics line -------------------------------------------------------------------------------------------
+class MetricsWindow:
+    """The optimizer steps since the last metrics line, turned into the next one.
+
+    Tokens, wall time and data wait accumulate per rank; ``close`` sums losses and tokens over ranks (the one
+    collective of a metrics line, so every rank must call it at the same steps) and starts the next window.
+    """
+
+    def __init__(self, batches: Prefetcher, world_size: int, per_token_flops: float, peak: float | None,
+                 device: torch.device, last_step: int) -> None:
+        self.batches, self.world_size, self.device = batches, world_size, device
+        self.per_token_flops, self.peak = per_token_flops, peak
+        self._reset(last_step)
+
+    def _reset(self, step: int) -> None:
+        self.tokens, self.start, self.wait_at_start, self.last_step = 0, time.perf_counter(), self.batches.wait_s, step
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def close(self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any,
+              expert_load: Any) -> dict[str, float]:
+        loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), self.tokens)
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check "
+                                     "the packed data")
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tokens_per_s = tokens / elapsed
+        metrics = {"step": step, "loss": loss_sum / self.world_size, "aux_loss": aux_sum / self.world_size,
+                   "lr": lr, "grad_norm": _as_float(grad_norm), "tokens": tokens, "tokens_per_s": tokens_per_s,
+                   "step_s": elapsed / max(step - self.last_step, 1),
+                   "mfu": monitor.mfu(tokens_per_s / self.world_size, self.per_token_flops, self.peak) or 0.0,
+                   "data_wait": (self.batches.wait_s - self.wait_at_start) / elapsed,
+                   "expert_balance": monitor.expert_balance(expert_load),
+                   "mem_gb": monitor.peak_memory_gb(self.device)}
+        self._reset(step)
+        return metrics
+
+
 # -- resumable state --------------------------------------------------------------------------------------------
 def state_dir(job: TrainingJob) -> Path:
     return Path(job.output_dir).with_name(Path(job.output_dir).name + ".state")
@@ -300,7 +339,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
     stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
-    window_tokens, window_start, window_wait = 0, time.perf_counter(), 0.0
+    window = MetricsWindow(batches, world_size, per_token_flops, peak, device, last_step=start_step)
     train_start = time.perf_counter()
     # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
     # only (no collective), so a slow step or a large log_every never leaves the run log silent
@@ -312,29 +351,15 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
             lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation)
-            window_tokens += tokens
+            window.add(tokens)
             watchdog.beat()
             progress(step, s.max_steps)
             if step == stall_at:
                 time.sleep(10 * s.stall_timeout_s)
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
-                loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), window_tokens)
-                if not math.isfinite(loss_sum):
-                    raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate "
-                                             "or check the packed data")
-                elapsed = time.perf_counter() - window_start
-                steps_in_window = step - (int(metrics_log[-1]["step"]) if metrics_log else start_step)
-                tokens_per_s = tokens / max(elapsed, 1e-9)
-                metrics = {"step": step, "loss": loss_sum / world_size, "aux_loss": aux_sum / world_size, "lr": lr,
-                           "grad_norm": _as_float(engine.get_global_grad_norm()), "tokens_per_s": tokens_per_s,
-                           "step_s": elapsed / max(steps_in_window, 1),
-                           "mfu": monitor.mfu(tokens_per_s / world_size, per_token_flops, peak) or 0.0,
-                           "data_wait": (batches.wait_s - window_wait) / max(elapsed, 1e-9),
-                           "expert_balance": monitor.expert_balance(expert_load),
-                           "mem_gb": monitor.peak_memory_gb(device)}
+                metrics = window.close(step, lm_loss, aux_loss, lr, engine.get_global_grad_norm(), expert_load)
                 metrics_log.append(metrics)
-                tokens_seen += int(tokens)
-                window_tokens, window_start, window_wait = 0, time.perf_counter(), batches.wait_s
+                tokens_seen += int(metrics["tokens"])
                 if on_log and rank == 0:
                     on_log(step, {k: v for k, v in metrics.items() if k != "step"})
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
