@@ -223,6 +223,25 @@ def test_server_stops_when_its_parent_is_killed_outright(tiny_model_dir: Path, t
             parent.kill()
 
 
+def test_a_slow_server_start_reports_progress(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """While the server loads (seconds here, minutes for a large model under vLLM) the log says it is still
+    waiting, at the configured interval, quoting the server's own last log line."""
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("test-slow-server")
+    logger.setLevel(logging.INFO)
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        with ManagedServer(tiny_model_dir, tmp_path, logger=logger, progress_every_s=0.5) as server:
+            assert server.ready_s > 0.5
+    finally:
+        logger.removeHandler(handler)
+    waiting = [r.getMessage() for r in records if "not healthy yet" in r.getMessage()]
+    assert waiting and all(str(Path(tiny_model_dir).resolve()) in m for m in waiting), waiting
+    assert any("healthy at" in r.getMessage() for r in records)
+
+
 def test_a_server_that_dies_or_hangs_is_reported_with_its_log(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -26,7 +26,7 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
     checkpoint_id = context.partition_key
     work_dir = storage.deployment_dir(checkpoint_id)
     context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path}")
-    manifest = deploy_and_smoke(eval_report.checkpoint_path, checkpoint_id, work_dir)
+    manifest = deploy_and_smoke(eval_report.checkpoint_path, checkpoint_id, work_dir, logger=context.log)
     if manifest.status != "ok":
         raise dg.Failure(f"{checkpoint_id}: the smoke request got no answer ({manifest.status}); not promoting")
 

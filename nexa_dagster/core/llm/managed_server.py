@@ -122,7 +122,7 @@ class ManagedServer:
                  startup_timeout_s: float = 180.0, port: int | None = None, device: str = "auto",
                  continuous_batching: bool | None = None, extra_args: Sequence[str] = (),
                  logger: logging.Logger | None = None, stop_grace_s: float = 10.0,
-                 cb_max_memory_percent: float | None = None) -> None:
+                 cb_max_memory_percent: float | None = None, progress_every_s: float = 10.0) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)")
@@ -150,6 +150,7 @@ class ManagedServer:
         self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.progress_every_s = progress_every_s  # "not healthy yet" lines while a large model loads
         self.log = logger or log
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_s: float = 0.0
@@ -225,7 +226,8 @@ class ManagedServer:
         atexit.register(self.stop)
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline, next_note = started + self.startup_timeout_s, started + self.progress_every_s
         root = f"http://127.0.0.1:{self.port}"
         while True:
             assert self.process is not None
@@ -247,6 +249,11 @@ class ManagedServer:
                 raise LLMError(f"{self.engine} server at {root}/health not healthy after "
                                f"{self.startup_timeout_s:.0f} s; last log lines ({self.log_path}):\n"
                                f"{self.log_tail()}")
+            if time.monotonic() >= next_note:  # a vLLM server loading a large model takes minutes: say so
+                next_note += self.progress_every_s
+                self.log.info("%s server for %s not healthy yet after %.0f s (gives up at %.0f s); its last log "
+                              "line: %s", self.engine, self.model_dir, time.monotonic() - started,
+                              self.startup_timeout_s, self.log_tail(1).strip()[-200:])
             time.sleep(0.25)
 
     def stop(self) -> None:
