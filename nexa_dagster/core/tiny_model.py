@@ -9,10 +9,11 @@ loads it the same way a real model is loaded. A real model is a configuration ch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,9 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
     """Create tokenizer + randomly initialised MoE model and save them to ``out_dir`` atomically.
 
     The directory is written under a temporary name and renamed into place, with a completion marker last, so a
-    crash never leaves a half-written model that a later run would try to load.
+    crash never leaves a half-written model that a later run would try to load. Builders of the same directory
+    (the first runs of a multi-run backfill on a fresh data root start together) take turns under a file lock:
+    the first builds, the others find it complete, and a finished model is never removed from under a reader.
     """
     import torch
     from transformers import GenerationConfig, MixtralForCausalLM
@@ -98,26 +101,43 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
     if (out / COMPLETION_MARKER).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(corpus if corpus is not None else default_corpus(), vocab_size=vocab_size)
-    torch.manual_seed(seed)
-    config = build_model_config(preset, vocab_size=len(tokenizer), tokenizer=tokenizer)
-    model = MixtralForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
-    )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / COMPLETION_MARKER).write_text("ok\n")
-        if out.exists():  # an incomplete leftover from a crashed build
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _build_lock(out):
+        if (out / COMPLETION_MARKER).exists():  # built by whoever held the lock before us
+            return out
+        tokenizer = build_tokenizer(corpus if corpus is not None else default_corpus(), vocab_size=vocab_size)
+        torch.manual_seed(seed)
+        config = build_model_config(preset, vocab_size=len(tokenizer), tokenizer=tokenizer)
+        model = MixtralForCausalLM(config)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / COMPLETION_MARKER).write_text("ok\n")
+            if out.exists():  # an incomplete leftover from a crashed build (we hold the lock: nobody reads it)
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside the model directory, released when the holder exits
+    (even killed: the kernel drops the lock with the process)."""
+    import fcntl
+
+    with open(out.parent / f".{out.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_buildable_path(path: str | os.PathLike[str]) -> bool:
