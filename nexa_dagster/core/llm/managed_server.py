@@ -48,8 +48,6 @@ os.execv(sys.argv[2], sys.argv[2:])
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks never go via a proxy
 
 
-
-
 def cuda_available() -> bool:
     try:
         import torch

@@ -50,8 +50,6 @@ def configure_environment(job: TrainingJob) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-
-
 def exit_if_interrupt_hangs(grace_s: float = INTERRUPT_GRACE_S) -> None:
     """After SIGINT, give the main thread ``grace_s`` to unwind (KeyboardInterrupt), then exit hard.
 
