@@ -208,14 +208,14 @@ def side_overrides(sample_ids: Sequence[str], fraction: float, seed: int = 0) ->
     (the smallest split hash) moves there; symmetrically for an empty train side. Deterministic, and empty as soon
     as both sides have a sample of their own.
     """
-    ids = sorted(set(sample_ids))
-    if len(ids) < 2:
+    hashes = {s: _split_hash(s, seed) for s in set(sample_ids)}
+    if len(hashes) < 2:
         return {}
-    by_hash = sorted(ids, key=lambda s: (_split_hash(s, seed), s))
-    validation = [s for s in ids if is_validation(s, fraction, seed)]
-    if not validation:
+    by_hash = sorted(hashes, key=lambda s: (hashes[s], s))
+    validation = sum(h < fraction for h in hashes.values())  # is_validation, from the hashes already computed
+    if validation == 0:
         return {by_hash[0]: "validation"}
-    if len(validation) == len(ids):
+    if validation == len(hashes):
         return {by_hash[-1]: "train"}
     return {}
 
