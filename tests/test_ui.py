@@ -43,7 +43,9 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
 
     home = tmp_path / "home"
     home.mkdir()
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
+    # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
+    (home / "dagster.yaml").write_text((REPO_ROOT / "dagster.yaml").read_text() + "nux:\n  enabled: false\n")
     shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, tmp_path / "landing" / DAY)
     env = {**os.environ, "DAGSTER_HOME": str(home), "NEXA_DATA_ROOT": str(tmp_path / "data"),
            "NEXA_RESULTS_ROOT": str(tmp_path / "results"), "NEXA_LANDING_ROOT": str(tmp_path / "landing"),
@@ -76,11 +78,12 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
 
             # the Launchpad of the daily job: pick the day in its partition box, launch
             page.goto(f"{base}/locations/{LOCATION}/jobs/daily_data_job/playground", wait_until="networkidle")
-            skip = page.get_by_role("button", name="Skip")  # the one-time community dialog
-            if skip.count():
-                skip.click()
             partition = page.get_by_placeholder("Partition")
-            partition.click()
+            try:
+                partition.click()
+            except Exception:
+                page.screenshot(path=str(tmp_path / "launch-failed.png"))
+                raise
             partition.fill(DAY)
             page.get_by_role("menuitem", name=DAY).or_(page.get_by_text(DAY, exact=True)).last.click()
             page.get_by_text(f"partition: {DAY}").first.wait_for(timeout=30_000)
