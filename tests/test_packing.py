@@ -16,7 +16,6 @@ from nexa_dagster.core.packing import (
     is_validation,
     pack,
     side_overrides,
-    split_train_validation,
     tokenize_conversation,
 )
 from nexa_dagster.core.schemas import PackedSequences
@@ -60,11 +59,11 @@ def test_pack_rows_have_pack_size_restarting_positions_and_boundaries() -> None:
 
 def test_split_is_stable_when_more_data_arrives() -> None:
     ids = [f"sample-{i}" for i in range(200)]
-    train, val = split_train_validation(ids, 0.1)
-    assert 5 <= len(val) <= 40 and len(train) + len(val) == 200
+    val = {s for s in ids if is_validation(s, 0.1)}
+    assert 5 <= len(val) <= 40
     more = ids + [f"new-{i}" for i in range(100)]
-    _, val2 = split_train_validation(more, 0.1)
-    assert {ids[i] for i in val} <= {more[i] for i in val2}
+    assert val <= {s for s in more if is_validation(s, 0.1)}  # nobody already split changes side
+    assert side_overrides(ids, 0.1) == {} == side_overrides(more, 0.1)
 
 
 def _samples(n: int) -> pd.DataFrame:
@@ -97,8 +96,6 @@ def test_a_small_dataset_always_gets_both_splits(tiny_tokenizer, tmp_path: Path)
     natural_train = [s for s in ids if not is_validation(s, 0.1)][:12]
     moved = side_overrides(natural_train, 0.1)
     assert list(moved.values()) == ["validation"] and len(moved) == 1
-    train, val = split_train_validation(natural_train, 0.1)
-    assert [natural_train[i] for i in val] == list(moved) and len(train) == 11
     assert side_overrides(ids, 0.1) == {} and side_overrides(["only"], 0.1) == {}
 
     samples = _samples(40).set_index("sample_id").loc[natural_train].reset_index()

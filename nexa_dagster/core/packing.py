@@ -220,14 +220,6 @@ def side_overrides(sample_ids: Sequence[str], fraction: float, seed: int = 0) ->
     return {}
 
 
-def split_train_validation(sample_ids: Sequence[str], fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Indices for train and validation; both sides get at least one sample when there are two or more."""
-    moved = side_overrides(sample_ids, fraction, seed)
-    sides = [moved.get(s) or ("validation" if is_validation(s, fraction, seed) else "train") for s in sample_ids]
-    return ([i for i, side in enumerate(sides) if side == "train"],
-            [i for i, side in enumerate(sides) if side == "validation"])
-
-
 def run_hash(sample_ids: Sequence[str], tokenizer_fingerprint: str, chat_template: str, pack_size: int,
              seed: int) -> str:
     """What the packaged dataset is a function of; equal hashes mean byte-identical outputs."""
