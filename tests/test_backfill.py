@@ -1,7 +1,6 @@
 """A multi-run backfill from the command line, run by the real Dagster daemon through the run queue."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+from sandbox import make_sandbox, sandbox_env
 
 from nexa_dagster.core.config import REPO_ROOT
 
@@ -16,14 +16,8 @@ DAYS = ["2026-11-20", "2026-11-21"]
 
 
 def test_dagster_job_backfill_queues_one_run_per_day_and_the_daemon_runs_them(tmp_path: Path) -> None:
-    landing = tmp_path / "landing"
-    for day in DAYS:
-        shutil.copytree(REPO_ROOT / "sample_data" / "landing" / day, landing / day)
-    home = tmp_path / "home"
-    home.mkdir()
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "NEXA_DATA_ROOT": str(tmp_path / "data"),
-           "NEXA_RESULTS_ROOT": str(tmp_path / "results"), "NEXA_LANDING_ROOT": str(landing)}
+    make_sandbox(tmp_path, DAYS)
+    home, env = tmp_path / "home", sandbox_env(tmp_path)
 
     cmd = [sys.executable, "-m", "dagster", "job", "backfill", "-w", "workspace.yaml", "-j", "daily_data_job",
            "--from", DAYS[0], "--to", DAYS[1], "--noprompt"]

@@ -27,9 +27,9 @@ import dagster as dg  # noqa: E402
 import pandas as pd  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+from sandbox import make_sandbox, sandbox_env  # noqa: E402
 
 from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
-from nexa_dagster.core.storage import FAULT_KILL_ENV  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
 
 DAY = "2026-11-20"
@@ -37,21 +37,12 @@ TRAIN = "sft_dataset,moe_checkpoint"
 SERVE = "eval_report,model_deployment"
 
 
-def _env(root: Path, fault: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "DAGSTER_HOME": str(root / "home"), "NEXA_DATA_ROOT": str(root / "data"),
-           "NEXA_RESULTS_ROOT": str(root / "results"), "NEXA_LANDING_ROOT": str(root / "landing")}
-    env.pop(FAULT_KILL_ENV, None)
-    if fault:
-        env[FAULT_KILL_ENV] = fault
-    return env
-
-
 def _materialize(root: Path, select: str, partition: str | None = None,
                  fault: str | None = None) -> subprocess.Popen[str]:
     """`dagster asset materialize` in its own process group, so the kill takes all of the run at once."""
     argv = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
             "--select", select, *(["--partition", partition] if partition else [])]
-    return subprocess.Popen(argv, env=_env(root, fault), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(argv, env=sandbox_env(root, fault), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -157,9 +148,7 @@ def _production(root: Path) -> str | None:
 @pytest.mark.timeout(1800)
 def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_outputs(tmp_path: Path) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, straight / "landing" / DAY)
-    (straight / "home").mkdir()
-    shutil.copy(REPO_ROOT / "dagster.yaml", straight / "home" / "dagster.yaml")
+    make_sandbox(straight, [DAY])
     _finish(_materialize(straight, "raw_documents,teacher_samples,filtered_samples,rejected_samples", DAY))
     shutil.copytree(straight, killed)  # both start from the same day of data (and the same instance history)
 

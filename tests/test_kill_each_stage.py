@@ -10,12 +10,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
+from sandbox import make_sandbox, sandbox_env  # noqa: E402
 
 from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
 
@@ -26,17 +26,10 @@ STAGES = ["raw_documents", "teacher_samples", "filtered_samples"]  # ingest, tea
 
 def _materialize(root: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     if not (root / "landing").exists():
-        shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, root / "landing" / DAY)
-        (root / "home").mkdir(parents=True)
-        shutil.copy(REPO_ROOT / "dagster.yaml", root / "home" / "dagster.yaml")
-    env = {**os.environ, "DAGSTER_HOME": str(root / "home"), "NEXA_DATA_ROOT": str(root / "data"),
-           "NEXA_RESULTS_ROOT": str(root / "results"), "NEXA_LANDING_ROOT": str(root / "landing")}
-    env.pop("NEXA_FAULT_KILL_BEFORE_RENAME", None)
-    if fault:
-        env["NEXA_FAULT_KILL_BEFORE_RENAME"] = fault
+        make_sandbox(root, [DAY])
     return subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
-                           "--select", ASSETS, "--partition", DAY], env=env, cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600)
+                           "--select", ASSETS, "--partition", DAY], env=sandbox_env(root, fault), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
 
 
 def _output(root: Path, asset: str) -> Path:

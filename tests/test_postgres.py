@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from sandbox import sandbox_env
 from services import postgres_server
 
 from nexa_dagster.core.config import REPO_ROOT, load_scale
@@ -113,9 +114,7 @@ def test_twenty_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
         endpoint = {f"NEXA_{role}_{key}": value for role in ("TEACHER", "JUDGE")
                     for key, value in {"BACKEND": "openai", "URL": server.base_url, "MODEL": server.model_name,
                                        "API_KEY": "unused-by-transformers-serve"}.items()}
-        env = {**os.environ, **endpoint, "DAGSTER_HOME": str(home), "NEXA_DATA_ROOT": str(data),
-               "NEXA_RESULTS_ROOT": str(tmp_path / "results"), "NEXA_LANDING_ROOT": str(tmp_path / "landing"),
-               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        env = sandbox_env(tmp_path, **endpoint)
         cmd = [sys.executable, "-m", "dagster", "job", "backfill", "-w", "workspace.yaml", "-j", "daily_data_job",
                "--from", DAYS[0], "--to", DAYS[-1], "--noprompt"]
         proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

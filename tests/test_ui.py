@@ -18,6 +18,7 @@ from pathlib import Path  # noqa: E402
 
 import dagster as dg  # noqa: E402
 import pytest  # noqa: E402
+from sandbox import make_sandbox, sandbox_env  # noqa: E402
 from services import free_port, missing  # noqa: E402
 
 from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
@@ -41,15 +42,10 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
     browser_path = chromium()
     from playwright.sync_api import sync_playwright
 
-    home = tmp_path / "home"
-    home.mkdir()
     # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
     # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
-    (home / "dagster.yaml").write_text((REPO_ROOT / "dagster.yaml").read_text() + "nux:\n  enabled: false\n")
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, tmp_path / "landing" / DAY)
-    env = {**os.environ, "DAGSTER_HOME": str(home), "NEXA_DATA_ROOT": str(tmp_path / "data"),
-           "NEXA_RESULTS_ROOT": str(tmp_path / "results"), "NEXA_LANDING_ROOT": str(tmp_path / "landing"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
+    home, env = tmp_path / "home", sandbox_env(tmp_path)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dagster-dev.log", "wb") as log:
