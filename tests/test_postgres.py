@@ -6,7 +6,6 @@ Dagster itself, and every check reads back through Dagster and straight from the
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
-from sandbox import sandbox_env
+from sandbox import make_sandbox, sandbox_env
 from services import postgres_server
 
 from nexa_dagster.core.config import REPO_ROOT, load_scale
@@ -33,11 +32,9 @@ def pg() -> Iterator[dict[str, str]]:
 
 
 def _home(tmp_path: Path, pg: dict[str, str]) -> Path:
-    home = tmp_path / "home"
-    home.mkdir()
-    shutil.copy(REPO_ROOT / "configs" / "dagster" / "production.yaml", home / "dagster.yaml")
+    make_sandbox(tmp_path, settings=REPO_ROOT / "configs" / "dagster" / "production.yaml")
     os.environ["DAGSTER_PG_URL"] = pg["DAGSTER_PG_URL"]  # the instance config reads it from the environment
-    return home
+    return tmp_path / "home"
 
 
 def _psql(pg: dict[str, str], sql: str) -> str:

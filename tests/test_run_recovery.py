@@ -63,6 +63,7 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
+from sandbox import sandbox_env
 from services import postgres_server
 
 from nexa_dagster.core.config import REPO_ROOT
@@ -197,13 +198,10 @@ def production(pg: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     workspace = yaml.safe_load((REPO_ROOT / "configs" / "dagster" / "workspace.docker.yaml").read_text())
     workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=port)
     (home / "workspace.yaml").write_text(yaml.safe_dump(workspace))
-    env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_PG_URL": pg["DAGSTER_PG_URL"],
-           "NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results"),
-           "NEXA_LANDING_ROOT": str(root / "landing"), "NEXA_SCALE": "full",  # no cap on documents per day
-           # the daemon that launches retries looks for failed runs every 5 s by default
-           "DAGSTER_EVENT_LOG_CONSUMER_DAEMON_INTERVAL_SECONDS": "1",
-           "PATH": f"{BIN}:{os.environ['PATH']}"}
-    env.pop("NEXA_FAULT_KILL_BEFORE_RENAME", None)
+    env = sandbox_env(root, DAGSTER_PG_URL=pg["DAGSTER_PG_URL"],
+                      NEXA_SCALE="full",  # no cap on documents per day
+                      # the daemon that launches retries looks for failed runs every 5 s by default
+                      DAGSTER_EVENT_LOG_CONSUMER_DAEMON_INTERVAL_SECONDS="1")
 
     # the uninterrupted run to compare with: the same days, in one `dagster asset materialize` of their own
     (root / "reference-home").mkdir()
