@@ -72,7 +72,7 @@ def test_answers_are_stored_once_and_reused(served: ManagedServer, tmp_path: Pat
     docs = _documents(6)
     with OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client, \
             GenerationStore(tmp_path) as store:
-        prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.model_id, PARAMS, generations_per_prompt=2)
+        prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, PARAMS, generations_per_prompt=2)
         first, stats = generate_teacher_samples(client, prompts, PARAMS, store)
         assert (stats.requested, stats.reused, stats.generated, stats.failed) == (12, 0, 12, 0)
         assert first["sample_id"].is_unique and first["error"].isna().all()
@@ -85,12 +85,12 @@ def test_answers_are_stored_once_and_reused(served: ManagedServer, tmp_path: Pat
         pd.testing.assert_frame_equal(again, first)  # the stored answers, as they were
 
         # a third generation per prompt: only the new keys are asked for
-        more = build_prompts(docs, TEMPLATE, SYSTEM, client.model_id, PARAMS, generations_per_prompt=3)
+        more = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, PARAMS, generations_per_prompt=3)
         _, stats = generate_teacher_samples(client, more, PARAMS, store)
         assert (stats.reused, stats.generated) == (12, 6)
         # changed sampling settings or model: every key is new (checked on the keys, no request needed)
         hotter = SamplingParams(24, 1.0, 0.95, 7)
-        assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, client.model_id, hotter, 2)} & \
+        assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, client.identity, hotter, 2)} & \
             {p.sample_id for p in prompts}
         assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, "other-model", PARAMS, 2)} & \
             {p.sample_id for p in prompts}
@@ -110,7 +110,7 @@ def test_server_killed_mid_partition_and_restarted(tiny_model_dir: Path, tmp_pat
         # retries with backoff span well over a server restart (~10 s): 12 retries, 0.5 s doubling to 4 s
         client = OpenAICompatibleClient(server.base_url, server.model_name, max_concurrency=2, max_retries=12,
                                         backoff_s=0.5, max_backoff_s=4.0, timeout_s=60)
-        prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.model_id, SamplingParams(48, 0.8, 0.95, 3), 2)
+        prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, SamplingParams(48, 0.8, 0.95, 3), 2)
 
         def run() -> None:
             with GenerationStore(tmp_path / "store") as store:
@@ -217,7 +217,7 @@ def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, t
                             scale.teacher.seed)
     with OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client, \
             GenerationStore(tmp_path / "uninterrupted") as store:
-        prompts: list[PromptSpec] = build_prompts(docs, TEMPLATE, SYSTEM, client.model_id, params,
+        prompts: list[PromptSpec] = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, params,
                                                   scale.generations_per_prompt)
         clean, stats = generate_teacher_samples(client, prompts, params, store)
     assert stats.reused == 0 and sorted(clean["sample_id"]) == sorted(frame["sample_id"])
@@ -256,3 +256,44 @@ def test_a_garbage_judge_passes_nothing(served: ManagedServer) -> None:
     assert result.filtered.empty and len(result.rejected) == 2
     assert result.rejected["reason"].str.startswith("judge_error: no valid verdict after 2 attempts").all()
     assert result.judge_attempts == 4  # each verdict asked twice (retries: 1) before giving up
+
+
+def test_the_same_data_at_two_paths_gives_the_same_ids_and_dataset_and_a_moved_root_pays_nothing(
+        tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
+    """Issue 17.2: a sample's id hashes what the teacher is, not where its directory lies.
+
+    Two checkouts at different paths, each with its own copy of the same teacher, generate independently: the
+    same sample ids, and the packaged dataset has the same bytes. Moving a data root elsewhere keeps every stored
+    answer usable (0 generated).
+    """
+    from nexa_dagster.core.model_identity import model_fingerprint
+    from nexa_dagster.core.sft_dataset import build_sft_dataset
+    from nexa_dagster.resources.llm import LLMResource
+
+    docs = _documents(4)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+
+    def checkout(data_root: Path) -> tuple[pd.DataFrame, int, bytes]:
+        with LLMResource(backend="local", model=str(data_root / "models" / "tiny-teacher"),
+                         batch_size=4).get_client() as client, GenerationStore(data_root / "store") as store:
+            prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, params, generations_per_prompt=1)
+            frame, stats = generate_teacher_samples(client, prompts, params, store)
+        dataset, _ = build_sft_dataset(frame, tiny_tokenizer, str(data_root / "models" / "tiny-teacher"),
+                                       str(data_root / "sft"), pack_size=256, validation_fraction=0.25)
+        return frame, stats.generated, (Path(dataset.train_path).read_bytes()
+                                        + Path(dataset.validation_path).read_bytes())
+
+    roots = [tmp_path / "alice" / "nexa" / "data", tmp_path / "bob" / "checkouts" / "nexa-2" / "data"]
+    for root in roots:
+        shutil.copytree(tiny_model_dir, root / "models" / "tiny-teacher")
+    (a, generated_a, bytes_a), (b, generated_b, bytes_b) = checkout(roots[0]), checkout(roots[1])
+    assert generated_a == generated_b == 4
+    assert list(a["sample_id"]) == list(b["sample_id"])
+    assert (a["model"] == model_fingerprint(tiny_model_dir)).all()  # answers name the model, not a path
+    assert bytes_a == bytes_b and len(bytes_a) > 0
+
+    moved = tmp_path / "mounted" / "elsewhere" / "data"
+    shutil.move(roots[0], moved)
+    again, generated, bytes_moved = checkout(moved)
+    assert generated == 0  # every stored answer is reused: nothing paid for twice
+    assert list(again["sample_id"]) == list(a["sample_id"]) and bytes_moved == bytes_a

@@ -49,9 +49,10 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     store_dir = generation_store_dir(storage)
     with teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store:
         prompts = build_prompts(raw_documents, read_text("prompts/teacher.jinja"),
-                                read_text("prompts/teacher_system.txt").strip(), teacher.model_id, params,
+                                read_text("prompts/teacher_system.txt").strip(), teacher.identity, params,
                                 scale.generations_per_prompt)
-        context.log.info(f"{len(prompts)} teacher prompts for {teacher.model_id}; store {store_dir}")
+        context.log.info(f"{len(prompts)} teacher prompts for {teacher!r} (identity {teacher.identity}); "
+                         f"store {store_dir}")
         with progress_logger(context, "teacher answers") as progress:
             samples, stats = generate_teacher_samples(teacher, prompts, params, store,
                                                       batch_size=teacher_llm.batch_size, progress=progress)

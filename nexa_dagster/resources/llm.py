@@ -84,6 +84,7 @@ class LLMResource(dg.ConfigurableResource):
             return
         if not self.model:
             raise ValueError(f"LLMResource(backend={self.backend!r}) needs model (a local model directory)")
+        from nexa_dagster.core.model_identity import model_fingerprint
         from nexa_dagster.core.tiny_model import ensure_model
 
         path = ensure_model(resolve_path(self.model))
@@ -106,4 +107,6 @@ class LLMResource(dg.ConfigurableResource):
                         f"healthy after {server.ready_s:.1f} s")
             with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
                                         self.timeout_s, self.max_retries) as client:
+                # served under its directory's name, which says where it lies, not what it is
+                client.identity_override = model_fingerprint(path)
                 yield client

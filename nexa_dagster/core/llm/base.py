@@ -66,8 +66,19 @@ class LLMClient(abc.ABC):
     """A chat model reachable through the OpenAI-compatible API shape."""
 
     model_id: str
+    # set when the served name does not say what the model is (a managed server names it after its directory)
+    identity_override: str | None = None
     # how many requests the caller may usefully have in flight (HTTP clients: their semaphore; in-process: 1)
     max_concurrency: int = 1
+
+    @property
+    def identity(self) -> str:
+        """What the model is, never where it lies: the key of its answers (``core.distillation.sample_key``).
+
+        A served model's name, or the content fingerprint of a local directory (``core.model_identity``), so the
+        same model in another checkout or data root gives the same sample ids and finds its stored answers.
+        """
+        return self.identity_override or self.model_id
 
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...

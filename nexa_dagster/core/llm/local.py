@@ -21,6 +21,7 @@ from nexa_dagster.core.llm.base import (
     LLMError,
     SamplingParams,
 )
+from nexa_dagster.core.model_identity import model_fingerprint
 from nexa_dagster.core.tiny_model import ensure_model
 
 
@@ -38,7 +39,8 @@ class LocalTransformersClient(LLMClient):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         path = ensure_model(model_path)
-        self.model_id = str(path)
+        self.model_path = str(path)
+        self.model_id = model_fingerprint(path)  # what it is, not where it lies: answers carry this id
         self.batch_size = batch_size
         self.device = device
         try:
@@ -54,16 +56,16 @@ class LocalTransformersClient(LLMClient):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"LocalTransformersClient(model={self.model_id!r}, batch_size={self.batch_size}, device={self.device!r})"
+        return f"LocalTransformersClient(model={self.model_path!r}, batch_size={self.batch_size}, device={self.device!r})"
 
     def capabilities(self) -> Capabilities:
         return Capabilities(logprobs=True, json_schema=False, engine="transformers-local",
-                            extra={"model_path": self.model_id})
+                            extra={"model_path": self.model_path, "fingerprint": self.model_id})
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _model(self) -> Any:
         if self.model is None:
-            raise LLMError(f"{self.model_id}: client is closed")
+            raise LLMError(f"{self.model_path}: client is closed")
         return self.model
 
     def _render(self, messages: Sequence[ChatMessage]) -> str:
