@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test ui serve status rollback lint validate bench clean
+.PHONY: install run test ui serve status rollback lint validate bench clean home
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ $(VENV)/.installed: pyproject.toml
 $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp dagster.yaml $@
+
+# the Dagster home every `dagster` command needs (it refuses a DAGSTER_HOME that is not a directory)
+home: $(DAGSTER_HOME)/dagster.yaml
 
 run: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m nexa_dagster.demo

@@ -221,21 +221,49 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
     assert [r.run_key for r in fifth.run_requests] == ["evaluate-external-run"]
 
 
+def readme_block(heading: str) -> str:
+    """The first ```bash block under a README heading, as a user would copy it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index(heading):]
+    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
+
+
+def fresh_clone(dest: Path) -> Path:
+    """The repository's tracked files (as they are in the working tree) in ``dest``, with this venv as ``.venv``:
+    a clone with no ``.dagster_home``, ``data`` or ``results``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (REPO_ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, dest / name)
+    (dest / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    return dest
+
+
 def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
-    env = {**os.environ, **_env(tmp_path)}
-    Path(env["DAGSTER_HOME"]).mkdir()
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
-           "--select", "raw_documents,teacher_samples,filtered_samples,rejected_samples",
-           "--partition-range", f"{DAYS[0]}...{DAYS[1]}"]  # two of the days, in one run
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    """The README's backfill commands, as written, in a fresh clone (no Dagster home yet): a single run for the
+    date range, then a multi-run backfill queued for the daemon. The last command (training) is left out here:
+    `dagster job execute -j training_job` is run by test_gpu_pool_runs_one_training_at_a_time."""
+    clone = fresh_clone(tmp_path / "clone")
+    block = readme_block("## Backfills from the command line")
+    script = "\n".join(line for line in block.splitlines() if "-j training_job" not in line)
+    assert "dagster asset materialize" in script and "dagster job backfill" in script
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEXA_", "DAGSTER_"))}
+    env["PYTHONPATH"] = str(clone)  # the clone's package, not the one the venv was installed from
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, cwd=clone, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    instance = dg.DagsterInstance.from_config(str(clone / ".dagster_home"))
     try:
-        assert len(instance.get_run_records()) == 1  # a single run covered the whole range
+        single = instance.get_runs(dg.RunsFilter(tags={"dagster/asset_partition_range_start": DAYS[0]}))
+        assert len(single) == 1 and single[0].status == dg.DagsterRunStatus.SUCCESS  # one run, the whole range
         for key in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
-            assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS[:2]), key
-        for day in DAYS[:2]:
-            assert (Path(env["NEXA_DATA_ROOT"]) / "assets" / "teacher_samples" / f"{day}.parquet").exists()
+            assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS), key
+        for day in DAYS:
+            assert (clone / "data" / "assets" / "teacher_samples" / f"{day}.parquet").exists()
+        queued = instance.get_runs(dg.RunsFilter(job_name="daily_data_job"))  # the backfill: one run per day
+        assert sorted(r.tags["dagster/partition"] for r in queued) == DAYS
+        assert {r.status for r in queued} == {dg.DagsterRunStatus.QUEUED}
     finally:
         instance.dispose()
 
