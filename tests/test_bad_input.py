@@ -85,3 +85,33 @@ def test_empty_partition_fails_with_the_folder_named(tmp_path: Path, bad_day: st
     assert not result.success
     description = result.get_step_failure_events()[0].step_failure_data.user_failure_data.description
     assert f"partition {bad_day}: no documents landed" in description
+
+
+def test_quarantine_lets_the_day_through_and_lists_its_bad_lines(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from nexa_dagster.core.config import config_dir
+
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    pipeline = configs / "pipeline.yaml"
+    pipeline.write_text(pipeline.read_text().replace("on_error: raise", "on_error: quarantine"))
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
+    instance = dg.DagsterInstance.ephemeral()
+    _land(tmp_path, ["\ufeff" + json.dumps({"text": "first, after a byte-order mark"}), "{not json",
+                     json.dumps({"text": "fine"}), json.dumps({"text": ["a", "list"]})])
+    result = dg.materialize([raw_documents], partition_key=DAY, resources=_resources(tmp_path), instance=instance)
+    metadata = result.asset_materializations_for_node("raw_documents")[0].metadata
+    assert metadata["dagster/row_count"].value == 2 and metadata["quarantined_rows"].value == 2
+    quarantine = tmp_path / "data" / "quarantine" / "raw_documents" / f"{DAY}.jsonl"
+    assert metadata["quarantine_paths"].value == [str(quarantine)]
+    bad = [json.loads(line) for line in quarantine.read_text().splitlines()]
+    assert [(b["where"], b["reason"].split(" (")[0], b["raw"]) for b in bad] == [
+        (f"{DAY}/docs.jsonl:2", "malformed JSON", "{not json"),
+        (f"{DAY}/docs.jsonl:4", "field 'text' must be a string, got list", '{"text": ["a", "list"]}')]
+
+    _land(tmp_path, [json.dumps({"text": "all fixed"})])  # the day landed again, clean: no stale quarantine
+    result = dg.materialize([raw_documents], partition_key=DAY, resources=_resources(tmp_path), instance=instance)
+    assert result.asset_materializations_for_node("raw_documents")[0].metadata["quarantined_rows"].value == 0
+    assert not quarantine.exists()

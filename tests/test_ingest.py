@@ -101,3 +101,46 @@ def test_empty_partition_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "2026-02-02" / "empty.jsonl").write_text("\n")
     with pytest.raises(IngestError, match="no non-empty documents"):
         ingest_day(tmp_path / "2026-02-02", "2026-02-02", max_docs=None, max_chars=100)
+
+
+def test_a_byte_order_mark_and_crlf_are_accepted(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-09"
+    day.mkdir()
+    lines = [json.dumps({"title": "T", "text": "first"}), json.dumps({"text": "second"})]
+    (day / "windows.jsonl").write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    (day / "notes.txt").write_bytes(b"\xef\xbb\xbfthird\r\n")
+    docs = ingest_day(day, "2026-01-09", max_docs=None, max_chars=100)
+    assert docs["text"].tolist() == ["third", "first", "second"] and docs["title"].tolist() == ["notes", "T", ""]
+
+    from nexa_dagster.core.jsonl_formats import parse_line  # packaging's reader too
+
+    assert parse_line(b"\xef\xbb\xbf" + lines[0].encode() + b"\r\n", "windows.jsonl:1") == {"title": "T", "text": "first"}
+
+
+def test_a_json_error_reads_once_at_its_column(tmp_path: Path) -> None:
+    day = tmp_path / "2026-01-10"
+    day.mkdir()
+    (day / "tab.jsonl").write_bytes(b'{"text": "raw\ttab"}\n')  # a control character inside a string
+    with pytest.raises(IngestError) as raised:
+        ingest_day(day, "2026-01-10", max_docs=None, max_chars=100)
+    assert str(raised.value).endswith("tab.jsonl:1: malformed JSON (Invalid control character at column 14)")
+
+
+def test_quarantine_sets_bad_lines_aside_with_file_line_and_reason(tmp_path: Path) -> None:
+    from nexa_dagster.core.ingest import read_day
+
+    day = tmp_path / "2026-01-11"
+    day.mkdir()
+    (day / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join([
+        json.dumps({"text": "good one"}).encode(), b'{"text": broken}', b'["a list"]', b'{"text": 42}',
+        b'{"text": "caf\xe9"}', json.dumps({"text": "good two"}).encode()]) + b"\n")
+    (day / "b.parquet").write_bytes(b"PAR1 not really")
+    got = read_day(day, "2026-01-11", max_docs=None, max_chars=100, on_error="quarantine")
+    assert got.documents["text"].tolist() == ["good one", "good two"]
+    assert [(b.where, b.reason.split(" (")[0]) for b in got.quarantined] == [
+        ("2026-01-11/a.jsonl:2", "malformed JSON"), ("2026-01-11/a.jsonl:3", "expected a JSON object, got list"),
+        ("2026-01-11/a.jsonl:4", "field 'text' must be a string, got int"),
+        ("2026-01-11/a.jsonl:5", "not valid UTF-8"), ("2026-01-11/b.parquet", "unreadable Parquet")]
+    assert got.quarantined[0].raw == '{"text": broken}'
+    with pytest.raises(IngestError, match=r"a\.jsonl:2: malformed JSON"):  # raise stays the default
+        read_day(day, "2026-01-11", max_docs=None, max_chars=100)

@@ -2,7 +2,9 @@
 
 A day's landing folder may hold JSONL, Parquet, plain-text/Markdown files and Hugging Face ``datasets``
 directories (``save_to_disk``). Bad input stops the stage with an ``IngestError`` that names the file, the line or
-row and the field, because a silently skipped shard is data lost without anyone knowing.
+row and the field, because a silently skipped shard is data lost without anyone knowing; with ``on_error:
+quarantine`` (``configs/pipeline.yaml``, as packaging has) bad lines are set aside with file:line and reason into a
+quarantine file the stage's metadata points to, and counted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from nexa_dagster.core.jsonl_formats import BOM, OnError, json_error_reason
+
 RAW_DOCUMENT_COLUMNS = ["doc_id", "day", "source", "title", "text", "n_chars"]
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _SPACES = re.compile(r"[ \t\u00a0]+")
@@ -25,7 +29,11 @@ _BLANK_LINES = re.compile(r"\n{3,}")
 
 
 class IngestError(ValueError):
-    """Bad input: the message names the file and the line, row or field at fault."""
+    """Bad input: the message names the file and the line, row or field at fault (``where``) and ``reason``."""
+
+    def __init__(self, where: str, reason: str, raw: str = "") -> None:
+        self.where, self.reason, self.raw = where, reason, raw
+        super().__init__(f"{where}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,18 @@ class RawDocument:
     source: str  # file path plus the line/row, e.g. "day/docs.jsonl:12"
     title: str
     text: str
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A line, row or whole file set aside (``on_error: quarantine``): where it was, why, what it held."""
+
+    where: str
+    reason: str
+    raw: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"where": self.where, "reason": self.reason, "raw": self.raw[:2000]}
 
 
 def normalise_text(text: str) -> str:
@@ -53,42 +73,61 @@ def _pick(record: dict[str, Any], candidates: Sequence[str], where: str, require
         if name in record and record[name] is not None:
             value = record[name]
             if not isinstance(value, str):
-                raise IngestError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({value!r:.60})")
+                raise IngestError(where, f"field {name!r} must be a string, got {type(value).__name__} ({value!r:.60})")
             return value
     if required:
-        raise IngestError(f"{where}: no text field (looked for {', '.join(candidates)}); fields are {sorted(record)}")
+        raise IngestError(where, f"no text field (looked for {', '.join(candidates)}); fields are {sorted(record)}")
     return None
 
 
-def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
+def _parse_jsonl_line(raw: bytes, where: str, text_fields: Sequence[str],
+                      title_fields: Sequence[str]) -> RawDocument | None:
     try:
-        return raw.decode("utf-8")
+        line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise IngestError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})") from None
+        raise IngestError(where, f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})") from None
+    line = line.removeprefix(BOM).strip()  # a byte-order mark (Windows editors write one) and CRLF are accepted
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise IngestError(where, f"malformed JSON ({json_error_reason(e)})") from None
+    if not isinstance(record, dict):
+        raise IngestError(where, f"expected a JSON object, got {type(record).__name__}")
+    return RawDocument(where, _pick(record, title_fields, where, False) or "",
+                       _pick(record, text_fields, where, True) or "")
 
 
-def read_jsonl(path: Path, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
+def read_jsonl(path: Path, text_fields: Sequence[str], title_fields: Sequence[str],
+               on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            line = _decode_line(raw, path, lineno).strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise IngestError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise IngestError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             where = f"{path}:{lineno}"
-            yield RawDocument(where, _pick(record, title_fields, where, False) or "", _pick(record, text_fields, where, True) or "")
+            try:
+                doc = _parse_jsonl_line(raw, where, text_fields, title_fields)
+            except IngestError as e:
+                if on_error == "raise":
+                    raise
+                yield BadInput(e.where, e.reason, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                continue
+            if doc is not None:
+                yield doc
 
 
-def read_table(frame: pd.DataFrame, label: str, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
+def read_table(frame: pd.DataFrame, label: str, text_fields: Sequence[str], title_fields: Sequence[str],
+               on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
     if not any(c in frame.columns for c in text_fields):
-        raise IngestError(f"{label}: no text column (looked for {', '.join(text_fields)}); columns are {list(frame.columns)}")
+        raise IngestError(label, f"no text column (looked for {', '.join(text_fields)}); columns are {list(frame.columns)}")
     for i, record in enumerate(frame.to_dict(orient="records")):
         where = f"{label} row {i}"
-        yield RawDocument(where, _pick(record, title_fields, where, False) or "", _pick(record, text_fields, where, True) or "")
+        try:
+            yield RawDocument(where, _pick(record, title_fields, where, False) or "",
+                              _pick(record, text_fields, where, True) or "")
+        except IngestError as e:
+            if on_error == "raise":
+                raise
+            yield BadInput(e.where, e.reason, json.dumps(record, ensure_ascii=False, default=str))
 
 
 def read_text_file(path: Path) -> RawDocument:
@@ -97,41 +136,58 @@ def read_text_file(path: Path) -> RawDocument:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise IngestError(f"{path}:{line}: not valid UTF-8 (byte offset {e.start}: {raw[e.start:e.start + 4]!r})") from None
-    return RawDocument(str(path), path.stem, text)
+        raise IngestError(f"{path}:{line}", f"not valid UTF-8 (byte offset {e.start}: {raw[e.start:e.start + 4]!r})") from None
+    return RawDocument(str(path), path.stem, text.removeprefix(BOM))
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
-def iter_landing(day_dir: Path, text_fields: Sequence[str], title_fields: Sequence[str]) -> Iterator[RawDocument]:
-    """Every document in a day's landing folder, in a deterministic order (sorted paths)."""
+def _read_file(path: Path, text_fields: Sequence[str], title_fields: Sequence[str],
+               on_error: OnError) -> Iterator[RawDocument | BadInput]:
+    if path.is_dir():
+        if not is_hf_dataset_dir(path):
+            raise IngestError(str(path), "a folder that is not a Hugging Face dataset saved with save_to_disk")
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(path))
+        splits = ds.items() if hasattr(ds, "keys") else [("", ds)]
+        for split, part in splits:
+            label = f"{path}[{split}]" if split else str(path)
+            yield from read_table(part.to_pandas(), label, text_fields, title_fields, on_error)
+    elif path.suffix == ".jsonl":
+        yield from read_jsonl(path, text_fields, title_fields, on_error)
+    elif path.suffix == ".parquet":
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            raise IngestError(str(path), f"unreadable Parquet ({e})") from e
+        yield from read_table(frame, str(path), text_fields, title_fields, on_error)
+    elif path.suffix in (".txt", ".md"):
+        yield read_text_file(path)
+    else:
+        raise IngestError(str(path), f"unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md "
+                                     "or a datasets folder)")
+
+
+def iter_landing(day_dir: Path, text_fields: Sequence[str], title_fields: Sequence[str],
+                 on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
+    """Every document in a day's landing folder, in a deterministic order (sorted paths).
+
+    ``on_error="quarantine"`` yields a bad line or row as a ``BadInput`` and goes on; a file that cannot be read
+    at all (corrupt Parquet, unsupported type) is set aside whole, with its path as ``where``.
+    """
     for path in sorted(day_dir.iterdir()):
         if path.name.startswith("."):
             continue
-        if path.is_dir():
-            if not is_hf_dataset_dir(path):
-                raise IngestError(f"{path}: a folder that is not a Hugging Face dataset saved with save_to_disk")
-            from datasets import load_from_disk
-
-            ds = load_from_disk(str(path))
-            splits = ds.items() if hasattr(ds, "keys") else [("", ds)]
-            for split, part in splits:
-                label = f"{path}[{split}]" if split else str(path)
-                yield from read_table(part.to_pandas(), label, text_fields, title_fields)
-        elif path.suffix == ".jsonl":
-            yield from read_jsonl(path, text_fields, title_fields)
-        elif path.suffix == ".parquet":
-            try:
-                frame = pd.read_parquet(path)
-            except Exception as e:  # pyarrow raises several types for a corrupt file
-                raise IngestError(f"{path}: unreadable Parquet ({e})") from e
-            yield from read_table(frame, str(path), text_fields, title_fields)
-        elif path.suffix in (".txt", ".md"):
-            yield read_text_file(path)
-        else:
-            raise IngestError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md or a datasets folder)")
+        try:
+            # a file fails as a whole before its first document, or line by line after (read_* handle those)
+            yield from _read_file(path, text_fields, title_fields, on_error)
+        except IngestError as e:
+            if on_error == "raise":
+                raise
+            yield BadInput(e.where, e.reason, "")
 
 
 def has_landed(day_dir: Path) -> bool:
@@ -147,20 +203,31 @@ def landed_days(landing_root: Path) -> list[str]:
                   and has_landed(p))
 
 
-def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
-               text_fields: Sequence[str] = ("text", "content", "body"),
-               title_fields: Sequence[str] = ("title", "name", "topic")) -> pd.DataFrame:
+@dataclass(frozen=True)
+class IngestedDay:
+    documents: pd.DataFrame  # the raw_documents rows of the day
+    quarantined: list[BadInput]  # lines, rows or files set aside (empty unless on_error="quarantine")
+
+
+def read_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
+             text_fields: Sequence[str] = ("text", "content", "body"),
+             title_fields: Sequence[str] = ("title", "name", "topic"), on_error: OnError = "raise") -> IngestedDay:
     """Read, normalise and de-duplicate one day's documents into the ``raw_documents`` table.
 
     Documents are cut to ``max_chars`` at a paragraph boundary where possible, empty ones are dropped, and
-    duplicates (same content id) are kept once. ``max_docs`` caps the day for scale presets.
+    duplicates (same content id) are kept once. ``max_docs`` caps the day for scale presets. Bad input raises an
+    ``IngestError`` naming file and line (``on_error="raise"``) or is set aside in ``quarantined``.
     """
     if not has_landed(day_dir):
-        raise IngestError(f"partition {day}: no documents landed in {day_dir} (missing or empty folder)")
+        raise IngestError(f"partition {day}", f"no documents landed in {day_dir} (missing or empty folder)")
     rows: list[dict[str, Any]] = []
+    bad: list[BadInput] = []
     seen: set[str] = set()
     root = day_dir.parent
-    for doc in iter_landing(day_dir, text_fields, title_fields):
+    for doc in iter_landing(day_dir, text_fields, title_fields, on_error):
+        if isinstance(doc, BadInput):
+            bad.append(BadInput(doc.where.replace(str(root) + "/", ""), doc.reason, doc.raw))
+            continue
         text = _cut(normalise_text(doc.text), max_chars)
         if not text:
             continue
@@ -174,8 +241,17 @@ def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
         if max_docs is not None and len(rows) >= max_docs:
             break
     if not rows:
-        raise IngestError(f"partition {day}: {day_dir} holds files but no non-empty documents")
-    return pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS)
+        set_aside = f" ({len(bad)} bad lines/files set aside, first: {bad[0].where}: {bad[0].reason})" if bad else ""
+        raise IngestError(f"partition {day}", f"{day_dir} holds files but no non-empty documents{set_aside}")
+    return IngestedDay(pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS), bad)
+
+
+def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
+               text_fields: Sequence[str] = ("text", "content", "body"),
+               title_fields: Sequence[str] = ("title", "name", "topic")) -> pd.DataFrame:
+    """``read_day`` with bad input raising: the day's ``raw_documents`` table."""
+    return read_day(day_dir, day, max_docs=max_docs, max_chars=max_chars, text_fields=text_fields,
+                    title_fields=title_fields).documents
 
 
 def _cut(text: str, max_chars: int) -> str:

@@ -21,6 +21,13 @@ from typing import Any, Literal
 Record = dict[str, Any]
 Transform = Callable[[Record], Record]
 OnError = Literal["raise", "quarantine"]
+BOM = "\ufeff"  # a UTF-8 byte-order mark, which Windows editors put at the start of a file
+
+
+def json_error_reason(e: json.JSONDecodeError) -> str:
+    """``json``'s message with the column (of one JSONL line); some messages already end in "at" ("Invalid control
+    character at"), which read "at at" with the column appended."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant"}
@@ -221,12 +228,13 @@ def parse_line(raw: bytes, where: str) -> Record:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RecordError(f"not UTF-8 ({e.reason} at byte {e.start})", where) from None
+    text = text.removeprefix(BOM)  # a byte-order mark opening the file is not part of the record
     if not text.strip():
         raise RecordError("empty row", where)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise RecordError(f"invalid JSON ({e.msg} at column {e.colno})", where) from None
+        raise RecordError(f"invalid JSON ({json_error_reason(e)})", where) from None
     if not isinstance(value, dict):
         raise RecordError(f"a row must be a JSON object, got {type(value).__name__}", where)
     return value
