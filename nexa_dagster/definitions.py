@@ -18,7 +18,8 @@ import os
 import dagster as dg
 
 from nexa_dagster.assets import distillation, evaluation, filtering, ingest, packaging, serving, training
-from nexa_dagster.core.config import load_pipeline_config
+from nexa_dagster.core.config import ConfigError, config_dir, explain, load_pipeline_config
+from nexa_dagster.core.config_check import check_configs
 from nexa_dagster.jobs import JOBS, SCHEDULES
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import NexaIOManager
@@ -38,6 +39,22 @@ def llm_resource(role: str, default_model: str) -> LLMResource:
     return LLMResource(backend=backend, model=os.environ.get(prefix + "MODEL", default_model))
 
 
+def gpu_cluster_resource(settings: dict[str, object]) -> GPUClusterResource:
+    """``gpu_cluster`` of pipeline.yaml (with the environment's overrides), every key checked against the resource:
+    a misspelt ``acelerator: cuda`` must fail here, not train on the CPU without a word."""
+    from pydantic import ValidationError
+
+    where = f"{config_dir() / 'pipeline.yaml'}: gpu_cluster"
+    known = sorted(GPUClusterResource.model_fields)
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key (a typo?); known keys: {', '.join(known)}")
+    try:
+        return GPUClusterResource(**settings)
+    except ValidationError as e:
+        raise ConfigError("\n".join(f"{where}.{problem}" for problem in explain(e, GPUClusterResource))) from None
+
+
 def build_resources() -> dict[str, object]:
     """Resources from configs/pipeline.yaml, overridden by environment variables."""
     cfg = load_pipeline_config()
@@ -50,11 +67,10 @@ def build_resources() -> dict[str, object]:
         "storage": storage,
         "teacher_llm": llm_resource("teacher", storage.model_path(cfg["models"]["teacher"])),
         "judge_llm": llm_resource("judge", storage.model_path(cfg["models"]["judge"])),
-        "gpu_cluster": GPUClusterResource(**{
-            **cfg.get("gpu_cluster", {}),
-            "backend": os.environ.get("NEXA_CLUSTER_BACKEND", cfg.get("gpu_cluster", {}).get("backend", "local")),
-            "accelerator": os.environ.get("NEXA_ACCELERATOR",
-                                          cfg.get("gpu_cluster", {}).get("accelerator", "cpu"))}),
+        "gpu_cluster": gpu_cluster_resource({
+            **cfg["gpu_cluster"],
+            "backend": os.environ.get("NEXA_CLUSTER_BACKEND", cfg["gpu_cluster"].get("backend", "local")),
+            "accelerator": os.environ.get("NEXA_ACCELERATOR", cfg["gpu_cluster"].get("accelerator", "cpu"))}),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
     }
 
@@ -62,7 +78,12 @@ def build_resources() -> dict[str, object]:
 ASSET_MODULES = [ingest, distillation, filtering, packaging, training, evaluation, serving]
 
 def build_defs() -> dg.Definitions:
-    """The code location; tests call this after pointing the environment at a temporary data root."""
+    """The code location; tests call this after pointing the environment at a temporary data root.
+
+    Every file under ``configs/`` is checked first: a bad key fails the load (``make validate``, the UI) naming
+    the file and the key, not a run hours later.
+    """
+    check_configs(extra=[build_resources])
     return dg.Definitions(
         assets=dg.load_assets_from_modules(ASSET_MODULES),
         asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),

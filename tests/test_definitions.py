@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import dagster as dg
+import pytest
 
 from nexa_dagster.core.config import REPO_ROOT
 
@@ -46,3 +47,59 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
         policy = node.assets_def.op.retry_policy
         assert policy is not None and policy.max_retries >= 1, key
     assert graph.get(dg.AssetKey("moe_checkpoint")).assets_def.op.pool == "gpu"
+
+
+# -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------
+CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error must say)
+    "gpu_cluster accelerator": ("pipeline.yaml", "  accelerator: cpu", "  acelerator: cuda",
+                                "pipeline.yaml: gpu_cluster.acelerator: unknown key"),
+    "pipeline top-level key": ("pipeline.yaml", "partitions_start_date:", "partition_start_date:",
+                               "pipeline.yaml: partition_start_date: unknown key"),
+    "pipeline missing key": ("pipeline.yaml", "  teacher: tiny-teacher\n", "",
+                             "pipeline.yaml: models.teacher: missing"),
+    "scale preset key": ("scales/full.yaml", "  max_steps:", "  max_step:",
+                         "scales/full.yaml: training.max_step: unknown key"),
+    "scale preset reference": ("scales/small.yaml", "model_preset: nexa-moe-mini", "model_preset: nexa-moe-mnii",
+                               "scales/small.yaml: model_preset: 'nexa-moe-mnii' names no file"),
+    "model preset": ("models/nexa-ultramax.yaml", "num_local_experts:", "num_local_expert:",
+                     "models/nexa-ultramax.yaml: num_local_expert: unknown key"),
+    "promotion": ("promotion.yaml", "margin:", "margn:", "promotion.yaml: margn: unknown key"),
+    "filters": ("filters.production.yaml", "  min_score:", "  min_scor:",
+                "filters.production.yaml: judge.min_scor: unknown key"),
+    "packaging": ("packaging.yaml", "on_error: raise", "on_error: skip", "packaging.yaml: on_error: Input should be"),
+    "blend": ("blends/rl.yaml", "sources:", "source:", "blends/rl.yaml: source: unknown key"),
+}
+
+
+def _configs_with(tmp_path, relative: str, old: str, new: str):
+    import shutil
+
+    from nexa_dagster.core.config import config_dir
+
+    configs = shutil.copytree(config_dir(), tmp_path / "configs")
+    text = (configs / relative).read_text()
+    assert old in text, f"{relative} no longer has {old!r}: update the test"
+    (configs / relative).write_text(text.replace(old, new, 1))
+    return configs
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_TYPOS))
+def test_a_config_typo_fails_the_load_naming_the_file_and_key(case: str, tmp_path, monkeypatch) -> None:
+    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.definitions import build_defs
+
+    relative, old, new, expected = CONFIG_TYPOS[case]
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(_configs_with(tmp_path, relative, old, new)))
+    with pytest.raises(ConfigError) as raised:
+        build_defs()
+    assert f"{tmp_path}/configs/{expected}" in str(raised.value)
+
+
+def test_dagster_definitions_validate_fails_on_a_typo_in_an_unselected_scale(tmp_path) -> None:
+    """`make validate` used to pass a typo in any scale but the one NEXA_SCALE selects (tiny)."""
+    configs = _configs_with(tmp_path, "scales/full.yaml", "  learning_rate:", "  lerning_rate:")
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "NEXA_CONFIG_DIR": str(configs), "NEXA_SCALE": "tiny"}
+    proc = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"{configs}/scales/full.yaml: training.lerning_rate: unknown key" in proc.stderr + proc.stdout

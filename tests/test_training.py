@@ -237,7 +237,7 @@ def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_d
         description = _failure_description(job.model_copy(update={"model_preset": "typo"}), tmp_path)
     finally:
         del os.environ["NEXA_CONFIG_DIR"]
-    assert "unknown fields ['hiden_size']" in description
+    assert "models/typo.yaml: hiden_size: unknown key" in description
 
 
 # -- exact resume and the stall watchdog ------------------------------------------------------------------------

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nexa_dagster.core.config import config_dir, resolve_path
+from nexa_dagster.core.config import config_dir, invalid_file, resolve_path
 from nexa_dagster.core.jsonl_formats import build_transform
 
 ASSET_PREFIX = "asset:"
@@ -88,8 +88,8 @@ class DataBlend(BaseModel):
             raise FileNotFoundError(f"blend file not found: {p}") from None
         try:
             return cls.model_validate(data)
-        except ValueError as e:
-            raise ValueError(f"blend {p}: {e}") from None
+        except ValidationError as e:
+            raise invalid_file(p, e, cls) from None
 
     def fingerprint(self) -> str:
         """A hash of what the blend says (not of its formatting or comments)."""
@@ -135,6 +135,6 @@ class PackagingConfig(BaseModel):
 
 
 def load_packaging_config(name: str = "packaging.yaml") -> PackagingConfig:
-    from nexa_dagster.core.config import load_yaml
+    from nexa_dagster.core.config import load_yaml, validated
 
-    return PackagingConfig.model_validate(load_yaml(name) or {})
+    return validated(PackagingConfig, name, load_yaml(name))

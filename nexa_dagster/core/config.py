@@ -7,14 +7,15 @@ laptop and the full run on a cluster.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +45,59 @@ def read_text(relative: str) -> str:
     return (config_dir() / relative).read_text(encoding="utf-8")
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration file that does not say what the code needs; the message names the file and the key."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
+    """The keys the model accepts at ``loc`` (the parent of an unknown key), when it is a model's."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        sub = getattr(field, "annotation", None) if field else None
+        candidates = [sub, *getattr(sub, "__args__", ())]
+        nested = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nested is None:
+            return None
+        model = nested
+    return sorted(model.model_fields)
+
+
+def explain(error: ValidationError, model: type[BaseModel]) -> list[str]:
+    """Pydantic's errors as ``key.path: what is wrong``, unknown keys first (with the known ones)."""
+    problems = []
+    for err in sorted(error.errors(), key=lambda err: err["type"] != "extra_forbidden"):
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(the whole file)"
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(model, loc[:-1])
+            problems.append(f"{key}: unknown key (a typo?)" + (f"; known keys: {', '.join(known)}" if known else ""))
+        elif err["type"] == "missing":
+            problems.append(f"{key}: missing (required)")
+        else:
+            problems.append(f"{key}: {err['msg']} (got {err.get('input')!r:.80})")
+    return problems
+
+
+def invalid_file(path: str | os.PathLike[str], error: ValidationError, model: type[BaseModel]) -> ConfigError:
+    """One line per problem, each naming the file and the key."""
+    return ConfigError("\n".join(f"{path}: {problem}" for problem in explain(error, model)))
+
+
+def validated(model: type[M], relative: str, data: Any) -> M:
+    """``data`` read from ``configs/<relative>`` as a ``model``, or a ``ConfigError`` naming the file and key."""
+    try:
+        return model.model_validate({} if data is None else data)
+    except ValidationError as e:
+        raise invalid_file(config_dir() / relative, e, model) from None
 
 
 class TeacherSampling(_Strict):
@@ -107,14 +159,51 @@ def scale_name() -> str:
     return os.environ.get("NEXA_SCALE", "tiny")
 
 
-@lru_cache(maxsize=8)
 def load_scale(name: str | None = None) -> ScalePreset:
-    name = name or scale_name()
-    return ScalePreset.model_validate(load_yaml(f"scales/{name}.yaml"))
+    """The scale preset ``name`` (default ``NEXA_SCALE``), read once per configuration directory."""
+    return _load_scale(str(config_dir()), name or scale_name())
+
+
+@lru_cache(maxsize=16)
+def _load_scale(directory: str, name: str) -> ScalePreset:
+    # keyed by the directory too: a process that moves NEXA_CONFIG_DIR (the tests) must not get another's preset
+    return validated(ScalePreset, f"scales/{name}.yaml", load_yaml(f"scales/{name}.yaml"))
+
+
+class ModelPreset(_Strict):
+    """``configs/models/<name>.yaml``: a Mixtral-architecture model's shape (the vocabulary comes from the tokenizer).
+
+    Only keys listed here are accepted: ``transformers`` keeps unknown config keys silently, so a typo would train
+    a different model than the one asked for.
+    """
+
+    architecture: Literal["MixtralForCausalLM"] = "MixtralForCausalLM"
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    num_local_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    vocab_size: int | None = Field(default=None, gt=0, description="informational: the tokenizer decides")
+    rope_theta: float = Field(default=1e6, gt=0)
+    router_aux_loss_coef: float = Field(default=0.001, ge=0)
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    hidden_act: str | None = None
+    initializer_range: float | None = Field(default=None, gt=0)
+    sliding_window: int | None = Field(default=None, gt=0)
+    attention_dropout: float | None = Field(default=None, ge=0, le=1)
+    router_jitter_noise: float | None = Field(default=None, ge=0)
 
 
 def load_model_preset(name: str) -> dict[str, Any]:
-    return dict(load_yaml(f"models/{name}.yaml"))
+    """The preset's keys as written in its file (checked against ``ModelPreset``)."""
+    relative = f"models/{name}.yaml"
+    data = load_yaml(relative)
+    return validated(ModelPreset, relative, data).model_dump(exclude_unset=True)
 
 
 def load_deepspeed_config(name: str) -> dict[str, Any]:
@@ -123,5 +212,40 @@ def load_deepspeed_config(name: str) -> dict[str, Any]:
         return json.load(f)
 
 
+class IngestConfig(_Strict):
+    landing_root: str = Field(min_length=1, description="<landing_root>/<YYYY-MM-DD>/ holds a day's documents")
+    text_field_candidates: list[str] = Field(default=["text", "content", "body"], min_length=1)
+    title_field_candidates: list[str] = Field(default=["title", "name", "topic"])
+    on_error: Literal["raise", "quarantine"] = "raise"
+
+
+class ModelsConfig(_Strict):
+    teacher: str = Field(min_length=1)
+    judge: str = Field(min_length=1)
+    student_tokenizer: str = Field(min_length=1)
+
+
+class ScheduleConfig(_Strict):
+    nightly_retrain_hour_utc: int = Field(default=2, ge=0, le=23)
+
+
+class PipelineConfig(_Strict):
+    """``configs/pipeline.yaml``. ``gpu_cluster`` holds ``GPUClusterResource`` fields, checked against that
+    resource where it is built (``definitions.build_resources``), so the list of its keys lives in one place."""
+
+    data_root: str = Field(min_length=1)
+    partitions_start_date: dt.date
+    ingest: IngestConfig
+    models: ModelsConfig
+    gpu_cluster: dict[str, Any] = Field(default_factory=dict)
+    schedule: ScheduleConfig = ScheduleConfig()
+
+
+def pipeline_config() -> PipelineConfig:
+    """``configs/pipeline.yaml``, validated: an unknown or missing key fails naming the file and the key."""
+    return validated(PipelineConfig, "pipeline.yaml", load_yaml("pipeline.yaml"))
+
+
 def load_pipeline_config() -> dict[str, Any]:
-    return dict(load_yaml("pipeline.yaml"))
+    """``pipeline_config()`` as plain data (defaults filled in, dates as ISO strings)."""
+    return pipeline_config().model_dump(mode="json")

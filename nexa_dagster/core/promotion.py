@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster.core import storage
-from nexa_dagster.core.config import load_yaml
+from nexa_dagster.core.config import load_yaml, validated
 
 
 class PromotionPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt `margin` must not silently promote at margin 0
+
     metric: str = "validation_loss"
     lower_is_better: bool = True
     margin: float = Field(default=0.0, ge=0)
@@ -26,7 +28,7 @@ class PromotionPolicy(BaseModel):
 
 
 def load_policy() -> PromotionPolicy:
-    return PromotionPolicy.model_validate(load_yaml("promotion.yaml"))
+    return validated(PromotionPolicy, "promotion.yaml", load_yaml("promotion.yaml"))
 
 
 class ProductionEntry(BaseModel):

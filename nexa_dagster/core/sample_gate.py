@@ -20,7 +20,7 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nexa_dagster.core.config import load_yaml
+from nexa_dagster.core.config import load_yaml, validated
 from nexa_dagster.core.dedup import DedupIndex, DedupSettings, load_history, save_partition
 from nexa_dagster.core.judge import SCORE_CHOICES, Judge, Verdict, judge_one
 from nexa_dagster.core.llm.base import LLMClient
@@ -79,12 +79,7 @@ class GateConfig(_Strict):
 
 
 def load_gate_config(name: str = "filters.yaml") -> GateConfig:
-    from pydantic import ValidationError
-
-    try:
-        return GateConfig.model_validate(load_yaml(name))
-    except ValidationError as e:
-        raise ValueError(f"configs/{name}: {e}") from e
+    return validated(GateConfig, name, load_yaml(name))
 
 
 # -- heuristics ----------------------------------------------------------------------------------------------------
