@@ -1,0 +1,171 @@
+"""Paired comparison of two models on the same examples: the statistics behind the promotion gate.
+
+Two models measured on the *same* eval set differ example by example; pairing removes the variance of the examples
+themselves (a hard question is hard for both), so a small eval set can still tell a real improvement from noise.
+
+* ``paired_loss_difference``: per-example summed NLL and token counts of both models on the same examples; the
+  statistic is the difference of their token-weighted mean losses (what training optimises), with a percentile
+  bootstrap interval that resamples *examples* (both models' values move together).
+* ``order_consistent_win_rate``: the judge compares the two answers twice, once in each order; only verdicts that
+  agree across the orders count (a judge that always picks "A" contributes nothing), and the win rate among them
+  gets a Wilson score interval.
+
+Dagster-free and model-free (``bench/learning.py`` reuses it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Verdict = Literal["candidate", "production"] | None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+    confidence: float
+
+    def excludes(self, value: float) -> bool:
+        return not (self.low <= value <= self.high)
+
+
+@dataclass(frozen=True)
+class PairedLoss:
+    """Both models' mean loss on the same examples and the difference candidate - production with its interval."""
+
+    candidate: float
+    production: float
+    difference: Interval
+    examples: int
+    tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "difference": asdict(self.difference)}
+
+
+def mean_loss(nll_sums: Sequence[float], tokens: Sequence[int]) -> float:
+    """Token-weighted mean NLL over examples (sum of NLL over sum of tokens)."""
+    total = float(np.sum(tokens))
+    if total <= 0:
+        raise ValueError("no scored tokens")
+    return float(np.sum(nll_sums)) / total
+
+
+def bootstrap_mean_loss(nll_sums: Sequence[float], tokens: Sequence[int], confidence: float = 0.95,
+                        resamples: int = 2000, seed: int = 0) -> Interval:
+    """One model's token-weighted mean loss with a percentile bootstrap interval over examples."""
+    nll, tok = _arrays(nll_sums, tokens)
+    idx = _resample_indices(len(nll), resamples, seed)
+    stats = nll[idx].sum(axis=1) / tok[idx].sum(axis=1)
+    return _percentile_interval(mean_loss(nll, tok), stats, confidence)
+
+
+def paired_loss_difference(candidate_nll: Sequence[float], production_nll: Sequence[float],
+                           tokens: Sequence[int], confidence: float = 0.95, resamples: int = 2000,
+                           seed: int = 0) -> PairedLoss:
+    """Difference of the two models' token-weighted mean losses on the same examples (negative: the candidate is
+    better), with a percentile bootstrap interval that resamples examples, keeping each example's pair together.
+
+    ``candidate_nll[i]`` and ``production_nll[i]`` are the summed NLL of example ``i``'s ``tokens[i]`` scored
+    tokens under each model (both models see the same tokens: the eval set is tokenized once).
+    """
+    if len(candidate_nll) != len(production_nll):
+        raise ValueError(f"paired comparison needs the same examples: {len(candidate_nll)} candidate vs "
+                         f"{len(production_nll)} production values")
+    cand, tok = _arrays(candidate_nll, tokens)
+    prod, _ = _arrays(production_nll, tokens)
+    idx = _resample_indices(len(cand), resamples, seed)
+    tok_b = tok[idx].sum(axis=1)
+    diffs = (cand[idx].sum(axis=1) - prod[idx].sum(axis=1)) / tok_b
+    c, p = mean_loss(cand, tok), mean_loss(prod, tok)
+    return PairedLoss(c, p, _percentile_interval(c - p, diffs, confidence), len(cand), int(tok.sum()))
+
+
+@dataclass(frozen=True)
+class WinRate:
+    """The judge's preference for the candidate among order-consistent verdicts, with a Wilson interval."""
+
+    wins: int
+    losses: int
+    inconsistent: int  # the verdict flipped with the answer order (position bias) or was unreadable
+    rate: Interval
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rate": asdict(self.rate)}
+
+
+def order_consistent_win_rate(candidate_first: Sequence[Verdict], production_first: Sequence[Verdict],
+                              confidence: float = 0.95) -> WinRate:
+    """Win rate of the candidate over the prompts whose two verdicts (candidate shown first, production shown
+    first) name the same winner. Each element names the preferred model, or ``None`` for no usable verdict.
+
+    With no consistent verdict at all the rate is 0.5 with the interval [0, 1]: nothing is known.
+    """
+    if len(candidate_first) != len(production_first):
+        raise ValueError(f"both answer orders must be judged on the same prompts: {len(candidate_first)} vs "
+                         f"{len(production_first)} verdicts")
+    wins = losses = inconsistent = 0
+    for first, second in zip(candidate_first, production_first, strict=True):
+        if first is not None and first == second:
+            wins += first == "candidate"
+            losses += first == "production"
+        else:
+            inconsistent += 1
+    low, high = wilson_interval(wins, wins + losses, confidence)
+    rate = wins / (wins + losses) if wins + losses else 0.5
+    return WinRate(wins, losses, inconsistent, Interval(rate, low, high, confidence))
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (sound at small n and at 0 or n successes)."""
+    if trials == 0:
+        return 0.0, 1.0
+    z = _normal_quantile(0.5 + confidence / 2)
+    p = successes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _normal_quantile(q: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(q)
+
+
+def _arrays(nll_sums: Sequence[float], tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    nll = np.asarray(nll_sums, dtype=np.float64)
+    tok = np.asarray(tokens, dtype=np.float64)
+    if nll.ndim != 1 or nll.shape != tok.shape:
+        raise ValueError(f"need one NLL sum and one token count per example, got {nll.shape} and {tok.shape}")
+    if len(nll) == 0:
+        raise ValueError("no examples to compare")
+    if (tok <= 0).any():
+        raise ValueError(f"example {int(np.argmax(tok <= 0))} has no scored tokens")
+    if not np.isfinite(nll).all():
+        raise ValueError(f"example {int(np.argmax(~np.isfinite(nll)))} has a non-finite loss")
+    return nll, tok
+
+
+def _resample_indices(n: int, resamples: int, seed: int) -> np.ndarray:
+    if resamples < 100:
+        raise ValueError(f"bootstrap needs at least 100 resamples, got {resamples}")
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def _percentile_interval(estimate: float, stats: np.ndarray, confidence: float) -> Interval:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha])
+    return Interval(float(estimate), float(low), float(high), confidence)

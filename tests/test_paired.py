@@ -1,0 +1,74 @@
+"""The paired statistics of the promotion gate (core/paired.py): pairing, the bootstrap interval, and the judge's
+order-consistent win rate. Pure numerics on constructed examples whose answer is known."""
+
+import numpy as np
+import pytest
+
+from nexa_dagster.core.paired import (
+    bootstrap_mean_loss,
+    order_consistent_win_rate,
+    paired_loss_difference,
+    wilson_interval,
+)
+
+
+def _eval_set(n: int = 40, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Examples of very unequal difficulty (per-token loss 1..8) and length: the spread pairing removes."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(5, 60, size=n)
+    per_token = rng.uniform(1.0, 8.0, size=n)
+    return per_token * tokens, tokens
+
+
+def test_a_small_consistent_improvement_is_detected_because_the_examples_are_paired() -> None:
+    prod, tokens = _eval_set()
+    cand = prod - 0.05 * tokens * np.random.default_rng(2).uniform(0.5, 1.5, size=len(tokens))
+    paired = paired_loss_difference(cand, prod, tokens)
+    assert paired.difference.high < 0 and paired.difference.excludes(0.0)
+    assert paired.difference.estimate == pytest.approx(paired.candidate - paired.production)
+    # unpaired, the same two models are indistinguishable: each one's own interval is far wider than the gap
+    alone = bootstrap_mean_loss(prod, tokens)
+    assert alone.high - alone.low > 10 * abs(paired.difference.estimate)
+    # and the worse direction is detected just as well
+    worse = paired_loss_difference(prod, cand, tokens)
+    assert worse.difference.low > 0 and worse.difference.estimate == pytest.approx(-paired.difference.estimate)
+
+
+def test_no_difference_gives_an_interval_that_contains_zero() -> None:
+    prod, tokens = _eval_set()
+    noise = np.where(np.arange(len(tokens)) % 2 == 0, 0.3, -0.3) * tokens  # +-0.3 per token, mean 0 by example
+    paired = paired_loss_difference(prod + noise, prod, tokens)
+    assert paired.difference.low < 0 < paired.difference.high
+    assert paired.examples == len(tokens) and paired.tokens == int(tokens.sum())
+
+
+def test_bad_paired_input_is_a_clear_error() -> None:
+    prod, tokens = _eval_set(5)
+    with pytest.raises(ValueError, match="same examples"):
+        paired_loss_difference(prod[:4], prod, tokens)
+    with pytest.raises(ValueError, match="example 2 has no scored tokens"):
+        paired_loss_difference(prod, prod, np.array([3, 3, 0, 3, 3]))
+    with pytest.raises(ValueError, match="non-finite"):
+        paired_loss_difference(np.array([1.0, np.nan, 1, 1, 1]), prod, tokens)
+
+
+def test_win_rate_counts_only_verdicts_that_survive_swapping_the_answers() -> None:
+    # a judge that always prefers whatever it reads first is pure position bias: nothing is learnt
+    biased = order_consistent_win_rate(["candidate"] * 10, ["production"] * 10)
+    assert (biased.wins, biased.losses, biased.inconsistent) == (0, 0, 10)
+    assert (biased.rate.estimate, biased.rate.low, biased.rate.high) == (0.5, 0.0, 1.0)
+    # 18 consistent wins, 2 consistent losses, 5 flips and 2 unreadable verdicts
+    first = ["candidate"] * 18 + ["production"] * 2 + ["candidate"] * 5 + [None, "candidate"]
+    second = ["candidate"] * 18 + ["production"] * 2 + ["production"] * 5 + ["candidate", None]
+    rate = order_consistent_win_rate(first, second)
+    assert (rate.wins, rate.losses, rate.inconsistent) == (18, 2, 7)
+    assert rate.rate.estimate == pytest.approx(0.9) and rate.rate.low > 0.5
+    lose = order_consistent_win_rate(second[:20], ["production"] * 18 + ["candidate"] * 2)
+    assert lose.rate.estimate == 0.5 and lose.inconsistent == 20
+
+
+def test_wilson_interval_matches_the_textbook_values() -> None:
+    low, high = wilson_interval(8, 10)  # Wilson 95%: 0.4902 .. 0.9433
+    assert (round(low, 4), round(high, 4)) == (0.4902, 0.9433)
+    assert wilson_interval(0, 10)[0] == pytest.approx(0.0) and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
