@@ -74,9 +74,21 @@ class NexaIOManager(dg.ConfigurableIOManager):
             what = f"partitions {keys[0]}..{keys[-1]}" if len(keys) > 1 else f"partition {keys[0]}"
             raise FileNotFoundError(f"{key.to_user_string()}: nothing materialized for {what} under {self._base(key)}")
         if len(present) < len(paths):
-            context.log.info(f"{key.to_user_string()}: {len(paths) - len(present)} of {len(paths)} partitions "
-                             "not materialized; reading the rest")
+            context.log.info(skipped_partitions_message(key.to_user_string(), keys, [p in present for p in paths]))
         return pd.concat([io.read_parquet(p) for p in present], ignore_index=True)
+
+
+def skipped_partitions_message(asset: str, keys: list[str | None], materialized: list[bool]) -> str:
+    """Why a reader of every partition reads fewer: most days of the partition range never had data.
+
+    A downstream asset reads every partition from the partitions' start date to today; days on which nothing landed
+    (or that have not run yet) have no file, and that is expected, not data lost.
+    """
+    read = [str(k) for k, m in zip(keys, materialized, strict=True) if m]
+    shown = ", ".join(read) if len(read) <= 5 else f"{read[0]} .. {read[-1]}"
+    return (f"{asset}: reading the {len(read)} materialized partition(s) ({shown}); the other "
+            f"{len(keys) - len(read)} of the {len(keys)} partitions from {keys[0]} to {keys[-1]} were never "
+            "materialized (no data landed on those days, or they have not run yet) and are skipped")
 
 
 def _load_artifact(path: str) -> BaseModel:
