@@ -176,6 +176,16 @@ def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_di
             [{"role": "user", "content": "hi"}], GREEDY)
 
 
+@pytest.mark.parametrize(("setting", "on_gpu", "on_cpu"), [(False, False, False), (True, True, True),
+                                                           (None, True, False)])
+def test_continuous_batching_setting_is_passed_as_it_is(tiny_model_dir: Path, tmp_path: Path, setting: bool | None,
+                                                        on_gpu: bool, on_cpu: bool) -> None:
+    """False turns it off even on a GPU (it used to become None, "auto", which is on there); None is auto."""
+    resource = LLMResource(backend="managed", model=str(tiny_model_dir), continuous_batching=setting)
+    assert resource.managed_server(tiny_model_dir, tmp_path, device="cuda").continuous_batching is on_gpu
+    assert resource.managed_server(tiny_model_dir, tmp_path, device="cpu").continuous_batching is on_cpu
+
+
 @pytest.mark.parametrize("interrupt", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
 def test_server_is_stopped_when_the_block_fails(tiny_model_dir: Path, tmp_path: Path,
                                                 interrupt: BaseException) -> None:

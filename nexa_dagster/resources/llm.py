@@ -13,13 +13,17 @@ import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core.config import resolve_path
 from nexa_dagster.core.llm.base import LLMClient
+
+if TYPE_CHECKING:
+    from nexa_dagster.core.llm.managed_server import ManagedServer
 
 BACKENDS = ("local", "managed", "openai")
 
@@ -46,9 +50,10 @@ class LLMResource(dg.ConfigurableResource):
     timeout_s: float = Field(default=120.0, description="per-request timeout (openai, managed)")
     max_retries: int = Field(default=4, description="retries with backoff on 429/5xx/timeouts (openai, managed)")
     batch_size: int = Field(default=16, description="generate() batch size (local)")
-    continuous_batching: bool = Field(default=True, description="managed `transformers serve`: batch concurrent "
-                                      "requests (measured 3-4x the one-at-a-time throughput at 8 in flight on a "
-                                      "2-core CPU, see bench/generation.py)")
+    continuous_batching: bool | None = Field(
+        default=True, description="managed `transformers serve`: batch concurrent requests (measured 3-4x the "
+        "one-at-a-time throughput at 8 in flight on a 2-core CPU, see bench/generation.py); False: off, "
+        "None: on only on a GPU")
     usd_per_1m_input_tokens: float = Field(default=0.0, ge=0, description="price of prompt tokens (0: unknown)")
     usd_per_1m_output_tokens: float = Field(default=0.0, ge=0, description="price of generated tokens (0: unknown)")
 
@@ -61,6 +66,15 @@ class LLMResource(dg.ConfigurableResource):
     @property
     def priced(self) -> bool:
         return self.usd_per_1m_input_tokens > 0 or self.usd_per_1m_output_tokens > 0
+
+    def managed_server(self, model_dir: str | Path, log_dir: str | Path, logger: logging.Logger | None = None,
+                       device: str = "auto") -> ManagedServer:
+        """The (not yet started) server the ``managed`` backend runs: ``continuous_batching`` is passed as it is,
+        so ``False`` stays off even on a GPU, where ``None`` (auto) would turn it on."""
+        from nexa_dagster.core.llm.managed_server import ManagedServer
+
+        return ManagedServer(model_dir, log_dir, logger=logger, device=device,
+                             continuous_batching=self.continuous_batching)
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
@@ -95,14 +109,9 @@ class LLMResource(dg.ConfigurableResource):
             with LocalTransformersClient(path, batch_size=self.batch_size) as client:
                 yield client
             return
-        from nexa_dagster.core.llm.managed_server import ManagedServer
         from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
-        with (
-            tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs,
-            ManagedServer(path, logs, logger=logger,
-                          continuous_batching=self.continuous_batching or None) as server,
-        ):
+        with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, logger) as server:
             logger.info(f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
                         f"healthy after {server.ready_s:.1f} s")
             with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
