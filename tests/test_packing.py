@@ -5,30 +5,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from nexa_dagster.core import storage
-from nexa_dagster.core.packing import (
-    TokenizedConversation,
-    best_fit_decreasing,
-    conversation,
-    is_validation,
-    pack,
-    side_overrides,
-    tokenize_conversation,
-)
+from nexa_dagster.core.packing import best_fit_decreasing, is_validation, pack_table, side_overrides
 from nexa_dagster.core.schemas import PackedSequences
 from nexa_dagster.core.sft_dataset import build_sft_dataset
-
-
-def test_loss_mask_covers_exactly_the_assistant_turn(tiny_tokenizer) -> None:
-    msgs = conversation("Be brief.", "What is a tuple?", "An immutable sequence.\nUse it for records.")
-    ids, mask = tokenize_conversation(tiny_tokenizer, msgs)
-    assert ids == tiny_tokenizer.encode(tiny_tokenizer.apply_chat_template(msgs, tokenize=False),
-                                        add_special_tokens=False)
-    learned = tiny_tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
-    assert learned == "An immutable sequence.\nUse it for records.<|im_end|>"
 
 
 def test_best_fit_decreasing_fills_bins_and_keeps_every_item() -> None:
@@ -42,9 +26,10 @@ def test_best_fit_decreasing_fills_bins_and_keeps_every_item() -> None:
 
 
 def test_pack_rows_have_pack_size_restarting_positions_and_boundaries() -> None:
-    convs = [TokenizedConversation(f"s{i}", list(range(10, 10 + n)), [0] * (n // 2) + [1] * (n - n // 2))
-             for i, n in enumerate([5, 7, 3, 9, 20])]
-    frame, stats = pack(convs, pack_size=16, pad_id=0)
+    docs = [(np.arange(10, 10 + n, dtype=np.int32), np.array([0] * (n // 2) + [1] * (n - n // 2), dtype=np.int8))
+            for n in [5, 7, 3, 9, 20]]
+    table, stats = pack_table(docs, pack_size=16, pad_id=0)
+    frame = table.to_pandas()
     PackedSequences.validate(frame)
     assert all(len(r) == 16 for r in frame["input_ids"])
     assert stats.documents == 5 and stats.truncated_documents == 1  # the 20-token one is cut to 16

@@ -9,24 +9,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from nexa_dagster.core.llm.base import ChatMessage
-
-
-@dataclass
-class TokenizedConversation:
-    sample_id: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    truncated: bool = False
 
 
 def conversation(system_prompt: str, prompt: str, response: str) -> list[ChatMessage]:
@@ -38,29 +28,6 @@ def conversation(system_prompt: str, prompt: str, response: str) -> list[ChatMes
     return msgs
 
 
-def tokenize_conversation(tokenizer: Any, messages: Sequence[ChatMessage]) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-template rendering, and a mask that is 1 exactly on what the assistant wrote.
-
-    Each message is rendered through the tokenizer's own chat template on its own, so the mask boundaries are
-    exact; the assistant's end-of-turn token is learned too (that is how the model learns to stop).
-    """
-    ids: list[int] = []
-    mask: list[int] = []
-    for message in messages:
-        rendered = tokenizer.apply_chat_template([message], tokenize=False)
-        content = message["content"]
-        head, _, tail = rendered.partition(content) if content else (rendered, "", "")
-        head_ids = tokenizer.encode(head, add_special_tokens=False)
-        body_ids = tokenizer.encode(content, add_special_tokens=False) if content else []
-        tail_ids = tokenizer.encode(tail, add_special_tokens=False)
-        learn = 1 if message["role"] == "assistant" else 0
-        ids += head_ids + body_ids + tail_ids
-        mask += [0] * len(head_ids) + [learn] * len(body_ids)
-        # the end-of-turn token is learned for the assistant; the newline after it is template glue
-        mask += [learn if i == 0 else 0 for i in range(len(tail_ids))]
-    return ids, mask
-
-
 @dataclass
 class PackingStats:
     sequences: int = 0
@@ -70,7 +37,6 @@ class PackingStats:
     slots: int = 0
     truncated_documents: int = 0
     dropped_documents: int = 0
-    per_bin: list[int] = field(default_factory=list)
 
     @property
     def efficiency(self) -> float:
@@ -180,15 +146,7 @@ def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pa
     stats.real_tokens += int(num_tokens.sum())
     stats.loss_tokens += int(num_loss.sum())
     stats.slots += n * pack_size
-    stats.per_bin.extend(int(t) for t in num_tokens)
     return table, stats
-
-
-def pack(conversations: Sequence[TokenizedConversation], pack_size: int, pad_id: int) -> tuple[pd.DataFrame, PackingStats]:
-    """``pack_table`` for tokenized conversations, as a DataFrame (one row per packed sequence)."""
-    docs = [(np.asarray(c.input_ids, dtype=np.int32), np.asarray(c.loss_mask, dtype=np.int8)) for c in conversations]
-    table, stats = pack_table(docs, pack_size, pad_id)
-    return table.to_pandas(), stats
 
 
 def _split_hash(sample_id: str, seed: int) -> float:
@@ -220,16 +178,6 @@ def side_overrides(sample_ids: Sequence[str], fraction: float, seed: int = 0) ->
     return {}
 
 
-def run_hash(sample_ids: Sequence[str], tokenizer_fingerprint: str, chat_template: str, pack_size: int,
-             seed: int) -> str:
-    """What the packaged dataset is a function of; equal hashes mean byte-identical outputs."""
-    h = hashlib.sha256()
-    for part in (json.dumps(sorted(sample_ids)), tokenizer_fingerprint, chat_template, str(pack_size), str(seed)):
-        h.update(part.encode("utf-8"))
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
@@ -247,7 +195,7 @@ class ChatTokenizer:
     the concatenation of head, content and tail tokens per message, with the contents of a whole batch tokenized
     in one call to the Rust tokenizer. ``from_hf`` checks that the template really is per-message (rendering a
     conversation equals concatenating its messages' renderings) and refuses it otherwise, so the fast path never
-    gives different tokens from ``tokenize_conversation``.
+    gives different tokens from rendering the whole conversation.
     """
 
     tokenizer_file: str

@@ -163,7 +163,6 @@ class GateResult:
     judged: int = 0  # samples sent to the judge
     judge_attempts: int = 0
     history_partitions: list[str] = field(default_factory=list)  # earlier partitions deduplicated against
-    dedup_files: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -248,8 +247,7 @@ def apply_sample_gate(samples: pd.DataFrame, config: GateConfig, judge: LLMClien
                 history.add(part.at[i, "sample_id"], day, *signatures[i])
             if dedup_root:
                 exact = {part.at[i, "sample_id"]: signatures[i][0] for i in kept}
-                result.dedup_files.append(save_partition(history, dedup_root, day,
-                                                         [part.at[i, "sample_id"] for i in kept], exact))
+                save_partition(history, dedup_root, day, [part.at[i, "sample_id"] for i in kept], exact)
         judged_frames.append(judged)
         done += len(part)
     if judged_frames:

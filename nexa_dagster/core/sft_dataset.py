@@ -43,6 +43,7 @@ from nexa_dagster.core.packing import (
     is_validation,
     pack_table,
     side_overrides,
+    tokenizer_fingerprint,
 )
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
@@ -170,7 +171,7 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
     if not shards:
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers",
-                                                         f"{tokenizer_fingerprint_of(tokenizer)}.json"))
+                                                         f"{tokenizer_fingerprint(tokenizer)}.json"))
     config = plan_config(blend, chat, tokenizer.chat_template or "", settings)
     rh = sh.run_hash(shards, config)
     root = storage.join(out_root, rh)
@@ -183,12 +184,6 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
                            runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
                            workers=settings.workers, log=log)
     return finalize_sft(root, rh, report, blend, settings, log)
-
-
-def tokenizer_fingerprint_of(tokenizer: Any) -> str:
-    from nexa_dagster.core.packing import tokenizer_fingerprint
-
-    return tokenizer_fingerprint(tokenizer)
 
 
 def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, settings: PackagingSettings,

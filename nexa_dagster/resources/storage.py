@@ -40,9 +40,6 @@ class StorageResource(dg.ConfigurableResource):
     def checkpoint_dir(self, checkpoint_id: str) -> Path:
         return self.checkpoints_dir() / checkpoint_id
 
-    def models_dir(self) -> Path:
-        return io.local_dir(Path(self.root) / "models")
-
     def model_path(self, name: str) -> str:
         """Where a configured model lives: bare ``tiny-*`` names are under ``<data_root>/models/``."""
         if name.startswith("tiny-") and "/" not in name:
