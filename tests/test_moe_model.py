@@ -133,3 +133,35 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         model(ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_keeps_no_fp32_logits_for_backward() -> None:
+    """What autograd saves for the backward pass holds no fp32 ``tokens x vocab`` logits (each chunk is recomputed),
+    and the gradients are those of the unchunked loss."""
+    torch.manual_seed(3)
+    cfg = small_config(vocab_size=2000)
+    model = NexaMoEForCausalLM(cfg)
+    ids = torch.randint(0, 2000, (2, 48))
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    model.loss_chunk_tokens = 32  # 96 tokens: three chunks
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = model(ids, labels=ids)
+    weights = {p.data_ptr() for p in model.parameters()}  # lm_head's weight (and its transpose) are not logits
+    vocab_sized = [tuple(t.shape) for t in saved if t.dim() >= 1 and t.shape[-1] == cfg.vocab_size
+                   and t.dtype == torch.float32 and t.data_ptr() not in weights]
+    assert vocab_sized == [], vocab_sized  # before: one [32, 2000] fp32 softmax saved per chunk
+    out.lm_loss.backward()
+    chunked = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    model.loss_chunk_tokens = 10_000  # one chunk
+    full = model(ids, labels=ids)
+    torch.testing.assert_close(full.lm_loss, out.lm_loss)
+    full.lm_loss.backward()
+    for a, p in zip(chunked, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)

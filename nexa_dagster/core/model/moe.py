@@ -9,7 +9,9 @@ and correctness on the table:
   FlexAttention with a block mask on GPUs, a boolean mask with SDPA elsewhere;
 * the experts run as two grouped GEMMs per layer over tokens sorted by expert (``torch.nn.functional.grouped_mm``),
   not a Python loop over experts, and each decoder layer is compiled on its own (torchtitan's per-block compile);
-* the loss is computed from bf16 logits in chunks, never materialising ``tokens x vocab`` in fp32.
+* the loss is computed from bf16 logits in chunks, never materialising ``tokens x vocab`` in fp32: not in the
+  forward, and not for the backward either, where each chunk's logits are recomputed (activation checkpointing of
+  the chunk) instead of being kept by autograd for every chunk at once.
 
 The parameter names and shapes are exactly those of ``transformers``' Mixtral (5.x), so ``state_dict()`` loads into
 ``MixtralForCausalLM`` unchanged; ``tests/test_moe_model.py`` checks that both give the same logits.
@@ -309,15 +311,25 @@ class NexaMoEForCausalLM(nn.Module):
         return MoEOutput(loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, logits=logits, expert_load=expert_load)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over learned tokens, computed in chunks of ``loss_chunk_tokens``."""
+        """Mean next-token cross-entropy over learned tokens, computed in chunks of ``loss_chunk_tokens``.
+
+        Under autograd each chunk is checkpointed: the backward pass recomputes that chunk's logits (one more
+        ``lm_head`` matmul per chunk) rather than autograd saving an fp32 ``chunk x vocab`` softmax for every chunk,
+        which together would be the ``tokens x vocab`` fp32 tensor the chunking is meant to avoid.
+        """
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         total = hidden.new_zeros((), dtype=torch.float32)
+        checkpointed = torch.is_grad_enabled() and hidden.requires_grad
         for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
-            logits = self.lm_head(hidden[start:start + self.loss_chunk_tokens]).float()
-            total = total + F.cross_entropy(logits, targets[start:start + self.loss_chunk_tokens],
-                                            ignore_index=IGNORE_INDEX, reduction="sum")
+            chunk = (hidden[start:start + self.loss_chunk_tokens], targets[start:start + self.loss_chunk_tokens])
+            total = total + (torch.utils.checkpoint.checkpoint(self._chunk_loss, *chunk, use_reentrant=False)
+                             if checkpointed else self._chunk_loss(*chunk))
         return total / targets.ne(IGNORE_INDEX).sum().clamp(min=1)
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
