@@ -232,7 +232,7 @@ def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, t
     assert (judged["judge_method"] == "text").all() and judged["judge_score"].isna().all()
     assert out["rejected_samples"]["judge_errors"] == len(judged)
     assert out["checks"]["filtered_samples:pass_rate_in_band"] == [False, "AssetCheckSeverity.WARN"]
-    assert out["checks"]["filtered_samples:matches_schema"][0] and out["checks"]["rejected_samples:matches_schema"][0]
+    assert set(out["checks"]) == {"filtered_samples:pass_rate_in_band"}  # the schema is the tables' Dagster type
 
 
 def test_a_garbage_judge_passes_nothing(served: ManagedServer) -> None:

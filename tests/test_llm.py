@@ -14,14 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from openai_stub import DROP, chat_payload, json_judge, stub_server
 
 from nexa_dagster.core.config import read_text
 from nexa_dagster.core.llm.base import LLMError, SamplingParams, expected_score
@@ -117,7 +116,7 @@ def test_local_scores_from_logprobs(local: LocalTransformersClient) -> None:
     assert all(math.isfinite(v) and v < 0 for v in logprobs.values())
     assert 1.0 <= expected_score(logprobs) <= 5.0
     assert local.capabilities().logprobs and local.capabilities().engine == "transformers-local"
-    verdict = judge_one(local, read_text("prompts/judge.jinja"), "Explain lists.", "A list holds items.", 8)
+    verdict = judge_one(local, read_text("prompts/judge.jinja"), "Explain lists.", "A list holds items.")
     assert verdict.method == "logprobs" and verdict.score is not None and 1.0 <= verdict.score <= 5.0
 
 
@@ -158,7 +157,7 @@ def test_real_transformers_serve_answers_through_the_openai_client(served: Manag
         assert client.capabilities().logprobs is False
         with pytest.raises(NotImplementedError):
             client.choice_logprobs([{"role": "user", "content": "x"}], SCORE_CHOICES)
-        verdict = judge_one(client, read_text("prompts/judge.jinja"), "Explain lists.", "A list holds items.", 8)
+        verdict = judge_one(client, read_text("prompts/judge.jinja"), "Explain lists.", "A list holds items.")
         assert verdict.method == "text"
 
 
@@ -291,52 +290,11 @@ def test_unreachable_endpoint_is_named_and_the_key_never_leaks(caplog: pytest.Lo
         OpenAICompatibleClient("http://127.0.0.1:9/v1", api_key=SECRET, max_retries=0, timeout_s=2)  # model lookup
 
 
-class _Stub(BaseHTTPRequestHandler):
-    """An OpenAI-shaped endpoint whose answers a test scripts: ``reply(call_number, body) -> (status, json)``."""
-
-    reply: Callable[[int, dict[str, Any]], tuple[int, dict[str, Any]]]
-    calls: list[dict[str, Any]]
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
-        self.calls.append(body)
-        status, payload = type(self).reply(len(self.calls), body)
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextmanager
-def _stub_server(reply: Callable[[int, dict[str, Any]], tuple[int, dict[str, Any]]]) -> Iterator[tuple[str, list]]:
-    handler = type("Handler", (_Stub,), {"reply": staticmethod(reply), "calls": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/v1", handler.calls
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _chat_payload(content: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": "x", "object": "chat.completion", "created": 0, "model": "stub",
-            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": logprobs,
-                         "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
-
-
 def test_retries_with_backoff_on_503() -> None:
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return (503, {"error": {"message": "busy"}}) if n <= 2 else (200, _chat_payload("recovered"))
+        return (503, {"error": {"message": "busy"}}) if n <= 2 else (200, chat_payload("recovered"))
 
-    with _stub_server(reply) as (url, calls):
+    with stub_server(reply) as (url, calls, _):
         client = OpenAICompatibleClient(url, model="stub", max_retries=3, backoff_s=0.01, timeout_s=5)
         answer = client.chat([{"role": "user", "content": "hi"}], GREEDY)
         assert answer.text == "recovered" and len(calls) == 3
@@ -346,7 +304,7 @@ def test_a_client_error_is_not_retried_and_an_echoed_key_is_scrubbed() -> None:
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return 401, {"error": {"message": f"Incorrect API key provided: {SECRET}"}}
 
-    with _stub_server(reply) as (url, calls):
+    with stub_server(reply) as (url, calls, _):
         client = OpenAICompatibleClient(url, model="stub", api_key=SECRET, max_retries=3, backoff_s=0.01)
         with pytest.raises(LLMError, match="HTTP 401") as err:
             client.chat([{"role": "user", "content": "hi"}], GREEDY)
@@ -360,9 +318,9 @@ def test_choice_logprobs_from_an_engine_that_honours_them() -> None:
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         first = {"token": " 3", "logprob": -0.5, "bytes": None,
                  "top_logprobs": [{**t, "bytes": None} for t in top[: body.get("top_logprobs", 0)]]}
-        return 200, _chat_payload("3", {"content": [first]} if body.get("logprobs") else None)
+        return 200, chat_payload("3", {"content": [first]} if body.get("logprobs") else None)
 
-    with _stub_server(reply) as (url, calls):
+    with stub_server(reply) as (url, calls, _):
         client = OpenAICompatibleClient(url, model="stub")
         assert client.capabilities().logprobs is True
         lp = client.choice_logprobs([{"role": "user", "content": "score"}], SCORE_CHOICES)
@@ -388,13 +346,95 @@ def test_in_flight_requests_are_bounded_and_stream_in_completion_order() -> None
         time.sleep(delay)
         with lock:
             state["now"] -= 1
-        return 200, _chat_payload(f"slept {delay}")
+        return 200, chat_payload(f"slept {delay}")
 
     delays = [0.6, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
-    with _stub_server(reply) as (url, calls):
+    with stub_server(reply) as (url, calls, _):
         with OpenAICompatibleClient(url, model="stub", max_concurrency=3) as client:
             requests = [ChatRequest([{"role": "user", "content": str(d)}], GREEDY) for d in delays]
             order = [i for i, c in client.stream_chat(requests) if c.error is None]
         assert sorted(order) == list(range(len(delays))) and len(calls) == len(delays)
         assert state["peak"] == 3  # bounded, and the bound was reached
         assert order[-1] == 0  # the slow first request finished last, and did not hold back the others
+
+
+@pytest.mark.parametrize(("json_schema", "method"), [(200, "json_schema"), (400, "text")])
+def test_an_engine_that_rejects_logprobs_falls_back(json_schema: int, method: str) -> None:
+    """The capability probe asks for ``logprobs``; an engine that refuses it with 400 is an engine without it, not
+    a failed judge stage: the judge uses ``response_format`` where honoured, else text."""
+    from nexa_dagster.core.judge import Judge
+
+    with stub_server(json_judge(logprobs=400, json_schema=json_schema)) as (url, calls, _), \
+            OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client:
+        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"))
+        assert judge.method == method
+        assert client.capabilities().logprobs is False
+        verdict = judge.judge("Explain lists.", "A list holds items in order.")
+        assert (verdict.score, verdict.error, verdict.method) == (4.0, None, method)
+        assert len(calls) == 3  # two probes (neither retried: a 400 is an answer) and one verdict
+
+
+def test_a_wrong_key_fails_the_probe_instead_of_passing_for_no_logprobs() -> None:
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return 401, {"error": {"message": "invalid api key"}}
+
+    with stub_server(reply) as (url, calls, _), OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client:
+        with pytest.raises(LLMError, match="HTTP 401") as err:
+            client.capabilities()
+        assert err.value.permanent and err.value.status == 401 and len(calls) == 1
+
+
+@pytest.mark.parametrize(("header", "max_backoff_s", "low", "high"),
+                         [("1", 30.0, 1.0, 1.6), ("3600", 0.3, 0.3, 0.9)], ids=["honoured", "bounded"])
+def test_retry_after_is_honoured_and_bounded(header: str, max_backoff_s: float, low: float, high: float) -> None:
+    """429 with ``Retry-After: 1`` waits one second (not the 0.5x-1.5x jittered backoff); an hour is capped."""
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]] | tuple[int, Any]:
+        if n == 1:
+            return 429, {"error": {"message": "slow down"}}, {"Retry-After": header}
+        return 200, chat_payload("ok")
+
+    with stub_server(reply) as (url, calls, times), \
+            OpenAICompatibleClient(url, model="stub", backoff_s=0.01, max_backoff_s=max_backoff_s) as client:
+        assert client.chat([{"role": "user", "content": "hi"}], GREEDY).text == "ok"
+        waited = times[1] - times[0]
+        assert low <= waited < high, waited
+
+
+def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
+    """A dropped connection is retried by the client and then, if it still fails, is one ``judge_error`` (not
+    re-asked verdict by verdict on top of the client's retries); a 404 for an unknown model stops the judge."""
+    from nexa_dagster.core.judge import Judge
+
+    probe = json_judge()
+
+    def dropping(n: int, body: dict[str, Any]) -> Any:
+        return probe(n, body) if n <= 2 else DROP  # the probes answer, then every connection drops
+
+    with stub_server(dropping) as (url, calls, _), \
+            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01, timeout_s=5) as client:
+        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
+        verdict = judge.judge("Explain lists.", "A list holds items.")
+        assert verdict.error and "cannot reach" in verdict.error and verdict.attempts == 1
+        assert len(calls) == 2 + 3  # probes, then one verdict sent 1 + max_retries times, not 3 x 3
+
+    def unknown_model(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return probe(n, body) if n <= 2 else (404, {"error": {"message": "The model `stub` does not exist."}})
+
+    with stub_server(unknown_model) as (url, calls, _), \
+            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client:
+        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
+        with pytest.raises(LLMError, match="HTTP 404") as err:
+            judge.judge("Explain lists.", "A list holds items.")
+        assert err.value.permanent and len(calls) == 3
+
+
+def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
+    """``max_tokens`` means what it says: too few for a JSON verdict is an error, not silently raised to 96."""
+    from nexa_dagster.core.judge import Judge
+
+    with stub_server(json_judge()) as (url, _, _t), OpenAICompatibleClient(url, model="stub") as client:
+        with pytest.raises(ValueError, match="max_tokens 8 is too few"):
+            Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), max_tokens=8)
+        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"),
+                      max_tokens=120)
+        assert judge.max_tokens == 120

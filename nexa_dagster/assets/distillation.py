@@ -12,6 +12,7 @@ import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, preview, progress_logger
+from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType, TeacherSamplesType
 from nexa_dagster.core.config import load_scale, read_text
@@ -47,7 +48,8 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     params = SamplingParams(max_tokens=scale.teacher.max_new_tokens, temperature=scale.teacher.temperature,
                             top_p=scale.teacher.top_p, seed=scale.teacher.seed)
     store_dir = generation_store_dir(storage)
-    with teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store:
+    with (no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.describe()['base_url'] or teacher_llm.model}"),
+          teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store):
         prompts = build_prompts(raw_documents, read_text("prompts/teacher.jinja"),
                                 read_text("prompts/teacher_system.txt").strip(), teacher.identity, params,
                                 scale.generations_per_prompt)

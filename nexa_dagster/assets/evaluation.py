@@ -8,6 +8,7 @@ import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
@@ -86,7 +87,8 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
     compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id
                                   and Path(production.checkpoint_path).exists()) else None
 
-    with judge_llm.get_client() as judge:
+    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
+          judge_llm.get_client() as judge):
         evaluation = evaluate_checkpoint(
             checkpoint_id, ckpt.path, validation_path,
             list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts],

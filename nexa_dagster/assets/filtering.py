@@ -1,34 +1,24 @@
 """Judge filtering stage (SampleGate): heuristics, dedup, then the LLM judge; accepted and rejected rows both kept.
 
-Two asset checks come with every materialization: the pass rate against the band in ``configs/filters.yaml``
-(a warning: a sudden drop usually means a broken teacher or judge, not bad data) and the schema of both tables.
+An asset check comes with every materialization: the pass rate against the band in ``configs/filters.yaml`` (a
+warning: a sudden drop usually means a broken teacher or judge, not bad data). The schema of both tables has one
+place, their pandera Dagster types: a frame that breaks it fails the step with the column and rows named before
+anything is stored (a separate schema check could never fail, since the type check runs first).
 """
 
 import dagster as dg
 import pandas as pd
-import pandera.errors
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, preview, progress_logger
+from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import FilteredSamplesType, RejectedSamplesType, TeacherSamplesType
-from nexa_dagster.core import schemas
 from nexa_dagster.core.config import read_text
 from nexa_dagster.core.sample_gate import apply_sample_gate, load_gate_config
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 
 FILTERS_FILE = "filters.yaml"
-
-
-def _schema_check(name: str, frame: pd.DataFrame, model: type) -> dg.AssetCheckResult:
-    try:
-        model.validate(frame, lazy=True)
-    except pandera.errors.SchemaErrors as e:
-        cases = e.failure_cases.head(10).to_dict(orient="records")
-        return dg.AssetCheckResult(asset_key=name, check_name="matches_schema", passed=False,
-                                   metadata={"failure_cases": dg.MetadataValue.json(cases)})
-    return dg.AssetCheckResult(asset_key=name, check_name="matches_schema", passed=True,
-                               metadata={"schema": f"nexa_dagster.core.schemas.{model.__name__}"})
 
 
 @dg.multi_asset(
@@ -48,15 +38,14 @@ def _schema_check(name: str, frame: pd.DataFrame, model: type) -> dg.AssetCheckR
         dg.AssetCheckSpec("pass_rate_in_band", asset="filtered_samples",
                           description="Warns when the share of samples that pass leaves configs/filters.yaml's "
                                       "pass_rate_band."),
-        dg.AssetCheckSpec("matches_schema", asset="filtered_samples"),
-        dg.AssetCheckSpec("matches_schema", asset="rejected_samples"),
     ],
 )
 def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame, judge_llm: LLMResource,
                 storage: StorageResource):
     config = load_gate_config(FILTERS_FILE)
     dedup_root = storage.path("dedup", "filtered_samples")
-    with judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress:
+    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
+          judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress):
         result = apply_sample_gate(teacher_samples, config, judge, read_text("prompts/judge.jinja"),
                                    read_text("prompts/judge_verdict.jinja"), dedup_root, progress=progress)
     context.log.info(f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
@@ -84,7 +73,5 @@ def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame
         passed=bool(result.total == 0 or lo <= result.pass_rate <= hi), severity=dg.AssetCheckSeverity.WARN,
         metadata={"pass_rate": round(result.pass_rate, 4), "band": dg.MetadataValue.json([lo, hi]),
                   "samples": result.total, "reasons": dg.MetadataValue.json(reasons)})
-    yield _schema_check("filtered_samples", filtered, schemas.FilteredSamples)
-    yield _schema_check("rejected_samples", rejected, schemas.RejectedSamples)
     context.log.info(f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
                      f"reason: {reasons}")

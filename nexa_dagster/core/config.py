@@ -107,10 +107,6 @@ class TeacherSampling(_Strict):
     seed: int = 0
 
 
-class JudgeSettings(_Strict):
-    max_new_tokens: int = Field(gt=0)
-
-
 class TrainingSettings(_Strict):
     max_steps: int = Field(gt=0)
     micro_batch_size: int = Field(gt=0)
@@ -146,7 +142,6 @@ class ScalePreset(_Strict):
     max_chars_per_doc: int = Field(gt=0)
     generations_per_prompt: int = Field(gt=0)
     teacher: TeacherSampling
-    judge: JudgeSettings
     pack_size: int = Field(gt=8)
     validation_fraction: float = Field(gt=0, lt=1)
     model_preset: str

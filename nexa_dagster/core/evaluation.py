@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.config import read_text
+from nexa_dagster.core.judge import Judge
 from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
-from nexa_dagster.core.sample_gate import judge_one
+from nexa_dagster.core.sample_gate import load_gate_config
 
 
 @dataclass
@@ -86,13 +88,17 @@ class EvalResult:
 def judge_answers(student: LLMClient, judge: LLMClient, prompts: Sequence[str], judge_template: str,
                   max_new_tokens: int, log: Callable[[str], None] = print,
                   progress: Callable[[int, int], None] | None = None) -> list[JudgedAnswer]:
-    """The student answers every prompt (one batched call), then the judge scores each answer;
+    """The student answers every prompt (one batched call), then the judge scores each answer with SampleGate's
+    judge settings (``configs/filters.yaml``: method, max_tokens, retries);
     ``progress(judged, total)`` follows the judging, the slow part with a remote judge."""
     conversations: list[list[ChatMessage]] = [[{"role": "user", "content": p}] for p in prompts]
     completions = student.chat_many(conversations, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    settings = load_gate_config().judge  # the same judge settings as SampleGate (configs/filters.yaml)
+    scorer = Judge(judge, judge_template, read_text("prompts/judge_verdict.jinja"), settings.max_tokens,
+                   settings.method, settings.retries)
     out = []
     for prompt, c in zip(prompts, completions, strict=True):
-        verdict = judge_one(judge, judge_template, prompt, c.text, max_tokens=8)
+        verdict = scorer.judge(prompt, c.text)
         out.append(JudgedAnswer(prompt, c.text, verdict.score, verdict.method))
         if progress:
             progress(len(out), len(prompts))

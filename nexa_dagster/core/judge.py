@@ -110,9 +110,12 @@ class Judge:
         self.client = client
         self.score_template = score_template
         self.verdict_template = verdict_template
-        self.max_tokens = max(max_tokens, VERDICT_MIN_TOKENS)
         self.retries = max(0, retries)
         self.method = pick_method(client.capabilities(), method)
+        if self.method != "logprobs" and max_tokens < VERDICT_MIN_TOKENS:
+            raise ValueError(f"judge max_tokens {max_tokens} is too few for a JSON verdict (method {self.method!r}): "
+                             f"it would be cut off mid-object; use at least {VERDICT_MIN_TOKENS}")
+        self.max_tokens = max_tokens  # the logprobs method reads one token and does not use it
 
     def _messages(self, template: str, prompt: str, response: str) -> list[ChatMessage]:
         from nexa_dagster.core.distillation import render
@@ -137,14 +140,23 @@ class Judge:
         return Verdict(float(score), self.method, rationale)
 
     def judge(self, prompt: str, response: str) -> Verdict:
-        """The verdict on one answer; never raises for a bad or failed verdict (``error`` is set instead)."""
+        """The verdict on one answer; never raises for a bad or failed verdict (``error`` is set instead).
+
+        Only an unreadable verdict is asked again: a failed request has had its transport retries in the client
+        already (re-asking would multiply them), and a permanent failure (bad key, unknown model: ``LLMError`` with
+        ``permanent``) is raised, since every other verdict would fail the same way.
+        """
         problems = []
         for attempt in range(self.retries + 1):
             try:
                 verdict = self._attempt(prompt, response, attempt)
-            except (VerdictError, LLMError) as e:
+            except VerdictError as e:
                 problems.append(str(e))
                 continue
+            except LLMError as e:
+                if e.permanent:
+                    raise
+                return Verdict(None, self.method, None, None, f"request failed: {e}", attempt + 1)
             return Verdict(verdict.score, verdict.method, verdict.rationale, verdict.confidence, None, attempt + 1)
         return Verdict(None, self.method, None, None,
                        f"no valid verdict after {self.retries + 1} attempts; last: {problems[-1]}",
@@ -165,7 +177,7 @@ class Judge:
         return out
 
 
-def judge_one(client: LLMClient, template: str, prompt: str, response: str, max_tokens: int = 8,
+def judge_one(client: LLMClient, template: str, prompt: str, response: str, max_tokens: int = 128,
               verdict_template: str | None = None, method: str = "auto", retries: int = 2) -> Verdict:
     """One verdict with ``template`` as the score prompt (what evaluation uses); see ``Judge``.
 

@@ -19,7 +19,23 @@ class ChatMessage(TypedDict):
 
 
 class LLMError(RuntimeError):
-    """A model call failed; the message names the endpoint (URL or model path) and the cause."""
+    """A model call failed; the message names the endpoint (URL or model path) and the cause.
+
+    ``status`` is the HTTP status of the last answer, if there was one. ``permanent`` says that asking again
+    cannot help (a 4xx other than 408/409/429: bad key, unknown model, a rejected parameter): callers fail at once
+    instead of re-asking, and a Dagster step does not retry it. A transient failure (429, 5xx, timeout, dropped
+    connection) has already been retried by the client that raises it.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.permanent = permanent
+
+    @property
+    def rejected_request(self) -> bool:
+        """The server understood the request and refused what it asks for (400/422): e.g. ``logprobs``."""
+        return self.status in (400, 422)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
+import email.utils
 import json
 import logging
 import math
@@ -144,33 +146,46 @@ class OpenAICompatibleClient(LLMClient):
             return exc.status_code in RETRYABLE_STATUS
         return isinstance(exc, openai.APITimeoutError | openai.APIConnectionError)
 
-    def _delay(self, attempt: int) -> float:
-        """Exponential backoff with jitter (0.5x-1.5x), so that many clients do not retry in lockstep."""
+    def _delay(self, attempt: int, exc: BaseException | None = None) -> float:
+        """How long to wait before retry ``attempt + 1``.
+
+        The server's ``Retry-After`` (seconds or an HTTP date; ``retry-after-ms`` too) when it sends one, capped at
+        ``max_backoff_s`` so that a server asking for an hour does not park the step; else exponential backoff with
+        jitter (0.5x-1.5x), so that many clients do not retry in lockstep.
+        """
+        asked = _retry_after_s(exc)
+        if asked is not None:
+            return min(self.max_backoff_s, asked)
         return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (0.5 + random.random())
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
         """Await ``fn`` with retries; raise ``LLMError`` (naming the URL, never the key) when it keeps failing.
 
+        Only transient failures are retried; a 4xx other than 408/409/429 raises at once with ``permanent`` set.
         The ``LLMError`` is raised outside the ``except`` block, so it carries no ``__context__``: the ``openai``
         exception holds the request (headers included) and must not travel into Dagster's error records.
         """
+        import openai
+
         if self._closed:
             raise LLMError(f"{self.base_url}: client is closed")
-        message = ""
+        message, status, permanent = "", None, False
         for attempt in range(self.max_retries + 1):
             try:
                 async with self._slots:  # at most max_concurrency requests in flight, waiting ones hold no slot
                     return await fn(**kwargs)
             except Exception as exc:  # every failure becomes an LLMError below
                 message = self._describe(exc)
-                if not self._retryable(exc) or attempt == self.max_retries:
+                status = exc.status_code if isinstance(exc, openai.APIStatusError) else None
+                permanent = not self._retryable(exc)
+                if permanent or attempt == self.max_retries:
                     if attempt:
                         message += f" (after {attempt + 1} attempts)"
                     break
-            delay = self._delay(attempt)
+                delay = self._delay(attempt, exc)
             log.warning("%s; retry %d/%d in %.2f s", message, attempt + 1, self.max_retries, delay)
             await asyncio.sleep(delay)
-        raise LLMError(message)
+        raise LLMError(message, status=status, permanent=permanent)
 
     async def _first_model(self) -> str:
         models = await self._call(self._client.models.list)
@@ -193,14 +208,19 @@ class OpenAICompatibleClient(LLMClient):
         return self._capabilities
 
     async def _probe(self) -> Capabilities:
-        import openai
-
-        resp = await self._call(self._client.chat.completions.create, model=self.model_id,
-                                messages=[{"role": "user", "content": "Say 1."}], max_tokens=1, logprobs=True,
-                                top_logprobs=5, temperature=0.0)
-        choice = resp.choices[0] if resp.choices else None
-        has_logprobs = bool(choice is not None and choice.logprobs is not None and choice.logprobs.content)
-        has_schema = False
+        # An engine that rejects a parameter (400/422) does not support it; any other failure (a bad key, an
+        # unknown model, a server that stays down) is raised: it would fail every later request too, and taking it
+        # for "unsupported" would quietly downgrade the judge's method.
+        try:
+            resp = await self._call(self._client.chat.completions.create, model=self.model_id,
+                                    messages=[{"role": "user", "content": "Say 1."}], max_tokens=1, logprobs=True,
+                                    top_logprobs=5, temperature=0.0)
+            choice = resp.choices[0] if resp.choices else None
+            has_logprobs = bool(choice is not None and choice.logprobs is not None and choice.logprobs.content)
+        except LLMError as e:
+            if not e.rejected_request:
+                raise
+            has_logprobs = False
         try:
             resp = await self._call(self._client.chat.completions.create, model=self.model_id,
                                     messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true}.'}],
@@ -209,8 +229,12 @@ class OpenAICompatibleClient(LLMClient):
             text = (resp.choices[0].message.content or "") if resp.choices else ""
             value = json.loads(text)
             has_schema = isinstance(value, dict) and isinstance(value.get("ok"), bool)
-        except (LLMError, ValueError, openai.OpenAIError):
-            has_schema = False  # rejected (400) or ignored (free text came back): not supported
+        except LLMError as e:
+            if not e.rejected_request:
+                raise
+            has_schema = False
+        except ValueError:
+            has_schema = False  # ignored: free text came back
         return Capabilities(logprobs=has_logprobs, json_schema=has_schema, engine="openai-compatible",
                             extra={"base_url": self.base_url, "model": self.model_id})
 
@@ -345,6 +369,27 @@ class OpenAICompatibleClient(LLMClient):
 
 def _json_schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def _retry_after_s(exc: BaseException | None) -> float | None:
+    """Seconds the server asked us to wait (``retry-after-ms`` or ``Retry-After``: seconds or an HTTP date)."""
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    try:
+        if headers.get("retry-after-ms"):
+            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+        value = headers.get("retry-after")
+        if not value:
+            return None
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value)
+            return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+    except (TypeError, ValueError):
+        return None  # unreadable: fall back to our own backoff
 
 
 def _logaddexp(a: float, b: float) -> float:
