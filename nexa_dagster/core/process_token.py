@@ -18,7 +18,8 @@ def _start_ticks(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # fields after "(comm)": state is field 3, starttime field 22
+    fields = stat.rsplit(")", 1)[1].split()  # the fields after "(comm)": state is field 3, starttime field 22
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has ended; only its exit is not reaped
 
 
 def process_token(pid: int | None = None) -> str:
