@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from checkpoint_files import assert_portable_checkpoint
+
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,3 +30,29 @@ def test_runs_that_start_together_build_the_model_once_and_all_load_it(tmp_path:
     assert (target / COMPLETION_MARKER).exists()
     left = sorted(p.name for p in target.parent.iterdir())
     assert left == [".tiny-teacher.lock", "tiny-teacher"], left
+
+
+def test_the_saved_model_reads_the_same_under_both_transformers_schemas(tiny_model_dir: Path) -> None:
+    """The files say under 4.x's keys what they say under 5.x's (checked by hand under transformers 4.57.6: same
+    token ids, logits within 1.3e-7; before, 4.x could not load the tokenizer and took RoPE base 1e6 for 1e4),
+    and 5.x still loads them as it did: the model's own RoPE base and the same tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert_portable_checkpoint(tiny_model_dir)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert config.rope_parameters["rope_theta"] == 10000.0  # the preset's, not Mixtral's default 1e6
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.pad_token == "<|pad|>" and tokenizer.eos_token == "<|im_end|>"
+    assert {"<|im_start|>", "<|im_end|>", "<|eos|>"} <= set(tokenizer.all_special_tokens)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered.startswith("<|im_start|>user")
+
+
+def test_scaled_rope_is_written_in_the_4x_schema_too() -> None:
+    from nexa_dagster.core.hf_checkpoint import portable_model_config, portable_tokenizer_config
+
+    yarn = {"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}}
+    assert portable_model_config(yarn) == {**yarn, "rope_theta": 5e5, "rope_scaling": {"rope_type": "yarn",
+                                                                                        "factor": 4.0}}
+    named = {"tokenizer_class": "LlamaTokenizerFast", "extra_special_tokens": {"image_token": "<img>"}}
+    assert portable_tokenizer_config(named) == named  # a real class and a dict of named tokens are left alone

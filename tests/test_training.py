@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+from checkpoint_files import assert_portable_checkpoint  # noqa: E402
 
 from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
@@ -110,6 +111,7 @@ def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(tmp_pat
                  "training_summary.json", "metrics.jsonl", COMPLETION_MARKER):
         assert (ckpt / name).exists(), name
     assert [p.name for p in ckpt.parent.iterdir()] == [ckpt.name], "a temporary directory was left behind"
+    assert_portable_checkpoint(ckpt)  # what transformers 4.x (and vLLM builds pinned to it) read the same way
     result = summary_of(job)
     assert result.steps == 6 and [s for s, _ in result.loss_curve] == [1, 2, 4, 6]
     assert all(math.isfinite(v) for v in (result.first_loss, result.final_loss, result.validation_loss))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nexa_dagster.core.config import load_model_preset, read_text
+from nexa_dagster.core.hf_checkpoint import write_portable_configs
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 COMPLETION_MARKER = "_COMPLETE"
@@ -116,6 +117,7 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_portable_configs(tmp)
             (tmp / COMPLETION_MARKER).write_text("ok\n")
             if out.exists():  # an incomplete leftover from a crashed build (we hold the lock: nobody reads it)
                 shutil.rmtree(out)

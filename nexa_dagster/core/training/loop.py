@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nexa_dagster.core.hf_checkpoint import write_portable_configs
 from nexa_dagster.core.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
 from nexa_dagster.core.progress import Progress
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
@@ -420,6 +421,7 @@ def save_checkpoint(model: NexaMoEForCausalLM, tokenizer: Any, job: TrainingJob,
     try:
         hf_model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_portable_configs(tmp)  # the same logits under transformers 4.x and vLLM builds pinned to it
         (tmp / "training_summary.json").write_text(result.model_dump_json(indent=2))
         (tmp / "training_job.json").write_text(job.model_dump_json(indent=2))
         (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics_log))
