@@ -1,7 +1,7 @@
 """The judge stage (``sample_gate``) materialized by Dagster against a local OpenAI-shaped endpoint on 127.0.0.1.
 
 * a permanent failure (a wrong key: 401) fails the step once, with no step retry and one request: retrying it could
-  only fail again;
+  only fail again (the judge, and teacher generation);
 * a transient one (the connection dropped under the first verdict) is retried by the client and the run succeeds;
 * the tables' schema has one place, their Dagster types: a stored ``teacher_samples`` that breaks it, and a
   ``filtered_samples`` frame that breaks it, fail the step with the column named, nothing is stored, and there is
@@ -119,3 +119,28 @@ def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(tmp_path: P
     assert _stored(tmp_path) == []
     assert not result.get_asset_check_evaluations()
     assert [spec.name for spec in sample_gate.check_specs] == ["pass_rate_in_band"]  # no check that cannot fail
+
+
+def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
+    """Every teacher request would get the same 401: the stage stops at the first, and is not retried."""
+    from nexa_dagster.assets.ingest import raw_documents
+
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return 401, {"error": {"message": "Incorrect API key provided"}}
+
+    data = tmp_path / "data"
+    path = data / "assets" / "raw_documents" / f"{DAY}.parquet"
+    path.parent.mkdir(parents=True)
+    texts = [f"Document {i} explains the with statement and context managers in Python." for i in range(6)]
+    pd.DataFrame({"doc_id": [f"{i:016d}" for i in range(6)], "day": [DAY] * 6, "source": ["s"] * 6,
+                  "title": ["t"] * 6, "text": texts, "n_chars": [len(t) for t in texts]}).to_parquet(path)
+    with stub_server(reply) as (url, calls, _):
+        resources = {"io_manager": NexaIOManager(data_root=str(data)),
+                     "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
+                     "teacher_llm": LLMResource(backend="openai", base_url=url, model="stub", max_concurrency=2)}
+        result = dg.materialize([raw_documents.to_source_asset(), teacher_samples], partition_key=DAY,
+                                resources=resources, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success and _retries(result) == 0
+    failure = result.get_step_failure_events()[0].step_failure_data.user_failure_data
+    assert failure is not None and "HTTP 401" in failure.description
+    assert len(calls) <= 2  # the requests already in flight, not one per document (6), nor again per step retry

@@ -402,7 +402,8 @@ def test_retry_after_is_honoured_and_bounded(header: str, max_backoff_s: float, 
 
 def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
     """A dropped connection is retried by the client and then, if it still fails, is one ``judge_error`` (not
-    re-asked verdict by verdict on top of the client's retries); a 404 for an unknown model stops the judge."""
+    re-asked verdict by verdict on top of the client's retries); a 404 for an unknown model stops the judge; a 400
+    for one sample (its prompt too long) is that sample's ``judge_error``, asked once, and the others are judged."""
     from nexa_dagster.core.judge import Judge
 
     probe = json_judge()
@@ -426,6 +427,19 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
         with pytest.raises(LLMError, match="HTTP 404") as err:
             judge.judge("Explain lists.", "A list holds items.")
         assert err.value.permanent and len(calls) == 3
+
+    def too_long(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if n > 2 and "LONG" in body["messages"][-1]["content"]:
+            return 400, {"error": {"message": "maximum context length exceeded"}}
+        return probe(n, body)
+
+    with stub_server(too_long) as (url, calls, _), \
+            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client:
+        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
+        long, fine = judge.judge_many([("Explain lists.", "LONG " * 50), ("Explain lists.", "A list holds items.")])
+        assert long.error and "HTTP 400" in long.error and long.attempts == 1  # this sample's, asked once
+        assert fine.error is None and fine.score == 4.0
+        assert len(calls) == 2 + 2
 
 
 def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:

@@ -143,8 +143,9 @@ class Judge:
         """The verdict on one answer; never raises for a bad or failed verdict (``error`` is set instead).
 
         Only an unreadable verdict is asked again: a failed request has had its transport retries in the client
-        already (re-asking would multiply them), and a permanent failure (bad key, unknown model: ``LLMError`` with
-        ``permanent``) is raised, since every other verdict would fail the same way.
+        already (re-asking would multiply them) or was refused for what it asks (a 400: asking again cannot help),
+        and a failure of the endpoint itself (bad key, unknown model: ``LLMError.endpoint_wide``) is raised, since
+        every other verdict would fail the same way.
         """
         problems = []
         for attempt in range(self.retries + 1):
@@ -154,7 +155,7 @@ class Judge:
                 problems.append(str(e))
                 continue
             except LLMError as e:
-                if e.permanent:
+                if e.endpoint_wide:
                     raise
                 return Verdict(None, self.method, None, None, f"request failed: {e}", attempt + 1)
             return Verdict(verdict.score, verdict.method, verdict.rationale, verdict.confidence, None, attempt + 1)

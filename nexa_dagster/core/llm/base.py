@@ -33,6 +33,13 @@ class LLMError(RuntimeError):
         self.permanent = permanent
 
     @property
+    def endpoint_wide(self) -> bool:
+        """A wrong key, no permission or an unknown model/URL (401/403/404): every request fails the same way, so
+        a stage stops at once instead of recording one failed row per request. Other permanent errors (400: this
+        prompt is too long, say) belong to the one request."""
+        return self.permanent and self.status in (401, 403, 404)
+
+    @property
     def rejected_request(self) -> bool:
         """The server understood the request and refused what it asks for (400/422): e.g. ``logprobs``."""
         return self.status in (400, 422)

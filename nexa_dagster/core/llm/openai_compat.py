@@ -6,7 +6,8 @@ flight: an ``asyncio.Semaphore`` bounds them to ``max_concurrency``. Each reques
 backoff and jitter on the failures worth retrying (429, 5xx, timeouts, dropped connections); the semaphore is
 released while a request waits to retry, so a backing-off request does not hold a slot. A request that still
 fails comes back from ``chat_many``/``stream_chat`` as a ``Completion`` with ``error`` set, so one bad request
-never kills a partition, while ``chat`` raises ``LLMError`` naming the URL. The API key is held by the
+never kills a partition, while ``chat`` raises ``LLMError`` naming the URL; a failure that no request can escape
+(a wrong key, an unknown model: ``LLMError.endpoint_wide``) is raised from ``chat_many``/``stream_chat`` too. The API key is held by the
 ``openai`` client only: it never appears in errors, logs or ``repr`` (error texts are additionally scrubbed of
 it, in case a server echoes it back).
 """
@@ -271,8 +272,13 @@ class OpenAICompatibleClient(LLMClient):
         t0 = time.perf_counter()
         try:
             return await self.achat(messages, params)
+        except LLMError as e:
+            if e.endpoint_wide:
+                raise  # a wrong key or model: every other request would fail the same way
+            return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
+                              latency_s=time.perf_counter() - t0, error=str(e))
         except Exception as e:  # a failed row is data, not a crash
-            error = str(e) if isinstance(e, LLMError) else self._scrub(f"{type(e).__name__}: {e}")
+            error = self._scrub(f"{type(e).__name__}: {e}")
             return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
                               latency_s=time.perf_counter() - t0, error=error)
 
@@ -291,7 +297,8 @@ class OpenAICompatibleClient(LLMClient):
             return []
 
         async def all_of() -> list[Completion]:
-            return list(await asyncio.gather(*(self._achat_safe(m, params) for m in conversations)))
+            tasks = await _all_or_none([self._achat_safe(m, params) for m in conversations])
+            return [t.result() for t in tasks]
 
         return self._run(all_of())
 
@@ -308,7 +315,7 @@ class OpenAICompatibleClient(LLMClient):
             done.put((i, await self._achat_safe(r.messages, r.params)))
 
         async def all_of() -> None:
-            await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+            await _all_or_none([one(i, r) for i, r in enumerate(requests)])
 
         if self._closed:
             raise LLMError(f"{self.base_url}: client is closed")
@@ -369,6 +376,21 @@ class OpenAICompatibleClient(LLMClient):
 
 def _json_schema_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+async def _all_or_none(coros: Sequence[Coroutine[Any, Any, T]]) -> list[asyncio.Task[T]]:
+    """Run ``coros`` concurrently; the first that raises cancels the rest (not yet sent: they would fail the same
+    way) and its exception is raised as it is, not wrapped in an ``ExceptionGroup``."""
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:
+        first = eg.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return tasks
 
 
 def _retry_after_s(exc: BaseException | None) -> float | None:
