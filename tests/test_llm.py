@@ -22,7 +22,7 @@ import psutil
 import pytest
 from openai_stub import DROP, chat_payload, json_judge, stub_server
 
-from nexa_dagster.core.config import read_text
+from nexa_dagster.core.config import load_yaml, read_text
 from nexa_dagster.core.llm.base import LLMError, SamplingParams, expected_score
 from nexa_dagster.core.llm.local import LocalTransformersClient
 from nexa_dagster.core.llm.managed_server import ManagedServer, transformers_serve_options
@@ -443,7 +443,8 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
 
 
 def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
-    """``max_tokens`` means what it says: too few for a JSON verdict is an error, not silently raised to 96."""
+    """``max_tokens`` means what it says: too few for a JSON verdict is an error, not silently raised to 96; a
+    negative retry count is an error, not silently 0."""
     from nexa_dagster.core.judge import Judge
 
     with stub_server(json_judge()) as (url, _, _t), OpenAICompatibleClient(url, model="stub") as client:
@@ -452,3 +453,17 @@ def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
         judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"),
                       max_tokens=120)
         assert judge.max_tokens == 120
+        with pytest.raises(ValueError, match="retries must be >= 0"):
+            Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=-1)
+    # the same limits where a user writes them: configs/filters.yaml and the resource's settings
+    from nexa_dagster.core.config import ConfigError, validated
+    from nexa_dagster.core.sample_gate import GateConfig
+
+    gate = load_yaml("filters.yaml")
+    with pytest.raises(ConfigError, match="judge.max_tokens"):
+        validated(GateConfig, "filters.yaml", {**gate, "judge": {**gate["judge"], "max_tokens": 8}})
+    for bad in ({"max_retries": -1}, {"max_concurrency": 0}, {"timeout_s": 0}, {"batch_size": 0}):
+        with pytest.raises(Exception, match=next(iter(bad))):
+            LLMResource(backend="openai", base_url="http://127.0.0.1:9/v1", **bad)
+    with pytest.raises(ValueError, match="max_retries must be >= 0"):
+        OpenAICompatibleClient("http://127.0.0.1:9/v1", model="m", max_retries=-1)

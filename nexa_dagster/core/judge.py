@@ -110,7 +110,9 @@ class Judge:
         self.client = client
         self.score_template = score_template
         self.verdict_template = verdict_template
-        self.retries = max(0, retries)
+        if retries < 0:
+            raise ValueError(f"judge retries must be >= 0, got {retries}")
+        self.retries = retries
         self.method = pick_method(client.capabilities(), method)
         if self.method != "logprobs" and max_tokens < VERDICT_MIN_TOKENS:
             raise ValueError(f"judge max_tokens {max_tokens} is too few for a JSON verdict (method {self.method!r}): "

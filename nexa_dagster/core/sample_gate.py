@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nexa_dagster.core.config import load_yaml, validated
 from nexa_dagster.core.dedup import DedupIndex, DedupSettings, load_history, save_partition
-from nexa_dagster.core.judge import SCORE_CHOICES, Judge, Verdict, judge_one
+from nexa_dagster.core.judge import SCORE_CHOICES, VERDICT_MIN_TOKENS, Judge, Verdict, judge_one
 from nexa_dagster.core.llm.base import LLMClient
 
 __all__ = ["SCORE_CHOICES", "GateConfig", "GateResult", "Verdict", "apply_sample_gate", "heuristic_reason",
@@ -38,7 +38,8 @@ class _Strict(BaseModel):
 class JudgeConfig(_Strict):
     method: Literal["auto", "json_schema", "logprobs", "text"] = "auto"  # core.judge.METHODS
     min_score: float = Field(ge=1, le=5, description="samples scored below this are rejected (judge_low_score)")
-    max_tokens: int = Field(default=128, gt=0, description="for JSON verdicts (json_schema, text)")
+    max_tokens: int = Field(default=128, ge=VERDICT_MIN_TOKENS,
+                            description="for JSON verdicts (json_schema, text); fewer would cut a verdict off")
     retries: int = Field(default=2, ge=0, description="re-asks of an unreadable verdict before judge_error")
 
 

@@ -46,10 +46,10 @@ class LLMResource(dg.ConfigurableResource):
                                                  "(openai; empty = the first model the server lists)")
     base_url: str = Field(default="", description="OpenAI-compatible base URL, e.g. http://host:8000/v1 (openai)")
     api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
-    max_concurrency: int = Field(default=8, description="concurrent requests (openai, managed)")
-    timeout_s: float = Field(default=120.0, description="per-request timeout (openai, managed)")
-    max_retries: int = Field(default=4, description="retries with backoff on 429/5xx/timeouts (openai, managed)")
-    batch_size: int = Field(default=16, description="generate() batch size (local)")
+    max_concurrency: int = Field(default=8, ge=1, description="concurrent requests (openai, managed)")
+    timeout_s: float = Field(default=120.0, gt=0, description="per-request timeout (openai, managed)")
+    max_retries: int = Field(default=4, ge=0, description="retries with backoff on 429/5xx/timeouts (openai, managed)")
+    batch_size: int = Field(default=16, ge=1, description="generate() batch size (local)")
     continuous_batching: bool | None = Field(
         default=True, description="managed `transformers serve`: batch concurrent requests (measured 3-4x the "
         "one-at-a-time throughput at 8 in flight on a 2-core CPU, see bench/generation.py); False: off, "

@@ -89,10 +89,12 @@ class OpenAICompatibleClient(LLMClient):
 
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.base_url = base_url.rstrip("/")
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
-        self.max_retries = max(0, max_retries)
+        self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._secret = api_key  # only for scrubbing error texts; never printed
