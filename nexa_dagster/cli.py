@@ -1,8 +1,9 @@
 """``nexa-dagster``: everyday operations outside the UI.
 
-    nexa-dagster status      which checkpoint is in production (pointer file and MLflow alias)
-    nexa-dagster rollback    make the previous production model current again
-    nexa-dagster serve       serve the production model on an OpenAI-compatible endpoint until Ctrl-C
+    nexa-dagster status      what the endpoint serves, and which checkpoint is in production (pointer, MLflow alias)
+    nexa-dagster rollback    serve the previous production model again (switch, pointer, alias)
+    nexa-dagster serve       the serving service: the production model on one stable OpenAI-compatible URL,
+                             following promotions and rollbacks, until Ctrl-C
     nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def _resources() -> tuple[object, object]:
@@ -20,11 +20,25 @@ def _resources() -> tuple[object, object]:
     return resources["storage"], resources["tracking"]
 
 
+def _serving_dir(storage: object) -> str:
+    return str(storage.serving_dir())  # type: ignore[attr-defined]
+
+
 def status() -> int:
     from nexa_dagster.core.promotion import ProductionRegistry, load_policy
+    from nexa_dagster.core.serving.client import ServingServiceClient
 
     storage, tracking = _resources()
     state = ProductionRegistry(storage.production_pointer()).state()
+    service = ServingServiceClient.find(_serving_dir(storage))
+    if service is None:
+        print("endpoint: no serving service runs (`make serve` starts it)")
+    else:
+        s = service.status()
+        print(f"endpoint: {s['endpoint']}  model {s['model']!r} -> {s['checkpoint_id'] or 'nothing yet'} "
+              f"({s['engine']} on {s['colour']}, since {s['serving_since']}, engine restarts {s['engine_restarts']})")
+        if s["last_error"]:
+            print(f"  last error: {s['last_error']}")
     if state.current is None:
         print("no production model yet")
         return 0
@@ -40,11 +54,27 @@ def status() -> int:
 
 
 def rollback() -> int:
+    """Serve the previous production model again: the serving service switches first (when one runs), then the
+    pointer and the MLflow alias follow; nothing to roll back to is one line, not a traceback."""
     from nexa_dagster.core.promotion import ProductionRegistry, load_policy
+    from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 
     storage, tracking = _resources()
     registry = ProductionRegistry(storage.production_pointer())
-    before = registry.current()
+    state = registry.state()
+    if not state.history:
+        what = f"{state.current.checkpoint_id} is the only production model so far" if state.current \
+            else "there is no production model yet"
+        print(f"nothing to roll back to: {what} ({registry.path})", file=sys.stderr)
+        return 1
+    before, target = state.current, state.history[-1]
+    service = ServingServiceClient.find(_serving_dir(storage))
+    if service is not None:
+        try:
+            service.switch(target.checkpoint_path, target.checkpoint_id)
+        except SwitchFailed as e:
+            print(f"rollback failed, production unchanged: {e}", file=sys.stderr)
+            return 1
     state = registry.rollback()
     assert state.current is not None
     policy = load_policy()
@@ -52,31 +82,37 @@ def rollback() -> int:
                                                                   state.current.checkpoint_id)
     if version:
         tracking.set_alias(policy.registered_model, "production", version)
+    served = f", served at {service.base_url}" if service else " (no serving service runs)"
     print(f"rolled back: production is {state.current.checkpoint_id} again "
-          f"(was {before.checkpoint_id if before else 'none'})")
+          f"(was {before.checkpoint_id if before else 'none'}){served}")
     return 0
 
 
 def serve(port: int) -> int:
-    from nexa_dagster.core.llm.managed_server import ManagedServer
-    from nexa_dagster.core.promotion import ProductionRegistry
+    """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
+    import logging
 
+    from nexa_dagster.core.promotion import load_policy
+    from nexa_dagster.core.serving.haproxy import RouterError
+    from nexa_dagster.core.serving.service import ServiceAlreadyRunning, ServingService
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     storage, _ = _resources()
-    current = ProductionRegistry(storage.production_pointer()).current()
-    if current is None:
-        print("no production model yet: run `make run` (or let the pipeline promote one) first", file=sys.stderr)
-        return 1
-    with ManagedServer(current.checkpoint_path, storage.path("serving", "logs"), port=port) as server:
-        print(f"serving production model {current.checkpoint_id} ({server.engine}) at {server.base_url}")
-        print(f"  model name for requests: {server.model_name}", flush=True)
-        print(f"  try: curl {server.base_url}/chat/completions -H 'content-type: application/json' "
-              f"-d '{{\"model\": \"{server.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+    service = ServingService(_serving_dir(storage), storage.production_pointer(), port,
+                             model_name=load_policy().registered_model)
+
+    def ready(s: ServingService) -> None:
+        print(f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
+              f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})")
+        print(f"  try: curl {s.base_url}/chat/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{s.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
         print("Ctrl-C stops it.", flush=True)
-        try:
-            while server.process is not None and server.process.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+
+    try:
+        service.run(ready)
+    except (ServiceAlreadyRunning, RouterError) as e:
+        print(f"cannot serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -87,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status")
     sub.add_parser("rollback")
     p_serve = sub.add_parser("serve")
-    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--port", type=int, default=8000, help="the endpoint's port (HAProxy listens on it)")
     sub.add_parser("demo")
     args = parser.parse_args(argv)
     if args.command == "status":

@@ -26,10 +26,11 @@ from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
-GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=True,
+GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=False,
                          description="Promotion gate (configs/promotion.yaml): the checkpoint beats the production "
-                                     "model on the configured metric by the margin, or there is none yet. "
-                                     "Blocking: a failing checkpoint is not deployed.")
+                                     "model on the configured metric by the margin, or there is none yet. A "
+                                     "checkpoint held back (a tie included) is a recorded decision, a warning, not "
+                                     "a failed run: model_deployment then deploys nothing and is not materialized.")
 
 
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
@@ -137,7 +138,9 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
     context.log.info(f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} "
                      f"({decision.reason})")
     yield dg.AssetCheckResult(check_name="beats_production", passed=decision.passed,
-                              metadata={"reason": decision.reason, "metric": policy.metric,
+                              severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
+                              metadata={"decision": "promote" if decision.passed else "hold back",
+                                        "reason": decision.reason, "metric": policy.metric,
                                         "candidate": decision.candidate, "production": decision.production})
 
 

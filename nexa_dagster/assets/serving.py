@@ -1,53 +1,101 @@
-"""Serving stage: a checkpoint that passed the promotion gate is brought up behind an OpenAI-compatible server,
-smoke-tested, and becomes production (pointer file + MLflow registry alias ``production``)."""
+"""Serving stage: a checkpoint that passed the promotion gate becomes production. With the serving service
+running (``make serve``, docker compose), the service switches its endpoint to the checkpoint (blue/green) and
+this asset waits for it; without one, the checkpoint is smoke-tested in a temporary engine. Then the pointer file
+and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree."""
+
+from collections.abc import Iterator
 
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core.artifacts import EvalReport
-from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry, load_policy, report_metric
-from nexa_dagster.core.serving import DeploymentManifest, deploy_and_smoke
+from nexa_dagster.core.promotion import (
+    ProductionEntry,
+    ProductionRegistry,
+    decide,
+    load_policy,
+    report_metric,
+)
+from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
+from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
+
+
+def _smoke_test_without_service(context: dg.AssetExecutionContext, eval_report: EvalReport,
+                                 storage: StorageResource, previous: str | None) -> SwitchResult:
+    checkpoint_id = context.partition_key
+    work_dir = storage.deployment_dir(checkpoint_id)
+    manifest = smoke_test_in_temporary_engine(eval_report.checkpoint_path, checkpoint_id, work_dir,
+                                              logger=context.log)
+    if manifest.status != "ok":
+        raise dg.Failure(f"{checkpoint_id} failed its smoke test ({manifest.status}): {manifest.error}; "
+                         "not promoting", allow_retries=False)
+    return SwitchResult(checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path,
+                        previous_checkpoint_id=previous, endpoint=None, model_name=manifest.model_name,
+                        switched_at=now_utc(), smoke_response=manifest.smoke_response,
+                        smoke_latency_s=manifest.smoke_latency_s, engine=manifest.engine)
 
 
 @dg.asset(
     group_name="serving",
     partitions_def=checkpoint_partitions,
+    output_required=False,
     retry_policy=MODEL_CALL_RETRY,
-    kinds={"vllm", "transformers"},
-    description="The checkpoint served by an OpenAI-compatible engine (vllm serve on a GPU host, transformers "
-                "serve otherwise): started, health-checked, smoke-tested, stopped, and promoted to production. "
-                "Runs only when eval_report's blocking check `beats_production` passed.",
+    kinds={"vllm", "transformers", "haproxy"},
+    description="The checkpoint in production: the serving service's endpoint switched to it (blue/green behind "
+                "HAProxy, smoke-tested before it takes traffic), or, without a running service, smoke-tested in a "
+                "temporary engine; then the production pointer and MLflow alias. A checkpoint the promotion gate "
+                "held back is not deployed and not materialized: a normal outcome, not a failure.",
 )
 def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport, storage: StorageResource,
-                     tracking: TrackingResource) -> DeploymentManifest:
+                     tracking: TrackingResource) -> Iterator[dg.Output[SwitchResult]]:
     checkpoint_id = context.partition_key
-    work_dir = storage.deployment_dir(checkpoint_id)
-    context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path}")
-    manifest = deploy_and_smoke(eval_report.checkpoint_path, checkpoint_id, work_dir, logger=context.log)
-    if manifest.status != "ok":
-        raise dg.Failure(f"{checkpoint_id}: the smoke request got no answer ({manifest.status}); not promoting")
-
     policy = load_policy()
-    version = tracking.version_of(policy.registered_model, checkpoint_id) or tracking.register_checkpoint(
-        policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None)
-    tracking.set_alias(policy.registered_model, "production", version)
-    ProductionRegistry(storage.production_pointer()).promote(ProductionEntry(
-        checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric=policy.metric,
-        value=report_metric(eval_report, policy.metric), mlflow_version=version))
-    context.log.info(f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})")
-    context.add_output_metadata({
-        "engine": manifest.engine,
-        "status": manifest.status,
-        "ready_s": round(manifest.ready_s, 2),
-        "smoke_latency_s": round(manifest.smoke_latency_s, 3),
-        "smoke_prompt": manifest.smoke_prompt,
-        "smoke_response": manifest.smoke_response[:500],
-        "manifest": dg.MetadataValue.path(str(work_dir / "deployment.json")),
-        "validation_loss": round(eval_report.validation_loss, 4),
-        "promoted_to_production": True,
+    registry = ProductionRegistry(storage.production_pointer())
+    production = registry.current()
+    decision = decide(checkpoint_id, report_metric(eval_report, policy.metric), production, policy)
+    if not decision.passed:
+        context.log.info(f"{checkpoint_id} held back by the promotion gate ({decision.reason}); "
+                         f"{production.checkpoint_id if production else 'nothing'} stays in production")
+        return
+
+    previous = production.checkpoint_id if production else None
+    service = ServingServiceClient.find(storage.serving_dir())
+    if service is None:
+        context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
+        result = _smoke_test_without_service(context, eval_report, storage, previous)
+    else:
+        context.log.info(f"asking the serving service at {service.base_url} to switch to {checkpoint_id}")
+        try:
+            result = service.switch(eval_report.checkpoint_path, checkpoint_id)
+        except SwitchFailed as e:
+            raise dg.Failure(f"the serving service did not switch to {checkpoint_id}: {e}",
+                             allow_retries=False) from e
+
+    try:
+        version = tracking.version_of(policy.registered_model, checkpoint_id) or tracking.register_checkpoint(
+            policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None)
+        tracking.set_alias(policy.registered_model, "production", version)
+        registry.promote(ProductionEntry(
+            checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric=policy.metric,
+            value=report_metric(eval_report, policy.metric), mlflow_version=version))
+    except BaseException:
+        if service is not None and production is not None:  # traffic goes back to what the pointer says
+            service.switch(production.checkpoint_path, production.checkpoint_id)
+        raise
+    context.log.info(f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
+                     + (f", served at {result.endpoint}" if result.endpoint else ""))
+    yield dg.Output(result, metadata={
+        "endpoint": result.endpoint or "none (no serving service runs; `make serve` serves production)",
+        "checkpoint_served": checkpoint_id,
+        "previous_checkpoint": result.previous_checkpoint_id,
+        "switched_at": result.switched_at,
+        "switch_s": round(result.switch_s, 2),
+        "engine": result.engine,
+        "smoke_response": result.smoke_response[:500],
+        "smoke_latency_s": round(result.smoke_latency_s, 3),
+        "promotion_reason": decision.reason,
         "mlflow_model_version": f"{policy.registered_model}/{version}",
     })
-    return manifest

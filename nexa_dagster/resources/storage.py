@@ -56,5 +56,9 @@ class StorageResource(dg.ConfigurableResource):
         """The JSON file that says which checkpoint is in production (and which were before)."""
         return self.path("serving", "production.json")
 
+    def serving_dir(self) -> Path:
+        """Where the serving service keeps its engines, router and ``service.json`` (beside the pointer)."""
+        return Path(self.path("serving"))
+
     def deployment_dir(self, checkpoint_id: str) -> Path:
         return io.local_dir(Path(self._root(self.results_root)) / "deployments" / checkpoint_id)

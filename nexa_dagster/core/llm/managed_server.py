@@ -82,14 +82,19 @@ def _venv_cli(name: str) -> str | None:
 
 
 def server_command(model_dir: str, port: int, engine: str, device: str = "cpu",
-                   continuous_batching: bool = False, extra_args: Sequence[str] = ()) -> list[str]:
-    """The command line that serves ``model_dir`` on ``127.0.0.1:port``."""
+                   continuous_batching: bool = False, extra_args: Sequence[str] = (),
+                   served_model_name: str | None = None) -> list[str]:
+    """The command line that serves ``model_dir`` on ``127.0.0.1:port``.
+
+    ``transformers serve`` names the model by the path it was given (``model_dir``); to serve it under a stable
+    name, pass that name as ``model_dir`` and run the command where a link of that name points at the model.
+    """
     if engine == "vllm":
         exe = _venv_cli("vllm")
         head = [exe, "serve", model_dir] if exe else [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                                                       "--model", model_dir]
-        return [*head, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", Path(model_dir).name,
-                *extra_args]
+        return [*head, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
+                served_model_name or Path(model_dir).name, *extra_args]
     if engine != "transformers":
         raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
     exe = _venv_cli("transformers")
@@ -120,8 +125,10 @@ class ManagedServer:
                  startup_timeout_s: float = 180.0, port: int | None = None, device: str = "auto",
                  continuous_batching: bool | None = None, extra_args: Sequence[str] = (),
                  logger: logging.Logger | None = None, stop_grace_s: float = 10.0,
-                 cb_max_memory_percent: float | None = None, progress_every_s: float = 10.0) -> None:
+                 cb_max_memory_percent: float | None = None, progress_every_s: float = 10.0,
+                 served_model_name: str | None = None) -> None:
         self.model_dir = str(Path(model_dir).resolve())
+        self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)")
         self.engine = ("vllm" if vllm_available() else "transformers") if engine == "auto" else engine
@@ -166,7 +173,10 @@ class ManagedServer:
 
     @property
     def model_name(self) -> str:
-        """The name to put in requests: vLLM serves the directory's name, transformers the path itself."""
+        """The name to put in requests: ``served_model_name`` when given; else vLLM serves the directory's name,
+        transformers the path itself."""
+        if self.served_model_name:
+            return self.served_model_name
         return Path(self.model_dir).name if self.engine == "vllm" else self.model_dir
 
     @property
@@ -206,9 +216,27 @@ class ManagedServer:
                       self.base_url, self.ready_s, self.log_path)
         return self
 
+    def _stable_name_link(self) -> str:
+        """``transformers serve`` knows a model by the path it loaded it from: serve it from ``<log_dir>/<name>``,
+        a link to the checkpoint, started in ``log_dir``, so that requests name it ``<name>`` whatever the
+        checkpoint (the link is replaced only while no engine of this ``log_dir`` runs)."""
+        name = self.served_model_name
+        assert name is not None
+        if "/" in name or name in (".", ".."):
+            raise ValueError(f"served_model_name {name!r} must be a plain name (it becomes a link in {self.log_dir})")
+        link = self.log_dir / name
+        tmp = self.log_dir / f".{name}.link"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(self.model_dir, target_is_directory=True)
+        os.replace(tmp, link)
+        return name
+
     def _spawn(self) -> None:
-        cmd = server_command(self.model_dir, self.port, self.engine, self.device, self.continuous_batching,
-                             self.extra_args)
+        model = self.model_dir
+        if self.served_model_name and self.engine == "transformers":
+            model = self._stable_name_link()
+        cmd = server_command(model, self.port, self.engine, self.device, self.continuous_batching,
+                             self.extra_args, self.served_model_name)
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(os.environ.get("HF_HUB_CACHE", self.log_dir / "hf-cache"))
         cache.mkdir(parents=True, exist_ok=True)
@@ -220,7 +248,7 @@ class ManagedServer:
             if sys.platform == "linux":
                 cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *cmd]
             self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True)  # own process group: clean stop
+                                            env=env, start_new_session=True, cwd=self.log_dir)  # own process group: clean stop
         atexit.register(self.stop)
 
     def _wait_healthy(self) -> None:

@@ -1,0 +1,81 @@
+"""How Dagster and the CLI reach a running serving service: ``service.json`` in the serving directory says
+where its control API listens; ``switch`` asks it to serve another checkpoint and waits for the outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+SERVICE_FILE = "service.json"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class SwitchFailed(RuntimeError):
+    """The service did not switch (the new checkpoint did not start or failed its smoke test); the old one
+    keeps serving. The message is the service's reason."""
+
+
+class SwitchResult(BaseModel):
+    """What one deployment did: which checkpoint serves now, instead of which, since when, and its smoke answer."""
+
+    checkpoint_id: str
+    checkpoint_path: str
+    previous_checkpoint_id: str | None = None
+    endpoint: str | None = None  # the stable base URL; None when no serving service runs (temporary engine)
+    model_name: str
+    colour: str | None = None
+    switched_at: str
+    switch_s: float = 0.0  # from the request to traffic on the new engine (engine start, smoke test, drain)
+    drain_s: float = 0.0
+    smoke_response: str = ""
+    smoke_latency_s: float = 0.0
+    engine: str = ""
+
+
+class ServingServiceClient:
+    def __init__(self, control_url: str, base_url: str, pid: int) -> None:
+        self.control_url, self.base_url, self.pid = control_url.rstrip("/"), base_url, pid
+
+    @classmethod
+    def find(cls, serving_dir: str | Path) -> ServingServiceClient | None:
+        """The service of this data root when one runs (its file exists, its process lives and it answers)."""
+        path = Path(serving_dir) / SERVICE_FILE
+        try:
+            facts = json.loads(path.read_text())
+            os.kill(int(facts["pid"]), 0)
+        except (OSError, ValueError, KeyError):
+            return None
+        client = cls(facts["control_url"], facts["base_url"], int(facts["pid"]))
+        try:
+            client.status()
+        except OSError:
+            return None
+        return client
+
+    def _call(self, method: str, route: str, body: dict[str, Any] | None = None,
+              timeout_s: float = 10.0) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.control_url + route, data=data, method=method,
+                                         headers={"content-type": "application/json"})
+        try:
+            with _NO_PROXY.open(request, timeout=timeout_s) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/status")[1]
+
+    def switch(self, checkpoint_path: str, checkpoint_id: str, timeout_s: float = 900.0) -> SwitchResult:
+        """Serve ``checkpoint_path`` instead of what is served now; returns once traffic is on it."""
+        code, answer = self._call("POST", "/switch", {"checkpoint_path": checkpoint_path,
+                                                      "checkpoint_id": checkpoint_id}, timeout_s=timeout_s)
+        if code != 200:
+            raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
+        return SwitchResult.model_validate(answer)

@@ -1,0 +1,315 @@
+"""The serving service: one stable OpenAI-compatible URL that always answers with the production checkpoint.
+
+Shape: HAProxy listens on the stable port and routes to one of two engine processes, ``blue`` and ``green``
+(``transformers serve`` on a CPU host, ``vllm serve`` on a GPU host), each serving its checkpoint under the stable
+model name (``nexa-moe``). A switch (a promotion, a rollback) starts the new checkpoint on the idle colour, waits
+for its health and a smoke request whose answer must be text, then routes new requests to it while the old
+colour drains (its requests in flight finish), and only then stops the old engine. A checkpoint that does not
+start or fails its smoke test is stopped and the old one keeps serving; the switch fails with the reason.
+
+The service supervises the serving engine (an engine that dies is restarted on its port) and follows the
+production pointer: a pointer that moves (a deployment or a rollback while the service was busy, by hand) is
+switched to. Its control API (loopback only): ``GET /status``, ``GET /v1/models`` (also routed through the
+stable URL), ``POST /switch``. ``service.json`` in the serving directory says where it listens.
+
+Every engine is started and stopped by the main thread: the engines are told to die with the thread that
+started them (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the service leaves no engine and no HAProxy behind,
+and the control API's request threads hand their work to the main thread through a queue.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from nexa_dagster.core import storage
+from nexa_dagster.core.llm.base import LLMError
+from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.net import free_port
+from nexa_dagster.core.promotion import ProductionRegistry
+from nexa_dagster.core.serving.client import SERVICE_FILE, SwitchFailed, SwitchResult
+from nexa_dagster.core.serving.haproxy import COLOURS, HAProxyRouter
+from nexa_dagster.core.serving.smoke import now_utc, smoke_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedEngine:
+    colour: str
+    checkpoint_id: str
+    checkpoint_path: str
+    engine: ManagedServer
+    since: str = field(default_factory=now_utc)
+
+
+class ServiceAlreadyRunning(RuntimeError):
+    pass
+
+
+class ServingService:
+    """``ServingService(serving_dir, pointer, port=8000).run()`` serves until SIGTERM/SIGINT."""
+
+    def __init__(self, serving_dir: str | Path, production_pointer: str, port: int, model_name: str = "nexa-moe",
+                 engine: str = "auto", startup_timeout_s: float = 300.0, poll_s: float = 0.5,
+                 drain_timeout_s: float = 120.0, logger: logging.Logger | None = None) -> None:
+        self.dir = Path(serving_dir)
+        self.pointer = production_pointer
+        self.port, self.model_name, self.engine_kind = port, model_name, engine
+        self.startup_timeout_s, self.poll_s, self.drain_timeout_s = startup_timeout_s, poll_s, drain_timeout_s
+        self.log = logger or log
+        self.engine_ports = {c: free_port() for c in COLOURS}
+        self.active: ServedEngine | None = None
+        self.previous_checkpoint_id: str | None = None
+        self.last_switch: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        self.engine_restarts = 0
+        self._tasks: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
+        self._stopping = threading.Event()
+        self._seen_pointer: str | None = None
+        self.router: HAProxyRouter | None = None
+        self._http: ThreadingHTTPServer | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    # -- life cycle ----------------------------------------------------------------------------------------------
+    def run(self, ready: Callable[[ServingService], None] | None = None) -> None:
+        """Serve the production checkpoint, then follow switches and supervise the engine until stopped."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self._exclusive(), contextlib.ExitStack() as stack:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stopping.set())
+            self._http = ThreadingHTTPServer(("127.0.0.1", 0), _control_handler(self))
+            self._http.daemon_threads = True
+            threading.Thread(target=self._http.serve_forever, name="control-api", daemon=True).start()
+            stack.callback(self._http.shutdown)
+            self.router = HAProxyRouter(self.dir / "router", self.port, self.engine_ports,
+                                        self._http.server_address[1], logger=self.log).start()
+            stack.callback(self.router.stop)
+            stack.callback(self._stop_engine)
+            self._follow_pointer()  # serve what is in production now
+            storage.write_json({"pid": os.getpid(), "base_url": self.base_url, "model_name": self.model_name,
+                                "control_url": f"http://127.0.0.1:{self._http.server_address[1]}",
+                                "started_at": now_utc()}, self.dir / SERVICE_FILE)
+            stack.callback(lambda: (self.dir / SERVICE_FILE).unlink(missing_ok=True))
+            self.log.info("serving %s at %s (checkpoint %s)", self.model_name, self.base_url,
+                          self.active.checkpoint_id if self.active else "none yet")
+            if ready:
+                ready(self)
+            while not self._stopping.is_set():
+                self._run_tasks(timeout_s=self.poll_s)
+                self._supervise()
+                self._follow_pointer()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with open(self.dir / "service.lock", "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ServiceAlreadyRunning(f"a serving service already runs for {self.dir} "
+                                            f"(see {self.dir / SERVICE_FILE})") from None
+            yield
+
+    def _run_tasks(self, timeout_s: float) -> None:
+        try:
+            task, future = self._tasks.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(task())
+            except BaseException as e:  # handed to the waiting request thread
+                future.set_exception(e)
+
+    def submit(self, task: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``task`` on the main thread (the one that owns the engines); any thread may call this."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._tasks.put((task, future))
+        return future
+
+    # -- the engine ----------------------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """An engine that died (killed, crashed) is restarted on its port; HAProxy keeps routing to that port."""
+        served = self.active
+        if served is None or served.engine.process is None or served.engine.process.poll() is None:
+            return
+        code = served.engine.process.returncode
+        self.engine_restarts += 1
+        self.log.warning("the %s engine (%s) exited with code %s; restarting it", served.colour,
+                         served.checkpoint_id, code)
+        served.engine.stop()
+        try:
+            served.engine.start()
+            self.last_error = None
+        except (LLMError, OSError) as e:
+            self.last_error = f"the engine of {served.checkpoint_id} exited with code {code} and did not restart: {e}"
+            self.log.error(self.last_error)
+
+    def _stop_engine(self) -> None:
+        if self.active is not None:
+            self.active.engine.stop()
+
+    def _follow_pointer(self) -> None:
+        try:
+            current = ProductionRegistry(self.pointer).current()
+        except (OSError, ValueError) as e:
+            self.log.warning("cannot read the production pointer %s: %s", self.pointer, e)
+            return
+        key = f"{current.checkpoint_id}:{current.checkpoint_path}" if current else None
+        if current is None or key == self._seen_pointer:
+            return
+        self._seen_pointer = key
+        if self.active is not None and self.active.checkpoint_path == str(Path(current.checkpoint_path)):
+            return
+        self.log.info("the production pointer names %s: switching to it", current.checkpoint_id)
+        try:
+            self.switch(current.checkpoint_path, current.checkpoint_id)
+        except SwitchFailed as e:
+            self.log.error("%s", e)
+
+    def switch(self, checkpoint_path: str, checkpoint_id: str) -> SwitchResult:
+        """Blue/green: start ``checkpoint_path`` on the idle colour, smoke-test it, route to it, drain the old one.
+
+        Main thread only (``submit`` it from elsewhere). Raises ``SwitchFailed`` with the reason, leaving the old
+        checkpoint serving, when the new one does not start or does not answer with text.
+        """
+        t0 = time.perf_counter()
+        old = self.active
+        if old is not None and old.checkpoint_path == checkpoint_path and old.checkpoint_id == checkpoint_id:
+            return self._result(old, old.checkpoint_id, t0, 0.0, "", 0.0)  # already serving it
+        colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
+        try:
+            engine = ManagedServer(checkpoint_path, self.dir / "engines" / colour, engine=self.engine_kind,
+                                   port=self.engine_ports[colour], startup_timeout_s=self.startup_timeout_s,
+                                   served_model_name=self.model_name, logger=self.log)
+            engine.start(attempts=1)
+        except (LLMError, ValueError, OSError) as e:
+            return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
+        smoke = smoke_request(engine.base_url, engine.model_name, timeout_s=60.0, max_retries=1)
+        if not smoke.ok:
+            tail = engine.log_tail(10)
+            engine.stop()
+            return self._failed(checkpoint_id, f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
+                                               f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text
+                                                                     else ""))
+        assert self.router is not None
+        drain_s = self.router.route_to(colour, self.drain_timeout_s)
+        self.active = ServedEngine(colour, checkpoint_id, checkpoint_path, engine)
+        self.previous_checkpoint_id = old.checkpoint_id if old else None
+        if old is not None:
+            old.engine.stop()
+        self.last_error = None
+        result = self._result(self.active, self.previous_checkpoint_id, t0, drain_s, smoke.text, smoke.latency_s)
+        self.last_switch = result.model_dump()
+        self.log.info("now serving %s on %s (was %s), switch took %.1f s", checkpoint_id, colour,
+                      self.previous_checkpoint_id, result.switch_s)
+        return result
+
+    def _still_serving(self) -> str:
+        return f"{self.active.checkpoint_id} keeps serving" if self.active else "nothing is served"
+
+    def _failed(self, checkpoint_id: str, reason: str) -> SwitchResult:
+        self.last_error = reason
+        self.last_switch = {"checkpoint_id": checkpoint_id, "failed_at": now_utc(), "error": reason}
+        raise SwitchFailed(reason)
+
+    def _result(self, served: ServedEngine, previous: str | None, t0: float, drain_s: float, smoke: str,
+                smoke_latency_s: float) -> SwitchResult:
+        return SwitchResult(checkpoint_id=served.checkpoint_id, checkpoint_path=served.checkpoint_path,
+                            previous_checkpoint_id=previous, endpoint=self.base_url, model_name=self.model_name,
+                            colour=served.colour, switched_at=served.since, switch_s=time.perf_counter() - t0,
+                            drain_s=drain_s, smoke_response=smoke, smoke_latency_s=smoke_latency_s,
+                            engine=served.engine.engine)
+
+    # -- what the control API reports ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        served = self.active
+        return {
+            "endpoint": self.base_url, "model": self.model_name,
+            "checkpoint_id": served.checkpoint_id if served else None,
+            "checkpoint_path": served.checkpoint_path if served else None,
+            "colour": served.colour if served else None,
+            "engine": served.engine.engine if served else None,
+            "engine_pid": served.engine.pid if served else None,
+            "serving_since": served.since if served else None,
+            "previous_checkpoint_id": self.previous_checkpoint_id,
+            "engine_restarts": self.engine_restarts, "last_switch": self.last_switch, "last_error": self.last_error,
+            "service_pid": os.getpid(),
+        }
+
+    def models(self) -> dict[str, Any]:
+        served = self.active
+        data = [] if served is None else [{
+            "id": self.model_name, "object": "model", "owned_by": "nexa-dagster",
+            "created": int(Path(served.checkpoint_path).stat().st_mtime) if Path(served.checkpoint_path).exists()
+            else 0, "checkpoint_id": served.checkpoint_id}]
+        return {"object": "list", "data": data}
+
+
+def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
+    class ControlAPI(BaseHTTPRequestHandler):
+        """``GET /status``, ``GET /v1/models``, ``POST /switch`` (JSON)."""
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            service.log.debug("control API: " + format, *args)
+
+        def _send(self, code: int, payload: dict[str, Any]) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            path = self.path.split("?")[0]
+            if path == "/status":
+                self._send(200, service.status())
+            elif path == "/v1/models":
+                self._send(200, service.models())
+            elif path.startswith("/v1/models/"):
+                found = [m for m in service.models()["data"] if m["id"] == path.rsplit("/", 1)[1]]
+                self._send(200, found[0]) if found else self._send(404, {"error": {"message": "no such model"}})
+            else:
+                self._send(404, {"error": f"no route {path}"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/switch":
+                self._send(404, {"error": f"no route {self.path}"})
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+                path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
+            except (ValueError, KeyError) as e:
+                self._send(400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"})
+                return
+            try:
+                result = service.submit(lambda: service.switch(path, checkpoint_id)).result()
+            except SwitchFailed as e:
+                self._send(409, {"error": str(e)})
+                return
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
+                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+                return
+            self._send(200, result.model_dump())
+
+    return ControlAPI

@@ -1,0 +1,105 @@
+"""The smoke request: one greedy chat request to an engine, and a verdict on whether the answer is text.
+
+``smoke_test_in_temporary_engine`` is the deployment check used when no serving service runs (a pipeline on a
+laptop, the tests of the pipeline): it starts an engine on the checkpoint, sends the smoke request, stops the
+engine and writes ``deployment.json``. With a serving service running, the service sends the same request to the
+new engine before it takes traffic (``service.ServingService.switch``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from nexa_dagster.core import storage
+from nexa_dagster.core.llm.base import LLMError, SamplingParams
+from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
+from nexa_dagster.core.serving.answer_check import text_problem
+
+SMOKE_PROMPT = "In one sentence, what does a Python list comprehension do?"
+MANIFEST_NAME = "deployment.json"
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class SmokeAnswer:
+    text: str
+    completion_tokens: int
+    latency_s: float
+    problem: str | None  # None: the answer is text; else why the engine failed the smoke test
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def smoke_request(base_url: str, model_name: str, prompt: str = SMOKE_PROMPT, max_tokens: int = 32,
+                  timeout_s: float = 120.0, max_retries: int = 2) -> SmokeAnswer:
+    """Send the smoke request (temperature 0: a checkpoint's answer is reproducible) and judge the answer."""
+    t0 = time.perf_counter()
+    with OpenAICompatibleClient(base_url, model=model_name, max_retries=max_retries, timeout_s=timeout_s) as client:
+        try:
+            answer = client.chat([{"role": "user", "content": prompt}],
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        except LLMError as e:
+            return SmokeAnswer("", 0, time.perf_counter() - t0, f"the smoke request failed: {e}")
+    problem = text_problem(answer.text)
+    return SmokeAnswer(answer.text, answer.completion_tokens, time.perf_counter() - t0, problem)
+
+
+class DeploymentManifest(BaseModel):
+    """One smoke test of one checkpoint in a temporary engine: the engine and what a real request got back."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    engine: str
+    base_url: str
+    model_name: str
+    started_at: str
+    ready_s: float = Field(ge=0, description="seconds from process start to a healthy /health")
+    smoke_prompt: str
+    smoke_response: str
+    smoke_latency_s: float = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    stopped_at: str
+    status: str = Field(description="ok | not_text | failed")
+    error: str | None = None
+    log_path: str = ""
+
+
+def smoke_test_in_temporary_engine(checkpoint_dir: str | Path, checkpoint_id: str, work_dir: str | Path,
+                                   prompt: str = SMOKE_PROMPT, engine: str = "auto", max_tokens: int = 32,
+                                   startup_timeout_s: float = 300.0, request_timeout_s: float = 120.0,
+                                   logger: logging.Logger | None = None) -> DeploymentManifest:
+    """Start an engine, send the smoke request, stop the engine, write ``deployment.json`` atomically.
+
+    The manifest is written even when the smoke test fails (``status`` says how, ``error`` why) so that the
+    failure can be read after the fact; an engine that never becomes healthy raises ``LLMError`` with its log tail.
+    """
+    work_dir = Path(work_dir)
+    started = now_utc()
+    with ManagedServer(checkpoint_dir, work_dir, engine=engine, startup_timeout_s=startup_timeout_s,
+                       logger=logger) as server:
+        answer = smoke_request(server.base_url, server.model_name, prompt, max_tokens, request_timeout_s)
+        error = answer.problem
+        if error and not answer.text:
+            error = f"{error}; server log tail:\n{server.log_tail(15)}"
+        facts = {"engine": server.engine, "base_url": server.base_url, "model_name": server.model_name,
+                 "ready_s": server.ready_s, "log_path": str(server.log_path)}
+    status = "ok" if answer.ok else ("not_text" if answer.text else "failed")
+    manifest = DeploymentManifest(
+        checkpoint_id=checkpoint_id, checkpoint_dir=str(checkpoint_dir), started_at=started, smoke_prompt=prompt,
+        smoke_response=answer.text, smoke_latency_s=answer.latency_s, completion_tokens=answer.completion_tokens,
+        stopped_at=now_utc(), status=status, error=error, **facts,
+    )
+    storage.write_json(manifest.model_dump(), work_dir / MANIFEST_NAME)  # temp file + os.replace
+    return manifest
