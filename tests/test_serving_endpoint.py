@@ -7,7 +7,10 @@ One service is shared by the tests of this module (in file order: each leaves it
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +29,7 @@ from nexa_dagster.core.config import REPO_ROOT
 from nexa_dagster.core.net import free_port
 from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.serving.answer_check import text_problem
-from nexa_dagster.core.serving.client import ServingServiceClient
+from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 from nexa_dagster.core.tiny_model import build_tiny_causal_lm
 from tests.services import missing
@@ -230,3 +233,90 @@ def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
     assert answers_b != answers_a and answers_a_again == answers_a, (answers_a, answers_b, answers_a_again)
     assert endpoint.registry.current().checkpoint_id == "a"
     assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def _failure_message(result: dg.ExecuteInProcessResult, node: str) -> str:
+    failure = result.failure_data_for_node(node)
+    assert failure is not None and failure.error is not None
+    return failure.error.message
+
+
+def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keeps_serving(
+        endpoint: Endpoint, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(endpoint.a, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    with httpx.Client(timeout=60.0) as http:
+        before = _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"]
+        result = _materialize_deployment(endpoint, "broken", broken, loss=1.0)
+        assert not result.success
+        message = _failure_message(result, "model_deployment")
+        assert "did not switch to broken" in message and "broken did not start, a keeps serving" in message, message
+        assert _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"] == before
+    assert endpoint.registry.current().checkpoint_id == "a"  # pointer, alias and traffic agree
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def test_a_checkpoint_held_back_by_the_gate_is_a_successful_run_that_deploys_nothing(endpoint: Endpoint) -> None:
+    """A tie with production (loss 5.0 = 5.0) does not beat it: the run succeeds, nothing is materialized."""
+    result = _materialize_deployment(endpoint, "tie", endpoint.b, loss=5.0)
+    assert result.success
+    assert result.asset_materializations_for_node("model_deployment") == []
+    assert endpoint.registry.current().checkpoint_id == "a"
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def _garbage_model(source: Path, out: Path) -> Path:
+    """A's weights, made to answer only with tokens that are lone bytes of multi-byte UTF-8 characters (every
+    other token is suppressed): an answer of U+FFFD characters, the tiny models' failure mode."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    text_tokens = [i for i in range(len(tok)) if "\ufffd" not in tok.decode([i])]
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "suppress_tokens": text_tokens}))
+    return out
+
+
+def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoint, tmp_path: Path) -> None:
+    garbage = _garbage_model(endpoint.a, tmp_path / "garbage")
+    with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving: the answer does not "
+                                           "decode to text"):
+        endpoint.client().switch(str(garbage), "garbage")
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def test_kill_9_of_the_engine_restarts_it(endpoint: Endpoint) -> None:
+    status = endpoint.client().status()
+    os.kill(status["engine_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while (now := endpoint.client().status())["engine_restarts"] == status["engine_restarts"] or \
+            now["engine_pid"] == status["engine_pid"]:
+        assert time.monotonic() < deadline, endpoint.log_tail()
+        time.sleep(0.5)
+    with httpx.Client(timeout=60.0) as http:  # the endpoint answers again once the new engine is up
+        while (code := _chat(http, endpoint.base_url).status_code) != 200:
+            assert code == 503 and time.monotonic() < deadline, endpoint.log_tail()
+            time.sleep(0.5)
+    assert now["checkpoint_id"] == "a" and now["engine_restarts"] == status["engine_restarts"] + 1
+    assert endpoint.client().status()["last_error"] is None
+
+
+def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoint) -> None:
+    """Killed outright, the service takes HAProxy and the engine with it; started again, it serves the checkpoint
+    the production pointer names (moved meanwhile, as a deployment would)."""
+    assert endpoint.process is not None
+    children = psutil.Process(endpoint.process.pid).children(recursive=True)
+    assert any("haproxy" in " ".join(c.cmdline()) for c in children)
+    endpoint.process.kill()
+    endpoint.process.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    endpoint.registry.promote(ProductionEntry(checkpoint_id="b", checkpoint_path=str(endpoint.b),
+                                              metric="validation_loss", value=4.0))
+    endpoint.start()  # waits until it serves b
+    with httpx.Client(timeout=60.0) as http:
+        r = _chat(http, endpoint.base_url)
+    assert r.status_code == 200 and endpoint.client().status()["checkpoint_id"] == "b"
