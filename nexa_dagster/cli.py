@@ -14,7 +14,11 @@ import sys
 
 
 def _resources() -> tuple[object, object]:
-    from nexa_dagster.definitions import build_resources
+    import warnings
+
+    with warnings.catch_warnings():  # Dagster's beta notices about the asset definitions: not for an operator
+        warnings.simplefilter("ignore")
+        from nexa_dagster.definitions import build_resources
 
     resources = build_resources()
     return resources["storage"], resources["tracking"]

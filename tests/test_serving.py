@@ -1,22 +1,30 @@
-"""Serving a checkpoint: a real server comes up, answers a smoke request, and is gone afterwards."""
+"""Serving a checkpoint without the serving service: a real server comes up, answers a smoke request whose answer
+must be text, and is gone afterwards; `nexa-dagster rollback` with nothing to roll back to says so in one line.
+(The serving service itself: tests/test_serving_endpoint.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 
-from nexa_dagster.core.serving import DeploymentManifest, deploy_and_smoke
+from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.serving.answer_check import text_problem
+from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_temporary_engine
 
 
-def test_deploy_and_smoke_writes_a_manifest_and_stops_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
-    manifest = deploy_and_smoke(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
+def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
     stored = DeploymentManifest.model_validate(json.loads((tmp_path / "deployment.json").read_text()))
     assert stored == manifest
     assert manifest.engine == "transformers" and manifest.status == "ok" and manifest.error is None
-    assert manifest.smoke_response.strip() and 0 < manifest.completion_tokens <= 16
+    assert text_problem(manifest.smoke_response) is None and 0 < manifest.completion_tokens <= 16
     assert manifest.smoke_latency_s > 0 and manifest.ready_s > 0
     assert manifest.started_at <= manifest.stopped_at
     assert manifest.model_name == str(tiny_model_dir.resolve())
@@ -28,3 +36,23 @@ def test_deploy_and_smoke_writes_a_manifest_and_stops_the_server(tiny_model_dir:
     assert not list(tmp_path.glob(".*.tmp"))  # the manifest was written under a temporary name, then renamed
     log = Path(manifest.log_path)
     assert log == tmp_path / f"transformers-serve-{port}.log" and "serve" in log.read_text()
+
+
+def test_an_answer_of_replacement_characters_is_not_text() -> None:
+    """The smoke test's bar (what a tiny model's untrained answer looked like, and what passed as `ok`)."""
+    assert text_problem("A list comprehension builds a list from an iterable.") is None
+    assert text_problem("converted added \"** integers SUITEpro~~lass B se\ufffd") is None  # a few stray bytes
+    soup = "\ufffd\ufffd \ufffd\ufffd\ufffd a\ufffd\ufffd"
+    assert "does not decode to text" in (text_problem(soup) or "")
+    assert text_problem("   ") == "the answer is empty"
+    assert "no letter" in (text_problem("12 34 !!") or "")
+
+
+def test_rollback_with_nothing_to_roll_back_to_is_one_clear_line(tmp_path: Path) -> None:
+    env = {**os.environ, "NEXA_DATA_ROOT": str(tmp_path / "data"), "NEXA_RESULTS_ROOT": str(tmp_path / "results")}
+    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"nothing to roll back to: there is no production model yet ({tmp_path}/data/serving/production.json)"]
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -62,6 +62,7 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
         return
 
     previous = production.checkpoint_id if production else None
+    context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path} ({decision.reason})")
     service = ServingServiceClient.find(storage.serving_dir())
     if service is None:
         context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
