@@ -5,6 +5,7 @@
 #   docker build -t nexa-dagster:gpu --build-arg EXTRAS=gpu,k8s .    # GPU hosts (vLLM); use a CUDA base for real work
 #   docker run -p 3000:3000 -v nexa-data:/app/data nexa-dagster      # single container: dagster dev, SQLite
 #   docker compose up --build                                        # Postgres + code server + webserver + daemon
+#                                                                    # + the serving service (:8000/v1)
 
 # ---- build: a virtual environment with the project installed (editable, so configs/ resolve under /app) ----
 FROM python:3.11-slim AS build
@@ -21,9 +22,10 @@ RUN python -m venv /opt/venv \
 
 # ---- runtime ----
 FROM python:3.11-slim
-# g++: DeepSpeed compiles its CPU communication op on first use; munge/slurm clients are added by GPU-cluster images
+# g++: DeepSpeed compiles its CPU communication op on first use; munge/slurm clients are added by GPU-cluster images.
+# haproxy: routes the serving service's endpoint to the blue or green engine (`nexa-dagster serve`).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+    && apt-get install -y --no-install-recommends g++ haproxy \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 nexa
 ENV PATH=/opt/venv/bin:$PATH \
@@ -45,5 +47,5 @@ RUN mkdir -p .dagster_home .dagster_home_production data results \
     && chown -R nexa:nexa /app
 USER 1000
 
-EXPOSE 3000 4000
+EXPOSE 3000 4000 8000
 CMD ["dagster", "dev", "-w", "workspace.yaml", "-h", "0.0.0.0", "-p", "3000"]

@@ -92,7 +92,7 @@ def rollback() -> int:
     return 0
 
 
-def serve(port: int) -> int:
+def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     import logging
 
@@ -103,7 +103,7 @@ def serve(port: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     storage, _ = _resources()
     service = ServingService(_serving_dir(storage), storage.production_pointer(), port,
-                             model_name=load_policy().registered_model)
+                             model_name=load_policy().registered_model, host=host, control_port=control_port)
 
     def ready(s: ServingService) -> None:
         print(f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("rollback")
     p_serve = sub.add_parser("serve")
     p_serve.add_argument("--port", type=int, default=8000, help="the endpoint's port (HAProxy listens on it)")
+    p_serve.add_argument("--host", default="127.0.0.1", help="where the endpoint and control API listen "
+                                                             "(0.0.0.0 in a container)")
+    p_serve.add_argument("--control-port", type=int, default=0, help="the control API's port (default: any free)")
     sub.add_parser("demo")
     args = parser.parse_args(argv)
     if args.command == "status":
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "rollback":
         return rollback()
     if args.command == "serve":
-        return serve(args.port)
+        return serve(args.port, args.host, args.control_port)
     from nexa_dagster.demo import main as demo
 
     return demo()

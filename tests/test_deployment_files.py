@@ -78,3 +78,22 @@ def test_compose_services_agree_with_each_other_and_the_image(tmp_path: Path) ->
     assert config["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
     user = services["postgres"]["environment"]["POSTGRES_USER"]
     assert f"//{user}:" in services["daemon"]["environment"]["DAGSTER_PG_URL"]
+
+
+def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_can_reach_it() -> None:
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    serving = services["serving"]
+    command = serving["command"]
+    assert command[:4] == ["python", "-m", "nexa_dagster.cli", "serve"]
+    assert serving["restart"] in ("always", "unless-stopped")
+    port, control = command[command.index("--port") + 1], command[command.index("--control-port") + 1]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert f"{port}:{port}" in serving["ports"]
+    for name in ("user_code", "daemon", "serving"):  # the run workers (user code, daemon) switch it
+        env = services[name]["environment"]
+        assert env["NEXA_SERVING_CONTROL_URL"] == f"http://serving:{control}"
+        assert env["NEXA_SERVING_URL"] == f"http://serving:{port}/v1"
+    installs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
+    assert "haproxy" in installs.split("apt-get install", 2)[2]  # the runtime stage's packages
+    assert port in next(args for op, args in dockerfile_instructions() if op == "EXPOSE").split()

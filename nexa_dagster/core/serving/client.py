@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 SERVICE_FILE = "service.json"
+CONTROL_URL_ENV = "NEXA_SERVING_CONTROL_URL"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -44,7 +45,15 @@ class ServingServiceClient:
 
     @classmethod
     def find(cls, serving_dir: str | Path) -> ServingServiceClient | None:
-        """The service of this data root when one runs (its file exists, its process lives and it answers)."""
+        """The service of this data root when one runs (its file exists, its process lives and it answers).
+
+        In containers (docker compose, Kubernetes) the service runs elsewhere: ``NEXA_SERVING_CONTROL_URL`` names
+        its control API (e.g. ``http://serving:8001``) and ``NEXA_SERVING_URL`` its endpoint.
+        """
+        if url := os.environ.get(CONTROL_URL_ENV):
+            remote = cls(url, os.environ.get("NEXA_SERVING_URL", ""), 0)
+            remote.status()  # a named service that does not answer is an error, not "no service"
+            return remote
         path = Path(serving_dir) / SERVICE_FILE
         try:
             facts = json.loads(path.read_text())

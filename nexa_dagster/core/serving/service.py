@@ -65,8 +65,11 @@ class ServingService:
 
     def __init__(self, serving_dir: str | Path, production_pointer: str, port: int, model_name: str = "nexa-moe",
                  engine: str = "auto", startup_timeout_s: float = 300.0, poll_s: float = 0.5,
-                 drain_timeout_s: float = 120.0, logger: logging.Logger | None = None) -> None:
+                 drain_timeout_s: float = 120.0, host: str = "127.0.0.1", control_port: int = 0,
+                 logger: logging.Logger | None = None) -> None:
         self.dir = Path(serving_dir)
+        # host: where the endpoint and the control API listen (0.0.0.0 in a container: other containers switch it)
+        self.host, self.control_port = host, control_port
         self.pointer = production_pointer
         self.port, self.model_name, self.engine_kind = port, model_name, engine
         self.startup_timeout_s, self.poll_s, self.drain_timeout_s = startup_timeout_s, poll_s, drain_timeout_s
@@ -94,12 +97,12 @@ class ServingService:
         with self._exclusive(), contextlib.ExitStack() as stack:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stopping.set())
-            self._http = ThreadingHTTPServer(("127.0.0.1", 0), _control_handler(self))
+            self._http = ThreadingHTTPServer((self.host, self.control_port), _control_handler(self))
             self._http.daemon_threads = True
             threading.Thread(target=self._http.serve_forever, name="control-api", daemon=True).start()
             stack.callback(self._http.shutdown)
             self.router = HAProxyRouter(self.dir / "router", self.port, self.engine_ports,
-                                        self._http.server_address[1], logger=self.log).start()
+                                        self._http.server_address[1], host=self.host, logger=self.log).start()
             stack.callback(self.router.stop)
             stack.callback(self._stop_engine)
             self._follow_pointer()  # serve what is in production now
