@@ -201,6 +201,10 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
     status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status").json()
     assert status["checkpoint_id"] == "a" and status["model"] == MODEL
+    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "status"], cwd=REPO_ROOT,
+                          env={**os.environ, **endpoint.env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue")
 
 
 def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:

@@ -253,6 +253,7 @@ class ServingService:
             "colour": served.colour if served else None,
             "engine": served.engine.engine if served else None,
             "engine_pid": served.engine.pid if served else None,
+            "engine_url": served.engine.base_url if served else None,  # the engine itself, bypassing HAProxy
             "serving_since": served.since if served else None,
             "previous_checkpoint_id": self.previous_checkpoint_id,
             "engine_restarts": self.engine_restarts, "last_switch": self.last_switch, "last_error": self.last_error,
