@@ -103,8 +103,10 @@ def main() -> int:
     gate = [c for c in evaluation.get_asset_check_evaluations() if c.check_name == "beats_production"]
     reason = gate[0].metadata["reason"].value if gate else "?"
     if gate and gate[0].passed and evaluation.success:
-        print(f"  serving           {dm.get('engine')} ready in {dm.get('ready_s')} s, smoke request "
-              f"{dm.get('smoke_latency_s')} s -> {storage.deployment_dir(checkpoint.checkpoint_id)}/deployment.json")
+        endpoint = dm.get("endpoint") if dm.get("endpoint", "").startswith("http") else None
+        where = f"served at {endpoint}" if endpoint else \
+            f"smoke-tested -> {storage.deployment_dir(checkpoint.checkpoint_id)}/deployment.json"
+        print(f"  serving           {dm.get('engine')} smoke request {dm.get('smoke_latency_s')} s; {where}")
         print(f"  production        {checkpoint.checkpoint_id} promoted ({reason})")
     else:
         print(f"  production        not promoted: {reason}")
