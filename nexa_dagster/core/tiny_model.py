@@ -58,6 +58,16 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> Any:
     return fast
 
 
+def undecodable_tokens(tokenizer: Any) -> list[int]:
+    """Token ids that are lone bytes of a multi-byte UTF-8 character (they decode to U+FFFD on their own).
+
+    The tiny tokenizer's corpus is ASCII, so nothing it learnt needs them; an untrained (or barely trained) model
+    emits them as often as any other token and its answers become U+FFFD soup that no smoke test should accept.
+    The tiny models' generation config suppresses them (inputs still encode any text: they stay in the vocab).
+    """
+    return [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+
+
 def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer: Any | None = None,
                        output_router_logits: bool = False) -> Any:
     """A ``transformers`` config for a model preset from ``configs/models/``.
@@ -112,6 +122,7 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
+            suppress_tokens=undecodable_tokens(tokenizer),
         )
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:

@@ -417,6 +417,11 @@ def save_checkpoint(model: NexaMoEForCausalLM, tokenizer: Any, job: TrainingJob,
     out.parent.mkdir(parents=True, exist_ok=True)
     hf_model = to_hf(model)
     hf_model.config.output_router_logits = False  # inference must not compute the aux loss
+    base_generation = Path(job.tokenizer_path) / "generation_config.json"
+    if base_generation.exists():  # the generation settings of the model whose tokenizer it is trained for
+        from transformers import GenerationConfig
+
+        hf_model.generation_config = GenerationConfig.from_pretrained(job.tokenizer_path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # same filesystem: rename is atomic
     try:
         hf_model.save_pretrained(tmp, safe_serialization=True)
