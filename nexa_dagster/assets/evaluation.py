@@ -1,5 +1,6 @@
 """Evaluation stage: every checkpoint (one partition each) gets held-out loss, perplexity, a judge score, a
-pairwise win rate against production, and the promotion gate (a blocking check) that decides whether it is served.
+pairwise win rate against production, and the promotion gate: a check whose decision model_deployment follows
+(held back is a recorded warning, not a failure).
 """
 
 from pathlib import Path
