@@ -103,3 +103,36 @@ def test_dagster_definitions_validate_fails_on_a_typo_in_an_unselected_scale(tmp
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert f"{configs}/scales/full.yaml: training.lerning_rate: unknown key" in proc.stderr + proc.stdout
+
+
+def test_the_leaderboard_is_requested_after_new_evaluation_reports(tmp_path, monkeypatch) -> None:
+    """The leaderboard's automation condition is evaluated by a sensor that runs by default, and it asks for a
+    rebuild after a new checkpoint is evaluated, even when another checkpoint's evaluation is missing (failed)."""
+    from sandbox import make_sandbox, sandbox_env
+
+    for key, value in sandbox_env(make_sandbox(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    from nexa_dagster.definitions import build_defs
+
+    defs = build_defs()
+    sensors = [s for s in defs.sensors if isinstance(s, dg.AutomationConditionSensorDefinition)]
+    assert len(sensors) == 1 and sensors[0].default_status == dg.DefaultSensorStatus.RUNNING
+    assert dg.AssetKey("leaderboard") in sensors[0].asset_selection.resolve(defs.resolve_asset_graph())
+
+    instance = dg.DagsterInstance.from_config(str(tmp_path / "home"))
+    try:
+        instance.add_dynamic_partitions("checkpoints", ["first", "failed", "second"])
+        instance.report_runless_asset_event(dg.AssetMaterialization("eval_report", partition="first"))
+        instance.report_runless_asset_event(dg.AssetMaterialization("leaderboard"))
+        selection = dg.AssetSelection.assets("leaderboard")
+        start = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection)
+        assert start.total_requested == 0  # up to date
+        instance.report_runless_asset_event(dg.AssetMaterialization("eval_report", partition="second"))
+        after = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
+                                                  cursor=start.cursor)
+        assert after.get_requested_partitions(dg.AssetKey("leaderboard")) == {None}
+        once = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
+                                                 cursor=after.cursor)
+        assert once.total_requested == 0  # requested once, not on every tick
+    finally:
+        instance.dispose()

@@ -34,6 +34,11 @@ GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=False
                                      "a failed run: model_deployment then deploys nothing and is not materialized.")
 
 
+# Eager, except that a checkpoint whose evaluation is missing (failed, or not run yet) does not hold the
+# leaderboard back: plain eager() waits for every partition of eval_report, so one failed evaluation would freeze it.
+LEADERBOARD_CONDITION = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing())
+
+
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
     """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand."""
     if not (ckpt_dir / COMPLETION_MARKER).exists():
@@ -149,7 +154,7 @@ def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judg
     group_name="evaluation",
     ins={"eval_report": dg.AssetIn()},
     dagster_type=LeaderboardType,
-    automation_condition=dg.AutomationCondition.eager(),
+    automation_condition=LEADERBOARD_CONDITION,
     kinds={"csv", "markdown"},
     description="One row per evaluated checkpoint (metrics, dataset, date, whether it is in production), best "
                 "first; a Markdown table in the UI and results/evaluation/leaderboard.csv.",

@@ -1,8 +1,17 @@
-"""Sensors that chain the lifecycle: retrain after a day's data lands, evaluate every new checkpoint once."""
+"""Sensors that chain the lifecycle: retrain after a day's data lands, evaluate every new checkpoint once, and
+Dagster's automation condition sensor, which keeps the leaderboard fresh (an asset's automation condition is only
+evaluated while such a sensor runs)."""
+
+import dagster as dg
 
 from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
 from nexa_dagster.sensors.retrain import retrain_after_ingest
 
-SENSORS = [new_checkpoint_sensor, retrain_after_ingest]
+automation_sensor = dg.AutomationConditionSensorDefinition(
+    "automation_sensor", target=dg.AssetSelection.assets("leaderboard"),
+    default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=30,
+    description="Evaluates the leaderboard's automation condition: it is rebuilt after new evaluation reports.")
 
-__all__ = ["SENSORS", "new_checkpoint_sensor", "retrain_after_ingest"]
+SENSORS = [new_checkpoint_sensor, retrain_after_ingest, automation_sensor]
+
+__all__ = ["SENSORS", "automation_sensor", "new_checkpoint_sensor", "retrain_after_ingest"]
