@@ -8,6 +8,7 @@ the instance that recorded it. A CLI backfill runs in its own instance.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -54,7 +55,13 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     runs = {}
     for day in DAYS:
         runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(instance=instance, partition_key=day)
-    training = defs.resolve_job_def("training_job").execute_in_process(instance=instance)
+    # the retrain sensor, ticking as the daemon would after the three data runs, asks for one training
+    from nexa_dagster.sensors.retrain import retrain_after_ingest
+
+    tick = retrain_after_ingest(dg.build_sensor_context(instance=instance))
+    assert len(tick.run_requests) == 1, tick
+    training = defs.resolve_job_def("training_job").execute_in_process(instance=instance,
+                                                                         tags=tick.run_requests[0].tags)
     checkpoint = training.output_for_node("moe_checkpoint")
     # an untrained model of the same architecture goes into production first (nothing to beat yet) ...
     build_tiny_causal_lm(Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "untrained")
@@ -168,17 +175,38 @@ def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     assert not empty.run_requests and "no documents landed for 2026-11-23" in empty.skip_message
 
 
-def test_retrain_sensor_requests_training_after_a_successful_data_run(lifecycle) -> None:
-    from nexa_dagster.sensors.retrain import filtered_rows_in_run, retrain_after_ingest
+def test_retrain_sensor_trains_once_per_new_snapshot(lifecycle) -> None:
+    """Three successful daily runs gave one training (the fixture ran the one request of the sensor's tick); with
+    the data unchanged since it started, no tick asks again; a data run in flight holds a new training back until
+    it is done, so a backfill's days are trained on together."""
+    from nexa_dagster.sensors.retrain import latest_filtered_storage_id, retrain_after_ingest
 
-    _, instance, _, _, runs = lifecycle
-    run = instance.get_run_by_id(runs[DAYS[0]].run_id)
-    assert filtered_rows_in_run(instance, run.run_id) > 0
-    success = instance.get_records_for_run(run.run_id, of_type=dg.DagsterEventType.RUN_SUCCESS).records[0]
-    ctx = dg.build_run_status_sensor_context(sensor_name="retrain_after_ingest", dagster_instance=instance,
-                                             dagster_run=run, dagster_event=success.event_log_entry.dagster_event)
-    request = retrain_after_ingest(ctx)
-    assert isinstance(request, dg.RunRequest) and request.run_key == f"retrain-after-{run.run_id}"
+    defs, instance, _, _, _ = lifecycle
+    first = instance.get_run_records(dg.RunsFilter(job_name="training_job"))[-1]
+    assert first.dagster_run.tags["nexa/filtered_samples_up_to"] == str(
+        latest_filtered_storage_id(instance, before_timestamp=first.create_timestamp.timestamp()))
+
+    # a later tick, from a fresh cursor (a daemon restart) as from the last one: nothing changed, nothing to train
+    again = retrain_after_ingest(dg.build_sensor_context(instance=instance))
+    assert again.run_requests == [] and "no new filtered samples" in again.skip_reason.skip_message
+    assert retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=again.cursor)).run_requests == []
+
+    # new filtered samples while another day of a backfill is not done yet: wait for it, then train once
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        "filtered_samples", partition="2026-11-23", metadata={"dagster/row_count": 3}))
+    pending = instance.create_run_for_job(defs.resolve_job_def("daily_data_job"),
+                                          status=dg.DagsterRunStatus.NOT_STARTED,
+                                          tags={"dagster/partition": DAYS[1]})
+    try:
+        waiting = retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=again.cursor))
+        assert waiting.run_requests == [] and "waiting for 1 daily_data_job run" in waiting.skip_reason.skip_message
+    finally:
+        instance.delete_run(pending.run_id)
+    ticks, cursor = [], waiting.cursor
+    for _ in range(3):
+        ticks.append(retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=cursor)))
+        cursor = ticks[-1].cursor
+    assert [len(t.run_requests) for t in ticks] == [1, 0, 0]
 
 
 def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> None:
