@@ -250,6 +250,28 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
     assert [r.run_key for r in fifth.run_requests] == ["evaluate-external-run"]
 
 
+def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
+    """A checkpoint folder copied from another data root, whose checkpoint.json names a model path and a validation
+    split that do not exist here, is evaluated from the copy, on this data root's dataset; the report (which
+    serving and promotion read) names the copy."""
+    from test_hand_copied_checkpoints import copy_checkpoint_from_elsewhere
+
+    from nexa_dagster.resources.io_manager import read_stored_artifact
+
+    defs, instance, env, checkpoint, _ = lifecycle
+    copy = copy_checkpoint_from_elsewhere(Path(checkpoint.path), Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "moved")
+    instance.add_dynamic_partitions("checkpoints", ["moved"])
+    result = defs.resolve_job_def("evaluation_job").execute_in_process(instance=instance, partition_key="moved",
+                                                                       raise_on_error=False)
+    # evaluated (the identical copy does not beat production, so the gate holds it back: not deployed)
+    assert "moved" in instance.get_materialized_partitions(dg.AssetKey("eval_report")), [
+        e.message for e in result.all_events if e.is_failure]
+    report = read_stored_artifact(env["NEXA_DATA_ROOT"], "eval_report", "moved")
+    dataset = read_stored_artifact(env["NEXA_DATA_ROOT"], "sft_dataset")
+    assert report.checkpoint_path == str(copy) and report.dataset_run_hash == dataset.run_hash
+    assert json.loads(Path(report.report_json).read_text())["lineage"]["checkpoint_path"] == str(copy)
+
+
 def readme_block(heading: str) -> str:
     """The first ```bash block under a README heading, as a user would copy it."""
     text = (REPO_ROOT / "README.md").read_text()

@@ -3,6 +3,7 @@ pairwise win rate against production, and the promotion gate: a check whose deci
 (held back is a recorded warning, not a failure).
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -23,6 +24,7 @@ from nexa_dagster.core.evaluation import (
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.promotion import ProductionRegistry, decide, load_policy, report_metric
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.resources.io_manager import read_stored_artifact
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
@@ -40,22 +42,51 @@ LEADERBOARD_CONDITION = dg.AutomationCondition.eager().without(~dg.AutomationCon
 
 
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
-    """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand."""
+    """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand.
+
+    The record is read for its lineage, never for where the model is: a folder copied from another data root or
+    host carries the absolute path it was written at, so the model is always the folder it was found in."""
     if not (ckpt_dir / COMPLETION_MARKER).exists():
         raise dg.Failure(f"checkpoint {ckpt_dir} is not complete (no {COMPLETION_MARKER} marker)", allow_retries=False)
     record = ckpt_dir / "checkpoint.json"
-    if record.exists():
-        return Checkpoint.model_validate(io.read_json(record))
-    job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
-    if job.exists() and summary.exists():
-        # written by the training worker before its completion marker, so always there for our own checkpoints
-        # (checkpoint.json, with the MLflow ids, follows a moment later from the training asset)
-        j, r = io.read_json(job), io.read_json(summary)
-        return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
-                          training_loss=r["final_loss"], validation_loss=r["validation_loss"],
-                          dataset_run_hash=j.get("dataset_run_hash") or None,
-                          dataset_validation_path=j["validation_path"], model_preset=j["model_preset"])
-    return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
+    try:
+        if record.exists():
+            return Checkpoint.model_validate({**io.read_json(record), "path": str(ckpt_dir)})
+        job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
+        if job.exists() and summary.exists():
+            # written by the training worker before its completion marker, so always there for our own
+            # checkpoints (checkpoint.json, with the MLflow ids, follows a moment later from the training asset)
+            j, r = io.read_json(job), io.read_json(summary)
+            return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
+                              training_loss=r["final_loss"], validation_loss=r["validation_loss"],
+                              dataset_run_hash=j.get("dataset_run_hash") or None,
+                              dataset_validation_path=j["validation_path"], model_preset=j["model_preset"])
+        return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
+    except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
+        raise dg.Failure(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}",
+                         allow_retries=False) from error
+
+
+def evaluation_data(ckpt: Checkpoint, storage: StorageResource, log: Callable[[str], None]) -> tuple[str, str]:
+    """(validation split, dataset run hash) to evaluate on: the split the checkpoint was trained with when it exists
+    here, else the validation split of this data root's latest ``sft_dataset`` (a checkpoint copied in by hand, or
+    from another data root); a clear failure, not retried, when this data root has no dataset at all."""
+    own = ckpt.dataset_validation_path
+    if own and io.exists(own):
+        return own, ckpt.dataset_run_hash or ""
+    current = read_stored_artifact(storage.data_root, "sft_dataset")
+    if not isinstance(current, SFTDataset):
+        raise dg.Failure(
+            f"no evaluation data for checkpoint {ckpt.checkpoint_id}: "
+            + (f"the validation split its record names ({own}) is not on this machine, and " if own else "")
+            + f"no sft_dataset has been materialized under {storage.root}. Materialize it first (`dagster asset "
+            "materialize -m nexa_dagster.definitions --select sft_dataset`, after the daily data), then "
+            f"evaluate again: `dagster asset materialize -m nexa_dagster.definitions --select "
+            f"eval_report,model_deployment --partition {ckpt.checkpoint_id}`.", allow_retries=False)
+    if own:
+        log(f"{ckpt.checkpoint_id}: its validation split {own} is not here; evaluating on this data root's "
+            f"sft_dataset {current.run_hash}")
+    return current.validation_path, current.run_hash
 
 
 def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
@@ -71,7 +102,7 @@ def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
     group_name="evaluation",
     partitions_def=checkpoint_partitions,
     retry_policy=MODEL_CALL_RETRY,
-    deps=["moe_checkpoint"],
+    deps=["moe_checkpoint", "sft_dataset"],  # sft_dataset is read only when the checkpoint's own split is not here
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
     description="Held-out loss and perplexity on the validation split the checkpoint was trained with, the "
@@ -79,16 +110,15 @@ def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
                 "exists, the judge's pairwise win rate against it; JSON + Markdown report in "
                 "results/evaluation/reports/<checkpoint_id>/.",
 )
-def eval_report(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, judge_llm: LLMResource,
-                storage: StorageResource, tracking: TrackingResource):
+def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, storage: StorageResource,
+                tracking: TrackingResource):
     checkpoint_id = context.partition_key
     ckpt_dir = storage.checkpoint_dir(checkpoint_id)
     if not ckpt_dir.exists():  # registered in the MLflow model registry from elsewhere
         source = tracking.registered_checkpoints(load_policy().registered_model).get(checkpoint_id)
         ckpt_dir = Path(source) if source else ckpt_dir
     ckpt = load_checkpoint_record(ckpt_dir, checkpoint_id)
-    validation_path = ckpt.dataset_validation_path or sft_dataset.validation_path
-    dataset_hash = ckpt.dataset_run_hash or sft_dataset.run_hash
+    validation_path, dataset_hash = evaluation_data(ckpt, storage, context.log.info)
     scale = load_scale()
     production = ProductionRegistry(storage.production_pointer()).current()
     compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id

@@ -91,6 +91,13 @@ def skipped_partitions_message(asset: str, keys: list[str | None], materialized:
             "materialized (no data landed on those days, or they have not run yet) and are skipped")
 
 
+def read_stored_artifact(data_root: str, asset: str, partition: str | None = None) -> BaseModel | None:
+    """An artifact asset's value as this IO manager stored it under ``data_root``, or None if it never was: for an
+    asset that may run before the artifact exists and says so itself (evaluation without a dataset)."""
+    path = NexaIOManager(data_root=data_root)._path(dg.AssetKey(asset), partition, "json")
+    return _load_artifact(path) if io.exists(path) else None
+
+
 def _load_artifact(path: str) -> BaseModel:
     payload = io.read_json(path)
     module, _, name = payload["type"].rpartition(".")

@@ -1,0 +1,75 @@
+"""A checkpoint copied by hand into a data root that has never packaged a dataset: the evaluation fails at once
+with a message that says what to materialize, and the checkpoint sensor tries it again (a bounded number of
+times) instead of counting it as handled. The evaluation of such a copy from where it lies, with a dataset, is
+tests/test_pipeline.py::test_a_copied_checkpoint_is_evaluated_from_where_it_lies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from sandbox import make_sandbox, sandbox_env
+
+from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+
+
+def copy_checkpoint_from_elsewhere(model: Path, dest: Path) -> Path:
+    """``model`` copied to ``dest`` with the record another data root wrote (its own, if it has one): the paths in
+    it, of the model and of its validation split, do not exist here."""
+    shutil.copytree(model, dest)
+    record = dest / "checkpoint.json"
+    written = json.loads(record.read_text()) if record.exists() else {"checkpoint_id": dest.name, "num_steps": 4,
+                                                                      "dataset_run_hash": "0123456789abcdef"}
+    record.write_text(json.dumps({**written, "path": f"/elsewhere/data/checkpoints/{dest.name}",
+                                  "dataset_validation_path": "/elsewhere/data/sft/x/validation.parquet"}))
+    (dest / COMPLETION_MARKER).write_text("ok\n")
+    return dest
+
+
+def test_without_a_dataset_the_evaluation_says_what_to_materialize_and_is_retried(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nexa_dagster.sensors.checkpoints import MAX_EVALUATION_ATTEMPTS, RETRY_COMMAND, new_checkpoint_sensor
+
+    for key, value in sandbox_env(make_sandbox(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    from nexa_dagster.definitions import build_defs
+
+    defs = build_defs()
+    copy_checkpoint_from_elsewhere(tiny_model_dir, tmp_path / "data" / "checkpoints" / "copied")
+    resources = {"storage": defs.resources["storage"], "tracking": defs.resources["tracking"]}
+    instance = dg.DagsterInstance.from_config(str(tmp_path / "home"))
+    try:
+        tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=resources))
+        assert [r.run_key for r in tick.run_requests] == ["evaluate-copied"]
+        instance.add_dynamic_partitions("checkpoints", ["copied"])  # what the daemon does with the request
+        keys = []
+        for _ in range(MAX_EVALUATION_ATTEMPTS):
+            result = defs.resolve_job_def("evaluation_job").execute_in_process(
+                instance=instance, partition_key="copied", raise_on_error=False)
+            assert not result.success
+            failure = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE][0]
+            message = failure.step_failure_data.error.message
+            assert "no sft_dataset has been materialized under" in message and "--select sft_dataset" in message
+            assert "--partition copied" in message  # and how to evaluate it again afterwards
+            assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+            # the next tick asks again, until the attempts are spent; then it says which and how to retry by hand
+            tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=tick.cursor,
+                                                                 resources=resources))
+            keys.append([r.run_key for r in tick.run_requests])
+        assert keys == [["evaluate-copied-attempt-2"], ["evaluate-copied-attempt-3"], []]
+        assert "failed 3 times, not retried: copied" in tick.skip_reason.skip_message
+        assert RETRY_COMMAND.format(checkpoint="<id>") in tick.skip_reason.skip_message
+        # the command the message gives runs the evaluation of that checkpoint again (and fails the same way here)
+        command = RETRY_COMMAND.format(checkpoint="copied").split()
+        proc = subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]], cwd=REPO_ROOT,
+                              env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0 and "no sft_dataset has been materialized under" in proc.stderr + proc.stdout
+        assert len(instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "copied"}))) == 4
+    finally:
+        instance.dispose()
