@@ -17,7 +17,16 @@ import os
 
 import dagster as dg
 
-from nexa_dagster.assets import distillation, evaluation, filtering, ingest, packaging, serving, training
+from nexa_dagster.assets import (
+    distillation,
+    evaluation,
+    filtering,
+    ingest,
+    packaging,
+    pretraining,
+    serving,
+    training,
+)
 from nexa_dagster.core.config import ConfigError, config_dir, explain, load_pipeline_config
 from nexa_dagster.core.config_check import check_configs
 from nexa_dagster.jobs import JOBS, SCHEDULES
@@ -75,7 +84,7 @@ def build_resources() -> dict[str, object]:
     }
 
 
-ASSET_MODULES = [ingest, distillation, filtering, packaging, training, evaluation, serving]
+ASSET_MODULES = [ingest, distillation, filtering, packaging, pretraining, training, evaluation, serving]
 
 def build_defs() -> dg.Definitions:
     """The code location; tests call this after pointing the environment at a temporary data root.

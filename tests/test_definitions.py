@@ -33,7 +33,8 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     assert upstream["teacher_samples"] == {"raw_documents"}
     assert upstream["filtered_samples"] == {"teacher_samples"}
     assert upstream["sft_dataset"] == {"filtered_samples"}
-    assert upstream["moe_checkpoint"] == {"sft_dataset"}
+    assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
+    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {"pretrain_corpus"}
     assert {"moe_checkpoint", "sft_dataset"} <= upstream["eval_report"]
     assert upstream["model_deployment"] == {"eval_report"}
 
@@ -42,11 +43,13 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
     from nexa_dagster.definitions import defs
 
     graph = defs.resolve_asset_graph()
-    for key in ("teacher_samples", "filtered_samples", "moe_checkpoint", "eval_report", "model_deployment"):
+    for key in ("teacher_samples", "filtered_samples", "moe_checkpoint", "base_model", "eval_report",
+                "model_deployment"):
         node = graph.get(dg.AssetKey(key))
         policy = node.assets_def.op.retry_policy
         assert policy is not None and policy.max_retries >= 1, key
     assert graph.get(dg.AssetKey("moe_checkpoint")).assets_def.op.pool == "gpu"
+    assert graph.get(dg.AssetKey("base_model")).assets_def.op.pool == "gpu"
 
 
 # -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------

@@ -451,3 +451,44 @@ def test_corpus_job_writes_a_megatron_corpus_and_rl_prompts(lifecycle) -> None:
     prompts = result.output_for_node("rl_prompts")
     metadata = _metadata(instance, "rl_prompts")
     assert metadata["records"] > 0 and Path(str(metadata["path"])).exists(), (prompts, metadata)
+
+
+def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(lifecycle) -> None:
+    """corpus -> base -> SFT lineage: base_model pretrains on the bin/idx corpus through the GPU-cluster resource
+    (held-out corpus perplexity in its metadata); the next training starts from it by default (init_from: base)
+    and records it as its parent; a checkpoint path of the wrong architecture fails before anything launches. The
+    lifecycle's first training, with no base model yet, fell back to scratch and says so on the leaderboard."""
+    import pandas as pd
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    defs, instance, env, first, _ = lifecycle
+    assert first.parent == "scratch"
+    board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv")
+    assert board.set_index("checkpoint_id").loc[first.checkpoint_id, "parent"] == "scratch"
+
+    pretraining = defs.resolve_job_def("pretraining_job").execute_in_process(instance=instance)
+    assert pretraining.success
+    base = pretraining.output_for_node("base_model")
+    corpus = pretraining.output_for_node("pretrain_corpus")
+    assert base.stage == "pretrain" and base.dataset_run_hash == corpus.run_hash
+    assert (Path(base.path) / "model.safetensors").exists() and (Path(base.path) / "tokenizer.json").exists()
+    meta = _metadata(instance, "base_model")
+    assert meta["corpus_run_hash"] == corpus.run_hash and meta["heldout_documents"] > 0
+    assert 1 < meta["heldout_perplexity"] < float("inf") and meta["steps"] > 0
+
+    training = defs.resolve_job_def("training_job").execute_in_process(instance=instance)
+    assert training.success
+    second = training.output_for_node("moe_checkpoint")
+    assert second.parent == f"base:{base.checkpoint_id}"
+    assert _metadata(instance, "moe_checkpoint")["parent"] == f"base:{base.checkpoint_id}"
+    assert json.loads((Path(second.path) / "checkpoint.json").read_text())["parent"] == second.parent
+
+    llama = Path(env["NEXA_DATA_ROOT"]).parent / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(llama)
+    refused = defs.resolve_job_def("training_job").execute_in_process(
+        instance=instance, raise_on_error=False,
+        run_config={"ops": {"moe_checkpoint": {"config": {"init_from": str(llama)}}}})
+    assert not refused.success
+    failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "a LlamaForCausalLM checkpoint; training starts only from a Mixtral" in str(failure.event_specific_data)

@@ -60,7 +60,8 @@ def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
             return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
                               training_loss=r["final_loss"], validation_loss=r["validation_loss"],
                               dataset_run_hash=j.get("dataset_run_hash") or None,
-                              dataset_validation_path=j["validation_path"], model_preset=j["model_preset"])
+                              dataset_validation_path=j["validation_path"], model_preset=j["model_preset"],
+                              parent=j.get("parent"))
         return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
     except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
         raise dg.Failure(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}",
@@ -136,7 +137,7 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, stora
     lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": dataset_hash, "validation_path": validation_path,
                "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
                "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,
-               "dagster_run_id": context.run.run_id}
+               "parent": ckpt.parent, "dagster_run_id": context.run.run_id}
     json_path, md_path = write_report(result, {**lineage, "win_rate_vs_production": win_rate},
                                       storage.report_dir(checkpoint_id))
 
@@ -152,7 +153,7 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, stora
         judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
         dataset_run_hash=dataset_hash, win_rate_vs_production=win_rate,
         production_checkpoint_id=production.checkpoint_id if production else None,
-        report_json=json_path, report_markdown=md_path,
+        report_json=json_path, report_markdown=md_path, parent=ckpt.parent,
     )
     curve = loss_curve_markdown(ckpt)
     yield dg.Output(report, metadata={
@@ -164,6 +165,7 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, stora
         "win_rate_vs_production": round(win_rate, 3) if win_rate is not None else None,
         "production_checkpoint": report.production_checkpoint_id,
         "dataset_run_hash": dataset_hash,
+        "parent": ckpt.parent or "",
         "report": dg.MetadataValue.md(render_markdown(result, lineage)),
         "report_json": dg.MetadataValue.path(json_path),
         **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {}),
@@ -195,7 +197,7 @@ def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalRe
     rows = [{
         "checkpoint_id": r.checkpoint_id, "validation_loss": r.validation_loss, "perplexity": r.perplexity,
         "judge_score": r.judge_score, "win_rate_vs_production": r.win_rate_vs_production,
-        "dataset_run_hash": r.dataset_run_hash or "", "evaluated_at": r.created_at,
+        "dataset_run_hash": r.dataset_run_hash or "", "parent": r.parent or "", "evaluated_at": r.created_at,
         "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
     } for r in eval_report.values()]
     board = pd.DataFrame(rows).sort_values("validation_loss").reset_index(drop=True)

@@ -16,58 +16,109 @@ from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
-from nexa_dagster.core.promotion import load_policy
+from nexa_dagster.core.promotion import ProductionRegistry, load_policy
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 
-def checkpoint_id_for(context: dg.AssetExecutionContext, storage: StorageResource) -> str:
+def checkpoint_id_for(context: dg.AssetExecutionContext, storage: StorageResource, prefix: str = "ckpt",
+                      store: str | None = None) -> str:
     """One id per training, kept by step retries and run re-executions so that they resume its saved state.
 
     The id comes from the root run of a re-execution chain; if that training already completed (a deliberate
-    re-execution to train again), this run gets an id of its own.
+    re-execution to train again), this run gets an id of its own. ``store``: the directory the checkpoints of
+    this kind live in (default: the SFT checkpoint store).
     """
     root = context.run.root_run_id or context.run.run_id
     record = context.instance.get_run_record_by_id(root)
     created = record.create_timestamp if record is not None else dt.datetime.now(dt.UTC)
-    checkpoint_id = f"ckpt-{created:%Y%m%d-%H%M%S}-{root[:8]}"
-    if (Path(storage.checkpoint_dir(checkpoint_id)) / COMPLETION_MARKER).exists():
-        checkpoint_id = f"ckpt-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{context.run.run_id[:8]}"
+    directory = Path(store) if store else storage.checkpoints_dir()
+    checkpoint_id = f"{prefix}-{created:%Y%m%d-%H%M%S}-{root[:8]}"
+    if (directory / checkpoint_id / COMPLETION_MARKER).exists():
+        checkpoint_id = f"{prefix}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}-{context.run.run_id[:8]}"
     return checkpoint_id
+
+
+class TrainingRunConfig(dg.Config):
+    """Run configuration of ``moe_checkpoint``: ``init_from`` overrides the scale preset's for this run."""
+
+    init_from: str = ""  # base | production | scratch | <path of a Mixtral HF checkpoint>; empty: the preset's
+
+
+def latest_base_model(context: dg.AssetExecutionContext) -> tuple[str, str] | None:
+    """(id, directory) of the latest materialized base_model, or None when there is none."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("base_model"))
+    if event is None or event.asset_materialization is None:
+        return None
+    metadata = event.asset_materialization.metadata
+    return str(metadata["checkpoint_id"].value), str(metadata["checkpoint_path"].value)
+
+
+def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: StorageResource,
+                 sft_dataset: SFTDataset) -> tuple[InitSource, str]:
+    """Where this training starts, and the tokenizer directory to train with, checked before anything launches.
+
+    ``base`` is the preset's default; while no base_model exists (a fresh data root) it trains from scratch and
+    says so. Asked for in the run config, a missing base model is an error.
+    """
+    from transformers import AutoTokenizer
+
+    requested = config.init_from or load_scale().init_from
+    production = ProductionRegistry(storage.production_pointer()).current()
+    try:
+        source = resolve(requested, latest_base_model(context),
+                         (production.checkpoint_id, production.checkpoint_path) if production else None,
+                         fallback_to_scratch=not config.init_from)
+        tokenizer_dir = ""
+        if source.path:
+            tokenizer_dir = check_init_checkpoint(
+                source.path, AutoTokenizer.from_pretrained(sft_dataset.tokenizer_path),
+                f"sft_dataset {sft_dataset.run_hash}")
+    except ValueError as e:
+        raise dg.Failure(f"init_from {requested!r}: {e}", allow_retries=False) from e
+    if source.note:
+        context.log.warning(source.note)
+    return source, tokenizer_dir or sft_dataset.tokenizer_path
 
 
 @dg.asset(
     group_name="training",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
+    deps=["base_model"],
     kinds={"deepspeed", "pytorch"},
-    description="A Mixtral-architecture MoE causal LM trained with the DeepSpeed engine on sft_dataset, saved as "
-                "a Hugging Face checkpoint (safetensors, config, tokenizer) in data/checkpoints/<checkpoint_id>/.",
+    description="A Mixtral-architecture MoE causal LM trained with the DeepSpeed engine on sft_dataset, starting "
+                "from init_from (the latest base_model by default, production, scratch or a Mixtral checkpoint "
+                "path), saved as a Hugging Face checkpoint (safetensors, config, tokenizer) in "
+                "data/checkpoints/<checkpoint_id>/.",
 )
-def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, gpu_cluster: GPUClusterResource,
-                   storage: StorageResource, tracking: TrackingResource) -> dg.Output[Checkpoint]:
+def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig, sft_dataset: SFTDataset,
+                   gpu_cluster: GPUClusterResource, storage: StorageResource,
+                   tracking: TrackingResource) -> dg.Output[Checkpoint]:
     scale = load_scale()
     checkpoint_id = checkpoint_id_for(context, storage)
+    init, tokenizer_path = resolve_init(context, config, storage, sft_dataset)
     job = TrainingJob(
         run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
-        tokenizer_path=sft_dataset.tokenizer_path, model_preset=scale.model_preset,
+        tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
         deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=scale.training,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)), dataset_run_hash=sft_dataset.run_hash,
-        accelerator=gpu_cluster.accelerator,
+        accelerator=gpu_cluster.accelerator, init_from=init.path, parent=init.parent,
     )
     work_dir = io.local_dir(storage.path("runs", checkpoint_id))
     context.log.info(f"launching training of {checkpoint_id} ({scale.model_preset}, {scale.training.max_steps} "
-                     f"steps) on the {gpu_cluster.backend} cluster")
+                     f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(context, job, work_dir)
 
     png = loss_curve_png(result.loss_curve, f"{checkpoint_id} ({scale.model_preset})", result.validation_loss)
     (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
     with tracking.start_run(run_name=checkpoint_id, tags={"stage": "training",
                                                            "dagster_run_id": context.run.run_id}) as run:
-        run.log_params({"model_preset": scale.model_preset, "scale": scale.name,
+        run.log_params({"model_preset": scale.model_preset, "scale": scale.name, "parent": init.parent,
                         "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()})
         for step, loss in result.loss_curve:
             run.log_metrics({"train_loss": loss}, step=step)
@@ -82,7 +133,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         dataset_run_hash=sft_dataset.run_hash, dataset_validation_path=sft_dataset.validation_path,
         model_preset=scale.model_preset, scale=scale.name, parameters_total=result.parameters_total,
         parameters_active=result.parameters_active, training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id,
+        mlflow_run_id=mlflow_run_id, parent=init.parent,
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = load_policy().registered_model
@@ -106,6 +157,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, sft_dataset: SFTDataset, g
         "parameters_total": result.parameters_total,
         "parameters_active": result.parameters_active,
         "dataset_run_hash": sft_dataset.run_hash,
+        "parent": init.parent,
         "mlflow_run_id": mlflow_run_id,
         "mlflow_model_version": f"{model_name}/{version}",
     })

@@ -66,6 +66,8 @@ class Checkpoint(Artifact):
     mlflow_run_id: str | None = None
     parameters_total: int | None = None
     parameters_active: int | None = None
+    stage: str = "sft"  # "sft" (moe_checkpoint) or "pretrain" (base_model)
+    parent: str | None = None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
 
     @field_validator("path")
     @classmethod
@@ -92,3 +94,4 @@ class EvalReport(Artifact):
     production_checkpoint_id: str | None = None
     report_json: str
     report_markdown: str
+    parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

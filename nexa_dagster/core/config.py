@@ -134,6 +134,26 @@ class EvaluationSettings(_Strict):
     max_new_tokens: int = Field(gt=0)
 
 
+class PretrainingSettings(_Strict):
+    """The ``base_model`` stage: the training settings of the preset with these overrides, on pretrain_corpus."""
+
+    max_steps: int = Field(gt=0, description="optimizer steps of pretraining (the SFT steps are training.max_steps)")
+    learning_rate: float | None = Field(default=None, gt=0, description="default: training.learning_rate")
+    warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1,
+                                    description="corpus documents (by a hash of their tokens) never trained on: "
+                                                "the base model's held-out perplexity")
+
+    def settings(self, training: TrainingSettings) -> TrainingSettings:
+        """The SFT settings with pretraining's steps (and learning rate, warmup where set)."""
+        update: dict[str, Any] = {"max_steps": self.max_steps}
+        if self.learning_rate is not None:
+            update["learning_rate"] = self.learning_rate
+        if self.warmup_steps is not None:
+            update["warmup_steps"] = self.warmup_steps
+        return training.model_copy(update=update)
+
+
 class ScalePreset(_Strict):
     """A scale factor in the Nemotron sense: the same recipe at tiny, small or full size."""
 
@@ -148,6 +168,10 @@ class ScalePreset(_Strict):
     deepspeed_config: str
     training: TrainingSettings
     evaluation: EvaluationSettings
+    init_from: str = Field(default="base", min_length=1, description=(
+        "where moe_checkpoint starts: base (the latest base_model; scratch while none exists), production, "
+        "scratch, or the path of a Mixtral-format Hugging Face checkpoint"))
+    pretraining: PretrainingSettings | None = Field(default=None, description="the base_model stage (None: off)")
 
 
 def scale_name() -> str:

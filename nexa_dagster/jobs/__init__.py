@@ -38,6 +38,11 @@ corpus_job = dg.define_asset_job(
     "corpus_job", selection=dg.AssetSelection.assets("pretrain_corpus", "rl_prompts"),
     description="Data products for other trainers: the Megatron bin/idx pretraining corpus and the RL prompts JSONL.",
 )
+pretraining_job = dg.define_asset_job(
+    "pretraining_job", selection=dg.AssetSelection.assets("pretrain_corpus", "base_model"),
+    description="Tokenize every ingested document into the bin/idx corpus and pretrain the base model on it "
+                "(the model moe_checkpoint starts from with init_from: base).",
+)
 evaluation_job = dg.define_asset_job(
     "evaluation_job", selection=dg.AssetSelection.assets(*EVALUATION_ASSETS), partitions_def=checkpoint_partitions,
     description="Evaluate one checkpoint and smoke-test serving it.",
@@ -67,5 +72,5 @@ leaderboard_job = dg.define_asset_job(
                 "condition while the daemon runs).",
 )
 
-JOBS = [ingest_job, daily_data_job, training_job, corpus_job, evaluation_job, leaderboard_job]
+JOBS = [ingest_job, daily_data_job, training_job, corpus_job, pretraining_job, evaluation_job, leaderboard_job]
 SCHEDULES = [nightly_data_schedule]

@@ -202,6 +202,13 @@ class GPUClusterResource(dg.ConfigurableResource):
 
             fill_deepspeed_config(job, self.num_procs * self.nodes)
             build_model_config(job.model_preset, vocab_size=32)
+            if job.init_from:  # a wrong architecture or vocabulary fails here, not after the model is loaded
+                from transformers import AutoTokenizer
+
+                from nexa_dagster.core.training.init import check_init_checkpoint
+
+                check_init_checkpoint(job.init_from, AutoTokenizer.from_pretrained(job.tokenizer_path),
+                                      f"{job.train_path}")
         except (ValueError, TypeError, FileNotFoundError) as e:
             raise dg.Failure(f"training {job.run_id}: invalid configuration: {e}", allow_retries=False) from e
         for name, path in (("train", job.train_path), ("validation", job.validation_path)):

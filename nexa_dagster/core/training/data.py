@@ -13,9 +13,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from nexa_dagster.core.training.job import TrainingJob
 
 Batch = dict[str, torch.Tensor]
 
@@ -145,3 +149,28 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:
+    """(training rows, validation rows, held-out documents) for the job's data kind, checked for this vocabulary.
+
+    ``packed_sft``: the packaging stage's Parquet files. ``pretrain_corpus``: a bin/idx corpus packed here
+    (``core/training/corpus.py``); its validation rows are the held-out documents.
+    """
+    vocab_size = len(tokenizer)
+    if job.data_kind == "pretrain_corpus":
+        from nexa_dagster.core.training.corpus import load_corpus
+
+        if job.pack_size <= 0:
+            raise ValueError(f"training job {job.run_id}: a pretrain_corpus job needs pack_size > 0")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # the split is the corpus's, not the run's: no training seed in it, so every base model trained on this
+        # corpus holds out the same documents
+        train, validation, split = load_corpus(job.train_path, job.pack_size, job.heldout_fraction, pad)
+        check_packed(train, f"{job.train_path} (training side)", vocab_size)
+        check_packed(validation, f"{job.train_path} (held-out side)", vocab_size)
+        return train, validation, len(split.heldout)
+    train, validation = load_packed(job.train_path), load_packed(job.validation_path)
+    check_packed(train, job.train_path, vocab_size)
+    check_packed(validation, job.validation_path, vocab_size)
+    return train, validation, 0

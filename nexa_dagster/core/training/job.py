@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nexa_dagster.core.config import TrainingSettings
 
 Accelerator = Literal["cpu", "cuda"]
+DataKind = Literal["packed_sft", "pretrain_corpus"]
 
 
 class TrainingJob(BaseModel):
@@ -31,6 +32,14 @@ class TrainingJob(BaseModel):
     output_dir: str = Field(description="final Hugging Face checkpoint directory (must not exist yet)")
     dataset_run_hash: str = Field(default="", description="lineage: the packed dataset this run trained on")
     accelerator: Accelerator = "cpu"
+    data_kind: DataKind = Field(default="packed_sft", description=(
+        "packed_sft: train/validation_path are packed Parquet; pretrain_corpus: train_path is a Megatron bin/idx "
+        "corpus (megatron_blend.json or its directory), packed here into pack_size rows, its held-out documents "
+        "are the validation set"))
+    pack_size: int = Field(default=0, ge=0, description="pretrain_corpus: tokens per packed row")
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description="pretrain_corpus: documents held out")
+    init_from: str = Field(default="", description="a Mixtral HF directory to start from; empty: random init")
+    parent: str = Field(default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>")
 
 
 class TrainingResult(BaseModel):
@@ -53,3 +62,6 @@ class TrainingResult(BaseModel):
     resumed_from_step: int = Field(default=0, description="0, or the step whose saved state this run resumed from")
     mfu: float = Field(default=0.0, description="best model-FLOPs utilisation of a logging window (GPUs only)")
     peak_mem_gb: float = Field(default=0.0, description="peak accelerator memory (GPU) or process RSS (CPU)")
+    parent: str = Field(default="scratch", description="what the weights started from (TrainingJob.parent)")
+    data_kind: str = "packed_sft"
+    validation_documents: int = Field(default=0, description="pretrain_corpus: held-out documents evaluated")

@@ -38,9 +38,8 @@ from nexa_dagster.core.training.data import (
     IGNORE_INDEX,
     Batch,
     Prefetcher,
-    check_packed,
     labels_for,
-    load_packed,
+    load_job_data,
     micro_batches,
 )
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -53,12 +52,21 @@ FAULT_STALL_ENV = "NEXA_FAULT_STALL_AT_STEP"  # fault injection for tests: hang 
 
 # -- model and optimisation -------------------------------------------------------------------------------------
 def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEForCausalLM:
-    """A randomly initialised MoE from the preset; same seed on every rank, so every rank starts identical."""
+    """The MoE to train: the weights of ``job.init_from`` (a Mixtral HF directory), or a randomly initialised
+    one from the preset; same seed and same weights on every rank, so every rank starts identical."""
     from nexa_dagster.core.tiny_model import build_model_config
 
     torch.manual_seed(job.settings.seed)
-    config = build_model_config(job.model_preset, vocab_size=vocab_size, tokenizer=tokenizer)
-    model = NexaMoEForCausalLM(config, attention=job.settings.attention)
+    if job.init_from:
+        from nexa_dagster.core.training.init import load_mixtral_checkpoint
+
+        model = load_mixtral_checkpoint(job.init_from, attention=job.settings.attention)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"init_from {job.init_from}: vocab_size {model.config.vocab_size} is smaller than the "
+                             f"tokenizer's {vocab_size} tokens")
+    else:
+        config = build_model_config(job.model_preset, vocab_size=vocab_size, tokenizer=tokenizer)
+        model = NexaMoEForCausalLM(config, attention=job.settings.attention)
     model.activation_checkpointing = job.settings.activation_checkpointing
     return model
 
@@ -308,13 +316,13 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         raise FileNotFoundError(f"tokenizer directory not found: {job.tokenizer_path}")
     tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_path)
     vocab_size = len(tokenizer)
-    train_data, val_data = load_packed(job.train_path), load_packed(job.validation_path)
-    check_packed(train_data, job.train_path, vocab_size)
-    check_packed(val_data, job.validation_path, vocab_size)
+    train_data, val_data, heldout_documents = load_job_data(job, tokenizer)
     seq_len = train_data["input_ids"].shape[1]
 
     # 2. model and engine
     model = build_model(job, vocab_size, tokenizer)
+    if job.init_from:
+        say(f"weights from {job.parent} ({job.init_from})")
     total_params, active_params = count_parameters(model)
     engine = build_engine(model, job, world_size)
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
@@ -381,6 +389,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         parameters_active=active_params, world_size=world_size, dataset_run_hash=job.dataset_run_hash,
         resumed_from_step=start_step, mfu=max((m["mfu"] for m in trained_now), default=0.0),
         peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
+        parent=job.parent, data_kind=job.data_kind, validation_documents=heldout_documents,
     )
     export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
     if dist.is_available() and dist.is_initialized() and world_size > 1:

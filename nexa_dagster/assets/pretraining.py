@@ -1,0 +1,99 @@
+"""Pretraining stage: the MoE preset trained on ``pretrain_corpus`` into a base model that SFT starts from.
+
+Same machinery as SFT (``moe_checkpoint``): a ``TrainingJob`` launched off-process by the GPU-cluster resource
+through Dagster Pipes, the same worker, DeepSpeed engine, monitors and exact resume; only its data kind differs
+(``pretrain_corpus``: the bin/idx documents packed into ``pack_size`` rows, every token learned). Its evaluation
+is the perplexity of the corpus documents held out by a hash of their tokens, which no training row ever holds.
+"""
+
+import math
+from pathlib import Path
+
+import dagster as dg
+
+from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.packaging import load_student_tokenizer
+from nexa_dagster.core import storage as io
+from nexa_dagster.core.artifacts import Checkpoint
+from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.pretrain_dataset import PretrainCorpus
+from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
+
+
+@dg.asset(
+    group_name="training",
+    pool="gpu",
+    retry_policy=MODEL_CALL_RETRY,
+    kinds={"deepspeed", "pytorch"},
+    description="The MoE preset pretrained with the DeepSpeed engine on pretrain_corpus (documents concatenated "
+                "into pack_size rows, attention within documents, loss on every token), saved as a Hugging Face "
+                "Mixtral checkpoint in data/base_models/<id>/; evaluated by the perplexity of held-out corpus "
+                "documents. moe_checkpoint starts from the latest one (init_from: base).",
+)
+def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpus, gpu_cluster: GPUClusterResource,
+               storage: StorageResource, tracking: TrackingResource) -> dg.Output[Checkpoint]:
+    from nexa_dagster.assets.training import checkpoint_id_for
+
+    scale = load_scale()
+    if scale.pretraining is None:
+        raise dg.Failure(f"scale preset {scale.name!r} has no pretraining section (max_steps, ...)",
+                         allow_retries=False)
+    settings = scale.pretraining.settings(scale.training)
+    base_id = checkpoint_id_for(context, storage, prefix="base", store=storage.path("base_models"))
+    _, tokenizer_path = load_student_tokenizer(storage)
+    job = TrainingJob(
+        run_id=base_id, train_path=pretrain_corpus.root, validation_path=pretrain_corpus.root,
+        tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
+        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=settings,
+        output_dir=storage.path("base_models", base_id), dataset_run_hash=pretrain_corpus.run_hash,
+        accelerator=gpu_cluster.accelerator, data_kind="pretrain_corpus", pack_size=scale.pack_size,
+        heldout_fraction=scale.pretraining.heldout_fraction, parent="scratch",
+    )
+    context.log.info(f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
+                     f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "
+                     f"{pretrain_corpus.num_tokens} tokens) on the {gpu_cluster.backend} cluster")
+    result, invocation = gpu_cluster.run_training(context, job, io.local_dir(storage.path("runs", base_id)))
+
+    perplexity = math.exp(min(result.validation_loss, 50.0))
+    png = loss_curve_png(result.loss_curve, f"{base_id} (pretraining)", result.validation_loss)
+    (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
+    with tracking.start_run(run_name=base_id, tags={"stage": "pretraining",
+                                                     "dagster_run_id": context.run.run_id}) as run:
+        run.log_params({"model_preset": scale.model_preset, "scale": scale.name,
+                        "corpus_run_hash": pretrain_corpus.run_hash, **settings.model_dump()})
+        for step, loss in result.loss_curve:
+            run.log_metrics({"train_loss": loss}, step=step)
+        run.log_metrics({"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity})
+        mlflow_run_id = run.run_id
+
+    checkpoint = Checkpoint(
+        checkpoint_id=base_id, path=result.checkpoint_dir, num_steps=result.steps,
+        training_loss=result.final_loss, validation_loss=result.validation_loss,
+        dataset_run_hash=pretrain_corpus.run_hash, dataset_validation_path=pretrain_corpus.root,
+        model_preset=scale.model_preset, scale=scale.name, parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active, training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id, stage="pretrain", parent="scratch",
+    )
+    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    worker_metadata = {f"worker/{k}": v for k, v in invocation.get_materialize_result().metadata.items()}
+    return dg.Output(checkpoint, metadata={
+        **worker_metadata,
+        "loss_curve": dg.MetadataValue.md(markdown_image(png, "pretraining loss")),
+        "checkpoint_id": base_id,
+        "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
+        "corpus_run_hash": pretrain_corpus.run_hash,
+        "parent": "scratch",
+        "steps": result.steps,
+        "final_train_loss": result.final_loss,
+        "heldout_loss": result.validation_loss,
+        "heldout_perplexity": perplexity,
+        "heldout_documents": result.validation_documents,
+        "tokens_seen": result.tokens_seen,
+        "wall_s": round(result.wall_s, 1),
+        "parameters_total": result.parameters_total,
+        "mlflow_run_id": mlflow_run_id,
+    })

@@ -1,0 +1,128 @@
+"""Pretraining input: a Megatron bin/idx corpus as packed rows of the SFT format, with a held-out side.
+
+The pretraining stage reuses the SFT training path unchanged (same loop, loader, resume and attention masks): the
+corpus's documents are concatenated into rows of exactly ``pack_size`` tokens, ``position_ids`` restart at every
+document start (and where a document carried over from the previous row continues), so the model's
+within-document attention and ``labels_for`` (which never predicts a document's first token from the previous
+document) apply exactly as to packed conversations. ``loss_mask`` is 1 on every real token: pretraining learns
+every token.
+
+Which documents are held out is a hash of the document's id, and a bin/idx corpus has no ids: a document's id
+here is the SHA-256 of its tokens (as int64), which is stable whatever the shard, position or dtype, so a
+document stays on its side whatever else arrives in later corpora. The held-out documents never enter a
+training row; their perplexity is the base model's evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nexa_dagster.core import storage
+from nexa_dagster.core.indexed_dataset import IndexedDataset
+from nexa_dagster.core.packing import is_validation, side_overrides
+
+Batch = dict[str, torch.Tensor]
+
+
+def document_id(tokens: np.ndarray) -> str:
+    """A content id for a tokenized document: the same tokens give the same id in any shard or dtype."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def corpus_prefixes(path: str) -> list[str]:
+    """The bin/idx prefixes of a corpus given as ``megatron_blend.json``, a corpus root (which holds one), or
+    one prefix (``<prefix>.idx`` exists)."""
+    if storage.exists(f"{path}.idx"):
+        return [path]
+    blend = path if path.endswith(".json") else storage.join(path, "megatron_blend.json")
+    if not storage.exists(blend):
+        raise FileNotFoundError(f"pretraining corpus not found: {path} (neither a megatron_blend.json, a corpus "
+                                "directory holding one, nor a bin/idx prefix)")
+    data_paths = storage.read_json(blend).get("data_paths")
+    if not isinstance(data_paths, list) or len(data_paths) % 2:
+        raise ValueError(f"{blend}: data_paths must be a list of [weight, prefix, ...] pairs")
+    prefixes = [str(p) for p in data_paths[1::2]]
+    if not prefixes:
+        raise ValueError(f"pretraining corpus {blend} lists no non-empty shard")
+    return prefixes
+
+
+def read_documents(prefixes: list[str]) -> list[np.ndarray]:
+    """Every document of the corpus, each as one token array (a document's sequences joined), in corpus order."""
+    documents: list[np.ndarray] = []
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix)
+        for d in range(dataset.num_documents):
+            parts = dataset.document(d)
+            if parts:
+                documents.append(np.concatenate(parts).astype(np.int64))
+    return documents
+
+
+@dataclass(frozen=True)
+class CorpusSplit:
+    train: list[np.ndarray]
+    heldout: list[np.ndarray]
+    heldout_ids: frozenset[str]
+
+
+def split_documents(documents: list[np.ndarray], heldout_fraction: float, seed: int = 0) -> CorpusSplit:
+    """The held-out side: documents whose id hashes below ``heldout_fraction`` (the SFT split's rule), moved so
+    that, with two or more distinct documents, neither side is empty. Duplicated documents share a side."""
+    ids = [document_id(d) for d in documents]
+    overrides = side_overrides(ids, heldout_fraction, seed)
+
+    def held(doc_id: str) -> bool:
+        side = overrides.get(doc_id)
+        return side == "validation" if side else is_validation(doc_id, heldout_fraction, seed)
+
+    sides = [held(i) for i in ids]
+    return CorpusSplit(train=[d for d, h in zip(documents, sides, strict=True) if not h],
+                       heldout=[d for d, h in zip(documents, sides, strict=True) if h],
+                       heldout_ids=frozenset(i for i, h in zip(ids, sides, strict=True) if h))
+
+
+def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Batch:
+    """Documents back to back in rows of ``pack_size`` tokens; positions restart at each document (and at a row
+    start); the last row is padded (attention 0, loss 0). Loss on every real token."""
+    if not documents:
+        raise ValueError("no documents to pack")
+    stream = np.concatenate(documents)
+    starts = np.zeros(len(stream), dtype=bool)
+    starts[np.cumsum([0] + [len(d) for d in documents[:-1]])] = True
+    rows = -(-len(stream) // pack_size)
+    slots = rows * pack_size
+    input_ids = np.full(slots, pad_id, dtype=np.int64)
+    input_ids[:len(stream)] = stream
+    attention = np.zeros(slots, dtype=np.int64)
+    attention[:len(stream)] = 1
+    restart = np.zeros(slots, dtype=bool)
+    restart[:len(stream)] = starts
+    restart[::pack_size] = True  # a carried-over document starts again at position 0 in its new row
+    if len(stream) < slots:
+        restart[len(stream)] = True  # padding counts from 0 too; attention_mask hides it
+    index = np.arange(slots)
+    last_start = np.maximum.accumulate(np.where(restart, index, 0))
+    positions = index - last_start
+    shape = (rows, pack_size)
+    return {"input_ids": torch.from_numpy(input_ids.reshape(shape)),
+            "loss_mask": torch.from_numpy(attention.reshape(shape).copy()),
+            "position_ids": torch.from_numpy(positions.reshape(shape)),
+            "attention_mask": torch.from_numpy(attention.reshape(shape))}
+
+
+def load_corpus(path: str, pack_size: int, heldout_fraction: float, pad_id: int,
+                seed: int = 0) -> tuple[Batch, Batch, CorpusSplit]:
+    """(training rows, held-out rows, the split) of a bin/idx corpus, ready for the training loop."""
+    documents = read_documents(corpus_prefixes(path))
+    if len(documents) < 2:
+        raise ValueError(f"pretraining corpus {path} has {len(documents)} document(s); a training side and a "
+                         "held-out side need at least two")
+    split = split_documents(documents, heldout_fraction, seed)
+    if not split.train or not split.heldout:
+        raise ValueError(f"pretraining corpus {path}: every document is identical, nothing left to hold out")
+    return pack_stream(split.train, pack_size, pad_id), pack_stream(split.heldout, pack_size, pad_id), split

@@ -1,0 +1,129 @@
+"""Where a training starts (``init_from``): a base model, the production model, random weights, or any Mixtral
+checkpoint on disk.
+
+``init_from`` is ``base`` (the latest ``base_model``), ``production`` (the production checkpoint: nightly
+continual fine-tuning), ``scratch`` (random initialisation from the model preset) or a path of a Hugging Face
+Mixtral-format directory. The Dagster layer resolves the names to a directory (``resolve``); this module then
+checks the directory before anything launches (``check_init_checkpoint``: the architecture and the vocabulary
+the data was tokenized with) and the worker loads it into the project's training MoE
+(``load_mixtral_checkpoint``). The checkpoint's own config wins over the model preset: the weights decide the
+shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INIT_NAMES = ("base", "production", "scratch")
+MIXTRAL = "MixtralForCausalLM"
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """A resolved ``init_from``: the directory to load ('' for scratch) and the parent recorded in lineage."""
+
+    path: str
+    parent: str  # "scratch", "base:<id>", "production:<id>" or "path:<dir>"
+    note: str = ""  # why the request was changed (e.g. "base" with no base model yet)
+
+
+def resolve(init_from: str, base: tuple[str, str] | None, production: tuple[str, str] | None,
+            fallback_to_scratch: bool = False) -> InitSource:
+    """Turn ``init_from`` into a directory. ``base`` and ``production`` are ``(id, path)`` or None when none
+    exists. A missing base falls back to scratch only when ``fallback_to_scratch`` (``base`` is the preset's
+    default, and the very first night has no base model); asked for explicitly, a missing one is an error."""
+    value = init_from.strip()
+    if value == "scratch":
+        return InitSource("", "scratch")
+    if value == "base":
+        if base is None:
+            if fallback_to_scratch:
+                return InitSource("", "scratch", "init_from 'base' (the preset's default) but no base_model has "
+                                                 "been materialized yet: training from scratch")
+            raise ValueError("init_from 'base' but no base_model has been materialized yet (run pretraining_job, "
+                             "or set init_from: scratch)")
+        return InitSource(base[1], f"base:{base[0]}")
+    if value == "production":
+        if production is None:
+            raise ValueError("init_from 'production' but no model is in production yet")
+        return InitSource(production[1], f"production:{production[0]}")
+    if not value:
+        raise ValueError(f"init_from is empty; use one of {INIT_NAMES} or a checkpoint path")
+    return InitSource(value, f"path:{value}")
+
+
+def read_config(path: str) -> dict[str, Any]:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"init_from {path}: no config.json there (not a Hugging Face model directory)")
+    try:
+        return json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"init_from {path}: config.json is not valid JSON: {e}") from e
+
+
+def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> str:
+    """Fail before launch on a checkpoint the training cannot start from; return the tokenizer directory to
+    train with (the checkpoint's own when it has one: the tokenizer comes with the model).
+
+    Checked: a Mixtral architecture (the project's MoE is Mixtral), weights present, and a vocabulary that is the
+    one the data (``data_label``) was tokenized with: the same tokenizer when the checkpoint ships one, else an
+    embedding table large enough for every token id of the data's tokenizer.
+    """
+    from nexa_dagster.core.packing import tokenizer_fingerprint
+
+    config = read_config(path)
+    architectures = config.get("architectures") or []
+    if config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures):
+        found = ", ".join(architectures) or config.get("model_type") or "unknown"
+        raise ValueError(f"init_from {path}: a {found} checkpoint; training starts only from a Mixtral-architecture "
+                         f"checkpoint ({MIXTRAL}, model_type 'mixtral')")
+    if not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
+        raise ValueError(f"init_from {path}: no weights (*.safetensors or *.bin) in the directory")
+    vocab = int(config.get("vocab_size", 0))
+    if (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        own = AutoTokenizer.from_pretrained(path)
+        if tokenizer_fingerprint(own) != tokenizer_fingerprint(data_tokenizer):
+            raise ValueError(f"init_from {path}: its tokenizer ({len(own)} tokens) is not the one {data_label} was "
+                             f"tokenized with ({len(data_tokenizer)} tokens); re-package the data with this "
+                             "model's tokenizer or start from another checkpoint")
+        tokenizer_dir = path
+    else:
+        tokenizer_dir = ""
+    if vocab < len(data_tokenizer):
+        raise ValueError(f"init_from {path}: vocab_size {vocab} is smaller than the {len(data_tokenizer)} tokens "
+                         f"of the tokenizer {data_label} was tokenized with")
+    return tokenizer_dir
+
+
+def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
+    """A Hugging Face Mixtral directory as the project's training MoE, with exactly its weights.
+
+    Loaded through ``MixtralForCausalLM.from_pretrained`` (so every layout transformers reads, including the
+    older per-expert one, works) in fp32, the training dtype before DeepSpeed casts; then every tensor is copied
+    into ``NexaMoEForCausalLM``, whose parameter names are transformers'. A tensor that does not map is an error.
+    """
+    import torch
+    from transformers import MixtralForCausalLM
+
+    from nexa_dagster.core.model.moe import NexaMoEForCausalLM
+
+    read_config(path)
+    try:
+        hf = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"init_from {path}: cannot load it as {MIXTRAL}: {e}") from e
+    config = hf.config
+    config.output_router_logits = False
+    model = NexaMoEForCausalLM(config, attention=attention)
+    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"init_from {path}: weights do not map onto the training MoE: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model
