@@ -73,7 +73,13 @@ def run_side(args: argparse.Namespace) -> dict:
     from nexa_dagster.core.training import monitor
     from nexa_dagster.core.training.data import Prefetcher, labels_for, micro_batches
     from nexa_dagster.core.training.job import TrainingJob
-    from nexa_dagster.core.training.loop import build_engine, build_model, count_parameters, optimizer_step
+    from nexa_dagster.core.training.loop import (
+        Control,
+        build_engine,
+        build_model,
+        count_parameters,
+        optimizer_step,
+    )
 
     cuda = args.device == "cuda"
     spec = model_spec(args)
@@ -103,7 +109,7 @@ def run_side(args: argparse.Namespace) -> dict:
         batches = Prefetcher(micro_batches(data, args.micro_batch, 0, 0, 1), torch.device(engine.device), depth=2)
 
         def step() -> None:
-            lm_loss, _, _, _ = optimizer_step(engine, batches, 1)
+            lm_loss, _, _, _ = optimizer_step(engine, batches, 1, Control(1), step=1)
             return lm_loss
     else:
         import deepspeed

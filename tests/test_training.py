@@ -157,8 +157,68 @@ def test_worker_refuses_an_unusable_job_file(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "invalid training job" in proc.stderr
 
 
+# -- the loss of a step: weighted by tokens, checked before the update ------------------------------------------
+def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(tmp_path: Path,
+                                                                                 teacher_dir: Path) -> None:
+    """The real DeepSpeed engine in this process (one gloo rank), two micro-batches of one packed row each, one row
+    with 3 learned tokens and one with ~40: the step's gradient is that of the token mean over the whole batch
+    (torchtitan style), not the mean of the two rows' means, which gives a clearly different gradient. Then a NaN
+    loss: the step raises before its update and no weight moves."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from nexa_dagster.core.training.data import Prefetcher, labels_for, load_packed, micro_batches
+    from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
+    from nexa_dagster.core.training.worker import configure_environment
+
+    job = make_job(tmp_path, teacher_dir, steps=2, rows=2)
+    job = job.model_copy(update={"settings": job.settings.model_copy(
+        update={"micro_batch_size": 1, "gradient_accumulation_steps": 2})})
+    data = load_packed(job.train_path)
+    data["loss_mask"][0] = 0
+    data["loss_mask"][0, 5:8] = 1  # row 0: three learned tokens (positions 5-7 are inside its first document)
+    assert 0 < int(labels_for(data)[0, 1:].ne(-100).sum()) <= 3 < 20 < int(labels_for(data)[1, 1:].ne(-100).sum())
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+
+    def reference_grad_norm(token_weighted: bool) -> float:
+        model = build_model(job, len(tokenizer), tokenizer)
+        outs = [model(input_ids=data["input_ids"][i:i + 1], position_ids=data["position_ids"][i:i + 1],
+                      labels=labels_for({k: v[i:i + 1] for k, v in data.items()})) for i in range(2)]
+        aux = sum(o.aux_loss for o in outs) / 2 * model.config.router_aux_loss_coef
+        if token_weighted:
+            tokens = sum(int(labels_for(data)[i, 1:].ne(-100).sum()) for i in range(2))
+            lm = sum(o.lm_loss_sum for o in outs) / tokens
+        else:
+            lm = sum(o.lm_loss for o in outs) / 2
+        (lm + aux).backward()
+        return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+
+    weighted, per_row = reference_grad_norm(True), reference_grad_norm(False)
+    assert abs(weighted - per_row) > 0.05 * weighted, "the data does not tell the two weightings apart"
+
+    configure_environment(job)
+    try:
+        engine = build_engine(build_model(job, len(tokenizer), tokenizer), job, world_size=1)
+        batches = Prefetcher(micro_batches(data, 1, job.settings.seed, 0, 1), torch.device("cpu"), depth=0)
+        optimizer_step(engine, batches, 2, Control(1), step=1)
+        assert engine.get_global_grad_norm() == pytest.approx(weighted, rel=1e-4), (weighted, per_row)
+
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        with pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
+            optimizer_step(engine, batches, 2, Control(1), step=2, poison=True)
+        assert engine.global_steps == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # -- through Dagster ------------------------------------------------------------------------------------------
-def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_path: Path, teacher_dir: Path) -> None:
+def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_path: Path, teacher_dir: Path,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """Also: each worker line reaches the console once (the run log's console logger), not a second time through
+    the worker's stdout, which a local worker shares with the Dagster process."""
     job = make_job(tmp_path, teacher_dir, steps=3, log_every=1)
 
     @dg.asset
@@ -178,6 +238,8 @@ def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_pa
     assert metadata["checkpoint_dir"] == dg.MetadataValue.path(job.output_dir)
     logs = [e.user_message for e in instance.all_logs(res.run_id)]
     assert any("step 3/3 loss" in m for m in logs), "worker progress did not stream into the run through Pipes"
+    console = "".join(capfd.readouterr())
+    assert console.count("step 3/3 loss") == 1, [line for line in console.splitlines() if "step 3/3" in line]
 
 
 def test_two_ranks_under_torchrun_train_one_model(tmp_path: Path, teacher_dir: Path) -> None:
@@ -223,6 +285,54 @@ def test_worker_failure_is_a_dagster_failure_quoting_its_stderr(tmp_path: Path, 
     description = _failure_description(job, tmp_path)
     assert "lacks columns ['loss_mask', 'position_ids', 'attention_mask']" in description
     assert "training test-run failed on rank 0: ValueError" in description
+
+
+def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, teacher_dir: Path) -> None:
+    """moe_checkpoint's retry policy (MODEL_CALL_RETRY) through the real resource: a worker killed with SIGKILL (a
+    lost node) is run again and the step succeeds; a non-finite loss fails the step at once, without the three
+    relaunches that would each fail the same way."""
+    import threading
+
+    from nexa_dagster.assets.common import MODEL_CALL_RETRY
+
+    def materialize(job: TrainingJob, cluster: GPUClusterResource, kill_first: bool) -> tuple[Any, int]:
+        @dg.asset(retry_policy=MODEL_CALL_RETRY)
+        def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+            return gpu_cluster.run_training(context, job, Path(job.output_dir).parent / "work")[1] \
+                .get_materialize_result()
+
+        def kill_the_first_worker() -> None:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                for p in psutil.process_iter(["cmdline"]):
+                    cmdline = " ".join(p.info["cmdline"] or [])
+                    if "nexa_dagster.core.training.worker" in cmdline and job.run_id in cmdline:
+                        time.sleep(2)
+                        p.kill()
+                        return
+                time.sleep(0.2)
+
+        killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+        if kill_first:
+            killer.start()
+        res = dg.materialize([trained], resources={"gpu_cluster": cluster}, raise_on_error=False,
+                             instance=dg.DagsterInstance.ephemeral())
+        retries = [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+        return res, len(retries)
+
+    (tmp_path / "lost").mkdir()
+    lost = make_job(tmp_path / "lost", teacher_dir, steps=3, run_id="lost")
+    res, retries = materialize(lost, GPUClusterResource(), kill_first=True)
+    assert res.success and retries == 1, retries
+    assert summary_of(lost).steps == 3
+
+    (tmp_path / "nan").mkdir()
+    nan = make_job(tmp_path / "nan", teacher_dir, steps=3, run_id="nan")
+    res, retries = materialize(nan, GPUClusterResource(env={"NEXA_FAULT_NAN_AT_STEP": "2"}), kill_first=False)
+    assert not res.success and retries == 0, retries
+    failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
+    assert "not retried, it would fail again" in failure.description
+    assert "non-finite loss at step 2 (caught before its update" in failure.description
 
 
 def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_dir: Path) -> None:
@@ -274,8 +384,14 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     time.sleep(1.0)  # the ranks are now in step 7
-    os.killpg(proc.pid, signal.SIGKILL)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    assert {os.getpgid(p.pid) for p in ranks}.isdisjoint({proc.pid}), "ranks share torchrun's group: test is moot"
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun's group only: the ranks are in sessions of their own
     proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(ranks, timeout=15)
+    assert not alive, f"ranks {[p.pid for p in alive]} outlived their killed launcher"
     assert not (Path(killed.output_dir) / COMPLETION_MARKER).exists()
 
     proc = _torchrun(killed, tmp_path)
@@ -334,7 +450,7 @@ def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: P
     assert lines[0] == "#!/bin/bash"
     for directive in ("--job-name=nexa-test-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
                       "--partition=gpu", "--account=nexa", "--time=12:00:00", f"--output={tmp_path}/work/slurm-%j.out",
-                      "--signal=B:INT@60"):
+                      "--signal=TERM@120"):
         assert f"#SBATCH {directive}" in lines, directive
     assert "export DAGSTER_PIPES_CONTEXT=abc" in lines and "export HF_HOME='/shared/hf home'" in lines
     assert lines.index("module load cuda/12.4") < lines.index("export HEAD_NODE")
@@ -381,6 +497,13 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # PipesK8sClient.run's own pod_wait_timeout default (86,400 s) would end a longer training: always passed,
+    # 0 (no limit) unless configured
+    arguments = cluster.k8s_run_arguments(job, Path("/data/work/job.json"), Path("/data/work"), {"A": "1"})
+    assert arguments["pod_wait_timeout"] == 0 and arguments["base_pod_spec"] == spec
+    assert arguments["command"] == container["command"] and arguments["env"] == {"A": "1"}
+    week = cluster.model_copy(update={"k8s_pod_wait_timeout_s": 7 * 86400.0})
+    assert week.k8s_run_arguments(job, Path("/j.json"), Path("/w"), {})["pod_wait_timeout"] == 7 * 86400.0
 
 
 # -- stopping ---------------------------------------------------------------------------------------------------

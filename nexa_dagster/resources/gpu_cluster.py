@@ -33,7 +33,7 @@ from nexa_dagster.core import storage
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
-from nexa_dagster.core.training.worker import LAUNCHER_PID_ENV, STDERR_LOG
+from nexa_dagster.core.training.worker import ECHO_ENV, FAILURE_FILE, LAUNCHER_PID_ENV, STDERR_LOG
 
 SLURM_DONE = {"COMPLETED"}
 SLURM_FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -57,6 +57,10 @@ class GPUClusterResource(dg.ConfigurableResource):
     slurm_partition: str = ""
     slurm_account: str = ""
     slurm_time_limit: str = "24:00:00"
+    slurm_stop_warning_s: int = Field(
+        default=120, ge=1, description="slurm: SIGTERM reaches the worker this long before the time limit; it saves "
+                                       "its resumable state and stops, so a relaunch resumes (one step plus a save "
+                                       "must fit; Slurm may signal up to 60 s earlier)")
     slurm_cpus_per_task: int = Field(default=8, ge=1)
     slurm_extra_directives: list[str] = Field(default_factory=list, description='e.g. ["--qos=high"]')
     slurm_setup_commands: list[str] = Field(default_factory=list,
@@ -71,6 +75,9 @@ class GPUClusterResource(dg.ConfigurableResource):
     k8s_tolerations: list[dict[str, str]] = Field(default_factory=list)
     k8s_cpu: str = "8"
     k8s_memory: str = "64Gi"
+    k8s_pod_wait_timeout_s: float = Field(
+        default=0, ge=0, description="kubernetes: give up waiting for the training pod after this long (0: wait "
+                                     "as long as it runs; a hung worker is ended by its stall watchdog)")
 
     def worker_command(self, job_file: Path, log_dir: Path) -> list[str]:
         """The local worker's command line: ``python -m ...worker``, under ``torchrun`` for more than one rank."""
@@ -110,8 +117,9 @@ class GPUClusterResource(dg.ConfigurableResource):
         work_dir.mkdir(parents=True, exist_ok=True)
         job_file = work_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2), encoding="utf-8")
-        for old in work_dir.glob(STDERR_LOG.format(rank="*")):  # a previous attempt's, not this one's
-            old.unlink()
+        for pattern in (STDERR_LOG, FAILURE_FILE):  # a previous attempt's, not this one's
+            for old in work_dir.glob(pattern.format(rank="*")):
+                old.unlink()
         if self.num_procs != job.settings.num_procs:
             per_rank = job.settings.micro_batch_size * job.settings.gradient_accumulation_steps
             context.log.warning(f"the scale preset trains on {job.settings.num_procs} ranks, this cluster runs "
@@ -127,17 +135,13 @@ class GPUClusterResource(dg.ConfigurableResource):
                 command = self.worker_command(job_file, work_dir)
                 context.log.info(f"launching {' '.join(command)}")
                 invocation = dg.PipesSubprocessClient().run(
-                    context=context, command=command, env={**env, LAUNCHER_PID_ENV: str(os.getpid())},
+                    context=context, command=command,
+                    env={**env, LAUNCHER_PID_ENV: str(os.getpid()), ECHO_ENV: "0"},
                     cwd=str(work_dir))
         except dg.Failure:
             raise
         except Exception as e:  # a failed worker (DagsterPipesExecutionError is not public API) or launch;
-            tail = stderr_tail(work_dir)  # a cancelled run is a BaseException and passes through untouched
-            raise dg.Failure(
-                description=f"training {job.run_id} failed ({e}); the worker's stderr ended with:\n{tail}",
-                metadata={"job_file": dg.MetadataValue.path(str(job_file)),
-                          "stderr_tail": dg.MetadataValue.text(tail)},
-            ) from e
+            raise worker_failure(job, work_dir, str(e)) from e  # a cancelled run (BaseException) passes through
         return read_result(job), invocation
 
     def _run_slurm(self, context: dg.AssetExecutionContext, job: TrainingJob, job_file: Path, work_dir: Path,
@@ -165,8 +169,7 @@ class GPUClusterResource(dg.ConfigurableResource):
             if state not in SLURM_DONE:
                 out = work_dir / f"slurm-{job_id}.out"
                 text = out.read_text(errors="replace")[-4000:] if out.exists() else "(no output file)"
-                raise dg.Failure(f"Slurm job {job_id} ended {state}; output ends with:\n{text}\n"
-                                 f"{stderr_tail(work_dir)}")
+                raise worker_failure(job, work_dir, f"Slurm job {job_id} ended {state}; output ends with:\n{text}")
         return dg.PipesClientCompletedInvocation(session)
 
     def _run_kubernetes(self, context: dg.AssetExecutionContext, job: TrainingJob, job_file: Path,
@@ -178,9 +181,15 @@ class GPUClusterResource(dg.ConfigurableResource):
                              allow_retries=False) from None
         if not self.k8s_image:
             raise dg.Failure("backend 'kubernetes' needs k8s_image", allow_retries=False)
+        return PipesK8sClient().run(context=context, **self.k8s_run_arguments(job, job_file, work_dir, env))
+
+    def k8s_run_arguments(self, job: TrainingJob, job_file: Path, work_dir: Path,
+                          env: dict[str, str]) -> dict[str, Any]:
+        """What ``PipesK8sClient.run`` gets besides the context. ``pod_wait_timeout`` is always passed: its
+        default (86,400 s) would end every training longer than a day; 0 means no limit there."""
         spec = self.pod_spec(job, job_file, work_dir)
-        return PipesK8sClient().run(context=context, image=self.k8s_image, namespace=self.k8s_namespace,
-                                    command=spec["containers"][0]["command"], env=env, base_pod_spec=spec)
+        return {"image": self.k8s_image, "namespace": self.k8s_namespace, "command": spec["containers"][0]["command"],
+                "env": env, "base_pod_spec": spec, "pod_wait_timeout": self.k8s_pod_wait_timeout_s}
 
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
@@ -214,6 +223,23 @@ class GPUClusterResource(dg.ConfigurableResource):
         for name, path in (("train", job.train_path), ("validation", job.validation_path)):
             if not storage.exists(path):
                 raise dg.Failure(f"training {job.run_id}: {name} data not found: {path}", allow_retries=False)
+
+
+def worker_failure(job: TrainingJob, work_dir: Path, what: str) -> dg.Failure:
+    """The step's failure, with the worker's stderr tail; retried by the step's retry policy only if no rank
+    reported a failure that a relaunch repeats (a non-finite loss, bad data or configuration). A worker that died
+    without a word (a lost node, a killed process) or stopped on SIGTERM with its state saved is retried."""
+    reports = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(work_dir.glob(FAILURE_FILE.format(rank="*")))]
+    permanent = [r for r in reports if not r.get("retryable", True)]
+    tail = stderr_tail(work_dir)
+    verdict = (f"not retried, it would fail again: {permanent[0]['message']}" if permanent
+               else "retried if the step's retry policy allows (a relaunch resumes from the last saved state)")
+    return dg.Failure(
+        description=f"training {job.run_id} failed ({what}); {verdict}; the worker's stderr ended with:\n{tail}",
+        metadata={"job_file": dg.MetadataValue.path(str(work_dir / "job.json")),
+                  "stderr_tail": dg.MetadataValue.text(tail), "retryable": not permanent},
+        allow_retries=not permanent,
+    )
 
 
 def stderr_tail(log_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:

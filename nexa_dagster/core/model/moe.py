@@ -40,6 +40,7 @@ class MoEOutput(ModelOutput):
 
     loss: torch.Tensor | None = None  # lm_loss + router_aux_loss_coef * aux_loss (None without labels)
     lm_loss: torch.Tensor | None = None
+    lm_loss_sum: torch.Tensor | None = None  # summed over the learned tokens: the training loop weights by tokens
     aux_loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # only when asked for (evaluation, tests): training never materialises them
     expert_load: torch.Tensor | None = None  # [layers, experts] share of routed token slots each expert received
@@ -304,14 +305,16 @@ class NexaMoEForCausalLM(nn.Module):
         aux_loss = (frac.mean(0) * prob.mean(0)[None]).sum() * cfg.num_local_experts
         expert_load = frac.sum(1).detach() / frac.shape[1]
         logits = self.lm_head(x) if return_logits else None
-        lm_loss = loss = None
+        lm_loss = lm_loss_sum = loss = None
         if labels is not None:
-            lm_loss = self._loss(x, labels)
+            lm_loss_sum = self._loss(x, labels)
+            lm_loss = lm_loss_sum / labels[:, 1:].ne(IGNORE_INDEX).sum().clamp(min=1)
             loss = lm_loss + cfg.router_aux_loss_coef * aux_loss
-        return MoEOutput(loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, logits=logits, expert_load=expert_load)
+        return MoEOutput(loss=loss, lm_loss=lm_loss, lm_loss_sum=lm_loss_sum, aux_loss=aux_loss, logits=logits,
+                         expert_load=expert_load)
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over learned tokens, computed in chunks of ``loss_chunk_tokens``.
+        """Next-token cross-entropy summed over learned tokens, computed in chunks of ``loss_chunk_tokens``.
 
         Under autograd each chunk is checkpointed: the backward pass recomputes that chunk's logits (one more
         ``lm_head`` matmul per chunk) rather than autograd saving an fp32 ``chunk x vocab`` softmax for every chunk,
@@ -325,7 +328,7 @@ class NexaMoEForCausalLM(nn.Module):
             chunk = (hidden[start:start + self.loss_chunk_tokens], targets[start:start + self.loss_chunk_tokens])
             total = total + (torch.utils.checkpoint.checkpoint(self._chunk_loss, *chunk, use_reentrant=False)
                              if checkpointed else self._chunk_loss(*chunk))
-        return total / targets.ne(IGNORE_INDEX).sum().clamp(min=1)
+        return total
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

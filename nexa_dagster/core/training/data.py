@@ -25,6 +25,8 @@ Batch = dict[str, torch.Tensor]
 
 PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "attention_mask")
 IGNORE_INDEX = -100  # what the cross-entropy skips
+LOSS_TOKENS = "loss_tokens"  # a micro-batch's learned-token count, added by micro_batches
+HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
 
 
 def load_packed(path: str) -> Batch:
@@ -88,7 +90,9 @@ def micro_batches(data: Batch, micro_batch: int, seed: int, rank: int, world_siz
     while True:
         global_batch = list(itertools.islice(stream, micro_batch * world_size))
         mine = torch.tensor(global_batch[rank * micro_batch:(rank + 1) * micro_batch])
-        yield {name: tensor[mine] for name, tensor in data.items()}
+        batch = {name: tensor[mine] for name, tensor in data.items()}
+        batch[LOSS_TOKENS] = labels_for(batch)[:, 1:].ne(IGNORE_INDEX).sum()  # counted here, on the host
+        yield batch
 
 
 class Prefetcher:
@@ -143,7 +147,7 @@ class Prefetcher:
                     raise self._error
                 raise StopIteration
             batch = item  # type: ignore[assignment]
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True) for k, v in batch.items()}
         self.wait_s += time.perf_counter() - start
         return batch
 

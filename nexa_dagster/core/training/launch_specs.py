@@ -35,12 +35,14 @@ def worker_argv(python: str, job_file: str, log_dir: str, procs_per_node: int, n
 
 def sbatch_script(*, run_id: str, python: str, job_file: str, log_dir: str, procs_per_node: int, nodes: int,
                   gpus: bool, env: Mapping[str, str], partition: str = "", account: str = "",
-                  time_limit: str = "24:00:00", cpus_per_task: int = 8, extra_directives: Sequence[str] = (),
+                  time_limit: str = "24:00:00", stop_warning_s: int = 120, cpus_per_task: int = 8, extra_directives: Sequence[str] = (),
                   setup_commands: Sequence[str] = ()) -> str:
     """A complete ``sbatch`` script: one task per node, ``torchrun`` inside it starts the node's ranks.
 
-    ``--kill-on-bad-exit`` ends every node when one rank fails; ``--signal=B:INT@60`` gives the worker a minute
-    to stop cleanly before the time limit. The environment (Dagster Pipes' bootstrap variables among them) is
+    ``--kill-on-bad-exit`` ends every node when one rank fails. ``--signal=TERM@<stop_warning_s>`` (no ``B:``:
+    Slurm signals the job step's tasks, i.e. ``torchrun`` or the worker, not the batch shell) reaches the worker
+    before the time limit; ``torchrun`` forwards SIGTERM to its ranks, which finish the step, save their resumable
+    state and exit, so the relaunch resumes there. The environment (Dagster Pipes' bootstrap variables among them) is
     exported by the script itself, so nothing depends on what the submitting shell had.
     """
     directives = [
@@ -50,7 +52,7 @@ def sbatch_script(*, run_id: str, python: str, job_file: str, log_dir: str, proc
         f"--cpus-per-task={cpus_per_task}",
         f"--time={time_limit}",
         f"--output={log_dir}/slurm-%j.out",
-        "--signal=B:INT@60",
+        f"--signal=TERM@{stop_warning_s}",
     ]
     if gpus:
         directives.append(f"--gpus-per-node={procs_per_node}")

@@ -36,6 +36,7 @@ from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import monitor
 from nexa_dagster.core.training.data import (
     IGNORE_INDEX,
+    LOSS_TOKENS,
     Batch,
     Prefetcher,
     labels_for,
@@ -43,11 +44,13 @@ from nexa_dagster.core.training.data import (
     micro_batches,
 )
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.training.stop import STOP, StopRequested
 
 LogFn = Callable[[int, dict[str, float]], None]
 MessageFn = Callable[[str], None]
 
 FAULT_STALL_ENV = "NEXA_FAULT_STALL_AT_STEP"  # fault injection for tests: hang after this step
+FAULT_NAN_ENV = "NEXA_FAULT_NAN_AT_STEP"  # fault injection for tests: a NaN loss at this step
 
 
 # -- model and optimisation -------------------------------------------------------------------------------------
@@ -137,9 +140,38 @@ def _auto_keys(cfg: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".")] if cfg == "auto" else []
 
 
-def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int) -> Any:
+def pending_comm_op_build(accelerator: str, world_size: int) -> str:
+    """Where DeepSpeed is about to compile its CPU shared-memory communication op, or "" if it will not.
+
+    ``deepspeed.initialize`` builds it the first time on a machine, for minutes and without a word; one rank has
+    nothing to communicate, so there the build is switched off instead.
+    """
+    if accelerator != "cpu":
+        return ""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return ""
+    if world_size == 1:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # build_shm_op() then returns None
+        return ""
+    directory = Path(_get_build_directory(builder.name, verbose=False))
+    building = (directory / "lock").exists()  # another process compiles it now (torch's file lock): we wait too
+    return str(directory) if building or not any(directory.glob(f"{builder.name}*.so")) else ""
+
+
+def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int,
+                 say: MessageFn | None = None) -> Any:
     """Model + optimizer + warmup/cosine schedule wrapped by the DeepSpeed engine (ZeRO stage from the JSON)."""
     import deepspeed
+
+    build_dir = pending_comm_op_build(job.accelerator, world_size)
+    if build_dir and say is not None:
+        say(f"DeepSpeed is compiling its CPU communication op into {build_dir} (or waiting for another process "
+            "that does): once per machine and installation, a few minutes with no output")
 
     s = job.settings
     ds_config = fill_deepspeed_config(job, world_size)
@@ -175,25 +207,65 @@ def _as_float(value: Any) -> float:
 
 
 # -- one step and the validation pass ---------------------------------------------------------------------------
-def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """One optimizer step over ``accumulation`` micro-batches.
+class Control:
+    """Host-side values every rank must agree on before a step: the global loss-token count and the stop flag.
 
-    Returns the mean LM loss and router aux loss (as tensors: reading them would wait for the GPU every step),
-    the real tokens trained on, and the mean expert load. The engine minimises LM loss + router_aux_loss_coef x
-    load-balancing loss; the LM part alone is reported, comparable with the validation loss.
+    One small all-reduce per step over gloo on host memory, never over NCCL: reading a GPU tensor back would wait
+    for the GPU every step. On CPU (gloo already) it is the default group.
     """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.group = None
+        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def agree(self, loss_tokens: int, stop: bool) -> tuple[int, bool]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return loss_tokens, stop
+        values = torch.tensor([float(loss_tokens), float(stop)], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return int(values[0]), bool(values[1] > 0)
+
+
+def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, control: Control,
+                   step: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """One optimizer step over ``accumulation`` micro-batches, the LM loss weighted by tokens (torchtitan style).
+
+    Each micro-batch's summed token loss is divided by the loss tokens of the whole global batch (all
+    micro-batches, all ranks), so a packed row with few assistant tokens weighs what its tokens weigh, not as much
+    as a full one. DeepSpeed averages gradients over ranks, hence the factor ``world_size``; its own division by
+    the accumulation steps is turned off (``scale_wrt_gas=False``). The router's aux loss stays a mean per
+    micro-batch. A non-finite loss raises ``FloatingPointError`` before the update, which is then never applied.
+
+    Raises ``StopRequested`` (before the step) when any rank was asked to stop. Returns this rank's share of the
+    step's mean LM loss and its mean aux loss (tensors: reading them would wait for the GPU), the token slots
+    trained on, and the mean expert load. ``poison`` (tests) turns the loss into NaN.
+    """
+    micro = [next(batches) for _ in range(accumulation)]
+    global_tokens, stop = control.agree(sum(int(b[LOSS_TOKENS]) for b in micro), STOP.is_set())
+    if stop:
+        raise StopRequested(step - 1)
+    weight = control.world_size / max(global_tokens, 1)
+    aux_coef = engine.module.config.router_aux_loss_coef
     lm_loss = aux_loss = expert_load = 0
     tokens = 0
-    for _ in range(accumulation):
-        batch = next(batches)
+    for i, batch in enumerate(micro):
         out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch))
-        engine.backward(out.loss)
-        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary
-        lm_loss = lm_loss + out.lm_loss.detach() / accumulation
+        lm = out.lm_loss_sum * weight
+        if poison:
+            lm = lm * float("nan")
+        engine.backward(lm + aux_coef * out.aux_loss / accumulation, scale_wrt_gas=False)
+        lm_loss = lm_loss + lm.detach()
         aux_loss = aux_loss + out.aux_loss.detach() / accumulation
         expert_load = expert_load + out.expert_load / accumulation
         tokens += batch["input_ids"].numel()  # packed rows: padding is rare, count slots (no GPU sync)
+        if i == accumulation - 1 and not bool(torch.isfinite(lm_loss + aux_loss)):
+            # one scalar read per optimizer step, right before the update (DeepSpeed's step reads its grad norm
+            # back anyway); the update of this step is never applied
+            raise FloatingPointError(f"non-finite loss at step {step} (caught before its update, which was not "
+                                     "applied): lower the learning rate or check the packed data")
+        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary
     return lm_loss, aux_loss, tokens, expert_load
 
 
@@ -240,7 +312,7 @@ class MetricsWindow:
     def close(self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any,
               expert_load: Any) -> dict[str, float]:
         loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), self.tokens)
-        if not math.isfinite(loss_sum):
+        if not math.isfinite(loss_sum):  # optimizer_step raises first; kept for a loss that only the sum overflows
             raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check "
                                      "the packed data")
         elapsed = max(time.perf_counter() - self.start, 1e-9)
@@ -282,7 +354,8 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
     path, client_state = engine.load_checkpoint(str(directory), load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     if path is None:
-        raise RuntimeError(f"could not load the training state in {directory}; delete it to start over")
+        # a ValueError: a relaunch would read the same files and fail again, so it is not retried
+        raise ValueError(f"could not load the training state in {directory}; delete it to start over")
     torch.set_rng_state(client_state["torch_rng"])
     if client_state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(client_state["cuda_rng"])
@@ -324,7 +397,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     if job.init_from:
         say(f"weights from {job.parent} ({job.init_from})")
     total_params, active_params = count_parameters(model)
-    engine = build_engine(model, job, world_size)
+    engine = build_engine(model, job, world_size, say)
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
     per_token_flops = monitor.flops_per_token(active_params, model.config.num_hidden_layers,
                                               model.config.hidden_size, seq_len)
@@ -348,6 +421,8 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
     stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
+    nan_at = int(os.environ.get(FAULT_NAN_ENV, "0"))
+    control = Control(world_size)
     window = MetricsWindow(batches, world_size, per_token_flops, peak, device, last_step=start_step)
     train_start = time.perf_counter()
     # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
@@ -357,20 +432,36 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         running.callback(batches.close)
         progress = running.enter_context(Progress(say, "training steps", every_s=s.progress_every_s))
         progress(start_step, s.max_steps)
+
+        def log_line(step: int, lm_loss: Any, aux_loss: Any, lr: float, expert_load: Any) -> None:
+            nonlocal tokens_seen
+            metrics = window.close(step, lm_loss, aux_loss, lr, engine.get_global_grad_norm(), expert_load)
+            metrics_log.append(metrics)
+            tokens_seen += int(metrics["tokens"])
+            if on_log and rank == 0:
+                on_log(step, {k: v for k, v in metrics.items() if k != "step"})
+
+        last: tuple[Any, ...] = ()
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
-            lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation)
+            try:
+                lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation, control, step,
+                                                                        poison=step == nan_at)
+            except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
+                if stop.step > start_step:
+                    if stop.step > window.last_step:
+                        log_line(stop.step, *last)
+                    save_state(engine, job, stop.step, metrics_log, tokens_seen)
+                    say(f"saved resumable state at step {stop.step}; stopping as asked (SIGTERM)")
+                raise
+            last = (lm_loss, aux_loss, lr, expert_load)
             window.add(tokens)
             watchdog.beat()
             progress(step, s.max_steps)
             if step == stall_at:
                 time.sleep(10 * s.stall_timeout_s)
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
-                metrics = window.close(step, lm_loss, aux_loss, lr, engine.get_global_grad_norm(), expert_load)
-                metrics_log.append(metrics)
-                tokens_seen += int(metrics["tokens"])
-                if on_log and rank == 0:
-                    on_log(step, {k: v for k, v in metrics.items() if k != "step"})
+                log_line(step, *last)
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
                 save_state(engine, job, step, metrics_log, tokens_seen)
                 say(f"saved resumable state at step {step}")

@@ -5,7 +5,13 @@ Under Dagster Pipes (``DAGSTER_PIPES_CONTEXT`` is set) rank 0 streams progress i
 and reports the final metrics as an asset materialization; run by hand it prints them. With ``--log-dir`` every
 rank also copies its stderr into ``DIR/worker.rank<N>.stderr.log``, which the launcher quotes when a run fails.
 
-Exit codes: 0 done, 1 training failed, 2 unusable job file, 130 interrupted (the Dagster run was cancelled).
+Exit codes: 0 done, 1 training failed, 2 unusable job file, 75 stopped on SIGTERM with its state saved (Slurm's
+warning before the time limit, a preemption), 130 interrupted (the Dagster run was cancelled), 137 its launcher
+or parent died. A failing rank also writes ``DIR/worker.rank<N>.failure.json`` saying whether a relaunch can
+succeed (a lost node can; a non-finite loss or a configuration error fails again), which the launcher reads.
+
+Signals: SIGINT stops now (a cancelled run); SIGTERM finishes the current step, saves the resumable state on
+every rank and exits 75, so the relaunch resumes (``torchrun`` forwards both to its ranks).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import json
 import os
 import select
 import signal
@@ -27,9 +34,17 @@ from typing import IO, Any
 
 from nexa_dagster.core.net import free_port
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.training.stop import STOP, StopRequested
 
 STDERR_LOG = "worker.rank{rank}.stderr.log"
+FAILURE_FILE = "worker.rank{rank}.failure.json"
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with the state saved; run it again to resume
+# what fails the same way on a relaunch: the numbers, the data or the configuration, not the machine
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, ValueError, TypeError, KeyError,
+                                                     LookupError, FileNotFoundError, FileExistsError,
+                                                     NotADirectoryError, IsADirectoryError)
 LAUNCHER_PID_ENV = "NEXA_LAUNCHER_PID"  # set by the GPU-cluster resource: the Dagster step process
+ECHO_ENV = "NEXA_WORKER_ECHO"  # "0": progress goes to Dagster Pipes only, not also to stdout (local backend)
 INTERRUPT_GRACE_S = 10.0  # below PipesSubprocessClient's 20 s wait, so Dagster never leaves us running
 
 
@@ -85,6 +100,52 @@ def exit_with_launcher(poll_s: float = 2.0) -> None:
         os._exit(137)
 
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit when our parent dies (we are re-parented): under ``torchrun`` the ranks run in sessions of their own,
+    so a SIGKILL to the launcher's process group does not reach them, and a rank left behind holds its GPU.
+
+    Polling ``getppid`` rather than ``prctl(PR_SET_PDEATHSIG)``: the latter fires when the parent *thread* that
+    forked us ends, which is not the same as the launcher ending.
+    """
+    parent = os.getppid()
+    if parent <= 1:  # PID 1's children (a container's entrypoint) have nothing to watch
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.write(2, f"parent process {parent} is gone; stopping the worker\n".encode())
+        os._exit(137)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (Slurm's warning before the time limit, a preempted node, a deleted pod): finish the step, save
+    the resumable state on every rank together, exit ``EXIT_STOPPED``."""
+    def handler(signum: int, frame: Any) -> None:
+        STOP.set()
+        os.write(2, b"SIGTERM: saving the resumable state after this step, then stopping\n")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def write_failure(log_dir: str, rank: int, error: BaseException | None, message: str, retryable: bool) -> None:
+    """Tell the launcher (through the shared log directory) whether running this job again can succeed."""
+    if not log_dir:
+        return
+    with contextlib.suppress(OSError):
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / FAILURE_FILE.format(rank=rank)).write_text(json.dumps(
+            {"rank": rank, "error": type(error).__name__ if error else "", "message": message,
+             "retryable": retryable}), encoding="utf-8")
+
+
+def is_permanent(error: BaseException) -> bool:
+    """A failure that a relaunch repeats; torch's out-of-memory error is one too (same model, same batch)."""
+    return isinstance(error, PERMANENT_ERRORS) or type(error).__name__ == "OutOfMemoryError"
 
 
 def is_alive(pid: int) -> bool:
@@ -164,10 +225,14 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
             from dagster_pipes import open_dagster_pipes
 
             self.pipes = open_dagster_pipes()
+        # A local worker's stdout is the Dagster process's own: printing there as well as through Pipes showed
+        # every line twice in the run's console log. On a cluster stdout is the job's log file: keep it.
+        self.echo = self.pipes is None or os.environ.get(ECHO_ENV, "1") != "0"
 
     def info(self, message: str) -> None:
         with self._lock:  # the loop's progress thread writes too: one message at a time into the Pipes channel
-            print(message, flush=True)
+            if self.echo:
+                print(message, flush=True)
             if self.pipes is not None:
                 self.pipes.log.info(message)
 
@@ -252,10 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="", help="also copy this rank's stderr into a file here")
     args = parser.parse_args(argv)
 
-    job = load_job(args.job)
+    try:
+        job = load_job(args.job)
+    except SystemExit as e:
+        write_failure(args.log_dir, int(os.environ.get("RANK", "0")), None, "unusable job file", retryable=False)
+        raise e
     configure_environment(job)
     exit_if_interrupt_hangs()
     exit_with_launcher()
+    exit_with_parent()
+    stop_on_sigterm()
     rank = int(os.environ["RANK"])
     tee = StderrTee(Path(args.log_dir) / STDERR_LOG.format(rank=rank)) if args.log_dir else None
     try:
@@ -265,9 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Dagster forwards a run cancellation as SIGINT
         return _fatal(f"training {job.run_id} interrupted on rank {rank}; no complete checkpoint was written",
                       code=130)
+    except StopRequested as e:
+        message = f"training {job.run_id} {e}"
+        write_failure(args.log_dir, rank, e, message, retryable=True)
+        return _fatal(message, code=EXIT_STOPPED)
     except Exception as e:
         traceback.print_exc()
-        return _fatal(f"training {job.run_id} failed on rank {rank}: {type(e).__name__}: {e}", code=1)
+        message = f"training {job.run_id} failed on rank {rank}: {type(e).__name__}: {e}"
+        write_failure(args.log_dir, rank, e, message, retryable=not is_permanent(e))
+        return _fatal(message, code=1)
     finally:
         _shutdown_distributed()
         if tee is not None:
