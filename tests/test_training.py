@@ -404,6 +404,32 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path
     assert not (tmp_path / "ckpt" / "killed.state").exists(), "a finished run's resume state is deleted"
 
 
+def test_sigterm_to_torchrun_reaches_both_ranks_which_save_their_state_and_stop(tmp_path: Path,
+                                                                                teacher_dir: Path) -> None:
+    """What Slurm sends before the time limit (and Kubernetes on a pod's deletion) to the step's task, here
+    ``torchrun``: it forwards SIGTERM to its ranks, which agree on the stop, save the resumable state together and exit
+    75 (the 1-rank path through sbatch is tested in test_slurm.py)."""
+    job = make_job(tmp_path, teacher_dir, steps=100_000, rows=12, log_every=1, num_procs=2)
+    proc = _torchrun(job, tmp_path)
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + 240
+    while "step 2/" not in seen:
+        assert proc.poll() is None and time.monotonic() < deadline, seen[-3000:]
+        seen += proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out = seen + proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    saved = re.search(r"saved resumable state at step (\d+); stopping as asked", out)
+    assert saved, out[-3000:]
+    logs = tmp_path / f"{job.run_id}-logs"
+    for rank in (0, 1):
+        assert "SIGTERM: saving the resumable state" in (logs / f"worker.rank{rank}.stderr.log").read_text()
+        assert json.loads((logs / f"worker.rank{rank}.failure.json").read_text())["retryable"] is True
+    state = Path(job.output_dir).with_name(f"{job.run_id}.state")
+    assert (state / "latest").read_text().strip() == f"step{int(saved.group(1)):08d}"
+
+
 def test_zero3_trains_like_zero1_and_exports_gathered_weights(tmp_path: Path, teacher_dir: Path) -> None:
     """ZeRO-3 (parameters partitioned over 2 ranks, each MoE block gathered as one leaf module) computes the same
     losses as ZeRO-1, and the exported checkpoint holds the full, gathered weights."""
