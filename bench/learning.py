@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +48,7 @@ from nexa_dagster.core.config import load_deepspeed_config, load_scale  # noqa: 
 from nexa_dagster.core.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype  # noqa: E402
 from nexa_dagster.core.packing import ChatTokenizer, conversation, is_validation, pack_table  # noqa: E402
 from nexa_dagster.core.paired import bootstrap_mean_loss, paired_loss_difference  # noqa: E402
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 
 EVAL_FRACTION = 0.2
@@ -95,6 +96,13 @@ def write_corpus(tokenizer, docs: list[tuple[str, str]], root: Path) -> str:
 
 
 def train(job: TrainingJob, work: Path) -> TrainingResult:
+    """Train ``job`` in the project's worker process; a checkpoint already complete in ``--work`` (a rerun) is
+    reused as it is."""
+    summary = Path(job.output_dir) / "training_summary.json"
+    if (Path(job.output_dir) / COMPLETION_MARKER).exists() and summary.exists():
+        result = TrainingResult.model_validate_json(summary.read_text())
+        print(f"reused  {job.run_id:10s} from {job.parent:22s} (complete in {job.output_dir})", flush=True)
+        return result
     job_file = work / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
     start = time.perf_counter()
@@ -179,8 +187,8 @@ def main() -> None:
         "base-sft": job("base-sft", nights12, sft_settings, init_from=base.output_dir, parent="base:base"),
         "night1": job("night1", night1, sft_settings, init_from=base.output_dir, parent="base:base"),
     }
-    for run in runs.values():
-        train(run, work)
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:  # independent trainings, one process each
+        list(pool.map(lambda run: train(run, work), runs.values()))
     runs["continual"] = job("continual", nights12, sft_settings, init_from=runs["night1"].output_dir,
                             parent="production:night1")
     train(runs["continual"], work)
