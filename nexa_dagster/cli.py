@@ -11,6 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+
+def _measured(entry: Any) -> str:
+    """A ProductionEntry's "eval_loss 2.3456 on eval set v1", or what is known of it (entries written before eval sets existed)."""
+    value = f"{entry.value:.4f}" if entry.value is not None else "n/a"
+    version = f" on eval set v{entry.eval_set_version}" if entry.eval_set_version is not None else ""
+    return f"{entry.metric} {value}{version}"
 
 
 def _resources() -> tuple[object, object]:
@@ -47,13 +55,13 @@ def status() -> int:
         print("no production model yet")
         return 0
     c = state.current
-    print(f"production: {c.checkpoint_id}  ({c.metric} {c.value:.4f}, promoted {c.promoted_at})")
+    print(f"production: {c.checkpoint_id}  ({_measured(c)}, promoted {c.promoted_at})")
     print(f"  path: {c.checkpoint_path}")
     alias = tracking.alias_version(load_policy().registered_model, "production")
     if alias:
         print(f"  MLflow: {load_policy().registered_model} version {alias[0]} (alias production)")
     for h in reversed(state.history):
-        print(f"  before: {h.checkpoint_id} ({h.metric} {h.value:.4f}, promoted {h.promoted_at})")
+        print(f"  before: {h.checkpoint_id} ({_measured(h)}, promoted {h.promoted_at})")
     return 0
 
 

@@ -20,6 +20,7 @@ import dagster as dg
 from nexa_dagster.assets import (
     distillation,
     evaluation,
+    evaluation_set,
     filtering,
     ingest,
     packaging,
@@ -84,7 +85,8 @@ def build_resources() -> dict[str, object]:
     }
 
 
-ASSET_MODULES = [ingest, distillation, filtering, packaging, pretraining, training, evaluation, serving]
+ASSET_MODULES = [ingest, distillation, filtering, packaging, pretraining, evaluation_set, training, evaluation,
+                 serving]
 
 def build_defs() -> dg.Definitions:
     """The code location; tests call this after pointing the environment at a temporary data root.

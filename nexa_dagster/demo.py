@@ -98,7 +98,7 @@ def main() -> int:
         print(f"  {name:<40} {seconds:6.1f} s")
     print(f"  checkpoint        {checkpoint.path}  ({checkpoint.num_steps} DeepSpeed steps, "
           f"train loss {checkpoint.training_loss:.3f})")
-    print(f"  evaluation        loss {md.get('validation_loss')}  ppl {md.get('perplexity')}  "
+    print(f"  evaluation        eval-set v{md.get('eval_set_version')} loss {md.get('eval_loss')}  ppl {md.get('perplexity')}  "
           f"judge {md.get('judge_score')}  -> {storage.report_dir(checkpoint.checkpoint_id)}/")
     gate = [c for c in evaluation.get_asset_check_evaluations() if c.check_name == "beats_production"]
     reason = gate[0].metadata["reason"].value if gate else "?"

@@ -35,7 +35,7 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     assert upstream["sft_dataset"] == {"filtered_samples"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
     assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {"pretrain_corpus"}
-    assert {"moe_checkpoint", "sft_dataset"} <= upstream["eval_report"]
+    assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"] and upstream["eval_set"] == {"filtered_samples"}
     assert upstream["model_deployment"] == {"eval_report"}
 
 

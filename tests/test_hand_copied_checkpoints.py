@@ -1,6 +1,6 @@
-"""A checkpoint copied by hand into a data root that has never packaged a dataset: the evaluation fails at once
+"""A checkpoint copied by hand into a data root that has no frozen eval set: the evaluation fails at once
 with a message that says what to materialize, and the checkpoint sensor tries it again (a bounded number of
-times) instead of counting it as handled. The evaluation of such a copy from where it lies, with a dataset, is
+times) instead of counting it as handled. The evaluation of such a copy from where it lies, with an eval set, is
 tests/test_pipeline.py::test_a_copied_checkpoint_is_evaluated_from_where_it_lies."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_without_a_dataset_the_evaluation_says_what_to_materialize_and_is_retrie
             assert not result.success
             failure = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE][0]
             message = failure.step_failure_data.error.message
-            assert "no sft_dataset has been materialized under" in message and "--select sft_dataset" in message
+            assert "no eval set v1 to evaluate checkpoint copied on: none has been frozen under" in message and "--select eval_set" in message
             assert "--partition copied" in message  # and how to evaluate it again afterwards
             assert not [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
             # the next tick asks again, until the attempts are spent; then it says which and how to retry by hand
@@ -69,7 +69,7 @@ def test_without_a_dataset_the_evaluation_says_what_to_materialize_and_is_retrie
         command = RETRY_COMMAND.format(checkpoint="copied").split()
         proc = subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:]], cwd=REPO_ROOT,
                               env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
-        assert proc.returncode != 0 and "no sft_dataset has been materialized under" in proc.stderr + proc.stdout
+        assert proc.returncode != 0 and "none has been frozen under" in proc.stderr + proc.stdout
         assert len(instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "copied"}))) == 4
     finally:
         instance.dispose()

@@ -33,7 +33,7 @@ from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
 
 DAY = "2026-11-20"
-TRAIN = "sft_dataset,moe_checkpoint"
+TRAIN = "sft_dataset,eval_set,moe_checkpoint"
 SERVE = "eval_report,model_deployment"
 
 
@@ -183,8 +183,8 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     retrained = _metadata(killed, "moe_checkpoint")["checkpoint_id"]
     assert _checkpoint_partitions(killed) == [retrained]
 
-    # 3. evaluation, killed between scoring the validation split and judging answers: no report, nothing served
-    run = _kill_inside(killed, SERVE, retrained, "eval_report", r"validation loss \d")
+    # 3. evaluation, killed between scoring the eval set and judging answers: no report, nothing served
+    run = _kill_inside(killed, SERVE, retrained, "eval_report", r"eval-set loss \d")
     assert _materialized_in(killed, run) == set()
     assert not (killed / "results" / "evaluation" / "reports" / retrained / "report.json").exists()
     _assert_nothing_left_running(killed)
@@ -200,7 +200,7 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     # ... rerun: the same evaluation metrics and the same (greedy) smoke answer, and the checkpoint in production
     _finish(_materialize(killed, SERVE, retrained))
     reports = [_metadata(root, "eval_report", ckpt) for root, ckpt in ((straight, checkpoint), (killed, retrained))]
-    for metric in ("validation_loss", "perplexity", "judge_score"):
+    for metric in ("eval_loss", "perplexity", "judge_score"):
         assert reports[1][metric] == pytest.approx(reports[0][metric], rel=1e-4), metric
     answers = [_metadata(root, "model_deployment", ckpt)["smoke_response"]
                for root, ckpt in ((straight, checkpoint), (killed, retrained))]

@@ -113,7 +113,7 @@ def test_long_stages_report_how_far_they_are_in_the_run_logs(lifecycle) -> None:
     messages = [entry.user_message for run in instance.get_runs() for entry in instance.all_logs(run.run_id)]
     patterns = [r"^teacher answers: (\d+)/\1 ", r"^gated: (\d+)/\1 ", r"^shards done: (\d+)/\1 ",
                 r"^training steps: (\d+)/\1 ",
-                rf"^{checkpoint.checkpoint_id}: validation sequences scored: (\d+)/\1 ",
+                rf"^{checkpoint.checkpoint_id} candidate: eval-set examples scored: (\d+)/\1 ",
                 rf"^{checkpoint.checkpoint_id}: held-out answers judged: (\d+)/\1 "]
     for pattern in patterns:
         assert any(re.search(pattern, m) for m in messages), f"no run log line matches {pattern}"
@@ -252,7 +252,7 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
 
 def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
     """A checkpoint folder copied from another data root, whose checkpoint.json names a model path and a validation
-    split that do not exist here, is evaluated from the copy, on this data root's dataset; the report (which
+    split that do not exist here, is evaluated from the copy, on this data root's eval set; the report (which
     serving and promotion read) names the copy."""
     from test_hand_copied_checkpoints import copy_checkpoint_from_elsewhere
 
@@ -267,8 +267,9 @@ def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
     assert "moved" in instance.get_materialized_partitions(dg.AssetKey("eval_report")), [
         e.message for e in result.all_events if e.is_failure]
     report = read_stored_artifact(env["NEXA_DATA_ROOT"], "eval_report", "moved")
-    dataset = read_stored_artifact(env["NEXA_DATA_ROOT"], "sft_dataset")
-    assert report.checkpoint_path == str(copy) and report.dataset_run_hash == dataset.run_hash
+    assert report.checkpoint_path == str(copy) and report.eval_set_version == 1  # this data root's frozen eval set
+    assert report.eval_loss == pytest.approx(read_stored_artifact(
+        env["NEXA_DATA_ROOT"], "eval_report", checkpoint.checkpoint_id).eval_loss)  # the same model, the same data
     assert json.loads(Path(report.report_json).read_text())["lineage"]["checkpoint_path"] == str(copy)
 
 
@@ -331,6 +332,8 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert tracking.alias_version("nexa-moe", "production")[1] == checkpoint.checkpoint_id
     report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)
     assert 0 <= report["win_rate_vs_production"] <= 1 and report["production_checkpoint"] == "untrained"
+    assert report["gate_decision"] == "promote" and report["eval_set_version"] == 1
+    assert report["eval_loss"] < report["production_eval_loss"]  # the trained model, on the same examples
 
     # the leaderboard has one row per evaluated checkpoint, best first, production marked
     board = _metadata(instance, "leaderboard")
@@ -347,8 +350,14 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
         instance=instance, partition_key="untrained-again", raise_on_error=False)
     assert result.success and instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.SUCCESS
     gate = [c for c in result.get_asset_check_evaluations() if c.check_name == "beats_production"][0]
-    assert not gate.passed and "does not beat production" in gate.metadata["reason"].value
-    assert gate.severity == dg.AssetCheckSeverity.WARN and gate.metadata["decision"].value == "hold back"
+    meta = {k: v.value for k, v in gate.metadata.items()}
+    assert not gate.passed and "is not below" in meta["reason"] and meta["decision"] == "hold back"
+    assert gate.severity == dg.AssetCheckSeverity.WARN
+    # both models were scored on the same eval-set version in this run: values, difference and its interval
+    assert meta["eval_set_version"] == 1 and meta["production_checkpoint"] == checkpoint.checkpoint_id
+    assert meta["candidate_eval_loss"] > meta["production_eval_loss"]
+    low, high = meta["eval_loss_difference_interval"]
+    assert 0 < low <= meta["eval_loss_difference"] <= high
     assert "untrained-again" in instance.get_materialized_partitions(dg.AssetKey("eval_report"))
     assert "untrained-again" not in instance.get_materialized_partitions(dg.AssetKey("model_deployment"))
     assert registry.current().checkpoint_id == checkpoint.checkpoint_id

@@ -1,9 +1,10 @@
-"""Evaluation stage: every checkpoint (one partition each) gets held-out loss, perplexity, a judge score, a
-pairwise win rate against production, and the promotion gate: a check whose decision model_deployment follows
-(held back is a recorded warning, not a failure).
+"""Evaluation stage: every checkpoint (one partition each) is scored on the frozen eval set together with the
+production model, in the evaluation worker on the GPU cluster (never in the Dagster process); the judge scores its
+answers and compares them with production's in both orders; the promotion gate, a check whose decision
+model_deployment follows (held back is a recorded warning, not a failure), decides on the paired difference and its
+confidence interval whether it is served.
 """
 
-from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -14,26 +15,31 @@ from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import Checkpoint, EvalReport, SFTDataset
-from nexa_dagster.core.config import load_scale, load_yaml, read_text
+from nexa_dagster.core.artifacts import Checkpoint, EvalReport
+from nexa_dagster.core.config import load_scale, pipeline_config, read_text
+from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation import (
-    evaluate_checkpoint,
-    render_markdown,
+    CheckpointEvaluation,
+    ModelScores,
+    compare,
     write_report,
 )
+from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.plots import loss_curve_png, markdown_image
-from nexa_dagster.core.promotion import ProductionRegistry, decide, load_policy, report_metric
+from nexa_dagster.core.promotion import GateDecision, ProductionRegistry, decide, load_policy
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
-from nexa_dagster.resources.io_manager import read_stored_artifact
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=False,
-                         description="Promotion gate (configs/promotion.yaml): the checkpoint beats the production "
-                                     "model on the configured metric by the margin, or there is none yet. A "
-                                     "checkpoint held back (a tie included) is a recorded decision, a warning, not "
-                                     "a failed run: model_deployment then deploys nothing and is not materialized.")
+                         description="Promotion gate (configs/promotion.yaml): on the same frozen eval set, the "
+                                     "checkpoint beats the production model on the configured metric (paired "
+                                     "eval-set loss or order-consistent judge win rate) by the margin, its "
+                                     "confidence interval included, or there is none yet. A checkpoint held back "
+                                     "(a tie included) is a recorded decision, a warning, not a failed run: "
+                                     "model_deployment then deploys nothing and is not materialized.")
 
 
 # Eager, except that a checkpoint whose evaluation is missing (failed, or not run yet) does not hold the
@@ -68,26 +74,20 @@ def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
                          allow_retries=False) from error
 
 
-def evaluation_data(ckpt: Checkpoint, storage: StorageResource, log: Callable[[str], None]) -> tuple[str, str]:
-    """(validation split, dataset run hash) to evaluate on: the split the checkpoint was trained with when it exists
-    here, else the validation split of this data root's latest ``sft_dataset`` (a checkpoint copied in by hand, or
-    from another data root); a clear failure, not retried, when this data root has no dataset at all."""
-    own = ckpt.dataset_validation_path
-    if own and io.exists(own):
-        return own, ckpt.dataset_run_hash or ""
-    current = read_stored_artifact(storage.data_root, "sft_dataset")
-    if not isinstance(current, SFTDataset):
+def frozen_eval_set(storage: StorageResource, version: int, checkpoint_id: str) -> dict:
+    """The manifest of eval set ``version`` in this data root: all a checkpoint needs besides itself (it may have
+    been copied in from anywhere); a clear failure, not retried, naming what to materialize when there is none."""
+    try:
+        return load_eval_set(storage.path("eval_sets"), version)
+    except FileNotFoundError:
         raise dg.Failure(
-            f"no evaluation data for checkpoint {ckpt.checkpoint_id}: "
-            + (f"the validation split its record names ({own}) is not on this machine, and " if own else "")
-            + f"no sft_dataset has been materialized under {storage.root}. Materialize it first (`dagster asset "
-            "materialize -m nexa_dagster.definitions --select sft_dataset`, after the daily data), then "
-            f"evaluate again: `dagster asset materialize -m nexa_dagster.definitions --select "
-            f"eval_report,model_deployment --partition {ckpt.checkpoint_id}`.", allow_retries=False)
-    if own:
-        log(f"{ckpt.checkpoint_id}: its validation split {own} is not here; evaluating on this data root's "
-            f"sft_dataset {current.run_hash}")
-    return current.validation_path, current.run_hash
+            f"no eval set v{version} to evaluate checkpoint {checkpoint_id} on: none has been frozen under "
+            f"{storage.path('eval_sets')}. Materialize it first (`dagster asset materialize -m "
+            "nexa_dagster.definitions --select eval_set`, after the daily data; training_job does it too), then "
+            "evaluate again: `dagster asset materialize -m nexa_dagster.definitions --select "
+            f"eval_report,model_deployment --partition {checkpoint_id}`.", allow_retries=False) from None
+    except ValueError as error:  # a frozen file was edited
+        raise dg.Failure(str(error), allow_retries=False) from error
 
 
 def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
@@ -99,87 +99,151 @@ def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
     return markdown_image(png, "training loss")
 
 
+def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> tuple[object, str | None]:
+    """(production entry or None, the directory to score it from or None when it is this checkpoint or unreadable)."""
+    production = ProductionRegistry(storage.production_pointer()).current()
+    if production is None or production.checkpoint_id == checkpoint_id:
+        return production, None
+    if not Path(production.checkpoint_path).exists():
+        log(f"production {production.checkpoint_id} is not readable at {production.checkpoint_path}: the gate has "
+            "nothing to compare with and holds the checkpoint back")
+        return production, None
+    return production, production.checkpoint_path
+
+
 @dg.asset(
     group_name="evaluation",
     partitions_def=checkpoint_partitions,
+    pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=["moe_checkpoint", "sft_dataset"],  # sft_dataset is read only when the checkpoint's own split is not here
+    deps=["moe_checkpoint", "eval_set"],
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
-    description="Held-out loss and perplexity on the validation split the checkpoint was trained with, the "
-                "judge's mean score of its answers to the fixed held-out prompts and, when a production model "
-                "exists, the judge's pairwise win rate against it; JSON + Markdown report in "
+    description="The checkpoint and the production model scored on the same frozen eval set (eval_set.version) "
+                "in the evaluation worker on the GPU cluster: per-example loss, perplexity, answers to the eval "
+                "set's questions; the judge's mean score and its pairwise preference in both answer orders; the "
+                "paired difference with its bootstrap interval; JSON + Markdown report in "
                 "results/evaluation/reports/<checkpoint_id>/.",
 )
-def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, storage: StorageResource,
-                tracking: TrackingResource):
+def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_cluster: GPUClusterResource,
+                storage: StorageResource, tracking: TrackingResource):
     checkpoint_id = context.partition_key
     ckpt_dir = storage.checkpoint_dir(checkpoint_id)
     if not ckpt_dir.exists():  # registered in the MLflow model registry from elsewhere
         source = tracking.registered_checkpoints(load_policy().registered_model).get(checkpoint_id)
         ckpt_dir = Path(source) if source else ckpt_dir
     ckpt = load_checkpoint_record(ckpt_dir, checkpoint_id)
-    validation_path, dataset_hash = evaluation_data(ckpt, storage, context.log.info)
-    scale = load_scale()
-    production = ProductionRegistry(storage.production_pointer()).current()
-    compare_with = production if (production is not None and production.checkpoint_id != checkpoint_id
-                                  and Path(production.checkpoint_path).exists()) else None
+    scale, policy, version = load_scale(), load_policy(), pipeline_config().eval_set.version
+    eval_set = frozen_eval_set(storage, version, checkpoint_id)
+    prompts = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
+    production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
+    work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
+    job = EvaluationJob(run_id=checkpoint_id, models={"candidate": ckpt.path,
+                                                      **({"production": production_path} if production_path else {})},
+                        examples_path=eval_set["path"], eval_set_version=version, prompts=prompts,
+                        max_new_tokens=scale.evaluation.max_new_tokens, accelerator=gpu_cluster.accelerator,
+                        output_path=str(work_dir / "scores.json"))
+    scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
     with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
           judge_llm.get_client() as judge):
-        evaluation = evaluate_checkpoint(
-            checkpoint_id, ckpt.path, validation_path,
-            list(load_yaml("prompts/eval_prompts.yaml"))[: scale.evaluation.num_heldout_prompts],
-            judge, read_text("prompts/judge.jinja"), scale.evaluation.max_new_tokens,
-            production_path=compare_with.checkpoint_path if compare_with else None, log=context.log.info)
-    result, win_rate = evaluation.result, evaluation.win_rate_vs_production
-    loss, answers = result.loss, result.answers
-    lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": dataset_hash, "validation_path": validation_path,
-               "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
-               "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,
-               "parent": ckpt.parent, "dagster_run_id": context.run.run_id}
-    json_path, md_path = write_report(result, {**lineage, "win_rate_vs_production": win_rate},
-                                      storage.report_dir(checkpoint_id))
-
-    with tracking.start_run(run_name=f"eval-{checkpoint_id}", tags={"stage": "evaluation",
-                                                                     "checkpoint_id": checkpoint_id}) as run:
-        run.log_params(lineage)
-        run.log_metrics({"validation_loss": loss.loss, "perplexity": loss.perplexity,
-                         "judge_score": result.judge_score, "win_rate_vs_production": win_rate})
-
-    report = EvalReport(
-        checkpoint_id=checkpoint_id, checkpoint_path=ckpt.path, validation_loss=loss.loss,
-        perplexity=loss.perplexity, validation_tokens=loss.tokens, judge_score=result.judge_score,
-        judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
-        dataset_run_hash=dataset_hash, win_rate_vs_production=win_rate,
-        production_checkpoint_id=production.checkpoint_id if production else None,
-        report_json=json_path, report_markdown=md_path, parent=ckpt.parent,
-    )
+        evaluation = compare(checkpoint_id, version, ModelScores.from_json(scores["candidate"]),
+                             ModelScores.from_json(scores["production"]) if "production" in scores else None,
+                             prompts, judge, read_text("prompts/judge.jinja"), policy.confidence,
+                             policy.bootstrap_resamples, log=context.log.info)
+    decision = decide(checkpoint_id, production, policy, evaluation.paired_loss, evaluation.win_rate)
+    report = _report(context, ckpt, evaluation, decision, production.checkpoint_id if production else None,
+                     eval_set, storage, tracking)
     curve = loss_curve_markdown(ckpt)
+    result, win = evaluation.result, evaluation.win_rate
     yield dg.Output(report, metadata={
-        "validation_loss": round(loss.loss, 4),
-        "perplexity": round(loss.perplexity, 2),
-        "validation_tokens": loss.tokens,
+        "eval_set_version": version,
+        "eval_loss": round(result.loss.loss, 4),
+        "perplexity": round(result.loss.perplexity, 2),
+        "eval_examples": result.loss.sequences,
+        "eval_tokens": result.loss.tokens,
+        "validation_loss": ckpt.validation_loss,
         "judge_score": round(result.judge_score, 3) if result.judge_score is not None else None,
         "judge_method": report.judge_method,
-        "win_rate_vs_production": round(win_rate, 3) if win_rate is not None else None,
+        "win_rate_vs_production": round(win.rate.estimate, 3) if win else None,
         "production_checkpoint": report.production_checkpoint_id,
-        "dataset_run_hash": dataset_hash,
+        "production_eval_loss": report.production_eval_loss,
+        "eval_loss_difference": report.eval_loss_difference,
+        "gate_decision": report.gate_decision,
+        "dataset_run_hash": ckpt.dataset_run_hash,
         "parent": ckpt.parent or "",
-        "report": dg.MetadataValue.md(render_markdown(result, lineage)),
-        "report_json": dg.MetadataValue.path(json_path),
+        "report": dg.MetadataValue.md(_read_text(report.report_markdown)),
+        "report_json": dg.MetadataValue.path(report.report_json),
         **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {}),
     })
 
-    policy = load_policy()
-    decision = decide(checkpoint_id, report_metric(report, policy.metric), production, policy)
     context.log.info(f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} "
                      f"({decision.reason})")
     yield dg.AssetCheckResult(check_name="beats_production", passed=decision.passed,
                               severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
-                              metadata={"decision": "promote" if decision.passed else "hold back",
-                                        "reason": decision.reason, "metric": policy.metric,
-                                        "candidate": decision.candidate, "production": decision.production})
+                              metadata={
+        "metric": policy.metric, "margin": policy.margin, "require_interval": policy.require_interval,
+        "confidence": policy.confidence, "eval_set_version": version,
+        "production_checkpoint": report.production_checkpoint_id, **gate_metadata(decision, evaluation)})
+
+
+def _read_text(path: str) -> str:
+    with io.open_read(path) as f:
+        return f.read().decode("utf-8")
+
+
+def gate_metadata(decision: GateDecision, evaluation: CheckpointEvaluation) -> dict[str, object]:
+    """Both models' values, the difference and its interval, for the configured metric and the other one."""
+    meta: dict[str, object] = dict(decision.metadata())
+    if evaluation.paired_loss is not None:
+        p = evaluation.paired_loss
+        meta.update({"candidate_eval_loss": p.candidate, "production_eval_loss": p.production,
+                     "eval_loss_difference": p.difference.estimate,
+                     "eval_loss_difference_interval": [p.difference.low, p.difference.high],
+                     "examples": p.examples})
+    if evaluation.win_rate is not None:
+        w = evaluation.win_rate
+        meta.update({"win_rate": w.rate.estimate, "win_rate_interval": [w.rate.low, w.rate.high],
+                     "judge_wins": w.wins, "judge_losses": w.losses, "judge_order_inconsistent": w.inconsistent})
+    return {k: (dg.MetadataValue.json(v) if isinstance(v, list) else v) for k, v in meta.items()}
+
+
+def _report(context: dg.AssetExecutionContext, ckpt: Checkpoint, evaluation: CheckpointEvaluation,
+            decision: GateDecision, production_id: str | None, eval_set: dict, storage: StorageResource,
+            tracking: TrackingResource) -> EvalReport:
+    """Write the JSON/Markdown report and the MLflow run; return the report artifact."""
+    result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
+    checkpoint_id = ckpt.checkpoint_id
+    lineage = {"checkpoint_path": ckpt.path, "dataset_run_hash": ckpt.dataset_run_hash,
+               "eval_set_version": evaluation.eval_set_version,
+               "eval_set_sha256": eval_set["files"]["examples.parquet"], "model_preset": ckpt.model_preset,
+               "scale": ckpt.scale, "training_steps": ckpt.num_steps, "training_run_id": ckpt.training_run_id,
+               "training_mlflow_run_id": ckpt.mlflow_run_id, "parent": ckpt.parent,
+               "dagster_run_id": context.run.run_id}
+    json_path, md_path = write_report(result, {
+        **lineage, "production_checkpoint": production_id,
+        "paired_loss": paired.to_json() if paired else None, "win_rate": win.to_json() if win else None,
+        "gate": decision.metadata()}, storage.report_dir(checkpoint_id))
+    with tracking.start_run(run_name=f"eval-{checkpoint_id}", tags={"stage": "evaluation",
+                                                                     "checkpoint_id": checkpoint_id}) as run:
+        run.log_params(lineage)
+        run.log_metrics({"eval_loss": result.loss.loss, "perplexity": result.loss.perplexity,
+                         "judge_score": result.judge_score,
+                         "win_rate_vs_production": win.rate.estimate if win else None,
+                         "eval_loss_difference": paired.difference.estimate if paired else None})
+    answers = result.answers
+    return EvalReport(
+        checkpoint_id=checkpoint_id, checkpoint_path=ckpt.path, eval_set_version=evaluation.eval_set_version,
+        eval_loss=result.loss.loss, eval_examples=result.loss.sequences, eval_tokens=result.loss.tokens,
+        perplexity=result.loss.perplexity, validation_loss=ckpt.validation_loss, judge_score=result.judge_score,
+        judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
+        dataset_run_hash=ckpt.dataset_run_hash, win_rate_vs_production=win.rate.estimate if win else None,
+        production_checkpoint_id=production_id, production_eval_loss=paired.production if paired else None,
+        eval_loss_difference=paired.difference.estimate if paired else None,
+        eval_loss_difference_interval=(paired.difference.low, paired.difference.high) if paired else None,
+        win_rate_interval=(win.rate.low, win.rate.high) if win else None,
+        gate_decision=decision.metadata()["decision"], gate_reason=decision.reason, report_json=json_path,
+        report_markdown=md_path, parent=ckpt.parent)
 
 
 @dg.asset(
@@ -188,19 +252,25 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, stora
     dagster_type=LeaderboardType,
     automation_condition=LEADERBOARD_CONDITION,
     kinds={"csv", "markdown"},
-    description="One row per evaluated checkpoint (metrics, dataset, date, whether it is in production), best "
-                "first; a Markdown table in the UI and results/evaluation/leaderboard.csv.",
+    description="One row per evaluated checkpoint (eval-set version, metrics, the paired difference with the "
+                "production model of its day and the gate's decision, dataset, date, whether it is in production), "
+                "best first within an eval-set version; a Markdown table in the UI and "
+                "results/evaluation/leaderboard.csv.",
 )
 def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalReport],
                 storage: StorageResource) -> pd.DataFrame:
     production = ProductionRegistry(storage.production_pointer()).current()
     rows = [{
-        "checkpoint_id": r.checkpoint_id, "validation_loss": r.validation_loss, "perplexity": r.perplexity,
-        "judge_score": r.judge_score, "win_rate_vs_production": r.win_rate_vs_production,
+        "checkpoint_id": r.checkpoint_id, "eval_set_version": r.eval_set_version, "eval_loss": r.eval_loss,
+        "perplexity": r.perplexity, "judge_score": r.judge_score,
+        "win_rate_vs_production": r.win_rate_vs_production, "vs_production": r.production_checkpoint_id or "",
+        "eval_loss_difference": r.eval_loss_difference, "gate": r.gate_decision or "",
         "dataset_run_hash": r.dataset_run_hash or "", "parent": r.parent or "", "evaluated_at": r.created_at,
         "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
     } for r in eval_report.values()]
-    board = pd.DataFrame(rows).sort_values("validation_loss").reset_index(drop=True)
+    # rows of one eval-set version are comparable: the newest version first, best loss first within it
+    board = pd.DataFrame(rows).sort_values(["eval_set_version", "eval_loss"], ascending=[False, True],
+                                           na_position="last").reset_index(drop=True)
     csv_path = io.join(storage.results_path("evaluation"), "leaderboard.csv")
     io.write_text(board.to_csv(index=False), csv_path)
     context.add_output_metadata({

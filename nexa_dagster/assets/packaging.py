@@ -17,7 +17,8 @@ import pandas as pd
 from nexa_dagster.assets.types import FilteredSamplesType, RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import DataBlend, load_packaging_config
-from nexa_dagster.core.config import load_pipeline_config, load_scale
+from nexa_dagster.core.config import load_pipeline_config, load_scale, pipeline_config
+from nexa_dagster.core.eval_set import held_out_mask
 from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, samples_to_flat_jsonl
 from nexa_dagster.core.pretrain_dataset import (
     PretrainCorpus,
@@ -54,7 +55,8 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
     dataset, stats = build_sft_dataset(filtered_samples, tokenizer, tokenizer_path, storage.path("sft"),
                                        scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
                                        log=context.log.info, blend=blend, on_error=cfg.on_error,
-                                       rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count())
+                                       rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
+                                       eval_fraction=pipeline_config().eval_set.fraction)
     context.add_output_metadata({
         "run_hash": dataset.run_hash,
         "blend": dataset.blend,
@@ -72,6 +74,7 @@ def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFram
         "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
         "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
         "quarantined_rows": dataset.quarantined_rows,
+        "held_out_for_eval_set": dataset.held_out_samples,
         "train_path": dg.MetadataValue.path(dataset.train_path),
         "validation_path": dg.MetadataValue.path(dataset.validation_path),
     })
@@ -131,6 +134,8 @@ def rl_prompts(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame
     cfg = load_packaging_config()
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
+    held_out = held_out_mask(filtered_samples["sample_id"].astype(str).tolist(), pipeline_config().eval_set.fraction)
+    filtered_samples = filtered_samples[[not h for h in held_out]]  # the eval set's side is never trained on
     run = package_jsonl(blend, out_root, "rl_prompts",
                         assets={"filtered_samples_flat": samples_to_flat_jsonl(filtered_samples, out_root)},
                         on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),

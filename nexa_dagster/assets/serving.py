@@ -10,13 +10,7 @@ import dagster as dg
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core.artifacts import EvalReport
-from nexa_dagster.core.promotion import (
-    ProductionEntry,
-    ProductionRegistry,
-    decide,
-    load_policy,
-    report_metric,
-)
+from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry, held_back_because, load_policy
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
 from nexa_dagster.resources.storage import StorageResource
@@ -55,14 +49,14 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
     policy = load_policy()
     registry = ProductionRegistry(storage.production_pointer())
     production = registry.current()
-    decision = decide(checkpoint_id, report_metric(eval_report, policy.metric), production, policy)
-    if not decision.passed:
-        context.log.info(f"{checkpoint_id} held back by the promotion gate ({decision.reason}); "
+    held_back = held_back_because(checkpoint_id, eval_report, production)
+    if held_back:
+        context.log.info(f"{checkpoint_id} held back: {held_back}; "
                          f"{production.checkpoint_id if production else 'nothing'} stays in production")
         return
 
     previous = production.checkpoint_id if production else None
-    context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path} ({decision.reason})")
+    context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)")
     service = ServingServiceClient.find(storage.serving_dir())
     if service is None:
         context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
@@ -80,8 +74,8 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
             policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None)
         tracking.set_alias(policy.registered_model, "production", version)
         registry.promote(ProductionEntry(
-            checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric=policy.metric,
-            value=report_metric(eval_report, policy.metric), mlflow_version=version))
+            checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric="eval_loss",
+            value=eval_report.eval_loss, eval_set_version=eval_report.eval_set_version, mlflow_version=version))
     except BaseException:
         if service is not None and production is not None:  # traffic goes back to what the pointer says
             service.switch(production.checkpoint_path, production.checkpoint_id)
@@ -97,6 +91,8 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
         "engine": result.engine,
         "smoke_response": result.smoke_response[:500],
         "smoke_latency_s": round(result.smoke_latency_s, 3),
-        "promotion_reason": decision.reason,
+        "eval_loss": round(eval_report.eval_loss, 4) if eval_report.eval_loss is not None else None,
+        "eval_set_version": eval_report.eval_set_version,
+        "eval_loss_difference": eval_report.eval_loss_difference,
         "mlflow_model_version": f"{policy.registered_model}/{version}",
     })

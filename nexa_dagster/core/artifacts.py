@@ -43,6 +43,7 @@ class SFTDataset(Artifact):
     num_shards: int | None = None
     quarantined_rows: int = 0  # bad input rows set aside (on_error: quarantine), listed in quarantine_path
     quarantine_path: str | None = None
+    held_out_samples: int = 0  # on the frozen eval set's side (core.eval_set): in neither split
 
     @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
     @classmethod
@@ -81,17 +82,32 @@ class Checkpoint(Artifact):
 
 
 class EvalReport(Artifact):
+    """One checkpoint measured on one frozen eval-set version (``core.eval_set``), and the gate's decision.
+
+    The ``eval_*`` fields are comparable across every report of the same ``eval_set_version``; the production
+    fields and the difference come from scoring production on the same examples in the same run."""
+
     checkpoint_id: str
     checkpoint_path: str
-    validation_loss: float
+    eval_set_version: int | None = None  # None: a report written before eval sets existed (not comparable)
+    eval_loss: float | None = None
+    eval_examples: int | None = Field(default=None, gt=0)
+    eval_tokens: int | None = Field(default=None, gt=0)
     perplexity: float = Field(ge=1)
-    validation_tokens: int = Field(gt=0)
+    validation_loss: float | None = None  # the checkpoint's own validation split, as training recorded it
+    validation_tokens: int | None = None
     judge_score: float | None = Field(default=None, ge=1, le=5)
     judge_method: str | None = None
     num_heldout_prompts: int = Field(ge=0)
     dataset_run_hash: str | None = None
     win_rate_vs_production: float | None = Field(default=None, ge=0, le=1)
     production_checkpoint_id: str | None = None
+    production_eval_loss: float | None = None
+    eval_loss_difference: float | None = None  # candidate - production on the same examples
+    eval_loss_difference_interval: tuple[float, float] | None = None
+    win_rate_interval: tuple[float, float] | None = None
+    gate_decision: str | None = None  # promote | hold back
+    gate_reason: str | None = None
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

@@ -248,6 +248,15 @@ class ScheduleConfig(_Strict):
     nightly_retrain_hour_utc: int = Field(default=2, ge=0, le=23)
 
 
+class EvalSetConfig(_Strict):
+    """``eval_set`` of pipeline.yaml: the frozen evaluation set (``core.eval_set``) the promotion gate scores on."""
+
+    version: int = Field(default=1, ge=1, description="frozen once; a new number freezes a new set from the data "
+                                                      "then known (the old one stays for its leaderboard rows)")
+    fraction: float = Field(default=0.2, gt=0, lt=1, description="share of sample ids on the held-out side, "
+                                                                 "which no training split ever contains")
+
+
 class PipelineConfig(_Strict):
     """``configs/pipeline.yaml``. ``gpu_cluster`` holds ``GPUClusterResource`` fields, checked against that
     resource where it is built (``definitions.build_resources``), so the list of its keys lives in one place."""
@@ -258,6 +267,7 @@ class PipelineConfig(_Strict):
     models: ModelsConfig
     gpu_cluster: dict[str, Any] = Field(default_factory=dict)
     schedule: ScheduleConfig = ScheduleConfig()
+    eval_set: EvalSetConfig = EvalSetConfig()
 
 
 def pipeline_config() -> PipelineConfig:

@@ -31,6 +31,7 @@ from nexa_dagster.core import shards as sh
 from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import BlendSource, DataBlend
+from nexa_dagster.core.eval_set import is_held_out
 from nexa_dagster.core.jsonl_formats import (
     OnError,
     dumps,
@@ -65,6 +66,7 @@ class PackagingSettings:
     workers: int = 1
     write_jsonl: bool = True
     side_overrides: dict[str, str] = field(default_factory=dict)  # sample id -> split (see packing.side_overrides)
+    eval_fraction: float = 0.0  # ids on the eval set's held-out side (core.eval_set) enter no split at all
 
 
 @dataclass
@@ -80,6 +82,7 @@ class SftRun:
     quarantined_rows: int
     report: sh.RunReport
     blend: DataBlend
+    held_out_rows: int = 0  # on the eval set's side: in no split
 
     @property
     def packing_efficiency(self) -> float:
@@ -103,10 +106,13 @@ def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
     convs: dict[str, list[list[dict[str, str]]]] = {s: [] for s in SPLITS}
     lines: dict[str, list[bytes]] = {s: [] for s in SPLITS}
     bad: list[bytes] = []
-    rows = 0
+    rows = held_out = 0
     for item, out in transformed_rows(task, bad):
         rows += 1
         sid = record_id(source, item, out)
+        if is_held_out(sid, cfg.get("eval_fraction", 0.0)):  # the frozen eval set's side: never trained on
+            held_out += 1
+            continue
         split = cfg["side_overrides"].get(sid) or (
             "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train")
         for copy in range(source.copies(sid, cfg["seed"])):
@@ -116,7 +122,7 @@ def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
                                            "messages": out["messages"]}))
     rows += len(bad)
     outputs: list[str] = []
-    stats: dict[str, Any] = {"rows": rows, "quarantined": len(bad)}
+    stats: dict[str, Any] = {"rows": rows, "quarantined": len(bad), "held_out": held_out}
     for split in SPLITS:
         docs = []
         for i in range(0, len(convs[split]), ENCODE_BATCH):
@@ -158,7 +164,7 @@ def plan_config(blend: DataBlend, chat: ChatTokenizer, template: str, settings: 
             "sources": {s.name: s.model_dump() for s in blend.sources}, "tokenizer": chat.describe(),
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(), "pack_size": settings.pack_size,
             "validation_fraction": settings.validation_fraction, "seed": settings.seed,
-            "side_overrides": dict(sorted(settings.side_overrides.items())),
+            "side_overrides": dict(sorted(settings.side_overrides.items())), "eval_fraction": settings.eval_fraction,
             "on_error": settings.on_error, "rows_per_shard": settings.rows_per_shard,
             "write_jsonl": settings.write_jsonl, "pyarrow": pyarrow.__version__}
 
@@ -209,7 +215,7 @@ def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, set
                          if o.endswith(".quarantine.jsonl")], paths["quarantine"])
         log(f"{quarantined} bad input rows quarantined in {paths['quarantine']}")
     run = SftRun(rh, root, paths, stats, len(report.receipts), sum(r.rows for r in report.receipts), quarantined,
-                 report, blend)
+                 report, blend, sum(int(r.stats.get("held_out", 0)) for r in report.receipts))
     for split, st in stats.items():
         log(f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {settings.pack_size} "
             f"tokens ({st.efficiency:.2%} efficiency, {st.truncated_documents} truncated, {st.dropped_documents} "
@@ -233,18 +239,21 @@ def default_blend() -> DataBlend:
 def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str, out_root: str, pack_size: int,
                       validation_fraction: float, seed: int = 0, log: Callable[[str], None] = print,
                       blend: DataBlend | None = None, on_error: OnError = "raise", rows_per_shard: int = 5000,
-                      workers: int = 1) -> tuple[SFTDataset, dict[str, PackingStats]]:
-    """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact."""
+                      workers: int = 1, eval_fraction: float = 0.0) -> tuple[SFTDataset, dict[str, PackingStats]]:
+    """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact.
+
+    Records whose id is on the eval set's held-out side (``eval_fraction``, see ``core.eval_set``) enter neither
+    split, whatever source they come from."""
     if samples.empty:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
     blend = blend or default_blend()
     # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
     # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
     keyed_by_sample_id = any(s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources)
-    moved = side_overrides(samples["sample_id"].astype(str).tolist(), validation_fraction, seed) \
-        if keyed_by_sample_id else {}
+    trainable = [s for s in samples["sample_id"].astype(str).tolist() if not is_held_out(s, eval_fraction)]
+    moved = side_overrides(trainable, validation_fraction, seed) if keyed_by_sample_id else {}
     settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers,
-                                 side_overrides=moved)
+                                 side_overrides=moved, eval_fraction=eval_fraction)
     run = package_sft(blend, tokenizer, out_root, settings,
                       assets={"filtered_samples": samples_to_jsonl(samples, out_root)}, log=log)
     for split in SPLITS:
@@ -257,7 +266,8 @@ def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str
     artifact = SFTDataset(
         run_hash=run.run_hash, root=run.root, train_path=run.paths["train"],
         validation_path=run.paths["validation"], train_jsonl_path=run.paths["train_jsonl"],
-        validation_jsonl_path=run.paths["validation_jsonl"], num_samples=run.rows_read - run.quarantined_rows,
+        validation_jsonl_path=run.paths["validation_jsonl"],
+        num_samples=run.rows_read - run.quarantined_rows - run.held_out_rows, held_out_samples=run.held_out_rows,
         num_train_sequences=run.stats["train"].sequences,
         num_validation_sequences=run.stats["validation"].sequences, num_real_tokens=real,
         num_loss_tokens=sum(s.loss_tokens for s in run.stats.values()), pack_size=pack_size,

@@ -19,7 +19,7 @@ from nexa_dagster.core.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
 
 DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"]
-TRAINING_ASSETS = ["sft_dataset", "moe_checkpoint"]
+TRAINING_ASSETS = ["sft_dataset", "eval_set", "moe_checkpoint"]
 EVALUATION_ASSETS = ["eval_report", "model_deployment"]
 
 ingest_job = dg.define_asset_job(

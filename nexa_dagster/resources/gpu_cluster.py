@@ -30,6 +30,7 @@ import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -143,6 +144,41 @@ class GPUClusterResource(dg.ConfigurableResource):
         except Exception as e:  # a failed worker (DagsterPipesExecutionError is not public API) or launch;
             raise worker_failure(job, work_dir, str(e)) from e  # a cancelled run (BaseException) passes through
         return read_result(job), invocation
+
+    def run_evaluation(self, context: dg.AssetExecutionContext, job: EvaluationJob, work_dir: Path) -> dict[str, Any]:
+        """Score ``job``'s models on the eval set in the evaluation worker, off the Dagster process, on this
+        cluster's accelerator; return what the worker wrote (``core.evaluation_worker.run``).
+
+        The local backend only, for now: on ``slurm``/``kubernetes`` this fails at once, before loading anything
+        (serve the models with an OpenAI-compatible engine instead, or evaluate on a local GPU node).
+        """
+        self._check_backend()
+        if self.backend != "local":
+            raise dg.Failure(f"evaluation {job.run_id}: the evaluation worker runs on the local backend only; "
+                             f"this cluster is {self.backend!r}", allow_retries=False)
+        if job.accelerator != self.accelerator:
+            raise dg.Failure(f"evaluation {job.run_id} asks for accelerator {job.accelerator!r} but this cluster "
+                             f"provides {self.accelerator!r}", allow_retries=False)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        job_file = work_dir / "eval_job.json"
+        job_file.write_text(job.model_dump_json(indent=2), encoding="utf-8")
+        if storage.exists(job.output_path):  # an earlier attempt's scores are not this attempt's
+            storage.remove(job.output_path)
+        command = [self.python_executable or sys.executable, "-m", "nexa_dagster.core.evaluation_worker",
+                   "--job", str(job_file)]
+        context.log.info(f"launching {' '.join(command)}")
+        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env,
+               LAUNCHER_PID_ENV: str(os.getpid())}
+        try:
+            dg.PipesSubprocessClient().run(context=context, command=command, env=env, cwd=str(work_dir))
+        except dg.Failure:
+            raise
+        except Exception as e:  # the worker failed; its traceback is in the step's stderr
+            raise dg.Failure(f"evaluation {job.run_id} failed in the evaluation worker ({e})",
+                             metadata={"job_file": dg.MetadataValue.path(str(job_file))}) from e
+        if not storage.exists(job.output_path):
+            raise dg.Failure(f"evaluation {job.run_id}: the worker exited cleanly but wrote no {job.output_path}")
+        return storage.read_json(job.output_path)
 
     def _run_slurm(self, context: dg.AssetExecutionContext, job: TrainingJob, job_file: Path, work_dir: Path,
                    env: dict[str, str]) -> dg.PipesClientCompletedInvocation:

@@ -1,0 +1,36 @@
+"""The frozen evaluation set: held-out samples (never in any training split), versioned under data/eval_sets/.
+
+Materialized with every training (``training_job``) so that the first version exists before the first evaluation;
+a version, once frozen, never changes (``core.eval_set``), so the gate and the leaderboard compare like with like.
+"""
+
+import dagster as dg
+import pandas as pd
+
+from nexa_dagster.assets.packaging import load_student_tokenizer
+from nexa_dagster.assets.types import FilteredSamplesType
+from nexa_dagster.core.config import load_scale, pipeline_config
+from nexa_dagster.core.eval_set import freeze_eval_set
+from nexa_dagster.resources.storage import StorageResource
+
+
+@dg.asset(
+    group_name="evaluation",
+    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    kinds={"parquet"},
+    description="The frozen evaluation set of version eval_set.version (configs/pipeline.yaml): the filtered "
+                "samples whose id hashes to the held-out side, which packaging keeps out of every split, "
+                "tokenized once, in data/eval_sets/v<N>/. Frozen the first time; later runs return it unchanged.",
+)
+def eval_set(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
+             storage: StorageResource) -> dg.MaterializeResult:
+    cfg = pipeline_config().eval_set
+    tokenizer, _ = load_student_tokenizer(storage)
+    manifest = freeze_eval_set(filtered_samples, tokenizer, storage.path("eval_sets"), cfg.version, cfg.fraction,
+                               load_scale().pack_size, log=context.log.info)
+    return dg.MaterializeResult(metadata={
+        "version": manifest["version"], "examples": manifest["examples"], "scored_tokens": manifest["tokens"],
+        "days": dg.MetadataValue.json(manifest["days"]), "created_at": manifest["created_at"],
+        "examples_sha256": manifest["files"]["examples.parquet"],
+        "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),
+    })
