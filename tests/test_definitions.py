@@ -12,7 +12,7 @@ import pytest
 from nexa_dagster.core.config import REPO_ROOT
 
 STAGE_KEYS = {"raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
-              "moe_checkpoint", "eval_report", "model_deployment"}
+              "eval_set", "moe_checkpoint", "eval_report", "model_deployment"}
 
 
 def test_dagster_definitions_validate_passes(tmp_path) -> None:
