@@ -269,7 +269,7 @@ def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalRe
         "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
     } for r in eval_report.values()]
     # rows of one eval-set version are comparable: the newest version first, best loss first within it
-    board = pd.DataFrame(rows).sort_values(["eval_set_version", "eval_loss"], ascending=[False, True],
+    board = pd.DataFrame(rows).astype({"eval_set_version": "Int64"}).sort_values(["eval_set_version", "eval_loss"], ascending=[False, True],
                                            na_position="last").reset_index(drop=True)
     csv_path = io.join(storage.results_path("evaluation"), "leaderboard.csv")
     io.write_text(board.to_csv(index=False), csv_path)

@@ -6,6 +6,7 @@ that a bad frame fails at the boundary with a message naming the column and the 
 
 from __future__ import annotations
 
+import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
@@ -91,6 +92,7 @@ class PackedSequences(pa.DataFrameModel):
 
 class Leaderboard(pa.DataFrameModel):
     checkpoint_id: Series[str] = pa.Field(unique=True)
-    validation_loss: Series[float]
+    eval_set_version: Series[pd.Int64Dtype] = pa.Field(nullable=True, coerce=True)  # rows of one version compare
+    eval_loss: Series[float] = pa.Field(nullable=True)
     perplexity: Series[float] = pa.Field(ge=1)
     judge_score: Series[float] = pa.Field(nullable=True)
