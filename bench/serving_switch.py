@@ -106,7 +106,7 @@ def main() -> dict[str, object]:
         serving_dir = root / "data" / "serving"
         serving_dir.mkdir(parents=True)
         ProductionRegistry(serving_dir / "production.json").promote(ProductionEntry(
-            checkpoint_id="a", checkpoint_path=str(a), metric="validation_loss", value=5.0))
+            checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0))
         port = free_port()
         with open(root / "service.log", "wb") as log:
             service = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],

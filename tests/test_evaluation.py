@@ -207,3 +207,21 @@ def test_the_win_rate_is_the_judges_known_preference(logprobs: bool) -> None:
         assert pairwise_win_rate(judge, QUESTIONS, PRODUCTION, CANDIDATE) == pytest.approx(1 - expected)
         asked = [c for c in calls if "Better answer" in c["messages"][-1]["content"]]
         assert len(asked) == 2 * 2 * len(QUESTIONS)  # every pair in both orders, for both calls
+
+
+def test_serving_follows_the_recorded_decision_only_against_the_production_it_was_made_against() -> None:
+    from nexa_dagster.core.artifacts import EvalReport
+    from nexa_dagster.core.promotion import held_back_because
+
+    def report(decision: str | None, against: str | None) -> EvalReport:
+        return EvalReport(checkpoint_id="c", checkpoint_path="/c", perplexity=2.0, num_heldout_prompts=0,
+                          gate_decision=decision, gate_reason="why", production_checkpoint_id=against,
+                          report_json="-", report_markdown="-")
+
+    prod = ProductionEntry(checkpoint_id="p", checkpoint_path="/p", metric="eval_loss")
+    assert held_back_because("c", report("promote", "p"), prod) is None
+    assert held_back_because("c", report("promote", None), None) is None  # the first model
+    assert held_back_because("c", report("hold back", "p"), prod) == "the promotion gate held it back (why)"
+    assert "production is now p, not q" in held_back_because("c", report("promote", "q"), prod)
+    assert "production is now p, not none" in held_back_because("c", report("promote", None), prod)
+    assert "predates the paired promotion gate" in held_back_because("c", report(None, "p"), prod)

@@ -103,7 +103,7 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ep = Endpoint(root, env, free_port(), tiny_model_dir, b)
     ep.serving_dir.mkdir(parents=True)
     ep.registry.promote(ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir),
-                                        metric="validation_loss", value=5.0))
+                                        metric="eval_loss", value=5.0))
     ep.start()
     yield ep
     ep.stop()
@@ -159,15 +159,17 @@ class NonStopClient:
         return {r[2] for r in self.records if r[0] < t}
 
 
-def _materialize_deployment(ep: Endpoint, checkpoint_id: str, path: Path, loss: float) -> dg.ExecuteInProcessResult:
-    """``model_deployment`` for one checkpoint in a real Dagster run; ``eval_report`` is given (its value)."""
+def _materialize_deployment(ep: Endpoint, checkpoint_id: str, path: Path, decision: str) -> dg.ExecuteInProcessResult:
+    """``model_deployment`` for one checkpoint in a real Dagster run; ``eval_report`` is given (its value), with the
+    gate's ``decision`` made against production "a"."""
     from nexa_dagster.assets.partitions import checkpoint_partitions
     from nexa_dagster.assets.serving import model_deployment
     from nexa_dagster.definitions import build_resources
 
-    report = EvalReport(checkpoint_id=checkpoint_id, checkpoint_path=str(path), validation_loss=loss,
-                        perplexity=2.0, validation_tokens=10, num_heldout_prompts=0, report_json="-",
-                        report_markdown="-")
+    report = EvalReport(checkpoint_id=checkpoint_id, checkpoint_path=str(path), eval_set_version=1, eval_loss=4.0,
+                        eval_examples=3, eval_tokens=10, perplexity=2.0, num_heldout_prompts=0,
+                        production_checkpoint_id="a", gate_decision=decision, gate_reason=f"test: {decision}",
+                        report_json="-", report_markdown="-")
 
     @dg.asset(name="eval_report", partitions_def=checkpoint_partitions)
     def given_eval_report() -> EvalReport:
@@ -213,7 +215,7 @@ def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
     with NonStopClient(endpoint.base_url) as load:
         time.sleep(2)
         deploying = time.monotonic()
-        result = _materialize_deployment(endpoint, "b", endpoint.b, loss=4.0)
+        result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
         assert result.success
         promoted = time.monotonic()
         meta = {k: v.value for k, v in result.asset_materializations_for_node("model_deployment")[0]
@@ -253,7 +255,7 @@ def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keep
         weights.write_bytes(b"not a safetensors file")
     with httpx.Client(timeout=60.0) as http:
         before = _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"]
-        result = _materialize_deployment(endpoint, "broken", broken, loss=1.0)
+        result = _materialize_deployment(endpoint, "broken", broken, "promote")
         assert not result.success
         message = _failure_message(result, "model_deployment")
         assert "did not switch to broken" in message and "broken did not start, a keeps serving" in message, message
@@ -263,8 +265,8 @@ def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keep
 
 
 def test_a_checkpoint_held_back_by_the_gate_is_a_successful_run_that_deploys_nothing(endpoint: Endpoint) -> None:
-    """A tie with production (loss 5.0 = 5.0) does not beat it: the run succeeds, nothing is materialized."""
-    result = _materialize_deployment(endpoint, "tie", endpoint.b, loss=5.0)
+    """A tie with production, held back by the gate: the run succeeds, nothing is materialized."""
+    result = _materialize_deployment(endpoint, "tie", endpoint.b, "hold back")
     assert result.success
     assert result.asset_materializations_for_node("model_deployment") == []
     assert endpoint.registry.current().checkpoint_id == "a"
