@@ -33,7 +33,7 @@ from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
 
 DAY = "2026-11-20"
-TRAIN = "sft_dataset,eval_set,moe_checkpoint"
+TRAIN = "sft_dataset,moe_checkpoint"
 SERVE = "eval_report,model_deployment"
 
 
@@ -150,6 +150,7 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     make_sandbox(straight, [DAY])
     _finish(_materialize(straight, "raw_documents,teacher_samples,filtered_samples,rejected_samples", DAY))
+    _finish(_materialize(straight, "eval_set"))  # the frozen eval set both evaluations are measured on
     shutil.copytree(straight, killed)  # both start from the same day of data (and the same instance history)
 
     # the uninterrupted run
