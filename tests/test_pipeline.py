@@ -38,6 +38,18 @@ def _env(root: Path) -> dict[str, str]:
             "NEXA_LANDING_ROOT": str(landing), "DAGSTER_HOME": str(root / "home")}
 
 
+def corrupted_model(path: Path, scale: float = 20.0) -> Path:
+    """Scale a saved model's output layer in place: far more confident random predictions, a much worse loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     """Run the three jobs in order on a fresh instance; yield (defs, instance, env, checkpoint)."""
@@ -63,8 +75,10 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     training = defs.resolve_job_def("training_job").execute_in_process(instance=instance,
                                                                          tags=tick.run_requests[0].tags)
     checkpoint = training.output_for_node("moe_checkpoint")
-    # an untrained model of the same architecture goes into production first (nothing to beat yet) ...
-    build_tiny_causal_lm(Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "untrained")
+    # a model of the same architecture that is worse by construction goes into production first (nothing to beat
+    # yet): random weights with the output layer scaled 20x, which about doubles the loss on every example, so the
+    # gate's paired interval is decisive even on the tiny eval set (a few examples) ...
+    corrupted_model(build_tiny_causal_lm(Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "untrained"))
     instance.add_dynamic_partitions("checkpoints", ["untrained"])
     evaluate = defs.resolve_job_def("evaluation_job")
     assert evaluate.execute_in_process(instance=instance, partition_key="untrained").success
