@@ -602,3 +602,23 @@ def test_killing_the_dagster_process_stops_the_worker(tmp_path: Path, teacher_di
     launcher.kill()  # not reaped before the check: a zombie launcher must count as gone too
     worker.wait(timeout=30)
     launcher.wait(timeout=10)
+
+
+def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed while DeepSpeed compiled its CPU comm op leaves torch's bare lock file behind, and every later
+    multi-rank training on the machine waited on it forever; a lock older than any build is removed, a fresh one
+    (a build in progress) is waited on."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from nexa_dagster.core.training.loop import STALE_BUILD_LOCK_S, pending_comm_op_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    assert pending_comm_op_build("cpu", world_size=2) == str(lock.parent) and lock.exists()  # a live build: wait
+    stale = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (stale, stale))
+    pending_comm_op_build("cpu", world_size=2)
+    assert not lock.exists()

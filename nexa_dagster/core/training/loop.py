@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -159,8 +160,31 @@ def pending_comm_op_build(accelerator: str, world_size: int) -> str:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False  # build_shm_op() then returns None
         return ""
     directory = Path(_get_build_directory(builder.name, verbose=False))
+    remove_stale_build_lock(directory / "lock")
     building = (directory / "lock").exists()  # another process compiles it now (torch's file lock): we wait too
     return str(directory) if building or not any(directory.glob(f"{builder.name}*.so")) else ""
+
+
+STALE_BUILD_LOCK_S = 20 * 60  # a build takes seconds idle, about 5 minutes on a loaded 2-core machine
+
+
+def remove_stale_build_lock(lock: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove torch's extension build lock when it is older than any build; True if it was removed.
+
+    torch's lock is a bare file (no pid): a process killed while it compiled the op leaves it behind, and every
+    later run on the machine then waits on it forever before its first step (no step, so the stall watchdog,
+    which starts with the loop, never fires).
+    """
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    print(f"removing a stale DeepSpeed build lock {lock} ({age / 60:.0f} min old; its builder is gone)",
+          file=sys.stderr, flush=True)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int,
