@@ -81,6 +81,11 @@ def main() -> int:
 
     for day in days:
         run("daily_data_job", partition_key=day)
+    # corpus -> base -> SFT: the fine-tuning starts from a base pretrained on the landed documents (init_from:
+    # base). From scratch, 24 steps on a dozen answers teach the tiny student nothing: its greedy answer is an
+    # immediate <|im_end|>, which the deployment's smoke test rightly refuses as no text.
+    pretraining = run("pretraining_job")
+    base = pretraining.output_for_node("base_model")
     training = run("training_job")
     checkpoint = training.output_for_node("moe_checkpoint")
     evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
@@ -96,6 +101,7 @@ def main() -> int:
     print(f"nexa-dagster tiny pipeline finished in {total:.0f} s")
     for name, seconds in timings.items():
         print(f"  {name:<40} {seconds:6.1f} s")
+    print(f"  base model        {base.path}  (pretrained on pretrain_corpus)")
     print(f"  checkpoint        {checkpoint.path}  ({checkpoint.num_steps} DeepSpeed steps, "
           f"train loss {checkpoint.training_loss:.3f})")
     print(f"  evaluation        eval-set v{md.get('eval_set_version')} loss {md.get('eval_loss')}  ppl {md.get('perplexity')}  "
