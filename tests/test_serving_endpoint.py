@@ -23,6 +23,7 @@ import dagster as dg
 import httpx
 import psutil
 import pytest
+from services import missing
 
 from nexa_dagster.core.artifacts import EvalReport
 from nexa_dagster.core.config import REPO_ROOT
@@ -32,7 +33,6 @@ from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 from nexa_dagster.core.tiny_model import build_tiny_causal_lm
-from tests.services import missing
 
 MODEL = "nexa-moe"
 
