@@ -151,6 +151,9 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     make_sandbox(straight, [DAY])
     _finish(_materialize(straight, "raw_documents,teacher_samples,filtered_samples,rejected_samples", DAY))
     _finish(_materialize(straight, "eval_set"))  # the frozen eval set both evaluations are measured on
+    # the base both fine-tunings start from (init_from: base): from scratch the tiny student's greedy smoke answer
+    # is an empty <|im_end|>, which the deployment refuses
+    _finish(_materialize(straight, "pretrain_corpus,base_model"))
     shutil.copytree(straight, killed)  # both start from the same day of data (and the same instance history)
 
     # the uninterrupted run
