@@ -424,15 +424,21 @@ def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) 
     proc = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
                             env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    import threading
+
+    # a changed start-up message must fail the test, not hang it: the command is stopped after 300 s
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
     try:
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if "model name for requests:" in line:
+            if "Ctrl-C stops it." in line:
                 break
-        assert any("serving production model" in line for line in lines), "".join(lines)[-2000:]
-        model = lines[-1].split("model name for requests:")[1].strip()
-        body = json.dumps({"model": model, "max_tokens": 8,
+        watchdog.cancel()
+        assert any(f"serving 'nexa-moe' at http://127.0.0.1:{port}/v1 (production checkpoint: ckpt-" in line
+                   for line in lines), "".join(lines)[-2000:]
+        body = json.dumps({"model": "nexa-moe", "max_tokens": 8,
                            "messages": [{"role": "user", "content": "hi"}]}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                          headers={"content-type": "application/json"})
@@ -440,6 +446,7 @@ def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) 
             answer = json.loads(resp.read())
         assert answer["usage"]["completion_tokens"] > 0
     finally:
+        watchdog.cancel()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     with socket.socket() as s:
