@@ -19,6 +19,7 @@ import textwrap  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import dagster as dg  # noqa: E402
 import numpy as np  # noqa: E402
@@ -197,21 +198,22 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
     weighted, per_row = reference_grad_norm(True), reference_grad_norm(False)
     assert abs(weighted - per_row) > 0.05 * weighted, "the data does not tell the two weightings apart"
 
-    configure_environment(job)
-    try:
-        engine = build_engine(build_model(job, len(tokenizer), tokenizer), job, world_size=1)
-        batches = Prefetcher(micro_batches(data, 1, job.settings.seed, 0, 1), torch.device("cpu"), depth=0)
-        optimizer_step(engine, batches, 2, Control(1), step=1)
-        assert engine.get_global_grad_norm() == pytest.approx(weighted, rel=1e-4), (weighted, per_row)
+    with mock.patch.dict(os.environ):  # MASTER_PORT & co. must not leak into later tests' worker processes
+        configure_environment(job)
+        try:
+            engine = build_engine(build_model(job, len(tokenizer), tokenizer), job, world_size=1)
+            batches = Prefetcher(micro_batches(data, 1, job.settings.seed, 0, 1), torch.device("cpu"), depth=0)
+            optimizer_step(engine, batches, 2, Control(1), step=1)
+            assert engine.get_global_grad_norm() == pytest.approx(weighted, rel=1e-4), (weighted, per_row)
 
-        before = [p.detach().clone() for p in engine.module.parameters()]
-        with pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
-            optimizer_step(engine, batches, 2, Control(1), step=2, poison=True)
-        assert engine.global_steps == 1
-        assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            before = [p.detach().clone() for p in engine.module.parameters()]
+            with pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
+                optimizer_step(engine, batches, 2, Control(1), step=2, poison=True)
+            assert engine.global_steps == 1
+            assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 # -- through Dagster ------------------------------------------------------------------------------------------
@@ -614,6 +616,8 @@ def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(tmp_path: P
     from nexa_dagster.core.training.loop import STALE_BUILD_LOCK_S, pending_comm_op_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    import deepspeed.ops  # an in-process single-rank engine earlier in the session switched the op off: on again
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
     lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
