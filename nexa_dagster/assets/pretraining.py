@@ -7,16 +7,15 @@ is the perplexity of the corpus documents held out by a hash of their tokens, wh
 """
 
 import math
-from pathlib import Path
 
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import load_student_tokenizer
+from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
-from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.pretrain_dataset import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -59,16 +58,11 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
     result, invocation = gpu_cluster.run_training(context, job, io.local_dir(storage.path("runs", base_id)))
 
     perplexity = math.exp(min(result.validation_loss, 50.0))
-    png = loss_curve_png(result.loss_curve, f"{base_id} (pretraining)", result.validation_loss)
-    (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
-    with tracking.start_run(run_name=base_id, tags={"stage": "pretraining",
-                                                     "dagster_run_id": context.run.run_id}) as run:
-        run.log_params({"model_preset": scale.model_preset, "scale": scale.name,
-                        "corpus_run_hash": pretrain_corpus.run_hash, **settings.model_dump()})
-        for step, loss in result.loss_curve:
-            run.log_metrics({"train_loss": loss}, step=step)
-        run.log_metrics({"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity})
-        mlflow_run_id = run.run_id
+    png, mlflow_run_id = log_training_run(
+        context, tracking, result, run_name=base_id, stage="pretraining", title=f"{base_id} (pretraining)",
+        params={"model_preset": scale.model_preset, "scale": scale.name,
+                "corpus_run_hash": pretrain_corpus.run_hash, **settings.model_dump()},
+        final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity})
 
     checkpoint = Checkpoint(
         checkpoint_id=base_id, path=result.checkpoint_dir, num_steps=result.steps,
@@ -79,21 +73,13 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
         mlflow_run_id=mlflow_run_id, stage="pretrain", parent="scratch",
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
-    worker_metadata = {f"worker/{k}": v for k, v in invocation.get_materialize_result().metadata.items()}
     return dg.Output(checkpoint, metadata={
-        **worker_metadata,
-        "loss_curve": dg.MetadataValue.md(markdown_image(png, "pretraining loss")),
+        **training_metadata(invocation, png, result, "pretraining loss"),
         "checkpoint_id": base_id,
-        "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
         "corpus_run_hash": pretrain_corpus.run_hash,
         "parent": "scratch",
-        "steps": result.steps,
-        "final_train_loss": result.final_loss,
         "heldout_loss": result.validation_loss,
         "heldout_perplexity": perplexity,
         "heldout_documents": result.validation_documents,
-        "tokens_seen": result.tokens_seen,
-        "wall_s": round(result.wall_s, 1),
-        "parameters_total": result.parameters_total,
         "mlflow_run_id": mlflow_run_id,
     })

@@ -12,10 +12,10 @@ import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
-from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.promotion import ProductionRegistry, load_policy
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
@@ -114,17 +114,12 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                      f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(context, job, work_dir)
 
-    png = loss_curve_png(result.loss_curve, f"{checkpoint_id} ({scale.model_preset})", result.validation_loss)
-    (Path(result.checkpoint_dir) / "loss_curve.png").write_bytes(png)
-    with tracking.start_run(run_name=checkpoint_id, tags={"stage": "training",
-                                                           "dagster_run_id": context.run.run_id}) as run:
-        run.log_params({"model_preset": scale.model_preset, "scale": scale.name, "parent": init.parent,
-                        "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()})
-        for step, loss in result.loss_curve:
-            run.log_metrics({"train_loss": loss}, step=step)
-        run.log_artifact(Path(result.checkpoint_dir) / "loss_curve.png")
-        run.log_metrics({"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
-        mlflow_run_id = run.run_id
+    png, mlflow_run_id = log_training_run(
+        context, tracking, result, run_name=checkpoint_id, stage="training",
+        title=f"{checkpoint_id} ({scale.model_preset})",
+        params={"model_preset": scale.model_preset, "scale": scale.name, "parent": init.parent,
+                "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()},
+        final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
 
     # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
     checkpoint = Checkpoint(
@@ -140,21 +135,11 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
 
-    # what the worker reported through Pipes, merged into this asset's own materialization (a step that opened
-    # a Pipes session must return typed results: an Output, not a bare value)
-    worker_metadata = {f"worker/{k}": v for k, v in invocation.get_materialize_result().metadata.items()}
     return dg.Output(checkpoint, metadata={
-        **worker_metadata,
-        "loss_curve": dg.MetadataValue.md(markdown_image(png, "training loss")),
+        **training_metadata(invocation, png, result, "training loss"),
         "checkpoint_id": checkpoint_id,
-        "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
-        "steps": result.steps,
-        "final_train_loss": result.final_loss,
         "validation_loss": result.validation_loss,
-        "tokens_seen": result.tokens_seen,
         "tokens_per_s": round(result.tokens_per_s, 1),
-        "wall_s": round(result.wall_s, 1),
-        "parameters_total": result.parameters_total,
         "parameters_active": result.parameters_active,
         "dataset_run_hash": sft_dataset.run_hash,
         "parent": init.parent,

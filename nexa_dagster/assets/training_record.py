@@ -1,0 +1,51 @@
+"""What every training asset does with a finished worker's result: the loss curve, the MLflow run, the metadata.
+
+``base_model`` (pretraining) and ``moe_checkpoint`` (SFT) differ in their data and their record's fields, not in
+how a training is written down; one function each keeps the two from drifting apart.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from nexa_dagster.core.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.training.job import TrainingResult
+from nexa_dagster.resources.tracking import TrackingResource
+
+
+def log_training_run(context: dg.AssetExecutionContext, tracking: TrackingResource, result: TrainingResult, *,
+                     run_name: str, stage: str, title: str, params: dict[str, Any],
+                     final_metrics: dict[str, float]) -> tuple[bytes, str]:
+    """Write the loss curve beside the checkpoint and record the training as an MLflow run.
+
+    The run holds ``params``, the train-loss curve step by step, the curve's PNG as an artifact and
+    ``final_metrics``. Returns the PNG (for the asset's page) and the MLflow run id (for the checkpoint's record).
+    """
+    png = loss_curve_png(result.loss_curve, title, result.validation_loss)
+    curve = Path(result.checkpoint_dir) / "loss_curve.png"
+    curve.write_bytes(png)
+    with tracking.start_run(run_name=run_name, tags={"stage": stage, "dagster_run_id": context.run.run_id}) as run:
+        run.log_params(params)
+        for step, loss in result.loss_curve:
+            run.log_metrics({"train_loss": loss}, step=step)
+        run.log_artifact(curve)
+        run.log_metrics(final_metrics)
+        return png, run.run_id
+
+
+def training_metadata(invocation: dg.PipesClientCompletedInvocation, png: bytes, result: TrainingResult,
+                      curve_label: str) -> dict[str, Any]:
+    """The metadata every training materialization starts with: what the worker reported through Pipes (a step
+    that opened a Pipes session must return typed results, so it is merged here), the loss curve and the run's
+    size and speed."""
+    return {
+        **{f"worker/{k}": v for k, v in invocation.get_materialize_result().metadata.items()},
+        "loss_curve": dg.MetadataValue.md(markdown_image(png, curve_label)),
+        "checkpoint_path": dg.MetadataValue.path(result.checkpoint_dir),
+        "steps": result.steps,
+        "final_train_loss": result.final_loss,
+        "tokens_seen": result.tokens_seen,
+        "wall_s": round(result.wall_s, 1),
+        "parameters_total": result.parameters_total,
+    }
