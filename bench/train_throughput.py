@@ -80,6 +80,7 @@ def run_side(args: argparse.Namespace) -> dict:
         count_parameters,
         optimizer_step,
     )
+    from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 
     cuda = args.device == "cuda"
     spec = model_spec(args)
@@ -108,8 +109,10 @@ def run_side(args: argparse.Namespace) -> dict:
         engine = build_engine(model, job, world_size=1)
         batches = Prefetcher(micro_batches(data, args.micro_batch, 0, 0, 1), torch.device(engine.device), depth=2)
 
+        guard = NonFiniteGuard(engine, torch.device(engine.device))
+
         def step() -> None:
-            lm_loss, _, _, _ = optimizer_step(engine, batches, 1, Control(1), step=1)
+            lm_loss, _, _, _ = optimizer_step(engine, batches, 1, Control(1), guard, step=1)
             return lm_loss
     else:
         import deepspeed

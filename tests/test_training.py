@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -17,6 +18,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -85,6 +87,44 @@ def make_job(tmp_path: Path, teacher_dir: Path, steps: int, rows: int = 8, lr: f
         tokenizer_path=str(teacher_dir), model_preset="tiny", deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
         settings=training, output_dir=str(tmp_path / "checkpoints" / run_id), dataset_run_hash="abc12345",
         accelerator="cpu")
+
+
+@contextlib.contextmanager
+def host_reads_by_the_loop() -> Iterator[list[str]]:
+    """Record each read of a tensor's value to the host (``item``, ``bool``, ``float``, ``int``, ``tolist``, ``cpu``,
+    ``numpy``) made by the training loop's own code, except the token counts the data loader keeps on the host."""
+    import torch
+
+    from nexa_dagster.core.training import loop, nonfinite
+
+    ours = {loop.__file__, nonfinite.__file__}
+    reads: list[str] = []
+
+    def recording(name: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, name)
+
+        def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename in ours and not getattr(self, "_host_count", False):
+                reads.append(f"{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+            return original(self, *args, **kwargs)
+        return read
+
+    names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy")
+    with contextlib.ExitStack() as patches:
+        for name in names:
+            patches.enter_context(mock.patch.object(torch.Tensor, name, recording(name)))
+        yield reads
+
+
+def host_counts_marked(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The batches, their host-side token counts marked as such (reading them waits for nothing)."""
+    from nexa_dagster.core.training.data import HOST_KEYS
+
+    for batch in batches:
+        for key in HOST_KEYS:
+            batch[key]._host_count = True
+        yield batch
 
 
 def run_worker(job: TrainingJob, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -164,13 +204,15 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
     """The real DeepSpeed engine in this process (one gloo rank), two micro-batches of one packed row each, one row
     with 3 learned tokens and one with ~40: the step's gradient is that of the token mean over the whole batch
     (torchtitan style), not the mean of the two rows' means, which gives a clearly different gradient. Then a NaN
-    loss: the step raises before its update and no weight moves."""
+    loss: the step raises, no weight moves, and neither step read a tensor back to the host from the loop (on a GPU
+    each such read waits for the GPU): the check is an on-device flag plus the host flag DeepSpeed leaves."""
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from nexa_dagster.core.training.data import Prefetcher, labels_for, load_packed, micro_batches
     from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
+    from nexa_dagster.core.training.nonfinite import NonFiniteGuard
     from nexa_dagster.core.training.worker import configure_environment
 
     job = make_job(tmp_path, teacher_dir, steps=2, rows=2)
@@ -202,15 +244,27 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
         configure_environment(job)
         try:
             engine = build_engine(build_model(job, len(tokenizer), tokenizer), job, world_size=1)
-            batches = Prefetcher(micro_batches(data, 1, job.settings.seed, 0, 1), torch.device("cpu"), depth=0)
-            optimizer_step(engine, batches, 2, Control(1), step=1)
+            batches = Prefetcher(host_counts_marked(micro_batches(data, 1, job.settings.seed, 0, 1)),
+                                 torch.device("cpu"), depth=0)
+            control, guard = Control(1), NonFiniteGuard(engine, torch.device("cpu"))
+            with host_reads_by_the_loop() as reads:
+                optimizer_step(engine, batches, 2, control, guard, step=1)
             assert engine.get_global_grad_norm() == pytest.approx(weighted, rel=1e-4), (weighted, per_row)
+            assert reads == [], "the loop read a tensor back to the host during a step that logs nothing"
 
             before = [p.detach().clone() for p in engine.module.parameters()]
-            with pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
-                optimizer_step(engine, batches, 2, Control(1), step=2, poison=True)
-            assert engine.global_steps == 1
+            with host_reads_by_the_loop() as reads, \
+                    pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
+                optimizer_step(engine, batches, 2, control, guard, step=2, poison=True)
+            # reported from the flag DeepSpeed's own overflow check left on the host (fp32 ZeRO used to skip the
+            # update silently), without a host read of the loop's own
+            assert reads == [], reads
+            assert engine.skipped_steps == 1 and not engine.was_step_applied()
             assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+            # the on-device flag kept the first bad step; a later log step reads it (fp16, where a skipped step is
+            # the loss scaler's, relies on this) and names that step
+            with pytest.raises(FloatingPointError, match="non-finite loss at step 2 .seen at step 4"):
+                guard.check(4)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -45,6 +45,7 @@ from nexa_dagster.core.training.data import (
     micro_batches,
 )
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 from nexa_dagster.core.training.stop import STOP, StopRequested
 
 LogFn = Callable[[int, dict[str, float]], None]
@@ -253,14 +254,16 @@ class Control:
 
 
 def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, control: Control,
-                   step: int, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+                   guard: NonFiniteGuard, step: int,
+                   poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """One optimizer step over ``accumulation`` micro-batches, the LM loss weighted by tokens (torchtitan style).
 
     Each micro-batch's summed token loss is divided by the loss tokens of the whole global batch (all
     micro-batches, all ranks), so a packed row with few assistant tokens weighs what its tokens weigh, not as much
     as a full one. DeepSpeed averages gradients over ranks, hence the factor ``world_size``; its own division by
     the accumulation steps is turned off (``scale_wrt_gas=False``). The router's aux loss stays a mean per
-    micro-batch. A non-finite loss raises ``FloatingPointError`` before the update, which is then never applied.
+    micro-batch. A non-finite loss never reaches the weights and is reported without a host read of our own
+    per step (``NonFiniteGuard``): at once when DeepSpeed skips the update, else at the next log step.
 
     Raises ``StopRequested`` (before the step) when any rank was asked to stop. Returns this rank's share of the
     step's mean LM loss and its mean aux loss (tensors: reading them would wait for the GPU), the token slots
@@ -279,17 +282,20 @@ def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, con
         lm = out.lm_loss_sum * weight
         if poison:
             lm = lm * float("nan")
-        engine.backward(lm + aux_coef * out.aux_loss / accumulation, scale_wrt_gas=False)
+        loss = lm + aux_coef * out.aux_loss / accumulation
         lm_loss = lm_loss + lm.detach()
         aux_loss = aux_loss + out.aux_loss.detach() / accumulation
+        if i == accumulation - 1:  # on device: a non-finite step loss makes every gradient non-finite
+            guard.record(step, lm_loss + aux_loss)
+            loss = loss * guard.gate(lm_loss + aux_loss)
+        engine.backward(loss, scale_wrt_gas=False)
         expert_load = expert_load + out.expert_load / accumulation
         tokens += batch["input_ids"].numel()  # packed rows: padding is rare, count slots (no GPU sync)
-        if i == accumulation - 1 and not bool(torch.isfinite(lm_loss + aux_loss)):
-            # one scalar read per optimizer step, right before the update (DeepSpeed's step reads its grad norm
-            # back anyway); the update of this step is never applied
-            raise FloatingPointError(f"non-finite loss at step {step} (caught before its update, which was not "
-                                     "applied): lower the learning rate or check the packed data")
-        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary
+        if i == accumulation - 1:
+            guard.before_update(step)  # a host read only for an engine that cannot skip an update
+        engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary, skips non-finite grads
+        if i == accumulation - 1:
+            guard.after_update(engine, step)
     return lm_loss, aux_loss, tokens, expert_load
 
 
@@ -336,7 +342,7 @@ class MetricsWindow:
     def close(self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any,
               expert_load: Any) -> dict[str, float]:
         loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), self.tokens)
-        if not math.isfinite(loss_sum):  # optimizer_step raises first; kept for a loss that only the sum overflows
+        if not math.isfinite(loss_sum):  # the guard raises first; kept for a loss that only the sum overflows
             raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check "
                                      "the packed data")
         elapsed = max(time.perf_counter() - self.start, 1e-9)
@@ -447,6 +453,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
     nan_at = int(os.environ.get(FAULT_NAN_ENV, "0"))
     control = Control(world_size)
+    guard = NonFiniteGuard(engine, device, control.group)
     window = MetricsWindow(batches, world_size, per_token_flops, peak, device, last_step=start_step)
     train_start = time.perf_counter()
     # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
@@ -459,6 +466,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
 
         def log_line(step: int, lm_loss: Any, aux_loss: Any, lr: float, expert_load: Any) -> None:
             nonlocal tokens_seen
+            guard.check(step)  # the one host read of the on-device non-finite flag, at log steps only
             metrics = window.close(step, lm_loss, aux_loss, lr, engine.get_global_grad_norm(), expert_load)
             metrics_log.append(metrics)
             tokens_seen += int(metrics["tokens"])
@@ -469,8 +477,8 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
             try:
-                lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation, control, step,
-                                                                        poison=step == nan_at)
+                lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation, control, guard,
+                                                                        step, poison=step == nan_at)
             except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
                 if stop.step > start_step:
                     if stop.step > window.last_step:
