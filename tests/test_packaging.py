@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -87,6 +88,45 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer, tmp_path:
     assert len(spans) == 2
     assert [tiny_tokenizer.decode(s.tolist()) for s in spans] == ["An immutable sequence.<|im_end|>",
                                                                    "A mutable one.<|im_end|>"]
+    # the chat template's {% generation %} block: Hugging Face's assistant mask is the same mask (TRL's
+    # assistant_only_loss and any apply_chat_template user see exactly what the packer learns)
+    hf = tiny_tokenizer.apply_chat_template(msgs, return_assistant_tokens_mask=True, return_dict=True)
+    assert list(hf["input_ids"]) == ids.tolist()
+    assert list(hf["assistant_masks"]) == mask.tolist()
+
+
+def test_labels_column_is_the_loss_mask_in_the_hugging_face_convention(tiny_tokenizer, tmp_path: Path) -> None:
+    """``labels`` = the token id where the trainer learns it, -100 elsewhere (not shifted: the model shifts); the
+    trainer reads the stored column, and a labels column that disagrees with the loss mask is caught."""
+    import torch
+
+    from nexa_dagster.core.training.data import check_packed, labels_for, load_packed
+
+    path = _write_jsonl(tmp_path / "in.jsonl", _chat_records(60))
+    run = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
+    frame = pq.read_table(run.paths["train"]).to_pandas()
+    for row in frame.itertuples():
+        ids, labels, mask = (np.asarray(v) for v in (row.input_ids, row.labels, row.loss_mask))
+        starts = np.asarray(row.cu_seqlens[:-1])
+        keep = (mask == 1) & (np.arange(len(ids)) < row.num_tokens)
+        keep[starts] = False  # a document's first token is never predicted from the document before it
+        assert (labels[keep] == ids[keep]).all() and (labels[~keep] == -100).all()
+        assert int(keep.sum()) == row.num_loss_tokens  # (the template never starts a document with a learned token)
+    data = load_packed(run.paths["train"])
+    assert labels_for(data) is data["labels"]  # training reads the stored column: one definition
+    assert torch.equal(data["labels"], labels_for({k: v for k, v in data.items() if k != "labels"}))
+    assert check_packed_file(run.paths["train"], 256) == []
+
+    # a labels column that disagrees with the loss mask: the packed-file check and the trainer both refuse it
+    table = pq.read_table(run.paths["train"])
+    bad_labels = [list(v) for v in table.column("labels").to_pylist()]
+    bad_labels[3][int(np.flatnonzero(np.asarray(bad_labels[3]) == -100)[0])] = 7
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("labels"), "labels",
+                                    pa.array(bad_labels, table.schema.field("labels").type)), bad)
+    assert any("row 3 has labels that disagree" in p for p in check_packed_file(str(bad), 256))
+    with pytest.raises(ValueError, match=r"bad\.parquet: row 3 has labels that disagree"):
+        check_packed(load_packed(str(bad)), str(bad), len(tiny_tokenizer))
 
 
 # -- transforms and bad rows -------------------------------------------------------------------------------------

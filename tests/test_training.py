@@ -31,6 +31,7 @@ import pytest  # noqa: E402
 from checkpoint_files import assert_portable_checkpoint  # noqa: E402
 
 from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
+from nexa_dagster.core.packing import labels_of  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource  # noqa: E402
@@ -48,7 +49,8 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def write_packed(path: Path, rows: int, vocab_size: int, pad_id: int, seed: int = 0) -> str:
     """A packed Parquet file in the packaging stage's format: per row, documents of a prompt (loss 0) and an
-    answer (loss 1), position ids restarting at each document, padding (attention 0) at the end."""
+    answer (loss 1), position ids restarting at each document, padding (attention 0) at the end, and the
+    ``labels`` column the trainer reads."""
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(rows):
@@ -66,6 +68,8 @@ def write_packed(path: Path, rows: int, vocab_size: int, pad_id: int, seed: int 
                         "position_ids": position_ids + [0] * pad, "attention_mask": [1] * real + [0] * pad,
                         "num_documents": docs})
     frame = pd.DataFrame(records)
+    frame["labels"] = [labels_of(*(np.asarray(r[c]) for c in ("input_ids", "loss_mask", "attention_mask",
+                                                                "position_ids"))) for r in records]
     frame["loss_mask"] = frame["loss_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
     frame["attention_mask"] = frame["attention_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
     frame.to_parquet(path)
@@ -219,6 +223,7 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
     job = job.model_copy(update={"settings": job.settings.model_copy(
         update={"micro_batch_size": 1, "gradient_accumulation_steps": 2})})
     data = load_packed(job.train_path)
+    del data["labels"]  # labels_for derives them from the loss mask edited here
     data["loss_mask"][0] = 0
     data["loss_mask"][0, 5:8] = 1  # row 0: three learned tokens (positions 5-7 are inside its first document)
     assert 0 < int(labels_for(data)[0, 1:].ne(-100).sum()) <= 3 < 20 < int(labels_for(data)[1, 1:].ne(-100).sum())

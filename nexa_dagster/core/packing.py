@@ -78,8 +78,27 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 PACKED_SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("position_ids", pa.list_(pa.int32())),
     ("attention_mask", pa.list_(pa.int8())), ("cu_seqlens", pa.list_(pa.int32())), ("num_documents", pa.int64()),
-    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()),
+    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()), ("labels", pa.list_(pa.int32())),
 ])
+
+IGNORE_INDEX = -100  # what the cross-entropy of PyTorch and Hugging Face skips
+
+
+def learned(loss_mask: Any, attention_mask: Any, position_ids: Any) -> Any:
+    """Where a packed row's token is a training target (NumPy arrays or torch tensors alike).
+
+    Only assistant tokens are learned (``loss_mask``), never padding, and never the first token of a packed
+    document: it would be predicted from the end of an unrelated document. The one definition of the rule: the
+    ``labels`` column is written from it and the trainer computes it for data without that column.
+    """
+    return (loss_mask == 1) & (attention_mask == 1) & (position_ids != 0)
+
+
+def labels_of(input_ids: np.ndarray, loss_mask: np.ndarray, attention_mask: np.ndarray,
+              position_ids: np.ndarray) -> np.ndarray:
+    """Hugging Face ``labels``: the token id where it is learned, ``IGNORE_INDEX`` elsewhere, not shifted (the
+    model shifts them by one itself, as ``transformers``' causal LMs and TRL's trainers expect)."""
+    return np.where(learned(loss_mask, attention_mask, position_ids), input_ids, IGNORE_INDEX).astype(np.int32)
 
 
 PACKED_COLUMNS = PACKED_SCHEMA.names
@@ -135,11 +154,12 @@ def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pa
         num_tokens[r] = at
         cu_seqlens.append(cu)
     num_loss = loss_mask.sum(axis=1, dtype=np.int64)
+    labels = labels_of(input_ids, loss_mask, attention_mask, position_ids)
     table = pa.Table.from_arrays([
         _list_column(input_ids, pa.int32()), _list_column(loss_mask, pa.int8()),
         _list_column(position_ids, pa.int32()), _list_column(attention_mask, pa.int8()),
         pa.array(cu_seqlens, pa.list_(pa.int32())), pa.array([len(b) for b in bins], pa.int64()),
-        pa.array(num_tokens, pa.int64()), pa.array(num_loss, pa.int64()),
+        pa.array(num_tokens, pa.int64()), pa.array(num_loss, pa.int64()), _list_column(labels, pa.int32()),
     ], schema=PACKED_SCHEMA)
     stats.sequences += n
     stats.documents += len(kept)
@@ -302,4 +322,13 @@ def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
             break
     if int(frame["num_loss_tokens"].sum()) == 0:
         problems.append(f"{where}: no loss-masked (assistant) tokens")
+    if "labels" in frame.columns:
+        columns = {c: np.stack(frame[c].to_numpy()) for c in ("input_ids", "loss_mask", "attention_mask",
+                                                              "position_ids", "labels")}
+        expected = labels_of(columns["input_ids"], columns["loss_mask"], columns["attention_mask"],
+                             columns["position_ids"])
+        wrong = np.flatnonzero((columns["labels"] != expected).any(axis=1))
+        if len(wrong):
+            problems.append(f"{where}: row {int(wrong[0])} has labels that disagree with its input_ids/loss_mask "
+                            f"({len(wrong)} rows in all)")
     return problems

@@ -82,11 +82,14 @@ class PackedSequences(pa.DataFrameModel):
     num_documents: Series[int] = pa.Field(ge=1)
     num_tokens: Series[int] = pa.Field(ge=1)
     num_loss_tokens: Series[int] = pa.Field(ge=0)
+    labels: Series[object] | None  # since packed-sft-parquet/3 (Hugging Face -100 convention)
 
     @pa.dataframe_check
     def sequences_have_pack_size(cls, df):  # noqa: N805 - pandera passes the class
         lengths = df["input_ids"].map(len)
         same = (lengths == df["loss_mask"].map(len)) & (lengths == df["position_ids"].map(len))
+        if "labels" in df.columns:
+            same &= lengths == df["labels"].map(len)
         return same & (lengths == lengths.iloc[0] if len(df) else True)
 
 

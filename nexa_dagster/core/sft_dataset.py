@@ -48,7 +48,7 @@ from nexa_dagster.core.packing import (
 )
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
-FORMAT = "packed-sft-parquet/2"
+FORMAT = "packed-sft-parquet/3"  # 3: a labels column (the Hugging Face -100 convention)
 SPLITS = ("train", "validation")
 DEFAULT_BLEND = "blends/sft.yaml"
 ENCODE_BATCH = 512  # conversations tokenized per call to the Rust tokenizer

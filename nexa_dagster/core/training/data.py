@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nexa_dagster.core.packing import IGNORE_INDEX, learned
+
 if TYPE_CHECKING:
     from nexa_dagster.core.training.job import TrainingJob
 
 Batch = dict[str, torch.Tensor]
 
 PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "attention_mask")
-IGNORE_INDEX = -100  # what the cross-entropy skips
+OPTIONAL_COLUMNS = ("labels",)  # written by packaging since packed-sft-parquet/3; computed here for older data
 LOSS_TOKENS = "loss_tokens"  # a micro-batch's learned-token count, added by micro_batches
 HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
 
@@ -42,7 +44,7 @@ def load_packed(path: str) -> Batch:
     if frame.empty:
         raise ValueError(f"packed dataset is empty: {path}")
     data: Batch = {}
-    for column in PACKED_COLUMNS:
+    for column in PACKED_COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c in frame.columns):
         try:
             data[column] = torch.from_numpy(np.stack(frame[column].to_numpy()).astype(np.int64))
         except ValueError as e:  # ragged rows: the packer must emit exactly pack_size tokens per row
@@ -56,17 +58,24 @@ def check_packed(data: Batch, path: str, vocab_size: int) -> None:
     if top >= vocab_size:
         raise ValueError(f"packed dataset {path} has token id {top} but the tokenizer's vocabulary has {vocab_size} "
                          "entries: the data was tokenized with a different tokenizer")
+    if "labels" in data:
+        stored, rule = data["labels"], data["input_ids"].masked_fill(
+            ~learned(data["loss_mask"], data["attention_mask"], data["position_ids"]), IGNORE_INDEX)
+        if not torch.equal(stored, rule):
+            row = int(stored.ne(rule).any(dim=1).nonzero()[0, 0])
+            raise ValueError(f"packed dataset {path}: row {row} has labels that disagree with its input_ids and "
+                             "loss_mask (labels must be the token id where learned, -100 elsewhere)")
     if int(labels_for(data).ne(IGNORE_INDEX).sum()) == 0:
         raise ValueError(f"packed dataset {path} has no loss-mask tokens: nothing to learn")
 
 
 def labels_for(batch: Batch) -> torch.Tensor:
-    """Targets for the causal-LM loss (the model shifts them by one).
-
-    Only assistant tokens are learned (``loss_mask``), never padding, and never the first token of a packed
-    document: it would be predicted from the end of an unrelated document.
-    """
-    learn = (batch["loss_mask"] == 1) & (batch["attention_mask"] == 1) & (batch["position_ids"] != 0)
+    """Targets for the causal-LM loss (the model shifts them by one): the packed data's stored ``labels`` column,
+    or, for data without one (the pretraining corpus, older packed datasets), the same rule
+    (``core.packing.learned``) applied here."""
+    if "labels" in batch:
+        return batch["labels"]
+    learn = learned(batch["loss_mask"], batch["attention_mask"], batch["position_ids"])
     return batch["input_ids"].masked_fill(~learn, IGNORE_INDEX)
 
 
