@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import datetime  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -22,7 +24,14 @@ from services import slurm_cluster  # noqa: E402
 from test_training import launch_training_in_dagster, make_job  # noqa: E402
 
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource, slurm_state  # noqa: E402
+from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
+    GPUClusterResource,
+    slurm_job_fields,
+    slurm_state,
+    wait_for_slurm_job,
+)
+
+SLURM_WARNING_S = 20  # --signal=TERM@20: one step and a save of the tiny model fit with room to spare
 
 
 @pytest.fixture(scope="module")
@@ -88,35 +97,51 @@ def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teache
     assert not leftovers, "the training process outlived its cancelled Slurm job"
 
 
-def test_a_signalled_slurm_job_saves_its_state_and_the_relaunch_resumes(tmp_path: Path, teacher_dir: Path,
-                                                                       slurm: dict[str, str]) -> None:
-    """Before the time limit Slurm sends SIGTERM to the job step's tasks (``--signal=TERM@N``, no ``B:``). Here the
-    same signal is sent the way slurmctld sends it then, with ``scancel --signal=TERM`` (steps only, not the batch
-    shell), after a few steps: the worker saves its resumable state and stops; the job ends, the Dagster step fails
-    (retryable), and the relaunch of the same training resumes from the saved step instead of step 0. One rank: with
-    several, ``torchrun`` is the step's task and forwards SIGTERM to its ranks (torch's elastic agent does so for
-    SIGTERM, SIGINT, SIGHUP and SIGQUIT), which agree on the stop in the per-step all-reduce."""
-    cluster = {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5}
+def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_resumes(
+        tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]) -> None:
+    """A job reaching its real time limit gets the warning signal from slurmctld itself (``--signal=TERM@N``, no
+    ``B:``: it reaches the job step's tasks, not only the batch shell) while it trains; nothing in this test signals
+    anything. The worker finishes its step, saves its resumable state and stops before the limit; the job ends, the
+    Dagster step fails (retryable), and the relaunch of the same training resumes from the saved step, not step 0.
+
+    slurmctld checks time limits every 30 s (``PERIODIC_TIMEOUT``, compiled in) and sends the warning at the first
+    check at most ``N + 30`` s before the limit. The worker's start-up (torch, DeepSpeed) takes 20 to 60+ s on a
+    loaded machine, so a fixed minimal limit would warn it before its first step on one machine and waste a minute
+    on another: the job is submitted with a long limit and, once it trains, the test shortens the limit (``scontrol
+    update TimeLimit``, what an administrator does) to the nearest whole minute that leaves the warning due within
+    the next check or two. One rank: with several, ``torchrun`` is the step's task and forwards SIGTERM to its
+    ranks, which agree on the stop in the per-step all-reduce."""
+    cluster = {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5, "slurm_time_limit": "10",
+               "slurm_stop_warning_s": SLURM_WARNING_S}
     launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, cluster, timeout_s=300)
     job_id = next(line.split("submitted Slurm job ")[1].split()[0]
                   for line in log.read_text().splitlines() if "submitted Slurm job" in line)
     script = (tmp_path / "work" / "train.sbatch").read_text()
-    assert "#SBATCH --signal=TERM@120" in script and "B:" not in script
+    assert [line for line in script.splitlines() if "--signal" in line] == [f"#SBATCH --signal=TERM@{SLURM_WARNING_S}"]
+    start = datetime.datetime.fromisoformat(slurm_job_fields(job_id)["StartTime"]).timestamp()
+    limit_min = math.ceil((time.time() - start + SLURM_WARNING_S + 30 + 5) / 60)  # warning due >= 5 s from now
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit_min}"], check=True)
+    assert slurm_job_fields(job_id)["TimeLimit"] == f"00:{limit_min:02d}:00"
+    end = start + 60 * limit_min
     out = tmp_path / "work" / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 120
-    while "step 3/" not in (out.read_text(errors="replace") if out.exists() else ""):
-        assert time.monotonic() < deadline and launcher.poll() is None, log.read_text(errors="replace")[-3000:]
+    saved = None
+    while saved is None:  # only slurmctld's warning can stop this training
+        text = out.read_text(errors="replace") if out.exists() else ""
+        saved = re.search(r"saved resumable state at step (\d+); stopping as asked", text)
+        assert saved or (launcher.poll() is None and time.time() < end + 30), \
+            (text + log.read_text(errors="replace"))[-3000:]
         time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    before_limit_s = end - time.time()
     assert launcher.wait(timeout=120) is not None
-    text = out.read_text(errors="replace")
-    saved = re.search(r"saved resumable state at step (\d+); stopping as asked", text)
-    assert saved, text[-3000:]
     step = int(saved.group(1))
     assert "SIGTERM: saving the resumable state" in (tmp_path / "work" / "worker.rank0.stderr.log").read_text()
-    assert step >= 3 and (tmp_path / "checkpoints" / "test-run.state" / "latest").read_text().strip() == \
+    assert step >= 1 and (tmp_path / "checkpoints" / "test-run.state" / "latest").read_text().strip() == \
         f"step{step:08d}"
-    assert "RUN FAILED" in log.read_text() and slurm_state(job_id) == "FAILED"
+    # stopped by the warning, before the limit: the job failed with the worker's exit code (75), not TIMEOUT
+    assert "RUN FAILED" in log.read_text() and slurm_state(job_id) == "FAILED", slurm_state(job_id)
+    assert 0 < before_limit_s <= SLURM_WARNING_S + 30 + 5, before_limit_s
+    print(f"time limit {limit_min} min, warning {SLURM_WARNING_S} s: state saved at step {step}, "
+          f"{before_limit_s:.0f} s before the limit")
 
     job = make_job(tmp_path, teacher_dir, steps=step + 2, log_every=1)  # the same training, relaunched
 
@@ -128,5 +153,16 @@ def test_a_signalled_slurm_job_saves_its_state_and_the_relaunch_resumes(tmp_path
     res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(**cluster)}, instance=instance)
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
-    assert metadata["resumed_from_step"].value == step
+    assert metadata["resumed_from_step"].value == step and metadata["steps"].value == step + 2
     assert any(f"resumed from step {step}" in e.user_message for e in instance.all_logs(res.run_id))
+
+
+def test_waiting_for_a_job_slurm_does_not_know_ends_with_a_clear_error(slurm: dict[str, str]) -> None:
+    """A job id neither the controller nor accounting knows (``UNKNOWN``) used to be polled forever; after a grace
+    period (a controller restart comes back) the wait fails naming the job and what was asked."""
+    logged: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Slurm job 999999: neither the controller .* has known it for 1 s"):
+        wait_for_slurm_job("999999", 0.2, logged.append, unknown_grace_s=1.0)
+    assert time.monotonic() - started < 30
+    assert logged == ["Slurm job 999999: UNKNOWN"]

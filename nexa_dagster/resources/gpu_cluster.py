@@ -40,6 +40,7 @@ SLURM_DONE = {"COMPLETED"}
 SLURM_FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE"}
 
+SLURM_UNKNOWN_GRACE_S = 120.0  # how long a job Slurm does not know is waited for (a controller restart)
 BACKENDS = ("local", "slurm", "kubernetes")
 ACCELERATORS = ("cpu", "cuda")
 STDERR_TAIL_LINES = 40
@@ -90,8 +91,8 @@ class GPUClusterResource(dg.ConfigurableResource):
             run_id=job.run_id, python=self.python_executable or sys.executable, job_file=str(job_file),
             log_dir=str(log_dir), procs_per_node=self.num_procs, nodes=self.nodes, gpus=self.accelerator == "cuda",
             env=env, partition=self.slurm_partition, account=self.slurm_account, time_limit=self.slurm_time_limit,
-            cpus_per_task=self.slurm_cpus_per_task, extra_directives=self.slurm_extra_directives,
-            setup_commands=self.slurm_setup_commands)
+            stop_warning_s=self.slurm_stop_warning_s, cpus_per_task=self.slurm_cpus_per_task,
+            extra_directives=self.slurm_extra_directives, setup_commands=self.slurm_setup_commands)
 
     def pod_spec(self, job: TrainingJob, job_file: Path, log_dir: Path) -> dict[str, Any]:
         return launch_specs.k8s_pod_spec(
@@ -320,12 +321,24 @@ def slurm_state(job_id: str) -> str:
     return lines[0].split()[0] if lines else "UNKNOWN"
 
 
-def wait_for_slurm_job(job_id: str, poll_s: float, log: Any) -> str:
+def wait_for_slurm_job(job_id: str, poll_s: float, log: Any, unknown_grace_s: float = SLURM_UNKNOWN_GRACE_S) -> str:
     """Poll until the job ends; log each change of state, with Slurm's reason while it waits (a job asking for
-    more than the partition has waits forever with reason PartitionConfig: the log says so)."""
+    more than the partition has waits forever with reason PartitionConfig: the log says so).
+
+    A job neither the controller nor accounting knows (``UNKNOWN``: a wrong id, a job purged after ``MinJobAge``
+    on a cluster without ``slurmdbd``, a controller that lost its state) is waited for ``unknown_grace_s`` (a
+    controller restarting comes back), then a ``RuntimeError`` says so instead of polling forever."""
     last = ""
+    unknown_since: float | None = None
     while True:
         state = slurm_state(job_id)
+        if state == "UNKNOWN":
+            unknown_since = time.monotonic() if unknown_since is None else unknown_since
+            if time.monotonic() - unknown_since > unknown_grace_s:
+                raise RuntimeError(f"Slurm job {job_id}: neither the controller (scontrol show job) nor accounting "
+                                   f"(sacct) has known it for {unknown_grace_s:.0f} s; its outcome cannot be read")
+        else:
+            unknown_since = None
         reason = slurm_job_fields(job_id).get("Reason", "None") if state == "PENDING" else "None"
         shown = state if reason == "None" else f"{state} ({reason})"
         if shown != last:
