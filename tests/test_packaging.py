@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -19,14 +21,22 @@ from nexa_dagster.core import shards as sh
 from nexa_dagster.core import storage
 from nexa_dagster.core.blend import BlendSource, DataBlend
 from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.eval_set import is_held_out
 from nexa_dagster.core.indexed_dataset import IndexedDataset
 from nexa_dagster.core.jsonl_dataset import package_jsonl
 from nexa_dagster.core.jsonl_formats import RecordError, build_transform
-from nexa_dagster.core.packing import ChatTokenizer, check_packed_file
+from nexa_dagster.core.packing import ChatTokenizer, check_packed_file, is_validation, side_overrides
 from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
-from nexa_dagster.core.sft_dataset import PackagingSettings, package_sft
+from nexa_dagster.core.sft_dataset import (
+    PackagingSettings,
+    build_sft_dataset,
+    day_inputs_from_frame,
+    day_inputs_from_partitions,
+    package_sft,
+    streamed_side_overrides,
+)
 
-OUTPUTS = ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl")
+OUTPUTS = ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl", "snapshot.json")
 
 
 def _chat_records(n: int, seed: int = 0) -> list[dict]:
@@ -235,12 +245,14 @@ def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path)
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
     first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
     reference = _bytes(first.root)
-    Path(sh.receipt_path(first.root, "000000")).write_text('{"shard_id": "000000", "key": ')  # torn JSON
-    out = Path(first.root, "shards", "000001.train.parquet")
+    store = str(tmp_path / "out" / "store")  # shards live in the content-addressed store, named by their key
+    keys = [s["shard_id"] for s in json.loads(Path(first.root, "snapshot.json").read_text())["shards"]]
+    Path(sh.receipt_path(store, keys[0])).write_text('{"shard_id": "x", "key": ')  # torn JSON
+    out = Path(store, "shards", f"{keys[1]}.train.parquet")
     out.write_bytes(out.read_bytes()[:-10] + b"0123456789")  # same size, other bytes
-    receipt = json.loads(Path(sh.receipt_path(first.root, "000002")).read_text())
+    receipt = json.loads(Path(sh.receipt_path(store, keys[2])).read_text())
     receipt["key"] = "0" * 32  # a receipt from another plan
-    Path(sh.receipt_path(first.root, "000002")).write_text(json.dumps(receipt))
+    Path(sh.receipt_path(store, keys[2])).write_text(json.dumps(receipt))
     logged: list[str] = []
     again = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=logged.append)
     assert sorted(again.report.redone) == ["000000", "000001", "000002"]
@@ -249,6 +261,101 @@ def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path)
     assert "another plan" in again.report.redone["000002"]
     assert any("redoing" in m for m in logged)
     assert _bytes(again.root) == reference
+
+
+# -- incremental: a night packs its own day, and the snapshot equals one built from nothing -----------------------
+
+
+def _day_frame(day: str, n: int, prefix: str) -> pd.DataFrame:
+    records = _chat_records(n, seed=sum(map(ord, day)))
+    return pd.DataFrame({"sample_id": [f"{prefix}{i:04d}" for i in range(n)], "day": [day] * n,
+                         "system_prompt": [""] * n,
+                         "prompt": [r["messages"][0]["content"] for r in records],
+                         "response": [r["messages"][1]["content"] for r in records]})
+
+
+def _all_train_side(n: int, fraction: float) -> list[str]:
+    """Ids whose split hash puts every one of them on the train side: day 1 then needs a split override."""
+    ids = [f"d1-{i}" for i in range(200)]
+    return [s for s in ids if not is_validation(s, fraction) and not is_held_out(s, 0.1)][:n]
+
+
+def _new_receipts(root: Path, before: set[Path]) -> list[dict]:
+    """The shards packed since ``before`` (a receipt is written for every shard packed, wherever it lives)."""
+    return [json.loads(p.read_text()) for p in sorted(root.rglob("receipts/*.json")) if p not in before]
+
+
+def test_incremental_night_packs_only_its_day_and_equals_a_build_from_nothing(tiny_tokenizer, tmp_path: Path) -> None:
+    day1 = _day_frame("2026-11-01", 3, "x")
+    day1["sample_id"] = _all_train_side(3, 0.2)  # alone, day 1 has no validation sample: an override moves one
+    days = [day1, _day_frame("2026-11-02", 90, "b"), _day_frame("2026-11-03", 70, "c")]
+    kw = {"pack_size": 256, "validation_fraction": 0.2, "rows_per_shard": 40, "eval_fraction": 0.1,
+          "log": _quiet}
+    inc = tmp_path / "inc"
+    snapshots = []
+    for night in range(1, 4):
+        before = set(inc.rglob("receipts/*.json"))
+        dataset, _ = build_sft_dataset(pd.concat(days[:night], ignore_index=True), tiny_tokenizer, "tok", str(inc),
+                                       **kw)
+        snapshots.append(dataset)
+        packed = _new_receipts(inc, before)
+        if night == 3:  # only day 3's rows were read, tokenized and packed (2 shards); days 1-2 came from the store
+            assert sum(r["rows"] for r in packed) == 70 and len(packed) == 2
+        if night == 2:  # day 1 again: its night-1 shard carried the split override, which no longer applies
+            assert sum(r["rows"] for r in packed) == 3 + 90
+    assert len({s.run_hash for s in snapshots}) == 3  # each night is its own snapshot, for lineage
+    assert all(Path(s.train_path).exists() for s in snapshots)  # earlier snapshots stay where checkpoints point
+    scratch, _ = build_sft_dataset(pd.concat(days, ignore_index=True), tiny_tokenizer, "tok",
+                                   str(tmp_path / "scratch"), **kw)
+    assert scratch.run_hash == snapshots[-1].run_hash
+    assert _bytes(scratch.root) == _bytes(snapshots[-1].root)
+    baseline, _ = build_sft_dataset(pd.concat(days, ignore_index=True), tiny_tokenizer, "tok",
+                                    str(tmp_path / "baseline"), incremental=False, **kw)
+    assert {n: Path(baseline.root, n).read_bytes() for n in OUTPUTS[:4]} == {
+        n: b for n, b in _bytes(scratch.root).items() if n in OUTPUTS[:4]}
+    # the splits are per id and compose with days: no eval-set id trained on, each id on one side only
+    ids = {split: [json.loads(line)["sample_id"] for line in Path(scratch.root, f"{split}.jsonl").read_text().splitlines()]
+           for split in ("train", "validation")}
+    assert not set(ids["train"]) & set(ids["validation"])
+    assert not [s for s in ids["train"] + ids["validation"] if is_held_out(s, 0.1)]
+    assert scratch.held_out_samples == sum(is_held_out(s, 0.1) for d in days for s in d["sample_id"])
+
+
+def test_streamed_split_overrides_equal_the_in_memory_ones(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n = int(rng.integers(0, 6))
+        ids = [f"t{trial}-{int(i)}" for i in rng.integers(0, 50, size=n)]
+        frame = pd.DataFrame({"sample_id": ids, "day": [f"2026-11-0{1 + i % 3}" for i in range(n)],
+                              "system_prompt": "", "prompt": "q", "response": "a"})
+        inputs = day_inputs_from_frame(frame, str(tmp_path)) if n else []
+        trainable = [s for s in ids if not is_held_out(s, 0.2)]
+        assert streamed_side_overrides(inputs, 0.3, 0, 0.2) == side_overrides(trainable, 0.3, 0), ids
+
+
+def test_partitions_are_read_one_file_at_a_time_and_converted_once(tmp_path: Path, monkeypatch) -> None:
+    paths = []
+    for k, day in enumerate(("2026-11-01", "2026-11-02", "2026-11-03")):
+        paths.append((day, str(tmp_path / "assets" / f"{day}.parquet")))
+        storage.write_parquet(_day_frame(day, 10 + k, f"p{k}"), paths[-1][1])
+    read: list[int] = []
+    real = storage.read_parquet
+    monkeypatch.setattr(storage, "read_parquet", lambda p: read.append(len(frame := real(p))) or frame)
+    first = day_inputs_from_partitions(paths, str(tmp_path / "sft"))
+    assert read == [10, 11, 12]  # one partition in memory at a time, never the concatenation
+    assert [d.days for d in first] == [("2026-11-01",), ("2026-11-02",), ("2026-11-03",)]
+    read.clear()
+    again = day_inputs_from_partitions(paths, str(tmp_path / "sft"))
+    assert again == first and read == []  # a known partition is not read again: its bytes' hash finds it
+    assert day_inputs_from_frame(pd.concat([real(p) for _, p in paths]), str(tmp_path / "sft")) == first
+
+
+def test_sft_dataset_asset_does_not_load_the_samples_into_the_dagster_process() -> None:
+    from nexa_dagster.assets.packaging import sft_dataset
+
+    spec = sft_dataset.get_asset_spec(dg.AssetKey("sft_dataset"))
+    assert dg.AssetKey("filtered_samples") in {d.asset_key for d in spec.deps}
+    assert sft_dataset.op.ins["filtered_samples"].dagster_type.is_nothing  # no DataFrame of every partition
 
 
 KILL_SCRIPT = r"""
@@ -287,12 +394,12 @@ def test_kill_and_resume_gives_the_uninterrupted_bytes(tiny_tokenizer, tiny_mode
     proc.wait()
     done_before = len(list(out.glob("*/receipts/*.json")))
     assert 3 <= done_before < 10
-    assert not (next(out.glob("*")) / "train.parquet").exists()  # killed before finalize
+    assert not list(out.glob("*/train.parquet"))  # killed before finalize
 
     resumed = package_sft(_blend(path), tiny_tokenizer, str(out), _settings(workers=2), log=_quiet)
     assert len(resumed.report.skipped) == done_before
     assert len(resumed.report.processed) == 10 - done_before
-    assert not list(Path(resumed.root).rglob("*.tmp"))
+    assert not list(out.rglob("*.tmp"))
     clean = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "clean"), _settings(), log=_quiet)
     assert clean.run_hash == resumed.run_hash and _bytes(clean.root) == _bytes(resumed.root)
 

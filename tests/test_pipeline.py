@@ -114,6 +114,7 @@ def test_every_stage_is_materialized_with_metadata(lifecycle) -> None:
         assert 0 < _metadata(instance, "filtered_samples", day)["pass_rate"] <= 1
     sft = _metadata(instance, "sft_dataset")
     assert sft["train_sequences"] > 0 and sft["validation_sequences"] > 0 and sft["packing_efficiency"] > 0.5
+    assert 0 <= sft["shards_reused"] <= sft["num_shards"]
     training = _metadata(instance, "moe_checkpoint")
     assert training["steps"] > 0 and training["final_train_loss"] > 0
     report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)

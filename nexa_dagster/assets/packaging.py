@@ -26,8 +26,9 @@ from nexa_dagster.core.pretrain_dataset import (
     documents_to_jsonl,
     package_pretrain,
 )
-from nexa_dagster.core.sft_dataset import build_sft_dataset
+from nexa_dagster.core.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
 from nexa_dagster.core.tiny_model import ensure_model
+from nexa_dagster.resources.io_manager import stored_partitions
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -38,31 +39,45 @@ def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
     return AutoTokenizer.from_pretrained(str(path)), str(path)
 
 
+def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
+    from nexa_dagster.core.schemas import FilteredSamples
+
+    try:
+        FilteredSamples.validate(frame)
+    except Exception as e:  # pandera's errors name the column and rows; add the file
+        raise ValueError(f"filtered_samples partition {path} does not match its schema: {e}") from e
+
+
 @dg.asset(
     group_name="packaging",
-    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
+    ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python", "parquet"},
     description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
                 "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
                 "an assistant-only loss mask, split into train/validation and written as Parquet and JSONL under "
-                "data/sft/<run_hash>/, in resumable shards.",
+                "data/sft/<run_hash>/; shards are content-addressed in data/sft/store/ and reused, so a night packs "
+                "only its own day.",
 )
-def sft_dataset(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
-                storage: StorageResource) -> SFTDataset:
+def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource) -> SFTDataset:
     scale, cfg = load_scale(), load_packaging_config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.sft_blend)
-    dataset, stats = build_sft_dataset(filtered_samples, tokenizer, tokenizer_path, storage.path("sft"),
-                                       scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
-                                       log=context.log.info, blend=blend, on_error=cfg.on_error,
-                                       rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                                       eval_fraction=pipeline_config().eval_set.fraction)
+    partitions = stored_partitions(storage.data_root, "filtered_samples",
+                                   list(context.asset_partition_keys_for_input("filtered_samples")))
+    days = day_inputs_from_partitions(partitions, storage.path("sft"), validate=_valid_filtered_samples)
+    dataset, stats = build_sft_dataset_from_days(days, tokenizer, tokenizer_path, storage.path("sft"),
+                                                 scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
+                                                 log=context.log.info, blend=blend, on_error=cfg.on_error,
+                                                 rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
+                                                 eval_fraction=pipeline_config().eval_set.fraction)
     context.add_output_metadata({
         "run_hash": dataset.run_hash,
         "blend": dataset.blend,
         "blend_fingerprint": dataset.blend_fingerprint,
         "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
         "num_shards": dataset.num_shards,
+        "shards_reused": dataset.shards_reused,  # from data/sft/store: only the new days' shards were packed
         "num_samples": dataset.num_samples,
         "days": dg.MetadataValue.json(dataset.days),
         "train_sequences": dataset.num_train_sequences,

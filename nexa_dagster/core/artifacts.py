@@ -44,6 +44,7 @@ class SFTDataset(Artifact):
     quarantined_rows: int = 0  # bad input rows set aside (on_error: quarantine), listed in quarantine_path
     quarantine_path: str | None = None
     held_out_samples: int = 0  # on the frozen eval set's side (core.eval_set): in neither split
+    shards_reused: int = 0  # taken from the shard store (packed by an earlier snapshot), not packed again
 
     @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
     @classmethod

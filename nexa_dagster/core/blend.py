@@ -95,7 +95,7 @@ class DataBlend(BaseModel):
         """A hash of what the blend says (not of its formatting or comments)."""
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def resolve(self, assets: dict[str, str] | None = None) -> list[tuple[BlendSource, list[str]]]:
+    def resolve(self, assets: dict[str, str | list[str]] | None = None) -> list[tuple[BlendSource, list[str]]]:
         """Each source with its input files: globs expanded (sorted), ``asset:`` names looked up in ``assets``."""
         from nexa_dagster.core import storage
 
@@ -106,7 +106,8 @@ class DataBlend(BaseModel):
                 if not assets or key not in assets:
                     raise ValueError(f"blend {self.name!r} source {source.name!r} wants asset {key!r}, which this "
                                      f"stage does not provide (it provides {sorted(assets or {})})")
-                files = [assets[key]]
+                given = assets[key]
+                files = [given] if isinstance(given, str) else list(given)  # a partitioned asset: one file a day
             else:
                 pattern = source.path if "://" in source.path else str(resolve_path(source.path))
                 files = storage.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]

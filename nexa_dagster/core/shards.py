@@ -60,6 +60,11 @@ class ShardTask:
     key: str
     config: dict[str, Any]
     runtime: dict[str, Any] = field(default_factory=dict)  # not hashed: tokenizer handle, options that don't change bytes
+    output_id: str = ""  # what the outputs and the receipt are named by: the shard key in a shard store
+
+    @property
+    def out_id(self) -> str:
+        return self.output_id or self.shard.shard_id
 
 
 @dataclass
@@ -120,14 +125,17 @@ def shard_key(shard: Shard, config: dict[str, Any]) -> str:
                                       "config": config})).hexdigest()[:32]
 
 
-def run_hash(shards: Sequence[Shard], config: dict[str, Any]) -> str:
+ConfigFor = Callable[[Shard], dict[str, Any]]  # a shard's own configuration (default: the run's)
+
+
+def run_hash(shards: Sequence[Shard], config: dict[str, Any], config_for: ConfigFor | None = None) -> str:
     """What the whole output is a function of; equal run hashes mean byte-identical outputs.
 
     File locations are left out (only the input bytes, the source names and the file names count), so the same
     data copied to another bucket or machine hashes the same.
     """
-    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config,
-                                      "shards": [shard_key(s, config) for s in shards]})).hexdigest()[:16]
+    keys = [shard_key(s, config_for(s) if config_for else config) for s in shards]
+    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config, "shards": keys})).hexdigest()[:16]
 
 
 def receipt_path(root: str, shard_id: str) -> str:
@@ -187,19 +195,27 @@ class RunReport:
 
 def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work: Callable[[ShardTask], Receipt],
                runtime: dict[str, Any] | None = None, workers: int = 1,
-               log: Callable[[str], None] = print) -> RunReport:
+               log: Callable[[str], None] = print, *, store: bool = False,
+               config_for: ConfigFor | None = None) -> RunReport:
     """Run ``work`` on every shard without a valid receipt, ``workers`` processes at a time.
 
     ``work`` must be a module-level function (it is pickled to spawned processes) that writes the shard's outputs
     atomically, then its receipt. With ``workers <= 1`` shards run in this process, one after the other.
+
+    With ``store=True``, ``root`` is a content-addressed shard store shared by every run: outputs and receipts are
+    named by the shard key (input bytes + configuration), not by the shard's position, so a shard that an earlier
+    run (an earlier day's snapshot) already produced is reused instead of redone. ``config_for`` gives a shard a
+    configuration of its own (what of the run's configuration concerns its rows only).
     """
     tasks: list[ShardTask] = []
     done: dict[str, Receipt] = {}
     skipped: list[str] = []
     redone: dict[str, str] = {}
     for shard in shards:
-        key = shard_key(shard, config)
-        receipt, why = check_receipt(root, shard.shard_id, key)
+        own = config_for(shard) if config_for else config
+        key = shard_key(shard, own)
+        out_id = key if store else shard.shard_id
+        receipt, why = check_receipt(root, out_id, key)
         if receipt is not None:
             done[shard.shard_id] = receipt
             skipped.append(shard.shard_id)
@@ -207,7 +223,7 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
         if why != "no receipt":
             redone[shard.shard_id] = why
             log(f"shard {shard.shard_id}: redoing ({why})")
-        tasks.append(ShardTask(shard, root, key, config, dict(runtime or {})))
+        tasks.append(ShardTask(shard, root, key, own, dict(runtime or {}), out_id if store else ""))
     if skipped:
         log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
     with Progress(log, "shards done") as progress:
@@ -219,11 +235,10 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
         else:
             ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
             with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-                futures = [pool.submit(run_task, work, t) for t in tasks]
+                futures = {pool.submit(run_task, work, t): t.shard.shard_id for t in tasks}
                 try:
                     for fut in as_completed(futures):
-                        receipt = fut.result()
-                        done[receipt.shard_id] = receipt
+                        done[futures[fut]] = fut.result()
                         progress(len(done), len(shards))
                 except BaseException:
                     for other in futures:

@@ -98,6 +98,14 @@ def read_stored_artifact(data_root: str, asset: str, partition: str | None = Non
     return _load_artifact(path) if io.exists(path) else None
 
 
+def stored_partitions(data_root: str, asset: str, partitions: list[str]) -> list[tuple[str, str]]:
+    """``(partition, Parquet path)`` of the materialized ones among ``partitions``, in their order, unread: for a
+    stage that streams a table's partitions from storage instead of loading them all into its process."""
+    manager = NexaIOManager(data_root=data_root)
+    paths = [(k, manager._path(dg.AssetKey(asset), k, "parquet")) for k in partitions]
+    return [(k, p) for k, p in paths if io.exists(p)]
+
+
 def _load_artifact(path: str) -> BaseModel:
     payload = io.read_json(path)
     module, _, name = payload["type"].rpartition(".")
