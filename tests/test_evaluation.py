@@ -21,7 +21,13 @@ from openai_stub import chat_payload, stub_server
 
 from nexa_dagster.core.config import read_text
 from nexa_dagster.core.eval_set import eval_prompts, freeze_eval_set, is_held_out, load_eval_set
-from nexa_dagster.core.evaluation import ModelScores, compare, evaluate_checkpoint, pairwise_win_rate
+from nexa_dagster.core.evaluation import (
+    ModelScores,
+    compare,
+    evaluate_checkpoint,
+    pairwise_win_rate,
+    perplexity_of,
+)
 from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.llm.local import LocalTransformersClient
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
@@ -225,3 +231,11 @@ def test_serving_follows_the_recorded_decision_only_against_the_production_it_wa
     assert "production is now p, not q" in held_back_because("c", report("promote", "q"), prod)
     assert "production is now p, not none" in held_back_because("c", report("promote", None), prod)
     assert "predates the paired promotion gate" in held_back_because("c", report(None, "p"), prod)
+
+
+def test_perplexity_is_not_capped_silently() -> None:
+    """It used to be e^min(loss, 50): every model past a loss of 50 reported the same 5.2e21."""
+    worse = ModelScores(nll=[120.0, 60.0], tokens=[1, 1], answers=["", ""]).loss
+    bad = ModelScores(nll=[60.0, 60.0], tokens=[1, 1], answers=["", ""]).loss
+    assert bad.perplexity == pytest.approx(math.exp(60)) and worse.perplexity == pytest.approx(math.exp(90))
+    assert perplexity_of(2.0) == pytest.approx(math.exp(2.0)) and perplexity_of(1000.0) == math.inf

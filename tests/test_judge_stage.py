@@ -144,3 +144,26 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
     failure = result.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert failure is not None and "HTTP 401" in failure.description
     assert len(calls) <= 2  # the requests already in flight, not one per document (6), nor again per step retry
+
+
+def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Path) -> None:
+    """A local judge whose weights file is corrupt fails the same way on every attempt: the step fails once, with
+    no step retry, and the message names the file (transformers' own error says only that a header is invalid)."""
+    from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tmp_path / "models" / "tiny-judge")
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors header")
+    data = tmp_path / "data"
+    path = data / "assets" / "teacher_samples" / f"{DAY}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _teacher_frame().to_parquet(path)
+    resources = {"io_manager": NexaIOManager(data_root=str(data)),
+                 "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
+                 "judge_llm": LLMResource(backend="local", model=str(model))}
+    result = dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,
+                            instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success
+    failure = result.get_step_failure_events()[0].step_failure_data.user_failure_data
+    assert failure is not None and f"{model}: model.safetensors" in failure.description, failure
+    assert _retries(result) == 0  # MODEL_CALL_RETRY did not load it again three times
+    assert _stored(tmp_path) == []

@@ -6,8 +6,6 @@ through Dagster Pipes, the same worker, DeepSpeed engine, monitors and exact res
 is the perplexity of the corpus documents held out by a hash of their tokens, which no training row ever holds.
 """
 
-import math
-
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
@@ -16,6 +14,7 @@ from nexa_dagster.assets.training_record import log_training_run, training_metad
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint
 from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.evaluation import perplexity_of
 from nexa_dagster.core.pretrain_dataset import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -57,7 +56,7 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
                      f"{pretrain_corpus.num_tokens} tokens) on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(context, job, io.local_dir(storage.path("runs", base_id)))
 
-    perplexity = math.exp(min(result.validation_loss, 50.0))
+    perplexity = perplexity_of(result.validation_loss)
     png, mlflow_run_id = log_training_run(
         context, tracking, result, run_name=base_id, stage="pretraining", title=f"{base_id} (pretraining)",
         params={"model_preset": scale.model_preset, "scale": scale.name,

@@ -31,6 +31,15 @@ from nexa_dagster.core.paired import (
 from nexa_dagster.core.sample_gate import load_gate_config
 
 
+def perplexity_of(loss: float) -> float:
+    """``e ** loss``, not capped: a diverged model shows its real perplexity (``inf`` only past float's range,
+    a loss above ~709), where a silent cap at e^50 used to report the same number for every bad model."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass
 class HeldoutLoss:
     loss: float
@@ -51,7 +60,7 @@ class ModelScores:
     def loss(self) -> HeldoutLoss:
         total = sum(self.tokens)
         loss = sum(self.nll) / total
-        return HeldoutLoss(loss, math.exp(min(loss, 50.0)), total, len(self.tokens))
+        return HeldoutLoss(loss, perplexity_of(loss), total, len(self.tokens))
 
     def to_json(self) -> dict[str, Any]:
         return {"nll": self.nll, "tokens": self.tokens, "answers": self.answers}

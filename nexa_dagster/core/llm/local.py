@@ -25,6 +25,28 @@ from nexa_dagster.core.model_identity import model_fingerprint
 from nexa_dagster.core.tiny_model import ensure_model
 
 
+def unreadable_file(path: Path) -> str:
+    """The first file of a model directory that does not parse (JSON configs, safetensors weights), or ``""``:
+    transformers' own errors often name neither (a truncated safetensors file says only "invalid header")."""
+    import json
+
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return file.name
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                for key in weights.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    weights.get_slice(key)
+        except Exception:  # safetensors raises its own SafetensorError for a bad header or a short file
+            return file.name
+    return ""
+
+
 class LocalTransformersClient(LLMClient):
     """A causal LM loaded with ``from_pretrained`` from a local directory, answering chat requests in batches.
 
@@ -46,8 +68,9 @@ class LocalTransformersClient(LLMClient):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path))
             self.model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-        except Exception as e:  # a corrupt or partial directory
-            raise LLMError(f"cannot load model from {path}: {e}") from e
+        except Exception as e:  # a corrupt or partial directory: loading it again fails the same way
+            raise LLMError(f"cannot load model from {path}: {unreadable_file(path) or 'unreadable'}: {e}",
+                           permanent=True) from e
         if getattr(self.model.config, "output_router_logits", False):
             self.model.config.output_router_logits = False  # a training-time setting; breaks padded generation
         if self.tokenizer.pad_token_id is None:
