@@ -16,11 +16,12 @@ same core functions the asset calls:
 * **baseline** (the asset before): every partition is loaded into one DataFrame and validated, as the IO manager
   did, and the snapshot is packed from nothing (``incremental=False``: every shard of the history again).
 
-Each night runs in a fresh process; its wall time is from the first read to the snapshot on disk (the tokenizer
-load included, Python's start and imports not), its peak memory the process's ``ru_maxrss`` (``--workers 1``, the
-default, keeps tokenization in that process; with more workers their peak is added). The history before night 30
-(days 1..29) is built once, unmeasured, the way the nightly runs would have left it: the incremental side's store
-holds the shards of days 1..29. The LLM stages (teacher, judge) cost one day per night by construction (daily
+Each night runs in a fresh process; its wall time is from writing the day's partition to the snapshot on disk (the
+tokenizer load included, Python's start and imports not), its peak memory the process's ``ru_maxrss``
+(``--workers 1``, the default, keeps tokenization in that process; with more workers their peak is added). The
+history before night 30 (days 1..29) is built once, unmeasured, the way the nightly runs would have left it: the
+incremental side's store holds the shards of days 1..29. Each night is tried ``--repeat`` times from a copy of the
+same starting state; the fastest try counts (the machine may be shared), the largest peak memory of the tries. The LLM stages (teacher, judge) cost one day per night by construction (daily
 partitions, ``tests/test_pipeline.py::test_each_new_day_costs_one_days_work``) and are not part of this figure.
 
 The last line printed is one JSON object with the figures.
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--days", type=int, default=30)
     parser.add_argument("--samples-per-day", type=int, default=1500)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3, help="tries per night; the fastest counts")
     parser.add_argument("--workdir", default="")
     parser.add_argument("--night", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--history", type=int, help=argparse.SUPPRESS)
@@ -195,16 +197,25 @@ def main() -> None:
     figures: dict[str, dict[str, dict]] = {}
     total = time.perf_counter()
     for mode in ("incremental", "baseline"):
-        first, last = work / f"{mode}-night-1", work / f"{mode}-night-{args.days}"
-        for d in (first, last):
-            shutil.rmtree(d, ignore_errors=True)
-        figures[mode] = {"night_1": run_child("night", first, 1, mode, args, str(tok_dir))}
+        history = work / f"{mode}-history"
+        shutil.rmtree(history, ignore_errors=True)
         t = time.perf_counter()
-        run_child("history", last, args.days, mode, args, str(tok_dir))
+        run_child("history", history, args.days, mode, args, str(tok_dir))
         print(f"{mode}: history of {args.days - 1} days built in {time.perf_counter() - t:.1f} s", flush=True)
-        figures[mode][f"night_{args.days}"] = run_child("night", last, args.days, mode, args, str(tok_dir))
-        for night, fig in figures[mode].items():
-            print(f"{mode} {night}: {fig}", flush=True)
+        figures[mode] = {}
+        for night, start_from in ((1, None), (args.days, history)):
+            tries = []
+            for k in range(args.repeat):  # each try from the same state: nothing, or the history of days 1..N-1
+                root = work / f"{mode}-night-{night}-{k}"
+                shutil.rmtree(root, ignore_errors=True)
+                if start_from is not None:
+                    shutil.copytree(start_from, root)
+                tries.append(run_child("night", root, night, mode, args, str(tok_dir)))
+                shutil.rmtree(root, ignore_errors=True)
+                print(f"{mode} night {night} try {k + 1}: {tries[-1]}", flush=True)
+            best = min(tries, key=lambda r: r["seconds"])  # the machine is shared: the least disturbed try
+            figures[mode][f"night_{night}"] = {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in tries),
+                                               "all_seconds": [r["seconds"] for r in tries]}
     inc, base = figures["incremental"], figures["baseline"]
     late = f"night_{args.days}"
     if inc[late]["run_hash"] != base[late]["run_hash"]:
@@ -220,7 +231,7 @@ def main() -> None:
         "baseline_peak_rss_mb_night_30": base[late]["peak_rss_mb"],
         "shards_packed_night_30": inc[late]["shards"] - inc[late]["shards_reused"],
         "baseline_shards_packed_night_30": base[late]["shards"] - base[late]["shards_reused"],
-        "total_s": round(time.perf_counter() - total, 1),
+        "repeat": args.repeat, "total_s": round(time.perf_counter() - total, 1),
     }))
 
 
