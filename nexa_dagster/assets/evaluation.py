@@ -16,7 +16,8 @@ from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport
-from nexa_dagster.core.config import load_scale, pipeline_config, read_text
+from nexa_dagster.core.benchmarks import compare_benchmark, flat_scores
+from nexa_dagster.core.config import load_scale, pipeline_config, read_text, resolve_path
 from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation import (
     CheckpointEvaluation,
@@ -139,11 +140,13 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
     work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
+    bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
+    bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
     job = EvaluationJob(run_id=checkpoint_id, models={"candidate": ckpt.path,
                                                       **({"production": production_path} if production_path else {})},
                         examples_path=eval_set["path"], eval_set_version=version, prompts=prompts,
                         max_new_tokens=scale.evaluation.max_new_tokens, accelerator=gpu_cluster.accelerator,
-                        output_path=str(work_dir / "scores.json"))
+                        output_path=str(work_dir / "scores.json"), benchmarks=bench if bench.tasks else None)
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
     with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
           judge_llm.get_client() as judge):
@@ -151,7 +154,9 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
                              ModelScores.from_json(scores["production"]) if "production" in scores else None,
                              prompts, judge, read_text("prompts/judge.jinja"), policy.confidence,
                              policy.bootstrap_resamples, log=context.log.info)
-    decision = decide(checkpoint_id, production, policy, evaluation.paired_loss, evaluation.win_rate)
+    benchmark = (compare_benchmark(policy.metric, evaluation.candidate.benchmarks, evaluation.production.benchmarks,
+                                   policy.confidence) if policy.benchmark and evaluation.production else None)
+    decision = decide(checkpoint_id, production, policy, evaluation.paired_loss, evaluation.win_rate, benchmark)
     report = _report(context, ckpt, evaluation, decision, production.checkpoint_id if production else None,
                      eval_set, storage, tracking)
     curve = loss_curve_markdown(ckpt)
@@ -174,6 +179,7 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
         "parent": ckpt.parent or "",
         "report": dg.MetadataValue.md(_read_text(report.report_markdown)),
         "report_json": dg.MetadataValue.path(report.report_json),
+        **{f"benchmark/{k}": v for k, v in flat_scores(result.benchmarks).items()},
         **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {}),
     })
 
@@ -230,7 +236,8 @@ def _report(context: dg.AssetExecutionContext, ckpt: Checkpoint, evaluation: Che
         run.log_metrics({"eval_loss": result.loss.loss, "perplexity": result.loss.perplexity,
                          "judge_score": result.judge_score,
                          "win_rate_vs_production": win.rate.estimate if win else None,
-                         "eval_loss_difference": paired.difference.estimate if paired else None})
+                         "eval_loss_difference": paired.difference.estimate if paired else None,
+                         **{f"benchmark/{k}": v for k, v in flat_scores(result.benchmarks).items()}})
     answers = result.answers
     return EvalReport(
         checkpoint_id=checkpoint_id, checkpoint_path=ckpt.path, eval_set_version=evaluation.eval_set_version,
@@ -243,7 +250,8 @@ def _report(context: dg.AssetExecutionContext, ckpt: Checkpoint, evaluation: Che
         eval_loss_difference_interval=(paired.difference.low, paired.difference.high) if paired else None,
         win_rate_interval=(win.rate.low, win.rate.high) if win else None,
         gate_decision=decision.metadata()["decision"], gate_reason=decision.reason, report_json=json_path,
-        report_markdown=md_path, parent=ckpt.parent)
+        report_markdown=md_path, parent=ckpt.parent, benchmarks=result.benchmarks,
+        production_benchmarks=result.production_benchmarks)
 
 
 @dg.asset(
@@ -267,6 +275,7 @@ def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalRe
         "eval_loss_difference": r.eval_loss_difference, "gate": r.gate_decision or "",
         "dataset_run_hash": r.dataset_run_hash or "", "parent": r.parent or "", "evaluated_at": r.created_at,
         "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
+        **flat_scores(r.benchmarks),  # one column per benchmark metric and its standard error
     } for r in eval_report.values()]
     # rows of one eval-set version are comparable: the newest version first, best loss first within it
     board = pd.DataFrame(rows).astype({"eval_set_version": "Int64"}).sort_values(["eval_set_version", "eval_loss"], ascending=[False, True],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -112,3 +113,6 @@ class EvalReport(Artifact):
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)
+    # lm-evaluation-harness scores, {"tasks": {task: {metric: {value, stderr, higher_is_better}}}, ...}
+    benchmarks: dict[str, Any] | None = None
+    production_benchmarks: dict[str, Any] | None = None

@@ -129,9 +129,28 @@ class TrainingSettings(_Strict):
     prefetch: int = Field(default=2, ge=0, description="micro-batches prepared ahead by a background thread")
 
 
+class BenchmarkSettings(_Strict):
+    """``evaluation.benchmarks`` of a scale preset: lm-evaluation-harness tasks run on every evaluated model by the
+    evaluation worker (``core.benchmarks``), offline, from the data files the task YAMLs name."""
+
+    tasks: list[str] = Field(default_factory=list, description="harness task, group or tag names (empty: off)")
+    include_path: list[str] = Field(default_factory=lambda: ["configs/benchmarks"], description=(
+        "folders of task YAMLs besides the harness's own (relative: to the repo root); a task's relative "
+        "data_files are relative to its YAML's folder"))
+    backend: Literal["hf", "vllm"] = Field(default="hf", description=(
+        "hf: the harness's transformers backend, the checkpoint loaded in the worker; vllm: GPU hosts with vLLM"))
+    num_fewshot: int | None = Field(default=None, ge=0, description="None: each task's own setting")
+    limit: int | None = Field(default=None, gt=0, description="at most this many examples per task (None: all)")
+    batch_size: int = Field(default=8, gt=0)
+    model_args: dict[str, Any] = Field(default_factory=dict, description=(
+        "more model arguments for the backend (dtype, max_length; vllm: gpu_memory_utilization, ...)"))
+    bootstrap_iters: int = Field(default=1000, ge=0, description="the harness's bootstrap for metrics that need it")
+
+
 class EvaluationSettings(_Strict):
     num_heldout_prompts: int = Field(gt=0)
     max_new_tokens: int = Field(gt=0)
+    benchmarks: BenchmarkSettings = Field(default_factory=BenchmarkSettings)
 
 
 class PretrainingSettings(_Strict):

@@ -58,7 +58,16 @@ def _problems(extra: Sequence[Callable[[], object]]) -> list[str]:
             problems.append(f"{root / 'deepspeed' / scale.deepspeed_config}: invalid JSON ({e})")
     for path in sorted((root / "models").glob("*.yaml")):
         check(lambda p=path: load_model_preset(p.stem))
-    check(load_policy)
+    policy = check(load_policy)
+    if policy is not None and policy.benchmark:  # the gate's benchmark must be one the current scale runs
+        from nexa_dagster.core.benchmarks import parse_metric
+
+        task, _ = parse_metric(policy.metric)
+        scale = check(load_scale)
+        if scale is not None and task not in scale.evaluation.benchmarks.tasks:
+            problems.append(f"{root / 'promotion.yaml'}: metric: {policy.metric!r} names task {task!r}, which "
+                            f"scale {scale.name!r} does not run (evaluation.benchmarks.tasks: "
+                            f"{scale.evaluation.benchmarks.tasks})")
     for path in sorted(root.glob("filters*.yaml")):
         check(lambda p=path: load_gate_config(p.name))
     packaging = check(load_packaging_config)

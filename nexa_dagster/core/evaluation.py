@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.benchmarks import markdown_table
 from nexa_dagster.core.config import read_text
 from nexa_dagster.core.judge import Judge
 from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
@@ -55,6 +56,7 @@ class ModelScores:
     nll: list[float]
     tokens: list[int]
     answers: list[str]
+    benchmarks: dict[str, Any] | None = None  # core.benchmarks.run_benchmarks: lm-evaluation-harness scores
 
     @property
     def loss(self) -> HeldoutLoss:
@@ -63,11 +65,12 @@ class ModelScores:
         return HeldoutLoss(loss, perplexity_of(loss), total, len(self.tokens))
 
     def to_json(self) -> dict[str, Any]:
-        return {"nll": self.nll, "tokens": self.tokens, "answers": self.answers}
+        return {"nll": self.nll, "tokens": self.tokens, "answers": self.answers, "benchmarks": self.benchmarks}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelScores:
-        return cls([float(v) for v in data["nll"]], [int(v) for v in data["tokens"]], list(data["answers"]))
+        return cls([float(v) for v in data["nll"]], [int(v) for v in data["tokens"]], list(data["answers"]),
+                   data.get("benchmarks"))
 
 
 def example_losses(model: Any, examples_path: str, batch_size: int = 8, device: str = "cpu",
@@ -145,6 +148,8 @@ class EvalResult:
     checkpoint_id: str
     loss: HeldoutLoss
     answers: list[JudgedAnswer] = field(default_factory=list)
+    benchmarks: dict[str, Any] | None = None  # lm-evaluation-harness scores (core.benchmarks)
+    production_benchmarks: dict[str, Any] | None = None
 
     @property
     def judge_score(self) -> float | None:
@@ -182,6 +187,7 @@ def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
         f"| eval-set examples / tokens | {result.loss.sequences} / {result.loss.tokens} |",
         f"| judge score (1-5, mean) | {judge} |",
         "",
+        *markdown_table(result.benchmarks, result.production_benchmarks),
         "## Lineage",
         "",
         *[f"- **{k}**: `{v}`" for k, v in lineage.items()],
@@ -205,6 +211,8 @@ def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -
         "eval_tokens": result.loss.tokens,
         "eval_examples": result.loss.sequences,
         "judge_score": result.judge_score,
+        "benchmarks": result.benchmarks,
+        "production_benchmarks": result.production_benchmarks,
         "answers": [a.__dict__ for a in result.answers],
         "lineage": lineage,
     }
@@ -286,8 +294,9 @@ def compare(checkpoint_id: str, eval_set_version: int, candidate: ModelScores, p
 
     with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
         answers = judge_answers(judge, prompts, candidate.answers, judge_template, log=log, progress=progress)
-    evaluation = CheckpointEvaluation(EvalResult(checkpoint_id, candidate.loss, answers), eval_set_version,
-                                      candidate, production)
+    result = EvalResult(checkpoint_id, candidate.loss, answers, candidate.benchmarks,
+                        production.benchmarks if production else None)
+    evaluation = CheckpointEvaluation(result, eval_set_version, candidate, production)
     if production is None:
         return evaluation
     evaluation.paired_loss = paired_loss_difference(candidate.nll, production.nll, candidate.tokens,

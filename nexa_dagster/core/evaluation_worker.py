@@ -2,7 +2,7 @@
 
 Launched by the GPU-cluster resource (``run_evaluation``) where training runs, in the ``gpu`` pool, never inside the
 Dagster run worker: it loads each model in turn (the candidate, then production), scores every eval-set example
-and answers the held-out prompts, and writes ``ModelScores`` per model to ``output_path``. The judge and the
+and answers the held-out prompts, runs the configured lm-evaluation-harness tasks on it (``core.benchmarks``), and writes ``ModelScores`` per model to ``output_path``. The judge and the
 statistics stay in the Dagster process (the judge is an endpoint; the statistics are cheap). Under Dagster Pipes
 the progress lines go to the run's log; run by hand they are printed.
 
@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.config import BenchmarkSettings
 
 
 class EvaluationJob(BaseModel):
@@ -37,17 +38,28 @@ class EvaluationJob(BaseModel):
     accelerator: Literal["cpu", "cuda"] = "cpu"
     batch_size: int = Field(default=8, gt=0)
     output_path: str
+    benchmarks: BenchmarkSettings | None = Field(default=None, description=(
+        "lm-evaluation-harness tasks run on every model after its eval-set scores (None or no tasks: none)"))
 
 
 def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
     from nexa_dagster.core.evaluation import score_model
 
     device = "cuda" if job.accelerator == "cuda" else "cpu"
+    tasks = None
+    if job.benchmarks is not None and job.benchmarks.tasks:
+        from nexa_dagster.core.benchmarks import resolve_tasks
+
+        tasks = resolve_tasks(job.benchmarks, log)  # an unknown task or missing file fails before any model loads
     out: dict[str, Any] = {"run_id": job.run_id, "eval_set_version": job.eval_set_version, "scores": {}}
     for role, path in job.models.items():
         log(f"{job.run_id}: scoring {role} ({path}) on eval set v{job.eval_set_version} ({device})")
         scores = score_model(path, job.examples_path, job.prompts, job.max_new_tokens, device=device,
                              batch_size=job.batch_size, log=log, label=f"{job.run_id} {role}")
+        if tasks is not None and job.benchmarks is not None:
+            from nexa_dagster.core.benchmarks import run_benchmarks
+
+            scores.benchmarks = run_benchmarks(path, job.benchmarks, tasks, device, log, f"{job.run_id} {role}")
         out["scores"][role] = scores.to_json()
         if device == "cuda":
             import torch

@@ -10,11 +10,12 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
 from nexa_dagster.core.config import load_yaml, validated
 from nexa_dagster.core.paired import PairedLoss, WinRate
 
@@ -24,16 +25,34 @@ class PromotionPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt `margin` must not silently promote at margin 0
 
-    metric: Literal["eval_loss", "win_rate"] = Field(
+    metric: str = Field(
         default="eval_loss", description="eval_loss: paired per-example loss difference on the frozen eval set "
-                                         "(lower is better); win_rate: the judge's order-consistent preference")
+                                         "(lower is better); win_rate: the judge's order-consistent preference; "
+                                         "benchmark:<task>/<metric>: an lm-evaluation-harness score "
+                                         "(evaluation.benchmarks of the scale preset)")
     margin: float = Field(default=0.0, ge=0, description="required improvement: nats per token for eval_loss, "
-                                                         "win rate above 0.5 for win_rate")
+                                                         "win rate above 0.5 for win_rate, the metric's own unit "
+                                                         "for a benchmark")
     require_interval: bool = Field(default=True, description="the whole confidence interval must clear the "
                                                              "margin, not just the point estimate")
     confidence: float = Field(default=0.95, gt=0, lt=1)
     bootstrap_resamples: int = Field(default=2000, ge=100)
     registered_model: str = "nexa-moe"
+
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        if metric.startswith(BENCHMARK_METRIC_PREFIX):
+            parse_metric(metric)
+        elif metric not in ("eval_loss", "win_rate"):
+            raise ValueError(f"metric must be eval_loss, win_rate or {BENCHMARK_METRIC_PREFIX}<task>/<metric>, "
+                             f"not {metric!r}")
+        return metric
+
+    @property
+    def benchmark(self) -> bool:
+        return self.metric.startswith(BENCHMARK_METRIC_PREFIX)
 
 
 def load_policy() -> PromotionPolicy:
@@ -75,7 +94,8 @@ class GateDecision:
 
 
 def decide(checkpoint_id: str, production: ProductionEntry | None, policy: PromotionPolicy,
-           paired_loss: PairedLoss | None = None, win_rate: WinRate | None = None) -> GateDecision:
+           paired_loss: PairedLoss | None = None, win_rate: WinRate | None = None,
+           benchmark: BenchmarkComparison | None = None) -> GateDecision:
     """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin;
     with ``require_interval`` the whole confidence interval must clear the margin (a tie, or an improvement
     smaller than the noise of the eval set, is held back)."""
@@ -85,6 +105,18 @@ def decide(checkpoint_id: str, production: ProductionEntry | None, policy: Promo
         return GateDecision(True, f"{checkpoint_id} is the production model (re-evaluation)")
     need = "interval" if policy.require_interval else "point estimate"
     level = f"{policy.confidence:.0%}"
+    if policy.benchmark:
+        if benchmark is None:
+            return GateDecision(False, f"{policy.metric} was not measured on both {checkpoint_id} and production "
+                                       f"{production.checkpoint_id}: nothing to compare with")
+        b = benchmark
+        worst = b.low if policy.require_interval else b.difference  # better is positive
+        passed = worst > policy.margin
+        reason = (f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
+                  f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
+                  f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors); the {need} "
+                  f"{'is' if passed else 'is not'} above {policy.margin}")
+        return GateDecision(passed, reason, b.candidate, b.production, b.difference, (b.low, b.high))
     if policy.metric == "eval_loss":
         if paired_loss is None:
             return GateDecision(False, f"production {production.checkpoint_id} was not scored on the same eval set "
