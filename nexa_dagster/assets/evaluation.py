@@ -16,7 +16,7 @@ from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport
-from nexa_dagster.core.benchmarks import compare_benchmark, flat_scores
+from nexa_dagster.core.benchmarks import BenchmarkError, compare_benchmark, flat_scores
 from nexa_dagster.core.config import load_scale, pipeline_config, read_text, resolve_path
 from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation import (
@@ -146,7 +146,9 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
                                                       **({"production": production_path} if production_path else {})},
                         examples_path=eval_set["path"], eval_set_version=version, prompts=prompts,
                         max_new_tokens=scale.evaluation.max_new_tokens, accelerator=gpu_cluster.accelerator,
-                        output_path=str(work_dir / "scores.json"), benchmarks=bench if bench.tasks else None)
+                        output_path=str(work_dir / "scores.json"), benchmarks=bench if bench.tasks else None,
+                        # production's benchmark scores cost a second harness run: only when the gate needs them
+                        benchmark_roles=["candidate", "production"] if policy.benchmark else ["candidate"])
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
     with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
           judge_llm.get_client() as judge):
@@ -154,8 +156,13 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
                              ModelScores.from_json(scores["production"]) if "production" in scores else None,
                              prompts, judge, read_text("prompts/judge.jinja"), policy.confidence,
                              policy.bootstrap_resamples, log=context.log.info)
-    benchmark = (compare_benchmark(policy.metric, evaluation.candidate.benchmarks, evaluation.production.benchmarks,
-                                   policy.confidence) if policy.benchmark and evaluation.production else None)
+    benchmark = None
+    if policy.benchmark and evaluation.production is not None:
+        try:
+            benchmark = compare_benchmark(policy.metric, evaluation.candidate.benchmarks,
+                                          evaluation.production.benchmarks, policy.confidence)
+        except BenchmarkError as error:  # e.g. a metric the task does not report: configs/promotion.yaml
+            raise dg.Failure(f"promotion gate metric {policy.metric}: {error}", allow_retries=False) from error
     decision = decide(checkpoint_id, production, policy, evaluation.paired_loss, evaluation.win_rate, benchmark)
     report = _report(context, ckpt, evaluation, decision, production.checkpoint_id if production else None,
                      eval_set, storage, tracking)

@@ -39,7 +39,9 @@ class EvaluationJob(BaseModel):
     batch_size: int = Field(default=8, gt=0)
     output_path: str
     benchmarks: BenchmarkSettings | None = Field(default=None, description=(
-        "lm-evaluation-harness tasks run on every model after its eval-set scores (None or no tasks: none)"))
+        "lm-evaluation-harness tasks run after the eval-set scores (None or no tasks: none)"))
+    benchmark_roles: list[str] = Field(default=["candidate"], description=(
+        "the models the benchmarks run on: production too only when the promotion gate compares a benchmark"))
 
 
 def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
@@ -56,7 +58,7 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
         log(f"{job.run_id}: scoring {role} ({path}) on eval set v{job.eval_set_version} ({device})")
         scores = score_model(path, job.examples_path, job.prompts, job.max_new_tokens, device=device,
                              batch_size=job.batch_size, log=log, label=f"{job.run_id} {role}")
-        if tasks is not None and job.benchmarks is not None:
+        if tasks is not None and job.benchmarks is not None and role in job.benchmark_roles:
             from nexa_dagster.core.benchmarks import run_benchmarks
 
             scores.benchmarks = run_benchmarks(path, job.benchmarks, tasks, device, log, f"{job.run_id} {role}")
