@@ -124,6 +124,31 @@ def test_every_stage_is_materialized_with_metadata(lifecycle) -> None:
     assert text_problem(deployment["smoke_response"]) is None and deployment["smoke_latency_s"] > 0
 
 
+def test_the_tiny_scales_benchmarks_reach_the_report_mlflow_and_the_leaderboard(lifecycle) -> None:
+    """The shipped lm-evaluation-harness tasks (evaluation.benchmarks of the tiny scale) ran on the checkpoint in
+    the evaluation worker: score and standard error in the asset metadata, report.json, the evaluation's MLflow run
+    and a leaderboard column."""
+    defs, instance, env, checkpoint, _ = lifecycle
+    report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)
+    acc, stderr = report["benchmark/nexa_stdlib_module/acc"], report["benchmark/nexa_stdlib_module/acc_stderr"]
+    assert 0 <= acc <= 1 and stderr == pytest.approx((acc * (1 - acc) / 39) ** 0.5)  # 40 examples
+    assert "benchmark/nexa_docstring_completion/exact_match.first_three_words_stderr" in report
+    saved = json.loads(Path(report["report_json"]).read_text())
+    assert saved["benchmarks"]["tasks"]["nexa_stdlib_module"]["acc"]["value"] == acc
+    assert "| nexa_stdlib_module | acc |" in report["report"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and tags.stage = 'evaluation'")
+    assert runs and runs[0].data.metrics["benchmark/nexa_stdlib_module/acc"] == pytest.approx(acc)
+    assert runs[0].data.metrics["benchmark/nexa_stdlib_module/acc_stderr"] == pytest.approx(stderr)
+    import pandas as pd
+
+    board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv").set_index("checkpoint_id")
+    assert board.loc[checkpoint.checkpoint_id, "nexa_stdlib_module/acc"] == pytest.approx(acc)
+
+
 def test_long_stages_report_how_far_they_are_in_the_run_logs(lifecycle) -> None:
     """Each long stage ends its progress with a final "<what>: done/total" line in its run's log (the same
     lines come every 10 s while it runs; tests/test_progress.py and test_training.py check the clock)."""
