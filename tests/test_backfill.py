@@ -49,5 +49,8 @@ def test_dagster_job_backfill_queues_one_run_per_day_and_the_daemon_runs_them(tm
         assert statuses == {d: dg.DagsterRunStatus.SUCCESS for d in DAYS}, statuses
         for key in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
             assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS), key
+        for run in instance.get_runs(dg.RunsFilter(job_name="daily_data_job")):  # the in-process executor: one
+            starts = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)  # process per run
+            assert len(starts) >= 3 and len({e.dagster_event.pid for e in starts}) == 1, run.run_id
     finally:
         instance.dispose()

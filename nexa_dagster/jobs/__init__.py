@@ -26,9 +26,13 @@ ingest_job = dg.define_asset_job(
     "ingest_job", selection=dg.AssetSelection.assets("raw_documents"), partitions_def=daily_partitions,
     description="Ingest one day's landing folder (re-ingest a day, or backfill many without teacher calls).",
 )
+# One process for the whole run: the day's steps are a chain (no parallelism to lose) and each spawned step paid a
+# Python start and an import of the code location (see README, "Executors"); a backfill pays it per day and step.
+# Training and evaluation keep the multiprocess default: a step that dies (OOM, a killed worker) fails alone and
+# its memory goes back before the next step starts.
 daily_data_job = dg.define_asset_job(
     "daily_data_job", selection=dg.AssetSelection.assets(*DATA_ASSETS), partitions_def=daily_partitions,
-    description="Ingest, distill and judge one day's documents.",
+    description="Ingest, distill and judge one day's documents.", executor_def=dg.in_process_executor,
 )
 training_job = dg.define_asset_job(
     "training_job", selection=dg.AssetSelection.assets(*TRAINING_ASSETS),

@@ -1,0 +1,89 @@
+"""What Dagster's orchestration costs a ``daily_data_job`` run: multiprocess vs in-process executor.
+
+Run (from the repo root)::
+
+    .venv/bin/python bench/executor_overhead.py --runs 2
+
+In a sandbox (landing day copied from ``sample_data/``, its own Dagster home and data root), the job runs once to
+warm the caches (the teacher's answers are stored, so later runs of the same day do the same work), then ``--runs``
+times with each executor, alternating, each as ``dagster job execute`` in a fresh process. For each run: wall time,
+and the CPU time (user + system) of the whole process tree, from ``RUSAGE_CHILDREN``. The work inside the steps is
+the same with both executors, so the difference is the orchestration: one process start, Python import of the code
+location, resource set-up and IPC per step with ``multiprocess``, none with ``in_process``. The last line printed is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(REPO / "tests"))
+DAY = "2026-11-20"
+# the project's definitions plus daily_data_job's selection under each executor (the project pins one)
+DEFS = """
+import dagster as dg
+from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.definitions import build_defs
+from nexa_dagster.jobs import DATA_ASSETS
+
+jobs = [dg.define_asset_job(f"daily_{name}", selection=dg.AssetSelection.assets(*DATA_ASSETS),
+                            partitions_def=daily_partitions, executor_def=executor)
+        for name, executor in (("multiprocess", dg.multiprocess_executor), ("in_process", dg.in_process_executor))]
+defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=jobs))
+"""
+
+
+def run_job(root: Path, executor: str) -> dict[str, float]:
+    from sandbox import sandbox_env
+
+    module = root / "executor_defs.py"
+    module.write_text(DEFS)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-f", str(module),
+                           "-j", f"daily_{executor}", "--tags", json.dumps({"dagster/partition": DAY})],
+                          env=sandbox_env(root), cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"daily_data_job ({executor}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:  # how many processes ran its steps
+        run = instance.get_runs(limit=1)[0]
+        pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)}
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "step_processes": len(pids)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    from sandbox import make_sandbox
+
+    root = make_sandbox(Path(tempfile.mkdtemp(prefix="nexa-executor-")) / "sandbox", [DAY])
+    print(f"warm-up: {run_job(root, 'multiprocess')}", flush=True)
+    results: dict[str, list[dict[str, float]]] = {"multiprocess": [], "in_process": []}
+    for _ in range(args.runs):
+        for executor in results:
+            results[executor].append(run_job(root, executor))
+            print(f"{executor}: {results[executor][-1]}", flush=True)
+    mean = {e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in ("wall_s", "cpu_s", "step_processes")}
+            for e, rs in results.items()}
+    print(json.dumps({"runs": args.runs, "multiprocess": mean["multiprocess"], "in_process": mean["in_process"],
+                      "orchestration_cpu_s_saved_per_run": round(mean["multiprocess"]["cpu_s"]
+                                                                 - mean["in_process"]["cpu_s"], 2)}))
+
+
+if __name__ == "__main__":
+    main()
