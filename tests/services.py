@@ -6,14 +6,17 @@ Each starter returns connection details, or, when the service's programs are mis
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,3 +121,58 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
                 subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
         time.sleep(1)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout_s: float = 120.0) -> None:
+    """Poll ``url`` until it answers 200; fail with the process's log if it exits or the time runs out."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}: {log.read_text()[-3000:]}")
+        with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+              urllib.request.urlopen(url, timeout=2) as response):
+            if response.status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} did not answer {url} within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process group we started (start_new_session=True), SIGKILL what is left after 10 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@contextmanager
+def mlflow_server(root: Path, wait: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A real ``mlflow server`` on 127.0.0.1 (free port) with a SQLite backend store and a proxied artifact store
+    under ``root``; yields (its URL, a function that waits until it answers), having waited already unless
+    ``wait=False``; kills it at the end (its log: ``root/server.log``)."""
+    port = free_port()
+    log = root / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", str(root / "artifacts")],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def until_up() -> None:
+        wait_http(f"{url}/health", process, "mlflow server", log, timeout_s=300)
+
+    try:
+        if wait:
+            until_up()
+        yield url, until_up
+    finally:
+        stop_process_group(process)

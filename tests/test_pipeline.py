@@ -165,7 +165,7 @@ def test_long_stages_report_how_far_they_are_in_the_run_logs(lifecycle) -> None:
 def test_artifacts_on_disk_are_real(lifecycle) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, _, env, checkpoint, _ = lifecycle
+    defs, _, env, checkpoint, _ = lifecycle
     ckpt = Path(checkpoint.path)
     assert (ckpt / "_COMPLETE").exists() and (ckpt / "checkpoint.json").exists()
     model = AutoModelForCausalLM.from_pretrained(ckpt)
@@ -174,6 +174,19 @@ def test_artifacts_on_disk_are_real(lifecycle) -> None:
     reports = Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "reports" / checkpoint.checkpoint_id
     assert (reports / "report.json").exists() and "# Evaluation" in (reports / "report.md").read_text()
     assert (Path(env["NEXA_RESULTS_ROOT"]) / "deployments" / checkpoint.checkpoint_id / "deployment.json").exists()
+    # MLflow: the registered version is the model (an MLmodel under the training run), not the checkpoint's path;
+    # the training run holds its loss curve, the evaluation run its report
+    tracking = defs.resources["tracking"]
+    client = tracking._client()
+    (version,) = [v for v in client.search_model_versions("name='nexa-moe'")
+                  if v.tags.get("checkpoint_id") == checkpoint.checkpoint_id]
+    assert version.source == f"runs:/{checkpoint.mlflow_run_id}/model"
+    assert {"loss_curve.png", "model"} <= {a.path for a in client.list_artifacts(checkpoint.mlflow_run_id)}
+    assert "MLmodel" in {Path(a.path).name for a in client.list_artifacts(checkpoint.mlflow_run_id, "model")}
+    (evaluation,) = client.search_runs([client.get_experiment_by_name(tracking.experiment).experiment_id],
+                                       f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and "
+                                       "tags.stage = 'evaluation'")
+    assert {"report.json", "report.md"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
     rejected = Path(env["NEXA_DATA_ROOT"]) / "assets" / "rejected_samples"
     import pandas as pd
 

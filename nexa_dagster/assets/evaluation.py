@@ -245,6 +245,8 @@ def _report(context: dg.AssetExecutionContext, ckpt: Checkpoint, evaluation: Che
                          "win_rate_vs_production": win.rate.estimate if win else None,
                          "eval_loss_difference": paired.difference.estimate if paired else None,
                          **{f"benchmark/{k}": v for k, v in flat_scores(result.benchmarks).items()}})
+        run.log_stored_file(json_path, "report.json")
+        run.log_stored_file(md_path, "report.md")
     answers = result.answers
     return EvalReport(
         checkpoint_id=checkpoint_id, checkpoint_path=ckpt.path, eval_set_version=evaluation.eval_set_version,

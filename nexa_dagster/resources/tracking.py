@@ -32,6 +32,13 @@ class MLflowRun:
     def log_artifact(self, path: str | Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
+    def log_stored_file(self, path: str, artifact_file: str) -> None:
+        """A text file from the project's storage (local or fsspec URL) as an artifact of this run."""
+        from nexa_dagster.core import storage
+
+        with storage.open_read(path) as f:
+            self.client.log_text(self.run_id, f.read().decode("utf-8"), artifact_file)
+
 
 class TrackingResource(dg.ConfigurableResource):
     """MLflow tracking. ``tracking_uri`` empty means ``sqlite:///<data_root>/mlflow.db``."""
@@ -39,6 +46,10 @@ class TrackingResource(dg.ConfigurableResource):
     tracking_uri: str = ""
     data_root: str = "data"
     experiment: str = "nexa"
+
+    def is_server(self) -> bool:
+        """A tracking server (``http(s)://``): it decides where artifacts go, not a path of this host."""
+        return self.uri().startswith(("http://", "https://"))
 
     def uri(self) -> str:
         if self.tracking_uri:
@@ -54,8 +65,10 @@ class TrackingResource(dg.ConfigurableResource):
         client = MlflowClient(tracking_uri=self.uri())
         exp = client.get_experiment_by_name(self.experiment)
         if exp is None:
-            artifacts = resolve_path(self.data_root) / "mlartifacts"
-            exp_id = client.create_experiment(self.experiment, artifact_location=artifacts.as_uri())
+            # a local store keeps artifacts under the data root; a server stores them itself (mlflow-artifacts:/),
+            # where every client can fetch them, instead of at a path of whichever host created the experiment
+            artifacts = None if self.is_server() else (resolve_path(self.data_root) / "mlartifacts").as_uri()
+            exp_id = client.create_experiment(self.experiment, artifact_location=artifacts)
         else:
             exp_id = exp.experiment_id
         run = client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
@@ -73,14 +86,28 @@ class TrackingResource(dg.ConfigurableResource):
         return MlflowClient(tracking_uri=self.uri())
 
     def register_checkpoint(self, model_name: str, checkpoint_id: str, path: str, run_id: str | None) -> str:
-        """Register a checkpoint directory as a new version of ``model_name``; returns the version."""
+        """Log the checkpoint directory as an MLflow ``transformers`` model (an artifact of ``run_id``, or of a
+        new registration run) and register it as a new version of ``model_name``; returns the version.
+
+        The version's source is ``runs:/<run>/model`` (the model itself, loadable by any client of the tracking
+        server); the directory it came from is kept in the ``checkpoint_path`` tag for this host's stages.
+        """
         from mlflow.exceptions import MlflowException
 
+        from nexa_dagster.core.model_registry import log_checkpoint_model
+
         client = self._client()
+        if run_id is None:
+            with self.start_run(run_name=f"register-{checkpoint_id}",
+                                tags={"stage": "registration", "checkpoint_id": checkpoint_id}) as run:
+                source = log_checkpoint_model(client, run.run_id, path)
+                run_id = run.run_id
+        else:
+            source = log_checkpoint_model(client, run_id, path)
         with contextlib.suppress(MlflowException):  # already registered
             client.create_registered_model(model_name)
-        version = client.create_model_version(model_name, source=path, run_id=run_id,
-                                              tags={"checkpoint_id": checkpoint_id})
+        version = client.create_model_version(model_name, source=source, run_id=run_id,
+                                              tags={"checkpoint_id": checkpoint_id, "checkpoint_path": str(path)})
         return str(version.version)
 
     def version_of(self, model_name: str, checkpoint_id: str) -> str | None:
@@ -90,14 +117,16 @@ class TrackingResource(dg.ConfigurableResource):
         return None
 
     def registered_checkpoints(self, model_name: str) -> dict[str, str]:
-        """{checkpoint_id: source path} of every registered version of ``model_name`` (empty if none)."""
+        """{checkpoint_id: checkpoint directory} of every registered version of ``model_name`` (empty if none):
+        the ``checkpoint_path`` tag, or the source of a version registered elsewhere from a plain path."""
         from mlflow.exceptions import MlflowException
 
         try:
             versions = self._client().search_model_versions(f"name='{model_name}'")
         except MlflowException:
             return {}
-        return {v.tags["checkpoint_id"]: v.source for v in versions if v.tags.get("checkpoint_id")}
+        return {v.tags["checkpoint_id"]: v.tags.get("checkpoint_path", v.source) for v in versions
+                if v.tags.get("checkpoint_id")}
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self._client().set_registered_model_alias(model_name, alias, version)
