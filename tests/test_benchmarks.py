@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pandas as pd
 import pytest
 
@@ -23,6 +24,7 @@ from nexa_dagster.core.eval_set import freeze_eval_set, load_eval_set
 from nexa_dagster.core.evaluation import EvalResult, ModelScores, write_report
 from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 
 SHIPPED = ["nexa_stdlib_module", "nexa_docstring_completion"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -100,16 +102,28 @@ def test_a_bad_task_or_a_missing_data_file_fails_before_any_model_is_loaded(
     A name not among include_path's is looked up among the harness's own ~15k tasks (indexing them is the slow
     part of this test), with the near names offered."""
     no_model = tmp_path / "no-such-checkpoint"
-    proc = _worker(_job(no_model, eval_set, tmp_path, BenchmarkSettings(tasks=["nexa_stdlib_modul"])), tmp_path)
-    assert proc.returncode == 1
-    assert "unknown benchmark task(s): 'nexa_stdlib_modul' (did you mean nexa_stdlib_module" in proc.stderr
-    assert "scoring candidate" not in proc.stdout and "no-such-checkpoint" not in proc.stderr
+    job = _job(no_model, eval_set, tmp_path, BenchmarkSettings(tasks=["nexa_stdlib_modul"]))
+
+    # a typo fails the same way again: no retry (this file's annotations are strings, which Dagster cannot read)
+    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=2), required_resource_keys={"gpu_cluster"})
+    def evaluated(context) -> None:  # noqa: ANN001
+        context.resources.gpu_cluster.run_evaluation(context, job, tmp_path / "work")
+
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    result = dg.materialize([evaluated], resources={"gpu_cluster": GPUClusterResource()},
+                            instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success
+    events = result.all_events
+    assert not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"], "a typo was retried"
+    failure = next(e for e in events if e.event_type_value == "STEP_FAILURE").step_failure_data.user_failure_data
+    assert "unknown benchmark task(s): 'nexa_stdlib_modul' (did you mean nexa_stdlib_module" in failure.description
+    assert "not retried, it would fail again" in failure.description
+    assert "scoring candidate" not in failure.description and "no-such-checkpoint" not in failure.description
 
     # a lab's task folder whose YAML names a data file that is not there (what the worker calls first, in-process)
     from nexa_dagster.core.benchmarks import BenchmarkError, resolve_tasks
 
-    for key, value in OFFLINE.items():
-        monkeypatch.setenv(key, value)
     tasks = tmp_path / "lab_tasks"
     tasks.mkdir()
     shutil.copy(REPO_ROOT / "configs/benchmarks/nexa_stdlib/stdlib_module.yaml", tasks / "stdlib_module.yaml")

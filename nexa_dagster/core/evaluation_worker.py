@@ -6,12 +6,15 @@ and answers the held-out prompts, runs the configured lm-evaluation-harness task
 statistics stay in the Dagster process (the judge is an endpoint; the statistics are cheap). Under Dagster Pipes
 the progress lines go to the run's log; run by hand they are printed.
 
-Exit codes: 0 done, 1 evaluation failed, 2 unusable job file, 130 interrupted.
+Exit codes: 0 done, 1 evaluation failed, 2 unusable job file, 130 interrupted. A failure that running the job
+again repeats (a bad task name, a missing file, a wrong value) is also written to ``FAILURE_FILE`` beside the job
+file, so that the launching step fails at once instead of retrying it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -22,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.config import BenchmarkSettings
+
+FAILURE_FILE = "evaluation.failure.json"
 
 
 class EvaluationJob(BaseModel):
@@ -103,8 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluation {job.run_id} interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as e:
+        from nexa_dagster.core.training.worker import is_permanent
+
         traceback.print_exc()
-        print(f"evaluation {job.run_id} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        message = f"evaluation {job.run_id} failed: {type(e).__name__}: {e}"
+        print(message, file=sys.stderr, flush=True)
+        (Path(args.job).parent / FAILURE_FILE).write_text(
+            json.dumps({"message": message, "retryable": not is_permanent(e)}), encoding="utf-8")
         if pipes is not None:
             pipes.__exit__(type(e), e, e.__traceback__)
             pipes = None

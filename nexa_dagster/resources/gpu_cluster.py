@@ -30,6 +30,7 @@ import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.evaluation_worker import FAILURE_FILE as EVAL_FAILURE_FILE
 from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import launch_specs
@@ -170,13 +171,19 @@ class GPUClusterResource(dg.ConfigurableResource):
         context.log.info(f"launching {' '.join(command)}")
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env,
                LAUNCHER_PID_ENV: str(os.getpid())}
+        failure_file = work_dir / EVAL_FAILURE_FILE
+        failure_file.unlink(missing_ok=True)  # a previous attempt's, not this one's
         try:
             dg.PipesSubprocessClient().run(context=context, command=command, env=env, cwd=str(work_dir))
         except dg.Failure:
             raise
         except Exception as e:  # the worker failed; its traceback is in the step's stderr
-            raise dg.Failure(f"evaluation {job.run_id} failed in the evaluation worker ({e})",
-                             metadata={"job_file": dg.MetadataValue.path(str(job_file))}) from e
+            report = json.loads(failure_file.read_text(encoding="utf-8")) if failure_file.exists() else {}
+            retryable = report.get("retryable", True)  # died without a word (killed, lost): worth another go
+            verdict = "retried if the step's retry policy allows" if retryable else "not retried, it would fail again"
+            raise dg.Failure(f"{report.get('message') or f'evaluation {job.run_id} failed in the evaluation worker'}"
+                             f" ({e}); {verdict}", metadata={"job_file": dg.MetadataValue.path(str(job_file))},
+                             allow_retries=retryable) from e
         if not storage.exists(job.output_path):
             raise dg.Failure(f"evaluation {job.run_id}: the worker exited cleanly but wrote no {job.output_path}")
         return storage.read_json(job.output_path)
