@@ -23,7 +23,7 @@ from nexa_dagster.core.blend import BlendSource, DataBlend
 from nexa_dagster.core.config import REPO_ROOT
 from nexa_dagster.core.eval_set import is_held_out
 from nexa_dagster.core.indexed_dataset import IndexedDataset
-from nexa_dagster.core.jsonl_dataset import package_jsonl
+from nexa_dagster.core.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.jsonl_formats import RecordError, build_transform
 from nexa_dagster.core.packing import ChatTokenizer, check_packed_file, is_validation, side_overrides
 from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
@@ -350,12 +350,28 @@ def test_partitions_are_read_one_file_at_a_time_and_converted_once(tmp_path: Pat
     assert day_inputs_from_frame(pd.concat([real(p) for _, p in paths]), str(tmp_path / "sft")) == first
 
 
-def test_sft_dataset_asset_does_not_load_the_samples_into_the_dagster_process() -> None:
-    from nexa_dagster.assets.packaging import sft_dataset
+def test_packaging_assets_do_not_load_the_samples_into_the_dagster_process() -> None:
+    from nexa_dagster.assets.packaging import rl_prompts, sft_dataset
 
-    spec = sft_dataset.get_asset_spec(dg.AssetKey("sft_dataset"))
-    assert dg.AssetKey("filtered_samples") in {d.asset_key for d in spec.deps}
-    assert sft_dataset.op.ins["filtered_samples"].dagster_type.is_nothing  # no DataFrame of every partition
+    for asset, name in ((sft_dataset, "sft_dataset"), (rl_prompts, "rl_prompts")):
+        spec = asset.get_asset_spec(dg.AssetKey(name))
+        assert dg.AssetKey("filtered_samples") in {d.asset_key for d in spec.deps}
+        assert asset.op.ins["filtered_samples"].dagster_type.is_nothing, name  # no DataFrame of every partition
+
+
+def test_rl_inputs_are_read_one_partition_at_a_time_without_the_eval_side(tmp_path: Path, monkeypatch) -> None:
+    paths = []
+    for k, day in enumerate(("2026-11-01", "2026-11-02")):
+        paths.append((day, str(tmp_path / f"{day}.parquet")))
+        storage.write_parquet(_day_frame(day, 40 + k, f"r{k}"), paths[-1][1])
+    read: list[int] = []
+    real = storage.read_parquet
+    monkeypatch.setattr(storage, "read_parquet", lambda p: read.append(len(frame := real(p))) or frame)
+    files = partitions_to_flat_jsonl(paths, str(tmp_path / "rl"), eval_fraction=0.3)
+    assert read == [40, 41] and len(files) == 2
+    ids = [json.loads(line)["sample_id"] for f in files for line in Path(f).read_text().splitlines()]
+    held = [s for k in range(2) for s in _day_frame("x", 40 + k, f"r{k}")["sample_id"] if is_held_out(s, 0.3)]
+    assert held and not set(held) & set(ids) and len(ids) == 81 - len(held)
 
 
 KILL_SCRIPT = r"""

@@ -14,12 +14,11 @@ the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.types import FilteredSamplesType, RawDocumentsType
+from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import DataBlend, load_packaging_config
 from nexa_dagster.core.config import load_pipeline_config, load_scale, pipeline_config
-from nexa_dagster.core.eval_set import held_out_mask
-from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, samples_to_flat_jsonl
+from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.pretrain_dataset import (
     PretrainCorpus,
     PretrainSettings,
@@ -139,20 +138,25 @@ def pretrain_corpus(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
 
 @dg.asset(
     group_name="packaging",
-    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
+    ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python"},
     description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
                 "of the RL blend.",
 )
-def rl_prompts(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
-               storage: StorageResource) -> JsonlDataset:
+def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource) -> JsonlDataset:
     cfg = load_packaging_config()
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
-    held_out = held_out_mask(filtered_samples["sample_id"].astype(str).tolist(), pipeline_config().eval_set.fraction)
-    filtered_samples = filtered_samples[[not h for h in held_out]]  # the eval set's side is never trained on
-    run = package_jsonl(blend, out_root, "rl_prompts",
-                        assets={"filtered_samples_flat": samples_to_flat_jsonl(filtered_samples, out_root)},
+    partitions = stored_partitions(storage.data_root, "filtered_samples",
+                                   list(context.asset_partition_keys_for_input("filtered_samples")))
+    # the eval set's side is never trained on
+    files = partitions_to_flat_jsonl(partitions, out_root, pipeline_config().eval_set.fraction,
+                                     validate=_valid_filtered_samples)
+    if not files:
+        raise ValueError("rl_prompts: no filtered samples to package (no day materialized, or every sample is on "
+                         "the eval set's side)")
+    run = package_jsonl(blend, out_root, "rl_prompts", assets={"filtered_samples_flat": files},
                         on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
                         log=context.log.info)
     context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,

@@ -8,7 +8,7 @@ that tokenize themselves consume.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ def process_jsonl_shard(task: sh.ShardTask) -> sh.Receipt:
                       {"records": len(good), "quarantined": len(bad)})
 
 
-def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, str] | None = None,
+def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, str | list[str]] | None = None,
                   on_error: OnError = "raise", rows_per_shard: int = 20000, workers: int = 1, seed: int = 0,
                   log: Callable[[str], None] = print) -> JsonlRun:
     """Write ``<out_root>/<run_hash>/<name>.jsonl`` from the blend's sources through their transforms."""
@@ -99,6 +99,24 @@ def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, 
     records = sum(int(r.stats["records"]) for r in report.receipts)
     log(f"{name}: {records} records from {sum(r.rows for r in report.receipts)} rows ({quarantined} quarantined)")
     return JsonlRun(rh, root, path, records, quarantined, qpath, report)
+
+
+def partitions_to_flat_jsonl(partitions: Sequence[tuple[str, str]], out_root: str, eval_fraction: float,
+                             validate: Callable[[pd.DataFrame, str], None] | None = None) -> list[str]:
+    """One flat JSONL file per partition (day order), reading one partition's Parquet at a time, without the ids
+    on the frozen eval set's side (never trained on): memory holds a day, not the history."""
+    from nexa_dagster.core.eval_set import held_out_mask
+
+    files = []
+    for _, path in partitions:
+        frame = storage.read_parquet(path)
+        if validate is not None:
+            validate(frame, path)
+        frame = frame[[not h for h in held_out_mask(frame["sample_id"].astype(str).tolist(), eval_fraction)]]
+        if len(frame):
+            files.append(samples_to_flat_jsonl(frame, out_root))
+        del frame
+    return files
 
 
 def samples_to_flat_jsonl(samples: pd.DataFrame, out_root: str) -> str:
