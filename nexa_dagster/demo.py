@@ -1,5 +1,10 @@
 """``make run``: the whole tiny pipeline against the embedded Dagster instance, with a summary at the end.
 
+The landed sample days run as nights, one after the other, as the schedule and sensors would run them: the day's
+data, a training from the pretrained base on the snapshot so far, its evaluation beside the production model on
+the same frozen eval set, and the promotion gate. The summary gives each night's two losses, their difference with
+its interval and the gate's decision.
+
 It runs the same three jobs the schedule and sensors run, in order, recording every run and materialization in
 the instance in ``$DAGSTER_HOME`` (``.dagster_home/`` by default), so ``make ui`` afterwards shows the lineage
 graph with every asset materialized.
@@ -11,14 +16,68 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nexa_dagster.core.config import REPO_ROOT, load_scale, resolve_path
 from nexa_dagster.core.ingest import landed_days
 from nexa_dagster.core.process_token import process_token, token_alive
+from nexa_dagster.core.promotion import ProductionRegistry
 
 LAUNCHER_TAG = "nexa/launcher"  # host:pid:start of the `make run` process that executes the run in-process
+
+
+@dataclass(frozen=True)
+class Night:
+    """One night of ``make run``: the checkpoint trained on the data so far and what the gate made of it."""
+
+    number: int
+    day: str
+    checkpoint_id: str
+    eval_set_version: int | None
+    candidate_loss: float | None
+    production_id: str | None  # the production model it was compared with (None: there was none yet)
+    production_loss: float | None
+    difference: float | None  # candidate - production, on the same eval set
+    interval: tuple[float, float] | None
+    decision: str  # "promote" | "hold back" | "evaluation failed"
+    reason: str
+    production_after: str | None  # production once the night is over
+
+
+def night_of(number: int, day: str, checkpoint: Any, evaluation: Any, production_after: str | None) -> Night:
+    """The night's figures from the evaluation run's eval_report output (which carries the gate's decision)."""
+    try:
+        report = evaluation.output_for_node("eval_report")
+    except Exception:  # the evaluation failed: no report (its error is in the run's log above)
+        return Night(number, day, checkpoint.checkpoint_id, None, None, None, None, None, None,
+                     "evaluation failed", "see the evaluation_job run in the UI", production_after)
+    interval = tuple(report.eval_loss_difference_interval) if report.eval_loss_difference_interval else None
+    return Night(number, day, checkpoint.checkpoint_id, report.eval_set_version, report.eval_loss,
+                 report.production_checkpoint_id, report.production_eval_loss, report.eval_loss_difference,
+                 interval, report.gate_decision, report.gate_reason, production_after)
+
+
+def summary_lines(nights: list[Night]) -> list[str]:
+    """Night by night: both losses on the same eval set, the difference with its interval, the gate's decision."""
+    lines = []
+    for n in nights:
+        head = f"night {n.number} ({n.day}) {n.checkpoint_id}:"
+        if n.candidate_loss is None:
+            lines.append(f"{head} {n.decision} ({n.reason})")
+            continue
+        if n.production_loss is None:  # no production model yet (night 1), or one that could not be scored
+            compared = (f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, "
+                        f"{'no production model yet' if n.production_id is None else 'production not scored'}")
+            lines.append(f"{head} {compared} -> {n.decision} ({n.reason})")
+            continue
+        low, high = n.interval if n.interval else (float("nan"), float("nan"))
+        compared = (f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, production "
+                    f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
+                    f"95% CI [{low:+.4f}, {high:+.4f}]")
+        lines.append(f"{head} {compared} -> {n.decision}")
+    return lines
 
 
 def fail_orphaned_runs(instance: Any) -> list[str]:
@@ -79,43 +138,44 @@ def main() -> int:
         timings[f"{job_name} {kwargs.get('partition_key', '')}".strip()] = time.perf_counter() - t
         return result
 
-    for day in days:
+    # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
+    # evaluation beside production on the same frozen eval set, and the gate. The base is pretrained once, on the
+    # first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen answers
+    # teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the deployment's smoke
+    # test rightly refuses as no text).
+    nights: list[Night] = []
+    base = None
+    for number, day in enumerate(days, start=1):
+        print(f"\n--- night {number}: {day} ---", flush=True)
         run("daily_data_job", partition_key=day)
-    # corpus -> base -> SFT: the fine-tuning starts from a base pretrained on the landed documents (init_from:
-    # base). From scratch, 24 steps on a dozen answers teach the tiny student nothing: its greedy answer is an
-    # immediate <|im_end|>, which the deployment's smoke test rightly refuses as no text.
-    pretraining = run("pretraining_job")
-    base = pretraining.output_for_node("base_model")
-    training = run("training_job")
-    checkpoint = training.output_for_node("moe_checkpoint")
-    evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
+        if base is None:
+            base = run("pretraining_job").output_for_node("base_model")
+        checkpoint = run("training_job").output_for_node("moe_checkpoint")
+        evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
+        current = ProductionRegistry(storage.production_pointer()).current()
+        nights.append(night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None))
     run("leaderboard_job")
 
     total = time.perf_counter() - t0
-    report = instance.get_latest_materialization_event(dg.AssetKey("eval_report"))
-    deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))
-    md = {k: v.value for k, v in report.asset_materialization.metadata.items()} if report else {}
-    dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
     data_root = storage.root  # NEXA_DATA_ROOT / NEXA_RESULTS_ROOT honoured: where this run really wrote
     print("\n" + "=" * 78)
-    print(f"nexa-dagster tiny pipeline finished in {total:.0f} s")
+    print(f"nexa-dagster tiny pipeline finished in {total:.0f} s ({len(nights)} nights)")
     for name, seconds in timings.items():
         print(f"  {name:<40} {seconds:6.1f} s")
-    print(f"  base model        {base.path}  (pretrained on pretrain_corpus)")
-    print(f"  checkpoint        {checkpoint.path}  ({checkpoint.num_steps} DeepSpeed steps, "
-          f"train loss {checkpoint.training_loss:.3f})")
-    print(f"  evaluation        eval-set v{md.get('eval_set_version')} loss {md.get('eval_loss')}  ppl {md.get('perplexity')}  "
-          f"judge {md.get('judge_score')}  -> {storage.report_dir(checkpoint.checkpoint_id)}/")
-    gate = [c for c in evaluation.get_asset_check_evaluations() if c.check_name == "beats_production"]
-    reason = gate[0].metadata["reason"].value if gate else "?"
-    if gate and gate[0].passed and evaluation.success:
-        endpoint = dm.get("endpoint") if dm.get("endpoint", "").startswith("http") else None
-        where = f"served at {endpoint}" if endpoint else \
-            f"smoke-tested -> {storage.deployment_dir(checkpoint.checkpoint_id)}/deployment.json"
-        print(f"  serving           {dm.get('engine')} smoke request {dm.get('smoke_latency_s')} s; {where}")
-        print(f"  production        {checkpoint.checkpoint_id} promoted ({reason})")
-    else:
-        print(f"  production        not promoted: {reason}")
+    print(f"  base model        {base.path}  (pretrained on pretrain_corpus)" if base else "")
+    print("  nights            candidate vs production on the same frozen eval set (mean loss per token, "
+          "lower is better)")
+    for line in summary_lines(nights):
+        print(f"    {line}")
+    last = nights[-1]
+    print(f"  production        {last.production_after or 'none'}")
+    deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))
+    dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
+    if dm:
+        endpoint = dm.get("endpoint") if str(dm.get("endpoint", "")).startswith("http") else None
+        where = f"served at {endpoint}" if endpoint else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
+        print(f"  serving           {dm.get('checkpoint_id', last.production_after)}: {dm.get('engine')} smoke "
+              f"request {dm.get('smoke_latency_s')} s; {where}")
     print(f"  leaderboard       {storage.results_path('evaluation', 'leaderboard.csv')}")
     print(f"  data              {data_root}/  (tables under {data_root}/assets, MLflow at "
           f"{defs.resources['tracking'].uri()})")

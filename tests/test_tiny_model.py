@@ -56,3 +56,30 @@ def test_scaled_rope_is_written_in_the_4x_schema_too() -> None:
                                                                                         "factor": 4.0}}
     named = {"tokenizer_class": "LlamaTokenizerFast", "extra_special_tokens": {"image_token": "<img>"}}
     assert portable_tokenizer_config(named) == named  # a real class and a dict of named tokens are left alone
+
+
+def test_the_pretrained_tiny_model_is_built_once_per_machine_and_a_changed_recipe_builds_anew(
+        tmp_path: Path, monkeypatch) -> None:
+    """Every data root's tiny teacher is a copy of one cached build; the cache is keyed by what makes the model."""
+    from pydoc_data.topics import topics
+
+    from nexa_dagster.core.tiny_pretrain import TinyPretrainRecipe, build_pretrained_tiny_lm
+
+    monkeypatch.setenv("NEXA_MODEL_CACHE", str(tmp_path / "cache"))
+    corpus = [topics[k] for k in ("assert", "for", "with", "lambda", "class")]  # small: a fast tokenizer
+    recipe = TinyPretrainRecipe(steps=2, batch_size=2)
+    first = build_pretrained_tiny_lm(tmp_path / "a" / "models" / "tiny-teacher", recipe, corpus)
+    (cached,) = (tmp_path / "cache").glob("tiny-pretrained-*")
+    stamp = (cached / "model.safetensors").stat().st_mtime_ns
+    second = build_pretrained_tiny_lm(tmp_path / "b" / "models" / "tiny-teacher", recipe, corpus)
+    assert (second / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
+    assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # copied, not built again
+    assert sorted(p.name for p in (tmp_path / "b" / "models").iterdir()) == [".tiny-teacher.lock", "tiny-teacher"]
+    made = (first / "pretraining.json").read_text()
+    assert '"steps": 2' in made and cached.name in made
+
+    build_pretrained_tiny_lm(tmp_path / "c" / "models" / "tiny-teacher", TinyPretrainRecipe(steps=3, batch_size=2),
+                             corpus)
+    assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 2  # another recipe, another build
+    build_pretrained_tiny_lm(tmp_path / "d" / "models" / "tiny-teacher", recipe, corpus[:4])
+    assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 3  # another corpus, too

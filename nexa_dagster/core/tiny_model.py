@@ -154,7 +154,8 @@ def _build_lock(out: Path) -> Iterator[None]:
 
 
 def is_buildable_path(path: str | os.PathLike[str]) -> bool:
-    """Paths under a ``models/`` folder named ``tiny-*`` are built on first use; anything else must exist."""
+    """Paths under a ``models/`` folder named ``tiny-*`` are built on first use (copied from the machine's cache of
+    the pretrained tiny model, ``core/tiny_pretrain.py``); anything else must exist."""
     p = Path(path)
     return p.name.startswith("tiny-") and p.parent.name == "models"
 
@@ -164,8 +165,10 @@ def ensure_model(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
     if (p / "config.json").exists():
         return p
-    if is_buildable_path(p):
-        return build_tiny_causal_lm(p)
+    if is_buildable_path(p):  # the tiny teacher/judge: pretrained on Python's docs, once per machine (cached)
+        from nexa_dagster.core.tiny_pretrain import build_pretrained_tiny_lm
+
+        return build_pretrained_tiny_lm(p)
     raise FileNotFoundError(
         f"model directory {p} has no config.json; point the model path at a Hugging Face model directory "
         "or at data/models/tiny-<name> to have the project build its tiny model there"
