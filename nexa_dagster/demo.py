@@ -128,6 +128,8 @@ def main() -> int:
     timings: dict[str, float] = {}
     launcher = process_token()
 
+    nights: list[Night] = []
+
     def run(job_name: str, **kwargs: object) -> dg.ExecuteInProcessResult:
         t = time.perf_counter()
         print(f"==> {job_name} {kwargs.get('partition_key', '')}".rstrip(), flush=True)
@@ -135,7 +137,8 @@ def main() -> int:
         kwargs.setdefault("raise_on_error", True)
         result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, run_config=quiet,
                                                                    tags={LAUNCHER_TAG: launcher}, **kwargs)
-        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip()] = time.perf_counter() - t
+        label = f"night {len(nights) + 1}: {job_name}" if job_name in ("pretraining_job", "training_job") else job_name
+        timings[f"{label} {kwargs.get('partition_key', '')}".strip()] = time.perf_counter() - t
         return result
 
     # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
@@ -143,7 +146,6 @@ def main() -> int:
     # first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen answers
     # teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the deployment's smoke
     # test rightly refuses as no text).
-    nights: list[Night] = []
     base = None
     for number, day in enumerate(days, start=1):
         print(f"\n--- night {number}: {day} ---", flush=True)
