@@ -23,8 +23,6 @@ from nexa_dagster.demo import LAUNCHER_TAG, fail_orphaned_runs
 STUCK_RUN = """
 import sys, time
 import dagster as dg
-import pandas as pd
-from sandbox import make_sandbox, sandbox_env
 from nexa_dagster.core.process_token import process_token
 from nexa_dagster.demo import LAUNCHER_TAG
 
