@@ -137,8 +137,8 @@ def main() -> int:
         kwargs.setdefault("raise_on_error", True)
         result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, run_config=quiet,
                                                                    tags={LAUNCHER_TAG: launcher}, **kwargs)
-        label = f"night {len(nights) + 1}: {job_name}" if job_name in ("pretraining_job", "training_job") else job_name
-        timings[f"{label} {kwargs.get('partition_key', '')}".strip()] = time.perf_counter() - t
+        night = f" (night {len(nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
+        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night] = time.perf_counter() - t
         return result
 
     # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
