@@ -420,6 +420,26 @@ def test_kill_and_resume_gives_the_uninterrupted_bytes(tiny_tokenizer, tiny_mode
     assert clean.run_hash == resumed.run_hash and _bytes(clean.root) == _bytes(resumed.root)
 
 
+def test_a_clean_up_removes_a_killed_writers_temporary_file_and_not_a_live_ones(tmp_path: Path) -> None:
+    """Two trainings packaging at once share the snapshot folder and the shard store: the second one's clean-up
+    of killed runs' leftovers removed the first one's file in the middle of its write, and its rename failed."""
+    writer = ("import sys, time\nfrom nexa_dagster.core import storage\n"
+              "with storage.atomic_writer(sys.argv[1]) as f:\n"
+              "    f.write(b'x'); f.flush(); print('writing', flush=True); sys.stdin.readline()\n")
+    procs = {name: subprocess.Popen([sys.executable, "-c", writer, str(tmp_path / name)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for name in ("live.parquet", "killed.parquet")}
+    for proc in procs.values():
+        assert proc.stdout.readline() == "writing\n"
+    procs["killed.parquet"].kill()
+    procs["killed.parquet"].wait()
+
+    assert sh.clean_temporaries(str(tmp_path)) == 1
+    assert [p.name.split(".~")[0] for p in tmp_path.glob(".*.tmp")] == [".live.parquet"]
+    procs["live.parquet"].communicate("\n", timeout=60)
+    assert procs["live.parquet"].returncode == 0 and (tmp_path / "live.parquet").read_bytes() == b"x"
+    assert not (tmp_path / "killed.parquet").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
 # -- blends, efficiency, other formats ---------------------------------------------------------------------------
 
 

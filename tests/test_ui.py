@@ -111,7 +111,11 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
             browser.close()
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # seen once in CI (2026-11-24): stop the group, the test is the UI
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
 
     from PIL import Image, ImageStat
 

@@ -256,12 +256,17 @@ def run_task(work: Callable[[ShardTask], Receipt], task: ShardTask) -> Receipt:
 
 
 def clean_temporaries(root: str) -> int:
-    """Remove the temporary files a killed run left behind (they never became outputs)."""
+    """Remove the temporary files a killed run left behind (they never became outputs).
+
+    Only those whose writer is gone: another run may be writing into the same snapshot folder or the shared
+    shard store right now, and removing its temporary file would fail its rename.
+    """
     removed = 0
     for pattern in ("shards/.*.tmp", "receipts/.*.tmp", ".*.tmp"):
         for path in storage.glob(storage.join(root, pattern)):
-            storage.remove(path)
-            removed += 1
+            if storage.temporary_is_abandoned(path):
+                storage.remove(path)
+                removed += 1
     return removed
 
 

@@ -12,7 +12,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
+import socket
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -88,6 +91,47 @@ def local_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+_TEMPORARY = re.compile(r"~(?P<host>[^~/]*)~(?P<pid>\d+)~[0-9a-f]+\.tmp$")
+ABANDONED_AFTER_S = 3600.0  # a temporary file from another host untouched this long: its writer is gone
+
+
+def temporary_name(name: str) -> str:
+    """``.<name>.~<host>~<pid>~<random>.tmp``: the name of a file being written says who writes it, so that a
+    clean-up can tell a live writer's file (another run packaging at the same time) from a killed one's."""
+    return f".{name}.~{socket.gethostname()}~{os.getpid()}~{uuid.uuid4().hex[:12]}.tmp"
+
+
+def temporary_is_abandoned(path: str) -> bool:
+    """True when nobody will finish the temporary file at ``path``: its writer on this host has exited, or a
+    writer elsewhere left it untouched for ``ABANDONED_AFTER_S``. A name without a writer (an older format)
+    counts as abandoned; an age that cannot be read counts as alive."""
+    match = _TEMPORARY.search(path)
+    if match is None:
+        return True
+    if match["host"] == socket.gethostname():
+        try:
+            os.kill(int(match["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, someone else's
+            return False
+        return _is_zombie(int(match["pid"]))
+    fs, p = _fs(path)
+    try:
+        modified = fs.modified(p).timestamp()
+    except (NotImplementedError, OSError, AttributeError):
+        return False
+    return time.time() - modified > ABANDONED_AFTER_S
+
+
+def _is_zombie(pid: int) -> bool:
+    """A killed process stays a zombie until its parent reaps it; it writes nothing more."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class atomic_writer:  # noqa: N801 - used like open()
     """A writable binary file that appears at ``path`` only when the ``with`` block ends without an error.
 
@@ -100,7 +144,7 @@ class atomic_writer:  # noqa: N801 - used like open()
         parent, _, name = self.path.rpartition("/")
         if parent:
             self.fs.makedirs(parent, exist_ok=True)
-        self.tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp" if parent else f".{name}.{uuid.uuid4().hex}.tmp"
+        self.tmp = f"{parent}/{temporary_name(name)}" if parent else temporary_name(name)
         self._file: Any = None
 
     def __enter__(self) -> Any:
