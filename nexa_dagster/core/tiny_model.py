@@ -13,7 +13,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,19 +124,31 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
             pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
             suppress_tokens=undecodable_tokens(tokenizer),
         )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
+        def fill(tmp: Path) -> None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_portable_configs(tmp)
             (tmp / COMPLETION_MARKER).write_text("ok\n")
-            if out.exists():  # an incomplete leftover from a crashed build (we hold the lock: nobody reads it)
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+
+        publish_directory(out, fill)
     return out
+
+
+def publish_directory(out: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a temporary folder beside ``out``, then put it in ``out``'s place in one rename.
+
+    The caller holds ``out``'s build lock, so an existing ``out`` is an incomplete leftover of a crashed build
+    that nobody reads; on an error the temporary folder is removed and ``out`` is left as it was.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        fill(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

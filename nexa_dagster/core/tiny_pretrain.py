@@ -39,6 +39,7 @@ from nexa_dagster.core.tiny_model import (
     _build_lock,
     build_tiny_causal_lm,
     default_corpus,
+    publish_directory,
 )
 
 RECIPE_VERSION = 2  # raise when the code below changes what it builds
@@ -257,15 +258,7 @@ def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretra
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out):
         if not (out / COMPLETION_MARKER).exists():
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-            try:
-                shutil.copytree(cached, tmp, dirs_exist_ok=True)
-                if out.exists():
-                    shutil.rmtree(out)
-                os.replace(tmp, out)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
+            publish_directory(out, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True))
     return out
 
 
