@@ -7,14 +7,13 @@ statistics stay in the Dagster process (the judge is an endpoint; the statistics
 the progress lines go to the run's log; run by hand they are printed.
 
 Exit codes: 0 done, 1 evaluation failed, 2 unusable job file, 130 interrupted. A failure that running the job
-again repeats (a bad task name, a missing file, a wrong value) is also written to ``FAILURE_FILE`` beside the job
-file, so that the launching step fails at once instead of retrying it.
+again repeats (a bad task name, a missing file, a wrong value) is also reported beside the job file, as the
+training worker reports it (``training.worker.write_failure``), so that the launching step fails at once instead of retrying it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -25,8 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.config import BenchmarkSettings
-
-FAILURE_FILE = "evaluation.failure.json"
 
 
 class EvaluationJob(BaseModel):
@@ -108,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluation {job.run_id} interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as e:
-        from nexa_dagster.core.training.worker import is_permanent
+        from nexa_dagster.core.training.worker import is_permanent, write_failure
 
         traceback.print_exc()
         message = f"evaluation {job.run_id} failed: {type(e).__name__}: {e}"
         print(message, file=sys.stderr, flush=True)
-        (Path(args.job).parent / FAILURE_FILE).write_text(
-            json.dumps({"message": message, "retryable": not is_permanent(e)}), encoding="utf-8")
+        write_failure(str(Path(args.job).parent), 0, e, message, retryable=not is_permanent(e))
         if pipes is not None:
             pipes.__exit__(type(e), e, e.__traceback__)
             pipes = None

@@ -30,7 +30,6 @@ import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core import storage
-from nexa_dagster.core.evaluation_worker import FAILURE_FILE as EVAL_FAILURE_FILE
 from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import launch_specs
@@ -171,7 +170,7 @@ class GPUClusterResource(dg.ConfigurableResource):
         context.log.info(f"launching {' '.join(command)}")
         env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env,
                LAUNCHER_PID_ENV: str(os.getpid())}
-        failure_file = work_dir / EVAL_FAILURE_FILE
+        failure_file = work_dir / FAILURE_FILE.format(rank=0)  # written by the worker as training's are
         failure_file.unlink(missing_ok=True)  # a previous attempt's, not this one's
         try:
             dg.PipesSubprocessClient().run(context=context, command=command, env=env, cwd=str(work_dir))
