@@ -10,7 +10,6 @@ import contextlib
 import glob
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from nexa_dagster.core.net import free_port
+from nexa_dagster.core.processes import stop_process_group
 
 
 def missing(what: str, install: str) -> None:
@@ -138,18 +138,6 @@ def wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout
                 return
         time.sleep(0.5)
     raise TimeoutError(f"{what} did not answer {url} within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
-
-
-def stop_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM the process group we started (start_new_session=True), SIGKILL what is left after 10 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 @contextmanager

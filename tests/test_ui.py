@@ -22,6 +22,7 @@ from sandbox import make_sandbox, sandbox_env  # noqa: E402
 from services import free_port, missing  # noqa: E402
 
 from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.processes import stop_process_group  # noqa: E402
 
 DAY = "2026-11-20"
 LOCATION = "nexa_dagster.definitions"
@@ -118,12 +119,7 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
             page.screenshot(path=str(shot))
             browser.close()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # whatever else keeps it: stop the group, this test is about the UI
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        stop_process_group(server, grace_s=60)  # whatever else keeps it: SIGKILL, this test is about the UI
 
     from PIL import Image, ImageStat
 

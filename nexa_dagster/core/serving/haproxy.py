@@ -15,7 +15,6 @@ import io
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from nexa_dagster.core.llm.managed_server import _EXEC_WITH_PDEATHSIG
+from nexa_dagster.core.processes import stop_process_group
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +115,8 @@ class HAProxyRouter:
 
     def stop(self) -> None:
         proc, self.process = self.process, None
-        if proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_process_group(proc)
 
     # -- runtime API ---------------------------------------------------------------------------------------------
     def command(self, line: str) -> str:
