@@ -75,6 +75,7 @@ class PackagingSettings:
     side_overrides: dict[str, str] = field(default_factory=dict)  # sample id -> split (see packing.side_overrides)
     eval_fraction: float = 0.0  # ids on the eval set's held-out side (core.eval_set) enter no split at all
     incremental: bool = True  # shards in the content-addressed store, reused by later snapshots
+    runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
 
 
 @dataclass
@@ -232,7 +233,8 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
         f"{settings.workers} workers")
     report = sh.run_shards(shards, store, config, process_sft_shard,
                            runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
-                           workers=settings.workers, log=log, store=settings.incremental, config_for=config_for)
+                           workers=settings.workers, log=log, store=settings.incremental, config_for=config_for,
+                           runner=settings.runner)
     return finalize_sft(root, rh, report, blend, settings, log, store)
 
 
@@ -388,14 +390,15 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
                                 pack_size: int, validation_fraction: float, seed: int = 0,
                                 log: Callable[[str], None] = print, blend: DataBlend | None = None,
                                 on_error: OnError = "raise", rows_per_shard: int = 5000, workers: int = 1,
-                                eval_fraction: float = 0.0,
-                                incremental: bool = True) -> tuple[SFTDataset, dict[str, PackingStats]]:
+                                eval_fraction: float = 0.0, incremental: bool = True,
+                                runner: sh.ShardRunner | None = None) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact.
 
     The samples come as one JSONL file per day (``day_inputs_from_partitions``), in day order: shards never span
     two days, so with the shard store a new day adds shards and reuses every earlier one. Records whose id is on
     the eval set's held-out side (``eval_fraction``, see ``core.eval_set``) enter neither split, whatever source
-    they come from; the train/validation split is a hash of each id, so both are per row and compose with days."""
+    they come from; the train/validation split is a hash of each id, so both are per row and compose with days.
+    ``runner`` runs the shards to pack on a cluster (a Slurm array...) instead of ``workers`` local processes."""
     if not inputs:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
     blend = blend or default_blend()
@@ -405,7 +408,8 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
     moved = (streamed_side_overrides(inputs, validation_fraction, seed, eval_fraction) if keyed_by_sample_id
              else {})
     settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers,
-                                 side_overrides=moved, eval_fraction=eval_fraction, incremental=incremental)
+                                 side_overrides=moved, eval_fraction=eval_fraction, incremental=incremental,
+                                 runner=runner)
     run = package_sft(blend, tokenizer, out_root, settings,
                       assets={"filtered_samples": [d.path for d in inputs]}, log=log)
     for split in SPLITS:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.progress import Progress
@@ -183,6 +183,18 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+class ShardRunner(Protocol):
+    """Runs shard tasks somewhere other than this machine's process pool (a Slurm array, a Kubernetes indexed Job).
+
+    It must run ``run_task(work, task)`` for every task (outputs, then the receipt, exactly as the local runner
+    does) and return their receipts in task order, checked (``check_receipt``); a task without a valid receipt
+    afterwards raises, naming the shard.
+    """
+
+    def __call__(self, tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt],
+                 log: Callable[[str], None]) -> Sequence[Receipt]: ...
+
+
 @dataclass
 class RunReport:
     """Receipts in shard order, and which shards were done now, skipped, or redone (with the reason)."""
@@ -196,7 +208,7 @@ class RunReport:
 def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work: Callable[[ShardTask], Receipt],
                runtime: dict[str, Any] | None = None, workers: int = 1,
                log: Callable[[str], None] = print, *, store: bool = False,
-               config_for: ConfigFor | None = None) -> RunReport:
+               config_for: ConfigFor | None = None, runner: ShardRunner | None = None) -> RunReport:
     """Run ``work`` on every shard without a valid receipt, ``workers`` processes at a time.
 
     ``work`` must be a module-level function (it is pickled to spawned processes) that writes the shard's outputs
@@ -206,6 +218,10 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
     named by the shard key (input bytes + configuration), not by the shard's position, so a shard that an earlier
     run (an earlier day's snapshot) already produced is reused instead of redone. ``config_for`` gives a shard a
     configuration of its own (what of the run's configuration concerns its rows only).
+
+    ``runner`` runs the shards that lack a valid receipt elsewhere (``core/shard_task.py``: a Slurm job array, a
+    Kubernetes indexed Job) instead of ``workers`` local processes; planning, the receipt checks before and the
+    caller's concatenation after stay here, so the bytes are the same whatever ran the shards.
     """
     tasks: list[ShardTask] = []
     done: dict[str, Receipt] = {}
@@ -228,7 +244,11 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
         log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
     with Progress(log, "shards done") as progress:
         progress(len(done), len(shards))
-        if workers <= 1 or len(tasks) <= 1:
+        if runner is not None and tasks:
+            for task, receipt in zip(tasks, runner(tasks, work, log), strict=True):
+                done[task.shard.shard_id] = receipt
+            progress(len(done), len(shards))
+        elif workers <= 1 or len(tasks) <= 1:
             for task in tasks:
                 done[task.shard.shard_id] = run_task(work, task)
                 progress(len(done), len(shards))
