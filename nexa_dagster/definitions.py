@@ -28,10 +28,10 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
-from nexa_dagster.core.config import ConfigError, config_dir, explain, load_pipeline_config
+from nexa_dagster.core.config import config_dir, load_pipeline_config
 from nexa_dagster.core.config_check import check_configs
 from nexa_dagster.jobs import JOBS, SCHEDULES
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
@@ -50,19 +50,13 @@ def llm_resource(role: str, default_model: str) -> LLMResource:
 
 
 def gpu_cluster_resource(settings: dict[str, object]) -> GPUClusterResource:
-    """``gpu_cluster`` of pipeline.yaml (with the environment's overrides), every key checked against the resource:
-    a misspelt ``acelerator: cuda`` must fail here, not train on the CPU without a word."""
-    from pydantic import ValidationError
-
-    where = f"{config_dir() / 'pipeline.yaml'}: gpu_cluster"
-    known = sorted(GPUClusterResource.model_fields)
-    unknown = sorted(set(settings) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key (a typo?); known keys: {', '.join(known)}")
-    try:
-        return GPUClusterResource(**settings)
-    except ValidationError as e:
-        raise ConfigError("\n".join(f"{where}.{problem}" for problem in explain(e, GPUClusterResource))) from None
+    """``gpu_cluster`` of pipeline.yaml as its backend's typed class; ``NEXA_CLUSTER_BACKEND`` and
+    ``NEXA_ACCELERATOR`` override the file's ``backend`` and ``accelerator``. An unknown backend, an unknown key or
+    a field of another backend fails the load naming the file and the key."""
+    overrides = {key: os.environ[env] for key, env in (("backend", "NEXA_CLUSTER_BACKEND"),
+                                                      ("accelerator", "NEXA_ACCELERATOR")) if os.environ.get(env)}
+    return gpu_cluster_from_settings({**settings, **overrides}, f"{config_dir() / 'pipeline.yaml'}: gpu_cluster",
+                                     backend_from="NEXA_CLUSTER_BACKEND" if "backend" in overrides else "")
 
 
 def build_resources() -> dict[str, object]:
@@ -77,10 +71,7 @@ def build_resources() -> dict[str, object]:
         "storage": storage,
         "teacher_llm": llm_resource("teacher", storage.model_path(cfg["models"]["teacher"])),
         "judge_llm": llm_resource("judge", storage.model_path(cfg["models"]["judge"])),
-        "gpu_cluster": gpu_cluster_resource({
-            **cfg["gpu_cluster"],
-            "backend": os.environ.get("NEXA_CLUSTER_BACKEND", cfg["gpu_cluster"].get("backend", "local")),
-            "accelerator": os.environ.get("NEXA_ACCELERATOR", cfg["gpu_cluster"].get("accelerator", "cpu"))}),
+        "gpu_cluster": gpu_cluster_resource(cfg["gpu_cluster"]),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
     }
 

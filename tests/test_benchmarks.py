@@ -24,7 +24,7 @@ from nexa_dagster.core.eval_set import freeze_eval_set, load_eval_set
 from nexa_dagster.core.evaluation import EvalResult, ModelScores, write_report
 from nexa_dagster.core.evaluation_worker import EvaluationJob
 from nexa_dagster.core.promotion import ProductionEntry, PromotionPolicy, decide
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.gpu_cluster import LocalGPUCluster
 
 SHIPPED = ["nexa_stdlib_module", "nexa_docstring_completion"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -111,7 +111,7 @@ def test_a_bad_task_or_a_missing_data_file_fails_before_any_model_is_loaded(
 
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
-    result = dg.materialize([evaluated], resources={"gpu_cluster": GPUClusterResource()},
+    result = dg.materialize([evaluated], resources={"gpu_cluster": LocalGPUCluster()},
                             instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert not result.success
     events = result.all_events

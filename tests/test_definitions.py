@@ -56,6 +56,13 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
 CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error must say)
     "gpu_cluster accelerator": ("pipeline.yaml", "  accelerator: cpu", "  acelerator: cuda",
                                 "pipeline.yaml: gpu_cluster.acelerator: unknown key"),
+    "gpu_cluster backend": ("pipeline.yaml", "  backend: local ", "  backend: slrum ",
+                            "pipeline.yaml: gpu_cluster.backend: unknown backend 'slrum'; one of: local, slurm, "
+                            "kubernetes"),
+    "gpu_cluster field of another backend": (
+        "pipeline.yaml", "  # slurm_partition: gpu", "  slurm_partition: gpu",
+        "pipeline.yaml: gpu_cluster.slurm_partition: a field of the slurm backend, but the cluster is backend "
+        "'local'"),
     "pipeline top-level key": ("pipeline.yaml", "partitions_start_date:", "partition_start_date:",
                                "pipeline.yaml: partition_start_date: unknown key"),
     "pipeline missing key": ("pipeline.yaml", "  teacher: tiny-teacher\n", "",
@@ -96,6 +103,34 @@ def test_a_config_typo_fails_the_load_naming_the_file_and_key(case: str, tmp_pat
     with pytest.raises(ConfigError) as raised:
         build_defs()
     assert f"{tmp_path}/configs/{expected}" in str(raised.value)
+
+
+def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_it(tmp_path, monkeypatch) -> None:
+    """``gpu_cluster.backend`` builds that backend's class with its own fields; ``NEXA_CLUSTER_BACKEND`` overrides
+    the file's backend, and then the file's fields of another backend fail the load, saying where the backend
+    came from."""
+    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.definitions import build_defs, build_resources
+    from nexa_dagster.resources.gpu_cluster import LocalGPUCluster, SlurmGPUCluster
+
+    monkeypatch.delenv("NEXA_ACCELERATOR", raising=False)
+    monkeypatch.delenv("NEXA_CLUSTER_BACKEND", raising=False)
+    assert type(build_resources()["gpu_cluster"]) is LocalGPUCluster
+    configs = _configs_with(tmp_path, "pipeline.yaml", "  backend: local ",
+                            "  backend: slurm\n  nodes: 2\n  slurm_partition: gpu ")
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
+    cluster = build_resources()["gpu_cluster"]
+    assert type(cluster) is SlurmGPUCluster and (cluster.nodes, cluster.slurm_partition) == (2, "gpu")
+    assert cluster.world_size() == 2 * cluster.num_procs
+    monkeypatch.setenv("NEXA_CLUSTER_BACKEND", "local")
+    with pytest.raises(ConfigError) as raised:
+        build_defs()
+    assert (f"{configs}/pipeline.yaml: gpu_cluster.nodes: a field of the slurm backend, but the cluster is backend "
+            "'local' (from NEXA_CLUSTER_BACKEND)") in str(raised.value)
+    monkeypatch.delenv("NEXA_CONFIG_DIR")  # the shipped file (backend: local) with the backend from the environment
+    monkeypatch.setenv("NEXA_CLUSTER_BACKEND", "kubernetes")  # without its image: what pods would it start?
+    with pytest.raises(ConfigError, match=r"gpu_cluster.k8s_image: missing \(required by backend 'kubernetes'"):
+        build_defs()
 
 
 def test_dagster_definitions_validate_fails_on_a_typo_in_an_unselected_scale(tmp_path) -> None:

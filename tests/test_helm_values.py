@@ -362,7 +362,7 @@ def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(tmp_path: Path,
     assert cluster.num_procs == load_scale(deployment["env"]["NEXA_SCALE"]).training.num_procs
 
     work = Path(cluster.k8s_data_mount) / "runs" / "ckpt"
-    spec = cluster.pod_spec(TrainingJob.model_construct(run_id="ckpt"), work / "job.json", work)
+    spec = cluster.pod_spec(cluster.training_launch(TrainingJob.model_construct(run_id="ckpt"), work))
     container = spec["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(cluster.num_procs)
     assert container["resources"]["requests"] == container["resources"]["limits"]

@@ -31,7 +31,7 @@ from nexa_dagster.core.training.corpus import document_id, load_corpus  # noqa: 
 from nexa_dagster.core.training.data import IGNORE_INDEX, labels_for  # noqa: E402
 from nexa_dagster.core.training.init import check_init_checkpoint, load_mixtral_checkpoint, resolve  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource  # noqa: E402
+from nexa_dagster.resources.gpu_cluster import LocalGPUCluster  # noqa: E402
 
 WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
 
@@ -222,7 +222,7 @@ def test_a_wrong_architecture_or_vocabulary_fails_before_launch(tmp_path: Path, 
                                  vocab_size=300)
     job = pretrain_job(tmp_path, tiny_model_dir, "refused").model_copy(update={"init_from": str(other)})
     with pytest.raises(dg.Failure, match="is not the one .* was tokenized with"):
-        GPUClusterResource()._check_job(job)
+        LocalGPUCluster()._check_job(job)
     assert not Path(job.output_dir).exists()
 
 

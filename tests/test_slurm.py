@@ -26,6 +26,8 @@ from test_training import launch_training_in_dagster, make_job  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,
+    SlurmGPUCluster,
+    gpu_cluster_from_settings,
     slurm_job_fields,
     slurm_state,
     wait_for_slurm_job,
@@ -59,8 +61,8 @@ def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: P
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(backend="slurm", slurm_cpus_per_task=1,
-                                                                                  poll_interval_s=0.5)},
+    res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster(slurm_cpus_per_task=1,
+                                                                               poll_interval_s=0.5)},
                          instance=instance)
     assert res.success
     assert res.asset_materializations_for_node("trained")[0].metadata["steps"].value == 3
@@ -150,7 +152,7 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(**cluster)}, instance=instance)
+    res = dg.materialize([trained], resources={"gpu_cluster": gpu_cluster_from_settings(cluster)}, instance=instance)
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
     assert metadata["resumed_from_step"].value == step and metadata["steps"].value == step + 2

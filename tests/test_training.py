@@ -31,10 +31,16 @@ import pytest  # noqa: E402
 from checkpoint_files import assert_portable_checkpoint  # noqa: E402
 
 from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
+from nexa_dagster.core.evaluation_worker import EvaluationJob  # noqa: E402
 from nexa_dagster.core.packing import labels_of  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource  # noqa: E402
+from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
+    GPUClusterResource,
+    KubernetesGPUCluster,
+    LocalGPUCluster,
+    SlurmGPUCluster,
+)
 
 WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
 PACK_SIZE = 64
@@ -289,7 +295,7 @@ def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_pa
         return invocation.get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, instance=instance)
+    res = dg.materialize([trained], resources={"gpu_cluster": LocalGPUCluster()}, instance=instance)
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
     result = summary_of(job)
@@ -311,7 +317,7 @@ def test_two_ranks_under_torchrun_train_one_model(tmp_path: Path, teacher_dir: P
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(num_procs=2)},
+    res = dg.materialize([trained], resources={"gpu_cluster": LocalGPUCluster(num_procs=2)},
                          instance=dg.DagsterInstance.ephemeral())
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
@@ -326,7 +332,7 @@ def _failure_description(job: TrainingJob, tmp_path: Path) -> str:
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource()}, raise_on_error=False,
+    res = dg.materialize([trained], resources={"gpu_cluster": LocalGPUCluster()}, raise_on_error=False,
                          instance=dg.DagsterInstance.ephemeral())
     assert not res.success
     failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
@@ -383,13 +389,13 @@ def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, t
 
     (tmp_path / "lost").mkdir()
     lost = make_job(tmp_path / "lost", teacher_dir, steps=3, run_id="lost")
-    res, retries = materialize(lost, GPUClusterResource(), kill_first=True)
+    res, retries = materialize(lost, LocalGPUCluster(), kill_first=True)
     assert res.success and retries == 1, retries
     assert summary_of(lost).steps == 3
 
     (tmp_path / "nan").mkdir()
     nan = make_job(tmp_path / "nan", teacher_dir, steps=3, run_id="nan")
-    res, retries = materialize(nan, GPUClusterResource(env={"NEXA_FAULT_NAN_AT_STEP": "2"}), kill_first=False)
+    res, retries = materialize(nan, LocalGPUCluster(env={"NEXA_FAULT_NAN_AT_STEP": "2"}), kill_first=False)
     assert not res.success and retries == 0, retries
     failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert "not retried, it would fail again" in failure.description
@@ -417,7 +423,7 @@ def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_d
 def _torchrun(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
-    command = GPUClusterResource(num_procs=2).worker_command(job_file, tmp_path / f"{job.run_id}-logs")
+    command = LocalGPUCluster(num_procs=2).worker_command(job_file, tmp_path / f"{job.run_id}-logs")
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **(env or {})})
 
@@ -528,11 +534,11 @@ def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_d
 # -- what the cluster backends submit ---------------------------------------------------------------------------
 def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
-    cluster = GPUClusterResource(backend="slurm", accelerator="cuda", num_procs=8, nodes=2, slurm_partition="gpu",
-                                 slurm_account="nexa", slurm_time_limit="12:00:00", python_executable="/opt/venv/bin/python",
-                                 slurm_setup_commands=["module load cuda/12.4"])
-    script = cluster.sbatch_script(job, tmp_path / "job.json", tmp_path / "work",
-                                   {"DAGSTER_PIPES_CONTEXT": "abc", "HF_HOME": "/shared/hf home"})
+    cluster = SlurmGPUCluster(accelerator="cuda", num_procs=8, nodes=2, slurm_partition="gpu", slurm_account="nexa",
+                              slurm_time_limit="12:00:00", python_executable="/opt/venv/bin/python",
+                              slurm_setup_commands=["module load cuda/12.4"])
+    env = {"DAGSTER_PIPES_CONTEXT": "abc", "HF_HOME": "/shared/hf home"}
+    script = cluster.sbatch_script(cluster.training_launch(job, tmp_path / "work", env))
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for directive in ("--job-name=nexa-test-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
@@ -542,12 +548,25 @@ def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: P
     assert "export DAGSTER_PIPES_CONTEXT=abc" in lines and "export HF_HOME='/shared/hf home'" in lines
     assert lines.index("module load cuda/12.4") < lines.index("export HEAD_NODE")
     srun = lines[-1]
-    assert srun.startswith("srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
-                           "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
-                           "--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job ")
+    assert srun == ("srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
+                    "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
+                    f"--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job {tmp_path}/work/job.json "
+                    f"--log-dir {tmp_path}/work")
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, "not valid bash"
-    cpu = GPUClusterResource(backend="slurm").sbatch_script(job, tmp_path / "j.json", tmp_path, {})
+    cpu = SlurmGPUCluster().sbatch_script(SlurmGPUCluster().training_launch(job, tmp_path))
     assert "--gpus-per-node" not in cpu and "torch.distributed.run" not in cpu
+
+    # evaluation: the same script builder, one process on one GPU of one node, whatever a training uses
+    evaluation = cluster.sbatch_script(cluster.evaluation_launch(EvaluationJob.model_construct(run_id="test-run"),
+                                                                 tmp_path / "eval", env))
+    lines = evaluation.splitlines()
+    for directive in ("--job-name=nexa-eval-test-run", "--nodes=1", "--gpus-per-node=1", "--partition=gpu",
+                      f"--output={tmp_path}/eval/slurm-%j.out"):
+        assert f"#SBATCH {directive}" in lines, directive
+    assert "export DAGSTER_PIPES_CONTEXT=abc" in lines
+    assert lines[-1] == (f"srun --kill-on-bad-exit=1 /opt/venv/bin/python -m nexa_dagster.core.evaluation_worker "
+                         f"--job {tmp_path}/eval/eval_job.json")
+    assert subprocess.run(["bash", "-n"], input=evaluation, text=True).returncode == 0, "not valid bash"
 
 
 def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir: Path) -> None:
@@ -560,7 +579,7 @@ def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir:
     old_path = os.environ["PATH"]
     os.environ["PATH"] = str(tmp_path)  # no sbatch here
     try:
-        res = dg.materialize([trained], resources={"gpu_cluster": GPUClusterResource(backend="slurm")},
+        res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster()},
                              raise_on_error=False, instance=dg.DagsterInstance.ephemeral())
     finally:
         os.environ["PATH"] = old_path
@@ -570,11 +589,12 @@ def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir:
 
 def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
-    cluster = GPUClusterResource(backend="kubernetes", accelerator="cuda", num_procs=4, k8s_image="nexa:latest",
-                                 k8s_data_pvc="nexa-data", k8s_node_selector={"gpu": "h100"},
-                                 k8s_tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
-                                                   "effect": "NoSchedule"}])
-    spec = cluster.pod_spec(job, Path("/data/work/job.json"), Path("/data/work"))
+    cluster = KubernetesGPUCluster(accelerator="cuda", num_procs=4, k8s_image="nexa:latest", k8s_data_pvc="nexa-data",
+                                   k8s_node_selector={"gpu": "h100"},
+                                   k8s_tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
+                                                     "effect": "NoSchedule"}])
+    launch = cluster.training_launch(job, Path("/data/work"), {"A": "1"})
+    spec = cluster.pod_spec(launch)
     container = spec["containers"][0]
     assert spec["restartPolicy"] == "Never" and container["image"] == "nexa:latest"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
@@ -586,11 +606,23 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     # PipesK8sClient.run's own pod_wait_timeout default (86,400 s) would end a longer training: always passed,
     # 0 (no limit) unless configured
-    arguments = cluster.k8s_run_arguments(job, Path("/data/work/job.json"), Path("/data/work"), {"A": "1"})
+    arguments = cluster.k8s_run_arguments(launch)
     assert arguments["pod_wait_timeout"] == 0 and arguments["base_pod_spec"] == spec
-    assert arguments["command"] == container["command"] and arguments["env"] == {"A": "1"}
+    assert arguments["command"] == container["command"] and arguments["env"]["A"] == "1"
     week = cluster.model_copy(update={"k8s_pod_wait_timeout_s": 7 * 86400.0})
-    assert week.k8s_run_arguments(job, Path("/j.json"), Path("/w"), {})["pod_wait_timeout"] == 7 * 86400.0
+    assert week.k8s_run_arguments(launch)["pod_wait_timeout"] == 7 * 86400.0
+
+    # evaluation: one pod with one GPU on the same volume and nodes, the evaluation worker as one process
+    evaluation = cluster.k8s_run_arguments(cluster.evaluation_launch(EvaluationJob.model_construct(run_id="e"),
+                                                                     Path("/data/eval"), {"A": "1"}))
+    pod = evaluation["base_pod_spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == evaluation["command"] == [
+        "python", "-m", "nexa_dagster.core.evaluation_worker", "--job", "/data/eval/eval_job.json"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1" and container["name"] == "evaluator"
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in pod["volumes"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and evaluation["env"]["A"] == "1"
+    assert evaluation["pod_wait_timeout"] == 0 and evaluation["namespace"] == "default"
 
 
 # -- stopping ---------------------------------------------------------------------------------------------------
@@ -602,10 +634,10 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster.core.training.job import TrainingJob
-from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
 
 job = TrainingJob.model_validate_json(Path(sys.argv[1]).read_text())
-cluster = GPUClusterResource(**json.loads(sys.argv[3]))
+cluster = gpu_cluster_from_settings(json.loads(sys.argv[3]))
 
 
 @dg.asset
@@ -620,7 +652,7 @@ print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
 
 def launch_training_in_dagster(tmp_path: Path, teacher_dir: Path, cluster: dict[str, object] | None = None,
                                timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], Path]:
-    """Materialize a long training asset in a separate Dagster process (``GPUClusterResource(**cluster)``);
+    """Materialize a long training asset in a separate Dagster process (``gpu_cluster_from_settings(cluster)``);
     return the process and its log once the worker reports its first step."""
     job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
     (tmp_path / "job.json").write_text(job.model_dump_json())

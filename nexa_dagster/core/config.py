@@ -277,8 +277,9 @@ class EvalSetConfig(_Strict):
 
 
 class PipelineConfig(_Strict):
-    """``configs/pipeline.yaml``. ``gpu_cluster`` holds ``GPUClusterResource`` fields, checked against that
-    resource where it is built (``definitions.build_resources``), so the list of its keys lives in one place."""
+    """``configs/pipeline.yaml``. ``gpu_cluster`` holds the fields of the GPU-cluster class its ``backend`` picks,
+    checked against that class where it is built (``resources.gpu_cluster.gpu_cluster_from_settings``), so the list
+    of each backend's keys lives in one place."""
 
     data_root: str = Field(min_length=1)
     partitions_start_date: dt.date

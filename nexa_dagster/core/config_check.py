@@ -83,7 +83,7 @@ def check_configs(extra: Sequence[Callable[[], object]] = ()) -> None:
     """Raise one ``ConfigError`` naming every bad file and key under ``configs/`` (nothing when all are valid).
 
     ``extra``: more checks that raise ``ConfigError`` (the code location passes the building of its resources,
-    which checks ``gpu_cluster`` against ``GPUClusterResource``).
+    which checks ``gpu_cluster`` against the class of its backend).
     """
     problems = _problems(extra)
     if problems:
