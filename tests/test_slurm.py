@@ -1,7 +1,8 @@
 """The `slurm` backend of the GPU-cluster resource against a real Slurm cluster (one node on the loopback).
 
 The training asset is launched with sbatch, its progress streams into the Dagster run through Pipes (files in the
-shared work directory), the checkpoint appears; cancelling the Dagster run cancels the Slurm job.
+shared work directory), the checkpoint appears; cancelling the Dagster run cancels the Slurm job. Evaluation goes
+through the same launch and scores a checkpoint as the local backend does.
 """
 
 import os
@@ -18,14 +19,18 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import dagster as dg  # noqa: E402
+import pandas as pd  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 from services import slurm_cluster  # noqa: E402
 from test_training import launch_training_in_dagster, make_job  # noqa: E402
 
+from nexa_dagster.core.eval_set import freeze_eval_set, load_eval_set  # noqa: E402
+from nexa_dagster.core.evaluation_worker import EvaluationJob  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,
+    LocalGPUCluster,
     SlurmGPUCluster,
     gpu_cluster_from_settings,
     slurm_job_fields,
@@ -74,6 +79,53 @@ def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: P
     assert slurm_state(job_id) == "COMPLETED"
     assert (Path(job.output_dir) / COMPLETION_MARKER).exists()
     assert "step 3/3 loss" in (tmp_path / "work" / f"slurm-{job_id}.out").read_text()
+
+
+def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
+        tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer, slurm: dict[str, str]) -> None:  # noqa: ANN001
+    """``run_evaluation`` on the Slurm backend: the evaluation worker as an sbatch job (the launch training uses),
+    its progress back through Pipes files, and the same per-example losses and answers as the local backend on the
+    same checkpoint and eval set. A worker failure a relaunch repeats (here a missing eval-set file) fails the step
+    at once, naming it, with the Slurm job's state and output."""
+    n = 6
+    samples = pd.DataFrame({"sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
+                            "system_prompt": ["Be brief."] * n, "prompt": [f"What is {i} + 1?" for i in range(n)],
+                            "response": [f"It is {i + 1}." for i in range(n)]})
+    freeze_eval_set(samples, tiny_tokenizer, str(tmp_path / "eval_sets"), 1, 0.5, 64, log=lambda m: None)
+    examples = load_eval_set(str(tmp_path / "eval_sets"), 1)["path"]
+
+    def evaluate(cluster: GPUClusterResource, name: str, examples_path: str) -> tuple[dg.ExecuteInProcessResult,
+                                                                                       list[str]]:
+        job = EvaluationJob(run_id=f"ckpt-{name}", models={"candidate": str(tiny_model_dir)},
+                            examples_path=examples_path, eval_set_version=1, prompts=["What is 1 + 1?"],
+                            max_new_tokens=4, output_path=str(tmp_path / name / "scores.json"))
+
+        @dg.asset(retry_policy=dg.RetryPolicy(max_retries=1))
+        def scored(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.Output[dict]:
+            return dg.Output(gpu_cluster.run_evaluation(context, job, tmp_path / name)["scores"]["candidate"])
+
+        instance = dg.DagsterInstance.ephemeral()
+        res = dg.materialize([scored], resources={"gpu_cluster": cluster}, instance=instance, raise_on_error=False)
+        return res, [e.user_message for e in instance.all_logs(res.run_id)]
+
+    local, _ = evaluate(LocalGPUCluster(), "local", examples)
+    slurm_cluster_ = SlurmGPUCluster(slurm_cpus_per_task=1, poll_interval_s=0.5)
+    on_slurm, logs = evaluate(slurm_cluster_, "slurm", examples)
+    assert local.success and on_slurm.success, logs[-20:]
+    job_id = next(m.split()[3] for m in logs if m.startswith("submitted Slurm job"))
+    assert slurm_state(job_id) == "COMPLETED"
+    assert "-m nexa_dagster.core.evaluation_worker --job" in (tmp_path / "slurm" / "eval.sbatch").read_text()
+    assert any("ckpt-slurm candidate: eval-set loss" in m for m in logs), "worker progress did not come back"
+    expected, got = local.output_for_node("scored"), on_slurm.output_for_node("scored")
+    assert len(got["nll"]) == len(expected["nll"]) > 0 and got["tokens"] == expected["tokens"]
+    assert got["nll"] == pytest.approx(expected["nll"], rel=1e-5) and got["answers"] == expected["answers"]
+
+    missing, logs = evaluate(slurm_cluster_, "missing", str(tmp_path / "no-such-eval-set.parquet"))
+    events = missing.all_events
+    assert not missing.success and not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failure = missing.get_step_failure_events()[0].step_failure_data.user_failure_data.description
+    assert "evaluation ckpt-missing failed (Slurm job" in failure and "ended FAILED" in failure, failure
+    assert "not retried, it would fail again" in failure and "no-such-eval-set.parquet" in failure, failure
 
 
 def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teacher_dir: Path,
