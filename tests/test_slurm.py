@@ -48,13 +48,10 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[dict[str, str]]:
-    with slurm_cluster() as env:
-        os.environ.update(env)
-        try:
-            yield env
-        finally:
-            for key in env:
-                os.environ.pop(key, None)
+    with slurm_cluster() as env, pytest.MonkeyPatch.context() as patch:  # restores what the variables were
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield env
 
 
 def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: Path, teacher_dir: Path,

@@ -569,20 +569,17 @@ def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: P
     assert subprocess.run(["bash", "-n"], input=evaluation, text=True).returncode == 0, "not valid bash"
 
 
-def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir: Path) -> None:
+def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
 
     @dg.asset
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    old_path = os.environ["PATH"]
-    os.environ["PATH"] = str(tmp_path)  # no sbatch here
-    try:
-        res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster()},
-                             raise_on_error=False, instance=dg.DagsterInstance.ephemeral())
-    finally:
-        os.environ["PATH"] = old_path
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster()},
+                         raise_on_error=False, instance=dg.DagsterInstance.ephemeral())
     description = res.get_step_failure_events()[0].step_failure_data.user_failure_data.description
     assert "sbatch is not on PATH" in description
 
