@@ -6,7 +6,8 @@ real model on a cluster without code changes:
 * ``NEXA_TEACHER_BACKEND`` / ``NEXA_JUDGE_BACKEND``: ``local`` (in-process transformers, the default),
   ``managed`` (start ``vllm serve`` / ``transformers serve`` for the step) or ``openai`` (any OpenAI-compatible
   URL in ``NEXA_TEACHER_URL`` / ``NEXA_JUDGE_URL``, key read through ``dagster.EnvVar`` from
-  ``NEXA_TEACHER_API_KEY`` / ``NEXA_JUDGE_API_KEY``).
+  ``NEXA_TEACHER_API_KEY`` / ``NEXA_JUDGE_API_KEY``), over pipeline.yaml's ``teacher_llm`` / ``judge_llm``; one
+  resource class per backend (``resources/llm.py``), so a wrong backend or another backend's field fails the load.
 * ``NEXA_TEACHER_MODEL`` / ``NEXA_JUDGE_MODEL``: a local model path or a served model name.
 * ``NEXA_DATA_ROOT``, ``NEXA_LANDING_ROOT``, ``NEXA_RESULTS_ROOT``, ``MLFLOW_TRACKING_URI``, ``NEXA_SCALE``.
 """
@@ -33,20 +34,10 @@ from nexa_dagster.core.config_check import check_configs
 from nexa_dagster.jobs import JOBS, SCHEDULES
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
 from nexa_dagster.resources.io_manager import NexaIOManager
-from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.llm import llm_resource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 from nexa_dagster.sensors import SENSORS
-
-
-def llm_resource(role: str, default_model: str) -> LLMResource:
-    """The teacher or judge endpoint, from ``NEXA_<ROLE>_*`` environment variables."""
-    prefix = f"NEXA_{role.upper()}_"
-    backend = os.environ.get(prefix + "BACKEND", "local")
-    if backend == "openai":
-        return LLMResource(backend="openai", model=os.environ.get(prefix + "MODEL", ""),
-                           base_url=os.environ[prefix + "URL"], api_key=dg.EnvVar(prefix + "API_KEY"))
-    return LLMResource(backend=backend, model=os.environ.get(prefix + "MODEL", default_model))
 
 
 def gpu_cluster_resource(settings: dict[str, object]) -> GPUClusterResource:
@@ -61,7 +52,7 @@ def gpu_cluster_resource(settings: dict[str, object]) -> GPUClusterResource:
 
 def build_resources() -> dict[str, object]:
     """Resources from configs/pipeline.yaml, overridden by environment variables."""
-    cfg = load_pipeline_config()
+    cfg, pipeline_yaml = load_pipeline_config(), config_dir() / "pipeline.yaml"
     data_root = os.environ.get("NEXA_DATA_ROOT", cfg["data_root"])
     storage = StorageResource(data_root=data_root,
                               landing_root=os.environ.get("NEXA_LANDING_ROOT", cfg["ingest"]["landing_root"]),
@@ -69,8 +60,10 @@ def build_resources() -> dict[str, object]:
     return {
         "io_manager": NexaIOManager(data_root=data_root),
         "storage": storage,
-        "teacher_llm": llm_resource("teacher", storage.model_path(cfg["models"]["teacher"])),
-        "judge_llm": llm_resource("judge", storage.model_path(cfg["models"]["judge"])),
+        "teacher_llm": llm_resource("teacher", cfg["teacher_llm"], f"{pipeline_yaml}: teacher_llm",
+                                    storage.model_path(cfg["models"]["teacher"])),
+        "judge_llm": llm_resource("judge", cfg["judge_llm"], f"{pipeline_yaml}: judge_llm",
+                                  storage.model_path(cfg["models"]["judge"])),
         "gpu_cluster": gpu_cluster_resource(cfg["gpu_cluster"]),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
     }

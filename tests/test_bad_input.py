@@ -12,7 +12,7 @@ import pytest
 from nexa_dagster.assets.distillation import teacher_samples
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
-from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.llm import OpenAILLM
 from nexa_dagster.resources.storage import StorageResource
 
 DAY = "2026-11-20"
@@ -64,7 +64,7 @@ def test_wrong_column_type_fails_the_typed_boundary(tmp_path: Path) -> None:
 def test_unreachable_teacher_endpoint_names_the_url(tmp_path: Path) -> None:
     _land(tmp_path, [json.dumps({"title": "t", "text": f"document number {i}"}) for i in range(2)])
     resources = {**_resources(tmp_path),
-                 "teacher_llm": LLMResource(backend="openai", model="m", base_url="http://127.0.0.1:9/v1",
+                 "teacher_llm": OpenAILLM(model="m", base_url="http://127.0.0.1:9/v1",
                                             api_key="sk-secret-do-not-log", max_retries=0, timeout_s=2)}
     instance = dg.DagsterInstance.ephemeral()
     assert dg.materialize([raw_documents], partition_key=DAY, resources=resources, instance=instance).success

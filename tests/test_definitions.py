@@ -174,3 +174,68 @@ def test_the_leaderboard_is_requested_after_new_evaluation_reports(tmp_path, mon
         assert once.total_requested == 0  # requested once, not on every tick
     finally:
         instance.dispose()
+
+
+# -- one resource class per LLM backend, checked when the code location loads (issue 16) --------------------------
+LLM_MISTAKES = {  # case: (environment, pipeline.yaml addition, what the error must say)
+    "unknown backend": ({"NEXA_TEACHER_BACKEND": "vllm"}, "",
+                        "NEXA_TEACHER_BACKEND: unknown LLM backend 'vllm'; one of local, managed, openai"),
+    "a URL for the local backend": ({"NEXA_JUDGE_URL": "http://127.0.0.1:8000/v1"}, "",
+                                    "NEXA_JUDGE_URL: base_url is not a setting of the local backend (LocalLLM"),
+    "openai without a URL": ({"NEXA_TEACHER_BACKEND": "openai"}, "",
+                             "NEXA_TEACHER_URL: the openai backend needs base_url"),
+    "another backend's key in the file": ({}, "judge_llm:\n  backend: managed\n  batch_size: 4\n",
+                                          "pipeline.yaml: judge_llm.batch_size: batch_size is not a setting of "
+                                          "the managed backend (ManagedLLM"),
+    "a key in the file": ({}, "teacher_llm:\n  backend: openai\n  base_url: http://x/v1\n  api_key: sk-1\n",
+                          "pipeline.yaml: teacher_llm.api_key: never a key in a file: set NEXA_TEACHER_API_KEY"),
+    "a bad value": ({"NEXA_TEACHER_BACKEND": "managed"}, "teacher_llm:\n  max_concurrency: 0\n",
+                    "pipeline.yaml: teacher_llm.max_concurrency: Input should be greater than or equal to 1 (got 0)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLM_MISTAKES))
+def test_a_wrong_llm_backend_or_another_backends_field_fails_the_load(case: str, tmp_path, monkeypatch) -> None:
+    """``LLMResource`` used to take every backend's fields and a free ``backend`` string, checked at run time."""
+    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.definitions import build_defs
+
+    environment, addition, expected = LLM_MISTAKES[case]
+    configs = _configs_with(tmp_path, "pipeline.yaml", "schedule:", addition + "schedule:")
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
+    for key in [k for k in os.environ if k.startswith(("NEXA_TEACHER_", "NEXA_JUDGE_"))]:
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as raised:
+        build_defs()
+    assert expected in str(raised.value)
+
+
+def test_each_llm_backend_gets_its_own_resource_class(tmp_path, monkeypatch) -> None:
+    """pipeline.yaml names the teacher's backend and its fields; the environment overrides; the key is an EnvVar."""
+    from nexa_dagster.definitions import build_defs
+    from nexa_dagster.resources.llm import LocalLLM, ManagedLLM, OpenAILLM
+
+    configs = _configs_with(tmp_path, "pipeline.yaml", "schedule:",
+                            "teacher_llm:\n  backend: managed\n  max_concurrency: 3\n  continuous_batching: false\n"
+                            "judge_llm:\n  batch_size: 4\nschedule:")
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
+    for key in [k for k in os.environ if k.startswith(("NEXA_TEACHER_", "NEXA_JUDGE_"))]:
+        monkeypatch.delenv(key)
+    resources = build_defs().resources
+    teacher, judge = resources["teacher_llm"], resources["judge_llm"]
+    assert type(teacher) is ManagedLLM and teacher.max_concurrency == 3 and teacher.continuous_batching is False
+    assert type(judge) is LocalLLM and judge.batch_size == 4 and judge.model.endswith("models/tiny-teacher")
+
+    monkeypatch.setenv("NEXA_TEACHER_BACKEND", "openai")
+    monkeypatch.setenv("NEXA_TEACHER_URL", "http://127.0.0.1:8000/v1")
+    monkeypatch.setenv("NEXA_TEACHER_API_KEY", "sk-not-in-metadata")
+    with pytest.raises(Exception, match="continuous_batching is not a setting of the openai backend"):
+        build_defs()  # the file's managed-only keys do not fit the backend the environment picks
+    (configs / "pipeline.yaml").write_text((configs / "pipeline.yaml").read_text().replace(
+        "  max_concurrency: 3\n  continuous_batching: false\n", "  max_concurrency: 3\n"))
+    teacher = build_defs().resources["teacher_llm"]
+    assert type(teacher) is OpenAILLM and teacher.max_concurrency == 3 and teacher.model == ""
+    assert isinstance(teacher.api_key, dg.EnvVar) and teacher.api_key.env_var_name == "NEXA_TEACHER_API_KEY"
+    assert "sk-not-in-metadata" not in str(teacher.describe())

@@ -148,11 +148,11 @@ from nexa_dagster.assets.distillation import teacher_samples
 from nexa_dagster.assets.filtering import sample_gate
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
-from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.llm import OpenAILLM
 from nexa_dagster.resources.storage import StorageResource
 
 root, landing, url, model, with_gate = sys.argv[1:6]
-llm = LLMResource(backend="openai", base_url=url, model=model, max_concurrency=2, max_retries=1)
+llm = OpenAILLM(base_url=url, model=model, max_concurrency=2, max_retries=1)
 assets = [raw_documents, teacher_samples] + ([sample_gate] if with_gate == "1" else [])
 result = dg.materialize(assets, partition_key=sys.argv[6], resources={
     "io_manager": NexaIOManager(data_root=root), "storage": StorageResource(data_root=root, landing_root=landing),
@@ -268,14 +268,14 @@ def test_the_same_data_at_two_paths_gives_the_same_ids_and_dataset_and_a_moved_r
     """
     from nexa_dagster.core.model_identity import model_fingerprint
     from nexa_dagster.core.sft_dataset import build_sft_dataset
-    from nexa_dagster.resources.llm import LLMResource
+    from nexa_dagster.resources.llm import LocalLLM
 
     docs = _documents(4)
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
 
     def checkout(data_root: Path) -> tuple[pd.DataFrame, int, bytes]:
-        with LLMResource(backend="local", model=str(data_root / "models" / "tiny-teacher"),
-                         batch_size=4).get_client() as client, GenerationStore(data_root / "store") as store:
+        with LocalLLM(model=str(data_root / "models" / "tiny-teacher"),
+                      batch_size=4).get_client() as client, GenerationStore(data_root / "store") as store:
             prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, params, generations_per_prompt=1)
             frame, stats = generate_teacher_samples(client, prompts, params, store)
         dataset, _ = build_sft_dataset(frame, tiny_tokenizer, str(data_root / "models" / "tiny-teacher"),

@@ -22,7 +22,7 @@ from nexa_dagster.assets import filtering
 from nexa_dagster.assets.distillation import teacher_samples
 from nexa_dagster.assets.filtering import sample_gate
 from nexa_dagster.resources.io_manager import NexaIOManager
-from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.llm import LocalLLM, OpenAILLM
 from nexa_dagster.resources.storage import StorageResource
 
 DAY = "2026-11-20"
@@ -46,7 +46,7 @@ def _gate(tmp_path: Path, url: str, frame: pd.DataFrame) -> dg.ExecuteInProcessR
     frame.to_parquet(path)
     resources = {"io_manager": NexaIOManager(data_root=str(data)),
                  "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                 "judge_llm": LLMResource(backend="openai", base_url=url, model="stub", max_retries=2,
+                 "judge_llm": OpenAILLM(base_url=url, model="stub", max_retries=2,
                                           timeout_s=5)}
     return dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,
                           instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
@@ -137,7 +137,7 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
     with stub_server(reply) as (url, calls, _):
         resources = {"io_manager": NexaIOManager(data_root=str(data)),
                      "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                     "teacher_llm": LLMResource(backend="openai", base_url=url, model="stub", max_concurrency=2)}
+                     "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2)}
         result = dg.materialize([raw_documents.to_source_asset(), teacher_samples], partition_key=DAY,
                                 resources=resources, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert not result.success and _retries(result) == 0
@@ -159,7 +159,7 @@ def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Pat
     _teacher_frame().to_parquet(path)
     resources = {"io_manager": NexaIOManager(data_root=str(data)),
                  "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                 "judge_llm": LLMResource(backend="local", model=str(model))}
+                 "judge_llm": LocalLLM(model=str(model))}
     result = dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,
                             instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert not result.success

@@ -28,7 +28,7 @@ from nexa_dagster.core.llm.local import LocalTransformersClient
 from nexa_dagster.core.llm.managed_server import ManagedServer, transformers_serve_options
 from nexa_dagster.core.llm.openai_compat import MISSING_CHOICE_MARGIN, OpenAICompatibleClient
 from nexa_dagster.core.sample_gate import SCORE_CHOICES, judge_one
-from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.llm import LocalLLM, ManagedLLM, OpenAILLM
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SECRET = "sk-test-secret-123"
@@ -163,7 +163,7 @@ def test_real_transformers_serve_answers_through_the_openai_client(served: Manag
 
 def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_dir: Path) -> None:
     before = {p.pid for p in _servers_of_this_process()}
-    resource = LLMResource(backend="managed", model=str(tiny_model_dir))
+    resource = ManagedLLM(model=str(tiny_model_dir))
     with resource.get_client(log=logging.getLogger("test")) as client:
         assert client.chat([{"role": "user", "content": "hi"}], GREEDY).completion_tokens > 0
         base_url = client.base_url
@@ -180,7 +180,7 @@ def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_di
 def test_continuous_batching_setting_is_passed_as_it_is(tiny_model_dir: Path, tmp_path: Path, setting: bool | None,
                                                         on_gpu: bool, on_cpu: bool) -> None:
     """False turns it off even on a GPU (it used to become None, "auto", which is on there); None is auto."""
-    resource = LLMResource(backend="managed", model=str(tiny_model_dir), continuous_batching=setting)
+    resource = ManagedLLM(model=str(tiny_model_dir), continuous_batching=setting)
     assert resource.managed_server(tiny_model_dir, tmp_path, device="cuda").continuous_batching is on_gpu
     assert resource.managed_server(tiny_model_dir, tmp_path, device="cpu").continuous_batching is on_cpu
 
@@ -283,7 +283,7 @@ def test_unreachable_endpoint_is_named_and_the_key_never_leaks(caplog: pytest.Lo
     out = client.chat_many([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY)
     assert len(out) == 2 and all(c.error and "127.0.0.1:9" in c.error and SECRET not in c.error for c in out)
     assert all(c.text == "" and c.completion_tokens == 0 for c in out)
-    resource = LLMResource(backend="openai", base_url=f"http://user:{SECRET}@x/v1?key={SECRET}", api_key=SECRET)
+    resource = OpenAILLM(base_url=f"http://user:{SECRET}@x/v1?key={SECRET}", api_key=SECRET)
     assert SECRET not in json.dumps(resource.describe()) and resource.describe()["api_key_set"] is True
     assert SECRET not in caplog.text
     with pytest.raises(LLMError, match="127.0.0.1:9"):
@@ -462,8 +462,10 @@ def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
     gate = load_yaml("filters.yaml")
     with pytest.raises(ConfigError, match="judge.max_tokens"):
         validated(GateConfig, "filters.yaml", {**gate, "judge": {**gate["judge"], "max_tokens": 8}})
-    for bad in ({"max_retries": -1}, {"max_concurrency": 0}, {"timeout_s": 0}, {"batch_size": 0}):
+    for bad in ({"max_retries": -1}, {"max_concurrency": 0}, {"timeout_s": 0}):
         with pytest.raises(Exception, match=next(iter(bad))):
-            LLMResource(backend="openai", base_url="http://127.0.0.1:9/v1", **bad)
+            OpenAILLM(base_url="http://127.0.0.1:9/v1", **bad)
+    with pytest.raises(Exception, match="batch_size"):
+        LocalLLM(model="m", batch_size=0)
     with pytest.raises(ValueError, match="max_retries must be >= 0"):
         OpenAICompatibleClient("http://127.0.0.1:9/v1", model="m", max_retries=-1)

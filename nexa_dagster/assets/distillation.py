@@ -48,7 +48,7 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     params = SamplingParams(max_tokens=scale.teacher.max_new_tokens, temperature=scale.teacher.temperature,
                             top_p=scale.teacher.top_p, seed=scale.teacher.seed)
     store_dir = generation_store_dir(storage)
-    with (no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.describe()['base_url'] or teacher_llm.model}"),
+    with (no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.where()}"),
           teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store):
         prompts = build_prompts(raw_documents, read_text("prompts/teacher.jinja"),
                                 read_text("prompts/teacher_system.txt").strip(), teacher.identity, params,
@@ -57,7 +57,7 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
                          f"store {store_dir}")
         with progress_logger(context, "teacher answers") as progress:
             samples, stats = generate_teacher_samples(teacher, prompts, params, store,
-                                                      batch_size=teacher_llm.batch_size, progress=progress)
+                                                      batch_size=teacher_llm.batch(), progress=progress)
     if len(samples) and stats.failed == len(samples):
         # nothing came back at all: the endpoint is down or misconfigured, not a few flaky requests
         raise dg.Failure(f"every teacher request failed; first error: {samples['error'].iloc[0]}")
@@ -81,8 +81,7 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
         "generation_store": dg.MetadataValue.path(str(store_dir)),
         "preview": preview(samples, ["sample_id", "prompt", "response", "completion_tokens"]),
     }
-    if teacher_llm.priced:
-        metadata["estimated_cost_usd"] = round(stats.cost(teacher_llm.usd_per_1m_input_tokens,
-                                                          teacher_llm.usd_per_1m_output_tokens), 6)
+    if (prices := teacher_llm.price_per_1m_tokens()) is not None:
+        metadata["estimated_cost_usd"] = round(stats.cost(*prices), 6)
     context.add_output_metadata(metadata)
     return samples

@@ -150,7 +150,7 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
                         # production's benchmark scores cost a second harness run: only when the gate needs them
                         benchmark_roles=["candidate", "production"] if policy.benchmark else ["candidate"])
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
-    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
+    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
           judge_llm.get_client() as judge):
         evaluation = compare(checkpoint_id, version, ModelScores.from_json(scores["candidate"]),
                              ModelScores.from_json(scores["production"]) if "production" in scores else None,

@@ -44,7 +44,7 @@ def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame
                 storage: StorageResource):
     config = load_gate_config(FILTERS_FILE)
     dedup_root = storage.path("dedup", "filtered_samples")
-    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.describe()['base_url'] or judge_llm.model}"),
+    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
           judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress):
         result = apply_sample_gate(teacher_samples, config, judge, read_text("prompts/judge.jinja"),
                                    read_text("prompts/judge_verdict.jinja"), dedup_root, progress=progress)

@@ -279,13 +279,17 @@ class EvalSetConfig(_Strict):
 class PipelineConfig(_Strict):
     """``configs/pipeline.yaml``. ``gpu_cluster`` holds the fields of the GPU-cluster class its ``backend`` picks,
     checked against that class where it is built (``resources.gpu_cluster.gpu_cluster_from_settings``), so the list
-    of each backend's keys lives in one place."""
+    of each backend's keys lives in one place; so are ``teacher_llm``/``judge_llm`` against the class of the LLM
+    backend they name (``resources.llm.llm_resource``)."""
 
     data_root: str = Field(min_length=1)
     partitions_start_date: dt.date
     ingest: IngestConfig
     models: ModelsConfig
     gpu_cluster: dict[str, Any] = Field(default_factory=dict)
+    teacher_llm: dict[str, Any] = Field(default_factory=dict, description=(
+        "backend (local | managed | openai) and that backend's fields (resources/llm.py), under NEXA_TEACHER_*"))
+    judge_llm: dict[str, Any] = Field(default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)")
     schedule: ScheduleConfig = ScheduleConfig()
     eval_set: EvalSetConfig = EvalSetConfig()
 

@@ -1,23 +1,27 @@
-"""The LLM endpoint resource: one way to reach a model, whatever serves it.
+"""The LLM endpoint resources: one way to reach a model, one class per thing that serves it.
 
-``backend`` picks what answers: ``local`` (in-process transformers on a local directory), ``managed`` (start
-``vllm serve``/``transformers serve`` on a local directory for the step, stop it afterwards) or ``openai`` (any
-OpenAI-compatible URL: a hosted API, a ``vllm serve`` on a GPU node). Pass secrets with
-``api_key=dagster.EnvVar("NEXA_TEACHER_API_KEY")``; ``describe()`` (what goes into metadata) never includes them.
+``LocalLLM`` (in-process transformers on a local directory), ``ManagedLLM`` (start ``vllm serve``/``transformers
+serve`` on a local directory for the step, stop it afterwards) and ``OpenAILLM`` (any OpenAI-compatible URL: a
+hosted API, a ``vllm serve`` on a GPU node) each take only their own fields (``extra="forbid"``), so a ``base_url``
+given to the local backend is an error where the resource is built, not a setting silently ignored. Assets ask for
+the abstract ``LLMResource``. Pass secrets with ``api_key=dagster.EnvVar("NEXA_TEACHER_API_KEY")``; ``describe()``
+(what goes into metadata) never includes them. ``llm_resource`` builds one from pipeline.yaml and the environment.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
+import os
 import tempfile
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import dagster as dg
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from nexa_dagster.core.config import resolve_path
 from nexa_dagster.core.llm.base import LLMClient
@@ -25,7 +29,7 @@ from nexa_dagster.core.llm.base import LLMClient
 if TYPE_CHECKING:
     from nexa_dagster.core.llm.managed_server import ManagedServer
 
-BACKENDS = ("local", "managed", "openai")
+logger = logging.getLogger(__name__)
 
 
 def _safe_url(url: str) -> str:
@@ -38,44 +42,21 @@ def _safe_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-class LLMResource(dg.ConfigurableResource):
-    """Configuration of a model endpoint; ``get_client()`` turns it into an ``LLMClient`` for one step."""
+class LLMResource(dg.ConfigurableResource, abc.ABC):
+    """A model endpoint; ``get_client()`` turns it into an ``LLMClient`` for one step. Subclasses: one per backend."""
 
-    backend: str = Field(default="local", description="local | managed | openai")
+    model_config = ConfigDict(extra="forbid")  # a field of another backend is an error, not ignored
+
+    backend: ClassVar[str]
+
     model: str = Field(default="", description="local model directory (local/managed) or served model name "
                                                  "(openai; empty = the first model the server lists)")
-    base_url: str = Field(default="", description="OpenAI-compatible base URL, e.g. http://host:8000/v1 (openai)")
-    api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
-    max_concurrency: int = Field(default=8, ge=1, description="concurrent requests (openai, managed)")
-    timeout_s: float = Field(default=120.0, gt=0, description="per-request timeout (openai, managed)")
-    max_retries: int = Field(default=4, ge=0, description="retries with backoff on 429/5xx/timeouts (openai, managed)")
-    batch_size: int = Field(default=16, ge=1, description="generate() batch size (local)")
-    continuous_batching: bool | None = Field(
-        default=True, description="managed `transformers serve`: batch concurrent requests (measured 3-4x the "
-        "one-at-a-time throughput at 8 in flight on a 2-core CPU, see bench/generation.py); False: off, "
-        "None: on only on a GPU")
-    usd_per_1m_input_tokens: float = Field(default=0.0, ge=0, description="price of prompt tokens (0: unknown)")
-    usd_per_1m_output_tokens: float = Field(default=0.0, ge=0, description="price of generated tokens (0: unknown)")
 
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """What is safe to show in metadata and logs (never the key)."""
-        return {"backend": self.backend, "model": self.model, "base_url": _safe_url(self.base_url),
-                "api_key_set": bool(self.api_key), "max_concurrency": self.max_concurrency,
-                "max_retries": self.max_retries, "timeout_s": self.timeout_s}
 
-    @property
-    def priced(self) -> bool:
-        return self.usd_per_1m_input_tokens > 0 or self.usd_per_1m_output_tokens > 0
-
-    def managed_server(self, model_dir: str | Path, log_dir: str | Path, logger: logging.Logger | None = None,
-                       device: str = "auto") -> ManagedServer:
-        """The (not yet started) server the ``managed`` backend runs: ``continuous_batching`` is passed as it is,
-        so ``False`` stays off even on a GPU, where ``None`` (auto) would turn it on."""
-        from nexa_dagster.core.llm.managed_server import ManagedServer
-
-        return ManagedServer(model_dir, log_dir, logger=logger, device=device,
-                             continuous_batching=self.continuous_batching)
-
+    @abc.abstractmethod
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
         """The client for this configuration, released (model freed, server stopped) when the block exits.
@@ -83,39 +64,182 @@ class LLMResource(dg.ConfigurableResource):
         ``log`` is a logger such as ``context.log``; it hears which backend starts and, for ``managed``, when the
         server is healthy.
         """
-        logger = log or logging.getLogger(__name__)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"LLMResource.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == "openai":
-            if not self.base_url:
-                raise ValueError("LLMResource(backend='openai') needs base_url")
-            from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
-            logger.info(f"LLM backend openai at {_safe_url(self.base_url)} (model {self.model or 'first listed'})")
-            with OpenAICompatibleClient(self.base_url, self.model, self.api_key, self.max_concurrency,
-                                        self.timeout_s, self.max_retries) as client:
-                yield client
-            return
+    def where(self) -> str:
+        """The endpoint as an error message names it: the URL, or the model directory."""
+        return self.model
+
+    def batch(self) -> int:
+        """Requests answered together by ``stream_chat``: only the in-process engine batches; the HTTP clients
+        keep ``max_concurrency`` requests in flight whatever the chunk."""
+        return 16
+
+    def price_per_1m_tokens(self) -> tuple[float, float] | None:
+        """(input, output) USD per million tokens where a price is configured, else None."""
+        return None
+
+    def _local_model(self) -> Path:
         if not self.model:
-            raise ValueError(f"LLMResource(backend={self.backend!r}) needs model (a local model directory)")
-        from nexa_dagster.core.model_identity import model_fingerprint
+            raise ValueError(f"{type(self).__name__} needs model (a local model directory)")
         from nexa_dagster.core.tiny_model import ensure_model
 
-        path = ensure_model(resolve_path(self.model))
-        if self.backend == "local":
-            from nexa_dagster.core.llm.local import LocalTransformersClient
+        return ensure_model(resolve_path(self.model))
 
-            logger.info(f"LLM backend local transformers on {path} (batch size {self.batch_size})")
-            with LocalTransformersClient(path, batch_size=self.batch_size) as client:
-                yield client
-            return
+
+class LocalLLM(LLMResource):
+    """In-process ``transformers`` on a local directory: batched generation and the log-probabilities the judge
+    reads its score from (which ``transformers serve`` does not return)."""
+
+    backend: ClassVar[str] = "local"
+
+    batch_size: int = Field(default=16, ge=1, description="generate() batch size")
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model, "batch_size": self.batch_size}
+
+    def batch(self) -> int:
+        return self.batch_size
+
+    @contextmanager
+    def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
+        from nexa_dagster.core.llm.local import LocalTransformersClient
+
+        path = self._local_model()
+        (log or logger).info(f"LLM backend local transformers on {path} (batch size {self.batch_size})")
+        with LocalTransformersClient(path, batch_size=self.batch_size) as client:
+            yield client
+
+
+class _HTTPLLM(LLMResource, abc.ABC):
+    """What the two backends reached over HTTP share: concurrency, timeout, retries."""
+
+    max_concurrency: int = Field(default=8, ge=1, description="concurrent requests")
+    timeout_s: float = Field(default=120.0, gt=0, description="per-request timeout")
+    max_retries: int = Field(default=4, ge=0, description="retries with backoff on 429/5xx/timeouts")
+
+    def _http(self) -> dict[str, Any]:
+        return {"max_concurrency": self.max_concurrency, "max_retries": self.max_retries,
+                "timeout_s": self.timeout_s}
+
+
+class ManagedLLM(_HTTPLLM):
+    """``vllm serve`` (vLLM and a GPU present) or ``transformers serve`` started on a local directory for the
+    step, reached over HTTP, and stopped (the whole process group) when the step ends."""
+
+    backend: ClassVar[str] = "managed"
+
+    continuous_batching: bool | None = Field(
+        default=True, description="`transformers serve`: batch concurrent requests (measured 3-4x the "
+        "one-at-a-time throughput at 8 in flight on a 2-core CPU, see bench/generation.py); False: off, "
+        "None: on only on a GPU")
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model, **self._http(),
+                "continuous_batching": self.continuous_batching}
+
+    def managed_server(self, model_dir: str | Path, log_dir: str | Path, logger: logging.Logger | None = None,
+                       device: str = "auto") -> ManagedServer:
+        """The (not yet started) server: ``continuous_batching`` is passed as it is, so ``False`` stays off even
+        on a GPU, where ``None`` (auto) would turn it on."""
+        from nexa_dagster.core.llm.managed_server import ManagedServer
+
+        return ManagedServer(model_dir, log_dir, logger=logger, device=device,
+                             continuous_batching=self.continuous_batching)
+
+    @contextmanager
+    def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
         from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
+        from nexa_dagster.core.model_identity import model_fingerprint
 
-        with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, logger) as server:
-            logger.info(f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
-                        f"healthy after {server.ready_s:.1f} s")
+        path, log = self._local_model(), log or logger
+        with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, log) as server:
+            log.info(f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
+                     f"healthy after {server.ready_s:.1f} s")
             with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
                                         self.timeout_s, self.max_retries) as client:
                 # served under its directory's name, which says where it lies, not what it is
                 client.identity_override = model_fingerprint(path)
                 yield client
+
+
+class OpenAILLM(_HTTPLLM):
+    """Any OpenAI-compatible URL through the ``openai`` client (a hosted API, a ``vllm serve`` on a GPU node)."""
+
+    backend: ClassVar[str] = "openai"
+
+    base_url: str = Field(description="OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
+    usd_per_1m_input_tokens: float = Field(default=0.0, ge=0, description="price of prompt tokens (0: unknown)")
+    usd_per_1m_output_tokens: float = Field(default=0.0, ge=0, description="price of generated tokens (0: unknown)")
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "model": self.model, "base_url": _safe_url(self.base_url),
+                "api_key_set": bool(self.api_key), **self._http()}
+
+    def where(self) -> str:
+        return _safe_url(self.base_url)
+
+    def price_per_1m_tokens(self) -> tuple[float, float] | None:
+        prices = (self.usd_per_1m_input_tokens, self.usd_per_1m_output_tokens)
+        return prices if any(prices) else None
+
+    @contextmanager
+    def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
+        from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
+
+        if not self.base_url:
+            raise ValueError("OpenAILLM needs base_url")
+        (log or logger).info(f"LLM backend openai at {_safe_url(self.base_url)} "
+                             f"(model {self.model or 'first listed'})")
+        with OpenAICompatibleClient(self.base_url, self.model, self.api_key, self.max_concurrency,
+                                    self.timeout_s, self.max_retries) as client:
+            yield client
+
+
+BACKENDS: dict[str, type[LLMResource]] = {cls.backend: cls for cls in (LocalLLM, ManagedLLM, OpenAILLM)}
+
+
+def llm_resource(role: str, settings: dict[str, Any], where: str, default_model: str,
+                 env: Mapping[str, str] | None = None) -> LLMResource:
+    """The ``role`` (teacher, judge) endpoint: ``settings`` (pipeline.yaml's ``<role>_llm``, found at ``where``)
+    under the environment's ``NEXA_<ROLE>_BACKEND`` / ``_MODEL`` / ``_URL``; ``openai`` reads its key through
+    ``dagster.EnvVar("NEXA_<ROLE>_API_KEY")``. Checked here, when the code location loads: an unknown backend or a
+    field the chosen backend does not have is a ``ConfigError`` naming the variable or key it came from."""
+    from pydantic import ValidationError
+
+    from nexa_dagster.core.config import ConfigError, explain
+
+    env = os.environ if env is None else env
+    prefix = f"NEXA_{role.upper()}_"
+    origin = {key: f"{where}.{key}" for key in settings}
+    settings = dict(settings)
+    for key, variable in (("backend", "BACKEND"), ("model", "MODEL"), ("base_url", "URL")):
+        if env.get(prefix + variable):
+            settings[key], origin[key] = env[prefix + variable], prefix + variable
+    if "api_key" in settings:
+        raise ConfigError(f"{origin['api_key']}: never a key in a file: set {prefix}API_KEY (read through "
+                          f"dagster.EnvVar by the openai backend)")
+    backend = settings.pop("backend", "local")
+    cls = BACKENDS.get(str(backend))
+    if cls is None:
+        raise ConfigError(f"{origin.get('backend', prefix + 'BACKEND')}: unknown LLM backend {backend!r}; one of "
+                          f"{', '.join(BACKENDS)}")
+    known = sorted(cls.model_fields)
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ConfigError(f"{origin[unknown[0]]}: {unknown[0]} is not a setting of the {backend} backend "
+                          f"({cls.__name__}: {', '.join(known)})")
+    if cls is OpenAILLM:
+        settings["api_key"] = dg.EnvVar(prefix + "API_KEY")
+        if not settings.get("base_url"):
+            raise ConfigError(f"{prefix}URL: the openai backend needs base_url (the OpenAI-compatible URL)")
+    else:
+        settings.setdefault("model", default_model)
+    try:
+        return cls(**settings)
+    except ValidationError as e:
+        lines = []
+        for problem in explain(e, cls):  # "key: what is wrong", said where the key was set
+            key, _, what = problem.partition(": ")
+            lines.append(f"{origin.get(key.split('.')[0], f'{where}.{key}')}: {what}")
+        raise ConfigError("\n".join(lines)) from None
