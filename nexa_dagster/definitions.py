@@ -9,7 +9,8 @@ real model on a cluster without code changes:
   ``NEXA_TEACHER_API_KEY`` / ``NEXA_JUDGE_API_KEY``), over pipeline.yaml's ``teacher_llm`` / ``judge_llm``; one
   resource class per backend (``resources/llm.py``), so a wrong backend or another backend's field fails the load.
 * ``NEXA_TEACHER_MODEL`` / ``NEXA_JUDGE_MODEL``: a local model path or a served model name.
-* ``NEXA_DATA_ROOT``, ``NEXA_LANDING_ROOT``, ``NEXA_RESULTS_ROOT``, ``MLFLOW_TRACKING_URI``, ``NEXA_SCALE``.
+* ``NEXA_DATA_ROOT``, ``NEXA_LANDING_ROOT``, ``NEXA_RESULTS_ROOT``, ``MLFLOW_TRACKING_URI``.
+* ``NEXA_SCALE``: the default of the ``scale_preset`` resource, which a run's config may change (the Launchpad).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from nexa_dagster.jobs import JOBS, SCHEDULES
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import llm_resource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 from nexa_dagster.sensors import SENSORS
@@ -66,6 +68,7 @@ def build_resources() -> dict[str, object]:
                                   storage.model_path(cfg["models"]["judge"])),
         "gpu_cluster": gpu_cluster_resource(cfg["gpu_cluster"]),
         "tracking": TrackingResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", ""), data_root=data_root),
+        "scale_preset": ScaleResource.from_env(),  # the Launchpad's default: NEXA_SCALE
     }
 
 

@@ -13,6 +13,7 @@ from nexa_dagster.assets.distillation import teacher_samples
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import OpenAILLM
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 DAY = "2026-11-20"
@@ -20,7 +21,8 @@ DAY = "2026-11-20"
 
 def _resources(tmp_path: Path) -> dict[str, object]:
     return {"io_manager": NexaIOManager(data_root=str(tmp_path / "data")),
-            "storage": StorageResource(data_root=str(tmp_path / "data"), landing_root=str(tmp_path / "landing"))}
+            "storage": StorageResource(data_root=str(tmp_path / "data"), landing_root=str(tmp_path / "landing")),
+            "scale_preset": ScaleResource.from_env()}
 
 
 def _land(tmp_path: Path, lines: list[str]) -> None:

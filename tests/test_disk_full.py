@@ -40,13 +40,15 @@ def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(smal
                                                                             tmp_path: Path) -> None:
     from nexa_dagster.assets.ingest import raw_documents
     from nexa_dagster.resources.io_manager import NexaIOManager
+    from nexa_dagster.resources.scale import ScaleResource
     from nexa_dagster.resources.storage import StorageResource
 
     landing = tmp_path / "landing"
     shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, landing / DAY)
     data = str(small_disk / "data")
     resources = {"io_manager": NexaIOManager(data_root=data),
-                 "storage": StorageResource(data_root=data, landing_root=str(landing))}
+                 "storage": StorageResource(data_root=data, landing_root=str(landing)),
+                 "scale_preset": ScaleResource.from_env()}
     instance = dg.DagsterInstance.ephemeral()
     assert dg.materialize([raw_documents], partition_key=DAY, resources=resources, instance=instance).success
     written = sorted(p for p in (small_disk / "data").rglob("*") if p.is_file())

@@ -149,6 +149,7 @@ from nexa_dagster.assets.filtering import sample_gate
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import OpenAILLM
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 root, landing, url, model, with_gate = sys.argv[1:6]
@@ -156,7 +157,7 @@ llm = OpenAILLM(base_url=url, model=model, max_concurrency=2, max_retries=1)
 assets = [raw_documents, teacher_samples] + ([sample_gate] if with_gate == "1" else [])
 result = dg.materialize(assets, partition_key=sys.argv[6], resources={
     "io_manager": NexaIOManager(data_root=root), "storage": StorageResource(data_root=root, landing_root=landing),
-    "teacher_llm": llm, "judge_llm": llm})
+    "teacher_llm": llm, "judge_llm": llm, "scale_preset": ScaleResource.from_env()})
 out = {"success": result.success, "checks": {}}
 for event in result.get_asset_materialization_events():
     mat = event.event_specific_data.materialization

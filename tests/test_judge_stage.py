@@ -23,6 +23,7 @@ from nexa_dagster.assets.distillation import teacher_samples
 from nexa_dagster.assets.filtering import sample_gate
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import LocalLLM, OpenAILLM
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 DAY = "2026-11-20"
@@ -137,7 +138,8 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
     with stub_server(reply) as (url, calls, _):
         resources = {"io_manager": NexaIOManager(data_root=str(data)),
                      "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                     "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2)}
+                     "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2),
+                     "scale_preset": ScaleResource.from_env()}
         result = dg.materialize([raw_documents.to_source_asset(), teacher_samples], partition_key=DAY,
                                 resources=resources, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert not result.success and _retries(result) == 0

@@ -61,6 +61,7 @@ def _landing(root: Path) -> dict[str, int]:
 def test_a_materialization_is_stored_in_postgres(tmp_path: Path, pg: dict[str, str]) -> None:
     from nexa_dagster.assets.ingest import raw_documents
     from nexa_dagster.resources.io_manager import NexaIOManager
+    from nexa_dagster.resources.scale import ScaleResource
     from nexa_dagster.resources.storage import StorageResource
 
     counts = _landing(tmp_path / "landing")
@@ -71,7 +72,8 @@ def test_a_materialization_is_stored_in_postgres(tmp_path: Path, pg: dict[str, s
         result = dg.materialize(
             [raw_documents], partition_key=DAYS[0], instance=instance,
             resources={"io_manager": NexaIOManager(data_root=data),
-                       "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing"))})
+                       "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing")),
+                       "scale_preset": ScaleResource.from_env()})
         assert result.success
         event = instance.get_latest_materialization_event(dg.AssetKey("raw_documents"))
         assert event is not None and event.run_id == result.run_id

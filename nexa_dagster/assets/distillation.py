@@ -15,11 +15,12 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, pr
 from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType, TeacherSamplesType
-from nexa_dagster.core.config import load_scale, read_text
+from nexa_dagster.core.config import read_text
 from nexa_dagster.core.distillation import build_prompts, generate_teacher_samples
 from nexa_dagster.core.generation_store import GenerationStore
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -43,8 +44,8 @@ def generation_store_dir(storage: StorageResource) -> Path:
                 "sample. Resumable: answers already paid for are reused from the generation store.",
 )
 def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame, teacher_llm: LLMResource,
-                    storage: StorageResource) -> pd.DataFrame:
-    scale = load_scale()
+                    storage: StorageResource, scale_preset: ScaleResource) -> pd.DataFrame:
+    scale = scale_preset.load()
     params = SamplingParams(max_tokens=scale.teacher.max_new_tokens, temperature=scale.teacher.temperature,
                             top_p=scale.teacher.top_p, seed=scale.teacher.seed)
     store_dir = generation_store_dir(storage)
@@ -66,6 +67,7 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     metadata: dict[str, object] = {
         "dagster/row_count": len(samples),
         "teacher": dg.MetadataValue.json(teacher_llm.describe()),
+        "scale": scale.name,
         "reused": stats.reused,
         "generated": stats.generated,
         "failed_requests": stats.failed,

@@ -17,7 +17,7 @@ from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, EvalReport
 from nexa_dagster.core.benchmarks import BenchmarkError, compare_benchmark, flat_scores
-from nexa_dagster.core.config import load_scale, pipeline_config, read_text, resolve_path
+from nexa_dagster.core.config import pipeline_config, read_text, resolve_path
 from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation import (
     CheckpointEvaluation,
@@ -31,6 +31,7 @@ from nexa_dagster.core.promotion import GateDecision, ProductionRegistry, decide
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -127,14 +128,14 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
                 "results/evaluation/reports/<checkpoint_id>/.",
 )
 def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_cluster: GPUClusterResource,
-                storage: StorageResource, tracking: TrackingResource):
+                storage: StorageResource, tracking: TrackingResource, scale_preset: ScaleResource):
     checkpoint_id = context.partition_key
     ckpt_dir = storage.checkpoint_dir(checkpoint_id)
     if not ckpt_dir.exists():  # registered in the MLflow model registry from elsewhere
         source = tracking.registered_checkpoints(load_policy().registered_model).get(checkpoint_id)
         ckpt_dir = Path(source) if source else ckpt_dir
     ckpt = load_checkpoint_record(ckpt_dir, checkpoint_id)
-    scale, policy, version = load_scale(), load_policy(), pipeline_config().eval_set.version
+    scale, policy, version = scale_preset.load(), load_policy(), pipeline_config().eval_set.version
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
     prompts = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)

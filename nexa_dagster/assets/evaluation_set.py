@@ -9,8 +9,9 @@ import pandas as pd
 
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.types import FilteredSamplesType
-from nexa_dagster.core.config import load_scale, pipeline_config
+from nexa_dagster.core.config import pipeline_config
 from nexa_dagster.core.eval_set import freeze_eval_set
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -23,13 +24,14 @@ from nexa_dagster.resources.storage import StorageResource
                 "tokenized once, in data/eval_sets/v<N>/. Frozen the first time; later runs return it unchanged.",
 )
 def eval_set(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
-             storage: StorageResource) -> dg.MaterializeResult:
+             storage: StorageResource, scale_preset: ScaleResource) -> dg.MaterializeResult:
     cfg = pipeline_config().eval_set
     tokenizer, _ = load_student_tokenizer(storage)
     manifest = freeze_eval_set(filtered_samples, tokenizer, storage.path("eval_sets"), cfg.version, cfg.fraction,
-                               load_scale().pack_size, log=context.log.info)
+                               scale_preset.load().pack_size, log=context.log.info)
     return dg.MaterializeResult(metadata={
         "version": manifest["version"], "examples": manifest["examples"], "scored_tokens": manifest["tokens"],
+        "scale": scale_preset.name,
         "days": dg.MetadataValue.json(manifest["days"]), "created_at": manifest["created_at"],
         "examples_sha256": manifest["files"]["examples.parquet"],
         "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),

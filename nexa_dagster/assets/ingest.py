@@ -8,8 +8,9 @@ from nexa_dagster.assets.common import SINGLE_RUN_BACKFILL, preview
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core import storage as io
-from nexa_dagster.core.config import load_pipeline_config, load_scale
+from nexa_dagster.core.config import load_pipeline_config
 from nexa_dagster.core.ingest import IngestError, read_day
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -28,8 +29,9 @@ def quarantine_path(storage: StorageResource, day: str) -> str:
                 "given content-hash ids, de-duplicated and capped by the scale preset. Bad lines fail the day, or "
                 "with ingest.on_error: quarantine are set aside in data/quarantine/raw_documents/<day>.jsonl.",
 )
-def raw_documents(context: dg.AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
-    scale = load_scale()
+def raw_documents(context: dg.AssetExecutionContext, storage: StorageResource,
+                  scale_preset: ScaleResource) -> pd.DataFrame:
+    scale = scale_preset.load()
     fields = load_pipeline_config()["ingest"]
     frames, quarantined, quarantine_paths = [], 0, []
     for day in context.partition_keys:

@@ -17,7 +17,7 @@ import pandas as pd
 from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import DataBlend, load_packaging_config
-from nexa_dagster.core.config import load_pipeline_config, load_scale, pipeline_config
+from nexa_dagster.core.config import load_pipeline_config, pipeline_config
 from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.pretrain_dataset import (
     PretrainCorpus,
@@ -28,6 +28,7 @@ from nexa_dagster.core.pretrain_dataset import (
 from nexa_dagster.core.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
 from nexa_dagster.core.tiny_model import ensure_model
 from nexa_dagster.resources.io_manager import stored_partitions
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -58,8 +59,9 @@ def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
                 "data/sft/<run_hash>/; shards are content-addressed in data/sft/store/ and reused, so a night packs "
                 "only its own day.",
 )
-def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource) -> SFTDataset:
-    scale, cfg = load_scale(), load_packaging_config()
+def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
+                scale_preset: ScaleResource) -> SFTDataset:
+    scale, cfg = scale_preset.load(), load_packaging_config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.sft_blend)
     partitions = stored_partitions(storage.data_root, "filtered_samples",
@@ -82,6 +84,7 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource) -> 
         "train_sequences": dataset.num_train_sequences,
         "validation_sequences": dataset.num_validation_sequences,
         "pack_size": dataset.pack_size,
+        "scale": scale.name,
         "real_tokens": dataset.num_real_tokens,
         "loss_tokens": dataset.num_loss_tokens,
         "packing_efficiency": round(dataset.packing_efficiency, 4),

@@ -13,11 +13,12 @@ from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint
-from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.config import load_deepspeed_config
 from nexa_dagster.core.evaluation import perplexity_of
 from nexa_dagster.core.pretrain_dataset import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -33,10 +34,11 @@ from nexa_dagster.resources.tracking import TrackingResource
                 "documents. moe_checkpoint starts from the latest one (init_from: base).",
 )
 def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpus, gpu_cluster: GPUClusterResource,
-               storage: StorageResource, tracking: TrackingResource) -> dg.Output[Checkpoint]:
+               storage: StorageResource, tracking: TrackingResource,
+               scale_preset: ScaleResource) -> dg.Output[Checkpoint]:
     from nexa_dagster.assets.training import checkpoint_id_for
 
-    scale = load_scale()
+    scale = scale_preset.load()
     if scale.pretraining is None:
         raise dg.Failure(f"scale preset {scale.name!r} has no pretraining section (max_steps, ...)",
                          allow_retries=False)
@@ -75,6 +77,7 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
     return dg.Output(checkpoint, metadata={
         **training_metadata(invocation, png, result, "pretraining loss"),
         "checkpoint_id": base_id,
+        "scale": scale.name,
         "corpus_run_hash": pretrain_corpus.run_hash,
         "parent": "scratch",
         "heldout_loss": result.validation_loss,

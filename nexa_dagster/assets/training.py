@@ -9,18 +9,20 @@ import datetime as dt
 from pathlib import Path
 
 import dagster as dg
+from pydantic import Field
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
-from nexa_dagster.core.config import load_deepspeed_config, load_scale
+from nexa_dagster.core.config import ScalePreset, TrainingSettings, load_deepspeed_config
 from nexa_dagster.core.promotion import ProductionRegistry, load_policy
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -44,9 +46,19 @@ def checkpoint_id_for(context: dg.AssetExecutionContext, storage: StorageResourc
 
 
 class TrainingRunConfig(dg.Config):
-    """Run configuration of ``moe_checkpoint``: ``init_from`` overrides the scale preset's for this run."""
+    """Run configuration of ``moe_checkpoint`` (the Launchpad's ``ops: moe_checkpoint: config``): what a person
+    changes for one training without editing the scale preset; unset, the preset's values hold."""
 
-    init_from: str = ""  # base | production | scratch | <path of a Mixtral HF checkpoint>; empty: the preset's
+    init_from: str = Field(default="", description="base | production | scratch | <path of a Mixtral HF "
+                                                   "checkpoint>; empty: the scale preset's init_from")
+    max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; empty: training.max_steps")
+    learning_rate: float | None = Field(default=None, gt=0, description="peak learning rate; empty: "
+                                                                        "training.learning_rate")
+
+    def settings(self, preset: TrainingSettings) -> TrainingSettings:
+        """The preset's training settings with this run's overrides."""
+        overrides = {"max_steps": self.max_steps, "learning_rate": self.learning_rate}
+        return preset.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
 def latest_base_model(context: dg.AssetExecutionContext) -> tuple[str, str] | None:
@@ -59,7 +71,7 @@ def latest_base_model(context: dg.AssetExecutionContext) -> tuple[str, str] | No
 
 
 def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: StorageResource,
-                 sft_dataset: SFTDataset) -> tuple[InitSource, str]:
+                 sft_dataset: SFTDataset, scale: ScalePreset) -> tuple[InitSource, str]:
     """Where this training starts, and the tokenizer directory to train with, checked before anything launches.
 
     ``base`` is the preset's default; while no base_model exists (a fresh data root) it trains from scratch and
@@ -67,7 +79,7 @@ def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     """
     from transformers import AutoTokenizer
 
-    requested = config.init_from or load_scale().init_from
+    requested = config.init_from or scale.init_from
     production = ProductionRegistry(storage.production_pointer()).current()
     try:
         source = resolve(requested, latest_base_model(context),
@@ -98,19 +110,20 @@ def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
 )
 def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig, sft_dataset: SFTDataset,
                    gpu_cluster: GPUClusterResource, storage: StorageResource,
-                   tracking: TrackingResource) -> dg.Output[Checkpoint]:
-    scale = load_scale()
+                   tracking: TrackingResource, scale_preset: ScaleResource) -> dg.Output[Checkpoint]:
+    scale = scale_preset.load()
+    settings = config.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage)
-    init, tokenizer_path = resolve_init(context, config, storage, sft_dataset)
+    init, tokenizer_path = resolve_init(context, config, storage, sft_dataset, scale)
     job = TrainingJob(
         run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
         tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
-        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=scale.training,
+        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=settings,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)), dataset_run_hash=sft_dataset.run_hash,
         accelerator=gpu_cluster.accelerator, init_from=init.path, parent=init.parent,
     )
     work_dir = io.local_dir(storage.path("runs", checkpoint_id))
-    context.log.info(f"launching training of {checkpoint_id} ({scale.model_preset}, {scale.training.max_steps} "
+    context.log.info(f"launching training of {checkpoint_id} ({scale.model_preset}, {settings.max_steps} "
                      f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(context, job, work_dir)
 
@@ -118,7 +131,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         context, tracking, result, run_name=checkpoint_id, stage="training",
         title=f"{checkpoint_id} ({scale.model_preset})",
         params={"model_preset": scale.model_preset, "scale": scale.name, "parent": init.parent,
-                "dataset_run_hash": sft_dataset.run_hash, **scale.training.model_dump()},
+                "dataset_run_hash": sft_dataset.run_hash, **settings.model_dump()},
         final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
 
     # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
@@ -138,6 +151,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     return dg.Output(checkpoint, metadata={
         **training_metadata(invocation, png, result, "training loss"),
         "checkpoint_id": checkpoint_id,
+        "scale": scale.name,
         "validation_loss": result.validation_loss,
         "tokens_per_s": round(result.tokens_per_s, 1),
         "parameters_active": result.parameters_active,
