@@ -1,7 +1,6 @@
 """Packaging shards off this machine: as a Slurm job array on a real (one-node, loopback) Slurm cluster, and the
 Kubernetes indexed Job's spec (there is no Kubernetes cluster here)."""
 
-from __future__ import annotations
 
 import json
 import os
@@ -11,16 +10,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
+import dagster as dg
 import pytest
 from services import slurm_cluster
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
+from nexa_dagster.assets.packaging import shard_runner
 from nexa_dagster.core import shards as sh
+from nexa_dagster.core.blend import PackagingConfig
 from nexa_dagster.core.packaging_launch import k8s_indexed_job, sbatch_array_script
 from nexa_dagster.core.packing import ChatTokenizer
 from nexa_dagster.core.sft_dataset import package_sft, process_sft_shard
-from nexa_dagster.core.shard_runners import KubernetesIndexedJobRunner, ShardTasksFailed, SlurmArrayRunner
 from nexa_dagster.core.shard_task import read_task_file, write_task_file
+from nexa_dagster.resources.gpu_cluster import (
+    GPUClusterResource,
+    KubernetesGPUCluster,
+    LocalGPUCluster,
+    SlurmGPUCluster,
+)
+from nexa_dagster.resources.storage import StorageResource
 
 
 @pytest.fixture(scope="module")
@@ -35,56 +43,82 @@ def _tree(root: Path, skip: str = "") -> dict[str, bytes]:
             if p.is_file() and not (skip and str(p.relative_to(root)).startswith(skip))}
 
 
+def _package_on(cluster: GPUClusterResource, path: str, data_root: Path, tokenizer, parallelism: int = 0
+                ) -> tuple[dg.ExecuteInProcessResult, list[str]]:
+    """Package ``path`` in a Dagster step whose shards go where ``sft_dataset``'s go with ``runner: cluster``."""
+
+    @dg.asset
+    def packed(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource,
+               storage: StorageResource) -> dg.MaterializeResult:
+        cfg = PackagingConfig(runner="cluster", cluster_parallelism=parallelism)
+        runner = shard_runner(context, cfg, gpu_cluster, storage)
+        run = package_sft(_blend(path), tokenizer, storage.path("sft"), _settings(runner=runner),
+                          log=context.log.info)
+        return dg.MaterializeResult(metadata={"processed": run.report.processed, "skipped": run.report.skipped,
+                                              "run_hash": run.run_hash})
+
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize([packed], resources={"gpu_cluster": cluster,
+                                                 "storage": StorageResource(data_root=str(data_root))},
+                            instance=instance, raise_on_error=False)
+    return result, [e.user_message for e in instance.all_logs(result.run_id)]
+
+
 def test_a_slurm_job_array_packs_the_same_bytes_and_receipts_as_local_processes(
         tiny_tokenizer, tmp_path: Path, slurm: dict[str, str]) -> None:
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
-    local = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "local"), _settings(workers=1), log=_quiet)
-    logged: list[str] = []
-    runner = SlurmArrayRunner(str(tmp_path / "work"), max_parallel=2, poll_interval_s=0.3)
-    on_slurm = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "slurm"), _settings(runner=runner),
-                           log=logged.append)
-    assert on_slurm.report.processed == ["000000", "000001", "000002"], on_slurm.report
-    submitted = [m for m in logged if m.startswith("submitted Slurm job array")]
-    assert submitted and "3 shards, at most 2 at once" in submitted[0], logged
-    job_id = submitted[0].split()[4].rstrip(":")
+    local = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "local" / "sft"), _settings(workers=2),
+                        log=_quiet)
+    assert local.report.processed == ["000000", "000001", "000002"]
+    cluster = SlurmGPUCluster(poll_interval_s=0.3)
+    result, logs = _package_on(cluster, path, tmp_path / "slurm", tiny_tokenizer, parallelism=2)
+    assert result.success, logs
+    metadata = result.asset_materializations_for_node("packed")[0].metadata
+    assert metadata["processed"].value == ["000000", "000001", "000002"]
+    submitted = [m for m in logs if m.startswith("submitted Slurm job")]
+    assert submitted and any("a Slurm job array of 3 shards, at most 2 at once" in m for m in logs), logs
+    job_id = submitted[0].split()[3]
+    assert any(f"Slurm job {job_id}: COMPLETED" in m for m in logs), logs  # waited for every element
     # each element ran one shard through the task entry point, which found its index in SLURM_ARRAY_TASK_ID
-    outputs = sorted((tmp_path / "work").rglob(f"slurm-{job_id}_*.out"))
+    work = tmp_path / "slurm" / "sft" / "cluster"
+    outputs = sorted(work.rglob(f"slurm-{job_id}_*.out"))
     assert [p.name for p in outputs] == [f"slurm-{job_id}_{i}.out" for i in range(3)]
     assert all("done in" in p.read_text() for p in outputs), [p.read_text() for p in outputs]
-    assert "#SBATCH --array=0-2%2" in next((tmp_path / "work").rglob("shards.sbatch")).read_text()
+    assert "#SBATCH --array=0-2%2" in next(work.rglob("shards.sbatch")).read_text()
     # the same files, byte for byte: snapshot, store outputs, receipts (sizes, SHA-256, counts), inputs
-    assert _tree(tmp_path / "slurm") == _tree(tmp_path / "local")
-    assert on_slurm.run_hash == local.run_hash
+    assert _tree(tmp_path / "slurm" / "sft", skip="cluster") == _tree(tmp_path / "local" / "sft")
+    assert metadata["run_hash"].value == local.run_hash
     # a second run finds every receipt valid and submits nothing
-    logged.clear()
-    again = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "slurm"), _settings(runner=runner),
-                        log=logged.append)
-    assert not again.report.processed and not any("submitted" in m for m in logged)
+    again, logs = _package_on(cluster, path, tmp_path / "slurm", tiny_tokenizer)
+    assert again.success and not any("submitted" in m for m in logs)
+    assert again.asset_materializations_for_node("packed")[0].metadata["skipped"].value == ["000000", "000001",
+                                                                                             "000002"]
 
 
-def test_a_shard_that_fails_in_the_array_is_named_with_its_output_and_only_it_is_redone(
+def test_a_shard_that_fails_in_the_array_fails_the_step_naming_it_and_only_it_is_redone(
         tiny_tokenizer, tmp_path: Path, slurm: dict[str, str]) -> None:
     records: list = _chat_records(120)
     records[57] = '{"sample_id": "broken", "messages": '  # shard 000001 holds lines 41-80: line 58 is torn
     path = _write_jsonl(tmp_path / "chat.jsonl", records)
-    runner = SlurmArrayRunner(str(tmp_path / "work"), poll_interval_s=0.3)
-    with pytest.raises(ShardTasksFailed) as failed:
-        package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(runner=runner), log=_quiet)
-    message = str(failed.value)
-    assert failed.value.shard_ids == ["000001"], message
-    assert "1 of 3 shards did not finish on Slurm" in message
+    cluster = SlurmGPUCluster(poll_interval_s=0.3)
+    result, logs = _package_on(cluster, path, tmp_path, tiny_tokenizer)
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    message = failure.event_specific_data.user_failure_data.description
+    assert failure.event_specific_data.user_failure_data.metadata["failed_shards"].value == ["000001"]
+    assert "1 of 3 shards did not finish on Slurm" in message, message
     assert "shard 000001 (chat.jsonl lines 41-80): no receipt" in message
-    assert "ended FAILED" in message and "chat.jsonl:58" in message  # the element's own error, from its output
+    assert "_1 ended FAILED" in message and "chat.jsonl:58" in message  # the element's own error, from its output
     out = message.split(", output ")[1].split(" ends with")[0]
     assert Path(out).name.endswith("_1.out") and "chat.jsonl:58" in Path(out).read_text()
     # the other shards finished and kept their receipts: the retry (input fixed) submits only shard 1
     records[57] = json.dumps(_chat_records(120)[57])
     _write_jsonl(tmp_path / "chat.jsonl", records)
-    logged: list[str] = []
-    fixed = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(runner=runner),
-                        log=logged.append)
-    assert fixed.report.processed == ["000001"] and fixed.report.skipped == ["000000", "000002"]
-    assert any("submitted Slurm job array" in m and ": 1 shards" in m for m in logged), logged
+    fixed, logs = _package_on(cluster, path, tmp_path, tiny_tokenizer)
+    assert fixed.success, logs
+    metadata = fixed.asset_materializations_for_node("packed")[0].metadata
+    assert metadata["processed"].value == ["000001"] and metadata["skipped"].value == ["000000", "000002"]
+    assert any("a Slurm job array of 1 shards" in m for m in logs), logs
 
 
 def test_the_task_file_gives_each_element_the_local_runners_task(tiny_tokenizer, tmp_path: Path) -> None:
@@ -130,8 +164,11 @@ def test_sbatch_array_script_and_kubernetes_indexed_job_spec(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="at least one element"):
         sbatch_array_script(name="n", python="p", plan_file="t", log_dir="l", count=0, env={})
 
-    runner = KubernetesIndexedJobRunner(str(tmp_path), image="registry/nexa:1", namespace="data", parallelism=8,
-                                        data_pvc="nexa-data", env={"NEXA_DATA_ROOT": "/data/nexa"}, cpu="2")
+    # the local backend keeps this machine's processes, whatever packaging.yaml says
+    assert LocalGPUCluster().shard_runner(None, str(tmp_path), 4) is None  # type: ignore[arg-type]
+    cluster = KubernetesGPUCluster(k8s_image="registry/nexa:1", k8s_namespace="data", k8s_data_pvc="nexa-data",
+                                   env={"NEXA_DATA_ROOT": "/data/nexa"})
+    runner = cluster.shard_runner(None, str(tmp_path), 8)  # type: ignore[arg-type]
     job = runner.job_spec("/data/nexa/sft/cluster/abc/tasks.json", "nexa-shards-abc", 20)
     assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
     assert job["metadata"] == {"name": "nexa-shards-abc", "namespace": "data",
@@ -148,5 +185,5 @@ def test_sbatch_array_script_and_kubernetes_indexed_job_spec(tmp_path: Path) -> 
                                     "/data/nexa/sft/cluster/abc/tasks.json"]
     assert container["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
     assert {"name": "NEXA_DATA_ROOT", "value": "/data/nexa"} in container["env"]
-    assert container["resources"]["limits"] == {"cpu": "2", "memory": "4Gi"}
+    assert container["resources"]["limits"] == {"cpu": "1", "memory": "4Gi"}  # CPU work: no GPU asked
     assert k8s_indexed_job(name="n", image="i", plan_file="p", count=3, parallelism=0)["spec"]["parallelism"] == 3

@@ -11,12 +11,14 @@ the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
 """
 
 
+from collections.abc import Callable, Sequence
+
 import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
-from nexa_dagster.core.blend import DataBlend, load_packaging_config
+from nexa_dagster.core.blend import DataBlend, PackagingConfig, load_packaging_config
 from nexa_dagster.core.config import load_pipeline_config, pipeline_config
 from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.pretrain_dataset import (
@@ -26,7 +28,10 @@ from nexa_dagster.core.pretrain_dataset import (
     package_pretrain,
 )
 from nexa_dagster.core.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
+from nexa_dagster.core.shard_runners import ShardTasksFailed
+from nexa_dagster.core.shards import Receipt, ShardRunner, ShardTask
 from nexa_dagster.core.tiny_model import ensure_model
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
@@ -48,6 +53,28 @@ def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
         raise ValueError(f"filtered_samples partition {path} does not match its schema: {e}") from e
 
 
+def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cluster: GPUClusterResource,
+                 storage: StorageResource) -> ShardRunner | None:
+    """Where the shards to pack run: ``runner: local`` (packaging.yaml) or the local backend keep this machine's
+    processes; ``runner: cluster`` on Slurm or Kubernetes sends them there (task files under data/sft/cluster/).
+    Shards that did not finish there fail the step with a message naming each one and its log."""
+    runner = (gpu_cluster.shard_runner(context, storage.path("sft", "cluster"), cfg.cluster_parallelism)
+              if cfg.runner == "cluster" else None)
+    if runner is None:
+        return None
+    cluster_runner: ShardRunner = runner
+
+    def run(tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt],
+            log: Callable[[str], None]) -> Sequence[Receipt]:
+        try:
+            return cluster_runner(tasks, work, log)
+        except ShardTasksFailed as e:
+            raise dg.Failure(description=str(e),
+                             metadata={"failed_shards": dg.MetadataValue.json(e.shard_ids)}) from e
+
+    return run
+
+
 @dg.asset(
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
@@ -60,7 +87,7 @@ def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
                 "only its own day.",
 )
 def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
-                scale_preset: ScaleResource) -> SFTDataset:
+                scale_preset: ScaleResource, gpu_cluster: GPUClusterResource) -> SFTDataset:
     scale, cfg = scale_preset.load(), load_packaging_config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.sft_blend)
@@ -71,7 +98,8 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
                                                  scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
                                                  log=context.log.info, blend=blend, on_error=cfg.on_error,
                                                  rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                                                 eval_fraction=pipeline_config().eval_set.fraction)
+                                                 eval_fraction=pipeline_config().eval_set.fraction,
+                                                 runner=shard_runner(context, cfg, gpu_cluster, storage))
     context.add_output_metadata({
         "run_hash": dataset.run_hash,
         "blend": dataset.blend,

@@ -9,7 +9,6 @@ redoes only those shards (the others' receipts are valid).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,10 +19,8 @@ from typing import Any
 from nexa_dagster.core import packaging_launch
 from nexa_dagster.core import shards as sh
 from nexa_dagster.core.shard_task import Work, describe, plan_id, write_task_file
+from nexa_dagster.core.slurm_jobs import job_states
 
-SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
-SLURM_UNKNOWN_GRACE_S = 120.0  # a controller restarting comes back; a job nobody knows is not waited for forever
 OUTPUT_TAIL_CHARS = 2000
 
 
@@ -61,71 +58,19 @@ def _tail(path: Path) -> str:
     return text[-OUTPUT_TAIL_CHARS:] or "(empty)"
 
 
-def slurm_array_states(job_id: str) -> dict[str, str]:
-    """Array element (``ArrayTaskId``, pending ones grouped as ``"2-3%2"``) -> state, from the controller, else
-    from accounting (``sacct``, where the cluster runs slurmdbd); empty if neither knows the job."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
-    states: dict[str, str] = {}
-    if proc.returncode == 0:
-        for line in proc.stdout.splitlines():
-            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            if "JobState" in fields:
-                states[fields.get("ArrayTaskId", fields.get("JobId", "?"))] = fields["JobState"]
-    if states:
-        return states
-    proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"], capture_output=True,
-                          text=True)
-    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
-        job, _, state = line.partition("|")
-        if state:
-            states[job.partition("_")[2] or job] = state.split()[0]
-    return states
-
-
-def wait_for_slurm_array(job_id: str, poll_s: float, log: Callable[[str], None],
-                         unknown_grace_s: float = SLURM_UNKNOWN_GRACE_S) -> dict[str, str]:
-    """Poll until no element of the array is pending or running; log the count per state when it changes."""
-    last = ""
-    unknown_since: float | None = None
-    while True:
-        states = slurm_array_states(job_id)
-        if not states:
-            unknown_since = time.monotonic() if unknown_since is None else unknown_since
-            if time.monotonic() - unknown_since > unknown_grace_s:
-                raise RuntimeError(f"Slurm job array {job_id}: neither the controller (scontrol show job) nor "
-                                   f"accounting (sacct) has known it for {unknown_grace_s:.0f} s; its outcome cannot "
-                                   "be read (the shards' receipts are checked by the next run)")
-        else:
-            unknown_since = None
-            counts: dict[str, int] = {}
-            for state in states.values():
-                counts[state] = counts.get(state, 0) + 1
-            shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            if shown != last:
-                log(f"Slurm job array {job_id}: {shown}")
-                last = shown
-            if not any(s in SLURM_ACTIVE for s in states.values()):
-                return states
-        time.sleep(poll_s)
-
-
-def _submit(script: Path) -> str:
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"sbatch {script} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}")
-    return proc.stdout.split(";")[0].strip()
-
-
 @dataclass
 class SlurmArrayRunner:
     """Runs shards as the elements of one Slurm job array (``sbatch --array=0-(n-1)%max_parallel``).
 
     ``work_dir`` holds, per submission, the task file, the script and each element's output
     (``<work_dir>/<plan id>/slurm-<job>_<index>.out``); it, the shard store and the inputs must be on a
-    filesystem every node shares. Interrupting the wait (a cancelled Dagster run) cancels the array.
+    filesystem every node shares. ``submit_and_wait(script)`` submits the script, waits until no element is
+    pending or running and returns the job id, cancelling the array if the wait is interrupted (the Slurm
+    backend's ``submit_and_wait``, the one path every Slurm job of the project goes through).
     """
 
     work_dir: str
+    submit_and_wait: Callable[[Path], str]
     python: str = field(default_factory=lambda: sys.executable)
     env: Mapping[str, str] = field(default_factory=dict)
     max_parallel: int = 0
@@ -135,23 +80,20 @@ class SlurmArrayRunner:
     cpus_per_task: int = 1
     extra_directives: Sequence[str] = ()
     setup_commands: Sequence[str] = ()
-    poll_interval_s: float = 5.0
 
     def __call__(self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]) -> list[sh.Receipt]:
+        if "://" in self.work_dir:
+            raise ValueError(f"packaging on Slurm writes its task files and logs to a shared filesystem path, not "
+                             f"{self.work_dir} (put the data root on a filesystem every node mounts)")
         folder = Path(self.work_dir) / plan_id(tasks)
         folder.mkdir(parents=True, exist_ok=True)
         plan = write_task_file(tasks, work, str(folder / "tasks.json"))
         script = folder / "shards.sbatch"
         script.write_text(self.script(plan, str(folder), len(tasks)), encoding="utf-8")
-        job_id = _submit(script)
-        log(f"submitted Slurm job array {job_id}: {len(tasks)} shards"
+        log(f"submitting a Slurm job array of {len(tasks)} shards"
             f"{f', at most {self.max_parallel} at once' if self.max_parallel else ''} ({script})")
-        try:
-            states = wait_for_slurm_array(job_id, self.poll_interval_s, log)
-        except BaseException:
-            subprocess.run(["scancel", job_id], check=False, capture_output=True)
-            log(f"cancelled Slurm job array {job_id}")
-            raise
+        job_id = self.submit_and_wait(script)
+        states = job_states(job_id)
 
         def where(i: int) -> str:
             out = Path(packaging_launch.array_output(str(folder), job_id, i))

@@ -22,6 +22,7 @@ from pydantic import Field
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.evaluation_worker import EvaluationJob
+from nexa_dagster.core.shards import ShardRunner
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -88,6 +89,14 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
 
         Raise ``WorkerFailed`` (or the Pipes client's error) when the worker ends badly, ``dg.Failure`` when the
         backend lacks what it needs (not retried); a cancelled run (``BaseException``) must stop the worker."""
+
+    def shard_runner(self, context: dg.AssetExecutionContext, work_dir: str,
+                     max_parallel: int = 0) -> ShardRunner | None:
+        """Where packaging shards run on this backend (``shards.run_shards(runner=...)``): ``None`` keeps this
+        machine's worker processes (the local backend); Slurm and Kubernetes return a runner that submits one
+        element per shard (``core/shard_runners.py``), ``max_parallel`` at once (0: no limit), its task files and
+        logs under ``work_dir``."""
+        return None
 
     def world_size(self) -> int:
         """Ranks of one training (nodes × ranks per node)."""

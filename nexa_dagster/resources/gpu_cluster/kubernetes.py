@@ -12,6 +12,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from nexa_dagster.core.shard_runners import KubernetesIndexedJobRunner
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerLaunch
 
@@ -32,6 +33,15 @@ class KubernetesGPUCluster(GPUClusterResource):
     k8s_pod_wait_timeout_s: float = Field(
         default=0, ge=0, description="give up waiting for the worker pod after this long (0: wait as long as it "
                                      "runs; a hung training is ended by its stall watchdog)")
+
+    def shard_runner(self, context: dg.AssetExecutionContext, work_dir: str,
+                     max_parallel: int = 0) -> KubernetesIndexedJobRunner:
+        """Packaging shards as one indexed Job (``completionMode: Indexed``) in this cluster's namespace, with its
+        image, data volume, node selector and tolerations; one CPU and 4 GiB per pod, no GPU."""
+        return KubernetesIndexedJobRunner(
+            work_dir, image=self.k8s_image, namespace=self.k8s_namespace, env=dict(self.env),
+            parallelism=max_parallel, data_pvc=self.k8s_data_pvc, data_mount=self.k8s_data_mount,
+            node_selector=self.k8s_node_selector, tolerations=self.k8s_tolerations)
 
     def pod_spec(self, launch: WorkerLaunch) -> dict[str, Any]:
         procs = self.num_procs if launch.distributed else 1

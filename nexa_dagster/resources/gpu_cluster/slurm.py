@@ -16,6 +16,8 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from nexa_dagster.core.shard_runners import SlurmArrayRunner
+from nexa_dagster.core.slurm_jobs import job_states, overall_state
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
@@ -44,6 +46,9 @@ class SlurmGPUCluster(GPUClusterResource):
     slurm_setup_commands: list[str] = Field(default_factory=list,
                                             description="shell lines run before the worker (module load, venv)")
     poll_interval_s: float = Field(default=5.0, gt=0, description="how often the job's state is read")
+    slurm_packaging_partition: str = Field(
+        default="", description="partition for packaging shards (CPU work, one CPU per element); empty: "
+                                "slurm_partition")
 
     def world_size(self) -> int:
         return self.num_procs * self.nodes
@@ -60,6 +65,18 @@ class SlurmGPUCluster(GPUClusterResource):
             time_limit=self.slurm_time_limit, stop_warning_s=self.slurm_stop_warning_s,
             cpus_per_task=self.slurm_cpus_per_task, extra_directives=self.slurm_extra_directives,
             setup_commands=self.slurm_setup_commands)
+
+    def shard_runner(self, context: dg.AssetExecutionContext, work_dir: str,
+                     max_parallel: int = 0) -> SlurmArrayRunner:
+        """Packaging shards as one job array, submitted, polled and cancelled like a training job; this cluster's
+        partition (or ``slurm_packaging_partition``), account, time limit and setup commands, one CPU per element.
+        The training's ``slurm_extra_directives`` are not used: they may ask for GPUs a shard does not need."""
+        require_sbatch()
+        return SlurmArrayRunner(
+            work_dir, lambda script: submit_and_wait(context, script, self.poll_interval_s)[0],
+            python=self.python(), env=dict(self.env), max_parallel=max_parallel,
+            partition=self.slurm_packaging_partition or self.slurm_partition, account=self.slurm_account,
+            time_limit=self.slurm_time_limit, setup_commands=self.slurm_setup_commands)
 
     def launch_worker(self, context: dg.AssetExecutionContext,
                       launch: WorkerLaunch) -> dg.PipesClientCompletedInvocation:
@@ -122,13 +139,9 @@ def slurm_job_fields(job_id: str) -> dict[str, str]:
 
 
 def slurm_state(job_id: str) -> str:
-    """The job's state from the controller, else from accounting (``sacct``, where the cluster runs slurmdbd)."""
-    state = slurm_job_fields(job_id).get("JobState")
-    if state:
-        return state
-    proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else []
-    return lines[0].split()[0] if lines else "UNKNOWN"
+    """The job's state from the controller, else from accounting (``sacct``, where the cluster runs slurmdbd); for a
+    job array, one state for all its elements (``core/slurm_jobs.overall_state``: running while any element is)."""
+    return overall_state(job_states(job_id))
 
 
 def wait_for_slurm_job(job_id: str, poll_s: float, log: Any, unknown_grace_s: float = SLURM_UNKNOWN_GRACE_S) -> str:
