@@ -17,9 +17,10 @@ from test_packaging import _blend, _chat_records, _quiet, _settings, _write_json
 
 from nexa_dagster.assets.packaging import shard_runner
 from nexa_dagster.core import shards as sh
-from nexa_dagster.core.blend import PackagingConfig
+from nexa_dagster.core.blend import BlendSource, DataBlend, PackagingConfig
 from nexa_dagster.core.packaging_launch import k8s_indexed_job, sbatch_array_script
 from nexa_dagster.core.packing import ChatTokenizer
+from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
 from nexa_dagster.core.sft_dataset import package_sft, process_sft_shard
 from nexa_dagster.core.shard_task import read_task_file, write_task_file
 from nexa_dagster.resources.gpu_cluster import (
@@ -38,14 +39,20 @@ def slurm() -> Iterator[dict[str, str]]:
 
 
 def _tree(root: Path, skip: str = "") -> dict[str, bytes]:
-    """Every file under ``root`` by relative path (what packaging wrote: snapshot, store, receipts, inputs)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not (skip and str(p.relative_to(root)).startswith(skip))}
+    """Every file under ``root`` by relative path (what packaging wrote: snapshot, store, receipts, inputs), with
+    ``root`` itself written ``<root>`` (Megatron's blend file lists its shards by absolute path)."""
+    return {str(p.relative_to(root)): p.read_bytes().replace(str(root).encode(), b"<root>")
+            for p in sorted(root.rglob("*")) if p.is_file() and not (skip and str(p.relative_to(root)).startswith(skip))}
 
 
-def _package_on(cluster: GPUClusterResource, path: str, data_root: Path, tokenizer, parallelism: int = 0
-                ) -> tuple[dg.ExecuteInProcessResult, list[str]]:
-    """Package ``path`` in a Dagster step whose shards go where ``sft_dataset``'s go with ``runner: cluster``."""
+def _docs_blend(path: str) -> DataBlend:
+    return DataBlend(name="pt", sources=[BlendSource(name="docs", path=path, transform={"select": ["text"]})])
+
+
+def _package_on(cluster: GPUClusterResource, path: str, data_root: Path, tokenizer, parallelism: int = 0,
+                docs: str = "") -> tuple[dg.ExecuteInProcessResult, list[str]]:
+    """Package ``path`` (and the documents ``docs`` as a pretraining corpus) in a Dagster step whose shards go where
+    the packaging assets' go with ``runner: cluster``."""
 
     @dg.asset
     def packed(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource,
@@ -54,6 +61,11 @@ def _package_on(cluster: GPUClusterResource, path: str, data_root: Path, tokeniz
         runner = shard_runner(context, cfg, gpu_cluster, storage)
         run = package_sft(_blend(path), tokenizer, storage.path("sft"), _settings(runner=runner),
                           log=context.log.info)
+        if docs:
+            package_pretrain(_docs_blend(docs), tokenizer, storage.path("pretrain"),
+                             PretrainSettings(rows_per_shard=16,
+                                              runner=shard_runner(context, cfg, gpu_cluster, storage, "pretrain")),
+                             log=context.log.info)
         return dg.MaterializeResult(metadata={"processed": run.report.processed, "skipped": run.report.skipped,
                                               "run_hash": run.run_hash})
 
@@ -67,11 +79,14 @@ def _package_on(cluster: GPUClusterResource, path: str, data_root: Path, tokeniz
 def test_a_slurm_job_array_packs_the_same_bytes_and_receipts_as_local_processes(
         tiny_tokenizer, tmp_path: Path, slurm: dict[str, str]) -> None:
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
+    docs = _write_jsonl(tmp_path / "docs.jsonl", [{"text": f"document number {i} " * (i + 1)} for i in range(40)])
     local = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "local" / "sft"), _settings(workers=2),
                         log=_quiet)
     assert local.report.processed == ["000000", "000001", "000002"]
+    package_pretrain(_docs_blend(docs), tiny_tokenizer, str(tmp_path / "local" / "pretrain"),
+                     PretrainSettings(rows_per_shard=16, workers=2), log=_quiet)
     cluster = SlurmGPUCluster(poll_interval_s=0.3)
-    result, logs = _package_on(cluster, path, tmp_path / "slurm", tiny_tokenizer, parallelism=2)
+    result, logs = _package_on(cluster, path, tmp_path / "slurm", tiny_tokenizer, parallelism=2, docs=docs)
     assert result.success, logs
     metadata = result.asset_materializations_for_node("packed")[0].metadata
     assert metadata["processed"].value == ["000000", "000001", "000002"]
@@ -87,6 +102,9 @@ def test_a_slurm_job_array_packs_the_same_bytes_and_receipts_as_local_processes(
     assert "#SBATCH --array=0-2%2" in next(work.rglob("shards.sbatch")).read_text()
     # the same files, byte for byte: snapshot, store outputs, receipts (sizes, SHA-256, counts), inputs
     assert _tree(tmp_path / "slurm" / "sft", skip="cluster") == _tree(tmp_path / "local" / "sft")
+    # the pretraining corpus too (Megatron bin/idx shards): a second array of 3 elements
+    assert any("a Slurm job array of 3 shards" in m and "pretrain/cluster" in m for m in logs), logs
+    assert _tree(tmp_path / "slurm" / "pretrain", skip="cluster") == _tree(tmp_path / "local" / "pretrain")
     assert metadata["run_hash"].value == local.run_hash
     # a second run finds every receipt valid and submits nothing
     again, logs = _package_on(cluster, path, tmp_path / "slurm", tiny_tokenizer)

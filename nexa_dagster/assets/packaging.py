@@ -54,11 +54,11 @@ def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
 
 
 def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cluster: GPUClusterResource,
-                 storage: StorageResource) -> ShardRunner | None:
+                 storage: StorageResource, folder: str = "sft") -> ShardRunner | None:
     """Where the shards to pack run: ``runner: local`` (packaging.yaml) or the local backend keep this machine's
-    processes; ``runner: cluster`` on Slurm or Kubernetes sends them there (task files under data/sft/cluster/).
-    Shards that did not finish there fail the step with a message naming each one and its log."""
-    runner = (gpu_cluster.shard_runner(context, storage.path("sft", "cluster"), cfg.cluster_parallelism)
+    processes; ``runner: cluster`` on Slurm or Kubernetes sends them there (task files under
+    ``data/<folder>/cluster/``). Shards that did not finish there fail the step naming each one and its log."""
+    runner = (gpu_cluster.shard_runner(context, storage.path(folder, "cluster"), cfg.cluster_parallelism)
               if cfg.runner == "cluster" else None)
     if runner is None:
         return None
@@ -146,14 +146,15 @@ def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResul
                 "with a megatron_blend.json for --data-path.",
 )
 def pretrain_corpus(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame,
-                    storage: StorageResource) -> PretrainCorpus:
+                    storage: StorageResource, gpu_cluster: GPUClusterResource) -> PretrainCorpus:
     cfg = load_packaging_config()
     tokenizer, _ = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.pretrain_blend)
     out_root = storage.path("pretrain")
     run = package_pretrain(blend, tokenizer, out_root,
                            PretrainSettings(on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard,
-                                            workers=cfg.worker_count()),
+                                            workers=cfg.worker_count(),
+                                            runner=shard_runner(context, cfg, gpu_cluster, storage, "pretrain")),
                            assets={"raw_documents": documents_to_jsonl(raw_documents, out_root)},
                            log=context.log.info)
     corpus = PretrainCorpus(run_hash=run.run_hash, root=run.root, megatron_blend_path=run.blend_path,
@@ -175,7 +176,8 @@ def pretrain_corpus(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
                 "of the RL blend.",
 )
-def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource) -> JsonlDataset:
+def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource,
+               gpu_cluster: GPUClusterResource) -> JsonlDataset:
     cfg = load_packaging_config()
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
@@ -189,7 +191,7 @@ def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource) -> J
                          "the eval set's side)")
     run = package_jsonl(blend, out_root, "rl_prompts", assets={"filtered_samples_flat": files},
                         on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                        log=context.log.info)
+                        log=context.log.info, runner=shard_runner(context, cfg, gpu_cluster, storage, "rl"))
     context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,
                                  "blend_fingerprint": blend.fingerprint(), "records": run.records,
                                  "quarantined_rows": run.quarantined_rows, "path": dg.MetadataValue.path(run.path)})

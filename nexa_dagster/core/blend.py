@@ -128,8 +128,8 @@ class PackagingConfig(BaseModel):
     rows_per_shard: int = Field(default=5000, gt=0)
     workers: int = Field(default=0, ge=0)
     on_error: Literal["raise", "quarantine"] = "raise"
-    # where the SFT shards to pack run: this machine's processes, or the gpu_cluster resource's backend (a Slurm
-    # job array, a Kubernetes indexed Job; the local backend keeps the processes); never changes the bytes
+    # where the shards of the three formats run: this machine's processes, or the gpu_cluster resource's backend
+    # (a Slurm job array, a Kubernetes indexed Job; the local backend keeps the processes); never changes the bytes
     runner: Literal["local", "cluster"] = "local"
     cluster_parallelism: int = Field(default=0, ge=0)  # runner: cluster: shards running at once (0: no limit)
 

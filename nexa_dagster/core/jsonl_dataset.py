@@ -75,8 +75,9 @@ def process_jsonl_shard(task: sh.ShardTask) -> sh.Receipt:
 
 def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, str | list[str]] | None = None,
                   on_error: OnError = "raise", rows_per_shard: int = 20000, workers: int = 1, seed: int = 0,
-                  log: Callable[[str], None] = print) -> JsonlRun:
-    """Write ``<out_root>/<run_hash>/<name>.jsonl`` from the blend's sources through their transforms."""
+                  log: Callable[[str], None] = print, runner: sh.ShardRunner | None = None) -> JsonlRun:
+    """Write ``<out_root>/<run_hash>/<name>.jsonl`` from the blend's sources through their transforms (the shards
+    on ``runner``, a cluster, when given)."""
     inputs = blend.resolve(assets)
     shards = sh.plan_shards([(s.name, files) for s, files in inputs], rows_per_shard)
     config: dict[str, Any] = {"format": FORMAT, "blend": blend.name, "blend_fingerprint": blend.fingerprint(),
@@ -87,7 +88,7 @@ def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, 
     storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
                        storage.join(root, "plan.json"))
     sh.clean_temporaries(root)
-    report = sh.run_shards(shards, root, config, process_jsonl_shard, workers=workers, log=log)
+    report = sh.run_shards(shards, root, config, process_jsonl_shard, workers=workers, log=log, runner=runner)
     path = storage.join(root, f"{name}.jsonl")
     sh.concat_files([storage.join(root, f"shards/{r.shard_id}.jsonl") for r in report.receipts], path)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)

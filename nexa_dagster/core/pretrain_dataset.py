@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ class PretrainSettings:
     on_error: OnError = "raise"
     rows_per_shard: int = 20000
     workers: int = 1
+    runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
 
 
 @dataclass
@@ -133,7 +134,7 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
                        storage.join(root, "plan.json"))
     sh.clean_temporaries(root)
     report = sh.run_shards(shards, root, config, process_pretrain_shard, runtime={"chat_tokenizer": chat},
-                           workers=settings.workers, log=log)
+                           workers=settings.workers, log=log, runner=settings.runner)
     prefixes = [storage.join(root, f"shards/{r.shard_id}") for r in report.receipts]
     tokens = [int(r.stats["tokens"]) for r in report.receipts]
     data_paths: list[Any] = []
