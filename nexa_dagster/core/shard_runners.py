@@ -154,7 +154,7 @@ class KubernetesIndexedJobRunner:
         folder = Path(self.work_dir) / pid
         folder.mkdir(parents=True, exist_ok=True)
         plan = write_task_file(tasks, work, str(folder / "tasks.json"))
-        name = f"nexa-shards-{pid}"
+        name = f"nexa-shards-{pid}-{int(time.time())}"  # a retry's Job is a new one (the last stays an hour)
         try:
             config.load_incluster_config()
         except config.ConfigException:
