@@ -47,6 +47,12 @@ class _Stub(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        """``/health`` answers 200, as a real engine's does (what a load balancer's health check asks)."""
+        self.send_response(200 if self.path.rstrip("/").endswith("/health") else 404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
     def log_message(self, *args: object) -> None:
         pass
 
