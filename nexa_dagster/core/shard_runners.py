@@ -22,6 +22,7 @@ from nexa_dagster.core.shard_task import Work, describe, plan_id, write_task_fil
 from nexa_dagster.core.slurm_jobs import job_states
 
 OUTPUT_TAIL_CHARS = 2000
+TASK_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # log lines at once; one shard, one thread
 
 
 class ShardTasksFailed(RuntimeError):
@@ -103,7 +104,7 @@ class SlurmArrayRunner:
         return collect_receipts(tasks, where, f"Slurm (job array {job_id})")
 
     def script(self, plan: str, log_dir: str, count: int) -> str:
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        env = {**TASK_ENV, **self.env}
         return packaging_launch.sbatch_array_script(
             name=f"nexa-shards-{Path(log_dir).name}", python=self.python, plan_file=plan, log_dir=log_dir,
             count=count, max_parallel=self.max_parallel, env=env, partition=self.partition, account=self.account,
@@ -135,7 +136,7 @@ class KubernetesIndexedJobRunner:
     poll_interval_s: float = 5.0
 
     def job_spec(self, plan: str, name: str, count: int) -> dict[str, Any]:
-        env = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        env = {**TASK_ENV, **self.env}
         return packaging_launch.k8s_indexed_job(
             name=name, image=self.image, plan_file=plan, count=count, parallelism=self.parallelism,
             namespace=self.namespace, env=env, data_pvc=self.data_pvc, data_mount=self.data_mount,
