@@ -98,10 +98,12 @@ def test_the_shipped_benchmarks_run_offline_in_the_worker_and_reach_the_report(
 
 def test_a_bad_task_or_a_missing_data_file_fails_before_any_model_is_loaded(
         eval_set: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model path does not exist: an error about the task, not the model, proves the task is checked first.
-    A name not among include_path's is looked up among the harness's own ~15k tasks (indexing them is the slow
-    part of this test), with the near names offered."""
+    """The model folder is empty (it passes the cluster's check that the inputs exist, and no model loads from
+    it): an error about the task, not the model, proves the task is checked first. A name not among include_path's
+    is looked up among the harness's own ~15k tasks (indexing them is the slow part of this test), with the near
+    names offered."""
     no_model = tmp_path / "no-such-checkpoint"
+    no_model.mkdir()
     job = _job(no_model, eval_set, tmp_path, BenchmarkSettings(tasks=["nexa_stdlib_modul"]))
 
     # a typo fails the same way again: no retry (this file's annotations are strings, which Dagster cannot read)

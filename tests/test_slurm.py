@@ -82,8 +82,8 @@ def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
         tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer, slurm: dict[str, str]) -> None:  # noqa: ANN001
     """``run_evaluation`` on the Slurm backend: the evaluation worker as an sbatch job (the launch training uses),
     its progress back through Pipes files, and the same per-example losses and answers as the local backend on the
-    same checkpoint and eval set. A worker failure a relaunch repeats (here a missing eval-set file) fails the step
-    at once, naming it, with the Slurm job's state and output."""
+    same checkpoint and eval set. A worker failure a relaunch repeats (here an eval-set file that is not Parquet)
+    fails the step at once, naming it, with the Slurm job's state."""
     n = 6
     samples = pd.DataFrame({"sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
                             "system_prompt": ["Be brief."] * n, "prompt": [f"What is {i} + 1?" for i in range(n)],
@@ -117,12 +117,13 @@ def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
     assert len(got["nll"]) == len(expected["nll"]) > 0 and got["tokens"] == expected["tokens"]
     assert got["nll"] == pytest.approx(expected["nll"], rel=1e-5) and got["answers"] == expected["answers"]
 
-    missing, logs = evaluate(slurm_cluster_, "missing", str(tmp_path / "no-such-eval-set.parquet"))
-    events = missing.all_events
-    assert not missing.success and not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
-    failure = missing.get_step_failure_events()[0].step_failure_data.user_failure_data.description
-    assert "evaluation ckpt-missing failed (Slurm job" in failure and "ended FAILED" in failure, failure
-    assert "not retried, it would fail again" in failure and "no-such-eval-set.parquet" in failure, failure
+    (tmp_path / "garbage.parquet").write_text("not parquet")
+    broken, logs = evaluate(slurm_cluster_, "broken", str(tmp_path / "garbage.parquet"))
+    events = broken.all_events
+    assert not broken.success and not [e for e in events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failure = broken.get_step_failure_events()[0].step_failure_data.user_failure_data.description
+    assert "evaluation ckpt-broken failed (Slurm job" in failure and "ended FAILED" in failure, failure
+    assert "not retried, it would fail again: evaluation ckpt-broken failed: ArrowInvalid" in failure, failure
 
 
 def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teacher_dir: Path,

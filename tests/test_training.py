@@ -584,6 +584,26 @@ def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir:
     assert "sbatch is not on PATH" in description
 
 
+def test_an_evaluation_with_a_missing_input_fails_before_anything_is_submitted(
+        tmp_path: Path, teacher_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No sbatch here: a "not found" error (and not "sbatch is not on PATH") shows the check runs first."""
+    job = EvaluationJob(run_id="ckpt", models={"candidate": str(teacher_dir), "production": str(tmp_path / "gone")},
+                        examples_path=str(tmp_path / "eval.parquet"), eval_set_version=1, prompts=[],
+                        max_new_tokens=4, output_path=str(tmp_path / "scores.json"))
+
+    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=2))
+    def scored(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> None:
+        gpu_cluster.run_evaluation(context, job, tmp_path / "work")
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    res = dg.materialize([scored], resources={"gpu_cluster": SlurmGPUCluster()}, raise_on_error=False,
+                         instance=dg.DagsterInstance.ephemeral())
+    assert not [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    description = res.get_step_failure_events()[0].step_failure_data.user_failure_data.description
+    assert description == f"evaluation ckpt: model 'production' not found: {tmp_path / 'gone'}"
+    assert not (tmp_path / "work").exists(), "nothing is written or submitted"
+
+
 def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
     cluster = KubernetesGPUCluster(accelerator="cuda", num_procs=4, k8s_image="nexa:latest", k8s_data_pvc="nexa-data",

@@ -142,7 +142,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         """Score ``job``'s models on the eval set in the evaluation worker, off the Dagster process, on this
         cluster (a local process, a Slurm job, a pod: the same launch as training's, one process on one device);
         return what the worker wrote (``core.evaluation_worker.run``)."""
-        self._check_accelerator("evaluation", job.run_id, job.accelerator)
+        self._check_evaluation_job(job)
         launch = self.evaluation_launch(job, work_dir)
         _prepare(launch, job.model_dump_json(indent=2))
         if storage.exists(job.output_path):  # an earlier attempt's scores are not this attempt's
@@ -164,6 +164,14 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         if wanted != self.accelerator:
             raise dg.Failure(f"{kind} {run_id} asks for accelerator {wanted!r} but this cluster provides "
                              f"{self.accelerator!r}", allow_retries=False)
+
+    def _check_evaluation_job(self, job: EvaluationJob) -> None:
+        """A model or eval set that is not there fails here, not after a Slurm queue and a worker's start-up."""
+        self._check_accelerator("evaluation", job.run_id, job.accelerator)
+        inputs = [*((f"model {role!r}", path) for role, path in job.models.items()), ("eval set", job.examples_path)]
+        for what, path in inputs:
+            if not storage.exists(path):
+                raise dg.Failure(f"evaluation {job.run_id}: {what} not found: {path}", allow_retries=False)
 
     def _check_job(self, job: TrainingJob) -> None:
         """Fail before spending minutes on process start-up, with the reason in the message; retrying won't help."""
