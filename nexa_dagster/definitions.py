@@ -20,6 +20,7 @@ import os
 import dagster as dg
 
 from nexa_dagster.assets import (
+    base_evaluation,
     distillation,
     evaluation,
     evaluation_set,
@@ -73,7 +74,7 @@ def build_resources() -> dict[str, object]:
 
 
 ASSET_MODULES = [ingest, distillation, filtering, packaging, pretraining, evaluation_set, training, evaluation,
-                 serving]
+                 base_evaluation, serving]
 
 def build_defs() -> dg.Definitions:
     """The code location; tests call this after pointing the environment at a temporary data root.

@@ -35,7 +35,11 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     assert upstream["sft_dataset"] == {"filtered_samples"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
     assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {"pretrain_corpus"}
-    assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"] and upstream["eval_set"] == {"filtered_samples"}
+    assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"]
+    # the eval set freezes held-out samples and held-out corpus documents; base models are scored on the latter
+    assert upstream["eval_set"] == {"filtered_samples", "pretrain_corpus"}
+    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model_eval")).parent_keys} == \
+        {"base_model", "eval_set"}
     assert upstream["model_deployment"] == {"eval_report"}
 
 

@@ -73,3 +73,55 @@ def test_an_edited_or_missing_eval_set_is_refused(tiny_tokenizer, tmp_path: Path
     with pytest.raises(ValueError, match="none of the 3 samples hashes to the held-out side"):
         freeze_eval_set(_samples(0, 3, "d").assign(sample_id=["a", "b", "c"]), tiny_tokenizer, root, 7, 0.01, 128,
                         log=lambda m: None)  # none of a, b, c hashes below 0.01
+
+
+def test_frozen_corpus_documents_never_train_a_later_bigger_corpus_and_stay_frozen(tiny_tokenizer,
+                                                                                   tmp_path: Path) -> None:
+    """The eval set freezes the corpus documents on the eval side (real bin/idx); a later, bigger corpus (more
+    documents, other shards, another order) trains on none of them, on either of pretraining's sides, and the
+    frozen version keeps exactly the documents it froze."""
+    import numpy as np
+    import torch
+    from corpus_files import random_documents, write_corpus
+
+    from nexa_dagster.core.training.corpus import document_id, load_corpus
+
+    fraction = 0.25
+    vocab, eos = len(tiny_tokenizer), tiny_tokenizer.eos_token_id
+    first = random_documents(40, vocab, eos, seed=1)
+    corpus1 = write_corpus(tmp_path / "corpus1", first)
+    root = str(tmp_path / "eval_sets")
+    v1 = freeze_eval_set(_samples(0, 40, "2026-11-20"), tiny_tokenizer, root, 1, 0.25, 128, log=lambda m: None,
+                         corpus=(corpus1, "corpus1hash"), corpus_fraction=fraction)
+    frozen_rows = pd.read_parquet(load_eval_set(root, 1)["corpus_path"])
+    frozen = set(frozen_rows["sample_id"])
+    expected = {document_id(np.asarray(d)) for d in first if is_held_out(document_id(np.asarray(d)), fraction)}
+    assert frozen == expected and 0 < len(frozen) < 40
+    assert v1["corpus"]["documents"] == len(frozen) and v1["corpus"]["run_hash"] == "corpus1hash"
+    assert v1["corpus"]["tokens"] == sum(len(ids) - 1 for ids in frozen_rows["input_ids"])
+    by_id = {document_id(np.asarray(d)): d for d in first}
+    assert all(list(ids) == by_id[i] for i, ids in zip(frozen_rows["sample_id"], frozen_rows["input_ids"],
+                                                        strict=True))  # the corpus's own token ids
+
+    # a later corpus: every earlier document and 40 new ones, in three shards, reversed
+    bigger = first + random_documents(40, vocab, eos, seed=2)
+    corpus2 = write_corpus(tmp_path / "corpus2", bigger[::-1], shards=3)
+    train, heldout, split = load_corpus(corpus2, 32, 0.15, 0, eval_fraction=fraction)
+    stream = train["input_ids"].reshape(-1)[train["attention_mask"].reshape(-1).bool()]
+    assert torch.equal(stream, torch.from_numpy(np.concatenate(split.train)))  # the rows are the training side
+    assert not frozen & {document_id(d) for d in split.train}
+    assert not frozen & split.heldout_ids  # on neither side: not even pretraining's own validation
+    assert split.eval_set_documents >= len(frozen) and len(split.train) + len(split.heldout) + \
+        split.eval_set_documents == 80
+    # without the exclusion the same corpus trains on frozen documents (the checks above can fail)
+    _, _, plain = load_corpus(corpus2, 32, 0.15, 0)
+    assert frozen & {document_id(d) for d in plain.train}
+
+    # the version stays as frozen when the eval set is materialized again over the bigger corpus
+    again = freeze_eval_set(_samples(0, 40, "2026-11-20"), tiny_tokenizer, root, 1, 0.25, 128, log=lambda m: None,
+                            corpus=(corpus2, "corpus2hash"), corpus_fraction=fraction)
+    assert again["files"] == v1["files"] and again["corpus"]["run_hash"] == "corpus1hash"
+    # a version frozen without a corpus has no documents for base models
+    plain_v = freeze_eval_set(_samples(0, 40, "d"), tiny_tokenizer, str(tmp_path / "plain"), 1, 0.25, 128,
+                              log=lambda m: None)
+    assert plain_v["corpus"] is None and load_eval_set(str(tmp_path / "plain"), 1)["corpus_path"] is None

@@ -69,7 +69,8 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
         runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(instance=instance, partition_key=day)
     # corpus -> base: the SFT below starts from a pretrained base (init_from: base), as `make run` does; from
     # scratch the tiny student learns nothing in 24 steps and its empty answer fails the deployment's smoke test
-    assert defs.resolve_job_def("pretraining_job").execute_in_process(instance=instance).success
+    pretraining = defs.resolve_job_def("pretraining_job").execute_in_process(instance=instance)
+    assert pretraining.success
     # the retrain sensor, ticking as the daemon would after the three data runs, asks for one training
     from nexa_dagster.sensors.retrain import retrain_after_ingest
 
@@ -78,6 +79,10 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     training = defs.resolve_job_def("training_job").execute_in_process(instance=instance,
                                                                          tags=tick.run_requests[0].tags)
     checkpoint = training.output_for_node("moe_checkpoint")
+    # the base model, on the corpus documents the eval set froze in that training run (base_model_eval)
+    base_id = pretraining.output_for_node("base_model").checkpoint_id
+    assert defs.resolve_job_def("base_evaluation_job").execute_in_process(instance=instance,
+                                                                          partition_key=base_id).success
     # a model of the same architecture that is worse by construction goes into production first (nothing to beat
     # yet): random weights with the output layer scaled 20x, which about doubles the loss on every example, so the
     # gate's paired interval is decisive even on the tiny eval set (a few examples) ...
@@ -391,11 +396,12 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert report["gate_decision"] == "promote" and report["eval_set_version"] == 1
     assert report["eval_loss"] < report["production_eval_loss"]  # the trained model, on the same examples
 
-    # the leaderboard has one row per evaluated checkpoint, best first, production marked
+    # the leaderboard has one row per evaluated checkpoint, best first, production marked, then the base model
     board = _metadata(instance, "leaderboard")
-    assert board["dagster/row_count"] == 2 and board["production"] == checkpoint.checkpoint_id
+    assert board["dagster/row_count"] == 3 and board["production"] == checkpoint.checkpoint_id
     csv = (Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv").read_text().splitlines()
-    assert csv[1].startswith(checkpoint.checkpoint_id) and csv[2].startswith("untrained")
+    assert csv[1].startswith(f"{checkpoint.checkpoint_id},sft,") and csv[2].startswith("untrained,sft,")
+    assert csv[3].startswith("base-") and ",base," in csv[3]
 
     # a worse checkpoint is evaluated but held back: a successful run with a recorded decision (a warning, not
     # red), and it is not deployed
@@ -556,3 +562,58 @@ def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(life
     assert not refused.success
     failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
     assert "a LlamaForCausalLM checkpoint; training starts only from a Mixtral" in str(failure.event_specific_data)
+
+
+def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lifecycle) -> None:
+    """The eval set froze the corpus's eval-side documents (which the base model's training job kept out);
+    base_model_eval scores a base model on exactly those in the evaluation worker (per-document loss, a bootstrap
+    interval, MLflow, the leaderboard with the version), and a later base model trained on another corpus is
+    measured on the same documents."""
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from nexa_dagster.core.eval_set import is_held_out, load_eval_set
+
+    defs, instance, env, _, _ = lifecycle
+    data = Path(env["NEXA_DATA_ROOT"])
+    frozen = _metadata(instance, "eval_set")
+    assert frozen["corpus_documents"] > 0 and frozen["corpus_run_hash"] == _metadata(instance, "pretrain_corpus")["run_hash"]
+    manifest = load_eval_set(str(data / "eval_sets"), 1)
+    documents = pd.read_parquet(manifest["corpus_path"])["sample_id"].tolist()
+    fraction = manifest["corpus"]["fraction"]
+    assert len(documents) == manifest["corpus"]["documents"] and all(is_held_out(d, fraction) for d in documents)
+    base_id = _metadata(instance, "base_model")["checkpoint_id"]
+    job = json.loads((data / "base_models" / base_id / "training_job.json").read_text())
+    assert job["eval_fraction"] == fraction  # its training kept these documents out of both sides
+
+    first = _metadata(instance, "base_model_eval", base_id)
+    low, high = first["eval_loss_interval"]
+    assert first["eval_set_version"] == 1 and first["documents"] == len(documents)
+    assert low <= first["eval_loss"] <= high and first["perplexity"] >= 1
+    report = json.loads(Path(first["report_json"]).read_text())
+    assert [d["document_id"] for d in report["per_document"]] == documents
+    client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.checkpoint_id = '{base_id}' and tags.stage = 'base_evaluation'")
+    assert runs and runs[0].data.metrics["corpus_eval_loss"] == pytest.approx(report["loss"])
+
+    # a later base model, trained on another (bigger) corpus: worse weights by construction, the same documents
+    later = data / "base_models" / "base-later"
+    shutil.copytree(data / "base_models" / base_id, later)
+    corrupted_model(later)
+    record = json.loads((later / "checkpoint.json").read_text())
+    (later / "checkpoint.json").write_text(json.dumps({**record, "checkpoint_id": "base-later", "path": str(later),
+                                                       "dataset_run_hash": "a-bigger-corpus"}))
+    instance.add_dynamic_partitions("base_models", ["base-later"])
+    assert defs.resolve_job_def("base_evaluation_job").execute_in_process(instance=instance,
+                                                                          partition_key="base-later").success
+    second = _metadata(instance, "base_model_eval", "base-later")
+    assert second["documents_sha256"] == first["documents_sha256"] and second["documents"] == first["documents"]
+    assert [d["document_id"] for d in json.loads(Path(second["report_json"]).read_text())["per_document"]] == documents
+    assert second["corpus_run_hash"] == "a-bigger-corpus" and second["eval_loss"] > first["eval_loss"]
+
+    defs.resolve_job_def("leaderboard_job").execute_in_process(instance=instance)
+    board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv")
+    bases = board[board["stage"] == "base"]
+    assert bases["checkpoint_id"].tolist() == [base_id, "base-later"]  # best first, one eval-set version
+    assert set(bases["eval_set_version"]) == {1}

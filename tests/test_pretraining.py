@@ -21,12 +21,12 @@ import dagster as dg  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from corpus_files import random_documents, write_corpus  # noqa: E402
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
-from nexa_dagster.core.indexed_dataset import IndexedDatasetWriter  # noqa: E402
 from nexa_dagster.core.model.moe import NexaMoEForCausalLM  # noqa: E402
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS  # noqa: E402
+from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.training.corpus import document_id, load_corpus  # noqa: E402
 from nexa_dagster.core.training.data import IGNORE_INDEX, labels_for  # noqa: E402
 from nexa_dagster.core.training.init import check_init_checkpoint, load_mixtral_checkpoint, resolve  # noqa: E402
@@ -34,25 +34,6 @@ from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: 
 from nexa_dagster.resources.gpu_cluster import LocalGPUCluster  # noqa: E402
 
 WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
-
-
-def write_corpus(root: Path, documents: list[list[int]], shards: int = 2) -> str:
-    """A corpus as pretrain_corpus writes it: bin/idx shards and a megatron_blend.json listing them."""
-    data_paths: list[object] = []
-    for s in range(shards):
-        prefix = str(root / "shards" / f"{s:05d}")
-        with IndexedDatasetWriter(prefix, np.uint16) as writer:
-            for doc in documents[s::shards]:
-                writer.add_document(np.asarray(doc, dtype=np.uint16))
-        data_paths += [sum(len(d) for d in documents[s::shards]), prefix]
-    (root / "megatron_blend.json").write_text(json.dumps({"data_paths": data_paths}))
-    return str(root)
-
-
-def random_documents(n: int, vocab: int, eos: int, seed: int = 0, lengths: tuple[int, int] = (5, 40)) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(len(SPECIAL_TOKENS), vocab, int(rng.integers(*lengths))).tolist() + [eos]
-            for _ in range(n)]
 
 
 def small_config(vocab: int = 300) -> MixtralConfig:

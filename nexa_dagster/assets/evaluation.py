@@ -15,7 +15,7 @@ from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import Checkpoint, EvalReport
+from nexa_dagster.core.artifacts import BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.benchmarks import BenchmarkError, compare_benchmark, flat_scores
 from nexa_dagster.core.config import pipeline_config, read_text, resolve_path
 from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
@@ -30,6 +30,7 @@ from nexa_dagster.core.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.promotion import GateDecision, ProductionRegistry, decide, load_policy
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.io_manager import MISSING_OK
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
@@ -266,20 +267,22 @@ def _report(context: dg.AssetExecutionContext, ckpt: Checkpoint, evaluation: Che
 
 @dg.asset(
     group_name="evaluation",
-    ins={"eval_report": dg.AssetIn()},
+    ins={"eval_report": dg.AssetIn(), "base_model_eval": dg.AssetIn(metadata={MISSING_OK: True})},
     dagster_type=LeaderboardType,
     automation_condition=LEADERBOARD_CONDITION,
     kinds={"csv", "markdown"},
     description="One row per evaluated checkpoint (eval-set version, metrics, the paired difference with the "
                 "production model of its day and the gate's decision, dataset, date, whether it is in production), "
-                "best first within an eval-set version; a Markdown table in the UI and "
+                "and per evaluated base model (stage base: loss on the eval set's frozen corpus documents), best "
+                "first within an eval-set version and stage; a Markdown table in the UI and "
                 "results/evaluation/leaderboard.csv.",
 )
 def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalReport],
-                storage: StorageResource) -> pd.DataFrame:
+                base_model_eval: dict[str, BaseModelEval], storage: StorageResource) -> pd.DataFrame:
     production = ProductionRegistry(storage.production_pointer()).current()
     rows = [{
-        "checkpoint_id": r.checkpoint_id, "eval_set_version": r.eval_set_version, "eval_loss": r.eval_loss,
+        "checkpoint_id": r.checkpoint_id, "stage": "sft", "eval_set_version": r.eval_set_version,
+        "eval_loss": r.eval_loss,
         "perplexity": r.perplexity, "judge_score": r.judge_score,
         "win_rate_vs_production": r.win_rate_vs_production, "vs_production": r.production_checkpoint_id or "",
         "eval_loss_difference": r.eval_loss_difference, "gate": r.gate_decision or "",
@@ -287,9 +290,16 @@ def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalRe
         "in_production": production is not None and production.checkpoint_id == r.checkpoint_id,
         **flat_scores(r.benchmarks),  # one column per benchmark metric and its standard error
     } for r in eval_report.values()]
-    # rows of one eval-set version are comparable: the newest version first, best loss first within it
-    board = pd.DataFrame(rows).astype({"eval_set_version": "Int64"}).sort_values(["eval_set_version", "eval_loss"], ascending=[False, True],
-                                           na_position="last").reset_index(drop=True)
+    # base models: measured on the version's frozen corpus documents, not on its SFT samples (a stage of its own)
+    rows += [{"checkpoint_id": r.checkpoint_id, "stage": "base", "eval_set_version": r.eval_set_version,
+              "eval_loss": r.loss, "eval_loss_interval": f"[{r.loss_interval[0]:.4f}, {r.loss_interval[1]:.4f}]",
+              "perplexity": r.perplexity, "dataset_run_hash": r.corpus_run_hash or "", "parent": "scratch",
+              "evaluated_at": r.created_at, "in_production": False} for r in base_model_eval.values()]
+    # rows of one eval-set version and stage are comparable: the newest version first, SFT checkpoints before
+    # base models, best loss first within them
+    board = pd.DataFrame(rows).astype({"eval_set_version": "Int64"}).sort_values(
+        ["eval_set_version", "stage", "eval_loss"], ascending=[False, False, True],
+        na_position="last").reset_index(drop=True)
     csv_path = io.join(storage.results_path("evaluation"), "leaderboard.csv")
     io.write_text(board.to_csv(index=False), csv_path)
     context.add_output_metadata({

@@ -2,18 +2,21 @@
 
 Same machinery as SFT (``moe_checkpoint``): a ``TrainingJob`` launched off-process by the GPU-cluster resource
 through Dagster Pipes, the same worker, DeepSpeed engine, monitors and exact resume; only its data kind differs
-(``pretrain_corpus``: the bin/idx documents packed into ``pack_size`` rows, every token learned). Its evaluation
-is the perplexity of the corpus documents held out by a hash of their tokens, which no training row ever holds.
+(``pretrain_corpus``: the bin/idx documents packed into ``pack_size`` rows, every token learned). Its validation
+loss is the perplexity of the corpus documents held out by a hash of their tokens, which no training row ever holds;
+the documents on the frozen eval set's side are kept out of both, and every base model is evaluated on those an
+eval-set version froze (``base_model_eval``), so base models trained on different corpora compare.
 """
 
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import load_student_tokenizer
+from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core import storage as io
 from nexa_dagster.core.artifacts import Checkpoint
-from nexa_dagster.core.config import load_deepspeed_config
+from nexa_dagster.core.config import load_deepspeed_config, pipeline_config
 from nexa_dagster.core.evaluation import perplexity_of
 from nexa_dagster.core.pretrain_dataset import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
@@ -52,6 +55,7 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
         output_dir=storage.path("base_models", base_id), dataset_run_hash=pretrain_corpus.run_hash,
         accelerator=gpu_cluster.accelerator, data_kind="pretrain_corpus", pack_size=scale.pack_size,
         heldout_fraction=scale.pretraining.heldout_fraction, parent="scratch",
+        eval_fraction=pipeline_config().eval_set.corpus_fraction,  # the eval set's documents: never trained on
     )
     context.log.info(f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
                      f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "
@@ -74,6 +78,7 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
         mlflow_run_id=mlflow_run_id, stage="pretrain", parent="scratch",
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    context.instance.add_dynamic_partitions(base_model_partitions.name, [base_id])  # base_model_eval's partition
     return dg.Output(checkpoint, metadata={
         **training_metadata(invocation, png, result, "pretraining loss"),
         "checkpoint_id": base_id,

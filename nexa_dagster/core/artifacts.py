@@ -116,3 +116,25 @@ class EvalReport(Artifact):
     # lm-evaluation-harness scores, {"tasks": {task: {metric: {value, stderr, higher_is_better}}}, ...}
     benchmarks: dict[str, Any] | None = None
     production_benchmarks: dict[str, Any] | None = None
+
+
+class BaseModelEval(Artifact):
+    """One base model measured on one frozen eval-set version's corpus documents (``core.eval_set``).
+
+    Every report of the same ``eval_set_version`` is measured on the same documents (``documents_sha256``), so a
+    base model trained on a bigger, later corpus compares with an earlier one."""
+
+    checkpoint_id: str
+    checkpoint_path: str
+    eval_set_version: int
+    corpus_run_hash: str | None = None  # the corpus the base model trained on
+    eval_corpus_run_hash: str | None = None  # the corpus the eval set's documents were frozen from
+    documents: int = Field(gt=0)
+    tokens: int = Field(gt=0)
+    loss: float
+    loss_interval: tuple[float, float]
+    perplexity: float = Field(ge=1)
+    perplexity_interval: tuple[float, float]
+    documents_sha256: str  # of the frozen corpus.parquet: the same for every report of this version
+    report_json: str
+    mlflow_run_id: str | None = None

@@ -274,6 +274,9 @@ class EvalSetConfig(_Strict):
                                                       "then known (the old one stays for its leaderboard rows)")
     fraction: float = Field(default=0.2, gt=0, lt=1, description="share of sample ids on the held-out side, "
                                                                  "which no training split ever contains")
+    corpus_fraction: float = Field(default=0.2, gt=0, lt=1, description=(
+        "share of pretraining-corpus documents (by a hash of their tokens) on the eval side: frozen with the "
+        "version for the base models, never in any base model's training (core/training/corpus.py)"))
 
 
 class PipelineConfig(_Strict):

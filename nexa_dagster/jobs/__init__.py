@@ -13,7 +13,7 @@ import datetime as dt
 
 import dagster as dg
 
-from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
+from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions, daily_partitions
 from nexa_dagster.core.config import load_pipeline_config
 from nexa_dagster.core.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
@@ -70,11 +70,17 @@ def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
     return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
 
 
+base_evaluation_job = dg.define_asset_job(
+    "base_evaluation_job", selection=dg.AssetSelection.assets("base_model_eval"), partitions_def=base_model_partitions,
+    description="Evaluate one base model on the frozen eval set's corpus documents (its partition: the base id).",
+)
+
 leaderboard_job = dg.define_asset_job(
     "leaderboard_job", selection=dg.AssetSelection.assets("leaderboard"),
     description="Rebuild the leaderboard of every evaluated checkpoint (also kept fresh by its automation "
                 "condition while the daemon runs).",
 )
 
-JOBS = [ingest_job, daily_data_job, training_job, corpus_job, pretraining_job, evaluation_job, leaderboard_job]
+JOBS = [ingest_job, daily_data_job, training_job, corpus_job, pretraining_job, evaluation_job, base_evaluation_job,
+        leaderboard_job]
 SCHEDULES = [nightly_data_schedule]

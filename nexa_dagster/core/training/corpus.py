@@ -10,7 +10,13 @@ every token.
 Which documents are held out is a hash of the document's id, and a bin/idx corpus has no ids: a document's id
 here is the SHA-256 of its tokens (as int64), which is stable whatever the shard, position or dtype, so a
 document stays on its side whatever else arrives in later corpora. The held-out documents never enter a
-training row; their perplexity is the base model's evaluation.
+training row; their perplexity is the base model's own validation loss.
+
+Before that split, the documents on the frozen eval set's side (``core.eval_set.is_held_out`` of the document id
+below ``eval_set.corpus_fraction``: the eval set's salt, independent of the training seed and of
+``heldout_fraction``) are taken out of the corpus altogether, as packaging takes held-out samples out of both SFT
+splits: whatever corpus a base model trains on, later and bigger ones included, it never trains on a document
+that an eval-set version froze (``core.eval_set.freeze_eval_set``), so base models are compared on those.
 """
 
 from __future__ import annotations
@@ -68,6 +74,14 @@ class CorpusSplit:
     train: list[np.ndarray]
     heldout: list[np.ndarray]
     heldout_ids: frozenset[str]
+    eval_set_documents: int = 0  # kept out of both sides: the frozen eval set's side
+
+
+def without_eval_set_documents(documents: list[np.ndarray], eval_fraction: float) -> list[np.ndarray]:
+    """The documents not on the frozen eval set's side (``core.eval_set.is_held_out`` of their id)."""
+    from nexa_dagster.core.eval_set import is_held_out
+
+    return [d for d in documents if not is_held_out(document_id(d), eval_fraction)]
 
 
 def split_documents(documents: list[np.ndarray], heldout_fraction: float, seed: int = 0) -> CorpusSplit:
@@ -115,14 +129,19 @@ def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Bat
             "attention_mask": torch.from_numpy(attention.reshape(shape))}
 
 
-def load_corpus(path: str, pack_size: int, heldout_fraction: float, pad_id: int,
-                seed: int = 0) -> tuple[Batch, Batch, CorpusSplit]:
-    """(training rows, held-out rows, the split) of a bin/idx corpus, ready for the training loop."""
-    documents = read_documents(corpus_prefixes(path))
+def load_corpus(path: str, pack_size: int, heldout_fraction: float, pad_id: int, seed: int = 0,
+                eval_fraction: float = 0.0) -> tuple[Batch, Batch, CorpusSplit]:
+    """(training rows, held-out rows, the split) of a bin/idx corpus, ready for the training loop; the documents
+    on the eval set's side (``eval_fraction``, 0: none) are in neither."""
+    everything = read_documents(corpus_prefixes(path))
+    documents = without_eval_set_documents(everything, eval_fraction)
     if len(documents) < 2:
-        raise ValueError(f"pretraining corpus {path} has {len(documents)} document(s); a training side and a "
-                         "held-out side need at least two")
+        kept_out = f" once the {len(everything) - len(documents)} on the eval set's side (eval_set.corpus_fraction=" \
+                   f"{eval_fraction}) are kept out" if len(everything) != len(documents) else ""
+        raise ValueError(f"pretraining corpus {path} has {len(documents)} document(s){kept_out}; a training side "
+                         "and a held-out side need at least two")
     split = split_documents(documents, heldout_fraction, seed)
+    split = CorpusSplit(split.train, split.heldout, split.heldout_ids, len(everything) - len(documents))
     if not split.train or not split.heldout:
         raise ValueError(f"pretraining corpus {path}: every document is identical, nothing left to hold out")
     return pack_stream(split.train, pack_size, pad_id), pack_stream(split.heldout, pack_size, pad_id), split

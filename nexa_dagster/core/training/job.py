@@ -38,6 +38,8 @@ class TrainingJob(BaseModel):
         "are the validation set"))
     pack_size: int = Field(default=0, ge=0, description="pretrain_corpus: tokens per packed row")
     heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description="pretrain_corpus: documents held out")
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1, description=(
+        "pretrain_corpus: documents on the frozen eval set's side (eval_set.corpus_fraction), never trained on"))
     init_from: str = Field(default="", description="a Mixtral HF directory to start from; empty: random init")
     parent: str = Field(default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>")
 
