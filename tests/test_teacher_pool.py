@@ -6,8 +6,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import pytest
 from openai_stub import chat_payload, stub_server
+from services import missing
 
 from nexa_dagster.core.config import REPO_ROOT
 from nexa_dagster.core.llm.base import SamplingParams
@@ -34,7 +34,7 @@ def engine(name: str):
 def test_a_load_balancer_spreads_teacher_requests_over_engines_and_routes_around_a_dead_one(tmp_path: Path) -> None:
     exe = haproxy_binary()
     if exe is None:
-        pytest.fail("haproxy is not installed (apt-get install haproxy)")
+        missing("HAProxy", "apt-get install haproxy")
     with ExitStack() as first_engine, engine("v1") as (url1, calls1, _):
         url0, calls0, _ = first_engine.enter_context(engine("v0"))
         port = free_port()
