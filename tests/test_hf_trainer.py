@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
 from nexa_dagster.core.packed_collator import PackedRowsCollator
+from nexa_dagster.core.packed_split import packed_files, read_packed_frame
 from nexa_dagster.core.sft_dataset import package_sft
 
 
@@ -37,7 +37,7 @@ def test_attention_stays_within_each_packed_document(packed, tiny_model_dir: Pat
     """
     model = _model(tiny_model_dir).eval()
     model.config.use_cache = False
-    frame = pq.read_table(packed["train"]).to_pandas()
+    frame = read_packed_frame(packed["train"])
     row = frame[frame.num_documents >= 3].iloc[0]
     batch = PackedRowsCollator()([row.to_dict()])
     packed_logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
@@ -56,7 +56,7 @@ def test_hf_trainer_learns_from_the_packed_files(packed, tiny_model_dir: Path, t
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    train = Dataset.from_parquet(packed["train"])
+    train = Dataset.from_parquet(packed_files(packed["train"]))  # the snapshot's shard files, in order
     model = _model(tiny_model_dir)
     collate = PackedRowsCollator()
     probe = collate([train[i] for i in range(min(8, len(train)))])

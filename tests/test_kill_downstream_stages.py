@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 from sandbox import make_sandbox, sandbox_env  # noqa: E402
 
 from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.packed_split import read_packed_frame  # noqa: E402
 from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
 
 DAY = "2026-11-20"
@@ -163,7 +164,7 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
 
     # 1. packaging, killed with its packed train split written but not yet renamed into place (at tiny scale the
     #    whole stage takes a fraction of a second): no dataset is published, nothing downstream starts
-    run = _killed_before_publishing(killed, TRAIN, "*/sft/*/train.parquet")
+    run = _killed_before_publishing(killed, TRAIN, "*/sft/*/train.shards.json")
     assert _materialized_in(killed, run) == set(), "a killed packaging run published something"
     _assert_nothing_left_running(killed)
 
@@ -178,8 +179,8 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     # ... rerun: the same packed rows, and training gives the same loss at every logged step
     _finish(_materialize(killed, TRAIN))
     for split in ("train_path", "validation_path"):
-        pd.testing.assert_frame_equal(pd.read_parquet(_metadata(straight, "sft_dataset")[split]),
-                                      pd.read_parquet(_metadata(killed, "sft_dataset")[split]))
+        pd.testing.assert_frame_equal(read_packed_frame(_metadata(straight, "sft_dataset")[split]),
+                                      read_packed_frame(_metadata(killed, "sft_dataset")[split]))
     curves = [json.loads((Path(_metadata(root, "moe_checkpoint")["checkpoint_path"]) / "training_summary.json")
                          .read_text())["loss_curve"] for root in (straight, killed)]
     assert [s for s, _ in curves[0]] == [s for s, _ in curves[1]]

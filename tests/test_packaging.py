@@ -25,7 +25,14 @@ from nexa_dagster.core.eval_set import is_held_out
 from nexa_dagster.core.indexed_dataset import IndexedDataset
 from nexa_dagster.core.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.jsonl_formats import RecordError, build_transform
-from nexa_dagster.core.packing import ChatTokenizer, check_packed_file, is_validation, side_overrides
+from nexa_dagster.core.packed_split import packed_files, read_packed_table
+from nexa_dagster.core.packing import (
+    PACKED_SCHEMA,
+    ChatTokenizer,
+    check_packed_file,
+    is_validation,
+    side_overrides,
+)
 from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
 from nexa_dagster.core.sft_dataset import (
     PackagingSettings,
@@ -36,7 +43,7 @@ from nexa_dagster.core.sft_dataset import (
     streamed_side_overrides,
 )
 
-OUTPUTS = ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl", "snapshot.json")
+OUTPUTS = ("train.shards.json", "validation.shards.json", "train.jsonl", "validation.jsonl", "snapshot.json")
 
 
 def _chat_records(n: int, seed: int = 0) -> list[dict]:
@@ -114,7 +121,7 @@ def test_labels_column_is_the_loss_mask_in_the_hugging_face_convention(tiny_toke
 
     path = _write_jsonl(tmp_path / "in.jsonl", _chat_records(60))
     run = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
-    frame = pq.read_table(run.paths["train"]).to_pandas()
+    frame = read_packed_table(run.paths["train"]).to_pandas()
     for row in frame.itertuples():
         ids, labels, mask = (np.asarray(v) for v in (row.input_ids, row.labels, row.loss_mask))
         starts = np.asarray(row.cu_seqlens[:-1])
@@ -128,7 +135,7 @@ def test_labels_column_is_the_loss_mask_in_the_hugging_face_convention(tiny_toke
     assert check_packed_file(run.paths["train"], 256) == []
 
     # a labels column that disagrees with the loss mask: the packed-file check and the trainer both refuse it
-    table = pq.read_table(run.paths["train"])
+    table = read_packed_table(run.paths["train"])
     bad_labels = [list(v) for v in table.column("labels").to_pylist()]
     bad_labels[3][int(np.flatnonzero(np.asarray(bad_labels[3]) == -100)[0])] = 7
     bad = tmp_path / "bad.parquet"
@@ -214,6 +221,13 @@ def _bytes(root: str) -> dict[str, bytes]:
     return {name: Path(root, name).read_bytes() for name in OUTPUTS}
 
 
+def _rows(path: str) -> dict[str, list]:
+    """A packed split's rows as the trainer reads them (``load_packed``: every column, in order)."""
+    from nexa_dagster.core.training.data import load_packed
+
+    return {column: tensor.tolist() for column, tensor in load_packed(path).items()}
+
+
 def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(200))
     one = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "a"), _settings(workers=1), log=_quiet)
@@ -231,7 +245,8 @@ def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path:
             assert f.read() == _bytes(one.root)[name]
     # packed rows are what training reads: pack_size long, boundaries consistent, positions restart per document
     assert check_packed_file(one.paths["train"], 256) == []
-    table = pq.read_table(one.paths["train"]).to_pylist()
+    assert _rows(one.paths["train"]) == _rows(two.paths["train"])
+    table = read_packed_table(one.paths["train"]).to_pylist()
     for row in table:
         cu = row["cu_seqlens"]
         for a, b in zip(cu[:-1], cu[1:], strict=True):
@@ -311,8 +326,20 @@ def test_incremental_night_packs_only_its_day_and_equals_a_build_from_nothing(ti
     assert _bytes(scratch.root) == _bytes(snapshots[-1].root)
     baseline, _ = build_sft_dataset(pd.concat(days, ignore_index=True), tiny_tokenizer, "tok",
                                     str(tmp_path / "baseline"), incremental=False, **kw)
-    assert {n: Path(baseline.root, n).read_bytes() for n in OUTPUTS[:4]} == {
-        n: b for n, b in _bytes(scratch.root).items() if n in OUTPUTS[:4]}
+    assert {n: Path(baseline.root, n).read_bytes() for n in OUTPUTS[2:4]} == {
+        n: b for n, b in _bytes(scratch.root).items() if n in OUTPUTS[2:4]}
+    # the rows a training reads: the night-by-night snapshot's shard files, in manifest order, are the rows of the
+    # one built from nothing, of the one packed without the store, and of the single concatenated file a snapshot
+    # used to be (nothing of days 1-2 is copied into night 3's folder: it holds manifests, no packed rows)
+    last = snapshots[-1]
+    assert not list(Path(last.root).glob("*.parquet"))
+    for split in ("train_path", "validation_path"):
+        rows = _rows(getattr(last, split))
+        assert rows == _rows(getattr(scratch, split)) == _rows(getattr(baseline, split))
+        concatenated = str(tmp_path / f"concatenated-{split}.parquet")
+        sh.concat_parquet(packed_files(getattr(last, split)), concatenated, PACKED_SCHEMA)
+        assert rows == _rows(concatenated) and len(rows["input_ids"]) > 1
+    assert check_packed_file(last.train_path, 256) == []
     # the splits are per id and compose with days: no eval-set id trained on, each id on one side only
     ids = {split: [json.loads(line)["sample_id"] for line in Path(scratch.root, f"{split}.jsonl").read_text().splitlines()]
            for split in ("train", "validation")}
@@ -410,7 +437,7 @@ def test_kill_and_resume_gives_the_uninterrupted_bytes(tiny_tokenizer, tiny_mode
     proc.wait()
     done_before = len(list(out.glob("*/receipts/*.json")))
     assert 3 <= done_before < 10
-    assert not list(out.glob("*/train.parquet"))  # killed before finalize
+    assert not list(out.glob("*/train.shards.json"))  # killed before finalize
 
     resumed = package_sft(_blend(path), tiny_tokenizer, str(out), _settings(workers=2), log=_quiet)
     assert len(resumed.report.skipped) == done_before

@@ -64,7 +64,7 @@ def test_sft_dataset_is_deterministic_and_written_atomically(tiny_tokenizer, tmp
     b, _ = build_sft_dataset(_samples(40).sample(frac=1, random_state=3), tiny_tokenizer, "tok",
                              str(tmp_path / "b"), 128, 0.2, log=lambda m: None)
     assert a.run_hash == b.run_hash
-    for name in ("train.parquet", "validation.parquet", "train.jsonl", "validation.jsonl"):
+    for name in ("train.shards.json", "validation.shards.json", "train.jsonl", "validation.jsonl"):
         assert (Path(a.root) / name).read_bytes() == (Path(b.root) / name).read_bytes()
     assert not list(Path(a.root).glob(".*.tmp"))
     assert a.num_train_sequences + a.num_validation_sequences == stats["train"].sequences + stats["validation"].sequences

@@ -305,13 +305,30 @@ class ChatTokenizer:
 
 
 def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
-    """Problems with a packed Parquet file as training will read it (empty list: fine)."""
-    from nexa_dagster.core import storage
+    """Problems with a packed split as training will read it (empty list: fine).
+
+    ``path`` is a split manifest (``core/packed_split``) or a packed Parquet file; the shard files are checked one
+    at a time, and rows are numbered across the whole split, in the order training reads them.
+    """
+    from nexa_dagster.core.packed_split import iter_packed_tables
     from nexa_dagster.core.schemas import PackedSequences
 
-    frame = storage.read_parquet(path)
     where = label or path
-    PackedSequences.validate(frame)
+    problems: list[str] = []
+    offset = loss_tokens = 0
+    for _, table in iter_packed_tables(path):
+        frame = table.to_pandas()
+        frame.index += offset
+        offset += len(frame)
+        problems += _frame_problems(frame, pack_size, where, PackedSequences)
+        loss_tokens += int(frame["num_loss_tokens"].sum())
+    if loss_tokens == 0:
+        problems.append(f"{where}: no loss-masked (assistant) tokens")
+    return problems
+
+
+def _frame_problems(frame: Any, pack_size: int, where: str, schema: Any) -> list[str]:
+    schema.validate(frame)
     problems = []
     if not frame["input_ids"].map(len).eq(pack_size).all():
         problems.append(f"{where}: a row is not {pack_size} tokens long")
@@ -320,8 +337,6 @@ def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
         if cu[0] != 0 or cu[-1] != row.num_tokens or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
             problems.append(f"{where}: row {row.Index} has document boundaries {cu} for {row.num_tokens} tokens")
             break
-    if int(frame["num_loss_tokens"].sum()) == 0:
-        problems.append(f"{where}: no loss-masked (assistant) tokens")
     if "labels" in frame.columns:
         columns = {c: np.stack(frame[c].to_numpy()) for c in ("input_ids", "loss_mask", "attention_mask",
                                                               "position_ids", "labels")}
@@ -329,6 +344,6 @@ def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
                              columns["position_ids"])
         wrong = np.flatnonzero((columns["labels"] != expected).any(axis=1))
         if len(wrong):
-            problems.append(f"{where}: row {int(wrong[0])} has labels that disagree with its input_ids/loss_mask "
-                            f"({len(wrong)} rows in all)")
+            problems.append(f"{where}: row {int(wrong[0]) + int(frame.index[0])} has labels that disagree with its "
+                            f"input_ids/loss_mask ({len(wrong)} rows in all)")
     return problems

@@ -7,7 +7,7 @@ Layout under ``<out_root>/``::
     store/receipts/<key>.json       one per finished shard (outputs with size + SHA-256, counts)
     <run_hash>/plan.json            the shards and the configuration the run hash is made of
     <run_hash>/snapshot.json        the snapshot's manifest: its shards' receipts, in order
-    <run_hash>/train.parquet  validation.parquet   packed rows, shards concatenated in order
+    <run_hash>/train.shards.json  validation.shards.json   each split's packed shard files, in order (no copy)
     <run_hash>/train.jsonl    validation.jsonl     the same conversations as {"sample_id", "messages"}
     <run_hash>/quarantine.jsonl     bad input rows with file:line and reason (``on_error: quarantine``)
     <run_hash>/dataset.json         the SFTDataset artifact
@@ -15,8 +15,9 @@ Layout under ``<out_root>/``::
 A shard's key is a hash of its input bytes, its place in its file, and the configuration its output depends on
 (tokenizer, chat template, pack size, seed, split fractions, blend source and transform, format version): the store
 holds each shard once, whatever snapshot asked for it first. Shards never span two days, so the snapshot after day
-N+1 tokenizes and packs only day N+1's rows and concatenates the rest from the store; it is byte for byte the
-snapshot a build from nothing gives. The snapshot folder is named by the run hash (all shard keys), so a checkpoint
+N+1 tokenizes and packs only day N+1's rows; its packed splits are manifests that list the store's shard files
+(``core/packed_split.py``), so nothing of days 1..N is read or copied either. It is byte for byte the snapshot a
+build from nothing gives. The snapshot folder is named by the run hash (all shard keys), so a checkpoint
 keeps pointing at the data it trained on. With ``incremental=False`` the shards live in the snapshot folder
 (``<run_hash>/shards``, ``<run_hash>/receipts``) and every new plan packs everything again.
 """
@@ -34,8 +35,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
+from nexa_dagster.core import packed_split, storage
 from nexa_dagster.core import shards as sh
-from nexa_dagster.core import storage
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import BlendSource, DataBlend
 from nexa_dagster.core.eval_set import is_held_out
@@ -44,7 +45,6 @@ from nexa_dagster.core.jsonl_formats import (
     dumps,
 )
 from nexa_dagster.core.packing import (
-    PACKED_SCHEMA,
     ChatTokenizer,
     PackingStats,
     conversation,
@@ -240,7 +240,10 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
 
 def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, settings: PackagingSettings,
                  log: Callable[[str], None], store: str | None = None) -> SftRun:
-    """Concatenate the shards in plan order, sum the receipts' counts and write the snapshot's manifest.
+    """List each split's shard files in plan order, sum the receipts' counts and write the snapshot's manifest.
+
+    The packed splits are not concatenated: ``<split>.shards.json`` names the shard files (``core/packed_split``),
+    which every reader goes through, so a night's cost does not grow with the rows of earlier days.
 
     ``snapshot.json`` lists the snapshot's shards in order with their receipts (key, outputs with size and SHA-256,
     counts): it names the snapshot's content independently of where the store is, so a snapshot built day by day
@@ -252,10 +255,17 @@ def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, set
         for split in SPLITS:
             stats[split].add(PackingStats.from_json(receipt.stats[split]))
     paths: dict[str, str] = {}
+    base = root.rsplit("/", 1)[0]  # the SFT root: holds the snapshot folders and the store
+    in_base = store[len(base) + 1:]  # "store", or "<run_hash>" when the snapshot keeps its shards to itself
     for split in SPLITS:
-        paths[split] = storage.join(root, f"{split}.parquet")
-        sh.concat_parquet([storage.join(store, f"shards/{r.shard_id}.{split}.parquet") for r in report.receipts],
-                          paths[split], PACKED_SCHEMA)
+        paths[split] = packed_split.split_manifest_path(root, split)
+        files = []
+        for r in report.receipts:
+            rel = f"shards/{r.shard_id}.{split}.parquet"
+            out = r.outputs[rel]
+            files.append((f"{in_base}/{rel}", int(out["bytes"]), str(out["sha256"]),
+                          int(r.stats[split]["sequences"])))
+        packed_split.write_split_manifest(paths[split], split, rh, base, files)
         if settings.write_jsonl:
             paths[f"{split}_jsonl"] = storage.join(root, f"{split}.jsonl")
             sh.concat_files([storage.join(store, f"shards/{r.shard_id}.{split}.jsonl") for r in report.receipts],

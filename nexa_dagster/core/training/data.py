@@ -32,12 +32,14 @@ HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waitin
 
 
 def load_packed(path: str) -> Batch:
-    """Read a packed Parquet file into ``[rows, pack_size]`` tensors, failing with the path in every message."""
-    from nexa_dagster.core import storage
+    """Read a packed split into ``[rows, pack_size]`` tensors, failing with the path in every message.
 
-    if not storage.exists(path):
-        raise FileNotFoundError(f"packed dataset not found: {path}")
-    frame = storage.read_parquet(path)
+    ``path`` is the snapshot's split manifest (its shard files, read in manifest order: the rows and order the
+    concatenated file had) or one packed Parquet file (older datasets, hand-made ones).
+    """
+    from nexa_dagster.core.packed_split import read_packed_frame
+
+    frame = read_packed_frame(path)
     missing = [c for c in PACKED_COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"packed dataset {path} lacks columns {missing} (has {list(frame.columns)})")
