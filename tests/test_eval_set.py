@@ -10,6 +10,7 @@ import pytest
 
 from nexa_dagster.core import storage
 from nexa_dagster.core.eval_set import freeze_eval_set, is_held_out, load_eval_set
+from nexa_dagster.core.packed_split import split_lines
 from nexa_dagster.core.sft_dataset import build_sft_dataset
 
 
@@ -21,7 +22,7 @@ def _samples(start: int, n: int, day: str) -> pd.DataFrame:
 
 
 def _ids(path: str) -> set[str]:
-    return {json.loads(line)["sample_id"].split("#")[0] for line in Path(path).read_text().splitlines()}
+    return {json.loads(line)["sample_id"].split("#")[0] for line in split_lines(path)}
 
 
 def test_the_eval_set_never_overlaps_a_training_split_and_stays_frozen(tiny_tokenizer, tiny_model_dir: Path,

@@ -10,7 +10,7 @@ import torch
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
 from nexa_dagster.core.packed_collator import PackedRowsCollator
-from nexa_dagster.core.packed_split import packed_files, read_packed_frame
+from nexa_dagster.core.packed_split import read_packed_frame, split_files
 from nexa_dagster.core.sft_dataset import package_sft
 
 
@@ -50,13 +50,13 @@ def test_attention_stays_within_each_packed_document(packed, tiny_model_dir: Pat
     assert batch["labels"].shape == batch["input_ids"].shape and (batch["labels"][0, cu[:-1]] == -100).all()
 
 
-def test_hf_trainer_learns_from_the_packed_files(packed, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_hf_trainer_learns_from_the_split_files(packed, tiny_model_dir: Path, tmp_path: Path) -> None:
     """A few steps of ``transformers.Trainer`` on the packed Parquet as ``datasets`` reads it: the loss on the
     learned (assistant) tokens goes down."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    train = Dataset.from_parquet(packed_files(packed["train"]))  # the snapshot's shard files, in order
+    train = Dataset.from_parquet(split_files(packed["train"]))  # the snapshot's shard files, in order
     model = _model(tiny_model_dir)
     collate = PackedRowsCollator()
     probe = collate([train[i] for i in range(min(8, len(train)))])

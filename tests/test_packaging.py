@@ -25,7 +25,7 @@ from nexa_dagster.core.eval_set import is_held_out
 from nexa_dagster.core.indexed_dataset import IndexedDataset
 from nexa_dagster.core.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.jsonl_formats import RecordError, build_transform
-from nexa_dagster.core.packed_split import packed_files, read_packed_table
+from nexa_dagster.core.packed_split import read_packed_table, split_files, split_lines
 from nexa_dagster.core.packing import (
     PACKED_SCHEMA,
     ChatTokenizer,
@@ -43,7 +43,8 @@ from nexa_dagster.core.sft_dataset import (
     streamed_side_overrides,
 )
 
-OUTPUTS = ("train.shards.json", "validation.shards.json", "train.jsonl", "validation.jsonl", "snapshot.json")
+OUTPUTS = ("train.shards.json", "validation.shards.json", "train.jsonl.shards.json", "validation.jsonl.shards.json",
+           "snapshot.json")
 
 
 def _chat_records(n: int, seed: int = 0) -> list[dict]:
@@ -256,9 +257,15 @@ def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path:
     assert other.run_hash != one.run_hash
 
 
-def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path) -> None:
+def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path, monkeypatch) -> None:
+    from nexa_dagster.core import stat_cache
+
+    monkeypatch.setattr(stat_cache, "RACY_S", 0.0)  # remember checksums at once (a night later, in real life)
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
     first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
+    first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
+    assert first.report.skipped and list(Path(tmp_path, "out", "store", "stat-cache").glob("*.json"))
+    time.sleep(0.05)  # the rewrite below lands on a later timestamp tick than the stat that was remembered
     reference = _bytes(first.root)
     store = str(tmp_path / "out" / "store")  # shards live in the content-addressed store, named by their key
     keys = [s["shard_id"] for s in json.loads(Path(first.root, "snapshot.json").read_text())["shards"]]
@@ -276,6 +283,32 @@ def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path)
     assert "another plan" in again.report.redone["000002"]
     assert any("redoing" in m for m in logged)
     assert _bytes(again.root) == reference
+
+
+def test_a_remembered_fact_is_dropped_when_the_file_changes(tmp_path: Path, monkeypatch) -> None:
+    """Checksums and shard ranges of earlier days are remembered by the file's stat, never for a file written just
+    now (its rewrite could keep the same timestamps), never for a remote one, and a rewrite is always seen."""
+    from nexa_dagster.core import stat_cache
+
+    cache = str(tmp_path / "cache")
+    f = tmp_path / "day.jsonl"
+    f.write_bytes(b"a" * 100)
+    computed: list[str] = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: computed.append(p) or real(p))
+    stat_cache.sha256_file(str(f), cache)
+    assert not list(Path(cache).glob("*.json"))  # written moments ago: not remembered
+    monkeypatch.setattr(stat_cache, "RACY_S", 0.0)
+    first = stat_cache.sha256_file(str(f), cache)
+    assert stat_cache.sha256_file(str(f), cache) == first and len(computed) == 2  # the second from the cache
+    time.sleep(0.05)
+    with open(f, "r+b") as handle:  # in place: same inode, same size, other bytes
+        handle.write(b"b")
+    assert stat_cache.sha256_file(str(f), cache) == real(str(f)) != first and len(computed) == 3
+    storage.write_text("x", "memory://nexa-stat-cache/x")
+    stat_cache.sha256_file("memory://nexa-stat-cache/x", cache)
+    stat_cache.sha256_file("memory://nexa-stat-cache/x", cache)
+    assert len(computed) == 5  # a remote file is always read
 
 
 # -- incremental: a night packs its own day, and the snapshot equals one built from nothing -----------------------
@@ -326,8 +359,6 @@ def test_incremental_night_packs_only_its_day_and_equals_a_build_from_nothing(ti
     assert _bytes(scratch.root) == _bytes(snapshots[-1].root)
     baseline, _ = build_sft_dataset(pd.concat(days, ignore_index=True), tiny_tokenizer, "tok",
                                     str(tmp_path / "baseline"), incremental=False, **kw)
-    assert {n: Path(baseline.root, n).read_bytes() for n in OUTPUTS[2:4]} == {
-        n: b for n, b in _bytes(scratch.root).items() if n in OUTPUTS[2:4]}
     # the rows a training reads: the night-by-night snapshot's shard files, in manifest order, are the rows of the
     # one built from nothing, of the one packed without the store, and of the single concatenated file a snapshot
     # used to be (nothing of days 1-2 is copied into night 3's folder: it holds manifests, no packed rows)
@@ -337,15 +368,48 @@ def test_incremental_night_packs_only_its_day_and_equals_a_build_from_nothing(ti
         rows = _rows(getattr(last, split))
         assert rows == _rows(getattr(scratch, split)) == _rows(getattr(baseline, split))
         concatenated = str(tmp_path / f"concatenated-{split}.parquet")
-        sh.concat_parquet(packed_files(getattr(last, split)), concatenated, PACKED_SCHEMA)
+        sh.concat_parquet(split_files(getattr(last, split)), concatenated, PACKED_SCHEMA)
         assert rows == _rows(concatenated) and len(rows["input_ids"]) > 1
     assert check_packed_file(last.train_path, 256) == []
     # the splits are per id and compose with days: no eval-set id trained on, each id on one side only
-    ids = {split: [json.loads(line)["sample_id"] for line in Path(scratch.root, f"{split}.jsonl").read_text().splitlines()]
+    ids = {split: [json.loads(line)["sample_id"] for line in split_lines(getattr(scratch, f"{split}_jsonl_path"))]
            for split in ("train", "validation")}
+    for split in ("train", "validation"):  # the JSONL export, read through its manifest, is the same everywhere
+        path = f"{split}_jsonl_path"
+        assert list(split_lines(getattr(last, path))) == list(split_lines(getattr(baseline, path)))
+        assert len(list(split_lines(getattr(last, path)))) == len(ids[split])
     assert not set(ids["train"]) & set(ids["validation"])
     assert not [s for s in ids["train"] + ids["validation"] if is_held_out(s, 0.1)]
     assert scratch.held_out_samples == sum(is_held_out(s, 0.1) for d in days for s in d["sample_id"])
+
+
+def test_a_sample_id_on_two_days_is_caught_naming_both_days(tiny_tokenizer, tmp_path: Path, monkeypatch) -> None:
+    """Each day's partition is schema-checked alone, so an id repeated on another day passed both checks and was
+    trained on twice; an on-disk index catches it, reading only the new day's ids."""
+    from nexa_dagster.core import sample_ids
+
+    kw = {"pack_size": 256, "validation_fraction": 0.2, "rows_per_shard": 40, "log": _quiet}
+    out = str(tmp_path / "sft")
+    day1, day2 = _day_frame("2026-11-01", 20, "a"), _day_frame("2026-11-02", 20, "b")
+    build_sft_dataset(pd.concat([day1, day2], ignore_index=True), tiny_tokenizer, "tok", out, **kw)
+    # day 2 materialized again (other answers, the same ids): it replaces the old version, no clash with it
+    day2_again = day2.assign(response=day2["response"] + " again")
+    build_sft_dataset(pd.concat([day1, day2_again], ignore_index=True), tiny_tokenizer, "tok", out, **kw)
+    day3 = _day_frame("2026-11-03", 20, "c")
+    day3.loc[7, "sample_id"] = "a0004"  # day 1's
+    read: list[str] = []
+    real = sample_ids._ids_of
+    monkeypatch.setattr(sample_ids, "_ids_of", lambda path: read.append(path) or real(path))
+    with pytest.raises(sample_ids.DuplicateSampleId,
+                       match=r"sample_id 'a0004' is on day 2026-11-01 \(filtered_samples-\w+\.jsonl\) and on day "
+                             r"2026-11-03 .*1 id\(s\) in all"):
+        build_sft_dataset(pd.concat([day1, day2_again, day3], ignore_index=True), tiny_tokenizer, "tok", out, **kw)
+    assert len(read) == 1  # only the new day's ids were read: days 1 and 2 are in the index on disk
+    assert Path(out, "inputs", "sample-ids.sqlite").exists()
+    # twice within one day (a frame built by hand; a partition's schema check catches it before packaging)
+    with pytest.raises(sample_ids.DuplicateSampleId, match=r"'b0001' occurs twice in day 2026-11-04"):
+        build_sft_dataset(_day_frame("2026-11-04", 5, "b").assign(sample_id=["b0001"] * 5), tiny_tokenizer, "tok",
+                          out, **kw)
 
 
 def test_streamed_split_overrides_equal_the_in_memory_ones(tmp_path: Path) -> None:
@@ -479,7 +543,7 @@ def test_blend_weights_and_fingerprint(tiny_tokenizer, tmp_path: Path) -> None:
     docs = sum(s.documents for s in run.stats.values())
     kept_b = sum(BlendSource(name="b", path=b, weight=0.5).copies(f"s{i}", 0) for i in range(100))
     assert docs == 200 + kept_b and 30 < kept_b < 70
-    lines = [json.loads(x) for x in Path(run.paths["train_jsonl"]).read_text().splitlines()]
+    lines = [json.loads(x) for x in split_lines(run.paths["train_jsonl"])]
     assert any(x["sample_id"].endswith("#1") for x in lines)  # the repeated copies of source a
     reweighted = DataBlend(name="mix", sources=[BlendSource(name="a", path=a, weight=1.0),
                                                 BlendSource(name="b", path=b, weight=0.5, transform="sft")])

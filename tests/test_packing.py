@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from nexa_dagster.core import storage
+from nexa_dagster.core.packed_split import split_lines
 from nexa_dagster.core.packing import best_fit_decreasing, is_validation, pack_table, side_overrides
 from nexa_dagster.core.schemas import PackedSequences
 from nexa_dagster.core.sft_dataset import build_sft_dataset
@@ -64,12 +65,13 @@ def test_sft_dataset_is_deterministic_and_written_atomically(tiny_tokenizer, tmp
     b, _ = build_sft_dataset(_samples(40).sample(frac=1, random_state=3), tiny_tokenizer, "tok",
                              str(tmp_path / "b"), 128, 0.2, log=lambda m: None)
     assert a.run_hash == b.run_hash
-    for name in ("train.shards.json", "validation.shards.json", "train.jsonl", "validation.jsonl"):
+    for name in ("train.shards.json", "validation.shards.json", "train.jsonl.shards.json",
+                 "validation.jsonl.shards.json"):
         assert (Path(a.root) / name).read_bytes() == (Path(b.root) / name).read_bytes()
     assert not list(Path(a.root).glob(".*.tmp"))
     assert a.num_train_sequences + a.num_validation_sequences == stats["train"].sequences + stats["validation"].sequences
     assert 0.5 < a.packing_efficiency <= 1.0
-    first = Path(a.train_jsonl_path).read_text().splitlines()[0]
+    first = next(split_lines(a.train_jsonl_path))
     assert '"messages"' in first and '"role": "assistant"' in first
 
 
@@ -86,7 +88,7 @@ def test_a_small_dataset_always_gets_both_splits(tiny_tokenizer, tmp_path: Path)
     samples = _samples(40).set_index("sample_id").loc[natural_train].reset_index()
     dataset, stats = build_sft_dataset(samples, tiny_tokenizer, "tok", str(tmp_path), 128, 0.1, log=lambda m: None)
     assert stats["validation"].documents == 1 and stats["train"].documents == 11
-    assert list(moved)[0] in Path(dataset.validation_jsonl_path).read_text()
+    assert list(moved)[0] in "\n".join(split_lines(dataset.validation_jsonl_path))
 
 
 def test_sft_dataset_refuses_empty_input(tiny_tokenizer, tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
-"""A packed split as a list of shard files: written by packaging, read by training, the asset check and ``datasets``.
+"""A split as a list of shard files: written by packaging, read by training, the asset check and ``datasets``.
 
 A snapshot used to concatenate every shard's packed rows into one ``train.parquet``: on night N that is N days of
 rows read and written again, the one cost of an incremental night that grew with the history. A split is now a
 small manifest, ``<snapshot>/<split>.shards.json``, that names its shard files in order (paths relative to the
 folder that holds the snapshot folder, e.g. ``store/shards/<key>.train.parquet``, so a data root can be moved or
 copied) with each file's size, SHA-256 and row count. Reading the files in manifest order gives exactly the rows,
-in exactly the order, that the concatenated file held.
+in exactly the order, that the concatenated file held. The JSONL export of the conversations is a manifest the
+same way (``<split>.jsonl.shards.json``, read line by line with ``split_lines``).
 
-Every reader goes through ``packed_files``, which also accepts a plain packed Parquet file (datasets packaged
+Every reader goes through ``split_files``, which also accepts a plain packed Parquet file (datasets packaged
 before this change, hand-made test files), so a checkpoint's lineage keeps pointing at data that can be read.
 """
 
@@ -39,17 +40,17 @@ def _base_of(manifest: str) -> str:
 
 
 def write_split_manifest(path: str, split: str, run_hash: str, base: str,
-                         files: Sequence[tuple[str, int, str, int]]) -> None:
+                         files: Sequence[tuple[str, int, str, int | None]]) -> None:
     """Write ``path`` (atomically) listing ``(path under base, bytes, sha256, rows)`` per shard file, in order.
 
-    Files with no rows are left out: they add nothing to the split and would cost an open per night.
+    Files with no rows (or no bytes) are left out: they add nothing to the split and would cost an open per night.
+    ``rows`` may be None where the writer does not count them (the JSONL export).
     """
     if _base_of(path).rstrip("/") != str(base).rstrip("/"):
         raise ValueError(f"split manifest {path}: entries must be relative to {_base_of(path)}, not {base}")
     storage.write_json({"format": FORMAT, "split": split, "run_hash": run_hash,
-                        "rows": sum(rows for *_, rows in files),
                         "files": [{"path": rel, "bytes": size, "sha256": digest, "rows": rows}
-                                  for rel, size, digest, rows in files if rows]}, path)
+                                  for rel, size, digest, rows in files if rows != 0 and size]}, path)
 
 
 def read_split_manifest(path: str) -> dict[str, Any]:
@@ -64,8 +65,8 @@ def read_split_manifest(path: str) -> dict[str, Any]:
     return data
 
 
-def packed_files(path: str, check_sizes: bool = True) -> list[str]:
-    """The Parquet files a packed split is read from, in order: a manifest's shard files, or ``path`` itself.
+def split_files(path: str, check_sizes: bool = True) -> list[str]:
+    """The files a split is read from, in order: a manifest's shard files, or ``path`` itself (one file).
 
     ``check_sizes`` compares each file's size with the manifest (one ``stat`` per file, no read), so a shard
     missing from or replaced in the store fails here naming the manifest and the file, not deep inside a reader.
@@ -94,7 +95,7 @@ def iter_packed_tables(path: str, columns: Sequence[str] | None = None) -> Itera
     """``(file, pyarrow table)`` per shard file of the split, in order: one shard in memory at a time."""
     import pyarrow.parquet as pq
 
-    for file in packed_files(path):
+    for file in split_files(path):
         with storage.open_read(file) as f:
             yield file, pq.read_table(f, columns=list(columns) if columns else None)
 
@@ -116,3 +117,11 @@ def read_packed_frame(path: str) -> Any:
     """The whole split as one pandas DataFrame, rows in manifest order (what ``pd.read_parquet`` gave for the
     concatenated file)."""
     return read_packed_table(path).to_pandas()
+
+
+def split_lines(path: str) -> Iterator[str]:
+    """The lines of a JSONL split (a ``.jsonl.shards.json`` manifest or one JSONL file), in order, streamed."""
+    for file in split_files(path):
+        with storage.open_read(file) as f:
+            for raw in f:
+                yield raw.decode("utf-8").rstrip("\n")

@@ -8,7 +8,7 @@ Layout under ``<out_root>/``::
     <run_hash>/plan.json            the shards and the configuration the run hash is made of
     <run_hash>/snapshot.json        the snapshot's manifest: its shards' receipts, in order
     <run_hash>/train.shards.json  validation.shards.json   each split's packed shard files, in order (no copy)
-    <run_hash>/train.jsonl    validation.jsonl     the same conversations as {"sample_id", "messages"}
+    <run_hash>/train.jsonl.shards.json  ...         the same conversations as {"sample_id", "messages"} (JSONL shards)
     <run_hash>/quarantine.jsonl     bad input rows with file:line and reason (``on_error: quarantine``)
     <run_hash>/dataset.json         the SFTDataset artifact
 
@@ -35,7 +35,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from nexa_dagster.core import packed_split, storage
+from nexa_dagster.core import packed_split, stat_cache, storage
 from nexa_dagster.core import shards as sh
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import BlendSource, DataBlend
@@ -52,6 +52,7 @@ from nexa_dagster.core.packing import (
     pack_table,
     tokenizer_fingerprint,
 )
+from nexa_dagster.core.sample_ids import check_unique_across_days
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
 FORMAT = "packed-sft-parquet/3"  # 3: a labels column (the Hugging Face -100 convention)
@@ -214,7 +215,9 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
     each snapshot keeps its shards to itself (the behaviour before the store: every new plan repacks everything).
     """
     inputs = blend.resolve(assets)
-    shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)
+    # local inputs' shard ranges are remembered by their stat: a night does not read earlier days' files again
+    shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard,
+                            cache_dir=storage.join(out_root, "store", "stat-cache") if settings.incremental else None)
     if not shards:
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers",
@@ -267,9 +270,12 @@ def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, set
                           int(r.stats[split]["sequences"])))
         packed_split.write_split_manifest(paths[split], split, rh, base, files)
         if settings.write_jsonl:
-            paths[f"{split}_jsonl"] = storage.join(root, f"{split}.jsonl")
-            sh.concat_files([storage.join(store, f"shards/{r.shard_id}.{split}.jsonl") for r in report.receipts],
-                            paths[f"{split}_jsonl"])
+            paths[f"{split}_jsonl"] = packed_split.split_manifest_path(root, f"{split}.jsonl")
+            lines = []
+            for r in report.receipts:
+                rel = f"shards/{r.shard_id}.{split}.jsonl"
+                lines.append((f"{in_base}/{rel}", int(r.outputs[rel]["bytes"]), str(r.outputs[rel]["sha256"]), None))
+            packed_split.write_split_manifest(paths[f"{split}_jsonl"], split, rh, base, lines)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
     if quarantined:
         paths["quarantine"] = storage.join(root, "quarantine.jsonl")
@@ -321,12 +327,14 @@ def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: 
     """The partitions' Parquet files as day JSONL files, one partition in memory at a time.
 
     A partition's JSONL is remembered under ``inputs/by-parquet/<sha256 of the Parquet bytes>.json``, so a night
-    converts only the partitions that are new or changed; the others cost one streaming hash of their file.
+    converts only the partitions that are new or changed; the others cost one ``stat`` (their checksum is
+    remembered by it, ``core/stat_cache``) or, where the stat cannot vouch for the bytes, one streaming hash.
     ``validate(frame, path)`` checks a partition's frame (the table's schema) before it is used.
     """
     out = []
     for partition, path in partitions:
-        pointer = storage.join(out_root, "inputs", "by-parquet", f"{storage.sha256_file(path)}.json")
+        digest = stat_cache.sha256_file(path, storage.join(out_root, "inputs", "stat-cache"))
+        pointer = storage.join(out_root, "inputs", "by-parquet", f"{digest}.json")
         if storage.exists(pointer):
             known = storage.read_json(pointer)
             jsonl = storage.join(out_root, "inputs", known["file"])
@@ -411,6 +419,11 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
     ``runner`` runs the shards to pack on a cluster (a Slurm array...) instead of ``workers`` local processes."""
     if not inputs:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
+    # the schema is checked a day at a time: an id on two days is caught here, by an on-disk index of every day
+    local = "://" not in out_root or out_root.startswith("file://")
+    check_unique_across_days([(d.path, d.days) for d in inputs],
+                             storage.join(out_root, "inputs", "sample-ids.sqlite").removeprefix("file://")
+                             if local else None)
     blend = blend or default_blend()
     # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
     # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)

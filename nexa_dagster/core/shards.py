@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from nexa_dagster.core import storage
+from nexa_dagster.core import stat_cache, storage
 from nexa_dagster.core.progress import Progress
 
 PLAN_FORMAT = 1
@@ -104,12 +104,19 @@ def scan_file(path: str, rows_per_shard: int) -> list[tuple[int, int, int, int, 
     return ranges
 
 
-def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int) -> list[Shard]:
-    """Shards for ``(source name, files)`` pairs, numbered in order; an empty file gives no shard."""
+def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int,
+                cache_dir: str | None = None) -> list[Shard]:
+    """Shards for ``(source name, files)`` pairs, numbered in order; an empty file gives no shard.
+
+    With ``cache_dir``, a local file's ranges are remembered by its stat (``core/stat_cache``): a night plans
+    every earlier day's file without reading it again.
+    """
     shards: list[Shard] = []
     for source, files in inputs:
         for path in files:
-            for start, end, first, rows, digest in scan_file(path, rows_per_shard):
+            ranges = stat_cache.remembered(path, f"shard-ranges:{rows_per_shard}", cache_dir,
+                                           lambda p=path: scan_file(p, rows_per_shard))
+            for start, end, first, rows, digest in ranges:
                 shards.append(Shard(len(shards), source, path, start, end, first, rows, digest))
     return shards
 
@@ -118,14 +125,33 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode("utf-8")
 
 
-def shard_key(shard: Shard, config: dict[str, Any]) -> str:
-    """What one shard's output is a function of: its input bytes, where it sits, and the configuration."""
-    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "input": shard.input_sha256, "source": shard.source,
-                                      "first_line": shard.first_line, "label": shard.label,
-                                      "config": config})).hexdigest()[:32]
+def shard_key(shard: Shard, config: dict[str, Any], canonical_config: bytes | None = None) -> str:
+    """What one shard's output is a function of: its input bytes, where it sits, and the configuration.
+
+    ``canonical_config`` is ``_canonical(config)`` when the caller has it already: a plan of N shards serialises
+    its configuration once, not N times (the bytes hashed are the same either way).
+    """
+    rest = _canonical({"format": PLAN_FORMAT, "input": shard.input_sha256, "source": shard.source,
+                       "first_line": shard.first_line, "label": shard.label})
+    # the canonical JSON of the whole dict, "config" being the first key in sorted order
+    body = b'{"config":' + (canonical_config or _canonical(config)) + b"," + rest[1:]
+    return hashlib.sha256(body).hexdigest()[:32]
 
 
 ConfigFor = Callable[[Shard], dict[str, Any]]  # a shard's own configuration (default: the run's)
+
+
+def _keyer(config: dict[str, Any], config_for: ConfigFor | None) -> Callable[[Shard], tuple[dict[str, Any], str]]:
+    """``shard -> (its configuration, its key)``, serialising each distinct configuration object once."""
+    seen: dict[int, tuple[dict[str, Any], bytes]] = {}
+
+    def key(shard: Shard) -> tuple[dict[str, Any], str]:
+        own = config_for(shard) if config_for else config
+        if id(own) not in seen:
+            seen[id(own)] = (own, _canonical(own))  # keeps ``own`` alive, so its id is not reused
+        return own, shard_key(shard, own, seen[id(own)][1])
+
+    return key
 
 
 def run_hash(shards: Sequence[Shard], config: dict[str, Any], config_for: ConfigFor | None = None) -> str:
@@ -134,7 +160,8 @@ def run_hash(shards: Sequence[Shard], config: dict[str, Any], config_for: Config
     File locations are left out (only the input bytes, the source names and the file names count), so the same
     data copied to another bucket or machine hashes the same.
     """
-    keys = [shard_key(s, config_for(s) if config_for else config) for s in shards]
+    keyer = _keyer(config, config_for)
+    keys = [keyer(s)[1] for s in shards]
     return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config, "shards": keys})).hexdigest()[:16]
 
 
@@ -170,7 +197,7 @@ def check_receipt(root: str, shard_id: str, key: str) -> tuple[Receipt | None, s
             return None, f"output {out} is missing"
         if storage.size(out) != expected.get("bytes"):
             return None, f"output {out} is {storage.size(out)} bytes, receipt says {expected.get('bytes')}"
-        if storage.sha256_file(out) != expected.get("sha256"):
+        if stat_cache.sha256_file(out, storage.join(root, "stat-cache")) != expected.get("sha256"):
             return None, f"output {out} does not match its checksum"
     return receipt, "valid"
 
@@ -223,13 +250,13 @@ def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work:
     Kubernetes indexed Job) instead of ``workers`` local processes; planning, the receipt checks before and the
     caller's concatenation after stay here, so the bytes are the same whatever ran the shards.
     """
+    keyer = _keyer(config, config_for)
     tasks: list[ShardTask] = []
     done: dict[str, Receipt] = {}
     skipped: list[str] = []
     redone: dict[str, str] = {}
     for shard in shards:
-        own = config_for(shard) if config_for else config
-        key = shard_key(shard, own)
+        own, key = keyer(shard)
         out_id = key if store else shard.shard_id
         receipt, why = check_receipt(root, out_id, key)
         if receipt is not None:
