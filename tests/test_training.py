@@ -428,6 +428,27 @@ def _torchrun(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = Non
                             start_new_session=True, env={**os.environ, **(env or {})})
 
 
+def as_split_manifest(path: str, root: Path, sizes: list[int]) -> str:
+    """The packed file's rows cut into shard files of ``sizes`` rows under ``root/store``, listed in order by a
+    split manifest ``root/<run>/train.shards.json`` (what packaging writes for a snapshot)."""
+    import pyarrow.parquet as pq
+
+    from nexa_dagster.core import storage
+    from nexa_dagster.core.packed_split import split_manifest_path, write_split_manifest
+
+    table, files, start = pq.read_table(path), [], 0
+    assert sum(sizes) == table.num_rows
+    for k, rows in enumerate(sizes):
+        shard = root / "store" / "shards" / f"k{k}.train.parquet"
+        shard.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.slice(start, rows), shard)
+        files.append((f"store/shards/{shard.name}", shard.stat().st_size, storage.sha256_file(str(shard)), rows))
+        start += rows
+    manifest = split_manifest_path(str(root / "run"), "train")
+    write_split_manifest(manifest, "train", "run", str(root), files)
+    return manifest
+
+
 def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     lines = (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
@@ -443,7 +464,9 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
 
-    killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed")})
+    # the killed run reads the same rows as a packaging snapshot does: shard files listed by a split manifest
+    killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed"),
+                                     "train_path": as_split_manifest(base.train_path, tmp_path / "sft", [5, 4, 3])})
     proc = _torchrun(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"})  # hangs after step 7, state at 6
     latest = tmp_path / "ckpt" / "killed.state" / "latest"
     deadline = time.monotonic() + 240
