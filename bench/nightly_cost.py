@@ -206,6 +206,7 @@ def main() -> None:
         return history_child(args)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="nexa-nightly-"))
+    os.environ.setdefault("NEXA_CACHE_DIR", str(work / "cache"))  # the nights' stat cache (children inherit it)
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         from nexa_dagster.core.tiny_model import build_tokenizer, default_corpus

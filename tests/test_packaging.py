@@ -261,10 +261,11 @@ def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path,
     from nexa_dagster.core import stat_cache
 
     monkeypatch.setattr(stat_cache, "RACY_S", 0.0)  # remember checksums at once (a night later, in real life)
+    monkeypatch.setenv("NEXA_CACHE_DIR", str(tmp_path / "cache"))
     path = _write_jsonl(tmp_path / "chat.jsonl", _chat_records(120))
     first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
     first = package_sft(_blend(path), tiny_tokenizer, str(tmp_path / "out"), _settings(), log=_quiet)
-    assert first.report.skipped and list(Path(tmp_path, "out", "store", "stat-cache").glob("*.json"))
+    assert first.report.skipped and list(Path(tmp_path, "cache", "stat-cache").glob("*.json"))
     time.sleep(0.05)  # the rewrite below lands on a later timestamp tick than the stat that was remembered
     reference = _bytes(first.root)
     store = str(tmp_path / "out" / "store")  # shards live in the content-addressed store, named by their key

@@ -216,8 +216,7 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
     """
     inputs = blend.resolve(assets)
     # local inputs' shard ranges are remembered by their stat: a night does not read earlier days' files again
-    shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard,
-                            cache_dir=storage.join(out_root, "store", "stat-cache") if settings.incremental else None)
+    shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)
     if not shards:
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers",
@@ -333,7 +332,7 @@ def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: 
     """
     out = []
     for partition, path in partitions:
-        digest = stat_cache.sha256_file(path, storage.join(out_root, "inputs", "stat-cache"))
+        digest = stat_cache.sha256_file(path)
         pointer = storage.join(out_root, "inputs", "by-parquet", f"{digest}.json")
         if storage.exists(pointer):
             known = storage.read_json(pointer)

@@ -104,17 +104,16 @@ def scan_file(path: str, rows_per_shard: int) -> list[tuple[int, int, int, int, 
     return ranges
 
 
-def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int,
-                cache_dir: str | None = None) -> list[Shard]:
+def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int) -> list[Shard]:
     """Shards for ``(source name, files)`` pairs, numbered in order; an empty file gives no shard.
 
-    With ``cache_dir``, a local file's ranges are remembered by its stat (``core/stat_cache``): a night plans
-    every earlier day's file without reading it again.
+    A local file's ranges are remembered by its stat (``core/stat_cache``): a night plans every earlier day's file
+    without reading it again.
     """
     shards: list[Shard] = []
     for source, files in inputs:
         for path in files:
-            ranges = stat_cache.remembered(path, f"shard-ranges:{rows_per_shard}", cache_dir,
+            ranges = stat_cache.remembered(path, f"shard-ranges:{rows_per_shard}",
                                            lambda p=path: scan_file(p, rows_per_shard))
             for start, end, first, rows, digest in ranges:
                 shards.append(Shard(len(shards), source, path, start, end, first, rows, digest))
@@ -197,7 +196,7 @@ def check_receipt(root: str, shard_id: str, key: str) -> tuple[Receipt | None, s
             return None, f"output {out} is missing"
         if storage.size(out) != expected.get("bytes"):
             return None, f"output {out} is {storage.size(out)} bytes, receipt says {expected.get('bytes')}"
-        if stat_cache.sha256_file(out, storage.join(root, "stat-cache")) != expected.get("sha256"):
+        if stat_cache.sha256_file(out) != expected.get("sha256"):
             return None, f"output {out} does not match its checksum"
     return receipt, "valid"
 

@@ -12,8 +12,9 @@ Two guards keep the rule safe:
   same clock tick as the ``stat`` would not change the times), so a file written moments ago is always re-read;
 * only local files are remembered; an fsspec URL (``s3://``, ``memory://``) is always read.
 
-Entries are small JSON files named by a hash of (purpose, absolute path, stat), under a cache folder the caller
-chooses; a wrong or unreadable entry only costs a re-read.
+Entries are small JSON files named by a hash of (purpose, absolute path, stat) in this machine's cache,
+``$NEXA_CACHE_DIR/stat-cache`` (default ``~/.cache/nexa-dagster``; inode numbers are the machine's own, and a data
+root's own files stay only its data); a wrong or unreadable entry only costs a re-read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from nexa_dagster.core import storage
@@ -44,11 +46,16 @@ def _identity(path: str) -> str | None:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def remembered(path: str, purpose: str, cache_dir: str | None, compute: Callable[[], T]) -> T:
-    """``compute()`` (a JSON-serialisable fact about ``path``'s bytes), read from ``cache_dir`` when the file's
-    stat is the one it was computed for."""
-    identity = _identity(path) if cache_dir else None
-    if identity is None or cache_dir is None:
+def default_dir() -> str:
+    return str(Path(os.environ.get("NEXA_CACHE_DIR") or Path.home() / ".cache" / "nexa-dagster") / "stat-cache")
+
+
+def remembered(path: str, purpose: str, compute: Callable[[], T], cache_dir: str | None = None) -> T:
+    """``compute()`` (a JSON-serialisable fact about ``path``'s bytes), read from the cache when the file's stat is
+    the one it was computed for (``cache_dir``: default this machine's)."""
+    cache_dir = cache_dir or default_dir()
+    identity = _identity(path)
+    if identity is None:
         return compute()
     name = hashlib.sha256(json.dumps([purpose, os.path.abspath(str(path).removeprefix("file://")), identity])
                           .encode()).hexdigest()[:32]
@@ -64,7 +71,7 @@ def remembered(path: str, purpose: str, cache_dir: str | None, compute: Callable
     return value
 
 
-def sha256_file(path: str, cache_dir: str | None) -> str:
+def sha256_file(path: str, cache_dir: str | None = None) -> str:
     """``storage.sha256_file``, remembered by the file's stat."""
-    return remembered(path, "sha256", cache_dir, lambda: storage.sha256_file(path))
+    return remembered(path, "sha256", lambda: storage.sha256_file(path), cache_dir)
 

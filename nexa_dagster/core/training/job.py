@@ -23,7 +23,8 @@ class TrainingJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str = Field(min_length=1, description="unique per run; also the checkpoint's name")
-    train_path: str = Field(description="packed Parquet: input_ids, loss_mask, position_ids, attention_mask")
+    train_path: str = Field(description="packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
+                                        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file")
     validation_path: str = Field(description="packed Parquet with the same columns, for the validation loss")
     tokenizer_path: str = Field(description="a Hugging Face directory whose tokenizer the model is trained for")
     model_preset: str = Field(description="name of a preset in configs/models/")
