@@ -443,12 +443,14 @@ def test_partitions_are_read_one_file_at_a_time_and_converted_once(tmp_path: Pat
 
 
 def test_packaging_assets_do_not_load_the_samples_into_the_dagster_process() -> None:
-    from nexa_dagster.assets.packaging import rl_prompts, sft_dataset
+    from nexa_dagster.assets.packaging import pretrain_corpus, rl_prompts, sft_dataset
 
-    for asset, name in ((sft_dataset, "sft_dataset"), (rl_prompts, "rl_prompts")):
+    for asset, name, table in ((sft_dataset, "sft_dataset", "filtered_samples"),
+                               (rl_prompts, "rl_prompts", "filtered_samples"),
+                               (pretrain_corpus, "pretrain_corpus", "raw_documents")):
         spec = asset.get_asset_spec(dg.AssetKey(name))
-        assert dg.AssetKey("filtered_samples") in {d.asset_key for d in spec.deps}
-        assert asset.op.ins["filtered_samples"].dagster_type.is_nothing, name  # no DataFrame of every partition
+        assert dg.AssetKey(table) in {d.asset_key for d in spec.deps}
+        assert asset.op.ins[table].dagster_type.is_nothing, name  # no DataFrame of every partition
 
 
 def test_rl_inputs_are_read_one_partition_at_a_time_without_the_eval_side(tmp_path: Path, monkeypatch) -> None:
@@ -590,6 +592,49 @@ def test_pretrain_corpus_bin_idx(tiny_tokenizer, tmp_path: Path) -> None:
     assert got == [tiny_tokenizer.encode(d["text"], add_special_tokens=False) + [eos] for d in docs]
     megatron = json.loads(Path(run.blend_path).read_text())["data_paths"]
     assert megatron[1::2] == run.prefixes and sum(megatron[0::2]) == run.num_tokens
+
+
+def _documents_day(day: str, n: int, first: int) -> pd.DataFrame:
+    texts = [f"document {i} of {day}: " + "words " * (1 + i % 7) for i in range(first, first + n)]
+    return pd.DataFrame({"doc_id": [f"doc{i:013d}" for i in range(first, first + n)], "day": day, "source": "t",
+                         "title": "", "text": texts, "n_chars": [len(t) for t in texts]})
+
+
+def test_a_pretraining_corpus_night_tokenizes_only_its_day_and_equals_a_build_from_nothing(tiny_tokenizer,
+                                                                                          tmp_path: Path) -> None:
+    """pretrain_corpus reads the raw_documents partitions a day at a time into day files whose shards live in the
+    store: the corpus after day 3 tokenizes only day 3 and lists exactly the prefixes a build from nothing lists."""
+    from nexa_dagster.core.pretrain_dataset import documents_to_jsonl
+    from nexa_dagster.core.sample_ids import DuplicateSampleId, check_unique_across_days, index_for
+
+    parts = []
+    for k, (day, n) in enumerate((("2026-11-01", 20), ("2026-11-02", 30), ("2026-11-03", 10))):
+        parts.append((day, str(tmp_path / "assets" / f"{day}.parquet")))
+        storage.write_parquet(_documents_day(day, n, 100 * k), parts[-1][1])
+    blend = DataBlend.load("blends/pretrain.yaml")
+
+    def night(out: Path, days: int):
+        inputs = day_inputs_from_partitions(parts[:days], str(out), to_jsonl=documents_to_jsonl)
+        check_unique_across_days([(d.path, d.days) for d in inputs], index_for(str(out)), "doc_id", "raw_documents")
+        return package_pretrain(blend, tiny_tokenizer, str(out), PretrainSettings(rows_per_shard=16),
+                                assets={"raw_documents": [d.path for d in inputs]}, log=_quiet)
+
+    runs = [night(tmp_path / "inc", n) for n in (1, 2, 3)]
+    assert len(runs[2].report.processed) == 1 and len(runs[2].report.skipped) == 2 + 2  # day 3: 10 rows, 1 shard
+    scratch = night(tmp_path / "scratch", 3)
+    assert scratch.run_hash == runs[2].run_hash and not scratch.report.skipped
+    read = [[seq.tolist() for prefix in run.prefixes for seq in IndexedDataset(prefix)] for run in (runs[2], scratch)]
+    eos = tiny_tokenizer.eos_token_id
+    texts = [t for _, path in parts for t in pd.read_parquet(path).sort_values("doc_id")["text"]]
+    assert read[0] == read[1] == [tiny_tokenizer.encode(t, add_special_tokens=False) + [eos] for t in texts]
+    blends = [Path(run.blend_path).read_text().replace(str(root), "<root>")
+              for run, root in ((runs[2], tmp_path / "inc"), (scratch, tmp_path / "scratch"))]
+    assert blends[0] == blends[1]
+    # a document on two days is caught like a sample on two days
+    storage.write_parquet(_documents_day("2026-11-04", 3, 205), str(tmp_path / "assets" / "2026-11-04.parquet"))
+    parts.append(("2026-11-04", str(tmp_path / "assets" / "2026-11-04.parquet")))
+    with pytest.raises(DuplicateSampleId, match=r"raw_documents: doc_id 'doc0000000000205' is on day 2026-11-03"):
+        night(tmp_path / "inc", 4)
 
 
 def test_rl_jsonl_through_transforms(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core.artifacts import SFTDataset
 from nexa_dagster.core.blend import DataBlend, PackagingConfig, load_packaging_config
 from nexa_dagster.core.config import load_pipeline_config, pipeline_config
@@ -27,6 +26,7 @@ from nexa_dagster.core.pretrain_dataset import (
     documents_to_jsonl,
     package_pretrain,
 )
+from nexa_dagster.core.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
 from nexa_dagster.core.shard_runners import ShardTasksFailed
 from nexa_dagster.core.shards import Receipt, ShardRunner, ShardTask
@@ -137,26 +137,44 @@ def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResul
     return dg.AssetCheckResult(passed=not problems, metadata={"problems": dg.MetadataValue.json(problems)})
 
 
+def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
+    from nexa_dagster.core.schemas import RawDocuments
+
+    try:
+        RawDocuments.validate(frame)
+    except Exception as e:  # pandera's errors name the column and rows; add the file
+        raise ValueError(f"raw_documents partition {path} does not match its schema: {e}") from e
+
+
 @dg.asset(
     group_name="packaging",
-    ins={"raw_documents": dg.AssetIn(dagster_type=RawDocumentsType)},
+    # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
+    ins={"raw_documents": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python"},
     description="Every ingested document up to now (plus the other sources of the pretraining blend), tokenized "
-                "with the student's tokenizer into Megatron-Core bin/idx shards under data/pretrain/<run_hash>/ "
-                "with a megatron_blend.json for --data-path.",
+                "with the student's tokenizer into Megatron-Core bin/idx shards (content-addressed in "
+                "data/pretrain/store/ and reused, so a night tokenizes only its own day) listed by "
+                "data/pretrain/<run_hash>/megatron_blend.json for --data-path.",
 )
-def pretrain_corpus(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame,
-                    storage: StorageResource, gpu_cluster: GPUClusterResource) -> PretrainCorpus:
+def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource,
+                    gpu_cluster: GPUClusterResource) -> PretrainCorpus:
     cfg = load_packaging_config()
     tokenizer, _ = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.pretrain_blend)
     out_root = storage.path("pretrain")
+    partitions = stored_partitions(storage.data_root, "raw_documents",
+                                   list(context.asset_partition_keys_for_input("raw_documents")))
+    days = day_inputs_from_partitions(partitions, out_root, validate=_valid_raw_documents,
+                                      to_jsonl=documents_to_jsonl)
+    if not days:
+        raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
+    # each day is schema-checked alone: a doc_id on two days is caught by the on-disk index of every day's ids
+    check_unique_across_days([(d.path, d.days) for d in days], index_for(out_root), "doc_id", "raw_documents")
     run = package_pretrain(blend, tokenizer, out_root,
                            PretrainSettings(on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard,
                                             workers=cfg.worker_count(),
                                             runner=shard_runner(context, cfg, gpu_cluster, storage, "pretrain")),
-                           assets={"raw_documents": documents_to_jsonl(raw_documents, out_root)},
-                           log=context.log.info)
+                           assets={"raw_documents": [d.path for d in days]}, log=context.log.info)
     corpus = PretrainCorpus(run_hash=run.run_hash, root=run.root, megatron_blend_path=run.blend_path,
                             prefixes=run.prefixes, num_documents=run.num_documents, num_tokens=run.num_tokens,
                             blend=blend.name, blend_fingerprint=blend.fingerprint(),

@@ -41,6 +41,7 @@ class PretrainSettings:
     rows_per_shard: int = 20000
     workers: int = 1
     runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
+    incremental: bool = True  # shards in the content-addressed store <out_root>/store, reused by later corpora
 
 
 @dataclass
@@ -71,12 +72,12 @@ class PretrainCorpus(Artifact):
 
 def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
     """Tokenize one shard's texts into ``shards/<id>.bin``/``.idx`` (worker side)."""
-    shard, cfg = task.shard, task.config
+    cfg = task.config
     source = source_of(task)
     chat: ChatTokenizer = task.runtime["chat_tokenizer"]
     field = cfg["text_field"]
     eos = [chat.eos_id] if cfg["append_eos"] and chat.eos_id is not None else []
-    prefix_rel = f"shards/{shard.shard_id}"
+    prefix_rel = f"shards/{task.out_id}"
     bad: list[bytes] = []
     rows = 0
     batch: list[str] = []
@@ -102,17 +103,23 @@ def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
     rows += len(bad)
     outputs = [f"{prefix_rel}.bin", f"{prefix_rel}.idx"]
     if bad:
-        with storage.atomic_writer(storage.join(task.root, f"shards/{shard.shard_id}.quarantine.jsonl")) as q:
+        with storage.atomic_writer(storage.join(task.root, f"{prefix_rel}.quarantine.jsonl")) as q:
             q.write(b"".join(bad))
-        outputs.append(f"shards/{shard.shard_id}.quarantine.jsonl")
-    return sh.Receipt(shard.shard_id, task.key, rows, {o: sh.output_entry(task.root, o) for o in outputs},
+        outputs.append(f"{prefix_rel}.quarantine.jsonl")
+    return sh.Receipt(task.out_id, task.key, rows, {o: sh.output_entry(task.root, o) for o in outputs},
                       {"documents": writer.num_documents, "tokens": writer.num_tokens, "quarantined": len(bad)})
 
 
 def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: PretrainSettings,
-                     assets: dict[str, str] | None = None, seed: int = 0,
+                     assets: dict[str, str | list[str]] | None = None, seed: int = 0,
                      log: Callable[[str], None] = print) -> PretrainRun:
-    """Plan, run (resuming) and finalize a bin/idx corpus under ``<out_root>/<run_hash>/``."""
+    """Plan, run (resuming) and finalize a bin/idx corpus under ``<out_root>/<run_hash>/``.
+
+    With ``settings.incremental`` (the default) the shards live in the content-addressed store
+    ``<out_root>/store/shards/<shard key>.{bin,idx}`` like ``sft_dataset``'s: given one documents file per day
+    (``day_inputs_from_partitions``), shards never span two days and the corpus after day N+1 tokenizes only day
+    N+1; ``megatron_blend.json`` lists the store's prefixes in plan order, the same list a build from nothing gives.
+    """
     import pyarrow
 
     from nexa_dagster.core.packing import tokenizer_fingerprint
@@ -132,10 +139,13 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
     root = storage.join(out_root, rh)
     storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
                        storage.join(root, "plan.json"))
+    store = storage.join(out_root, "store") if settings.incremental else root
     sh.clean_temporaries(root)
-    report = sh.run_shards(shards, root, config, process_pretrain_shard, runtime={"chat_tokenizer": chat},
-                           workers=settings.workers, log=log, runner=settings.runner)
-    prefixes = [storage.join(root, f"shards/{r.shard_id}") for r in report.receipts]
+    if store != root:
+        sh.clean_temporaries(store)
+    report = sh.run_shards(shards, store, config, process_pretrain_shard, runtime={"chat_tokenizer": chat},
+                           workers=settings.workers, log=log, runner=settings.runner, store=settings.incremental)
+    prefixes = [storage.join(store, f"shards/{r.shard_id}") for r in report.receipts]
     tokens = [int(r.stats["tokens"]) for r in report.receipts]
     data_paths: list[Any] = []
     for n, prefix in zip(tokens, prefixes, strict=True):
@@ -145,13 +155,15 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
     storage.write_json({"data_paths": data_paths, "run_hash": rh, "blend": blend.name}, blend_path)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
     log(f"pretraining corpus {rh}: {sum(int(r.stats['documents']) for r in report.receipts)} documents, "
-        f"{sum(tokens)} tokens in {len(prefixes)} bin/idx shards ({quarantined} rows quarantined)")
+        f"{sum(tokens)} tokens in {len(prefixes)} bin/idx shards ({len(report.processed)} tokenized now, "
+        f"{len(report.skipped)} reused; {quarantined} rows quarantined)")
     return PretrainRun(rh, root, prefixes, blend_path, sum(int(r.stats["documents"]) for r in report.receipts),
                        sum(tokens), quarantined, report)
 
 
 def documents_to_jsonl(documents: pd.DataFrame, out_root: str) -> str:
-    """Ingested documents as ``{doc_id, day, title, text}`` JSONL, content-addressed and in doc-id order."""
+    """Ingested documents as ``{doc_id, day, title, text}`` JSONL, content-addressed and in doc-id order (one day's
+    partition per file for an incremental corpus: ``sft_dataset.day_inputs_from_partitions(to_jsonl=...)``)."""
     documents = documents.sort_values("doc_id", kind="stable").drop_duplicates("doc_id")
     body = b"".join(dumps({"doc_id": r.doc_id, "day": r.day, "title": r.title, "text": r.text})
                     for r in documents.itertuples())

@@ -37,14 +37,14 @@ class DuplicateSampleId(ValueError):
     """A sample id on two days (or twice in one day): the snapshot would train on it twice."""
 
 
-def _ids_of(path: str) -> Iterator[str]:
-    """The ``sample_id`` of each line of a day's JSONL file, streamed."""
+def _ids_of(path: str, field: str = "sample_id") -> Iterator[str]:
+    """The id (``field``) of each line of a day's JSONL file, streamed."""
     with storage.open_read(path) as f:
         for number, line in enumerate(f, 1):
             try:
-                yield str(json.loads(line)["sample_id"])
+                yield str(json.loads(line)[field])
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: no readable sample_id ({e})") from e
+                raise ValueError(f"{path}:{number}: no readable {field} ({e})") from e
 
 
 def _name(path: str) -> str:
@@ -65,7 +65,7 @@ def _connect(index: str | None) -> Iterator[sqlite3.Connection]:
             con.close()
 
 
-def _index_file(con: sqlite3.Connection, path: str, days: Sequence[str]) -> None:
+def _index_file(con: sqlite3.Connection, path: str, days: Sequence[str], field: str, table: str) -> None:
     file = _name(path)
     con.execute("BEGIN IMMEDIATE")  # one writer at a time: two runs packaging at once index a file once
     try:
@@ -74,11 +74,11 @@ def _index_file(con: sqlite3.Connection, path: str, days: Sequence[str]) -> None
             return
         con.execute("CREATE TEMP TABLE IF NOT EXISTS new_ids(sample_id TEXT PRIMARY KEY) WITHOUT ROWID")
         con.execute("DELETE FROM new_ids")
-        for sid in _ids_of(path):
+        for sid in _ids_of(path, field):
             try:
                 con.execute("INSERT INTO new_ids VALUES (?)", (sid,))
             except sqlite3.IntegrityError:
-                raise DuplicateSampleId(f"filtered_samples: sample_id {sid!r} occurs twice in day "
+                raise DuplicateSampleId(f"{table}: {field} {sid!r} occurs twice in day "
                                         f"{', '.join(days)} ({path})") from None
         con.execute("INSERT OR IGNORE INTO clashes SELECT n.sample_id, i.file, ? FROM new_ids n "
                     "JOIN ids i ON i.sample_id = n.sample_id", (file,))
@@ -90,15 +90,24 @@ def _index_file(con: sqlite3.Connection, path: str, days: Sequence[str]) -> None
         raise
 
 
-def check_unique_across_days(files: Sequence[tuple[str, Sequence[str]]], index: str | None) -> None:
-    """Raise ``DuplicateSampleId`` naming the id and both days if a ``sample_id`` is in two of ``files``.
+def index_for(out_root: str) -> str | None:
+    """Where a data root keeps its id index (``<out_root>/inputs/sample-ids.sqlite``); None for a remote root."""
+    if "://" in out_root and not out_root.startswith("file://"):
+        return None
+    return storage.join(out_root.removeprefix("file://"), "inputs", "sample-ids.sqlite")
+
+
+def check_unique_across_days(files: Sequence[tuple[str, Sequence[str]]], index: str | None,
+                             field: str = "sample_id", table: str = "filtered_samples") -> None:
+    """Raise ``DuplicateSampleId`` naming the id and both days if an id (``field`` of ``table``: ``sample_id`` of
+    ``filtered_samples``, ``doc_id`` of ``raw_documents``) is in two of ``files``.
 
     ``files`` are ``(path of a day's JSONL, its days)``; ``index`` is the SQLite file that remembers every day
     indexed so far (None: a temporary one, for data roots that are not on a local disk).
     """
     with _connect(index) as con:
         for path, days in files:
-            _index_file(con, path, days)
+            _index_file(con, path, days, field, table)
         con.execute("CREATE TEMP TABLE IF NOT EXISTS snapshot(file TEXT PRIMARY KEY) WITHOUT ROWID")
         con.execute("DELETE FROM snapshot")
         con.executemany("INSERT OR IGNORE INTO snapshot VALUES (?)", [(_name(p),) for p, _ in files])
@@ -111,6 +120,6 @@ def check_unique_across_days(files: Sequence[tuple[str, Sequence[str]]], index: 
         days = {f: ", ".join(json.loads(d)) for f, d in con.execute(
             "SELECT file, days FROM files WHERE file IN (?, ?)", (one, two))}
         raise DuplicateSampleId(
-            f"filtered_samples: sample_id {sid!r} is on day {days[one]} ({one}) and on day {days[two]} ({two}); "
-            f"{count} id(s) in all are on two days. A sample belongs to one day: re-materialize one of those days' "
-            "filtered_samples, or fix what gave two days the same id")
+            f"{table}: {field} {sid!r} is on day {days[one]} ({one}) and on day {days[two]} ({two}); "
+            f"{count} id(s) in all are on two days. A row belongs to one day: re-materialize one of those days' "
+            f"{table}, or fix what gave two days the same id")

@@ -52,7 +52,7 @@ from nexa_dagster.core.packing import (
     pack_table,
     tokenizer_fingerprint,
 )
-from nexa_dagster.core.sample_ids import check_unique_across_days
+from nexa_dagster.core.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
 
 FORMAT = "packed-sft-parquet/3"  # 3: a labels column (the Hugging Face -100 convention)
@@ -322,14 +322,18 @@ def day_inputs_from_frame(samples: pd.DataFrame, out_root: str) -> list[DayInput
 
 
 def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: str,
-                               validate: Callable[[pd.DataFrame, str], None] | None = None) -> list[DayInput]:
+                               validate: Callable[[pd.DataFrame, str], None] | None = None,
+                               to_jsonl: Callable[[pd.DataFrame, str], str] | None = None) -> list[DayInput]:
     """The partitions' Parquet files as day JSONL files, one partition in memory at a time.
 
     A partition's JSONL is remembered under ``inputs/by-parquet/<sha256 of the Parquet bytes>.json``, so a night
     converts only the partitions that are new or changed; the others cost one ``stat`` (their checksum is
     remembered by it, ``core/stat_cache``) or, where the stat cannot vouch for the bytes, one streaming hash.
-    ``validate(frame, path)`` checks a partition's frame (the table's schema) before it is used.
+    ``validate(frame, path)`` checks a partition's frame (the table's schema) before it is used; ``to_jsonl``
+    writes a frame as its content-addressed JSONL (default: judged samples as chat records; ``pretrain_dataset.
+    documents_to_jsonl`` for ``raw_documents``).
     """
+    to_jsonl = to_jsonl or samples_to_jsonl
     out = []
     for partition, path in partitions:
         digest = stat_cache.sha256_file(path)
@@ -345,7 +349,7 @@ def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: 
         if validate is not None:
             validate(frame, path)
         days = tuple(sorted(frame["day"].astype(str).unique().tolist())) if len(frame) else (partition,)
-        jsonl = samples_to_jsonl(frame, out_root)
+        jsonl = to_jsonl(frame, out_root)
         storage.write_json({"partition": partition, "file": jsonl.rsplit("/", 1)[-1], "days": list(days),
                             "rows": len(frame)}, pointer)
         if len(frame):
@@ -419,10 +423,7 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
     if not inputs:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
     # the schema is checked a day at a time: an id on two days is caught here, by an on-disk index of every day
-    local = "://" not in out_root or out_root.startswith("file://")
-    check_unique_across_days([(d.path, d.days) for d in inputs],
-                             storage.join(out_root, "inputs", "sample-ids.sqlite").removeprefix("file://")
-                             if local else None)
+    check_unique_across_days([(d.path, d.days) for d in inputs], index_for(out_root))
     blend = blend or default_blend()
     # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
     # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
