@@ -61,6 +61,9 @@ def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cl
     runner = (gpu_cluster.shard_runner(context, storage.path(folder, "cluster"), cfg.cluster_parallelism)
               if cfg.runner == "cluster" else None)
     if runner is None:
+        if cfg.runner == "cluster":
+            context.log.info(f"packaging.yaml says runner: cluster; the {gpu_cluster.backend} backend runs the "
+                             "shards in this machine's processes")
         return None
     cluster_runner: ShardRunner = runner
 
