@@ -400,7 +400,7 @@ def test_a_sample_id_on_two_days_is_caught_naming_both_days(tiny_tokenizer, tmp_
     day3.loc[7, "sample_id"] = "a0004"  # day 1's
     read: list[str] = []
     real = sample_ids._ids_of
-    monkeypatch.setattr(sample_ids, "_ids_of", lambda path: read.append(path) or real(path))
+    monkeypatch.setattr(sample_ids, "_ids_of", lambda path, field: read.append(path) or real(path, field))
     with pytest.raises(sample_ids.DuplicateSampleId,
                        match=r"sample_id 'a0004' is on day 2026-11-01 \(filtered_samples-\w+\.jsonl\) and on day "
                              r"2026-11-03 .*1 id\(s\) in all"):
