@@ -413,6 +413,38 @@ def test_a_sample_id_on_two_days_is_caught_naming_both_days(tiny_tokenizer, tmp_
                           out, **kw)
 
 
+def test_the_store_keeps_the_last_snapshots_shards_and_removes_the_rest(tiny_tokenizer, tmp_path: Path) -> None:
+    """keep_snapshots: the newest K snapshots stay readable with every shard they list; older snapshots and the
+    shards only they listed are removed, and nothing is removed while a packaging run is in flight."""
+    from nexa_dagster.core.store_cleanup import clean_store, packaging_in_flight
+    from nexa_dagster.core.training.data import load_packed
+
+    kw = {"pack_size": 256, "validation_fraction": 0.2, "rows_per_shard": 40, "log": _quiet, "keep_snapshots": 2}
+    out = tmp_path / "sft"
+    day1, day2, day4 = (_day_frame(d, 30, p) for d, p in (("2026-11-01", "a"), ("2026-11-02", "b"),
+                                                           ("2026-11-04", "d")))
+    day2_again = day2.assign(response=day2["response"] + " again")  # day 2 materialized again: a new shard
+    nights = [[day1], [day1, day2], [day1, day2_again], [day1, day2_again, day4]]
+    snapshots = []
+    for frames in nights:
+        snapshots.append(build_sft_dataset(pd.concat(frames, ignore_index=True), tiny_tokenizer, "tok", str(out),
+                                           **kw)[0])
+        time.sleep(0.02)  # manifests written on distinct timestamps: the newest are the last ones
+    keys = [{s["shard_id"] for s in json.loads(Path(n.root, "snapshot.json").read_text())["shards"]}
+            if Path(n.root).exists() else None for n in snapshots]
+    assert keys[:2] == [None, None]  # nights 1 and 2 are older than the last 2: removed
+    stored = {p.name.removesuffix(".json") for p in (out / "store" / "receipts").glob("*.json")}
+    assert stored == keys[2] | keys[3] and len(stored) == 3  # day 2's first shard went with night 2's snapshot
+    assert not [p for p in (out / "store" / "shards").iterdir() if p.name.split(".")[0] not in stored]
+    for kept in snapshots[2:]:  # still what training reads
+        assert load_packed(kept.train_path)["input_ids"].shape[0] == kept.num_train_sequences
+    with packaging_in_flight(str(out)):  # another run between its receipt checks and its manifest
+        busy = clean_store(str(out), 1, _quiet)
+    assert "in flight" in busy.skipped and not busy.removed_shards and Path(snapshots[2].root).exists()
+    done = clean_store(str(out), 1, _quiet)
+    assert done.removed_snapshots == [Path(snapshots[2].root).name] and done.removed_shards == []
+
+
 def test_streamed_split_overrides_equal_the_in_memory_ones(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     for trial in range(30):

@@ -102,7 +102,8 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
                                                  log=context.log.info, blend=blend, on_error=cfg.on_error,
                                                  rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
                                                  eval_fraction=pipeline_config().eval_set.fraction,
-                                                 runner=shard_runner(context, cfg, gpu_cluster, storage))
+                                                 runner=shard_runner(context, cfg, gpu_cluster, storage),
+                                                 keep_snapshots=cfg.keep_snapshots)
     context.add_output_metadata({
         "run_hash": dataset.run_hash,
         "blend": dataset.blend,

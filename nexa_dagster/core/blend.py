@@ -132,6 +132,8 @@ class PackagingConfig(BaseModel):
     # (a Slurm job array, a Kubernetes indexed Job; the local backend keeps the processes); never changes the bytes
     runner: Literal["local", "cluster"] = "local"
     cluster_parallelism: int = Field(default=0, ge=0)  # runner: cluster: shards running at once (0: no limit)
+    # after each sft_dataset snapshot: keep the newest N snapshots and the store shards they list, remove the rest
+    keep_snapshots: int = Field(default=14, ge=0)  # 0: keep every snapshot and shard
 
     def worker_count(self) -> int:
         from nexa_dagster.core.shards import default_workers

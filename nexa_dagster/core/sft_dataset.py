@@ -54,6 +54,7 @@ from nexa_dagster.core.packing import (
 )
 from nexa_dagster.core.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.shard_rows import source_of, transformed_rows
+from nexa_dagster.core.store_cleanup import clean_store, packaging_in_flight
 
 FORMAT = "packed-sft-parquet/3"  # 3: a labels column (the Hugging Face -100 convention)
 SNAPSHOT_FORMAT = "nexa-sft-snapshot/1"
@@ -76,6 +77,7 @@ class PackagingSettings:
     side_overrides: dict[str, str] = field(default_factory=dict)  # sample id -> split (see packing.side_overrides)
     eval_fraction: float = 0.0  # ids on the eval set's held-out side (core.eval_set) enter no split at all
     incremental: bool = True  # shards in the content-addressed store, reused by later snapshots
+    keep_snapshots: int = 0  # after a snapshot: keep the newest N and the store shards they list (0: keep all)
     runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
 
 
@@ -233,11 +235,15 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
         sh.clean_temporaries(store)
     log(f"run {rh}: {len(shards)} shards of <= {settings.rows_per_shard} rows from {len(inputs)} sources, "
         f"{settings.workers} workers")
-    report = sh.run_shards(shards, store, config, process_sft_shard,
-                           runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
-                           workers=settings.workers, log=log, store=settings.incremental, config_for=config_for,
-                           runner=settings.runner)
-    return finalize_sft(root, rh, report, blend, settings, log, store)
+    with packaging_in_flight(out_root):  # no store clean-up removes a shard this run may still pick up
+        report = sh.run_shards(shards, store, config, process_sft_shard,
+                               runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
+                               workers=settings.workers, log=log, store=settings.incremental, config_for=config_for,
+                               runner=settings.runner)
+        run = finalize_sft(root, rh, report, blend, settings, log, store)
+    if settings.incremental:
+        clean_store(out_root, settings.keep_snapshots, log)
+    return run
 
 
 def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, settings: PackagingSettings,
@@ -398,13 +404,14 @@ def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str
                       validation_fraction: float, seed: int = 0, log: Callable[[str], None] = print,
                       blend: DataBlend | None = None, on_error: OnError = "raise", rows_per_shard: int = 5000,
                       workers: int = 1, eval_fraction: float = 0.0,
-                      incremental: bool = True) -> tuple[SFTDataset, dict[str, PackingStats]]:
+                      incremental: bool = True,
+                      keep_snapshots: int = 0) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """``build_sft_dataset_from_days`` for samples already in memory (tests, small tools)."""
     if samples.empty:
         raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
     return build_sft_dataset_from_days(day_inputs_from_frame(samples, out_root), tokenizer, tokenizer_path, out_root,
                                        pack_size, validation_fraction, seed, log, blend, on_error, rows_per_shard,
-                                       workers, eval_fraction, incremental)
+                                       workers, eval_fraction, incremental, keep_snapshots=keep_snapshots)
 
 
 def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, tokenizer_path: str, out_root: str,
@@ -412,7 +419,8 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
                                 log: Callable[[str], None] = print, blend: DataBlend | None = None,
                                 on_error: OnError = "raise", rows_per_shard: int = 5000, workers: int = 1,
                                 eval_fraction: float = 0.0, incremental: bool = True,
-                                runner: sh.ShardRunner | None = None) -> tuple[SFTDataset, dict[str, PackingStats]]:
+                                runner: sh.ShardRunner | None = None,
+                                keep_snapshots: int = 0) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact.
 
     The samples come as one JSONL file per day (``day_inputs_from_partitions``), in day order: shards never span
@@ -432,7 +440,7 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
              else {})
     settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers,
                                  side_overrides=moved, eval_fraction=eval_fraction, incremental=incremental,
-                                 runner=runner)
+                                 runner=runner, keep_snapshots=keep_snapshots)
     run = package_sft(blend, tokenizer, out_root, settings,
                       assets={"filtered_samples": [d.path for d in inputs]}, log=log)
     for split in SPLITS:
