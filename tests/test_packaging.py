@@ -306,6 +306,9 @@ def test_a_remembered_fact_is_dropped_when_the_file_changes(tmp_path: Path, monk
     with open(f, "r+b") as handle:  # in place: same inode, same size, other bytes
         handle.write(b"b")
     assert stat_cache.sha256_file(str(f), cache) == real(str(f)) != first and len(computed) == 3
+    (tmp_path / "not-a-folder").write_text("")  # a cache that cannot be written costs a re-read, never the run
+    assert stat_cache.sha256_file(str(f), str(tmp_path / "not-a-folder")) == real(str(f)) and len(computed) == 4
+    computed.pop()
     storage.write_text("x", "memory://nexa-stat-cache/x")
     stat_cache.sha256_file("memory://nexa-stat-cache/x", cache)
     stat_cache.sha256_file("memory://nexa-stat-cache/x", cache)

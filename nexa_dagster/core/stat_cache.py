@@ -19,6 +19,7 @@ root's own files stay only its data); a wrong or unreadable entry only costs a r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,7 +68,8 @@ def remembered(path: str, purpose: str, compute: Callable[[], T], cache_dir: str
         pass
     value = compute()
     if _identity(path) == identity:  # unchanged while it was read: the fact is about these bytes
-        storage.write_json({"purpose": purpose, "path": str(path), "value": value}, entry)
+        with contextlib.suppress(OSError):  # a read-only or full cache only costs the re-read next time
+            storage.write_json({"purpose": purpose, "path": str(path), "value": value}, entry)
     return value
 
 
