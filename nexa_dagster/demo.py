@@ -146,13 +146,16 @@ def main() -> int:
     # first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen answers
     # teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the deployment's smoke
     # test rightly refuses as no text).
-    base = None
+    base = base_eval = None
     for number, day in enumerate(days, start=1):
         print(f"\n--- night {number}: {day} ---", flush=True)
         run("daily_data_job", partition_key=day)
         if base is None:
             base = run("pretraining_job").output_for_node("base_model")
         checkpoint = run("training_job").output_for_node("moe_checkpoint")
+        if number == 1:  # the eval set frozen by this training run holds the corpus documents the base is scored on
+            scored = run("base_evaluation_job", partition_key=base.checkpoint_id, raise_on_error=False)
+            base_eval = scored.output_for_node("base_model_eval") if scored.success else None
         evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
         current = ProductionRegistry(storage.production_pointer()).current()
         nights.append(night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None))
@@ -165,6 +168,13 @@ def main() -> int:
     for name, seconds in timings.items():
         print(f"  {name:<40} {seconds:6.1f} s")
     print(f"  base model        {base.path}  (pretrained on pretrain_corpus)" if base else "")
+    if base is not None and base_eval is None:
+        print("                    its evaluation failed: see the base_evaluation_job run in the UI")
+    if base_eval:
+        low, high = base_eval.loss_interval
+        print(f"                    eval set v{base_eval.eval_set_version}: loss {base_eval.loss:.4f} 95% CI "
+              f"[{low:.4f}, {high:.4f}] (perplexity {base_eval.perplexity:.1f}) on {base_eval.documents} frozen "
+              "corpus documents no base model trains on")
     print("  nights            candidate vs production on the same frozen eval set (mean loss per token, "
           "lower is better)")
     for line in summary_lines(nights):

@@ -117,6 +117,13 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
         decision_agrees = (night.group(7) == "promote") == (high < 0)  # margin 0, interval required
         assert decision_agrees, night.group(0)
 
+    # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
+    base = re.search(r"eval set v(\d+): loss (\d+\.\d+) 95% CI \[(\d+\.\d+), (\d+\.\d+)\] \(perplexity "
+                     r"\S+\) on (\d+) frozen corpus documents", summary)
+    assert base, summary
+    assert base.group(1) == nights[0].group(4) and int(base.group(5)) > 0
+    assert float(base.group(3)) <= float(base.group(2)) <= float(base.group(4))
+
     # the tiny teacher, pretrained on Python's docs, answers in words; the judge's verdicts vary
     assets = root / "data" / "assets"
     samples = pd.concat([pd.read_parquet(p) for p in sorted((assets / "teacher_samples").glob("*.parquet"))])

@@ -126,3 +126,7 @@ def test_frozen_corpus_documents_never_train_a_later_bigger_corpus_and_stay_froz
     plain_v = freeze_eval_set(_samples(0, 40, "d"), tiny_tokenizer, str(tmp_path / "plain"), 1, 0.25, 128,
                               log=lambda m: None)
     assert plain_v["corpus"] is None and load_eval_set(str(tmp_path / "plain"), 1)["corpus_path"] is None
+    # a corpus with no document on the eval side freezes the samples all the same, and no corpus documents
+    none_held = freeze_eval_set(_samples(0, 40, "d"), tiny_tokenizer, str(tmp_path / "none"), 1, 0.25, 128,
+                                log=lambda m: None, corpus=(corpus1, "corpus1hash"), corpus_fraction=1e-9)
+    assert none_held["corpus"] is None and none_held["examples"] == v1["examples"]

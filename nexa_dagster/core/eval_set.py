@@ -70,9 +70,10 @@ def corpus_documents(corpus_root: str, fraction: float, max_tokens: int) -> tupl
 
 
 def _write_corpus(corpus: tuple[str, str] | None, fraction: float, max_tokens: int, fingerprint: str,
-                  directory: str) -> dict[str, Any] | None:
+                  directory: str, log: Callable[[str], None]) -> dict[str, Any] | None:
     """Freeze ``corpus`` = (bin/idx root, run hash)'s eval-side documents into ``corpus.parquet``; its manifest
-    entry, or None without a corpus."""
+    entry, or None without a corpus or without a document on the eval side (the SFT samples are frozen all the
+    same; base models then need a later version)."""
     if corpus is None:
         return None
     root, run_hash = corpus
@@ -83,8 +84,9 @@ def _write_corpus(corpus: tuple[str, str] | None, fraction: float, max_tokens: i
                          f"is {fingerprint}: materialize pretrain_corpus again before freezing the eval set")
     frame, cut = corpus_documents(root, fraction, max_tokens)
     if frame.empty:
-        raise ValueError(f"pretraining corpus {root}: none of its documents hashes to the eval side "
-                         f"(eval_set.corpus_fraction={fraction}); raise the fraction or ingest more documents")
+        log(f"pretraining corpus {root}: none of its documents hashes to the eval side (eval_set.corpus_fraction="
+            f"{fraction}): this version has no corpus documents for base models")
+        return None
     table = pa.table({"sample_id": pa.array(frame["sample_id"]),
                       "input_ids": pa.array(frame["input_ids"], pa.list_(pa.int32())),
                       "loss_mask": pa.array(frame["loss_mask"], pa.list_(pa.int8()))})
@@ -137,7 +139,8 @@ def freeze_eval_set(samples: pd.DataFrame, tokenizer: Any, root: str, version: i
     storage.write_parquet(table.to_pandas(), examples)
     with storage.atomic_writer(samples_path) as f:
         f.write(b"".join(lines))
-    frozen_corpus = _write_corpus(corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory)
+    frozen_corpus = _write_corpus(corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory,
+                                  log)
     manifest = {
         "format": FORMAT, "version": version, "fraction": fraction, "examples": len(rows),
         "tokens": int(sum(sum(r["loss_mask"][1:]) for r in rows)), "dropped_too_long": dropped,
