@@ -432,18 +432,35 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"
 
 
-def test_gpu_pool_runs_one_training_at_a_time(lifecycle) -> None:
-    """Two training runs started together against an instance whose pools are limited to 1 never overlap."""
-    _, instance, env, _, _ = lifecycle
+def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None:
+    """Two training runs started together against an instance whose pools are limited to 1 never overlap. The
+    second is launched with run config (the training knobs of the Launchpad, here from the CLI's --config):
+    it trains the steps and learning rate it was given, the first the preset's."""
+    defs, instance, env, _, _ = lifecycle
     before = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))}
     cmd = [sys.executable, "-m", "dagster", "job", "execute", "-m", "nexa_dagster.definitions", "-j", "training_job"]
-    procs = [subprocess.Popen(cmd, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    knobs = tmp_path / "knobs.yaml"
+    knobs.write_text(json.dumps({"ops": {"moe_checkpoint": {"config": {"max_steps": 6, "learning_rate": 0.002}}}}))
+    procs = [subprocess.Popen(cmd + extra, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for extra in ([], ["-c", str(knobs)])]
     errors = [p.communicate(timeout=900)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors[0][-2000:] + errors[1][-2000:]
     runs = [r for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))
             if r.dagster_run.run_id not in before]
     assert len(runs) == 2
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
+    trained = {}
+    for run in runs:
+        event = next(e for e in instance.all_logs(run.dagster_run.run_id) if e.dagster_event
+                     and e.dagster_event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
+                     and e.dagster_event.asset_key == dg.AssetKey("moe_checkpoint"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+        params = client.get_run(str(metadata["mlflow_run_id"])).data.params
+        knobbed = bool(run.dagster_run.run_config.get("ops"))
+        trained[knobbed] = (metadata["steps"], float(params["learning_rate"]), metadata["scale"])
+    assert trained == {False: (24, 0.003, "tiny"), True: (6, 0.002, "tiny")}, trained
     spans = []
     for run in runs:
         events = instance.all_logs(run.dagster_run.run_id)
