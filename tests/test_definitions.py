@@ -180,6 +180,43 @@ def test_the_leaderboard_is_requested_after_new_evaluation_reports(tmp_path, mon
         instance.dispose()
 
 
+def test_each_new_base_model_is_evaluated_once_when_an_eval_set_exists(tmp_path, monkeypatch) -> None:
+    """The default automation sensor asks for ``base_model_eval`` of a base model that ``base_model`` added: not
+    before an eval set is frozen (nothing to measure it on), once after, and never again for the same base model
+    when another one arrives."""
+    from sandbox import make_sandbox, sandbox_env
+
+    for key, value in sandbox_env(make_sandbox(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    from nexa_dagster.definitions import build_defs
+
+    defs = build_defs()
+    key = dg.AssetKey("base_model_eval")
+    sensors = [s for s in defs.sensors if isinstance(s, dg.AutomationConditionSensorDefinition)]
+    assert key in sensors[0].asset_selection.resolve(defs.resolve_asset_graph())
+    instance = dg.DagsterInstance.from_config(str(tmp_path / "home"))
+    selection = dg.AssetSelection.assets("base_model_eval")
+
+    def tick(cursor):
+        return dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
+                                                 cursor=cursor)
+    try:
+        start = tick(None)  # the sensor runs before any base model exists, as in a deployment
+        instance.add_dynamic_partitions("base_models", ["base-a"])
+        instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))
+        first = tick(start.cursor)
+        assert first.total_requested == 0  # no eval set yet
+        instance.report_runless_asset_event(dg.AssetMaterialization("eval_set"))
+        second = tick(first.cursor)
+        assert second.get_requested_partitions(key) == {"base-a"}
+        instance.add_dynamic_partitions("base_models", ["base-b"])
+        instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))
+        third = tick(second.cursor)
+        assert third.get_requested_partitions(key) == {"base-b"}  # base-a (still missing: its run failed) not again
+    finally:
+        instance.dispose()
+
+
 # -- one resource class per LLM backend, checked when the code location loads (issue 16) --------------------------
 LLM_MISTAKES = {  # case: (environment, pipeline.yaml addition, what the error must say)
     "unknown backend": ({"NEXA_TEACHER_BACKEND": "vllm"}, "",

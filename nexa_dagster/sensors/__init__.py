@@ -1,6 +1,6 @@
 """Sensors that chain the lifecycle: retrain after a day's data lands, evaluate every new checkpoint once, and
-Dagster's automation condition sensor, which keeps the leaderboard fresh (an asset's automation condition is only
-evaluated while such a sensor runs)."""
+Dagster's automation condition sensor, which keeps the leaderboard fresh and evaluates each new base model (an
+asset's automation condition is only evaluated while such a sensor runs)."""
 
 import dagster as dg
 
@@ -8,9 +8,10 @@ from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
 from nexa_dagster.sensors.retrain import retrain_after_ingest
 
 automation_sensor = dg.AutomationConditionSensorDefinition(
-    "automation_sensor", target=dg.AssetSelection.assets("leaderboard"),
+    "automation_sensor", target=dg.AssetSelection.assets("leaderboard", "base_model_eval"),
     default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=30,
-    description="Evaluates the leaderboard's automation condition: it is rebuilt after new evaluation reports.")
+    description="Evaluates automation conditions: the leaderboard is rebuilt after new evaluation reports, and "
+                "each new base model is evaluated once an eval set exists.")
 
 SENSORS = [new_checkpoint_sensor, retrain_after_ingest, automation_sensor]
 
