@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -332,6 +333,11 @@ def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
     assert report.eval_loss == pytest.approx(read_stored_artifact(
         env["NEXA_DATA_ROOT"], "eval_report", checkpoint.checkpoint_id).eval_loss)  # the same model, the same data
     assert json.loads(Path(report.report_json).read_text())["lineage"]["checkpoint_path"] == str(copy)
+    # the copy reports under its own id, so the original's report stays the original's and the leaderboard (which
+    # refuses an id twice) builds with both (test_base_models_are_measured_... rebuilds it after this test)
+    assert report.checkpoint_id == "moved"
+    original = read_stored_artifact(env["NEXA_DATA_ROOT"], "eval_report", checkpoint.checkpoint_id)
+    assert json.loads(Path(original.report_json).read_text())["lineage"]["checkpoint_path"] == checkpoint.path
 
 
 def readme_block(heading: str) -> str:
@@ -433,16 +439,29 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
 
 
 def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None:
-    """Two training runs started together against an instance whose pools are limited to 1 never overlap. The
-    second is launched with run config (the training knobs of the Launchpad, here from the CLI's --config):
-    it trains the steps and learning rate it was given, the first the preset's."""
+    """A training run started while another holds the `gpu` pool's one slot waits for it: their training steps
+    never overlap. The second is launched with run config (the training knobs of the Launchpad, here from the
+    CLI's --config): it trains the steps and learning rate it was given, the first the preset's.
+
+    The second starts once the first holds the slot, not at the same instant: on the embedded SQLite instance
+    Dagster's slot claim is check-then-act without row locks, so two claims in the same few milliseconds can both
+    win (seen here: two runs started together both trained); Postgres claims with FOR UPDATE SKIP LOCKED (README,
+    "GPU pool")."""
     defs, instance, env, _, _ = lifecycle
     before = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))}
     cmd = [sys.executable, "-m", "dagster", "job", "execute", "-m", "nexa_dagster.definitions", "-j", "training_job"]
     knobs = tmp_path / "knobs.yaml"
     knobs.write_text(json.dumps({"ops": {"moe_checkpoint": {"config": {"max_steps": 6, "learning_rate": 0.002}}}}))
-    procs = [subprocess.Popen(cmd + extra, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for extra in ([], ["-c", str(knobs)])]
+
+    def launch(extra: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd + extra, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    procs = [launch([])]
+    deadline = time.monotonic() + 600
+    while not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots:  # the first trains
+        assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1][-2000:]
+        time.sleep(0.5)
+    procs.append(launch(["-c", str(knobs)]))
     errors = [p.communicate(timeout=900)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors[0][-2000:] + errors[1][-2000:]
     runs = [r for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))

@@ -324,7 +324,7 @@ def test_a_run_worker_killed_mid_step_fails_and_is_retried_to_the_same_output(pr
     messages = [e.message for e in production.events(killed_id, dg.DagsterEventType.ENGINE_EVENT)]
     assert any(m.startswith(crash) for m in messages), "\n".join(messages)
 
-    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(killed_id), timeout=60)
+    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(killed_id), timeout=180)
     assert retry.tags["dagster/root_run_id"] == killed_id
     assert retry.tags["dagster/retry_number"] == "1"
     assert retry.tags["dagster/partition"] == KILLED_DAY
@@ -365,7 +365,7 @@ def test_a_run_worker_hung_while_starting_is_failed_by_run_monitoring_and_retrie
         worker.kill()
         psutil.wait_procs([worker], timeout=10)
 
-    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(stuck_id), timeout=60)
+    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(stuck_id), timeout=180)
     assert retry.tags["dagster/root_run_id"] == stuck_id
     done = production.wait("the retry to finish", lambda: production.finished(retry.run_id), timeout=150)
     assert done.status == dg.DagsterRunStatus.SUCCESS, production.describe()

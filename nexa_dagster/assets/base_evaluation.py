@@ -23,12 +23,13 @@ from nexa_dagster.resources.tracking import TrackingResource
 
 
 def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
-    """The base model's own record (``checkpoint.json``), read from the folder it lies in."""
+    """The base model's own record (``checkpoint.json``), read from the folder it lies in; its id is the folder's
+    (the partition), as for SFT checkpoints (``load_checkpoint_record``), so a copy never reports as its original."""
     directory = storage.path("base_models", base_id)
     record = io.join(directory, "checkpoint.json")
     if not io.exists(record):
         raise dg.Failure(f"base model {base_id}: no {record} (not a completed base_model)", allow_retries=False)
-    return Checkpoint.model_validate({**io.read_json(record), "path": directory})
+    return Checkpoint.model_validate({**io.read_json(record), "path": directory, "checkpoint_id": base_id})
 
 
 @dg.asset(

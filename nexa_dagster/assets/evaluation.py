@@ -53,14 +53,18 @@ LEADERBOARD_CONDITION = dg.AutomationCondition.eager().without(~dg.AutomationCon
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
     """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand.
 
-    The record is read for its lineage, never for where the model is: a folder copied from another data root or
-    host carries the absolute path it was written at, so the model is always the folder it was found in."""
+    The record is read for its lineage, never for where the model is or what it is called: a folder copied from
+    another data root or host carries the absolute path it was written at, and a copy beside its original carries
+    the original's id, so the model is always the folder it was found in and its id the folder's name (the
+    partition). Under the record's id, a copy's report would overwrite the original's and the leaderboard would
+    hold one id twice."""
     if not (ckpt_dir / COMPLETION_MARKER).exists():
         raise dg.Failure(f"checkpoint {ckpt_dir} is not complete (no {COMPLETION_MARKER} marker)", allow_retries=False)
     record = ckpt_dir / "checkpoint.json"
     try:
         if record.exists():
-            return Checkpoint.model_validate({**io.read_json(record), "path": str(ckpt_dir)})
+            return Checkpoint.model_validate({**io.read_json(record), "path": str(ckpt_dir),
+                                              "checkpoint_id": checkpoint_id})
         job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
         if job.exists() and summary.exists():
             # written by the training worker before its completion marker, so always there for our own
