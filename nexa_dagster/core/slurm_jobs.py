@@ -14,16 +14,20 @@ SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", 
                 "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
 
+def scontrol_records(job_id: str) -> list[dict[str, str]]:
+    """``scontrol show job -o``: one ``key -> value`` dict per line (one per array element, pending elements
+    grouped); empty if the controller does not know the job."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return []
+    return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in proc.stdout.splitlines()]
+
+
 def job_states(job_id: str) -> dict[str, str]:
     """Element (``ArrayTaskId``; the job id for a plain job) -> state, from the controller, else from accounting;
     empty if neither knows the job."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
-    states: dict[str, str] = {}
-    if proc.returncode == 0:
-        for line in proc.stdout.splitlines():
-            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            if "JobState" in fields:
-                states[fields.get("ArrayTaskId", fields.get("JobId", job_id))] = fields["JobState"]
+    states = {fields.get("ArrayTaskId", fields.get("JobId", job_id)): fields["JobState"]
+              for fields in scontrol_records(job_id) if "JobState" in fields}
     if states:
         return states
     proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"], capture_output=True,

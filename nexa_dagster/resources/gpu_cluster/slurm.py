@@ -17,7 +17,7 @@ import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.core.shard_runners import SlurmArrayRunner
-from nexa_dagster.core.slurm_jobs import job_states, overall_state
+from nexa_dagster.core.slurm_jobs import job_states, overall_state, scontrol_records
 from nexa_dagster.core.training import launch_specs
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
@@ -132,10 +132,7 @@ def _run(command: list[str]) -> str:
 
 def slurm_job_fields(job_id: str) -> dict[str, str]:
     """``scontrol show job`` as a dict (the controller keeps finished jobs for MinJobAge); empty if unknown."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {}
-    return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+    return {key: value for fields in scontrol_records(job_id) for key, value in fields.items()}
 
 
 def slurm_state(job_id: str) -> str:
