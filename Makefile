@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test ui serve status rollback lint validate bench clean home
+.PHONY: install run test ui serve status rollback lint validate bench clean home tiny-models
 
 install: $(VENV)/.installed
 
@@ -56,3 +56,7 @@ lint: install
 
 clean:
 	rm -rf data results .dagster_home
+
+# rebuild the tiny teacher/judge the repository ships (after changing its recipe, a prompt or the chat template)
+tiny-models: install
+	$(BIN)/python -m nexa_dagster.core.tiny_pretrain --ship

@@ -83,3 +83,35 @@ def test_the_pretrained_tiny_model_is_built_once_per_machine_and_a_changed_recip
     assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 2  # another recipe, another build
     build_pretrained_tiny_lm(tmp_path / "d" / "models" / "tiny-teacher", recipe, corpus[:4])
     assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 3  # another corpus, too
+
+
+def test_every_data_root_gets_the_shipped_tiny_model_and_nothing_is_built_on_the_machine(
+        tmp_path: Path, monkeypatch) -> None:
+    """The tiny teacher/judge is the same bytes on every machine: the repository ships the build of the current
+    recipe (a build's weights depend on the CPU's kernels), and a data root's copy comes from it, with the machine's
+    cache left empty. A recipe the repository does not ship (a changed prompt, say) has no shipped model."""
+    import hashlib
+
+    from nexa_dagster.core.tiny_pretrain import (
+        SHIPPED_ROOT,
+        TinyPretrainRecipe,
+        build_pretrained_tiny_lm,
+        default_corpus,
+        recipe_key,
+        shipped_model,
+    )
+
+    key = recipe_key(TinyPretrainRecipe(), default_corpus())
+    shipped = shipped_model(key)
+    assert shipped is not None, (f"no shipped tiny model for recipe {key}: run `make tiny-models` and commit "
+                                 f"{SHIPPED_ROOT}")
+    assert [p.name for p in SHIPPED_ROOT.glob("tiny-pretrained-*")] == [shipped.name]  # no stale copy beside it
+    monkeypatch.setenv("NEXA_MODEL_CACHE", str(tmp_path / "cache"))
+    copy = build_pretrained_tiny_lm(tmp_path / "data" / "models" / "tiny-teacher")
+
+    def digest(d: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+    assert digest(copy) == digest(shipped)
+    assert not (tmp_path / "cache").exists()  # nothing was built here
+    assert shipped_model(recipe_key(TinyPretrainRecipe(steps=151), default_corpus())) is None

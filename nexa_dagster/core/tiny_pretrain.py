@@ -13,16 +13,21 @@ model of ``tiny_model.build_tiny_causal_lm``, then a few hundred AdamW steps on 
   continuation, 3 for a window of another topic, 1 for a few symbols or shuffled words; the loss is on the score
   only.
 
-The build takes tens of seconds on two cores and happens once per machine: the result is cached under
-``$NEXA_MODEL_CACHE`` (default ``~/.cache/nexa-dagster/models``) in a directory named by a hash of everything
-that makes it (the recipe, the model preset, the corpus, the prompts, the chat template), so a changed recipe
-builds a new one, and every data root (``data/models/tiny-teacher``, each test's) gets a copy of the same bytes.
+The repository ships the result (``tiny_weights/tiny-pretrained-<key>/``, 2 MB), named by a hash of everything
+that makes it (the recipe, the model preset, the corpus, the prompts, the chat template): the weights a build gives
+depend on the CPU (PyTorch picks its kernels by the CPU's vector instructions, and 150 steps of AdamW carry a
+last-bit difference far), so building them on each machine would give each machine another teacher, another judge
+and other data. Every data root (``data/models/tiny-teacher``, each test's) gets a copy of the shipped bytes.
+A changed recipe (another key) has no shipped model: it is built on first use, once per machine, into
+``$NEXA_MODEL_CACHE`` (default ``~/.cache/nexa-dagster/models``), with a warning that the shipped one is stale;
+``python -m nexa_dagster.core.tiny_pretrain --ship`` (``make tiny-models``) rebuilds the shipped copy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -43,6 +48,8 @@ from nexa_dagster.core.tiny_model import (
 )
 
 RECIPE_VERSION = 2  # raise when the code below changes what it builds
+SHIPPED_ROOT = Path(__file__).resolve().parent / "tiny_weights"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -237,9 +244,16 @@ def _train(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: f
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0, "steps": recipe.steps}
 
 
+def shipped_model(key: str) -> Path | None:
+    """The pretrained tiny model the repository ships for recipe ``key``, if it ships one."""
+    path = SHIPPED_ROOT / f"tiny-pretrained-{key}"
+    return path if (path / COMPLETION_MARKER).exists() else None
+
+
 def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretrainRecipe | None = None,
                              corpus: list[str] | None = None) -> Path:
-    """The pretrained tiny teacher/judge at ``out_dir``: copied from the machine's cache, built there first if new.
+    """The pretrained tiny teacher/judge at ``out_dir``: a copy of the shipped model for this recipe, else of the
+    machine's cached build (built there first if new).
 
     Both steps are atomic (written under a temporary name, renamed into place, completion marker last) and taken
     under a file lock, so concurrent first uses build once and nobody ever reads a half-written model.
@@ -249,17 +263,56 @@ def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretra
     if (out / COMPLETION_MARKER).exists():
         return out
     docs = corpus if corpus is not None else default_corpus()
-    cached = model_cache_root() / f"tiny-pretrained-{recipe_key(recipe, docs)}"
-    if not (cached / COMPLETION_MARKER).exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with _build_lock(cached):
-            if not (cached / COMPLETION_MARKER).exists():
-                _build_into(cached, recipe, docs)
+    key = recipe_key(recipe, docs)
+    source = shipped_model(key)
+    if source is None:
+        source = model_cache_root() / f"tiny-pretrained-{key}"
+        if recipe == TinyPretrainRecipe() and corpus is None:
+            log.warning("the repository ships no tiny model for recipe %s (a prompt, the chat template, the preset "
+                        "or the recipe changed): building one on this machine, whose weights depend on its CPU; "
+                        "`make tiny-models` rebuilds the shipped copy", key)
+        _build_cached(source, recipe, docs)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(out):
         if not (out / COMPLETION_MARKER).exists():
-            publish_directory(out, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True))
+            publish_directory(out, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
     return out
+
+
+def _build_cached(cached: Path, recipe: TinyPretrainRecipe, docs: list[str]) -> None:
+    """Build into ``cached`` unless a complete build is there; concurrent callers build once (file lock)."""
+    if (cached / COMPLETION_MARKER).exists():
+        return
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(cached):
+        if not (cached / COMPLETION_MARKER).exists():
+            _build_into(cached, recipe, docs)
+
+
+def ship(recipe: TinyPretrainRecipe | None = None) -> Path:
+    """Build the tiny model from nothing on this machine into ``SHIPPED_ROOT`` (replacing a stale shipped one).
+
+    Run by a developer who changed what the key hashes, then committed: every machine then copies these bytes.
+    """
+    recipe = recipe or TinyPretrainRecipe()
+    docs = default_corpus()
+    target = SHIPPED_ROOT / f"tiny-pretrained-{recipe_key(recipe, docs)}"
+    SHIPPED_ROOT.mkdir(parents=True, exist_ok=True)
+    _build_into(target, recipe, docs)
+    for stale in SHIPPED_ROOT.glob("tiny-pretrained-*"):
+        if stale != target:
+            shutil.rmtree(stale)
+    return target
+
+
+def _kernels() -> dict[str, str]:
+    """What decided the float results of a build: PyTorch's version and the CPU kernels it picked."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine()}
 
 
 def _build_into(cached: Path, recipe: TinyPretrainRecipe, corpus: list[str]) -> None:
@@ -277,10 +330,20 @@ def _build_into(cached: Path, recipe: TinyPretrainRecipe, corpus: list[str]) -> 
         (model_dir / COMPLETION_MARKER).unlink()
         (model_dir / "pretraining.json").write_text(json.dumps(
             {"recipe": asdict(recipe), "key": cached.name, "corpus": "pydoc_data.topics" if corpus == default_corpus()
-             else f"{len(corpus)} documents", **stats}, indent=2) + "\n")
+             else f"{len(corpus)} documents", "built_with": _kernels(), **stats}, indent=2) + "\n")
         (model_dir / COMPLETION_MARKER).write_text("ok\n")
         if cached.exists():
             shutil.rmtree(cached)
         os.replace(model_dir, cached)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Rebuild the tiny teacher/judge the repository ships.")
+    parser.add_argument("--ship", action="store_true", required=True,
+                        help=f"build from nothing into {SHIPPED_ROOT} (then commit it)")
+    parser.parse_args()
+    print(ship())
