@@ -59,4 +59,4 @@ clean:
 
 # rebuild the tiny teacher/judge the repository ships (after changing its recipe, a prompt or the chat template)
 tiny-models: install
-	$(BIN)/python -m nexa_dagster.core.tiny_pretrain --ship
+	$(BIN)/python -m nexa_dagster.core.tiny.pretrain --ship

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from nexa_dagster.core.llm.base import SamplingParams  # noqa: E402
 from nexa_dagster.core.llm.local import LocalTransformersClient  # noqa: E402
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
 
 def main(n: int, max_tokens: int) -> dict[str, float]:

@@ -85,7 +85,7 @@ def main() -> dict[str, object]:
                     model = probe.model_id
         else:
             from nexa_dagster.core.llm.managed_server import ManagedServer
-            from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+            from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nexa-bench-")))

@@ -18,7 +18,7 @@ enter the pretraining corpus nor any SFT set. An SFT sample asks about a topic a
 (the first ``max_chars_per_doc`` characters): a teacher that quotes the reference, since the tiny demo's own
 teacher is a random model. Every model is scored on the same eval conversations (assistant tokens only): each
 model's mean loss with a 95% bootstrap interval over examples, and the paired differences
-(``core/paired.py``: examples resampled with both models' values together). Last line: one JSON object.
+(``core/evaluation/paired.py``: examples resampled with both models' values together). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from nexa_dagster.core.config import load_deepspeed_config, load_scale  # noqa: E402
-from nexa_dagster.core.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype  # noqa: E402
-from nexa_dagster.core.packing import ChatTokenizer, conversation, is_validation, pack_table  # noqa: E402
-from nexa_dagster.core.paired import bootstrap_mean_loss, paired_loss_difference  # noqa: E402
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.common.config import load_deepspeed_config, load_scale  # noqa: E402
+from nexa_dagster.core.evaluation.paired import bootstrap_mean_loss, paired_loss_difference  # noqa: E402
+from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype  # noqa: E402
+from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, is_validation, pack_table  # noqa: E402
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 
 EVAL_FRACTION = 0.2

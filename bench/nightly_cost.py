@@ -85,8 +85,8 @@ def partition_path(root: Path, n: int) -> Path:
 
 def write_day(root: Path, n: int, samples: int) -> None:
     """The data stages' output for day ``n``: its ``filtered_samples`` partition, schema-checked, on storage."""
-    from nexa_dagster.core import storage
-    from nexa_dagster.core.schemas import FilteredSamples
+    from nexa_dagster.core.common import storage
+    from nexa_dagster.core.data.schemas import FilteredSamples
 
     frame = day_frame(n, samples)
     FilteredSamples.validate(frame)
@@ -94,7 +94,7 @@ def write_day(root: Path, n: int, samples: int) -> None:
 
 
 def validate(frame: Any, path: str) -> None:
-    from nexa_dagster.core.schemas import FilteredSamples
+    from nexa_dagster.core.data.schemas import FilteredSamples
 
     FilteredSamples.validate(frame)
 
@@ -103,7 +103,7 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
     """One night's packaging over days 1..``days``; returns counts."""
     from transformers import AutoTokenizer
 
-    from nexa_dagster.core.sft_dataset import (
+    from nexa_dagster.core.packaging.sft_dataset import (
         build_sft_dataset,
         build_sft_dataset_from_days,
         day_inputs_from_partitions,
@@ -122,8 +122,8 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
     else:
         import pandas as pd
 
-        from nexa_dagster.core import storage
-        from nexa_dagster.core.schemas import FilteredSamples
+        from nexa_dagster.core.common import storage
+        from nexa_dagster.core.data.schemas import FilteredSamples
 
         frame = pd.concat([storage.read_parquet(str(partition_path(root, n))) for n in range(1, days + 1)],
                           ignore_index=True)
@@ -137,10 +137,10 @@ def night_child(args: argparse.Namespace) -> None:
     """In a fresh process: write day N, package days 1..N, print wall time and peak memory as JSON."""
     from transformers import AutoTokenizer  # noqa: F401  (imports are not the night's work: done before the clock)
 
-    import nexa_dagster.core.schemas
-    import nexa_dagster.core.sft_dataset  # noqa: F401
+    import nexa_dagster.core.data.schemas
+    import nexa_dagster.core.packaging.sft_dataset  # noqa: F401
 
-    nexa_dagster.core.schemas.FilteredSamples.validate(day_frame(1, 2))  # pandera's lazy imports, also not the night's
+    nexa_dagster.core.data.schemas.FilteredSamples.validate(day_frame(1, 2))  # pandera's lazy imports, also not the night's
 
     root = Path(args.root)
     start = time.perf_counter()
@@ -166,7 +166,7 @@ def warm_child(args: argparse.Namespace) -> None:
     """Unmeasured, in its own process: night N-1 again on this try's copy of the history, so that the facts about
     its files remembered by their stat (``core/stat_cache``) are there, as night N-1 left them in its own data root
     (a copy has new inodes and change times); after ``RACY_S``, or the copies would count as just written."""
-    from nexa_dagster.core.stat_cache import RACY_S
+    from nexa_dagster.core.common.stat_cache import RACY_S
 
     time.sleep(RACY_S + 0.2)
     package(Path(args.root), args.night - 1, "incremental", args.workers, args.tokenizer)
@@ -209,7 +209,7 @@ def main() -> None:
     os.environ.setdefault("NEXA_CACHE_DIR", str(work / "cache"))  # the nights' stat cache (children inherit it)
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        from nexa_dagster.core.tiny_model import build_tokenizer, default_corpus
+        from nexa_dagster.core.tiny.model import build_tokenizer, default_corpus
 
         build_tokenizer(default_corpus()).save_pretrained(str(tok_dir))
     figures: dict[str, dict[str, dict]] = {}

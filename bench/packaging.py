@@ -85,7 +85,7 @@ class PeakRSS:
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> dict[str, Any]:
     """Write chat records until their text reaches ``megabytes`` MB; returns counts."""
-    from nexa_dagster.core.tiny_model import default_corpus
+    from nexa_dagster.core.tiny.model import default_corpus
 
     text = "\n\n".join(default_corpus())
     rng = random.Random(seed)
@@ -119,7 +119,7 @@ def prepare(workdir: Path, megabytes: float) -> tuple[Path, Path, dict[str, Any]
     meta = json.loads(meta_path.read_text())
     tok_dir = workdir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        from nexa_dagster.core.tiny_model import build_tokenizer, default_corpus
+        from nexa_dagster.core.tiny.model import build_tokenizer, default_corpus
 
         build_tokenizer(default_corpus()).save_pretrained(str(tok_dir))
     return corpus, tok_dir, meta
@@ -131,8 +131,8 @@ def prepare(workdir: Path, megabytes: float) -> tuple[Path, Path, dict[str, Any]
 def run_ours(corpus: Path, tok_dir: Path, out: Path, procs: int, pack_size: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from nexa_dagster.core.blend import BlendSource, DataBlend
-    from nexa_dagster.core.sft_dataset import PackagingSettings, package_sft
+    from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
+    from nexa_dagster.core.packaging.sft_dataset import PackagingSettings, package_sft
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     blend = DataBlend(name="bench", sources=[BlendSource(name="corpus", path=str(corpus))])
@@ -218,10 +218,10 @@ def sample_data_efficiency(tok_dir: Path, workdir: Path, pack_size: int) -> floa
     """Packing efficiency on the shipped sample documents (prompt = first half, answer = second half)."""
     from transformers import AutoTokenizer
 
-    from nexa_dagster.core.blend import BlendSource, DataBlend
-    from nexa_dagster.core.config import REPO_ROOT
-    from nexa_dagster.core.ingest import ingest_day
-    from nexa_dagster.core.sft_dataset import PackagingSettings, package_sft
+    from nexa_dagster.core.common.config import REPO_ROOT
+    from nexa_dagster.core.data.ingest import ingest_day
+    from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
+    from nexa_dagster.core.packaging.sft_dataset import PackagingSettings, package_sft
 
     path = workdir / "sample_data.jsonl"
     with open(path, "w", encoding="utf-8") as f:

@@ -35,11 +35,11 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import httpx  # noqa: E402
 
-from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
-from nexa_dagster.core.net import free_port  # noqa: E402
-from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry  # noqa: E402
+from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.common.net import free_port  # noqa: E402
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry  # noqa: E402
 from nexa_dagster.core.serving.client import ServingServiceClient  # noqa: E402
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
 
 class Load:

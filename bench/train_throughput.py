@@ -68,8 +68,8 @@ def run_side(args: argparse.Namespace) -> dict:
     """One side of the benchmark, in this process."""
     import torch
 
-    from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config
-    from nexa_dagster.core.tiny_model import build_model_config
+    from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config
+    from nexa_dagster.core.tiny.model import build_model_config
     from nexa_dagster.core.training import monitor
     from nexa_dagster.core.training.data import Prefetcher, labels_for, micro_batches
     from nexa_dagster.core.training.job import TrainingJob
@@ -84,7 +84,7 @@ def run_side(args: argparse.Namespace) -> dict:
 
     cuda = args.device == "cuda"
     spec = model_spec(args)
-    from nexa_dagster.core.config import load_model_preset
+    from nexa_dagster.core.common.config import load_model_preset
 
     vocab = (spec if isinstance(spec, dict) else load_model_preset(spec)).get("vocab_size", 2048)
     settings = TrainingSettings(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch,
@@ -100,7 +100,7 @@ def run_side(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     if args.side == "nexa":
         if isinstance(spec, dict):
-            from nexa_dagster.core.model.moe import NexaMoEForCausalLM
+            from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
 
             model = NexaMoEForCausalLM(build_model_config(spec, vocab_size=vocab), attention=args.attention)
         else:
@@ -178,7 +178,7 @@ def profile_steps(step, sync) -> None:  # noqa: ANN001
 
 
 def spawn(args: argparse.Namespace, side: str) -> dict:
-    from nexa_dagster.core.net import free_port
+    from nexa_dagster.core.common.net import free_port
 
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": args.device, "PYTHONUNBUFFERED": "1",

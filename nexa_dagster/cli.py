@@ -37,7 +37,7 @@ def _serving_dir(storage: object) -> str:
 
 
 def status() -> int:
-    from nexa_dagster.core.promotion import ProductionRegistry, load_policy
+    from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
     from nexa_dagster.core.serving.client import ServingServiceClient
 
     storage, tracking = _resources()
@@ -68,7 +68,7 @@ def status() -> int:
 def rollback() -> int:
     """Serve the previous production model again: the serving service switches first (when one runs), then the
     pointer and the MLflow alias follow; nothing to roll back to is one line, not a traceback."""
-    from nexa_dagster.core.promotion import ProductionRegistry, load_policy
+    from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
     from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 
     storage, tracking = _resources()
@@ -104,7 +104,7 @@ def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     import logging
 
-    from nexa_dagster.core.promotion import load_policy
+    from nexa_dagster.core.evaluation.promotion import load_policy
     from nexa_dagster.core.serving.haproxy import RouterError
     from nexa_dagster.core.serving.service import ServiceAlreadyRunning, ServingService
 

@@ -31,8 +31,8 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
-from nexa_dagster.core.config import config_dir, load_pipeline_config
-from nexa_dagster.core.config_check import check_configs
+from nexa_dagster.config_check import check_configs
+from nexa_dagster.core.common.config import config_dir, load_pipeline_config
 from nexa_dagster.jobs import JOBS, SCHEDULES
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
 from nexa_dagster.resources.io_manager import NexaIOManager

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core.config import REPO_ROOT, load_scale, resolve_path
-from nexa_dagster.core.ingest import landed_days
-from nexa_dagster.core.process_token import process_token, token_alive
-from nexa_dagster.core.promotion import ProductionRegistry
+from nexa_dagster.core.common.config import REPO_ROOT, load_scale, resolve_path
+from nexa_dagster.core.common.process_token import process_token, token_alive
+from nexa_dagster.core.data.ingest import landed_days
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 
 LAUNCHER_TAG = "nexa/launcher"  # host:pid:start of the `make run` process that executes the run in-process
 

@@ -12,7 +12,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nexa_dagster.core.indexed_dataset import IndexedDatasetWriter
-from nexa_dagster.core.tiny_model import SPECIAL_TOKENS
+from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWriter
+from nexa_dagster.core.tiny.model import SPECIAL_TOKENS
 
 
 def write_corpus(root: Path, documents: list[list[int]], shards: int = 2) -> str:

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.storage import FAULT_KILL_ENV
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.storage import FAULT_KILL_ENV
 
 
 def make_sandbox(root: Path, days: Iterable[str] = (), settings: Path = REPO_ROOT / "dagster.yaml",

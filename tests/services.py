@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from nexa_dagster.core.net import free_port
-from nexa_dagster.core.processes import stop_process_group
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.common.processes import stop_process_group
 
 
 def missing(what: str, install: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 from sandbox import make_sandbox, sandbox_env
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 
 DAYS = ["2026-11-20", "2026-11-21"]
 

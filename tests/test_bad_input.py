@@ -93,7 +93,7 @@ def test_quarantine_lets_the_day_through_and_lists_its_bad_lines(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from nexa_dagster.core.config import config_dir
+    from nexa_dagster.core.common.config import config_dir
 
     configs = tmp_path / "configs"
     shutil.copytree(config_dir(), configs)

@@ -18,12 +18,12 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from nexa_dagster.core.benchmarks import BenchmarkComparison, compare_benchmark, flat_scores
-from nexa_dagster.core.config import REPO_ROOT, BenchmarkSettings, ConfigError
-from nexa_dagster.core.eval_set import freeze_eval_set, load_eval_set
-from nexa_dagster.core.evaluation import EvalResult, ModelScores, write_report
-from nexa_dagster.core.evaluation_worker import EvaluationJob
-from nexa_dagster.core.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.core.common.config import REPO_ROOT, BenchmarkSettings, ConfigError
+from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison, compare_benchmark, flat_scores
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.core.evaluation.scoring import EvalResult, ModelScores, write_report
+from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.resources.gpu_cluster import LocalGPUCluster
 
 SHIPPED = ["nexa_stdlib_module", "nexa_docstring_completion"]
@@ -45,7 +45,7 @@ def _worker(job: EvaluationJob, tmp_path: Path) -> subprocess.CompletedProcess:
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
     # run where the Dagster resource runs it: in a scratch folder, not the repo (relative data files must resolve)
-    return subprocess.run([sys.executable, "-m", "nexa_dagster.core.evaluation_worker", "--job", str(job_file)],
+    return subprocess.run([sys.executable, "-m", "nexa_dagster.core.evaluation.worker", "--job", str(job_file)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, **OFFLINE})
 
@@ -124,7 +124,7 @@ def test_a_bad_task_or_a_missing_data_file_fails_before_any_model_is_loaded(
     assert "scoring candidate" not in failure.description and "no-such-checkpoint" not in failure.description
 
     # a lab's task folder whose YAML names a data file that is not there (what the worker calls first, in-process)
-    from nexa_dagster.core.benchmarks import BenchmarkError, resolve_tasks
+    from nexa_dagster.core.evaluation.benchmarks import BenchmarkError, resolve_tasks
 
     tasks = tmp_path / "lab_tasks"
     tasks.mkdir()
@@ -168,7 +168,7 @@ def test_the_gate_on_a_benchmark_needs_the_interval_from_the_harness_standard_er
 
 
 def test_a_gate_benchmark_the_scale_does_not_run_is_a_config_error(tmp_path: Path, monkeypatch) -> None:
-    from nexa_dagster.core.config_check import check_configs
+    from nexa_dagster.config_check import check_configs
 
     configs = tmp_path / "configs"
     shutil.copytree(REPO_ROOT / "configs", configs)

@@ -9,7 +9,7 @@ import sys
 import dagster as dg
 import pytest
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 
 STAGE_KEYS = {"raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
               "eval_set", "moe_checkpoint", "eval_report", "model_deployment"}
@@ -88,7 +88,7 @@ CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error mu
 def _configs_with(tmp_path, relative: str, old: str, new: str):
     import shutil
 
-    from nexa_dagster.core.config import config_dir
+    from nexa_dagster.core.common.config import config_dir
 
     configs = shutil.copytree(config_dir(), tmp_path / "configs")
     text = (configs / relative).read_text()
@@ -99,7 +99,7 @@ def _configs_with(tmp_path, relative: str, old: str, new: str):
 
 @pytest.mark.parametrize("case", sorted(CONFIG_TYPOS))
 def test_a_config_typo_fails_the_load_naming_the_file_and_key(case: str, tmp_path, monkeypatch) -> None:
-    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.core.common.config import ConfigError
     from nexa_dagster.definitions import build_defs
 
     relative, old, new, expected = CONFIG_TYPOS[case]
@@ -113,7 +113,7 @@ def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_i
     """``gpu_cluster.backend`` builds that backend's class with its own fields; ``NEXA_CLUSTER_BACKEND`` overrides
     the file's backend, and then the file's fields of another backend fail the load, saying where the backend
     came from."""
-    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.core.common.config import ConfigError
     from nexa_dagster.definitions import build_defs, build_resources
     from nexa_dagster.resources.gpu_cluster import LocalGPUCluster, SlurmGPUCluster
 
@@ -238,7 +238,7 @@ LLM_MISTAKES = {  # case: (environment, pipeline.yaml addition, what the error m
 @pytest.mark.parametrize("case", sorted(LLM_MISTAKES))
 def test_a_wrong_llm_backend_or_another_backends_field_fails_the_load(case: str, tmp_path, monkeypatch) -> None:
     """``LLMResource`` used to take every backend's fields and a free ``backend`` string, checked at run time."""
-    from nexa_dagster.core.config import ConfigError
+    from nexa_dagster.core.common.config import ConfigError
     from nexa_dagster.definitions import build_defs
 
     environment, addition, expected = LLM_MISTAKES[case]

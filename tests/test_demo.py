@@ -15,15 +15,15 @@ import dagster as dg
 import pandas as pd
 from sandbox import make_sandbox, sandbox_env
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.process_token import process_token, token_alive
-from nexa_dagster.core.sample_corpus import SAMPLE_DAYS
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.process_token import process_token, token_alive
+from nexa_dagster.core.data.sample_corpus import SAMPLE_DAYS
 from nexa_dagster.demo import LAUNCHER_TAG, fail_orphaned_runs
 
 STUCK_RUN = """
 import sys, time
 import dagster as dg
-from nexa_dagster.core.process_token import process_token
+from nexa_dagster.core.common.process_token import process_token
 from nexa_dagster.demo import LAUNCHER_TAG
 
 @dg.op

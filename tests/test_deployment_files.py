@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from dagster._core.instance.config import dagster_instance_config
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 
 BIN = Path(sys.executable).parent
 

@@ -15,7 +15,7 @@ import dagster as dg
 import pytest
 from services import missing
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 
 DAY = "2026-11-20"
 

@@ -28,14 +28,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nexa_dagster.core.config import REPO_ROOT, load_scale, read_text
-from nexa_dagster.core.distillation import PromptSpec, build_prompts, generate_teacher_samples
-from nexa_dagster.core.generation_store import GenerationStore
+from nexa_dagster.core.common.config import REPO_ROOT, load_scale, read_text
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.distill.generation_store import GenerationStore
+from nexa_dagster.core.distill.sample_gate import apply_sample_gate, load_gate_config
+from nexa_dagster.core.distill.teacher import PromptSpec, build_prompts, generate_teacher_samples
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-from nexa_dagster.core.net import free_port
-from nexa_dagster.core.sample_gate import apply_sample_gate, load_gate_config
 
 DAY = "2026-11-20"
 PARAMS = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
@@ -267,8 +267,8 @@ def test_the_same_data_at_two_paths_gives_the_same_ids_and_dataset_and_a_moved_r
     same sample ids, and the packaged dataset has the same bytes. Moving a data root elsewhere keeps every stored
     answer usable (0 generated).
     """
-    from nexa_dagster.core.model_identity import model_fingerprint
-    from nexa_dagster.core.sft_dataset import build_sft_dataset
+    from nexa_dagster.core.llm.model_identity import model_fingerprint
+    from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
     from nexa_dagster.resources.llm import LocalLLM
 
     docs = _documents(4)

@@ -1,4 +1,4 @@
-"""The frozen eval set (core/eval_set.py): held-out samples that no training split contains, frozen per version."""
+"""The frozen eval set (core/evaluation/eval_set.py): held-out samples that no training split contains, frozen per version."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nexa_dagster.core import storage
-from nexa_dagster.core.eval_set import freeze_eval_set, is_held_out, load_eval_set
-from nexa_dagster.core.packed_split import split_lines
-from nexa_dagster.core.sft_dataset import build_sft_dataset
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, is_held_out, load_eval_set
+from nexa_dagster.core.packaging.formats.packed_split import split_lines
+from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
 
 
 def _samples(start: int, n: int, day: str) -> pd.DataFrame:

@@ -19,21 +19,21 @@ import pandas as pd
 import pytest
 from openai_stub import chat_payload, stub_server
 
-from nexa_dagster.core.config import read_text
-from nexa_dagster.core.eval_set import eval_prompts, freeze_eval_set, is_held_out, load_eval_set
-from nexa_dagster.core.evaluation import (
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, is_held_out, load_eval_set
+from nexa_dagster.core.evaluation.paired import Interval, WinRate
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.core.evaluation.scoring import (
     ModelScores,
     compare,
     evaluate_checkpoint,
     pairwise_win_rate,
     perplexity_of,
 )
-from nexa_dagster.core.evaluation_worker import EvaluationJob
+from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.llm.local import LocalTransformersClient
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-from nexa_dagster.core.packing import ChatTokenizer, conversation
-from nexa_dagster.core.paired import Interval, WinRate
-from nexa_dagster.core.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FRACTION = 0.25
@@ -118,7 +118,7 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
                             examples_path=manifest["path"], eval_set_version=1, prompts=prompts, max_new_tokens=4,
                             output_path=str(tmp_path / f"{name}.json"))
         (tmp_path / f"{name}.job.json").write_text(job.model_dump_json())
-        proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.evaluation_worker", "--job",
+        proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.evaluation.worker", "--job",
                                str(tmp_path / f"{name}.job.json")], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         import json
@@ -150,7 +150,7 @@ def _win(wins: int, losses: int, low: float, high: float) -> WinRate:
 
 
 def test_the_gate_needs_the_interval_not_just_the_point_estimate() -> None:
-    from nexa_dagster.core.paired import PairedLoss
+    from nexa_dagster.core.evaluation.paired import PairedLoss
 
     production = ProductionEntry(checkpoint_id="prod", checkpoint_path="/nowhere", metric="eval_loss")
     noisy = PairedLoss(2.90, 3.00, Interval(-0.10, -0.30, 0.05, 0.95), 12, 300)  # better, within the noise
@@ -216,8 +216,8 @@ def test_the_win_rate_is_the_judges_known_preference(logprobs: bool) -> None:
 
 
 def test_serving_follows_the_recorded_decision_only_against_the_production_it_was_made_against() -> None:
-    from nexa_dagster.core.artifacts import EvalReport
-    from nexa_dagster.core.promotion import held_back_because
+    from nexa_dagster.core.common.artifacts import EvalReport
+    from nexa_dagster.core.evaluation.promotion import held_back_because
 
     def report(decision: str | None, against: str | None) -> EvalReport:
         return EvalReport(checkpoint_id="c", checkpoint_path="/c", perplexity=2.0, num_heldout_prompts=0,

@@ -37,7 +37,7 @@ from dagster_postgres.utils import pg_url_from_config
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from nexa_dagster.core.config import REPO_ROOT, load_scale
+from nexa_dagster.core.common.config import REPO_ROOT, load_scale
 from nexa_dagster.core.training.job import TrainingJob
 
 VALUES = REPO_ROOT / "deploy/helm/values.yaml"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
-from nexa_dagster.core.packed_collator import PackedRowsCollator
-from nexa_dagster.core.packed_split import read_packed_frame, split_files
-from nexa_dagster.core.sft_dataset import package_sft
+from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame, split_files
+from nexa_dagster.core.packaging.packed_collator import PackedRowsCollator
+from nexa_dagster.core.packaging.sft_dataset import package_sft
 
 
 @pytest.fixture(scope="module")

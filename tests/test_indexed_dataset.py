@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nexa_dagster.core.indexed_dataset import (
+from nexa_dagster.core.packaging.formats.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetError,
     IndexedDatasetWriter,

@@ -8,9 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.ingest import IngestError, ingest_day, normalise_text, stable_doc_id
-from nexa_dagster.core.schemas import RawDocuments
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.data.ingest import IngestError, ingest_day, normalise_text, stable_doc_id
+from nexa_dagster.core.data.schemas import RawDocuments
 
 LANDING = REPO_ROOT / "sample_data" / "landing"
 
@@ -112,7 +112,7 @@ def test_a_byte_order_mark_and_crlf_are_accepted(tmp_path: Path) -> None:
     docs = ingest_day(day, "2026-01-09", max_docs=None, max_chars=100)
     assert docs["text"].tolist() == ["third", "first", "second"] and docs["title"].tolist() == ["notes", "T", ""]
 
-    from nexa_dagster.core.jsonl_formats import parse_line  # packaging's reader too
+    from nexa_dagster.core.common.jsonl import parse_line  # packaging's reader too
 
     assert parse_line(b"\xef\xbb\xbf" + lines[0].encode() + b"\r\n", "windows.jsonl:1") == {"title": "T", "text": "first"}
 
@@ -127,7 +127,7 @@ def test_a_json_error_reads_once_at_its_column(tmp_path: Path) -> None:
 
 
 def test_quarantine_sets_bad_lines_aside_with_file_line_and_reason(tmp_path: Path) -> None:
-    from nexa_dagster.core.ingest import read_day
+    from nexa_dagster.core.data.ingest import read_day
 
     day = tmp_path / "2026-01-11"
     day.mkdir()

@@ -151,7 +151,7 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
 def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Path) -> None:
     """A local judge whose weights file is corrupt fails the same way on every attempt: the step fails once, with
     no step retry, and the message names the file (transformers' own error says only that a header is invalid)."""
-    from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+    from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
     model = build_tiny_causal_lm(tmp_path / "models" / "tiny-judge")
     (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a safetensors header")

@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 import pandas as pd  # noqa: E402
 from sandbox import make_sandbox, sandbox_env  # noqa: E402
 
-from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
 
 DAY = "2026-11-20"
 ASSETS = "raw_documents,teacher_samples,filtered_samples,rejected_samples"

@@ -22,12 +22,12 @@ import psutil
 import pytest
 from openai_stub import DROP, chat_payload, json_judge, stub_server
 
-from nexa_dagster.core.config import load_yaml, read_text
+from nexa_dagster.core.common.config import load_yaml, read_text
+from nexa_dagster.core.distill.sample_gate import SCORE_CHOICES, judge_one
 from nexa_dagster.core.llm.base import LLMError, SamplingParams, expected_score
 from nexa_dagster.core.llm.local import LocalTransformersClient
 from nexa_dagster.core.llm.managed_server import ManagedServer, transformers_serve_options
 from nexa_dagster.core.llm.openai_compat import MISSING_CHOICE_MARGIN, OpenAICompatibleClient
-from nexa_dagster.core.sample_gate import SCORE_CHOICES, judge_one
 from nexa_dagster.resources.llm import LocalLLM, ManagedLLM, OpenAILLM
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -362,7 +362,7 @@ def test_in_flight_requests_are_bounded_and_stream_in_completion_order() -> None
 def test_an_engine_that_rejects_logprobs_falls_back(json_schema: int, method: str) -> None:
     """The capability probe asks for ``logprobs``; an engine that refuses it with 400 is an engine without it, not
     a failed judge stage: the judge uses ``response_format`` where honoured, else text."""
-    from nexa_dagster.core.judge import Judge
+    from nexa_dagster.core.distill.judge import Judge
 
     with stub_server(json_judge(logprobs=400, json_schema=json_schema)) as (url, calls, _), \
             OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client:
@@ -404,7 +404,7 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
     """A dropped connection is retried by the client and then, if it still fails, is one ``judge_error`` (not
     re-asked verdict by verdict on top of the client's retries); a 404 for an unknown model stops the judge; a 400
     for one sample (its prompt too long) is that sample's ``judge_error``, asked once, and the others are judged."""
-    from nexa_dagster.core.judge import Judge
+    from nexa_dagster.core.distill.judge import Judge
 
     probe = json_judge()
 
@@ -445,7 +445,7 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
 def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
     """``max_tokens`` means what it says: too few for a JSON verdict is an error, not silently raised to 96; a
     negative retry count is an error, not silently 0."""
-    from nexa_dagster.core.judge import Judge
+    from nexa_dagster.core.distill.judge import Judge
 
     with stub_server(json_judge()) as (url, _, _t), OpenAICompatibleClient(url, model="stub") as client:
         with pytest.raises(ValueError, match="max_tokens 8 is too few"):
@@ -456,8 +456,8 @@ def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
         with pytest.raises(ValueError, match="retries must be >= 0"):
             Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=-1)
     # the same limits where a user writes them: configs/filters.yaml and the resource's settings
-    from nexa_dagster.core.config import ConfigError, validated
-    from nexa_dagster.core.sample_gate import GateConfig
+    from nexa_dagster.core.common.config import ConfigError, validated
+    from nexa_dagster.core.distill.sample_gate import GateConfig
 
     gate = load_yaml("filters.yaml")
     with pytest.raises(ConfigError, match="judge.max_tokens"):

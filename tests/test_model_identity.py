@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nexa_dagster.core import model_identity
-from nexa_dagster.core.model_identity import model_fingerprint
+from nexa_dagster.core.llm import model_identity
+from nexa_dagster.core.llm.model_identity import model_fingerprint
 
 
 def _model(root: Path) -> Path:

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
-from nexa_dagster.core.model.moe import NexaMoEForCausalLM, to_hf  # noqa: E402
+from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM, to_hf  # noqa: E402
 
 
 def small_config(**overrides: object) -> MixtralConfig:

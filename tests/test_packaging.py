@@ -17,24 +17,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nexa_dagster.core import shards as sh
-from nexa_dagster.core import storage
-from nexa_dagster.core.blend import BlendSource, DataBlend
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.eval_set import is_held_out
-from nexa_dagster.core.indexed_dataset import IndexedDataset
-from nexa_dagster.core.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
-from nexa_dagster.core.jsonl_formats import RecordError, build_transform
-from nexa_dagster.core.packed_split import read_packed_table, split_files, split_lines
-from nexa_dagster.core.packing import (
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.jsonl import RecordError, build_transform
+from nexa_dagster.core.evaluation.eval_set import is_held_out
+from nexa_dagster.core.packaging import shards as sh
+from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
+from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDataset
+from nexa_dagster.core.packaging.formats.packed_split import read_packed_table, split_files, split_lines
+from nexa_dagster.core.packaging.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
+from nexa_dagster.core.packaging.packing import (
     PACKED_SCHEMA,
     ChatTokenizer,
     check_packed_file,
     is_validation,
     side_overrides,
 )
-from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
-from nexa_dagster.core.sft_dataset import (
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainSettings, package_pretrain
+from nexa_dagster.core.packaging.sft_dataset import (
     PackagingSettings,
     build_sft_dataset,
     day_inputs_from_frame,
@@ -258,7 +258,7 @@ def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path:
 
 
 def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path, monkeypatch) -> None:
-    from nexa_dagster.core import stat_cache
+    from nexa_dagster.core.common import stat_cache
 
     monkeypatch.setattr(stat_cache, "RACY_S", 0.0)  # remember checksums at once (a night later, in real life)
     monkeypatch.setenv("NEXA_CACHE_DIR", str(tmp_path / "cache"))
@@ -289,7 +289,7 @@ def test_corrupted_receipt_and_output_are_redone(tiny_tokenizer, tmp_path: Path,
 def test_a_remembered_fact_is_dropped_when_the_file_changes(tmp_path: Path, monkeypatch) -> None:
     """Checksums and shard ranges of earlier days are remembered by the file's stat, never for a file written just
     now (its rewrite could keep the same timestamps), never for a remote one, and a rewrite is always seen."""
-    from nexa_dagster.core import stat_cache
+    from nexa_dagster.core.common import stat_cache
 
     cache = str(tmp_path / "cache")
     f = tmp_path / "day.jsonl"
@@ -390,7 +390,7 @@ def test_incremental_night_packs_only_its_day_and_equals_a_build_from_nothing(ti
 def test_a_sample_id_on_two_days_is_caught_naming_both_days(tiny_tokenizer, tmp_path: Path, monkeypatch) -> None:
     """Each day's partition is schema-checked alone, so an id repeated on another day passed both checks and was
     trained on twice; an on-disk index catches it, reading only the new day's ids."""
-    from nexa_dagster.core import sample_ids
+    from nexa_dagster.core.data import sample_ids
 
     kw = {"pack_size": 256, "validation_fraction": 0.2, "rows_per_shard": 40, "log": _quiet}
     out = str(tmp_path / "sft")
@@ -419,7 +419,7 @@ def test_a_sample_id_on_two_days_is_caught_naming_both_days(tiny_tokenizer, tmp_
 def test_the_store_keeps_the_last_snapshots_shards_and_removes_the_rest(tiny_tokenizer, tmp_path: Path) -> None:
     """keep_snapshots: the newest K snapshots stay readable with every shard they list; older snapshots and the
     shards only they listed are removed, and nothing is removed while a packaging run is in flight."""
-    from nexa_dagster.core.store_cleanup import clean_store, packaging_in_flight
+    from nexa_dagster.core.packaging.store_cleanup import clean_store, packaging_in_flight
     from nexa_dagster.core.training.data import load_packed
 
     kw = {"pack_size": 256, "validation_fraction": 0.2, "rows_per_shard": 40, "log": _quiet, "keep_snapshots": 2}
@@ -506,8 +506,8 @@ def test_rl_inputs_are_read_one_partition_at_a_time_without_the_eval_side(tmp_pa
 KILL_SCRIPT = r"""
 import sys, time
 from transformers import AutoTokenizer
-import nexa_dagster.core.sft_dataset as sd
-from nexa_dagster.core.blend import BlendSource, DataBlend
+import nexa_dagster.core.packaging.sft_dataset as sd
+from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
 
 real = sd.process_sft_shard
 def slow(task):
@@ -597,7 +597,7 @@ def test_shipped_blends_load() -> None:
 
 
 def test_packing_efficiency_at_4096_on_the_sample_data(tiny_tokenizer, tmp_path: Path) -> None:
-    from nexa_dagster.core.ingest import ingest_day
+    from nexa_dagster.core.data.ingest import ingest_day
 
     records = []
     for day_dir in sorted((REPO_ROOT / "sample_data" / "landing").iterdir()):
@@ -639,8 +639,8 @@ def test_a_pretraining_corpus_night_tokenizes_only_its_day_and_equals_a_build_fr
                                                                                           tmp_path: Path) -> None:
     """pretrain_corpus reads the raw_documents partitions a day at a time into day files whose shards live in the
     store: the corpus after day 3 tokenizes only day 3 and lists exactly the prefixes a build from nothing lists."""
-    from nexa_dagster.core.pretrain_dataset import documents_to_jsonl
-    from nexa_dagster.core.sample_ids import DuplicateSampleId, check_unique_across_days, index_for
+    from nexa_dagster.core.data.sample_ids import DuplicateSampleId, check_unique_across_days, index_for
+    from nexa_dagster.core.packaging.pretrain_corpus import documents_to_jsonl
 
     parts = []
     for k, (day, n) in enumerate((("2026-11-01", 20), ("2026-11-02", 30), ("2026-11-03", 10))):

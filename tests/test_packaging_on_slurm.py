@@ -18,13 +18,13 @@ from services import slurm_cluster
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
 from nexa_dagster.assets.packaging import shard_runner
-from nexa_dagster.core import shards as sh
-from nexa_dagster.core.blend import BlendSource, DataBlend, PackagingConfig
-from nexa_dagster.core.packaging_launch import k8s_indexed_job, sbatch_array_script
-from nexa_dagster.core.packing import ChatTokenizer
-from nexa_dagster.core.pretrain_dataset import PretrainSettings, package_pretrain
-from nexa_dagster.core.sft_dataset import package_sft, process_sft_shard
-from nexa_dagster.core.shard_task import read_task_file, write_task_file
+from nexa_dagster.core.cluster.packaging_launch import k8s_indexed_job, sbatch_array_script
+from nexa_dagster.core.cluster.shard_task import read_task_file, write_task_file
+from nexa_dagster.core.packaging import shards as sh
+from nexa_dagster.core.packaging.blend import BlendSource, DataBlend, PackagingConfig
+from nexa_dagster.core.packaging.packing import ChatTokenizer
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainSettings, package_pretrain
+from nexa_dagster.core.packaging.sft_dataset import package_sft, process_sft_shard
 from nexa_dagster.resources.gpu_cluster import (
     GPUClusterResource,
     KubernetesGPUCluster,
@@ -158,7 +158,7 @@ def test_the_task_file_gives_each_element_the_local_runners_task(tiny_tokenizer,
     assert work is process_sft_shard and back == tasks and back[0].runtime["chat_tokenizer"] == chat
     env = {**os.environ, "JOB_COMPLETION_INDEX": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("SLURM_ARRAY_TASK_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.shard_task", "--plan",
+    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.cluster.shard_task", "--plan",
                            str(tmp_path / "tasks.json")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "shard 000001 (chat.jsonl lines 41-50): done" in proc.stdout
@@ -177,7 +177,7 @@ def test_sbatch_array_script_and_kubernetes_indexed_job_spec(tmp_path: Path) -> 
     lines = script.splitlines()
     assert "#SBATCH --array=0-11%4" in lines and "#SBATCH --partition=cpu" in lines
     assert "#SBATCH --output=/shared/logs/slurm-%A_%a.out" in lines and "export A='b c'" in lines
-    assert lines[-1] == "exec /opt/venv/bin/python -m nexa_dagster.core.shard_task --plan /shared/t.json"
+    assert lines[-1] == "exec /opt/venv/bin/python -m nexa_dagster.core.cluster.shard_task --plan /shared/t.json"
     assert lines.index("module load python") < len(lines) - 1
     assert "%" not in sbatch_array_script(name="n", python="p", plan_file="t", log_dir="l", count=3,
                                           env={}).split("--array=")[1].splitlines()[0]
@@ -201,7 +201,7 @@ def test_sbatch_array_script_and_kubernetes_indexed_job_spec(tmp_path: Path) -> 
     assert pod["volumes"] == [{"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}}]
     (container,) = pod["containers"]
     assert container["image"] == "registry/nexa:1"
-    assert container["command"] == ["python", "-m", "nexa_dagster.core.shard_task", "--plan",
+    assert container["command"] == ["python", "-m", "nexa_dagster.core.cluster.shard_task", "--plan",
                                     "/data/nexa/sft/cluster/abc/tasks.json"]
     assert container["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
     assert {"name": "NEXA_DATA_ROOT", "value": "/data/nexa"} in container["env"]
@@ -227,8 +227,8 @@ def test_sft_dataset_sends_its_shards_to_the_slurm_backend_when_packaging_says_c
     array and the snapshot is the one the local processes make (same run hash, same packed files)."""
     from nexa_dagster.assets.packaging import sft_dataset
     from nexa_dagster.assets.partitions import daily_partitions
-    from nexa_dagster.core import storage as io
-    from nexa_dagster.core.config import REPO_ROOT
+    from nexa_dagster.core.common import storage as io
+    from nexa_dagster.core.common.config import REPO_ROOT
     from nexa_dagster.resources.scale import ScaleResource
 
     @dg.asset(key="filtered_samples", partitions_def=daily_partitions)

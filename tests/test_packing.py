@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from nexa_dagster.core import storage
-from nexa_dagster.core.packed_split import split_lines
-from nexa_dagster.core.packing import best_fit_decreasing, is_validation, pack_table, side_overrides
-from nexa_dagster.core.schemas import PackedSequences
-from nexa_dagster.core.sft_dataset import build_sft_dataset
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.data.schemas import PackedSequences
+from nexa_dagster.core.packaging.formats.packed_split import split_lines
+from nexa_dagster.core.packaging.packing import best_fit_decreasing, is_validation, pack_table, side_overrides
+from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
 
 
 def test_best_fit_decreasing_fills_bins_and_keeps_every_item() -> None:

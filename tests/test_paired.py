@@ -1,10 +1,10 @@
-"""The paired statistics of the promotion gate (core/paired.py): pairing, the bootstrap interval, and the judge's
+"""The paired statistics of the promotion gate (core/evaluation/paired.py): pairing, the bootstrap interval, and the judge's
 order-consistent win rate. Pure numerics on constructed examples whose answer is known."""
 
 import numpy as np
 import pytest
 
-from nexa_dagster.core.paired import (
+from nexa_dagster.core.evaluation.paired import (
     bootstrap_mean_loss,
     order_consistent_win_rate,
     paired_loss_difference,

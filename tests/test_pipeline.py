@@ -20,10 +20,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.promotion import ProductionRegistry
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.serving.answer_check import text_problem
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
 DAYS = ["2026-11-20", "2026-11-21", "2026-11-22"]
 ALL_KEYS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
@@ -552,7 +552,7 @@ def test_corpus_job_writes_a_megatron_corpus_and_rl_prompts(lifecycle) -> None:
     readable with the indexed-dataset reader, and one RL prompt per accepted sample."""
     import json as json_
 
-    from nexa_dagster.core.indexed_dataset import IndexedDataset
+    from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDataset
 
     defs, instance, _, _, _ = lifecycle
     result = defs.resolve_job_def("corpus_job").execute_in_process(instance=instance)
@@ -608,7 +608,7 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from nexa_dagster.core.eval_set import is_held_out, load_eval_set
+    from nexa_dagster.core.evaluation.eval_set import is_held_out, load_eval_set
 
     defs, instance, env, _, _ = lifecycle
     data = Path(env["NEXA_DATA_ROOT"])

@@ -19,7 +19,7 @@ import pytest
 from sandbox import make_sandbox, sandbox_env
 from services import postgres_server
 
-from nexa_dagster.core.config import REPO_ROOT, load_scale
+from nexa_dagster.core.common.config import REPO_ROOT, load_scale
 from nexa_dagster.core.llm.managed_server import ManagedServer
 
 DAYS = [f"2026-11-{d:02d}" for d in range(1, 21)]  # 20 daily partitions

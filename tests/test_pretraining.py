@@ -24,13 +24,13 @@ import torch  # noqa: E402
 from corpus_files import random_documents, write_corpus  # noqa: E402
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
-from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
-from nexa_dagster.core.model.moe import NexaMoEForCausalLM  # noqa: E402
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER  # noqa: E402
+from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config  # noqa: E402
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.training.corpus import document_id, load_corpus  # noqa: E402
 from nexa_dagster.core.training.data import IGNORE_INDEX, labels_for  # noqa: E402
 from nexa_dagster.core.training.init import check_init_checkpoint, load_mixtral_checkpoint, resolve  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
+from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import LocalGPUCluster  # noqa: E402
 
 WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
@@ -197,7 +197,7 @@ def test_a_wrong_architecture_or_vocabulary_fails_before_launch(tmp_path: Path, 
     assert check_init_checkpoint(str(tiny_model_dir), tokenizer, "the data") == str(tiny_model_dir)
 
     # another tokenizer shipped with the checkpoint: refused at the cluster, before any process starts
-    from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+    from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
     other = build_tiny_causal_lm(tmp_path / "other-tokenizer", corpus=["a different corpus entirely " * 50],
                                  vocab_size=300)

@@ -2,7 +2,7 @@
 
 import time
 
-from nexa_dagster.core.progress import Progress
+from nexa_dagster.core.common.progress import Progress
 
 
 def test_progress_is_logged_on_a_clock_not_per_item() -> None:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from sandbox import make_sandbox, sandbox_env
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 
 DAY = "2026-11-20"  # 26 lines, more than the tiny preset's cap of 12 documents a day
 
@@ -74,7 +74,7 @@ def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path
 
 def test_a_scale_with_no_preset_file_fails_at_launch_and_at_load_naming_the_file(tmp_path: Path,
                                                                                   monkeypatch) -> None:
-    from nexa_dagster.core.config import ConfigError, config_dir
+    from nexa_dagster.core.common.config import ConfigError, config_dir
     from nexa_dagster.definitions import build_defs
 
     root = make_sandbox(tmp_path, days=[DAY])

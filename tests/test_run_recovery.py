@@ -66,8 +66,8 @@ import yaml
 from sandbox import sandbox_env
 from services import postgres_server
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.net import free_port
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.net import free_port
 
 KILLED_DAY = "2026-11-20"  # generated landing folder, big enough that raw_documents computes for seconds
 STUCK_DAY = "2026-11-21"  # the sample landing folder, cheap

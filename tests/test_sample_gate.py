@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nexa_dagster.core.config import read_text
-from nexa_dagster.core.sample_gate import (
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.sample_gate import (
     apply_sample_gate,
     heuristic_reason,
     load_gate_config,
@@ -66,8 +66,8 @@ def _teacher_frame(responses: list[str], day: str = "2026-11-20", prefix: str = 
 
 
 def test_gate_with_a_real_local_judge_gives_valid_scores(tiny_model_dir: Path) -> None:
+    from nexa_dagster.core.data.schemas import FilteredSamples, RejectedSamples
     from nexa_dagster.core.llm.local import LocalTransformersClient
-    from nexa_dagster.core.schemas import FilteredSamples, RejectedSamples
 
     frame = _teacher_frame(["A list is a mutable sequence; append adds an item at the end.", "", "ok " * 50])
     with LocalTransformersClient(str(tiny_model_dir)) as judge:
@@ -92,7 +92,7 @@ def test_gate_with_a_real_local_judge_gives_valid_scores(tiny_model_dir: Path) -
     ('{"score": 5.0, "rationale": ""}', (5, "")),
 ])
 def test_a_well_formed_verdict_is_read(text: str, expected: tuple[int, str]) -> None:
-    from nexa_dagster.core.judge import parse_verdict
+    from nexa_dagster.core.distill.judge import parse_verdict
 
     assert parse_verdict(text) == expected
 
@@ -110,7 +110,7 @@ def test_a_well_formed_verdict_is_read(text: str, expected: tuple[int, str]) -> 
     ("hello world 5 stars", "not a JSON object"),
 ])
 def test_an_unreadable_verdict_is_refused_with_the_reason(text: str, problem: str) -> None:
-    from nexa_dagster.core.judge import VerdictError, parse_verdict
+    from nexa_dagster.core.distill.judge import VerdictError, parse_verdict
 
     with pytest.raises(VerdictError, match=problem):
         parse_verdict(text)
@@ -139,7 +139,7 @@ def _gate(frame: pd.DataFrame, judge, dedup_root: str | None = None):
 
 
 def test_exact_and_near_duplicates_within_a_partition(local_judge) -> None:
-    from nexa_dagster.core.dedup import DedupIndex, DedupSettings
+    from nexa_dagster.core.distill.dedup import DedupIndex, DedupSettings
 
     index = DedupIndex(DedupSettings())
     e1, m1 = index.signature(BASE)

@@ -17,9 +17,9 @@ import dagster as dg  # noqa: E402
 import pytest  # noqa: E402
 from dagster._serdes import serialize_value  # noqa: E402
 
-from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
 from nexa_dagster.core.llm.managed_server import ManagedServer  # noqa: E402
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
 SECRET = "sk-nexa-TEST-9f2c41d7e8b0a6"
 DAY = "2026-11-20"

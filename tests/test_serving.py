@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_temporary_engine
 

@@ -25,14 +25,14 @@ import psutil
 import pytest
 from services import missing
 
-from nexa_dagster.core.artifacts import EvalReport
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.net import free_port
-from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry
+from nexa_dagster.core.common.artifacts import EvalReport
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
-from nexa_dagster.core.tiny_model import build_tiny_causal_lm
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
 MODEL = "nexa-moe"
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from nexa_dagster.core.config import REPO_ROOT
-from nexa_dagster.core.promotion import load_policy
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.evaluation.promotion import load_policy
 
 MANIFESTS = REPO_ROOT / "deploy/k8s/serving.yaml"
 COLOURS = ("blue", "green")

@@ -25,9 +25,9 @@ import pytest  # noqa: E402
 from services import slurm_cluster  # noqa: E402
 from test_training import launch_training_in_dagster, make_job  # noqa: E402
 
-from nexa_dagster.core.eval_set import freeze_eval_set, load_eval_set  # noqa: E402
-from nexa_dagster.core.evaluation_worker import EvaluationJob  # noqa: E402
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set  # noqa: E402
+from nexa_dagster.core.evaluation.worker import EvaluationJob  # noqa: E402
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,
     LocalGPUCluster,
@@ -111,7 +111,7 @@ def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
     assert local.success and on_slurm.success, logs[-20:]
     job_id = next(m.split()[3] for m in logs if m.startswith("submitted Slurm job"))
     assert slurm_state(job_id) == "COMPLETED"
-    assert "-m nexa_dagster.core.evaluation_worker --job" in (tmp_path / "slurm" / "eval.sbatch").read_text()
+    assert "-m nexa_dagster.core.evaluation.worker --job" in (tmp_path / "slurm" / "eval.sbatch").read_text()
     assert any("ckpt-slurm candidate: eval-set loss" in m for m in logs), "worker progress did not come back"
     expected, got = local.output_for_node("scored"), on_slurm.output_for_node("scored")
     assert len(got["nll"]) == len(expected["nll"]) > 0 and got["tokens"] == expected["tokens"]

@@ -9,11 +9,11 @@ from pathlib import Path
 from openai_stub import chat_payload, stub_server
 from services import missing
 
-from nexa_dagster.core.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.common.processes import stop_process_group
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-from nexa_dagster.core.net import free_port
-from nexa_dagster.core.processes import stop_process_group
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from checkpoint_files import assert_portable_checkpoint
 
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-BUILD = ("import sys; from nexa_dagster.core.tiny_model import ensure_model; "
+BUILD = ("import sys; from nexa_dagster.core.tiny.model import ensure_model; "
          "from transformers import AutoModelForCausalLM; "
          "AutoModelForCausalLM.from_pretrained(ensure_model(sys.argv[1])); print('loaded')")
 
@@ -49,7 +49,7 @@ def test_the_saved_model_reads_the_same_under_both_transformers_schemas(tiny_mod
 
 
 def test_scaled_rope_is_written_in_the_4x_schema_too() -> None:
-    from nexa_dagster.core.hf_checkpoint import portable_model_config, portable_tokenizer_config
+    from nexa_dagster.core.training.hf_checkpoint import portable_model_config, portable_tokenizer_config
 
     yarn = {"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}}
     assert portable_model_config(yarn) == {**yarn, "rope_theta": 5e5, "rope_scaling": {"rope_type": "yarn",
@@ -63,7 +63,7 @@ def test_the_pretrained_tiny_model_is_built_once_per_machine_and_a_changed_recip
     """Every data root's tiny teacher is a copy of one cached build; the cache is keyed by what makes the model."""
     from pydoc_data.topics import topics
 
-    from nexa_dagster.core.tiny_pretrain import TinyPretrainRecipe, build_pretrained_tiny_lm
+    from nexa_dagster.core.tiny.pretrain import TinyPretrainRecipe, build_pretrained_tiny_lm
 
     monkeypatch.setenv("NEXA_MODEL_CACHE", str(tmp_path / "cache"))
     corpus = [topics[k] for k in ("assert", "for", "with", "lambda", "class")]  # small: a fast tokenizer
@@ -92,7 +92,7 @@ def test_every_data_root_gets_the_shipped_tiny_model_and_nothing_is_built_on_the
     cache left empty. A recipe the repository does not ship (a changed prompt, say) has no shipped model."""
     import hashlib
 
-    from nexa_dagster.core.tiny_pretrain import (
+    from nexa_dagster.core.tiny.pretrain import (
         SHIPPED_ROOT,
         TinyPretrainRecipe,
         build_pretrained_tiny_lm,

@@ -30,10 +30,10 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 from checkpoint_files import assert_portable_checkpoint  # noqa: E402
 
-from nexa_dagster.core.config import TrainingSettings, load_deepspeed_config  # noqa: E402
-from nexa_dagster.core.evaluation_worker import EvaluationJob  # noqa: E402
-from nexa_dagster.core.packing import labels_of  # noqa: E402
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config  # noqa: E402
+from nexa_dagster.core.evaluation.worker import EvaluationJob  # noqa: E402
+from nexa_dagster.core.packaging.packing import labels_of  # noqa: E402
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,
@@ -433,8 +433,8 @@ def as_split_manifest(path: str, root: Path, sizes: list[int]) -> str:
     split manifest ``root/<run>/train.shards.json`` (what packaging writes for a snapshot)."""
     import pyarrow.parquet as pq
 
-    from nexa_dagster.core import storage
-    from nexa_dagster.core.packed_split import split_manifest_path, write_split_manifest
+    from nexa_dagster.core.common import storage
+    from nexa_dagster.core.packaging.formats.packed_split import split_manifest_path, write_split_manifest
 
     table, files, start = pq.read_table(path), [], 0
     assert sum(sizes) == table.num_rows
@@ -587,7 +587,7 @@ def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: P
                       f"--output={tmp_path}/eval/slurm-%j.out"):
         assert f"#SBATCH {directive}" in lines, directive
     assert "export DAGSTER_PIPES_CONTEXT=abc" in lines
-    assert lines[-1] == (f"srun --kill-on-bad-exit=1 /opt/venv/bin/python -m nexa_dagster.core.evaluation_worker "
+    assert lines[-1] == (f"srun --kill-on-bad-exit=1 /opt/venv/bin/python -m nexa_dagster.core.evaluation.worker "
                          f"--job {tmp_path}/eval/eval_job.json")
     assert subprocess.run(["bash", "-n"], input=evaluation, text=True).returncode == 0, "not valid bash"
 
@@ -658,7 +658,7 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     pod = evaluation["base_pod_spec"]
     (container,) = pod["containers"]
     assert container["command"] == evaluation["command"] == [
-        "python", "-m", "nexa_dagster.core.evaluation_worker", "--job", "/data/eval/eval_job.json"]
+        "python", "-m", "nexa_dagster.core.evaluation.worker", "--job", "/data/eval/eval_job.json"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1" and container["name"] == "evaluator"
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in pod["volumes"]
     assert pod["nodeSelector"] == {"gpu": "h100"} and evaluation["env"]["A"] == "1"

@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 from sandbox import make_sandbox, sandbox_env  # noqa: E402
 from services import free_port, missing  # noqa: E402
 
-from nexa_dagster.core.config import REPO_ROOT  # noqa: E402
-from nexa_dagster.core.processes import stop_process_group  # noqa: E402
+from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
+from nexa_dagster.core.common.processes import stop_process_group  # noqa: E402
 
 DAY = "2026-11-20"
 LOCATION = "nexa_dagster.definitions"

@@ -11,12 +11,12 @@ import dagster as dg
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.evaluation import frozen_eval_set
 from nexa_dagster.assets.partitions import base_model_partitions
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import BaseModelEval, Checkpoint
-from nexa_dagster.core.base_evaluation import corpus_scores
-from nexa_dagster.core.config import pipeline_config
-from nexa_dagster.core.evaluation_worker import EvaluationJob
-from nexa_dagster.core.promotion import load_policy
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint
+from nexa_dagster.core.common.config import pipeline_config
+from nexa_dagster.core.evaluation.base_model import corpus_scores
+from nexa_dagster.core.evaluation.promotion import load_policy
+from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource

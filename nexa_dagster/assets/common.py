@@ -3,7 +3,7 @@
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.core.progress import Progress
+from nexa_dagster.core.common.progress import Progress
 
 # Every stage that calls a model or a server retries with exponential backoff: endpoints blip, GPUs get preempted.
 MODEL_CALL_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)

@@ -15,9 +15,9 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, pr
 from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType, TeacherSamplesType
-from nexa_dagster.core.config import read_text
-from nexa_dagster.core.distillation import build_prompts, generate_teacher_samples
-from nexa_dagster.core.generation_store import GenerationStore
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.generation_store import GenerationStore
+from nexa_dagster.core.distill.teacher import build_prompts, generate_teacher_samples
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.scale import ScaleResource

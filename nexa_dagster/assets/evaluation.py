@@ -14,21 +14,21 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import BaseModelEval, Checkpoint, EvalReport
-from nexa_dagster.core.benchmarks import BenchmarkError, compare_benchmark, flat_scores
-from nexa_dagster.core.config import pipeline_config, read_text, resolve_path
-from nexa_dagster.core.eval_set import eval_prompts, load_eval_set
-from nexa_dagster.core.evaluation import (
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
+from nexa_dagster.core.common.config import pipeline_config, read_text, resolve_path
+from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.evaluation.benchmarks import BenchmarkError, compare_benchmark, flat_scores
+from nexa_dagster.core.evaluation.eval_set import eval_prompts, load_eval_set
+from nexa_dagster.core.evaluation.promotion import GateDecision, ProductionRegistry, decide, load_policy
+from nexa_dagster.core.evaluation.scoring import (
     CheckpointEvaluation,
     ModelScores,
     compare,
     write_report,
 )
-from nexa_dagster.core.evaluation_worker import EvaluationJob
-from nexa_dagster.core.plots import loss_curve_png, markdown_image
-from nexa_dagster.core.promotion import GateDecision, ProductionRegistry, decide, load_policy
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.evaluation.worker import EvaluationJob
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import MISSING_OK
 from nexa_dagster.resources.llm import LLMResource

@@ -10,9 +10,9 @@ import pandas as pd
 
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.types import FilteredSamplesType
-from nexa_dagster.core.config import pipeline_config
-from nexa_dagster.core.eval_set import freeze_eval_set
-from nexa_dagster.core.pretrain_dataset import PretrainCorpus
+from nexa_dagster.core.common.config import pipeline_config
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus
 from nexa_dagster.resources.io_manager import read_stored_artifact
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource

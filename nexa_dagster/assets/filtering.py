@@ -13,8 +13,8 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY, SINGLE_RUN_BACKFILL, pr
 from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import FilteredSamplesType, RejectedSamplesType, TeacherSamplesType
-from nexa_dagster.core.config import read_text
-from nexa_dagster.core.sample_gate import apply_sample_gate, load_gate_config
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.sample_gate import apply_sample_gate, load_gate_config
 from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.storage import StorageResource
 

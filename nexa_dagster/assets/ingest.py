@@ -7,9 +7,9 @@ import pandas as pd
 from nexa_dagster.assets.common import SINGLE_RUN_BACKFILL, preview
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.config import load_pipeline_config
-from nexa_dagster.core.ingest import IngestError, read_day
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.config import load_pipeline_config
+from nexa_dagster.core.data.ingest import IngestError, read_day
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 

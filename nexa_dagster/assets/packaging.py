@@ -16,21 +16,21 @@ from collections.abc import Callable, Sequence
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.core.artifacts import SFTDataset
-from nexa_dagster.core.blend import DataBlend, PackagingConfig, load_packaging_config
-from nexa_dagster.core.config import load_pipeline_config, pipeline_config
-from nexa_dagster.core.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
-from nexa_dagster.core.pretrain_dataset import (
+from nexa_dagster.core.cluster.shard_runners import ShardTasksFailed
+from nexa_dagster.core.common.artifacts import SFTDataset
+from nexa_dagster.core.common.config import load_pipeline_config, pipeline_config
+from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
+from nexa_dagster.core.packaging.blend import DataBlend, PackagingConfig, load_packaging_config
+from nexa_dagster.core.packaging.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
+from nexa_dagster.core.packaging.pretrain_corpus import (
     PretrainCorpus,
     PretrainSettings,
     documents_to_jsonl,
     package_pretrain,
 )
-from nexa_dagster.core.sample_ids import check_unique_across_days, index_for
-from nexa_dagster.core.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
-from nexa_dagster.core.shard_runners import ShardTasksFailed
-from nexa_dagster.core.shards import Receipt, ShardRunner, ShardTask
-from nexa_dagster.core.tiny_model import ensure_model
+from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
+from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
+from nexa_dagster.core.tiny.model import ensure_model
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
 from nexa_dagster.resources.scale import ScaleResource
@@ -45,7 +45,7 @@ def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
 
 
 def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
-    from nexa_dagster.core.schemas import FilteredSamples
+    from nexa_dagster.core.data.schemas import FilteredSamples
 
     try:
         FilteredSamples.validate(frame)
@@ -133,7 +133,7 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
 @dg.asset_check(asset=sft_dataset, description="Both splits re-read from storage are well-formed packed sequences "
                                                "with assistant tokens to learn.")
 def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResult:
-    from nexa_dagster.core.packing import check_packed_file
+    from nexa_dagster.core.packaging.packing import check_packed_file
 
     problems = [p for split, path in (("train", sft_dataset.train_path),
                                       ("validation", sft_dataset.validation_path))
@@ -142,7 +142,7 @@ def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResul
 
 
 def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
-    from nexa_dagster.core.schemas import RawDocuments
+    from nexa_dagster.core.data.schemas import RawDocuments
 
     try:
         RawDocuments.validate(frame)

@@ -11,7 +11,7 @@
 
 import dagster as dg
 
-from nexa_dagster.core.config import load_pipeline_config
+from nexa_dagster.core.common.config import load_pipeline_config
 
 daily_partitions = dg.DailyPartitionsDefinition(
     start_date=str(load_pipeline_config()["partitions_start_date"]), end_offset=1

@@ -14,11 +14,11 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import Checkpoint
-from nexa_dagster.core.config import load_deepspeed_config, pipeline_config
-from nexa_dagster.core.evaluation import perplexity_of
-from nexa_dagster.core.pretrain_dataset import PretrainCorpus
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import Checkpoint
+from nexa_dagster.core.common.config import load_deepspeed_config, pipeline_config
+from nexa_dagster.core.evaluation.scoring import perplexity_of
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource

@@ -9,8 +9,13 @@ import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
-from nexa_dagster.core.artifacts import EvalReport
-from nexa_dagster.core.promotion import ProductionEntry, ProductionRegistry, held_back_because, load_policy
+from nexa_dagster.core.common.artifacts import EvalReport
+from nexa_dagster.core.evaluation.promotion import (
+    ProductionEntry,
+    ProductionRegistry,
+    held_back_because,
+    load_policy,
+)
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
 from nexa_dagster.resources.storage import StorageResource

@@ -14,11 +14,11 @@ from pydantic import Field
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.artifacts import Checkpoint, SFTDataset
-from nexa_dagster.core.config import ScalePreset, TrainingSettings, load_deepspeed_config
-from nexa_dagster.core.promotion import ProductionRegistry, load_policy
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import Checkpoint, SFTDataset
+from nexa_dagster.core.common.config import ScalePreset, TrainingSettings, load_deepspeed_config
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource

@@ -9,7 +9,7 @@ from typing import Any
 
 import dagster as dg
 
-from nexa_dagster.core.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.training.job import TrainingResult
 from nexa_dagster.resources.tracking import TrackingResource
 

@@ -3,7 +3,7 @@
 
 import warnings
 
-from nexa_dagster.core import schemas
+from nexa_dagster.core.data import schemas
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # dagster-pandera marks this function beta

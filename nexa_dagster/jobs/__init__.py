@@ -14,8 +14,8 @@ import datetime as dt
 import dagster as dg
 
 from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions, daily_partitions
-from nexa_dagster.core.config import load_pipeline_config
-from nexa_dagster.core.ingest import has_landed
+from nexa_dagster.core.common.config import load_pipeline_config
+from nexa_dagster.core.data.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
 
 DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"]

@@ -14,8 +14,8 @@ import dagster as dg
 import pandas as pd
 from pydantic import BaseModel
 
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.config import resolve_path
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.config import resolve_path
 
 PARTITION_COLUMN = "day"
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import dagster as dg
 from pydantic import ConfigDict, Field
 
-from nexa_dagster.core.config import resolve_path
+from nexa_dagster.core.common.config import resolve_path
 from nexa_dagster.core.llm.base import LLMClient
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class LLMResource(dg.ConfigurableResource, abc.ABC):
     def _local_model(self) -> Path:
         if not self.model:
             raise ValueError(f"{type(self).__name__} needs model (a local model directory)")
-        from nexa_dagster.core.tiny_model import ensure_model
+        from nexa_dagster.core.tiny.model import ensure_model
 
         return ensure_model(resolve_path(self.model))
 
@@ -148,8 +148,8 @@ class ManagedLLM(_HTTPLLM):
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
+        from nexa_dagster.core.llm.model_identity import model_fingerprint
         from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-        from nexa_dagster.core.model_identity import model_fingerprint
 
         path, log = self._local_model(), log or logger
         with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, log) as server:
@@ -207,7 +207,7 @@ def llm_resource(role: str, settings: dict[str, Any], where: str, default_model:
     field the chosen backend does not have is a ``ConfigError`` naming the variable or key it came from."""
     from pydantic import ValidationError
 
-    from nexa_dagster.core.config import ConfigError, explain
+    from nexa_dagster.core.common.config import ConfigError, explain
 
     env = os.environ if env is None else env
     prefix = f"NEXA_{role.upper()}_"

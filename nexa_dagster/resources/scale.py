@@ -11,7 +11,7 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator
 
-from nexa_dagster.core.config import ConfigError, ScalePreset, config_dir, load_scale, scale_name
+from nexa_dagster.core.common.config import ConfigError, ScalePreset, config_dir, load_scale, scale_name
 
 
 class ScaleResource(dg.ConfigurableResource):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from nexa_dagster.core import storage as io
-from nexa_dagster.core.config import resolve_path
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.config import resolve_path
 
 
 class StorageResource(dg.ConfigurableResource):

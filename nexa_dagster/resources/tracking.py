@@ -10,7 +10,7 @@ from typing import Any
 
 import dagster as dg
 
-from nexa_dagster.core.config import resolve_path
+from nexa_dagster.core.common.config import resolve_path
 
 
 class MLflowRun:
@@ -34,7 +34,7 @@ class MLflowRun:
 
     def log_stored_file(self, path: str, artifact_file: str) -> None:
         """A text file from the project's storage (local or fsspec URL) as an artifact of this run."""
-        from nexa_dagster.core import storage
+        from nexa_dagster.core.common import storage
 
         with storage.open_read(path) as f:
             self.client.log_text(self.run_id, f.read().decode("utf-8"), artifact_file)
@@ -94,7 +94,7 @@ class TrackingResource(dg.ConfigurableResource):
         """
         from mlflow.exceptions import MlflowException
 
-        from nexa_dagster.core.model_registry import log_checkpoint_model
+        from nexa_dagster.core.evaluation.model_registry import log_checkpoint_model
 
         client = self._client()
         if run_id is None:

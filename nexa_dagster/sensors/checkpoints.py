@@ -16,8 +16,8 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions
-from nexa_dagster.core.promotion import load_policy
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.evaluation.promotion import load_policy
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.jobs import evaluation_job
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource

@@ -21,8 +21,8 @@ from nexa_dagster.core.llm.base import (
     LLMError,
     SamplingParams,
 )
-from nexa_dagster.core.model_identity import model_fingerprint
-from nexa_dagster.core.tiny_model import ensure_model
+from nexa_dagster.core.llm.model_identity import model_fingerprint
+from nexa_dagster.core.tiny.model import ensure_model
 
 
 def unreadable_file(path: Path) -> str:

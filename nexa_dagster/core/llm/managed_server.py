@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.llm.base import LLMError
-from nexa_dagster.core.net import free_port
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from nexa_dagster.core.common.processes import stop_process_group
 from nexa_dagster.core.llm.managed_server import _EXEC_WITH_PDEATHSIG
-from nexa_dagster.core.processes import stop_process_group
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core import storage
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.managed_server import ManagedServer
-from nexa_dagster.core.net import free_port
-from nexa_dagster.core.promotion import ProductionRegistry
 from nexa_dagster.core.serving.client import SERVICE_FILE, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.haproxy import COLOURS, HAProxyRouter
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request

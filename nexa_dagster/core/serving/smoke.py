@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from nexa_dagster.core import storage
+from nexa_dagster.core.common import storage
 from nexa_dagster.core.llm.base import LLMError, SamplingParams
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient

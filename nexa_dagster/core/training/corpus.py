@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nexa_dagster.core import storage
-from nexa_dagster.core.indexed_dataset import IndexedDataset
-from nexa_dagster.core.packing import is_validation, side_overrides
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDataset
+from nexa_dagster.core.packaging.packing import is_validation, side_overrides
 
 Batch = dict[str, torch.Tensor]
 
@@ -79,7 +79,7 @@ class CorpusSplit:
 
 def without_eval_set_documents(documents: list[np.ndarray], eval_fraction: float) -> list[np.ndarray]:
     """The documents not on the frozen eval set's side (``core.eval_set.is_held_out`` of their id)."""
-    from nexa_dagster.core.eval_set import is_held_out
+    from nexa_dagster.core.evaluation.eval_set import is_held_out
 
     return [d for d in documents if not is_held_out(document_id(d), eval_fraction)]
 

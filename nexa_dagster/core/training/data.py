@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nexa_dagster.core.packing import IGNORE_INDEX, learned
+from nexa_dagster.core.packaging.packing import IGNORE_INDEX, learned
 
 if TYPE_CHECKING:
     from nexa_dagster.core.training.job import TrainingJob
@@ -37,7 +37,7 @@ def load_packed(path: str) -> Batch:
     ``path`` is the snapshot's split manifest (its shard files, read in manifest order: the rows and order the
     concatenated file had) or one packed Parquet file (older datasets, hand-made ones).
     """
-    from nexa_dagster.core.packed_split import read_packed_frame
+    from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame
 
     frame = read_packed_frame(path)
     missing = [c for c in PACKED_COLUMNS if c not in frame.columns]

@@ -73,7 +73,7 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     one the data (``data_label``) was tokenized with: the same tokenizer when the checkpoint ships one, else an
     embedding table large enough for every token id of the data's tokenizer.
     """
-    from nexa_dagster.core.packing import tokenizer_fingerprint
+    from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
     config = read_config(path)
     architectures = config.get("architectures") or []
@@ -111,7 +111,7 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
     import torch
     from transformers import MixtralForCausalLM
 
-    from nexa_dagster.core.model.moe import NexaMoEForCausalLM
+    from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
 
     read_config(path)
     try:

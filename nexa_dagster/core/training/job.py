@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nexa_dagster.core.config import TrainingSettings
+from nexa_dagster.core.common.config import TrainingSettings
 
 Accelerator = Literal["cpu", "cuda"]
 DataKind = Literal["packed_sft", "pretrain_corpus"]

@@ -2,7 +2,7 @@
 
 Read it top to bottom, torchtitan-style: load the data, build the model, build the engine, resume if a previous
 attempt left state, loop, evaluate, save. No trainer framework hides a step. The model is the project's
-Mixtral-architecture MoE (``core/model/moe.py``: grouped-GEMM experts, attention kept within packed documents),
+Mixtral-architecture MoE (``core/training/model/moe.py``: grouped-GEMM experts, attention kept within packed documents),
 exported as a plain ``transformers`` Mixtral checkpoint that vLLM and ``transformers serve`` load unchanged.
 Nothing here imports Dagster: the worker process runs this, the Dagster process never does.
 
@@ -30,10 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nexa_dagster.core.hf_checkpoint import write_portable_configs
-from nexa_dagster.core.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
-from nexa_dagster.core.progress import Progress
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
+from nexa_dagster.core.common.progress import Progress
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.core.training import monitor
 from nexa_dagster.core.training.data import (
     IGNORE_INDEX,
@@ -44,7 +42,9 @@ from nexa_dagster.core.training.data import (
     load_job_data,
     micro_batches,
 )
+from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.training.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
 from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 from nexa_dagster.core.training.stop import STOP, StopRequested
 
@@ -59,7 +59,7 @@ FAULT_NAN_ENV = "NEXA_FAULT_NAN_AT_STEP"  # fault injection for tests: a NaN los
 def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEForCausalLM:
     """The MoE to train: the weights of ``job.init_from`` (a Mixtral HF directory), or a randomly initialised
     one from the preset; same seed and same weights on every rank, so every rank starts identical."""
-    from nexa_dagster.core.tiny_model import build_model_config
+    from nexa_dagster.core.tiny.model import build_model_config
 
     torch.manual_seed(job.settings.seed)
     if job.init_from:

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from nexa_dagster.core.net import free_port
+from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.stop import STOP, StopRequested
 

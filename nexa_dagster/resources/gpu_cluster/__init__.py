@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from pydantic import ValidationError
 
-from nexa_dagster.core.config import ConfigError, explain
+from nexa_dagster.core.common.config import ConfigError, explain
 from nexa_dagster.resources.gpu_cluster.base import (
     GPUClusterResource,
     WorkerFailed,

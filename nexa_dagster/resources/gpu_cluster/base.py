@@ -20,11 +20,11 @@ from typing import Any, ClassVar, Literal
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core import storage
-from nexa_dagster.core.evaluation_worker import EvaluationJob
-from nexa_dagster.core.shards import ShardRunner
-from nexa_dagster.core.tiny_model import COMPLETION_MARKER
-from nexa_dagster.core.training import launch_specs
+from nexa_dagster.core.cluster import launch_specs
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.evaluation.worker import EvaluationJob
+from nexa_dagster.core.packaging.shards import ShardRunner
+from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.worker import FAILURE_FILE, STDERR_LOG
 
@@ -94,7 +94,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
                      max_parallel: int = 0) -> ShardRunner | None:
         """Where packaging shards run on this backend (``shards.run_shards(runner=...)``): ``None`` keeps this
         machine's worker processes (the local backend); Slurm and Kubernetes return a runner that submits one
-        element per shard (``core/shard_runners.py``), ``max_parallel`` at once (0: no limit), its task files and
+        element per shard (``core/cluster/shard_runners.py``), ``max_parallel`` at once (0: no limit), its task files and
         logs under ``work_dir``."""
         return None
 
@@ -180,7 +180,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             raise dg.Failure(f"training {job.run_id}: checkpoint {job.output_dir} is already complete; a new run "
                              "needs a new run_id", allow_retries=False)
         try:  # a wrong DeepSpeed field or model preset fails here, in seconds, not after the cluster's queue
-            from nexa_dagster.core.tiny_model import build_model_config
+            from nexa_dagster.core.tiny.model import build_model_config
             from nexa_dagster.core.training.loop import fill_deepspeed_config
 
             fill_deepspeed_config(job, self.world_size())

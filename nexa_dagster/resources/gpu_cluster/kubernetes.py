@@ -12,8 +12,8 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core.shard_runners import KubernetesIndexedJobRunner
-from nexa_dagster.core.training import launch_specs
+from nexa_dagster.core.cluster import launch_specs
+from nexa_dagster.core.cluster.shard_runners import KubernetesIndexedJobRunner
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerLaunch
 
 

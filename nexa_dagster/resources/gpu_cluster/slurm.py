@@ -16,9 +16,9 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core.shard_runners import SlurmArrayRunner
-from nexa_dagster.core.slurm_jobs import job_states, overall_state, scontrol_records
-from nexa_dagster.core.training import launch_specs
+from nexa_dagster.core.cluster import launch_specs
+from nexa_dagster.core.cluster.shard_runners import SlurmArrayRunner
+from nexa_dagster.core.cluster.slurm_jobs import job_states, overall_state, scontrol_records
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
 SLURM_DONE = {"COMPLETED"}

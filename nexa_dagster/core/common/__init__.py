@@ -1,0 +1,1 @@
+"""What every stage shares: atomic storage, configuration files, artifacts, progress lines, processes."""

@@ -1,0 +1,307 @@
+"""Loading of the YAML configuration in ``configs/``: scale presets, model presets, filters, prompts.
+
+The configuration directory defaults to ``<repo>/configs`` and can be moved with ``NEXA_CONFIG_DIR``; the scale
+preset defaults to ``tiny`` and is chosen with ``NEXA_SCALE`` so that the same code location runs the demo on a
+laptop and the full run on a cluster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("NEXA_CONFIG_DIR", REPO_ROOT / "configs"))
+
+
+def resolve_path(path: str | os.PathLike[str]) -> Path:
+    """Resolve a configured path: absolute paths stay, relative ones are relative to the repo root."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def load_yaml(relative: str) -> Any:
+    path = config_dir() / relative
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"configuration file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"invalid YAML in {path}: {e}") from e
+
+
+def read_text(relative: str) -> str:
+    return (config_dir() / relative).read_text(encoding="utf-8")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration file that does not say what the code needs; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
+    """The keys the model accepts at ``loc`` (the parent of an unknown key), when it is a model's."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        sub = getattr(field, "annotation", None) if field else None
+        candidates = [sub, *getattr(sub, "__args__", ())]
+        nested = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nested is None:
+            return None
+        model = nested
+    return sorted(model.model_fields)
+
+
+def explain(error: ValidationError, model: type[BaseModel]) -> list[str]:
+    """Pydantic's errors as ``key.path: what is wrong``, unknown keys first (with the known ones)."""
+    problems = []
+    for err in sorted(error.errors(), key=lambda err: err["type"] != "extra_forbidden"):
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(the whole file)"
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(model, loc[:-1])
+            problems.append(f"{key}: unknown key (a typo?)" + (f"; known keys: {', '.join(known)}" if known else ""))
+        elif err["type"] == "missing":
+            problems.append(f"{key}: missing (required)")
+        else:
+            problems.append(f"{key}: {err['msg']} (got {err.get('input')!r:.80})")
+    return problems
+
+
+def invalid_file(path: str | os.PathLike[str], error: ValidationError, model: type[BaseModel]) -> ConfigError:
+    """One line per problem, each naming the file and the key."""
+    return ConfigError("\n".join(f"{path}: {problem}" for problem in explain(error, model)))
+
+
+def validated(model: type[M], relative: str, data: Any) -> M:
+    """``data`` read from ``configs/<relative>`` as a ``model``, or a ``ConfigError`` naming the file and key."""
+    try:
+        return model.model_validate({} if data is None else data)
+    except ValidationError as e:
+        raise invalid_file(config_dir() / relative, e, model) from None
+
+
+class TeacherSampling(_Strict):
+    max_new_tokens: int = Field(gt=0)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    seed: int = 0
+
+
+class TrainingSettings(_Strict):
+    max_steps: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    gradient_accumulation_steps: int = Field(gt=0)
+    learning_rate: float = Field(gt=0)
+    warmup_steps: int = Field(ge=0)
+    weight_decay: float = Field(ge=0)
+    grad_clip: float = Field(gt=0)
+    log_every: int = Field(gt=0)
+    seed: int = 0
+    num_procs: int = Field(gt=0)
+    optimizer: Literal["adamw", "adam"] = "adamw"
+    checkpoint_every: int = Field(default=0, ge=0, description="save resumable engine state every N steps (0: off)")
+    stall_timeout_s: float = Field(default=900.0, gt=0, description="fail the run when no step ends in this time")
+    progress_every_s: float = Field(default=10.0, gt=0, description="log \"training steps: n/N\" this often")
+    activation_checkpointing: bool = False
+    compile: bool = Field(default=False, description="torch.compile each decoder layer (GPU presets)")
+    attention: Literal["auto", "sdpa", "flex", "causal"] = Field(
+        default="auto", description="auto: within-document masks (FlexAttention on GPUs); causal: across documents")
+    prefetch: int = Field(default=2, ge=0, description="micro-batches prepared ahead by a background thread")
+
+
+class BenchmarkSettings(_Strict):
+    """``evaluation.benchmarks`` of a scale preset: lm-evaluation-harness tasks run on every evaluated model by the
+    evaluation worker (``core.benchmarks``), offline, from the data files the task YAMLs name."""
+
+    tasks: list[str] = Field(default_factory=list, description="harness task, group or tag names (empty: off)")
+    include_path: list[str] = Field(default_factory=lambda: ["configs/benchmarks"], description=(
+        "folders of task YAMLs besides the harness's own (relative: to the repo root); a task's relative "
+        "data_files are relative to its YAML's folder"))
+    backend: Literal["hf", "vllm"] = Field(default="hf", description=(
+        "hf: the harness's transformers backend, the checkpoint loaded in the worker; vllm: GPU hosts with vLLM"))
+    num_fewshot: int | None = Field(default=None, ge=0, description="None: each task's own setting")
+    limit: int | None = Field(default=None, gt=0, description="at most this many examples per task (None: all)")
+    batch_size: int = Field(default=8, gt=0)
+    model_args: dict[str, Any] = Field(default_factory=dict, description=(
+        "more model arguments for the backend (dtype, max_length; vllm: gpu_memory_utilization, ...)"))
+    bootstrap_iters: int = Field(default=1000, ge=0, description="the harness's bootstrap for metrics that need it")
+
+
+class EvaluationSettings(_Strict):
+    num_heldout_prompts: int = Field(gt=0)
+    max_new_tokens: int = Field(gt=0)
+    benchmarks: BenchmarkSettings = Field(default_factory=BenchmarkSettings)
+
+
+class PretrainingSettings(_Strict):
+    """The ``base_model`` stage: the training settings of the preset with these overrides, on pretrain_corpus."""
+
+    max_steps: int = Field(gt=0, description="optimizer steps of pretraining (the SFT steps are training.max_steps)")
+    learning_rate: float | None = Field(default=None, gt=0, description="default: training.learning_rate")
+    warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+    heldout_fraction: float = Field(default=0.1, gt=0, lt=1,
+                                    description="corpus documents (by a hash of their tokens) never trained on: "
+                                                "the base model's held-out perplexity")
+
+    def settings(self, training: TrainingSettings) -> TrainingSettings:
+        """The SFT settings with pretraining's steps (and learning rate, warmup where set)."""
+        update: dict[str, Any] = {"max_steps": self.max_steps}
+        if self.learning_rate is not None:
+            update["learning_rate"] = self.learning_rate
+        if self.warmup_steps is not None:
+            update["warmup_steps"] = self.warmup_steps
+        return training.model_copy(update=update)
+
+
+class ScalePreset(_Strict):
+    """A scale factor in the Nemotron sense: the same recipe at tiny, small or full size."""
+
+    name: str
+    max_docs_per_day: int | None = Field(default=None, gt=0)
+    max_chars_per_doc: int = Field(gt=0)
+    generations_per_prompt: int = Field(gt=0)
+    teacher: TeacherSampling
+    pack_size: int = Field(gt=8)
+    validation_fraction: float = Field(gt=0, lt=1)
+    model_preset: str
+    deepspeed_config: str
+    training: TrainingSettings
+    evaluation: EvaluationSettings
+    init_from: str = Field(default="base", min_length=1, description=(
+        "where moe_checkpoint starts: base (the latest base_model; scratch while none exists), production, "
+        "scratch, or the path of a Mixtral-format Hugging Face checkpoint"))
+    pretraining: PretrainingSettings | None = Field(default=None, description="the base_model stage (None: off)")
+
+
+def scale_name() -> str:
+    return os.environ.get("NEXA_SCALE", "tiny")
+
+
+def load_scale(name: str | None = None) -> ScalePreset:
+    """The scale preset ``name`` (default ``NEXA_SCALE``), read once per configuration directory."""
+    return _load_scale(str(config_dir()), name or scale_name())
+
+
+@lru_cache(maxsize=16)
+def _load_scale(directory: str, name: str) -> ScalePreset:
+    # keyed by the directory too: a process that moves NEXA_CONFIG_DIR (the tests) must not get another's preset
+    return validated(ScalePreset, f"scales/{name}.yaml", load_yaml(f"scales/{name}.yaml"))
+
+
+class ModelPreset(_Strict):
+    """``configs/models/<name>.yaml``: a Mixtral-architecture model's shape (the vocabulary comes from the tokenizer).
+
+    Only keys listed here are accepted: ``transformers`` keeps unknown config keys silently, so a typo would train
+    a different model than the one asked for.
+    """
+
+    architecture: Literal["MixtralForCausalLM"] = "MixtralForCausalLM"
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    num_local_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    vocab_size: int | None = Field(default=None, gt=0, description="informational: the tokenizer decides")
+    rope_theta: float = Field(default=1e6, gt=0)
+    router_aux_loss_coef: float = Field(default=0.001, ge=0)
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    hidden_act: str | None = None
+    initializer_range: float | None = Field(default=None, gt=0)
+    sliding_window: int | None = Field(default=None, gt=0)
+    attention_dropout: float | None = Field(default=None, ge=0, le=1)
+    router_jitter_noise: float | None = Field(default=None, ge=0)
+
+
+def load_model_preset(name: str) -> dict[str, Any]:
+    """The preset's keys as written in its file (checked against ``ModelPreset``)."""
+    relative = f"models/{name}.yaml"
+    data = load_yaml(relative)
+    return validated(ModelPreset, relative, data).model_dump(exclude_unset=True)
+
+
+def load_deepspeed_config(name: str) -> dict[str, Any]:
+    path = config_dir() / "deepspeed" / name
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class IngestConfig(_Strict):
+    landing_root: str = Field(min_length=1, description="<landing_root>/<YYYY-MM-DD>/ holds a day's documents")
+    text_field_candidates: list[str] = Field(default=["text", "content", "body"], min_length=1)
+    title_field_candidates: list[str] = Field(default=["title", "name", "topic"])
+    on_error: Literal["raise", "quarantine"] = "raise"
+
+
+class ModelsConfig(_Strict):
+    teacher: str = Field(min_length=1)
+    judge: str = Field(min_length=1)
+    student_tokenizer: str = Field(min_length=1)
+
+
+class ScheduleConfig(_Strict):
+    nightly_retrain_hour_utc: int = Field(default=2, ge=0, le=23)
+
+
+class EvalSetConfig(_Strict):
+    """``eval_set`` of pipeline.yaml: the frozen evaluation set (``core.eval_set``) the promotion gate scores on."""
+
+    version: int = Field(default=1, ge=1, description="frozen once; a new number freezes a new set from the data "
+                                                      "then known (the old one stays for its leaderboard rows)")
+    fraction: float = Field(default=0.2, gt=0, lt=1, description="share of sample ids on the held-out side, "
+                                                                 "which no training split ever contains")
+    corpus_fraction: float = Field(default=0.2, gt=0, lt=1, description=(
+        "share of pretraining-corpus documents (by a hash of their tokens) on the eval side: frozen with the "
+        "version for the base models, never in any base model's training (core/training/corpus.py)"))
+
+
+class PipelineConfig(_Strict):
+    """``configs/pipeline.yaml``. ``gpu_cluster`` holds the fields of the GPU-cluster class its ``backend`` picks,
+    checked against that class where it is built (``resources.gpu_cluster.gpu_cluster_from_settings``), so the list
+    of each backend's keys lives in one place; so are ``teacher_llm``/``judge_llm`` against the class of the LLM
+    backend they name (``resources.llm.llm_resource``)."""
+
+    data_root: str = Field(min_length=1)
+    partitions_start_date: dt.date
+    ingest: IngestConfig
+    models: ModelsConfig
+    gpu_cluster: dict[str, Any] = Field(default_factory=dict)
+    teacher_llm: dict[str, Any] = Field(default_factory=dict, description=(
+        "backend (local | managed | openai) and that backend's fields (resources/llm.py), under NEXA_TEACHER_*"))
+    judge_llm: dict[str, Any] = Field(default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)")
+    schedule: ScheduleConfig = ScheduleConfig()
+    eval_set: EvalSetConfig = EvalSetConfig()
+
+
+def pipeline_config() -> PipelineConfig:
+    """``configs/pipeline.yaml``, validated: an unknown or missing key fails naming the file and the key."""
+    return validated(PipelineConfig, "pipeline.yaml", load_yaml("pipeline.yaml"))
+
+
+def load_pipeline_config() -> dict[str, Any]:
+    """``pipeline_config()`` as plain data (defaults filled in, dates as ISO strings)."""
+    return pipeline_config().model_dump(mode="json")

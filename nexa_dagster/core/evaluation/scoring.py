@@ -1,0 +1,328 @@
+"""Evaluation of a checkpoint on the frozen eval set, and of production on the same examples.
+
+Loss is the mean next-token negative log-likelihood over the eval set's assistant tokens (the loss mask), exactly
+what training optimises, kept *per example* so that the promotion gate can pair the candidate's and production's
+values on each example (``core.paired``). The models run where a model can run: ``score_model`` is what the
+evaluation worker (``core.evaluation_worker``, launched by the GPU-cluster resource) does for each model; the
+judge, any endpoint, then scores the answers in the Dagster process (``judge_answers``, ``pairwise_verdicts``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.judge import Judge
+from nexa_dagster.core.distill.sample_gate import load_gate_config
+from nexa_dagster.core.evaluation.benchmarks import markdown_table
+from nexa_dagster.core.evaluation.paired import (
+    PairedLoss,
+    Verdict,
+    WinRate,
+    order_consistent_win_rate,
+    paired_loss_difference,
+)
+from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
+
+
+def perplexity_of(loss: float) -> float:
+    """``e ** loss``, not capped: a diverged model shows its real perplexity (``inf`` only past float's range,
+    a loss above ~709), where a silent cap at e^50 used to report the same number for every bad model."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass
+class HeldoutLoss:
+    loss: float
+    perplexity: float
+    tokens: int
+    sequences: int  # eval-set examples scored
+
+
+@dataclass
+class ModelScores:
+    """What one model produced on the eval set: per-example summed NLL and scored tokens, and its answers."""
+
+    nll: list[float]
+    tokens: list[int]
+    answers: list[str]
+    benchmarks: dict[str, Any] | None = None  # core.benchmarks.run_benchmarks: lm-evaluation-harness scores
+
+    @property
+    def loss(self) -> HeldoutLoss:
+        total = sum(self.tokens)
+        loss = sum(self.nll) / total
+        return HeldoutLoss(loss, perplexity_of(loss), total, len(self.tokens))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nll": self.nll, "tokens": self.tokens, "answers": self.answers, "benchmarks": self.benchmarks}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelScores:
+        return cls([float(v) for v in data["nll"]], [int(v) for v in data["tokens"]], list(data["answers"]),
+                   data.get("benchmarks"))
+
+
+def example_losses(model: Any, examples_path: str, batch_size: int = 8, device: str = "cpu",
+                   progress: Callable[[int, int], None] | None = None) -> tuple[list[float], list[int]]:
+    """Summed NLL and count of the loss-masked tokens of every eval-set example, in the file's order.
+
+    Examples are right-padded per batch (a causal mask keeps padding from touching earlier positions) and scored
+    in length order, so a batch pads little. ``progress(done, total)`` follows the examples.
+    """
+    import torch
+
+    frame = storage.read_parquet(examples_path)
+    if frame.empty:
+        raise ValueError(f"eval set {examples_path} has no examples")
+    ids_list = [np.asarray(v, dtype=np.int64) for v in frame["input_ids"]]
+    mask_list = [np.asarray(v, dtype=np.int64) for v in frame["loss_mask"]]
+    order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))
+    nll_out, tok_out = [0.0] * len(order), [0] * len(order)
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(len(ids_list[i]) for i in idx)
+            ids = torch.zeros((len(idx), width), dtype=torch.long)
+            attn = torch.zeros((len(idx), width), dtype=torch.long)
+            lmask = torch.zeros((len(idx), width), dtype=torch.float32)
+            for row, i in enumerate(idx):
+                n = len(ids_list[i])
+                ids[row, :n] = torch.from_numpy(ids_list[i])
+                attn[row, :n] = 1
+                lmask[row, :n] = torch.from_numpy(mask_list[i]).float()
+            ids, attn, lmask = ids.to(device), attn.to(device), lmask.to(device)
+            logits = model(input_ids=ids, attention_mask=attn).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            m = lmask[:, 1:]
+            for row, i in enumerate(idx):
+                nll_out[i] = float((nll[row] * m[row]).sum())
+                tok_out[i] = int(m[row].sum())
+            if progress:
+                progress(min(start + batch_size, len(order)), len(order))
+    empty = [str(frame["sample_id"].iloc[i]) for i, t in enumerate(tok_out) if t == 0]
+    if empty:
+        raise ValueError(f"eval set {examples_path}: examples {empty[:3]} have no loss-masked tokens")
+    return nll_out, tok_out
+
+
+def score_model(model_dir: str | Path, examples_path: str, prompts: Sequence[str], max_new_tokens: int,
+                device: str = "cpu", batch_size: int = 8, log: Callable[[str], None] = print,
+                label: str = "model") -> ModelScores:
+    """Per-example eval-set losses and greedy answers to ``prompts`` of one model (loaded once)."""
+    from nexa_dagster.core.common.progress import Progress
+    from nexa_dagster.core.llm.local import LocalTransformersClient
+
+    with LocalTransformersClient(model_dir, batch_size=batch_size, device=device) as client:
+        with Progress(log, f"{label}: eval-set examples scored") as progress:
+            nll, tokens = example_losses(client.model, examples_path, batch_size, device, progress)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+        answers = [c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)]
+    scores = ModelScores(nll, tokens, answers)
+    log(f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "
+        f"{scores.loss.tokens} tokens of {len(tokens)} examples")
+    return scores
+
+
+@dataclass
+class JudgedAnswer:
+    prompt: str
+    answer: str
+    score: float | None
+    method: str
+
+
+@dataclass
+class EvalResult:
+    checkpoint_id: str
+    loss: HeldoutLoss
+    answers: list[JudgedAnswer] = field(default_factory=list)
+    benchmarks: dict[str, Any] | None = None  # lm-evaluation-harness scores (core.benchmarks)
+    production_benchmarks: dict[str, Any] | None = None
+
+    @property
+    def judge_score(self) -> float | None:
+        scores = [a.score for a in self.answers if a.score is not None]
+        return sum(scores) / len(scores) if scores else None
+
+
+def judge_answers(judge: LLMClient, prompts: Sequence[str], answers: Sequence[str], judge_template: str,
+                  log: Callable[[str], None] = print,
+                  progress: Callable[[int, int], None] | None = None) -> list[JudgedAnswer]:
+    """The judge scores each answer (1-5) with SampleGate's judge settings (``configs/filters.yaml``: method,
+    max_tokens, retries); ``progress(judged, total)`` follows it, the slow part with a remote judge."""
+    settings = load_gate_config().judge  # the same judge settings as SampleGate (configs/filters.yaml)
+    scorer = Judge(judge, judge_template, read_text("prompts/judge_verdict.jinja"), settings.max_tokens,
+                   settings.method, settings.retries)
+    out = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        verdict = scorer.judge(prompt, answer)
+        out.append(JudgedAnswer(prompt, answer, verdict.score, verdict.method))
+        if progress:
+            progress(len(out), len(prompts))
+    log(f"judged {len(out)} held-out answers")
+    return out
+
+
+def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
+    judge = f"{result.judge_score:.3f}" if result.judge_score is not None else "n/a"
+    lines = [
+        f"# Evaluation of checkpoint `{result.checkpoint_id}`",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| eval-set loss (assistant tokens) | {result.loss.loss:.4f} |",
+        f"| perplexity | {result.loss.perplexity:.2f} |",
+        f"| eval-set examples / tokens | {result.loss.sequences} / {result.loss.tokens} |",
+        f"| judge score (1-5, mean) | {judge} |",
+        "",
+        *markdown_table(result.benchmarks, result.production_benchmarks),
+        "## Lineage",
+        "",
+        *[f"- **{k}**: `{v}`" for k, v in lineage.items()],
+        "",
+        "## Held-out answers",
+        "",
+    ]
+    for a in result.answers:
+        score = f"{a.score:.2f}" if a.score is not None else "no verdict"
+        answer = a.answer.replace("\n", " ")[:300]
+        lines += [f"**Q:** {a.prompt}", "", f"**A:** {answer}", "", f"*judge ({a.method}):* {score}", ""]
+    return "\n".join(lines)
+
+
+def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -> tuple[str, str]:
+    """Write ``report.json`` and ``report.md`` (atomically) and return their paths."""
+    payload = {
+        "checkpoint_id": result.checkpoint_id,
+        "eval_loss": result.loss.loss,
+        "perplexity": result.loss.perplexity,
+        "eval_tokens": result.loss.tokens,
+        "eval_examples": result.loss.sequences,
+        "judge_score": result.judge_score,
+        "benchmarks": result.benchmarks,
+        "production_benchmarks": result.production_benchmarks,
+        "answers": [a.__dict__ for a in result.answers],
+        "lineage": lineage,
+    }
+    json_path = storage.join(report_dir, "report.json")
+    md_path = storage.join(report_dir, "report.md")
+    storage.write_json(payload, json_path)
+    storage.write_text(render_markdown(result, lineage), md_path)
+    return json_path, md_path
+
+
+PAIRWISE_TEMPLATE = """You compare two answers to the same question. Reply with the letter of the better answer only.
+
+QUESTION:
+{question}
+
+ANSWER A:
+{a}
+
+ANSWER B:
+{b}
+
+Better answer (A or B):"""
+
+
+def _preference(judge: LLMClient, question: str, a: str, b: str) -> str | None:
+    """"A", "B", or None when the judge gives no usable verdict (an even split, an unreadable reply)."""
+    msgs: list[ChatMessage] = [{"role": "user", "content": PAIRWISE_TEMPLATE.format(question=question, a=a, b=b)}]
+    if judge.capabilities().logprobs:
+        lp = judge.choice_logprobs(msgs, ("A", "B"))
+        return "A" if lp["A"] > lp["B"] else "B" if lp["B"] > lp["A"] else None
+    text = judge.chat(msgs, SamplingParams(max_tokens=4, temperature=0.0)).text.strip().upper()
+    return "A" if text.startswith("A") else "B" if text.startswith("B") else None
+
+
+def pairwise_verdicts(judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str],
+                      production: Sequence[str]) -> tuple[list[Verdict], list[Verdict]]:
+    """The judge's preferred model for every prompt, asked twice: candidate's answer shown first, then
+    production's shown first (judges favour a position; ``core.paired.order_consistent_win_rate`` keeps only the
+    verdicts that survive the swap)."""
+    first: list[Verdict] = []
+    second: list[Verdict] = []
+    for q, cand, prod in zip(prompts, candidate, production, strict=True):
+        p1 = _preference(judge, q, cand, prod)
+        first.append("candidate" if p1 == "A" else "production" if p1 == "B" else None)
+        p2 = _preference(judge, q, prod, cand)
+        second.append("production" if p2 == "A" else "candidate" if p2 == "B" else None)
+    return first, second
+
+
+def pairwise_win_rate(judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str],
+                      production: Sequence[str]) -> float:
+    """The candidate's win rate among the order-consistent verdicts (0.5 when there is none)."""
+    return order_consistent_win_rate(*pairwise_verdicts(judge, prompts, candidate, production)).rate.estimate
+
+
+@dataclass
+class CheckpointEvaluation:
+    """Everything measured about one checkpoint on one eval-set version: what the report, MLflow and the
+    promotion gate are built from. ``paired_loss`` and ``win_rate`` exist when a production model was compared."""
+
+    result: EvalResult
+    eval_set_version: int
+    candidate: ModelScores
+    production: ModelScores | None = None
+    paired_loss: PairedLoss | None = None
+    win_rate: WinRate | None = None
+
+    @property
+    def win_rate_vs_production(self) -> float | None:
+        return self.win_rate.rate.estimate if self.win_rate else None
+
+
+def compare(checkpoint_id: str, eval_set_version: int, candidate: ModelScores, production: ModelScores | None,
+            prompts: Sequence[str], judge: LLMClient, judge_template: str, confidence: float = 0.95,
+            resamples: int = 2000, log: Callable[[str], None] = print) -> CheckpointEvaluation:
+    """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
+    per-example loss differences with a bootstrap interval and the order-consistent pairwise win rate."""
+    from nexa_dagster.core.common.progress import Progress
+
+    with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
+        answers = judge_answers(judge, prompts, candidate.answers, judge_template, log=log, progress=progress)
+    result = EvalResult(checkpoint_id, candidate.loss, answers, candidate.benchmarks,
+                        production.benchmarks if production else None)
+    evaluation = CheckpointEvaluation(result, eval_set_version, candidate, production)
+    if production is None:
+        return evaluation
+    evaluation.paired_loss = paired_loss_difference(candidate.nll, production.nll, candidate.tokens,
+                                                    confidence=confidence, resamples=resamples)
+    d = evaluation.paired_loss.difference
+    log(f"{checkpoint_id}: eval-set loss {evaluation.paired_loss.candidate:.4f} vs production "
+        f"{evaluation.paired_loss.production:.4f}: difference {d.estimate:+.4f} "
+        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%})")
+    first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
+    evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
+    w = evaluation.win_rate
+    log(f"{checkpoint_id}: pairwise win rate vs production {w.rate.estimate:.2f} [{w.rate.low:.2f}, "
+        f"{w.rate.high:.2f}] over {w.wins + w.losses} order-consistent verdicts ({w.inconsistent} not)")
+    return evaluation
+
+
+def evaluate_checkpoint(checkpoint_id: str, checkpoint_path: str, eval_set: dict[str, Any], prompts: Sequence[str],
+                        judge: LLMClient, judge_template: str, max_new_tokens: int,
+                        production_path: str | None = None, log: Callable[[str], None] = print,
+                        batch_size: int = 16, device: str = "cpu", confidence: float = 0.95,
+                        resamples: int = 2000) -> CheckpointEvaluation:
+    """The whole evaluation in this process (a notebook, a benchmark, the tiny scale): both models scored on the
+    eval set (``eval_set``: a manifest from ``core.eval_set.load_eval_set``), then judged and compared."""
+    candidate = score_model(checkpoint_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log,
+                            checkpoint_id)
+    production = None if production_path is None else score_model(
+        production_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log, "production")
+    return compare(checkpoint_id, int(eval_set["version"]), candidate, production, prompts, judge, judge_template,
+                   confidence, resamples, log)
