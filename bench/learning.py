@@ -44,11 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.common.config import load_deepspeed_config, load_scale  # noqa: E402
+from nexa_dagster.core.data.splits import is_validation  # noqa: E402
 from nexa_dagster.core.evaluation.paired import bootstrap_mean_loss, paired_loss_difference  # noqa: E402
 from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype  # noqa: E402
-from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, is_validation, pack_table  # noqa: E402
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, pack_table  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 
 EVAL_FRACTION = 0.2

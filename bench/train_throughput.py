@@ -69,7 +69,6 @@ def run_side(args: argparse.Namespace) -> dict:
     import torch
 
     from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config
-    from nexa_dagster.core.tiny.model import build_model_config
     from nexa_dagster.core.training import monitor
     from nexa_dagster.core.training.data import Prefetcher, labels_for, micro_batches
     from nexa_dagster.core.training.job import TrainingJob
@@ -80,6 +79,7 @@ def run_side(args: argparse.Namespace) -> dict:
         count_parameters,
         optimizer_step,
     )
+    from nexa_dagster.core.training.model.config import build_model_config
     from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 
     cuda = args.device == "cuda"

@@ -5,6 +5,7 @@
     nexa-dagster serve       the serving service: the production model on one stable OpenAI-compatible URL,
                              following promotions and rollbacks, until Ctrl-C
     nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
+    nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
+
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
+from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
+from nexa_dagster.core.serving.haproxy import RouterError
+from nexa_dagster.core.serving.service import ServiceAlreadyRunning, ServingService
 
 
 def _measured(entry: Any) -> str:
@@ -21,15 +27,35 @@ def _measured(entry: Any) -> str:
     return f"{entry.metric} {value}{version}"
 
 
-def _resources() -> tuple[object, object]:
+def _all_resources() -> dict[str, Any]:
     import warnings
 
     with warnings.catch_warnings():  # Dagster's beta notices about the asset definitions: not for an operator
         warnings.simplefilter("ignore")
+        # importing the code location checks every configuration file: only for the commands that need it
         from nexa_dagster.definitions import build_resources
 
-    resources = build_resources()
+        return build_resources()
+
+
+def _resources() -> tuple[Any, Any]:
+    resources = _all_resources()
     return resources["storage"], resources["tracking"]
+
+
+def tiny_models() -> int:
+    """Copy the shipped tiny teacher/judge into every configured model directory named ``tiny-*``."""
+    from nexa_dagster.core.tiny.install import (
+        install_tiny_models,  # torch and transformers: this command only
+    )
+    from nexa_dagster.definitions import local_model_dirs
+
+    installed = install_tiny_models(local_model_dirs(_all_resources()))
+    for path in installed:
+        print(f"tiny model ready: {path}")
+    if not installed:
+        print("no configured model is a tiny-* model: nothing to install")
+    return 0
 
 
 def _serving_dir(storage: object) -> str:
@@ -37,9 +63,6 @@ def _serving_dir(storage: object) -> str:
 
 
 def status() -> int:
-    from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
-    from nexa_dagster.core.serving.client import ServingServiceClient
-
     storage, tracking = _resources()
     state = ProductionRegistry(storage.production_pointer()).state()
     service = ServingServiceClient.find(_serving_dir(storage))
@@ -68,9 +91,6 @@ def status() -> int:
 def rollback() -> int:
     """Serve the previous production model again: the serving service switches first (when one runs), then the
     pointer and the MLflow alias follow; nothing to roll back to is one line, not a traceback."""
-    from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
-    from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
-
     storage, tracking = _resources()
     registry = ProductionRegistry(storage.production_pointer())
     state = registry.state()
@@ -104,10 +124,6 @@ def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     import logging
 
-    from nexa_dagster.core.evaluation.promotion import load_policy
-    from nexa_dagster.core.serving.haproxy import RouterError
-    from nexa_dagster.core.serving.service import ServiceAlreadyRunning, ServingService
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     storage, _ = _resources()
     service = ServingService(_serving_dir(storage), storage.production_pointer(), port,
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              "(0.0.0.0 in a container)")
     p_serve.add_argument("--control-port", type=int, default=0, help="the control API's port (default: any free)")
     sub.add_parser("demo")
+    sub.add_parser("tiny-models")
     args = parser.parse_args(argv)
     if args.command == "status":
         return status()
@@ -147,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         return rollback()
     if args.command == "serve":
         return serve(args.port, args.host, args.control_port)
-    from nexa_dagster.demo import main as demo
+    if args.command == "tiny-models":
+        return tiny_models()
+    from nexa_dagster.demo import main as demo  # builds the code location: only for this command
 
     return demo()
 

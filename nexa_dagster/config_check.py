@@ -21,12 +21,13 @@ from nexa_dagster.core.common.config import (
     load_scale,
     pipeline_config,
 )
+from nexa_dagster.core.distill.sample_gate import load_gate_config
+from nexa_dagster.core.evaluation.benchmarks import parse_metric
+from nexa_dagster.core.evaluation.promotion import load_policy
+from nexa_dagster.core.packaging.blend import DataBlend, load_packaging_config
 
 
 def _problems(extra: Sequence[Callable[[], object]]) -> list[str]:
-    from nexa_dagster.core.distill.sample_gate import load_gate_config
-    from nexa_dagster.core.evaluation.promotion import load_policy
-    from nexa_dagster.core.packaging.blend import DataBlend, load_packaging_config
 
     root = config_dir()
     problems: list[str] = []
@@ -60,8 +61,6 @@ def _problems(extra: Sequence[Callable[[], object]]) -> list[str]:
         check(lambda p=path: load_model_preset(p.stem))
     policy = check(load_policy)
     if policy is not None and policy.benchmark:  # the gate's benchmark must be one the current scale runs
-        from nexa_dagster.core.evaluation.benchmarks import parse_metric
-
         task, _ = parse_metric(policy.metric)
         scale = check(load_scale)
         if scale is not None and task not in scale.evaluation.benchmarks.tasks:

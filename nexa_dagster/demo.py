@@ -13,17 +13,21 @@ graph with every asset materialized.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
+
+from nexa_dagster import settings
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale, resolve_path
 from nexa_dagster.core.common.process_token import process_token, token_alive
 from nexa_dagster.core.data.ingest import landed_days
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
+from nexa_dagster.core.tiny.install import install_tiny_models
+from nexa_dagster.definitions import build_defs, local_model_dirs
 
 LAUNCHER_TAG = "nexa/launcher"  # host:pid:start of the `make run` process that executes the run in-process
 
@@ -86,8 +90,6 @@ def fail_orphaned_runs(instance: Any) -> list[str]:
     Only runs tagged by ``make run`` on this host are touched: a run of the daemon or of another host is not ours
     to judge (the daemon's run monitoring handles those).
     """
-    import dagster as dg
-
     failed = []
     started = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])
     for record in instance.get_run_records(started):
@@ -104,13 +106,12 @@ def fail_orphaned_runs(instance: Any) -> list[str]:
 
 
 def main() -> int:
-    os.environ.setdefault("DAGSTER_HOME", str(REPO_ROOT / ".dagster_home"))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-
-    import dagster as dg
-
-    from nexa_dagster.definitions import defs
+    settings.export_default(settings.DAGSTER_HOME, str(REPO_ROOT / ".dagster_home"))
+    settings.export_default(settings.HF_HUB_OFFLINE)
+    Path(settings.DAGSTER_HOME.get()).mkdir(parents=True, exist_ok=True)
+    defs = build_defs()
+    for path in install_tiny_models(local_model_dirs(defs.resources)):  # the demo's own teacher, judge, tokenizer
+        print(f"tiny model ready: {path}")
 
     t0 = time.perf_counter()
     instance = dg.DagsterInstance.get()
@@ -124,7 +125,7 @@ def main() -> int:
         print(f"no landed documents under {landing_root}", file=sys.stderr)
         return 1
     scale = load_scale()
-    print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={os.environ['DAGSTER_HOME']}")
+    print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={settings.DAGSTER_HOME.get()}")
     timings: dict[str, float] = {}
     launcher = process_token()
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nexa_dagster.core.common.config import REPO_ROOT
-from nexa_dagster.core.common.storage import FAULT_KILL_ENV
+from nexa_dagster.core.common.faults import KILL_BEFORE_RENAME as FAULT_KILL_ENV
 
 
 def make_sandbox(root: Path, days: Iterable[str] = (), settings: Path = REPO_ROOT / "dagster.yaml",

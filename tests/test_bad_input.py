@@ -9,7 +9,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from nexa_dagster.assets.distillation import teacher_samples
+from nexa_dagster.assets.distill import teacher_samples
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import OpenAILLM

@@ -144,8 +144,8 @@ def test_server_killed_mid_partition_and_restarted(tiny_model_dir: Path, tmp_pat
 MATERIALIZE = """
 import json, sys
 import dagster as dg
-from nexa_dagster.assets.distillation import teacher_samples
-from nexa_dagster.assets.filtering import sample_gate
+from nexa_dagster.assets.distill import teacher_samples
+from nexa_dagster.assets.distill import sample_gate
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import OpenAILLM

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, is_held_out, load_eval_set
+from nexa_dagster.core.data.splits import is_held_out
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set
 from nexa_dagster.core.packaging.formats.packed_split import split_lines
 from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
 

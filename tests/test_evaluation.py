@@ -20,7 +20,8 @@ import pytest
 from openai_stub import chat_payload, stub_server
 
 from nexa_dagster.core.common.config import read_text
-from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, is_held_out, load_eval_set
+from nexa_dagster.core.data.splits import is_held_out
+from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, load_eval_set
 from nexa_dagster.core.evaluation.paired import Interval, WinRate
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
 from nexa_dagster.core.evaluation.scoring import (

@@ -12,8 +12,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nexa_dagster.core.common.jsonl import BadRow, RecordError, apply_transform, build_transform, iter_jsonl
+from nexa_dagster.core.common.jsonl import BadRow, RecordError, iter_jsonl
 from nexa_dagster.core.data.ingest import IngestError, ingest_day, normalise_text, stable_doc_id
+from nexa_dagster.core.packaging.transforms import apply_transform, build_transform
 
 CASES = 150
 tried = {"ingest": 0, "transforms": 0}

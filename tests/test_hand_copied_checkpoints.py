@@ -15,8 +15,8 @@ import dagster as dg
 import pytest
 from sandbox import make_sandbox, sandbox_env
 
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.config import REPO_ROOT
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 
 
 def copy_checkpoint_from_elsewhere(model: Path, dest: Path) -> Path:

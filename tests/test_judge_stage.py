@@ -18,9 +18,8 @@ import pandas as pd
 import pytest
 from openai_stub import DROP, json_judge, stub_server
 
-from nexa_dagster.assets import filtering
-from nexa_dagster.assets.distillation import teacher_samples
-from nexa_dagster.assets.filtering import sample_gate
+from nexa_dagster.assets import distill as filtering
+from nexa_dagster.assets.distill import sample_gate, teacher_samples
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import LocalLLM, OpenAILLM
 from nexa_dagster.resources.scale import ScaleResource

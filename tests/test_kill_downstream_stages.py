@@ -29,9 +29,9 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 from sandbox import make_sandbox, sandbox_env  # noqa: E402
 
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
 from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame  # noqa: E402
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER  # noqa: E402
 
 DAY = "2026-11-20"
 TRAIN = "sft_dataset,moe_checkpoint"

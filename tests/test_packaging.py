@@ -19,20 +19,14 @@ import pytest
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import REPO_ROOT
-from nexa_dagster.core.common.jsonl import RecordError, build_transform
-from nexa_dagster.core.evaluation.eval_set import is_held_out
+from nexa_dagster.core.common.jsonl import RecordError
+from nexa_dagster.core.data.splits import is_held_out, is_validation, side_overrides
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
 from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDataset
 from nexa_dagster.core.packaging.formats.packed_split import read_packed_table, split_files, split_lines
 from nexa_dagster.core.packaging.jsonl_dataset import package_jsonl, partitions_to_flat_jsonl
-from nexa_dagster.core.packaging.packing import (
-    PACKED_SCHEMA,
-    ChatTokenizer,
-    check_packed_file,
-    is_validation,
-    side_overrides,
-)
+from nexa_dagster.core.packaging.packing import PACKED_SCHEMA, ChatTokenizer, check_packed_file
 from nexa_dagster.core.packaging.pretrain_corpus import PretrainSettings, package_pretrain
 from nexa_dagster.core.packaging.sft_dataset import (
     PackagingSettings,
@@ -42,6 +36,7 @@ from nexa_dagster.core.packaging.sft_dataset import (
     package_sft,
     streamed_side_overrides,
 )
+from nexa_dagster.core.packaging.transforms import build_transform
 
 OUTPUTS = ("train.shards.json", "validation.shards.json", "train.jsonl.shards.json", "validation.jsonl.shards.json",
            "snapshot.json")

@@ -18,8 +18,9 @@ from services import slurm_cluster
 from test_packaging import _blend, _chat_records, _quiet, _settings, _write_jsonl
 
 from nexa_dagster.assets.packaging import shard_runner
-from nexa_dagster.core.cluster.packaging_launch import k8s_indexed_job, sbatch_array_script
+from nexa_dagster.core.cluster.kubernetes import k8s_indexed_job
 from nexa_dagster.core.cluster.shard_task import read_task_file, write_task_file
+from nexa_dagster.core.cluster.slurm import sbatch_array_script
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend, PackagingConfig
 from nexa_dagster.core.packaging.packing import ChatTokenizer

@@ -11,8 +11,9 @@ import pytest
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.data.schemas import PackedSequences
+from nexa_dagster.core.data.splits import is_validation, side_overrides
 from nexa_dagster.core.packaging.formats.packed_split import split_lines
-from nexa_dagster.core.packaging.packing import best_fit_decreasing, is_validation, pack_table, side_overrides
+from nexa_dagster.core.packaging.packing import best_fit_decreasing, pack_table
 from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
 
 

@@ -608,7 +608,8 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from nexa_dagster.core.evaluation.eval_set import is_held_out, load_eval_set
+    from nexa_dagster.core.data.splits import is_held_out
+    from nexa_dagster.core.evaluation.eval_set import load_eval_set
 
     defs, instance, env, _, _ = lifecycle
     data = Path(env["NEXA_DATA_ROOT"])

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from corpus_files import random_documents, write_corpus  # noqa: E402
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM  # noqa: E402
 
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config  # noqa: E402
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.training.corpus import document_id, load_corpus  # noqa: E402
 from nexa_dagster.core.training.data import IGNORE_INDEX, labels_for  # noqa: E402
 from nexa_dagster.core.training.init import check_init_checkpoint, load_mixtral_checkpoint, resolve  # noqa: E402

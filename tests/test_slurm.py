@@ -25,17 +25,16 @@ import pytest  # noqa: E402
 from services import slurm_cluster  # noqa: E402
 from test_training import launch_training_in_dagster, make_job  # noqa: E402
 
+from nexa_dagster.core.cluster.slurm import slurm_job_fields, slurm_state, wait_for_slurm_job  # noqa: E402
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set  # noqa: E402
 from nexa_dagster.core.evaluation.worker import EvaluationJob  # noqa: E402
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,
     LocalGPUCluster,
     SlurmGPUCluster,
     gpu_cluster_from_settings,
-    slurm_job_fields,
-    slurm_state,
-    wait_for_slurm_job,
 )
 
 SLURM_WARNING_S = 20  # --signal=TERM@20: one step and a save of the tiny model fit with room to spare

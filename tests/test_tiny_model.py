@@ -9,7 +9,7 @@ from pathlib import Path
 
 from checkpoint_files import assert_portable_checkpoint
 
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -30,10 +30,11 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 from checkpoint_files import assert_portable_checkpoint  # noqa: E402
 
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config  # noqa: E402
 from nexa_dagster.core.evaluation.worker import EvaluationJob  # noqa: E402
 from nexa_dagster.core.packaging.packing import labels_of  # noqa: E402
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER, SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.core.tiny.model import SPECIAL_TOKENS, build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
 from nexa_dagster.resources.gpu_cluster import (  # noqa: E402
     GPUClusterResource,

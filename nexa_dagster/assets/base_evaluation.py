@@ -13,10 +13,9 @@ from nexa_dagster.assets.evaluation import frozen_eval_set
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint
-from nexa_dagster.core.common.config import pipeline_config
 from nexa_dagster.core.evaluation.base_model import corpus_scores
-from nexa_dagster.core.evaluation.promotion import load_policy
 from nexa_dagster.core.evaluation.worker import EvaluationJob
+from nexa_dagster.resources.configs import EvalSetsResource, PromotionResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
@@ -48,10 +47,11 @@ def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
                 "and the leaderboard (rows of one eval-set version are measured on the same documents).",
 )
 def base_model_eval(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource, storage: StorageResource,
-                    tracking: TrackingResource) -> dg.Output[BaseModelEval]:
+                    tracking: TrackingResource, eval_sets: EvalSetsResource,
+                    promotion_policy: PromotionResource) -> dg.Output[BaseModelEval]:
     base_id = context.partition_key
     base = base_checkpoint(storage, base_id)
-    version, policy = pipeline_config().eval_set.version, load_policy()
+    version, policy = eval_sets.version, promotion_policy.policy()
     eval_set = frozen_eval_set(storage, version, base_id)
     if not eval_set.get("corpus_path"):
         raise dg.Failure(f"eval set v{version} was frozen without pretraining-corpus documents (no pretrain_corpus "

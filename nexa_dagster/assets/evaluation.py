@@ -10,12 +10,11 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.llm_failures import no_retry_on_permanent_llm_errors
+from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core.common import storage as io
-from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.common.config import pipeline_config, read_text, resolve_path
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.evaluation.benchmarks import BenchmarkError, compare_benchmark, flat_scores
@@ -28,7 +27,6 @@ from nexa_dagster.core.evaluation.scoring import (
     write_report,
 )
 from nexa_dagster.core.evaluation.worker import EvaluationJob
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import MISSING_OK
 from nexa_dagster.resources.llm import LLMResource

@@ -10,9 +10,9 @@ import pandas as pd
 
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.types import FilteredSamplesType
-from nexa_dagster.core.common.config import pipeline_config
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set
 from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus
+from nexa_dagster.resources.configs import EvalSetsResource
 from nexa_dagster.resources.io_manager import read_stored_artifact
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
@@ -30,8 +30,8 @@ from nexa_dagster.resources.storage import StorageResource
                 "first time; later runs return it unchanged.",
 )
 def eval_set(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
-             storage: StorageResource, scale_preset: ScaleResource) -> dg.MaterializeResult:
-    cfg = pipeline_config().eval_set
+             storage: StorageResource, scale_preset: ScaleResource, eval_sets: EvalSetsResource) -> dg.MaterializeResult:
+    cfg = eval_sets
     tokenizer, _ = load_student_tokenizer(storage)
     corpus = read_stored_artifact(storage.data_root, "pretrain_corpus")
     if not isinstance(corpus, PretrainCorpus):

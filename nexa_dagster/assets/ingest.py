@@ -8,8 +8,8 @@ from nexa_dagster.assets.common import SINGLE_RUN_BACKFILL, preview
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.types import RawDocumentsType
 from nexa_dagster.core.common import storage as io
-from nexa_dagster.core.common.config import load_pipeline_config
 from nexa_dagster.core.data.ingest import IngestError, read_day
+from nexa_dagster.resources.configs import IngestResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
@@ -29,17 +29,15 @@ def quarantine_path(storage: StorageResource, day: str) -> str:
                 "given content-hash ids, de-duplicated and capped by the scale preset. Bad lines fail the day, or "
                 "with ingest.on_error: quarantine are set aside in data/quarantine/raw_documents/<day>.jsonl.",
 )
-def raw_documents(context: dg.AssetExecutionContext, storage: StorageResource,
-                  scale_preset: ScaleResource) -> pd.DataFrame:
+def raw_documents(context: dg.AssetExecutionContext, storage: StorageResource, scale_preset: ScaleResource,
+                  ingest_config: IngestResource) -> pd.DataFrame:
     scale = scale_preset.load()
-    fields = load_pipeline_config()["ingest"]
     frames, quarantined, quarantine_paths = [], 0, []
     for day in context.partition_keys:
         try:
             ingested = read_day(storage.landing_dir(day), day, max_docs=scale.max_docs_per_day,
-                                max_chars=scale.max_chars_per_doc, text_fields=fields["text_field_candidates"],
-                                title_fields=fields["title_field_candidates"],
-                                on_error=fields.get("on_error", "raise"))
+                                max_chars=scale.max_chars_per_doc, text_fields=ingest_config.text_field_candidates,
+                                title_fields=ingest_config.title_field_candidates, on_error=ingest_config.on_error)
         except IngestError as e:
             raise dg.Failure(description=str(e), allow_retries=False) from e
         frame = ingested.documents

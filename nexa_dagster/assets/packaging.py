@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 import dagster as dg
 import pandas as pd
 
-from nexa_dagster.core.cluster.shard_runners import ShardTasksFailed
+from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common.artifacts import SFTDataset
-from nexa_dagster.core.common.config import load_pipeline_config, pipeline_config
 from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
-from nexa_dagster.core.packaging.blend import DataBlend, PackagingConfig, load_packaging_config
+from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
+from nexa_dagster.core.packaging.blend import DataBlend, PackagingConfig
 from nexa_dagster.core.packaging.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
+from nexa_dagster.core.packaging.packing import check_packed_file
 from nexa_dagster.core.packaging.pretrain_corpus import (
     PretrainCorpus,
     PretrainSettings,
@@ -30,7 +31,7 @@ from nexa_dagster.core.packaging.pretrain_corpus import (
 )
 from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
-from nexa_dagster.core.tiny.model import ensure_model
+from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
 from nexa_dagster.resources.scale import ScaleResource
@@ -38,15 +39,14 @@ from nexa_dagster.resources.storage import StorageResource
 
 
 def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
-    from transformers import AutoTokenizer
+    """The student's tokenizer (its chat template tokenizes every training input) and its directory."""
+    from transformers import AutoTokenizer  # 3.5 s to import: not on every load of the code location
 
-    path = ensure_model(storage.model_path(load_pipeline_config()["models"]["student_tokenizer"]))
-    return AutoTokenizer.from_pretrained(str(path)), str(path)
+    path = storage.student_tokenizer_dir()
+    return AutoTokenizer.from_pretrained(path), path
 
 
 def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
-    from nexa_dagster.core.data.schemas import FilteredSamples
-
     try:
         FilteredSamples.validate(frame)
     except Exception as e:  # pandera's errors name the column and rows; add the file
@@ -89,9 +89,10 @@ def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cl
                 "data/sft/<run_hash>/; shards are content-addressed in data/sft/store/ and reused, so a night packs "
                 "only its own day.",
 )
-def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
-                scale_preset: ScaleResource, gpu_cluster: GPUClusterResource) -> SFTDataset:
-    scale, cfg = scale_preset.load(), load_packaging_config()
+def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource, scale_preset: ScaleResource,
+                gpu_cluster: GPUClusterResource, packaging_config: PackagingResource,
+                eval_sets: EvalSetsResource) -> SFTDataset:
+    scale, cfg = scale_preset.load(), packaging_config.config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.sft_blend)
     partitions = stored_partitions(storage.data_root, "filtered_samples",
@@ -101,7 +102,7 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
                                                  scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
                                                  log=context.log.info, blend=blend, on_error=cfg.on_error,
                                                  rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                                                 eval_fraction=pipeline_config().eval_set.fraction,
+                                                 eval_fraction=eval_sets.fraction,
                                                  runner=shard_runner(context, cfg, gpu_cluster, storage),
                                                  keep_snapshots=cfg.keep_snapshots)
     context.add_output_metadata({
@@ -133,8 +134,6 @@ def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource,
 @dg.asset_check(asset=sft_dataset, description="Both splits re-read from storage are well-formed packed sequences "
                                                "with assistant tokens to learn.")
 def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResult:
-    from nexa_dagster.core.packaging.packing import check_packed_file
-
     problems = [p for split, path in (("train", sft_dataset.train_path),
                                       ("validation", sft_dataset.validation_path))
                 for p in check_packed_file(path, sft_dataset.pack_size, split)]
@@ -142,8 +141,6 @@ def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResul
 
 
 def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
-    from nexa_dagster.core.data.schemas import RawDocuments
-
     try:
         RawDocuments.validate(frame)
     except Exception as e:  # pandera's errors name the column and rows; add the file
@@ -160,9 +157,9 @@ def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
                 "data/pretrain/store/ and reused, so a night tokenizes only its own day) listed by "
                 "data/pretrain/<run_hash>/megatron_blend.json for --data-path.",
 )
-def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource,
-                    gpu_cluster: GPUClusterResource) -> PretrainCorpus:
-    cfg = load_packaging_config()
+def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource, gpu_cluster: GPUClusterResource,
+                    packaging_config: PackagingResource) -> PretrainCorpus:
+    cfg = packaging_config.config()
     tokenizer, _ = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.pretrain_blend)
     out_root = storage.path("pretrain")
@@ -198,15 +195,15 @@ def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource,
     description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
                 "of the RL blend.",
 )
-def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource,
-               gpu_cluster: GPUClusterResource) -> JsonlDataset:
-    cfg = load_packaging_config()
+def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource, gpu_cluster: GPUClusterResource,
+               packaging_config: PackagingResource, eval_sets: EvalSetsResource) -> JsonlDataset:
+    cfg = packaging_config.config()
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
     partitions = stored_partitions(storage.data_root, "filtered_samples",
                                    list(context.asset_partition_keys_for_input("filtered_samples")))
     # the eval set's side is never trained on
-    files = partitions_to_flat_jsonl(partitions, out_root, pipeline_config().eval_set.fraction,
+    files = partitions_to_flat_jsonl(partitions, out_root, eval_sets.fraction,
                                      validate=_valid_filtered_samples)
     if not files:
         raise ValueError("rl_prompts: no filtered samples to package (no day materialized, or every sample is on "

@@ -11,11 +11,11 @@
 
 import dagster as dg
 
-from nexa_dagster.core.common.config import load_pipeline_config
+from nexa_dagster import settings
 
-daily_partitions = dg.DailyPartitionsDefinition(
-    start_date=str(load_pipeline_config()["partitions_start_date"]), end_offset=1
-)
+# the first day is NEXA_PARTITIONS_START (default 2026-11-01): partitions exist when this module is imported, before
+# any configuration file is read
+daily_partitions = dg.DailyPartitionsDefinition(start_date=settings.PARTITIONS_START.get(), end_offset=1)
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 # one per pretrained base model (data/base_models/<id>), added by base_model: base_model_eval's partitions
 base_model_partitions = dg.DynamicPartitionsDefinition(name="base_models")

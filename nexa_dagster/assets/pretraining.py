@@ -13,13 +13,14 @@ import dagster as dg
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
+from nexa_dagster.assets.training import checkpoint_id_for
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
-from nexa_dagster.core.common.config import load_deepspeed_config, pipeline_config
 from nexa_dagster.core.evaluation.scoring import perplexity_of
 from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus
 from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.configs import EvalSetsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
@@ -37,10 +38,8 @@ from nexa_dagster.resources.tracking import TrackingResource
                 "documents. moe_checkpoint starts from the latest one (init_from: base).",
 )
 def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpus, gpu_cluster: GPUClusterResource,
-               storage: StorageResource, tracking: TrackingResource,
-               scale_preset: ScaleResource) -> dg.Output[Checkpoint]:
-    from nexa_dagster.assets.training import checkpoint_id_for
-
+               storage: StorageResource, tracking: TrackingResource, scale_preset: ScaleResource,
+               eval_sets: EvalSetsResource) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     if scale.pretraining is None:
         raise dg.Failure(f"scale preset {scale.name!r} has no pretraining section (max_steps, ...)",
@@ -51,11 +50,11 @@ def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpu
     job = TrainingJob(
         run_id=base_id, train_path=pretrain_corpus.root, validation_path=pretrain_corpus.root,
         tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
-        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=settings,
+        deepspeed_config=scale_preset.deepspeed_config(), settings=settings,
         output_dir=storage.path("base_models", base_id), dataset_run_hash=pretrain_corpus.run_hash,
         accelerator=gpu_cluster.accelerator, data_kind="pretrain_corpus", pack_size=scale.pack_size,
         heldout_fraction=scale.pretraining.heldout_fraction, parent="scratch",
-        eval_fraction=pipeline_config().eval_set.corpus_fraction,  # the eval set's documents: never trained on
+        eval_fraction=eval_sets.corpus_fraction,  # the eval set's documents: never trained on
     )
     context.log.info(f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
                      f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "

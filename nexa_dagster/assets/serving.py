@@ -14,10 +14,10 @@ from nexa_dagster.core.evaluation.promotion import (
     ProductionEntry,
     ProductionRegistry,
     held_back_because,
-    load_policy,
 )
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
+from nexa_dagster.resources.configs import PromotionResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -49,9 +49,9 @@ def _smoke_test_without_service(context: dg.AssetExecutionContext, eval_report: 
                 "held back is not deployed and not materialized: a normal outcome, not a failure.",
 )
 def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport, storage: StorageResource,
-                     tracking: TrackingResource) -> Iterator[dg.Output[SwitchResult]]:
+                     tracking: TrackingResource, promotion_policy: PromotionResource) -> Iterator[dg.Output[SwitchResult]]:
     checkpoint_id = context.partition_key
-    policy = load_policy()
+    policy = promotion_policy.policy()
     registry = ProductionRegistry(storage.production_pointer())
     production = registry.current()
     held_back = held_back_because(checkpoint_id, eval_report, production)

@@ -15,12 +15,12 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core.common import storage as io
-from nexa_dagster.core.common.artifacts import Checkpoint, SFTDataset
-from nexa_dagster.core.common.config import ScalePreset, TrainingSettings, load_deepspeed_config
-from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
+from nexa_dagster.core.common.config import ScalePreset, TrainingSettings
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
 from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.configs import PromotionResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
@@ -110,7 +110,8 @@ def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
 )
 def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig, sft_dataset: SFTDataset,
                    gpu_cluster: GPUClusterResource, storage: StorageResource,
-                   tracking: TrackingResource, scale_preset: ScaleResource) -> dg.Output[Checkpoint]:
+                   tracking: TrackingResource, scale_preset: ScaleResource,
+                   promotion_policy: PromotionResource) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     settings = config.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage)
@@ -118,7 +119,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     job = TrainingJob(
         run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
         tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
-        deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=settings,
+        deepspeed_config=scale_preset.deepspeed_config(), settings=settings,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)), dataset_run_hash=sft_dataset.run_hash,
         accelerator=gpu_cluster.accelerator, init_from=init.path, parent=init.parent,
     )
@@ -144,7 +145,7 @@ def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         mlflow_run_id=mlflow_run_id, parent=init.parent,
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
-    model_name = load_policy().registered_model
+    model_name = promotion_policy.policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
 

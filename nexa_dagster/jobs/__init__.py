@@ -14,7 +14,6 @@ import datetime as dt
 import dagster as dg
 
 from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions, daily_partitions
-from nexa_dagster.core.common.config import load_pipeline_config
 from nexa_dagster.core.data.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
 
@@ -52,22 +51,24 @@ evaluation_job = dg.define_asset_job(
     description="Evaluate one checkpoint and smoke-test serving it.",
 )
 
-NIGHTLY_HOUR_UTC = int(load_pipeline_config()["schedule"]["nightly_retrain_hour_utc"])
+def nightly_schedule(hour_utc: int) -> dg.ScheduleDefinition:
+    """The nightly run at ``hour_utc`` (pipeline.yaml's ``schedule.nightly_retrain_hour_utc``)."""
 
+    @dg.schedule(cron_schedule=f"0 {hour_utc} * * *", execution_timezone="UTC", job=daily_data_job,
+                 name="nightly_retrain", default_status=dg.DefaultScheduleStatus.RUNNING,
+                 description="Every night: process the day that just ended; the retrain sensor then trains on the "
+                             "new snapshot and the checkpoint sensor evaluates the result.")
+    def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
+                              storage: StorageResource) -> dg.RunRequest | dg.SkipReason:
+        # the daily partitions include today (end_offset=1, so a day's data can be processed early by hand); the
+        # nightly run is for the day that has just ended, which is complete
+        day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
+        landing = storage.landing_dir(day)
+        if not has_landed(landing):
+            return dg.SkipReason(f"no documents landed for {day} in {landing}: nothing new to process or retrain on")
+        return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
 
-@dg.schedule(cron_schedule=f"0 {NIGHTLY_HOUR_UTC} * * *", execution_timezone="UTC", job=daily_data_job,
-             name="nightly_retrain", default_status=dg.DefaultScheduleStatus.RUNNING,
-             description="Every night: process the day that just ended; the retrain sensor then trains on the "
-                         "new snapshot and the checkpoint sensor evaluates the result.")
-def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
-                          storage: StorageResource) -> dg.RunRequest | dg.SkipReason:
-    # the daily partitions include today (end_offset=1, so a day's data can be processed early by hand); the
-    # nightly run is for the day that has just ended, which is complete
-    day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
-    landing = storage.landing_dir(day)
-    if not has_landed(landing):
-        return dg.SkipReason(f"no documents landed for {day} in {landing}: nothing new to process or retrain on")
-    return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
+    return nightly_data_schedule
 
 
 base_evaluation_job = dg.define_asset_job(
@@ -83,4 +84,3 @@ leaderboard_job = dg.define_asset_job(
 
 JOBS = [ingest_job, daily_data_job, training_job, corpus_job, pretraining_job, evaluation_job, base_evaluation_job,
         leaderboard_job]
-SCHEDULES = [nightly_data_schedule]

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import tempfile
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import dagster as dg
 from pydantic import ConfigDict, Field
 
-from nexa_dagster.core.common.config import resolve_path
+from nexa_dagster import settings as env_settings
+from nexa_dagster.core.common.artifacts import require_model_dir
+from nexa_dagster.core.common.config import ConfigError, explain, resolve_path
 from nexa_dagster.core.llm.base import LLMClient
-
-if TYPE_CHECKING:
-    from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.llm.local import LocalTransformersClient
+from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.llm.model_identity import model_fingerprint
+from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +83,7 @@ class LLMResource(dg.ConfigurableResource, abc.ABC):
     def _local_model(self) -> Path:
         if not self.model:
             raise ValueError(f"{type(self).__name__} needs model (a local model directory)")
-        from nexa_dagster.core.tiny.model import ensure_model
-
-        return ensure_model(resolve_path(self.model))
+        return require_model_dir(resolve_path(self.model), f"{type(self).__name__} model")
 
 
 class LocalLLM(LLMResource):
@@ -102,8 +102,6 @@ class LocalLLM(LLMResource):
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
-        from nexa_dagster.core.llm.local import LocalTransformersClient
-
         path = self._local_model()
         (log or logger).info(f"LLM backend local transformers on {path} (batch size {self.batch_size})")
         with LocalTransformersClient(path, batch_size=self.batch_size) as client:
@@ -141,15 +139,11 @@ class ManagedLLM(_HTTPLLM):
                        device: str = "auto") -> ManagedServer:
         """The (not yet started) server: ``continuous_batching`` is passed as it is, so ``False`` stays off even
         on a GPU, where ``None`` (auto) would turn it on."""
-        from nexa_dagster.core.llm.managed_server import ManagedServer
-
         return ManagedServer(model_dir, log_dir, logger=logger, device=device,
                              continuous_batching=self.continuous_batching)
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
-        from nexa_dagster.core.llm.model_identity import model_fingerprint
-        from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
         path, log = self._local_model(), log or logger
         with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, log) as server:
@@ -185,8 +179,6 @@ class OpenAILLM(_HTTPLLM):
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
-        from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-
         if not self.base_url:
             raise ValueError("OpenAILLM needs base_url")
         (log or logger).info(f"LLM backend openai at {_safe_url(self.base_url)} "
@@ -207,9 +199,7 @@ def llm_resource(role: str, settings: dict[str, Any], where: str, default_model:
     field the chosen backend does not have is a ``ConfigError`` naming the variable or key it came from."""
     from pydantic import ValidationError
 
-    from nexa_dagster.core.common.config import ConfigError, explain
-
-    env = os.environ if env is None else env
+    env = env_settings.environ() if env is None else env
     prefix = f"NEXA_{role.upper()}_"
     origin = {key: f"{where}.{key}" for key in settings}
     settings = dict(settings)

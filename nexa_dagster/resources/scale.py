@@ -11,7 +11,14 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import ConfigDict, Field, field_validator
 
-from nexa_dagster.core.common.config import ConfigError, ScalePreset, config_dir, load_scale, scale_name
+from nexa_dagster.core.common.config import (
+    ConfigError,
+    ScalePreset,
+    config_dir,
+    load_deepspeed_config,
+    load_scale,
+    scale_name,
+)
 
 
 class ScaleResource(dg.ConfigurableResource):
@@ -39,6 +46,10 @@ class ScaleResource(dg.ConfigurableResource):
 
     def load(self) -> ScalePreset:
         return load_scale(self.name)
+
+    def deepspeed_config(self) -> dict:
+        """The DeepSpeed file the preset names (``configs/deepspeed/<deepspeed_config>``), as a dict."""
+        return load_deepspeed_config(self.load().deepspeed_config)
 
 
 def check_preset_name(name: str) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import dagster as dg
+from pydantic import Field
 
 from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import require_model_dir
 from nexa_dagster.core.common.config import resolve_path
 
 
@@ -20,6 +22,9 @@ class StorageResource(dg.ConfigurableResource):
     data_root: str = "data"
     landing_root: str = "sample_data/landing"
     results_root: str = "results"
+    student_tokenizer: str = Field(default="tiny-teacher", description=(
+        "the student's tokenizer and chat template (pipeline.yaml's models.student_tokenizer): a model directory, "
+        "or a bare tiny-* name under <data_root>/models/"))
 
     def _root(self, value: str) -> str:
         return value if "://" in value else str(resolve_path(value))
@@ -45,6 +50,10 @@ class StorageResource(dg.ConfigurableResource):
         if name.startswith("tiny-") and "/" not in name:
             return str(Path(self.root) / "models" / name)
         return name
+
+    def student_tokenizer_dir(self) -> str:
+        """The student tokenizer's directory, or an error naming it when it is not a model directory."""
+        return str(require_model_dir(self.model_path(self.student_tokenizer), "student tokenizer"))
 
     def report_dir(self, checkpoint_id: str) -> str:
         return io.join(self._root(self.results_root), "evaluation", "reports", checkpoint_id)

@@ -10,7 +10,9 @@ from typing import Any
 
 import dagster as dg
 
+from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import resolve_path
+from nexa_dagster.core.evaluation.model_registry import log_checkpoint_model
 
 
 class MLflowRun:
@@ -34,8 +36,6 @@ class MLflowRun:
 
     def log_stored_file(self, path: str, artifact_file: str) -> None:
         """A text file from the project's storage (local or fsspec URL) as an artifact of this run."""
-        from nexa_dagster.core.common import storage
-
         with storage.open_read(path) as f:
             self.client.log_text(self.run_id, f.read().decode("utf-8"), artifact_file)
 
@@ -93,8 +93,6 @@ class TrackingResource(dg.ConfigurableResource):
         server); the directory it came from is kept in the ``checkpoint_path`` tag for this host's stages.
         """
         from mlflow.exceptions import MlflowException
-
-        from nexa_dagster.core.evaluation.model_registry import log_checkpoint_model
 
         client = self._client()
         if run_id is None:

@@ -16,9 +16,9 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions
-from nexa_dagster.core.evaluation.promotion import load_policy
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.jobs import evaluation_job
+from nexa_dagster.resources.configs import PromotionResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -30,10 +30,10 @@ def complete_checkpoints(store: Path) -> list[str]:
                   if p.is_dir() and not p.name.startswith(".") and (p / COMPLETION_MARKER).exists())
 
 
-def registered_complete_checkpoints(tracking: TrackingResource) -> list[str]:
+def registered_complete_checkpoints(tracking: TrackingResource, registered_model: str) -> list[str]:
     """Checkpoints registered in the MLflow model registry (e.g. by a training job outside Dagster) whose
     directory is complete."""
-    registered = tracking.registered_checkpoints(load_policy().registered_model)
+    registered = tracking.registered_checkpoints(registered_model)
     return sorted(c for c, src in registered.items() if (Path(src) / COMPLETION_MARKER).exists())
 
 
@@ -58,10 +58,11 @@ def evaluation_runs(instance: dg.DagsterInstance, checkpoint: str) -> list[dg.Da
            description="Starts evaluation_job for each complete checkpoint in the checkpoint store or the MLflow "
                        f"model registry, once; an evaluation run that failed is tried again, "
                        f"{MAX_EVALUATION_ATTEMPTS} runs at most.")
-def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: StorageResource,
-                          tracking: TrackingResource) -> dg.SensorResult:
+def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: StorageResource, tracking: TrackingResource,
+                          promotion_policy: PromotionResource) -> dg.SensorResult:
     requested = read_cursor(context.cursor)
-    found = sorted(set(complete_checkpoints(storage.checkpoints_dir())) | set(registered_complete_checkpoints(tracking)))
+    registered = registered_complete_checkpoints(tracking, promotion_policy.policy().registered_model)
+    found = sorted(set(complete_checkpoints(storage.checkpoints_dir())) | set(registered))
     existing = set(context.instance.get_dynamic_partitions(checkpoint_partitions.name))
     evaluated = context.instance.get_materialized_partitions(dg.AssetKey("eval_report"))
     new = [c for c in found if c not in requested]

@@ -23,19 +23,58 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.packaging import shards as sh
 
 TASKS_FORMAT = "nexa-shard-tasks/1"
-INDEX_ENV = ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX")  # Slurm job array, Kubernetes indexed Job
+INDEX_ENV = (settings.SLURM_ARRAY_TASK_ID, settings.JOB_COMPLETION_INDEX)  # Slurm job array, Kubernetes indexed Job
 
 Work = Callable[[sh.ShardTask], sh.Receipt]
+
+
+OUTPUT_TAIL_CHARS = 4000
+TASK_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # log lines at once; one shard, one thread
+
+
+class ShardTasksFailed(RuntimeError):
+    """Some shards did not finish on the cluster; the message names each one and where its output is."""
+
+    def __init__(self, message: str, shard_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.shard_ids = list(shard_ids)
+
+
+def collect_receipts(tasks: Sequence[sh.ShardTask], where: Callable[[int], str], engine: str) -> list[sh.Receipt]:
+    """Every task's valid receipt in task order, or ``ShardTasksFailed`` naming each task without one.
+
+    ``where(i)`` says what ran task ``i`` and where its output is (an element's state and log file).
+    """
+    receipts: list[sh.Receipt] = []
+    failed: list[tuple[str, str]] = []
+    for i, task in enumerate(tasks):
+        receipt, why = sh.check_receipt(task.root, task.out_id, task.key)
+        if receipt is None:
+            failed.append((task.shard.shard_id, f"{describe(task)}: {why}; {where(i)}"))
+        else:
+            receipts.append(receipt)
+    if failed:
+        raise ShardTasksFailed(f"{len(failed)} of {len(tasks)} shards did not finish on {engine}:\n"
+                               + "\n".join(m for _, m in failed), [s for s, _ in failed])
+    return receipts
+
+
+def output_tail(path: Path, chars: int = OUTPUT_TAIL_CHARS) -> str:
+    """The end of a task's (or job's) output file, where its error is."""
+    if not path.exists():
+        return f"(no output file {path})"
+    return path.read_text(encoding="utf-8", errors="replace").rstrip()[-chars:] or "(empty)"
 
 
 def work_path(work: Work) -> str:
@@ -123,13 +162,12 @@ def read_task_file(path: str) -> tuple[Work, list[sh.ShardTask]]:
     return import_work(data["work"]), tasks
 
 
-def index_from_env(environ: dict[str, str] | None = None) -> int:
-    environ = dict(os.environ if environ is None else environ)
-    for name in INDEX_ENV:
-        if environ.get(name, "").strip():
-            return int(environ[name])
+def index_from_env() -> int:
+    for variable in INDEX_ENV:
+        if variable.get().strip():
+            return int(variable.get())
     raise ValueError(f"no task index: pass --index, or run as a Slurm array element or a Kubernetes indexed Job "
-                     f"pod (one of {', '.join(INDEX_ENV)} set)")
+                     f"pod (one of {', '.join(v.name for v in INDEX_ENV)} set)")
 
 
 def describe(task: sh.ShardTask) -> str:
@@ -159,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nexa_dagster.core.cluster.shard_task", description=__doc__.split("\n")[0])
     parser.add_argument("--plan", required=True, help="the task file (tasks.json) the Dagster step wrote")
     parser.add_argument("--index", type=int, default=None,
-                        help=f"the task to run (default: ${' or $'.join(INDEX_ENV)})")
+                        help=f"the task to run (default: ${' or $'.join(v.name for v in INDEX_ENV)})")
     args = parser.parse_args(argv)
     index = args.index if args.index is not None else index_from_env()
     run_index(args.plan, index, lambda m: print(m, flush=True))

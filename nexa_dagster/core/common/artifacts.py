@@ -13,6 +13,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+COMPLETION_MARKER = "_COMPLETE"  # written last into a model or checkpoint directory: it is complete
+
+
+def require_model_dir(path: str | Path, what: str = "model") -> Path:
+    """A loadable local Hugging Face model directory, or an error naming the path and what to do.
+
+    Nothing is built or downloaded behind the caller's back: the project's tiny models are installed by an
+    explicit step (``nexa-dagster tiny-models``, which ``make run`` and the tests run)."""
+    p = Path(path)
+    if (p / "config.json").exists():
+        return p
+    hint = (" (the project's tiny models: run `nexa-dagster tiny-models` to install them into the data root)"
+            if p.name.startswith("tiny-") else "")
+    raise FileNotFoundError(f"{what} directory {p} has no config.json: point the configured path at a Hugging Face "
+                            f"model directory{hint}")
+
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

@@ -7,7 +7,6 @@ laptop and the full run on a cluster.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 from functools import lru_cache
@@ -15,13 +14,15 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nexa_dagster import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def config_dir() -> Path:
-    return Path(os.environ.get("NEXA_CONFIG_DIR", REPO_ROOT / "configs"))
+    return Path(settings.CONFIG_DIR.get() or REPO_ROOT / "configs")
 
 
 def resolve_path(path: str | os.PathLike[str]) -> Path:
@@ -194,7 +195,7 @@ class ScalePreset(_Strict):
 
 
 def scale_name() -> str:
-    return os.environ.get("NEXA_SCALE", "tiny")
+    return settings.SCALE.get()
 
 
 def load_scale(name: str | None = None) -> ScalePreset:
@@ -250,13 +251,6 @@ def load_deepspeed_config(name: str) -> dict[str, Any]:
         return json.load(f)
 
 
-class IngestConfig(_Strict):
-    landing_root: str = Field(min_length=1, description="<landing_root>/<YYYY-MM-DD>/ holds a day's documents")
-    text_field_candidates: list[str] = Field(default=["text", "content", "body"], min_length=1)
-    title_field_candidates: list[str] = Field(default=["title", "name", "topic"])
-    on_error: Literal["raise", "quarantine"] = "raise"
-
-
 class ModelsConfig(_Strict):
     teacher: str = Field(min_length=1)
     judge: str = Field(min_length=1)
@@ -267,34 +261,31 @@ class ScheduleConfig(_Strict):
     nightly_retrain_hour_utc: int = Field(default=2, ge=0, le=23)
 
 
-class EvalSetConfig(_Strict):
-    """``eval_set`` of pipeline.yaml: the frozen evaluation set (``core.eval_set``) the promotion gate scores on."""
-
-    version: int = Field(default=1, ge=1, description="frozen once; a new number freezes a new set from the data "
-                                                      "then known (the old one stays for its leaderboard rows)")
-    fraction: float = Field(default=0.2, gt=0, lt=1, description="share of sample ids on the held-out side, "
-                                                                 "which no training split ever contains")
-    corpus_fraction: float = Field(default=0.2, gt=0, lt=1, description=(
-        "share of pretraining-corpus documents (by a hash of their tokens) on the eval side: frozen with the "
-        "version for the base models, never in any base model's training (core/training/corpus.py)"))
-
-
 class PipelineConfig(_Strict):
-    """``configs/pipeline.yaml``. ``gpu_cluster`` holds the fields of the GPU-cluster class its ``backend`` picks,
-    checked against that class where it is built (``resources.gpu_cluster.gpu_cluster_from_settings``), so the list
-    of each backend's keys lives in one place; so are ``teacher_llm``/``judge_llm`` against the class of the LLM
-    backend they name (``resources.llm.llm_resource``)."""
+    """``configs/pipeline.yaml``. The sections that configure a Dagster resource (``gpu_cluster``, ``teacher_llm``,
+    ``judge_llm``, ``ingest``, ``eval_set``) are checked against that resource's class where it is built, when the
+    code location loads (``nexa_dagster/definitions.py``), so the list of each resource's keys lives in one place."""
 
     data_root: str = Field(min_length=1)
-    partitions_start_date: dt.date
-    ingest: IngestConfig
+    ingest: dict[str, Any] = Field(description="landing_root (the storage resource's) and the ingest resource's "
+                                               "fields (resources/configs.py: IngestResource)")
     models: ModelsConfig
     gpu_cluster: dict[str, Any] = Field(default_factory=dict)
     teacher_llm: dict[str, Any] = Field(default_factory=dict, description=(
         "backend (local | managed | openai) and that backend's fields (resources/llm.py), under NEXA_TEACHER_*"))
     judge_llm: dict[str, Any] = Field(default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)")
     schedule: ScheduleConfig = ScheduleConfig()
-    eval_set: EvalSetConfig = EvalSetConfig()
+    eval_set: dict[str, Any] = Field(default_factory=dict, description="the eval_sets resource's fields "
+                                                                       "(resources/configs.py: EvalSetsResource)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "partitions_start_date" in data:
+            raise ValueError("partitions_start_date moved to the environment variable NEXA_PARTITIONS_START (the "
+                             "daily partitions are defined when the code location is imported, before any file "
+                             "is read); remove the key")
+        return data
 
 
 def pipeline_config() -> PipelineConfig:

@@ -25,9 +25,9 @@ import json
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
+from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 
 RACY_S = 2.0  # a file modified this recently may still change within the same timestamp tick: never remembered
@@ -48,7 +48,7 @@ def _identity(path: str) -> str | None:
 
 
 def default_dir() -> str:
-    return str(Path(os.environ.get("NEXA_CACHE_DIR") or Path.home() / ".cache" / "nexa-dagster") / "stat-cache")
+    return str(settings.cache_root() / "stat-cache")
 
 
 def remembered(path: str, purpose: str, compute: Callable[[], T], cache_dir: str | None = None) -> T:

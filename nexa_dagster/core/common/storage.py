@@ -7,17 +7,19 @@ either the old file or the new one, never a torn mix. Paths may be local paths o
 
 from __future__ import annotations
 
-import fnmatch
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
 import os
 import re
-import signal
+import shutil
 import socket
+import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ import fsspec
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from nexa_dagster.core.common.faults import KILL_BEFORE_RENAME, fault_point
 
 
 def join(root: str | os.PathLike[str], *parts: str) -> str:
@@ -159,7 +163,7 @@ class atomic_writer:  # noqa: N801 - used like open()
                 if exc_type is None:
                     raise write_error(self.path, e) from e
             if exc_type is None:
-                _fault_point(self.path)
+                fault_point(KILL_BEFORE_RENAME, path=self.path)  # a test-only hook: see core/common/faults.py
                 if _is_local(self.fs):
                     os.replace(self.tmp, self.path)
                 else:
@@ -169,17 +173,6 @@ class atomic_writer:  # noqa: N801 - used like open()
         finally:
             if self.fs.exists(self.tmp):
                 self.fs.rm(self.tmp)
-
-
-FAULT_KILL_ENV = "NEXA_FAULT_KILL_BEFORE_RENAME"
-
-
-def _fault_point(path: str) -> None:
-    """Fault injection for the kill tests: SIGKILL this process when the file about to be renamed into place
-    matches the glob in ``NEXA_FAULT_KILL_BEFORE_RENAME`` (the worst moment: fully written, not yet published)."""
-    pattern = os.environ.get(FAULT_KILL_ENV)
-    if pattern and fnmatch.fnmatch(path, pattern):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_error(path: str, error: OSError) -> OSError:
@@ -238,3 +231,32 @@ def glob(pattern: str) -> list[str]:
     if "://" in pattern and protocol not in ("file", "local"):
         return [f"{protocol}://{f.lstrip('/')}" for f in found]
     return found
+
+
+def publish_directory(out: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a temporary folder beside ``out``, then put it in ``out``'s place in one rename.
+
+    The caller holds ``out``'s build lock, so an existing ``out`` is an incomplete leftover of a crashed build
+    that nobody reads; on an error the temporary folder is removed and ``out`` is left as it was.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        fill(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def directory_lock(out: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside the directory ``out``, released when the holder exits
+    (even killed: the kernel drops the lock with the process): concurrent builders of one directory take turns."""
+    with open(out.parent / f".{out.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

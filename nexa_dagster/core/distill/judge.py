@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.teacher import render
 from nexa_dagster.core.llm.base import (
     Capabilities,
     ChatMessage,
@@ -120,8 +122,6 @@ class Judge:
         self.max_tokens = max_tokens  # the logprobs method reads one token and does not use it
 
     def _messages(self, template: str, prompt: str, response: str) -> list[ChatMessage]:
-        from nexa_dagster.core.distill.teacher import render
-
         return [{"role": "user", "content": render(template, prompt=prompt, response=response)}]
 
     def _attempt(self, prompt: str, response: str, attempt: int) -> Verdict:
@@ -187,7 +187,5 @@ def judge_one(client: LLMClient, template: str, prompt: str, response: str, max_
     ``verdict_template`` defaults to ``configs/prompts/judge_verdict.jinja``.
     """
     if verdict_template is None:
-        from nexa_dagster.core.common.config import read_text
-
         verdict_template = read_text("prompts/judge_verdict.jinja")
     return Judge(client, template, verdict_template, max_tokens, method, retries).judge(prompt, response)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+from nexa_dagster import settings
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
 
 BENCHMARK_METRIC_PREFIX = "benchmark:"
@@ -43,8 +43,8 @@ class ResolvedTasks:
 
 def _offline_env() -> None:
     # the worker never reaches a hub: every dataset is a local file or already cached
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    settings.export_default(settings.HF_HUB_OFFLINE)
+    settings.export_default(settings.HF_DATASETS_OFFLINE)
 
 
 def _local_data(name: str, cfg: dict[str, Any], yaml_path: Path | None) -> dict[str, Any] | None:

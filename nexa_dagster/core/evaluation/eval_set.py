@@ -8,7 +8,7 @@ known at that time, under ``<root>/v<N>/``::
     samples.jsonl      {"sample_id", "day", "messages"} per example, sorted by sample_id
     examples.parquet   sample_id, input_ids, loss_mask (the student's chat template, assistant-only mask)
     corpus.parquet     the base models' eval set: the pretraining corpus's documents on the eval side
-                       (``sample_id`` is the document id, ``core.training.corpus.document_id``), their token ids
+                       (``sample_id`` is the document id, ``core.packaging.formats.indexed_dataset.document_id``), their token ids
                        as ``pretrain_corpus`` holds them, loss on every token, sorted by id
     manifest.json      version, counts, tokenizer fingerprint, SHA-256 of every file
 
@@ -22,8 +22,7 @@ corpus (``core.training.corpus.load_corpus``): no base model, whatever corpus it
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -31,24 +30,11 @@ import pyarrow as pa
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.jsonl import dumps
+from nexa_dagster.core.data.splits import held_out_mask, is_held_out
+from nexa_dagster.core.packaging.formats.indexed_dataset import corpus_prefixes, document_id, read_documents
 from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, tokenizer_fingerprint
 
 FORMAT = "nexa-eval-set/1"
-_SALT = "nexa-eval-set"
-
-
-def is_held_out(sample_id: str, fraction: float) -> bool:
-    """Whether a sample belongs to the eval side (never trained on). Stable: depends on the id alone."""
-    if fraction <= 0:
-        return False
-    digest = hashlib.sha256(f"{_SALT}:{sample_id}".encode()).hexdigest()[:8]
-    return int(digest, 16) / 0xFFFFFFFF < fraction
-
-
-def held_out_mask(sample_ids: Sequence[str], fraction: float) -> list[bool]:
-    return [is_held_out(str(s), fraction) for s in sample_ids]
-
-
 def version_dir(root: str, version: int) -> str:
     return storage.join(root, f"v{version}")
 
@@ -56,8 +42,6 @@ def version_dir(root: str, version: int) -> str:
 def corpus_documents(corpus_root: str, fraction: float, max_tokens: int) -> tuple[pd.DataFrame, int]:
     """(the corpus's documents on the eval side as sample_id/input_ids/loss_mask rows sorted by id, how many were
     cut to ``max_tokens``): one row per distinct document, every token scored but the first."""
-    from nexa_dagster.core.training.corpus import corpus_prefixes, document_id, read_documents
-
     held: dict[str, list[int]] = {}
     for tokens in read_documents(corpus_prefixes(corpus_root)):
         doc_id = document_id(tokens)

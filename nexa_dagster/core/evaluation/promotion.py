@@ -55,8 +55,9 @@ class PromotionPolicy(BaseModel):
         return self.metric.startswith(BENCHMARK_METRIC_PREFIX)
 
 
-def load_policy() -> PromotionPolicy:
-    return validated(PromotionPolicy, "promotion.yaml", load_yaml("promotion.yaml"))
+def load_policy(name: str = "promotion.yaml") -> PromotionPolicy:
+    """``configs/<name>``, checked: an unknown or missing key fails naming the file and the key."""
+    return validated(PromotionPolicy, name, load_yaml(name))
 
 
 class ProductionEntry(BaseModel):

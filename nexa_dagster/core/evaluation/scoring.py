@@ -19,8 +19,9 @@ import numpy as np
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.distill.judge import Judge
-from nexa_dagster.core.distill.sample_gate import load_gate_config
+from nexa_dagster.core.distill.sample_gate import JudgeConfig, load_gate_config
 from nexa_dagster.core.evaluation.benchmarks import markdown_table
 from nexa_dagster.core.evaluation.paired import (
     PairedLoss,
@@ -30,6 +31,7 @@ from nexa_dagster.core.evaluation.paired import (
     paired_loss_difference,
 )
 from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
+from nexa_dagster.core.llm.local import LocalTransformersClient
 
 
 def perplexity_of(loss: float) -> float:
@@ -121,8 +123,6 @@ def score_model(model_dir: str | Path, examples_path: str, prompts: Sequence[str
                 device: str = "cpu", batch_size: int = 8, log: Callable[[str], None] = print,
                 label: str = "model") -> ModelScores:
     """Per-example eval-set losses and greedy answers to ``prompts`` of one model (loaded once)."""
-    from nexa_dagster.core.common.progress import Progress
-    from nexa_dagster.core.llm.local import LocalTransformersClient
 
     with LocalTransformersClient(model_dir, batch_size=batch_size, device=device) as client:
         with Progress(log, f"{label}: eval-set examples scored") as progress:
@@ -133,6 +133,21 @@ def score_model(model_dir: str | Path, examples_path: str, prompts: Sequence[str
     log(f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "
         f"{scores.loss.tokens} tokens of {len(tokens)} examples")
     return scores
+
+
+@dataclass(frozen=True)
+class JudgeRubric:
+    """How the judge scores an answer: the score prompt, the JSON-verdict prompt and SampleGate's judge settings
+    (method, max_tokens, retries), so evaluation's judge and the data gate's judge are the same instrument."""
+
+    template: str
+    verdict_template: str
+    settings: JudgeConfig
+
+    @classmethod
+    def from_files(cls, gate_file: str = "filters.yaml", template: str = "prompts/judge.jinja",
+                   verdict_template: str = "prompts/judge_verdict.jinja") -> JudgeRubric:
+        return cls(read_text(template), read_text(verdict_template), load_gate_config(gate_file).judge)
 
 
 @dataclass
@@ -157,14 +172,13 @@ class EvalResult:
         return sum(scores) / len(scores) if scores else None
 
 
-def judge_answers(judge: LLMClient, prompts: Sequence[str], answers: Sequence[str], judge_template: str,
+def judge_answers(judge: LLMClient, prompts: Sequence[str], answers: Sequence[str], rubric: JudgeRubric,
                   log: Callable[[str], None] = print,
                   progress: Callable[[int, int], None] | None = None) -> list[JudgedAnswer]:
-    """The judge scores each answer (1-5) with SampleGate's judge settings (``configs/filters.yaml``: method,
-    max_tokens, retries); ``progress(judged, total)`` follows it, the slow part with a remote judge."""
-    settings = load_gate_config().judge  # the same judge settings as SampleGate (configs/filters.yaml)
-    scorer = Judge(judge, judge_template, read_text("prompts/judge_verdict.jinja"), settings.max_tokens,
-                   settings.method, settings.retries)
+    """The judge scores each answer (1-5) by ``rubric``; ``progress(judged, total)`` follows it, the slow part
+    with a remote judge."""
+    s = rubric.settings
+    scorer = Judge(judge, rubric.template, rubric.verdict_template, s.max_tokens, s.method, s.retries)
     out = []
     for prompt, answer in zip(prompts, answers, strict=True):
         verdict = scorer.judge(prompt, answer)
@@ -286,14 +300,12 @@ class CheckpointEvaluation:
 
 
 def compare(checkpoint_id: str, eval_set_version: int, candidate: ModelScores, production: ModelScores | None,
-            prompts: Sequence[str], judge: LLMClient, judge_template: str, confidence: float = 0.95,
+            prompts: Sequence[str], judge: LLMClient, rubric: JudgeRubric, confidence: float = 0.95,
             resamples: int = 2000, log: Callable[[str], None] = print) -> CheckpointEvaluation:
     """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
     per-example loss differences with a bootstrap interval and the order-consistent pairwise win rate."""
-    from nexa_dagster.core.common.progress import Progress
-
     with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
-        answers = judge_answers(judge, prompts, candidate.answers, judge_template, log=log, progress=progress)
+        answers = judge_answers(judge, prompts, candidate.answers, rubric, log=log, progress=progress)
     result = EvalResult(checkpoint_id, candidate.loss, answers, candidate.benchmarks,
                         production.benchmarks if production else None)
     evaluation = CheckpointEvaluation(result, eval_set_version, candidate, production)
@@ -314,7 +326,7 @@ def compare(checkpoint_id: str, eval_set_version: int, candidate: ModelScores, p
 
 
 def evaluate_checkpoint(checkpoint_id: str, checkpoint_path: str, eval_set: dict[str, Any], prompts: Sequence[str],
-                        judge: LLMClient, judge_template: str, max_new_tokens: int,
+                        judge: LLMClient, rubric: JudgeRubric, max_new_tokens: int,
                         production_path: str | None = None, log: Callable[[str], None] = print,
                         batch_size: int = 16, device: str = "cpu", confidence: float = 0.95,
                         resamples: int = 2000) -> CheckpointEvaluation:
@@ -324,5 +336,5 @@ def evaluate_checkpoint(checkpoint_id: str, checkpoint_path: str, eval_set: dict
                             checkpoint_id)
     production = None if production_path is None else score_model(
         production_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log, "production")
-    return compare(checkpoint_id, int(eval_set["version"]), candidate, production, prompts, judge, judge_template,
+    return compare(checkpoint_id, int(eval_set["version"]), candidate, production, prompts, judge, rubric,
                    confidence, resamples, log)

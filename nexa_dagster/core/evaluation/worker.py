@@ -14,7 +14,6 @@ training worker reports it (``training.worker.write_failure``), so that the laun
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -22,8 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import BenchmarkSettings
+from nexa_dagster.core.common.workers import exit_with_launcher, is_permanent, write_failure
+from nexa_dagster.core.evaluation.benchmarks import resolve_tasks, run_benchmarks
+from nexa_dagster.core.evaluation.scoring import score_model
 
 
 class EvaluationJob(BaseModel):
@@ -47,13 +50,9 @@ class EvaluationJob(BaseModel):
 
 
 def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
-    from nexa_dagster.core.evaluation.scoring import score_model
-
     device = "cuda" if job.accelerator == "cuda" else "cpu"
     tasks = None
     if job.benchmarks is not None and job.benchmarks.tasks:
-        from nexa_dagster.core.evaluation.benchmarks import resolve_tasks
-
         tasks = resolve_tasks(job.benchmarks, log)  # an unknown task or missing file fails before any model loads
     out: dict[str, Any] = {"run_id": job.run_id, "eval_set_version": job.eval_set_version, "scores": {}}
     for role, path in job.models.items():
@@ -61,8 +60,6 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
         scores = score_model(path, job.examples_path, job.prompts, job.max_new_tokens, device=device,
                              batch_size=job.batch_size, log=log, label=f"{job.run_id} {role}")
         if tasks is not None and job.benchmarks is not None and role in job.benchmark_roles:
-            from nexa_dagster.core.evaluation.benchmarks import run_benchmarks
-
             scores.benchmarks = run_benchmarks(path, job.benchmarks, tasks, device, log, f"{job.run_id} {role}")
         out["scores"][role] = scores.to_json()
         if device == "cuda":
@@ -74,8 +71,6 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nexa_dagster.core.training.worker import exit_with_launcher
-
     parser = argparse.ArgumentParser(description="Score models on a frozen eval set (one EvaluationJob).")
     parser.add_argument("--job", required=True, help="path of the EvaluationJob JSON")
     args = parser.parse_args(argv)
@@ -86,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     exit_with_launcher()
     pipes: Any = None
-    if os.environ.get("DAGSTER_PIPES_CONTEXT"):
+    if settings.PIPES_CONTEXT.is_set():
         from dagster_pipes import open_dagster_pipes
 
         pipes = open_dagster_pipes()
@@ -105,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluation {job.run_id} interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as e:
-        from nexa_dagster.core.training.worker import is_permanent, write_failure
-
         traceback.print_exc()
         message = f"evaluation {job.run_id} failed: {type(e).__name__}: {e}"
         print(message, file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nexa_dagster.core.common.artifacts import require_model_dir
 from nexa_dagster.core.llm.base import (
     Capabilities,
     ChatMessage,
@@ -22,7 +23,6 @@ from nexa_dagster.core.llm.base import (
     SamplingParams,
 )
 from nexa_dagster.core.llm.model_identity import model_fingerprint
-from nexa_dagster.core.tiny.model import ensure_model
 
 
 def unreadable_file(path: Path) -> str:
@@ -60,7 +60,7 @@ class LocalTransformersClient(LLMClient):
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        path = ensure_model(model_path)
+        path = require_model_dir(model_path)
         self.model_path = str(path)
         self.model_id = model_fingerprint(path)  # what it is, not where it lies: answers carry this id
         self.batch_size = batch_size

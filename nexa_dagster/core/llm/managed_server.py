@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.llm.base import LLMError
 
@@ -238,9 +239,9 @@ class ManagedServer:
         cmd = server_command(model, self.port, self.engine, self.device, self.continuous_batching,
                              self.extra_args, self.served_model_name)
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
-        cache = Path(os.environ.get("HF_HUB_CACHE", self.log_dir / "hf-cache"))
+        cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "HF_HUB_CACHE": str(cache),
+        env = {**settings.environ(), "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(), "HF_HUB_CACHE": str(cache),
                "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
         with open(self.log_path, "wb") as logfile:
             logfile.write(f"$ {' '.join(cmd)}\n".encode())

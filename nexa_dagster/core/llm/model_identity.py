@@ -20,6 +20,8 @@ import os
 import threading
 from pathlib import Path
 
+from nexa_dagster import settings
+
 # Files that decide what the model answers. Markers (``_COMPLETE``), lineage notes (``checkpoint.json``, which
 # names absolute paths), optimizer state and logs are left out: copying them elsewhere changes nothing.
 IDENTITY_PATTERNS = (
@@ -34,7 +36,7 @@ _MEMO_LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("NEXA_CACHE_DIR") or Path.home() / ".cache" / "nexa-dagster") / "model-fingerprints"
+    return settings.cache_root() / "model-fingerprints"
 
 
 def identity_files(model_dir: Path) -> list[Path]:

@@ -21,8 +21,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nexa_dagster.core.common.config import config_dir, invalid_file, resolve_path
-from nexa_dagster.core.common.jsonl import build_transform
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import config_dir, invalid_file, load_yaml, resolve_path, validated
+from nexa_dagster.core.packaging.shards import default_workers
+from nexa_dagster.core.packaging.transforms import build_transform
 
 ASSET_PREFIX = "asset:"
 
@@ -97,8 +99,6 @@ class DataBlend(BaseModel):
 
     def resolve(self, assets: dict[str, str | list[str]] | None = None) -> list[tuple[BlendSource, list[str]]]:
         """Each source with its input files: globs expanded (sorted), ``asset:`` names looked up in ``assets``."""
-        from nexa_dagster.core.common import storage
-
         out = []
         for source in self.sources:
             if source.is_asset:
@@ -136,12 +136,8 @@ class PackagingConfig(BaseModel):
     keep_snapshots: int = Field(default=14, ge=0)  # 0: keep every snapshot and shard
 
     def worker_count(self) -> int:
-        from nexa_dagster.core.packaging.shards import default_workers
-
         return self.workers or default_workers()
 
 
 def load_packaging_config(name: str = "packaging.yaml") -> PackagingConfig:
-    from nexa_dagster.core.common.config import load_yaml, validated
-
     return validated(PackagingConfig, name, load_yaml(name))

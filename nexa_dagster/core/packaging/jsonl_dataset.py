@@ -20,6 +20,7 @@ from nexa_dagster.core.common.jsonl import (
     OnError,
     dumps,
 )
+from nexa_dagster.core.data.splits import held_out_mask
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import DataBlend
 from nexa_dagster.core.packaging.shard_rows import source_of, transformed_rows
@@ -106,8 +107,6 @@ def partitions_to_flat_jsonl(partitions: Sequence[tuple[str, str]], out_root: st
                              validate: Callable[[pd.DataFrame, str], None] | None = None) -> list[str]:
     """One flat JSONL file per partition (day order), reading one partition's Parquet at a time, without the ids
     on the frozen eval set's side (never trained on): memory holds a day, not the history."""
-    from nexa_dagster.core.evaluation.eval_set import held_out_mask
-
     files = []
     for _, path in partitions:
         frame = storage.read_parquet(path)

@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.data.schemas import PackedSequences
 from nexa_dagster.core.llm.base import ChatMessage
+from nexa_dagster.core.packaging.formats.packed_split import PACKED_SCHEMA, iter_packed_tables
 
 
 def conversation(system_prompt: str, prompt: str, response: str) -> list[ChatMessage]:
@@ -74,12 +77,6 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
             bisect.insort(free, (capacity - n, len(bins) - 1))
     return bins
 
-
-PACKED_SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("position_ids", pa.list_(pa.int32())),
-    ("attention_mask", pa.list_(pa.int8())), ("cu_seqlens", pa.list_(pa.int32())), ("num_documents", pa.int64()),
-    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()), ("labels", pa.list_(pa.int32())),
-])
 
 IGNORE_INDEX = -100  # what the cross-entropy of PyTorch and Hugging Face skips
 
@@ -169,35 +166,6 @@ def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pa
     return table, stats
 
 
-def _split_hash(sample_id: str, seed: int) -> float:
-    return int(hashlib.sha256(f"{seed}:{sample_id}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-
-
-def is_validation(sample_id: str, fraction: float, seed: int = 0) -> bool:
-    """A stable split: a sample stays on its side whatever else arrives later."""
-    return _split_hash(sample_id, seed) < fraction
-
-
-def side_overrides(sample_ids: Sequence[str], fraction: float, seed: int = 0) -> dict[str, str]:
-    """The samples that must change side so that, with two or more samples, neither split is empty.
-
-    With a dozen samples and a 10% fraction, the hash split leaves validation empty about one time in four (and a
-    partition's sample ids depend on the teacher's answers): then the sample closest to the validation side
-    (the smallest split hash) moves there; symmetrically for an empty train side. Deterministic, and empty as soon
-    as both sides have a sample of their own.
-    """
-    hashes = {s: _split_hash(s, seed) for s in set(sample_ids)}
-    if len(hashes) < 2:
-        return {}
-    by_hash = sorted(hashes, key=lambda s: (hashes[s], s))
-    validation = sum(h < fraction for h in hashes.values())  # is_validation, from the hashes already computed
-    if validation == 0:
-        return {by_hash[0]: "validation"}
-    if validation == len(hashes):
-        return {by_hash[-1]: "train"}
-    return {}
-
-
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
@@ -229,8 +197,6 @@ class ChatTokenizer:
     @classmethod
     def from_hf(cls, tokenizer: Any, tokenizer_file: str) -> ChatTokenizer:
         """Build from a Hugging Face tokenizer; its ``tokenizer.json`` is written to ``tokenizer_file`` for workers."""
-        from nexa_dagster.core.common import storage
-
         heads: dict[str, tuple[int, ...]] = {}
         tails: dict[str, tuple[int, ...]] = {}
         for role in ("system", "user", "assistant"):
@@ -265,8 +231,6 @@ class ChatTokenizer:
         tok = _LOADED.get(self.fingerprint)
         if tok is None:
             from tokenizers import Tokenizer
-
-            from nexa_dagster.core.common import storage
 
             with storage.open_read(self.tokenizer_file) as f:
                 tok = Tokenizer.from_str(f.read().decode("utf-8"))
@@ -310,9 +274,6 @@ def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
     ``path`` is a split manifest (``core/packed_split``) or a packed Parquet file; the shard files are checked one
     at a time, and rows are numbered across the whole split, in the order training reads them.
     """
-    from nexa_dagster.core.data.schemas import PackedSequences
-    from nexa_dagster.core.packaging.formats.packed_split import iter_packed_tables
-
     where = label or path
     problems: list[str] = []
     offset = loss_tokens = 0

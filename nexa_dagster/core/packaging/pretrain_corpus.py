@@ -26,7 +26,7 @@ from nexa_dagster.core.common.jsonl import (
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import DataBlend
 from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype
-from nexa_dagster.core.packaging.packing import ChatTokenizer
+from nexa_dagster.core.packaging.packing import ChatTokenizer, tokenizer_fingerprint
 from nexa_dagster.core.packaging.shard_rows import source_of, transformed_rows
 
 FORMAT = "megatron-bin-idx/1"
@@ -121,8 +121,6 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
     N+1; ``megatron_blend.json`` lists the store's prefixes in plan order, the same list a build from nothing gives.
     """
     import pyarrow
-
-    from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
     inputs = blend.resolve(assets)
     shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)

@@ -42,7 +42,7 @@ from nexa_dagster.core.common.jsonl import (
     dumps,
 )
 from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
-from nexa_dagster.core.evaluation.eval_set import is_held_out
+from nexa_dagster.core.data.splits import is_held_out, is_validation, split_hash
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
 from nexa_dagster.core.packaging.formats import packed_split
@@ -50,7 +50,6 @@ from nexa_dagster.core.packaging.packing import (
     ChatTokenizer,
     PackingStats,
     conversation,
-    is_validation,
     pack_table,
     tokenizer_fingerprint,
 )
@@ -369,8 +368,6 @@ def streamed_side_overrides(inputs: Sequence[DayInput], fraction: float, seed: i
                             eval_fraction: float) -> dict[str, str]:
     """``packing.side_overrides`` of every trainable id, reading one day at a time and stopping as soon as both
     sides have a sample (usually within the first day): memory and time do not grow with the history."""
-    from nexa_dagster.core.packaging.packing import _split_hash
-
     validation = train = 0
     lowest: tuple[float, str] | None = None
     highest: tuple[float, str] | None = None
@@ -381,7 +378,7 @@ def streamed_side_overrides(inputs: Sequence[DayInput], fraction: float, seed: i
                 sid = str(json.loads(line)["sample_id"])
                 if is_held_out(sid, eval_fraction):
                     continue
-                h = (_split_hash(sid, seed), sid)
+                h = (split_hash(sid, seed), sid)
                 lowest = h if lowest is None or h < lowest else lowest
                 highest = h if highest is None or h > highest else highest
                 if len(distinct) < 2:

@@ -11,18 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.jsonl import (
-    BadRow,
-    OnError,
-    Record,
-    RecordError,
-    apply_transform,
-    build_transform,
-    iter_jsonl,
-)
+from nexa_dagster.core.common.jsonl import BadRow, OnError, Record, RecordError, iter_jsonl
 from nexa_dagster.core.common.jsonl import dumps as dump_line
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import BlendSource
+from nexa_dagster.core.packaging.transforms import apply_transform, build_transform
 
 Validate = Callable[[Record], None]  # raises RecordError for a transformed record the format cannot use
 

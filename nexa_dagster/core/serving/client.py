@@ -12,8 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from nexa_dagster import settings
+
 SERVICE_FILE = "service.json"
-CONTROL_URL_ENV = "NEXA_SERVING_CONTROL_URL"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -50,8 +51,8 @@ class ServingServiceClient:
         In containers (docker compose, Kubernetes) the service runs elsewhere: ``NEXA_SERVING_CONTROL_URL`` names
         its control API (e.g. ``http://serving:8001``) and ``NEXA_SERVING_URL`` its endpoint.
         """
-        if url := os.environ.get(CONTROL_URL_ENV):
-            remote = cls(url, os.environ.get("NEXA_SERVING_URL", ""), 0)
+        if url := settings.SERVING_CONTROL_URL.get():
+            remote = cls(url, settings.SERVING_URL.get(), 0)
             remote.status()  # a named service that does not answer is an error, not "no service"
             return remote
         path = Path(serving_dir) / SERVICE_FILE

@@ -9,33 +9,32 @@ loads it the same way a real model is loaded. A real model is a configuration ch
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
-from nexa_dagster.core.common.config import load_model_preset, read_text
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.common.storage import directory_lock, publish_directory
 from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
+from nexa_dagster.core.training.model.config import build_model_config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
-COMPLETION_MARKER = "_COMPLETE"
 
 
 def default_corpus() -> list[str]:
     """The CPython documentation topics (``pydoc_data.topics``): ~465K characters that ship with Python."""
-    from pydoc_data.topics import topics
-
     return [topics[k] for k in sorted(topics)]
 
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> Any:
     """Train a byte-level BPE tokenizer and return it as a ``PreTrainedTokenizerFast`` with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -68,34 +67,6 @@ def undecodable_tokens(tokenizer: Any) -> list[int]:
     return [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
 
 
-def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer: Any | None = None,
-                       output_router_logits: bool = False) -> Any:
-    """A ``transformers`` config for a model preset from ``configs/models/``.
-
-    ``output_router_logits`` adds the router's load-balancing loss to the LM loss: training wants it, inference
-    must not have it (transformers' Mixtral computes it on every forward, and it breaks left-padded batches).
-    """
-    from transformers import MixtralConfig
-
-    spec = dict(load_model_preset(preset) if isinstance(preset, str) else preset)
-    arch = spec.pop("architecture", "MixtralForCausalLM")
-    if arch != "MixtralForCausalLM":
-        raise ValueError(f"model preset {preset!r}: unsupported architecture {arch!r}")
-    unknown = sorted(set(spec) - set(MixtralConfig().to_dict()) - {"rope_theta"})
-    if unknown:  # transformers keeps unknown keys silently: a typo would train a different model than asked
-        raise ValueError(f"model preset {preset if isinstance(preset, str) else '(inline)'!r} has unknown fields "
-                         f"{unknown}; see MixtralConfig for the valid ones")
-    spec["vocab_size"] = vocab_size  # the tokenizer decides
-    extra: dict[str, Any] = {}
-    if tokenizer is not None:
-        extra = {
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-    return MixtralConfig(**spec, **extra, output_router_logits=output_router_logits)
-
-
 def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", corpus: Iterable[str] | None = None,
                          vocab_size: int = 2048, seed: int = 0) -> Path:
     """Create tokenizer + randomly initialised MoE model and save them to ``out_dir`` atomically.
@@ -105,14 +76,11 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
     (the first runs of a multi-run backfill on a fresh data root start together) take turns under a file lock:
     the first builds, the others find it complete, and a finished model is never removed from under a reader.
     """
-    import torch
-    from transformers import GenerationConfig, MixtralForCausalLM
-
     out = Path(out_dir)
     if (out / COMPLETION_MARKER).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out):
+    with directory_lock(out):
         if (out / COMPLETION_MARKER).exists():  # built by whoever held the lock before us
             return out
         tokenizer = build_tokenizer(corpus if corpus is not None else default_corpus(), vocab_size=vocab_size)
@@ -132,56 +100,3 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
 
         publish_directory(out, fill)
     return out
-
-
-def publish_directory(out: Path, fill: Callable[[Path], None]) -> None:
-    """Fill a temporary folder beside ``out``, then put it in ``out``'s place in one rename.
-
-    The caller holds ``out``'s build lock, so an existing ``out`` is an incomplete leftover of a crashed build
-    that nobody reads; on an error the temporary folder is removed and ``out`` is left as it was.
-    """
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _build_lock(out: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``.<name>.lock`` beside the model directory, released when the holder exits
-    (even killed: the kernel drops the lock with the process)."""
-    import fcntl
-
-    with open(out.parent / f".{out.name}.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def is_buildable_path(path: str | os.PathLike[str]) -> bool:
-    """Paths under a ``models/`` folder named ``tiny-*`` are built on first use (copied from the machine's cache of
-    the pretrained tiny model, ``core/tiny/pretrain.py``); anything else must exist."""
-    p = Path(path)
-    return p.name.startswith("tiny-") and p.parent.name == "models"
-
-
-def ensure_model(path: str | os.PathLike[str]) -> Path:
-    """Return a loadable local model directory, building the tiny model there if it is missing."""
-    p = Path(path)
-    if (p / "config.json").exists():
-        return p
-    if is_buildable_path(p):  # the tiny teacher/judge: pretrained on Python's docs, once per machine (cached)
-        from nexa_dagster.core.tiny.pretrain import build_pretrained_tiny_lm
-
-        return build_pretrained_tiny_lm(p)
-    raise FileNotFoundError(
-        f"model directory {p} has no config.json; point the model path at a Hugging Face model directory "
-        "or at data/models/tiny-<name> to have the project build its tiny model there"
-    )

@@ -37,15 +37,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoTokenizer
+
+from nexa_dagster import settings
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.config import load_model_preset, read_text
-from nexa_dagster.core.tiny.model import (
-    COMPLETION_MARKER,
-    _build_lock,
-    build_tiny_causal_lm,
-    default_corpus,
-    publish_directory,
-)
+from nexa_dagster.core.common.storage import directory_lock, publish_directory
+from nexa_dagster.core.distill.teacher import render
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm, default_corpus
 from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
+from nexa_dagster.core.training.init import load_mixtral_checkpoint
+from nexa_dagster.core.training.model.moe import to_hf
 
 RECIPE_VERSION = 2  # raise when the code below changes what it builds
 SHIPPED_ROOT = Path(__file__).resolve().parent / "weights"
@@ -66,19 +69,6 @@ class TinyPretrainRecipe:
     window_chars: int = 600  # the scale's max_chars_per_doc: what the teacher prompt shows of a document
     answer_chars: int = 200  # about the teacher's max_new_tokens (40) of text
     judge_share: float = 0.5  # of the examples in a batch
-
-
-def model_cache_root() -> Path:
-    """``$NEXA_MODEL_CACHE``, else ``$XDG_CACHE_HOME/nexa-dagster/models``, else ``~/.cache/nexa-dagster/models``
-    (the temporary directory's ``nexa-dagster-models`` when there is no writable home)."""
-    if os.environ.get("NEXA_MODEL_CACHE"):
-        return Path(os.environ["NEXA_MODEL_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nexa-dagster" / "models"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable home (a locked-down container): the machine's temporary directory
-        base = Path(tempfile.gettempdir()) / "nexa-dagster-models"
-    return base
 
 
 def recipe_key(recipe: TinyPretrainRecipe, corpus: list[str]) -> str:
@@ -104,8 +94,6 @@ class ExampleMaker:
     """Draws training conversations (teacher and judge) from the corpus with one seeded RNG."""
 
     def __init__(self, corpus: list[str], recipe: TinyPretrainRecipe, titles: list[str] | None = None) -> None:
-        from nexa_dagster.core.distill.teacher import render
-
         self.render = render
         self.recipe = recipe
         self.docs = [d for d in corpus if len(d) > recipe.window_chars + recipe.answer_chars // 2]
@@ -175,8 +163,6 @@ def _encode(tokenizer: Any, messages: list[dict[str, str]], answer_only: bool,
 
 def _batch(tokenizer: Any, examples: list[tuple[list[int], list[int]]]) -> tuple[Any, Any]:
     """Right-padded ids and labels (padding learns nothing; a causal mask keeps it out of earlier positions)."""
-    import torch
-
     width = max(len(ids) for ids, _ in examples)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in examples])
@@ -191,8 +177,6 @@ def pretrain(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe) -> 
     a CPU) and saves it back as transformers' Mixtral. Each step is a teacher batch and a judge batch, their mean
     losses added, so the judge's one score token per example weighs as much as the teacher's answers.
     """
-    import torch
-
     t0, cpu0 = time.perf_counter(), time.process_time()
     threads = torch.get_num_threads()
     # one thread: this model is too small to gain from two, and on a busy machine (tests and runs beside it) two
@@ -206,12 +190,6 @@ def pretrain(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe) -> 
 
 def _train(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: float,
            cpu0: float) -> dict[str, float]:
-    import torch
-    from transformers import AutoTokenizer
-
-    from nexa_dagster.core.training.init import load_mixtral_checkpoint
-    from nexa_dagster.core.training.model.moe import to_hf
-
     torch.manual_seed(recipe.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_mixtral_checkpoint(str(model_dir), attention="causal")
@@ -266,14 +244,14 @@ def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretra
     key = recipe_key(recipe, docs)
     source = shipped_model(key)
     if source is None:
-        source = model_cache_root() / f"tiny-pretrained-{key}"
+        source = settings.model_cache_root() / f"tiny-pretrained-{key}"
         if recipe == TinyPretrainRecipe() and corpus is None:
             log.warning("the repository ships no tiny model for recipe %s (a prompt, the chat template, the preset "
                         "or the recipe changed): building one on this machine, whose weights depend on its CPU; "
                         "`make tiny-models` rebuilds the shipped copy", key)
         _build_cached(source, recipe, docs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out):
+    with directory_lock(out):
         if not (out / COMPLETION_MARKER).exists():
             publish_directory(out, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
     return out
@@ -284,7 +262,7 @@ def _build_cached(cached: Path, recipe: TinyPretrainRecipe, docs: list[str]) -> 
     if (cached / COMPLETION_MARKER).exists():
         return
     cached.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(cached):
+    with directory_lock(cached):
         if not (cached / COMPLETION_MARKER).exists():
             _build_into(cached, recipe, docs)
 
@@ -308,8 +286,6 @@ def ship(recipe: TinyPretrainRecipe | None = None) -> Path:
 def _kernels() -> dict[str, str]:
     """What decided the float results of a build: PyTorch's version and the CPU kernels it picked."""
     import platform
-
-    import torch
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "machine": platform.machine()}

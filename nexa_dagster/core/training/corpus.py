@@ -12,7 +12,7 @@ here is the SHA-256 of its tokens (as int64), which is stable whatever the shard
 document stays on its side whatever else arrives in later corpora. The held-out documents never enter a
 training row; their perplexity is the base model's own validation loss.
 
-Before that split, the documents on the frozen eval set's side (``core.eval_set.is_held_out`` of the document id
+Before that split, the documents on the frozen eval set's side (``core.data.splits.is_held_out`` of the document id
 below ``eval_set.corpus_fraction``: the eval set's salt, independent of the training seed and of
 ``heldout_fraction``) are taken out of the corpus altogether, as packaging takes held-out samples out of both SFT
 splits: whatever corpus a base model trains on, later and bigger ones included, it never trains on a document
@@ -21,52 +21,15 @@ that an eval-set version froze (``core.eval_set.freeze_eval_set``), so base mode
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from nexa_dagster.core.common import storage
-from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDataset
-from nexa_dagster.core.packaging.packing import is_validation, side_overrides
+from nexa_dagster.core.data.splits import is_held_out, is_validation, side_overrides
+from nexa_dagster.core.packaging.formats.indexed_dataset import corpus_prefixes, document_id, read_documents
 
 Batch = dict[str, torch.Tensor]
-
-
-def document_id(tokens: np.ndarray) -> str:
-    """A content id for a tokenized document: the same tokens give the same id in any shard or dtype."""
-    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
-
-
-def corpus_prefixes(path: str) -> list[str]:
-    """The bin/idx prefixes of a corpus given as ``megatron_blend.json``, a corpus root (which holds one), or
-    one prefix (``<prefix>.idx`` exists)."""
-    if storage.exists(f"{path}.idx"):
-        return [path]
-    blend = path if path.endswith(".json") else storage.join(path, "megatron_blend.json")
-    if not storage.exists(blend):
-        raise FileNotFoundError(f"pretraining corpus not found: {path} (neither a megatron_blend.json, a corpus "
-                                "directory holding one, nor a bin/idx prefix)")
-    data_paths = storage.read_json(blend).get("data_paths")
-    if not isinstance(data_paths, list) or len(data_paths) % 2:
-        raise ValueError(f"{blend}: data_paths must be a list of [weight, prefix, ...] pairs")
-    prefixes = [str(p) for p in data_paths[1::2]]
-    if not prefixes:
-        raise ValueError(f"pretraining corpus {blend} lists no non-empty shard")
-    return prefixes
-
-
-def read_documents(prefixes: list[str]) -> list[np.ndarray]:
-    """Every document of the corpus, each as one token array (a document's sequences joined), in corpus order."""
-    documents: list[np.ndarray] = []
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        for d in range(dataset.num_documents):
-            parts = dataset.document(d)
-            if parts:
-                documents.append(np.concatenate(parts).astype(np.int64))
-    return documents
 
 
 @dataclass(frozen=True)
@@ -78,8 +41,7 @@ class CorpusSplit:
 
 
 def without_eval_set_documents(documents: list[np.ndarray], eval_fraction: float) -> list[np.ndarray]:
-    """The documents not on the frozen eval set's side (``core.eval_set.is_held_out`` of their id)."""
-    from nexa_dagster.core.evaluation.eval_set import is_held_out
+    """The documents not on the frozen eval set's side (``core.data.splits.is_held_out`` of their id)."""
 
     return [d for d in documents if not is_held_out(document_id(d), eval_fraction)]
 

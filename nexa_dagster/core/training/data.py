@@ -13,15 +13,15 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame
 from nexa_dagster.core.packaging.packing import IGNORE_INDEX, learned
-
-if TYPE_CHECKING:
-    from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.core.training.corpus import load_corpus
+from nexa_dagster.core.training.job import TrainingJob
 
 Batch = dict[str, torch.Tensor]
 
@@ -37,8 +37,6 @@ def load_packed(path: str) -> Batch:
     ``path`` is the snapshot's split manifest (its shard files, read in manifest order: the rows and order the
     concatenated file had) or one packed Parquet file (older datasets, hand-made ones).
     """
-    from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame
-
     frame = read_packed_frame(path)
     missing = [c for c in PACKED_COLUMNS if c not in frame.columns]
     if missing:
@@ -174,8 +172,6 @@ def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:
     """
     vocab_size = len(tokenizer)
     if job.data_kind == "pretrain_corpus":
-        from nexa_dagster.core.training.corpus import load_corpus
-
         if job.pack_size <= 0:
             raise ValueError(f"training job {job.run_id}: a pretrain_corpus job needs pack_size > 0")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

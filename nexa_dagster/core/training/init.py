@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
+
 INIT_NAMES = ("base", "production", "scratch")
 MIXTRAL = "MixtralForCausalLM"
 
@@ -73,8 +75,6 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     one the data (``data_label``) was tokenized with: the same tokenizer when the checkpoint ships one, else an
     embedding table large enough for every token id of the data's tokenizer.
     """
-    from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
-
     config = read_config(path)
     architectures = config.get("architectures") or []
     if config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures):
@@ -108,6 +108,7 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
     older per-expert one, works) in fp32, the training dtype before DeepSpeed casts; then every tensor is copied
     into ``NexaMoEForCausalLM``, whose parameter names are transformers'. A tensor that does not map is an error.
     """
+    # torch and transformers (3+ s to import) only when a model is loaded: the code location imports this module
     import torch
     from transformers import MixtralForCausalLM
 

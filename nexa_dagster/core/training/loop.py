@@ -30,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nexa_dagster import settings
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_point
 from nexa_dagster.core.common.progress import Progress
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
 from nexa_dagster.core.training import monitor
 from nexa_dagster.core.training.data import (
     IGNORE_INDEX,
@@ -43,7 +45,9 @@ from nexa_dagster.core.training.data import (
     micro_batches,
 )
 from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
+from nexa_dagster.core.training.init import load_mixtral_checkpoint
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.training.model.config import build_model_config
 from nexa_dagster.core.training.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
 from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 from nexa_dagster.core.training.stop import STOP, StopRequested
@@ -51,20 +55,14 @@ from nexa_dagster.core.training.stop import STOP, StopRequested
 LogFn = Callable[[int, dict[str, float]], None]
 MessageFn = Callable[[str], None]
 
-FAULT_STALL_ENV = "NEXA_FAULT_STALL_AT_STEP"  # fault injection for tests: hang after this step
-FAULT_NAN_ENV = "NEXA_FAULT_NAN_AT_STEP"  # fault injection for tests: a NaN loss at this step
 
 
 # -- model and optimisation -------------------------------------------------------------------------------------
 def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEForCausalLM:
     """The MoE to train: the weights of ``job.init_from`` (a Mixtral HF directory), or a randomly initialised
     one from the preset; same seed and same weights on every rank, so every rank starts identical."""
-    from nexa_dagster.core.tiny.model import build_model_config
-
     torch.manual_seed(job.settings.seed)
     if job.init_from:
-        from nexa_dagster.core.training.init import load_mixtral_checkpoint
-
         model = load_mixtral_checkpoint(job.init_from, attention=job.settings.attention)
         if model.config.vocab_size < vocab_size:
             raise ValueError(f"init_from {job.init_from}: vocab_size {model.config.vocab_size} is smaller than the "
@@ -404,7 +402,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
 
     t_start = time.perf_counter()
     s = job.settings
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = int(settings.RANK.get()), int(settings.WORLD_SIZE.get())
 
     def say(message: str) -> None:
         if on_message and rank == 0:
@@ -450,8 +448,6 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
                                        start=start_step * accumulation), device, depth=s.prefetch)
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
-    stall_at = int(os.environ.get(FAULT_STALL_ENV, "0"))
-    nan_at = int(os.environ.get(FAULT_NAN_ENV, "0"))
     control = Control(world_size)
     guard = NonFiniteGuard(engine, device, control.group)
     window = MetricsWindow(batches, world_size, per_token_flops, peak, device, last_step=start_step)
@@ -478,7 +474,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
             lr = engine.get_lr()[0]  # the rate this step's update uses
             try:
                 lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation, control, guard,
-                                                                        step, poison=step == nan_at)
+                                                                        step, poison=fault_point(NAN_AT_STEP, step=step))
             except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
                 if stop.step > start_step:
                     if stop.step > window.last_step:
@@ -490,8 +486,7 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
             window.add(tokens)
             watchdog.beat()
             progress(step, s.max_steps)
-            if step == stall_at:
-                time.sleep(10 * s.stall_timeout_s)
+            fault_point(STALL_AT_STEP, step=step, stall_s=10 * s.stall_timeout_s)  # test-only: common/faults.py
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
                 log_line(step, *last)
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:

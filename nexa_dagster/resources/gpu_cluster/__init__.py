@@ -29,21 +29,13 @@ from nexa_dagster.resources.gpu_cluster.base import (
 )
 from nexa_dagster.resources.gpu_cluster.kubernetes import KubernetesGPUCluster
 from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
-from nexa_dagster.resources.gpu_cluster.slurm import (
-    SlurmGPUCluster,
-    output_tail,
-    slurm_job_fields,
-    slurm_state,
-    submit_and_wait,
-    wait_for_slurm_job,
-)
+from nexa_dagster.resources.gpu_cluster.slurm import SlurmGPUCluster
 
 BACKENDS: dict[str, type[GPUClusterResource]] = {
     cls.backend: cls for cls in (LocalGPUCluster, SlurmGPUCluster, KubernetesGPUCluster)}
 
 __all__ = ["BACKENDS", "GPUClusterResource", "KubernetesGPUCluster", "LocalGPUCluster", "SlurmGPUCluster",
-           "WorkerFailed", "WorkerLaunch", "gpu_cluster_from_settings", "output_tail", "read_result",
-           "slurm_job_fields", "slurm_state", "stderr_tail", "submit_and_wait", "wait_for_slurm_job",
+           "WorkerFailed", "WorkerLaunch", "gpu_cluster_from_settings", "read_result", "stderr_tail",
            "worker_failure"]
 
 

@@ -20,13 +20,14 @@ from typing import Any, ClassVar, Literal
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core.cluster import launch_specs
+from nexa_dagster.core.cluster.commands import evaluation_argv, worker_argv
 from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.workers import FAILURE_FILE, STDERR_LOG
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.packaging.shards import ShardRunner
-from nexa_dagster.core.tiny.model import COMPLETION_MARKER
+from nexa_dagster.core.training.init import check_init_checkpoint
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
-from nexa_dagster.core.training.worker import FAILURE_FILE, STDERR_LOG
 
 STDERR_TAIL_LINES = 40
 WORKER_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -62,9 +63,9 @@ class WorkerLaunch:
     def argv(self, python: str, procs_per_node: int, nodes: int = 1, rendezvous: str = "") -> list[str]:
         """The worker's command line: training's ranks under ``torchrun``, evaluation as one process."""
         if self.distributed:
-            return launch_specs.worker_argv(python, str(self.job_file), str(self.work_dir), procs_per_node, nodes,
+            return worker_argv(python, str(self.job_file), str(self.work_dir), procs_per_node, nodes,
                                             rendezvous)
-        return launch_specs.evaluation_argv(python, str(self.job_file))
+        return evaluation_argv(python, str(self.job_file))
 
     def with_env(self, extra: dict[str, str]) -> WorkerLaunch:
         return replace(self, env={**self.env, **extra})
@@ -94,7 +95,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
                      max_parallel: int = 0) -> ShardRunner | None:
         """Where packaging shards run on this backend (``shards.run_shards(runner=...)``): ``None`` keeps this
         machine's worker processes (the local backend); Slurm and Kubernetes return a runner that submits one
-        element per shard (``core/cluster/shard_runners.py``), ``max_parallel`` at once (0: no limit), its task files and
+        element per shard (``core/cluster/slurm.py``, ``core/cluster/kubernetes.py``), ``max_parallel`` at once (0: no limit), its task files and
         logs under ``work_dir``."""
         return None
 
@@ -180,15 +181,14 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             raise dg.Failure(f"training {job.run_id}: checkpoint {job.output_dir} is already complete; a new run "
                              "needs a new run_id", allow_retries=False)
         try:  # a wrong DeepSpeed field or model preset fails here, in seconds, not after the cluster's queue
-            from nexa_dagster.core.tiny.model import build_model_config
+            # (these import torch and transformers, 3+ s: only when a training is launched, not at every load)
             from nexa_dagster.core.training.loop import fill_deepspeed_config
+            from nexa_dagster.core.training.model.config import build_model_config
 
             fill_deepspeed_config(job, self.world_size())
             build_model_config(job.model_preset, vocab_size=32)
             if job.init_from:  # a wrong architecture or vocabulary fails here, not after the model is loaded
                 from transformers import AutoTokenizer
-
-                from nexa_dagster.core.training.init import check_init_checkpoint
 
                 check_init_checkpoint(job.init_from, AutoTokenizer.from_pretrained(job.tokenizer_path),
                                       f"{job.train_path}")

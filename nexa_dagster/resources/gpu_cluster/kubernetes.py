@@ -12,8 +12,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core.cluster import launch_specs
-from nexa_dagster.core.cluster.shard_runners import KubernetesIndexedJobRunner
+from nexa_dagster.core.cluster.kubernetes import KubernetesIndexedJobRunner, k8s_pod_spec
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerLaunch
 
 
@@ -45,7 +44,7 @@ class KubernetesGPUCluster(GPUClusterResource):
 
     def pod_spec(self, launch: WorkerLaunch) -> dict[str, Any]:
         procs = self.num_procs if launch.distributed else 1
-        return launch_specs.k8s_pod_spec(
+        return k8s_pod_spec(
             image=self.k8s_image, command=launch.argv("python", procs),
             gpus_per_pod=procs if self.accelerator == "cuda" else 0,
             container_name="trainer" if launch.distributed else "evaluator", data_pvc=self.k8s_data_pvc,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from nexa_dagster.core.training.worker import ECHO_ENV, LAUNCHER_PID_ENV
+from nexa_dagster import settings
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerLaunch
 
 
@@ -31,4 +31,4 @@ class LocalGPUCluster(GPUClusterResource):
         # show every line twice)
         return dg.PipesSubprocessClient().run(
             context=context, command=command, cwd=str(launch.work_dir),
-            env={**launch.env, LAUNCHER_PID_ENV: str(os.getpid()), ECHO_ENV: "0"})
+            env={**launch.env, settings.LAUNCHER_PID.name: str(os.getpid()), settings.WORKER_ECHO.name: "0"})

@@ -24,6 +24,7 @@ Writes are streaming (tokens go to disk as they come; only the per-sequence leng
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Iterable, Iterator
 from types import TracebackType
@@ -217,3 +218,39 @@ class IndexedDataset:
         """The sequences of document ``d``."""
         lo, hi = int(self.document_indices[d]), int(self.document_indices[d + 1])
         return [self[i] for i in range(lo, hi)]
+
+
+# -- a corpus: the prefixes megatron_blend.json lists, and its documents -------------------------------------------
+def document_id(tokens: np.ndarray) -> str:
+    """A content id for a tokenized document: the same tokens give the same id in any shard or dtype."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def corpus_prefixes(path: str) -> list[str]:
+    """The bin/idx prefixes of a corpus given as ``megatron_blend.json``, a corpus root (which holds one), or
+    one prefix (``<prefix>.idx`` exists)."""
+    if storage.exists(f"{path}.idx"):
+        return [path]
+    blend = path if path.endswith(".json") else storage.join(path, "megatron_blend.json")
+    if not storage.exists(blend):
+        raise FileNotFoundError(f"pretraining corpus not found: {path} (neither a megatron_blend.json, a corpus "
+                                "directory holding one, nor a bin/idx prefix)")
+    data_paths = storage.read_json(blend).get("data_paths")
+    if not isinstance(data_paths, list) or len(data_paths) % 2:
+        raise ValueError(f"{blend}: data_paths must be a list of [weight, prefix, ...] pairs")
+    prefixes = [str(p) for p in data_paths[1::2]]
+    if not prefixes:
+        raise ValueError(f"pretraining corpus {blend} lists no non-empty shard")
+    return prefixes
+
+
+def read_documents(prefixes: list[str]) -> list[np.ndarray]:
+    """Every document of the corpus, each as one token array (a document's sequences joined), in corpus order."""
+    documents: list[np.ndarray] = []
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix)
+        for d in range(dataset.num_documents):
+            parts = dataset.document(d)
+            if parts:
+                documents.append(np.concatenate(parts).astype(np.int64))
+    return documents

@@ -17,10 +17,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from nexa_dagster.core.common import storage
 
 FORMAT = "nexa-packed-shards/1"
 SUFFIX = ".shards.json"
+# one row of packed SFT data: exactly pack_size tokens (the column-by-column meaning: README.md in this folder)
+PACKED_SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("position_ids", pa.list_(pa.int32())),
+    ("attention_mask", pa.list_(pa.int8())), ("cu_seqlens", pa.list_(pa.int32())), ("num_documents", pa.int64()),
+    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()), ("labels", pa.list_(pa.int32())),
+])
 
 
 def split_manifest_path(snapshot_root: str, split: str) -> str:
@@ -93,8 +102,6 @@ def split_files(path: str, check_sizes: bool = True) -> list[str]:
 
 def iter_packed_tables(path: str, columns: Sequence[str] | None = None) -> Iterator[tuple[str, Any]]:
     """``(file, pyarrow table)`` per shard file of the split, in order: one shard in memory at a time."""
-    import pyarrow.parquet as pq
-
     for file in split_files(path):
         with storage.open_read(file) as f:
             yield file, pq.read_table(f, columns=list(columns) if columns else None)
@@ -102,12 +109,8 @@ def iter_packed_tables(path: str, columns: Sequence[str] | None = None) -> Itera
 
 def read_packed_table(path: str, columns: Sequence[str] | None = None) -> Any:
     """The whole split as one pyarrow table (rows in manifest order), for readers that hold it anyway."""
-    import pyarrow as pa
-
     tables = [t for _, t in iter_packed_tables(path, columns)]
     if not tables:
-        from nexa_dagster.core.packaging.packing import PACKED_SCHEMA
-
         schema = PACKED_SCHEMA if columns is None else pa.schema([PACKED_SCHEMA.field(c) for c in columns])
         return schema.empty_table()
     return pa.concat_tables(tables)

@@ -1,0 +1,160 @@
+"""Distillation: each day's documents become prompts the teacher answers, and SampleGate keeps the good answers.
+
+* ``teacher_samples``: answers are committed one by one to a durable per-partition store
+  (``core/distill/generation_store.py``) under ``<data_root>/generation_store/teacher_samples/``, so a run killed
+  halfway is resumed by materializing again: stored answers are reused, only the missing ones are paid for.
+* ``filtered_samples`` / ``rejected_samples`` (SampleGate): heuristics, dedup, then the LLM judge; accepted and
+  rejected rows both kept, every rejection with its reason. An asset check comes with every materialization: the
+  pass rate against the band in the SampleGate file (a warning: a sudden drop usually means a broken teacher or
+  judge, not bad data). The schema of both tables has one place, their pandera Dagster types: a frame that breaks
+  it fails the step with the column and rows named before anything is stored.
+"""
+
+import tempfile
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+
+from nexa_dagster.assets.common import (
+    MODEL_CALL_RETRY,
+    SINGLE_RUN_BACKFILL,
+    no_retry_on_permanent_llm_errors,
+    preview,
+    progress_logger,
+)
+from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.assets.types import (
+    FilteredSamplesType,
+    RawDocumentsType,
+    RejectedSamplesType,
+    TeacherSamplesType,
+)
+from nexa_dagster.core.distill.generation_store import GenerationStore
+from nexa_dagster.core.distill.sample_gate import apply_sample_gate
+from nexa_dagster.core.distill.teacher import build_prompts, generate_teacher_samples
+from nexa_dagster.core.llm.base import SamplingParams
+from nexa_dagster.resources.configs import PromptsResource, SampleGateResource
+from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.scale import ScaleResource
+from nexa_dagster.resources.storage import StorageResource
+
+
+def generation_store_dir(storage: StorageResource) -> Path:
+    """A local directory (SQLite needs one): under the data root when it is local, else a local cache."""
+    if "://" in storage.data_root:
+        return Path(tempfile.gettempdir()) / "nexa-generation-store" / "teacher_samples"
+    return Path(storage.root) / "generation_store" / "teacher_samples"
+
+
+@dg.asset(
+    group_name="distillation",
+    partitions_def=daily_partitions,
+    backfill_policy=SINGLE_RUN_BACKFILL,
+    retry_policy=MODEL_CALL_RETRY,
+    ins={"raw_documents": dg.AssetIn(dagster_type=RawDocumentsType)},
+    dagster_type=TeacherSamplesType,
+    kinds={"python", "parquet"},
+    description="Prompts rendered from configs/prompts/teacher.jinja and the teacher model's answers (and "
+                "reasoning traces when the teacher returns them), with model id, token counts and latency per "
+                "sample. Resumable: answers already paid for are reused from the generation store.",
+)
+def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame, teacher_llm: LLMResource,
+                    storage: StorageResource, scale_preset: ScaleResource, prompts: PromptsResource) -> pd.DataFrame:
+    scale = scale_preset.load()
+    params = SamplingParams(max_tokens=scale.teacher.max_new_tokens, temperature=scale.teacher.temperature,
+                            top_p=scale.teacher.top_p, seed=scale.teacher.seed)
+    store_dir = generation_store_dir(storage)
+    with (no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.where()}"),
+          teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store):
+        requests = build_prompts(raw_documents, prompts.text("teacher"), prompts.text("teacher_system"),
+                                 teacher.identity, params, scale.generations_per_prompt)
+        context.log.info(f"{len(requests)} teacher prompts for {teacher!r} (identity {teacher.identity}); "
+                         f"store {store_dir}")
+        with progress_logger(context, "teacher answers") as progress:
+            samples, stats = generate_teacher_samples(teacher, requests, params, store,
+                                                      batch_size=teacher_llm.batch(), progress=progress)
+    if len(samples) and stats.failed == len(samples):
+        # nothing came back at all: the endpoint is down or misconfigured, not a few flaky requests
+        raise dg.Failure(f"every teacher request failed; first error: {samples['error'].iloc[0]}")
+    context.log.info(f"{stats.reused} answers reused from the store, {stats.generated} generated, "
+                     f"{stats.failed} failed ({stats.tokens_per_s:.1f} generated tokens/s)")
+    metadata: dict[str, object] = {
+        "dagster/row_count": len(samples),
+        "teacher": dg.MetadataValue.json(teacher_llm.describe()),
+        "scale": scale.name,
+        "reused": stats.reused,
+        "generated": stats.generated,
+        "failed_requests": stats.failed,
+        "prompt_tokens": int(samples["prompt_tokens"].sum()),
+        "completion_tokens": int(samples["completion_tokens"].sum()),
+        "generated_prompt_tokens": stats.prompt_tokens,
+        "generated_completion_tokens": stats.completion_tokens,
+        "generation_wall_s": round(stats.wall_s, 3),
+        "tokens_per_s": round(stats.tokens_per_s, 2),
+        "mean_latency_s": round(float(samples["latency_s"].mean()), 4) if len(samples) else 0.0,
+        "with_reasoning": int(samples["reasoning"].notna().sum()),
+        "sampling": dg.MetadataValue.json(params.__dict__),
+        "generation_store": dg.MetadataValue.path(str(store_dir)),
+        "preview": preview(samples, ["sample_id", "prompt", "response", "completion_tokens"]),
+    }
+    if (prices := teacher_llm.price_per_1m_tokens()) is not None:
+        metadata["estimated_cost_usd"] = round(stats.cost(*prices), 6)
+    context.add_output_metadata(metadata)
+    return samples
+
+
+@dg.multi_asset(
+    group_name="filtering",
+    partitions_def=daily_partitions,
+    backfill_policy=SINGLE_RUN_BACKFILL,
+    retry_policy=MODEL_CALL_RETRY,
+    ins={"teacher_samples": dg.AssetIn(dagster_type=TeacherSamplesType)},
+    outs={
+        "filtered_samples": dg.AssetOut(dagster_type=FilteredSamplesType, kinds={"parquet"},
+                                        description="Samples that passed SampleGate, with the judge's verdict."),
+        "rejected_samples": dg.AssetOut(dagster_type=RejectedSamplesType, kinds={"parquet"},
+                                        description="Samples SampleGate rejected, each with its reason code and "
+                                                    "the judge's score and rationale when it saw them."),
+    },
+    check_specs=[
+        dg.AssetCheckSpec("pass_rate_in_band", asset="filtered_samples",
+                          description="Warns when the share of samples that pass leaves the SampleGate file's "
+                                      "pass_rate_band (configs/filters.yaml by default)."),
+    ],
+)
+def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame, judge_llm: LLMResource,
+                storage: StorageResource, sample_gate_config: SampleGateResource, prompts: PromptsResource):
+    config = sample_gate_config.config()
+    dedup_root = storage.path("dedup", "filtered_samples")
+    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
+          judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress):
+        result = apply_sample_gate(teacher_samples, config, judge, prompts.text("judge"), prompts.text("judge_verdict"),
+                                   dedup_root, progress=progress)
+    context.log.info(f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
+                     f"{result.judge_method}; engine offers {result.judge_capabilities})")
+    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
+    common = {"judge": dg.MetadataValue.json(judge_llm.describe()), "judge_method": result.judge_method,
+              "judge_capabilities": dg.MetadataValue.json(result.judge_capabilities),
+              "pass_rate": round(result.pass_rate, 4), "thresholds": f"configs/{sample_gate_config.file}"}
+    yield dg.Output(filtered, output_name="filtered_samples", metadata={
+        **common, "dagster/row_count": len(filtered),
+        "mean_judge_score": round(float(filtered["judge_score"].mean()), 3) if len(filtered) else None,
+        "dedup_history_partitions": len(result.history_partitions),
+        "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
+    })
+    yield dg.Output(rejected, output_name="rejected_samples", metadata={
+        **common, "dagster/row_count": len(rejected), "reasons": dg.MetadataValue.json(reasons),
+        "judge_errors": reasons.get("judge_error", 0),
+        "duplicates": reasons.get("exact_duplicate", 0) + reasons.get("near_duplicate", 0),
+        "judged": result.judged, "judge_attempts": result.judge_attempts,
+        "preview": preview(rejected, ["sample_id", "response", "reason"]),
+    })
+    lo, hi = config.pass_rate_band
+    yield dg.AssetCheckResult(
+        asset_key="filtered_samples", check_name="pass_rate_in_band",
+        passed=bool(result.total == 0 or lo <= result.pass_rate <= hi), severity=dg.AssetCheckSeverity.WARN,
+        metadata={"pass_rate": round(result.pass_rate, 4), "band": dg.MetadataValue.json([lo, hi]),
+                  "samples": result.total, "reasons": dg.MetadataValue.json(reasons)})
+    context.log.info(f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
+                     f"reason: {reasons}")

@@ -1,0 +1,55 @@
+"""Fault injection for the fault tests, and nothing else: the one place a test can make production code fail.
+
+A fault test sets one environment variable in the process it starts (never in its own), and the production code
+calls ``fault_point(name, ...)`` at the moment the fault must strike. Unset, a fault point costs one dictionary
+lookup, done once per process: the variables are read when this module is first imported.
+
+====================================  ==================================================================
+``NEXA_FAULT_KILL_BEFORE_RENAME``     a glob: SIGKILL the process when a file matching it is fully
+                                      written and not yet renamed into place (``storage.atomic_writer``)
+``NEXA_FAULT_STALL_AT_STEP``          a step: the training loop hangs after it (the stall watchdog test)
+``NEXA_FAULT_NAN_AT_STEP``            a step: that step's loss is NaN (the non-finite guard test)
+====================================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import signal
+import time
+
+KILL_BEFORE_RENAME = "NEXA_FAULT_KILL_BEFORE_RENAME"
+STALL_AT_STEP = "NEXA_FAULT_STALL_AT_STEP"
+NAN_AT_STEP = "NEXA_FAULT_NAN_AT_STEP"
+FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP)
+
+_armed: dict[str, str] = {name: os.environ[name] for name in FAULTS if os.environ.get(name)}
+
+
+def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.0) -> bool:
+    """Strike the fault ``name`` if a test armed it for this moment.
+
+    ``KILL_BEFORE_RENAME``: kills this process when ``path`` matches the armed glob (does not return).
+    ``STALL_AT_STEP``: sleeps ``stall_s`` at the armed step. ``NAN_AT_STEP``: returns True at the armed step (the
+    caller poisons its loss). Anything else, or nothing armed: returns False at once.
+    """
+    armed = _armed.get(name)
+    if armed is None:
+        return False
+    if name == KILL_BEFORE_RENAME:
+        if fnmatch.fnmatch(path, armed):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return False
+    if int(armed) != step:
+        return False
+    if name == STALL_AT_STEP:
+        time.sleep(stall_s)
+    return True
+
+
+def fault_env(name: str, value: str | int) -> dict[str, str]:
+    """The environment entry that arms fault ``name`` in a process a test starts."""
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; one of {', '.join(FAULTS)}")
+    return {name: str(value)}

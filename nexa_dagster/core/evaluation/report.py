@@ -1,0 +1,144 @@
+"""One evaluation, one record: the ``EvalReport`` built once from what was measured and decided.
+
+The report's files (``report.json``, ``report.md``), the asset's metadata, the MLflow metrics and the leaderboard
+row are all derived from that one record (``report_figures``, ``mlflow_metrics``, ``leaderboard_row``), so a figure
+has one name and one value everywhere a person reads it. ``read_checkpoint`` is the other half: which checkpoint
+was measured, from the record in its folder (our own, or a folder copied in by hand).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, EvalReport
+from nexa_dagster.core.evaluation.benchmarks import flat_scores
+from nexa_dagster.core.evaluation.promotion import GateDecision
+from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, write_report
+
+
+def read_checkpoint(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
+    """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand.
+
+    The record is read for its lineage, never for where the model is or what it is called: a folder copied from
+    another data root or host carries the absolute path it was written at, and a copy beside its original carries
+    the original's id, so the model is always the folder it was found in and its id the folder's name (the
+    partition). Under the record's id, a copy's report would overwrite the original's and the leaderboard would
+    hold one id twice. Raises ``ValueError`` (naming the folder) for an incomplete or unloadable checkpoint."""
+    if not (ckpt_dir / COMPLETION_MARKER).exists():
+        raise ValueError(f"checkpoint {ckpt_dir} is not complete (no {COMPLETION_MARKER} marker)")
+    record = ckpt_dir / "checkpoint.json"
+    try:
+        if record.exists():
+            return Checkpoint.model_validate({**storage.read_json(record), "path": str(ckpt_dir),
+                                              "checkpoint_id": checkpoint_id})
+        job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
+        if job.exists() and summary.exists():
+            # written by the training worker before its completion marker, so always there for our own
+            # checkpoints (checkpoint.json, with the MLflow ids, follows a moment later from the training asset)
+            j, r = storage.read_json(job), storage.read_json(summary)
+            return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
+                              training_loss=r["final_loss"], validation_loss=r["validation_loss"],
+                              dataset_run_hash=j.get("dataset_run_hash") or None,
+                              dataset_validation_path=j["validation_path"], model_preset=j["model_preset"],
+                              parent=j.get("parent"))
+        return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
+    except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
+        raise ValueError(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}") from error
+
+
+def gate_figures(decision: GateDecision, evaluation: CheckpointEvaluation) -> dict[str, Any]:
+    """The gate's decision with both models' values, the difference and its interval, for the configured metric
+    and the other one (lists stay lists: the caller renders them)."""
+    figures: dict[str, Any] = dict(decision.metadata())
+    if evaluation.paired_loss is not None:
+        p = evaluation.paired_loss
+        figures.update({"candidate_eval_loss": p.candidate, "production_eval_loss": p.production,
+                        "eval_loss_difference": p.difference.estimate,
+                        "eval_loss_difference_interval": [p.difference.low, p.difference.high],
+                        "examples": p.examples})
+    if evaluation.win_rate is not None:
+        w = evaluation.win_rate
+        figures.update({"win_rate": w.rate.estimate, "win_rate_interval": [w.rate.low, w.rate.high],
+                        "judge_wins": w.wins, "judge_losses": w.losses, "judge_order_inconsistent": w.inconsistent})
+    return figures
+
+
+def build_eval_report(ckpt: Checkpoint, evaluation: CheckpointEvaluation, decision: GateDecision,
+                      production_id: str | None, eval_set: dict[str, Any], report_dir: str,
+                      run_id: str) -> EvalReport:
+    """Write ``report.json`` and ``report.md`` under ``report_dir`` and return the record they describe."""
+    result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
+    json_path, md_path = write_report(result, {
+        **report_lineage(ckpt, evaluation, eval_set, run_id), "production_checkpoint": production_id,
+        "paired_loss": paired.to_json() if paired else None, "win_rate": win.to_json() if win else None,
+        "gate": decision.metadata()}, report_dir)
+    answers = result.answers
+    return EvalReport(
+        checkpoint_id=ckpt.checkpoint_id, checkpoint_path=ckpt.path, eval_set_version=evaluation.eval_set_version,
+        eval_loss=result.loss.loss, eval_examples=result.loss.sequences, eval_tokens=result.loss.tokens,
+        perplexity=result.loss.perplexity, validation_loss=ckpt.validation_loss, judge_score=result.judge_score,
+        judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
+        dataset_run_hash=ckpt.dataset_run_hash, win_rate_vs_production=win.rate.estimate if win else None,
+        production_checkpoint_id=production_id, production_eval_loss=paired.production if paired else None,
+        eval_loss_difference=paired.difference.estimate if paired else None,
+        eval_loss_difference_interval=(paired.difference.low, paired.difference.high) if paired else None,
+        win_rate_interval=(win.rate.low, win.rate.high) if win else None,
+        gate_decision=decision.metadata()["decision"], gate_reason=decision.reason, report_json=json_path,
+        report_markdown=md_path, parent=ckpt.parent, benchmarks=result.benchmarks,
+        production_benchmarks=result.production_benchmarks)
+
+
+def report_lineage(ckpt: Checkpoint, evaluation: CheckpointEvaluation, eval_set: dict[str, Any],
+                   run_id: str) -> dict[str, Any]:
+    """What the evaluation measured and came from: the MLflow run's params and the report's lineage section."""
+    return {"checkpoint_path": ckpt.path, "dataset_run_hash": ckpt.dataset_run_hash,
+            "eval_set_version": evaluation.eval_set_version, "eval_set_sha256": eval_set["files"]["examples.parquet"],
+            "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
+            "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,
+            "parent": ckpt.parent, "dagster_run_id": run_id}
+
+
+def report_figures(report: EvalReport) -> dict[str, Any]:
+    """Every figure of the report under its one name: the asset's metadata, MLflow and the leaderboard use these."""
+    return {
+        "eval_set_version": report.eval_set_version,
+        "eval_loss": report.eval_loss,
+        "perplexity": report.perplexity,
+        "eval_examples": report.eval_examples,
+        "eval_tokens": report.eval_tokens,
+        "validation_loss": report.validation_loss,
+        "judge_score": report.judge_score,
+        "judge_method": report.judge_method,
+        "win_rate_vs_production": report.win_rate_vs_production,
+        "production_checkpoint": report.production_checkpoint_id,
+        "production_eval_loss": report.production_eval_loss,
+        "eval_loss_difference": report.eval_loss_difference,
+        "gate_decision": report.gate_decision,
+        "dataset_run_hash": report.dataset_run_hash,
+        "parent": report.parent or "",
+        **{f"benchmark/{k}": v for k, v in flat_scores(report.benchmarks).items()},
+    }
+
+
+def mlflow_metrics(report: EvalReport) -> dict[str, float]:
+    """The numeric figures (MLflow keeps numbers only)."""
+    return {k: float(v) for k, v in report_figures(report).items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "eval_set_version"
+            and math.isfinite(float(v))}
+
+
+def leaderboard_row(report: EvalReport, in_production: bool) -> dict[str, Any]:
+    """The report's row on the leaderboard (stage ``sft``; base models have rows of their own)."""
+    figures = report_figures(report)
+    return {
+        "checkpoint_id": report.checkpoint_id, "stage": "sft", "eval_set_version": report.eval_set_version,
+        **{k: figures[k] for k in ("eval_loss", "perplexity", "judge_score", "win_rate_vs_production",
+                                   "eval_loss_difference")},
+        "vs_production": report.production_checkpoint_id or "", "gate": report.gate_decision or "",
+        "dataset_run_hash": report.dataset_run_hash or "", "parent": report.parent or "",
+        "evaluated_at": report.created_at, "in_production": in_production,
+        **flat_scores(report.benchmarks),  # one column per benchmark metric and its standard error
+    }

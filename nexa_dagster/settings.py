@@ -1,0 +1,148 @@
+"""Every environment variable nexa-dagster reads or sets, in one place: its name, its default and what it changes.
+
+Nothing else in the package touches ``os.environ`` (the test-only fault hooks in ``core/common/faults.py`` aside).
+Values are read when asked for, never cached at import, so a launcher or a test that sets a variable sees it take
+effect. Most variables are deployment settings (where data lives, which backend serves the teacher); what a person
+changes per run is run or resource config, shown in the Launchpad. ``docs/configuration.md`` lists the table below;
+``tests/unit/test_settings.py`` checks that it does, and that no other module reads the environment.
+
+A leaf module (the standard library only): the Dagster-free ``core`` may import it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: ``get()`` is its value, or ``default`` when it is unset or empty."""
+
+    name: str
+    default: str
+    effect: str
+    group: str = "deployment"
+
+    def get(self) -> str:
+        return os.environ.get(self.name) or self.default
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+def _var(name: str, default: str, effect: str, group: str = "deployment") -> Variable:
+    variable = Variable(name, default, effect, group)
+    VARIABLES.append(variable)
+    return variable
+
+
+VARIABLES: list[Variable] = []
+
+# -- where things live ------------------------------------------------------------------------------------------
+DATA_ROOT = _var("NEXA_DATA_ROOT", "", "the data root (default: pipeline.yaml's data_root); any fsspec URL for "
+                                       "tables")
+LANDING_ROOT = _var("NEXA_LANDING_ROOT", "", "where days land, <root>/<YYYY-MM-DD>/ (default: pipeline.yaml's "
+                                             "ingest.landing_root)")
+RESULTS_ROOT = _var("NEXA_RESULTS_ROOT", "results", "reports, the leaderboard, deployment manifests")
+CONFIG_DIR = _var("NEXA_CONFIG_DIR", "", "the configuration folder (default: configs/ of the repository)")
+MLFLOW_TRACKING_URI = _var("MLFLOW_TRACKING_URI", "", "an MLflow server instead of the SQLite store in the data "
+                                                      "root")
+CACHE_DIR = _var("NEXA_CACHE_DIR", "", "this machine's cache of model fingerprints and file facts (default: "
+                                       "$XDG_CACHE_HOME/nexa-dagster, else ~/.cache/nexa-dagster)")
+MODEL_CACHE = _var("NEXA_MODEL_CACHE", "", "where a tiny model the repository does not ship is built (default: "
+                                           "<cache>/models)")
+XDG_CACHE_HOME = _var("XDG_CACHE_HOME", "", "the base of the default caches (freedesktop convention)")
+
+# -- what runs and where ----------------------------------------------------------------------------------------
+SCALE = _var("NEXA_SCALE", "tiny", "the default of the scale_preset resource (configs/scales/<name>.yaml)")
+PARTITIONS_START = _var("NEXA_PARTITIONS_START", "2026-11-01", "the first daily partition (read when the code "
+                                                               "location is imported)")
+CLUSTER_BACKEND = _var("NEXA_CLUSTER_BACKEND", "", "over pipeline.yaml's gpu_cluster.backend: local | slurm | "
+                                                   "kubernetes")
+ACCELERATOR = _var("NEXA_ACCELERATOR", "", "over pipeline.yaml's gpu_cluster.accelerator: cpu | cuda")
+SERVING_CONTROL_URL = _var("NEXA_SERVING_CONTROL_URL", "", "the serving service's control API when it runs "
+                                                           "elsewhere (containers)")
+SERVING_URL = _var("NEXA_SERVING_URL", "", "that service's OpenAI-compatible endpoint")
+
+
+def llm_variable(role: str, field: str) -> Variable:
+    """``NEXA_<ROLE>_<FIELD>``: BACKEND, MODEL, URL (over pipeline.yaml's ``<role>_llm``) or API_KEY."""
+    return next(v for v in VARIABLES if v.name == f"NEXA_{role.upper()}_{field}")
+
+
+for _role in ("teacher", "judge"):
+    _var(f"NEXA_{_role.upper()}_BACKEND", "", f"the {_role}'s backend: local | managed | openai", "llm")
+    _var(f"NEXA_{_role.upper()}_MODEL", "", f"the {_role}'s local model directory or served model name", "llm")
+    _var(f"NEXA_{_role.upper()}_URL", "", f"the {_role}'s OpenAI-compatible base URL (openai backend)", "llm")
+    _var(f"NEXA_{_role.upper()}_API_KEY", "", f"the {_role}'s key, read through dagster.EnvVar by the openai "
+                                              "backend: never in a file, log or metadata", "llm")
+
+# -- libraries and child processes ------------------------------------------------------------------------------
+DAGSTER_HOME = _var("DAGSTER_HOME", "", "the Dagster instance (make sets .dagster_home/)", "process")
+HF_HUB_OFFLINE = _var("HF_HUB_OFFLINE", "1", "never reach a model hub (set for servers and workers the project "
+                                             "starts)", "process")
+HF_DATASETS_OFFLINE = _var("HF_DATASETS_OFFLINE", "1", "never reach the hub for a dataset (the benchmark worker)",
+                           "process")
+HF_HUB_CACHE = _var("HF_HUB_CACHE", "", "the hub cache `transformers serve` scans (default: beside its log)",
+                    "process")
+DS_ACCELERATOR = _var("DS_ACCELERATOR", "cpu", "DeepSpeed's accelerator; the training worker sets it from its job",
+                      "process")
+
+# -- the worker protocol (set by the GPU-cluster resource and torchrun, read by the workers) ---------------------
+LAUNCHER_PID = _var("NEXA_LAUNCHER_PID", "0", "the Dagster step process a local worker exits with", "worker")
+WORKER_ECHO = _var("NEXA_WORKER_ECHO", "1", "0: a worker's progress goes to Dagster Pipes only", "worker")
+PIPES_CONTEXT = _var("DAGSTER_PIPES_CONTEXT", "", "set by Dagster Pipes: the worker reports to the run", "worker")
+RANK = _var("RANK", "0", "torch.distributed rank (torchrun sets it)", "worker")
+LOCAL_RANK = _var("LOCAL_RANK", "0", "the rank on this node", "worker")
+WORLD_SIZE = _var("WORLD_SIZE", "1", "ranks in all", "worker")
+MASTER_ADDR = _var("MASTER_ADDR", "127.0.0.1", "the rendezvous host", "worker")
+MASTER_PORT = _var("MASTER_PORT", "", "the rendezvous port (a free one for a single process)", "worker")
+SLURM_ARRAY_TASK_ID = _var("SLURM_ARRAY_TASK_ID", "", "a packaging shard's index in a Slurm job array", "worker")
+JOB_COMPLETION_INDEX = _var("JOB_COMPLETION_INDEX", "", "its index in a Kubernetes indexed Job", "worker")
+
+
+def environ() -> Mapping[str, str]:
+    """The whole environment, for a child process that inherits it (a server, a worker, a test's subprocess)."""
+    return os.environ
+
+
+def export(variable: Variable, value: str) -> None:
+    """Set a variable for this process and the libraries and children it starts."""
+    os.environ[variable.name] = value
+
+
+def export_default(variable: Variable, value: str | None = None) -> None:
+    """Set a variable unless it is set already (``value`` defaults to the variable's own default)."""
+    os.environ.setdefault(variable.name, variable.default if value is None else value)
+
+
+def cache_root() -> Path:
+    """This machine's cache folder: facts about this machine's files and models, never data."""
+    if CACHE_DIR.is_set():
+        return Path(CACHE_DIR.get())
+    base = Path(XDG_CACHE_HOME.get()) if XDG_CACHE_HOME.is_set() else Path.home() / ".cache"
+    return base / "nexa-dagster"
+
+
+def model_cache_root() -> Path:
+    """Where a tiny model the repository does not ship is built (the temporary directory without a writable home)."""
+    if MODEL_CACHE.is_set():
+        return Path(MODEL_CACHE.get())
+    base = cache_root() / "models"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home (a locked-down container)
+        base = Path(tempfile.gettempdir()) / "nexa-dagster-models"
+    return base
+
+
+def markdown_table() -> str:
+    """The table docs/configuration.md carries (checked by a test)."""
+    lines = ["| variable | default | what it changes |", "|---|---|---|"]
+    for v in VARIABLES:
+        lines.append(f"| `{v.name}` | {f'`{v.default}`' if v.default else ''} | {v.effect} |")
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""The package's shape, checked on its source: core is Dagster-free and layered by stage, no import cycles, every
+environment variable read in the settings module.
+
+Each rule is a function of a source tree, so the tests also run it on a small tree that breaks the rule: a check
+that could never fail would prove nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "nexa_dagster"
+# the stages of core, lowest first: a stage imports its own modules and those of stages before it, never after
+STAGES = ["common", "llm", "data", "distill", "packaging", "training", "evaluation", "serving", "cluster", "tiny"]
+ENVIRONMENT_MODULES = {"nexa_dagster.settings", "nexa_dagster.core.common.faults"}
+
+
+def modules(root: Path) -> dict[str, ast.Module]:
+    """``dotted name -> parsed module`` for every ``.py`` under ``root`` (a package directory)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return out
+
+
+def imports(tree: ast.Module) -> Iterator[tuple[str, int]]:
+    """Every module an import names (``from a.b import c`` gives ``a.b`` and ``a.b.c``), with its line."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", node.lineno
+
+
+def internal_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, tree in mods.items():
+        for target, _ in imports(tree):
+            if target in mods and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "core" else None
+
+
+def layering_violations(mods: dict[str, ast.Module]) -> list[str]:
+    """Core modules importing Dagster, or a stage importing a later stage."""
+    problems = []
+    for name, tree in mods.items():
+        stage = stage_of(name)
+        if stage is None:
+            continue
+        for target, line in imports(tree):
+            if target == "dagster" or target.startswith(("dagster.", "dagster_")) and not target.startswith(
+                    "dagster_pipes"):
+                problems.append(f"{name}:{line} imports {target} (core is Dagster-free)")
+            other = stage_of(target)
+            if target.startswith("nexa_dagster.") and other is None and target.split(".")[1] != "settings":
+                problems.append(f"{name}:{line} imports {target}, outside core")
+            if other and other != stage and STAGES.index(other) > STAGES.index(stage):
+                problems.append(f"{name}:{line} imports {target}: stage {stage} must not import the later stage "
+                                f"{other}")
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, as the modules on it (Tarjan's strongly connected components of size > 1)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def environment_reads(mods: dict[str, ast.Module]) -> list[str]:
+    """``os.environ`` / ``os.getenv`` / ``os.putenv`` outside the settings module and the fault hooks."""
+    problems = []
+    for name, tree in mods.items():
+        if name in ENVIRONMENT_MODULES:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                    and node.attr in ("environ", "getenv", "putenv", "unsetenv")):
+                problems.append(f"{name}:{node.lineno} reads os.{node.attr}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def package() -> dict[str, ast.Module]:
+    return modules(PACKAGE)
+
+
+def test_core_is_dagster_free_and_its_stages_import_only_downward(package) -> None:
+    assert layering_violations(package) == []
+
+
+def test_the_package_has_no_import_cycle(package) -> None:
+    assert cycles(internal_graph(package)) == []
+
+
+def test_only_the_settings_module_reads_the_environment(package) -> None:
+    assert environment_reads(package) == []
+
+
+def test_core_holds_only_stage_folders() -> None:
+    top = sorted(p.name for p in (PACKAGE / "core").iterdir() if not p.name.startswith((".", "__pycache__")))
+    assert top == ["__init__.py", *sorted(STAGES)]
+
+
+def test_each_rule_catches_a_tree_that_breaks_it(tmp_path: Path) -> None:
+    """The failing case of every rule above, on a small package written for it."""
+    pkg = tmp_path / "nexa_dagster"
+    files = {
+        "__init__.py": "",
+        "settings.py": "import os\nX = os.environ.get('X')\n",
+        "core/__init__.py": "",
+        "core/common/__init__.py": "",
+        "core/common/io.py": "import dagster as dg\nfrom nexa_dagster.core.training import loop\n",
+        "core/training/__init__.py": "",
+        "core/training/loop.py": "import os\nfrom nexa_dagster.core.training import data\nHOME = os.getenv('HOME')\n",
+        "core/training/data.py": "def f():\n    from nexa_dagster.core.training import loop\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    mods = modules(pkg)
+    assert layering_violations(mods) == [
+        "nexa_dagster.core.common.io:1 imports dagster (core is Dagster-free)",
+        "nexa_dagster.core.common.io:2 imports nexa_dagster.core.training: stage common must not import the "
+        "later stage training",
+        "nexa_dagster.core.common.io:2 imports nexa_dagster.core.training.loop: stage common must not import the "
+        "later stage training"]
+    assert cycles(internal_graph(mods)) == [["nexa_dagster.core.training.data", "nexa_dagster.core.training.loop"]]
+    assert environment_reads(mods) == ["nexa_dagster.core.training.loop:3 reads os.getenv"]
