@@ -58,11 +58,25 @@ def gpu_cluster_resource(section: dict[str, Any], where: str) -> GPUClusterResou
                                      backend_from=settings.CLUSTER_BACKEND.name if "backend" in overrides else "")
 
 
+def config_resources() -> dict[str, Any]:
+    """The resources that are configuration files (shown, and changeable per run, in the Launchpad)."""
+    cfg, where = pipeline_config(), config_dir() / "pipeline.yaml"
+    ingest_section = {k: v for k, v in cfg.ingest.items() if k != "landing_root"}  # the landing root is storage's
+    return {
+        "scale_preset": ScaleResource.from_env(),  # the Launchpad's default: NEXA_SCALE
+        "ingest_config": from_section(IngestResource, ingest_section, f"{where}: ingest"),
+        "eval_sets": from_section(EvalSetsResource, cfg.eval_set, f"{where}: eval_set"),
+        "promotion_policy": PromotionResource(),
+        "packaging_config": PackagingResource(),
+        "sample_gate_config": SampleGateResource(),
+        "prompts": PromptsResource(),
+    }
+
+
 def build_resources() -> dict[str, Any]:
     """Every resource, from configs/pipeline.yaml under the environment's overrides."""
     cfg, where = pipeline_config(), config_dir() / "pipeline.yaml"
-    ingest_section = dict(cfg.ingest)
-    landing_root = ingest_section.pop("landing_root", "sample_data/landing")
+    landing_root = cfg.ingest.get("landing_root", "sample_data/landing")
     storage = StorageResource(data_root=settings.DATA_ROOT.get() or cfg.data_root,
                               landing_root=settings.LANDING_ROOT.get() or landing_root,
                               results_root=settings.RESULTS_ROOT.get(),
@@ -75,13 +89,7 @@ def build_resources() -> dict[str, Any]:
         "judge_llm": llm_resource("judge", cfg.judge_llm, f"{where}: judge_llm", storage.model_path(cfg.models.judge)),
         "gpu_cluster": gpu_cluster_resource(cfg.gpu_cluster, f"{where}: gpu_cluster"),
         "tracking": TrackingResource(tracking_uri=settings.MLFLOW_TRACKING_URI.get(), data_root=storage.data_root),
-        "scale_preset": ScaleResource.from_env(),  # the Launchpad's default: NEXA_SCALE
-        "ingest_config": from_section(IngestResource, ingest_section, f"{where}: ingest"),
-        "eval_sets": from_section(EvalSetsResource, cfg.eval_set, f"{where}: eval_set"),
-        "promotion_policy": PromotionResource(),
-        "packaging_config": PackagingResource(),
-        "sample_gate_config": SampleGateResource(),
-        "prompts": PromptsResource(),
+        **config_resources(),
     }
 
 

@@ -1,18 +1,43 @@
-"""Shared fixtures. Tests run offline (no model hub) against real components built locally."""
+"""Shared fixtures and the test tiers. Tests run offline (no model hub) against real components built locally.
+
+The tier of a test is its folder, and becomes its marker here: ``unit`` (one process, no service), ``integration``
+(real services and processes: PostgreSQL, Slurm, HAProxy, ``transformers serve``, DeepSpeed ranks, Chromium),
+``e2e`` (whole pipeline runs). ``make test-fast`` runs ``unit`` and ``integration`` without ``slow``; ``make test``
+runs everything. The service fixtures are defined once, here, and started once per test session (per xdist
+worker): every file that needs PostgreSQL, Slurm or a served tiny model shares it.
+"""
 
 from __future__ import annotations
 
 import os
 
+# before any library reads them: no model hub, one tokenizer thread, DeepSpeed on the CPU
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from support.services import postgres_server, slurm_cluster  # noqa: E402
 
+from nexa_dagster.core.llm.managed_server import ManagedServer  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (its folder); every end-to-end test is also ``slow``."""
+    for item in items:
+        tier = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "e2e":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +47,36 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def teacher_dir(tiny_model_dir: Path) -> Path:
+    """The tiny model a training starts its tokenizer from (the same random tiny model, built once)."""
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """A real ``transformers serve`` on the tiny model, with continuous batching (as teacher generation uses it)."""
+    with ManagedServer(tiny_model_dir, tmp_path_factory.mktemp("serve"), continuous_batching=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[dict[str, str]]:
+    """A throw-away PostgreSQL server on the loopback (``DAGSTER_PG_URL`` and friends)."""
+    with postgres_server() as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[dict[str, str]]:
+    """A one-node Slurm cluster on the loopback; its client variables are set while the session runs."""
+    with slurm_cluster() as env, pytest.MonkeyPatch.context() as patch:  # restores what the variables were
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield env

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, EvalReport
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.evaluation.benchmarks import flat_scores
 from nexa_dagster.core.evaluation.promotion import GateDecision
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, write_report
@@ -142,3 +142,13 @@ def leaderboard_row(report: EvalReport, in_production: bool) -> dict[str, Any]:
         "evaluated_at": report.created_at, "in_production": in_production,
         **flat_scores(report.benchmarks),  # one column per benchmark metric and its standard error
     }
+
+
+def base_leaderboard_row(report: BaseModelEval) -> dict[str, Any]:
+    """A base model's row (stage ``base``): measured on the eval-set version's frozen corpus documents, not on its
+    SFT samples, so its loss compares with other base models' of the same version only."""
+    low, high = report.loss_interval
+    return {"checkpoint_id": report.checkpoint_id, "stage": "base", "eval_set_version": report.eval_set_version,
+            "eval_loss": report.loss, "eval_loss_interval": f"[{low:.4f}, {high:.4f}]",
+            "perplexity": report.perplexity, "dataset_run_hash": report.corpus_run_hash or "", "parent": "scratch",
+            "evaluated_at": report.created_at, "in_production": False}

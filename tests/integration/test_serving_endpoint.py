@@ -1,0 +1,328 @@
+"""The serving service: one stable URL in front of the production checkpoint, through promotions, rollbacks,
+kills and broken checkpoints. Real processes on loopback: HAProxy (Debian's package), `transformers serve`
+engines on tiny models, the service started as `nexa-dagster serve`, Dagster running `model_deployment`.
+
+One service is shared by the tests of this module (in file order: each leaves it serving checkpoint A).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+import httpx
+import psutil
+import pytest
+from support.services import missing
+
+from nexa_dagster.core.common.artifacts import EvalReport
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
+from nexa_dagster.core.serving.answer_check import text_problem
+from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
+from nexa_dagster.core.serving.haproxy import haproxy_binary
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm
+
+MODEL = "nexa-moe"
+
+
+@dataclass
+class Endpoint:
+    root: Path
+    env: dict[str, str]
+    port: int
+    a: Path
+    b: Path
+    process: subprocess.Popen[bytes] | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def serving_dir(self) -> Path:
+        return Path(self.env["NEXA_DATA_ROOT"]) / "serving"
+
+    @property
+    def registry(self) -> ProductionRegistry:
+        return ProductionRegistry(self.serving_dir / "production.json")
+
+    def start(self) -> None:
+        log = self.root / f"service-{len(self.logs)}.log"
+        self.logs.append(log)
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port",
+                                             str(self.port)], env={**os.environ, **self.env}, cwd=REPO_ROOT,
+                                            stdout=out, stderr=subprocess.STDOUT)
+        self.wait_serving(self.registry.current().checkpoint_id)
+
+    def wait_serving(self, checkpoint_id: str, timeout_s: float = 240.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.log_tail()
+            client = ServingServiceClient.find(self.serving_dir)
+            if client is not None and (status := client.status())["checkpoint_id"] == checkpoint_id:
+                return status
+            time.sleep(0.5)
+        raise AssertionError(f"the service did not serve {checkpoint_id} within {timeout_s} s:\n{self.log_tail()}")
+
+    def client(self) -> ServingServiceClient:
+        client = ServingServiceClient.find(self.serving_dir)
+        assert client is not None, self.log_tail()
+        return client
+
+    def log_tail(self) -> str:
+        return self.logs[-1].read_text(errors="replace")[-3000:] if self.logs else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    if haproxy_binary() is None:
+        missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
+    root = tmp_path_factory.mktemp("endpoint")
+    env = {"NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results"),
+           "NEXA_LANDING_ROOT": str(root / "landing"), "DAGSTER_HOME": str(root / "home")}
+    b = build_tiny_causal_lm(root / "checkpoints" / "tiny-b", seed=1)  # same shape, other weights: other answers
+    ep = Endpoint(root, env, free_port(), tiny_model_dir, b)
+    ep.serving_dir.mkdir(parents=True)
+    ep.registry.promote(ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir),
+                                        metric="eval_loss", value=5.0))
+    ep.start()
+    yield ep
+    ep.stop()
+    left = [p for p in psutil.Process().children(recursive=True)
+            if any(s in " ".join(p.cmdline()) for s in ("haproxy", "serve"))]
+    assert not left, [p.cmdline() for p in left]
+
+
+def _chat(http: httpx.Client, base_url: str, max_tokens: int = 4) -> httpx.Response:
+    return http.post(f"{base_url}/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is a list?"}], "max_tokens": max_tokens,
+        "temperature": 0.0})
+
+
+class NonStopClient:
+    """Sends chat requests one after another, without pause, until stopped (bounded in count and time);
+    every request is recorded: (time sent, HTTP status or the error, answer, engine colour)."""
+
+    def __init__(self, base_url: str, max_requests: int = 3000, max_s: float = 400.0) -> None:
+        self.base_url, self.max_requests, self.max_s = base_url, max_requests, max_s
+        self.records: list[tuple[float, int | str, str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        with httpx.Client(timeout=60.0) as http:  # no retry: a failure counts as one
+            while not self._stop.is_set() and len(self.records) < self.max_requests \
+                    and time.monotonic() - t0 < self.max_s:
+                sent = time.monotonic()
+                try:
+                    r = _chat(http, self.base_url)
+                    answer = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+                    self.records.append((sent, r.status_code, answer, r.headers.get("x-nexa-engine", "")))
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    self.records.append((sent, f"{type(e).__name__}: {e}", "", ""))
+
+    def __enter__(self) -> NonStopClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def failures(self) -> list[tuple[float, int | str, str, str]]:
+        return [r for r in self.records if r[1] != 200]
+
+    def answers_after(self, t: float) -> set[str]:
+        return {r[2] for r in self.records if r[0] > t}
+
+    def answers_before(self, t: float) -> set[str]:
+        return {r[2] for r in self.records if r[0] < t}
+
+
+def _materialize_deployment(ep: Endpoint, checkpoint_id: str, path: Path, decision: str) -> dg.ExecuteInProcessResult:
+    """``model_deployment`` for one checkpoint in a real Dagster run; ``eval_report`` is given (its value), with the
+    gate's ``decision`` made against production "a"."""
+    from nexa_dagster.assets.partitions import checkpoint_partitions
+    from nexa_dagster.assets.serving import model_deployment
+    from nexa_dagster.definitions import build_resources
+
+    report = EvalReport(checkpoint_id=checkpoint_id, checkpoint_path=str(path), eval_set_version=1, eval_loss=4.0,
+                        eval_examples=3, eval_tokens=10, perplexity=2.0, num_heldout_prompts=0,
+                        production_checkpoint_id="a", gate_decision=decision, gate_reason=f"test: {decision}",
+                        report_json="-", report_markdown="-")
+
+    @dg.asset(name="eval_report", partitions_def=checkpoint_partitions)
+    def given_eval_report() -> EvalReport:
+        return report
+
+    mp = pytest.MonkeyPatch()
+    for k, v in ep.env.items():
+        mp.setenv(k, v)
+    try:
+        instance = dg.DagsterInstance.ephemeral()
+        instance.add_dynamic_partitions("checkpoints", [checkpoint_id])
+        resources = {k: v for k, v in build_resources().items() if k in ("io_manager", "storage", "tracking", "promotion_policy")}
+        return dg.materialize([given_eval_report, model_deployment], partition_key=checkpoint_id,
+                              instance=instance, resources=resources, raise_on_error=False)
+    finally:
+        mp.undo()
+
+
+def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(endpoint: Endpoint) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models] == [MODEL]
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
+    status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status").json()
+    assert status["checkpoint_id"] == "a" and status["model"] == MODEL
+    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "status"], cwd=REPO_ROOT,
+                          env={**os.environ, **endpoint.env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue")
+
+
+def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
+    """model_deployment (a real Dagster run) switches the endpoint to B, `nexa-dagster rollback` back to A, while a
+    client sends requests without pause: no request fails, and after each switch every answer is the new one's."""
+    with NonStopClient(endpoint.base_url) as load:
+        time.sleep(2)
+        deploying = time.monotonic()
+        result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
+        assert result.success
+        promoted = time.monotonic()
+        meta = {k: v.value for k, v in result.asset_materializations_for_node("model_deployment")[0]
+                .metadata.items()}
+        assert meta["endpoint"] == endpoint.base_url and meta["checkpoint_served"] == "b"
+        assert meta["previous_checkpoint"] == "a" and text_problem(meta["smoke_response"]) is None
+        assert endpoint.registry.current().checkpoint_id == "b"
+        time.sleep(2)
+        rolling_back = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], cwd=REPO_ROOT,
+                              env={**os.environ, **endpoint.env}, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "rolled back: production is a again (was b)" in proc.stdout
+        rolled_back = time.monotonic()
+        time.sleep(2)
+    assert load.failures() == [], load.failures()[:5]
+    answers_a = {r[2] for r in load.records if r[0] < deploying}
+    answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
+    answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
+    assert len(answers_a) == 1 and len(answers_b) == 1, (answers_a, answers_b)  # greedy: one answer per model
+    assert answers_b != answers_a and answers_a_again == answers_a, (answers_a, answers_b, answers_a_again)
+    assert endpoint.registry.current().checkpoint_id == "a"
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def _failure_message(result: dg.ExecuteInProcessResult, node: str) -> str:
+    failure = result.failure_data_for_node(node)
+    assert failure is not None and failure.error is not None
+    return failure.error.message
+
+
+def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keeps_serving(
+        endpoint: Endpoint, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(endpoint.a, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    with httpx.Client(timeout=60.0) as http:
+        before = _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"]
+        result = _materialize_deployment(endpoint, "broken", broken, "promote")
+        assert not result.success
+        message = _failure_message(result, "model_deployment")
+        assert "did not switch to broken" in message and "broken did not start, a keeps serving" in message, message
+        assert _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"] == before
+    assert endpoint.registry.current().checkpoint_id == "a"  # pointer, alias and traffic agree
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def test_a_checkpoint_held_back_by_the_gate_is_a_successful_run_that_deploys_nothing(endpoint: Endpoint) -> None:
+    """A tie with production, held back by the gate: the run succeeds, nothing is materialized."""
+    result = _materialize_deployment(endpoint, "tie", endpoint.b, "hold back")
+    assert result.success
+    assert result.asset_materializations_for_node("model_deployment") == []
+    assert endpoint.registry.current().checkpoint_id == "a"
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def _garbage_model(source: Path, out: Path) -> Path:
+    """A's weights, made to answer only with tokens that are lone bytes of multi-byte UTF-8 characters (every
+    other token is suppressed): an answer of U+FFFD characters, the tiny models' failure mode."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    text_tokens = [i for i in range(len(tok)) if "\ufffd" not in tok.decode([i])]
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "suppress_tokens": text_tokens}))
+    return out
+
+
+def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoint, tmp_path: Path) -> None:
+    garbage = _garbage_model(endpoint.a, tmp_path / "garbage")
+    with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving: the answer does not "
+                                           "decode to text"):
+        endpoint.client().switch(str(garbage), "garbage")
+    assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def test_kill_9_of_the_engine_restarts_it(endpoint: Endpoint) -> None:
+    status = endpoint.client().status()
+    os.kill(status["engine_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while (now := endpoint.client().status())["engine_restarts"] == status["engine_restarts"] or \
+            now["engine_pid"] == status["engine_pid"]:
+        assert time.monotonic() < deadline, endpoint.log_tail()
+        time.sleep(0.5)
+    with httpx.Client(timeout=60.0) as http:  # the endpoint answers again once the new engine is up
+        while (code := _chat(http, endpoint.base_url).status_code) != 200:
+            assert code == 503 and time.monotonic() < deadline, endpoint.log_tail()
+            time.sleep(0.5)
+    assert now["checkpoint_id"] == "a" and now["engine_restarts"] == status["engine_restarts"] + 1
+    assert endpoint.client().status()["last_error"] is None
+
+
+def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoint) -> None:
+    """Killed outright, the service takes HAProxy and the engine with it; started again, it serves the checkpoint
+    the production pointer names (moved meanwhile, as a deployment would)."""
+    assert endpoint.process is not None
+    children = psutil.Process(endpoint.process.pid).children(recursive=True)
+    assert any("haproxy" in " ".join(c.cmdline()) for c in children)
+    endpoint.process.kill()
+    endpoint.process.wait(timeout=30)
+    _, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    endpoint.registry.promote(ProductionEntry(checkpoint_id="b", checkpoint_path=str(endpoint.b),
+                                              metric="validation_loss", value=4.0))
+    endpoint.start()  # waits until it serves b
+    with httpx.Client(timeout=60.0) as http:
+        r = _chat(http, endpoint.base_url)
+    assert r.status_code == 200 and endpoint.client().status()["checkpoint_id"] == "b"

@@ -1,0 +1,138 @@
+"""The UI as a person uses it: `dagster dev` on the loopback, driven by headless Chromium (Debian's package).
+
+Opens the asset graph of every group and checks each stage asset is drawn, launches a partition of the daily
+pipeline from the Launchpad, waits for the run to succeed, and keeps a screenshot of the run that is not blank.
+"""
+
+
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from support.sandbox import make_sandbox, sandbox_env
+from support.services import free_port, missing
+
+from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.processes import stop_process_group
+
+DAY = "2026-11-20"
+LOCATION = "nexa_dagster.definitions"
+GROUPS = {"ingest": ["raw_documents"], "distillation": ["teacher_samples"],
+          "filtering": ["filtered_samples", "rejected_samples"], "packaging": ["sft_dataset"],
+          "training": ["moe_checkpoint"], "evaluation": ["eval_report", "leaderboard"],
+          "serving": ["model_deployment"]}
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        missing("Chromium", "apt-get install chromium")
+    return found
+
+
+def _default_stop_signals() -> None:
+    """A suite started in the background (``cmd &``) inherits SIGINT ignored, and ``dagster dev`` copies its SIGINT
+    handling to SIGTERM: the server would then ignore the SIGTERM that stops it (verified-facts)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
+    browser_path = chromium()
+    from playwright.sync_api import sync_playwright
+
+    # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
+    # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
+    make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
+    home, env = tmp_path / "home", sandbox_env(tmp_path)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "dagster-dev.log", "wb") as log:
+        server = subprocess.Popen([str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
+                                   "-h", "127.0.0.1", "-p", str(port)], env=env, cwd=REPO_ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_default_stop_signals)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(base + "/server_info", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, \
+                    (tmp_path / "dagster-dev.log").read_text(errors="replace")[-3000:]
+                time.sleep(1)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+
+            for group, assets in GROUPS.items():
+                page.goto(f"{base}/locations/{LOCATION}/asset-groups/{group}", wait_until="networkidle")
+                for asset in assets:
+                    page.get_by_text(asset, exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "graph.png"))
+
+            # the Launchpad of the daily job: pick the day in its partition box, launch
+            page.goto(f"{base}/locations/{LOCATION}/jobs/daily_data_job/playground", wait_until="networkidle")
+            partition = page.get_by_placeholder("Partition")
+            try:
+                partition.click()
+            except Exception:
+                page.screenshot(path=str(tmp_path / "launch-failed.png"))
+                raise
+            partition.fill(DAY)
+            page.get_by_role("menuitem", name=DAY).or_(page.get_by_text(DAY, exact=True)).last.click()
+            page.get_by_text(f"partition: {DAY}").first.wait_for(timeout=30_000)
+            page.get_by_role("button", name="Launch Run").click()
+            try:
+                page.wait_for_url("**/runs/**", timeout=60_000, wait_until="commit")  # client-side navigation
+            except Exception:
+                page.screenshot(path=str(tmp_path / "launch-failed.png"))
+                raise
+            run_id = page.url.rstrip("/").split("/")[-1]
+
+            instance = dg.DagsterInstance.from_config(str(home))
+            try:
+                deadline = time.monotonic() + 600
+                while (run := instance.get_run_by_id(run_id)) is None or not run.is_finished:
+                    assert time.monotonic() < deadline, "the run launched from the UI did not finish"
+                    time.sleep(2)
+                errors = [str(e.dagster_event.event_specific_data)[:1500] for e in instance.all_logs(run_id)
+                          if e.dagster_event and e.dagster_event.is_failure]
+                assert run.status == dg.DagsterRunStatus.SUCCESS, errors
+                assert run.tags["dagster/partition"] == DAY
+                assert instance.get_materialized_partitions(dg.AssetKey("filtered_samples")) == {DAY}
+            finally:
+                instance.dispose()
+            page.reload(wait_until="networkidle")
+            page.get_by_text("Success").first.wait_for(timeout=60_000)
+            shot = tmp_path / "run.png"
+            page.screenshot(path=str(shot))
+            browser.close()
+    finally:
+        stop_process_group(server, grace_s=60)  # whatever else keeps it: SIGKILL, this test is about the UI
+
+    from PIL import Image, ImageStat
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1600, 1000)
+    assert ImageStat.Stat(image).stddev[0] > 10, "the screenshot is blank"
+    assert len(image.getcolors(maxcolors=1_000_000) or []) > 50, "the screenshot is nearly one colour"
+
+
+@pytest.fixture(autouse=True)
+def _keep_screenshots(tmp_path: Path, request: pytest.FixtureRequest):  # noqa: ANN202
+    """Copy the screenshots under results/ui/ for a person to look at (the temp dir is cleaned up)."""
+    yield
+    out = REPO_ROOT / "results" / "ui"
+    for name in ("graph.png", "run.png", "launch-failed.png"):
+        if (tmp_path / name).exists():
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(tmp_path / name, out / name)
