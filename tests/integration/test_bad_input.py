@@ -20,7 +20,7 @@ DAY = "2026-11-20"
 
 
 def _resources(tmp_path: Path) -> dict[str, object]:
-    return {"io_manager": NexaIOManager(data_root=str(tmp_path / "data")),
+    return {**config_resources(), "io_manager": NexaIOManager(data_root=str(tmp_path / "data")),
             "storage": StorageResource(data_root=str(tmp_path / "data"), landing_root=str(tmp_path / "landing")),
             **config_resources()}
 

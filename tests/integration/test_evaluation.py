@@ -18,12 +18,12 @@ import pandas as pd
 import pytest
 from support.openai_stub import chat_payload, stub_server
 
-from nexa_dagster.core.common.config import read_text
 from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, load_eval_set
 from nexa_dagster.core.evaluation.paired import Interval, WinRate
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
 from nexa_dagster.core.evaluation.scoring import (
+    JudgeRubric,
     ModelScores,
     compare,
     evaluate_checkpoint,
@@ -88,7 +88,7 @@ def test_a_checkpoint_is_evaluated_against_itself(eval_setup) -> None:
     prompts = eval_prompts(manifest, 2)
     with LocalTransformersClient(str(random_init)) as judge:
         evaluation = evaluate_checkpoint("ckpt-test", str(random_init), manifest, prompts, judge,
-                                         read_text("prompts/judge.jinja"), max_new_tokens=8,
+                                         JudgeRubric.from_files(), max_new_tokens=8,
                                          production_path=str(random_init), log=lines.append, resamples=200)
     loss = evaluation.result.loss
     assert math.isfinite(loss.loss) and loss.perplexity > 1 and loss.tokens == manifest["tokens"]
@@ -126,7 +126,7 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
 
     policy = PromotionPolicy()  # eval_loss, margin 0, the interval must clear it
     with LocalTransformersClient(str(random_init)) as judge:
-        template = read_text("prompts/judge.jinja")
+        template = JudgeRubric.from_files()
         better = worker(trained, random_init, "better")
         ev = compare("better", 1, ModelScores.from_json(better["candidate"]),
                      ModelScores.from_json(better["production"]), prompts, judge, template, resamples=500)

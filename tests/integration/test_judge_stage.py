@@ -44,7 +44,7 @@ def _gate(tmp_path: Path, url: str, frame: pd.DataFrame) -> dg.ExecuteInProcessR
     path = data / "assets" / "teacher_samples" / f"{DAY}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(path)
-    resources = {"io_manager": NexaIOManager(data_root=str(data)),
+    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
                  "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
                  "judge_llm": OpenAILLM(base_url=url, model="stub", max_retries=2,
                                           timeout_s=5)}
@@ -135,7 +135,7 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
     pd.DataFrame({"doc_id": [f"{i:016d}" for i in range(6)], "day": [DAY] * 6, "source": ["s"] * 6,
                   "title": ["t"] * 6, "text": texts, "n_chars": [len(t) for t in texts]}).to_parquet(path)
     with stub_server(reply) as (url, calls, _):
-        resources = {"io_manager": NexaIOManager(data_root=str(data)),
+        resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
                      "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
                      "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2),
                      **config_resources()}
@@ -158,7 +158,7 @@ def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Pat
     path = data / "assets" / "teacher_samples" / f"{DAY}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     _teacher_frame().to_parquet(path)
-    resources = {"io_manager": NexaIOManager(data_root=str(data)),
+    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
                  "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
                  "judge_llm": LocalLLM(model=str(model))}
     result = dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,

@@ -136,9 +136,11 @@ def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransform
 
 
 # -- a real `transformers serve` ------------------------------------------------------------------------------------
-def test_real_transformers_serve_answers_through_the_openai_client(served: ManagedServer) -> None:
+def test_real_transformers_serve_answers_through_the_openai_client(served: ManagedServer, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
     assert served.engine == "transformers" and served.ready_s > 0
-    assert served.continuous_batching is False  # by default on only for a GPU device (teacher asks for it)
+    # continuous batching is on by default only for a GPU device (teacher generation, as the shared server, asks)
+    assert ManagedServer(tiny_model_dir, tmp_path).continuous_batching is False and served.continuous_batching
     assert "continuous_batching" in transformers_serve_options()
     with OpenAICompatibleClient(served.base_url, model=served.model_name) as client:
         answer = client.chat([{"role": "user", "content": "hello"}], GREEDY)

@@ -62,9 +62,8 @@ def test_a_materialization_is_stored_in_postgres(tmp_path: Path, pg: dict[str, s
         data = str(tmp_path / "data")
         result = dg.materialize(
             [raw_documents], partition_key=DAYS[0], instance=instance,
-            resources={"io_manager": NexaIOManager(data_root=data),
-                       "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing")),
-                       **config_resources()})
+            resources={**config_resources(), "io_manager": NexaIOManager(data_root=data),
+                       "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing"))})
         assert result.success
         event = instance.get_latest_materialization_event(dg.AssetKey("raw_documents"))
         assert event is not None and event.run_id == result.run_id
@@ -92,6 +91,7 @@ def _read_partitions(data: Path, asset: str) -> dict[str, pd.DataFrame]:
     return {f.stem: pd.read_parquet(f) for f in sorted(data.rglob(f"{asset}/*.parquet"))}
 
 
+@pytest.mark.timeout(1800)  # 20 runs through the daemon's queue: minutes on 2 cores
 def test_twenty_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
         tmp_path: Path, pg: dict[str, str], tiny_model_dir: Path) -> None:
     """`dagster job backfill` queues 20 runs of the data stages (ingest, teacher, judge); the real daemon dequeues

@@ -46,7 +46,7 @@ def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(smal
     landing = tmp_path / "landing"
     shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, landing / DAY)
     data = str(small_disk / "data")
-    resources = {"io_manager": NexaIOManager(data_root=data),
+    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=data),
                  "storage": StorageResource(data_root=data, landing_root=str(landing)),
                  **config_resources()}
     instance = dg.DagsterInstance.ephemeral()
