@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pytest
 from support.sandbox import make_sandbox, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale
