@@ -39,9 +39,13 @@ def main(n: int, max_tokens: int) -> dict[str, float]:
         for m in convs:
             client.chat(m, params)
         sequential.append(time.perf_counter() - t0)
-    figures = {"conversations": n, "max_tokens": max_tokens, "batched_s": round(min(batched), 4),
-               "one_at_a_time_s": round(min(sequential), 4),
-               "speedup": round(min(sequential) / min(batched), 2)}
+    figures = {
+        "conversations": n,
+        "max_tokens": max_tokens,
+        "batched_s": round(min(batched), 4),
+        "one_at_a_time_s": round(min(sequential), 4),
+        "speedup": round(min(sequential) / min(batched), 2),
+    }
     for k, v in figures.items():
         print(f"{k:>16}: {v}")
     return figures
@@ -49,4 +53,4 @@ def main(n: int, max_tokens: int) -> dict[str, float]:
 
 if __name__ == "__main__":
     args = [int(a) for a in sys.argv[1:3]]
-    print(json.dumps(main(*(args + [16, 16][len(args):]))))
+    print(json.dumps(main(*(args + [16, 16][len(args) :]))))

@@ -49,9 +49,27 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
     module.write_text(DEFS)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dagster", "job", "execute", "-f", str(module),
-                           "-j", f"daily_{executor}", "--tags", json.dumps({"dagster/partition": DAY})],
-                          env=sandbox_env(root), cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "job",
+            "execute",
+            "-f",
+            str(module),
+            "-j",
+            f"daily_{executor}",
+            "--tags",
+            json.dumps({"dagster/partition": DAY}),
+        ],
+        env=sandbox_env(root),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
@@ -61,7 +79,9 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
 
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:  # how many processes ran its steps
         run = instance.get_runs(limit=1)[0]
-        pids = {e.dagster_event.pid for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)}
+        pids = {
+            e.dagster_event.pid for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
+        }
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "step_processes": len(pids)}
 
 
@@ -78,11 +98,22 @@ def main() -> None:
         for executor in results:
             results[executor].append(run_job(root, executor))
             print(f"{executor}: {results[executor][-1]}", flush=True)
-    mean = {e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in ("wall_s", "cpu_s", "step_processes")}
-            for e, rs in results.items()}
-    print(json.dumps({"runs": args.runs, "multiprocess": mean["multiprocess"], "in_process": mean["in_process"],
-                      "orchestration_cpu_s_saved_per_run": round(mean["multiprocess"]["cpu_s"]
-                                                                 - mean["in_process"]["cpu_s"], 2)}))
+    mean = {
+        e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in ("wall_s", "cpu_s", "step_processes")}
+        for e, rs in results.items()
+    }
+    print(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "multiprocess": mean["multiprocess"],
+                "in_process": mean["in_process"],
+                "orchestration_cpu_s_saved_per_run": round(
+                    mean["multiprocess"]["cpu_s"] - mean["in_process"]["cpu_s"], 2
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

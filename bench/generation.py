@@ -35,8 +35,13 @@ CONCURRENCY = (1, 8, 32)
 
 
 def _messages(i: int) -> list[dict[str, str]]:
-    return [{"role": "system", "content": "You are a careful senior engineer who teaches."},
-            {"role": "user", "content": f"Explain topic number {i} of the Python reference to a junior engineer."}]
+    return [
+        {"role": "system", "content": "You are a careful senior engineer who teaches."},
+        {
+            "role": "user",
+            "content": f"Explain topic number {i} of the Python reference to a junior engineer.",
+        },
+    ]
 
 
 def sequential_baseline(base_url: str, model: str, n: int, params: SamplingParams) -> tuple[float, int]:
@@ -45,15 +50,22 @@ def sequential_baseline(base_url: str, model: str, n: int, params: SamplingParam
     with httpx.Client(timeout=300, trust_env=False) as http:
         t0 = time.perf_counter()
         for i in range(n):
-            body = {"model": model, "messages": _messages(i), "max_tokens": params.max_tokens,
-                    "temperature": params.temperature, "top_p": params.top_p}
+            body = {
+                "model": model,
+                "messages": _messages(i),
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+            }
             resp = http.post(f"{base_url}/chat/completions", json=body)
             resp.raise_for_status()
             tokens += resp.json()["usage"]["completion_tokens"]
         return time.perf_counter() - t0, tokens
 
 
-def client_run(base_url: str, model: str, n: int, params: SamplingParams, concurrency: int) -> tuple[float, int]:
+def client_run(
+    base_url: str, model: str, n: int, params: SamplingParams, concurrency: int
+) -> tuple[float, int]:
     """The teacher stage's client at ``concurrency`` in-flight requests: (seconds, generated tokens)."""
     requests = [ChatRequest(_messages(i), params) for i in range(n)]
     with OpenAICompatibleClient(base_url, model, max_concurrency=concurrency, max_retries=2) as client:
@@ -89,11 +101,16 @@ def main() -> dict[str, object]:
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nexa-bench-")))
-            model_dir = Path(args.model) if args.model else build_tiny_causal_lm(work / "models" / "tiny-bench")
-            server = stack.enter_context(ManagedServer(model_dir, work / "logs",
-                                                       continuous_batching=not args.no_continuous_batching))
+            model_dir = (
+                Path(args.model) if args.model else build_tiny_causal_lm(work / "models" / "tiny-bench")
+            )
+            server = stack.enter_context(
+                ManagedServer(model_dir, work / "logs", continuous_batching=not args.no_continuous_batching)
+            )
             base_url, model, served = server.base_url, server.model_name, str(model_dir)
-            engine = f"{server.engine} serve" + (" --continuous-batching" if server.continuous_batching else "")
+            engine = f"{server.engine} serve" + (
+                " --continuous-batching" if server.continuous_batching else ""
+            )
         client_run(base_url, model, 8, params, 8)  # warm-up (first requests pay for lazy initialisation)
         best: dict[str, tuple[float, int]] = {}
         for _ in range(args.rounds):
@@ -103,9 +120,15 @@ def main() -> dict[str, object]:
             for name, (secs, toks) in runs.items():
                 if name not in best or toks / secs > best[name][1] / best[name][0]:
                     best[name] = (secs, toks)
-    figures: dict[str, object] = {"engine": engine, "model": served, "requests": args.requests,
-                                  "max_tokens": args.max_tokens, "rounds": args.rounds,
-                                  "cpus": os.cpu_count(), "machine": platform.machine()}
+    figures: dict[str, object] = {
+        "engine": engine,
+        "model": served,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
     print(f"{'run':>12} {'seconds':>8} {'req/s':>8} {'tokens/s':>9}")
     for name, (secs, toks) in best.items():
         figures[f"{name}_requests_per_s"] = round(args.requests / secs, 2)
@@ -115,8 +138,10 @@ def main() -> dict[str, object]:
     for c in CONCURRENCY:
         secs, toks = best[f"c{c}"]
         figures[f"speedup_c{c}"] = round(toks / secs / base, 2)
-    print(f"speed-up over the sequential baseline: c1 {figures['speedup_c1']}x, c8 {figures['speedup_c8']}x, "
-          f"c32 {figures['speedup_c32']}x")
+    print(
+        f"speed-up over the sequential baseline: c1 {figures['speedup_c1']}x, c8 {figures['speedup_c8']}x, "
+        f"c32 {figures['speedup_c32']}x"
+    )
     return figures
 
 

@@ -70,12 +70,18 @@ def side(title: str) -> str:
     return "night1" if int(hashlib.sha256(title.encode()).hexdigest()[:8], 16) % 2 == 0 else "night2"
 
 
-Example = tuple[np.ndarray, np.ndarray]  # (input_ids, loss_mask) of one conversation, as the packer tokenizes it
+Example = tuple[
+    np.ndarray, np.ndarray
+]  # (input_ids, loss_mask) of one conversation, as the packer tokenizes it
 
 
-def sft_examples(chat: ChatTokenizer, docs: list[tuple[str, str]], max_chars: int, pack_size: int) -> list[Example]:
-    conversations = [conversation("", f"Explain the Python topic '{title}'.", text.strip()[:max_chars])
-                     for title, text in docs]
+def sft_examples(
+    chat: ChatTokenizer, docs: list[tuple[str, str]], max_chars: int, pack_size: int
+) -> list[Example]:
+    conversations = [
+        conversation("", f"Explain the Python topic '{title}'.", text.strip()[:max_chars])
+        for title, text in docs
+    ]
     return [(ids[:pack_size], mask[:pack_size]) for ids, mask in chat.encode_conversations(conversations)]
 
 
@@ -91,8 +97,12 @@ def write_corpus(tokenizer, docs: list[tuple[str, str]], root: Path) -> str:
     prefix = str(root / "shards" / "00000")
     with IndexedDatasetWriter(prefix, best_fitting_dtype(len(tokenizer))) as writer:
         for _, text in docs:
-            writer.add_document(np.asarray(tokenizer.encode(text, add_special_tokens=False) +
-                                           [tokenizer.eos_token_id], dtype=writer.dtype))
+            writer.add_document(
+                np.asarray(
+                    tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id],
+                    dtype=writer.dtype,
+                )
+            )
     (root / "megatron_blend.json").write_text(json.dumps({"data_paths": [writer.num_tokens, prefix]}))
     return str(root)
 
@@ -108,14 +118,20 @@ def train(job: TrainingJob, work: Path) -> TrainingResult:
     job_file = work / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"training {job.run_id} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
-    print(f"trained {job.run_id:10s} from {job.parent:22s} {job.settings.max_steps:4d} steps, loss "
-          f"{result.first_loss:.3f} -> {result.final_loss:.3f}, validation {result.validation_loss:.3f} "
-          f"({time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"trained {job.run_id:10s} from {job.parent:22s} {job.settings.max_steps:4d} steps, loss "
+        f"{result.first_loss:.3f} -> {result.final_loss:.3f}, validation {result.validation_loss:.3f} "
+        f"({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -140,8 +156,12 @@ def per_example_nll(model_dir: str, examples: list[Example]) -> tuple[list[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="", help="working directory (default: a temporary one)")
-    parser.add_argument("--pretrain-steps", type=int, default=0, help="default: the tiny preset's pretraining")
-    parser.add_argument("--sft-steps", type=int, default=0, help="default: the tiny preset's training.max_steps")
+    parser.add_argument(
+        "--pretrain-steps", type=int, default=0, help="default: the tiny preset's pretraining"
+    )
+    parser.add_argument(
+        "--sft-steps", type=int, default=0, help="default: the tiny preset's training.max_steps"
+    )
     parser.add_argument("--resamples", type=int, default=5000)
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -158,32 +178,56 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tokenizer_dir = build_tiny_causal_lm(work / "tiny-tokenizer")  # the demo's tokenizer (+ an unused random model)
+    tokenizer_dir = build_tiny_causal_lm(
+        work / "tiny-tokenizer"
+    )  # the demo's tokenizer (+ an unused random model)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     docs = topics()
     sides = {title: side(title) for title, _ in docs}
     by_side = {s: [d for d in docs if sides[d[0]] == s] for s in ("eval", "night1", "night2")}
-    print(f"{len(docs)} Python documentation topics: {', '.join(f'{len(v)} {k}' for k, v in by_side.items())}; "
-          f"machine: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}", flush=True)
+    print(
+        f"{len(docs)} Python documentation topics: {', '.join(f'{len(v)} {k}' for k, v in by_side.items())}; "
+        f"machine: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}",
+        flush=True,
+    )
     pack_size, pad = scale.pack_size, tokenizer.pad_token_id
     chat = ChatTokenizer.from_hf(tokenizer, str(work / "tokenizer.json"))
     examples = {s: sft_examples(chat, v, scale.max_chars_per_doc, pack_size) for s, v in by_side.items()}
     eval_path = write_packed(examples["eval"], work / "eval.parquet", pack_size, pad)
     night1 = write_packed(examples["night1"], work / "night1.parquet", pack_size, pad)
-    nights12 = write_packed(examples["night1"] + examples["night2"], work / "nights12.parquet", pack_size, pad)
+    nights12 = write_packed(
+        examples["night1"] + examples["night2"], work / "nights12.parquet", pack_size, pad
+    )
     corpus = write_corpus(tokenizer, by_side["night1"] + by_side["night2"], work / "corpus")
 
     def job(run_id: str, train_path: str, settings, **extra) -> TrainingJob:
-        return TrainingJob(run_id=run_id, train_path=train_path, validation_path=eval_path,
-                           tokenizer_path=str(tokenizer_dir), model_preset=scale.model_preset,
-                           deepspeed_config=load_deepspeed_config(scale.deepspeed_config), settings=settings,
-                           output_dir=str(work / "checkpoints" / run_id), accelerator="cpu", **extra)
+        return TrainingJob(
+            run_id=run_id,
+            train_path=train_path,
+            validation_path=eval_path,
+            tokenizer_path=str(tokenizer_dir),
+            model_preset=scale.model_preset,
+            deepspeed_config=load_deepspeed_config(scale.deepspeed_config),
+            settings=settings,
+            output_dir=str(work / "checkpoints" / run_id),
+            accelerator="cpu",
+            **extra,
+        )
 
-    base = job("base", corpus, pretrain_settings, data_kind="pretrain_corpus", pack_size=pack_size,
-               heldout_fraction=scale.pretraining.heldout_fraction)
+    base = job(
+        "base",
+        corpus,
+        pretrain_settings,
+        data_kind="pretrain_corpus",
+        pack_size=pack_size,
+        heldout_fraction=scale.pretraining.heldout_fraction,
+    )
     base_result = train(base, work)
-    print(f"base: held-out corpus loss {base_result.validation_loss:.3f} over {base_result.validation_documents} "
-          "documents", flush=True)
+    print(
+        f"base: held-out corpus loss {base_result.validation_loss:.3f} over {base_result.validation_documents} "
+        "documents",
+        flush=True,
+    )
     runs = {
         "scratch": job("scratch", nights12, sft_settings),
         "base-sft": job("base-sft", nights12, sft_settings, init_from=base.output_dir, parent="base:base"),
@@ -191,15 +235,20 @@ def main() -> None:
     }
     with ThreadPoolExecutor(max_workers=len(runs)) as pool:  # independent trainings, one process each
         list(pool.map(lambda run: train(run, work), runs.values()))
-    runs["continual"] = job("continual", nights12, sft_settings, init_from=runs["night1"].output_dir,
-                            parent="production:night1")
+    runs["continual"] = job(
+        "continual", nights12, sft_settings, init_from=runs["night1"].output_dir, parent="production:night1"
+    )
     train(runs["continual"], work)
 
-    scores = {name: per_example_nll(runs[name].output_dir, examples["eval"])
-              for name in ("scratch", "base-sft", "continual")}
+    scores = {
+        name: per_example_nll(runs[name].output_dir, examples["eval"])
+        for name in ("scratch", "base-sft", "continual")
+    }
     tokens = scores["scratch"][1]
-    print(f"\neval set: {len(tokens)} held-out conversations, {sum(tokens)} assistant tokens, "
-          f"{args.resamples} bootstrap resamples, 95% intervals")
+    print(
+        f"\neval set: {len(tokens)} held-out conversations, {sum(tokens)} assistant tokens, "
+        f"{args.resamples} bootstrap resamples, 95% intervals"
+    )
     losses = {}
     for name, (nll, tok) in scores.items():
         interval = bootstrap_mean_loss(nll, tok, resamples=args.resamples)
@@ -222,14 +271,20 @@ def main() -> None:
         "base_minus_scratch": round(d.estimate, 5),
         "base_minus_scratch_ci": [round(d.low, 5), round(d.high, 5)],
         "continual_minus_scratch": round(pairs[("continual", "scratch")].estimate, 5),
-        "continual_minus_scratch_ci": [round(pairs[("continual", "scratch")].low, 5),
-                                       round(pairs[("continual", "scratch")].high, 5)],
+        "continual_minus_scratch_ci": [
+            round(pairs[("continual", "scratch")].low, 5),
+            round(pairs[("continual", "scratch")].high, 5),
+        ],
         "continual_minus_base": round(pairs[("continual", "base-sft")].estimate, 5),
-        "continual_minus_base_ci": [round(pairs[("continual", "base-sft")].low, 5),
-                                    round(pairs[("continual", "base-sft")].high, 5)],
+        "continual_minus_base_ci": [
+            round(pairs[("continual", "base-sft")].low, 5),
+            round(pairs[("continual", "base-sft")].high, 5),
+        ],
         "base_heldout_corpus_loss": round(base_result.validation_loss, 5),
-        "eval_examples": len(tokens), "eval_tokens": int(sum(tokens)),
-        "pretrain_steps": pretrain_settings.max_steps, "sft_steps": sft_settings.max_steps,
+        "eval_examples": len(tokens),
+        "eval_tokens": int(sum(tokens)),
+        "pretrain_steps": pretrain_settings.max_steps,
+        "sft_steps": sft_settings.max_steps,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary))

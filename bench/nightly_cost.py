@@ -50,7 +50,55 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FIRST_DAY = dt.date(2026, 10, 1)
-WORDS = ["the", "a", "tuple", "list", "dict", "set", "value", "key", "index", "slice", "loop", "yield", "class", "method", "return", "import", "module", "package", "function", "argument", "keyword", "default", "iterator", "generator", "context", "manager", "exception", "raise", "error", "type", "string", "bytes", "integer", "float", "format", "print", "file", "path", "open", "read", "write", "close", "async", "await", "thread", "process", "lock"]
+WORDS = [
+    "the",
+    "a",
+    "tuple",
+    "list",
+    "dict",
+    "set",
+    "value",
+    "key",
+    "index",
+    "slice",
+    "loop",
+    "yield",
+    "class",
+    "method",
+    "return",
+    "import",
+    "module",
+    "package",
+    "function",
+    "argument",
+    "keyword",
+    "default",
+    "iterator",
+    "generator",
+    "context",
+    "manager",
+    "exception",
+    "raise",
+    "error",
+    "type",
+    "string",
+    "bytes",
+    "integer",
+    "float",
+    "format",
+    "print",
+    "file",
+    "path",
+    "open",
+    "read",
+    "write",
+    "close",
+    "async",
+    "await",
+    "thread",
+    "process",
+    "lock",
+]
 
 
 def day_name(n: int) -> str:
@@ -66,17 +114,35 @@ def day_frame(n: int, samples: int) -> Any:
     words = np.array(WORDS)
 
     def text(low: int, high: int) -> list[str]:
-        return [" ".join(words[rng.integers(0, len(words), size=int(k))]) for k in rng.integers(low, high, samples)]
+        return [
+            " ".join(words[rng.integers(0, len(words), size=int(k))])
+            for k in rng.integers(low, high, samples)
+        ]
 
     day = day_name(n)
     ids = [f"{day}-{i:06d}" for i in range(samples)]
-    return pd.DataFrame({
-        "sample_id": ids, "doc_id": [f"doc{n:04d}{i:07d}"[:16] for i in range(samples)], "day": day,
-        "generation_index": 0, "system_prompt": "You are a helpful Python tutor.", "prompt": text(8, 40),
-        "response": text(40, 260), "reasoning": None, "model": "teacher", "prompt_tokens": 20,
-        "completion_tokens": 120, "latency_s": 0.5, "finish_reason": "stop", "error": None, "judge_score": 4.0,
-        "judge_method": "logprobs", "judge_rationale": None, "judge_confidence": 0.9,
-    })
+    return pd.DataFrame(
+        {
+            "sample_id": ids,
+            "doc_id": [f"doc{n:04d}{i:07d}"[:16] for i in range(samples)],
+            "day": day,
+            "generation_index": 0,
+            "system_prompt": "You are a helpful Python tutor.",
+            "prompt": text(8, 40),
+            "response": text(40, 260),
+            "reasoning": None,
+            "model": "teacher",
+            "prompt_tokens": 20,
+            "completion_tokens": 120,
+            "latency_s": 0.5,
+            "finish_reason": "stop",
+            "error": None,
+            "judge_score": 4.0,
+            "judge_method": "logprobs",
+            "judge_rationale": None,
+            "judge_confidence": 0.9,
+        }
+    )
 
 
 def partition_path(root: Path, n: int) -> Path:
@@ -112,8 +178,14 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
     t = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     print(f"tokenizer loaded in {time.perf_counter() - t:.2f} s", file=sys.stderr)
-    kw = {"pack_size": 1024, "validation_fraction": 0.05, "seed": 0, "log": lambda m: None, "workers": workers,
-          "eval_fraction": 0.02}
+    kw = {
+        "pack_size": 1024,
+        "validation_fraction": 0.05,
+        "seed": 0,
+        "log": lambda m: None,
+        "workers": workers,
+        "eval_fraction": 0.02,
+    }
     out = str(root / "sft")
     if mode == "incremental":
         parts = [(day_name(n), str(partition_path(root, n))) for n in range(1, days + 1)]
@@ -125,12 +197,19 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
         from nexa_dagster.core.common import storage
         from nexa_dagster.core.data.schemas import FilteredSamples
 
-        frame = pd.concat([storage.read_parquet(str(partition_path(root, n))) for n in range(1, days + 1)],
-                          ignore_index=True)
+        frame = pd.concat(
+            [storage.read_parquet(str(partition_path(root, n))) for n in range(1, days + 1)],
+            ignore_index=True,
+        )
         FilteredSamples.validate(frame)
         dataset, _ = build_sft_dataset(frame, tokenizer, tokenizer_dir, out, incremental=False, **kw)
-    return {"samples": dataset.num_samples, "shards": dataset.num_shards, "shards_reused": dataset.shards_reused,
-            "train_sequences": dataset.num_train_sequences, "run_hash": dataset.run_hash}
+    return {
+        "samples": dataset.num_samples,
+        "shards": dataset.num_shards,
+        "shards_reused": dataset.shards_reused,
+        "train_sequences": dataset.num_train_sequences,
+        "run_hash": dataset.run_hash,
+    }
 
 
 def night_child(args: argparse.Namespace) -> None:
@@ -140,15 +219,19 @@ def night_child(args: argparse.Namespace) -> None:
     import nexa_dagster.core.data.schemas
     import nexa_dagster.core.packaging.sft_dataset  # noqa: F401
 
-    nexa_dagster.core.data.schemas.FilteredSamples.validate(day_frame(1, 2))  # pandera's lazy imports, also not the night's
+    nexa_dagster.core.data.schemas.FilteredSamples.validate(
+        day_frame(1, 2)
+    )  # pandera's lazy imports, also not the night's
 
     root = Path(args.root)
     start = time.perf_counter()
     write_day(root, args.night, args.samples_per_day)
     result = package(root, args.night, args.mode, args.workers, args.tokenizer)
     seconds = time.perf_counter() - start
-    peak_kb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-               + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    peak_kb = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    )
     print(json.dumps({"seconds": round(seconds, 3), "peak_rss_mb": round(peak_kb / 1024, 1), **result}))
 
 
@@ -174,8 +257,22 @@ def warm_child(args: argparse.Namespace) -> None:
 
 
 def run_child(kind: str, root: Path, night: int, mode: str, args: argparse.Namespace, tokenizer: str) -> dict:
-    cmd = [sys.executable, __file__, f"--{kind}", str(night), "--root", str(root), "--mode", mode,
-           "--samples-per-day", str(args.samples_per_day), "--workers", str(args.workers), "--tokenizer", tokenizer]
+    cmd = [
+        sys.executable,
+        __file__,
+        f"--{kind}",
+        str(night),
+        "--root",
+        str(root),
+        "--mode",
+        mode,
+        "--samples-per-day",
+        str(args.samples_per_day),
+        "--workers",
+        str(args.workers),
+        "--tokenizer",
+        tokenizer,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -206,7 +303,9 @@ def main() -> None:
         return history_child(args)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="nexa-nightly-"))
-    os.environ.setdefault("NEXA_CACHE_DIR", str(work / "cache"))  # the nights' stat cache (children inherit it)
+    os.environ.setdefault(
+        "NEXA_CACHE_DIR", str(work / "cache")
+    )  # the nights' stat cache (children inherit it)
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         from nexa_dagster.core.tiny.model import build_tokenizer, default_corpus
@@ -223,7 +322,9 @@ def main() -> None:
         figures[mode] = {}
         for night, start_from in ((1, None), (args.days, history)):
             tries = []
-            for k in range(args.repeat):  # each try from the same state: nothing, or the history of days 1..N-1
+            for k in range(
+                args.repeat
+            ):  # each try from the same state: nothing, or the history of days 1..N-1
                 root = work / f"{mode}-night-{night}-{k}"
                 shutil.rmtree(root, ignore_errors=True)
                 if start_from is not None:
@@ -234,25 +335,38 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
                 print(f"{mode} night {night} try {k + 1}: {tries[-1]}", flush=True)
             best = min(tries, key=lambda r: r["seconds"])  # the machine is shared: the least disturbed try
-            figures[mode][f"night_{night}"] = {**best, "peak_rss_mb": max(r["peak_rss_mb"] for r in tries),
-                                               "all_seconds": [r["seconds"] for r in tries]}
+            figures[mode][f"night_{night}"] = {
+                **best,
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in tries),
+                "all_seconds": [r["seconds"] for r in tries],
+            }
     inc, base = figures["incremental"], figures["baseline"]
     late = f"night_{args.days}"
     if inc[late]["run_hash"] != base[late]["run_hash"]:
         raise SystemExit("the incremental and the baseline snapshots of the same days differ")
-    print(json.dumps({
-        "days": args.days, "samples_per_day": args.samples_per_day, "workers": args.workers,
-        "night_1_s": inc["night_1"]["seconds"], "night_30_s": inc[late]["seconds"],
-        "growth": round(inc[late]["seconds"] / inc["night_1"]["seconds"], 3),
-        "baseline_night_1_s": base["night_1"]["seconds"], "baseline_night_30_s": base[late]["seconds"],
-        "baseline_growth": round(base[late]["seconds"] / base["night_1"]["seconds"], 3),
-        "peak_rss_mb_night_1": inc["night_1"]["peak_rss_mb"], "peak_rss_mb_night_30": inc[late]["peak_rss_mb"],
-        "baseline_peak_rss_mb_night_1": base["night_1"]["peak_rss_mb"],
-        "baseline_peak_rss_mb_night_30": base[late]["peak_rss_mb"],
-        "shards_packed_night_30": inc[late]["shards"] - inc[late]["shards_reused"],
-        "baseline_shards_packed_night_30": base[late]["shards"] - base[late]["shards_reused"],
-        "repeat": args.repeat, "total_s": round(time.perf_counter() - total, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "days": args.days,
+                "samples_per_day": args.samples_per_day,
+                "workers": args.workers,
+                "night_1_s": inc["night_1"]["seconds"],
+                "night_30_s": inc[late]["seconds"],
+                "growth": round(inc[late]["seconds"] / inc["night_1"]["seconds"], 3),
+                "baseline_night_1_s": base["night_1"]["seconds"],
+                "baseline_night_30_s": base[late]["seconds"],
+                "baseline_growth": round(base[late]["seconds"] / base["night_1"]["seconds"], 3),
+                "peak_rss_mb_night_1": inc["night_1"]["peak_rss_mb"],
+                "peak_rss_mb_night_30": inc[late]["peak_rss_mb"],
+                "baseline_peak_rss_mb_night_1": base["night_1"]["peak_rss_mb"],
+                "baseline_peak_rss_mb_night_30": base[late]["peak_rss_mb"],
+                "shards_packed_night_30": inc[late]["shards"] - inc[late]["shards_reused"],
+                "baseline_shards_packed_night_30": base[late]["shards"] - base[late]["shards_reused"],
+                "repeat": args.repeat,
+                "total_s": round(time.perf_counter() - total, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -97,8 +97,10 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> dict[str, An
             q_len = min(int(rng.lognormvariate(math.log(400), 0.8)), 6000)
             a_len = min(int(rng.lognormvariate(math.log(2500), 0.9)), 30000)
             qs, as_ = rng.randrange(len(text) - q_len), rng.randrange(len(text) - a_len)
-            messages = [{"role": "user", "content": text[qs:qs + q_len]},
-                        {"role": "assistant", "content": text[as_:as_ + a_len]}]
+            messages = [
+                {"role": "user", "content": text[qs : qs + q_len]},
+                {"role": "assistant", "content": text[as_ : as_ + a_len]},
+            ]
             if rng.random() < 0.3:
                 messages.insert(0, {"role": "system", "content": "You are a concise Python expert."})
             f.write(json.dumps({"sample_id": f"b{rows:08d}", "messages": messages}) + "\n")
@@ -136,22 +138,36 @@ def run_ours(corpus: Path, tok_dir: Path, out: Path, procs: int, pack_size: int)
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     blend = DataBlend(name="bench", sources=[BlendSource(name="corpus", path=str(corpus))])
-    settings = PackagingSettings(pack_size=pack_size, validation_fraction=0.01, seed=0, rows_per_shard=4000,
-                                 workers=procs, write_jsonl=False)
+    settings = PackagingSettings(
+        pack_size=pack_size,
+        validation_fraction=0.01,
+        seed=0,
+        rows_per_shard=4000,
+        workers=procs,
+        write_jsonl=False,
+    )
     t = time.perf_counter()
     run = package_sft(blend, tok, str(out), settings, log=lambda m: print(f"  [ours] {m}", flush=True))
     seconds = time.perf_counter() - t
     real = sum(s.real_tokens for s in run.stats.values())
-    return {"seconds": seconds, "tokens": real, "rows": run.rows_read, "sequences":
-            sum(s.sequences for s in run.stats.values()), "packing_efficiency": run.packing_efficiency,
-            "shards": run.num_shards, "truncated": sum(s.truncated_documents for s in run.stats.values())}
+    return {
+        "seconds": seconds,
+        "tokens": real,
+        "rows": run.rows_read,
+        "sequences": sum(s.sequences for s in run.stats.values()),
+        "packing_efficiency": run.packing_efficiency,
+        "shards": run.num_shards,
+        "truncated": sum(s.truncated_documents for s in run.stats.values()),
+    }
 
 
 def _baseline_batch(batch: dict[str, list], tokenizer: Any, pack_size: int, pad_id: int) -> dict[str, list]:
     """What a user writes: render the template, tokenize, mask the prompt prefix, pad/truncate to pack_size."""
     full = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
-    prompts = [tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True)
-               for m in batch["messages"]]
+    prompts = [
+        tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True)
+        for m in batch["messages"]
+    ]
     full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "attention_mask": [], "num_tokens": []}
@@ -173,20 +189,36 @@ def run_baseline(corpus: Path, tok_dir: Path, out: Path, procs: int, pack_size: 
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     cache = out / "hf-cache"
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("int8")),
-                                  "attention_mask": datasets.Sequence(datasets.Value("int8")),
-                                  "num_tokens": datasets.Value("int64")})
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            "attention_mask": datasets.Sequence(datasets.Value("int8")),
+            "num_tokens": datasets.Value("int64"),
+        }
+    )
     t = time.perf_counter()
     ds = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(cache))
-    mapped = ds.map(_baseline_batch, batched=True, batch_size=1000, num_proc=procs, remove_columns=ds.column_names,
-                    features=features, fn_kwargs={"tokenizer": tok, "pack_size": pack_size,
-                                                  "pad_id": tok.pad_token_id}, desc="baseline")
+    mapped = ds.map(
+        _baseline_batch,
+        batched=True,
+        batch_size=1000,
+        num_proc=procs,
+        remove_columns=ds.column_names,
+        features=features,
+        fn_kwargs={"tokenizer": tok, "pack_size": pack_size, "pad_id": tok.pad_token_id},
+        desc="baseline",
+    )
     mapped.to_parquet(str(out / "baseline.parquet"))
     seconds = time.perf_counter() - t
     real = int(sum(mapped["num_tokens"]))
-    return {"seconds": seconds, "tokens": real, "rows": len(ds), "sequences": len(mapped),
-            "packing_efficiency": real / (len(mapped) * pack_size)}
+    return {
+        "seconds": seconds,
+        "tokens": real,
+        "rows": len(ds),
+        "sequences": len(mapped),
+        "packing_efficiency": real / (len(mapped) * pack_size),
+    }
 
 
 def side_main(args: argparse.Namespace) -> None:
@@ -199,11 +231,27 @@ def side_main(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_side(side: str, corpus: Path, tok_dir: Path, workdir: Path, procs: int, pack_size: int) -> dict[str, Any]:
+def run_side(
+    side: str, corpus: Path, tok_dir: Path, workdir: Path, procs: int, pack_size: int
+) -> dict[str, Any]:
     out = workdir / f"out-{side}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--side", side, "--corpus", str(corpus), "--tokenizer", str(tok_dir),
-           "--out", str(out), "--procs", str(procs), "--pack-size", str(pack_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--side",
+        side,
+        "--corpus",
+        str(corpus),
+        "--tokenizer",
+        str(tok_dir),
+        "--out",
+        str(out),
+        "--procs",
+        str(procs),
+        "--pack-size",
+        str(pack_size),
+    ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     for line in lines[:-1]:
@@ -228,19 +276,34 @@ def sample_data_efficiency(tok_dir: Path, workdir: Path, pack_size: int) -> floa
         for day_dir in sorted((REPO_ROOT / "sample_data" / "landing").iterdir()):
             for d in ingest_day(day_dir, day_dir.name, max_docs=None, max_chars=pack_size * 3).itertuples():
                 half = len(d.text) // 2
-                f.write(json.dumps({"sample_id": d.doc_id, "messages": [
-                    {"role": "user", "content": d.text[:half]}, {"role": "assistant", "content": d.text[half:]}]})
-                    + "\n")
-    run = package_sft(DataBlend(name="sample", sources=[BlendSource(name="sample", path=str(path))]),
-                      AutoTokenizer.from_pretrained(str(tok_dir)), str(workdir / "out-sample"),
-                      PackagingSettings(pack_size, 0.0001, write_jsonl=False), log=lambda m: None)
+                f.write(
+                    json.dumps(
+                        {
+                            "sample_id": d.doc_id,
+                            "messages": [
+                                {"role": "user", "content": d.text[:half]},
+                                {"role": "assistant", "content": d.text[half:]},
+                            ],
+                        }
+                    )
+                    + "\n"
+                )
+    run = package_sft(
+        DataBlend(name="sample", sources=[BlendSource(name="sample", path=str(path))]),
+        AutoTokenizer.from_pretrained(str(tok_dir)),
+        str(workdir / "out-sample"),
+        PackagingSettings(pack_size, 0.0001, write_jsonl=False),
+        log=lambda m: None,
+    )
     shutil.rmtree(workdir / "out-sample", ignore_errors=True)
     return run.stats["train"].efficiency
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB of text (>= 200 for the figure)")
+    parser.add_argument(
+        "--mb", type=float, default=200.0, help="corpus size in MB of text (>= 200 for the figure)"
+    )
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes for both sides")
     parser.add_argument("--pack-size", type=int, default=4096)
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "nexa-bench-packaging"))
@@ -255,8 +318,11 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     corpus, tok_dir, meta = prepare(workdir, args.mb)
-    print(f"corpus: {corpus} ({meta['bytes'] / 1e6:.0f} MB JSONL, {meta['text_chars'] / 1e6:.0f} MB of text, "
-          f"{meta['rows']} conversations); pack size {args.pack_size}; {args.procs} processes per side", flush=True)
+    print(
+        f"corpus: {corpus} ({meta['bytes'] / 1e6:.0f} MB JSONL, {meta['text_chars'] / 1e6:.0f} MB of text, "
+        f"{meta['rows']} conversations); pack size {args.pack_size}; {args.procs} processes per side",
+        flush=True,
+    )
     ours = run_side("ours", corpus, tok_dir, workdir, args.procs, args.pack_size)
     base = run_side("baseline", corpus, tok_dir, workdir, args.procs, args.pack_size)
     sample_eff = sample_data_efficiency(tok_dir, workdir, args.pack_size)

@@ -52,8 +52,12 @@ class Load:
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
     def _run(self) -> None:
-        body = {"model": "nexa-moe", "messages": [{"role": "user", "content": "What is a list?"}],
-                "max_tokens": self.max_tokens, "temperature": 0.0}
+        body = {
+            "model": "nexa-moe",
+            "messages": [{"role": "user", "content": "What is a list?"}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+        }
         with httpx.Client(timeout=120.0) as http:
             while not self._stop.is_set():
                 sent = time.monotonic()
@@ -76,12 +80,19 @@ class Load:
     def phase(self, start: float, end: float) -> dict[str, float | int]:
         rows = [r for r in self.records if start <= r[0] < end]
         latencies = sorted(r[1] for r in rows)
-        p = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000, 1)) \
-            if latencies else (lambda q: None)
-        return {"requests": len(rows), "failed": sum(1 for r in rows if not r[2]),
-                "requests_per_s": round(len(rows) / (end - start), 2),
-                "p50_ms": p(0.50), "p99_ms": p(0.99),
-                "mean_ms": round(statistics.fmean(latencies) * 1000, 1) if latencies else None}
+        p = (
+            (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000, 1))
+            if latencies
+            else (lambda q: None)
+        )
+        return {
+            "requests": len(rows),
+            "failed": sum(1 for r in rows if not r[2]),
+            "requests_per_s": round(len(rows) / (end - start), 2),
+            "p50_ms": p(0.50),
+            "p99_ms": p(0.99),
+            "mean_ms": round(statistics.fmean(latencies) * 1000, 1) if latencies else None,
+        }
 
 
 def measure(base_url: str, clients: int, max_tokens: int, seconds: float) -> dict[str, float | int]:
@@ -105,24 +116,39 @@ def main() -> dict[str, object]:
         env = {**os.environ, "NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results")}
         serving_dir = root / "data" / "serving"
         serving_dir.mkdir(parents=True)
-        ProductionRegistry(serving_dir / "production.json").promote(ProductionEntry(
-            checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0))
+        ProductionRegistry(serving_dir / "production.json").promote(
+            ProductionEntry(checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0)
+        )
         port = free_port()
         with open(root / "service.log", "wb") as log:
-            service = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
-                                       env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            service = subprocess.Popen(
+                [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + 600
-            while (client := ServingServiceClient.find(serving_dir)) is None or \
-                    client.status()["checkpoint_id"] != "a":
+            while (client := ServingServiceClient.find(serving_dir)) is None or client.status()[
+                "checkpoint_id"
+            ] != "a":
                 if service.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the serving service did not come up:\n{(root / 'service.log').read_text()}")
+                    raise SystemExit(
+                        f"the serving service did not come up:\n{(root / 'service.log').read_text()}"
+                    )
                 time.sleep(0.5)
             endpoint = f"http://127.0.0.1:{port}/v1"
-            figures: dict[str, object] = {"clients": args.clients, "max_tokens": args.max_tokens,
-                                          "phase_s": args.phase_s, "cpus": os.cpu_count(),
-                                          "machine": platform.machine()}
-            figures["direct"] = measure(client.status()["engine_url"], args.clients, args.max_tokens, args.phase_s)
+            figures: dict[str, object] = {
+                "clients": args.clients,
+                "max_tokens": args.max_tokens,
+                "phase_s": args.phase_s,
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+            }
+            figures["direct"] = measure(
+                client.status()["engine_url"], args.clients, args.max_tokens, args.phase_s
+            )
             figures["before"] = measure(endpoint, args.clients, args.max_tokens, args.phase_s)
             with Load(endpoint, args.clients, args.max_tokens) as load:
                 t0 = time.monotonic()
@@ -145,8 +171,10 @@ def main() -> dict[str, object]:
     for phase in ("direct", "before", "during", "after"):
         f = figures[phase]
         assert isinstance(f, dict)
-        print(f"{phase:>7}: {f['requests']:5d} requests, {f['requests_per_s']:6.2f}/s, p50 {f['p50_ms']} ms, "
-              f"p99 {f['p99_ms']} ms, failed {f['failed']}")
+        print(
+            f"{phase:>7}: {f['requests']:5d} requests, {f['requests_per_s']:6.2f}/s, p50 {f['p50_ms']} ms, "
+            f"p99 {f['p99_ms']} ms, failed {f['failed']}"
+        )
     print(f"switch: {figures['switch_s']} s (drain {figures['drain_s']} s)")
     return figures
 

@@ -1,11 +1,11 @@
 """``nexa-dagster``: everyday operations outside the UI.
 
-    nexa-dagster status      what the endpoint serves, and which checkpoint is in production (pointer, MLflow alias)
-    nexa-dagster rollback    serve the previous production model again (switch, pointer, alias)
-    nexa-dagster serve       the serving service: the production model on one stable OpenAI-compatible URL,
-                             following promotions and rollbacks, until Ctrl-C
-    nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
-    nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
+nexa-dagster status      what the endpoint serves, and which checkpoint is in production (pointer, MLflow alias)
+nexa-dagster rollback    serve the previous production model again (switch, pointer, alias)
+nexa-dagster serve       the serving service: the production model on one stable OpenAI-compatible URL,
+                         following promotions and rollbacks, until Ctrl-C
+nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
+nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ def status() -> int:
         print("endpoint: no serving service runs (`make serve` starts it)")
     else:
         s = service.status()
-        print(f"endpoint: {s['endpoint']}  model {s['model']!r} -> {s['checkpoint_id'] or 'nothing yet'} "
-              f"({s['engine']} on {s['colour']}, since {s['serving_since']}, engine restarts {s['engine_restarts']})")
+        print(
+            f"endpoint: {s['endpoint']}  model {s['model']!r} -> {s['checkpoint_id'] or 'nothing yet'} "
+            f"({s['engine']} on {s['colour']}, since {s['serving_since']}, engine restarts {s['engine_restarts']})"
+        )
         if s["last_error"]:
             print(f"  last error: {s['last_error']}")
     if state.current is None:
@@ -95,8 +97,11 @@ def rollback() -> int:
     registry = ProductionRegistry(storage.production_pointer())
     state = registry.state()
     if not state.history:
-        what = f"{state.current.checkpoint_id} is the only production model so far" if state.current \
+        what = (
+            f"{state.current.checkpoint_id} is the only production model so far"
+            if state.current
             else "there is no production model yet"
+        )
         print(f"nothing to roll back to: {what} ({registry.path})", file=sys.stderr)
         return 1
     before, target = state.current, state.history[-1]
@@ -110,13 +115,16 @@ def rollback() -> int:
     state = registry.rollback()
     assert state.current is not None
     policy = load_policy()
-    version = state.current.mlflow_version or tracking.version_of(policy.registered_model,
-                                                                  state.current.checkpoint_id)
+    version = state.current.mlflow_version or tracking.version_of(
+        policy.registered_model, state.current.checkpoint_id
+    )
     if version:
         tracking.set_alias(policy.registered_model, "production", version)
     served = f", served at {service.base_url}" if service else " (no serving service runs)"
-    print(f"rolled back: production is {state.current.checkpoint_id} again "
-          f"(was {before.checkpoint_id if before else 'none'}){served}")
+    print(
+        f"rolled back: production is {state.current.checkpoint_id} again "
+        f"(was {before.checkpoint_id if before else 'none'}){served}"
+    )
     return 0
 
 
@@ -126,14 +134,24 @@ def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     storage, _ = _resources()
-    service = ServingService(_serving_dir(storage), storage.production_pointer(), port,
-                             model_name=load_policy().registered_model, host=host, control_port=control_port)
+    service = ServingService(
+        _serving_dir(storage),
+        storage.production_pointer(),
+        port,
+        model_name=load_policy().registered_model,
+        host=host,
+        control_port=control_port,
+    )
 
     def ready(s: ServingService) -> None:
-        print(f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
-              f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})")
-        print(f"  try: curl {s.base_url}/chat/completions -H 'content-type: application/json' "
-              f"-d '{{\"model\": \"{s.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        print(
+            f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
+            f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})"
+        )
+        print(
+            f"  try: curl {s.base_url}/chat/completions -H 'content-type: application/json' "
+            f'-d \'{{"model": "{s.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
+        )
         print("Ctrl-C stops it.", flush=True)
 
     try:
@@ -145,16 +163,22 @@ def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nexa-dagster", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="nexa-dagster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("status")
     sub.add_parser("rollback")
     p_serve = sub.add_parser("serve")
     p_serve.add_argument("--port", type=int, default=8000, help="the endpoint's port (HAProxy listens on it)")
-    p_serve.add_argument("--host", default="127.0.0.1", help="where the endpoint and control API listen "
-                                                             "(0.0.0.0 in a container)")
-    p_serve.add_argument("--control-port", type=int, default=0, help="the control API's port (default: any free)")
+    p_serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="where the endpoint and control API listen (0.0.0.0 in a container)",
+    )
+    p_serve.add_argument(
+        "--control-port", type=int, default=0, help="the control API's port (default: any free)"
+    )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     args = parser.parse_args(argv)

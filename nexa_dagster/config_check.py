@@ -48,13 +48,17 @@ def _problems(extra: Sequence[Callable[[], object]]) -> list[str]:
             continue
         where = f"{path}: "
         if not (root / "models" / f"{scale.model_preset}.yaml").is_file():
-            problems.append(f"{where}model_preset: {scale.model_preset!r} names no file configs/models/"
-                            f"{scale.model_preset}.yaml")
+            problems.append(
+                f"{where}model_preset: {scale.model_preset!r} names no file configs/models/"
+                f"{scale.model_preset}.yaml"
+            )
         try:
             load_deepspeed_config(scale.deepspeed_config)
         except FileNotFoundError:
-            problems.append(f"{where}deepspeed_config: {scale.deepspeed_config!r} names no file configs/deepspeed/"
-                            f"{scale.deepspeed_config}")
+            problems.append(
+                f"{where}deepspeed_config: {scale.deepspeed_config!r} names no file configs/deepspeed/"
+                f"{scale.deepspeed_config}"
+            )
         except json.JSONDecodeError as e:
             problems.append(f"{root / 'deepspeed' / scale.deepspeed_config}: invalid JSON ({e})")
     for path in sorted((root / "models").glob("*.yaml")):
@@ -64,9 +68,11 @@ def _problems(extra: Sequence[Callable[[], object]]) -> list[str]:
         task, _ = parse_metric(policy.metric)
         scale = check(load_scale)
         if scale is not None and task not in scale.evaluation.benchmarks.tasks:
-            problems.append(f"{root / 'promotion.yaml'}: metric: {policy.metric!r} names task {task!r}, which "
-                            f"scale {scale.name!r} does not run (evaluation.benchmarks.tasks: "
-                            f"{scale.evaluation.benchmarks.tasks})")
+            problems.append(
+                f"{root / 'promotion.yaml'}: metric: {policy.metric!r} names task {task!r}, which "
+                f"scale {scale.name!r} does not run (evaluation.benchmarks.tasks: "
+                f"{scale.evaluation.benchmarks.tasks})"
+            )
     for path in sorted(root.glob("filters*.yaml")):
         check(lambda p=path: load_gate_config(p.name))
     packaging = check(load_packaging_config)

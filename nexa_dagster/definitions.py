@@ -44,24 +44,41 @@ from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 from nexa_dagster.sensors import SENSORS
 
-ASSET_MODULES = [ingest, distill, packaging, pretraining, evaluation_set, training, evaluation,
-                 base_evaluation, serving]
+ASSET_MODULES = [
+    ingest,
+    distill,
+    packaging,
+    pretraining,
+    evaluation_set,
+    training,
+    evaluation,
+    base_evaluation,
+    serving,
+]
 
 
 def gpu_cluster_resource(section: dict[str, Any], where: str) -> GPUClusterResource:
     """``gpu_cluster`` of pipeline.yaml as its backend's typed class; ``NEXA_CLUSTER_BACKEND`` and
     ``NEXA_ACCELERATOR`` override the file's ``backend`` and ``accelerator``. An unknown backend, an unknown key or
     a field of another backend fails the load naming the file and the key."""
-    overrides = {key: v.get() for key, v in (("backend", settings.CLUSTER_BACKEND),
-                                             ("accelerator", settings.ACCELERATOR)) if v.is_set()}
-    return gpu_cluster_from_settings({**section, **overrides}, where,
-                                     backend_from=settings.CLUSTER_BACKEND.name if "backend" in overrides else "")
+    overrides = {
+        key: v.get()
+        for key, v in (("backend", settings.CLUSTER_BACKEND), ("accelerator", settings.ACCELERATOR))
+        if v.is_set()
+    }
+    return gpu_cluster_from_settings(
+        {**section, **overrides},
+        where,
+        backend_from=settings.CLUSTER_BACKEND.name if "backend" in overrides else "",
+    )
 
 
 def config_resources() -> dict[str, Any]:
     """The resources that are configuration files (shown, and changeable per run, in the Launchpad)."""
     cfg, where = pipeline_config(), config_dir() / "pipeline.yaml"
-    ingest_section = {k: v for k, v in cfg.ingest.items() if k != "landing_root"}  # the landing root is storage's
+    ingest_section = {
+        k: v for k, v in cfg.ingest.items() if k != "landing_root"
+    }  # the landing root is storage's
     return {
         "scale_preset": ScaleResource.from_env(),  # the Launchpad's default: NEXA_SCALE
         "ingest_config": from_section(IngestResource, ingest_section, f"{where}: ingest"),
@@ -77,18 +94,25 @@ def build_resources() -> dict[str, Any]:
     """Every resource, from configs/pipeline.yaml under the environment's overrides."""
     cfg, where = pipeline_config(), config_dir() / "pipeline.yaml"
     landing_root = cfg.ingest.get("landing_root", "sample_data/landing")
-    storage = StorageResource(data_root=settings.DATA_ROOT.get() or cfg.data_root,
-                              landing_root=settings.LANDING_ROOT.get() or landing_root,
-                              results_root=settings.RESULTS_ROOT.get(),
-                              student_tokenizer=cfg.models.student_tokenizer)
+    storage = StorageResource(
+        data_root=settings.DATA_ROOT.get() or cfg.data_root,
+        landing_root=settings.LANDING_ROOT.get() or landing_root,
+        results_root=settings.RESULTS_ROOT.get(),
+        student_tokenizer=cfg.models.student_tokenizer,
+    )
     return {
         "io_manager": NexaIOManager(data_root=storage.data_root),
         "storage": storage,
-        "teacher_llm": llm_resource("teacher", cfg.teacher_llm, f"{where}: teacher_llm",
-                                    storage.model_path(cfg.models.teacher)),
-        "judge_llm": llm_resource("judge", cfg.judge_llm, f"{where}: judge_llm", storage.model_path(cfg.models.judge)),
+        "teacher_llm": llm_resource(
+            "teacher", cfg.teacher_llm, f"{where}: teacher_llm", storage.model_path(cfg.models.teacher)
+        ),
+        "judge_llm": llm_resource(
+            "judge", cfg.judge_llm, f"{where}: judge_llm", storage.model_path(cfg.models.judge)
+        ),
         "gpu_cluster": gpu_cluster_resource(cfg.gpu_cluster, f"{where}: gpu_cluster"),
-        "tracking": TrackingResource(tracking_uri=settings.MLFLOW_TRACKING_URI.get(), data_root=storage.data_root),
+        "tracking": TrackingResource(
+            tracking_uri=settings.MLFLOW_TRACKING_URI.get(), data_root=storage.data_root
+        ),
         **config_resources(),
     }
 

@@ -55,12 +55,35 @@ def night_of(number: int, day: str, checkpoint: Any, evaluation: Any, production
     try:
         report = evaluation.output_for_node("eval_report")
     except Exception:  # the evaluation failed: no report (its error is in the run's log above)
-        return Night(number, day, checkpoint.checkpoint_id, None, None, None, None, None, None,
-                     "evaluation failed", "see the evaluation_job run in the UI", production_after)
+        return Night(
+            number,
+            day,
+            checkpoint.checkpoint_id,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            "evaluation failed",
+            "see the evaluation_job run in the UI",
+            production_after,
+        )
     interval = tuple(report.eval_loss_difference_interval) if report.eval_loss_difference_interval else None
-    return Night(number, day, checkpoint.checkpoint_id, report.eval_set_version, report.eval_loss,
-                 report.production_checkpoint_id, report.production_eval_loss, report.eval_loss_difference,
-                 interval, report.gate_decision, report.gate_reason, production_after)
+    return Night(
+        number,
+        day,
+        checkpoint.checkpoint_id,
+        report.eval_set_version,
+        report.eval_loss,
+        report.production_checkpoint_id,
+        report.production_eval_loss,
+        report.eval_loss_difference,
+        interval,
+        report.gate_decision,
+        report.gate_reason,
+        production_after,
+    )
 
 
 def summary_lines(nights: list[Night]) -> list[str]:
@@ -72,14 +95,18 @@ def summary_lines(nights: list[Night]) -> list[str]:
             lines.append(f"{head} {n.decision} ({n.reason})")
             continue
         if n.production_loss is None:  # no production model yet (night 1), or one that could not be scored
-            compared = (f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, "
-                        f"{'no production model yet' if n.production_id is None else 'production not scored'}")
+            compared = (
+                f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, "
+                f"{'no production model yet' if n.production_id is None else 'production not scored'}"
+            )
             lines.append(f"{head} {compared} -> {n.decision} ({n.reason})")
             continue
         low, high = n.interval if n.interval else (float("nan"), float("nan"))
-        compared = (f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, production "
-                    f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
-                    f"95% CI [{low:+.4f}, {high:+.4f}]")
+        compared = (
+            f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, production "
+            f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
+            f"95% CI [{low:+.4f}, {high:+.4f}]"
+        )
         lines.append(f"{head} {compared} -> {n.decision}")
     return lines
 
@@ -96,8 +123,11 @@ def fail_orphaned_runs(instance: Any) -> list[str]:
         run = record.dagster_run
         token = run.tags.get(LAUNCHER_TAG)
         if token and token_alive(token) is False:
-            instance.report_run_failed(run, f"the `make run` process that executed this run ({token}) is gone "
-                                            "(killed?); marked failed by the next `make run`")
+            instance.report_run_failed(
+                run,
+                f"the `make run` process that executed this run ({token}) is gone "
+                "(killed?); marked failed by the next `make run`",
+            )
             # a pool slot (the `gpu` pool of a training) it held would block every later training
             with contextlib.suppress(NotImplementedError):
                 instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
@@ -110,14 +140,18 @@ def main() -> int:
     settings.export_default(settings.HF_HUB_OFFLINE)
     Path(settings.DAGSTER_HOME.get()).mkdir(parents=True, exist_ok=True)
     defs = build_defs()
-    for path in install_tiny_models(local_model_dirs(defs.resources)):  # the demo's own teacher, judge, tokenizer
+    for path in install_tiny_models(
+        local_model_dirs(defs.resources)
+    ):  # the demo's own teacher, judge, tokenizer
         print(f"tiny model ready: {path}")
 
     t0 = time.perf_counter()
     instance = dg.DagsterInstance.get()
     orphans = fail_orphaned_runs(instance)
     if orphans:
-        print(f"{len(orphans)} run(s) left STARTED by a killed `make run` marked failed: {', '.join(orphans)}")
+        print(
+            f"{len(orphans)} run(s) left STARTED by a killed `make run` marked failed: {', '.join(orphans)}"
+        )
     storage = defs.resources["storage"]
     landing_root = resolve_path(storage.landing_root)
     days = landed_days(landing_root)
@@ -136,8 +170,9 @@ def main() -> int:
         print(f"==> {job_name} {kwargs.get('partition_key', '')}".rstrip(), flush=True)
         quiet = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # DEBUG events stay in the UI
         kwargs.setdefault("raise_on_error", True)
-        result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, run_config=quiet,
-                                                                   tags={LAUNCHER_TAG: launcher}, **kwargs)
+        result = defs.resolve_job_def(job_name).execute_in_process(
+            instance=instance, run_config=quiet, tags={LAUNCHER_TAG: launcher}, **kwargs
+        )
         night = f" (night {len(nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
         timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night] = time.perf_counter() - t
         return result
@@ -154,12 +189,16 @@ def main() -> int:
         if base is None:
             base = run("pretraining_job").output_for_node("base_model")
         checkpoint = run("training_job").output_for_node("moe_checkpoint")
-        if number == 1:  # the eval set frozen by this training run holds the corpus documents the base is scored on
+        if (
+            number == 1
+        ):  # the eval set frozen by this training run holds the corpus documents the base is scored on
             scored = run("base_evaluation_job", partition_key=base.checkpoint_id, raise_on_error=False)
             base_eval = scored.output_for_node("base_model_eval") if scored.success else None
         evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
         current = ProductionRegistry(storage.production_pointer()).current()
-        nights.append(night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None))
+        nights.append(
+            night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None)
+        )
     run("leaderboard_job")
 
     total = time.perf_counter() - t0
@@ -173,11 +212,15 @@ def main() -> int:
         print("                    its evaluation failed: see the base_evaluation_job run in the UI")
     if base_eval:
         low, high = base_eval.loss_interval
-        print(f"                    eval set v{base_eval.eval_set_version}: loss {base_eval.loss:.4f} 95% CI "
-              f"[{low:.4f}, {high:.4f}] (perplexity {base_eval.perplexity:.1f}) on {base_eval.documents} frozen "
-              "corpus documents no base model trains on")
-    print("  nights            candidate vs production on the same frozen eval set (mean loss per token, "
-          "lower is better)")
+        print(
+            f"                    eval set v{base_eval.eval_set_version}: loss {base_eval.loss:.4f} 95% CI "
+            f"[{low:.4f}, {high:.4f}] (perplexity {base_eval.perplexity:.1f}) on {base_eval.documents} frozen "
+            "corpus documents no base model trains on"
+        )
+    print(
+        "  nights            candidate vs production on the same frozen eval set (mean loss per token, "
+        "lower is better)"
+    )
     for line in summary_lines(nights):
         print(f"    {line}")
     last = nights[-1]
@@ -186,13 +229,23 @@ def main() -> int:
     dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
     if dm:
         endpoint = dm.get("endpoint") if str(dm.get("endpoint", "")).startswith("http") else None
-        where = f"served at {endpoint}" if endpoint else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
-        print(f"  serving           {dm.get('checkpoint_id', last.production_after)}: {dm.get('engine')} smoke "
-              f"request {dm.get('smoke_latency_s')} s; {where}")
+        where = (
+            f"served at {endpoint}"
+            if endpoint
+            else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
+        )
+        print(
+            f"  serving           {dm.get('checkpoint_id', last.production_after)}: {dm.get('engine')} smoke "
+            f"request {dm.get('smoke_latency_s')} s; {where}"
+        )
     print(f"  leaderboard       {storage.results_path('evaluation', 'leaderboard.csv')}")
-    print(f"  data              {data_root}/  (tables under {data_root}/assets, MLflow at "
-          f"{defs.resources['tracking'].uri()})")
-    print("Open the UI to see the lineage graph with every asset materialized:  make ui  (http://127.0.0.1:3000)")
+    print(
+        f"  data              {data_root}/  (tables under {data_root}/assets, MLflow at "
+        f"{defs.resources['tracking'].uri()})"
+    )
+    print(
+        "Open the UI to see the lineage graph with every asset materialized:  make ui  (http://127.0.0.1:3000)"
+    )
     return 0
 
 

@@ -43,29 +43,46 @@ def _var(name: str, default: str, effect: str, group: str = "deployment") -> Var
 VARIABLES: list[Variable] = []
 
 # -- where things live ------------------------------------------------------------------------------------------
-DATA_ROOT = _var("NEXA_DATA_ROOT", "", "the data root (default: pipeline.yaml's data_root); any fsspec URL for "
-                                       "tables")
-LANDING_ROOT = _var("NEXA_LANDING_ROOT", "", "where days land, <root>/<YYYY-MM-DD>/ (default: pipeline.yaml's "
-                                             "ingest.landing_root)")
+DATA_ROOT = _var(
+    "NEXA_DATA_ROOT", "", "the data root (default: pipeline.yaml's data_root); any fsspec URL for tables"
+)
+LANDING_ROOT = _var(
+    "NEXA_LANDING_ROOT",
+    "",
+    "where days land, <root>/<YYYY-MM-DD>/ (default: pipeline.yaml's ingest.landing_root)",
+)
 RESULTS_ROOT = _var("NEXA_RESULTS_ROOT", "results", "reports, the leaderboard, deployment manifests")
 CONFIG_DIR = _var("NEXA_CONFIG_DIR", "", "the configuration folder (default: configs/ of the repository)")
-MLFLOW_TRACKING_URI = _var("MLFLOW_TRACKING_URI", "", "an MLflow server instead of the SQLite store in the data "
-                                                      "root")
-CACHE_DIR = _var("NEXA_CACHE_DIR", "", "this machine's cache of model fingerprints and file facts (default: "
-                                       "$XDG_CACHE_HOME/nexa-dagster, else ~/.cache/nexa-dagster)")
-MODEL_CACHE = _var("NEXA_MODEL_CACHE", "", "where a tiny model the repository does not ship is built (default: "
-                                           "<cache>/models)")
+MLFLOW_TRACKING_URI = _var(
+    "MLFLOW_TRACKING_URI", "", "an MLflow server instead of the SQLite store in the data root"
+)
+CACHE_DIR = _var(
+    "NEXA_CACHE_DIR",
+    "",
+    "this machine's cache of model fingerprints and file facts (default: "
+    "$XDG_CACHE_HOME/nexa-dagster, else ~/.cache/nexa-dagster)",
+)
+MODEL_CACHE = _var(
+    "NEXA_MODEL_CACHE",
+    "",
+    "where a tiny model the repository does not ship is built (default: <cache>/models)",
+)
 XDG_CACHE_HOME = _var("XDG_CACHE_HOME", "", "the base of the default caches (freedesktop convention)")
 
 # -- what runs and where ----------------------------------------------------------------------------------------
 SCALE = _var("NEXA_SCALE", "tiny", "the default of the scale_preset resource (configs/scales/<name>.yaml)")
-PARTITIONS_START = _var("NEXA_PARTITIONS_START", "2026-11-01", "the first daily partition (read when the code "
-                                                               "location is imported)")
-CLUSTER_BACKEND = _var("NEXA_CLUSTER_BACKEND", "", "over pipeline.yaml's gpu_cluster.backend: local | slurm | "
-                                                   "kubernetes")
+PARTITIONS_START = _var(
+    "NEXA_PARTITIONS_START",
+    "2026-11-01",
+    "the first daily partition (read when the code location is imported)",
+)
+CLUSTER_BACKEND = _var(
+    "NEXA_CLUSTER_BACKEND", "", "over pipeline.yaml's gpu_cluster.backend: local | slurm | kubernetes"
+)
 ACCELERATOR = _var("NEXA_ACCELERATOR", "", "over pipeline.yaml's gpu_cluster.accelerator: cpu | cuda")
-SERVING_CONTROL_URL = _var("NEXA_SERVING_CONTROL_URL", "", "the serving service's control API when it runs "
-                                                           "elsewhere (containers)")
+SERVING_CONTROL_URL = _var(
+    "NEXA_SERVING_CONTROL_URL", "", "the serving service's control API when it runs elsewhere (containers)"
+)
 SERVING_URL = _var("NEXA_SERVING_URL", "", "that service's OpenAI-compatible endpoint")
 
 
@@ -76,32 +93,50 @@ def llm_variable(role: str, field: str) -> Variable:
 
 for _role in ("teacher", "judge"):
     _var(f"NEXA_{_role.upper()}_BACKEND", "", f"the {_role}'s backend: local | managed | openai", "llm")
-    _var(f"NEXA_{_role.upper()}_MODEL", "", f"the {_role}'s local model directory or served model name", "llm")
+    _var(
+        f"NEXA_{_role.upper()}_MODEL", "", f"the {_role}'s local model directory or served model name", "llm"
+    )
     _var(f"NEXA_{_role.upper()}_URL", "", f"the {_role}'s OpenAI-compatible base URL (openai backend)", "llm")
-    _var(f"NEXA_{_role.upper()}_API_KEY", "", f"the {_role}'s key, read through dagster.EnvVar by the openai "
-                                              "backend: never in a file, log or metadata", "llm")
+    _var(
+        f"NEXA_{_role.upper()}_API_KEY",
+        "",
+        f"the {_role}'s key, read through dagster.EnvVar by the openai "
+        "backend: never in a file, log or metadata",
+        "llm",
+    )
 
 # -- libraries and child processes ------------------------------------------------------------------------------
 DAGSTER_HOME = _var("DAGSTER_HOME", "", "the Dagster instance (make sets .dagster_home/)", "process")
-HF_HUB_OFFLINE = _var("HF_HUB_OFFLINE", "1", "never reach a model hub (set for servers and workers the project "
-                                             "starts)", "process")
-HF_DATASETS_OFFLINE = _var("HF_DATASETS_OFFLINE", "1", "never reach the hub for a dataset (the benchmark worker)",
-                           "process")
-HF_HUB_CACHE = _var("HF_HUB_CACHE", "", "the hub cache `transformers serve` scans (default: beside its log)",
-                    "process")
-DS_ACCELERATOR = _var("DS_ACCELERATOR", "cpu", "DeepSpeed's accelerator; the training worker sets it from its job",
-                      "process")
+HF_HUB_OFFLINE = _var(
+    "HF_HUB_OFFLINE",
+    "1",
+    "never reach a model hub (set for servers and workers the project starts)",
+    "process",
+)
+HF_DATASETS_OFFLINE = _var(
+    "HF_DATASETS_OFFLINE", "1", "never reach the hub for a dataset (the benchmark worker)", "process"
+)
+HF_HUB_CACHE = _var(
+    "HF_HUB_CACHE", "", "the hub cache `transformers serve` scans (default: beside its log)", "process"
+)
+DS_ACCELERATOR = _var(
+    "DS_ACCELERATOR", "cpu", "DeepSpeed's accelerator; the training worker sets it from its job", "process"
+)
 
 # -- the worker protocol (set by the GPU-cluster resource and torchrun, read by the workers) ---------------------
 LAUNCHER_PID = _var("NEXA_LAUNCHER_PID", "0", "the Dagster step process a local worker exits with", "worker")
 WORKER_ECHO = _var("NEXA_WORKER_ECHO", "1", "0: a worker's progress goes to Dagster Pipes only", "worker")
-PIPES_CONTEXT = _var("DAGSTER_PIPES_CONTEXT", "", "set by Dagster Pipes: the worker reports to the run", "worker")
+PIPES_CONTEXT = _var(
+    "DAGSTER_PIPES_CONTEXT", "", "set by Dagster Pipes: the worker reports to the run", "worker"
+)
 RANK = _var("RANK", "0", "torch.distributed rank (torchrun sets it)", "worker")
 LOCAL_RANK = _var("LOCAL_RANK", "0", "the rank on this node", "worker")
 WORLD_SIZE = _var("WORLD_SIZE", "1", "ranks in all", "worker")
 MASTER_ADDR = _var("MASTER_ADDR", "127.0.0.1", "the rendezvous host", "worker")
 MASTER_PORT = _var("MASTER_PORT", "", "the rendezvous port (a free one for a single process)", "worker")
-SLURM_ARRAY_TASK_ID = _var("SLURM_ARRAY_TASK_ID", "", "a packaging shard's index in a Slurm job array", "worker")
+SLURM_ARRAY_TASK_ID = _var(
+    "SLURM_ARRAY_TASK_ID", "", "a packaging shard's index in a Slurm job array", "worker"
+)
 JOB_COMPLETION_INDEX = _var("JOB_COMPLETION_INDEX", "", "its index in a Kubernetes indexed Job", "worker")
 
 

@@ -34,7 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         tier = Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
         if tier not in TIERS:
-            raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e")
+            raise pytest.UsageError(
+                f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e"
+            )
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e":
             item.add_marker(pytest.mark.slow)

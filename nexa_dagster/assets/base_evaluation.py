@@ -27,7 +27,9 @@ def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
     directory = storage.path("base_models", base_id)
     record = io.join(directory, "checkpoint.json")
     if not io.exists(record):
-        raise dg.Failure(f"base model {base_id}: no {record} (not a completed base_model)", allow_retries=False)
+        raise dg.Failure(
+            f"base model {base_id}: no {record} (not a completed base_model)", allow_retries=False
+        )
     return Checkpoint.model_validate({**io.read_json(record), "path": directory, "checkpoint_id": base_id})
 
 
@@ -42,54 +44,106 @@ def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
     # eager condition would re-evaluate every old base model whenever base_model materializes again
     automation_condition=dg.AutomationCondition.on_missing(),
     description="A base model scored on the corpus documents frozen with eval set eval_set.version (never in any "
-                "base model's training) in the evaluation worker on the GPU cluster: per-document loss, loss and "
-                "perplexity with a bootstrap interval; results/evaluation/reports/<base id>/base_eval.json, MLflow "
-                "and the leaderboard (rows of one eval-set version are measured on the same documents).",
+    "base model's training) in the evaluation worker on the GPU cluster: per-document loss, loss and "
+    "perplexity with a bootstrap interval; results/evaluation/reports/<base id>/base_eval.json, MLflow "
+    "and the leaderboard (rows of one eval-set version are measured on the same documents).",
 )
-def base_model_eval(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource, storage: StorageResource,
-                    tracking: TrackingResource, eval_sets: EvalSetsResource,
-                    promotion_policy: PromotionResource) -> dg.Output[BaseModelEval]:
+def base_model_eval(
+    context: dg.AssetExecutionContext,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    eval_sets: EvalSetsResource,
+    promotion_policy: PromotionResource,
+) -> dg.Output[BaseModelEval]:
     base_id = context.partition_key
     base = base_checkpoint(storage, base_id)
     version, policy = eval_sets.version, promotion_policy.policy()
     eval_set = frozen_eval_set(storage, version, base_id)
     if not eval_set.get("corpus_path"):
-        raise dg.Failure(f"eval set v{version} was frozen without pretraining-corpus documents (no pretrain_corpus "
-                         "was materialized then), so base models cannot be measured on it: set eval_set.version in "
-                         "configs/pipeline.yaml to a new number and materialize eval_set after pretrain_corpus",
-                         allow_retries=False)
+        raise dg.Failure(
+            f"eval set v{version} was frozen without pretraining-corpus documents (no pretrain_corpus "
+            "was materialized then), so base models cannot be measured on it: set eval_set.version in "
+            "configs/pipeline.yaml to a new number and materialize eval_set after pretrain_corpus",
+            allow_retries=False,
+        )
     work_dir = io.local_dir(storage.path("runs", f"eval-{base_id}"))
-    job = EvaluationJob(run_id=base_id, models={"base": base.path}, examples_path=eval_set["corpus_path"],
-                        eval_set_version=version, prompts=[], max_new_tokens=1,
-                        accelerator=gpu_cluster.accelerator, output_path=str(work_dir / "scores.json"))
+    job = EvaluationJob(
+        run_id=base_id,
+        models={"base": base.path},
+        examples_path=eval_set["corpus_path"],
+        eval_set_version=version,
+        prompts=[],
+        max_new_tokens=1,
+        accelerator=gpu_cluster.accelerator,
+        output_path=str(work_dir / "scores.json"),
+    )
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]["base"]
-    measured = corpus_scores(eval_set["corpus_path"], [float(v) for v in scores["nll"]],
-                             [int(v) for v in scores["tokens"]], policy.confidence, policy.bootstrap_resamples)
+    measured = corpus_scores(
+        eval_set["corpus_path"],
+        [float(v) for v in scores["nll"]],
+        [int(v) for v in scores["tokens"]],
+        policy.confidence,
+        policy.bootstrap_resamples,
+    )
     loss, ppl = measured.loss, measured.perplexity
-    context.log.info(f"{base_id}: loss {loss.estimate:.4f} [{loss.low:.4f}, {loss.high:.4f}] (perplexity "
-                     f"{ppl.estimate:.1f}) on the {len(measured.nll)} corpus documents of eval set v{version}")
-    lineage = {"eval_set_version": version, "documents_sha256": eval_set["files"]["corpus.parquet"],
-               "eval_corpus_run_hash": eval_set["corpus"]["run_hash"], "corpus_run_hash": base.dataset_run_hash,
-               "checkpoint_path": base.path, "dagster_run_id": context.run.run_id}
+    context.log.info(
+        f"{base_id}: loss {loss.estimate:.4f} [{loss.low:.4f}, {loss.high:.4f}] (perplexity "
+        f"{ppl.estimate:.1f}) on the {len(measured.nll)} corpus documents of eval set v{version}"
+    )
+    lineage = {
+        "eval_set_version": version,
+        "documents_sha256": eval_set["files"]["corpus.parquet"],
+        "eval_corpus_run_hash": eval_set["corpus"]["run_hash"],
+        "corpus_run_hash": base.dataset_run_hash,
+        "checkpoint_path": base.path,
+        "dagster_run_id": context.run.run_id,
+    }
     report_json = io.join(storage.report_dir(base_id), "base_eval.json")
     io.write_json({"checkpoint_id": base_id, **measured.to_json(), "lineage": lineage}, report_json)
-    with tracking.start_run(run_name=f"eval-{base_id}", tags={"stage": "base_evaluation",
-                                                               "checkpoint_id": base_id}) as run:
+    with tracking.start_run(
+        run_name=f"eval-{base_id}", tags={"stage": "base_evaluation", "checkpoint_id": base_id}
+    ) as run:
         run.log_params(lineage)
-        run.log_metrics({"corpus_eval_loss": loss.estimate, "corpus_eval_loss_low": loss.low,
-                         "corpus_eval_loss_high": loss.high, "corpus_eval_perplexity": ppl.estimate})
+        run.log_metrics(
+            {
+                "corpus_eval_loss": loss.estimate,
+                "corpus_eval_loss_low": loss.low,
+                "corpus_eval_loss_high": loss.high,
+                "corpus_eval_perplexity": ppl.estimate,
+            }
+        )
         run.log_stored_file(report_json, "base_eval.json")
         mlflow_run_id = run.run_id
     report = BaseModelEval(
-        checkpoint_id=base_id, checkpoint_path=base.path, eval_set_version=version,
-        corpus_run_hash=base.dataset_run_hash, eval_corpus_run_hash=lineage["eval_corpus_run_hash"],
-        documents=len(measured.nll), tokens=sum(measured.tokens), loss=loss.estimate,
-        loss_interval=(loss.low, loss.high), perplexity=ppl.estimate, perplexity_interval=(ppl.low, ppl.high),
-        documents_sha256=lineage["documents_sha256"], report_json=report_json, mlflow_run_id=mlflow_run_id)
-    return dg.Output(report, metadata={
-        "eval_set_version": version, "eval_loss": round(loss.estimate, 4),
-        "eval_loss_interval": dg.MetadataValue.json([loss.low, loss.high]), "perplexity": round(ppl.estimate, 2),
-        "documents": report.documents, "tokens": report.tokens, "documents_sha256": report.documents_sha256,
-        "corpus_run_hash": base.dataset_run_hash or "", "eval_corpus_run_hash": report.eval_corpus_run_hash or "",
-        "report_json": dg.MetadataValue.path(report_json), "mlflow_run_id": mlflow_run_id,
-    })
+        checkpoint_id=base_id,
+        checkpoint_path=base.path,
+        eval_set_version=version,
+        corpus_run_hash=base.dataset_run_hash,
+        eval_corpus_run_hash=lineage["eval_corpus_run_hash"],
+        documents=len(measured.nll),
+        tokens=sum(measured.tokens),
+        loss=loss.estimate,
+        loss_interval=(loss.low, loss.high),
+        perplexity=ppl.estimate,
+        perplexity_interval=(ppl.low, ppl.high),
+        documents_sha256=lineage["documents_sha256"],
+        report_json=report_json,
+        mlflow_run_id=mlflow_run_id,
+    )
+    return dg.Output(
+        report,
+        metadata={
+            "eval_set_version": version,
+            "eval_loss": round(loss.estimate, 4),
+            "eval_loss_interval": dg.MetadataValue.json([loss.low, loss.high]),
+            "perplexity": round(ppl.estimate, 2),
+            "documents": report.documents,
+            "tokens": report.tokens,
+            "documents_sha256": report.documents_sha256,
+            "corpus_run_hash": base.dataset_run_hash or "",
+            "eval_corpus_run_hash": report.eval_corpus_run_hash or "",
+            "report_json": dg.MetadataValue.path(report_json),
+            "mlflow_run_id": mlflow_run_id,
+        },
+    )

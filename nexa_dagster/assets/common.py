@@ -11,7 +11,9 @@ from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.llm.base import LLMError
 
 # Every stage that calls a model or a server retries with exponential backoff: endpoints blip, GPUs get preempted.
-MODEL_CALL_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+MODEL_CALL_RETRY = dg.RetryPolicy(
+    max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS
+)
 SINGLE_RUN_BACKFILL = dg.BackfillPolicy.single_run()
 
 
@@ -22,8 +24,12 @@ def preview(df: pd.DataFrame, columns: list[str], rows: int = 5, width: int = 80
     cut = df[columns].head(rows).copy()
     for c in cut.columns:
         if cut[c].dtype == object:
-            cut[c] = cut[c].map(lambda v: (str(v)[:width] + "…") if v is not None and len(str(v)) > width else v)
-            cut[c] = cut[c].map(lambda v: str(v).replace("\n", " ").replace("|", "\\|") if v is not None else "")
+            cut[c] = cut[c].map(
+                lambda v: (str(v)[:width] + "…") if v is not None and len(str(v)) > width else v
+            )
+            cut[c] = cut[c].map(
+                lambda v: str(v).replace("\n", " ").replace("|", "\\|") if v is not None else ""
+            )
     return dg.MetadataValue.md(cut.to_markdown(index=False))
 
 
@@ -44,5 +50,8 @@ def no_retry_on_permanent_llm_errors(what: str) -> Iterator[None]:
     except LLMError as e:
         if not e.permanent:
             raise
-        raise dg.Failure(description=f"{what}: {e} (not retried: a later attempt would fail the same way)",
-                         metadata={"http_status": e.status or 0}, allow_retries=False) from None
+        raise dg.Failure(
+            description=f"{what}: {e} (not retried: a later attempt would fail the same way)",
+            metadata={"http_status": e.status or 0},
+            allow_retries=False,
+        ) from None

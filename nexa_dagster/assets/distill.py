@@ -56,29 +56,53 @@ def generation_store_dir(storage: StorageResource) -> Path:
     dagster_type=TeacherSamplesType,
     kinds={"python", "parquet"},
     description="Prompts rendered from configs/prompts/teacher.jinja and the teacher model's answers (and "
-                "reasoning traces when the teacher returns them), with model id, token counts and latency per "
-                "sample. Resumable: answers already paid for are reused from the generation store.",
+    "reasoning traces when the teacher returns them), with model id, token counts and latency per "
+    "sample. Resumable: answers already paid for are reused from the generation store.",
 )
-def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFrame, teacher_llm: LLMResource,
-                    storage: StorageResource, scale_preset: ScaleResource, prompts: PromptsResource) -> pd.DataFrame:
+def teacher_samples(
+    context: dg.AssetExecutionContext,
+    raw_documents: pd.DataFrame,
+    teacher_llm: LLMResource,
+    storage: StorageResource,
+    scale_preset: ScaleResource,
+    prompts: PromptsResource,
+) -> pd.DataFrame:
     scale = scale_preset.load()
-    params = SamplingParams(max_tokens=scale.teacher.max_new_tokens, temperature=scale.teacher.temperature,
-                            top_p=scale.teacher.top_p, seed=scale.teacher.seed)
+    params = SamplingParams(
+        max_tokens=scale.teacher.max_new_tokens,
+        temperature=scale.teacher.temperature,
+        top_p=scale.teacher.top_p,
+        seed=scale.teacher.seed,
+    )
     store_dir = generation_store_dir(storage)
-    with (no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.where()}"),
-          teacher_llm.get_client(log=context.log) as teacher, GenerationStore(store_dir) as store):
-        requests = build_prompts(raw_documents, prompts.text("teacher"), prompts.text("teacher_system"),
-                                 teacher.identity, params, scale.generations_per_prompt)
-        context.log.info(f"{len(requests)} teacher prompts for {teacher!r} (identity {teacher.identity}); "
-                         f"store {store_dir}")
+    with (
+        no_retry_on_permanent_llm_errors(f"teacher {teacher_llm.where()}"),
+        teacher_llm.get_client(log=context.log) as teacher,
+        GenerationStore(store_dir) as store,
+    ):
+        requests = build_prompts(
+            raw_documents,
+            prompts.text("teacher"),
+            prompts.text("teacher_system"),
+            teacher.identity,
+            params,
+            scale.generations_per_prompt,
+        )
+        context.log.info(
+            f"{len(requests)} teacher prompts for {teacher!r} (identity {teacher.identity}); "
+            f"store {store_dir}"
+        )
         with progress_logger(context, "teacher answers") as progress:
-            samples, stats = generate_teacher_samples(teacher, requests, params, store,
-                                                      batch_size=teacher_llm.batch(), progress=progress)
+            samples, stats = generate_teacher_samples(
+                teacher, requests, params, store, batch_size=teacher_llm.batch(), progress=progress
+            )
     if len(samples) and stats.failed == len(samples):
         # nothing came back at all: the endpoint is down or misconfigured, not a few flaky requests
         raise dg.Failure(f"every teacher request failed; first error: {samples['error'].iloc[0]}")
-    context.log.info(f"{stats.reused} answers reused from the store, {stats.generated} generated, "
-                     f"{stats.failed} failed ({stats.tokens_per_s:.1f} generated tokens/s)")
+    context.log.info(
+        f"{stats.reused} answers reused from the store, {stats.generated} generated, "
+        f"{stats.failed} failed ({stats.tokens_per_s:.1f} generated tokens/s)"
+    )
     metadata: dict[str, object] = {
         "dagster/row_count": len(samples),
         "teacher": dg.MetadataValue.json(teacher_llm.describe()),
@@ -111,50 +135,102 @@ def teacher_samples(context: dg.AssetExecutionContext, raw_documents: pd.DataFra
     retry_policy=MODEL_CALL_RETRY,
     ins={"teacher_samples": dg.AssetIn(dagster_type=TeacherSamplesType)},
     outs={
-        "filtered_samples": dg.AssetOut(dagster_type=FilteredSamplesType, kinds={"parquet"},
-                                        description="Samples that passed SampleGate, with the judge's verdict."),
-        "rejected_samples": dg.AssetOut(dagster_type=RejectedSamplesType, kinds={"parquet"},
-                                        description="Samples SampleGate rejected, each with its reason code and "
-                                                    "the judge's score and rationale when it saw them."),
+        "filtered_samples": dg.AssetOut(
+            dagster_type=FilteredSamplesType,
+            kinds={"parquet"},
+            description="Samples that passed SampleGate, with the judge's verdict.",
+        ),
+        "rejected_samples": dg.AssetOut(
+            dagster_type=RejectedSamplesType,
+            kinds={"parquet"},
+            description="Samples SampleGate rejected, each with its reason code and "
+            "the judge's score and rationale when it saw them.",
+        ),
     },
     check_specs=[
-        dg.AssetCheckSpec("pass_rate_in_band", asset="filtered_samples",
-                          description="Warns when the share of samples that pass leaves the SampleGate file's "
-                                      "pass_rate_band (configs/filters.yaml by default)."),
+        dg.AssetCheckSpec(
+            "pass_rate_in_band",
+            asset="filtered_samples",
+            description="Warns when the share of samples that pass leaves the SampleGate file's "
+            "pass_rate_band (configs/filters.yaml by default).",
+        ),
     ],
 )
-def sample_gate(context: dg.AssetExecutionContext, teacher_samples: pd.DataFrame, judge_llm: LLMResource,
-                storage: StorageResource, sample_gate_config: SampleGateResource, prompts: PromptsResource):
+def sample_gate(
+    context: dg.AssetExecutionContext,
+    teacher_samples: pd.DataFrame,
+    judge_llm: LLMResource,
+    storage: StorageResource,
+    sample_gate_config: SampleGateResource,
+    prompts: PromptsResource,
+):
     config = sample_gate_config.config()
     dedup_root = storage.path("dedup", "filtered_samples")
-    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
-          judge_llm.get_client(log=context.log) as judge, progress_logger(context, "gated") as progress):
-        result = apply_sample_gate(teacher_samples, config, judge, prompts.text("judge"), prompts.text("judge_verdict"),
-                                   dedup_root, progress=progress)
-    context.log.info(f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
-                     f"{result.judge_method}; engine offers {result.judge_capabilities})")
+    with (
+        no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
+        judge_llm.get_client(log=context.log) as judge,
+        progress_logger(context, "gated") as progress,
+    ):
+        result = apply_sample_gate(
+            teacher_samples,
+            config,
+            judge,
+            prompts.text("judge"),
+            prompts.text("judge_verdict"),
+            dedup_root,
+            progress=progress,
+        )
+    context.log.info(
+        f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
+        f"{result.judge_method}; engine offers {result.judge_capabilities})"
+    )
     filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
-    common = {"judge": dg.MetadataValue.json(judge_llm.describe()), "judge_method": result.judge_method,
-              "judge_capabilities": dg.MetadataValue.json(result.judge_capabilities),
-              "pass_rate": round(result.pass_rate, 4), "thresholds": f"configs/{sample_gate_config.file}"}
-    yield dg.Output(filtered, output_name="filtered_samples", metadata={
-        **common, "dagster/row_count": len(filtered),
-        "mean_judge_score": round(float(filtered["judge_score"].mean()), 3) if len(filtered) else None,
-        "dedup_history_partitions": len(result.history_partitions),
-        "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
-    })
-    yield dg.Output(rejected, output_name="rejected_samples", metadata={
-        **common, "dagster/row_count": len(rejected), "reasons": dg.MetadataValue.json(reasons),
-        "judge_errors": reasons.get("judge_error", 0),
-        "duplicates": reasons.get("exact_duplicate", 0) + reasons.get("near_duplicate", 0),
-        "judged": result.judged, "judge_attempts": result.judge_attempts,
-        "preview": preview(rejected, ["sample_id", "response", "reason"]),
-    })
+    common = {
+        "judge": dg.MetadataValue.json(judge_llm.describe()),
+        "judge_method": result.judge_method,
+        "judge_capabilities": dg.MetadataValue.json(result.judge_capabilities),
+        "pass_rate": round(result.pass_rate, 4),
+        "thresholds": f"configs/{sample_gate_config.file}",
+    }
+    yield dg.Output(
+        filtered,
+        output_name="filtered_samples",
+        metadata={
+            **common,
+            "dagster/row_count": len(filtered),
+            "mean_judge_score": round(float(filtered["judge_score"].mean()), 3) if len(filtered) else None,
+            "dedup_history_partitions": len(result.history_partitions),
+            "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
+        },
+    )
+    yield dg.Output(
+        rejected,
+        output_name="rejected_samples",
+        metadata={
+            **common,
+            "dagster/row_count": len(rejected),
+            "reasons": dg.MetadataValue.json(reasons),
+            "judge_errors": reasons.get("judge_error", 0),
+            "duplicates": reasons.get("exact_duplicate", 0) + reasons.get("near_duplicate", 0),
+            "judged": result.judged,
+            "judge_attempts": result.judge_attempts,
+            "preview": preview(rejected, ["sample_id", "response", "reason"]),
+        },
+    )
     lo, hi = config.pass_rate_band
     yield dg.AssetCheckResult(
-        asset_key="filtered_samples", check_name="pass_rate_in_band",
-        passed=bool(result.total == 0 or lo <= result.pass_rate <= hi), severity=dg.AssetCheckSeverity.WARN,
-        metadata={"pass_rate": round(result.pass_rate, 4), "band": dg.MetadataValue.json([lo, hi]),
-                  "samples": result.total, "reasons": dg.MetadataValue.json(reasons)})
-    context.log.info(f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
-                     f"reason: {reasons}")
+        asset_key="filtered_samples",
+        check_name="pass_rate_in_band",
+        passed=bool(result.total == 0 or lo <= result.pass_rate <= hi),
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "pass_rate": round(result.pass_rate, 4),
+            "band": dg.MetadataValue.json([lo, hi]),
+            "samples": result.total,
+            "reasons": dg.MetadataValue.json(reasons),
+        },
+    )
+    context.log.info(
+        f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
+        f"reason: {reasons}"
+    )

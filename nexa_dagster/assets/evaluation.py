@@ -45,13 +45,17 @@ from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
-GATE = dg.AssetCheckSpec("beats_production", asset="eval_report", blocking=False,
-                         description="Promotion gate (configs/promotion.yaml): on the same frozen eval set, the "
-                                     "checkpoint beats the production model on the configured metric (paired "
-                                     "eval-set loss or order-consistent judge win rate) by the margin, its "
-                                     "confidence interval included, or there is none yet. A checkpoint held back "
-                                     "(a tie included) is a recorded decision, a warning, not a failed run: "
-                                     "model_deployment then deploys nothing and is not materialized.")
+GATE = dg.AssetCheckSpec(
+    "beats_production",
+    asset="eval_report",
+    blocking=False,
+    description="Promotion gate (configs/promotion.yaml): on the same frozen eval set, the "
+    "checkpoint beats the production model on the configured metric (paired "
+    "eval-set loss or order-consistent judge win rate) by the margin, its "
+    "confidence interval included, or there is none yet. A checkpoint held back "
+    "(a tie included) is a recorded decision, a warning, not a failed run: "
+    "model_deployment then deploys nothing and is not materialized.",
+)
 
 
 # Eager, except that a checkpoint whose evaluation is missing (failed, or not run yet) does not hold the
@@ -78,7 +82,9 @@ def frozen_eval_set(storage: StorageResource, version: int, checkpoint_id: str) 
             f"{storage.path('eval_sets')}. Materialize it first (`dagster asset materialize -m "
             "nexa_dagster.definitions --select eval_set`, after the daily data; training_job does it too), then "
             "evaluate again: `dagster asset materialize -m nexa_dagster.definitions --select "
-            f"eval_report,model_deployment --partition {checkpoint_id}`.", allow_retries=False) from None
+            f"eval_report,model_deployment --partition {checkpoint_id}`.",
+            allow_retries=False,
+        ) from None
     except ValueError as error:  # a frozen file was edited
         raise dg.Failure(str(error), allow_retries=False) from error
 
@@ -88,7 +94,9 @@ def loss_curve_markdown(ckpt: Checkpoint) -> str | None:
     if not metrics.exists():
         return None
     rows = pd.read_json(metrics, lines=True)
-    png = loss_curve_png(list(zip(rows["step"], rows["loss"], strict=True)), ckpt.checkpoint_id, ckpt.validation_loss)
+    png = loss_curve_png(
+        list(zip(rows["step"], rows["loss"], strict=True)), ckpt.checkpoint_id, ckpt.validation_loss
+    )
     return markdown_image(png, "training loss")
 
 
@@ -98,8 +106,10 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
     if production is None or production.checkpoint_id == checkpoint_id:
         return production, None
     if not Path(production.checkpoint_path).exists():
-        log(f"production {production.checkpoint_id} is not readable at {production.checkpoint_path}: the gate has "
-            "nothing to compare with and holds the checkpoint back")
+        log(
+            f"production {production.checkpoint_id} is not readable at {production.checkpoint_path}: the gate has "
+            "nothing to compare with and holds the checkpoint back"
+        )
         return production, None
     return production, production.checkpoint_path
 
@@ -113,19 +123,28 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
     description="The checkpoint and the production model scored on the same frozen eval set (eval_set.version) "
-                "in the evaluation worker on the GPU cluster: per-example loss, perplexity, answers to the eval "
-                "set's questions; the judge's mean score and its pairwise preference in both answer orders; the "
-                "paired difference with its bootstrap interval; JSON + Markdown report in "
-                "results/evaluation/reports/<checkpoint_id>/.",
+    "in the evaluation worker on the GPU cluster: per-example loss, perplexity, answers to the eval "
+    "set's questions; the judge's mean score and its pairwise preference in both answer orders; the "
+    "paired difference with its bootstrap interval; JSON + Markdown report in "
+    "results/evaluation/reports/<checkpoint_id>/.",
 )
-def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_cluster: GPUClusterResource,
-                storage: StorageResource, tracking: TrackingResource, scale_preset: ScaleResource,
-                eval_sets: EvalSetsResource, promotion_policy: PromotionResource,
-                sample_gate_config: SampleGateResource, prompts: PromptsResource):
+def eval_report(
+    context: dg.AssetExecutionContext,
+    judge_llm: LLMResource,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    scale_preset: ScaleResource,
+    eval_sets: EvalSetsResource,
+    promotion_policy: PromotionResource,
+    sample_gate_config: SampleGateResource,
+    prompts: PromptsResource,
+):
     checkpoint_id = context.partition_key
     scale, policy, version = scale_preset.load(), promotion_policy.policy(), eval_sets.version
-    ckpt = load_checkpoint_record(checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id),
-                                  checkpoint_id)
+    ckpt = load_checkpoint_record(
+        checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id
+    )
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
     questions = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
@@ -134,44 +153,84 @@ def eval_report(context: dg.AssetExecutionContext, judge_llm: LLMResource, gpu_c
     work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
     bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
     bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
-    job = EvaluationJob(run_id=checkpoint_id, models={"candidate": ckpt.path,
-                                                      **({"production": production_path} if production_path else {})},
-                        examples_path=eval_set["path"], eval_set_version=version, prompts=questions,
-                        max_new_tokens=scale.evaluation.max_new_tokens, accelerator=gpu_cluster.accelerator,
-                        output_path=str(work_dir / "scores.json"), benchmarks=bench if bench.tasks else None,
-                        # production's benchmark scores cost a second harness run: only when the gate needs them
-                        benchmark_roles=["candidate", "production"] if policy.benchmark else ["candidate"])
+    job = EvaluationJob(
+        run_id=checkpoint_id,
+        models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
+        examples_path=eval_set["path"],
+        eval_set_version=version,
+        prompts=questions,
+        max_new_tokens=scale.evaluation.max_new_tokens,
+        accelerator=gpu_cluster.accelerator,
+        output_path=str(work_dir / "scores.json"),
+        benchmarks=bench if bench.tasks else None,
+        # production's benchmark scores cost a second harness run: only when the gate needs them
+        benchmark_roles=["candidate", "production"] if policy.benchmark else ["candidate"],
+    )
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
     # 2. the judge scores the answers and compares them with production's, in both orders
-    rubric = JudgeRubric(prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge)
-    with (no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
-          judge_llm.get_client() as judge):
-        evaluation = compare(checkpoint_id, version, ModelScores.from_json(scores["candidate"]),
-                             ModelScores.from_json(scores["production"]) if "production" in scores else None,
-                             questions, judge, rubric, policy.confidence, policy.bootstrap_resamples,
-                             log=context.log.info)
+    rubric = JudgeRubric(
+        prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge
+    )
+    with no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"), judge_llm.get_client() as judge:
+        evaluation = compare(
+            checkpoint_id,
+            version,
+            ModelScores.from_json(scores["candidate"]),
+            ModelScores.from_json(scores["production"]) if "production" in scores else None,
+            questions,
+            judge,
+            rubric,
+            policy.confidence,
+            policy.bootstrap_resamples,
+            log=context.log.info,
+        )
 
     # 3. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
-    decision = decide(checkpoint_id, production, policy, evaluation.paired_loss, evaluation.win_rate,
-                      benchmark_comparison(policy, evaluation))
-    report = build_eval_report(ckpt, evaluation, decision, production.checkpoint_id if production else None,
-                               eval_set, storage.report_dir(checkpoint_id), context.run.run_id)
+    decision = decide(
+        checkpoint_id,
+        production,
+        policy,
+        evaluation.paired_loss,
+        evaluation.win_rate,
+        benchmark_comparison(policy, evaluation),
+    )
+    report = build_eval_report(
+        ckpt,
+        evaluation,
+        decision,
+        production.checkpoint_id if production else None,
+        eval_set,
+        storage.report_dir(checkpoint_id),
+        context.run.run_id,
+    )
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
-    context.log.info(f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} "
-                     f"({decision.reason})")
-    yield dg.AssetCheckResult(check_name="beats_production", passed=decision.passed,
-                              severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
-                              metadata=as_metadata({
-        "metric": policy.metric, "margin": policy.margin, "require_interval": policy.require_interval,
-        "confidence": policy.confidence, "eval_set_version": version,
-        "production_checkpoint": report.production_checkpoint_id, **gate_figures(decision, evaluation)}))
+    context.log.info(
+        f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
+    )
+    yield dg.AssetCheckResult(
+        check_name="beats_production",
+        passed=decision.passed,
+        severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
+        metadata=as_metadata(
+            {
+                "metric": policy.metric,
+                "margin": policy.margin,
+                "require_interval": policy.require_interval,
+                "confidence": policy.confidence,
+                "eval_set_version": version,
+                "production_checkpoint": report.production_checkpoint_id,
+                **gate_figures(decision, evaluation),
+            }
+        ),
+    )
 
 
-def checkpoint_dir(storage: StorageResource, tracking: TrackingResource, registered_model: str,
-                   checkpoint_id: str) -> Path:
+def checkpoint_dir(
+    storage: StorageResource, tracking: TrackingResource, registered_model: str, checkpoint_id: str
+) -> Path:
     """The checkpoint's folder: in the checkpoint store, else where the MLflow registry says it is."""
     ckpt_dir = storage.checkpoint_dir(checkpoint_id)
     if not ckpt_dir.exists():  # registered in the MLflow model registry from elsewhere
@@ -180,20 +239,28 @@ def checkpoint_dir(storage: StorageResource, tracking: TrackingResource, registe
     return ckpt_dir
 
 
-def benchmark_comparison(policy: PromotionPolicy, evaluation: CheckpointEvaluation) -> BenchmarkComparison | None:
+def benchmark_comparison(
+    policy: PromotionPolicy, evaluation: CheckpointEvaluation
+) -> BenchmarkComparison | None:
     """The gate's benchmark metric on both models, when the gate decides on a benchmark and production was scored."""
     if not policy.benchmark or evaluation.production is None:
         return None
     try:
-        return compare_benchmark(policy.metric, evaluation.candidate.benchmarks, evaluation.production.benchmarks,
-                                 policy.confidence)
+        return compare_benchmark(
+            policy.metric,
+            evaluation.candidate.benchmarks,
+            evaluation.production.benchmarks,
+            policy.confidence,
+        )
     except BenchmarkError as error:  # e.g. a metric the task does not report: configs/promotion.yaml
         raise dg.Failure(f"promotion gate metric {policy.metric}: {error}", allow_retries=False) from error
 
 
 def log_to_mlflow(tracking: TrackingResource, report: EvalReport, lineage: dict) -> None:
-    with tracking.start_run(run_name=f"eval-{report.checkpoint_id}",
-                            tags={"stage": "evaluation", "checkpoint_id": report.checkpoint_id}) as run:
+    with tracking.start_run(
+        run_name=f"eval-{report.checkpoint_id}",
+        tags={"stage": "evaluation", "checkpoint_id": report.checkpoint_id},
+    ) as run:
         run.log_params(lineage)
         run.log_metrics(mlflow_metrics(report))
         run.log_stored_file(report.report_json, "report.json")
@@ -206,8 +273,12 @@ def report_metadata(report: EvalReport, ckpt: Checkpoint) -> dict[str, object]:
     curve = loss_curve_markdown(ckpt)
     with io.open_read(report.report_markdown) as f:
         markdown = f.read().decode("utf-8")
-    return {**figures, "report": dg.MetadataValue.md(markdown), "report_json": dg.MetadataValue.path(report.report_json),
-            **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {})}
+    return {
+        **figures,
+        "report": dg.MetadataValue.md(markdown),
+        "report_json": dg.MetadataValue.path(report.report_json),
+        **({"loss_curve": dg.MetadataValue.md(curve)} if curve else {}),
+    }
 
 
 def as_metadata(values: dict[str, object]) -> dict[str, object]:
@@ -222,13 +293,17 @@ def as_metadata(values: dict[str, object]) -> dict[str, object]:
     automation_condition=LEADERBOARD_CONDITION,
     kinds={"csv", "markdown"},
     description="One row per evaluated checkpoint (eval-set version, metrics, the paired difference with the "
-                "production model of its day and the gate's decision, dataset, date, whether it is in production), "
-                "and per evaluated base model (stage base: loss on the eval set's frozen corpus documents), best "
-                "first within an eval-set version and stage; a Markdown table in the UI and "
-                "results/evaluation/leaderboard.csv.",
+    "production model of its day and the gate's decision, dataset, date, whether it is in production), "
+    "and per evaluated base model (stage base: loss on the eval set's frozen corpus documents), best "
+    "first within an eval-set version and stage; a Markdown table in the UI and "
+    "results/evaluation/leaderboard.csv.",
 )
-def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalReport],
-                base_model_eval: dict[str, BaseModelEval], storage: StorageResource) -> pd.DataFrame:
+def leaderboard(
+    context: dg.AssetExecutionContext,
+    eval_report: dict[str, EvalReport],
+    base_model_eval: dict[str, BaseModelEval],
+    storage: StorageResource,
+) -> pd.DataFrame:
     production = ProductionRegistry(storage.production_pointer()).current()
     in_production = production.checkpoint_id if production else None
     rows = [leaderboard_row(r, r.checkpoint_id == in_production) for r in eval_report.values()]
@@ -236,15 +311,22 @@ def leaderboard(context: dg.AssetExecutionContext, eval_report: dict[str, EvalRe
     rows += [base_leaderboard_row(r) for r in base_model_eval.values()]
     # rows of one eval-set version and stage are comparable: the newest version first, SFT checkpoints before
     # base models, best loss first within them
-    board = pd.DataFrame(rows).astype({"eval_set_version": "Int64"}).sort_values(
-        ["eval_set_version", "stage", "eval_loss"], ascending=[False, False, True],
-        na_position="last").reset_index(drop=True)
+    board = (
+        pd.DataFrame(rows)
+        .astype({"eval_set_version": "Int64"})
+        .sort_values(
+            ["eval_set_version", "stage", "eval_loss"], ascending=[False, False, True], na_position="last"
+        )
+        .reset_index(drop=True)
+    )
     csv_path = io.join(storage.results_path("evaluation"), "leaderboard.csv")
     io.write_text(board.to_csv(index=False), csv_path)
-    context.add_output_metadata({
-        "dagster/row_count": len(board),
-        "leaderboard": dg.MetadataValue.md(board.to_markdown(index=False, floatfmt=".4f")),
-        "csv": dg.MetadataValue.path(csv_path),
-        "production": production.checkpoint_id if production else None,
-    })
+    context.add_output_metadata(
+        {
+            "dagster/row_count": len(board),
+            "leaderboard": dg.MetadataValue.md(board.to_markdown(index=False, floatfmt=".4f")),
+            "csv": dg.MetadataValue.path(csv_path),
+            "production": production.checkpoint_id if production else None,
+        }
+    )
     return board

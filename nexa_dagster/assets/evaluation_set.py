@@ -21,33 +21,55 @@ from nexa_dagster.resources.storage import StorageResource
 @dg.asset(
     group_name="evaluation",
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
-    deps=["pretrain_corpus"],  # read if materialized (its eval-side documents); a version frozen without has none
+    deps=[
+        "pretrain_corpus"
+    ],  # read if materialized (its eval-side documents); a version frozen without has none
     kinds={"parquet"},
     description="The frozen evaluation set of version eval_set.version (configs/pipeline.yaml): the filtered "
-                "samples whose id hashes to the held-out side, which packaging keeps out of every split, "
-                "tokenized once, in data/eval_sets/v<N>/, and the latest pretrain_corpus's documents on the eval "
-                "side (eval_set.corpus_fraction; no base model trains on them) for base_model_eval. Frozen the "
-                "first time; later runs return it unchanged.",
+    "samples whose id hashes to the held-out side, which packaging keeps out of every split, "
+    "tokenized once, in data/eval_sets/v<N>/, and the latest pretrain_corpus's documents on the eval "
+    "side (eval_set.corpus_fraction; no base model trains on them) for base_model_eval. Frozen the "
+    "first time; later runs return it unchanged.",
 )
-def eval_set(context: dg.AssetExecutionContext, filtered_samples: pd.DataFrame,
-             storage: StorageResource, scale_preset: ScaleResource, eval_sets: EvalSetsResource) -> dg.MaterializeResult:
+def eval_set(
+    context: dg.AssetExecutionContext,
+    filtered_samples: pd.DataFrame,
+    storage: StorageResource,
+    scale_preset: ScaleResource,
+    eval_sets: EvalSetsResource,
+) -> dg.MaterializeResult:
     cfg = eval_sets
     tokenizer, _ = load_student_tokenizer(storage)
     corpus = read_stored_artifact(storage.data_root, "pretrain_corpus")
     if not isinstance(corpus, PretrainCorpus):
-        context.log.warning("no pretrain_corpus materialized yet: this eval-set version, if frozen now, has no "
-                            "corpus documents and base models cannot be evaluated on it")
-    manifest = freeze_eval_set(filtered_samples, tokenizer, storage.path("eval_sets"), cfg.version, cfg.fraction,
-                               scale_preset.load().pack_size, log=context.log.info,
-                               corpus=(corpus.root, corpus.run_hash) if isinstance(corpus, PretrainCorpus) else None,
-                               corpus_fraction=cfg.corpus_fraction)
+        context.log.warning(
+            "no pretrain_corpus materialized yet: this eval-set version, if frozen now, has no "
+            "corpus documents and base models cannot be evaluated on it"
+        )
+    manifest = freeze_eval_set(
+        filtered_samples,
+        tokenizer,
+        storage.path("eval_sets"),
+        cfg.version,
+        cfg.fraction,
+        scale_preset.load().pack_size,
+        log=context.log.info,
+        corpus=(corpus.root, corpus.run_hash) if isinstance(corpus, PretrainCorpus) else None,
+        corpus_fraction=cfg.corpus_fraction,
+    )
     frozen_corpus = manifest.get("corpus") or {}
-    return dg.MaterializeResult(metadata={
-        "version": manifest["version"], "examples": manifest["examples"], "scored_tokens": manifest["tokens"],
-        "scale": scale_preset.name,
-        "corpus_documents": frozen_corpus.get("documents", 0), "corpus_tokens": frozen_corpus.get("tokens", 0),
-        "corpus_run_hash": frozen_corpus.get("run_hash", ""),
-        "days": dg.MetadataValue.json(manifest["days"]), "created_at": manifest["created_at"],
-        "examples_sha256": manifest["files"]["examples.parquet"],
-        "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            "version": manifest["version"],
+            "examples": manifest["examples"],
+            "scored_tokens": manifest["tokens"],
+            "scale": scale_preset.name,
+            "corpus_documents": frozen_corpus.get("documents", 0),
+            "corpus_tokens": frozen_corpus.get("tokens", 0),
+            "corpus_run_hash": frozen_corpus.get("run_hash", ""),
+            "days": dg.MetadataValue.json(manifest["days"]),
+            "created_at": manifest["created_at"],
+            "examples_sha256": manifest["files"]["examples.parquet"],
+            "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),
+        }
+    )

@@ -10,7 +10,6 @@ so a blend change shows in lineage. The work is sharded, parallel across process
 the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
 """
 
-
 from collections.abc import Callable, Sequence
 
 import dagster as dg
@@ -53,27 +52,39 @@ def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
         raise ValueError(f"filtered_samples partition {path} does not match its schema: {e}") from e
 
 
-def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cluster: GPUClusterResource,
-                 storage: StorageResource, folder: str = "sft") -> ShardRunner | None:
+def shard_runner(
+    context: dg.AssetExecutionContext,
+    cfg: PackagingConfig,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    folder: str = "sft",
+) -> ShardRunner | None:
     """Where the shards to pack run: ``runner: local`` (packaging.yaml) or the local backend keep this machine's
     processes; ``runner: cluster`` on Slurm or Kubernetes sends them there (task files under
     ``data/<folder>/cluster/``). Shards that did not finish there fail the step naming each one and its log."""
-    runner = (gpu_cluster.shard_runner(context, storage.path(folder, "cluster"), cfg.cluster_parallelism)
-              if cfg.runner == "cluster" else None)
+    runner = (
+        gpu_cluster.shard_runner(context, storage.path(folder, "cluster"), cfg.cluster_parallelism)
+        if cfg.runner == "cluster"
+        else None
+    )
     if runner is None:
         if cfg.runner == "cluster":
-            context.log.info(f"packaging.yaml says runner: cluster; the {gpu_cluster.backend} backend runs the "
-                             "shards in this machine's processes")
+            context.log.info(
+                f"packaging.yaml says runner: cluster; the {gpu_cluster.backend} backend runs the "
+                "shards in this machine's processes"
+            )
         return None
     cluster_runner: ShardRunner = runner
 
-    def run(tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt],
-            log: Callable[[str], None]) -> Sequence[Receipt]:
+    def run(
+        tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt], log: Callable[[str], None]
+    ) -> Sequence[Receipt]:
         try:
             return cluster_runner(tasks, work, log)
         except ShardTasksFailed as e:
-            raise dg.Failure(description=str(e),
-                             metadata={"failed_shards": dg.MetadataValue.json(e.shard_ids)}) from e
+            raise dg.Failure(
+                description=str(e), metadata={"failed_shards": dg.MetadataValue.json(e.shard_ids)}
+            ) from e
 
     return run
 
@@ -84,59 +95,84 @@ def shard_runner(context: dg.AssetExecutionContext, cfg: PackagingConfig, gpu_cl
     ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python", "parquet"},
     description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
-                "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
-                "an assistant-only loss mask, split into train/validation and written as Parquet and JSONL under "
-                "data/sft/<run_hash>/; shards are content-addressed in data/sft/store/ and reused, so a night packs "
-                "only its own day.",
+    "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
+    "an assistant-only loss mask, split into train/validation and written as Parquet and JSONL under "
+    "data/sft/<run_hash>/; shards are content-addressed in data/sft/store/ and reused, so a night packs "
+    "only its own day.",
 )
-def sft_dataset(context: dg.AssetExecutionContext, storage: StorageResource, scale_preset: ScaleResource,
-                gpu_cluster: GPUClusterResource, packaging_config: PackagingResource,
-                eval_sets: EvalSetsResource) -> SFTDataset:
+def sft_dataset(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale_preset: ScaleResource,
+    gpu_cluster: GPUClusterResource,
+    packaging_config: PackagingResource,
+    eval_sets: EvalSetsResource,
+) -> SFTDataset:
     scale, cfg = scale_preset.load(), packaging_config.config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.sft_blend)
-    partitions = stored_partitions(storage.data_root, "filtered_samples",
-                                   list(context.asset_partition_keys_for_input("filtered_samples")))
+    partitions = stored_partitions(
+        storage.data_root,
+        "filtered_samples",
+        list(context.asset_partition_keys_for_input("filtered_samples")),
+    )
     days = day_inputs_from_partitions(partitions, storage.path("sft"), validate=_valid_filtered_samples)
-    dataset, stats = build_sft_dataset_from_days(days, tokenizer, tokenizer_path, storage.path("sft"),
-                                                 scale.pack_size, scale.validation_fraction, seed=scale.training.seed,
-                                                 log=context.log.info, blend=blend, on_error=cfg.on_error,
-                                                 rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                                                 eval_fraction=eval_sets.fraction,
-                                                 runner=shard_runner(context, cfg, gpu_cluster, storage),
-                                                 keep_snapshots=cfg.keep_snapshots)
-    context.add_output_metadata({
-        "run_hash": dataset.run_hash,
-        "blend": dataset.blend,
-        "blend_fingerprint": dataset.blend_fingerprint,
-        "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
-        "num_shards": dataset.num_shards,
-        "shards_reused": dataset.shards_reused,  # from data/sft/store: only the new days' shards were packed
-        "num_samples": dataset.num_samples,
-        "days": dg.MetadataValue.json(dataset.days),
-        "train_sequences": dataset.num_train_sequences,
-        "validation_sequences": dataset.num_validation_sequences,
-        "pack_size": dataset.pack_size,
-        "scale": scale.name,
-        "real_tokens": dataset.num_real_tokens,
-        "loss_tokens": dataset.num_loss_tokens,
-        "packing_efficiency": round(dataset.packing_efficiency, 4),
-        "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
-        "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
-        "quarantined_rows": dataset.quarantined_rows,
-        "held_out_for_eval_set": dataset.held_out_samples,
-        "train_path": dg.MetadataValue.path(dataset.train_path),
-        "validation_path": dg.MetadataValue.path(dataset.validation_path),
-    })
+    dataset, stats = build_sft_dataset_from_days(
+        days,
+        tokenizer,
+        tokenizer_path,
+        storage.path("sft"),
+        scale.pack_size,
+        scale.validation_fraction,
+        seed=scale.training.seed,
+        log=context.log.info,
+        blend=blend,
+        on_error=cfg.on_error,
+        rows_per_shard=cfg.rows_per_shard,
+        workers=cfg.worker_count(),
+        eval_fraction=eval_sets.fraction,
+        runner=shard_runner(context, cfg, gpu_cluster, storage),
+        keep_snapshots=cfg.keep_snapshots,
+    )
+    context.add_output_metadata(
+        {
+            "run_hash": dataset.run_hash,
+            "blend": dataset.blend,
+            "blend_fingerprint": dataset.blend_fingerprint,
+            "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
+            "num_shards": dataset.num_shards,
+            "shards_reused": dataset.shards_reused,  # from data/sft/store: only the new days' shards were packed
+            "num_samples": dataset.num_samples,
+            "days": dg.MetadataValue.json(dataset.days),
+            "train_sequences": dataset.num_train_sequences,
+            "validation_sequences": dataset.num_validation_sequences,
+            "pack_size": dataset.pack_size,
+            "scale": scale.name,
+            "real_tokens": dataset.num_real_tokens,
+            "loss_tokens": dataset.num_loss_tokens,
+            "packing_efficiency": round(dataset.packing_efficiency, 4),
+            "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
+            "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
+            "quarantined_rows": dataset.quarantined_rows,
+            "held_out_for_eval_set": dataset.held_out_samples,
+            "train_path": dg.MetadataValue.path(dataset.train_path),
+            "validation_path": dg.MetadataValue.path(dataset.validation_path),
+        }
+    )
     return dataset
 
 
-@dg.asset_check(asset=sft_dataset, description="Both splits re-read from storage are well-formed packed sequences "
-                                               "with assistant tokens to learn.")
+@dg.asset_check(
+    asset=sft_dataset,
+    description="Both splits re-read from storage are well-formed packed sequences "
+    "with assistant tokens to learn.",
+)
 def packed_splits_are_well_formed(sft_dataset: SFTDataset) -> dg.AssetCheckResult:
-    problems = [p for split, path in (("train", sft_dataset.train_path),
-                                      ("validation", sft_dataset.validation_path))
-                for p in check_packed_file(path, sft_dataset.pack_size, split)]
+    problems = [
+        p
+        for split, path in (("train", sft_dataset.train_path), ("validation", sft_dataset.validation_path))
+        for p in check_packed_file(path, sft_dataset.pack_size, split)
+    ]
     return dg.AssetCheckResult(passed=not problems, metadata={"problems": dg.MetadataValue.json(problems)})
 
 
@@ -153,37 +189,65 @@ def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
     ins={"raw_documents": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python"},
     description="Every ingested document up to now (plus the other sources of the pretraining blend), tokenized "
-                "with the student's tokenizer into Megatron-Core bin/idx shards (content-addressed in "
-                "data/pretrain/store/ and reused, so a night tokenizes only its own day) listed by "
-                "data/pretrain/<run_hash>/megatron_blend.json for --data-path.",
+    "with the student's tokenizer into Megatron-Core bin/idx shards (content-addressed in "
+    "data/pretrain/store/ and reused, so a night tokenizes only its own day) listed by "
+    "data/pretrain/<run_hash>/megatron_blend.json for --data-path.",
 )
-def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource, gpu_cluster: GPUClusterResource,
-                    packaging_config: PackagingResource) -> PretrainCorpus:
+def pretrain_corpus(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    gpu_cluster: GPUClusterResource,
+    packaging_config: PackagingResource,
+) -> PretrainCorpus:
     cfg = packaging_config.config()
     tokenizer, _ = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.pretrain_blend)
     out_root = storage.path("pretrain")
-    partitions = stored_partitions(storage.data_root, "raw_documents",
-                                   list(context.asset_partition_keys_for_input("raw_documents")))
-    days = day_inputs_from_partitions(partitions, out_root, validate=_valid_raw_documents,
-                                      to_jsonl=documents_to_jsonl)
+    partitions = stored_partitions(
+        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
+    )
+    days = day_inputs_from_partitions(
+        partitions, out_root, validate=_valid_raw_documents, to_jsonl=documents_to_jsonl
+    )
     if not days:
         raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
     # each day is schema-checked alone: a doc_id on two days is caught by the on-disk index of every day's ids
     check_unique_across_days([(d.path, d.days) for d in days], index_for(out_root), "doc_id", "raw_documents")
-    run = package_pretrain(blend, tokenizer, out_root,
-                           PretrainSettings(on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard,
-                                            workers=cfg.worker_count(),
-                                            runner=shard_runner(context, cfg, gpu_cluster, storage, "pretrain")),
-                           assets={"raw_documents": [d.path for d in days]}, log=context.log.info)
-    corpus = PretrainCorpus(run_hash=run.run_hash, root=run.root, megatron_blend_path=run.blend_path,
-                            prefixes=run.prefixes, num_documents=run.num_documents, num_tokens=run.num_tokens,
-                            blend=blend.name, blend_fingerprint=blend.fingerprint(),
-                            quarantined_rows=run.quarantined_rows)
-    context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,
-                                 "blend_fingerprint": blend.fingerprint(), "documents": run.num_documents,
-                                 "tokens": run.num_tokens, "shards": len(run.prefixes),
-                                 "megatron_blend": dg.MetadataValue.path(run.blend_path)})
+    run = package_pretrain(
+        blend,
+        tokenizer,
+        out_root,
+        PretrainSettings(
+            on_error=cfg.on_error,
+            rows_per_shard=cfg.rows_per_shard,
+            workers=cfg.worker_count(),
+            runner=shard_runner(context, cfg, gpu_cluster, storage, "pretrain"),
+        ),
+        assets={"raw_documents": [d.path for d in days]},
+        log=context.log.info,
+    )
+    corpus = PretrainCorpus(
+        run_hash=run.run_hash,
+        root=run.root,
+        megatron_blend_path=run.blend_path,
+        prefixes=run.prefixes,
+        num_documents=run.num_documents,
+        num_tokens=run.num_tokens,
+        blend=blend.name,
+        blend_fingerprint=blend.fingerprint(),
+        quarantined_rows=run.quarantined_rows,
+    )
+    context.add_output_metadata(
+        {
+            "run_hash": run.run_hash,
+            "blend": blend.name,
+            "blend_fingerprint": blend.fingerprint(),
+            "documents": run.num_documents,
+            "tokens": run.num_tokens,
+            "shards": len(run.prefixes),
+            "megatron_blend": dg.MetadataValue.path(run.blend_path),
+        }
+    )
     return corpus
 
 
@@ -193,27 +257,59 @@ def pretrain_corpus(context: dg.AssetExecutionContext, storage: StorageResource,
     ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
     kinds={"python"},
     description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
-                "of the RL blend.",
+    "of the RL blend.",
 )
-def rl_prompts(context: dg.AssetExecutionContext, storage: StorageResource, gpu_cluster: GPUClusterResource,
-               packaging_config: PackagingResource, eval_sets: EvalSetsResource) -> JsonlDataset:
+def rl_prompts(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    gpu_cluster: GPUClusterResource,
+    packaging_config: PackagingResource,
+    eval_sets: EvalSetsResource,
+) -> JsonlDataset:
     cfg = packaging_config.config()
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
-    partitions = stored_partitions(storage.data_root, "filtered_samples",
-                                   list(context.asset_partition_keys_for_input("filtered_samples")))
+    partitions = stored_partitions(
+        storage.data_root,
+        "filtered_samples",
+        list(context.asset_partition_keys_for_input("filtered_samples")),
+    )
     # the eval set's side is never trained on
-    files = partitions_to_flat_jsonl(partitions, out_root, eval_sets.fraction,
-                                     validate=_valid_filtered_samples)
+    files = partitions_to_flat_jsonl(
+        partitions, out_root, eval_sets.fraction, validate=_valid_filtered_samples
+    )
     if not files:
-        raise ValueError("rl_prompts: no filtered samples to package (no day materialized, or every sample is on "
-                         "the eval set's side)")
-    run = package_jsonl(blend, out_root, "rl_prompts", assets={"filtered_samples_flat": files},
-                        on_error=cfg.on_error, rows_per_shard=cfg.rows_per_shard, workers=cfg.worker_count(),
-                        log=context.log.info, runner=shard_runner(context, cfg, gpu_cluster, storage, "rl"))
-    context.add_output_metadata({"run_hash": run.run_hash, "blend": blend.name,
-                                 "blend_fingerprint": blend.fingerprint(), "records": run.records,
-                                 "quarantined_rows": run.quarantined_rows, "path": dg.MetadataValue.path(run.path)})
-    return JsonlDataset(run_hash=run.run_hash, path=run.path, records=run.records, blend=blend.name,
-                        blend_fingerprint=blend.fingerprint(), quarantined_rows=run.quarantined_rows,
-                        quarantine_path=run.quarantine_path)
+        raise ValueError(
+            "rl_prompts: no filtered samples to package (no day materialized, or every sample is on "
+            "the eval set's side)"
+        )
+    run = package_jsonl(
+        blend,
+        out_root,
+        "rl_prompts",
+        assets={"filtered_samples_flat": files},
+        on_error=cfg.on_error,
+        rows_per_shard=cfg.rows_per_shard,
+        workers=cfg.worker_count(),
+        log=context.log.info,
+        runner=shard_runner(context, cfg, gpu_cluster, storage, "rl"),
+    )
+    context.add_output_metadata(
+        {
+            "run_hash": run.run_hash,
+            "blend": blend.name,
+            "blend_fingerprint": blend.fingerprint(),
+            "records": run.records,
+            "quarantined_rows": run.quarantined_rows,
+            "path": dg.MetadataValue.path(run.path),
+        }
+    )
+    return JsonlDataset(
+        run_hash=run.run_hash,
+        path=run.path,
+        records=run.records,
+        blend=blend.name,
+        blend_fingerprint=blend.fingerprint(),
+        quarantined_rows=run.quarantined_rows,
+        quarantine_path=run.quarantine_path,
+    )

@@ -8,7 +8,6 @@
 * Base models' evaluation is partitioned by **base model** (dynamic partitions ``base_models``).
 """
 
-
 import dagster as dg
 
 from nexa_dagster import settings
@@ -19,4 +18,3 @@ daily_partitions = dg.DailyPartitionsDefinition(start_date=settings.PARTITIONS_S
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 # one per pretrained base model (data/base_models/<id>), added by base_model: base_model_eval's partitions
 base_model_partitions = dg.DynamicPartitionsDefinition(name="base_models")
-

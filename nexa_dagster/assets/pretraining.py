@@ -33,59 +33,100 @@ from nexa_dagster.resources.tracking import TrackingResource
     retry_policy=MODEL_CALL_RETRY,
     kinds={"deepspeed", "pytorch"},
     description="The MoE preset pretrained with the DeepSpeed engine on pretrain_corpus (documents concatenated "
-                "into pack_size rows, attention within documents, loss on every token), saved as a Hugging Face "
-                "Mixtral checkpoint in data/base_models/<id>/; evaluated by the perplexity of held-out corpus "
-                "documents. moe_checkpoint starts from the latest one (init_from: base).",
+    "into pack_size rows, attention within documents, loss on every token), saved as a Hugging Face "
+    "Mixtral checkpoint in data/base_models/<id>/; evaluated by the perplexity of held-out corpus "
+    "documents. moe_checkpoint starts from the latest one (init_from: base).",
 )
-def base_model(context: dg.AssetExecutionContext, pretrain_corpus: PretrainCorpus, gpu_cluster: GPUClusterResource,
-               storage: StorageResource, tracking: TrackingResource, scale_preset: ScaleResource,
-               eval_sets: EvalSetsResource) -> dg.Output[Checkpoint]:
+def base_model(
+    context: dg.AssetExecutionContext,
+    pretrain_corpus: PretrainCorpus,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    scale_preset: ScaleResource,
+    eval_sets: EvalSetsResource,
+) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     if scale.pretraining is None:
-        raise dg.Failure(f"scale preset {scale.name!r} has no pretraining section (max_steps, ...)",
-                         allow_retries=False)
+        raise dg.Failure(
+            f"scale preset {scale.name!r} has no pretraining section (max_steps, ...)", allow_retries=False
+        )
     settings = scale.pretraining.settings(scale.training)
     base_id = checkpoint_id_for(context, storage, prefix="base", store=storage.path("base_models"))
     _, tokenizer_path = load_student_tokenizer(storage)
     job = TrainingJob(
-        run_id=base_id, train_path=pretrain_corpus.root, validation_path=pretrain_corpus.root,
-        tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(), settings=settings,
-        output_dir=storage.path("base_models", base_id), dataset_run_hash=pretrain_corpus.run_hash,
-        accelerator=gpu_cluster.accelerator, data_kind="pretrain_corpus", pack_size=scale.pack_size,
-        heldout_fraction=scale.pretraining.heldout_fraction, parent="scratch",
+        run_id=base_id,
+        train_path=pretrain_corpus.root,
+        validation_path=pretrain_corpus.root,
+        tokenizer_path=tokenizer_path,
+        model_preset=scale.model_preset,
+        deepspeed_config=scale_preset.deepspeed_config(),
+        settings=settings,
+        output_dir=storage.path("base_models", base_id),
+        dataset_run_hash=pretrain_corpus.run_hash,
+        accelerator=gpu_cluster.accelerator,
+        data_kind="pretrain_corpus",
+        pack_size=scale.pack_size,
+        heldout_fraction=scale.pretraining.heldout_fraction,
+        parent="scratch",
         eval_fraction=eval_sets.corpus_fraction,  # the eval set's documents: never trained on
     )
-    context.log.info(f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
-                     f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "
-                     f"{pretrain_corpus.num_tokens} tokens) on the {gpu_cluster.backend} cluster")
+    context.log.info(
+        f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
+        f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "
+        f"{pretrain_corpus.num_tokens} tokens) on the {gpu_cluster.backend} cluster"
+    )
     result, invocation = gpu_cluster.run_training(context, job, io.local_dir(storage.path("runs", base_id)))
 
     perplexity = perplexity_of(result.validation_loss)
     png, mlflow_run_id = log_training_run(
-        context, tracking, result, run_name=base_id, stage="pretraining", title=f"{base_id} (pretraining)",
-        params={"model_preset": scale.model_preset, "scale": scale.name,
-                "corpus_run_hash": pretrain_corpus.run_hash, **settings.model_dump()},
-        final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity})
+        context,
+        tracking,
+        result,
+        run_name=base_id,
+        stage="pretraining",
+        title=f"{base_id} (pretraining)",
+        params={
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "corpus_run_hash": pretrain_corpus.run_hash,
+            **settings.model_dump(),
+        },
+        final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity},
+    )
 
     checkpoint = Checkpoint(
-        checkpoint_id=base_id, path=result.checkpoint_dir, num_steps=result.steps,
-        training_loss=result.final_loss, validation_loss=result.validation_loss,
-        dataset_run_hash=pretrain_corpus.run_hash, dataset_validation_path=pretrain_corpus.root,
-        model_preset=scale.model_preset, scale=scale.name, parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active, training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id, stage="pretrain", parent="scratch",
+        checkpoint_id=base_id,
+        path=result.checkpoint_dir,
+        num_steps=result.steps,
+        training_loss=result.final_loss,
+        validation_loss=result.validation_loss,
+        dataset_run_hash=pretrain_corpus.run_hash,
+        dataset_validation_path=pretrain_corpus.root,
+        model_preset=scale.model_preset,
+        scale=scale.name,
+        parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active,
+        training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id,
+        stage="pretrain",
+        parent="scratch",
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
-    context.instance.add_dynamic_partitions(base_model_partitions.name, [base_id])  # base_model_eval's partition
-    return dg.Output(checkpoint, metadata={
-        **training_metadata(invocation, png, result, "pretraining loss"),
-        "checkpoint_id": base_id,
-        "scale": scale.name,
-        "corpus_run_hash": pretrain_corpus.run_hash,
-        "parent": "scratch",
-        "heldout_loss": result.validation_loss,
-        "heldout_perplexity": perplexity,
-        "heldout_documents": result.validation_documents,
-        "mlflow_run_id": mlflow_run_id,
-    })
+    context.instance.add_dynamic_partitions(
+        base_model_partitions.name, [base_id]
+    )  # base_model_eval's partition
+    return dg.Output(
+        checkpoint,
+        metadata={
+            **training_metadata(invocation, png, result, "pretraining loss"),
+            "checkpoint_id": base_id,
+            "scale": scale.name,
+            "corpus_run_hash": pretrain_corpus.run_hash,
+            "parent": "scratch",
+            "heldout_loss": result.validation_loss,
+            "heldout_perplexity": perplexity,
+            "heldout_documents": result.validation_documents,
+            "mlflow_run_id": mlflow_run_id,
+        },
+    )

@@ -22,19 +22,30 @@ from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 
-def _smoke_test_without_service(context: dg.AssetExecutionContext, eval_report: EvalReport,
-                                 storage: StorageResource, previous: str | None) -> SwitchResult:
+def _smoke_test_without_service(
+    context: dg.AssetExecutionContext, eval_report: EvalReport, storage: StorageResource, previous: str | None
+) -> SwitchResult:
     checkpoint_id = context.partition_key
     work_dir = storage.deployment_dir(checkpoint_id)
-    manifest = smoke_test_in_temporary_engine(eval_report.checkpoint_path, checkpoint_id, work_dir,
-                                              logger=context.log)
+    manifest = smoke_test_in_temporary_engine(
+        eval_report.checkpoint_path, checkpoint_id, work_dir, logger=context.log
+    )
     if manifest.status != "ok":
-        raise dg.Failure(f"{checkpoint_id} failed its smoke test ({manifest.status}): {manifest.error}; "
-                         "not promoting", allow_retries=False)
-    return SwitchResult(checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path,
-                        previous_checkpoint_id=previous, endpoint=None, model_name=manifest.model_name,
-                        switched_at=now_utc(), smoke_response=manifest.smoke_response,
-                        smoke_latency_s=manifest.smoke_latency_s, engine=manifest.engine)
+        raise dg.Failure(
+            f"{checkpoint_id} failed its smoke test ({manifest.status}): {manifest.error}; not promoting",
+            allow_retries=False,
+        )
+    return SwitchResult(
+        checkpoint_id=checkpoint_id,
+        checkpoint_path=eval_report.checkpoint_path,
+        previous_checkpoint_id=previous,
+        endpoint=None,
+        model_name=manifest.model_name,
+        switched_at=now_utc(),
+        smoke_response=manifest.smoke_response,
+        smoke_latency_s=manifest.smoke_latency_s,
+        engine=manifest.engine,
+    )
 
 
 @dg.asset(
@@ -44,24 +55,33 @@ def _smoke_test_without_service(context: dg.AssetExecutionContext, eval_report: 
     retry_policy=MODEL_CALL_RETRY,
     kinds={"vllm", "transformers", "haproxy"},
     description="The checkpoint in production: the serving service's endpoint switched to it (blue/green behind "
-                "HAProxy, smoke-tested before it takes traffic), or, without a running service, smoke-tested in a "
-                "temporary engine; then the production pointer and MLflow alias. A checkpoint the promotion gate "
-                "held back is not deployed and not materialized: a normal outcome, not a failure.",
+    "HAProxy, smoke-tested before it takes traffic), or, without a running service, smoke-tested in a "
+    "temporary engine; then the production pointer and MLflow alias. A checkpoint the promotion gate "
+    "held back is not deployed and not materialized: a normal outcome, not a failure.",
 )
-def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport, storage: StorageResource,
-                     tracking: TrackingResource, promotion_policy: PromotionResource) -> Iterator[dg.Output[SwitchResult]]:
+def model_deployment(
+    context: dg.AssetExecutionContext,
+    eval_report: EvalReport,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    promotion_policy: PromotionResource,
+) -> Iterator[dg.Output[SwitchResult]]:
     checkpoint_id = context.partition_key
     policy = promotion_policy.policy()
     registry = ProductionRegistry(storage.production_pointer())
     production = registry.current()
     held_back = held_back_because(checkpoint_id, eval_report, production)
     if held_back:
-        context.log.info(f"{checkpoint_id} held back: {held_back}; "
-                         f"{production.checkpoint_id if production else 'nothing'} stays in production")
+        context.log.info(
+            f"{checkpoint_id} held back: {held_back}; "
+            f"{production.checkpoint_id if production else 'nothing'} stays in production"
+        )
         return
 
     previous = production.checkpoint_id if production else None
-    context.log.info(f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)")
+    context.log.info(
+        f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)"
+    )
     service = ServingServiceClient.find(storage.serving_dir())
     if service is None:
         context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
@@ -71,33 +91,47 @@ def model_deployment(context: dg.AssetExecutionContext, eval_report: EvalReport,
         try:
             result = service.switch(eval_report.checkpoint_path, checkpoint_id)
         except SwitchFailed as e:
-            raise dg.Failure(f"the serving service did not switch to {checkpoint_id}: {e}",
-                             allow_retries=False) from e
+            raise dg.Failure(
+                f"the serving service did not switch to {checkpoint_id}: {e}", allow_retries=False
+            ) from e
 
     try:
         version = tracking.version_of(policy.registered_model, checkpoint_id) or tracking.register_checkpoint(
-            policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None)
+            policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None
+        )
         tracking.set_alias(policy.registered_model, "production", version)
-        registry.promote(ProductionEntry(
-            checkpoint_id=checkpoint_id, checkpoint_path=eval_report.checkpoint_path, metric="eval_loss",
-            value=eval_report.eval_loss, eval_set_version=eval_report.eval_set_version, mlflow_version=version))
+        registry.promote(
+            ProductionEntry(
+                checkpoint_id=checkpoint_id,
+                checkpoint_path=eval_report.checkpoint_path,
+                metric="eval_loss",
+                value=eval_report.eval_loss,
+                eval_set_version=eval_report.eval_set_version,
+                mlflow_version=version,
+            )
+        )
     except BaseException:
         if service is not None and production is not None:  # traffic goes back to what the pointer says
             service.switch(production.checkpoint_path, production.checkpoint_id)
         raise
-    context.log.info(f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
-                     + (f", served at {result.endpoint}" if result.endpoint else ""))
-    yield dg.Output(result, metadata={
-        "endpoint": result.endpoint or "none (no serving service runs; `make serve` serves production)",
-        "checkpoint_served": checkpoint_id,
-        "previous_checkpoint": result.previous_checkpoint_id,
-        "switched_at": result.switched_at,
-        "switch_s": round(result.switch_s, 2),
-        "engine": result.engine,
-        "smoke_response": result.smoke_response[:500],
-        "smoke_latency_s": round(result.smoke_latency_s, 3),
-        "eval_loss": round(eval_report.eval_loss, 4) if eval_report.eval_loss is not None else None,
-        "eval_set_version": eval_report.eval_set_version,
-        "eval_loss_difference": eval_report.eval_loss_difference,
-        "mlflow_model_version": f"{policy.registered_model}/{version}",
-    })
+    context.log.info(
+        f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
+        + (f", served at {result.endpoint}" if result.endpoint else "")
+    )
+    yield dg.Output(
+        result,
+        metadata={
+            "endpoint": result.endpoint or "none (no serving service runs; `make serve` serves production)",
+            "checkpoint_served": checkpoint_id,
+            "previous_checkpoint": result.previous_checkpoint_id,
+            "switched_at": result.switched_at,
+            "switch_s": round(result.switch_s, 2),
+            "engine": result.engine,
+            "smoke_response": result.smoke_response[:500],
+            "smoke_latency_s": round(result.smoke_latency_s, 3),
+            "eval_loss": round(eval_report.eval_loss, 4) if eval_report.eval_loss is not None else None,
+            "eval_set_version": eval_report.eval_set_version,
+            "eval_loss_difference": eval_report.eval_loss_difference,
+            "mlflow_model_version": f"{policy.registered_model}/{version}",
+        },
+    )

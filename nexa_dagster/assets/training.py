@@ -4,7 +4,6 @@ The asset never trains in the Dagster process: the GPU-cluster resource launches
 or later on Slurm/Kubernetes) and streams its logs and metrics back through Dagster Pipes.
 """
 
-
 import datetime as dt
 from pathlib import Path
 
@@ -27,8 +26,12 @@ from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 
-def checkpoint_id_for(context: dg.AssetExecutionContext, storage: StorageResource, prefix: str = "ckpt",
-                      store: str | None = None) -> str:
+def checkpoint_id_for(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    prefix: str = "ckpt",
+    store: str | None = None,
+) -> str:
     """One id per training, kept by step retries and run re-executions so that they resume its saved state.
 
     The id comes from the root run of a re-execution chain; if that training already completed (a deliberate
@@ -49,11 +52,17 @@ class TrainingRunConfig(dg.Config):
     """Run configuration of ``moe_checkpoint`` (the Launchpad's ``ops: moe_checkpoint: config``): what a person
     changes for one training without editing the scale preset; unset, the preset's values hold."""
 
-    init_from: str = Field(default="", description="base | production | scratch | <path of a Mixtral HF "
-                                                   "checkpoint>; empty: the scale preset's init_from")
-    max_steps: int | None = Field(default=None, gt=0, description="optimizer steps; empty: training.max_steps")
-    learning_rate: float | None = Field(default=None, gt=0, description="peak learning rate; empty: "
-                                                                        "training.learning_rate")
+    init_from: str = Field(
+        default="",
+        description="base | production | scratch | <path of a Mixtral HF "
+        "checkpoint>; empty: the scale preset's init_from",
+    )
+    max_steps: int | None = Field(
+        default=None, gt=0, description="optimizer steps; empty: training.max_steps"
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="peak learning rate; empty: training.learning_rate"
+    )
 
     def settings(self, preset: TrainingSettings) -> TrainingSettings:
         """The preset's training settings with this run's overrides."""
@@ -70,8 +79,13 @@ def latest_base_model(context: dg.AssetExecutionContext) -> tuple[str, str] | No
     return str(metadata["checkpoint_id"].value), str(metadata["checkpoint_path"].value)
 
 
-def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: StorageResource,
-                 sft_dataset: SFTDataset, scale: ScalePreset) -> tuple[InitSource, str]:
+def resolve_init(
+    context: dg.AssetExecutionContext,
+    config: TrainingRunConfig,
+    storage: StorageResource,
+    sft_dataset: SFTDataset,
+    scale: ScalePreset,
+) -> tuple[InitSource, str]:
     """Where this training starts, and the tokenizer directory to train with, checked before anything launches.
 
     ``base`` is the preset's default; while no base_model exists (a fresh data root) it trains from scratch and
@@ -82,14 +96,19 @@ def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     requested = config.init_from or scale.init_from
     production = ProductionRegistry(storage.production_pointer()).current()
     try:
-        source = resolve(requested, latest_base_model(context),
-                         (production.checkpoint_id, production.checkpoint_path) if production else None,
-                         fallback_to_scratch=not config.init_from)
+        source = resolve(
+            requested,
+            latest_base_model(context),
+            (production.checkpoint_id, production.checkpoint_path) if production else None,
+            fallback_to_scratch=not config.init_from,
+        )
         tokenizer_dir = ""
         if source.path:
             tokenizer_dir = check_init_checkpoint(
-                source.path, AutoTokenizer.from_pretrained(sft_dataset.tokenizer_path),
-                f"sft_dataset {sft_dataset.run_hash}")
+                source.path,
+                AutoTokenizer.from_pretrained(sft_dataset.tokenizer_path),
+                f"sft_dataset {sft_dataset.run_hash}",
+            )
     except ValueError as e:
         raise dg.Failure(f"init_from {requested!r}: {e}", allow_retries=False) from e
     if source.note:
@@ -104,67 +123,106 @@ def resolve_init(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     deps=["base_model"],
     kinds={"deepspeed", "pytorch"},
     description="A Mixtral-architecture MoE causal LM trained with the DeepSpeed engine on sft_dataset, starting "
-                "from init_from (the latest base_model by default, production, scratch or a Mixtral checkpoint "
-                "path), saved as a Hugging Face checkpoint (safetensors, config, tokenizer) in "
-                "data/checkpoints/<checkpoint_id>/.",
+    "from init_from (the latest base_model by default, production, scratch or a Mixtral checkpoint "
+    "path), saved as a Hugging Face checkpoint (safetensors, config, tokenizer) in "
+    "data/checkpoints/<checkpoint_id>/.",
 )
-def moe_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig, sft_dataset: SFTDataset,
-                   gpu_cluster: GPUClusterResource, storage: StorageResource,
-                   tracking: TrackingResource, scale_preset: ScaleResource,
-                   promotion_policy: PromotionResource) -> dg.Output[Checkpoint]:
+def moe_checkpoint(
+    context: dg.AssetExecutionContext,
+    config: TrainingRunConfig,
+    sft_dataset: SFTDataset,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    scale_preset: ScaleResource,
+    promotion_policy: PromotionResource,
+) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     settings = config.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage)
     init, tokenizer_path = resolve_init(context, config, storage, sft_dataset, scale)
     job = TrainingJob(
-        run_id=checkpoint_id, train_path=sft_dataset.train_path, validation_path=sft_dataset.validation_path,
-        tokenizer_path=tokenizer_path, model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(), settings=settings,
-        output_dir=str(storage.checkpoint_dir(checkpoint_id)), dataset_run_hash=sft_dataset.run_hash,
-        accelerator=gpu_cluster.accelerator, init_from=init.path, parent=init.parent,
+        run_id=checkpoint_id,
+        train_path=sft_dataset.train_path,
+        validation_path=sft_dataset.validation_path,
+        tokenizer_path=tokenizer_path,
+        model_preset=scale.model_preset,
+        deepspeed_config=scale_preset.deepspeed_config(),
+        settings=settings,
+        output_dir=str(storage.checkpoint_dir(checkpoint_id)),
+        dataset_run_hash=sft_dataset.run_hash,
+        accelerator=gpu_cluster.accelerator,
+        init_from=init.path,
+        parent=init.parent,
     )
     work_dir = io.local_dir(storage.path("runs", checkpoint_id))
-    context.log.info(f"launching training of {checkpoint_id} ({scale.model_preset}, {settings.max_steps} "
-                     f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster")
+    context.log.info(
+        f"launching training of {checkpoint_id} ({scale.model_preset}, {settings.max_steps} "
+        f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster"
+    )
     result, invocation = gpu_cluster.run_training(context, job, work_dir)
 
     png, mlflow_run_id = log_training_run(
-        context, tracking, result, run_name=checkpoint_id, stage="training",
+        context,
+        tracking,
+        result,
+        run_name=checkpoint_id,
+        stage="training",
         title=f"{checkpoint_id} ({scale.model_preset})",
-        params={"model_preset": scale.model_preset, "scale": scale.name, "parent": init.parent,
-                "dataset_run_hash": sft_dataset.run_hash, **settings.model_dump()},
-        final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s})
+        params={
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "parent": init.parent,
+            "dataset_run_hash": sft_dataset.run_hash,
+            **settings.model_dump(),
+        },
+        final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s},
+    )
 
     # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
     checkpoint = Checkpoint(
-        checkpoint_id=checkpoint_id, path=result.checkpoint_dir, num_steps=result.steps,
-        training_loss=result.final_loss, validation_loss=result.validation_loss,
-        dataset_run_hash=sft_dataset.run_hash, dataset_validation_path=sft_dataset.validation_path,
-        model_preset=scale.model_preset, scale=scale.name, parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active, training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id, parent=init.parent,
+        checkpoint_id=checkpoint_id,
+        path=result.checkpoint_dir,
+        num_steps=result.steps,
+        training_loss=result.final_loss,
+        validation_loss=result.validation_loss,
+        dataset_run_hash=sft_dataset.run_hash,
+        dataset_validation_path=sft_dataset.validation_path,
+        model_preset=scale.model_preset,
+        scale=scale.name,
+        parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active,
+        training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id,
+        parent=init.parent,
     )
     io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = promotion_policy.policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
 
-    return dg.Output(checkpoint, metadata={
-        **training_metadata(invocation, png, result, "training loss"),
-        "checkpoint_id": checkpoint_id,
-        "scale": scale.name,
-        "validation_loss": result.validation_loss,
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "parameters_active": result.parameters_active,
-        "dataset_run_hash": sft_dataset.run_hash,
-        "parent": init.parent,
-        "mlflow_run_id": mlflow_run_id,
-        "mlflow_model_version": f"{model_name}/{version}",
-    })
+    return dg.Output(
+        checkpoint,
+        metadata={
+            **training_metadata(invocation, png, result, "training loss"),
+            "checkpoint_id": checkpoint_id,
+            "scale": scale.name,
+            "validation_loss": result.validation_loss,
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "parameters_active": result.parameters_active,
+            "dataset_run_hash": sft_dataset.run_hash,
+            "parent": init.parent,
+            "mlflow_run_id": mlflow_run_id,
+            "mlflow_model_version": f"{model_name}/{version}",
+        },
+    )
 
 
-@dg.asset_check(asset=moe_checkpoint, description="The checkpoint loads with plain transformers "
-                                                  "(AutoModelForCausalLM) and gives finite logits.")
+@dg.asset_check(
+    asset=moe_checkpoint,
+    description="The checkpoint loads with plain transformers "
+    "(AutoModelForCausalLM) and gives finite logits.",
+)
 def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCheckResult:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -175,6 +233,11 @@ def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCh
     with torch.no_grad():
         logits = model(**ids).logits
     finite = bool(torch.isfinite(logits).all())
-    return dg.AssetCheckResult(passed=finite, metadata={"architecture": model.config.architectures[0],
-                                                        "num_experts": model.config.num_local_experts,
-                                                        "logits_finite": finite})
+    return dg.AssetCheckResult(
+        passed=finite,
+        metadata={
+            "architecture": model.config.architectures[0],
+            "num_experts": model.config.num_local_experts,
+            "logits_finite": finite,
+        },
+    )

@@ -14,9 +14,17 @@ from nexa_dagster.core.training.job import TrainingResult
 from nexa_dagster.resources.tracking import TrackingResource
 
 
-def log_training_run(context: dg.AssetExecutionContext, tracking: TrackingResource, result: TrainingResult, *,
-                     run_name: str, stage: str, title: str, params: dict[str, Any],
-                     final_metrics: dict[str, float]) -> tuple[bytes, str]:
+def log_training_run(
+    context: dg.AssetExecutionContext,
+    tracking: TrackingResource,
+    result: TrainingResult,
+    *,
+    run_name: str,
+    stage: str,
+    title: str,
+    params: dict[str, Any],
+    final_metrics: dict[str, float],
+) -> tuple[bytes, str]:
     """Write the loss curve beside the checkpoint and record the training as an MLflow run.
 
     The run holds ``params``, the train-loss curve step by step, the curve's PNG as an artifact and
@@ -25,7 +33,9 @@ def log_training_run(context: dg.AssetExecutionContext, tracking: TrackingResour
     png = loss_curve_png(result.loss_curve, title, result.validation_loss)
     curve = Path(result.checkpoint_dir) / "loss_curve.png"
     curve.write_bytes(png)
-    with tracking.start_run(run_name=run_name, tags={"stage": stage, "dagster_run_id": context.run.run_id}) as run:
+    with tracking.start_run(
+        run_name=run_name, tags={"stage": stage, "dagster_run_id": context.run.run_id}
+    ) as run:
         run.log_params(params)
         for step, loss in result.loss_curve:
             run.log_metrics({"train_loss": loss}, step=step)
@@ -34,8 +44,9 @@ def log_training_run(context: dg.AssetExecutionContext, tracking: TrackingResour
         return png, run.run_id
 
 
-def training_metadata(invocation: dg.PipesClientCompletedInvocation, png: bytes, result: TrainingResult,
-                      curve_label: str) -> dict[str, Any]:
+def training_metadata(
+    invocation: dg.PipesClientCompletedInvocation, png: bytes, result: TrainingResult, curve_label: str
+) -> dict[str, Any]:
     """The metadata every training materialization starts with: what the worker reported through Pipes (a step
     that opened a Pipes session must return typed results, so it is merged here), the loss curve and the run's
     size and speed."""

@@ -1,6 +1,5 @@
 """Dagster types for the tables that cross stage boundaries, made from the pandera schemas in the core."""
 
-
 import warnings
 
 from nexa_dagster.core.data import schemas

@@ -22,7 +22,9 @@ TRAINING_ASSETS = ["sft_dataset", "eval_set", "moe_checkpoint"]
 EVALUATION_ASSETS = ["eval_report", "model_deployment"]
 
 ingest_job = dg.define_asset_job(
-    "ingest_job", selection=dg.AssetSelection.assets("raw_documents"), partitions_def=daily_partitions,
+    "ingest_job",
+    selection=dg.AssetSelection.assets("raw_documents"),
+    partitions_def=daily_partitions,
     description="Ingest one day's landing folder (re-ingest a day, or backfill many without teacher calls).",
 )
 # One process for the whole run: the day's steps are a chain (no parallelism to lose) and each spawned step paid a
@@ -30,57 +32,85 @@ ingest_job = dg.define_asset_job(
 # Training and evaluation keep the multiprocess default: a step that dies (OOM, a killed worker) fails alone and
 # its memory goes back before the next step starts.
 daily_data_job = dg.define_asset_job(
-    "daily_data_job", selection=dg.AssetSelection.assets(*DATA_ASSETS), partitions_def=daily_partitions,
-    description="Ingest, distill and judge one day's documents.", executor_def=dg.in_process_executor,
+    "daily_data_job",
+    selection=dg.AssetSelection.assets(*DATA_ASSETS),
+    partitions_def=daily_partitions,
+    description="Ingest, distill and judge one day's documents.",
+    executor_def=dg.in_process_executor,
 )
 training_job = dg.define_asset_job(
-    "training_job", selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
+    "training_job",
+    selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
     description="Package every filtered sample so far and train a new MoE checkpoint on it.",
 )
 corpus_job = dg.define_asset_job(
-    "corpus_job", selection=dg.AssetSelection.assets("pretrain_corpus", "rl_prompts"),
+    "corpus_job",
+    selection=dg.AssetSelection.assets("pretrain_corpus", "rl_prompts"),
     description="Data products for other trainers: the Megatron bin/idx pretraining corpus and the RL prompts JSONL.",
 )
 pretraining_job = dg.define_asset_job(
-    "pretraining_job", selection=dg.AssetSelection.assets("pretrain_corpus", "base_model"),
+    "pretraining_job",
+    selection=dg.AssetSelection.assets("pretrain_corpus", "base_model"),
     description="Tokenize every ingested document into the bin/idx corpus and pretrain the base model on it "
-                "(the model moe_checkpoint starts from with init_from: base).",
+    "(the model moe_checkpoint starts from with init_from: base).",
 )
 evaluation_job = dg.define_asset_job(
-    "evaluation_job", selection=dg.AssetSelection.assets(*EVALUATION_ASSETS), partitions_def=checkpoint_partitions,
+    "evaluation_job",
+    selection=dg.AssetSelection.assets(*EVALUATION_ASSETS),
+    partitions_def=checkpoint_partitions,
     description="Evaluate one checkpoint and smoke-test serving it.",
 )
+
 
 def nightly_schedule(hour_utc: int) -> dg.ScheduleDefinition:
     """The nightly run at ``hour_utc`` (pipeline.yaml's ``schedule.nightly_retrain_hour_utc``)."""
 
-    @dg.schedule(cron_schedule=f"0 {hour_utc} * * *", execution_timezone="UTC", job=daily_data_job,
-                 name="nightly_retrain", default_status=dg.DefaultScheduleStatus.RUNNING,
-                 description="Every night: process the day that just ended; the retrain sensor then trains on the "
-                             "new snapshot and the checkpoint sensor evaluates the result.")
-    def nightly_data_schedule(context: dg.ScheduleEvaluationContext,
-                              storage: StorageResource) -> dg.RunRequest | dg.SkipReason:
+    @dg.schedule(
+        cron_schedule=f"0 {hour_utc} * * *",
+        execution_timezone="UTC",
+        job=daily_data_job,
+        name="nightly_retrain",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Every night: process the day that just ended; the retrain sensor then trains on the "
+        "new snapshot and the checkpoint sensor evaluates the result.",
+    )
+    def nightly_data_schedule(
+        context: dg.ScheduleEvaluationContext, storage: StorageResource
+    ) -> dg.RunRequest | dg.SkipReason:
         # the daily partitions include today (end_offset=1, so a day's data can be processed early by hand); the
         # nightly run is for the day that has just ended, which is complete
         day = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
         landing = storage.landing_dir(day)
         if not has_landed(landing):
-            return dg.SkipReason(f"no documents landed for {day} in {landing}: nothing new to process or retrain on")
+            return dg.SkipReason(
+                f"no documents landed for {day} in {landing}: nothing new to process or retrain on"
+            )
         return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
 
     return nightly_data_schedule
 
 
 base_evaluation_job = dg.define_asset_job(
-    "base_evaluation_job", selection=dg.AssetSelection.assets("base_model_eval"), partitions_def=base_model_partitions,
+    "base_evaluation_job",
+    selection=dg.AssetSelection.assets("base_model_eval"),
+    partitions_def=base_model_partitions,
     description="Evaluate one base model on the frozen eval set's corpus documents (its partition: the base id).",
 )
 
 leaderboard_job = dg.define_asset_job(
-    "leaderboard_job", selection=dg.AssetSelection.assets("leaderboard"),
+    "leaderboard_job",
+    selection=dg.AssetSelection.assets("leaderboard"),
     description="Rebuild the leaderboard of every evaluated checkpoint (also kept fresh by its automation "
-                "condition while the daemon runs).",
+    "condition while the daemon runs).",
 )
 
-JOBS = [ingest_job, daily_data_job, training_job, corpus_job, pretraining_job, evaluation_job, base_evaluation_job,
-        leaderboard_job]
+JOBS = [
+    ingest_job,
+    daily_data_job,
+    training_job,
+    corpus_job,
+    pretraining_job,
+    evaluation_job,
+    base_evaluation_job,
+    leaderboard_job,
+]

@@ -38,12 +38,17 @@ class IngestResource(dg.ConfigurableResource):
 
     model_config = ConfigDict(extra="forbid")
 
-    text_field_candidates: list[str] = Field(default=["text", "content", "body"], min_length=1,
-                                             description="the first of these fields a row has is its text")
+    text_field_candidates: list[str] = Field(
+        default=["text", "content", "body"],
+        min_length=1,
+        description="the first of these fields a row has is its text",
+    )
     title_field_candidates: list[str] = Field(default=["title", "name", "topic"])
     on_error: Literal["raise", "quarantine"] = Field(
-        default="raise", description="a bad line fails the day naming file:line (raise), or is set aside with its "
-                                     "reason in data/quarantine/raw_documents/<day>.jsonl (quarantine)")
+        default="raise",
+        description="a bad line fails the day naming file:line (raise), or is set aside with its "
+        "reason in data/quarantine/raw_documents/<day>.jsonl (quarantine)",
+    )
 
 
 class EvalSetsResource(dg.ConfigurableResource):
@@ -51,13 +56,27 @@ class EvalSetsResource(dg.ConfigurableResource):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(default=1, ge=1, description="frozen once; a new number freezes a new set from the data "
-                                                      "then known (the old one stays for its leaderboard rows)")
-    fraction: float = Field(default=0.2, gt=0, lt=1, description="share of sample ids on the held-out side, which "
-                                                                 "no training split ever contains")
-    corpus_fraction: float = Field(default=0.2, gt=0, lt=1, description=(
-        "share of pretraining-corpus documents (by a hash of their tokens) on the eval side: frozen with the "
-        "version for the base models, never in any base model's training"))
+    version: int = Field(
+        default=1,
+        ge=1,
+        description="frozen once; a new number freezes a new set from the data "
+        "then known (the old one stays for its leaderboard rows)",
+    )
+    fraction: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description="share of sample ids on the held-out side, which no training split ever contains",
+    )
+    corpus_fraction: float = Field(
+        default=0.2,
+        gt=0,
+        lt=1,
+        description=(
+            "share of pretraining-corpus documents (by a hash of their tokens) on the eval side: frozen with the "
+            "version for the base models, never in any base model's training"
+        ),
+    )
 
 
 class PromotionResource(dg.ConfigurableResource):
@@ -92,10 +111,16 @@ class PromptsResource(dg.ConfigurableResource):
     """The prompt templates under configs/ that teacher generation and the judge render."""
 
     teacher: str = Field(default="prompts/teacher.jinja", description="a document -> the teacher's prompt")
-    teacher_system: str = Field(default="prompts/teacher_system.txt", description="the teacher's system prompt")
-    judge: str = Field(default="prompts/judge.jinja", description="prompt + answer -> the judge's score request")
-    judge_verdict: str = Field(default="prompts/judge_verdict.jinja",
-                               description="the JSON-verdict request (engines with response_format)")
+    teacher_system: str = Field(
+        default="prompts/teacher_system.txt", description="the teacher's system prompt"
+    )
+    judge: str = Field(
+        default="prompts/judge.jinja", description="prompt + answer -> the judge's score request"
+    )
+    judge_verdict: str = Field(
+        default="prompts/judge_verdict.jinja",
+        description="the JSON-verdict request (engines with response_format)",
+    )
 
     def text(self, which: Literal["teacher", "teacher_system", "judge", "judge_verdict"]) -> str:
         text = read_text(getattr(self, which))

@@ -49,21 +49,32 @@ class NexaIOManager(dg.ConfigurableIOManager):
                 path = self._path(context.asset_key, key, "parquet")
                 io.write_parquet(part, path)
                 written.append(path)
-            context.add_output_metadata({"path": dg.MetadataValue.path(written[0]) if len(written) == 1
-                                         else dg.MetadataValue.json(written)})
+            context.add_output_metadata(
+                {
+                    "path": dg.MetadataValue.path(written[0])
+                    if len(written) == 1
+                    else dg.MetadataValue.json(written)
+                }
+            )
         elif isinstance(obj, BaseModel):
             cls = type(obj)
             for key in keys:
-                io.write_json({"type": f"{cls.__module__}.{cls.__qualname__}", "data": obj.model_dump()},
-                              self._path(context.asset_key, key, "json"))
+                io.write_json(
+                    {"type": f"{cls.__module__}.{cls.__qualname__}", "data": obj.model_dump()},
+                    self._path(context.asset_key, key, "json"),
+                )
         else:
-            raise TypeError(f"{context.asset_key.to_user_string()}: NexaIOManager stores DataFrames and pydantic "
-                            f"artifacts, got {type(obj).__name__}")
+            raise TypeError(
+                f"{context.asset_key.to_user_string()}: NexaIOManager stores DataFrames and pydantic "
+                f"artifacts, got {type(obj).__name__}"
+            )
 
     # -- reading --------------------------------------------------------------------------------------------
     def load_input(self, context: dg.InputContext) -> Any:
         key = context.asset_key
-        keys: list[str | None] = list(context.asset_partition_keys) if context.has_asset_partitions else [None]
+        keys: list[str | None] = (
+            list(context.asset_partition_keys) if context.has_asset_partitions else [None]
+        )
         json_paths = {k: self._path(key, k, "json") for k in keys}
         # an unpartitioned asset reading a partitioned one gets every partition (e.g. every checkpoint's report)
         many = context.has_asset_partitions and not context.has_partition_key
@@ -76,11 +87,20 @@ class NexaIOManager(dg.ConfigurableIOManager):
         paths = [self._path(key, k, "parquet") for k in keys]
         present = [p for p in paths if io.exists(p)]
         if not present:
-            what = ("partitions (it has none yet)" if not keys else
-                    f"partitions {keys[0]}..{keys[-1]}" if len(keys) > 1 else f"partition {keys[0]}")
-            raise FileNotFoundError(f"{key.to_user_string()}: nothing materialized for {what} under {self._base(key)}")
+            what = (
+                "partitions (it has none yet)"
+                if not keys
+                else f"partitions {keys[0]}..{keys[-1]}"
+                if len(keys) > 1
+                else f"partition {keys[0]}"
+            )
+            raise FileNotFoundError(
+                f"{key.to_user_string()}: nothing materialized for {what} under {self._base(key)}"
+            )
         if len(present) < len(paths):
-            context.log.info(skipped_partitions_message(key.to_user_string(), keys, [p in present for p in paths]))
+            context.log.info(
+                skipped_partitions_message(key.to_user_string(), keys, [p in present for p in paths])
+            )
         return pd.concat([io.read_parquet(p) for p in present], ignore_index=True)
 
 
@@ -92,9 +112,11 @@ def skipped_partitions_message(asset: str, keys: list[str | None], materialized:
     """
     read = [str(k) for k, m in zip(keys, materialized, strict=True) if m]
     shown = ", ".join(read) if len(read) <= 5 else f"{read[0]} .. {read[-1]}"
-    return (f"{asset}: reading the {len(read)} materialized partition(s) ({shown}); the other "
-            f"{len(keys) - len(read)} of the {len(keys)} partitions from {keys[0]} to {keys[-1]} were never "
-            "materialized (no data landed on those days, or they have not run yet) and are skipped")
+    return (
+        f"{asset}: reading the {len(read)} materialized partition(s) ({shown}); the other "
+        f"{len(keys) - len(read)} of the {len(keys)} partitions from {keys[0]} to {keys[-1]} were never "
+        "materialized (no data landed on those days, or they have not run yet) and are skipped"
+    )
 
 
 def read_stored_artifact(data_root: str, asset: str, partition: str | None = None) -> BaseModel | None:

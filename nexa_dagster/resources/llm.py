@@ -51,8 +51,11 @@ class LLMResource(dg.ConfigurableResource, abc.ABC):
 
     backend: ClassVar[str]
 
-    model: str = Field(default="", description="local model directory (local/managed) or served model name "
-                                                 "(openai; empty = the first model the server lists)")
+    model: str = Field(
+        default="",
+        description="local model directory (local/managed) or served model name "
+        "(openai; empty = the first model the server lists)",
+    )
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -116,8 +119,11 @@ class _HTTPLLM(LLMResource, abc.ABC):
     max_retries: int = Field(default=4, ge=0, description="retries with backoff on 429/5xx/timeouts")
 
     def _http(self) -> dict[str, Any]:
-        return {"max_concurrency": self.max_concurrency, "max_retries": self.max_retries,
-                "timeout_s": self.timeout_s}
+        return {
+            "max_concurrency": self.max_concurrency,
+            "max_retries": self.max_retries,
+            "timeout_s": self.timeout_s,
+        }
 
 
 class ManagedLLM(_HTTPLLM):
@@ -127,30 +133,48 @@ class ManagedLLM(_HTTPLLM):
     backend: ClassVar[str] = "managed"
 
     continuous_batching: bool | None = Field(
-        default=True, description="`transformers serve`: batch concurrent requests (measured 3-4x the "
+        default=True,
+        description="`transformers serve`: batch concurrent requests (measured 3-4x the "
         "one-at-a-time throughput at 8 in flight on a 2-core CPU, see bench/generation.py); False: off, "
-        "None: on only on a GPU")
+        "None: on only on a GPU",
+    )
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.backend, "model": self.model, **self._http(),
-                "continuous_batching": self.continuous_batching}
+        return {
+            "backend": self.backend,
+            "model": self.model,
+            **self._http(),
+            "continuous_batching": self.continuous_batching,
+        }
 
-    def managed_server(self, model_dir: str | Path, log_dir: str | Path, logger: logging.Logger | None = None,
-                       device: str = "auto") -> ManagedServer:
+    def managed_server(
+        self,
+        model_dir: str | Path,
+        log_dir: str | Path,
+        logger: logging.Logger | None = None,
+        device: str = "auto",
+    ) -> ManagedServer:
         """The (not yet started) server: ``continuous_batching`` is passed as it is, so ``False`` stays off even
         on a GPU, where ``None`` (auto) would turn it on."""
-        return ManagedServer(model_dir, log_dir, logger=logger, device=device,
-                             continuous_batching=self.continuous_batching)
+        return ManagedServer(
+            model_dir, log_dir, logger=logger, device=device, continuous_batching=self.continuous_batching
+        )
 
     @contextmanager
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
 
         path, log = self._local_model(), log or logger
-        with tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs, self.managed_server(path, logs, log) as server:
-            log.info(f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
-                     f"healthy after {server.ready_s:.1f} s")
-            with OpenAICompatibleClient(server.base_url, server.model_name, "", self.max_concurrency,
-                                        self.timeout_s, self.max_retries) as client:
+        with (
+            tempfile.TemporaryDirectory(prefix="nexa-serve-") as logs,
+            self.managed_server(path, logs, log) as server,
+        ):
+            log.info(
+                f"LLM backend managed {server.engine} server on {path} at {server.base_url}, "
+                f"healthy after {server.ready_s:.1f} s"
+            )
+            with OpenAICompatibleClient(
+                server.base_url, server.model_name, "", self.max_concurrency, self.timeout_s, self.max_retries
+            ) as client:
                 # served under its directory's name, which says where it lies, not what it is
                 client.identity_override = model_fingerprint(path)
                 yield client
@@ -163,12 +187,21 @@ class OpenAILLM(_HTTPLLM):
 
     base_url: str = Field(description="OpenAI-compatible base URL, e.g. http://host:8000/v1")
     api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
-    usd_per_1m_input_tokens: float = Field(default=0.0, ge=0, description="price of prompt tokens (0: unknown)")
-    usd_per_1m_output_tokens: float = Field(default=0.0, ge=0, description="price of generated tokens (0: unknown)")
+    usd_per_1m_input_tokens: float = Field(
+        default=0.0, ge=0, description="price of prompt tokens (0: unknown)"
+    )
+    usd_per_1m_output_tokens: float = Field(
+        default=0.0, ge=0, description="price of generated tokens (0: unknown)"
+    )
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.backend, "model": self.model, "base_url": _safe_url(self.base_url),
-                "api_key_set": bool(self.api_key), **self._http()}
+        return {
+            "backend": self.backend,
+            "model": self.model,
+            "base_url": _safe_url(self.base_url),
+            "api_key_set": bool(self.api_key),
+            **self._http(),
+        }
 
     def where(self) -> str:
         return _safe_url(self.base_url)
@@ -181,18 +214,21 @@ class OpenAILLM(_HTTPLLM):
     def get_client(self, log: logging.Logger | None = None) -> Iterator[LLMClient]:
         if not self.base_url:
             raise ValueError("OpenAILLM needs base_url")
-        (log or logger).info(f"LLM backend openai at {_safe_url(self.base_url)} "
-                             f"(model {self.model or 'first listed'})")
-        with OpenAICompatibleClient(self.base_url, self.model, self.api_key, self.max_concurrency,
-                                    self.timeout_s, self.max_retries) as client:
+        (log or logger).info(
+            f"LLM backend openai at {_safe_url(self.base_url)} (model {self.model or 'first listed'})"
+        )
+        with OpenAICompatibleClient(
+            self.base_url, self.model, self.api_key, self.max_concurrency, self.timeout_s, self.max_retries
+        ) as client:
             yield client
 
 
 BACKENDS: dict[str, type[LLMResource]] = {cls.backend: cls for cls in (LocalLLM, ManagedLLM, OpenAILLM)}
 
 
-def llm_resource(role: str, settings: dict[str, Any], where: str, default_model: str,
-                 env: Mapping[str, str] | None = None) -> LLMResource:
+def llm_resource(
+    role: str, settings: dict[str, Any], where: str, default_model: str, env: Mapping[str, str] | None = None
+) -> LLMResource:
     """The ``role`` (teacher, judge) endpoint: ``settings`` (pipeline.yaml's ``<role>_llm``, found at ``where``)
     under the environment's ``NEXA_<ROLE>_BACKEND`` / ``_MODEL`` / ``_URL``; ``openai`` reads its key through
     ``dagster.EnvVar("NEXA_<ROLE>_API_KEY")``. Checked here, when the code location loads: an unknown backend or a
@@ -207,18 +243,24 @@ def llm_resource(role: str, settings: dict[str, Any], where: str, default_model:
         if env.get(prefix + variable):
             settings[key], origin[key] = env[prefix + variable], prefix + variable
     if "api_key" in settings:
-        raise ConfigError(f"{origin['api_key']}: never a key in a file: set {prefix}API_KEY (read through "
-                          f"dagster.EnvVar by the openai backend)")
+        raise ConfigError(
+            f"{origin['api_key']}: never a key in a file: set {prefix}API_KEY (read through "
+            f"dagster.EnvVar by the openai backend)"
+        )
     backend = settings.pop("backend", "local")
     cls = BACKENDS.get(str(backend))
     if cls is None:
-        raise ConfigError(f"{origin.get('backend', prefix + 'BACKEND')}: unknown LLM backend {backend!r}; one of "
-                          f"{', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"{origin.get('backend', prefix + 'BACKEND')}: unknown LLM backend {backend!r}; one of "
+            f"{', '.join(BACKENDS)}"
+        )
     known = sorted(cls.model_fields)
     unknown = sorted(set(settings) - set(known))
     if unknown:
-        raise ConfigError(f"{origin[unknown[0]]}: {unknown[0]} is not a setting of the {backend} backend "
-                          f"({cls.__name__}: {', '.join(known)})")
+        raise ConfigError(
+            f"{origin[unknown[0]]}: {unknown[0]} is not a setting of the {backend} backend "
+            f"({cls.__name__}: {', '.join(known)})"
+        )
     if cls is OpenAILLM:
         settings["api_key"] = dg.EnvVar(prefix + "API_KEY")
         if not settings.get("base_url"):

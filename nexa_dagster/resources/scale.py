@@ -26,8 +26,10 @@ class ScaleResource(dg.ConfigurableResource):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="scale preset: a file configs/scales/<name>.yaml (tiny, small, full, ...); "
-                                  "default: NEXA_SCALE where the code location runs")
+    name: str = Field(
+        description="scale preset: a file configs/scales/<name>.yaml (tiny, small, full, ...); "
+        "default: NEXA_SCALE where the code location runs"
+    )
 
     @field_validator("name")
     @classmethod

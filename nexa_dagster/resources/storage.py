@@ -22,9 +22,13 @@ class StorageResource(dg.ConfigurableResource):
     data_root: str = "data"
     landing_root: str = "sample_data/landing"
     results_root: str = "results"
-    student_tokenizer: str = Field(default="tiny-teacher", description=(
-        "the student's tokenizer and chat template (pipeline.yaml's models.student_tokenizer): a model directory, "
-        "or a bare tiny-* name under <data_root>/models/"))
+    student_tokenizer: str = Field(
+        default="tiny-teacher",
+        description=(
+            "the student's tokenizer and chat template (pipeline.yaml's models.student_tokenizer): a model directory, "
+            "or a bare tiny-* name under <data_root>/models/"
+        ),
+    )
 
     def _root(self, value: str) -> str:
         return value if "://" in value else str(resolve_path(value))

@@ -96,16 +96,22 @@ class TrackingResource(dg.ConfigurableResource):
 
         client = self._client()
         if run_id is None:
-            with self.start_run(run_name=f"register-{checkpoint_id}",
-                                tags={"stage": "registration", "checkpoint_id": checkpoint_id}) as run:
+            with self.start_run(
+                run_name=f"register-{checkpoint_id}",
+                tags={"stage": "registration", "checkpoint_id": checkpoint_id},
+            ) as run:
                 source = log_checkpoint_model(client, run.run_id, path)
                 run_id = run.run_id
         else:
             source = log_checkpoint_model(client, run_id, path)
         with contextlib.suppress(MlflowException):  # already registered
             client.create_registered_model(model_name)
-        version = client.create_model_version(model_name, source=source, run_id=run_id,
-                                              tags={"checkpoint_id": checkpoint_id, "checkpoint_path": str(path)})
+        version = client.create_model_version(
+            model_name,
+            source=source,
+            run_id=run_id,
+            tags={"checkpoint_id": checkpoint_id, "checkpoint_path": str(path)},
+        )
         return str(version.version)
 
     def version_of(self, model_name: str, checkpoint_id: str) -> str | None:
@@ -123,8 +129,11 @@ class TrackingResource(dg.ConfigurableResource):
             versions = self._client().search_model_versions(f"name='{model_name}'")
         except MlflowException:
             return {}
-        return {v.tags["checkpoint_id"]: v.tags.get("checkpoint_path", v.source) for v in versions
-                if v.tags.get("checkpoint_id")}
+        return {
+            v.tags["checkpoint_id"]: v.tags.get("checkpoint_path", v.source)
+            for v in versions
+            if v.tags.get("checkpoint_id")
+        }
 
     def set_alias(self, model_name: str, alias: str, version: str) -> None:
         self._client().set_registered_model_alias(model_name, alias, version)

@@ -8,10 +8,13 @@ from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
 from nexa_dagster.sensors.retrain import retrain_after_ingest
 
 automation_sensor = dg.AutomationConditionSensorDefinition(
-    "automation_sensor", target=dg.AssetSelection.assets("leaderboard", "base_model_eval"),
-    default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=30,
+    "automation_sensor",
+    target=dg.AssetSelection.assets("leaderboard", "base_model_eval"),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=30,
     description="Evaluates automation conditions: the leaderboard is rebuilt after new evaluation reports, and "
-                "each new base model is evaluated once an eval set exists.")
+    "each new base model is evaluated once an eval set exists.",
+)
 
 SENSORS = [new_checkpoint_sensor, retrain_after_ingest, automation_sensor]
 

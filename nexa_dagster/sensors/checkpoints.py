@@ -9,7 +9,6 @@ is only done once it has an evaluation: when every run for it failed, it is requ
 times (``MAX_EVALUATION_ATTEMPTS``), and after that the skip reason names it and the command that retries it.
 """
 
-
 import json
 from pathlib import Path
 
@@ -26,8 +25,11 @@ from nexa_dagster.resources.tracking import TrackingResource
 def complete_checkpoints(store: Path) -> list[str]:
     if not store.is_dir():
         return []
-    return sorted(p.name for p in store.iterdir()
-                  if p.is_dir() and not p.name.startswith(".") and (p / COMPLETION_MARKER).exists())
+    return sorted(
+        p.name
+        for p in store.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and (p / COMPLETION_MARKER).exists()
+    )
 
 
 def registered_complete_checkpoints(tracking: TrackingResource, registered_model: str) -> list[str]:
@@ -38,8 +40,10 @@ def registered_complete_checkpoints(tracking: TrackingResource, registered_model
 
 
 MAX_EVALUATION_ATTEMPTS = 3
-RETRY_COMMAND = ("dagster asset materialize -m nexa_dagster.definitions --select eval_report,model_deployment "
-                 "--partition {checkpoint}")
+RETRY_COMMAND = (
+    "dagster asset materialize -m nexa_dagster.definitions --select eval_report,model_deployment "
+    "--partition {checkpoint}"
+)
 FINISHED_BADLY = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
 
 
@@ -50,16 +54,25 @@ def read_cursor(cursor: str | None) -> dict[str, int]:
 
 
 def evaluation_runs(instance: dg.DagsterInstance, checkpoint: str) -> list[dg.DagsterRun]:
-    return list(instance.get_runs(dg.RunsFilter(job_name=evaluation_job.name,
-                                                tags={"dagster/partition": checkpoint})))
+    return list(
+        instance.get_runs(dg.RunsFilter(job_name=evaluation_job.name, tags={"dagster/partition": checkpoint}))
+    )
 
 
-@dg.sensor(job=evaluation_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Starts evaluation_job for each complete checkpoint in the checkpoint store or the MLflow "
-                       f"model registry, once; an evaluation run that failed is tried again, "
-                       f"{MAX_EVALUATION_ATTEMPTS} runs at most.")
-def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: StorageResource, tracking: TrackingResource,
-                          promotion_policy: PromotionResource) -> dg.SensorResult:
+@dg.sensor(
+    job=evaluation_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Starts evaluation_job for each complete checkpoint in the checkpoint store or the MLflow "
+    f"model registry, once; an evaluation run that failed is tried again, "
+    f"{MAX_EVALUATION_ATTEMPTS} runs at most.",
+)
+def new_checkpoint_sensor(
+    context: dg.SensorEvaluationContext,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    promotion_policy: PromotionResource,
+) -> dg.SensorResult:
     requested = read_cursor(context.cursor)
     registered = registered_complete_checkpoints(tracking, promotion_policy.policy().registered_model)
     found = sorted(set(complete_checkpoints(storage.checkpoints_dir())) | set(registered))
@@ -77,22 +90,35 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: StorageR
             continue  # its run is not created yet, still in flight, or succeeded (e.g. the gate held it back)
         (retry if requested[c] < MAX_EVALUATION_ATTEMPTS else given_up).append(c)
     for c in retry:
-        context.log.info(f"{c}: evaluation run failed; trying again ({requested[c] + 1} of "
-                         f"{MAX_EVALUATION_ATTEMPTS})")
-    requests = [dg.RunRequest(run_key=f"evaluate-{c}", partition_key=c, tags={"nexa/checkpoint": c})
-                for c in new if c not in evaluated]
-    requests += [dg.RunRequest(run_key=f"evaluate-{c}-attempt-{requested[c] + 1}", partition_key=c,
-                               tags={"nexa/checkpoint": c}) for c in retry]
-    cursor = json.dumps({**requested, **{c: 1 for c in new}, **{c: requested[c] + 1 for c in retry}},
-                        sort_keys=True)
+        context.log.info(
+            f"{c}: evaluation run failed; trying again ({requested[c] + 1} of {MAX_EVALUATION_ATTEMPTS})"
+        )
+    requests = [
+        dg.RunRequest(run_key=f"evaluate-{c}", partition_key=c, tags={"nexa/checkpoint": c})
+        for c in new
+        if c not in evaluated
+    ]
+    requests += [
+        dg.RunRequest(
+            run_key=f"evaluate-{c}-attempt-{requested[c] + 1}", partition_key=c, tags={"nexa/checkpoint": c}
+        )
+        for c in retry
+    ]
+    cursor = json.dumps(
+        {**requested, **{c: 1 for c in new}, **{c: requested[c] + 1 for c in retry}}, sort_keys=True
+    )
     if not requests:
         reason = f"no new complete checkpoint ({len(found)} known)"
         if given_up:
-            reason += (f"; evaluation failed {MAX_EVALUATION_ATTEMPTS} times, not retried: {', '.join(given_up)} "
-                       f"(fix the cause in the run log, then `{RETRY_COMMAND.format(checkpoint='<id>')}`)")
+            reason += (
+                f"; evaluation failed {MAX_EVALUATION_ATTEMPTS} times, not retried: {', '.join(given_up)} "
+                f"(fix the cause in the run log, then `{RETRY_COMMAND.format(checkpoint='<id>')}`)"
+            )
         return dg.SensorResult(skip_reason=reason, cursor=cursor)
     return dg.SensorResult(
         run_requests=requests,
-        dynamic_partitions_requests=[checkpoint_partitions.build_add_request([c for c in new if c not in existing])],
+        dynamic_partitions_requests=[
+            checkpoint_partitions.build_add_request([c for c in new if c not in existing])
+        ],
         cursor=cursor,
     )

@@ -43,9 +43,14 @@ def test_a_run_killed_under_make_run_is_failed_by_the_next_one(tmp_path: Path) -
     home = tmp_path / "home"
     home.mkdir()
     marker = tmp_path / "started"
-    proc = subprocess.Popen([sys.executable, "-c", STUCK_RUN, str(marker)], cwd=REPO_ROOT,
-                            env={**os.environ, "DAGSTER_HOME": str(home)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_RUN, str(marker)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "DAGSTER_HOME": str(home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not marker.exists():
@@ -68,35 +73,56 @@ def test_a_run_killed_under_make_run_is_failed_by_the_next_one(tmp_path: Path) -
     (killed,) = instance.get_runs()
     assert killed.status == dg.DagsterRunStatus.STARTED  # what the instance showed forever before
     # runs that are not ours to judge: one whose `make run` is alive (this process), one without the tag
-    alive = dg.DagsterRun(job_name="stuck", run_id="a" * 36, status=dg.DagsterRunStatus.STARTED,
-                          tags={LAUNCHER_TAG: process_token()})
+    alive = dg.DagsterRun(
+        job_name="stuck",
+        run_id="a" * 36,
+        status=dg.DagsterRunStatus.STARTED,
+        tags={LAUNCHER_TAG: process_token()},
+    )
     untagged = dg.DagsterRun(job_name="stuck", run_id="b" * 36, status=dg.DagsterRunStatus.STARTED)
     instance.add_run(alive)
     instance.add_run(untagged)
 
     assert fail_orphaned_runs(instance) == [killed.run_id]
     status = {r.run_id: r.status for r in instance.get_runs()}
-    assert status == {killed.run_id: dg.DagsterRunStatus.FAILURE, alive.run_id: dg.DagsterRunStatus.STARTED,
-                      untagged.run_id: dg.DagsterRunStatus.STARTED}
+    assert status == {
+        killed.run_id: dg.DagsterRunStatus.FAILURE,
+        alive.run_id: dg.DagsterRunStatus.STARTED,
+        untagged.run_id: dg.DagsterRunStatus.STARTED,
+    }
     failure = instance.all_logs(killed.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0]
     assert "the `make run` process that executed this run" in failure.message
     assert fail_orphaned_runs(instance) == []  # done once
 
 
-NIGHT = re.compile(r"night (\d) \((\d{4}-\d\d-\d\d)\) (\S+): eval set v(\d+): candidate (\d+\.\d+), (.*) -> "
-                   r"(promote|hold back)(?: \((.*)\))?$")
-COMPARED = re.compile(r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
-                      r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\]$")
+NIGHT = re.compile(
+    r"night (\d) \((\d{4}-\d\d-\d\d)\) (\S+): eval set v(\d+): candidate (\d+\.\d+), (.*) -> "
+    r"(promote|hold back)(?: \((.*)\))?$"
+)
+COMPARED = re.compile(
+    r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
+    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\]$"
+)
 
 
-def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_writes_text(tmp_path: Path) -> None:
+def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_writes_text(
+    tmp_path: Path,
+) -> None:
     """`python -m nexa_dagster.demo` (what `make run` runs) on the three sample days, in a world of its own."""
     root = make_sandbox(tmp_path / "world", SAMPLE_DAYS)
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.demo"], cwd=REPO_ROOT, env=sandbox_env(root),
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.demo"],
+        cwd=REPO_ROOT,
+        env=sandbox_env(root),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    summary = proc.stdout[proc.stdout.index("tiny pipeline finished"):]
-    nights = [NIGHT.search(line.strip()) for line in summary.splitlines() if line.strip().startswith("night ")]
+    summary = proc.stdout[proc.stdout.index("tiny pipeline finished") :]
+    nights = [
+        NIGHT.search(line.strip()) for line in summary.splitlines() if line.strip().startswith("night ")
+    ]
     assert len(nights) == 3 and all(nights), summary
     assert [(m.group(1), m.group(2)) for m in nights] == [(str(i), d) for i, d in enumerate(SAMPLE_DAYS, 1)]
     assert len({m.group(3) for m in nights}) == 3, "each night trains a checkpoint of its own"
@@ -118,8 +144,11 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
         assert decision_agrees, night.group(0)
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
-    base = re.search(r"eval set v(\d+): loss (\d+\.\d+) 95% CI \[(\d+\.\d+), (\d+\.\d+)\] \(perplexity "
-                     r"\S+\) on (\d+) frozen corpus documents", summary)
+    base = re.search(
+        r"eval set v(\d+): loss (\d+\.\d+) 95% CI \[(\d+\.\d+), (\d+\.\d+)\] \(perplexity "
+        r"\S+\) on (\d+) frozen corpus documents",
+        summary,
+    )
     assert base, summary
     assert base.group(1) == nights[0].group(4) and int(base.group(5)) > 0
     assert float(base.group(3)) <= float(base.group(2)) <= float(base.group(4))
@@ -133,7 +162,12 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     wordlike = [w for w in words if re.fullmatch(r"[A-Za-z][A-Za-z'-]*[.,:;)]?", w)]
     assert len(wordlike) >= 0.5 * len(words), answers[:3]
     assert all(sum(c.isprintable() or c.isspace() for c in a) >= 0.95 * len(a) for a in answers), answers[:3]
-    judged = pd.concat([pd.read_parquet(p) for kind in ("filtered_samples", "rejected_samples")
-                        for p in sorted((assets / kind).glob("*.parquet"))])
+    judged = pd.concat(
+        [
+            pd.read_parquet(p)
+            for kind in ("filtered_samples", "rejected_samples")
+            for p in sorted((assets / kind).glob("*.parquet"))
+        ]
+    )
     scores = judged["judge_score"].dropna().round(3)
     assert len(scores) >= 10 and scores.nunique() >= 5, scores.tolist()

@@ -35,13 +35,31 @@ TRAIN = "sft_dataset,moe_checkpoint"
 SERVE = "eval_report,model_deployment"
 
 
-def _materialize(root: Path, select: str, partition: str | None = None,
-                 fault: str | None = None) -> subprocess.Popen[str]:
+def _materialize(
+    root: Path, select: str, partition: str | None = None, fault: str | None = None
+) -> subprocess.Popen[str]:
     """`dagster asset materialize` in its own process group, so the kill takes all of the run at once."""
-    argv = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
-            "--select", select, *(["--partition", partition] if partition else [])]
-    return subprocess.Popen(argv, env=sandbox_env(root, fault), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-m",
+        "nexa_dagster.definitions",
+        "--select",
+        select,
+        *(["--partition", partition] if partition else []),
+    ]
+    return subprocess.Popen(
+        argv,
+        env=sandbox_env(root, fault),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -58,8 +76,14 @@ def _instance(root: Path) -> dg.DagsterInstance:
     return dg.DagsterInstance.from_config(str(root / "home"))
 
 
-def _kill_inside(root: Path, select: str, partition: str | None, step: str, marker: str,
-                 ready: Callable[[], bool] = lambda: True) -> str:
+def _kill_inside(
+    root: Path,
+    select: str,
+    partition: str | None,
+    step: str,
+    marker: str,
+    ready: Callable[[], bool] = lambda: True,
+) -> str:
     """Start a run and SIGKILL its whole process group once ``step`` has logged a line matching ``marker`` (a
     point inside the stage's real work, whatever the machine's speed) and ``ready()`` holds. Returns the run id."""
     with _instance(root) as instance:
@@ -75,8 +99,14 @@ def _kill_inside(root: Path, select: str, partition: str | None, step: str, mark
             with _instance(root) as instance:
                 new = [r for r in instance.get_runs() if r.run_id not in before]
                 run_id = new[0].run_id if new else ""
-                if run_id and any(e.step_key == step and re.search(marker, e.user_message or "")
-                                  for e in instance.all_logs(run_id)) and ready():
+                if (
+                    run_id
+                    and any(
+                        e.step_key == step and re.search(marker, e.user_message or "")
+                        for e in instance.all_logs(run_id)
+                    )
+                    and ready()
+                ):
                     break
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -103,8 +133,10 @@ def _killed_before_publishing(root: Path, select: str, fault: str) -> str:
 
 def _materialized_in(root: Path, run_id: str) -> set[str]:
     with _instance(root) as instance:
-        return {e.dagster_event.asset_key.to_user_string() for e in instance.all_logs(
-            run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)}
+        return {
+            e.dagster_event.asset_key.to_user_string()
+            for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        }
 
 
 def _survivors(root: Path) -> list[str]:
@@ -112,7 +144,9 @@ def _survivors(root: Path) -> list[str]:
     mine = []
     for p in psutil.process_iter(["pid", "cmdline", "environ"]):
         try:
-            if p.pid != os.getpid() and str(root) in " ".join(p.info["cmdline"] or []) + str(p.info["environ"] or ""):
+            if p.pid != os.getpid() and str(root) in " ".join(p.info["cmdline"] or []) + str(
+                p.info["environ"] or ""
+            ):
                 mine.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -128,8 +162,12 @@ def _assert_nothing_left_running(root: Path) -> None:
 
 def _metadata(root: Path, key: str, partition: str | None = None) -> dict:
     with _instance(root) as instance:
-        records = instance.fetch_materializations(dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None), limit=1).records
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(
+                asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None
+            ),
+            limit=1,
+        ).records
         return {k: v.value for k, v in records[0].event_log_entry.asset_materialization.metadata.items()}
 
 
@@ -176,10 +214,16 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     # ... rerun: the same packed rows, and training gives the same loss at every logged step
     _finish(_materialize(killed, TRAIN))
     for split in ("train_path", "validation_path"):
-        pd.testing.assert_frame_equal(read_packed_frame(_metadata(straight, "sft_dataset")[split]),
-                                      read_packed_frame(_metadata(killed, "sft_dataset")[split]))
-    curves = [json.loads((Path(_metadata(root, "moe_checkpoint")["checkpoint_path"]) / "training_summary.json")
-                         .read_text())["loss_curve"] for root in (straight, killed)]
+        pd.testing.assert_frame_equal(
+            read_packed_frame(_metadata(straight, "sft_dataset")[split]),
+            read_packed_frame(_metadata(killed, "sft_dataset")[split]),
+        )
+    curves = [
+        json.loads(
+            (Path(_metadata(root, "moe_checkpoint")["checkpoint_path"]) / "training_summary.json").read_text()
+        )["loss_curve"]
+        for root in (straight, killed)
+    ]
     assert [s for s, _ in curves[0]] == [s for s, _ in curves[1]]
     assert [loss for _, loss in curves[1]] == pytest.approx([loss for _, loss in curves[0]], abs=1e-5)
     retrained = _metadata(killed, "moe_checkpoint")["checkpoint_id"]
@@ -192,8 +236,14 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     _assert_nothing_left_running(killed)
 
     # 4. serving, killed while its model server runs: no deployment recorded, no promotion, no server left
-    run = _kill_inside(killed, SERVE, retrained, "model_deployment", r"^deploying ",
-                       ready=lambda: any(" serve" in p for p in _survivors(killed)))
+    run = _kill_inside(
+        killed,
+        SERVE,
+        retrained,
+        "model_deployment",
+        r"^deploying ",
+        ready=lambda: any(" serve" in p for p in _survivors(killed)),
+    )
     assert _materialized_in(killed, run) == {"eval_report"}
     assert not (killed / "results" / "deployments" / retrained / "deployment.json").exists()
     assert _production(killed) is None
@@ -201,10 +251,14 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
 
     # ... rerun: the same evaluation metrics and the same (greedy) smoke answer, and the checkpoint in production
     _finish(_materialize(killed, SERVE, retrained))
-    reports = [_metadata(root, "eval_report", ckpt) for root, ckpt in ((straight, checkpoint), (killed, retrained))]
+    reports = [
+        _metadata(root, "eval_report", ckpt) for root, ckpt in ((straight, checkpoint), (killed, retrained))
+    ]
     for metric in ("eval_loss", "perplexity", "judge_score"):
         assert reports[1][metric] == pytest.approx(reports[0][metric], rel=1e-4), metric
-    answers = [_metadata(root, "model_deployment", ckpt)["smoke_response"]
-               for root, ckpt in ((straight, checkpoint), (killed, retrained))]
+    answers = [
+        _metadata(root, "model_deployment", ckpt)["smoke_response"]
+        for root, ckpt in ((straight, checkpoint), (killed, retrained))
+    ]
     assert answers[0] == answers[1]
     assert _production(killed) == retrained

@@ -6,8 +6,6 @@ Runs are `dagster asset materialize` processes, as from a shell or a run worker;
 the fault point in `core/storage.atomic_writer` (`NEXA_FAULT_KILL_BEFORE_RENAME`).
 """
 
-
-
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +23,26 @@ STAGES = ["raw_documents", "teacher_samples", "filtered_samples"]  # ingest, tea
 def _materialize(root: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     if not (root / "landing").exists():
         make_sandbox(root, [DAY])
-    return subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
-                           "--select", ASSETS, "--partition", DAY], env=sandbox_env(root, fault), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "asset",
+            "materialize",
+            "-m",
+            "nexa_dagster.definitions",
+            "--select",
+            ASSETS,
+            "--partition",
+            DAY,
+        ],
+        env=sandbox_env(root, fault),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _output(root: Path, asset: str) -> Path:
@@ -42,10 +57,14 @@ def test_killing_each_stage_then_rerunning_gives_the_uninterrupted_outputs(tmp_p
     for stage in STAGES:
         proc = _materialize(killed, fault=f"*/assets/{stage}/{DAY}.parquet")
         # the multiprocess executor runs each step in a child process: the killed step fails the run
-        assert proc.returncode != 0 and "terminated by signal 9 (SIGKILL)" in proc.stderr + proc.stdout, \
-            (stage, proc.stderr[-2000:])
-        assert not _output(killed, stage).exists(), f"{stage}: an unpublished output is visible under its name"
-        for earlier in STAGES[:STAGES.index(stage)]:
+        assert proc.returncode != 0 and "terminated by signal 9 (SIGKILL)" in proc.stderr + proc.stdout, (
+            stage,
+            proc.stderr[-2000:],
+        )
+        assert not _output(killed, stage).exists(), (
+            f"{stage}: an unpublished output is visible under its name"
+        )
+        for earlier in STAGES[: STAGES.index(stage)]:
             assert _output(killed, earlier).exists(), f"{earlier} was lost when {stage} was killed"
     rerun = _materialize(killed)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -59,9 +78,13 @@ def test_killing_each_stage_then_rerunning_gives_the_uninterrupted_outputs(tmp_p
     assert teacher[1]["sample_id"].is_unique, "a teacher row was duplicated by the kills"
     assert teacher[1]["error"].isna().all() and (teacher[1]["response"].str.len() > 0).all()
     gated = [pd.read_parquet(_output(root, "filtered_samples")) for root in (tmp_path / "straight", killed)]
-    rejected = [pd.read_parquet(_output(root, "rejected_samples")) for root in (tmp_path / "straight", killed)]
+    rejected = [
+        pd.read_parquet(_output(root, "rejected_samples")) for root in (tmp_path / "straight", killed)
+    ]
     for run in (0, 1):  # every teacher row ends in exactly one of the two tables
-        assert sorted([*gated[run]["sample_id"], *rejected[run]["sample_id"]]) == sorted(teacher[run]["sample_id"])
+        assert sorted([*gated[run]["sample_id"], *rejected[run]["sample_id"]]) == sorted(
+            teacher[run]["sample_id"]
+        )
     # the killed writes (the gate and teacher steps were retried by their retry policy, and killed again) leave
     # their temporary files: hidden names beside the target, which no reader opens
     leftovers = [p for p in (killed / "data").rglob("*") if p.is_file() and ".tmp" in p.name]

@@ -27,8 +27,17 @@ from nexa_dagster.core.tiny.install import install_tiny_models
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
 DAYS = ["2026-11-20", "2026-11-21", "2026-11-22"]
-ALL_KEYS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
-            "moe_checkpoint", "eval_report", "model_deployment", "leaderboard"]
+ALL_KEYS = [
+    "raw_documents",
+    "teacher_samples",
+    "filtered_samples",
+    "rejected_samples",
+    "sft_dataset",
+    "moe_checkpoint",
+    "eval_report",
+    "model_deployment",
+    "leaderboard",
+]
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -37,8 +46,12 @@ def _env(root: Path) -> dict[str, str]:
     if not landing.exists():
         for day in DAYS:
             shutil.copytree(REPO_ROOT / "sample_data" / "landing" / day, landing / day)
-    return {"NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results"),
-            "NEXA_LANDING_ROOT": str(landing), "DAGSTER_HOME": str(root / "home")}
+    return {
+        "NEXA_DATA_ROOT": str(root / "data"),
+        "NEXA_RESULTS_ROOT": str(root / "results"),
+        "NEXA_LANDING_ROOT": str(landing),
+        "DAGSTER_HOME": str(root / "home"),
+    }
 
 
 def corrupted_model(path: Path, scale: float = 20.0) -> Path:
@@ -69,7 +82,9 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     instance = dg.DagsterInstance.get()
     runs = {}
     for day in DAYS:
-        runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(instance=instance, partition_key=day)
+        runs[day] = defs.resolve_job_def("daily_data_job").execute_in_process(
+            instance=instance, partition_key=day
+        )
     # corpus -> base: the SFT below starts from a pretrained base (init_from: base), as `make run` does; from
     # scratch the tiny student learns nothing in 24 steps and its empty answer fails the deployment's smoke test
     pretraining = defs.resolve_job_def("pretraining_job").execute_in_process(instance=instance)
@@ -79,13 +94,17 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
 
     tick = retrain_after_ingest(dg.build_sensor_context(instance=instance))
     assert len(tick.run_requests) == 1, tick
-    training = defs.resolve_job_def("training_job").execute_in_process(instance=instance,
-                                                                         tags=tick.run_requests[0].tags)
+    training = defs.resolve_job_def("training_job").execute_in_process(
+        instance=instance, tags=tick.run_requests[0].tags
+    )
     checkpoint = training.output_for_node("moe_checkpoint")
     # the base model, on the corpus documents the eval set froze in that training run (base_model_eval)
     base_id = pretraining.output_for_node("base_model").checkpoint_id
-    assert defs.resolve_job_def("base_evaluation_job").execute_in_process(instance=instance,
-                                                                          partition_key=base_id).success
+    assert (
+        defs.resolve_job_def("base_evaluation_job")
+        .execute_in_process(instance=instance, partition_key=base_id)
+        .success
+    )
     # a model of the same architecture that is worse by construction goes into production first (nothing to beat
     # yet): random weights with the output layer scaled 20x, which about doubles the loss on every example, so the
     # gate's paired interval is decisive even on the tiny eval set (a few examples) ...
@@ -105,7 +124,8 @@ def _metadata(instance: dg.DagsterInstance, key: str, partition: str | None = No
     event = instance.get_latest_materialization_event(dg.AssetKey(key)) if partition is None else None
     if partition is not None:
         records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition]), limit=1).records
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition]), limit=1
+        ).records
         event = records[0].event_log_entry if records else None
     assert event is not None, f"{key} has no materialization"
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
@@ -138,7 +158,10 @@ def test_the_tiny_scales_benchmarks_reach_the_report_mlflow_and_the_leaderboard(
     and a leaderboard column."""
     defs, instance, env, checkpoint, _ = lifecycle
     report = _metadata(instance, "eval_report", checkpoint.checkpoint_id)
-    acc, stderr = report["benchmark/nexa_stdlib_module/acc"], report["benchmark/nexa_stdlib_module/acc_stderr"]
+    acc, stderr = (
+        report["benchmark/nexa_stdlib_module/acc"],
+        report["benchmark/nexa_stdlib_module/acc_stderr"],
+    )
     assert 0 <= acc <= 1 and stderr == pytest.approx((acc * (1 - acc) / 39) ** 0.5)  # 40 examples
     assert "benchmark/nexa_docstring_completion/exact_match.first_three_words_stderr" in report
     saved = json.loads(Path(report["report_json"]).read_text())
@@ -147,13 +170,17 @@ def test_the_tiny_scales_benchmarks_reach_the_report_mlflow_and_the_leaderboard(
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and tags.stage = 'evaluation'")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and tags.stage = 'evaluation'",
+    )
     assert runs and runs[0].data.metrics["benchmark/nexa_stdlib_module/acc"] == pytest.approx(acc)
     assert runs[0].data.metrics["benchmark/nexa_stdlib_module/acc_stderr"] == pytest.approx(stderr)
     import pandas as pd
 
-    board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv").set_index("checkpoint_id")
+    board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv").set_index(
+        "checkpoint_id"
+    )
     assert board.loc[checkpoint.checkpoint_id, "nexa_stdlib_module/acc"] == pytest.approx(acc)
 
 
@@ -162,10 +189,14 @@ def test_long_stages_report_how_far_they_are_in_the_run_logs(lifecycle) -> None:
     lines come every 10 s while it runs; tests/test_progress.py and test_training.py check the clock)."""
     _, instance, _, checkpoint, _ = lifecycle
     messages = [entry.user_message for run in instance.get_runs() for entry in instance.all_logs(run.run_id)]
-    patterns = [r"^teacher answers: (\d+)/\1 ", r"^gated: (\d+)/\1 ", r"^shards done: (\d+)/\1 ",
-                r"^training steps: (\d+)/\1 ",
-                rf"^{checkpoint.checkpoint_id} candidate: eval-set examples scored: (\d+)/\1 ",
-                rf"^{checkpoint.checkpoint_id}: held-out answers judged: (\d+)/\1 "]
+    patterns = [
+        r"^teacher answers: (\d+)/\1 ",
+        r"^gated: (\d+)/\1 ",
+        r"^shards done: (\d+)/\1 ",
+        r"^training steps: (\d+)/\1 ",
+        rf"^{checkpoint.checkpoint_id} candidate: eval-set examples scored: (\d+)/\1 ",
+        rf"^{checkpoint.checkpoint_id}: held-out answers judged: (\d+)/\1 ",
+    ]
     for pattern in patterns:
         assert any(re.search(pattern, m) for m in messages), f"no run log line matches {pattern}"
 
@@ -181,19 +212,25 @@ def test_artifacts_on_disk_are_real(lifecycle) -> None:
     assert AutoTokenizer.from_pretrained(ckpt).chat_template
     reports = Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "reports" / checkpoint.checkpoint_id
     assert (reports / "report.json").exists() and "# Evaluation" in (reports / "report.md").read_text()
-    assert (Path(env["NEXA_RESULTS_ROOT"]) / "deployments" / checkpoint.checkpoint_id / "deployment.json").exists()
+    assert (
+        Path(env["NEXA_RESULTS_ROOT"]) / "deployments" / checkpoint.checkpoint_id / "deployment.json"
+    ).exists()
     # MLflow: the registered version is the model (an MLmodel under the training run), not the checkpoint's path;
     # the training run holds its loss curve, the evaluation run its report
     tracking = defs.resources["tracking"]
     client = tracking._client()
-    (version,) = [v for v in client.search_model_versions("name='nexa-moe'")
-                  if v.tags.get("checkpoint_id") == checkpoint.checkpoint_id]
+    (version,) = [
+        v
+        for v in client.search_model_versions("name='nexa-moe'")
+        if v.tags.get("checkpoint_id") == checkpoint.checkpoint_id
+    ]
     assert version.source == f"runs:/{checkpoint.mlflow_run_id}/model"
     assert {"loss_curve.png", "model"} <= {a.path for a in client.list_artifacts(checkpoint.mlflow_run_id)}
     assert "MLmodel" in {Path(a.path).name for a in client.list_artifacts(checkpoint.mlflow_run_id, "model")}
-    (evaluation,) = client.search_runs([client.get_experiment_by_name(tracking.experiment).experiment_id],
-                                       f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and "
-                                       "tags.stage = 'evaluation'")
+    (evaluation,) = client.search_runs(
+        [client.get_experiment_by_name(tracking.experiment).experiment_id],
+        f"tags.checkpoint_id = '{checkpoint.checkpoint_id}' and tags.stage = 'evaluation'",
+    )
     assert {"report.json", "report.md"} <= {a.path for a in client.list_artifacts(evaluation.info.run_id)}
     rejected = Path(env["NEXA_DATA_ROOT"]) / "assets" / "rejected_samples"
     import pandas as pd
@@ -211,7 +248,8 @@ def test_each_new_day_costs_one_days_work(lifecycle) -> None:
         for event in result.get_asset_materialization_events():
             mat = event.event_specific_data.materialization
             by_key.setdefault(mat.asset_key.to_user_string(), []).append(
-                (mat.partition, int(mat.metadata["dagster/row_count"].value)))
+                (mat.partition, int(mat.metadata["dagster/row_count"].value))
+            )
         docs = by_key["raw_documents"][0][1]
         assert by_key["raw_documents"] == [(day, docs)] and by_key["teacher_samples"] == [(day, docs)], day
         filtered, rejected = by_key["filtered_samples"][0][1], by_key["rejected_samples"][0][1]
@@ -227,8 +265,11 @@ def test_nightly_schedule_targets_yesterday_at_two_utc(lifecycle) -> None:
     storage = defs.resources["storage"]
 
     def tick(when: dt.datetime) -> dg.ScheduleExecutionData:
-        ctx = dg.build_schedule_context(scheduled_execution_time=when, repository_def=defs.get_repository_def(),
-                                        resources={"storage": storage})
+        ctx = dg.build_schedule_context(
+            scheduled_execution_time=when,
+            repository_def=defs.get_repository_def(),
+            resources={"storage": storage},
+        )
         return schedule.evaluate_tick(ctx)
 
     # the night after a day with landed documents: one run for that day
@@ -248,22 +289,32 @@ def test_retrain_sensor_trains_once_per_new_snapshot(lifecycle) -> None:
     defs, instance, _, _, _ = lifecycle
     first = instance.get_run_records(dg.RunsFilter(job_name="training_job"))[-1]
     assert first.dagster_run.tags["nexa/filtered_samples_up_to"] == str(
-        latest_filtered_storage_id(instance, before_timestamp=first.create_timestamp.timestamp()))
+        latest_filtered_storage_id(instance, before_timestamp=first.create_timestamp.timestamp())
+    )
 
     # a later tick, from a fresh cursor (a daemon restart) as from the last one: nothing changed, nothing to train
     again = retrain_after_ingest(dg.build_sensor_context(instance=instance))
     assert again.run_requests == [] and "no new filtered samples" in again.skip_reason.skip_message
-    assert retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=again.cursor)).run_requests == []
+    assert (
+        retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=again.cursor)).run_requests
+        == []
+    )
 
     # new filtered samples while another day of a backfill is not done yet: wait for it, then train once
-    instance.report_runless_asset_event(dg.AssetMaterialization(
-        "filtered_samples", partition="2026-11-23", metadata={"dagster/row_count": 3}))
-    pending = instance.create_run_for_job(defs.resolve_job_def("daily_data_job"),
-                                          status=dg.DagsterRunStatus.NOT_STARTED,
-                                          tags={"dagster/partition": DAYS[1]})
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization("filtered_samples", partition="2026-11-23", metadata={"dagster/row_count": 3})
+    )
+    pending = instance.create_run_for_job(
+        defs.resolve_job_def("daily_data_job"),
+        status=dg.DagsterRunStatus.NOT_STARTED,
+        tags={"dagster/partition": DAYS[1]},
+    )
     try:
         waiting = retrain_after_ingest(dg.build_sensor_context(instance=instance, cursor=again.cursor))
-        assert waiting.run_requests == [] and "waiting for 1 daily_data_job run" in waiting.skip_reason.skip_message
+        assert (
+            waiting.run_requests == []
+            and "waiting for 1 daily_data_job run" in waiting.skip_reason.skip_message
+        )
     finally:
         instance.delete_run(pending.run_id)
     ticks, cursor = [], waiting.cursor
@@ -279,7 +330,11 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
     defs, instance, env, checkpoint, _ = lifecycle
     storage, tracking = defs.resources["storage"], defs.resources["tracking"]
     store = Path(env["NEXA_DATA_ROOT"]) / "checkpoints"
-    resources = {"storage": storage, "tracking": tracking, "promotion_policy": defs.resources["promotion_policy"]}
+    resources = {
+        "storage": storage,
+        "tracking": tracking,
+        "promotion_policy": defs.resources["promotion_policy"],
+    }
 
     # the trained checkpoint was evaluated by the pipeline already: no request for it
     first = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=resources))
@@ -288,29 +343,35 @@ def test_checkpoint_sensor_evaluates_each_checkpoint_exactly_once(lifecycle) -> 
     # a checkpoint copied in by hand, and one still being copied (no completion marker)
     shutil.copytree(checkpoint.path, store / "hand-copied", ignore=shutil.ignore_patterns("checkpoint.json"))
     shutil.copytree(checkpoint.path, store / "half-copied", ignore=shutil.ignore_patterns("_COMPLETE"))
-    second = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor,
-                                                           resources=resources))
-    assert [(r.partition_key, r.run_key) for r in second.run_requests] == [("hand-copied", "evaluate-hand-copied")]
+    second = new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=first.cursor, resources=resources)
+    )
+    assert [(r.partition_key, r.run_key) for r in second.run_requests] == [
+        ("hand-copied", "evaluate-hand-copied")
+    ]
     assert second.dynamic_partitions_requests[0].partition_keys == ["hand-copied"]
     instance.add_dynamic_partitions("checkpoints", ["hand-copied"])  # what the daemon does with the request
 
     # a daemon restart re-reads the cursor: nothing is requested twice
-    third = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor,
-                                                          resources=resources))
+    third = new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=second.cursor, resources=resources)
+    )
     assert third.run_requests == []
 
     # once the copy completes, it is picked up (once)
     (store / "half-copied" / "_COMPLETE").write_text("ok\n")
-    fourth = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=third.cursor,
-                                                           resources=resources))
+    fourth = new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=third.cursor, resources=resources)
+    )
     assert [r.partition_key for r in fourth.run_requests] == ["half-copied"]
 
     # a checkpoint trained outside Dagster and registered in the MLflow model registry is found there
     outside = Path(env["NEXA_DATA_ROOT"]).parent / "elsewhere" / "external-run"
     shutil.copytree(checkpoint.path, outside)
     tracking.register_checkpoint("nexa-moe", "external-run", str(outside), None)
-    fifth = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, cursor=fourth.cursor,
-                                                          resources=resources))
+    fifth = new_checkpoint_sensor(
+        dg.build_sensor_context(instance=instance, cursor=fourth.cursor, resources=resources)
+    )
     assert [r.run_key for r in fifth.run_requests] == ["evaluate-external-run"]
 
 
@@ -323,17 +384,24 @@ def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
     from nexa_dagster.resources.io_manager import read_stored_artifact
 
     defs, instance, env, checkpoint, _ = lifecycle
-    copy = copy_checkpoint_from_elsewhere(Path(checkpoint.path), Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "moved")
+    copy = copy_checkpoint_from_elsewhere(
+        Path(checkpoint.path), Path(env["NEXA_DATA_ROOT"]) / "checkpoints" / "moved"
+    )
     instance.add_dynamic_partitions("checkpoints", ["moved"])
-    result = defs.resolve_job_def("evaluation_job").execute_in_process(instance=instance, partition_key="moved",
-                                                                       raise_on_error=False)
+    result = defs.resolve_job_def("evaluation_job").execute_in_process(
+        instance=instance, partition_key="moved", raise_on_error=False
+    )
     # evaluated (the identical copy does not beat production, so the gate holds it back: not deployed)
     assert "moved" in instance.get_materialized_partitions(dg.AssetKey("eval_report")), [
-        e.message for e in result.all_events if e.is_failure]
+        e.message for e in result.all_events if e.is_failure
+    ]
     report = read_stored_artifact(env["NEXA_DATA_ROOT"], "eval_report", "moved")
-    assert report.checkpoint_path == str(copy) and report.eval_set_version == 1  # this data root's frozen eval set
-    assert report.eval_loss == pytest.approx(read_stored_artifact(
-        env["NEXA_DATA_ROOT"], "eval_report", checkpoint.checkpoint_id).eval_loss)  # the same model, the same data
+    assert (
+        report.checkpoint_path == str(copy) and report.eval_set_version == 1
+    )  # this data root's frozen eval set
+    assert report.eval_loss == pytest.approx(
+        read_stored_artifact(env["NEXA_DATA_ROOT"], "eval_report", checkpoint.checkpoint_id).eval_loss
+    )  # the same model, the same data
     assert json.loads(Path(report.report_json).read_text())["lineage"]["checkpoint_path"] == str(copy)
     # the copy reports under its own id, so the original's report stays the original's and the leaderboard (which
     # refuses an id twice) builds with both (test_base_models_are_measured_... rebuilds it after this test)
@@ -345,8 +413,10 @@ def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
 def readme_block(heading: str) -> str:
     """The first ```bash block under a README heading, as a user would copy it."""
     text = (REPO_ROOT / "README.md").read_text()
-    section = text[text.index(heading):]
-    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
+    section = text[text.index(heading) :]
+    return section[
+        section.index("```bash\n") + len("```bash\n") : section.index("\n```", section.index("```bash"))
+    ]
 
 
 def fresh_clone(dest: Path) -> Path:
@@ -371,13 +441,21 @@ def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
     assert "dagster asset materialize" in script and "dagster job backfill" in script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEXA_", "DAGSTER_"))}
     env["PYTHONPATH"] = str(clone)  # the clone's package, not the one the venv was installed from
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, cwd=clone, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        env=env,
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     instance = dg.DagsterInstance.from_config(str(clone / ".dagster_home"))
     try:
         single = instance.get_runs(dg.RunsFilter(tags={"dagster/asset_partition_range_start": DAYS[0]}))
-        assert len(single) == 1 and single[0].status == dg.DagsterRunStatus.SUCCESS  # one run, the whole range
+        assert (
+            len(single) == 1 and single[0].status == dg.DagsterRunStatus.SUCCESS
+        )  # one run, the whole range
         for key in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
             assert instance.get_materialized_partitions(dg.AssetKey(key)) == set(DAYS), key
         for day in DAYS:
@@ -417,7 +495,8 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     shutil.copytree(store / "untrained", store / "untrained-again")
     instance.add_dynamic_partitions("checkpoints", ["untrained-again"])
     result = defs.resolve_job_def("evaluation_job").execute_in_process(
-        instance=instance, partition_key="untrained-again", raise_on_error=False)
+        instance=instance, partition_key="untrained-again", raise_on_error=False
+    )
     assert result.success and instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.SUCCESS
     gate = [c for c in result.get_asset_check_evaluations() if c.check_name == "beats_production"][0]
     meta = {k: v.value for k, v in gate.metadata.items()}
@@ -433,8 +512,14 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert registry.current().checkpoint_id == checkpoint.checkpoint_id
 
     # rollback is one command, and moves the MLflow alias back too
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], env={**os.environ, **env},
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert registry.current().checkpoint_id == "untrained"
     assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"
@@ -451,13 +536,32 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
     "GPU pool")."""
     defs, instance, env, _, _ = lifecycle
     before = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))}
-    cmd = [sys.executable, "-m", "dagster", "job", "execute", "-m", "nexa_dagster.definitions", "-j", "training_job"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster",
+        "job",
+        "execute",
+        "-m",
+        "nexa_dagster.definitions",
+        "-j",
+        "training_job",
+    ]
     knobs = tmp_path / "knobs.yaml"
-    knobs.write_text(json.dumps({"ops": {"moe_checkpoint": {"config": {"max_steps": 6, "learning_rate": 0.002}}}}))
+    knobs.write_text(
+        json.dumps({"ops": {"moe_checkpoint": {"config": {"max_steps": 6, "learning_rate": 0.002}}}})
+    )
 
     def launch(extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(cmd + extra, env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd + extra,
+            env={**os.environ, **env},
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
     procs = [launch([])]
     deadline = time.monotonic() + 600
     while not instance.event_log_storage.get_concurrency_info("gpu").claimed_slots:  # the first trains
@@ -466,17 +570,24 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
     procs.append(launch(["-c", str(knobs)]))
     errors = [p.communicate(timeout=900)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors[0][-2000:] + errors[1][-2000:]
-    runs = [r for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))
-            if r.dagster_run.run_id not in before]
+    runs = [
+        r
+        for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))
+        if r.dagster_run.run_id not in before
+    ]
     assert len(runs) == 2
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
     trained = {}
     for run in runs:
-        event = next(e for e in instance.all_logs(run.dagster_run.run_id) if e.dagster_event
-                     and e.dagster_event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
-                     and e.dagster_event.asset_key == dg.AssetKey("moe_checkpoint"))
+        event = next(
+            e
+            for e in instance.all_logs(run.dagster_run.run_id)
+            if e.dagster_event
+            and e.dagster_event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
+            and e.dagster_event.asset_key == dg.AssetKey("moe_checkpoint")
+        )
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
         params = client.get_run(str(metadata["mlflow_run_id"])).data.params
         knobbed = bool(run.dagster_run.run_config.get("ops"))
@@ -485,10 +596,20 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
     spans = []
     for run in runs:
         events = instance.all_logs(run.dagster_run.run_id)
-        starts = [e.timestamp for e in events if e.step_key == "moe_checkpoint" and e.dagster_event
-                  and e.dagster_event.event_type == dg.DagsterEventType.STEP_START]
-        ends = [e.timestamp for e in events if e.step_key == "moe_checkpoint" and e.dagster_event
-                and e.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS]
+        starts = [
+            e.timestamp
+            for e in events
+            if e.step_key == "moe_checkpoint"
+            and e.dagster_event
+            and e.dagster_event.event_type == dg.DagsterEventType.STEP_START
+        ]
+        ends = [
+            e.timestamp
+            for e in events
+            if e.step_key == "moe_checkpoint"
+            and e.dagster_event
+            and e.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS
+        ]
         spans.append((starts[0], ends[0]))
     (a0, a1), (b0, b1) = sorted(spans)
     assert a1 <= b0, f"training steps overlapped: {spans}"
@@ -504,9 +625,14 @@ def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
-                            env={**os.environ, **env}, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     import threading
 
     # a changed start-up message must fail the test, not hang it: the command is stopped after 300 s
@@ -519,12 +645,20 @@ def test_serve_command_serves_the_production_model_until_interrupted(lifecycle) 
             if "Ctrl-C stops it." in line:
                 break
         watchdog.cancel()
-        started = [line for line in lines if f"serving 'nexa-moe' at http://127.0.0.1:{port}/v1 (production" in line]
-        assert started and "none yet" not in started[0], "".join(lines)[-2000:]  # it serves the production model
-        body = json.dumps({"model": "nexa-moe", "max_tokens": 8,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                         headers={"content-type": "application/json"})
+        started = [
+            line for line in lines if f"serving 'nexa-moe' at http://127.0.0.1:{port}/v1 (production" in line
+        ]
+        assert started and "none yet" not in started[0], "".join(lines)[
+            -2000:
+        ]  # it serves the production model
+        body = json.dumps(
+            {"model": "nexa-moe", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=120) as resp:
             answer = json.loads(resp.read())
         assert answer["usage"]["completion_tokens"] > 0
@@ -592,14 +726,26 @@ def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(life
     assert board.set_index("checkpoint_id").loc[first.checkpoint_id, "parent"] == first.parent
 
     llama = Path(env["NEXA_DATA_ROOT"]).parent / "llama"
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(llama)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(llama)
     refused = defs.resolve_job_def("training_job").execute_in_process(
-        instance=instance, raise_on_error=False,
-        run_config={"ops": {"moe_checkpoint": {"config": {"init_from": str(llama)}}}})
+        instance=instance,
+        raise_on_error=False,
+        run_config={"ops": {"moe_checkpoint": {"config": {"init_from": str(llama)}}}},
+    )
     assert not refused.success
     failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "a LlamaForCausalLM checkpoint; training starts only from a Mixtral" in str(failure.event_specific_data)
+    assert "a LlamaForCausalLM checkpoint; training starts only from a Mixtral" in str(
+        failure.event_specific_data
+    )
 
 
 def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lifecycle) -> None:
@@ -616,11 +762,16 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     defs, instance, env, _, _ = lifecycle
     data = Path(env["NEXA_DATA_ROOT"])
     frozen = _metadata(instance, "eval_set")
-    assert frozen["corpus_documents"] > 0 and frozen["corpus_run_hash"] == _metadata(instance, "pretrain_corpus")["run_hash"]
+    assert (
+        frozen["corpus_documents"] > 0
+        and frozen["corpus_run_hash"] == _metadata(instance, "pretrain_corpus")["run_hash"]
+    )
     manifest = load_eval_set(str(data / "eval_sets"), 1)
     documents = pd.read_parquet(manifest["corpus_path"])["sample_id"].tolist()
     fraction = manifest["corpus"]["fraction"]
-    assert len(documents) == manifest["corpus"]["documents"] and all(is_held_out(d, fraction) for d in documents)
+    assert len(documents) == manifest["corpus"]["documents"] and all(
+        is_held_out(d, fraction) for d in documents
+    )
     base_id = _metadata(instance, "base_model")["checkpoint_id"]
     job = json.loads((data / "base_models" / base_id / "training_job.json").read_text())
     assert job["eval_fraction"] == fraction  # its training kept these documents out of both sides
@@ -632,8 +783,10 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     report = json.loads(Path(first["report_json"]).read_text())
     assert [d["document_id"] for d in report["per_document"]] == documents
     client = MlflowClient(tracking_uri=defs.resources["tracking"].uri())
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              f"tags.checkpoint_id = '{base_id}' and tags.stage = 'base_evaluation'")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.checkpoint_id = '{base_id}' and tags.stage = 'base_evaluation'",
+    )
     assert runs and runs[0].data.metrics["corpus_eval_loss"] == pytest.approx(report["loss"])
 
     # a later base model, trained on another (bigger) corpus: worse weights by construction, the same documents
@@ -641,14 +794,29 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     shutil.copytree(data / "base_models" / base_id, later)
     corrupted_model(later)
     record = json.loads((later / "checkpoint.json").read_text())
-    (later / "checkpoint.json").write_text(json.dumps({**record, "checkpoint_id": "base-later", "path": str(later),
-                                                       "dataset_run_hash": "a-bigger-corpus"}))
+    (later / "checkpoint.json").write_text(
+        json.dumps(
+            {
+                **record,
+                "checkpoint_id": "base-later",
+                "path": str(later),
+                "dataset_run_hash": "a-bigger-corpus",
+            }
+        )
+    )
     instance.add_dynamic_partitions("base_models", ["base-later"])
-    assert defs.resolve_job_def("base_evaluation_job").execute_in_process(instance=instance,
-                                                                          partition_key="base-later").success
+    assert (
+        defs.resolve_job_def("base_evaluation_job")
+        .execute_in_process(instance=instance, partition_key="base-later")
+        .success
+    )
     second = _metadata(instance, "base_model_eval", "base-later")
-    assert second["documents_sha256"] == first["documents_sha256"] and second["documents"] == first["documents"]
-    assert [d["document_id"] for d in json.loads(Path(second["report_json"]).read_text())["per_document"]] == documents
+    assert (
+        second["documents_sha256"] == first["documents_sha256"] and second["documents"] == first["documents"]
+    )
+    assert [
+        d["document_id"] for d in json.loads(Path(second["report_json"]).read_text())["per_document"]
+    ] == documents
     assert second["corpus_run_hash"] == "a-bigger-corpus" and second["eval_loss"] > first["eval_loss"]
 
     defs.resolve_job_def("leaderboard_job").execute_in_process(instance=instance)

@@ -43,11 +43,21 @@ SYSTEM = read_text("prompts/teacher_system.txt").strip()
 
 
 def _documents(n: int, day: str = DAY) -> pd.DataFrame:
-    rows = [json.loads(line) for line in (REPO_ROOT / "sample_data" / "landing" / DAY /
-                                          "python_reference.jsonl").read_text().splitlines() if line.strip()]
-    return pd.DataFrame({"doc_id": [f"{i:016d}" for i in range(n)], "day": [day] * n,
-                         "title": [r.get("title", "") for r in rows[:n]],
-                         "text": [str(r.get("text", ""))[:300] for r in rows[:n]]})
+    rows = [
+        json.loads(line)
+        for line in (REPO_ROOT / "sample_data" / "landing" / DAY / "python_reference.jsonl")
+        .read_text()
+        .splitlines()
+        if line.strip()
+    ]
+    return pd.DataFrame(
+        {
+            "doc_id": [f"{i:016d}" for i in range(n)],
+            "day": [day] * n,
+            "title": [r.get("title", "") for r in rows[:n]],
+            "text": [str(r.get("text", ""))[:300] for r in rows[:n]],
+        }
+    )
 
 
 def _stored(path: Path) -> int:
@@ -63,13 +73,17 @@ def _stored(path: Path) -> int:
 
 def test_answers_are_stored_once_and_reused(served: ManagedServer, tmp_path: Path) -> None:
     docs = _documents(6)
-    with OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client, \
-            GenerationStore(tmp_path) as store:
+    with (
+        OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client,
+        GenerationStore(tmp_path) as store,
+    ):
         prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, PARAMS, generations_per_prompt=2)
         first, stats = generate_teacher_samples(client, prompts, PARAMS, store)
         assert (stats.requested, stats.reused, stats.generated, stats.failed) == (12, 0, 12, 0)
         assert first["sample_id"].is_unique and first["error"].isna().all()
-        assert list(first["sample_id"]) == [p.sample_id for p in prompts]  # prompt order, not completion order
+        assert list(first["sample_id"]) == [
+            p.sample_id for p in prompts
+        ]  # prompt order, not completion order
         assert stats.completion_tokens == first["completion_tokens"].sum() > 0 and stats.tokens_per_s > 0
         assert store.count(DAY) == 12
 
@@ -83,17 +97,20 @@ def test_answers_are_stored_once_and_reused(served: ManagedServer, tmp_path: Pat
         assert (stats.reused, stats.generated) == (12, 6)
         # changed sampling settings or model: every key is new (checked on the keys, no request needed)
         hotter = SamplingParams(24, 1.0, 0.95, 7)
-        assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, client.identity, hotter, 2)} & \
-            {p.sample_id for p in prompts}
-        assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, "other-model", PARAMS, 2)} & \
-            {p.sample_id for p in prompts}
+        assert not {
+            p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, client.identity, hotter, 2)
+        } & {p.sample_id for p in prompts}
+        assert not {p.sample_id for p in build_prompts(docs, TEMPLATE, SYSTEM, "other-model", PARAMS, 2)} & {
+            p.sample_id for p in prompts
+        }
         # the same prompt listed twice is asked and returned once
         doubled, stats = generate_teacher_samples(client, prompts + prompts[:3], PARAMS, store)
         assert len(doubled) == 12 and stats.requested == 12
 
 
-def test_server_killed_mid_partition_and_restarted(tiny_model_dir: Path, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_server_killed_mid_partition_and_restarted(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="nexa_dagster.core.llm.openai_compat")
     docs = _documents(16)
     server = ManagedServer(tiny_model_dir, tmp_path / "logs", port=free_port(), continuous_batching=True)
@@ -101,14 +118,22 @@ def test_server_killed_mid_partition_and_restarted(tiny_model_dir: Path, tmp_pat
     outcome: dict[str, object] = {}
     with server:
         # retries with backoff span well over a server restart (~10 s): 12 retries, 0.5 s doubling to 4 s
-        client = OpenAICompatibleClient(server.base_url, server.model_name, max_concurrency=2, max_retries=12,
-                                        backoff_s=0.5, max_backoff_s=4.0, timeout_s=60)
+        client = OpenAICompatibleClient(
+            server.base_url,
+            server.model_name,
+            max_concurrency=2,
+            max_retries=12,
+            backoff_s=0.5,
+            max_backoff_s=4.0,
+            timeout_s=60,
+        )
         prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, SamplingParams(48, 0.8, 0.95, 3), 2)
 
         def run() -> None:
             with GenerationStore(tmp_path / "store") as store:
-                outcome["result"] = generate_teacher_samples(client, prompts, SamplingParams(48, 0.8, 0.95, 3),
-                                                             store)
+                outcome["result"] = generate_teacher_samples(
+                    client, prompts, SamplingParams(48, 0.8, 0.95, 3), store
+                )
 
         worker = threading.Thread(target=run)
         worker.start()
@@ -124,7 +149,9 @@ def test_server_killed_mid_partition_and_restarted(tiny_model_dir: Path, tmp_pat
         worker.join(timeout=300)
         client.close()
     assert not worker.is_alive()
-    assert 4 <= at_kill < len(prompts), f"the kill did not land mid-partition ({at_kill}/{len(prompts)} stored)"
+    assert 4 <= at_kill < len(prompts), (
+        f"the kill did not land mid-partition ({at_kill}/{len(prompts)} stored)"
+    )
     assert any("retry" in r.getMessage() and "cannot reach" in r.getMessage() for r in caplog.records)
     frame, stats = outcome["result"]  # type: ignore[misc]
     assert stats.failed == 0 and frame["error"].isna().all()
@@ -163,8 +190,15 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def _materialize(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", MATERIALIZE, *args], env=env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", MATERIALIZE, *args],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _result(proc: subprocess.Popen[str]) -> dict:
@@ -172,7 +206,7 @@ def _result(proc: subprocess.Popen[str]) -> dict:
     assert proc.returncode == 0, err[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert lines, err[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, tmp_path: Path) -> None:
@@ -188,7 +222,9 @@ def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, t
     deadline = time.monotonic() + 240
     while _stored(store_file) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert proc.poll() is None, "the materialization ended before it could be killed: " + proc.stderr.read()[-2000:]
+    assert proc.poll() is None, (
+        "the materialization ended before it could be killed: " + proc.stderr.read()[-2000:]
+    )
     os.killpg(proc.pid, signal.SIGKILL)  # kill -9, no cleanup of any kind
     proc.wait()
     before_rerun = _stored(store_file)
@@ -207,12 +243,16 @@ def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, t
     # an uninterrupted run over the same documents has exactly the same keys
     docs = pd.read_parquet(root / "assets" / "raw_documents" / f"{DAY}.parquet")
     scale = load_scale()
-    params = SamplingParams(scale.teacher.max_new_tokens, scale.teacher.temperature, scale.teacher.top_p,
-                            scale.teacher.seed)
-    with OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client, \
-            GenerationStore(tmp_path / "uninterrupted") as store:
-        prompts: list[PromptSpec] = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, params,
-                                                  scale.generations_per_prompt)
+    params = SamplingParams(
+        scale.teacher.max_new_tokens, scale.teacher.temperature, scale.teacher.top_p, scale.teacher.seed
+    )
+    with (
+        OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=4) as client,
+        GenerationStore(tmp_path / "uninterrupted") as store,
+    ):
+        prompts: list[PromptSpec] = build_prompts(
+            docs, TEMPLATE, SYSTEM, client.identity, params, scale.generations_per_prompt
+        )
         clean, stats = generate_teacher_samples(client, prompts, params, store)
     assert stats.reused == 0 and sorted(clean["sample_id"]) == sorted(frame["sample_id"])
 
@@ -226,34 +266,59 @@ def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, t
     assert (judged["judge_method"] == "text").all() and judged["judge_score"].isna().all()
     assert out["rejected_samples"]["judge_errors"] == len(judged)
     assert out["checks"]["filtered_samples:pass_rate_in_band"] == [False, "AssetCheckSeverity.WARN"]
-    assert set(out["checks"]) == {"filtered_samples:pass_rate_in_band"}  # the schema is the tables' Dagster type
+    assert set(out["checks"]) == {
+        "filtered_samples:pass_rate_in_band"
+    }  # the schema is the tables' Dagster type
 
 
 def test_a_garbage_judge_passes_nothing(served: ManagedServer) -> None:
-    good = ("A context manager sets something up before a block runs and tears it down after, even when the "
-            "block raises. Example: with open(path) as f: data = f.read() closes the file for you.")
-    frame = pd.DataFrame({
-        "sample_id": ["g0", "g1"], "doc_id": ["d", "d"], "day": [DAY, DAY], "generation_index": [0, 1],
-        "system_prompt": ["", ""], "prompt": ["Explain the with statement."] * 2,
-        "response": [good, good.replace("context manager", "with-block helper")], "reasoning": [None, None],
-        "model": ["m", "m"], "prompt_tokens": [5, 5], "completion_tokens": [40, 40], "latency_s": [0.1, 0.1],
-        "finish_reason": ["stop", "stop"], "error": [None, None],
-    })
+    good = (
+        "A context manager sets something up before a block runs and tears it down after, even when the "
+        "block raises. Example: with open(path) as f: data = f.read() closes the file for you."
+    )
+    frame = pd.DataFrame(
+        {
+            "sample_id": ["g0", "g1"],
+            "doc_id": ["d", "d"],
+            "day": [DAY, DAY],
+            "generation_index": [0, 1],
+            "system_prompt": ["", ""],
+            "prompt": ["Explain the with statement."] * 2,
+            "response": [good, good.replace("context manager", "with-block helper")],
+            "reasoning": [None, None],
+            "model": ["m", "m"],
+            "prompt_tokens": [5, 5],
+            "completion_tokens": [40, 40],
+            "latency_s": [0.1, 0.1],
+            "finish_reason": ["stop", "stop"],
+            "error": [None, None],
+        }
+    )
     config = load_gate_config("filters.yaml")
-    config = config.model_copy(update={"judge": config.judge.model_copy(update={"min_score": 1.0, "retries": 1}),
-                                       "dedup": config.dedup.model_copy(update={"enabled": False})})
+    config = config.model_copy(
+        update={
+            "judge": config.judge.model_copy(update={"min_score": 1.0, "retries": 1}),
+            "dedup": config.dedup.model_copy(update={"enabled": False}),
+        }
+    )
     with OpenAICompatibleClient(served.base_url, served.model_name, max_concurrency=2) as judge:
-        result = apply_sample_gate(frame, config, judge, read_text("prompts/judge.jinja"),
-                                   read_text("prompts/judge_verdict.jinja"))
+        result = apply_sample_gate(
+            frame, config, judge, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja")
+        )
     assert result.judge_method == "text"  # transformers serve honours neither response_format nor logprobs
-    assert result.judge_capabilities == {"engine": "openai-compatible", "logprobs": False, "json_schema": False}
+    assert result.judge_capabilities == {
+        "engine": "openai-compatible",
+        "logprobs": False,
+        "json_schema": False,
+    }
     assert result.filtered.empty and len(result.rejected) == 2
     assert result.rejected["reason"].str.startswith("judge_error: no valid verdict after 2 attempts").all()
     assert result.judge_attempts == 4  # each verdict asked twice (retries: 1) before giving up
 
 
 def test_the_same_data_at_two_paths_gives_the_same_ids_and_dataset_and_a_moved_root_pays_nothing(
-        tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
+    tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path
+) -> None:
     """Issue 17.2: a sample's id hashes what the teacher is, not where its directory lies.
 
     Two checkouts at different paths, each with its own copy of the same teacher, generate independently: the
@@ -268,14 +333,25 @@ def test_the_same_data_at_two_paths_gives_the_same_ids_and_dataset_and_a_moved_r
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
 
     def checkout(data_root: Path) -> tuple[pd.DataFrame, int, bytes]:
-        with LocalLLM(model=str(data_root / "models" / "tiny-teacher"),
-                      batch_size=4).get_client() as client, GenerationStore(data_root / "store") as store:
+        with (
+            LocalLLM(model=str(data_root / "models" / "tiny-teacher"), batch_size=4).get_client() as client,
+            GenerationStore(data_root / "store") as store,
+        ):
             prompts = build_prompts(docs, TEMPLATE, SYSTEM, client.identity, params, generations_per_prompt=1)
             frame, stats = generate_teacher_samples(client, prompts, params, store)
-        dataset, _ = build_sft_dataset(frame, tiny_tokenizer, str(data_root / "models" / "tiny-teacher"),
-                                       str(data_root / "sft"), pack_size=256, validation_fraction=0.25)
-        return frame, stats.generated, (Path(dataset.train_path).read_bytes()
-                                        + Path(dataset.validation_path).read_bytes())
+        dataset, _ = build_sft_dataset(
+            frame,
+            tiny_tokenizer,
+            str(data_root / "models" / "tiny-teacher"),
+            str(data_root / "sft"),
+            pack_size=256,
+            validation_fraction=0.25,
+        )
+        return (
+            frame,
+            stats.generated,
+            (Path(dataset.train_path).read_bytes() + Path(dataset.validation_path).read_bytes()),
+        )
 
     roots = [tmp_path / "alice" / "nexa" / "data", tmp_path / "bob" / "checkouts" / "nexa-2" / "data"]
     for root in roots:

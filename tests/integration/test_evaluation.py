@@ -39,9 +39,15 @@ FRACTION = 0.25
 
 
 def _samples(n: int = 48) -> pd.DataFrame:
-    return pd.DataFrame({"sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
-                         "system_prompt": ["Be brief."] * n, "prompt": [f"What is {i} + 1?" for i in range(n)],
-                         "response": [f"It is {i + 1}." for i in range(n)]})
+    return pd.DataFrame(
+        {
+            "sample_id": [f"id{i:03d}" for i in range(n)],
+            "day": ["2026-11-20"] * n,
+            "system_prompt": ["Be brief."] * n,
+            "prompt": [f"What is {i} + 1?" for i in range(n)],
+            "response": [f"It is {i + 1}." for i in range(n)],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +58,9 @@ def eval_setup(tiny_model_dir: Path, tiny_tokenizer, tmp_path_factory: pytest.Te
 
     root = tmp_path_factory.mktemp("evalgate")
     samples = _samples()
-    eval_set = freeze_eval_set(samples, tiny_tokenizer, str(root / "eval_sets"), 1, FRACTION, 128,
-                               log=lambda m: None)
+    eval_set = freeze_eval_set(
+        samples, tiny_tokenizer, str(root / "eval_sets"), 1, FRACTION, 128, log=lambda m: None
+    )
     manifest = load_eval_set(str(root / "eval_sets"), 1)
     assert eval_set["examples"] >= 8
     trained = root / "trained"
@@ -61,8 +68,12 @@ def eval_setup(tiny_model_dir: Path, tiny_tokenizer, tmp_path_factory: pytest.Te
     model = AutoModelForCausalLM.from_pretrained(str(trained), dtype=torch.float32)
     train = [r for r in samples.itertuples() if not is_held_out(r.sample_id, FRACTION)]
     chat = ChatTokenizer.from_hf(tiny_tokenizer, str(root / "tokenizer.json"))
-    encoded = [(ids.tolist(), mask.tolist()) for ids, mask in chat.encode_conversations(
-        [conversation(r.system_prompt, r.prompt, r.response) for r in train])]
+    encoded = [
+        (ids.tolist(), mask.tolist())
+        for ids, mask in chat.encode_conversations(
+            [conversation(r.system_prompt, r.prompt, r.response) for r in train]
+        )
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     torch.manual_seed(0)
@@ -87,9 +98,18 @@ def test_a_checkpoint_is_evaluated_against_itself(eval_setup) -> None:
     lines: list[str] = []
     prompts = eval_prompts(manifest, 2)
     with LocalTransformersClient(str(random_init)) as judge:
-        evaluation = evaluate_checkpoint("ckpt-test", str(random_init), manifest, prompts, judge,
-                                         JudgeRubric.from_files(), max_new_tokens=8,
-                                         production_path=str(random_init), log=lines.append, resamples=200)
+        evaluation = evaluate_checkpoint(
+            "ckpt-test",
+            str(random_init),
+            manifest,
+            prompts,
+            judge,
+            JudgeRubric.from_files(),
+            max_new_tokens=8,
+            production_path=str(random_init),
+            log=lines.append,
+            resamples=200,
+        )
     loss = evaluation.result.loss
     assert math.isfinite(loss.loss) and loss.perplexity > 1 and loss.tokens == manifest["tokens"]
     assert loss.sequences == manifest["examples"] and evaluation.eval_set_version == 1
@@ -107,18 +127,35 @@ def test_a_checkpoint_is_evaluated_against_itself(eval_setup) -> None:
 
 
 def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_same_eval_set(
-        eval_setup, tmp_path: Path) -> None:
+    eval_setup, tmp_path: Path
+) -> None:
     """Both models scored by the evaluation worker process, in one job, on the same eval-set version."""
     manifest, random_init, trained = eval_setup
     prompts = eval_prompts(manifest, 2)
 
     def worker(candidate: Path, production: Path, name: str) -> dict:
-        job = EvaluationJob(run_id=name, models={"candidate": str(candidate), "production": str(production)},
-                            examples_path=manifest["path"], eval_set_version=1, prompts=prompts, max_new_tokens=4,
-                            output_path=str(tmp_path / f"{name}.json"))
+        job = EvaluationJob(
+            run_id=name,
+            models={"candidate": str(candidate), "production": str(production)},
+            examples_path=manifest["path"],
+            eval_set_version=1,
+            prompts=prompts,
+            max_new_tokens=4,
+            output_path=str(tmp_path / f"{name}.json"),
+        )
         (tmp_path / f"{name}.job.json").write_text(job.model_dump_json())
-        proc = subprocess.run([sys.executable, "-m", "nexa_dagster.core.evaluation.worker", "--job",
-                               str(tmp_path / f"{name}.job.json")], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nexa_dagster.core.evaluation.worker",
+                "--job",
+                str(tmp_path / f"{name}.job.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         import json
 
@@ -128,19 +165,45 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
     with LocalTransformersClient(str(random_init)) as judge:
         template = JudgeRubric.from_files()
         better = worker(trained, random_init, "better")
-        ev = compare("better", 1, ModelScores.from_json(better["candidate"]),
-                     ModelScores.from_json(better["production"]), prompts, judge, template, resamples=500)
-        promoted = decide("better", ProductionEntry(checkpoint_id="random", checkpoint_path=str(random_init),
-                                                    metric="eval_loss"), policy, ev.paired_loss, ev.win_rate)
+        ev = compare(
+            "better",
+            1,
+            ModelScores.from_json(better["candidate"]),
+            ModelScores.from_json(better["production"]),
+            prompts,
+            judge,
+            template,
+            resamples=500,
+        )
+        promoted = decide(
+            "better",
+            ProductionEntry(checkpoint_id="random", checkpoint_path=str(random_init), metric="eval_loss"),
+            policy,
+            ev.paired_loss,
+            ev.win_rate,
+        )
         # the worse direction, the same two models, the same examples: scored values swap exactly
         worse = {"candidate": better["production"], "production": better["candidate"]}
-        ev_worse = compare("worse", 1, ModelScores.from_json(worse["candidate"]),
-                           ModelScores.from_json(worse["production"]), prompts, judge, template, resamples=500)
+        ev_worse = compare(
+            "worse",
+            1,
+            ModelScores.from_json(worse["candidate"]),
+            ModelScores.from_json(worse["production"]),
+            prompts,
+            judge,
+            template,
+            resamples=500,
+        )
     assert promoted.passed, promoted.reason
     assert promoted.interval[1] < 0 and promoted.candidate < promoted.production
     assert promoted.difference == pytest.approx(promoted.candidate - promoted.production)
-    blocked = decide("worse", ProductionEntry(checkpoint_id="trained", checkpoint_path=str(trained),
-                                              metric="eval_loss"), policy, ev_worse.paired_loss, ev_worse.win_rate)
+    blocked = decide(
+        "worse",
+        ProductionEntry(checkpoint_id="trained", checkpoint_path=str(trained), metric="eval_loss"),
+        policy,
+        ev_worse.paired_loss,
+        ev_worse.win_rate,
+    )
     assert not blocked.passed and blocked.interval[0] > 0 and "is not below" in blocked.reason
 
 
@@ -161,8 +224,12 @@ def test_the_gate_needs_the_interval_not_just_the_point_estimate() -> None:
     # win rate: 7 of 10 consistent verdicts is a point estimate above 0.5 with an interval that is not
     win = PromotionPolicy(metric="win_rate")
     assert not decide("c", production, win, win_rate=_win(7, 3, 0.397, 0.892)).passed
-    assert decide("c", production, PromotionPolicy(metric="win_rate", require_interval=False),
-                  win_rate=_win(7, 3, 0.397, 0.892)).passed
+    assert decide(
+        "c",
+        production,
+        PromotionPolicy(metric="win_rate", require_interval=False),
+        win_rate=_win(7, 3, 0.397, 0.892),
+    ).passed
     assert decide("c", production, win, win_rate=_win(18, 2, 0.699, 0.972)).passed
     # nothing to compare with (production not readable here) is held back; no production at all is promoted
     unreadable = decide("c", production, PromotionPolicy())
@@ -181,21 +248,38 @@ PRODUCTION = ["It is 5.", "It is 6.", "It is 9.", "It is 4."]
 def _arithmetic_judge(logprobs: bool, p_right: float = 0.9):
     """A judge whose preference is fixed by construction: it works the sum out and prefers the right answer,
     by its letter (text) or with probability ``p_right`` (logprobs), in whichever position it is."""
+
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if body.get("response_format"):
             return 400, {"error": {"message": "response_format is not supported"}}
         if body.get("logprobs") and not logprobs:
             return 400, {"error": {"message": "logprobs is not supported"}}
         prompt = body["messages"][-1]["content"]
-        found = re.search(r"What is (\d+) \+ 1\?.*ANSWER A:\s*(.*?)\s*ANSWER B:\s*(.*?)\s*Better", prompt, re.S)
+        found = re.search(
+            r"What is (\d+) \+ 1\?.*ANSWER A:\s*(.*?)\s*ANSWER B:\s*(.*?)\s*Better", prompt, re.S
+        )
         right = "A" if found and f"It is {int(found.group(1)) + 1}." == found.group(2) else "B"
         if not logprobs:
             return 200, chat_payload(right)
         wrong = "B" if right == "A" else "A"
-        top = [{"token": right, "logprob": math.log(p_right), "bytes": None},
-               {"token": wrong, "logprob": math.log(1 - p_right), "bytes": None}]
-        return 200, chat_payload(right, {"content": [{"token": right, "logprob": math.log(p_right), "bytes": None,
-                                                      "top_logprobs": top[: body.get("top_logprobs", 0)]}]})
+        top = [
+            {"token": right, "logprob": math.log(p_right), "bytes": None},
+            {"token": wrong, "logprob": math.log(1 - p_right), "bytes": None},
+        ]
+        return 200, chat_payload(
+            right,
+            {
+                "content": [
+                    {
+                        "token": right,
+                        "logprob": math.log(p_right),
+                        "bytes": None,
+                        "top_logprobs": top[: body.get("top_logprobs", 0)],
+                    }
+                ]
+            },
+        )
+
     return reply
 
 
@@ -205,8 +289,10 @@ def test_the_win_rate_is_the_judges_known_preference(logprobs: bool) -> None:
     whichever position it is, is order-consistent on every question and gives the candidate 3 of 4 verdicts (by its
     letter, or by the more probable letter), and production the rest."""
     expected = 0.75
-    with stub_server(_arithmetic_judge(logprobs)) as (url, calls, _), \
-            OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as judge:
+    with (
+        stub_server(_arithmetic_judge(logprobs)) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as judge,
+    ):
         assert judge.capabilities().logprobs is logprobs
         assert pairwise_win_rate(judge, QUESTIONS, CANDIDATE, PRODUCTION) == pytest.approx(expected)
         assert pairwise_win_rate(judge, QUESTIONS, PRODUCTION, CANDIDATE) == pytest.approx(1 - expected)
@@ -219,9 +305,17 @@ def test_serving_follows_the_recorded_decision_only_against_the_production_it_wa
     from nexa_dagster.core.evaluation.promotion import held_back_because
 
     def report(decision: str | None, against: str | None) -> EvalReport:
-        return EvalReport(checkpoint_id="c", checkpoint_path="/c", perplexity=2.0, num_heldout_prompts=0,
-                          gate_decision=decision, gate_reason="why", production_checkpoint_id=against,
-                          report_json="-", report_markdown="-")
+        return EvalReport(
+            checkpoint_id="c",
+            checkpoint_path="/c",
+            perplexity=2.0,
+            num_heldout_prompts=0,
+            gate_decision=decision,
+            gate_reason="why",
+            production_checkpoint_id=against,
+            report_json="-",
+            report_markdown="-",
+        )
 
     prod = ProductionEntry(checkpoint_id="p", checkpoint_path="/p", metric="eval_loss")
     assert held_back_because("c", report("promote", "p"), prod) is None

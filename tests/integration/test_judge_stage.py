@@ -26,16 +26,31 @@ from nexa_dagster.resources.llm import LocalLLM, OpenAILLM
 from nexa_dagster.resources.storage import StorageResource
 
 DAY = "2026-11-20"
-GOOD = ("A context manager sets something up before a block runs and tears it down after, even when the block "
-        "raises. Example: with open(path) as f: data = f.read() closes the file for you.")
+GOOD = (
+    "A context manager sets something up before a block runs and tears it down after, even when the block "
+    "raises. Example: with open(path) as f: data = f.read() closes the file for you."
+)
 
 
 def _teacher_frame(**changes: list[Any]) -> pd.DataFrame:
-    frame = pd.DataFrame({
-        "sample_id": ["g0"], "doc_id": ["d"], "day": [DAY], "generation_index": [0], "system_prompt": [""],
-        "prompt": ["Explain the with statement."], "response": [GOOD], "reasoning": [None], "model": ["m"],
-        "prompt_tokens": [5], "completion_tokens": [40], "latency_s": [0.1], "finish_reason": ["stop"],
-        "error": [None]})
+    frame = pd.DataFrame(
+        {
+            "sample_id": ["g0"],
+            "doc_id": ["d"],
+            "day": [DAY],
+            "generation_index": [0],
+            "system_prompt": [""],
+            "prompt": ["Explain the with statement."],
+            "response": [GOOD],
+            "reasoning": [None],
+            "model": ["m"],
+            "prompt_tokens": [5],
+            "completion_tokens": [40],
+            "latency_s": [0.1],
+            "finish_reason": ["stop"],
+            "error": [None],
+        }
+    )
     return frame.assign(**changes)
 
 
@@ -44,17 +59,27 @@ def _gate(tmp_path: Path, url: str, frame: pd.DataFrame) -> dg.ExecuteInProcessR
     path = data / "assets" / "teacher_samples" / f"{DAY}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(path)
-    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
-                 "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                 "judge_llm": OpenAILLM(base_url=url, model="stub", max_retries=2,
-                                          timeout_s=5)}
-    return dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,
-                          instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    resources = {
+        **config_resources(),
+        "io_manager": NexaIOManager(data_root=str(data)),
+        "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
+        "judge_llm": OpenAILLM(base_url=url, model="stub", max_retries=2, timeout_s=5),
+    }
+    return dg.materialize(
+        [teacher_samples.to_source_asset(), sample_gate],
+        partition_key=DAY,
+        resources=resources,
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
 
 
 def _stored(tmp_path: Path) -> list[str]:
-    return sorted(p.parent.name for p in (tmp_path / "data" / "assets").glob("*_samples/*.parquet")
-                  if p.parent.name != "teacher_samples")
+    return sorted(
+        p.parent.name
+        for p in (tmp_path / "data" / "assets").glob("*_samples/*.parquet")
+        if p.parent.name != "teacher_samples"
+    )
 
 
 def _retries(result: dg.ExecuteInProcessResult) -> int:
@@ -92,15 +117,22 @@ def test_a_stored_table_that_breaks_the_schema_stops_at_the_boundary(tmp_path: P
     with stub_server(json_judge()) as (url, calls, _):
         result = _gate(tmp_path, url, _teacher_frame(latency_s=[-1.0]))  # e.g. written by another tool
     assert not result.success
-    type_failures = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_INPUT
-                     and not e.event_specific_data.type_check_data.success]
-    assert type_failures and "latency_s" in str(result.get_step_failure_events()[0].step_failure_data.error.message)
+    type_failures = [
+        e
+        for e in result.all_events
+        if e.event_type == dg.DagsterEventType.STEP_INPUT
+        and not e.event_specific_data.type_check_data.success
+    ]
+    assert type_failures and "latency_s" in str(
+        result.get_step_failure_events()[0].step_failure_data.error.message
+    )
     assert calls == [] and _stored(tmp_path) == []
     assert not result.get_asset_check_evaluations()
 
 
-def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bug that writes a score out of 1..5 (simulated by corrupting the real gate's result) is caught by the
     output's type, before the IO manager stores anything."""
     real = filtering.apply_sample_gate
@@ -118,7 +150,9 @@ def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(tmp_path: P
     assert "judge_score" in message and "filtered_samples" in message
     assert _stored(tmp_path) == []
     assert not result.get_asset_check_evaluations()
-    assert [spec.name for spec in sample_gate.check_specs] == ["pass_rate_in_band"]  # no check that cannot fail
+    assert [spec.name for spec in sample_gate.check_specs] == [
+        "pass_rate_in_band"
+    ]  # no check that cannot fail
 
 
 def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
@@ -132,19 +166,37 @@ def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:
     path = data / "assets" / "raw_documents" / f"{DAY}.parquet"
     path.parent.mkdir(parents=True)
     texts = [f"Document {i} explains the with statement and context managers in Python." for i in range(6)]
-    pd.DataFrame({"doc_id": [f"{i:016d}" for i in range(6)], "day": [DAY] * 6, "source": ["s"] * 6,
-                  "title": ["t"] * 6, "text": texts, "n_chars": [len(t) for t in texts]}).to_parquet(path)
+    pd.DataFrame(
+        {
+            "doc_id": [f"{i:016d}" for i in range(6)],
+            "day": [DAY] * 6,
+            "source": ["s"] * 6,
+            "title": ["t"] * 6,
+            "text": texts,
+            "n_chars": [len(t) for t in texts],
+        }
+    ).to_parquet(path)
     with stub_server(reply) as (url, calls, _):
-        resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
-                     "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                     "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2),
-                     **config_resources()}
-        result = dg.materialize([raw_documents.to_source_asset(), teacher_samples], partition_key=DAY,
-                                resources=resources, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+        resources = {
+            **config_resources(),
+            "io_manager": NexaIOManager(data_root=str(data)),
+            "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
+            "teacher_llm": OpenAILLM(base_url=url, model="stub", max_concurrency=2),
+            **config_resources(),
+        }
+        result = dg.materialize(
+            [raw_documents.to_source_asset(), teacher_samples],
+            partition_key=DAY,
+            resources=resources,
+            instance=dg.DagsterInstance.ephemeral(),
+            raise_on_error=False,
+        )
     assert not result.success and _retries(result) == 0
     failure = result.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert failure is not None and "HTTP 401" in failure.description
-    assert len(calls) <= 2  # the requests already in flight, not one per document (6), nor again per step retry
+    assert (
+        len(calls) <= 2
+    )  # the requests already in flight, not one per document (6), nor again per step retry
 
 
 def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Path) -> None:
@@ -158,11 +210,19 @@ def test_a_corrupt_local_model_fails_the_step_once_naming_the_file(tmp_path: Pat
     path = data / "assets" / "teacher_samples" / f"{DAY}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     _teacher_frame().to_parquet(path)
-    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=str(data)),
-                 "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
-                 "judge_llm": LocalLLM(model=str(model))}
-    result = dg.materialize([teacher_samples.to_source_asset(), sample_gate], partition_key=DAY, resources=resources,
-                            instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    resources = {
+        **config_resources(),
+        "io_manager": NexaIOManager(data_root=str(data)),
+        "storage": StorageResource(data_root=str(data), landing_root=str(tmp_path / "landing")),
+        "judge_llm": LocalLLM(model=str(model)),
+    }
+    result = dg.materialize(
+        [teacher_samples.to_source_asset(), sample_gate],
+        partition_key=DAY,
+        resources=resources,
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
     assert not result.success
     failure = result.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert failure is not None and f"{model}: model.safetensors" in failure.description, failure

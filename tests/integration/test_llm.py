@@ -63,7 +63,9 @@ def local(tiny_model_dir: Path) -> Iterator[LocalTransformersClient]:
 # -- in-process transformers --------------------------------------------------------------------------------------
 def test_local_chat_counts_tokens_and_keeps_order(local: LocalTransformersClient) -> None:
     # prompts of different lengths, more of them than one batch: left padding and re-ordering are exercised
-    convs = [[{"role": "user", "content": "Tell me about number " + "very " * (3 * i) + f"{i}."}] for i in range(6)]
+    convs = [
+        [{"role": "user", "content": "Tell me about number " + "very " * (3 * i) + f"{i}."}] for i in range(6)
+    ]
     out = local.chat_many(convs, GREEDY)
     assert len(out) == 6
     for conv, c in zip(convs, out, strict=True):
@@ -76,13 +78,16 @@ def test_local_chat_counts_tokens_and_keeps_order(local: LocalTransformersClient
     assert local.chat_many([], GREEDY) == []
 
 
-def test_local_batching_beats_one_at_a_time(local: LocalTransformersClient,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_batching_beats_one_at_a_time(
+    local: LocalTransformersClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     convs = [[{"role": "user", "content": f"Explain topic {i} in detail."}] for i in range(8)]
     params = SamplingParams(max_tokens=8)
     calls = []
     generate = local.model.generate
-    monkeypatch.setattr(local.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw))
+    monkeypatch.setattr(
+        local.model, "generate", lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw)
+    )
     local.chat_many(convs, params)
     assert calls == [4, 4]  # batch_size=4: two generate() calls for eight conversations
     # the speed-up itself is measured by bench/bench_local_batching.py, not asserted here
@@ -99,7 +104,9 @@ def test_local_sampling_honours_the_seed(local: LocalTransformersClient) -> None
     first = local.chat(msgs, params)
     assert torch.equal(torch.rand(1), expected_next)  # the request's seed did not reset the caller's RNG
     assert local.chat(msgs, params).text == first.text
-    others = {local.chat(msgs, SamplingParams(max_tokens=12, temperature=1.0, seed=s)).text for s in range(8, 12)}
+    others = {
+        local.chat(msgs, SamplingParams(max_tokens=12, temperature=1.0, seed=s)).text for s in range(8, 12)
+    }
     assert others != {first.text}
 
 
@@ -123,8 +130,9 @@ def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransform
     choice_ids = tok.encode(choice, add_special_tokens=False)
     assert len(choice_ids) > 1
     # independent computation: one unpadded forward pass over prompt + choice
-    prompt_ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-                            add_special_tokens=False)
+    prompt_ids = tok.encode(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
     ids = torch.tensor([prompt_ids + choice_ids])
     with torch.no_grad():
         logp = torch.log_softmax(local.model(input_ids=ids).logits.float(), dim=-1)[0]
@@ -136,8 +144,9 @@ def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransform
 
 
 # -- a real `transformers serve` ------------------------------------------------------------------------------------
-def test_real_transformers_serve_answers_through_the_openai_client(served: ManagedServer, tiny_model_dir: Path,
-                                                                    tmp_path: Path) -> None:
+def test_real_transformers_serve_answers_through_the_openai_client(
+    served: ManagedServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     assert served.engine == "transformers" and served.ready_s > 0
     # continuous batching is on by default only for a GPU device (teacher generation, as the shared server, asks)
     assert ManagedServer(tiny_model_dir, tmp_path).continuous_batching is False and served.continuous_batching
@@ -168,22 +177,28 @@ def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_di
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
     with pytest.raises(LLMError, match="cannot reach"):
         OpenAICompatibleClient(base_url, model="m", max_retries=0, timeout_s=2).chat(
-            [{"role": "user", "content": "hi"}], GREEDY)
+            [{"role": "user", "content": "hi"}], GREEDY
+        )
 
 
-@pytest.mark.parametrize(("setting", "on_gpu", "on_cpu"), [(False, False, False), (True, True, True),
-                                                           (None, True, False)])
-def test_continuous_batching_setting_is_passed_as_it_is(tiny_model_dir: Path, tmp_path: Path, setting: bool | None,
-                                                        on_gpu: bool, on_cpu: bool) -> None:
+@pytest.mark.parametrize(
+    ("setting", "on_gpu", "on_cpu"), [(False, False, False), (True, True, True), (None, True, False)]
+)
+def test_continuous_batching_setting_is_passed_as_it_is(
+    tiny_model_dir: Path, tmp_path: Path, setting: bool | None, on_gpu: bool, on_cpu: bool
+) -> None:
     """False turns it off even on a GPU (it used to become None, "auto", which is on there); None is auto."""
     resource = ManagedLLM(model=str(tiny_model_dir), continuous_batching=setting)
     assert resource.managed_server(tiny_model_dir, tmp_path, device="cuda").continuous_batching is on_gpu
     assert resource.managed_server(tiny_model_dir, tmp_path, device="cpu").continuous_batching is on_cpu
 
 
-@pytest.mark.parametrize("interrupt", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
-def test_server_is_stopped_when_the_block_fails(tiny_model_dir: Path, tmp_path: Path,
-                                                interrupt: BaseException) -> None:
+@pytest.mark.parametrize(
+    "interrupt", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"]
+)
+def test_server_is_stopped_when_the_block_fails(
+    tiny_model_dir: Path, tmp_path: Path, interrupt: BaseException
+) -> None:
     server = ManagedServer(tiny_model_dir, tmp_path)
     with pytest.raises(type(interrupt)), server:
         pid = server.pid
@@ -199,13 +214,16 @@ def test_server_is_stopped_when_the_block_fails(tiny_model_dir: Path, tmp_path: 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux-only")
 def test_server_stops_when_its_parent_is_killed_outright(tiny_model_dir: Path, tmp_path: Path) -> None:
-    script = ("import sys, time\n"
-              "from nexa_dagster.core.llm.managed_server import ManagedServer\n"
-              "server = ManagedServer(sys.argv[1], sys.argv[2]).start()\n"
-              "print(server.pid, flush=True)\n"
-              "time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    script = (
+        "import sys, time\n"
+        "from nexa_dagster.core.llm.managed_server import ManagedServer\n"
+        "server = ManagedServer(sys.argv[1], sys.argv[2]).start()\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         line = parent.stdout.readline() if parent.stdout else ""
         assert line.strip().isdigit(), "the parent did not start a server"
@@ -269,12 +287,15 @@ def test_a_server_that_dies_or_hangs_is_reported_with_its_log(tmp_path: Path) ->
 # -- failures, retries, secrets -------------------------------------------------------------------------------------
 def test_unreachable_endpoint_is_named_and_the_key_never_leaks(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    client = OpenAICompatibleClient("http://127.0.0.1:9/v1", model="m", api_key=SECRET, max_retries=1,
-                                    timeout_s=2, backoff_s=0.01)
+    client = OpenAICompatibleClient(
+        "http://127.0.0.1:9/v1", model="m", api_key=SECRET, max_retries=1, timeout_s=2, backoff_s=0.01
+    )
     with pytest.raises(LLMError) as err:
         client.chat([{"role": "user", "content": "hi"}], GREEDY)
     assert "cannot reach http://127.0.0.1:9/v1" in str(err.value) and SECRET not in str(err.value)
-    assert err.value.__cause__ is None and err.value.__context__ is None  # the request (headers) is not attached
+    assert (
+        err.value.__cause__ is None and err.value.__context__ is None
+    )  # the request (headers) is not attached
     assert SECRET not in repr(client)
     out = client.chat_many([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY)
     assert len(out) == 2 and all(c.error and "127.0.0.1:9" in c.error and SECRET not in c.error for c in out)
@@ -283,7 +304,9 @@ def test_unreachable_endpoint_is_named_and_the_key_never_leaks(caplog: pytest.Lo
     assert SECRET not in json.dumps(resource.describe()) and resource.describe()["api_key_set"] is True
     assert SECRET not in caplog.text
     with pytest.raises(LLMError, match="127.0.0.1:9"):
-        OpenAICompatibleClient("http://127.0.0.1:9/v1", api_key=SECRET, max_retries=0, timeout_s=2)  # model lookup
+        OpenAICompatibleClient(
+            "http://127.0.0.1:9/v1", api_key=SECRET, max_retries=0, timeout_s=2
+        )  # model lookup
 
 
 def test_retries_with_backoff_on_503() -> None:
@@ -308,12 +331,20 @@ def test_a_client_error_is_not_retried_and_an_echoed_key_is_scrubbed() -> None:
 
 
 def test_choice_logprobs_from_an_engine_that_honours_them() -> None:
-    top = [{"token": " 3", "logprob": -0.5}, {"token": "3", "logprob": -2.0}, {"token": "4", "logprob": -1.5},
-           {"token": "The", "logprob": -3.0}]
+    top = [
+        {"token": " 3", "logprob": -0.5},
+        {"token": "3", "logprob": -2.0},
+        {"token": "4", "logprob": -1.5},
+        {"token": "The", "logprob": -3.0},
+    ]
 
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        first = {"token": " 3", "logprob": -0.5, "bytes": None,
-                 "top_logprobs": [{**t, "bytes": None} for t in top[: body.get("top_logprobs", 0)]]}
+        first = {
+            "token": " 3",
+            "logprob": -0.5,
+            "bytes": None,
+            "top_logprobs": [{**t, "bytes": None} for t in top[: body.get("top_logprobs", 0)]],
+        }
         return 200, chat_payload("3", {"content": [first]} if body.get("logprobs") else None)
 
     with stub_server(reply) as (url, calls, _):
@@ -360,8 +391,10 @@ def test_an_engine_that_rejects_logprobs_falls_back(json_schema: int, method: st
     a failed judge stage: the judge uses ``response_format`` where honoured, else text."""
     from nexa_dagster.core.distill.judge import Judge
 
-    with stub_server(json_judge(logprobs=400, json_schema=json_schema)) as (url, calls, _), \
-            OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client:
+    with (
+        stub_server(json_judge(logprobs=400, json_schema=json_schema)) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client,
+    ):
         judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"))
         assert judge.method == method
         assert client.capabilities().logprobs is False
@@ -374,23 +407,34 @@ def test_a_wrong_key_fails_the_probe_instead_of_passing_for_no_logprobs() -> Non
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return 401, {"error": {"message": "invalid api key"}}
 
-    with stub_server(reply) as (url, calls, _), OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client:
+    with (
+        stub_server(reply) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as client,
+    ):
         with pytest.raises(LLMError, match="HTTP 401") as err:
             client.capabilities()
         assert err.value.permanent and err.value.status == 401 and len(calls) == 1
 
 
-@pytest.mark.parametrize(("header", "max_backoff_s", "low", "high"),
-                         [("1", 30.0, 1.0, 1.6), ("3600", 0.3, 0.3, 0.9)], ids=["honoured", "bounded"])
-def test_retry_after_is_honoured_and_bounded(header: str, max_backoff_s: float, low: float, high: float) -> None:
+@pytest.mark.parametrize(
+    ("header", "max_backoff_s", "low", "high"),
+    [("1", 30.0, 1.0, 1.6), ("3600", 0.3, 0.3, 0.9)],
+    ids=["honoured", "bounded"],
+)
+def test_retry_after_is_honoured_and_bounded(
+    header: str, max_backoff_s: float, low: float, high: float
+) -> None:
     """429 with ``Retry-After: 1`` waits one second (not the 0.5x-1.5x jittered backoff); an hour is capped."""
+
     def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]] | tuple[int, Any]:
         if n == 1:
             return 429, {"error": {"message": "slow down"}}, {"Retry-After": header}
         return 200, chat_payload("ok")
 
-    with stub_server(reply) as (url, calls, times), \
-            OpenAICompatibleClient(url, model="stub", backoff_s=0.01, max_backoff_s=max_backoff_s) as client:
+    with (
+        stub_server(reply) as (url, calls, times),
+        OpenAICompatibleClient(url, model="stub", backoff_s=0.01, max_backoff_s=max_backoff_s) as client,
+    ):
         assert client.chat([{"role": "user", "content": "hi"}], GREEDY).text == "ok"
         waited = times[1] - times[0]
         assert low <= waited < high, waited
@@ -407,9 +451,13 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
     def dropping(n: int, body: dict[str, Any]) -> Any:
         return probe(n, body) if n <= 2 else DROP  # the probes answer, then every connection drops
 
-    with stub_server(dropping) as (url, calls, _), \
-            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01, timeout_s=5) as client:
-        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
+    with (
+        stub_server(dropping) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01, timeout_s=5) as client,
+    ):
+        judge = Judge(
+            client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2
+        )
         verdict = judge.judge("Explain lists.", "A list holds items.")
         assert verdict.error and "cannot reach" in verdict.error and verdict.attempts == 1
         assert len(calls) == 2 + 3  # probes, then one verdict sent 1 + max_retries times, not 3 x 3
@@ -417,9 +465,13 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
     def unknown_model(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return probe(n, body) if n <= 2 else (404, {"error": {"message": "The model `stub` does not exist."}})
 
-    with stub_server(unknown_model) as (url, calls, _), \
-            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client:
-        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
+    with (
+        stub_server(unknown_model) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client,
+    ):
+        judge = Judge(
+            client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2
+        )
         with pytest.raises(LLMError, match="HTTP 404") as err:
             judge.judge("Explain lists.", "A list holds items.")
         assert err.value.permanent and len(calls) == 3
@@ -429,10 +481,16 @@ def test_the_judge_asks_again_only_what_asking_again_can_fix() -> None:
             return 400, {"error": {"message": "maximum context length exceeded"}}
         return probe(n, body)
 
-    with stub_server(too_long) as (url, calls, _), \
-            OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client:
-        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2)
-        long, fine = judge.judge_many([("Explain lists.", "LONG " * 50), ("Explain lists.", "A list holds items.")])
+    with (
+        stub_server(too_long) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", max_retries=2, backoff_s=0.01) as client,
+    ):
+        judge = Judge(
+            client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=2
+        )
+        long, fine = judge.judge_many(
+            [("Explain lists.", "LONG " * 50), ("Explain lists.", "A list holds items.")]
+        )
         assert long.error and "HTTP 400" in long.error and long.attempts == 1  # this sample's, asked once
         assert fine.error is None and fine.score == 4.0
         assert len(calls) == 2 + 2
@@ -445,12 +503,20 @@ def test_a_verdict_too_short_for_json_is_refused_not_raised() -> None:
 
     with stub_server(json_judge()) as (url, _, _t), OpenAICompatibleClient(url, model="stub") as client:
         with pytest.raises(ValueError, match="max_tokens 8 is too few"):
-            Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), max_tokens=8)
-        judge = Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"),
-                      max_tokens=120)
+            Judge(
+                client,
+                read_text("prompts/judge.jinja"),
+                read_text("prompts/judge_verdict.jinja"),
+                max_tokens=8,
+            )
+        judge = Judge(
+            client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), max_tokens=120
+        )
         assert judge.max_tokens == 120
         with pytest.raises(ValueError, match="retries must be >= 0"):
-            Judge(client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=-1)
+            Judge(
+                client, read_text("prompts/judge.jinja"), read_text("prompts/judge_verdict.jinja"), retries=-1
+            )
     # the same limits where a user writes them: configs/filters.yaml and the resource's settings
     from nexa_dagster.core.common.config import ConfigError, validated
     from nexa_dagster.core.distill.sample_gate import GateConfig

@@ -33,8 +33,10 @@ def _home(tmp_path: Path, pg: dict[str, str]) -> Path:
 def _psql(pg: dict[str, str], sql: str) -> str:
     import psycopg2
 
-    with psycopg2.connect(host=pg["host"], port=int(pg["port"]), user="postgres", dbname=pg["db"]) as conn, \
-            conn.cursor() as cur:
+    with (
+        psycopg2.connect(host=pg["host"], port=int(pg["port"]), user="postgres", dbname=pg["db"]) as conn,
+        conn.cursor() as cur,
+    ):
         cur.execute(sql)
         return cur.fetchall()
 
@@ -44,8 +46,10 @@ def _landing(root: Path) -> dict[str, int]:
     counts = {}
     for i, day in enumerate(DAYS):
         (root / day).mkdir(parents=True)
-        docs = [{"title": f"note {day} {j}", "text": f"Day {day}, note {j}: " + "lorem ipsum dolor " * (5 + j)}
-                for j in range(3 + i % 4)]
+        docs = [
+            {"title": f"note {day} {j}", "text": f"Day {day}, note {j}: " + "lorem ipsum dolor " * (5 + j)}
+            for j in range(3 + i % 4)
+        ]
         (root / day / "notes.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
         counts[day] = len(docs)
     return counts
@@ -62,27 +66,41 @@ def test_a_materialization_is_stored_in_postgres(tmp_path: Path, pg: dict[str, s
         assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
         data = str(tmp_path / "data")
         result = dg.materialize(
-            [raw_documents], partition_key=DAYS[0], instance=instance,
-            resources={**config_resources(), "io_manager": NexaIOManager(data_root=data),
-                       "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing"))})
+            [raw_documents],
+            partition_key=DAYS[0],
+            instance=instance,
+            resources={
+                **config_resources(),
+                "io_manager": NexaIOManager(data_root=data),
+                "storage": StorageResource(data_root=data, landing_root=str(tmp_path / "landing")),
+            },
+        )
         assert result.success
         event = instance.get_latest_materialization_event(dg.AssetKey("raw_documents"))
         assert event is not None and event.run_id == result.run_id
         assert event.asset_materialization.metadata["dagster/row_count"].value == counts[DAYS[0]]
-        rows = _psql(pg, "SELECT count(*) FROM event_logs WHERE asset_key = '[\"raw_documents\"]' "
-                         "AND dagster_event_type = 'ASSET_MATERIALIZATION'")
+        rows = _psql(
+            pg,
+            "SELECT count(*) FROM event_logs WHERE asset_key = '[\"raw_documents\"]' "
+            "AND dagster_event_type = 'ASSET_MATERIALIZATION'",
+        )
         assert rows[0][0] == 1
     finally:
         instance.dispose()
 
 
-def _wait_for_runs(instance: dg.DagsterInstance, job: str, timeout_s: float) -> dict[str, dg.DagsterRunStatus]:
+def _wait_for_runs(
+    instance: dg.DagsterInstance, job: str, timeout_s: float
+) -> dict[str, dg.DagsterRunStatus]:
     """Poll until every queued partition run of ``job`` has finished; returns status by partition."""
     deadline, statuses = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
-        statuses = {r.tags["dagster/partition"]: r.status for r in instance.get_runs(dg.RunsFilter(job_name=job))}
-        if len(statuses) == len(DAYS) and all(s in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE)
-                                              for s in statuses.values()):
+        statuses = {
+            r.tags["dagster/partition"]: r.status for r in instance.get_runs(dg.RunsFilter(job_name=job))
+        }
+        if len(statuses) == len(DAYS) and all(
+            s in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE) for s in statuses.values()
+        ):
             break
         time.sleep(3)
     return statuses
@@ -94,7 +112,8 @@ def _read_partitions(data: Path, asset: str) -> dict[str, pd.DataFrame]:
 
 @pytest.mark.timeout(1800)  # 20 runs through the daemon's queue: minutes on 2 cores
 def test_twenty_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
-        tmp_path: Path, pg: dict[str, str], tiny_model_dir: Path) -> None:
+    tmp_path: Path, pg: dict[str, str], tiny_model_dir: Path
+) -> None:
     """`dagster job backfill` queues 20 runs of the data stages (ingest, teacher, judge); the real daemon dequeues
     them (8 at a time) against Postgres, and all 20 share one OpenAI-compatible model server, as a lab's runs
     share one vLLM endpoint. Each day's documents, answers and verdicts arrive once: none lost, none twice."""
@@ -102,28 +121,62 @@ def test_twenty_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
     home = _home(tmp_path, pg)
     data = tmp_path / "data"
     with ManagedServer(tiny_model_dir, tmp_path / "server-logs", continuous_batching=True) as server:
-        endpoint = {f"NEXA_{role}_{key}": value for role in ("TEACHER", "JUDGE")
-                    for key, value in {"BACKEND": "openai", "URL": server.base_url, "MODEL": server.model_name,
-                                       "API_KEY": "unused-by-transformers-serve"}.items()}
+        endpoint = {
+            f"NEXA_{role}_{key}": value
+            for role in ("TEACHER", "JUDGE")
+            for key, value in {
+                "BACKEND": "openai",
+                "URL": server.base_url,
+                "MODEL": server.model_name,
+                "API_KEY": "unused-by-transformers-serve",
+            }.items()
+        }
         env = sandbox_env(tmp_path, **endpoint)
-        cmd = [sys.executable, "-m", "dagster", "job", "backfill", "-w", "workspace.yaml", "-j", "daily_data_job",
-               "--from", DAYS[0], "--to", DAYS[-1], "--noprompt"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dagster",
+            "job",
+            "backfill",
+            "-w",
+            "workspace.yaml",
+            "-j",
+            "daily_data_job",
+            "--from",
+            DAYS[0],
+            "--to",
+            DAYS[-1],
+            "--noprompt",
+        ]
         proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
         instance = dg.DagsterInstance.from_config(str(home))
-        daemon = subprocess.Popen([str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w",
-                                   "workspace.yaml"], env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             statuses = _wait_for_runs(instance, "daily_data_job", timeout_s=1200)
-            failed = [r.run_id for r in instance.get_runs(dg.RunsFilter(job_name="daily_data_job"))
-                      if r.status != dg.DagsterRunStatus.SUCCESS]
-            errors = [str(e.dagster_event.event_specific_data)[:800] for run_id in failed[:2]
-                      for e in instance.all_logs(run_id) if e.dagster_event and e.dagster_event.is_failure]
+            failed = [
+                r.run_id
+                for r in instance.get_runs(dg.RunsFilter(job_name="daily_data_job"))
+                if r.status != dg.DagsterRunStatus.SUCCESS
+            ]
+            errors = [
+                str(e.dagster_event.event_specific_data)[:800]
+                for run_id in failed[:2]
+                for e in instance.all_logs(run_id)
+                if e.dagster_event and e.dagster_event.is_failure
+            ]
             assert statuses == {d: dg.DagsterRunStatus.SUCCESS for d in DAYS}, (statuses, errors)
-            assert len(instance.get_runs(dg.RunsFilter(job_name="daily_data_job"))) == len(DAYS), \
+            assert len(instance.get_runs(dg.RunsFilter(job_name="daily_data_job"))) == len(DAYS), (
                 "a run was duplicated"
+            )
             for asset in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
                 assert instance.get_materialized_partitions(dg.AssetKey(asset)) == set(DAYS), asset
         finally:
@@ -139,14 +192,21 @@ def test_twenty_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
     generations = load_scale().generations_per_prompt
     for day, frame in teacher.items():
         assert frame["error"].isna().all(), (day, frame["error"].dropna().tolist()[:3])
-        assert sorted(frame["doc_id"]) == sorted(raw[day]["doc_id"].repeat(generations)), f"answers lost on {day}"
-    assert sorted(teacher) == DAYS and pd.concat(teacher.values())["sample_id"].is_unique, "answers duplicated"
+        assert sorted(frame["doc_id"]) == sorted(raw[day]["doc_id"].repeat(generations)), (
+            f"answers lost on {day}"
+        )
+    assert sorted(teacher) == DAYS and pd.concat(teacher.values())["sample_id"].is_unique, (
+        "answers duplicated"
+    )
 
     kept, rejected = _read_partitions(data, "filtered_samples"), _read_partitions(data, "rejected_samples")
     for day in DAYS:
         judged = list(kept[day]["sample_id"]) + list(rejected[day]["sample_id"])
         assert sorted(judged) == sorted(teacher[day]["sample_id"]), f"a verdict lost or doubled on {day}"
 
-    rows = _psql(pg, "SELECT count(*) FROM event_logs WHERE asset_key = '[\"teacher_samples\"]' "
-                     "AND dagster_event_type = 'ASSET_MATERIALIZATION'")
+    rows = _psql(
+        pg,
+        "SELECT count(*) FROM event_logs WHERE asset_key = '[\"teacher_samples\"]' "
+        "AND dagster_event_type = 'ASSET_MATERIALIZATION'",
+    )
     assert rows[0][0] == len(DAYS)

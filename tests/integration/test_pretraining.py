@@ -33,16 +33,25 @@ WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
 
 
 def small_config(vocab: int = 300) -> MixtralConfig:
-    return MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                         rope_theta=10000.0)
+    return MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=10000.0,
+    )
 
 
 # -- the corpus as training rows ---------------------------------------------------------------------------------
 def test_corpus_rows_keep_documents_apart_and_never_train_on_heldout_documents(tmp_path: Path) -> None:
     documents = random_documents(40, vocab=300, eos=2)
-    train, heldout, split = load_corpus(write_corpus(tmp_path, documents), pack_size=32, heldout_fraction=0.2,
-                                        pad_id=0)
+    train, heldout, split = load_corpus(
+        write_corpus(tmp_path, documents), pack_size=32, heldout_fraction=0.2, pad_id=0
+    )
     assert train["input_ids"].shape[1] == heldout["input_ids"].shape[1] == 32
     assert len(split.train) + len(split.heldout) == 40 and 0 < len(split.heldout) < 40
 
@@ -58,7 +67,9 @@ def test_corpus_rows_keep_documents_apart_and_never_train_on_heldout_documents(t
     row_starts[::32] = True
     doc_starts = torch.zeros(len(positions), dtype=torch.bool)
     doc_starts[starts] = True
-    assert torch.equal(positions == 0, row_starts | doc_starts), "a position restarts only at a document or row"
+    assert torch.equal(positions == 0, row_starts | doc_starts), (
+        "a position restarts only at a document or row"
+    )
     # loss on every real token except a document's first (never predicted from another document)
     labels = labels_for(train).reshape(-1)[real]
     assert torch.equal(labels.ne(IGNORE_INDEX), ~(row_starts | doc_starts))
@@ -66,22 +77,27 @@ def test_corpus_rows_keep_documents_apart_and_never_train_on_heldout_documents(t
 
     # held out: by document id, never in a training row, and the same side for the same document every time
     assert {document_id(d) for d in split.train}.isdisjoint(split.heldout_ids)
-    assert split.heldout_ids == {document_id(np.asarray(d)) for d in documents
-                                 if document_id(np.asarray(d)) in split.heldout_ids}
-    _, _, again = load_corpus(write_corpus(tmp_path / "reshuffled", documents[::-1], shards=3), pack_size=16,
-                              heldout_fraction=0.2, pad_id=0)
+    assert split.heldout_ids == {
+        document_id(np.asarray(d)) for d in documents if document_id(np.asarray(d)) in split.heldout_ids
+    }
+    _, _, again = load_corpus(
+        write_corpus(tmp_path / "reshuffled", documents[::-1], shards=3),
+        pack_size=16,
+        heldout_fraction=0.2,
+        pad_id=0,
+    )
     assert again.heldout_ids == split.heldout_ids
 
     # the model attends within documents: a document's logits in a packed row equal its logits alone
     row = int(torch.nonzero((train["position_ids"][:, 1:] == 0).any(1))[0])
     pos = train["position_ids"][row]
     second = int(torch.nonzero(pos[1:] == 0)[0]) + 1
-    end = int(torch.nonzero(pos[second + 1:] == 0)[0]) + second + 1 if (pos[second + 1:] == 0).any() else 32
+    end = int(torch.nonzero(pos[second + 1 :] == 0)[0]) + second + 1 if (pos[second + 1 :] == 0).any() else 32
     torch.manual_seed(0)
     model = NexaMoEForCausalLM(small_config()).eval()
     with torch.no_grad():
-        packed = model(train["input_ids"][row:row + 1], position_ids=pos[None], return_logits=True).logits
-        alone = model(train["input_ids"][row:row + 1, second:end], return_logits=True).logits
+        packed = model(train["input_ids"][row : row + 1], position_ids=pos[None], return_logits=True).logits
+        alone = model(train["input_ids"][row : row + 1, second:end], return_logits=True).logits
     torch.testing.assert_close(packed[0, second:end], alone[0], rtol=1e-4, atol=1e-5)
 
 
@@ -93,26 +109,53 @@ def test_a_corpus_that_cannot_be_split_fails_naming_it(tmp_path: Path) -> None:
 
 
 # -- pretraining in the worker, resumed exactly ------------------------------------------------------------------
-def pretrain_job(tmp_path: Path, tokenizer_dir: Path, run_id: str, steps: int = 6, **settings: object) -> TrainingJob:
+def pretrain_job(
+    tmp_path: Path, tokenizer_dir: Path, run_id: str, steps: int = 6, **settings: object
+) -> TrainingJob:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     corpus = tmp_path / "corpus"
     if not corpus.exists():
         write_corpus(corpus, random_documents(60, len(tokenizer), tokenizer.eos_token_id, seed=3))
-    training = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1,
-                                learning_rate=3e-3, warmup_steps=1, weight_decay=0.0, grad_clip=1.0, log_every=1,
-                                seed=0, num_procs=1, **settings)
-    return TrainingJob(run_id=run_id, train_path=str(corpus), validation_path=str(corpus),
-                       tokenizer_path=str(tokenizer_dir), model_preset="tiny",
-                       deepspeed_config=load_deepspeed_config("zero1_cpu.json"), settings=training,
-                       output_dir=str(tmp_path / "ckpt" / run_id), dataset_run_hash="corpus1234",
-                       data_kind="pretrain_corpus", pack_size=64, heldout_fraction=0.15)
+    training = TrainingSettings(
+        max_steps=steps,
+        micro_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        log_every=1,
+        seed=0,
+        num_procs=1,
+        **settings,
+    )
+    return TrainingJob(
+        run_id=run_id,
+        train_path=str(corpus),
+        validation_path=str(corpus),
+        tokenizer_path=str(tokenizer_dir),
+        model_preset="tiny",
+        deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
+        settings=training,
+        output_dir=str(tmp_path / "ckpt" / run_id),
+        dataset_run_hash="corpus1234",
+        data_kind="pretrain_corpus",
+        pack_size=64,
+        heldout_fraction=0.15,
+    )
 
 
 def _worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
-    return subprocess.Popen([*WORKER, "--job", str(job_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [*WORKER, "--job", str(job_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _losses(job: TrainingJob) -> list[tuple[int, float]]:
@@ -120,16 +163,23 @@ def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
 
 
-def test_pretraining_on_bin_idx_resumes_with_the_same_loss_at_every_step(tmp_path: Path,
-                                                                       tiny_model_dir: Path) -> None:
+def test_pretraining_on_bin_idx_resumes_with_the_same_loss_at_every_step(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """The pretraining job trains in the SFT worker; killed after the state of step 3 is saved and relaunched,
     steps 4-6 give exactly the losses of an uninterrupted run; the held-out documents are its validation set."""
     straight = pretrain_job(tmp_path, tiny_model_dir, "straight", checkpoint_every=3)
     proc = _worker(straight, tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    result = TrainingResult.model_validate_json((Path(straight.output_dir) / "training_summary.json").read_text())
-    assert result.data_kind == "pretrain_corpus" and result.parent == "scratch" and result.validation_documents > 0
+    result = TrainingResult.model_validate_json(
+        (Path(straight.output_dir) / "training_summary.json").read_text()
+    )
+    assert (
+        result.data_kind == "pretrain_corpus"
+        and result.parent == "scratch"
+        and result.validation_documents > 0
+    )
     assert math.isfinite(result.validation_loss) and result.steps == 6
     assert MixtralForCausalLM.from_pretrained(straight.output_dir).config.model_type == "mixtral"
 
@@ -153,15 +203,18 @@ def test_pretraining_on_bin_idx_resumes_with_the_same_loss_at_every_step(tmp_pat
 
 
 # -- init_from ---------------------------------------------------------------------------------------------------
-def test_a_transformers_saved_mixtral_loads_into_the_training_model_with_the_same_logits(tmp_path: Path) -> None:
+def test_a_transformers_saved_mixtral_loads_into_the_training_model_with_the_same_logits(
+    tmp_path: Path,
+) -> None:
     torch.manual_seed(0)
     hf = MixtralForCausalLM(small_config()).eval()
     hf.save_pretrained(tmp_path / "mixtral")
     ours = load_mixtral_checkpoint(str(tmp_path / "mixtral")).eval()
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids, return_logits=True).logits, hf(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ours(ids, return_logits=True).logits, hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_the_training_loop_starts_from_the_init_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -171,32 +224,48 @@ def test_the_training_loop_starts_from_the_init_checkpoint(tmp_path: Path, tiny_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     job = pretrain_job(tmp_path, tiny_model_dir, "init")
     scratch = build_model(job, len(tokenizer), tokenizer)
-    started = build_model(job.model_copy(update={"init_from": str(tiny_model_dir)}), len(tokenizer), tokenizer)
+    started = build_model(
+        job.model_copy(update={"init_from": str(tiny_model_dir)}), len(tokenizer), tokenizer
+    )
     saved = MixtralForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     for name, tensor in started.state_dict().items():
         torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
-    assert not torch.equal(scratch.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    assert not torch.equal(
+        scratch.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"]
+    )
 
 
 def test_a_wrong_architecture_or_vocabulary_fails_before_launch(tmp_path: Path, tiny_model_dir: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-                     ).save_pretrained(tmp_path / "llama")
-    with pytest.raises(ValueError, match="a LlamaForCausalLM checkpoint; training starts only from a Mixtral"):
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(tmp_path / "llama")
+    with pytest.raises(
+        ValueError, match="a LlamaForCausalLM checkpoint; training starts only from a Mixtral"
+    ):
         check_init_checkpoint(str(tmp_path / "llama"), tokenizer, "the data")
     MixtralForCausalLM(small_config(vocab=len(tokenizer) - 10)).save_pretrained(tmp_path / "small-vocab")
-    with pytest.raises(ValueError, match=f"vocab_size {len(tokenizer) - 10} is smaller than the {len(tokenizer)}"):
+    with pytest.raises(
+        ValueError, match=f"vocab_size {len(tokenizer) - 10} is smaller than the {len(tokenizer)}"
+    ):
         check_init_checkpoint(str(tmp_path / "small-vocab"), tokenizer, "the data")
     assert check_init_checkpoint(str(tiny_model_dir), tokenizer, "the data") == str(tiny_model_dir)
 
     # another tokenizer shipped with the checkpoint: refused at the cluster, before any process starts
     from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
-    other = build_tiny_causal_lm(tmp_path / "other-tokenizer", corpus=["a different corpus entirely " * 50],
-                                 vocab_size=300)
+    other = build_tiny_causal_lm(
+        tmp_path / "other-tokenizer", corpus=["a different corpus entirely " * 50], vocab_size=300
+    )
     job = pretrain_job(tmp_path, tiny_model_dir, "refused").model_copy(update={"init_from": str(other)})
     with pytest.raises(dg.Failure, match="is not the one .* was tokenized with"):
         LocalGPUCluster()._check_job(job)
@@ -208,7 +277,9 @@ def test_init_from_resolves_each_name() -> None:
     assert resolve("base", base, production).path == "/ckpt/base-1"
     assert resolve("base", base, production).parent == "base:base-1"
     assert resolve("production", base, production).parent == "production:ckpt-7"
-    assert resolve("scratch", base, production).path == "" and resolve("scratch", None, None).parent == "scratch"
+    assert (
+        resolve("scratch", base, production).path == "" and resolve("scratch", None, None).parent == "scratch"
+    )
     assert resolve("/models/m", None, None).parent == "path:/models/m"
     fallback = resolve("base", None, production, fallback_to_scratch=True)
     assert fallback.parent == "scratch" and "no base_model" in fallback.note

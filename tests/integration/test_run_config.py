@@ -44,9 +44,27 @@ def test_the_launchpad_shows_the_scale_preset_with_the_environment_as_default(mo
 
 
 def _materialize(root: Path, *config: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions",
-                           "--select", "raw_documents", "--partition", DAY, *config], cwd=REPO_ROOT,
-                          env=sandbox_env(root), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dagster",
+            "asset",
+            "materialize",
+            "-m",
+            "nexa_dagster.definitions",
+            "--select",
+            "raw_documents",
+            "--partition",
+            DAY,
+            *config,
+        ],
+        cwd=REPO_ROOT,
+        env=sandbox_env(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path, monkeypatch) -> None:
@@ -56,7 +74,9 @@ def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path
     assert default.returncode == 0, default.stderr[-3000:]
     run_config = tmp_path / "full.yaml"
     run_config.write_text(yaml.safe_dump({"resources": {"scale_preset": {"config": {"name": "full"}}}}))
-    launched = _materialize(root, "-c", str(run_config))  # as `dagster job launch --config` and the Launchpad pass it
+    launched = _materialize(
+        root, "-c", str(run_config)
+    )  # as `dagster job launch --config` and the Launchpad pass it
     assert launched.returncode == 0, launched.stderr[-3000:]
 
     instance = dg.DagsterInstance.from_config(str(root / "home"))
@@ -64,7 +84,10 @@ def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path
         events = instance.fetch_materializations(dg.AssetKey("raw_documents"), limit=10).records
         by_scale = {e.asset_materialization.metadata["scale"].value: e for e in events}
         assert set(by_scale) == {"tiny", "full"}
-        rows = {scale: e.asset_materialization.metadata["dagster/row_count"].value for scale, e in by_scale.items()}
+        rows = {
+            scale: e.asset_materialization.metadata["dagster/row_count"].value
+            for scale, e in by_scale.items()
+        }
         assert rows["tiny"] == 12 < rows["full"], rows  # tiny caps a day at 12 documents, full does not
         recorded = instance.get_run_by_id(by_scale["full"].run_id).run_config
         assert recorded["resources"]["scale_preset"]["config"]["name"] == "full", json.dumps(recorded)
@@ -72,8 +95,9 @@ def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path
         instance.dispose()
 
 
-def test_a_scale_with_no_preset_file_fails_at_launch_and_at_load_naming_the_file(tmp_path: Path,
-                                                                                  monkeypatch) -> None:
+def test_a_scale_with_no_preset_file_fails_at_launch_and_at_load_naming_the_file(
+    tmp_path: Path, monkeypatch
+) -> None:
     from nexa_dagster.core.common.config import ConfigError, config_dir
     from nexa_dagster.definitions import build_defs
 
@@ -84,12 +108,18 @@ def test_a_scale_with_no_preset_file_fails_at_launch_and_at_load_naming_the_file
     job = build_defs().resolve_job_def("daily_data_job")
     instance = dg.DagsterInstance.from_config(str(root / "home"))
     try:
-        result = job.execute_in_process(instance=instance, partition_key=DAY, raise_on_error=False,
-                                        asset_selection=[dg.AssetKey("raw_documents")],
-                                        run_config={"resources": {"scale_preset": {"config": {"name": "huge"}}}})
+        result = job.execute_in_process(
+            instance=instance,
+            partition_key=DAY,
+            raise_on_error=False,
+            asset_selection=[dg.AssetKey("raw_documents")],
+            run_config={"resources": {"scale_preset": {"config": {"name": "huge"}}}},
+        )
         assert not result.success
         failures = [str(e.event_specific_data.error) for e in result.all_events if e.is_failure]
-        assert failures and all(f"no file {config_dir() / 'scales' / 'huge.yaml'}" in f for f in failures), failures
+        assert failures and all(f"no file {config_dir() / 'scales' / 'huge.yaml'}" in f for f in failures), (
+            failures
+        )
         assert "presets: full, small, tiny" in failures[0]
         assert not instance.fetch_materializations(dg.AssetKey("raw_documents"), limit=1).records
     finally:

@@ -102,13 +102,18 @@ class Production:
 
     def describe(self) -> str:
         """What to print when an assertion fails: every run's status and tags, and the daemon's log tail."""
-        lines = [f"  {r.run_id} {r.status.value} "
-                 f"{ {k: v for k, v in r.tags.items() if k.startswith('dagster/') and 'partition' not in k} } "
-                 f"partition={r.tags.get('dagster/partition')}" for r in self.runs()]
+        lines = [
+            f"  {r.run_id} {r.status.value} "
+            f"{ {k: v for k, v in r.tags.items() if k.startswith('dagster/') and 'partition' not in k} } "
+            f"partition={r.tags.get('dagster/partition')}"
+            for r in self.runs()
+        ]
         log = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return ("runs:\n" + "\n".join(lines) + f"\nexit codes: code server {self.code_server.poll()}, "
-                f"daemon {self.daemon.poll()}\n"
-                "code server and daemon log tail:\n" + "\n".join(log.splitlines()[-40:]))
+        return (
+            "runs:\n" + "\n".join(lines) + f"\nexit codes: code server {self.code_server.poll()}, "
+            f"daemon {self.daemon.poll()}\n"
+            "code server and daemon log tail:\n" + "\n".join(log.splitlines()[-40:])
+        )
 
     def wait(self, what: str, predicate: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
         deadline = time.monotonic() + timeout
@@ -116,18 +121,35 @@ class Production:
             value = predicate()
             if value:
                 return value
-            assert self.daemon.poll() is None and self.code_server.poll() is None, \
+            assert self.daemon.poll() is None and self.code_server.poll() is None, (
                 f"a service exited while waiting for {what}\n{self.describe()}"
+            )
             time.sleep(interval)
         pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.describe()}")
 
     def launch(self, day: str) -> str:
         """Queue a run of ingest_job for one day, as an operator would (the daemon launches it)."""
         run_id = str(uuid.uuid4())
-        proc = subprocess.run([str(BIN / "dagster"), "job", "launch", "-w", str(self.home / "workspace.yaml"),
-                               "-j", "ingest_job", "--run-id", run_id, "--tags",
-                               json.dumps({"dagster/partition": day})],
-                              env=self.env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+        proc = subprocess.run(
+            [
+                str(BIN / "dagster"),
+                "job",
+                "launch",
+                "-w",
+                str(self.home / "workspace.yaml"),
+                "-j",
+                "ingest_job",
+                "--run-id",
+                run_id,
+                "--tags",
+                json.dumps({"dagster/partition": day}),
+            ],
+            env=self.env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert proc.returncode == 0, f"dagster job launch failed:\n{proc.stderr[-3000:]}"
         return run_id
 
@@ -162,8 +184,12 @@ def _landing(landing: Path) -> None:
     day.mkdir(parents=True)
     with open(day / "notes.jsonl", "w", encoding="utf-8") as f:
         for j in range(NUM_DOCS):
-            f.write(json.dumps({"title": f"note {j}", "text": f"Note {j} of {KILLED_DAY}: " + "lorem ipsum " * 40})
-                    + "\n")
+            f.write(
+                json.dumps(
+                    {"title": f"note {j}", "text": f"Note {j} of {KILLED_DAY}: " + "lorem ipsum " * 40}
+                )
+                + "\n"
+            )
     shutil.copytree(REPO_ROOT / "sample_data" / "landing" / STUCK_DAY, landing / STUCK_DAY)
 
 
@@ -174,9 +200,14 @@ def _instance_yaml(pg_url: str) -> dict[str, Any]:
     assert config["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
     assert config["run_retries"] == {"enabled": True, "max_retries": 2, "retry_on_asset_or_op_failure": False}
     assert config["run_monitoring"]["enabled"] is True and "run_coordinator" not in config
-    config["run_monitoring"].update(start_timeout_seconds=START_TIMEOUT_S, poll_interval_seconds=POLL_INTERVAL_S)
-    config["run_coordinator"] = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
-                                 "config": {"dequeue_interval_seconds": 1}}
+    config["run_monitoring"].update(
+        start_timeout_seconds=START_TIMEOUT_S, poll_interval_seconds=POLL_INTERVAL_S
+    )
+    config["run_coordinator"] = {
+        "module": "dagster.core.run_coordinator",
+        "class": "QueuedRunCoordinator",
+        "config": {"dequeue_interval_seconds": 1},
+    }
     return config
 
 
@@ -191,20 +222,40 @@ def production(pg: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     workspace = yaml.safe_load((REPO_ROOT / "configs" / "dagster" / "workspace.docker.yaml").read_text())
     workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=port)
     (home / "workspace.yaml").write_text(yaml.safe_dump(workspace))
-    env = sandbox_env(root, DAGSTER_PG_URL=pg["DAGSTER_PG_URL"],
-                      NEXA_SCALE="full",  # no cap on documents per day
-                      # the daemon that launches retries looks for failed runs every 5 s by default
-                      DAGSTER_EVENT_LOG_CONSUMER_DAEMON_INTERVAL_SECONDS="1")
+    env = sandbox_env(
+        root,
+        DAGSTER_PG_URL=pg["DAGSTER_PG_URL"],
+        NEXA_SCALE="full",  # no cap on documents per day
+        # the daemon that launches retries looks for failed runs every 5 s by default
+        DAGSTER_EVENT_LOG_CONSUMER_DAEMON_INTERVAL_SECONDS="1",
+    )
 
     # the uninterrupted run to compare with: the same days, in one `dagster asset materialize` of their own
     (root / "reference-home").mkdir()
     shutil.copy(REPO_ROOT / "dagster.yaml", root / "reference-home" / "dagster.yaml")
     reference = subprocess.Popen(
-        [str(BIN / "dagster"), "asset", "materialize", "-m", "nexa_dagster.definitions", "--select",
-         "raw_documents", "--partition-range", f"{KILLED_DAY}...{STUCK_DAY}"],
-        env={**env, "DAGSTER_HOME": str(root / "reference-home"), "NEXA_DATA_ROOT": str(root / "reference-data"),
-             "NEXA_RESULTS_ROOT": str(root / "reference-results")},
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            str(BIN / "dagster"),
+            "asset",
+            "materialize",
+            "-m",
+            "nexa_dagster.definitions",
+            "--select",
+            "raw_documents",
+            "--partition-range",
+            f"{KILLED_DAY}...{STUCK_DAY}",
+        ],
+        env={
+            **env,
+            "DAGSTER_HOME": str(root / "reference-home"),
+            "NEXA_DATA_ROOT": str(root / "reference-data"),
+            "NEXA_RESULTS_ROOT": str(root / "reference-results"),
+        },
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     log_path = root / "daemon.log"  # the code server's and the daemon's output, interleaved
     services: list[subprocess.Popen[bytes]] = []
@@ -214,14 +265,37 @@ def production(pg: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
         try:
             # as docker-compose.yaml: the code server (the `user_code` service, which forks the run workers),
             # then the daemon, which reaches it through the workspace
-            services.append(subprocess.Popen(
-                [str(BIN / "dagster"), "code-server", "start", "-h", "127.0.0.1", "-p", str(port), "-m",
-                 "nexa_dagster.definitions"],
-                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            services.append(
+                subprocess.Popen(
+                    [
+                        str(BIN / "dagster"),
+                        "code-server",
+                        "start",
+                        "-h",
+                        "127.0.0.1",
+                        "-p",
+                        str(port),
+                        "-m",
+                        "nexa_dagster.definitions",
+                    ],
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             _wait_for_port(port, services[0], log_path)
-            services.append(subprocess.Popen(
-                [str(BIN / "dagster-daemon"), "run", "-w", str(home / "workspace.yaml")],
-                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            services.append(
+                subprocess.Popen(
+                    [str(BIN / "dagster-daemon"), "run", "-w", str(home / "workspace.yaml")],
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             yield Production(root, home, env, instance, *services, log_path, reference)
         finally:
             for service in reversed(services):
@@ -241,7 +315,9 @@ def _wait_for_port(port: int, server: subprocess.Popen[bytes], log: Path, timeou
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.3)
-    pytest.fail(f"the code server did not listen within {timeout:.0f}s:\n{log.read_text(errors='replace')[-3000:]}")
+    pytest.fail(
+        f"the code server did not listen within {timeout:.0f}s:\n{log.read_text(errors='replace')[-3000:]}"
+    )
 
 
 def _stop(service: subprocess.Popen[bytes]) -> None:
@@ -284,8 +360,9 @@ def test_the_default_run_launcher_has_no_worker_health_check(production: Product
     """Pins the premise of this module's docstring: run monitoring cannot see a dead worker of a STARTED run."""
     launcher = production.instance.run_launcher
     assert type(launcher).__name__ == "DefaultRunLauncher"
-    assert not launcher.supports_check_run_worker_health, \
+    assert not launcher.supports_check_run_worker_health, (
         "Dagster now checks run worker health for the DefaultRunLauncher: update this module's docstring"
+    )
     assert production.instance.run_retries_enabled and production.instance.run_retries_max_retries == 2
     assert production.instance.run_monitoring_enabled
     # the only net for a run whose worker died with its code server, or hangs after starting: a cap on run time
@@ -297,7 +374,9 @@ def test_a_run_worker_killed_mid_step_fails_and_is_retried_to_the_same_output(pr
     killed_id = production.launch(KILLED_DAY)
 
     def computing() -> bool:
-        assert not production.run(killed_id).is_finished, f"the run ended before the fault\n{production.describe()}"
+        assert not production.run(killed_id).is_finished, (
+            f"the run ended before the fault\n{production.describe()}"
+        )
         starts = production.events(killed_id, dg.DagsterEventType.STEP_START)
         return any(e.step_key == "raw_documents" for e in starts)
 
@@ -307,60 +386,85 @@ def test_a_run_worker_killed_mid_step_fails_and_is_retried_to_the_same_output(pr
     assert pid is not None, f"no 'Started process for run (pid: ...)' event\n{production.describe()}"
     killed = _kill_tree(pid)
     assert len(killed) >= 2, f"the worker had no step subprocess to kill: {killed}"
-    assert not production.parquet(KILLED_DAY).exists(), "the step finished before the kill: no fault was injected"
+    assert not production.parquet(KILLED_DAY).exists(), (
+        "the step finished before the kill: no fault was injected"
+    )
     assert not production.events(killed_id, dg.DagsterEventType.STEP_SUCCESS), production.describe()
 
-    run = production.wait("the killed run to be marked failed", lambda: production.finished(killed_id), timeout=30)
+    run = production.wait(
+        "the killed run to be marked failed", lambda: production.finished(killed_id), timeout=30
+    )
     assert run.status == dg.DagsterRunStatus.FAILURE, production.describe()
     # reported by the code server that forked the worker (DagsterApiServer), not by the monitoring daemon
     crash = f"[DagsterApiServer] Run execution process for {killed_id} was terminated by signal 9 (SIGKILL)."
     messages = [e.message for e in production.events(killed_id, dg.DagsterEventType.ENGINE_EVENT)]
     assert any(m.startswith(crash) for m in messages), "\n".join(messages)
 
-    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(killed_id), timeout=180)
+    retry = production.wait(
+        "run_retries to launch a retry", lambda: production.retry_of(killed_id), timeout=180
+    )
     assert retry.tags["dagster/root_run_id"] == killed_id
     assert retry.tags["dagster/retry_number"] == "1"
     assert retry.tags["dagster/partition"] == KILLED_DAY
     done = production.wait("the retry to finish", lambda: production.finished(retry.run_id), timeout=150)
     assert done.status == dg.DagsterRunStatus.SUCCESS, production.describe()
     # tagged on the failed run just after the retry is created
-    assert production.run(killed_id).tags.get("dagster/auto_retry_run_id") == retry.run_id, production.describe()
+    assert production.run(killed_id).tags.get("dagster/auto_retry_run_id") == retry.run_id, (
+        production.describe()
+    )
     assert production.retry_of(retry.run_id) is None, "a successful retry was retried"
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in killed)
+    assert not any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in killed
+    )
 
     materializations = production.instance.fetch_materializations(
-        dg.AssetKey("raw_documents"), limit=100).records
+        dg.AssetKey("raw_documents"), limit=100
+    ).records
     assert [(m.run_id, m.partition_key) for m in materializations] == [(retry.run_id, KILLED_DAY)]
     output = pd.read_parquet(production.parquet(KILLED_DAY))
     assert len(output) == NUM_DOCS and output["doc_id"].is_unique, "rows lost or duplicated"
     pd.testing.assert_frame_equal(output, production.reference_output(KILLED_DAY))
 
 
-def test_a_run_worker_hung_while_starting_is_failed_by_run_monitoring_and_retried(production: Production) -> None:
+def test_a_run_worker_hung_while_starting_is_failed_by_run_monitoring_and_retried(
+    production: Production,
+) -> None:
     stuck_id = production.launch(STUCK_DAY)
-    pid = production.wait("the run worker to report its pid", lambda: production.worker_pid(stuck_id),
-                          timeout=150, interval=0.05)
+    pid = production.wait(
+        "the run worker to report its pid",
+        lambda: production.worker_pid(stuck_id),
+        timeout=150,
+        interval=0.05,
+    )
     worker = psutil.Process(pid)
     worker.suspend()  # hung: e.g. blocked on a dead network mount while importing the code
     try:
-        assert production.run(stuck_id).status == dg.DagsterRunStatus.STARTING, \
+        assert production.run(stuck_id).status == dg.DagsterRunStatus.STARTING, (
             f"the worker reached STARTED before it could be frozen\n{production.describe()}"
-        run = production.wait("run monitoring to fail the run stuck starting",
-                              lambda: production.finished(stuck_id), timeout=START_TIMEOUT_S + 30)
+        )
+        run = production.wait(
+            "run monitoring to fail the run stuck starting",
+            lambda: production.finished(stuck_id),
+            timeout=START_TIMEOUT_S + 30,
+        )
         assert run.status == dg.DagsterRunStatus.FAILURE, production.describe()
         assert run.tags.get("dagster/failure_reason") == "START_TIMEOUT", production.describe()
         failures = production.events(stuck_id, dg.DagsterEventType.RUN_FAILURE)
-        assert any(f"longer than {START_TIMEOUT_S} seconds to start" in e.message for e in failures), \
-            [e.message for e in failures]
+        assert any(f"longer than {START_TIMEOUT_S} seconds to start" in e.message for e in failures), [
+            e.message for e in failures
+        ]
         # run monitoring failed the run but left its worker: still there, still frozen
         assert worker.is_running() and worker.status() == psutil.STATUS_STOPPED
     finally:
         worker.kill()
         psutil.wait_procs([worker], timeout=10)
 
-    retry = production.wait("run_retries to launch a retry", lambda: production.retry_of(stuck_id), timeout=180)
+    retry = production.wait(
+        "run_retries to launch a retry", lambda: production.retry_of(stuck_id), timeout=180
+    )
     assert retry.tags["dagster/root_run_id"] == stuck_id
     done = production.wait("the retry to finish", lambda: production.finished(retry.run_id), timeout=150)
     assert done.status == dg.DagsterRunStatus.SUCCESS, production.describe()
-    pd.testing.assert_frame_equal(pd.read_parquet(production.parquet(STUCK_DAY)),
-                                  production.reference_output(STUCK_DAY))
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(production.parquet(STUCK_DAY)), production.reference_output(STUCK_DAY)
+    )

@@ -18,8 +18,9 @@ from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_temporary_engine
 
 
-def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
     stored = DeploymentManifest.model_validate(json.loads((tmp_path / "deployment.json").read_text()))
     assert stored == manifest
@@ -41,7 +42,7 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
 def test_an_answer_of_replacement_characters_is_not_text() -> None:
     """The smoke test's bar (what a tiny model's untrained answer looked like, and what passed as `ok`)."""
     assert text_problem("A list comprehension builds a list from an iterable.") is None
-    assert text_problem("converted added \"** integers SUITEpro~~lass B se\ufffd") is None  # a few stray bytes
+    assert text_problem('converted added "** integers SUITEpro~~lass B se\ufffd') is None  # a few stray bytes
     soup = "\ufffd\ufffd \ufffd\ufffd\ufffd a\ufffd\ufffd"
     assert "does not decode to text" in (text_problem(soup) or "")
     assert text_problem("   ") == "the answer is empty"
@@ -49,10 +50,21 @@ def test_an_answer_of_replacement_characters_is_not_text() -> None:
 
 
 def test_rollback_with_nothing_to_roll_back_to_is_one_clear_line(tmp_path: Path) -> None:
-    env = {**os.environ, "NEXA_DATA_ROOT": str(tmp_path / "data"), "NEXA_RESULTS_ROOT": str(tmp_path / "results")}
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "NEXA_DATA_ROOT": str(tmp_path / "data"),
+        "NEXA_RESULTS_ROOT": str(tmp_path / "results"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"nothing to roll back to: there is no production model yet ({tmp_path}/data/serving/production.json)"]
+        f"nothing to roll back to: there is no production model yet ({tmp_path}/data/serving/production.json)"
+    ]
     assert "Traceback" not in proc.stderr + proc.stdout

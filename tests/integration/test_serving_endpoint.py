@@ -63,9 +63,13 @@ class Endpoint:
         log = self.root / f"service-{len(self.logs)}.log"
         self.logs.append(log)
         with open(log, "wb") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "nexa_dagster.cli", "serve", "--port",
-                                             str(self.port)], env={**os.environ, **self.env}, cwd=REPO_ROOT,
-                                            stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(self.port)],
+                env={**os.environ, **self.env},
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.wait_serving(self.registry.current().checkpoint_id)
 
     def wait_serving(self, checkpoint_id: str, timeout_s: float = 240.0) -> dict:
@@ -76,7 +80,9 @@ class Endpoint:
             if client is not None and (status := client.status())["checkpoint_id"] == checkpoint_id:
                 return status
             time.sleep(0.5)
-        raise AssertionError(f"the service did not serve {checkpoint_id} within {timeout_s} s:\n{self.log_tail()}")
+        raise AssertionError(
+            f"the service did not serve {checkpoint_id} within {timeout_s} s:\n{self.log_tail()}"
+        )
 
     def client(self) -> ServingServiceClient:
         client = ServingServiceClient.find(self.serving_dir)
@@ -97,25 +103,41 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     if haproxy_binary() is None:
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
     root = tmp_path_factory.mktemp("endpoint")
-    env = {"NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results"),
-           "NEXA_LANDING_ROOT": str(root / "landing"), "DAGSTER_HOME": str(root / "home")}
-    b = build_tiny_causal_lm(root / "checkpoints" / "tiny-b", seed=1)  # same shape, other weights: other answers
+    env = {
+        "NEXA_DATA_ROOT": str(root / "data"),
+        "NEXA_RESULTS_ROOT": str(root / "results"),
+        "NEXA_LANDING_ROOT": str(root / "landing"),
+        "DAGSTER_HOME": str(root / "home"),
+    }
+    b = build_tiny_causal_lm(
+        root / "checkpoints" / "tiny-b", seed=1
+    )  # same shape, other weights: other answers
     ep = Endpoint(root, env, free_port(), tiny_model_dir, b)
     ep.serving_dir.mkdir(parents=True)
-    ep.registry.promote(ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir),
-                                        metric="eval_loss", value=5.0))
+    ep.registry.promote(
+        ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir), metric="eval_loss", value=5.0)
+    )
     ep.start()
     yield ep
     ep.stop()
-    left = [p for p in psutil.Process().children(recursive=True)
-            if any(s in " ".join(p.cmdline()) for s in ("haproxy", "serve"))]
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if any(s in " ".join(p.cmdline()) for s in ("haproxy", "serve"))
+    ]
     assert not left, [p.cmdline() for p in left]
 
 
 def _chat(http: httpx.Client, base_url: str, max_tokens: int = 4) -> httpx.Response:
-    return http.post(f"{base_url}/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "What is a list?"}], "max_tokens": max_tokens,
-        "temperature": 0.0})
+    return http.post(
+        f"{base_url}/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "What is a list?"}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        },
+    )
 
 
 class NonStopClient:
@@ -131,8 +153,11 @@ class NonStopClient:
     def _run(self) -> None:
         t0 = time.monotonic()
         with httpx.Client(timeout=60.0) as http:  # no retry: a failure counts as one
-            while not self._stop.is_set() and len(self.records) < self.max_requests \
-                    and time.monotonic() - t0 < self.max_s:
+            while (
+                not self._stop.is_set()
+                and len(self.records) < self.max_requests
+                and time.monotonic() - t0 < self.max_s
+            ):
                 sent = time.monotonic()
                 try:
                     r = _chat(http, self.base_url)
@@ -159,17 +184,30 @@ class NonStopClient:
         return {r[2] for r in self.records if r[0] < t}
 
 
-def _materialize_deployment(ep: Endpoint, checkpoint_id: str, path: Path, decision: str) -> dg.ExecuteInProcessResult:
+def _materialize_deployment(
+    ep: Endpoint, checkpoint_id: str, path: Path, decision: str
+) -> dg.ExecuteInProcessResult:
     """``model_deployment`` for one checkpoint in a real Dagster run; ``eval_report`` is given (its value), with the
     gate's ``decision`` made against production "a"."""
     from nexa_dagster.assets.partitions import checkpoint_partitions
     from nexa_dagster.assets.serving import model_deployment
     from nexa_dagster.definitions import build_resources
 
-    report = EvalReport(checkpoint_id=checkpoint_id, checkpoint_path=str(path), eval_set_version=1, eval_loss=4.0,
-                        eval_examples=3, eval_tokens=10, perplexity=2.0, num_heldout_prompts=0,
-                        production_checkpoint_id="a", gate_decision=decision, gate_reason=f"test: {decision}",
-                        report_json="-", report_markdown="-")
+    report = EvalReport(
+        checkpoint_id=checkpoint_id,
+        checkpoint_path=str(path),
+        eval_set_version=1,
+        eval_loss=4.0,
+        eval_examples=3,
+        eval_tokens=10,
+        perplexity=2.0,
+        num_heldout_prompts=0,
+        production_checkpoint_id="a",
+        gate_decision=decision,
+        gate_reason=f"test: {decision}",
+        report_json="-",
+        report_markdown="-",
+    )
 
     @dg.asset(name="eval_report", partitions_def=checkpoint_partitions)
     def given_eval_report() -> EvalReport:
@@ -181,9 +219,18 @@ def _materialize_deployment(ep: Endpoint, checkpoint_id: str, path: Path, decisi
     try:
         instance = dg.DagsterInstance.ephemeral()
         instance.add_dynamic_partitions("checkpoints", [checkpoint_id])
-        resources = {k: v for k, v in build_resources().items() if k in ("io_manager", "storage", "tracking", "promotion_policy")}
-        return dg.materialize([given_eval_report, model_deployment], partition_key=checkpoint_id,
-                              instance=instance, resources=resources, raise_on_error=False)
+        resources = {
+            k: v
+            for k, v in build_resources().items()
+            if k in ("io_manager", "storage", "tracking", "promotion_policy")
+        }
+        return dg.materialize(
+            [given_eval_report, model_deployment],
+            partition_key=checkpoint_id,
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
     finally:
         mp.undo()
 
@@ -194,19 +241,29 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
     models = client.models.list()
     assert [m.id for m in models] == [MODEL]
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=8, temperature=0)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
     assert answer.choices[0].message.content
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=8, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
     status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status").json()
     assert status["checkpoint_id"] == "a" and status["model"] == MODEL
-    proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "status"], cwd=REPO_ROOT,
-                          env={**os.environ, **endpoint.env}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.cli", "status"],
+        cwd=REPO_ROOT,
+        env={**os.environ, **endpoint.env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue")
+    assert proc.stdout.startswith(
+        f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue"
+    )
 
 
 def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
@@ -218,15 +275,23 @@ def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
         result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
         assert result.success
         promoted = time.monotonic()
-        meta = {k: v.value for k, v in result.asset_materializations_for_node("model_deployment")[0]
-                .metadata.items()}
+        meta = {
+            k: v.value
+            for k, v in result.asset_materializations_for_node("model_deployment")[0].metadata.items()
+        }
         assert meta["endpoint"] == endpoint.base_url and meta["checkpoint_served"] == "b"
         assert meta["previous_checkpoint"] == "a" and text_problem(meta["smoke_response"]) is None
         assert endpoint.registry.current().checkpoint_id == "b"
         time.sleep(2)
         rolling_back = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "nexa_dagster.cli", "rollback"], cwd=REPO_ROOT,
-                              env={**os.environ, **endpoint.env}, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
+            cwd=REPO_ROOT,
+            env={**os.environ, **endpoint.env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "rolled back: production is a again (was b)" in proc.stdout
         rolled_back = time.monotonic()
@@ -248,7 +313,8 @@ def _failure_message(result: dg.ExecuteInProcessResult, node: str) -> str:
 
 
 def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keeps_serving(
-        endpoint: Endpoint, tmp_path: Path) -> None:
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(endpoint.a, broken)
     for weights in broken.glob("*.safetensors"):
@@ -258,13 +324,17 @@ def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keep
         result = _materialize_deployment(endpoint, "broken", broken, "promote")
         assert not result.success
         message = _failure_message(result, "model_deployment")
-        assert "did not switch to broken" in message and "broken did not start, a keeps serving" in message, message
+        assert "did not switch to broken" in message and "broken did not start, a keeps serving" in message, (
+            message
+        )
         assert _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"] == before
     assert endpoint.registry.current().checkpoint_id == "a"  # pointer, alias and traffic agree
     assert endpoint.client().status()["checkpoint_id"] == "a"
 
 
-def test_a_checkpoint_held_back_by_the_gate_is_a_successful_run_that_deploys_nothing(endpoint: Endpoint) -> None:
+def test_a_checkpoint_held_back_by_the_gate_is_a_successful_run_that_deploys_nothing(
+    endpoint: Endpoint,
+) -> None:
     """A tie with production, held back by the gate: the run succeeds, nothing is materialized."""
     result = _materialize_deployment(endpoint, "tie", endpoint.b, "hold back")
     assert result.success
@@ -288,8 +358,10 @@ def _garbage_model(source: Path, out: Path) -> Path:
 
 def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoint, tmp_path: Path) -> None:
     garbage = _garbage_model(endpoint.a, tmp_path / "garbage")
-    with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving: the answer does not "
-                                           "decode to text"):
+    with pytest.raises(
+        SwitchFailed,
+        match="garbage failed its smoke test, a keeps serving: the answer does not decode to text",
+    ):
         endpoint.client().switch(str(garbage), "garbage")
     assert endpoint.client().status()["checkpoint_id"] == "a"
 
@@ -298,8 +370,9 @@ def test_kill_9_of_the_engine_restarts_it(endpoint: Endpoint) -> None:
     status = endpoint.client().status()
     os.kill(status["engine_pid"], signal.SIGKILL)
     deadline = time.monotonic() + 180
-    while (now := endpoint.client().status())["engine_restarts"] == status["engine_restarts"] or \
-            now["engine_pid"] == status["engine_pid"]:
+    while (now := endpoint.client().status())["engine_restarts"] == status["engine_restarts"] or now[
+        "engine_pid"
+    ] == status["engine_pid"]:
         assert time.monotonic() < deadline, endpoint.log_tail()
         time.sleep(0.5)
     with httpx.Client(timeout=60.0) as http:  # the endpoint answers again once the new engine is up
@@ -320,8 +393,11 @@ def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoi
     endpoint.process.wait(timeout=30)
     _, alive = psutil.wait_procs(children, timeout=60)
     assert not alive, [p.cmdline() for p in alive]
-    endpoint.registry.promote(ProductionEntry(checkpoint_id="b", checkpoint_path=str(endpoint.b),
-                                              metric="validation_loss", value=4.0))
+    endpoint.registry.promote(
+        ProductionEntry(
+            checkpoint_id="b", checkpoint_path=str(endpoint.b), metric="validation_loss", value=4.0
+        )
+    )
     endpoint.start()  # waits until it serves b
     with httpx.Client(timeout=60.0) as http:
         r = _chat(http, endpoint.base_url)

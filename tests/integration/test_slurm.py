@@ -5,8 +5,6 @@ shared work directory), the checkpoint appears; cancelling the Dagster run cance
 through the same launch and scores a checkpoint as the local backend does.
 """
 
-
-
 import datetime
 import math
 import re
@@ -35,8 +33,9 @@ from nexa_dagster.resources.gpu_cluster import (
 SLURM_WARNING_S = 20  # --signal=TERM@20: one step and a save of the tiny model fit with room to spare
 
 
-def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: Path, teacher_dir: Path,
-                                                                     slurm: dict[str, str]) -> None:
+def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(
+    tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]
+) -> None:
     job = make_job(tmp_path, teacher_dir, steps=3, log_every=1)
 
     @dg.asset
@@ -44,9 +43,11 @@ def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: P
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster(slurm_cpus_per_task=1,
-                                                                               poll_interval_s=0.5)},
-                         instance=instance)
+    res = dg.materialize(
+        [trained],
+        resources={"gpu_cluster": SlurmGPUCluster(slurm_cpus_per_task=1, poll_interval_s=0.5)},
+        instance=instance,
+    )
     assert res.success
     assert res.asset_materializations_for_node("trained")[0].metadata["steps"].value == 3
     logs = [e.user_message for e in instance.all_logs(res.run_id)]
@@ -60,30 +61,46 @@ def test_training_runs_as_a_slurm_job_and_streams_back_through_pipes(tmp_path: P
 
 
 def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
-        tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer, slurm: dict[str, str]) -> None:  # noqa: ANN001
+    tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer, slurm: dict[str, str]
+) -> None:  # noqa: ANN001
     """``run_evaluation`` on the Slurm backend: the evaluation worker as an sbatch job (the launch training uses),
     its progress back through Pipes files, and the same per-example losses and answers as the local backend on the
     same checkpoint and eval set. A worker failure a relaunch repeats (here an eval-set file that is not Parquet)
     fails the step at once, naming it, with the Slurm job's state."""
     n = 6
-    samples = pd.DataFrame({"sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
-                            "system_prompt": ["Be brief."] * n, "prompt": [f"What is {i} + 1?" for i in range(n)],
-                            "response": [f"It is {i + 1}." for i in range(n)]})
+    samples = pd.DataFrame(
+        {
+            "sample_id": [f"id{i:03d}" for i in range(n)],
+            "day": ["2026-11-20"] * n,
+            "system_prompt": ["Be brief."] * n,
+            "prompt": [f"What is {i} + 1?" for i in range(n)],
+            "response": [f"It is {i + 1}." for i in range(n)],
+        }
+    )
     freeze_eval_set(samples, tiny_tokenizer, str(tmp_path / "eval_sets"), 1, 0.5, 64, log=lambda m: None)
     examples = load_eval_set(str(tmp_path / "eval_sets"), 1)["path"]
 
-    def evaluate(cluster: GPUClusterResource, name: str, examples_path: str) -> tuple[dg.ExecuteInProcessResult,
-                                                                                       list[str]]:
-        job = EvaluationJob(run_id=f"ckpt-{name}", models={"candidate": str(tiny_model_dir)},
-                            examples_path=examples_path, eval_set_version=1, prompts=["What is 1 + 1?"],
-                            max_new_tokens=4, output_path=str(tmp_path / name / "scores.json"))
+    def evaluate(
+        cluster: GPUClusterResource, name: str, examples_path: str
+    ) -> tuple[dg.ExecuteInProcessResult, list[str]]:
+        job = EvaluationJob(
+            run_id=f"ckpt-{name}",
+            models={"candidate": str(tiny_model_dir)},
+            examples_path=examples_path,
+            eval_set_version=1,
+            prompts=["What is 1 + 1?"],
+            max_new_tokens=4,
+            output_path=str(tmp_path / name / "scores.json"),
+        )
 
         @dg.asset(retry_policy=dg.RetryPolicy(max_retries=1))
         def scored(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.Output[dict]:
             return dg.Output(gpu_cluster.run_evaluation(context, job, tmp_path / name)["scores"]["candidate"])
 
         instance = dg.DagsterInstance.ephemeral()
-        res = dg.materialize([scored], resources={"gpu_cluster": cluster}, instance=instance, raise_on_error=False)
+        res = dg.materialize(
+            [scored], resources={"gpu_cluster": cluster}, instance=instance, raise_on_error=False
+        )
         return res, [e.user_message for e in instance.all_logs(res.run_id)]
 
     local, _ = evaluate(LocalGPUCluster(), "local", examples)
@@ -107,12 +124,20 @@ def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
     assert "not retried, it would fail again: evaluation ckpt-broken failed: ArrowInvalid" in failure, failure
 
 
-def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teacher_dir: Path,
-                                                         slurm: dict[str, str]) -> None:
+def test_cancelling_the_dagster_run_cancels_the_slurm_job(
+    tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]
+) -> None:
     launcher, log = launch_training_in_dagster(
-        tmp_path, teacher_dir, {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5}, timeout_s=180)
-    job_id = next(line.split("submitted Slurm job ")[1].split()[0]
-                  for line in log.read_text().splitlines() if "submitted Slurm job" in line)
+        tmp_path,
+        teacher_dir,
+        {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5},
+        timeout_s=180,
+    )
+    job_id = next(
+        line.split("submitted Slurm job ")[1].split()[0]
+        for line in log.read_text().splitlines()
+        if "submitted Slurm job" in line
+    )
     assert slurm_state(job_id) == "RUNNING"
 
     launcher.send_signal(signal.SIGINT)  # what a cancelled run's worker receives
@@ -125,13 +150,17 @@ def test_cancelling_the_dagster_run_cancels_the_slurm_job(tmp_path: Path, teache
         time.sleep(0.5)
     assert slurm_state(job_id) == "CANCELLED"
     time.sleep(2)
-    leftovers = [p for p in psutil.process_iter(["cmdline"])
-                 if str(tmp_path / "job.json") in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path / "job.json") in " ".join(p.info["cmdline"] or [])
+    ]
     assert not leftovers, "the training process outlived its cancelled Slurm job"
 
 
 def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_resumes(
-        tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]) -> None:
+    tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]
+) -> None:
     """A job reaching its real time limit gets the warning signal from slurmctld itself (``--signal=TERM@N``, no
     ``B:``: it reaches the job step's tasks, not only the batch shell) while it trains; nothing in this test signals
     anything. The worker finishes its step, saves its resumable state and stops before the limit; the job ends, the
@@ -144,15 +173,27 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
     update TimeLimit``, what an administrator does) to the nearest whole minute that leaves the warning due within
     the next check or two. One rank: with several, ``torchrun`` is the step's task and forwards SIGTERM to its
     ranks, which agree on the stop in the per-step all-reduce."""
-    cluster = {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5, "slurm_time_limit": "10",
-               "slurm_stop_warning_s": SLURM_WARNING_S}
+    cluster = {
+        "backend": "slurm",
+        "slurm_cpus_per_task": 1,
+        "poll_interval_s": 0.5,
+        "slurm_time_limit": "10",
+        "slurm_stop_warning_s": SLURM_WARNING_S,
+    }
     launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, cluster, timeout_s=300)
-    job_id = next(line.split("submitted Slurm job ")[1].split()[0]
-                  for line in log.read_text().splitlines() if "submitted Slurm job" in line)
+    job_id = next(
+        line.split("submitted Slurm job ")[1].split()[0]
+        for line in log.read_text().splitlines()
+        if "submitted Slurm job" in line
+    )
     script = (tmp_path / "work" / "train.sbatch").read_text()
-    assert [line for line in script.splitlines() if "--signal" in line] == [f"#SBATCH --signal=TERM@{SLURM_WARNING_S}"]
+    assert [line for line in script.splitlines() if "--signal" in line] == [
+        f"#SBATCH --signal=TERM@{SLURM_WARNING_S}"
+    ]
     start = datetime.datetime.fromisoformat(slurm_job_fields(job_id)["StartTime"]).timestamp()
-    limit_min = math.ceil((time.time() - start + SLURM_WARNING_S + 30 + 5) / 60)  # warning due >= 5 s from now
+    limit_min = math.ceil(
+        (time.time() - start + SLURM_WARNING_S + 30 + 5) / 60
+    )  # warning due >= 5 s from now
     subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit_min}"], check=True)
     assert slurm_job_fields(job_id)["TimeLimit"] == f"00:{limit_min:02d}:00"
     end = start + 60 * limit_min
@@ -161,20 +202,27 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
     while saved is None:  # only slurmctld's warning can stop this training
         text = out.read_text(errors="replace") if out.exists() else ""
         saved = re.search(r"saved resumable state at step (\d+); stopping as asked", text)
-        assert saved or (launcher.poll() is None and time.time() < end + 30), \
-            (text + log.read_text(errors="replace"))[-3000:]
+        assert saved or (launcher.poll() is None and time.time() < end + 30), (
+            text + log.read_text(errors="replace")
+        )[-3000:]
         time.sleep(0.5)
     before_limit_s = end - time.time()
     assert launcher.wait(timeout=120) is not None
     step = int(saved.group(1))
-    assert "SIGTERM: saving the resumable state" in (tmp_path / "work" / "worker.rank0.stderr.log").read_text()
-    assert step >= 1 and (tmp_path / "checkpoints" / "test-run.state" / "latest").read_text().strip() == \
-        f"step{step:08d}"
+    assert (
+        "SIGTERM: saving the resumable state" in (tmp_path / "work" / "worker.rank0.stderr.log").read_text()
+    )
+    assert (
+        step >= 1
+        and (tmp_path / "checkpoints" / "test-run.state" / "latest").read_text().strip() == f"step{step:08d}"
+    )
     # stopped by the warning, before the limit: the job failed with the worker's exit code (75), not TIMEOUT
     assert "RUN FAILED" in log.read_text() and slurm_state(job_id) == "FAILED", slurm_state(job_id)
     assert 0 < before_limit_s <= SLURM_WARNING_S + 30 + 5, before_limit_s
-    print(f"time limit {limit_min} min, warning {SLURM_WARNING_S} s: state saved at step {step}, "
-          f"{before_limit_s:.0f} s before the limit")
+    print(
+        f"time limit {limit_min} min, warning {SLURM_WARNING_S} s: state saved at step {step}, "
+        f"{before_limit_s:.0f} s before the limit"
+    )
 
     job = make_job(tmp_path, teacher_dir, steps=step + 2, log_every=1)  # the same training, relaunched
 
@@ -183,7 +231,9 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    res = dg.materialize([trained], resources={"gpu_cluster": gpu_cluster_from_settings(cluster)}, instance=instance)
+    res = dg.materialize(
+        [trained], resources={"gpu_cluster": gpu_cluster_from_settings(cluster)}, instance=instance
+    )
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
     assert metadata["resumed_from_step"].value == step and metadata["steps"].value == step + 2
@@ -195,7 +245,9 @@ def test_waiting_for_a_job_slurm_does_not_know_ends_with_a_clear_error(slurm: di
     period (a controller restart comes back) the wait fails naming the job and what was asked."""
     logged: list[str] = []
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"Slurm job 999999: neither the controller .* has known it for 1 s"):
+    with pytest.raises(
+        RuntimeError, match=r"Slurm job 999999: neither the controller .* has known it for 1 s"
+    ):
         wait_for_slurm_job("999999", 0.2, logged.append, unknown_grace_s=1.0)
     assert time.monotonic() - started < 30
     assert logged == ["Slurm job 999999: UNKNOWN"]

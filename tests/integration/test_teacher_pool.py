@@ -31,26 +31,36 @@ def engine(name: str):
     return stub_server(reply)
 
 
-def test_a_load_balancer_spreads_teacher_requests_over_engines_and_routes_around_a_dead_one(tmp_path: Path) -> None:
+def test_a_load_balancer_spreads_teacher_requests_over_engines_and_routes_around_a_dead_one(
+    tmp_path: Path,
+) -> None:
     exe = haproxy_binary()
     if exe is None:
         missing("HAProxy", "apt-get install haproxy")
     with ExitStack() as first_engine, engine("v1") as (url1, calls1, _):
         url0, calls0, _ = first_engine.enter_context(engine("v0"))
         port = free_port()
-        config = (readme_pool_config().replace("bind :8000", f"bind 127.0.0.1:{port}")
-                  .replace("gpu-node-0:8000", url0.split("//")[1].removesuffix("/v1"))
-                  .replace("gpu-node-1:8000", url1.split("//")[1].removesuffix("/v1")))
+        config = (
+            readme_pool_config()
+            .replace("bind :8000", f"bind 127.0.0.1:{port}")
+            .replace("gpu-node-0:8000", url0.split("//")[1].removesuffix("/v1"))
+            .replace("gpu-node-1:8000", url1.split("//")[1].removesuffix("/v1"))
+        )
         assert "balance leastconn" in config and "option httpchk GET /health" in config
         (tmp_path / "pool.cfg").write_text(config)
         check = subprocess.run([exe, "-c", "-f", str(tmp_path / "pool.cfg")], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         with open(tmp_path / "haproxy.log", "w") as log:
-            proxy = subprocess.Popen([exe, "-db", "-f", str(tmp_path / "pool.cfg")], stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+            proxy = subprocess.Popen(
+                [exe, "-db", "-f", str(tmp_path / "pool.cfg")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            with OpenAICompatibleClient(f"http://127.0.0.1:{port}/v1", model="teacher", max_concurrency=8,
-                                        max_retries=0, timeout_s=10) as client:  # no retry: the balancer alone
+            with OpenAICompatibleClient(
+                f"http://127.0.0.1:{port}/v1", model="teacher", max_concurrency=8, max_retries=0, timeout_s=10
+            ) as client:  # no retry: the balancer alone
                 prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(32)]
                 deadline = time.monotonic() + 20
                 while True:  # haproxy binds within a moment of starting
@@ -60,7 +70,10 @@ def test_a_load_balancer_spreads_teacher_requests_over_engines_and_routes_around
                     time.sleep(0.2)
                 answers = client.chat_many(prompts, SamplingParams(max_tokens=8))
                 assert [a.error for a in answers] == [None] * 32
-                assert {a.text for a in answers} == {"answer from v0", "answer from v1"}  # both engines worked
+                assert {a.text for a in answers} == {
+                    "answer from v0",
+                    "answer from v1",
+                }  # both engines worked
                 assert len(calls0) >= 4 and len(calls1) >= 4, (len(calls0), len(calls1))
                 # one engine dies: every request is still answered, by the other one
                 before = len(calls1)

@@ -59,6 +59,7 @@ def host_reads_by_the_loop() -> Iterator[list[str]]:
             if caller.f_code.co_filename in ours and not getattr(self, "_host_count", False):
                 reads.append(f"{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
             return original(self, *args, **kwargs)
+
         return read
 
     names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy")
@@ -89,7 +90,9 @@ def summary_of(job: TrainingJob) -> TrainingResult:
 
 
 # -- the worker -------------------------------------------------------------------------------------------------
-def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(tmp_path: Path, teacher_dir: Path) -> None:
+def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,8 +102,15 @@ def test_worker_trains_with_deepspeed_and_saves_a_loadable_hf_checkpoint(tmp_pat
     assert "step 6/6 loss" in proc.stdout and "ZeRO stage 1" in proc.stdout
 
     ckpt = Path(job.output_dir)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "training_summary.json", "metrics.jsonl", COMPLETION_MARKER):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training_summary.json",
+        "metrics.jsonl",
+        COMPLETION_MARKER,
+    ):
         assert (ckpt / name).exists(), name
     assert [p.name for p in ckpt.parent.iterdir()] == [ckpt.name], "a temporary directory was left behind"
     assert_portable_checkpoint(ckpt)  # what transformers 4.x (and vLLM builds pinned to it) read the same way
@@ -129,14 +139,19 @@ def test_training_fits_a_tiny_batch_seen_over_and_over(tmp_path: Path, teacher_d
     assert result.final_loss < result.first_loss - 1.0, result.loss_curve
 
 
-def test_progress_reaches_the_log_on_the_clock_between_metric_lines(tmp_path: Path, teacher_dir: Path) -> None:
+def test_progress_reaches_the_log_on_the_clock_between_metric_lines(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
     """Metrics only at steps 1 and 20 (log_every 1000), progress every 50 ms: the log still shows the steps in
     between, so a stage with slow steps or a sparse log_every is never silent for longer than progress_every_s."""
     job = make_job(tmp_path, teacher_dir, steps=20, rows=4, log_every=1000, progress_every_s=0.05)
     proc = run_worker(job, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [line.split(" loss")[0] for line in proc.stdout.splitlines() if " loss " in line
-            and line.startswith("step ")] == ["step 1/20", "step 20/20"]
+    assert [
+        line.split(" loss")[0]
+        for line in proc.stdout.splitlines()
+        if " loss " in line and line.startswith("step ")
+    ] == ["step 1/20", "step 20/20"]
     done = [int(m) for m in re.findall(r"^training steps: (\d+)/20 ", proc.stdout, flags=re.M)]
     assert done and done[-1] == 20 and done == sorted(done), proc.stdout[-2000:]
     assert any(1 < n < 20 for n in done), f"no progress line between the metric lines: {done}"
@@ -144,14 +159,16 @@ def test_progress_reaches_the_log_on_the_clock_between_metric_lines(tmp_path: Pa
 
 def test_worker_refuses_an_unusable_job_file(tmp_path: Path) -> None:
     (tmp_path / "job.json").write_text('{"run_id": "x"}')
-    proc = subprocess.run([*WORKER, "--job", str(tmp_path / "job.json")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [*WORKER, "--job", str(tmp_path / "job.json")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "invalid training job" in proc.stderr
 
 
 # -- the loss of a step: weighted by tokens, checked before the update ------------------------------------------
-def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(tmp_path: Path,
-                                                                                 teacher_dir: Path) -> None:
+def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
     """The real DeepSpeed engine in this process (one gloo rank), two micro-batches of one packed row each, one row
     with 3 learned tokens and one with ~40: the step's gradient is that of the token mean over the whole batch
     (torchtitan style), not the mean of the two rows' means, which gives a clearly different gradient. Then a NaN
@@ -167,19 +184,36 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
     from nexa_dagster.core.training.worker import configure_environment
 
     job = make_job(tmp_path, teacher_dir, steps=2, rows=2)
-    job = job.model_copy(update={"settings": job.settings.model_copy(
-        update={"micro_batch_size": 1, "gradient_accumulation_steps": 2})})
+    job = job.model_copy(
+        update={
+            "settings": job.settings.model_copy(
+                update={"micro_batch_size": 1, "gradient_accumulation_steps": 2}
+            )
+        }
+    )
     data = load_packed(job.train_path)
     del data["labels"]  # labels_for derives them from the loss mask edited here
     data["loss_mask"][0] = 0
     data["loss_mask"][0, 5:8] = 1  # row 0: three learned tokens (positions 5-7 are inside its first document)
-    assert 0 < int(labels_for(data)[0, 1:].ne(-100).sum()) <= 3 < 20 < int(labels_for(data)[1, 1:].ne(-100).sum())
+    assert (
+        0
+        < int(labels_for(data)[0, 1:].ne(-100).sum())
+        <= 3
+        < 20
+        < int(labels_for(data)[1, 1:].ne(-100).sum())
+    )
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
 
     def reference_grad_norm(token_weighted: bool) -> float:
         model = build_model(job, len(tokenizer), tokenizer)
-        outs = [model(input_ids=data["input_ids"][i:i + 1], position_ids=data["position_ids"][i:i + 1],
-                      labels=labels_for({k: v[i:i + 1] for k, v in data.items()})) for i in range(2)]
+        outs = [
+            model(
+                input_ids=data["input_ids"][i : i + 1],
+                position_ids=data["position_ids"][i : i + 1],
+                labels=labels_for({k: v[i : i + 1] for k, v in data.items()}),
+            )
+            for i in range(2)
+        ]
         aux = sum(o.aux_loss for o in outs) / 2 * model.config.router_aux_loss_coef
         if token_weighted:
             tokens = sum(int(labels_for(data)[i, 1:].ne(-100).sum()) for i in range(2))
@@ -187,7 +221,9 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
         else:
             lm = sum(o.lm_loss for o in outs) / 2
         (lm + aux).backward()
-        return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+        return float(
+            torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+        )
 
     weighted, per_row = reference_grad_norm(True), reference_grad_norm(False)
     assert abs(weighted - per_row) > 0.05 * weighted, "the data does not tell the two weightings apart"
@@ -196,8 +232,11 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
         configure_environment(job)
         try:
             engine = build_engine(build_model(job, len(tokenizer), tokenizer), job, world_size=1)
-            batches = Prefetcher(host_counts_marked(micro_batches(data, 1, job.settings.seed, 0, 1)),
-                                 torch.device("cpu"), depth=0)
+            batches = Prefetcher(
+                host_counts_marked(micro_batches(data, 1, job.settings.seed, 0, 1)),
+                torch.device("cpu"),
+                depth=0,
+            )
             control, guard = Control(1), NonFiniteGuard(engine, torch.device("cpu"))
             with host_reads_by_the_loop() as reads:
                 optimizer_step(engine, batches, 2, control, guard, step=1)
@@ -205,8 +244,12 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
             assert reads == [], "the loop read a tensor back to the host during a step that logs nothing"
 
             before = [p.detach().clone() for p in engine.module.parameters()]
-            with host_reads_by_the_loop() as reads, \
-                    pytest.raises(FloatingPointError, match="non-finite loss at step 2 .caught before its update"):
+            with (
+                host_reads_by_the_loop() as reads,
+                pytest.raises(
+                    FloatingPointError, match="non-finite loss at step 2 .caught before its update"
+                ),
+            ):
                 optimizer_step(engine, batches, 2, control, guard, step=2, poison=True)
             # reported from the flag DeepSpeed's own overflow check left on the host (fp32 ZeRO used to skip the
             # update silently), without a host read of the loop's own
@@ -223,8 +266,9 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
 
 
 # -- through Dagster ------------------------------------------------------------------------------------------
-def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_path: Path, teacher_dir: Path,
-                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(
+    tmp_path: Path, teacher_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Also: each worker line reaches the console once (the run log's console logger), not a second time through
     the worker's stdout, which a local worker shares with the Dagster process."""
     job = make_job(tmp_path, teacher_dir, steps=3, log_every=1)
@@ -245,7 +289,9 @@ def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(tmp_pa
     assert math.isfinite(metadata["validation_loss"].value)
     assert metadata["checkpoint_dir"] == dg.MetadataValue.path(job.output_dir)
     logs = [e.user_message for e in instance.all_logs(res.run_id)]
-    assert any("step 3/3 loss" in m for m in logs), "worker progress did not stream into the run through Pipes"
+    assert any("step 3/3 loss" in m for m in logs), (
+        "worker progress did not stream into the run through Pipes"
+    )
     console = "".join(capfd.readouterr())
     assert console.count("step 3/3 loss") == 1, [line for line in console.splitlines() if "step 3/3" in line]
 
@@ -258,14 +304,19 @@ def test_two_ranks_under_torchrun_train_one_model(tmp_path: Path, teacher_dir: P
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    res = dg.materialize([trained], resources={"gpu_cluster": LocalGPUCluster(num_procs=2)},
-                         instance=dg.DagsterInstance.ephemeral())
+    res = dg.materialize(
+        [trained],
+        resources={"gpu_cluster": LocalGPUCluster(num_procs=2)},
+        instance=dg.DagsterInstance.ephemeral(),
+    )
     assert res.success
     metadata = res.asset_materializations_for_node("trained")[0].metadata
     assert metadata["world_size"].value == 2 and metadata["steps"].value == 2
     assert summary_of(job).world_size == 2 and (Path(job.output_dir) / COMPLETION_MARKER).exists()
     assert sorted(p.name for p in (tmp_path / "work").glob("*.stderr.log")) == [
-        "worker.rank0.stderr.log", "worker.rank1.stderr.log"]
+        "worker.rank0.stderr.log",
+        "worker.rank1.stderr.log",
+    ]
 
 
 def _failure_description(job: TrainingJob, tmp_path: Path) -> str:
@@ -273,8 +324,12 @@ def _failure_description(job: TrainingJob, tmp_path: Path) -> str:
     def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
-    res = dg.materialize([trained], resources={"gpu_cluster": LocalGPUCluster()}, raise_on_error=False,
-                         instance=dg.DagsterInstance.ephemeral())
+    res = dg.materialize(
+        [trained],
+        resources={"gpu_cluster": LocalGPUCluster()},
+        raise_on_error=False,
+        instance=dg.DagsterInstance.ephemeral(),
+    )
     assert not res.success
     failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
     assert failure is not None, res.get_step_failure_events()[0].step_failure_data.error
@@ -305,9 +360,12 @@ def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, t
 
     def materialize(job: TrainingJob, cluster: GPUClusterResource, kill_first: bool) -> tuple[Any, int]:
         @dg.asset(retry_policy=MODEL_CALL_RETRY)
-        def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
-            return gpu_cluster.run_training(context, job, Path(job.output_dir).parent / "work")[1] \
-                .get_materialize_result()
+        def trained(
+            context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource
+        ) -> dg.MaterializeResult:
+            return gpu_cluster.run_training(context, job, Path(job.output_dir).parent / "work")[
+                1
+            ].get_materialize_result()
 
         def kill_the_first_worker() -> None:
             deadline = time.monotonic() + 240
@@ -323,8 +381,12 @@ def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, t
         killer = threading.Thread(target=kill_the_first_worker, daemon=True)
         if kill_first:
             killer.start()
-        res = dg.materialize([trained], resources={"gpu_cluster": cluster}, raise_on_error=False,
-                             instance=dg.DagsterInstance.ephemeral())
+        res = dg.materialize(
+            [trained],
+            resources={"gpu_cluster": cluster},
+            raise_on_error=False,
+            instance=dg.DagsterInstance.ephemeral(),
+        )
         retries = [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
         return res, len(retries)
 
@@ -347,11 +409,17 @@ def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_d
     """A DeepSpeed value that contradicts the scale preset, or a typo in a model preset: a clear error from the
     launching step, no worker started."""
     job = make_job(tmp_path, teacher_dir, steps=2)
-    bad_ds = job.model_copy(update={"deepspeed_config": {**job.deepspeed_config, "gradient_accumulation_steps": 7}})
-    assert "gradient_accumulation_steps=7 but the scale preset implies 1" in _failure_description(bad_ds, tmp_path)
+    bad_ds = job.model_copy(
+        update={"deepspeed_config": {**job.deepspeed_config, "gradient_accumulation_steps": 7}}
+    )
+    assert "gradient_accumulation_steps=7 but the scale preset implies 1" in _failure_description(
+        bad_ds, tmp_path
+    )
     assert not (tmp_path / "work" / "worker.rank0.stderr.log").exists(), "a worker was launched"
     (tmp_path / "configs" / "models").mkdir(parents=True)
-    (tmp_path / "configs" / "models" / "typo.yaml").write_text("architecture: MixtralForCausalLM\nhiden_size: 64\n")
+    (tmp_path / "configs" / "models" / "typo.yaml").write_text(
+        "architecture: MixtralForCausalLM\nhiden_size: 64\n"
+    )
     os.environ["NEXA_CONFIG_DIR"] = str(tmp_path / "configs")
     try:
         description = _failure_description(job.model_copy(update={"model_preset": "typo"}), tmp_path)
@@ -365,8 +433,14 @@ def _torchrun(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = Non
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
     command = LocalGPUCluster(num_procs=2).worker_command(job_file, tmp_path / f"{job.run_id}-logs")
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def as_split_manifest(path: str, root: Path, sizes: list[int]) -> str:
@@ -383,7 +457,9 @@ def as_split_manifest(path: str, root: Path, sizes: list[int]) -> str:
         shard = root / "store" / "shards" / f"k{k}.train.parquet"
         shard.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table.slice(start, rows), shard)
-        files.append((f"store/shards/{shard.name}", shard.stat().st_size, storage.sha256_file(str(shard)), rows))
+        files.append(
+            (f"store/shards/{shard.name}", shard.stat().st_size, storage.sha256_file(str(shard)), rows)
+        )
         start += rows
     manifest = split_manifest_path(str(root / "run"), "train")
     write_split_manifest(manifest, "train", "run", str(root), files)
@@ -395,30 +471,46 @@ def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
 
 
-def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path: Path, teacher_dir: Path) -> None:
+def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
     """2 gloo ranks, state every 3 steps; SIGKILL after the state of step 6 is saved; relaunch: steps 7-9 give
     exactly the losses of an uninterrupted run (model, optimizer, schedule, RNG and data position restored)."""
     base = make_job(tmp_path, teacher_dir, steps=9, rows=12, log_every=1, num_procs=2)
     base = base.model_copy(update={"settings": base.settings.model_copy(update={"checkpoint_every": 3})})
-    straight = base.model_copy(update={"run_id": "straight", "output_dir": str(tmp_path / "ckpt" / "straight")})
+    straight = base.model_copy(
+        update={"run_id": "straight", "output_dir": str(tmp_path / "ckpt" / "straight")}
+    )
     proc = _torchrun(straight, tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
 
     # the killed run reads the same rows as a packaging snapshot does: shard files listed by a split manifest
-    killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed"),
-                                     "train_path": as_split_manifest(base.train_path, tmp_path / "sft", [5, 4, 3])})
-    proc = _torchrun(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"})  # hangs after step 7, state at 6
+    killed = base.model_copy(
+        update={
+            "run_id": "killed",
+            "output_dir": str(tmp_path / "ckpt" / "killed"),
+            "train_path": as_split_manifest(base.train_path, tmp_path / "sft", [5, 4, 3]),
+        }
+    )
+    proc = _torchrun(
+        killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"}
+    )  # hangs after step 7, state at 6
     latest = tmp_path / "ckpt" / "killed.state" / "latest"
     deadline = time.monotonic() + 240
     while not (latest.exists() and latest.read_text().strip() == "step00000006"):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     time.sleep(1.0)  # the ranks are now in step 7
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())]
+    ranks = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
+    ]
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
-    assert {os.getpgid(p.pid) for p in ranks}.isdisjoint({proc.pid}), "ranks share torchrun's group: test is moot"
+    assert {os.getpgid(p.pid) for p in ranks}.isdisjoint({proc.pid}), (
+        "ranks share torchrun's group: test is moot"
+    )
     os.killpg(proc.pid, signal.SIGKILL)  # torchrun's group only: the ranks are in sessions of their own
     proc.wait(timeout=30)
     _, alive = psutil.wait_procs(ranks, timeout=15)
@@ -435,8 +527,9 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(tmp_path
     assert not (tmp_path / "ckpt" / "killed.state").exists(), "a finished run's resume state is deleted"
 
 
-def test_sigterm_to_torchrun_reaches_both_ranks_which_save_their_state_and_stop(tmp_path: Path,
-                                                                                teacher_dir: Path) -> None:
+def test_sigterm_to_torchrun_reaches_both_ranks_which_save_their_state_and_stop(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
     """What Slurm sends before the time limit (and Kubernetes on a pod's deletion) to the step's task, here
     ``torchrun``: it forwards SIGTERM to its ranks, which agree on the stop, save the resumable state together and exit
     75 (the 1-rank path through sbatch is tested in test_slurm.py)."""
@@ -488,8 +581,13 @@ def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_d
     job = job.model_copy(update={"settings": job.settings.model_copy(update={"stall_timeout_s": 3.0})})
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    proc = subprocess.run([*WORKER, "--job", str(job_file)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NEXA_FAULT_STALL_AT_STEP": "2"})
+    proc = subprocess.run(
+        [*WORKER, "--job", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NEXA_FAULT_STALL_AT_STEP": "2"},
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "STALL: no training step completed" in proc.stderr and "last completed step 2" in proc.stderr
     assert 'File "' in proc.stderr.split("STALL:")[1], "the stacks of the threads are in the diagnostics"
@@ -498,43 +596,69 @@ def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_d
 # -- what the cluster backends submit ---------------------------------------------------------------------------
 def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
-    cluster = SlurmGPUCluster(accelerator="cuda", num_procs=8, nodes=2, slurm_partition="gpu", slurm_account="nexa",
-                              slurm_time_limit="12:00:00", python_executable="/opt/venv/bin/python",
-                              slurm_setup_commands=["module load cuda/12.4"])
+    cluster = SlurmGPUCluster(
+        accelerator="cuda",
+        num_procs=8,
+        nodes=2,
+        slurm_partition="gpu",
+        slurm_account="nexa",
+        slurm_time_limit="12:00:00",
+        python_executable="/opt/venv/bin/python",
+        slurm_setup_commands=["module load cuda/12.4"],
+    )
     env = {"DAGSTER_PIPES_CONTEXT": "abc", "HF_HOME": "/shared/hf home"}
     script = cluster.sbatch_script(cluster.training_launch(job, tmp_path / "work", env))
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
-    for directive in ("--job-name=nexa-test-run", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
-                      "--partition=gpu", "--account=nexa", "--time=12:00:00", f"--output={tmp_path}/work/slurm-%j.out",
-                      "--signal=TERM@120"):
+    for directive in (
+        "--job-name=nexa-test-run",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--partition=gpu",
+        "--account=nexa",
+        "--time=12:00:00",
+        f"--output={tmp_path}/work/slurm-%j.out",
+        "--signal=TERM@120",
+    ):
         assert f"#SBATCH {directive}" in lines, directive
     assert "export DAGSTER_PIPES_CONTEXT=abc" in lines and "export HF_HOME='/shared/hf home'" in lines
     assert lines.index("module load cuda/12.4") < lines.index("export HEAD_NODE")
     srun = lines[-1]
-    assert srun == ("srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
-                    "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
-                    f"--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job {tmp_path}/work/job.json "
-                    f"--log-dir {tmp_path}/work")
+    assert srun == (
+        "srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
+        "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
+        f"--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job {tmp_path}/work/job.json "
+        f"--log-dir {tmp_path}/work"
+    )
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, "not valid bash"
     cpu = SlurmGPUCluster().sbatch_script(SlurmGPUCluster().training_launch(job, tmp_path))
     assert "--gpus-per-node" not in cpu and "torch.distributed.run" not in cpu
 
     # evaluation: the same script builder, one process on one GPU of one node, whatever a training uses
-    evaluation = cluster.sbatch_script(cluster.evaluation_launch(EvaluationJob.model_construct(run_id="test-run"),
-                                                                 tmp_path / "eval", env))
+    evaluation = cluster.sbatch_script(
+        cluster.evaluation_launch(EvaluationJob.model_construct(run_id="test-run"), tmp_path / "eval", env)
+    )
     lines = evaluation.splitlines()
-    for directive in ("--job-name=nexa-eval-test-run", "--nodes=1", "--gpus-per-node=1", "--partition=gpu",
-                      f"--output={tmp_path}/eval/slurm-%j.out"):
+    for directive in (
+        "--job-name=nexa-eval-test-run",
+        "--nodes=1",
+        "--gpus-per-node=1",
+        "--partition=gpu",
+        f"--output={tmp_path}/eval/slurm-%j.out",
+    ):
         assert f"#SBATCH {directive}" in lines, directive
     assert "export DAGSTER_PIPES_CONTEXT=abc" in lines
-    assert lines[-1] == (f"srun --kill-on-bad-exit=1 /opt/venv/bin/python -m nexa_dagster.core.evaluation.worker "
-                         f"--job {tmp_path}/eval/eval_job.json")
+    assert lines[-1] == (
+        f"srun --kill-on-bad-exit=1 /opt/venv/bin/python -m nexa_dagster.core.evaluation.worker "
+        f"--job {tmp_path}/eval/eval_job.json"
+    )
     assert subprocess.run(["bash", "-n"], input=evaluation, text=True).returncode == 0, "not valid bash"
 
 
-def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_backend_without_sbatch_fails_clearly(
+    tmp_path: Path, teacher_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
 
     @dg.asset
@@ -542,26 +666,41 @@ def test_slurm_backend_without_sbatch_fails_clearly(tmp_path: Path, teacher_dir:
         return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
-    res = dg.materialize([trained], resources={"gpu_cluster": SlurmGPUCluster()},
-                         raise_on_error=False, instance=dg.DagsterInstance.ephemeral())
+    res = dg.materialize(
+        [trained],
+        resources={"gpu_cluster": SlurmGPUCluster()},
+        raise_on_error=False,
+        instance=dg.DagsterInstance.ephemeral(),
+    )
     description = res.get_step_failure_events()[0].step_failure_data.user_failure_data.description
     assert "sbatch is not on PATH" in description
 
 
 def test_an_evaluation_with_a_missing_input_fails_before_anything_is_submitted(
-        tmp_path: Path, teacher_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, teacher_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No sbatch here: a "not found" error (and not "sbatch is not on PATH") shows the check runs first."""
-    job = EvaluationJob(run_id="ckpt", models={"candidate": str(teacher_dir), "production": str(tmp_path / "gone")},
-                        examples_path=str(tmp_path / "eval.parquet"), eval_set_version=1, prompts=[],
-                        max_new_tokens=4, output_path=str(tmp_path / "scores.json"))
+    job = EvaluationJob(
+        run_id="ckpt",
+        models={"candidate": str(teacher_dir), "production": str(tmp_path / "gone")},
+        examples_path=str(tmp_path / "eval.parquet"),
+        eval_set_version=1,
+        prompts=[],
+        max_new_tokens=4,
+        output_path=str(tmp_path / "scores.json"),
+    )
 
     @dg.asset(retry_policy=dg.RetryPolicy(max_retries=2))
     def scored(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> None:
         gpu_cluster.run_evaluation(context, job, tmp_path / "work")
 
     monkeypatch.setenv("PATH", str(tmp_path))
-    res = dg.materialize([scored], resources={"gpu_cluster": SlurmGPUCluster()}, raise_on_error=False,
-                         instance=dg.DagsterInstance.ephemeral())
+    res = dg.materialize(
+        [scored],
+        resources={"gpu_cluster": SlurmGPUCluster()},
+        raise_on_error=False,
+        instance=dg.DagsterInstance.ephemeral(),
+    )
     assert not [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
     description = res.get_step_failure_events()[0].step_failure_data.user_failure_data.description
     assert description == f"evaluation ckpt: model 'production' not found: {tmp_path / 'gone'}"
@@ -570,18 +709,32 @@ def test_an_evaluation_with_a_missing_input_fails_before_anything_is_submitted(
 
 def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=2)
-    cluster = KubernetesGPUCluster(accelerator="cuda", num_procs=4, k8s_image="nexa:latest", k8s_data_pvc="nexa-data",
-                                   k8s_node_selector={"gpu": "h100"},
-                                   k8s_tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists",
-                                                     "effect": "NoSchedule"}])
+    cluster = KubernetesGPUCluster(
+        accelerator="cuda",
+        num_procs=4,
+        k8s_image="nexa:latest",
+        k8s_data_pvc="nexa-data",
+        k8s_node_selector={"gpu": "h100"},
+        k8s_tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
     launch = cluster.training_launch(job, Path("/data/work"), {"A": "1"})
     spec = cluster.pod_spec(launch)
     container = spec["containers"][0]
     assert spec["restartPolicy"] == "Never" and container["image"] == "nexa:latest"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert container["command"] == ["python", "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-                                    "-m", "nexa_dagster.core.training.worker", "--job", "/data/work/job.json",
-                                    "--log-dir", "/data/work"]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--standalone",
+        "-m",
+        "nexa_dagster.core.training.worker",
+        "--job",
+        "/data/work/job.json",
+        "--log-dir",
+        "/data/work",
+    ]
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert spec["nodeSelector"] == {"gpu": "h100"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -594,12 +747,16 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
     assert week.k8s_run_arguments(launch)["pod_wait_timeout"] == 7 * 86400.0
 
     # evaluation: one pod with one GPU on the same volume and nodes, the evaluation worker as one process
-    evaluation = cluster.k8s_run_arguments(cluster.evaluation_launch(EvaluationJob.model_construct(run_id="e"),
-                                                                     Path("/data/eval"), {"A": "1"}))
+    evaluation = cluster.k8s_run_arguments(
+        cluster.evaluation_launch(EvaluationJob.model_construct(run_id="e"), Path("/data/eval"), {"A": "1"})
+    )
     pod = evaluation["base_pod_spec"]
     (container,) = pod["containers"]
-    assert container["command"] == evaluation["command"] == [
-        "python", "-m", "nexa_dagster.core.evaluation.worker", "--job", "/data/eval/eval_job.json"]
+    assert (
+        container["command"]
+        == evaluation["command"]
+        == ["python", "-m", "nexa_dagster.core.evaluation.worker", "--job", "/data/eval/eval_job.json"]
+    )
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1" and container["name"] == "evaluator"
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "nexa-data"}} in pod["volumes"]
     assert pod["nodeSelector"] == {"gpu": "h100"} and evaluation["env"]["A"] == "1"
@@ -607,11 +764,16 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
 
 
 # -- stopping ---------------------------------------------------------------------------------------------------
-def _launch_long_training(tmp_path: Path, teacher_dir: Path) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
+def _launch_long_training(
+    tmp_path: Path, teacher_dir: Path
+) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
     """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
     launcher, log = launch_training_in_dagster(tmp_path, teacher_dir)
-    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-               if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())]
+    workers = [
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
+    ]
     assert len(workers) == 1
     return launcher, workers[0], log
 
@@ -635,8 +797,9 @@ def test_killing_the_dagster_process_stops_the_worker(tmp_path: Path, teacher_di
     launcher.wait(timeout=10)
 
 
-def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker killed while DeepSpeed compiled its CPU comm op leaves torch's bare lock file behind, and every later
     multi-rank training on the machine waited on it forever; a lock older than any build is removed, a fresh one
     (a build in progress) is waited on."""
@@ -646,11 +809,14 @@ def test_a_stale_deepspeed_build_lock_is_removed_and_a_live_one_kept(tmp_path: P
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     import deepspeed.ops  # an in-process single-rank engine earlier in the session switched the op off: on again
+
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
     lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
-    assert pending_comm_op_build("cpu", world_size=2) == str(lock.parent) and lock.exists()  # a live build: wait
+    assert (
+        pending_comm_op_build("cpu", world_size=2) == str(lock.parent) and lock.exists()
+    )  # a live build: wait
     stale = time.time() - STALE_BUILD_LOCK_S - 60
     os.utime(lock, (stale, stale))
     pending_comm_op_build("cpu", world_size=2)

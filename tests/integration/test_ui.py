@@ -4,8 +4,6 @@ Opens the asset graph of every group and checks each stage asset is drawn, launc
 pipeline from the Launchpad, waits for the run to succeed, and keeps a screenshot of the run that is not blank.
 """
 
-
-
 import shutil
 import signal
 import subprocess
@@ -24,10 +22,15 @@ from nexa_dagster.core.common.processes import stop_process_group
 
 DAY = "2026-11-20"
 LOCATION = "nexa_dagster.definitions"
-GROUPS = {"ingest": ["raw_documents"], "distillation": ["teacher_samples"],
-          "filtering": ["filtered_samples", "rejected_samples"], "packaging": ["sft_dataset"],
-          "training": ["moe_checkpoint"], "evaluation": ["eval_report", "leaderboard"],
-          "serving": ["model_deployment"]}
+GROUPS = {
+    "ingest": ["raw_documents"],
+    "distillation": ["teacher_samples"],
+    "filtering": ["filtered_samples", "rejected_samples"],
+    "packaging": ["sft_dataset"],
+    "training": ["moe_checkpoint"],
+    "evaluation": ["eval_report", "leaderboard"],
+    "serving": ["model_deployment"],
+}
 
 
 def chromium() -> str:
@@ -55,10 +58,24 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dagster-dev.log", "wb") as log:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
-                                   "-h", "127.0.0.1", "-p", str(port)], env=env, cwd=REPO_ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_default_stop_signals)
+        server = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "dagster"),
+                "dev",
+                "-w",
+                "workspace.yaml",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_stop_signals,
+        )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -66,8 +83,9 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
                 urllib.request.urlopen(base + "/server_info", timeout=2)
                 break
             except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, \
-                    (tmp_path / "dagster-dev.log").read_text(errors="replace")[-3000:]
+                assert server.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "dagster-dev.log"
+                ).read_text(errors="replace")[-3000:]
                 time.sleep(1)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
@@ -104,8 +122,11 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
                 while (run := instance.get_run_by_id(run_id)) is None or not run.is_finished:
                     assert time.monotonic() < deadline, "the run launched from the UI did not finish"
                     time.sleep(2)
-                errors = [str(e.dagster_event.event_specific_data)[:1500] for e in instance.all_logs(run_id)
-                          if e.dagster_event and e.dagster_event.is_failure]
+                errors = [
+                    str(e.dagster_event.event_specific_data)[:1500]
+                    for e in instance.all_logs(run_id)
+                    if e.dagster_event and e.dagster_event.is_failure
+                ]
                 assert run.status == dg.DagsterRunStatus.SUCCESS, errors
                 assert run.tags["dagster/partition"] == DAY
                 assert instance.get_materialized_partitions(dg.AssetKey("filtered_samples")) == {DAY}

@@ -27,9 +27,19 @@ def copy_checkpoint_from_elsewhere(model: Path, dest: Path) -> Path:
     it, of the model and of its validation split, do not exist here."""
     shutil.copytree(model, dest)
     record = dest / "checkpoint.json"
-    written = json.loads(record.read_text()) if record.exists() else {"checkpoint_id": dest.name, "num_steps": 4,
-                                                                      "dataset_run_hash": "0123456789abcdef"}
-    record.write_text(json.dumps({**written, "path": f"/elsewhere/data/checkpoints/{dest.name}",
-                                  "dataset_validation_path": "/elsewhere/data/sft/x/validation.parquet"}))
+    written = (
+        json.loads(record.read_text())
+        if record.exists()
+        else {"checkpoint_id": dest.name, "num_steps": 4, "dataset_run_hash": "0123456789abcdef"}
+    )
+    record.write_text(
+        json.dumps(
+            {
+                **written,
+                "path": f"/elsewhere/data/checkpoints/{dest.name}",
+                "dataset_validation_path": "/elsewhere/data/sft/x/validation.parquet",
+            }
+        )
+    )
     (dest / COMPLETION_MARKER).write_text("ok\n")
     return dest

@@ -24,7 +24,11 @@ def write_corpus(root: Path, documents: list[list[int]], shards: int = 2) -> str
     return str(root)
 
 
-def random_documents(n: int, vocab: int, eos: int, seed: int = 0, lengths: tuple[int, int] = (5, 40)) -> list[list[int]]:
+def random_documents(
+    n: int, vocab: int, eos: int, seed: int = 0, lengths: tuple[int, int] = (5, 40)
+) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(len(SPECIAL_TOKENS), vocab, int(rng.integers(*lengths))).tolist() + [eos]
-            for _ in range(n)]
+    return [
+        rng.integers(len(SPECIAL_TOKENS), vocab, int(rng.integers(*lengths))).tolist() + [eos]
+        for _ in range(n)
+    ]

@@ -60,8 +60,11 @@ class _Stub(BaseHTTPRequestHandler):
 @contextmanager
 def stub_server(reply: Reply) -> Iterator[tuple[str, list[dict[str, Any]], list[float]]]:
     """``(base_url, calls, arrival_times)`` of a running stub; stopped when the block exits."""
-    handler = type("Handler", (_Stub,), {"reply": staticmethod(reply), "calls": [], "times": [],
-                                         "lock": threading.Lock()})
+    handler = type(
+        "Handler",
+        (_Stub,),
+        {"reply": staticmethod(reply), "calls": [], "times": [], "lock": threading.Lock()},
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -74,10 +77,21 @@ def stub_server(reply: Reply) -> Iterator[tuple[str, list[dict[str, Any]], list[
 
 
 def chat_payload(content: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": "x", "object": "chat.completion", "created": 0, "model": "stub",
-            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": logprobs,
-                         "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "stub",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": logprobs,
+                "message": {"role": "assistant", "content": content},
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
 
 
 def json_judge(verdict: dict[str, Any] | None = None, logprobs: int = 200, json_schema: int = 200) -> Reply:

@@ -13,14 +13,33 @@ from nexa_dagster.core.packaging.sft_dataset import PackagingSettings
 
 def chat_records(n: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    words = ["the", "a", "tuple", "list", "dict", "set", "value", "key", "index", "slice", "loop", "yield", "class",
-             "method", "return"]
+    words = [
+        "the",
+        "a",
+        "tuple",
+        "list",
+        "dict",
+        "set",
+        "value",
+        "key",
+        "index",
+        "slice",
+        "loop",
+        "yield",
+        "class",
+        "method",
+        "return",
+    ]
     out = []
     for i in range(n):
         q = " ".join(rng.choice(words, size=int(rng.integers(3, 20))))
         a = " ".join(rng.choice(words, size=int(rng.integers(5, 120))))
-        out.append({"sample_id": f"s{i:05d}", "messages": [{"role": "user", "content": q},
-                                                            {"role": "assistant", "content": a}]})
+        out.append(
+            {
+                "sample_id": f"s{i:05d}",
+                "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+            }
+        )
     return out
 
 
@@ -35,8 +54,9 @@ def one_source_blend(path: str, **kw) -> DataBlend:
 
 
 def packaging_settings(**kw) -> PackagingSettings:
-    return PackagingSettings(**{"pack_size": 256, "validation_fraction": 0.2, "seed": 0, "rows_per_shard": 40,
-                                "workers": 1, **kw})
+    return PackagingSettings(
+        **{"pack_size": 256, "validation_fraction": 0.2, "seed": 0, "rows_per_shard": 40, "workers": 1, **kw}
+    )
 
 
 def quiet(_: str) -> None:

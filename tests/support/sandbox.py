@@ -16,8 +16,12 @@ from nexa_dagster.core.common.faults import KILL_BEFORE_RENAME as FAULT_KILL_ENV
 from nexa_dagster.core.tiny.install import install_tiny_models
 
 
-def make_sandbox(root: Path, days: Iterable[str] = (), settings: Path = REPO_ROOT / "dagster.yaml",
-                 extra_settings: str = "") -> Path:
+def make_sandbox(
+    root: Path,
+    days: Iterable[str] = (),
+    settings: Path = REPO_ROOT / "dagster.yaml",
+    extra_settings: str = "",
+) -> Path:
     """``root/landing/<day>`` for each sample day, ``root/home/dagster.yaml`` and the tiny models the configuration
     names (``nexa-dagster tiny-models``, as ``make run`` installs them); returns ``root``."""
     install_tiny_models([root / "data" / "models" / "tiny-teacher"])
@@ -35,9 +39,14 @@ def sandbox_env(root: Path, fault: str | None = None, **overrides: str) -> dict[
     so a run is never killed by accident. The venv's ``bin`` comes first on PATH, so the `dagster` command a
     subprocess starts (the daemon's run workers, `dagster dev`'s code server) is this project's.
     """
-    env = {**os.environ, "DAGSTER_HOME": str(root / "home"), "NEXA_DATA_ROOT": str(root / "data"),
-           "NEXA_RESULTS_ROOT": str(root / "results"), "NEXA_LANDING_ROOT": str(root / "landing"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(root / "home"),
+        "NEXA_DATA_ROOT": str(root / "data"),
+        "NEXA_RESULTS_ROOT": str(root / "results"),
+        "NEXA_LANDING_ROOT": str(root / "landing"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     env.pop(FAULT_KILL_ENV, None)
     if fault:
         env[FAULT_KILL_ENV] = fault

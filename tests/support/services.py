@@ -32,8 +32,6 @@ def missing(what: str, install: str) -> None:
     pytest.skip(message)
 
 
-
-
 def _as_postgres_user(command: list[str]) -> list[str]:
     """initdb and postgres refuse to run as root: run them as the `postgres` user the Debian package creates."""
     return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
@@ -50,19 +48,57 @@ def postgres_server() -> Iterator[dict[str, str]]:
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
     data, port = root / "data", free_port()
-    subprocess.run(_as_postgres_user([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                                      "-E", "UTF8"]), check=True, capture_output=True)
-    subprocess.run(_as_postgres_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
-                                      "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=200",
-                                      "-w", "start"]), check=True, capture_output=True)
+    subprocess.run(
+        _as_postgres_user(
+            [str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8"]
+        ),
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        _as_postgres_user(
+            [
+                str(bin_dir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(root / "server.log"),
+                "-o",
+                f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=200",
+                "-w",
+                "start",
+            ]
+        ),
+        check=True,
+        capture_output=True,
+    )
     try:
-        subprocess.run([str(bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "-c",
-                        "CREATE DATABASE dagster"], check=True, capture_output=True)
-        yield {"DAGSTER_PG_URL": f"postgresql+psycopg2://postgres@127.0.0.1:{port}/dagster",
-               "host": "127.0.0.1", "port": str(port), "db": "dagster"}
+        subprocess.run(
+            [
+                str(bin_dir / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-U",
+                "postgres",
+                "-c",
+                "CREATE DATABASE dagster",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        yield {
+            "DAGSTER_PG_URL": f"postgresql+psycopg2://postgres@127.0.0.1:{port}/dagster",
+            "host": "127.0.0.1",
+            "port": str(port),
+            "db": "dagster",
+        }
     finally:
-        subprocess.run(_as_postgres_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True)
+        subprocess.run(
+            _as_postgres_user([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
+            capture_output=True,
+        )
         time.sleep(0.2)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -90,28 +126,54 @@ def slurm_cluster() -> Iterator[dict[str, str]]:
         subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
     host = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=nexa-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
-        f"SlurmdPort={free_port()}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core", "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none", "ReturnToService=2", "MpiDefault=none",
-        "KillWait=5", "MinJobAge=600",
-        f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=nexa-test",
+                f"SlurmctldHost={host}(127.0.0.1)",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/munge",
+                f"StateSaveLocation={root}/state",
+                f"SlurmdSpoolDir={root}/spool",
+                f"SlurmctldPidFile={root}/slurmctld.pid",
+                f"SlurmdPidFile={root}/slurmd.pid",
+                f"SlurmctldLogFile={root}/log/slurmctld.log",
+                f"SlurmdLogFile={root}/log/slurmd.log",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "ReturnToService=2",
+                "MpiDefault=none",
+                "KillWait=5",
+                "MinJobAge=600",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+                "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                "",
+            ]
+        )
+    )
     env = {"SLURM_CONF": str(conf)}
     full_env = {**os.environ, **env}
     subprocess.run(["/usr/sbin/slurmctld", "-i"], env=full_env, check=True)
     subprocess.run(["/usr/sbin/slurmd"], env=full_env, check=True)
     try:
         deadline = time.monotonic() + 60
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=full_env, capture_output=True,
-                                           text=True).stdout:
+        while (
+            "idle"
+            not in subprocess.run(
+                ["sinfo", "-h", "-o", "%t"], env=full_env, capture_output=True, text=True
+            ).stdout
+        ):
             if time.monotonic() > deadline:
-                raise RuntimeError("Slurm node did not become idle: " + (root / "log" / "slurmd.log").read_text())
+                raise RuntimeError(
+                    "Slurm node did not become idle: " + (root / "log" / "slurmd.log").read_text()
+                )
             time.sleep(0.5)
         yield env
     finally:
@@ -132,8 +194,10 @@ def wait_http(url: str, process: subprocess.Popen, what: str, log: Path, timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{what} exited with {process.returncode}: {log.read_text()[-3000:]}")
-        with (contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-              urllib.request.urlopen(url, timeout=2) as response):
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(url, timeout=2) as response,
+        ):
             if response.status == 200:
                 return
         time.sleep(0.5)
@@ -149,10 +213,26 @@ def mlflow_server(root: Path, wait: bool = True) -> Iterator[tuple[str, Callable
     log = root / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts")],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
 
     def until_up() -> None:

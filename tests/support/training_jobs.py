@@ -39,33 +39,66 @@ def write_packed(path: Path, rows: int, vocab_size: int, pad_id: int, seed: int 
             position_ids += list(range(prompt + answer))
             docs += 1
         real, pad = len(input_ids), PACK_SIZE - len(input_ids)
-        records.append({"input_ids": input_ids + [pad_id] * pad, "loss_mask": loss_mask + [0] * pad,
-                        "position_ids": position_ids + [0] * pad, "attention_mask": [1] * real + [0] * pad,
-                        "num_documents": docs})
+        records.append(
+            {
+                "input_ids": input_ids + [pad_id] * pad,
+                "loss_mask": loss_mask + [0] * pad,
+                "position_ids": position_ids + [0] * pad,
+                "attention_mask": [1] * real + [0] * pad,
+                "num_documents": docs,
+            }
+        )
     frame = pd.DataFrame(records)
-    frame["labels"] = [labels_of(*(np.asarray(r[c]) for c in ("input_ids", "loss_mask", "attention_mask",
-                                                                "position_ids"))) for r in records]
+    frame["labels"] = [
+        labels_of(*(np.asarray(r[c]) for c in ("input_ids", "loss_mask", "attention_mask", "position_ids")))
+        for r in records
+    ]
     frame["loss_mask"] = frame["loss_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
     frame["attention_mask"] = frame["attention_mask"].map(lambda v: np.asarray(v, dtype=np.int8))
     frame.to_parquet(path)
     return str(path)
 
 
-def make_job(tmp_path: Path, teacher_dir: Path, steps: int, rows: int = 8, lr: float = 3e-3,
-             log_every: int = 2, run_id: str = "test-run", num_procs: int = 1, **settings: Any) -> TrainingJob:
+def make_job(
+    tmp_path: Path,
+    teacher_dir: Path,
+    steps: int,
+    rows: int = 8,
+    lr: float = 3e-3,
+    log_every: int = 2,
+    run_id: str = "test-run",
+    num_procs: int = 1,
+    **settings: Any,
+) -> TrainingJob:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
-    training = TrainingSettings(max_steps=steps, micro_batch_size=2, gradient_accumulation_steps=1,
-                                learning_rate=lr, warmup_steps=1, weight_decay=0.0, grad_clip=1.0,
-                                log_every=log_every, seed=0, num_procs=num_procs, **settings)
+    training = TrainingSettings(
+        max_steps=steps,
+        micro_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=lr,
+        warmup_steps=1,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        log_every=log_every,
+        seed=0,
+        num_procs=num_procs,
+        **settings,
+    )
     return TrainingJob(
-        run_id=run_id, train_path=write_packed(tmp_path / "train.parquet", rows, vocab, pad, seed=1),
+        run_id=run_id,
+        train_path=write_packed(tmp_path / "train.parquet", rows, vocab, pad, seed=1),
         validation_path=write_packed(tmp_path / "validation.parquet", 2, vocab, pad, seed=2),
-        tokenizer_path=str(teacher_dir), model_preset="tiny", deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
-        settings=training, output_dir=str(tmp_path / "checkpoints" / run_id), dataset_run_hash="abc12345",
-        accelerator="cpu")
+        tokenizer_path=str(teacher_dir),
+        model_preset="tiny",
+        deepspeed_config=load_deepspeed_config("zero1_cpu.json"),
+        settings=training,
+        output_dir=str(tmp_path / "checkpoints" / run_id),
+        dataset_run_hash="abc12345",
+        accelerator="cpu",
+    )
 
 
 LAUNCH_SCRIPT = """
@@ -92,8 +125,9 @@ print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
 """
 
 
-def launch_training_in_dagster(tmp_path: Path, teacher_dir: Path, cluster: dict[str, object] | None = None,
-                               timeout_s: float = 120) -> tuple[subprocess.Popen[bytes], Path]:
+def launch_training_in_dagster(
+    tmp_path: Path, teacher_dir: Path, cluster: dict[str, object] | None = None, timeout_s: float = 120
+) -> tuple[subprocess.Popen[bytes], Path]:
     """Materialize a long training asset in a separate Dagster process (``gpu_cluster_from_settings(cluster)``);
     return the process and its log once the worker reports its first step."""
     job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
@@ -101,11 +135,21 @@ def launch_training_in_dagster(tmp_path: Path, teacher_dir: Path, cluster: dict[
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCH_SCRIPT))
     log = tmp_path / "launch.log"
     with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "job.json"),
-                                     str(tmp_path / "work"), json.dumps(cluster or {})],
-                                    stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                str(tmp_path / "launch.py"),
+                str(tmp_path / "job.json"),
+                str(tmp_path / "work"),
+                json.dumps(cluster or {}),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + timeout_s
     while "step 1/" not in log.read_text(errors="replace"):
-        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[
+            -3000:
+        ]
         time.sleep(0.5)
     return launcher, log

@@ -15,7 +15,18 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nexa_dagster"
 # the stages of core, lowest first: a stage imports its own modules and those of stages before it, never after
-STAGES = ["common", "llm", "data", "distill", "packaging", "training", "evaluation", "serving", "cluster", "tiny"]
+STAGES = [
+    "common",
+    "llm",
+    "data",
+    "distill",
+    "packaging",
+    "training",
+    "evaluation",
+    "serving",
+    "cluster",
+    "tiny",
+]
 ENVIRONMENT_MODULES = {"nexa_dagster.settings", "nexa_dagster.core.common.faults"}
 
 
@@ -63,15 +74,19 @@ def layering_violations(mods: dict[str, ast.Module]) -> list[str]:
         if stage is None:
             continue
         for target, line in imports(tree):
-            if target == "dagster" or target.startswith(("dagster.", "dagster_")) and not target.startswith(
-                    "dagster_pipes"):
+            if (
+                target == "dagster"
+                or target.startswith(("dagster.", "dagster_"))
+                and not target.startswith("dagster_pipes")
+            ):
                 problems.append(f"{name}:{line} imports {target} (core is Dagster-free)")
             other = stage_of(target)
             if target.startswith("nexa_dagster.") and other is None and target.split(".")[1] != "settings":
                 problems.append(f"{name}:{line} imports {target}, outside core")
             if other and other != stage and STAGES.index(other) > STAGES.index(stage):
-                problems.append(f"{name}:{line} imports {target}: stage {stage} must not import the later stage "
-                                f"{other}")
+                problems.append(
+                    f"{name}:{line} imports {target}: stage {stage} must not import the later stage {other}"
+                )
     return problems
 
 
@@ -117,8 +132,12 @@ def environment_reads(mods: dict[str, ast.Module]) -> list[str]:
         if name in ENVIRONMENT_MODULES:
             continue
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
-                    and node.attr in ("environ", "getenv", "putenv", "unsetenv")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("environ", "getenv", "putenv", "unsetenv")
+            ):
                 problems.append(f"{name}:{node.lineno} reads os.{node.attr}")
     return problems
 
@@ -167,6 +186,9 @@ def test_each_rule_catches_a_tree_that_breaks_it(tmp_path: Path) -> None:
         "nexa_dagster.core.common.io:2 imports nexa_dagster.core.training: stage common must not import the "
         "later stage training",
         "nexa_dagster.core.common.io:2 imports nexa_dagster.core.training.loop: stage common must not import the "
-        "later stage training"]
-    assert cycles(internal_graph(mods)) == [["nexa_dagster.core.training.data", "nexa_dagster.core.training.loop"]]
+        "later stage training",
+    ]
+    assert cycles(internal_graph(mods)) == [
+        ["nexa_dagster.core.training.data", "nexa_dagster.core.training.loop"]
+    ]
     assert environment_reads(mods) == ["nexa_dagster.core.training.loop:3 reads os.getenv"]

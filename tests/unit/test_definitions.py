@@ -11,14 +11,29 @@ import pytest
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
-STAGE_KEYS = {"raw_documents", "teacher_samples", "filtered_samples", "rejected_samples", "sft_dataset",
-              "eval_set", "moe_checkpoint", "eval_report", "model_deployment"}
+STAGE_KEYS = {
+    "raw_documents",
+    "teacher_samples",
+    "filtered_samples",
+    "rejected_samples",
+    "sft_dataset",
+    "eval_set",
+    "moe_checkpoint",
+    "eval_report",
+    "model_deployment",
+}
 
 
 def test_dagster_definitions_validate_passes(tmp_path) -> None:
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "All code locations passed validation" in proc.stderr + proc.stdout
 
@@ -34,12 +49,16 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     assert upstream["filtered_samples"] == {"teacher_samples"}
     assert upstream["sft_dataset"] == {"filtered_samples"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
-    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {"pretrain_corpus"}
+    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {
+        "pretrain_corpus"
+    }
     assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"]
     # the eval set freezes held-out samples and held-out corpus documents; base models are scored on the latter
     assert upstream["eval_set"] == {"filtered_samples", "pretrain_corpus"}
-    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model_eval")).parent_keys} == \
-        {"base_model", "eval_set"}
+    assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model_eval")).parent_keys} == {
+        "base_model",
+        "eval_set",
+    }
     assert upstream["model_deployment"] == {"eval_report"}
 
 
@@ -47,8 +66,14 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
     from nexa_dagster.definitions import defs
 
     graph = defs.resolve_asset_graph()
-    for key in ("teacher_samples", "filtered_samples", "moe_checkpoint", "base_model", "eval_report",
-                "model_deployment"):
+    for key in (
+        "teacher_samples",
+        "filtered_samples",
+        "moe_checkpoint",
+        "base_model",
+        "eval_report",
+        "model_deployment",
+    ):
         node = graph.get(dg.AssetKey(key))
         policy = node.assets_def.op.retry_policy
         assert policy is not None and policy.max_retries >= 1, key
@@ -58,35 +83,87 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
 
 # -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------
 CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error must say)
-    "gpu_cluster accelerator": ("pipeline.yaml", "  accelerator: cpu", "  acelerator: cuda",
-                                "pipeline.yaml: gpu_cluster.acelerator: unknown key"),
-    "gpu_cluster backend": ("pipeline.yaml", "  backend: local ", "  backend: slrum ",
-                            "pipeline.yaml: gpu_cluster.backend: unknown backend 'slrum'; one of: local, slurm, "
-                            "kubernetes"),
+    "gpu_cluster accelerator": (
+        "pipeline.yaml",
+        "  accelerator: cpu",
+        "  acelerator: cuda",
+        "pipeline.yaml: gpu_cluster.acelerator: unknown key",
+    ),
+    "gpu_cluster backend": (
+        "pipeline.yaml",
+        "  backend: local ",
+        "  backend: slrum ",
+        "pipeline.yaml: gpu_cluster.backend: unknown backend 'slrum'; one of: local, slurm, kubernetes",
+    ),
     "gpu_cluster field of another backend": (
-        "pipeline.yaml", "  # slurm_partition: gpu", "  slurm_partition: gpu",
+        "pipeline.yaml",
+        "  # slurm_partition: gpu",
+        "  slurm_partition: gpu",
         "pipeline.yaml: gpu_cluster.slurm_partition: a field of the slurm backend, but the cluster is backend "
-        "'local'"),
-    "pipeline top-level key": ("pipeline.yaml", "data_root:", "data_rot:", "pipeline.yaml: data_rot: unknown key"),
-    "a key that moved": ("pipeline.yaml", "data_root: data\n", 'data_root: data\npartitions_start_date: "2026-11-01"\n',
-                         "pipeline.yaml: (the whole file): Value error, partitions_start_date moved to the environment "
-                         "variable NEXA_PARTITIONS_START"),
-    "eval_set resource": ("pipeline.yaml", "  fraction: 0.3", "  fractoin: 0.3",
-                          "pipeline.yaml: eval_set.fractoin: unknown key"),
-    "ingest resource": ("pipeline.yaml", "  on_error: raise", "  on_error: skip",
-                        "pipeline.yaml: ingest.on_error: Input should be"),
-    "pipeline missing key": ("pipeline.yaml", "  teacher: tiny-teacher\n", "",
-                             "pipeline.yaml: models.teacher: missing"),
-    "scale preset key": ("scales/full.yaml", "  max_steps:", "  max_step:",
-                         "scales/full.yaml: training.max_step: unknown key"),
-    "scale preset reference": ("scales/small.yaml", "model_preset: nexa-moe-mini", "model_preset: nexa-moe-mnii",
-                               "scales/small.yaml: model_preset: 'nexa-moe-mnii' names no file"),
-    "model preset": ("models/nexa-ultramax.yaml", "num_local_experts:", "num_local_expert:",
-                     "models/nexa-ultramax.yaml: num_local_expert: unknown key"),
+        "'local'",
+    ),
+    "pipeline top-level key": (
+        "pipeline.yaml",
+        "data_root:",
+        "data_rot:",
+        "pipeline.yaml: data_rot: unknown key",
+    ),
+    "a key that moved": (
+        "pipeline.yaml",
+        "data_root: data\n",
+        'data_root: data\npartitions_start_date: "2026-11-01"\n',
+        "pipeline.yaml: (the whole file): Value error, partitions_start_date moved to the environment "
+        "variable NEXA_PARTITIONS_START",
+    ),
+    "eval_set resource": (
+        "pipeline.yaml",
+        "  fraction: 0.3",
+        "  fractoin: 0.3",
+        "pipeline.yaml: eval_set.fractoin: unknown key",
+    ),
+    "ingest resource": (
+        "pipeline.yaml",
+        "  on_error: raise",
+        "  on_error: skip",
+        "pipeline.yaml: ingest.on_error: Input should be",
+    ),
+    "pipeline missing key": (
+        "pipeline.yaml",
+        "  teacher: tiny-teacher\n",
+        "",
+        "pipeline.yaml: models.teacher: missing",
+    ),
+    "scale preset key": (
+        "scales/full.yaml",
+        "  max_steps:",
+        "  max_step:",
+        "scales/full.yaml: training.max_step: unknown key",
+    ),
+    "scale preset reference": (
+        "scales/small.yaml",
+        "model_preset: nexa-moe-mini",
+        "model_preset: nexa-moe-mnii",
+        "scales/small.yaml: model_preset: 'nexa-moe-mnii' names no file",
+    ),
+    "model preset": (
+        "models/nexa-ultramax.yaml",
+        "num_local_experts:",
+        "num_local_expert:",
+        "models/nexa-ultramax.yaml: num_local_expert: unknown key",
+    ),
     "promotion": ("promotion.yaml", "margin:", "margn:", "promotion.yaml: margn: unknown key"),
-    "filters": ("filters.production.yaml", "  min_score:", "  min_scor:",
-                "filters.production.yaml: judge.min_scor: unknown key"),
-    "packaging": ("packaging.yaml", "on_error: raise", "on_error: skip", "packaging.yaml: on_error: Input should be"),
+    "filters": (
+        "filters.production.yaml",
+        "  min_score:",
+        "  min_scor:",
+        "filters.production.yaml: judge.min_scor: unknown key",
+    ),
+    "packaging": (
+        "packaging.yaml",
+        "on_error: raise",
+        "on_error: skip",
+        "packaging.yaml: on_error: Input should be",
+    ),
     "blend": ("blends/rl.yaml", "sources:", "source:", "blends/rl.yaml: source: unknown key"),
 }
 
@@ -115,7 +192,9 @@ def test_a_config_typo_fails_the_load_naming_the_file_and_key(case: str, tmp_pat
     assert f"{tmp_path}/configs/{expected}" in str(raised.value)
 
 
-def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_it(tmp_path, monkeypatch) -> None:
+def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_it(
+    tmp_path, monkeypatch
+) -> None:
     """``gpu_cluster.backend`` builds that backend's class with its own fields; ``NEXA_CLUSTER_BACKEND`` overrides
     the file's backend, and then the file's fields of another backend fail the load, saying where the backend
     came from."""
@@ -126,8 +205,12 @@ def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_i
     monkeypatch.delenv("NEXA_ACCELERATOR", raising=False)
     monkeypatch.delenv("NEXA_CLUSTER_BACKEND", raising=False)
     assert type(build_resources()["gpu_cluster"]) is LocalGPUCluster
-    configs = _configs_with(tmp_path, "pipeline.yaml", "  backend: local ",
-                            "  backend: slurm\n  nodes: 2\n  slurm_partition: gpu ")
+    configs = _configs_with(
+        tmp_path,
+        "pipeline.yaml",
+        "  backend: local ",
+        "  backend: slurm\n  nodes: 2\n  slurm_partition: gpu ",
+    )
     monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
     cluster = build_resources()["gpu_cluster"]
     assert type(cluster) is SlurmGPUCluster and (cluster.nodes, cluster.slurm_partition) == (2, "gpu")
@@ -135,11 +218,17 @@ def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_i
     monkeypatch.setenv("NEXA_CLUSTER_BACKEND", "local")
     with pytest.raises(ConfigError) as raised:
         build_defs()
-    assert (f"{configs}/pipeline.yaml: gpu_cluster.nodes: a field of the slurm backend, but the cluster is backend "
-            "'local' (from NEXA_CLUSTER_BACKEND)") in str(raised.value)
-    monkeypatch.delenv("NEXA_CONFIG_DIR")  # the shipped file (backend: local) with the backend from the environment
+    assert (
+        f"{configs}/pipeline.yaml: gpu_cluster.nodes: a field of the slurm backend, but the cluster is backend "
+        "'local' (from NEXA_CLUSTER_BACKEND)"
+    ) in str(raised.value)
+    monkeypatch.delenv(
+        "NEXA_CONFIG_DIR"
+    )  # the shipped file (backend: local) with the backend from the environment
     monkeypatch.setenv("NEXA_CLUSTER_BACKEND", "kubernetes")  # without its image: what pods would it start?
-    with pytest.raises(ConfigError, match=r"gpu_cluster.k8s_image: missing \(required by backend 'kubernetes'"):
+    with pytest.raises(
+        ConfigError, match=r"gpu_cluster.k8s_image: missing \(required by backend 'kubernetes'"
+    ):
         build_defs()
 
 
@@ -147,8 +236,14 @@ def test_dagster_definitions_validate_fails_on_a_typo_in_an_unselected_scale(tmp
     """`make validate` used to pass a typo in any scale but the one NEXA_SCALE selects (tiny)."""
     configs = _configs_with(tmp_path, "scales/full.yaml", "  learning_rate:", "  lerning_rate:")
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "NEXA_CONFIG_DIR": str(configs), "NEXA_SCALE": "tiny"}
-    proc = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert f"{configs}/scales/full.yaml: training.lerning_rate: unknown key" in proc.stderr + proc.stdout
 
@@ -176,11 +271,13 @@ def test_the_leaderboard_is_requested_after_new_evaluation_reports(tmp_path, mon
         start = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection)
         assert start.total_requested == 0  # up to date
         instance.report_runless_asset_event(dg.AssetMaterialization("eval_report", partition="second"))
-        after = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
-                                                  cursor=start.cursor)
+        after = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, asset_selection=selection, cursor=start.cursor
+        )
         assert after.get_requested_partitions(dg.AssetKey("leaderboard")) == {None}
-        once = dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
-                                                 cursor=after.cursor)
+        once = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, asset_selection=selection, cursor=after.cursor
+        )
         assert once.total_requested == 0  # requested once, not on every tick
     finally:
         instance.dispose()
@@ -204,8 +301,10 @@ def test_each_new_base_model_is_evaluated_once_when_an_eval_set_exists(tmp_path,
     selection = dg.AssetSelection.assets("base_model_eval")
 
     def tick(cursor):
-        return dg.evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=selection,
-                                                 cursor=cursor)
+        return dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, asset_selection=selection, cursor=cursor
+        )
+
     try:
         start = tick(None)  # the sensor runs before any base model exists, as in a deployment
         instance.add_dynamic_partitions("base_models", ["base-a"])
@@ -218,31 +317,52 @@ def test_each_new_base_model_is_evaluated_once_when_an_eval_set_exists(tmp_path,
         instance.add_dynamic_partitions("base_models", ["base-b"])
         instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))
         third = tick(second.cursor)
-        assert third.get_requested_partitions(key) == {"base-b"}  # base-a (still missing: its run failed) not again
+        assert third.get_requested_partitions(key) == {
+            "base-b"
+        }  # base-a (still missing: its run failed) not again
     finally:
         instance.dispose()
 
 
 # -- one resource class per LLM backend, checked when the code location loads (issue 16) --------------------------
 LLM_MISTAKES = {  # case: (environment, pipeline.yaml addition, what the error must say)
-    "unknown backend": ({"NEXA_TEACHER_BACKEND": "vllm"}, "",
-                        "NEXA_TEACHER_BACKEND: unknown LLM backend 'vllm'; one of local, managed, openai"),
-    "a URL for the local backend": ({"NEXA_JUDGE_URL": "http://127.0.0.1:8000/v1"}, "",
-                                    "NEXA_JUDGE_URL: base_url is not a setting of the local backend (LocalLLM"),
-    "openai without a URL": ({"NEXA_TEACHER_BACKEND": "openai"}, "",
-                             "NEXA_TEACHER_URL: the openai backend needs base_url"),
-    "another backend's key in the file": ({}, "judge_llm:\n  backend: managed\n  batch_size: 4\n",
-                                          "pipeline.yaml: judge_llm.batch_size: batch_size is not a setting of "
-                                          "the managed backend (ManagedLLM"),
-    "a key in the file": ({}, "teacher_llm:\n  backend: openai\n  base_url: http://x/v1\n  api_key: sk-1\n",
-                          "pipeline.yaml: teacher_llm.api_key: never a key in a file: set NEXA_TEACHER_API_KEY"),
-    "a bad value": ({"NEXA_TEACHER_BACKEND": "managed"}, "teacher_llm:\n  max_concurrency: 0\n",
-                    "pipeline.yaml: teacher_llm.max_concurrency: Input should be greater than or equal to 1 (got 0)"),
+    "unknown backend": (
+        {"NEXA_TEACHER_BACKEND": "vllm"},
+        "",
+        "NEXA_TEACHER_BACKEND: unknown LLM backend 'vllm'; one of local, managed, openai",
+    ),
+    "a URL for the local backend": (
+        {"NEXA_JUDGE_URL": "http://127.0.0.1:8000/v1"},
+        "",
+        "NEXA_JUDGE_URL: base_url is not a setting of the local backend (LocalLLM",
+    ),
+    "openai without a URL": (
+        {"NEXA_TEACHER_BACKEND": "openai"},
+        "",
+        "NEXA_TEACHER_URL: the openai backend needs base_url",
+    ),
+    "another backend's key in the file": (
+        {},
+        "judge_llm:\n  backend: managed\n  batch_size: 4\n",
+        "pipeline.yaml: judge_llm.batch_size: batch_size is not a setting of the managed backend (ManagedLLM",
+    ),
+    "a key in the file": (
+        {},
+        "teacher_llm:\n  backend: openai\n  base_url: http://x/v1\n  api_key: sk-1\n",
+        "pipeline.yaml: teacher_llm.api_key: never a key in a file: set NEXA_TEACHER_API_KEY",
+    ),
+    "a bad value": (
+        {"NEXA_TEACHER_BACKEND": "managed"},
+        "teacher_llm:\n  max_concurrency: 0\n",
+        "pipeline.yaml: teacher_llm.max_concurrency: Input should be greater than or equal to 1 (got 0)",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(LLM_MISTAKES))
-def test_a_wrong_llm_backend_or_another_backends_field_fails_the_load(case: str, tmp_path, monkeypatch) -> None:
+def test_a_wrong_llm_backend_or_another_backends_field_fails_the_load(
+    case: str, tmp_path, monkeypatch
+) -> None:
     """``LLMResource`` used to take every backend's fields and a free ``backend`` string, checked at run time."""
     from nexa_dagster.core.common.config import ConfigError
     from nexa_dagster.definitions import build_defs
@@ -264,15 +384,21 @@ def test_each_llm_backend_gets_its_own_resource_class(tmp_path, monkeypatch) -> 
     from nexa_dagster.definitions import build_defs
     from nexa_dagster.resources.llm import LocalLLM, ManagedLLM, OpenAILLM
 
-    configs = _configs_with(tmp_path, "pipeline.yaml", "schedule:",
-                            "teacher_llm:\n  backend: managed\n  max_concurrency: 3\n  continuous_batching: false\n"
-                            "judge_llm:\n  batch_size: 4\nschedule:")
+    configs = _configs_with(
+        tmp_path,
+        "pipeline.yaml",
+        "schedule:",
+        "teacher_llm:\n  backend: managed\n  max_concurrency: 3\n  continuous_batching: false\n"
+        "judge_llm:\n  batch_size: 4\nschedule:",
+    )
     monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
     for key in [k for k in os.environ if k.startswith(("NEXA_TEACHER_", "NEXA_JUDGE_"))]:
         monkeypatch.delenv(key)
     resources = build_defs().resources
     teacher, judge = resources["teacher_llm"], resources["judge_llm"]
-    assert type(teacher) is ManagedLLM and teacher.max_concurrency == 3 and teacher.continuous_batching is False
+    assert (
+        type(teacher) is ManagedLLM and teacher.max_concurrency == 3 and teacher.continuous_batching is False
+    )
     assert type(judge) is LocalLLM and judge.batch_size == 4 and judge.model.endswith("models/tiny-teacher")
 
     monkeypatch.setenv("NEXA_TEACHER_BACKEND", "openai")
@@ -280,8 +406,11 @@ def test_each_llm_backend_gets_its_own_resource_class(tmp_path, monkeypatch) -> 
     monkeypatch.setenv("NEXA_TEACHER_API_KEY", "sk-not-in-metadata")
     with pytest.raises(Exception, match="continuous_batching is not a setting of the openai backend"):
         build_defs()  # the file's managed-only keys do not fit the backend the environment picks
-    (configs / "pipeline.yaml").write_text((configs / "pipeline.yaml").read_text().replace(
-        "  max_concurrency: 3\n  continuous_batching: false\n", "  max_concurrency: 3\n"))
+    (configs / "pipeline.yaml").write_text(
+        (configs / "pipeline.yaml")
+        .read_text()
+        .replace("  max_concurrency: 3\n  continuous_batching: false\n", "  max_concurrency: 3\n")
+    )
     teacher = build_defs().resources["teacher_llm"]
     assert type(teacher) is OpenAILLM and teacher.max_concurrency == 3 and teacher.model == ""
     assert isinstance(teacher.api_key, dg.EnvVar) and teacher.api_key.env_var_name == "NEXA_TEACHER_API_KEY"

@@ -14,17 +14,21 @@ WORKER_MODULE = "nexa_dagster.core.training.worker"
 EVALUATION_MODULE = "nexa_dagster.core.evaluation.worker"
 SHARD_TASK_MODULE = "nexa_dagster.core.cluster.shard_task"
 RENDEZVOUS_PORT = 29500
-SLURM_RENDEZVOUS = f"$HEAD_NODE:{RENDEZVOUS_PORT}"  # the first node of the allocation (set by the batch script)
+SLURM_RENDEZVOUS = (
+    f"$HEAD_NODE:{RENDEZVOUS_PORT}"  # the first node of the allocation (set by the batch script)
+)
 
 
-def worker_argv(python: str, job_file: str, log_dir: str, procs_per_node: int, nodes: int = 1,
-                rendezvous: str = "") -> list[str]:
+def worker_argv(
+    python: str, job_file: str, log_dir: str, procs_per_node: int, nodes: int = 1, rendezvous: str = ""
+) -> list[str]:
     """The training worker's command; several ranks (per node or nodes) go through ``torch.distributed.run``.
 
     ``rendezvous`` is ``host:port`` of the first node for multi-node runs (``--standalone`` otherwise).
     """
-    return module_argv(python, WORKER_MODULE, ["--job", job_file, "--log-dir", log_dir], procs_per_node, nodes,
-                       rendezvous)
+    return module_argv(
+        python, WORKER_MODULE, ["--job", job_file, "--log-dir", log_dir], procs_per_node, nodes, rendezvous
+    )
 
 
 def evaluation_argv(python: str, job_file: str) -> list[str]:
@@ -32,8 +36,9 @@ def evaluation_argv(python: str, job_file: str) -> list[str]:
     return module_argv(python, EVALUATION_MODULE, ["--job", job_file], 1)
 
 
-def module_argv(python: str, module: str, args: Sequence[str], procs_per_node: int, nodes: int = 1,
-                rendezvous: str = "") -> list[str]:
+def module_argv(
+    python: str, module: str, args: Sequence[str], procs_per_node: int, nodes: int = 1, rendezvous: str = ""
+) -> list[str]:
     """``python -m module args``, under ``torch.distributed.run`` for more than one rank."""
     worker = ["-m", module, *args]
     if procs_per_node == 1 and nodes == 1:
@@ -42,8 +47,12 @@ def module_argv(python: str, module: str, args: Sequence[str], procs_per_node: i
     if nodes == 1:
         launcher.append("--standalone")
     else:
-        launcher += [f"--nnodes={nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rendezvous}",
-                     "--rdzv_id=$SLURM_JOB_ID"]
+        launcher += [
+            f"--nnodes={nodes}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rendezvous}",
+            "--rdzv_id=$SLURM_JOB_ID",
+        ]
     return [*launcher, *worker]
 
 

@@ -15,10 +15,20 @@ from nexa_dagster.core.cluster.shard_task import TASK_ENV, Work, collect_receipt
 from nexa_dagster.core.packaging import shards as sh
 
 
-def k8s_pod_spec(*, image: str, command: Sequence[str], gpus_per_pod: int, container_name: str = "trainer",
-                 data_pvc: str = "", data_mount: str = "/data", node_selector: Mapping[str, str] | None = None,
-                 tolerations: Sequence[Mapping[str, Any]] = (), cpu: str = "8", memory: str = "64Gi",
-                 service_account: str = "") -> dict[str, Any]:
+def k8s_pod_spec(
+    *,
+    image: str,
+    command: Sequence[str],
+    gpus_per_pod: int,
+    container_name: str = "trainer",
+    data_pvc: str = "",
+    data_mount: str = "/data",
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: Sequence[Mapping[str, Any]] = (),
+    cpu: str = "8",
+    memory: str = "64Gi",
+    service_account: str = "",
+) -> dict[str, Any]:
     """The pod spec handed to Dagster's ``PipesK8sClient`` (as ``base_pod_spec``): one pod running ``command``
     with ``gpus_per_pod`` GPUs (0: none; a training asks for all of a node's, an evaluation for one).
 
@@ -50,11 +60,24 @@ def k8s_pod_spec(*, image: str, command: Sequence[str], gpus_per_pod: int, conta
     return spec
 
 
-def k8s_indexed_job(*, name: str, image: str, plan_file: str, count: int, parallelism: int, namespace: str = "default",
-                    env: Mapping[str, str] | None = None, data_pvc: str = "", data_mount: str = "/data",
-                    node_selector: Mapping[str, str] | None = None, tolerations: Sequence[Mapping[str, Any]] = (),
-                    cpu: str = "1", memory: str = "4Gi", service_account: str = "",
-                    backoff_limit_per_index: int = 1) -> dict[str, Any]:
+def k8s_indexed_job(
+    *,
+    name: str,
+    image: str,
+    plan_file: str,
+    count: int,
+    parallelism: int,
+    namespace: str = "default",
+    env: Mapping[str, str] | None = None,
+    data_pvc: str = "",
+    data_mount: str = "/data",
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: Sequence[Mapping[str, Any]] = (),
+    cpu: str = "1",
+    memory: str = "4Gi",
+    service_account: str = "",
+    backoff_limit_per_index: int = 1,
+) -> dict[str, Any]:
     """A ``batch/v1`` Job in ``Indexed`` completion mode: ``count`` pods, index ``0..count-1`` each, at most
     ``parallelism`` at once (0: all).
 
@@ -86,7 +109,11 @@ def k8s_indexed_job(*, name: str, image: str, plan_file: str, count: int, parall
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/name": "nexa-shards"}},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "nexa-shards"},
+        },
         "spec": {
             "completionMode": "Indexed",
             "completions": count,
@@ -125,17 +152,32 @@ class KubernetesIndexedJobRunner:
     def job_spec(self, plan: str, name: str, count: int) -> dict[str, Any]:
         env = {**TASK_ENV, **self.env}
         return k8s_indexed_job(
-            name=name, image=self.image, plan_file=plan, count=count, parallelism=self.parallelism,
-            namespace=self.namespace, env=env, data_pvc=self.data_pvc, data_mount=self.data_mount,
-            node_selector=self.node_selector, tolerations=self.tolerations, cpu=self.cpu, memory=self.memory,
-            service_account=self.service_account)
+            name=name,
+            image=self.image,
+            plan_file=plan,
+            count=count,
+            parallelism=self.parallelism,
+            namespace=self.namespace,
+            env=env,
+            data_pvc=self.data_pvc,
+            data_mount=self.data_mount,
+            node_selector=self.node_selector,
+            tolerations=self.tolerations,
+            cpu=self.cpu,
+            memory=self.memory,
+            service_account=self.service_account,
+        )
 
-    def __call__(self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]) -> list[sh.Receipt]:
+    def __call__(
+        self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]
+    ) -> list[sh.Receipt]:
         try:
             from kubernetes import client, config
         except ImportError:
-            raise RuntimeError("packaging on Kubernetes needs the kubernetes package (pip install kubernetes, "
-                               "which dagster-k8s brings)") from None
+            raise RuntimeError(
+                "packaging on Kubernetes needs the kubernetes package (pip install kubernetes, "
+                "which dagster-k8s brings)"
+            ) from None
         if not self.image:
             raise ValueError("packaging on Kubernetes needs an image with nexa-dagster installed")
         pid = plan_id(tasks)
@@ -153,7 +195,10 @@ class KubernetesIndexedJobRunner:
         try:
             while True:
                 status = batch.read_namespaced_job_status(name, self.namespace).status
-                finished = {c.type for c in status.conditions or [] if c.status == "True"} & {"Complete", "Failed"}
+                finished = {c.type for c in status.conditions or [] if c.status == "True"} & {
+                    "Complete",
+                    "Failed",
+                }
                 if finished:
                     break
                 time.sleep(self.poll_interval_s)
@@ -164,8 +209,10 @@ class KubernetesIndexedJobRunner:
         failed_indexes = status.failed_indexes or ""
 
         def where(i: int) -> str:
-            return (f"Job {self.namespace}/{name} index {i} (failed indexes: {failed_indexes or 'none'}); its pod's "
-                    f"log: kubectl logs -n {self.namespace} -l batch.kubernetes.io/job-completion-index={i},"
-                    f"job-name={name}")
+            return (
+                f"Job {self.namespace}/{name} index {i} (failed indexes: {failed_indexes or 'none'}); its pod's "
+                f"log: kubectl logs -n {self.namespace} -l batch.kubernetes.io/job-completion-index={i},"
+                f"job-name={name}"
+            )
 
         return collect_receipts(tasks, where, f"Kubernetes (Job {self.namespace}/{name})")

@@ -34,13 +34,19 @@ from nexa_dagster.core.common import storage
 from nexa_dagster.core.packaging import shards as sh
 
 TASKS_FORMAT = "nexa-shard-tasks/1"
-INDEX_ENV = (settings.SLURM_ARRAY_TASK_ID, settings.JOB_COMPLETION_INDEX)  # Slurm job array, Kubernetes indexed Job
+INDEX_ENV = (
+    settings.SLURM_ARRAY_TASK_ID,
+    settings.JOB_COMPLETION_INDEX,
+)  # Slurm job array, Kubernetes indexed Job
 
 Work = Callable[[sh.ShardTask], sh.Receipt]
 
 
 OUTPUT_TAIL_CHARS = 4000
-TASK_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # log lines at once; one shard, one thread
+TASK_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}  # log lines at once; one shard, one thread
 
 
 class ShardTasksFailed(RuntimeError):
@@ -51,7 +57,9 @@ class ShardTasksFailed(RuntimeError):
         self.shard_ids = list(shard_ids)
 
 
-def collect_receipts(tasks: Sequence[sh.ShardTask], where: Callable[[int], str], engine: str) -> list[sh.Receipt]:
+def collect_receipts(
+    tasks: Sequence[sh.ShardTask], where: Callable[[int], str], engine: str
+) -> list[sh.Receipt]:
     """Every task's valid receipt in task order, or ``ShardTasksFailed`` naming each task without one.
 
     ``where(i)`` says what ran task ``i`` and where its output is (an element's state and log file).
@@ -65,8 +73,11 @@ def collect_receipts(tasks: Sequence[sh.ShardTask], where: Callable[[int], str],
         else:
             receipts.append(receipt)
     if failed:
-        raise ShardTasksFailed(f"{len(failed)} of {len(tasks)} shards did not finish on {engine}:\n"
-                               + "\n".join(m for _, m in failed), [s for s, _ in failed])
+        raise ShardTasksFailed(
+            f"{len(failed)} of {len(tasks)} shards did not finish on {engine}:\n"
+            + "\n".join(m for _, m in failed),
+            [s for s, _ in failed],
+        )
     return receipts
 
 
@@ -81,8 +92,10 @@ def work_path(work: Work) -> str:
     """``module:qualname`` of a module-level work function (what a cluster task imports)."""
     module, name = getattr(work, "__module__", ""), getattr(work, "__qualname__", "")
     if not module or module == "__main__" or "<" in name:
-        raise ValueError(f"shard work function {name or work!r} must be a module-level function of an importable "
-                         f"module to run on a cluster (got module {module!r})")
+        raise ValueError(
+            f"shard work function {name or work!r} must be a module-level function of an importable "
+            f"module to run on a cluster (got module {module!r})"
+        )
     return f"{module}:{name}"
 
 
@@ -106,11 +119,16 @@ def encode(value: Any, where: str = "runtime") -> Any:
         return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
-        return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
-                "fields": {f.name: encode(getattr(value, f.name), f"{where}.{f.name}")
-                           for f in dataclasses.fields(value)}}
-    raise TypeError(f"{where}: a {type(value).__name__} cannot be sent to a cluster shard task (only plain values, "
-                    "tuples, lists, dicts with string keys and dataclasses of them)")
+        return {
+            "__dataclass__": f"{cls.__module__}:{cls.__qualname__}",
+            "fields": {
+                f.name: encode(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)
+            },
+        }
+    raise TypeError(
+        f"{where}: a {type(value).__name__} cannot be sent to a cluster shard task (only plain values, "
+        "tuples, lists, dicts with string keys and dataclasses of them)"
+    )
 
 
 def decode(value: Any) -> Any:
@@ -142,23 +160,49 @@ def write_task_file(tasks: Sequence[sh.ShardTask], work: Work, path: str) -> str
         if text not in seen:
             seen[text] = len(configs)
             configs.append(json.loads(text))
-        rows.append({"shard": dataclasses.asdict(task.shard), "root": task.root, "key": task.key,
-                     "config": seen[text], "output_id": task.output_id})
+        rows.append(
+            {
+                "shard": dataclasses.asdict(task.shard),
+                "root": task.root,
+                "key": task.key,
+                "config": seen[text],
+                "output_id": task.output_id,
+            }
+        )
     runtimes = {json.dumps(encode(t.runtime), sort_keys=True) for t in tasks}
     if len(runtimes) != 1:
         raise ValueError("shard tasks of one submission must share their runtime values")
-    storage.write_json({"format": TASKS_FORMAT, "work": work_path(work), "runtime": json.loads(runtimes.pop()),
-                        "configs": configs, "tasks": rows}, path)
+    storage.write_json(
+        {
+            "format": TASKS_FORMAT,
+            "work": work_path(work),
+            "runtime": json.loads(runtimes.pop()),
+            "configs": configs,
+            "tasks": rows,
+        },
+        path,
+    )
     return path
 
 
 def read_task_file(path: str) -> tuple[Work, list[sh.ShardTask]]:
     data = storage.read_json(path)
     if data.get("format") != TASKS_FORMAT:
-        raise ValueError(f"{path}: not a shard task file (format {data.get('format')!r}, expected {TASKS_FORMAT!r})")
+        raise ValueError(
+            f"{path}: not a shard task file (format {data.get('format')!r}, expected {TASKS_FORMAT!r})"
+        )
     runtime = decode(data["runtime"])
-    tasks = [sh.ShardTask(sh.Shard(**row["shard"]), row["root"], row["key"], data["configs"][row["config"]],
-                          dict(runtime), row["output_id"]) for row in data["tasks"]]
+    tasks = [
+        sh.ShardTask(
+            sh.Shard(**row["shard"]),
+            row["root"],
+            row["key"],
+            data["configs"][row["config"]],
+            dict(runtime),
+            row["output_id"],
+        )
+        for row in data["tasks"]
+    ]
     return import_work(data["work"]), tasks
 
 
@@ -166,8 +210,10 @@ def index_from_env() -> int:
     for variable in INDEX_ENV:
         if variable.get().strip():
             return int(variable.get())
-    raise ValueError(f"no task index: pass --index, or run as a Slurm array element or a Kubernetes indexed Job "
-                     f"pod (one of {', '.join(v.name for v in INDEX_ENV)} set)")
+    raise ValueError(
+        f"no task index: pass --index, or run as a Slurm array element or a Kubernetes indexed Job "
+        f"pod (one of {', '.join(v.name for v in INDEX_ENV)} set)"
+    )
 
 
 def describe(task: sh.ShardTask) -> str:
@@ -188,16 +234,24 @@ def run_index(plan: str, index: int, log: Callable[[str], None] = print) -> sh.R
         return receipt
     started = time.monotonic()
     receipt = sh.run_task(work, task)
-    log(f"{describe(task)}: done in {time.monotonic() - started:.1f} s, {receipt.rows} rows, receipt "
-        f"{sh.receipt_path(task.root, task.out_id)}")
+    log(
+        f"{describe(task)}: done in {time.monotonic() - started:.1f} s, {receipt.rows} rows, receipt "
+        f"{sh.receipt_path(task.root, task.out_id)}"
+    )
     return receipt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nexa_dagster.core.cluster.shard_task", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m nexa_dagster.core.cluster.shard_task", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--plan", required=True, help="the task file (tasks.json) the Dagster step wrote")
-    parser.add_argument("--index", type=int, default=None,
-                        help=f"the task to run (default: ${' or $'.join(v.name for v in INDEX_ENV)})")
+    parser.add_argument(
+        "--index",
+        type=int,
+        default=None,
+        help=f"the task to run (default: ${' or $'.join(v.name for v in INDEX_ENV)})",
+    )
     args = parser.parse_args(argv)
     index = args.index if args.index is not None else index_from_env()
     run_index(args.plan, index, lambda m: print(m, flush=True))

@@ -29,10 +29,31 @@ from nexa_dagster.core.cluster.shard_task import (
 from nexa_dagster.core.packaging import shards as sh
 
 SLURM_DONE = {"COMPLETED"}
-SLURM_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
-SLURM_FAILED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-                "DEADLINE"}
+SLURM_ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "RESV_DEL_HOLD",
+}
+SLURM_FAILED = {
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 SLURM_UNKNOWN_GRACE_S = 120.0  # how long a job Slurm does not know is waited for (a controller restart)
 
 
@@ -40,10 +61,23 @@ class SlurmCommandFailed(RuntimeError):
     """``sbatch`` (or another Slurm command) refused: the message has its exit code and output."""
 
 
-def sbatch_script(*, job_name: str, command: Sequence[str], log_dir: str, procs_per_node: int, nodes: int,
-                  gpus: bool, env: Mapping[str, str], partition: str = "", account: str = "",
-                  time_limit: str = "24:00:00", stop_warning_s: int = 120, cpus_per_task: int = 8,
-                  extra_directives: Sequence[str] = (), setup_commands: Sequence[str] = ()) -> str:
+def sbatch_script(
+    *,
+    job_name: str,
+    command: Sequence[str],
+    log_dir: str,
+    procs_per_node: int,
+    nodes: int,
+    gpus: bool,
+    env: Mapping[str, str],
+    partition: str = "",
+    account: str = "",
+    time_limit: str = "24:00:00",
+    stop_warning_s: int = 120,
+    cpus_per_task: int = 8,
+    extra_directives: Sequence[str] = (),
+    setup_commands: Sequence[str] = (),
+) -> str:
     """A complete ``sbatch`` script running ``command`` (``module_argv``'s, with ``SLURM_RENDEZVOUS`` for several
     nodes): one task per node, ``torchrun`` inside it starts the node's ranks; its output goes to
     ``log_dir/slurm-<job id>.out``.
@@ -74,8 +108,12 @@ def sbatch_script(*, job_name: str, command: Sequence[str], log_dir: str, procs_
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -euo pipefail", ""]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines += list(setup_commands)
-    lines += ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "export HEAD_NODE",
-              f"srun --kill-on-bad-exit=1 {quoted}", ""]
+    lines += [
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export HEAD_NODE",
+        f"srun --kill-on-bad-exit=1 {quoted}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -84,10 +122,22 @@ def array_output(log_dir: str, job_id: str = "%A", index: str | int = "%a") -> s
     return f"{log_dir}/slurm-{job_id}_{index}.out"
 
 
-def sbatch_array_script(*, name: str, python: str, plan_file: str, log_dir: str, count: int, max_parallel: int = 0,
-                        env: Mapping[str, str], partition: str = "", account: str = "", time_limit: str = "4:00:00",
-                        cpus_per_task: int = 1, extra_directives: Sequence[str] = (),
-                        setup_commands: Sequence[str] = ()) -> str:
+def sbatch_array_script(
+    *,
+    name: str,
+    python: str,
+    plan_file: str,
+    log_dir: str,
+    count: int,
+    max_parallel: int = 0,
+    env: Mapping[str, str],
+    partition: str = "",
+    account: str = "",
+    time_limit: str = "4:00:00",
+    cpus_per_task: int = 1,
+    extra_directives: Sequence[str] = (),
+    setup_commands: Sequence[str] = (),
+) -> str:
     """An ``sbatch`` script for a job array of ``count`` elements, at most ``max_parallel`` at once (0: no limit).
 
     One task per element, no GPU: tokenizing and packing is CPU work. The environment is exported by the script
@@ -99,8 +149,14 @@ def sbatch_array_script(*, name: str, python: str, plan_file: str, log_dir: str,
     if max_parallel < 0:
         raise ValueError(f"max_parallel must be >= 0 (0: no limit), got {max_parallel}")
     array = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
-    directives = [f"--job-name={name}", f"--array={array}", "--ntasks=1", f"--cpus-per-task={cpus_per_task}",
-                  f"--time={time_limit}", f"--output={array_output(log_dir)}"]
+    directives = [
+        f"--job-name={name}",
+        f"--array={array}",
+        "--ntasks=1",
+        f"--cpus-per-task={cpus_per_task}",
+        f"--time={time_limit}",
+        f"--output={array_output(log_dir)}",
+    ]
     if partition:
         directives.append(f"--partition={partition}")
     if account:
@@ -125,12 +181,16 @@ def scontrol_records(job_id: str) -> list[dict[str, str]]:
 def job_states(job_id: str) -> dict[str, str]:
     """Element (``ArrayTaskId``; the job id for a plain job) -> state, from the controller, else from accounting;
     empty if neither knows the job."""
-    states = {fields.get("ArrayTaskId", fields.get("JobId", job_id)): fields["JobState"]
-              for fields in scontrol_records(job_id) if "JobState" in fields}
+    states = {
+        fields.get("ArrayTaskId", fields.get("JobId", job_id)): fields["JobState"]
+        for fields in scontrol_records(job_id)
+        if "JobState" in fields
+    }
     if states:
         return states
-    proc = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"], capture_output=True, text=True
+    )
     for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
         job, _, state = line.partition("|")
         if state:
@@ -162,7 +222,9 @@ def slurm_state(job_id: str) -> str:
     return overall_state(job_states(job_id))
 
 
-def wait_for_slurm_job(job_id: str, poll_s: float, log: Callable[[str], None], unknown_grace_s: float = SLURM_UNKNOWN_GRACE_S) -> str:
+def wait_for_slurm_job(
+    job_id: str, poll_s: float, log: Callable[[str], None], unknown_grace_s: float = SLURM_UNKNOWN_GRACE_S
+) -> str:
     """Poll until the job ends; log each change of state, with Slurm's reason while it waits (a job asking for
     more than the partition has waits forever with reason PartitionConfig: the log says so).
 
@@ -176,8 +238,10 @@ def wait_for_slurm_job(job_id: str, poll_s: float, log: Callable[[str], None], u
         if state == "UNKNOWN":
             unknown_since = time.monotonic() if unknown_since is None else unknown_since
             if time.monotonic() - unknown_since > unknown_grace_s:
-                raise RuntimeError(f"Slurm job {job_id}: neither the controller (scontrol show job) nor accounting "
-                                   f"(sacct) has known it for {unknown_grace_s:.0f} s; its outcome cannot be read")
+                raise RuntimeError(
+                    f"Slurm job {job_id}: neither the controller (scontrol show job) nor accounting "
+                    f"(sacct) has known it for {unknown_grace_s:.0f} s; its outcome cannot be read"
+                )
         else:
             unknown_since = None
         reason = slurm_job_fields(job_id).get("Reason", "None") if state == "PENDING" else "None"
@@ -197,8 +261,9 @@ def submit_and_wait(script: Path, poll_interval_s: float, log: Callable[[str], N
     exception goes on, so no Slurm job outlives the step that owns it."""
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SlurmCommandFailed(f"sbatch --parsable {script} failed ({proc.returncode}): "
-                                 f"{proc.stderr.strip() or proc.stdout}")
+        raise SlurmCommandFailed(
+            f"sbatch --parsable {script} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}"
+        )
     job_id = proc.stdout.split(";")[0].strip()
     log(f"submitted Slurm job {job_id} ({script})")
     try:
@@ -233,31 +298,49 @@ class SlurmArrayRunner:
     extra_directives: Sequence[str] = ()
     setup_commands: Sequence[str] = ()
 
-    def __call__(self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]) -> list[sh.Receipt]:
+    def __call__(
+        self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]
+    ) -> list[sh.Receipt]:
         if "://" in self.work_dir:
-            raise ValueError(f"packaging on Slurm writes its task files and logs to a shared filesystem path, not "
-                             f"{self.work_dir} (put the data root on a filesystem every node mounts)")
+            raise ValueError(
+                f"packaging on Slurm writes its task files and logs to a shared filesystem path, not "
+                f"{self.work_dir} (put the data root on a filesystem every node mounts)"
+            )
         folder = Path(self.work_dir) / plan_id(tasks)
         folder.mkdir(parents=True, exist_ok=True)
         plan = write_task_file(tasks, work, str(folder / "tasks.json"))
         script = folder / "shards.sbatch"
         script.write_text(self.script(plan, str(folder), len(tasks)), encoding="utf-8")
-        log(f"submitting a Slurm job array of {len(tasks)} shards"
-            f"{f', at most {self.max_parallel} at once' if self.max_parallel else ''} ({script})")
+        log(
+            f"submitting a Slurm job array of {len(tasks)} shards"
+            f"{f', at most {self.max_parallel} at once' if self.max_parallel else ''} ({script})"
+        )
         job_id = self.submit_and_wait(script)
         states = job_states(job_id)
 
         def where(i: int) -> str:
             out = Path(array_output(str(folder), job_id, i))
-            return (f"array element {job_id}_{i} ended {states.get(str(i), 'UNKNOWN')}, output {out} ends "
-                    f"with:\n{output_tail(out)}")
+            return (
+                f"array element {job_id}_{i} ended {states.get(str(i), 'UNKNOWN')}, output {out} ends "
+                f"with:\n{output_tail(out)}"
+            )
 
         return collect_receipts(tasks, where, f"Slurm (job array {job_id})")
 
     def script(self, plan: str, log_dir: str, count: int) -> str:
         env = {**TASK_ENV, **self.env}
         return sbatch_array_script(
-            name=f"nexa-shards-{Path(log_dir).name}", python=self.python, plan_file=plan, log_dir=log_dir,
-            count=count, max_parallel=self.max_parallel, env=env, partition=self.partition, account=self.account,
-            time_limit=self.time_limit, cpus_per_task=self.cpus_per_task, extra_directives=self.extra_directives,
-            setup_commands=self.setup_commands)
+            name=f"nexa-shards-{Path(log_dir).name}",
+            python=self.python,
+            plan_file=plan,
+            log_dir=log_dir,
+            count=count,
+            max_parallel=self.max_parallel,
+            env=env,
+            partition=self.partition,
+            account=self.account,
+            time_limit=self.time_limit,
+            cpus_per_task=self.cpus_per_task,
+            extra_directives=self.extra_directives,
+            setup_commands=self.setup_commands,
+        )

@@ -24,10 +24,15 @@ def require_model_dir(path: str | Path, what: str = "model") -> Path:
     p = Path(path)
     if (p / "config.json").exists():
         return p
-    hint = (" (the project's tiny models: run `nexa-dagster tiny-models` to install them into the data root)"
-            if p.name.startswith("tiny-") else "")
-    raise FileNotFoundError(f"{what} directory {p} has no config.json: point the configured path at a Hugging Face "
-                            f"model directory{hint}")
+    hint = (
+        " (the project's tiny models: run `nexa-dagster tiny-models` to install them into the data root)"
+        if p.name.startswith("tiny-")
+        else ""
+    )
+    raise FileNotFoundError(
+        f"{what} directory {p} has no config.json: point the configured path at a Hugging Face "
+        f"model directory{hint}"
+    )
 
 
 def _now() -> str:
@@ -86,7 +91,9 @@ class Checkpoint(Artifact):
     parameters_total: int | None = None
     parameters_active: int | None = None
     stage: str = "sft"  # "sft" (moe_checkpoint) or "pretrain" (base_model)
-    parent: str | None = None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
+    parent: str | None = (
+        None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
+    )
 
     @field_validator("path")
     @classmethod

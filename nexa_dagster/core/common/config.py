@@ -80,7 +80,9 @@ def explain(error: ValidationError, model: type[BaseModel]) -> list[str]:
         key = ".".join(str(p) for p in loc) or "(the whole file)"
         if err["type"] == "extra_forbidden":
             known = _known_keys(model, loc[:-1])
-            problems.append(f"{key}: unknown key (a typo?)" + (f"; known keys: {', '.join(known)}" if known else ""))
+            problems.append(
+                f"{key}: unknown key (a typo?)" + (f"; known keys: {', '.join(known)}" if known else "")
+            )
         elif err["type"] == "missing":
             problems.append(f"{key}: missing (required)")
         else:
@@ -120,13 +122,19 @@ class TrainingSettings(_Strict):
     seed: int = 0
     num_procs: int = Field(gt=0)
     optimizer: Literal["adamw", "adam"] = "adamw"
-    checkpoint_every: int = Field(default=0, ge=0, description="save resumable engine state every N steps (0: off)")
-    stall_timeout_s: float = Field(default=900.0, gt=0, description="fail the run when no step ends in this time")
-    progress_every_s: float = Field(default=10.0, gt=0, description="log \"training steps: n/N\" this often")
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="save resumable engine state every N steps (0: off)"
+    )
+    stall_timeout_s: float = Field(
+        default=900.0, gt=0, description="fail the run when no step ends in this time"
+    )
+    progress_every_s: float = Field(default=10.0, gt=0, description='log "training steps: n/N" this often')
     activation_checkpointing: bool = False
     compile: bool = Field(default=False, description="torch.compile each decoder layer (GPU presets)")
     attention: Literal["auto", "sdpa", "flex", "causal"] = Field(
-        default="auto", description="auto: within-document masks (FlexAttention on GPUs); causal: across documents")
+        default="auto",
+        description="auto: within-document masks (FlexAttention on GPUs); causal: across documents",
+    )
     prefetch: int = Field(default=2, ge=0, description="micro-batches prepared ahead by a background thread")
 
 
@@ -134,18 +142,36 @@ class BenchmarkSettings(_Strict):
     """``evaluation.benchmarks`` of a scale preset: lm-evaluation-harness tasks run on every evaluated model by the
     evaluation worker (``core.benchmarks``), offline, from the data files the task YAMLs name."""
 
-    tasks: list[str] = Field(default_factory=list, description="harness task, group or tag names (empty: off)")
-    include_path: list[str] = Field(default_factory=lambda: ["configs/benchmarks"], description=(
-        "folders of task YAMLs besides the harness's own (relative: to the repo root); a task's relative "
-        "data_files are relative to its YAML's folder"))
-    backend: Literal["hf", "vllm"] = Field(default="hf", description=(
-        "hf: the harness's transformers backend, the checkpoint loaded in the worker; vllm: GPU hosts with vLLM"))
+    tasks: list[str] = Field(
+        default_factory=list, description="harness task, group or tag names (empty: off)"
+    )
+    include_path: list[str] = Field(
+        default_factory=lambda: ["configs/benchmarks"],
+        description=(
+            "folders of task YAMLs besides the harness's own (relative: to the repo root); a task's relative "
+            "data_files are relative to its YAML's folder"
+        ),
+    )
+    backend: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description=(
+            "hf: the harness's transformers backend, the checkpoint loaded in the worker; vllm: GPU hosts with vLLM"
+        ),
+    )
     num_fewshot: int | None = Field(default=None, ge=0, description="None: each task's own setting")
-    limit: int | None = Field(default=None, gt=0, description="at most this many examples per task (None: all)")
+    limit: int | None = Field(
+        default=None, gt=0, description="at most this many examples per task (None: all)"
+    )
     batch_size: int = Field(default=8, gt=0)
-    model_args: dict[str, Any] = Field(default_factory=dict, description=(
-        "more model arguments for the backend (dtype, max_length; vllm: gpu_memory_utilization, ...)"))
-    bootstrap_iters: int = Field(default=1000, ge=0, description="the harness's bootstrap for metrics that need it")
+    model_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "more model arguments for the backend (dtype, max_length; vllm: gpu_memory_utilization, ...)"
+        ),
+    )
+    bootstrap_iters: int = Field(
+        default=1000, ge=0, description="the harness's bootstrap for metrics that need it"
+    )
 
 
 class EvaluationSettings(_Strict):
@@ -157,12 +183,18 @@ class EvaluationSettings(_Strict):
 class PretrainingSettings(_Strict):
     """The ``base_model`` stage: the training settings of the preset with these overrides, on pretrain_corpus."""
 
-    max_steps: int = Field(gt=0, description="optimizer steps of pretraining (the SFT steps are training.max_steps)")
+    max_steps: int = Field(
+        gt=0, description="optimizer steps of pretraining (the SFT steps are training.max_steps)"
+    )
     learning_rate: float | None = Field(default=None, gt=0, description="default: training.learning_rate")
     warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
-    heldout_fraction: float = Field(default=0.1, gt=0, lt=1,
-                                    description="corpus documents (by a hash of their tokens) never trained on: "
-                                                "the base model's held-out perplexity")
+    heldout_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="corpus documents (by a hash of their tokens) never trained on: "
+        "the base model's held-out perplexity",
+    )
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:
         """The SFT settings with pretraining's steps (and learning rate, warmup where set)."""
@@ -188,10 +220,17 @@ class ScalePreset(_Strict):
     deepspeed_config: str
     training: TrainingSettings
     evaluation: EvaluationSettings
-    init_from: str = Field(default="base", min_length=1, description=(
-        "where moe_checkpoint starts: base (the latest base_model; scratch while none exists), production, "
-        "scratch, or the path of a Mixtral-format Hugging Face checkpoint"))
-    pretraining: PretrainingSettings | None = Field(default=None, description="the base_model stage (None: off)")
+    init_from: str = Field(
+        default="base",
+        min_length=1,
+        description=(
+            "where moe_checkpoint starts: base (the latest base_model; scratch while none exists), production, "
+            "scratch, or the path of a Mixtral-format Hugging Face checkpoint"
+        ),
+    )
+    pretraining: PretrainingSettings | None = Field(
+        default=None, description="the base_model stage (None: off)"
+    )
 
 
 def scale_name() -> str:
@@ -267,24 +306,36 @@ class PipelineConfig(_Strict):
     code location loads (``nexa_dagster/definitions.py``), so the list of each resource's keys lives in one place."""
 
     data_root: str = Field(min_length=1)
-    ingest: dict[str, Any] = Field(description="landing_root (the storage resource's) and the ingest resource's "
-                                               "fields (resources/configs.py: IngestResource)")
+    ingest: dict[str, Any] = Field(
+        description="landing_root (the storage resource's) and the ingest resource's "
+        "fields (resources/configs.py: IngestResource)"
+    )
     models: ModelsConfig
     gpu_cluster: dict[str, Any] = Field(default_factory=dict)
-    teacher_llm: dict[str, Any] = Field(default_factory=dict, description=(
-        "backend (local | managed | openai) and that backend's fields (resources/llm.py), under NEXA_TEACHER_*"))
-    judge_llm: dict[str, Any] = Field(default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)")
+    teacher_llm: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "backend (local | managed | openai) and that backend's fields (resources/llm.py), under NEXA_TEACHER_*"
+        ),
+    )
+    judge_llm: dict[str, Any] = Field(
+        default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)"
+    )
     schedule: ScheduleConfig = ScheduleConfig()
-    eval_set: dict[str, Any] = Field(default_factory=dict, description="the eval_sets resource's fields "
-                                                                       "(resources/configs.py: EvalSetsResource)")
+    eval_set: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the eval_sets resource's fields (resources/configs.py: EvalSetsResource)",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
         if isinstance(data, dict) and "partitions_start_date" in data:
-            raise ValueError("partitions_start_date moved to the environment variable NEXA_PARTITIONS_START (the "
-                             "daily partitions are defined when the code location is imported, before any file "
-                             "is read); remove the key")
+            raise ValueError(
+                "partitions_start_date moved to the environment variable NEXA_PARTITIONS_START (the "
+                "daily partitions are defined when the code location is imported, before any file "
+                "is read); remove the key"
+            )
         return data
 
 

@@ -36,7 +36,6 @@ class RecordError(ValueError):
         return RecordError(self.reason, where, self.field)
 
 
-
 @dataclass(frozen=True)
 class BadRow:
     """A row set aside: where it was, why, and (the start of) what it held."""
@@ -50,8 +49,14 @@ class BadRow:
         return {"where": self.where, "field": self.field, "reason": self.reason, "raw": self.raw[:2000]}
 
 
-def iter_jsonl(file: Any, label: str, start: int = 0, end: int | None = None, first_line: int = 1,
-               on_error: OnError = "raise") -> Iterator[tuple[str, Record | BadRow]]:
+def iter_jsonl(
+    file: Any,
+    label: str,
+    start: int = 0,
+    end: int | None = None,
+    first_line: int = 1,
+    on_error: OnError = "raise",
+) -> Iterator[tuple[str, Record | BadRow]]:
     """``(file:line, record)`` for each line of ``file`` in the byte range ``[start, end)``.
 
     ``file`` is an open binary file (fsspec or local); the range must start at a line start (the planner's
@@ -93,4 +98,6 @@ def parse_line(raw: bytes, where: str) -> Record:
 
 def dumps(record: Record) -> bytes:
     """One JSONL line; keys keep their order and non-ASCII stays readable, so equal records give equal bytes."""
-    return (json.dumps(record, ensure_ascii=False, separators=(", ", ": "), default=str) + "\n").encode("utf-8")
+    return (json.dumps(record, ensure_ascii=False, separators=(", ", ": "), default=str) + "\n").encode(
+        "utf-8"
+    )

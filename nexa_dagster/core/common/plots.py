@@ -7,7 +7,9 @@ import io
 from collections.abc import Sequence
 
 
-def loss_curve_png(curve: Sequence[tuple[int, float]], title: str, validation_loss: float | None = None) -> bytes:
+def loss_curve_png(
+    curve: Sequence[tuple[int, float]], title: str, validation_loss: float | None = None
+) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
@@ -17,7 +19,9 @@ def loss_curve_png(curve: Sequence[tuple[int, float]], title: str, validation_lo
     steps = [s for s, _ in curve]
     ax.plot(steps, [v for _, v in curve], marker="o", markersize=3, label="train loss")
     if validation_loss is not None and steps:
-        ax.axhline(validation_loss, color="tab:orange", linestyle="--", label=f"validation {validation_loss:.3f}")
+        ax.axhline(
+            validation_loss, color="tab:orange", linestyle="--", label=f"validation {validation_loss:.3f}"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)

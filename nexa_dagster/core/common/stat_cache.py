@@ -30,7 +30,9 @@ from typing import TypeVar
 from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 
-RACY_S = 2.0  # a file modified this recently may still change within the same timestamp tick: never remembered
+RACY_S = (
+    2.0  # a file modified this recently may still change within the same timestamp tick: never remembered
+)
 T = TypeVar("T")
 
 
@@ -58,8 +60,9 @@ def remembered(path: str, purpose: str, compute: Callable[[], T], cache_dir: str
     identity = _identity(path)
     if identity is None:
         return compute()
-    name = hashlib.sha256(json.dumps([purpose, os.path.abspath(str(path).removeprefix("file://")), identity])
-                          .encode()).hexdigest()[:32]
+    name = hashlib.sha256(
+        json.dumps([purpose, os.path.abspath(str(path).removeprefix("file://")), identity]).encode()
+    ).hexdigest()[:32]
     entry = storage.join(cache_dir, f"{name}.json")
     try:
         with open(entry, encoding="utf-8") as f:
@@ -76,4 +79,3 @@ def remembered(path: str, purpose: str, compute: Callable[[], T], cache_dir: str
 def sha256_file(path: str, cache_dir: str | None = None) -> str:
     """``storage.sha256_file``, remembered by the file's stat."""
     return remembered(path, "sha256", lambda: storage.sha256_file(path), cache_dir)
-

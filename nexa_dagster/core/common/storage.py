@@ -75,7 +75,9 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike[str]) ->
 
 
 def write_json(obj: Any, path: str | os.PathLike[str]) -> None:
-    _atomic_write_bytes(str(path), (json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode())
+    _atomic_write_bytes(
+        str(path), (json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n").encode()
+    )
 
 
 def write_text(text: str, path: str | os.PathLike[str]) -> None:
@@ -177,8 +179,11 @@ class atomic_writer:  # noqa: N801 - used like open()
 
 def write_error(path: str, error: OSError) -> OSError:
     """An error that names the file and says what was kept (a disk full, a read-only mount, a lost bucket)."""
-    return OSError(error.errno, f"cannot write {path}: {error.strerror or error}; nothing was replaced: the "
-                                "previous version, if any, is unchanged")
+    return OSError(
+        error.errno,
+        f"cannot write {path}: {error.strerror or error}; nothing was replaced: the "
+        "previous version, if any, is unchanged",
+    )
 
 
 def write_content_addressed(root: str | os.PathLike[str], stem: str, body: bytes, ext: str = "jsonl") -> str:

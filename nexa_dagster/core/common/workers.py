@@ -28,9 +28,17 @@ STDERR_LOG = "worker.rank{rank}.stderr.log"
 FAILURE_FILE = "worker.rank{rank}.failure.json"
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with the state saved; run it again to resume
 # what fails the same way on a relaunch: the numbers, the data or the configuration, not the machine
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (FloatingPointError, ValueError, TypeError, KeyError,
-                                                     LookupError, FileNotFoundError, FileExistsError,
-                                                     NotADirectoryError, IsADirectoryError)
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
+    FloatingPointError,
+    ValueError,
+    TypeError,
+    KeyError,
+    LookupError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
 INTERRUPT_GRACE_S = 10.0  # below PipesSubprocessClient's 20 s wait, so Dagster never leaves us running
 
 
@@ -91,15 +99,25 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def write_failure(log_dir: str, rank: int, error: BaseException | None, message: str, retryable: bool) -> None:
+def write_failure(
+    log_dir: str, rank: int, error: BaseException | None, message: str, retryable: bool
+) -> None:
     """Tell the launcher (through the shared log directory) whether running this job again can succeed."""
     if not log_dir:
         return
     with contextlib.suppress(OSError):
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(log_dir) / FAILURE_FILE.format(rank=rank)).write_text(json.dumps(
-            {"rank": rank, "error": type(error).__name__ if error else "", "message": message,
-             "retryable": retryable}), encoding="utf-8")
+        (Path(log_dir) / FAILURE_FILE.format(rank=rank)).write_text(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "error": type(error).__name__ if error else "",
+                    "message": message,
+                    "retryable": retryable,
+                }
+            ),
+            encoding="utf-8",
+        )
 
 
 def is_permanent(error: BaseException) -> bool:

@@ -44,7 +44,7 @@ def shingles(text: str, k: int) -> set[bytes]:
     norm = normalise(text)
     if len(norm) <= k:
         return {norm.encode("utf-8")}
-    return {norm[i:i + k].encode("utf-8") for i in range(len(norm) - k + 1)}
+    return {norm[i : i + k].encode("utf-8") for i in range(len(norm) - k + 1)}
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,17 @@ class DedupIndex:
         rows = []
         for sid in sample_ids:
             mh = self._signatures[sid]
-            rows.append({"sample_id": sid, "partition": self._partition[sid], "exact_hash": exact[sid],
-                         "scheme": str(mh.scheme),  # type: ignore[attr-defined]
-                         "num_perm": self.settings.num_perm, "shingle": self.settings.shingle,
-                         "signature": np.asarray(mh.hashvalues, dtype=np.uint32).tobytes()})  # type: ignore[attr-defined]
+            rows.append(
+                {
+                    "sample_id": sid,
+                    "partition": self._partition[sid],
+                    "exact_hash": exact[sid],
+                    "scheme": str(mh.scheme),  # type: ignore[attr-defined]
+                    "num_perm": self.settings.num_perm,
+                    "shingle": self.settings.shingle,
+                    "signature": np.asarray(mh.hashvalues, dtype=np.uint32).tobytes(),
+                }
+            )  # type: ignore[attr-defined]
         return pd.DataFrame(rows, columns=SIGNATURE_COLUMNS)
 
     def load_frame(self, frame: pd.DataFrame, source: str) -> int:
@@ -130,14 +137,23 @@ class DedupIndex:
             raise ValueError(f"dedup history {source} lacks columns {sorted(missing)}")
         added = 0
         for row in frame.itertuples(index=False):
-            if (row.scheme == scheme and int(row.num_perm) == self.settings.num_perm
-                    and int(row.shingle) == self.settings.shingle):
+            if (
+                row.scheme == scheme
+                and int(row.num_perm) == self.settings.num_perm
+                and int(row.shingle) == self.settings.shingle
+            ):
                 values = np.frombuffer(row.signature, dtype=np.uint32)
                 if len(values) != self.settings.num_perm:
-                    raise ValueError(f"dedup history {source}: sample {row.sample_id} has a signature of "
-                                     f"{len(values)} values, expected {self.settings.num_perm}")
-                self.add(row.sample_id, row.partition, row.exact_hash,
-                         MinHash(num_perm=self.settings.num_perm, hashvalues=values, scheme=scheme))
+                    raise ValueError(
+                        f"dedup history {source}: sample {row.sample_id} has a signature of "
+                        f"{len(values)} values, expected {self.settings.num_perm}"
+                    )
+                self.add(
+                    row.sample_id,
+                    row.partition,
+                    row.exact_hash,
+                    MinHash(num_perm=self.settings.num_perm, hashvalues=values, scheme=scheme),
+                )
             else:
                 self._exact.setdefault(row.exact_hash, (row.sample_id, row.partition))
             added += 1
@@ -163,7 +179,9 @@ def load_history(index: DedupIndex, root: str, before: str) -> list[str]:
     return loaded
 
 
-def save_partition(index: DedupIndex, root: str, partition: str, kept: list[str], exact: dict[str, str]) -> str:
+def save_partition(
+    index: DedupIndex, root: str, partition: str, kept: list[str], exact: dict[str, str]
+) -> str:
     path = history_path(root, partition)
     storage.write_parquet(index.frame(kept, exact), path)
     return path

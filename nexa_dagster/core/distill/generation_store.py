@@ -53,14 +53,20 @@ class GenerationStore:
             path = self.path(partition)
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                db = sqlite3.connect(path, isolation_level=None, timeout=30.0)  # autocommit: one statement, one commit
+                db = sqlite3.connect(
+                    path, isolation_level=None, timeout=30.0
+                )  # autocommit: one statement, one commit
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
-                db.execute("CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, answer TEXT NOT NULL, "
-                           "stored_at REAL NOT NULL)")
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, answer TEXT NOT NULL, "
+                    "stored_at REAL NOT NULL)"
+                )
             except sqlite3.DatabaseError as e:
-                raise RuntimeError(f"generation store {path} is unreadable ({e}); move it aside to start the "
-                                   f"partition afresh (its answers would be paid for again)") from e
+                raise RuntimeError(
+                    f"generation store {path} is unreadable ({e}); move it aside to start the "
+                    f"partition afresh (its answers would be paid for again)"
+                ) from e
             self._connections[partition] = db
         return db
 
@@ -72,14 +78,17 @@ class GenerationStore:
         db = self._db(partition)
         found: dict[str, Completion] = {}
         for start in range(0, len(wanted), 500):  # SQLite's bound-parameter limit
-            chunk = wanted[start:start + 500]
-            rows = db.execute(f"SELECT key, answer FROM answers WHERE key IN ({','.join('?' * len(chunk))})", chunk)
+            chunk = wanted[start : start + 500]
+            rows = db.execute(
+                f"SELECT key, answer FROM answers WHERE key IN ({','.join('?' * len(chunk))})", chunk
+            )
             for key, payload in rows:
                 try:
                     found[key] = Completion(**json.loads(payload))
                 except (ValueError, TypeError) as e:
-                    raise RuntimeError(f"generation store {self.path(partition)}: answer for key {key} is "
-                                       f"unreadable ({e})") from e
+                    raise RuntimeError(
+                        f"generation store {self.path(partition)}: answer for key {key} is unreadable ({e})"
+                    ) from e
         return found
 
     def put(self, partition: str, key: str, answer: Completion) -> bool:
@@ -89,8 +98,10 @@ class GenerationStore:
         """
         if answer.error is not None:
             raise ValueError(f"generation store: key {key} failed ({answer.error}); failures are not stored")
-        cur = self._db(partition).execute("INSERT OR IGNORE INTO answers (key, answer, stored_at) VALUES (?, ?, ?)",
-                                          (key, json.dumps(asdict(answer), ensure_ascii=False), time.time()))
+        cur = self._db(partition).execute(
+            "INSERT OR IGNORE INTO answers (key, answer, stored_at) VALUES (?, ?, ?)",
+            (key, json.dumps(asdict(answer), ensure_ascii=False), time.time()),
+        )
         return cur.rowcount == 1
 
     def count(self, partition: str) -> int:

@@ -41,8 +41,10 @@ SCORE_CHOICES = ("1", "2", "3", "4", "5")
 METHODS = ("auto", "json_schema", "logprobs", "text")
 VERDICT_SCHEMA: dict[str, object] = {
     "type": "object",
-    "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5},
-                   "rationale": {"type": "string", "maxLength": 400}},
+    "properties": {
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        "rationale": {"type": "string", "maxLength": 400},
+    },
     "required": ["score", "rationale"],
     "additionalProperties": False,
 }
@@ -84,9 +86,12 @@ def pick_method(capabilities: Capabilities, preferred: str = "auto") -> str:
     if preferred == "auto":
         return "json_schema" if capabilities.json_schema else "logprobs" if capabilities.logprobs else "text"
     if (preferred == "json_schema" and not capabilities.json_schema) or (
-            preferred == "logprobs" and not capabilities.logprobs):
-        raise ValueError(f"judge method {preferred!r} is not supported by the {capabilities.engine} engine "
-                         f"({capabilities.extra}); use 'auto' or 'text'")
+        preferred == "logprobs" and not capabilities.logprobs
+    ):
+        raise ValueError(
+            f"judge method {preferred!r} is not supported by the {capabilities.engine} engine "
+            f"({capabilities.extra}); use 'auto' or 'text'"
+        )
     return preferred
 
 
@@ -107,8 +112,15 @@ class Judge:
     ``verdict_template`` asks for the JSON verdict (json_schema and text).
     """
 
-    def __init__(self, client: LLMClient, score_template: str, verdict_template: str, max_tokens: int = 128,
-                 method: str = "auto", retries: int = 2) -> None:
+    def __init__(
+        self,
+        client: LLMClient,
+        score_template: str,
+        verdict_template: str,
+        max_tokens: int = 128,
+        method: str = "auto",
+        retries: int = 2,
+    ) -> None:
         self.client = client
         self.score_template = score_template
         self.verdict_template = verdict_template
@@ -117,8 +129,10 @@ class Judge:
         self.retries = retries
         self.method = pick_method(client.capabilities(), method)
         if self.method != "logprobs" and max_tokens < VERDICT_MIN_TOKENS:
-            raise ValueError(f"judge max_tokens {max_tokens} is too few for a JSON verdict (method {self.method!r}): "
-                             f"it would be cut off mid-object; use at least {VERDICT_MIN_TOKENS}")
+            raise ValueError(
+                f"judge max_tokens {max_tokens} is too few for a JSON verdict (method {self.method!r}): "
+                f"it would be cut off mid-object; use at least {VERDICT_MIN_TOKENS}"
+            )
         self.max_tokens = max_tokens  # the logprobs method reads one token and does not use it
 
     def _messages(self, template: str, prompt: str, response: str) -> list[ChatMessage]:
@@ -126,18 +140,25 @@ class Judge:
 
     def _attempt(self, prompt: str, response: str, attempt: int) -> Verdict:
         if self.method == "logprobs":
-            logprobs = self.client.choice_logprobs(self._messages(self.score_template, prompt, response),
-                                                   SCORE_CHOICES)
+            logprobs = self.client.choice_logprobs(
+                self._messages(self.score_template, prompt, response), SCORE_CHOICES
+            )
             if not all(math.isfinite(v) for v in logprobs.values()):
                 raise VerdictError(f"non-finite score log-probabilities {logprobs}")
             top = max(logprobs.values())
             weights = [math.exp(v - top) for v in logprobs.values()]
             return Verdict(expected_score(logprobs), "logprobs", None, max(weights) / sum(weights))
-        params = (SamplingParams(self.max_tokens, 0.0) if attempt == 0
-                  else SamplingParams(self.max_tokens, 0.7, 1.0, seed=attempt))
+        params = (
+            SamplingParams(self.max_tokens, 0.0)
+            if attempt == 0
+            else SamplingParams(self.max_tokens, 0.7, 1.0, seed=attempt)
+        )
         messages = self._messages(self.verdict_template, prompt, response)
-        answer = (self.client.chat_json(messages, VERDICT_SCHEMA, "verdict", params) if self.method == "json_schema"
-                  else self.client.chat(messages, params))
+        answer = (
+            self.client.chat_json(messages, VERDICT_SCHEMA, "verdict", params)
+            if self.method == "json_schema"
+            else self.client.chat(messages, params)
+        )
         score, rationale = parse_verdict(answer.text)
         return Verdict(float(score), self.method, rationale)
 
@@ -160,13 +181,21 @@ class Judge:
                 if e.endpoint_wide:
                     raise
                 return Verdict(None, self.method, None, None, f"request failed: {e}", attempt + 1)
-            return Verdict(verdict.score, verdict.method, verdict.rationale, verdict.confidence, None, attempt + 1)
-        return Verdict(None, self.method, None, None,
-                       f"no valid verdict after {self.retries + 1} attempts; last: {problems[-1]}",
-                       self.retries + 1)
+            return Verdict(
+                verdict.score, verdict.method, verdict.rationale, verdict.confidence, None, attempt + 1
+            )
+        return Verdict(
+            None,
+            self.method,
+            None,
+            None,
+            f"no valid verdict after {self.retries + 1} attempts; last: {problems[-1]}",
+            self.retries + 1,
+        )
 
-    def judge_many(self, items: Sequence[tuple[str, str]],
-                   progress: Callable[[int, int], None] | None = None) -> list[Verdict]:
+    def judge_many(
+        self, items: Sequence[tuple[str, str]], progress: Callable[[int, int], None] | None = None
+    ) -> list[Verdict]:
         """Verdicts for ``(prompt, response)`` pairs, in order, up to the client's ``max_concurrency`` at once."""
         if not items:
             return []
@@ -180,8 +209,16 @@ class Judge:
         return out
 
 
-def judge_one(client: LLMClient, template: str, prompt: str, response: str, max_tokens: int = 128,
-              verdict_template: str | None = None, method: str = "auto", retries: int = 2) -> Verdict:
+def judge_one(
+    client: LLMClient,
+    template: str,
+    prompt: str,
+    response: str,
+    max_tokens: int = 128,
+    verdict_template: str | None = None,
+    method: str = "auto",
+    retries: int = 2,
+) -> Verdict:
     """One verdict with ``template`` as the score prompt (what evaluation uses); see ``Judge``.
 
     ``verdict_template`` defaults to ``configs/prompts/judge_verdict.jinja``.

@@ -25,8 +25,16 @@ from nexa_dagster.core.distill.dedup import DedupIndex, DedupSettings, load_hist
 from nexa_dagster.core.distill.judge import SCORE_CHOICES, VERDICT_MIN_TOKENS, Judge, Verdict, judge_one
 from nexa_dagster.core.llm.base import LLMClient
 
-__all__ = ["SCORE_CHOICES", "GateConfig", "GateResult", "Verdict", "apply_sample_gate", "heuristic_reason",
-           "judge_one", "load_gate_config"]
+__all__ = [
+    "SCORE_CHOICES",
+    "GateConfig",
+    "GateResult",
+    "Verdict",
+    "apply_sample_gate",
+    "heuristic_reason",
+    "judge_one",
+    "load_gate_config",
+]
 
 GATE_COLUMNS = ["judge_score", "judge_method", "judge_rationale", "judge_confidence"]
 
@@ -37,9 +45,14 @@ class _Strict(BaseModel):
 
 class JudgeConfig(_Strict):
     method: Literal["auto", "json_schema", "logprobs", "text"] = "auto"  # core.judge.METHODS
-    min_score: float = Field(ge=1, le=5, description="samples scored below this are rejected (judge_low_score)")
-    max_tokens: int = Field(default=128, ge=VERDICT_MIN_TOKENS,
-                            description="for JSON verdicts (json_schema, text); fewer would cut a verdict off")
+    min_score: float = Field(
+        ge=1, le=5, description="samples scored below this are rejected (judge_low_score)"
+    )
+    max_tokens: int = Field(
+        default=128,
+        ge=VERDICT_MIN_TOKENS,
+        description="for JSON verdicts (json_schema, text); fewer would cut a verdict off",
+    )
     retries: int = Field(default=2, ge=0, description="re-asks of an unreadable verdict before judge_error")
 
 
@@ -87,7 +100,7 @@ def load_gate_config(name: str = "filters.yaml") -> GateConfig:
 def repeat_ngram_ratio(text: str, n: int) -> float:
     """Share of word n-grams that repeat an earlier one (0 = no repetition, near 1 = a loop)."""
     words = text.split()
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     if not grams:
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)
@@ -113,13 +126,14 @@ def echo_overlap(prompt: str, response: str) -> float:
     k = 8
     if len(response) < k:
         return 0.0
-    prompt_shingles = {prompt[i:i + k] for i in range(len(prompt) - k + 1)}
-    shingles = [response[i:i + k] for i in range(len(response) - k + 1)]
+    prompt_shingles = {prompt[i : i + k] for i in range(len(prompt) - k + 1)}
+    shingles = [response[i : i + k] for i in range(len(response) - k + 1)]
     return sum(s in prompt_shingles for s in shingles) / len(shingles)
 
 
-def heuristic_reason(prompt: str, response: str, error: str | None, t: GateConfig,
-                     completion_tokens: int | None = None) -> str | None:
+def heuristic_reason(
+    prompt: str, response: str, error: str | None, t: GateConfig, completion_tokens: int | None = None
+) -> str | None:
     """The first heuristic rule a sample breaks, as a reason code with its measured value, or None."""
     if error:
         return f"teacher_error: {error}"
@@ -176,25 +190,45 @@ class GateResult:
     def reason_counts(self) -> dict[str, int]:
         if self.rejected.empty:
             return {}
-        return {str(k): int(v) for k, v in self.rejected["reason"].str.split(":").str[0].value_counts().items()}
+        return {
+            str(k): int(v) for k, v in self.rejected["reason"].str.split(":").str[0].value_counts().items()
+        }
 
 
-def apply_sample_gate(samples: pd.DataFrame, config: GateConfig, judge: LLMClient, score_template: str,
-                      verdict_template: str, dedup_root: str | None = None,
-                      progress: Callable[[int, int], None] | None = None) -> GateResult:
+def apply_sample_gate(
+    samples: pd.DataFrame,
+    config: GateConfig,
+    judge: LLMClient,
+    score_template: str,
+    verdict_template: str,
+    dedup_root: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> GateResult:
     """Split teacher samples into filtered and rejected rows (rejected ones carry ``reason``).
 
     Partitions (the ``day`` column) are gated in key order, each deduplicated against every earlier one: the
     history persisted under ``dedup_root`` (partitions before the first one here) and those earlier in this call.
     With ``dedup_root`` set, each partition's kept signatures are written there for the partitions after it.
     """
-    gate_judge = Judge(judge, score_template, verdict_template, config.judge.max_tokens, config.judge.method,
-                       config.judge.retries)
+    gate_judge = Judge(
+        judge,
+        score_template,
+        verdict_template,
+        config.judge.max_tokens,
+        config.judge.method,
+        config.judge.retries,
+    )
     caps = judge.capabilities()
-    settings = DedupSettings(config.dedup.near_duplicate_threshold, config.dedup.num_perm, config.dedup.shingle)
+    settings = DedupSettings(
+        config.dedup.near_duplicate_threshold, config.dedup.num_perm, config.dedup.shingle
+    )
     history = DedupIndex(settings)
-    result = GateResult(samples.iloc[0:0], samples.iloc[0:0], gate_judge.method,
-                        {"engine": caps.engine, "logprobs": caps.logprobs, "json_schema": caps.json_schema})
+    result = GateResult(
+        samples.iloc[0:0],
+        samples.iloc[0:0],
+        gate_judge.method,
+        {"engine": caps.engine, "logprobs": caps.logprobs, "json_schema": caps.json_schema},
+    )
     days = sorted(samples["day"].unique().tolist()) if len(samples) else []
     if config.dedup.enabled and dedup_root and days:
         result.history_partitions = load_history(history, dedup_root, before=days[0])
@@ -223,7 +257,9 @@ def apply_sample_gate(samples: pd.DataFrame, config: GateConfig, judge: LLMClien
             if progress:
                 progress(offset + n, total)
 
-        verdicts = gate_judge.judge_many([(part.at[i, "prompt"], part.at[i, "response"]) for i in to_judge], tick)
+        verdicts = gate_judge.judge_many(
+            [(part.at[i, "prompt"], part.at[i, "response"]) for i in to_judge], tick
+        )
         result.judged += len(to_judge)
         result.judge_attempts += sum(v.attempts for v in verdicts)
         by_row: dict[int, Verdict] = dict(zip(to_judge, verdicts, strict=True))
@@ -257,9 +293,12 @@ def apply_sample_gate(samples: pd.DataFrame, config: GateConfig, judge: LLMClien
         result.filtered = judged[keep].drop(columns=["reason"]).reset_index(drop=True)
         result.rejected = judged[~keep].reset_index(drop=True)
     else:
-        empty = samples.assign(**{c: pd.Series(dtype="float64" if c in ("judge_score", "judge_confidence")
-                                               else "object") for c in GATE_COLUMNS})
+        empty = samples.assign(
+            **{
+                c: pd.Series(dtype="float64" if c in ("judge_score", "judge_confidence") else "object")
+                for c in GATE_COLUMNS
+            }
+        )
         result.filtered = empty.reset_index(drop=True)
         result.rejected = empty.assign(reason=pd.Series(dtype="object")).reset_index(drop=True)
     return result
-

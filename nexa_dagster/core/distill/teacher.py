@@ -21,8 +21,20 @@ from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.llm.base import ChatMessage, ChatRequest, Completion, LLMClient, SamplingParams
 
 TEACHER_COLUMNS = [
-    "sample_id", "doc_id", "day", "generation_index", "system_prompt", "prompt", "response", "reasoning", "model",
-    "prompt_tokens", "completion_tokens", "latency_s", "finish_reason", "error",
+    "sample_id",
+    "doc_id",
+    "day",
+    "generation_index",
+    "system_prompt",
+    "prompt",
+    "response",
+    "reasoning",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+    "latency_s",
+    "finish_reason",
+    "error",
 ]
 
 _ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
@@ -55,22 +67,39 @@ def for_generation(params: SamplingParams, generation_index: int) -> SamplingPar
     return SamplingParams(params.max_tokens, params.temperature, params.top_p, seed)
 
 
-def sample_key(prompt: str, system_prompt: str, model: str, params: SamplingParams, generation_index: int) -> str:
-    payload = json.dumps({"p": prompt, "s": system_prompt, "m": model, "sp": asdict(params), "g": generation_index},
-                         sort_keys=True)
+def sample_key(
+    prompt: str, system_prompt: str, model: str, params: SamplingParams, generation_index: int
+) -> str:
+    payload = json.dumps(
+        {"p": prompt, "s": system_prompt, "m": model, "sp": asdict(params), "g": generation_index},
+        sort_keys=True,
+    )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
 
 
-def build_prompts(documents: pd.DataFrame, template: str, system_prompt: str, model: str, params: SamplingParams,
-                  generations_per_prompt: int) -> list[PromptSpec]:
+def build_prompts(
+    documents: pd.DataFrame,
+    template: str,
+    system_prompt: str,
+    model: str,
+    params: SamplingParams,
+    generations_per_prompt: int,
+) -> list[PromptSpec]:
     """One prompt per document and generation index, rendered from the teacher template."""
     specs = []
     for doc in documents.itertuples(index=False):
         prompt = render(template, title=doc.title or "untitled", text=doc.text)
         for g in range(generations_per_prompt):
-            specs.append(PromptSpec(sample_key(prompt, system_prompt, model, for_generation(params, g), g),
-                                    doc.doc_id, doc.day, g,
-                                    system_prompt, prompt))
+            specs.append(
+                PromptSpec(
+                    sample_key(prompt, system_prompt, model, for_generation(params, g), g),
+                    doc.doc_id,
+                    doc.day,
+                    g,
+                    system_prompt,
+                    prompt,
+                )
+            )
     return specs
 
 
@@ -96,20 +125,31 @@ class GenerationStats:
 
 def _row(spec: PromptSpec, answer: Completion | None, error: str | None) -> dict[str, object]:
     return {
-        "sample_id": spec.sample_id, "doc_id": spec.doc_id, "day": spec.day,
-        "generation_index": spec.generation_index, "system_prompt": spec.system_prompt, "prompt": spec.prompt,
-        "response": answer.text if answer else "", "reasoning": answer.reasoning if answer else None,
-        "model": answer.model if answer else "", "prompt_tokens": answer.prompt_tokens if answer else 0,
+        "sample_id": spec.sample_id,
+        "doc_id": spec.doc_id,
+        "day": spec.day,
+        "generation_index": spec.generation_index,
+        "system_prompt": spec.system_prompt,
+        "prompt": spec.prompt,
+        "response": answer.text if answer else "",
+        "reasoning": answer.reasoning if answer else None,
+        "model": answer.model if answer else "",
+        "prompt_tokens": answer.prompt_tokens if answer else 0,
         "completion_tokens": answer.completion_tokens if answer else 0,
-        "latency_s": answer.latency_s if answer else 0.0, "finish_reason": answer.finish_reason if answer else None,
+        "latency_s": answer.latency_s if answer else 0.0,
+        "finish_reason": answer.finish_reason if answer else None,
         "error": error,
     }
 
 
-def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], params: SamplingParams,
-                             store: GenerationStore, batch_size: int = 16,
-                             progress: Callable[[int, int], None] | None = None,
-                             ) -> tuple[pd.DataFrame, GenerationStats]:
+def generate_teacher_samples(
+    client: LLMClient,
+    prompts: list[PromptSpec],
+    params: SamplingParams,
+    store: GenerationStore,
+    batch_size: int = 16,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[pd.DataFrame, GenerationStats]:
     """Ask the teacher for every prompt whose key has no stored answer, and return the ``teacher_samples`` table.
 
     Answers are committed to ``store`` (under the prompt's day) one by one as they arrive, so a killed run is
@@ -119,7 +159,9 @@ def generate_teacher_samples(client: LLMClient, prompts: list[PromptSpec], param
     never the whole partition, and the failure is visible.
     """
     seen: set[str] = set()
-    specs = [s for s in prompts if not (s.sample_id in seen or seen.add(s.sample_id))]  # one per key, first wins
+    specs = [
+        s for s in prompts if not (s.sample_id in seen or seen.add(s.sample_id))
+    ]  # one per key, first wins
     stats = GenerationStats(requested=len(specs))
     answers: dict[str, Completion] = {}
     by_day: dict[str, list[PromptSpec]] = {}

@@ -27,20 +27,32 @@ class CorpusScores:
 
     @property
     def perplexity(self) -> Interval:
-        return Interval(perplexity_of(self.loss.estimate), perplexity_of(self.loss.low),
-                        perplexity_of(self.loss.high), self.loss.confidence)
+        return Interval(
+            perplexity_of(self.loss.estimate),
+            perplexity_of(self.loss.low),
+            perplexity_of(self.loss.high),
+            self.loss.confidence,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"loss": self.loss.estimate, "loss_interval": [self.loss.low, self.loss.high],
-                "perplexity": self.perplexity.estimate,
-                "perplexity_interval": [self.perplexity.low, self.perplexity.high],
-                "confidence": self.loss.confidence, "documents": len(self.document_ids), "tokens": sum(self.tokens),
-                "per_document": [{"document_id": d, "nll": n, "tokens": t}
-                                 for d, n, t in zip(self.document_ids, self.nll, self.tokens, strict=True)]}
+        return {
+            "loss": self.loss.estimate,
+            "loss_interval": [self.loss.low, self.loss.high],
+            "perplexity": self.perplexity.estimate,
+            "perplexity_interval": [self.perplexity.low, self.perplexity.high],
+            "confidence": self.loss.confidence,
+            "documents": len(self.document_ids),
+            "tokens": sum(self.tokens),
+            "per_document": [
+                {"document_id": d, "nll": n, "tokens": t}
+                for d, n, t in zip(self.document_ids, self.nll, self.tokens, strict=True)
+            ],
+        }
 
 
-def corpus_scores(corpus_path: str, nll: list[float], tokens: list[int], confidence: float = 0.95,
-                  resamples: int = 2000) -> CorpusScores:
+def corpus_scores(
+    corpus_path: str, nll: list[float], tokens: list[int], confidence: float = 0.95, resamples: int = 2000
+) -> CorpusScores:
     """The worker's per-document sums for ``corpus_path`` (the frozen ``corpus.parquet``, in its order), summed up."""
     ids = [str(i) for i in storage.read_parquet(corpus_path)["sample_id"]]
     if len(ids) != len(nll) or len(nll) != len(tokens):

@@ -70,8 +70,10 @@ def _local_data(name: str, cfg: dict[str, Any], yaml_path: Path | None) -> dict[
     elif isinstance(files, list):
         resolved = [absolute(f) for f in files]
     else:
-        resolved = {split: [absolute(f) for f in v] if isinstance(v, list) else absolute(v)
-                    for split, v in files.items()}
+        resolved = {
+            split: [absolute(f) for f in v] if isinstance(v, list) else absolute(v)
+            for split, v in files.items()
+        }
     return {**cfg, "dataset_kwargs": {**cfg["dataset_kwargs"], "data_files": resolved}}
 
 
@@ -94,50 +96,81 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
     unknown = [name for name in settings.tasks if name not in manager.all_tasks]
     if unknown:
         hints = {name: difflib.get_close_matches(name, manager.all_tasks, n=3) for name in unknown}
-        raise BenchmarkError("unknown benchmark task(s): " + "; ".join(
-            f"{name!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for name, h in hints.items())
-            + f". Known: the harness's tasks and the YAMLs under {', '.join(map(str, paths)) or 'no include_path'}")
+        raise BenchmarkError(
+            "unknown benchmark task(s): "
+            + "; ".join(
+                f"{name!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for name, h in hints.items()
+            )
+            + f". Known: the harness's tasks and the YAMLs under {', '.join(map(str, paths)) or 'no include_path'}"
+        )
     specs: list[str | dict[str, Any]] = []
     for name in settings.tasks:
         entry = manager.task_index[name]
-        local = _local_data(name, dict(entry.cfg), entry.yaml_path) if entry.cfg and "task" in entry.cfg else None
+        local = (
+            _local_data(name, dict(entry.cfg), entry.yaml_path) if entry.cfg and "task" in entry.cfg else None
+        )
         specs.append(local if local is not None else name)
     if settings.backend == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise BenchmarkError("benchmarks backend 'vllm' needs vLLM installed in the evaluation worker's "
-                                 "environment (a GPU host); use backend: hf here") from None
+            raise BenchmarkError(
+                "benchmarks backend 'vllm' needs vLLM installed in the evaluation worker's "
+                "environment (a GPU host); use backend: hf here"
+            ) from None
     return ResolvedTasks(manager, specs, list(settings.tasks))
 
 
 def _model_args(settings: BenchmarkSettings, model_dir: str, device: str) -> dict[str, Any]:
     if settings.backend == "vllm":
         return {"pretrained": model_dir, "dtype": "auto", **settings.model_args}
-    return {"pretrained": model_dir, "device": device, "dtype": "auto" if device == "cuda" else "float32",
-            **settings.model_args}
+    return {
+        "pretrained": model_dir,
+        "device": device,
+        "dtype": "auto" if device == "cuda" else "float32",
+        **settings.model_args,
+    }
 
 
-def run_benchmarks(model_dir: str, settings: BenchmarkSettings, tasks: ResolvedTasks, device: str = "cpu",
-                   log: Callable[[str], None] = print, label: str = "model") -> dict[str, Any]:
+def run_benchmarks(
+    model_dir: str,
+    settings: BenchmarkSettings,
+    tasks: ResolvedTasks,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+    label: str = "model",
+) -> dict[str, Any]:
     """Run the resolved tasks on one checkpoint directory; ``{"tasks": {task: {metric: {value, stderr,
     higher_is_better}}}, "samples": {task: n}, "lm_eval_version": ...}``."""
     _offline_env()
     import lm_eval
 
-    log(f"{label}: benchmarks {', '.join(tasks.names)} (lm-evaluation-harness {lm_eval.__version__}, "
-        f"{settings.backend} backend)")
+    log(
+        f"{label}: benchmarks {', '.join(tasks.names)} (lm-evaluation-harness {lm_eval.__version__}, "
+        f"{settings.backend} backend)"
+    )
     out = lm_eval.simple_evaluate(
-        model=settings.backend, model_args=_model_args(settings, model_dir, device), tasks=tasks.specs,
-        task_manager=tasks.manager, num_fewshot=settings.num_fewshot, limit=settings.limit,
-        batch_size=settings.batch_size, log_samples=False, bootstrap_iters=settings.bootstrap_iters)
+        model=settings.backend,
+        model_args=_model_args(settings, model_dir, device),
+        tasks=tasks.specs,
+        task_manager=tasks.manager,
+        num_fewshot=settings.num_fewshot,
+        limit=settings.limit,
+        batch_size=settings.batch_size,
+        log_samples=False,
+        bootstrap_iters=settings.bootstrap_iters,
+    )
     if out is None:  # only on a non-zero rank of a multi-process run
         raise BenchmarkError("lm-evaluation-harness returned no results")
     scores = parse_results(out)
     for task, metrics in scores["tasks"].items():
-        log(f"{label}: {task}: " + ", ".join(
-            f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
-            for m, v in metrics.items()))
+        log(
+            f"{label}: {task}: "
+            + ", ".join(
+                f"{m} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v["stderr"] is not None else "")
+                for m, v in metrics.items()
+            )
+        )
     return scores
 
 
@@ -164,13 +197,21 @@ def parse_results(out: dict[str, Any]) -> dict[str, Any]:
             if number is None:
                 continue
             name = metric if filter_name == "none" else f"{metric}.{filter_name}"
-            metrics[name] = {"value": number, "stderr": _number(row.get(f"{metric}_stderr,{filter_name}")),
-                             "higher_is_better": bool(better.get(metric, True))}
+            metrics[name] = {
+                "value": number,
+                "stderr": _number(row.get(f"{metric}_stderr,{filter_name}")),
+                "higher_is_better": bool(better.get(metric, True)),
+            }
         if metrics:
             tasks[task] = metrics
-    return {"tasks": tasks, "samples": {t: int(v.get("effective", v.get("original", 0))) if isinstance(v, dict)
-                                        else int(v) for t, v in out.get("n-samples", {}).items()},
-            "lm_eval_version": out.get("lm_eval_version")}
+    return {
+        "tasks": tasks,
+        "samples": {
+            t: int(v.get("effective", v.get("original", 0))) if isinstance(v, dict) else int(v)
+            for t, v in out.get("n-samples", {}).items()
+        },
+        "lm_eval_version": out.get("lm_eval_version"),
+    }
 
 
 def flat_scores(scores: dict[str, Any] | None) -> dict[str, float | None]:
@@ -187,8 +228,10 @@ def parse_metric(metric: str) -> tuple[str, str]:
     """``benchmark:<task>/<metric>`` -> (task, metric)."""
     task, _, name = metric.removeprefix(BENCHMARK_METRIC_PREFIX).partition("/")
     if not metric.startswith(BENCHMARK_METRIC_PREFIX) or not task or not name:
-        raise ValueError(f"a benchmark metric is written {BENCHMARK_METRIC_PREFIX}<task>/<metric> "
-                         f"(e.g. benchmark:nexa_stdlib_module/acc), not {metric!r}")
+        raise ValueError(
+            f"a benchmark metric is written {BENCHMARK_METRIC_PREFIX}<task>/<metric> "
+            f"(e.g. benchmark:nexa_stdlib_module/acc), not {metric!r}"
+        )
     return task, name
 
 
@@ -213,8 +256,9 @@ def _score(scores: dict[str, Any] | None, task: str, metric: str, who: str) -> d
         raise BenchmarkError(f"{who} has no benchmark score {task}/{metric}") from None
 
 
-def compare_benchmark(metric: str, candidate: dict[str, Any] | None, production: dict[str, Any] | None,
-                      confidence: float = 0.95) -> BenchmarkComparison:
+def compare_benchmark(
+    metric: str, candidate: dict[str, Any] | None, production: dict[str, Any] | None, confidence: float = 0.95
+) -> BenchmarkComparison:
     """The difference of one metric with a normal interval from both models' harness standard errors (the two
     runs are scored independently here: their errors add, which is conservative for the same examples)."""
     task, name = parse_metric(metric)
@@ -223,22 +267,37 @@ def compare_benchmark(metric: str, candidate: dict[str, Any] | None, production:
     diff = sign * (c["value"] - p["value"])
     se = math.sqrt((c["stderr"] or 0.0) ** 2 + (p["stderr"] or 0.0) ** 2)
     z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    return BenchmarkComparison(f"{task}/{name}", c["value"], p["value"], diff, diff - z * se, diff + z * se,
-                               confidence, c["higher_is_better"])
+    return BenchmarkComparison(
+        f"{task}/{name}",
+        c["value"],
+        p["value"],
+        diff,
+        diff - z * se,
+        diff + z * se,
+        confidence,
+        c["higher_is_better"],
+    )
 
 
 def markdown_table(candidate: dict[str, Any] | None, production: dict[str, Any] | None = None) -> list[str]:
     """The report's benchmark table (empty when none ran)."""
-    rows = ((candidate or {}).get("tasks") or {})
+    rows = (candidate or {}).get("tasks") or {}
     if not rows:
         return []
-    prod = ((production or {}).get("tasks") or {})
-    lines = ["## Benchmarks (lm-evaluation-harness)", "", "| task | metric | value | stderr | production |",
-             "|---|---|---|---|---|"]
+    prod = (production or {}).get("tasks") or {}
+    lines = [
+        "## Benchmarks (lm-evaluation-harness)",
+        "",
+        "| task | metric | value | stderr | production |",
+        "|---|---|---|---|---|",
+    ]
     for task, metrics in rows.items():
         for metric, v in metrics.items():
             se = f"{v['stderr']:.4f}" if v["stderr"] is not None else "n/a"
             other = prod.get(task, {}).get(metric)
-            lines.append(f"| {task} | {metric} | {v['value']:.4f} | {se} | "
-                         f"{other['value']:.4f} |" if other else f"| {task} | {metric} | {v['value']:.4f} | {se} | |")
+            lines.append(
+                f"| {task} | {metric} | {v['value']:.4f} | {se} | {other['value']:.4f} |"
+                if other
+                else f"| {task} | {metric} | {v['value']:.4f} | {se} | |"
+            )
     return [*lines, ""]

@@ -35,6 +35,8 @@ from nexa_dagster.core.packaging.formats.indexed_dataset import corpus_prefixes,
 from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, tokenizer_fingerprint
 
 FORMAT = "nexa-eval-set/1"
+
+
 def version_dir(root: str, version: int) -> str:
     return storage.join(root, f"v{version}")
 
@@ -49,12 +51,23 @@ def corpus_documents(corpus_root: str, fraction: float, max_tokens: int) -> tupl
             held[doc_id] = tokens.tolist()
     ids = sorted(held)
     cut = sum(len(held[i]) > max_tokens for i in ids)
-    return pd.DataFrame({"sample_id": ids, "input_ids": [held[i][:max_tokens] for i in ids],
-                         "loss_mask": [[1] * min(len(held[i]), max_tokens) for i in ids]}), cut
+    return pd.DataFrame(
+        {
+            "sample_id": ids,
+            "input_ids": [held[i][:max_tokens] for i in ids],
+            "loss_mask": [[1] * min(len(held[i]), max_tokens) for i in ids],
+        }
+    ), cut
 
 
-def _write_corpus(corpus: tuple[str, str] | None, fraction: float, max_tokens: int, fingerprint: str,
-                  directory: str, log: Callable[[str], None]) -> dict[str, Any] | None:
+def _write_corpus(
+    corpus: tuple[str, str] | None,
+    fraction: float,
+    max_tokens: int,
+    fingerprint: str,
+    directory: str,
+    log: Callable[[str], None],
+) -> dict[str, Any] | None:
     """Freeze ``corpus`` = (bin/idx root, run hash)'s eval-side documents into ``corpus.parquet``; its manifest
     entry, or None without a corpus or without a document on the eval side (the SFT samples are frozen all the
     same; base models then need a later version)."""
@@ -64,24 +77,45 @@ def _write_corpus(corpus: tuple[str, str] | None, fraction: float, max_tokens: i
     plan = storage.join(root, "plan.json")
     corpus_tokenizer = storage.read_json(plan)["config"].get("tokenizer") if storage.exists(plan) else None
     if corpus_tokenizer not in (None, fingerprint):
-        raise ValueError(f"pretraining corpus {root} was tokenized with tokenizer {corpus_tokenizer}, the student's "
-                         f"is {fingerprint}: materialize pretrain_corpus again before freezing the eval set")
+        raise ValueError(
+            f"pretraining corpus {root} was tokenized with tokenizer {corpus_tokenizer}, the student's "
+            f"is {fingerprint}: materialize pretrain_corpus again before freezing the eval set"
+        )
     frame, cut = corpus_documents(root, fraction, max_tokens)
     if frame.empty:
-        log(f"pretraining corpus {root}: none of its documents hashes to the eval side (eval_set.corpus_fraction="
-            f"{fraction}): this version has no corpus documents for base models")
+        log(
+            f"pretraining corpus {root}: none of its documents hashes to the eval side (eval_set.corpus_fraction="
+            f"{fraction}): this version has no corpus documents for base models"
+        )
         return None
-    table = pa.table({"sample_id": pa.array(frame["sample_id"]),
-                      "input_ids": pa.array(frame["input_ids"], pa.list_(pa.int32())),
-                      "loss_mask": pa.array(frame["loss_mask"], pa.list_(pa.int8()))})
+    table = pa.table(
+        {
+            "sample_id": pa.array(frame["sample_id"]),
+            "input_ids": pa.array(frame["input_ids"], pa.list_(pa.int32())),
+            "loss_mask": pa.array(frame["loss_mask"], pa.list_(pa.int8())),
+        }
+    )
     storage.write_parquet(table.to_pandas(), storage.join(directory, "corpus.parquet"))
-    return {"run_hash": run_hash, "fraction": fraction, "documents": len(frame), "cut_to_max_tokens": cut,
-            "tokens": int(sum(len(ids) - 1 for ids in frame["input_ids"]))}
+    return {
+        "run_hash": run_hash,
+        "fraction": fraction,
+        "documents": len(frame),
+        "cut_to_max_tokens": cut,
+        "tokens": int(sum(len(ids) - 1 for ids in frame["input_ids"])),
+    }
 
 
-def freeze_eval_set(samples: pd.DataFrame, tokenizer: Any, root: str, version: int, fraction: float,
-                    max_tokens: int, log: Callable[[str], None] = print, corpus: tuple[str, str] | None = None,
-                    corpus_fraction: float = 0.0) -> dict[str, Any]:
+def freeze_eval_set(
+    samples: pd.DataFrame,
+    tokenizer: Any,
+    root: str,
+    version: int,
+    fraction: float,
+    max_tokens: int,
+    log: Callable[[str], None] = print,
+    corpus: tuple[str, str] | None = None,
+    corpus_fraction: float = 0.0,
+) -> dict[str, Any]:
     """Write eval-set version ``version`` from the held-out ``samples`` (columns sample_id, day, system_prompt,
     prompt, response), or return the manifest of the one already frozen. ``max_tokens`` keeps the first tokens of
     a long conversation (the model's context in training); an example left with no answer token is dropped.
@@ -92,16 +126,22 @@ def freeze_eval_set(samples: pd.DataFrame, tokenizer: Any, root: str, version: i
     if storage.exists(storage.join(directory, "manifest.json")):
         manifest = load_eval_set(root, version)
         if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
-            raise ValueError(f"eval set v{version} in {directory} was tokenized with tokenizer "
-                             f"{manifest['tokenizer_fingerprint']}, the student's is now "
-                             f"{tokenizer_fingerprint(tokenizer)}: set eval_set.version in configs/pipeline.yaml "
-                             "to a new number to freeze a new eval set")
-        log(f"eval set v{version} is frozen: {manifest['examples']} examples, {manifest['tokens']} scored tokens")
+            raise ValueError(
+                f"eval set v{version} in {directory} was tokenized with tokenizer "
+                f"{manifest['tokenizer_fingerprint']}, the student's is now "
+                f"{tokenizer_fingerprint(tokenizer)}: set eval_set.version in configs/pipeline.yaml "
+                "to a new number to freeze a new eval set"
+            )
+        log(
+            f"eval set v{version} is frozen: {manifest['examples']} examples, {manifest['tokens']} scored tokens"
+        )
         return manifest
     held = samples[held_out_mask(samples["sample_id"].astype(str).tolist(), fraction)]
     held = held.drop_duplicates("sample_id").sort_values("sample_id", kind="stable").reset_index(drop=True)
     # the same tokenization as packing (ChatTokenizer), so the eval set's tokens are the ones training sees
-    chat = ChatTokenizer.from_hf(tokenizer, storage.join(root, "tokenizers", f"{tokenizer_fingerprint(tokenizer)}.json"))
+    chat = ChatTokenizer.from_hf(
+        tokenizer, storage.join(root, "tokenizers", f"{tokenizer_fingerprint(tokenizer)}.json")
+    )
     conversations = [conversation(r.system_prompt, r.prompt, r.response) for r in held.itertuples()]
     encoded = chat.encode_conversations(conversations) if conversations else []
     rows, lines, dropped = [], [], 0
@@ -113,32 +153,58 @@ def freeze_eval_set(samples: pd.DataFrame, tokenizer: Any, root: str, version: i
         rows.append({"sample_id": str(r.sample_id), "input_ids": ids, "loss_mask": mask})
         lines.append(dumps({"sample_id": str(r.sample_id), "day": str(r.day), "messages": messages}))
     if not rows:
-        raise ValueError(f"eval set v{version}: none of the {len(samples)} samples hashes to the held-out side "
-                         f"(eval_set.fraction={fraction}, {dropped} too long to keep an answer token); "
-                         "raise the fraction or wait for more data")
-    table = pa.table({"sample_id": pa.array([r["sample_id"] for r in rows]),
-                      "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
-                      "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8()))})
-    examples, samples_path = storage.join(directory, "examples.parquet"), storage.join(directory, "samples.jsonl")
+        raise ValueError(
+            f"eval set v{version}: none of the {len(samples)} samples hashes to the held-out side "
+            f"(eval_set.fraction={fraction}, {dropped} too long to keep an answer token); "
+            "raise the fraction or wait for more data"
+        )
+    table = pa.table(
+        {
+            "sample_id": pa.array([r["sample_id"] for r in rows]),
+            "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
+            "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8())),
+        }
+    )
+    examples, samples_path = (
+        storage.join(directory, "examples.parquet"),
+        storage.join(directory, "samples.jsonl"),
+    )
     storage.write_parquet(table.to_pandas(), examples)
     with storage.atomic_writer(samples_path) as f:
         f.write(b"".join(lines))
-    frozen_corpus = _write_corpus(corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory,
-                                  log)
+    frozen_corpus = _write_corpus(
+        corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory, log
+    )
     manifest = {
-        "format": FORMAT, "version": version, "fraction": fraction, "examples": len(rows),
-        "tokens": int(sum(sum(r["loss_mask"][1:]) for r in rows)), "dropped_too_long": dropped,
-        "max_tokens": max_tokens, "days": sorted(held["day"].astype(str).unique().tolist()),
+        "format": FORMAT,
+        "version": version,
+        "fraction": fraction,
+        "examples": len(rows),
+        "tokens": int(sum(sum(r["loss_mask"][1:]) for r in rows)),
+        "dropped_too_long": dropped,
+        "max_tokens": max_tokens,
+        "days": sorted(held["day"].astype(str).unique().tolist()),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "corpus": frozen_corpus,
-        "files": {name: storage.sha256_file(storage.join(directory, name))
-                  for name in ("examples.parquet", "samples.jsonl", *(["corpus.parquet"] if frozen_corpus else []))},
+        "files": {
+            name: storage.sha256_file(storage.join(directory, name))
+            for name in ("examples.parquet", "samples.jsonl", *(["corpus.parquet"] if frozen_corpus else []))
+        },
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-    storage.write_json(manifest, storage.join(directory, "manifest.json"))  # last: its presence means complete
-    log(f"froze eval set v{version}: {len(rows)} held-out examples ({manifest['tokens']} scored tokens) in "
-        f"{directory}" + (f", and {frozen_corpus['documents']} corpus documents ({frozen_corpus['tokens']} scored "
-                          f"tokens) of corpus {frozen_corpus['run_hash']} for base models" if frozen_corpus else ""))
+    storage.write_json(
+        manifest, storage.join(directory, "manifest.json")
+    )  # last: its presence means complete
+    log(
+        f"froze eval set v{version}: {len(rows)} held-out examples ({manifest['tokens']} scored tokens) in "
+        f"{directory}"
+        + (
+            f", and {frozen_corpus['documents']} corpus documents ({frozen_corpus['tokens']} scored "
+            f"tokens) of corpus {frozen_corpus['run_hash']} for base models"
+            if frozen_corpus
+            else ""
+        )
+    )
     return manifest
 
 
@@ -147,18 +213,25 @@ def load_eval_set(root: str, version: int) -> dict[str, Any]:
     directory = version_dir(root, version)
     manifest_path = storage.join(directory, "manifest.json")
     if not storage.exists(manifest_path):
-        raise FileNotFoundError(f"no eval set v{version} in {directory}: materialize the eval_set asset "
-                                "(training_job does) before evaluating")
+        raise FileNotFoundError(
+            f"no eval set v{version} in {directory}: materialize the eval_set asset "
+            "(training_job does) before evaluating"
+        )
     manifest = storage.read_json(manifest_path)
     for name, digest in manifest["files"].items():
         actual = storage.sha256_file(storage.join(directory, name))
         if actual != digest:
-            raise ValueError(f"eval set v{version}: {storage.join(directory, name)} changed since it was frozen "
-                             f"(SHA-256 {actual[:12]} != {digest[:12]}); a frozen eval set is never edited, "
-                             "freeze a new version instead")
-    return {**manifest, "path": storage.join(directory, "examples.parquet"),
-            "samples_path": storage.join(directory, "samples.jsonl"),
-            "corpus_path": storage.join(directory, "corpus.parquet") if manifest.get("corpus") else None}
+            raise ValueError(
+                f"eval set v{version}: {storage.join(directory, name)} changed since it was frozen "
+                f"(SHA-256 {actual[:12]} != {digest[:12]}); a frozen eval set is never edited, "
+                "freeze a new version instead"
+            )
+    return {
+        **manifest,
+        "path": storage.join(directory, "examples.parquet"),
+        "samples_path": storage.join(directory, "samples.jsonl"),
+        "corpus_path": storage.join(directory, "corpus.parquet") if manifest.get("corpus") else None,
+    }
 
 
 def eval_prompts(manifest: dict[str, Any], limit: int) -> list[str]:

@@ -28,8 +28,11 @@ def pip_requirements() -> list[str]:
     import torch
     import transformers
 
-    return [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}",
-            f"accelerate=={accelerate.__version__}"]
+    return [
+        f"transformers=={transformers.__version__}",
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"accelerate=={accelerate.__version__}",
+    ]
 
 
 def save_checkpoint_model(checkpoint_dir: str | Path, out_dir: str | Path) -> None:
@@ -39,12 +42,18 @@ def save_checkpoint_model(checkpoint_dir: str | Path, out_dir: str | Path) -> No
 
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").exists():
-        raise FileNotFoundError(f"checkpoint {checkpoint_dir} has no config.json: not a Hugging Face model "
-                                "directory, nothing to log to the model registry")
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint_dir} has no config.json: not a Hugging Face model "
+            "directory, nothing to log to the model registry"
+        )
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    mlflow.transformers.save_model(transformers_model={"model": model, "tokenizer": tokenizer}, path=str(out_dir),
-                                   task=TASK, pip_requirements=pip_requirements())
+    mlflow.transformers.save_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        path=str(out_dir),
+        task=TASK,
+        pip_requirements=pip_requirements(),
+    )
 
 
 def log_checkpoint_model(client: Any, run_id: str, checkpoint_dir: str | Path) -> str:

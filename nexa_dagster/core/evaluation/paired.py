@@ -60,8 +60,13 @@ def mean_loss(nll_sums: Sequence[float], tokens: Sequence[int]) -> float:
     return float(np.sum(nll_sums)) / total
 
 
-def bootstrap_mean_loss(nll_sums: Sequence[float], tokens: Sequence[int], confidence: float = 0.95,
-                        resamples: int = 2000, seed: int = 0) -> Interval:
+def bootstrap_mean_loss(
+    nll_sums: Sequence[float],
+    tokens: Sequence[int],
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> Interval:
     """One model's token-weighted mean loss with a percentile bootstrap interval over examples."""
     nll, tok = _arrays(nll_sums, tokens)
     idx = _resample_indices(len(nll), resamples, seed)
@@ -69,9 +74,14 @@ def bootstrap_mean_loss(nll_sums: Sequence[float], tokens: Sequence[int], confid
     return _percentile_interval(mean_loss(nll, tok), stats, confidence)
 
 
-def paired_loss_difference(candidate_nll: Sequence[float], production_nll: Sequence[float],
-                           tokens: Sequence[int], confidence: float = 0.95, resamples: int = 2000,
-                           seed: int = 0) -> PairedLoss:
+def paired_loss_difference(
+    candidate_nll: Sequence[float],
+    production_nll: Sequence[float],
+    tokens: Sequence[int],
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> PairedLoss:
     """Difference of the two models' token-weighted mean losses on the same examples (negative: the candidate is
     better), with a percentile bootstrap interval that resamples examples, keeping each example's pair together.
 
@@ -79,8 +89,10 @@ def paired_loss_difference(candidate_nll: Sequence[float], production_nll: Seque
     tokens under each model (both models see the same tokens: the eval set is tokenized once).
     """
     if len(candidate_nll) != len(production_nll):
-        raise ValueError(f"paired comparison needs the same examples: {len(candidate_nll)} candidate vs "
-                         f"{len(production_nll)} production values")
+        raise ValueError(
+            f"paired comparison needs the same examples: {len(candidate_nll)} candidate vs "
+            f"{len(production_nll)} production values"
+        )
     cand, tok = _arrays(candidate_nll, tokens)
     prod, _ = _arrays(production_nll, tokens)
     idx = _resample_indices(len(cand), resamples, seed)
@@ -103,16 +115,19 @@ class WinRate:
         return {**asdict(self), "rate": asdict(self.rate)}
 
 
-def order_consistent_win_rate(candidate_first: Sequence[Verdict], production_first: Sequence[Verdict],
-                              confidence: float = 0.95) -> WinRate:
+def order_consistent_win_rate(
+    candidate_first: Sequence[Verdict], production_first: Sequence[Verdict], confidence: float = 0.95
+) -> WinRate:
     """Win rate of the candidate over the prompts whose two verdicts (candidate shown first, production shown
     first) name the same winner. Each element names the preferred model, or ``None`` for no usable verdict.
 
     With no consistent verdict at all the rate is 0.5 with the interval [0, 1]: nothing is known.
     """
     if len(candidate_first) != len(production_first):
-        raise ValueError(f"both answer orders must be judged on the same prompts: {len(candidate_first)} vs "
-                         f"{len(production_first)} verdicts")
+        raise ValueError(
+            f"both answer orders must be judged on the same prompts: {len(candidate_first)} vs "
+            f"{len(production_first)} verdicts"
+        )
     wins = losses = inconsistent = 0
     for first, second in zip(candidate_first, production_first, strict=True):
         if first is not None and first == second:

@@ -26,19 +26,26 @@ class PromotionPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt `margin` must not silently promote at margin 0
 
     metric: str = Field(
-        default="eval_loss", description="eval_loss: paired per-example loss difference on the frozen eval set "
-                                         "(lower is better); win_rate: the judge's order-consistent preference; "
-                                         "benchmark:<task>/<metric>: an lm-evaluation-harness score "
-                                         "(evaluation.benchmarks of the scale preset)")
-    margin: float = Field(default=0.0, ge=0, description="required improvement: nats per token for eval_loss, "
-                                                         "win rate above 0.5 for win_rate, the metric's own unit "
-                                                         "for a benchmark")
-    require_interval: bool = Field(default=True, description="the whole confidence interval must clear the "
-                                                             "margin, not just the point estimate")
+        default="eval_loss",
+        description="eval_loss: paired per-example loss difference on the frozen eval set "
+        "(lower is better); win_rate: the judge's order-consistent preference; "
+        "benchmark:<task>/<metric>: an lm-evaluation-harness score "
+        "(evaluation.benchmarks of the scale preset)",
+    )
+    margin: float = Field(
+        default=0.0,
+        ge=0,
+        description="required improvement: nats per token for eval_loss, "
+        "win rate above 0.5 for win_rate, the metric's own unit "
+        "for a benchmark",
+    )
+    require_interval: bool = Field(
+        default=True,
+        description="the whole confidence interval must clear the margin, not just the point estimate",
+    )
     confidence: float = Field(default=0.95, gt=0, lt=1)
     bootstrap_resamples: int = Field(default=2000, ge=100)
     registered_model: str = "nexa-moe"
-
 
     @field_validator("metric")
     @classmethod
@@ -46,8 +53,10 @@ class PromotionPolicy(BaseModel):
         if metric.startswith(BENCHMARK_METRIC_PREFIX):
             parse_metric(metric)
         elif metric not in ("eval_loss", "win_rate"):
-            raise ValueError(f"metric must be eval_loss, win_rate or {BENCHMARK_METRIC_PREFIX}<task>/<metric>, "
-                             f"not {metric!r}")
+            raise ValueError(
+                f"metric must be eval_loss, win_rate or {BENCHMARK_METRIC_PREFIX}<task>/<metric>, "
+                f"not {metric!r}"
+            )
         return metric
 
     @property
@@ -89,14 +98,25 @@ class GateDecision:
 
     def metadata(self) -> dict[str, Any]:
         low, high = self.interval if self.interval else (None, None)
-        return {"decision": "promote" if self.passed else "hold back", "reason": self.reason,
-                "candidate": self.candidate, "production": self.production, "difference": self.difference,
-                "interval_low": low, "interval_high": high}
+        return {
+            "decision": "promote" if self.passed else "hold back",
+            "reason": self.reason,
+            "candidate": self.candidate,
+            "production": self.production,
+            "difference": self.difference,
+            "interval_low": low,
+            "interval_high": high,
+        }
 
 
-def decide(checkpoint_id: str, production: ProductionEntry | None, policy: PromotionPolicy,
-           paired_loss: PairedLoss | None = None, win_rate: WinRate | None = None,
-           benchmark: BenchmarkComparison | None = None) -> GateDecision:
+def decide(
+    checkpoint_id: str,
+    production: ProductionEntry | None,
+    policy: PromotionPolicy,
+    paired_loss: PairedLoss | None = None,
+    win_rate: WinRate | None = None,
+    benchmark: BenchmarkComparison | None = None,
+) -> GateDecision:
     """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin;
     with ``require_interval`` the whole confidence interval must clear the margin (a tie, or an improvement
     smaller than the noise of the eval set, is held back)."""
@@ -108,39 +128,57 @@ def decide(checkpoint_id: str, production: ProductionEntry | None, policy: Promo
     level = f"{policy.confidence:.0%}"
     if policy.benchmark:
         if benchmark is None:
-            return GateDecision(False, f"{policy.metric} was not measured on both {checkpoint_id} and production "
-                                       f"{production.checkpoint_id}: nothing to compare with")
+            return GateDecision(
+                False,
+                f"{policy.metric} was not measured on both {checkpoint_id} and production "
+                f"{production.checkpoint_id}: nothing to compare with",
+            )
         b = benchmark
         worst = b.low if policy.require_interval else b.difference  # better is positive
         passed = worst > policy.margin
-        reason = (f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
-                  f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
-                  f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors); the {need} "
-                  f"{'is' if passed else 'is not'} above {policy.margin}")
+        reason = (
+            f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
+            f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
+            f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors); the {need} "
+            f"{'is' if passed else 'is not'} above {policy.margin}"
+        )
         return GateDecision(passed, reason, b.candidate, b.production, b.difference, (b.low, b.high))
     if policy.metric == "eval_loss":
         if paired_loss is None:
-            return GateDecision(False, f"production {production.checkpoint_id} was not scored on the same eval set "
-                                       "(its checkpoint is not readable here): nothing to compare with")
+            return GateDecision(
+                False,
+                f"production {production.checkpoint_id} was not scored on the same eval set "
+                "(its checkpoint is not readable here): nothing to compare with",
+            )
         d = paired_loss.difference
-        worst = d.high if policy.require_interval else d.estimate  # candidate - production: negative is better
+        worst = (
+            d.high if policy.require_interval else d.estimate
+        )  # candidate - production: negative is better
         passed = worst < -policy.margin
-        reason = (f"eval_loss {paired_loss.candidate:.4f} vs production {production.checkpoint_id} "
-                  f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} interval [{d.low:+.4f}, "
-                  f"{d.high:+.4f}]; the {need} {'is' if passed else 'is not'} below -{policy.margin} "
-                  f"over {paired_loss.examples} examples")
-        return GateDecision(passed, reason, paired_loss.candidate, paired_loss.production, d.estimate,
-                            (d.low, d.high))
+        reason = (
+            f"eval_loss {paired_loss.candidate:.4f} vs production {production.checkpoint_id} "
+            f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} interval [{d.low:+.4f}, "
+            f"{d.high:+.4f}]; the {need} {'is' if passed else 'is not'} below -{policy.margin} "
+            f"over {paired_loss.examples} examples"
+        )
+        return GateDecision(
+            passed, reason, paired_loss.candidate, paired_loss.production, d.estimate, (d.low, d.high)
+        )
     if win_rate is None:
-        return GateDecision(False, f"the judge did not compare {checkpoint_id} with production "
-                                   f"{production.checkpoint_id}: nothing to compare with")
+        return GateDecision(
+            False,
+            f"the judge did not compare {checkpoint_id} with production "
+            f"{production.checkpoint_id}: nothing to compare with",
+        )
     r = win_rate.rate
     worst = r.low if policy.require_interval else r.estimate
     passed = worst > 0.5 + policy.margin
-    reason = (f"win_rate {r.estimate:.3f} over production {production.checkpoint_id} ({win_rate.wins} wins, "
-              f"{win_rate.losses} losses, {win_rate.inconsistent} order-inconsistent), {level} interval "
-              f"[{r.low:.3f}, {r.high:.3f}]; the {need} {'is' if passed else 'is not'} above "
-              f"{0.5 + policy.margin}")
+    reason = (
+        f"win_rate {r.estimate:.3f} over production {production.checkpoint_id} ({win_rate.wins} wins, "
+        f"{win_rate.losses} losses, {win_rate.inconsistent} order-inconsistent), {level} interval "
+        f"[{r.low:.3f}, {r.high:.3f}]; the {need} {'is' if passed else 'is not'} above "
+        f"{0.5 + policy.margin}"
+    )
     return GateDecision(passed, reason, r.estimate, 1 - r.estimate, r.estimate - 0.5, (r.low, r.high))
 
 
@@ -152,9 +190,14 @@ def held_back_because(checkpoint_id: str, report: Any, production: ProductionEnt
         return "its evaluation predates the paired promotion gate; evaluate it again"
     if report.gate_decision != "promote":
         return f"the promotion gate held it back ({report.gate_reason or report.gate_decision})"
-    if production is not None and production.checkpoint_id not in (checkpoint_id, report.production_checkpoint_id):
-        return (f"production is now {production.checkpoint_id}, not {report.production_checkpoint_id or 'none'} as "
-                "when it was evaluated; evaluate it again to compare it with the current production model")
+    if production is not None and production.checkpoint_id not in (
+        checkpoint_id,
+        report.production_checkpoint_id,
+    ):
+        return (
+            f"production is now {production.checkpoint_id}, not {report.production_checkpoint_id or 'none'} as "
+            "when it was evaluated; evaluate it again to compare it with the current production model"
+        )
     return None
 
 

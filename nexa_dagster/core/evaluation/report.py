@@ -32,18 +32,25 @@ def read_checkpoint(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
     record = ckpt_dir / "checkpoint.json"
     try:
         if record.exists():
-            return Checkpoint.model_validate({**storage.read_json(record), "path": str(ckpt_dir),
-                                              "checkpoint_id": checkpoint_id})
+            return Checkpoint.model_validate(
+                {**storage.read_json(record), "path": str(ckpt_dir), "checkpoint_id": checkpoint_id}
+            )
         job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
         if job.exists() and summary.exists():
             # written by the training worker before its completion marker, so always there for our own
             # checkpoints (checkpoint.json, with the MLflow ids, follows a moment later from the training asset)
             j, r = storage.read_json(job), storage.read_json(summary)
-            return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=r["steps"],
-                              training_loss=r["final_loss"], validation_loss=r["validation_loss"],
-                              dataset_run_hash=j.get("dataset_run_hash") or None,
-                              dataset_validation_path=j["validation_path"], model_preset=j["model_preset"],
-                              parent=j.get("parent"))
+            return Checkpoint(
+                checkpoint_id=checkpoint_id,
+                path=str(ckpt_dir),
+                num_steps=r["steps"],
+                training_loss=r["final_loss"],
+                validation_loss=r["validation_loss"],
+                dataset_run_hash=j.get("dataset_run_hash") or None,
+                dataset_validation_path=j["validation_path"],
+                model_preset=j["model_preset"],
+                parent=j.get("parent"),
+            )
         return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
     except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
         raise ValueError(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}") from error
@@ -55,50 +62,98 @@ def gate_figures(decision: GateDecision, evaluation: CheckpointEvaluation) -> di
     figures: dict[str, Any] = dict(decision.metadata())
     if evaluation.paired_loss is not None:
         p = evaluation.paired_loss
-        figures.update({"candidate_eval_loss": p.candidate, "production_eval_loss": p.production,
-                        "eval_loss_difference": p.difference.estimate,
-                        "eval_loss_difference_interval": [p.difference.low, p.difference.high],
-                        "examples": p.examples})
+        figures.update(
+            {
+                "candidate_eval_loss": p.candidate,
+                "production_eval_loss": p.production,
+                "eval_loss_difference": p.difference.estimate,
+                "eval_loss_difference_interval": [p.difference.low, p.difference.high],
+                "examples": p.examples,
+            }
+        )
     if evaluation.win_rate is not None:
         w = evaluation.win_rate
-        figures.update({"win_rate": w.rate.estimate, "win_rate_interval": [w.rate.low, w.rate.high],
-                        "judge_wins": w.wins, "judge_losses": w.losses, "judge_order_inconsistent": w.inconsistent})
+        figures.update(
+            {
+                "win_rate": w.rate.estimate,
+                "win_rate_interval": [w.rate.low, w.rate.high],
+                "judge_wins": w.wins,
+                "judge_losses": w.losses,
+                "judge_order_inconsistent": w.inconsistent,
+            }
+        )
     return figures
 
 
-def build_eval_report(ckpt: Checkpoint, evaluation: CheckpointEvaluation, decision: GateDecision,
-                      production_id: str | None, eval_set: dict[str, Any], report_dir: str,
-                      run_id: str) -> EvalReport:
+def build_eval_report(
+    ckpt: Checkpoint,
+    evaluation: CheckpointEvaluation,
+    decision: GateDecision,
+    production_id: str | None,
+    eval_set: dict[str, Any],
+    report_dir: str,
+    run_id: str,
+) -> EvalReport:
     """Write ``report.json`` and ``report.md`` under ``report_dir`` and return the record they describe."""
     result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
-    json_path, md_path = write_report(result, {
-        **report_lineage(ckpt, evaluation, eval_set, run_id), "production_checkpoint": production_id,
-        "paired_loss": paired.to_json() if paired else None, "win_rate": win.to_json() if win else None,
-        "gate": decision.metadata()}, report_dir)
+    json_path, md_path = write_report(
+        result,
+        {
+            **report_lineage(ckpt, evaluation, eval_set, run_id),
+            "production_checkpoint": production_id,
+            "paired_loss": paired.to_json() if paired else None,
+            "win_rate": win.to_json() if win else None,
+            "gate": decision.metadata(),
+        },
+        report_dir,
+    )
     answers = result.answers
     return EvalReport(
-        checkpoint_id=ckpt.checkpoint_id, checkpoint_path=ckpt.path, eval_set_version=evaluation.eval_set_version,
-        eval_loss=result.loss.loss, eval_examples=result.loss.sequences, eval_tokens=result.loss.tokens,
-        perplexity=result.loss.perplexity, validation_loss=ckpt.validation_loss, judge_score=result.judge_score,
-        judge_method=answers[0].method if answers else None, num_heldout_prompts=len(answers),
-        dataset_run_hash=ckpt.dataset_run_hash, win_rate_vs_production=win.rate.estimate if win else None,
-        production_checkpoint_id=production_id, production_eval_loss=paired.production if paired else None,
+        checkpoint_id=ckpt.checkpoint_id,
+        checkpoint_path=ckpt.path,
+        eval_set_version=evaluation.eval_set_version,
+        eval_loss=result.loss.loss,
+        eval_examples=result.loss.sequences,
+        eval_tokens=result.loss.tokens,
+        perplexity=result.loss.perplexity,
+        validation_loss=ckpt.validation_loss,
+        judge_score=result.judge_score,
+        judge_method=answers[0].method if answers else None,
+        num_heldout_prompts=len(answers),
+        dataset_run_hash=ckpt.dataset_run_hash,
+        win_rate_vs_production=win.rate.estimate if win else None,
+        production_checkpoint_id=production_id,
+        production_eval_loss=paired.production if paired else None,
         eval_loss_difference=paired.difference.estimate if paired else None,
         eval_loss_difference_interval=(paired.difference.low, paired.difference.high) if paired else None,
         win_rate_interval=(win.rate.low, win.rate.high) if win else None,
-        gate_decision=decision.metadata()["decision"], gate_reason=decision.reason, report_json=json_path,
-        report_markdown=md_path, parent=ckpt.parent, benchmarks=result.benchmarks,
-        production_benchmarks=result.production_benchmarks)
+        gate_decision=decision.metadata()["decision"],
+        gate_reason=decision.reason,
+        report_json=json_path,
+        report_markdown=md_path,
+        parent=ckpt.parent,
+        benchmarks=result.benchmarks,
+        production_benchmarks=result.production_benchmarks,
+    )
 
 
-def report_lineage(ckpt: Checkpoint, evaluation: CheckpointEvaluation, eval_set: dict[str, Any],
-                   run_id: str) -> dict[str, Any]:
+def report_lineage(
+    ckpt: Checkpoint, evaluation: CheckpointEvaluation, eval_set: dict[str, Any], run_id: str
+) -> dict[str, Any]:
     """What the evaluation measured and came from: the MLflow run's params and the report's lineage section."""
-    return {"checkpoint_path": ckpt.path, "dataset_run_hash": ckpt.dataset_run_hash,
-            "eval_set_version": evaluation.eval_set_version, "eval_set_sha256": eval_set["files"]["examples.parquet"],
-            "model_preset": ckpt.model_preset, "scale": ckpt.scale, "training_steps": ckpt.num_steps,
-            "training_run_id": ckpt.training_run_id, "training_mlflow_run_id": ckpt.mlflow_run_id,
-            "parent": ckpt.parent, "dagster_run_id": run_id}
+    return {
+        "checkpoint_path": ckpt.path,
+        "dataset_run_hash": ckpt.dataset_run_hash,
+        "eval_set_version": evaluation.eval_set_version,
+        "eval_set_sha256": eval_set["files"]["examples.parquet"],
+        "model_preset": ckpt.model_preset,
+        "scale": ckpt.scale,
+        "training_steps": ckpt.num_steps,
+        "training_run_id": ckpt.training_run_id,
+        "training_mlflow_run_id": ckpt.mlflow_run_id,
+        "parent": ckpt.parent,
+        "dagster_run_id": run_id,
+    }
 
 
 def report_figures(report: EvalReport) -> dict[str, Any]:
@@ -125,21 +180,39 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
 
 def mlflow_metrics(report: EvalReport) -> dict[str, float]:
     """The numeric figures (MLflow keeps numbers only)."""
-    return {k: float(v) for k, v in report_figures(report).items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "eval_set_version"
-            and math.isfinite(float(v))}
+    return {
+        k: float(v)
+        for k, v in report_figures(report).items()
+        if isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and k != "eval_set_version"
+        and math.isfinite(float(v))
+    }
 
 
 def leaderboard_row(report: EvalReport, in_production: bool) -> dict[str, Any]:
     """The report's row on the leaderboard (stage ``sft``; base models have rows of their own)."""
     figures = report_figures(report)
     return {
-        "checkpoint_id": report.checkpoint_id, "stage": "sft", "eval_set_version": report.eval_set_version,
-        **{k: figures[k] for k in ("eval_loss", "perplexity", "judge_score", "win_rate_vs_production",
-                                   "eval_loss_difference")},
-        "vs_production": report.production_checkpoint_id or "", "gate": report.gate_decision or "",
-        "dataset_run_hash": report.dataset_run_hash or "", "parent": report.parent or "",
-        "evaluated_at": report.created_at, "in_production": in_production,
+        "checkpoint_id": report.checkpoint_id,
+        "stage": "sft",
+        "eval_set_version": report.eval_set_version,
+        **{
+            k: figures[k]
+            for k in (
+                "eval_loss",
+                "perplexity",
+                "judge_score",
+                "win_rate_vs_production",
+                "eval_loss_difference",
+            )
+        },
+        "vs_production": report.production_checkpoint_id or "",
+        "gate": report.gate_decision or "",
+        "dataset_run_hash": report.dataset_run_hash or "",
+        "parent": report.parent or "",
+        "evaluated_at": report.created_at,
+        "in_production": in_production,
         **flat_scores(report.benchmarks),  # one column per benchmark metric and its standard error
     }
 
@@ -148,7 +221,15 @@ def base_leaderboard_row(report: BaseModelEval) -> dict[str, Any]:
     """A base model's row (stage ``base``): measured on the eval-set version's frozen corpus documents, not on its
     SFT samples, so its loss compares with other base models' of the same version only."""
     low, high = report.loss_interval
-    return {"checkpoint_id": report.checkpoint_id, "stage": "base", "eval_set_version": report.eval_set_version,
-            "eval_loss": report.loss, "eval_loss_interval": f"[{low:.4f}, {high:.4f}]",
-            "perplexity": report.perplexity, "dataset_run_hash": report.corpus_run_hash or "", "parent": "scratch",
-            "evaluated_at": report.created_at, "in_production": False}
+    return {
+        "checkpoint_id": report.checkpoint_id,
+        "stage": "base",
+        "eval_set_version": report.eval_set_version,
+        "eval_loss": report.loss,
+        "eval_loss_interval": f"[{low:.4f}, {high:.4f}]",
+        "perplexity": report.perplexity,
+        "dataset_run_hash": report.corpus_run_hash or "",
+        "parent": "scratch",
+        "evaluated_at": report.created_at,
+        "in_production": False,
+    }

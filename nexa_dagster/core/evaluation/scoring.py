@@ -67,16 +67,30 @@ class ModelScores:
         return HeldoutLoss(loss, perplexity_of(loss), total, len(self.tokens))
 
     def to_json(self) -> dict[str, Any]:
-        return {"nll": self.nll, "tokens": self.tokens, "answers": self.answers, "benchmarks": self.benchmarks}
+        return {
+            "nll": self.nll,
+            "tokens": self.tokens,
+            "answers": self.answers,
+            "benchmarks": self.benchmarks,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelScores:
-        return cls([float(v) for v in data["nll"]], [int(v) for v in data["tokens"]], list(data["answers"]),
-                   data.get("benchmarks"))
+        return cls(
+            [float(v) for v in data["nll"]],
+            [int(v) for v in data["tokens"]],
+            list(data["answers"]),
+            data.get("benchmarks"),
+        )
 
 
-def example_losses(model: Any, examples_path: str, batch_size: int = 8, device: str = "cpu",
-                   progress: Callable[[int, int], None] | None = None) -> tuple[list[float], list[int]]:
+def example_losses(
+    model: Any,
+    examples_path: str,
+    batch_size: int = 8,
+    device: str = "cpu",
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[float], list[int]]:
     """Summed NLL and count of the loss-masked tokens of every eval-set example, in the file's order.
 
     Examples are right-padded per batch (a causal mask keeps padding from touching earlier positions) and scored
@@ -93,7 +107,7 @@ def example_losses(model: Any, examples_path: str, batch_size: int = 8, device: 
     nll_out, tok_out = [0.0] * len(order), [0] * len(order)
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             width = max(len(ids_list[i]) for i in idx)
             ids = torch.zeros((len(idx), width), dtype=torch.long)
             attn = torch.zeros((len(idx), width), dtype=torch.long)
@@ -119,19 +133,30 @@ def example_losses(model: Any, examples_path: str, batch_size: int = 8, device: 
     return nll_out, tok_out
 
 
-def score_model(model_dir: str | Path, examples_path: str, prompts: Sequence[str], max_new_tokens: int,
-                device: str = "cpu", batch_size: int = 8, log: Callable[[str], None] = print,
-                label: str = "model") -> ModelScores:
+def score_model(
+    model_dir: str | Path,
+    examples_path: str,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    device: str = "cpu",
+    batch_size: int = 8,
+    log: Callable[[str], None] = print,
+    label: str = "model",
+) -> ModelScores:
     """Per-example eval-set losses and greedy answers to ``prompts`` of one model (loaded once)."""
 
     with LocalTransformersClient(model_dir, batch_size=batch_size, device=device) as client:
         with Progress(log, f"{label}: eval-set examples scored") as progress:
             nll, tokens = example_losses(client.model, examples_path, batch_size, device, progress)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-        answers = [c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)]
+        answers = [
+            c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)
+        ]
     scores = ModelScores(nll, tokens, answers)
-    log(f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "
-        f"{scores.loss.tokens} tokens of {len(tokens)} examples")
+    log(
+        f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "
+        f"{scores.loss.tokens} tokens of {len(tokens)} examples"
+    )
     return scores
 
 
@@ -145,8 +170,12 @@ class JudgeRubric:
     settings: JudgeConfig
 
     @classmethod
-    def from_files(cls, gate_file: str = "filters.yaml", template: str = "prompts/judge.jinja",
-                   verdict_template: str = "prompts/judge_verdict.jinja") -> JudgeRubric:
+    def from_files(
+        cls,
+        gate_file: str = "filters.yaml",
+        template: str = "prompts/judge.jinja",
+        verdict_template: str = "prompts/judge_verdict.jinja",
+    ) -> JudgeRubric:
         return cls(read_text(template), read_text(verdict_template), load_gate_config(gate_file).judge)
 
 
@@ -172,9 +201,14 @@ class EvalResult:
         return sum(scores) / len(scores) if scores else None
 
 
-def judge_answers(judge: LLMClient, prompts: Sequence[str], answers: Sequence[str], rubric: JudgeRubric,
-                  log: Callable[[str], None] = print,
-                  progress: Callable[[int, int], None] | None = None) -> list[JudgedAnswer]:
+def judge_answers(
+    judge: LLMClient,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    rubric: JudgeRubric,
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[JudgedAnswer]:
     """The judge scores each answer (1-5) by ``rubric``; ``progress(judged, total)`` follows it, the slow part
     with a remote judge."""
     s = rubric.settings
@@ -252,8 +286,10 @@ Better answer (A or B):"""
 
 
 def _preference(judge: LLMClient, question: str, a: str, b: str) -> str | None:
-    """"A", "B", or None when the judge gives no usable verdict (an even split, an unreadable reply)."""
-    msgs: list[ChatMessage] = [{"role": "user", "content": PAIRWISE_TEMPLATE.format(question=question, a=a, b=b)}]
+    """ "A", "B", or None when the judge gives no usable verdict (an even split, an unreadable reply)."""
+    msgs: list[ChatMessage] = [
+        {"role": "user", "content": PAIRWISE_TEMPLATE.format(question=question, a=a, b=b)}
+    ]
     if judge.capabilities().logprobs:
         lp = judge.choice_logprobs(msgs, ("A", "B"))
         return "A" if lp["A"] > lp["B"] else "B" if lp["B"] > lp["A"] else None
@@ -261,8 +297,9 @@ def _preference(judge: LLMClient, question: str, a: str, b: str) -> str | None:
     return "A" if text.startswith("A") else "B" if text.startswith("B") else None
 
 
-def pairwise_verdicts(judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str],
-                      production: Sequence[str]) -> tuple[list[Verdict], list[Verdict]]:
+def pairwise_verdicts(
+    judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str], production: Sequence[str]
+) -> tuple[list[Verdict], list[Verdict]]:
     """The judge's preferred model for every prompt, asked twice: candidate's answer shown first, then
     production's shown first (judges favour a position; ``core.paired.order_consistent_win_rate`` keeps only the
     verdicts that survive the swap)."""
@@ -276,8 +313,9 @@ def pairwise_verdicts(judge: LLMClient, prompts: Sequence[str], candidate: Seque
     return first, second
 
 
-def pairwise_win_rate(judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str],
-                      production: Sequence[str]) -> float:
+def pairwise_win_rate(
+    judge: LLMClient, prompts: Sequence[str], candidate: Sequence[str], production: Sequence[str]
+) -> float:
     """The candidate's win rate among the order-consistent verdicts (0.5 when there is none)."""
     return order_consistent_win_rate(*pairwise_verdicts(judge, prompts, candidate, production)).rate.estimate
 
@@ -299,42 +337,87 @@ class CheckpointEvaluation:
         return self.win_rate.rate.estimate if self.win_rate else None
 
 
-def compare(checkpoint_id: str, eval_set_version: int, candidate: ModelScores, production: ModelScores | None,
-            prompts: Sequence[str], judge: LLMClient, rubric: JudgeRubric, confidence: float = 0.95,
-            resamples: int = 2000, log: Callable[[str], None] = print) -> CheckpointEvaluation:
+def compare(
+    checkpoint_id: str,
+    eval_set_version: int,
+    candidate: ModelScores,
+    production: ModelScores | None,
+    prompts: Sequence[str],
+    judge: LLMClient,
+    rubric: JudgeRubric,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    log: Callable[[str], None] = print,
+) -> CheckpointEvaluation:
     """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
     per-example loss differences with a bootstrap interval and the order-consistent pairwise win rate."""
     with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
         answers = judge_answers(judge, prompts, candidate.answers, rubric, log=log, progress=progress)
-    result = EvalResult(checkpoint_id, candidate.loss, answers, candidate.benchmarks,
-                        production.benchmarks if production else None)
+    result = EvalResult(
+        checkpoint_id,
+        candidate.loss,
+        answers,
+        candidate.benchmarks,
+        production.benchmarks if production else None,
+    )
     evaluation = CheckpointEvaluation(result, eval_set_version, candidate, production)
     if production is None:
         return evaluation
-    evaluation.paired_loss = paired_loss_difference(candidate.nll, production.nll, candidate.tokens,
-                                                    confidence=confidence, resamples=resamples)
+    evaluation.paired_loss = paired_loss_difference(
+        candidate.nll, production.nll, candidate.tokens, confidence=confidence, resamples=resamples
+    )
     d = evaluation.paired_loss.difference
-    log(f"{checkpoint_id}: eval-set loss {evaluation.paired_loss.candidate:.4f} vs production "
+    log(
+        f"{checkpoint_id}: eval-set loss {evaluation.paired_loss.candidate:.4f} vs production "
         f"{evaluation.paired_loss.production:.4f}: difference {d.estimate:+.4f} "
-        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%})")
+        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%})"
+    )
     first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
     evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
     w = evaluation.win_rate
-    log(f"{checkpoint_id}: pairwise win rate vs production {w.rate.estimate:.2f} [{w.rate.low:.2f}, "
-        f"{w.rate.high:.2f}] over {w.wins + w.losses} order-consistent verdicts ({w.inconsistent} not)")
+    log(
+        f"{checkpoint_id}: pairwise win rate vs production {w.rate.estimate:.2f} [{w.rate.low:.2f}, "
+        f"{w.rate.high:.2f}] over {w.wins + w.losses} order-consistent verdicts ({w.inconsistent} not)"
+    )
     return evaluation
 
 
-def evaluate_checkpoint(checkpoint_id: str, checkpoint_path: str, eval_set: dict[str, Any], prompts: Sequence[str],
-                        judge: LLMClient, rubric: JudgeRubric, max_new_tokens: int,
-                        production_path: str | None = None, log: Callable[[str], None] = print,
-                        batch_size: int = 16, device: str = "cpu", confidence: float = 0.95,
-                        resamples: int = 2000) -> CheckpointEvaluation:
+def evaluate_checkpoint(
+    checkpoint_id: str,
+    checkpoint_path: str,
+    eval_set: dict[str, Any],
+    prompts: Sequence[str],
+    judge: LLMClient,
+    rubric: JudgeRubric,
+    max_new_tokens: int,
+    production_path: str | None = None,
+    log: Callable[[str], None] = print,
+    batch_size: int = 16,
+    device: str = "cpu",
+    confidence: float = 0.95,
+    resamples: int = 2000,
+) -> CheckpointEvaluation:
     """The whole evaluation in this process (a notebook, a benchmark, the tiny scale): both models scored on the
     eval set (``eval_set``: a manifest from ``core.eval_set.load_eval_set``), then judged and compared."""
-    candidate = score_model(checkpoint_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log,
-                            checkpoint_id)
-    production = None if production_path is None else score_model(
-        production_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log, "production")
-    return compare(checkpoint_id, int(eval_set["version"]), candidate, production, prompts, judge, rubric,
-                   confidence, resamples, log)
+    candidate = score_model(
+        checkpoint_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log, checkpoint_id
+    )
+    production = (
+        None
+        if production_path is None
+        else score_model(
+            production_path, eval_set["path"], prompts, max_new_tokens, device, batch_size, log, "production"
+        )
+    )
+    return compare(
+        checkpoint_id,
+        int(eval_set["version"]),
+        candidate,
+        production,
+        prompts,
+        judge,
+        rubric,
+        confidence,
+        resamples,
+        log,
+    )

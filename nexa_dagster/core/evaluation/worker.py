@@ -43,24 +43,42 @@ class EvaluationJob(BaseModel):
     accelerator: Literal["cpu", "cuda"] = "cpu"
     batch_size: int = Field(default=8, gt=0)
     output_path: str
-    benchmarks: BenchmarkSettings | None = Field(default=None, description=(
-        "lm-evaluation-harness tasks run after the eval-set scores (None or no tasks: none)"))
-    benchmark_roles: list[str] = Field(default=["candidate"], description=(
-        "the models the benchmarks run on: production too only when the promotion gate compares a benchmark"))
+    benchmarks: BenchmarkSettings | None = Field(
+        default=None,
+        description=("lm-evaluation-harness tasks run after the eval-set scores (None or no tasks: none)"),
+    )
+    benchmark_roles: list[str] = Field(
+        default=["candidate"],
+        description=(
+            "the models the benchmarks run on: production too only when the promotion gate compares a benchmark"
+        ),
+    )
 
 
 def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
     device = "cuda" if job.accelerator == "cuda" else "cpu"
     tasks = None
     if job.benchmarks is not None and job.benchmarks.tasks:
-        tasks = resolve_tasks(job.benchmarks, log)  # an unknown task or missing file fails before any model loads
+        tasks = resolve_tasks(
+            job.benchmarks, log
+        )  # an unknown task or missing file fails before any model loads
     out: dict[str, Any] = {"run_id": job.run_id, "eval_set_version": job.eval_set_version, "scores": {}}
     for role, path in job.models.items():
         log(f"{job.run_id}: scoring {role} ({path}) on eval set v{job.eval_set_version} ({device})")
-        scores = score_model(path, job.examples_path, job.prompts, job.max_new_tokens, device=device,
-                             batch_size=job.batch_size, log=log, label=f"{job.run_id} {role}")
+        scores = score_model(
+            path,
+            job.examples_path,
+            job.prompts,
+            job.max_new_tokens,
+            device=device,
+            batch_size=job.batch_size,
+            log=log,
+            label=f"{job.run_id} {role}",
+        )
         if tasks is not None and job.benchmarks is not None and role in job.benchmark_roles:
-            scores.benchmarks = run_benchmarks(path, job.benchmarks, tasks, device, log, f"{job.run_id} {role}")
+            scores.benchmarks = run_benchmarks(
+                path, job.benchmarks, tasks, device, log, f"{job.run_id} {role}"
+            )
         out["scores"][role] = scores.to_json()
         if device == "cuda":
             import torch

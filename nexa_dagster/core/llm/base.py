@@ -110,11 +110,15 @@ class LLMClient(abc.ABC):
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
         """One chat completion. Raises ``LLMError`` naming the endpoint when it cannot be reached."""
 
-    def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
+    def chat_many(
+        self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams
+    ) -> list[Completion]:
         """Many chat completions, in order. Backends override this to batch or run requests concurrently."""
         return [self.chat(c, params) for c in conversations]
 
-    def stream_chat(self, requests: Sequence[ChatRequest], chunk: int = 16) -> Iterator[tuple[int, Completion]]:
+    def stream_chat(
+        self, requests: Sequence[ChatRequest], chunk: int = 16
+    ) -> Iterator[tuple[int, Completion]]:
         """Answers to ``requests`` as they complete, each with its index into ``requests``.
 
         This is what teacher generation consumes: every answer is stored durably the moment it arrives, so a killed
@@ -128,15 +132,16 @@ class LLMClient(abc.ABC):
             groups.setdefault(r.params, []).append(i)
         for params, indices in groups.items():
             for start in range(0, len(indices), max(1, chunk)):
-                idx = indices[start:start + chunk]
+                idx = indices[start : start + chunk]
                 try:
                     answers = self.chat_many([requests[i].messages for i in idx], params)
                 except LLMError as e:
                     answers = [Completion("", self.model_id, 0, 0, 0.0, error=str(e)) for _ in idx]
                 yield from zip(idx, answers, strict=True)
 
-    def chat_json(self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str,
-                  params: SamplingParams) -> Completion:
+    def chat_json(
+        self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str, params: SamplingParams
+    ) -> Completion:
         """A chat completion whose decoding the engine constrains to the JSON ``schema`` (``response_format``).
 
         Raises ``NotImplementedError`` when the engine does not honour ``response_format``

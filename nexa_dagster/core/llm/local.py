@@ -67,12 +67,17 @@ class LocalTransformersClient(LLMClient):
         self.device = device
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-            self.model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+            self.model: Any = (
+                AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+            )
         except Exception as e:  # a corrupt or partial directory: loading it again fails the same way
-            raise LLMError(f"cannot load model from {path}: {unreadable_file(path) or 'unreadable'}: {e}",
-                           permanent=True) from e
+            raise LLMError(
+                f"cannot load model from {path}: {unreadable_file(path) or 'unreadable'}: {e}", permanent=True
+            ) from e
         if getattr(self.model.config, "output_router_logits", False):
-            self.model.config.output_router_logits = False  # a training-time setting; breaks padded generation
+            self.model.config.output_router_logits = (
+                False  # a training-time setting; breaks padded generation
+            )
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "left"  # generation continues at the right edge of every row
@@ -82,8 +87,12 @@ class LocalTransformersClient(LLMClient):
         return f"LocalTransformersClient(model={self.model_path!r}, batch_size={self.batch_size}, device={self.device!r})"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(logprobs=True, json_schema=False, engine="transformers-local",
-                            extra={"model_path": self.model_path, "fingerprint": self.model_id})
+        return Capabilities(
+            logprobs=True,
+            json_schema=False,
+            engine="transformers-local",
+            extra={"model_path": self.model_path, "fingerprint": self.model_id},
+        )
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _model(self) -> Any:
@@ -104,7 +113,9 @@ class LocalTransformersClient(LLMClient):
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
         return self.chat_many([messages], params)[0]
 
-    def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
+    def chat_many(
+        self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams
+    ) -> list[Completion]:
         """Generate for many conversations in left-padded batches of ``batch_size``, answers in input order.
 
         Conversations are grouped by prompt length first so that a batch pads as little as possible (padding is
@@ -118,8 +129,10 @@ class LocalTransformersClient(LLMClient):
         order = sorted(range(len(prompts)), key=lambda i: lengths[i])
         out: list[Completion | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
-            for i, completion in zip(idx, self._generate_batch([prompts[i] for i in idx], params), strict=True):
+            idx = order[start : start + self.batch_size]
+            for i, completion in zip(
+                idx, self._generate_batch([prompts[i] for i in idx], params), strict=True
+            ):
                 out[i] = completion
         return [c for c in out if c is not None]
 
@@ -129,8 +142,11 @@ class LocalTransformersClient(LLMClient):
         The model's own ``generation_config`` may say ``do_sample=True, temperature=0.8``; every knob is set here
         explicitly so a request means the same thing on every backend.
         """
-        kwargs: dict[str, Any] = {"max_new_tokens": params.max_tokens, "pad_token_id": self.tokenizer.pad_token_id,
-                                  "eos_token_id": self.tokenizer.eos_token_id}
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self.tokenizer.eos_token_id,
+        }
         if params.temperature > 0:
             kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0)
         else:
@@ -146,13 +162,14 @@ class LocalTransformersClient(LLMClient):
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
             # fork_rng: a request's seed makes its sampling reproducible without resetting the caller's RNG
             t0 = time.perf_counter()
-            enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True,
-                                 add_special_tokens=False).to(self.device)
+            enc = self.tokenizer(
+                list(prompts), return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             generated = model.generate(**enc, **kwargs)
             latency = time.perf_counter() - t0  # every request in the batch waited for the whole batch
-        new = generated[:, enc["input_ids"].shape[1]:]
+        new = generated[:, enc["input_ids"].shape[1] :]
         completions = []
         for row, prompt_mask in zip(new, enc["attention_mask"], strict=True):
             ids = row.tolist()
@@ -161,11 +178,16 @@ class LocalTransformersClient(LLMClient):
                 # generate() pads finished rows after their eos; everything before the first eos was generated
                 ids = ids[: ids.index(eos) + 1]
                 finish = "stop"
-            completions.append(Completion(
-                text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(), model=self.model_id,
-                prompt_tokens=int(prompt_mask.sum()), completion_tokens=len(ids),  # eos counted, as servers do
-                latency_s=latency, finish_reason=finish,
-            ))
+            completions.append(
+                Completion(
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                    model=self.model_id,
+                    prompt_tokens=int(prompt_mask.sum()),
+                    completion_tokens=len(ids),  # eos counted, as servers do
+                    latency_s=latency,
+                    finish_reason=finish,
+                )
+            )
         return completions
 
     # -- scoring ----------------------------------------------------------------------------------------------

@@ -82,9 +82,15 @@ def _venv_cli(name: str) -> str | None:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
 
 
-def server_command(model_dir: str, port: int, engine: str, device: str = "cpu",
-                   continuous_batching: bool = False, extra_args: Sequence[str] = (),
-                   served_model_name: str | None = None) -> list[str]:
+def server_command(
+    model_dir: str,
+    port: int,
+    engine: str,
+    device: str = "cpu",
+    continuous_batching: bool = False,
+    extra_args: Sequence[str] = (),
+    served_model_name: str | None = None,
+) -> list[str]:
     """The command line that serves ``model_dir`` on ``127.0.0.1:port``.
 
     ``transformers serve`` names the model by the path it was given (``model_dir``); to serve it under a stable
@@ -92,17 +98,39 @@ def server_command(model_dir: str, port: int, engine: str, device: str = "cpu",
     """
     if engine == "vllm":
         exe = _venv_cli("vllm")
-        head = [exe, "serve", model_dir] if exe else [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                                                      "--model", model_dir]
-        return [*head, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-                served_model_name or Path(model_dir).name, *extra_args]
+        head = (
+            [exe, "serve", model_dir]
+            if exe
+            else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        )
+        return [
+            *head,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            served_model_name or Path(model_dir).name,
+            *extra_args,
+        ]
     if engine != "transformers":
         raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
     exe = _venv_cli("transformers")
     if exe is None:
         raise LLMError("`transformers` CLI not found: install transformers[serving]")
-    cmd = [exe, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--device", device,
-           "--log-level", "info"]
+    cmd = [
+        exe,
+        "serve",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--log-level",
+        "info",
+    ]
     if continuous_batching:
         cmd.append("--continuous-batching")
     return [*cmd, *extra_args]
@@ -122,23 +150,37 @@ class ManagedServer:
     ``cb_max_memory_percent`` (default 5 % on a CPU, the engine's own default on a GPU) caps it.
     """
 
-    def __init__(self, model_dir: str | Path, log_dir: str | Path, engine: str = "auto",
-                 startup_timeout_s: float = 180.0, port: int | None = None, device: str = "auto",
-                 continuous_batching: bool | None = None, extra_args: Sequence[str] = (),
-                 logger: logging.Logger | None = None, stop_grace_s: float = 10.0,
-                 cb_max_memory_percent: float | None = None, progress_every_s: float = 10.0,
-                 served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        log_dir: str | Path,
+        engine: str = "auto",
+        startup_timeout_s: float = 180.0,
+        port: int | None = None,
+        device: str = "auto",
+        continuous_batching: bool | None = None,
+        extra_args: Sequence[str] = (),
+        logger: logging.Logger | None = None,
+        stop_grace_s: float = 10.0,
+        cb_max_memory_percent: float | None = None,
+        progress_every_s: float = 10.0,
+        served_model_name: str | None = None,
+    ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
-            raise LLMError(f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)")
+            raise LLMError(
+                f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)"
+            )
         self.engine = ("vllm" if vllm_available() else "transformers") if engine == "auto" else engine
         if self.engine not in ("vllm", "transformers"):
             raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
         self.device = ("cuda" if cuda_available() else "cpu") if device == "auto" else device
         supported = "continuous_batching" in transformers_serve_options()
         if continuous_batching is None:
-            continuous_batching = self.engine == "transformers" and self.device.startswith("cuda") and supported
+            continuous_batching = (
+                self.engine == "transformers" and self.device.startswith("cuda") and supported
+            )
         elif continuous_batching and not supported and self.engine == "transformers":
             raise LLMError("this transformers version has no `transformers serve --continuous-batching`")
         self.continuous_batching = bool(continuous_batching) and self.engine == "transformers"
@@ -147,7 +189,9 @@ class ManagedServer:
         cb_args: tuple[str, ...] = ()
         if self.continuous_batching and cb_max_memory_percent is not None:
             if not 0 < cb_max_memory_percent <= 1:
-                raise ValueError(f"cb_max_memory_percent is a fraction in (0, 1], got {cb_max_memory_percent}")
+                raise ValueError(
+                    f"cb_max_memory_percent is a fraction in (0, 1], got {cb_max_memory_percent}"
+                )
             if "cb_max_memory_percent" in transformers_serve_options():
                 cb_args = ("--cb-max-memory-percent", str(cb_max_memory_percent))
         self.extra_args = (*cb_args, *extra_args)
@@ -162,7 +206,9 @@ class ManagedServer:
         self.ready_s: float = 0.0
 
     def __repr__(self) -> str:
-        return f"ManagedServer(engine={self.engine!r}, model_dir={self.model_dir!r}, base_url={self.base_url!r})"
+        return (
+            f"ManagedServer(engine={self.engine!r}, model_dir={self.model_dir!r}, base_url={self.base_url!r})"
+        )
 
     @property
     def base_url(self) -> str:
@@ -207,14 +253,22 @@ class ManagedServer:
                 lost_race = any(s in str(e).lower() for s in _PORT_IN_USE)
                 if not lost_race or self._fixed_port or attempt == attempts - 1:
                     raise
-                self.log.warning("port %d was taken before the server bound it; retrying on another", self.port)
+                self.log.warning(
+                    "port %d was taken before the server bound it; retrying on another", self.port
+                )
                 self.port = free_port()
             except BaseException:  # KeyboardInterrupt, Dagster's interruption: no server left behind
                 self.stop()
                 raise
         self.ready_s = time.perf_counter() - t0
-        self.log.info("%s server for %s healthy at %s after %.1f s (log: %s)", self.engine, self.model_dir,
-                      self.base_url, self.ready_s, self.log_path)
+        self.log.info(
+            "%s server for %s healthy at %s after %.1f s (log: %s)",
+            self.engine,
+            self.model_dir,
+            self.base_url,
+            self.ready_s,
+            self.log_path,
+        )
         return self
 
     def _stable_name_link(self) -> str:
@@ -224,7 +278,9 @@ class ManagedServer:
         name = self.served_model_name
         assert name is not None
         if "/" in name or name in (".", ".."):
-            raise ValueError(f"served_model_name {name!r} must be a plain name (it becomes a link in {self.log_dir})")
+            raise ValueError(
+                f"served_model_name {name!r} must be a plain name (it becomes a link in {self.log_dir})"
+            )
         link = self.log_dir / name
         tmp = self.log_dir / f".{name}.link"
         tmp.unlink(missing_ok=True)
@@ -236,20 +292,39 @@ class ManagedServer:
         model = self.model_dir
         if self.served_model_name and self.engine == "transformers":
             model = self._stable_name_link()
-        cmd = server_command(model, self.port, self.engine, self.device, self.continuous_batching,
-                             self.extra_args, self.served_model_name)
+        cmd = server_command(
+            model,
+            self.port,
+            self.engine,
+            self.device,
+            self.continuous_batching,
+            self.extra_args,
+            self.served_model_name,
+        )
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
-        env = {**settings.environ(), "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(), "HF_HUB_CACHE": str(cache),
-               "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+        env = {
+            **settings.environ(),
+            "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(),
+            "HF_HUB_CACHE": str(cache),
+            "PYTHONUNBUFFERED": "1",
+            "TQDM_DISABLE": "1",
+        }
         with open(self.log_path, "wb") as logfile:
             logfile.write(f"$ {' '.join(cmd)}\n".encode())
             logfile.flush()
             if sys.platform == "linux":
                 cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *cmd]
-            self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, cwd=self.log_dir)  # own process group: clean stop
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                cwd=self.log_dir,
+            )  # own process group: clean stop
         atexit.register(self.stop)
 
     def _wait_healthy(self) -> None:
@@ -259,9 +334,11 @@ class ManagedServer:
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise LLMError(f"{self.engine} server for {self.model_dir} exited with code "
-                               f"{self.process.returncode} before becoming healthy; last log lines "
-                               f"({self.log_path}):\n{self.log_tail()}")
+                raise LLMError(
+                    f"{self.engine} server for {self.model_dir} exited with code "
+                    f"{self.process.returncode} before becoming healthy; last log lines "
+                    f"({self.log_path}):\n{self.log_tail()}"
+                )
             for path in ("/health", "/v1/models"):  # /health first; /v1/models for engines without it
                 try:
                     with _NO_PROXY.open(root + path, timeout=2.0) as resp:
@@ -273,14 +350,22 @@ class ManagedServer:
                 except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                     break  # not listening yet
             if time.monotonic() > deadline:
-                raise LLMError(f"{self.engine} server at {root}/health not healthy after "
-                               f"{self.startup_timeout_s:.0f} s; last log lines ({self.log_path}):\n"
-                               f"{self.log_tail()}")
+                raise LLMError(
+                    f"{self.engine} server at {root}/health not healthy after "
+                    f"{self.startup_timeout_s:.0f} s; last log lines ({self.log_path}):\n"
+                    f"{self.log_tail()}"
+                )
             if time.monotonic() >= next_note:  # a vLLM server loading a large model takes minutes: say so
                 next_note += self.progress_every_s
-                self.log.info("%s server for %s not healthy yet after %.0f s (gives up at %.0f s); its last log "
-                              "line: %s", self.engine, self.model_dir, time.monotonic() - started,
-                              self.startup_timeout_s, self.log_tail(1).strip()[-200:])
+                self.log.info(
+                    "%s server for %s not healthy yet after %.0f s (gives up at %.0f s); its last log "
+                    "line: %s",
+                    self.engine,
+                    self.model_dir,
+                    time.monotonic() - started,
+                    self.startup_timeout_s,
+                    self.log_tail(1).strip()[-200:],
+                )
             time.sleep(0.25)
 
     def stop(self) -> None:
@@ -301,8 +386,9 @@ class ManagedServer:
                 try:
                     proc.wait(timeout=self.stop_grace_s)
                 except subprocess.TimeoutExpired:
-                    self.log.warning("server pid %d ignored SIGTERM for %.0f s; killing it", proc.pid,
-                                     self.stop_grace_s)
+                    self.log.warning(
+                        "server pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, self.stop_grace_s
+                    )
         finally:  # also reached on a second Ctrl-C during the grace period
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the leader of the group
@@ -315,8 +401,9 @@ class ManagedServer:
     def __enter__(self) -> ManagedServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

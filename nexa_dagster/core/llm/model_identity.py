@@ -25,9 +25,20 @@ from nexa_dagster import settings
 # Files that decide what the model answers. Markers (``_COMPLETE``), lineage notes (``checkpoint.json``, which
 # names absolute paths), optimizer state and logs are left out: copying them elsewhere changes nothing.
 IDENTITY_PATTERNS = (
-    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
-    "pytorch_model*.bin.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-    "merges.txt", "*.model", "chat_template.*", "preprocessor_config.json",
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model*.bin.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+    "preprocessor_config.json",
 )
 PREFIX = "sha256:"
 _CHUNK = 8 << 20
@@ -41,8 +52,11 @@ def cache_dir() -> Path:
 
 def identity_files(model_dir: Path) -> list[Path]:
     """The top-level files of ``model_dir`` that the fingerprint covers, sorted by name."""
-    return sorted(p for p in model_dir.iterdir()
-                  if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in IDENTITY_PATTERNS))
+    return sorted(
+        p
+        for p in model_dir.iterdir()
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in IDENTITY_PATTERNS)
+    )
 
 
 def _stat_key(files: list[Path]) -> list[tuple[str, int, int]]:

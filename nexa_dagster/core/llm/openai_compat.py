@@ -48,8 +48,12 @@ RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MISSING_CHOICE_MARGIN = 1.0
 TOP_LOGPROBS = 20  # the most the OpenAI API allows
 # what the start-up probe asks for under ``response_format``; an engine that ignores it answers free text
-_PROBE_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                                 "additionalProperties": False}
+_PROBE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 
 
 class _LoopThread:
@@ -81,9 +85,17 @@ class OpenAICompatibleClient(LLMClient):
     model it was started with: pass the name then, as ``ManagedServer.model_name`` does).
     """
 
-    def __init__(self, base_url: str, model: str = "", api_key: str = "", max_concurrency: int = 8,
-                 timeout_s: float = 120.0, max_retries: int = 4, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "",
+        api_key: str = "",
+        max_concurrency: int = 8,
+        timeout_s: float = 120.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> None:
         import httpx
         import openai
 
@@ -103,11 +115,18 @@ class OpenAICompatibleClient(LLMClient):
 
         async def make() -> tuple[Any, asyncio.Semaphore]:
             # created on the loop that will use them: httpx connections and semaphores belong to one loop
-            limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency)
+            limits = httpx.Limits(
+                max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency
+            )
             http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout_s)
             # the openai client's own retries are off: ours back off with jitter and name the URL when they give up
-            client = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s,
-                                        max_retries=0, http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url=self.base_url,
+                api_key=api_key or "EMPTY",
+                timeout=timeout_s,
+                max_retries=0,
+                http_client=http,
+            )
             return client, asyncio.Semaphore(max_concurrency)
 
         self._client, self._slots = self._loop.run(make())
@@ -134,7 +153,9 @@ class OpenAICompatibleClient(LLMClient):
             text = f"timeout after {self.timeout_s:g} s talking to {self.base_url}"
         elif isinstance(exc, openai.APIConnectionError):
             cause: BaseException = exc
-            while cause.__cause__ is not None:  # the innermost cause says "connection refused", "name unknown"
+            while (
+                cause.__cause__ is not None
+            ):  # the innermost cause says "connection refused", "name unknown"
                 cause = cause.__cause__
             text = f"cannot reach {self.base_url}: {type(cause).__name__}: {str(cause)[:200]}"
         else:
@@ -159,7 +180,7 @@ class OpenAICompatibleClient(LLMClient):
         asked = _retry_after_s(exc)
         if asked is not None:
             return min(self.max_backoff_s, asked)
-        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * (0.5 + random.random())
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random())
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
         """Await ``fn`` with retries; raise ``LLMError`` (naming the URL, never the key) when it keeps failing.
@@ -175,7 +196,9 @@ class OpenAICompatibleClient(LLMClient):
         message, status, permanent = "", None, False
         for attempt in range(self.max_retries + 1):
             try:
-                async with self._slots:  # at most max_concurrency requests in flight, waiting ones hold no slot
+                async with (
+                    self._slots
+                ):  # at most max_concurrency requests in flight, waiting ones hold no slot
                     return await fn(**kwargs)
             except Exception as exc:  # every failure becomes an LLMError below
                 message = self._describe(exc)
@@ -215,20 +238,32 @@ class OpenAICompatibleClient(LLMClient):
         # unknown model, a server that stays down) is raised: it would fail every later request too, and taking it
         # for "unsupported" would quietly downgrade the judge's method.
         try:
-            resp = await self._call(self._client.chat.completions.create, model=self.model_id,
-                                    messages=[{"role": "user", "content": "Say 1."}], max_tokens=1, logprobs=True,
-                                    top_logprobs=5, temperature=0.0)
+            resp = await self._call(
+                self._client.chat.completions.create,
+                model=self.model_id,
+                messages=[{"role": "user", "content": "Say 1."}],
+                max_tokens=1,
+                logprobs=True,
+                top_logprobs=5,
+                temperature=0.0,
+            )
             choice = resp.choices[0] if resp.choices else None
-            has_logprobs = bool(choice is not None and choice.logprobs is not None and choice.logprobs.content)
+            has_logprobs = bool(
+                choice is not None and choice.logprobs is not None and choice.logprobs.content
+            )
         except LLMError as e:
             if not e.rejected_request:
                 raise
             has_logprobs = False
         try:
-            resp = await self._call(self._client.chat.completions.create, model=self.model_id,
-                                    messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true}.'}],
-                                    max_tokens=16, temperature=0.0,
-                                    response_format=_json_schema_format("probe", _PROBE_SCHEMA))
+            resp = await self._call(
+                self._client.chat.completions.create,
+                model=self.model_id,
+                messages=[{"role": "user", "content": 'Reply with the JSON {"ok": true}.'}],
+                max_tokens=16,
+                temperature=0.0,
+                response_format=_json_schema_format("probe", _PROBE_SCHEMA),
+            )
             text = (resp.choices[0].message.content or "") if resp.choices else ""
             value = json.loads(text)
             has_schema = isinstance(value, dict) and isinstance(value.get("ok"), bool)
@@ -238,22 +273,34 @@ class OpenAICompatibleClient(LLMClient):
             has_schema = False
         except ValueError:
             has_schema = False  # ignored: free text came back
-        return Capabilities(logprobs=has_logprobs, json_schema=has_schema, engine="openai-compatible",
-                            extra={"base_url": self.base_url, "model": self.model_id})
+        return Capabilities(
+            logprobs=has_logprobs,
+            json_schema=has_schema,
+            engine="openai-compatible",
+            extra={"base_url": self.base_url, "model": self.model_id},
+        )
 
     # -- chat -----------------------------------------------------------------------------------------------
     def _request(self, messages: Sequence[ChatMessage], params: SamplingParams) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"model": self.model_id, "messages": list(messages), "max_tokens": params.max_tokens,
-                                  "temperature": params.temperature, "top_p": params.top_p}
+        kwargs: dict[str, Any] = {
+            "model": self.model_id,
+            "messages": list(messages),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+        }
         if params.seed is not None:
             kwargs["seed"] = params.seed
         return kwargs
 
-    async def achat(self, messages: Sequence[ChatMessage], params: SamplingParams,
-                    **extra: Any) -> Completion:
+    async def achat(
+        self, messages: Sequence[ChatMessage], params: SamplingParams, **extra: Any
+    ) -> Completion:
         """One chat completion on the client's loop; raises ``LLMError`` naming the URL when it keeps failing."""
         t0 = time.perf_counter()
-        resp = await self._call(self._client.chat.completions.create, **self._request(messages, params), **extra)
+        resp = await self._call(
+            self._client.chat.completions.create, **self._request(messages, params), **extra
+        )
         latency = time.perf_counter() - t0
         if not resp.choices:
             raise LLMError(f"{self.base_url} returned no choices for model {self.model_id!r}")
@@ -263,10 +310,12 @@ class OpenAICompatibleClient(LLMClient):
         # vLLM's reasoning parsers fill `reasoning_content`; some servers call it `reasoning`
         reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
         return Completion(
-            text=(message.content or "").strip(), model=resp.model or self.model_id,
+            text=(message.content or "").strip(),
+            model=resp.model or self.model_id,
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
-            latency_s=latency, finish_reason=choice.finish_reason,
+            latency_s=latency,
+            finish_reason=choice.finish_reason,
             reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
         )
 
@@ -277,23 +326,38 @@ class OpenAICompatibleClient(LLMClient):
         except LLMError as e:
             if e.endpoint_wide:
                 raise  # a wrong key or model: every other request would fail the same way
-            return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
-                              latency_s=time.perf_counter() - t0, error=str(e))
+            return Completion(
+                text="",
+                model=self.model_id,
+                prompt_tokens=0,
+                completion_tokens=0,
+                latency_s=time.perf_counter() - t0,
+                error=str(e),
+            )
         except Exception as e:  # a failed row is data, not a crash
             error = self._scrub(f"{type(e).__name__}: {e}")
-            return Completion(text="", model=self.model_id, prompt_tokens=0, completion_tokens=0,
-                              latency_s=time.perf_counter() - t0, error=error)
+            return Completion(
+                text="",
+                model=self.model_id,
+                prompt_tokens=0,
+                completion_tokens=0,
+                latency_s=time.perf_counter() - t0,
+                error=error,
+            )
 
     def chat(self, messages: Sequence[ChatMessage], params: SamplingParams) -> Completion:
         return self._run(self.achat(messages, params))
 
-    def chat_json(self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str,
-                  params: SamplingParams) -> Completion:
+    def chat_json(
+        self, messages: Sequence[ChatMessage], schema: dict[str, object], name: str, params: SamplingParams
+    ) -> Completion:
         if not self.capabilities().json_schema:
             raise NotImplementedError(f"{self.base_url} does not honour response_format json_schema")
         return self._run(self.achat(messages, params, response_format=_json_schema_format(name, schema)))
 
-    def chat_many(self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams) -> list[Completion]:
+    def chat_many(
+        self, conversations: Sequence[Sequence[ChatMessage]], params: SamplingParams
+    ) -> list[Completion]:
         """Concurrent ``chat`` calls, in order; a request that fails after its retries comes back with ``error``."""
         if not conversations:
             return []
@@ -304,7 +368,9 @@ class OpenAICompatibleClient(LLMClient):
 
         return self._run(all_of())
 
-    def stream_chat(self, requests: Sequence[ChatRequest], chunk: int = 16) -> Iterator[tuple[int, Completion]]:
+    def stream_chat(
+        self, requests: Sequence[ChatRequest], chunk: int = 16
+    ) -> Iterator[tuple[int, Completion]]:
         """``(index, answer)`` in completion order, ``max_concurrency`` requests in flight (``chunk`` unused).
 
         Stopping the iteration early (the consumer raised, the run was interrupted) cancels what is in flight.
@@ -331,7 +397,9 @@ class OpenAICompatibleClient(LLMClient):
                     except queue.Empty:
                         if future.done() and done.empty():
                             future.result()  # re-raises what broke the batch, if anything did
-                            raise LLMError(f"{self.base_url}: streaming stopped before every answer came back") from None
+                            raise LLMError(
+                                f"{self.base_url}: streaming stopped before every answer came back"
+                            ) from None
         finally:
             future.cancel()
 
@@ -348,9 +416,17 @@ class OpenAICompatibleClient(LLMClient):
             raise NotImplementedError(f"{self.base_url} does not return log-probabilities")
         if not choices:
             raise ValueError("choice_logprobs needs at least one choice")
-        resp = self._run(self._call(self._client.chat.completions.create, model=self.model_id,
-                                    messages=list(messages), max_tokens=1, logprobs=True,
-                                    top_logprobs=TOP_LOGPROBS, temperature=0.0))
+        resp = self._run(
+            self._call(
+                self._client.chat.completions.create,
+                model=self.model_id,
+                messages=list(messages),
+                max_tokens=1,
+                logprobs=True,
+                top_logprobs=TOP_LOGPROBS,
+                temperature=0.0,
+            )
+        )
         content = resp.choices[0].logprobs.content if resp.choices and resp.choices[0].logprobs else None
         if not content or not content[0].top_logprobs:
             raise LLMError(f"{self.base_url} returned no top_logprobs for model {self.model_id!r}")

@@ -38,8 +38,9 @@ class BlendSource(BaseModel):
     path: str = Field(min_length=1)
     weight: float = Field(default=1.0, gt=0)
     transform: Any = "openai_chat"
-    id_field: str | None = Field(default="sample_id",
-                                 description="record field with a stable id; without one the content hash is used")
+    id_field: str | None = Field(
+        default="sample_id", description="record field with a stable id; without one the content hash is used"
+    )
 
     @field_validator("transform")
     @classmethod
@@ -97,22 +98,30 @@ class DataBlend(BaseModel):
         """A hash of what the blend says (not of its formatting or comments)."""
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def resolve(self, assets: dict[str, str | list[str]] | None = None) -> list[tuple[BlendSource, list[str]]]:
+    def resolve(
+        self, assets: dict[str, str | list[str]] | None = None
+    ) -> list[tuple[BlendSource, list[str]]]:
         """Each source with its input files: globs expanded (sorted), ``asset:`` names looked up in ``assets``."""
         out = []
         for source in self.sources:
             if source.is_asset:
-                key = source.path[len(ASSET_PREFIX):]
+                key = source.path[len(ASSET_PREFIX) :]
                 if not assets or key not in assets:
-                    raise ValueError(f"blend {self.name!r} source {source.name!r} wants asset {key!r}, which this "
-                                     f"stage does not provide (it provides {sorted(assets or {})})")
+                    raise ValueError(
+                        f"blend {self.name!r} source {source.name!r} wants asset {key!r}, which this "
+                        f"stage does not provide (it provides {sorted(assets or {})})"
+                    )
                 given = assets[key]
-                files = [given] if isinstance(given, str) else list(given)  # a partitioned asset: one file a day
+                files = (
+                    [given] if isinstance(given, str) else list(given)
+                )  # a partitioned asset: one file a day
             else:
                 pattern = source.path if "://" in source.path else str(resolve_path(source.path))
                 files = storage.glob(pattern) if any(c in pattern for c in "*?[") else [pattern]
                 if not files or not all(storage.exists(f) for f in files):
-                    raise FileNotFoundError(f"blend {self.name!r} source {source.name!r}: no input at {pattern}")
+                    raise FileNotFoundError(
+                        f"blend {self.name!r} source {source.name!r}: no input at {pattern}"
+                    )
             out.append((source, files))
         return out
 

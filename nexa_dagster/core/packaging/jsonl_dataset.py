@@ -70,24 +70,47 @@ def process_jsonl_shard(task: sh.ShardTask) -> sh.Receipt:
         outputs.append(f"shards/{shard.shard_id}.quarantine.jsonl")
         with storage.atomic_writer(storage.join(task.root, outputs[1])) as q:
             q.write(b"".join(bad))
-    return sh.Receipt(shard.shard_id, task.key, rows, {p: sh.output_entry(task.root, p) for p in outputs},
-                      {"records": len(good), "quarantined": len(bad)})
+    return sh.Receipt(
+        shard.shard_id,
+        task.key,
+        rows,
+        {p: sh.output_entry(task.root, p) for p in outputs},
+        {"records": len(good), "quarantined": len(bad)},
+    )
 
 
-def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, str | list[str]] | None = None,
-                  on_error: OnError = "raise", rows_per_shard: int = 20000, workers: int = 1, seed: int = 0,
-                  log: Callable[[str], None] = print, runner: sh.ShardRunner | None = None) -> JsonlRun:
+def package_jsonl(
+    blend: DataBlend,
+    out_root: str,
+    name: str,
+    assets: dict[str, str | list[str]] | None = None,
+    on_error: OnError = "raise",
+    rows_per_shard: int = 20000,
+    workers: int = 1,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    runner: sh.ShardRunner | None = None,
+) -> JsonlRun:
     """Write ``<out_root>/<run_hash>/<name>.jsonl`` from the blend's sources through their transforms (the shards
     on ``runner``, a cluster, when given)."""
     inputs = blend.resolve(assets)
     shards = sh.plan_shards([(s.name, files) for s, files in inputs], rows_per_shard)
-    config: dict[str, Any] = {"format": FORMAT, "blend": blend.name, "blend_fingerprint": blend.fingerprint(),
-                              "sources": {s.name: s.model_dump() for s in blend.sources}, "on_error": on_error,
-                              "rows_per_shard": rows_per_shard, "seed": seed, "name": name}
+    config: dict[str, Any] = {
+        "format": FORMAT,
+        "blend": blend.name,
+        "blend_fingerprint": blend.fingerprint(),
+        "sources": {s.name: s.model_dump() for s in blend.sources},
+        "on_error": on_error,
+        "rows_per_shard": rows_per_shard,
+        "seed": seed,
+        "name": name,
+    }
     rh = sh.run_hash(shards, config)
     root = storage.join(out_root, rh)
-    storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
-                       storage.join(root, "plan.json"))
+    storage.write_json(
+        {"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
+        storage.join(root, "plan.json"),
+    )
     sh.clean_temporaries(root)
     report = sh.run_shards(shards, root, config, process_jsonl_shard, workers=workers, log=log, runner=runner)
     path = storage.join(root, f"{name}.jsonl")
@@ -96,15 +119,28 @@ def package_jsonl(blend: DataBlend, out_root: str, name: str, assets: dict[str, 
     qpath = None
     if quarantined:
         qpath = storage.join(root, "quarantine.jsonl")
-        sh.concat_files([storage.join(root, o) for r in report.receipts for o in r.outputs
-                         if o.endswith(".quarantine.jsonl")], qpath)
+        sh.concat_files(
+            [
+                storage.join(root, o)
+                for r in report.receipts
+                for o in r.outputs
+                if o.endswith(".quarantine.jsonl")
+            ],
+            qpath,
+        )
     records = sum(int(r.stats["records"]) for r in report.receipts)
-    log(f"{name}: {records} records from {sum(r.rows for r in report.receipts)} rows ({quarantined} quarantined)")
+    log(
+        f"{name}: {records} records from {sum(r.rows for r in report.receipts)} rows ({quarantined} quarantined)"
+    )
     return JsonlRun(rh, root, path, records, quarantined, qpath, report)
 
 
-def partitions_to_flat_jsonl(partitions: Sequence[tuple[str, str]], out_root: str, eval_fraction: float,
-                             validate: Callable[[pd.DataFrame, str], None] | None = None) -> list[str]:
+def partitions_to_flat_jsonl(
+    partitions: Sequence[tuple[str, str]],
+    out_root: str,
+    eval_fraction: float,
+    validate: Callable[[pd.DataFrame, str], None] | None = None,
+) -> list[str]:
     """One flat JSONL file per partition (day order), reading one partition's Parquet at a time, without the ids
     on the frozen eval set's side (never trained on): memory holds a day, not the history."""
     files = []
@@ -121,7 +157,9 @@ def partitions_to_flat_jsonl(partitions: Sequence[tuple[str, str]], out_root: st
 
 def samples_to_flat_jsonl(samples: pd.DataFrame, out_root: str) -> str:
     """Judged samples as flat records (sample_id, day, system_prompt, prompt, response, judge_score)."""
-    cols = [c for c in ("sample_id", "day", "system_prompt", "prompt", "response", "judge_score") if c in samples]
+    cols = [
+        c for c in ("sample_id", "day", "system_prompt", "prompt", "response", "judge_score") if c in samples
+    ]
     samples = samples.sort_values("sample_id", kind="stable")[cols]
     body = b"".join(dumps({c: getattr(r, c) for c in cols}) for r in samples.itertuples())
     return storage.write_content_addressed(storage.join(out_root, "inputs"), "filtered_samples_flat", body)

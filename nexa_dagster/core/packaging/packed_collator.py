@@ -27,8 +27,10 @@ class PackedRowsCollator:
         for i, row in enumerate(rows):
             missing = [c for c in (*COLUMNS, "num_tokens") if c not in row]
             if missing:
-                raise ValueError(f"packed row {i} lacks {missing}: read the packed Parquet of packaging "
-                                 "(packed-sft-parquet/3 or later) and keep its columns (remove_unused_columns=False)")
+                raise ValueError(
+                    f"packed row {i} lacks {missing}: read the packed Parquet of packaging "
+                    "(packed-sft-parquet/3 or later) and keep its columns (remove_unused_columns=False)"
+                )
             n = int(row["num_tokens"])  # the padding after them is dropped, not masked
             for c in COLUMNS:
                 parts[c].append(np.asarray(row[c][:n], dtype=np.int64))

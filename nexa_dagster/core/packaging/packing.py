@@ -46,14 +46,27 @@ class PackingStats:
         return self.real_tokens / self.slots if self.slots else 0.0
 
     def add(self, other: PackingStats) -> None:
-        for name in ("sequences", "documents", "real_tokens", "loss_tokens", "slots", "truncated_documents",
-                     "dropped_documents"):
+        for name in (
+            "sequences",
+            "documents",
+            "real_tokens",
+            "loss_tokens",
+            "slots",
+            "truncated_documents",
+            "dropped_documents",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_json(self) -> dict[str, int]:
-        return {"sequences": self.sequences, "documents": self.documents, "real_tokens": self.real_tokens,
-                "loss_tokens": self.loss_tokens, "slots": self.slots,
-                "truncated_documents": self.truncated_documents, "dropped_documents": self.dropped_documents}
+        return {
+            "sequences": self.sequences,
+            "documents": self.documents,
+            "real_tokens": self.real_tokens,
+            "loss_tokens": self.loss_tokens,
+            "slots": self.slots,
+            "truncated_documents": self.truncated_documents,
+            "dropped_documents": self.dropped_documents,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, int]) -> PackingStats:
@@ -91,11 +104,14 @@ def learned(loss_mask: Any, attention_mask: Any, position_ids: Any) -> Any:
     return (loss_mask == 1) & (attention_mask == 1) & (position_ids != 0)
 
 
-def labels_of(input_ids: np.ndarray, loss_mask: np.ndarray, attention_mask: np.ndarray,
-              position_ids: np.ndarray) -> np.ndarray:
+def labels_of(
+    input_ids: np.ndarray, loss_mask: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray
+) -> np.ndarray:
     """Hugging Face ``labels``: the token id where it is learned, ``IGNORE_INDEX`` elsewhere, not shifted (the
     model shifts them by one itself, as ``transformers``' causal LMs and TRL's trainers expect)."""
-    return np.where(learned(loss_mask, attention_mask, position_ids), input_ids, IGNORE_INDEX).astype(np.int32)
+    return np.where(learned(loss_mask, attention_mask, position_ids), input_ids, IGNORE_INDEX).astype(
+        np.int32
+    )
 
 
 PACKED_COLUMNS = PACKED_SCHEMA.names
@@ -107,8 +123,12 @@ def _list_column(matrix: np.ndarray, value_type: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(matrix.ravel(), value_type))
 
 
-def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pad_id: int,
-               stats: PackingStats | None = None) -> tuple[pa.Table, PackingStats]:
+def pack_table(
+    docs: Sequence[tuple[np.ndarray, np.ndarray]],
+    pack_size: int,
+    pad_id: int,
+    stats: PackingStats | None = None,
+) -> tuple[pa.Table, PackingStats]:
     """Pack ``(input_ids, loss_mask)`` documents into an Arrow table of rows of exactly ``pack_size`` tokens.
 
     A document longer than ``pack_size`` is cut at the end; if the cut leaves none of the assistant's tokens it is
@@ -141,23 +161,31 @@ def pack_table(docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, pa
         for i in members:
             ids, mask = kept[i]
             k = len(ids)
-            input_ids[r, at:at + k] = ids
-            loss_mask[r, at:at + k] = mask
-            position_ids[r, at:at + k] = ramp[:k]
+            input_ids[r, at : at + k] = ids
+            loss_mask[r, at : at + k] = mask
+            position_ids[r, at : at + k] = ramp[:k]
             at += k
             cu.append(at)
-        position_ids[r, at:] = ramp[:pack_size - at]  # padding counts from 0 too; attention_mask hides it
+        position_ids[r, at:] = ramp[: pack_size - at]  # padding counts from 0 too; attention_mask hides it
         attention_mask[r, :at] = 1
         num_tokens[r] = at
         cu_seqlens.append(cu)
     num_loss = loss_mask.sum(axis=1, dtype=np.int64)
     labels = labels_of(input_ids, loss_mask, attention_mask, position_ids)
-    table = pa.Table.from_arrays([
-        _list_column(input_ids, pa.int32()), _list_column(loss_mask, pa.int8()),
-        _list_column(position_ids, pa.int32()), _list_column(attention_mask, pa.int8()),
-        pa.array(cu_seqlens, pa.list_(pa.int32())), pa.array([len(b) for b in bins], pa.int64()),
-        pa.array(num_tokens, pa.int64()), pa.array(num_loss, pa.int64()), _list_column(labels, pa.int32()),
-    ], schema=PACKED_SCHEMA)
+    table = pa.Table.from_arrays(
+        [
+            _list_column(input_ids, pa.int32()),
+            _list_column(loss_mask, pa.int8()),
+            _list_column(position_ids, pa.int32()),
+            _list_column(attention_mask, pa.int8()),
+            pa.array(cu_seqlens, pa.list_(pa.int32())),
+            pa.array([len(b) for b in bins], pa.int64()),
+            pa.array(num_tokens, pa.int64()),
+            pa.array(num_loss, pa.int64()),
+            _list_column(labels, pa.int32()),
+        ],
+        schema=PACKED_SCHEMA,
+    )
     stats.sequences += n
     stats.documents += len(kept)
     stats.real_tokens += int(num_tokens.sum())
@@ -202,30 +230,44 @@ class ChatTokenizer:
         for role in ("system", "user", "assistant"):
             rendered = tokenizer.apply_chat_template([{"role": role, "content": _SENTINEL}], tokenize=False)
             if rendered.count(_SENTINEL) != 1:
-                raise ValueError(f"chat template renders a {role} message's content {rendered.count(_SENTINEL)} times")
+                raise ValueError(
+                    f"chat template renders a {role} message's content {rendered.count(_SENTINEL)} times"
+                )
             head, _, tail = rendered.partition(_SENTINEL)
             heads[role] = tuple(tokenizer.encode(head, add_special_tokens=False))
             tails[role] = tuple(tokenizer.encode(tail, add_special_tokens=False))
-        probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
-                 {"role": "assistant", "content": "Because."}, {"role": "user", "content": "And?"},
-                 {"role": "assistant", "content": "Done."}]
+        probe = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "Because."},
+            {"role": "user", "content": "And?"},
+            {"role": "assistant", "content": "Done."},
+        ]
         whole = tokenizer.apply_chat_template(probe, tokenize=False)
         parts = "".join(tokenizer.apply_chat_template([m], tokenize=False) for m in probe)
         if whole != parts:
-            raise ValueError("the chat template is not per-message (a conversation renders differently from its "
-                             "messages rendered one by one); this packer needs a per-message template")
+            raise ValueError(
+                "the chat template is not per-message (a conversation renders differently from its "
+                "messages rendered one by one); this packer needs a per-message template"
+            )
         fingerprint = tokenizer_fingerprint(tokenizer)
         if not storage.exists(tokenizer_file):
             storage.write_text(tokenizer.backend_tokenizer.to_str(), tokenizer_file)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("the tokenizer has neither a pad nor an eos token to pad packed sequences with")
-        return cls(tokenizer_file, fingerprint, heads, tails, int(pad), tokenizer.eos_token_id, len(tokenizer))
+        return cls(
+            tokenizer_file, fingerprint, heads, tails, int(pad), tokenizer.eos_token_id, len(tokenizer)
+        )
 
     def describe(self) -> dict[str, Any]:
         """What the tokens depend on (goes into the run hash); the file location does not."""
-        return {"fingerprint": self.fingerprint, "heads": {k: list(v) for k, v in sorted(self.heads.items())},
-                "tails": {k: list(v) for k, v in sorted(self.tails.items())}, "pad_id": self.pad_id}
+        return {
+            "fingerprint": self.fingerprint,
+            "heads": {k: list(v) for k, v in sorted(self.heads.items())},
+            "tails": {k: list(v) for k, v in sorted(self.tails.items())},
+            "pad_id": self.pad_id,
+        }
 
     def _backend(self) -> Any:
         tok = _LOADED.get(self.fingerprint)
@@ -243,8 +285,9 @@ class ChatTokenizer:
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
         return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
-    def encode_conversations(self, conversations: Sequence[Sequence[ChatMessage]]) -> list[tuple[np.ndarray,
-                                                                                                   np.ndarray]]:
+    def encode_conversations(
+        self, conversations: Sequence[Sequence[ChatMessage]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(input_ids, loss_mask)`` per conversation; the mask is 1 on the assistant's content and end-of-turn."""
         bodies = self.encode_texts([m["content"] for c in conversations for m in c])
         out = []
@@ -261,7 +304,9 @@ class ChatTokenizer:
                 ids += tail
                 mask += [0] * len(head)
                 mask += [learn] * len(body)
-                if tail:  # the end-of-turn token is learned for the assistant; what follows it is template glue
+                if (
+                    tail
+                ):  # the end-of-turn token is learned for the assistant; what follows it is template glue
                     mask.append(learn)
                     mask += [0] * (len(tail) - 1)
             out.append((np.array(ids, dtype=np.int32), np.array(mask, dtype=np.int8)))
@@ -296,15 +341,22 @@ def _frame_problems(frame: Any, pack_size: int, where: str, schema: Any) -> list
     for row in frame.itertuples():
         cu = list(row.cu_seqlens)
         if cu[0] != 0 or cu[-1] != row.num_tokens or any(b <= a for a, b in zip(cu, cu[1:], strict=False)):
-            problems.append(f"{where}: row {row.Index} has document boundaries {cu} for {row.num_tokens} tokens")
+            problems.append(
+                f"{where}: row {row.Index} has document boundaries {cu} for {row.num_tokens} tokens"
+            )
             break
     if "labels" in frame.columns:
-        columns = {c: np.stack(frame[c].to_numpy()) for c in ("input_ids", "loss_mask", "attention_mask",
-                                                              "position_ids", "labels")}
-        expected = labels_of(columns["input_ids"], columns["loss_mask"], columns["attention_mask"],
-                             columns["position_ids"])
+        columns = {
+            c: np.stack(frame[c].to_numpy())
+            for c in ("input_ids", "loss_mask", "attention_mask", "position_ids", "labels")
+        }
+        expected = labels_of(
+            columns["input_ids"], columns["loss_mask"], columns["attention_mask"], columns["position_ids"]
+        )
         wrong = np.flatnonzero((columns["labels"] != expected).any(axis=1))
         if len(wrong):
-            problems.append(f"{where}: row {int(wrong[0]) + int(frame.index[0])} has labels that disagree with its "
-                            f"input_ids/loss_mask ({len(wrong)} rows in all)")
+            problems.append(
+                f"{where}: row {int(wrong[0]) + int(frame.index[0])} has labels that disagree with its "
+                f"input_ids/loss_mask ({len(wrong)} rows in all)"
+            )
     return problems

@@ -40,8 +40,12 @@ class PretrainSettings:
     on_error: OnError = "raise"
     rows_per_shard: int = 20000
     workers: int = 1
-    runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
-    incremental: bool = True  # shards in the content-addressed store <out_root>/store, reused by later corpora
+    runner: sh.ShardRunner | None = field(
+        default=None, compare=False
+    )  # None: local processes; else a cluster
+    incremental: bool = (
+        True  # shards in the content-addressed store <out_root>/store, reused by later corpora
+    )
 
 
 @dataclass
@@ -86,7 +90,9 @@ def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
         if not isinstance(out.get(field), str):
             raise RecordError("missing or not a string" if field in out else "missing", field=field)
 
-    with IndexedDatasetWriter(storage.join(task.root, prefix_rel), best_fitting_dtype(chat.vocab_size)) as writer:
+    with IndexedDatasetWriter(
+        storage.join(task.root, prefix_rel), best_fitting_dtype(chat.vocab_size)
+    ) as writer:
 
         def flush() -> None:
             for ids in chat.encode_texts(batch):
@@ -106,13 +112,24 @@ def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:
         with storage.atomic_writer(storage.join(task.root, f"{prefix_rel}.quarantine.jsonl")) as q:
             q.write(b"".join(bad))
         outputs.append(f"{prefix_rel}.quarantine.jsonl")
-    return sh.Receipt(task.out_id, task.key, rows, {o: sh.output_entry(task.root, o) for o in outputs},
-                      {"documents": writer.num_documents, "tokens": writer.num_tokens, "quarantined": len(bad)})
+    return sh.Receipt(
+        task.out_id,
+        task.key,
+        rows,
+        {o: sh.output_entry(task.root, o) for o in outputs},
+        {"documents": writer.num_documents, "tokens": writer.num_tokens, "quarantined": len(bad)},
+    )
 
 
-def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: PretrainSettings,
-                     assets: dict[str, str | list[str]] | None = None, seed: int = 0,
-                     log: Callable[[str], None] = print) -> PretrainRun:
+def package_pretrain(
+    blend: DataBlend,
+    tokenizer: Any,
+    out_root: str,
+    settings: PretrainSettings,
+    assets: dict[str, str | list[str]] | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> PretrainRun:
     """Plan, run (resuming) and finalize a bin/idx corpus under ``<out_root>/<run_hash>/``.
 
     With ``settings.incremental`` (the default) the shards live in the content-addressed store
@@ -128,21 +145,42 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
     fp = tokenizer_fingerprint(tokenizer)
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers", f"{fp}.json"))
-    config = {"format": FORMAT, "blend": blend.name, "blend_fingerprint": blend.fingerprint(),
-              "sources": {s.name: s.model_dump() for s in blend.sources}, "tokenizer": fp,
-              "eos_id": chat.eos_id, "text_field": settings.text_field, "append_eos": settings.append_eos,
-              "on_error": settings.on_error, "rows_per_shard": settings.rows_per_shard, "seed": seed,
-              "numpy": np.__version__, "pyarrow": pyarrow.__version__}
+    config = {
+        "format": FORMAT,
+        "blend": blend.name,
+        "blend_fingerprint": blend.fingerprint(),
+        "sources": {s.name: s.model_dump() for s in blend.sources},
+        "tokenizer": fp,
+        "eos_id": chat.eos_id,
+        "text_field": settings.text_field,
+        "append_eos": settings.append_eos,
+        "on_error": settings.on_error,
+        "rows_per_shard": settings.rows_per_shard,
+        "seed": seed,
+        "numpy": np.__version__,
+        "pyarrow": pyarrow.__version__,
+    }
     rh = sh.run_hash(shards, config)
     root = storage.join(out_root, rh)
-    storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
-                       storage.join(root, "plan.json"))
+    storage.write_json(
+        {"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
+        storage.join(root, "plan.json"),
+    )
     store = storage.join(out_root, "store") if settings.incremental else root
     sh.clean_temporaries(root)
     if store != root:
         sh.clean_temporaries(store)
-    report = sh.run_shards(shards, store, config, process_pretrain_shard, runtime={"chat_tokenizer": chat},
-                           workers=settings.workers, log=log, runner=settings.runner, store=settings.incremental)
+    report = sh.run_shards(
+        shards,
+        store,
+        config,
+        process_pretrain_shard,
+        runtime={"chat_tokenizer": chat},
+        workers=settings.workers,
+        log=log,
+        runner=settings.runner,
+        store=settings.incremental,
+    )
     prefixes = [storage.join(store, f"shards/{r.shard_id}") for r in report.receipts]
     tokens = [int(r.stats["tokens"]) for r in report.receipts]
     data_paths: list[Any] = []
@@ -152,17 +190,29 @@ def package_pretrain(blend: DataBlend, tokenizer: Any, out_root: str, settings: 
     blend_path = storage.join(root, "megatron_blend.json")
     storage.write_json({"data_paths": data_paths, "run_hash": rh, "blend": blend.name}, blend_path)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
-    log(f"pretraining corpus {rh}: {sum(int(r.stats['documents']) for r in report.receipts)} documents, "
+    log(
+        f"pretraining corpus {rh}: {sum(int(r.stats['documents']) for r in report.receipts)} documents, "
         f"{sum(tokens)} tokens in {len(prefixes)} bin/idx shards ({len(report.processed)} tokenized now, "
-        f"{len(report.skipped)} reused; {quarantined} rows quarantined)")
-    return PretrainRun(rh, root, prefixes, blend_path, sum(int(r.stats["documents"]) for r in report.receipts),
-                       sum(tokens), quarantined, report)
+        f"{len(report.skipped)} reused; {quarantined} rows quarantined)"
+    )
+    return PretrainRun(
+        rh,
+        root,
+        prefixes,
+        blend_path,
+        sum(int(r.stats["documents"]) for r in report.receipts),
+        sum(tokens),
+        quarantined,
+        report,
+    )
 
 
 def documents_to_jsonl(documents: pd.DataFrame, out_root: str) -> str:
     """Ingested documents as ``{doc_id, day, title, text}`` JSONL, content-addressed and in doc-id order (one day's
     partition per file for an incremental corpus: ``sft_dataset.day_inputs_from_partitions(to_jsonl=...)``)."""
     documents = documents.sort_values("doc_id", kind="stable").drop_duplicates("doc_id")
-    body = b"".join(dumps({"doc_id": r.doc_id, "day": r.day, "title": r.title, "text": r.text})
-                    for r in documents.itertuples())
+    body = b"".join(
+        dumps({"doc_id": r.doc_id, "day": r.day, "title": r.title, "text": r.text})
+        for r in documents.itertuples()
+    )
     return storage.write_content_addressed(storage.join(out_root, "inputs"), "raw_documents", body)

@@ -74,11 +74,17 @@ class PackagingSettings:
     rows_per_shard: int = 5000
     workers: int = 1
     write_jsonl: bool = True
-    side_overrides: dict[str, str] = field(default_factory=dict)  # sample id -> split (see packing.side_overrides)
+    side_overrides: dict[str, str] = field(
+        default_factory=dict
+    )  # sample id -> split (see packing.side_overrides)
     eval_fraction: float = 0.0  # ids on the eval set's held-out side (core.eval_set) enter no split at all
     incremental: bool = True  # shards in the content-addressed store, reused by later snapshots
-    keep_snapshots: int = 0  # after a snapshot: keep the newest N and the store shards they list (0: keep all)
-    runner: sh.ShardRunner | None = field(default=None, compare=False)  # None: local processes; else a cluster
+    keep_snapshots: int = (
+        0  # after a snapshot: keep the newest N and the store shards they list (0: keep all)
+    )
+    runner: sh.ShardRunner | None = field(
+        default=None, compare=False
+    )  # None: local processes; else a cluster
 
 
 @dataclass
@@ -126,19 +132,21 @@ def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
             held_out += 1
             continue
         split = cfg["side_overrides"].get(sid) or (
-            "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train")
+            "validation" if is_validation(sid, cfg["validation_fraction"], cfg["seed"]) else "train"
+        )
         for copy in range(source.copies(sid, cfg["seed"])):
             convs[split].append(out["messages"])
             if task.runtime.get("write_jsonl", True):
-                lines[split].append(dumps({"sample_id": sid if copy == 0 else f"{sid}#{copy}",
-                                           "messages": out["messages"]}))
+                lines[split].append(
+                    dumps({"sample_id": sid if copy == 0 else f"{sid}#{copy}", "messages": out["messages"]})
+                )
     rows += len(bad)
     outputs: list[str] = []
     stats: dict[str, Any] = {"rows": rows, "quarantined": len(bad), "held_out": held_out}
     for split in SPLITS:
         docs = []
         for i in range(0, len(convs[split]), ENCODE_BATCH):
-            docs += chat.encode_conversations(convs[split][i:i + ENCODE_BATCH])
+            docs += chat.encode_conversations(convs[split][i : i + ENCODE_BATCH])
         convs[split] = []
         table, st = pack_table(docs, cfg["pack_size"], chat.pad_id)
         del docs
@@ -168,17 +176,29 @@ def _write_parquet(table: pa.Table, path: str) -> None:
         f.write(buf.getvalue())
 
 
-def plan_config(blend: DataBlend, chat: ChatTokenizer, template: str, settings: PackagingSettings) -> dict[str, Any]:
+def plan_config(
+    blend: DataBlend, chat: ChatTokenizer, template: str, settings: PackagingSettings
+) -> dict[str, Any]:
     """Everything the output bytes depend on besides the input bytes (hashed into the run hash)."""
     import pyarrow
 
-    return {"format": FORMAT, "blend": blend.name, "blend_fingerprint": blend.fingerprint(),
-            "sources": {s.name: s.model_dump() for s in blend.sources}, "tokenizer": chat.describe(),
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(), "pack_size": settings.pack_size,
-            "validation_fraction": settings.validation_fraction, "seed": settings.seed,
-            "side_overrides": dict(sorted(settings.side_overrides.items())), "eval_fraction": settings.eval_fraction,
-            "on_error": settings.on_error, "rows_per_shard": settings.rows_per_shard,
-            "write_jsonl": settings.write_jsonl, "pyarrow": pyarrow.__version__}
+    return {
+        "format": FORMAT,
+        "blend": blend.name,
+        "blend_fingerprint": blend.fingerprint(),
+        "sources": {s.name: s.model_dump() for s in blend.sources},
+        "tokenizer": chat.describe(),
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "pack_size": settings.pack_size,
+        "validation_fraction": settings.validation_fraction,
+        "seed": settings.seed,
+        "side_overrides": dict(sorted(settings.side_overrides.items())),
+        "eval_fraction": settings.eval_fraction,
+        "on_error": settings.on_error,
+        "rows_per_shard": settings.rows_per_shard,
+        "write_jsonl": settings.write_jsonl,
+        "pyarrow": pyarrow.__version__,
+    }
 
 
 def shard_config_for(config: dict[str, Any]) -> sh.ConfigFor | None:
@@ -199,16 +219,31 @@ def shard_config_for(config: dict[str, Any]) -> sh.ConfigFor | None:
         with storage.open_read(shard.path) as f:
             f.seek(shard.start)
             body = f.read(shard.end - shard.start)
-        mine = {sid: side for sid, side in overrides.items()
-                if any(form in body for form in (sid.encode(), json.dumps(sid)[1:-1].encode(),
-                                                 json.dumps(sid, ensure_ascii=False)[1:-1].encode()))}
+        mine = {
+            sid: side
+            for sid, side in overrides.items()
+            if any(
+                form in body
+                for form in (
+                    sid.encode(),
+                    json.dumps(sid)[1:-1].encode(),
+                    json.dumps(sid, ensure_ascii=False)[1:-1].encode(),
+                )
+            )
+        }
         return {**base, "side_overrides": mine}
 
     return own
 
 
-def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: PackagingSettings,
-                assets: dict[str, str | list[str]] | None = None, log: Callable[[str], None] = print) -> SftRun:
+def package_sft(
+    blend: DataBlend,
+    tokenizer: Any,
+    out_root: str,
+    settings: PackagingSettings,
+    assets: dict[str, str | list[str]] | None = None,
+    log: Callable[[str], None] = print,
+) -> SftRun:
     """Plan, run (reusing shards with valid receipts) and finalize a packed SFT dataset.
 
     The snapshot folder ``<out_root>/<run_hash>/`` is named by the whole plan; the shards' outputs live in the
@@ -221,33 +256,53 @@ def package_sft(blend: DataBlend, tokenizer: Any, out_root: str, settings: Packa
     shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)
     if not shards:
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
-    chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers",
-                                                         f"{tokenizer_fingerprint(tokenizer)}.json"))
+    chat = ChatTokenizer.from_hf(
+        tokenizer, storage.join(out_root, "tokenizers", f"{tokenizer_fingerprint(tokenizer)}.json")
+    )
     config = plan_config(blend, chat, tokenizer.chat_template or "", settings)
     config_for = shard_config_for(config)
     rh = sh.run_hash(shards, config, config_for)
     root = storage.join(out_root, rh)
     store = storage.join(out_root, "store") if settings.incremental else root
-    storage.write_json({"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
-                       storage.join(root, "plan.json"))
+    storage.write_json(
+        {"run_hash": rh, "config": config, "shards": [vars(s) for s in shards]},
+        storage.join(root, "plan.json"),
+    )
     sh.clean_temporaries(root)
     if store != root:
         sh.clean_temporaries(store)
-    log(f"run {rh}: {len(shards)} shards of <= {settings.rows_per_shard} rows from {len(inputs)} sources, "
-        f"{settings.workers} workers")
+    log(
+        f"run {rh}: {len(shards)} shards of <= {settings.rows_per_shard} rows from {len(inputs)} sources, "
+        f"{settings.workers} workers"
+    )
     with packaging_in_flight(out_root):  # no store clean-up removes a shard this run may still pick up
-        report = sh.run_shards(shards, store, config, process_sft_shard,
-                               runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
-                               workers=settings.workers, log=log, store=settings.incremental, config_for=config_for,
-                               runner=settings.runner)
+        report = sh.run_shards(
+            shards,
+            store,
+            config,
+            process_sft_shard,
+            runtime={"chat_tokenizer": chat, "write_jsonl": settings.write_jsonl},
+            workers=settings.workers,
+            log=log,
+            store=settings.incremental,
+            config_for=config_for,
+            runner=settings.runner,
+        )
         run = finalize_sft(root, rh, report, blend, settings, log, store)
     if settings.incremental:
         clean_store(out_root, settings.keep_snapshots, log)
     return run
 
 
-def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, settings: PackagingSettings,
-                 log: Callable[[str], None], store: str | None = None) -> SftRun:
+def finalize_sft(
+    root: str,
+    rh: str,
+    report: sh.RunReport,
+    blend: DataBlend,
+    settings: PackagingSettings,
+    log: Callable[[str], None],
+    store: str | None = None,
+) -> SftRun:
     """List each split's shard files in plan order, sum the receipts' counts and write the snapshot's manifest.
 
     The packed splits are not concatenated: ``<split>.shards.json`` names the shard files (``core/packed_split``),
@@ -264,49 +319,80 @@ def finalize_sft(root: str, rh: str, report: sh.RunReport, blend: DataBlend, set
             stats[split].add(PackingStats.from_json(receipt.stats[split]))
     paths: dict[str, str] = {}
     base = root.rsplit("/", 1)[0]  # the SFT root: holds the snapshot folders and the store
-    in_base = store[len(base) + 1:]  # "store", or "<run_hash>" when the snapshot keeps its shards to itself
+    in_base = store[len(base) + 1 :]  # "store", or "<run_hash>" when the snapshot keeps its shards to itself
     for split in SPLITS:
         paths[split] = packed_split.split_manifest_path(root, split)
         files = []
         for r in report.receipts:
             rel = f"shards/{r.shard_id}.{split}.parquet"
             out = r.outputs[rel]
-            files.append((f"{in_base}/{rel}", int(out["bytes"]), str(out["sha256"]),
-                          int(r.stats[split]["sequences"])))
+            files.append(
+                (f"{in_base}/{rel}", int(out["bytes"]), str(out["sha256"]), int(r.stats[split]["sequences"]))
+            )
         packed_split.write_split_manifest(paths[split], split, rh, base, files)
         if settings.write_jsonl:
             paths[f"{split}_jsonl"] = packed_split.split_manifest_path(root, f"{split}.jsonl")
             lines = []
             for r in report.receipts:
                 rel = f"shards/{r.shard_id}.{split}.jsonl"
-                lines.append((f"{in_base}/{rel}", int(r.outputs[rel]["bytes"]), str(r.outputs[rel]["sha256"]), None))
+                lines.append(
+                    (f"{in_base}/{rel}", int(r.outputs[rel]["bytes"]), str(r.outputs[rel]["sha256"]), None)
+                )
             packed_split.write_split_manifest(paths[f"{split}_jsonl"], split, rh, base, lines)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
     if quarantined:
         paths["quarantine"] = storage.join(root, "quarantine.jsonl")
-        sh.concat_files([storage.join(store, o) for r in report.receipts for o in r.outputs
-                         if o.endswith(".quarantine.jsonl")], paths["quarantine"])
+        sh.concat_files(
+            [
+                storage.join(store, o)
+                for r in report.receipts
+                for o in r.outputs
+                if o.endswith(".quarantine.jsonl")
+            ],
+            paths["quarantine"],
+        )
         log(f"{quarantined} bad input rows quarantined in {paths['quarantine']}")
     if settings.incremental:
         paths["manifest"] = storage.join(root, "snapshot.json")
-        storage.write_json({"format": SNAPSHOT_FORMAT, "run_hash": rh,
-                            "shards": [r.to_json() for r in report.receipts]}, paths["manifest"])
-    run = SftRun(rh, root, paths, stats, len(report.receipts), sum(r.rows for r in report.receipts), quarantined,
-                 report, blend, sum(int(r.stats.get("held_out", 0)) for r in report.receipts))
+        storage.write_json(
+            {"format": SNAPSHOT_FORMAT, "run_hash": rh, "shards": [r.to_json() for r in report.receipts]},
+            paths["manifest"],
+        )
+    run = SftRun(
+        rh,
+        root,
+        paths,
+        stats,
+        len(report.receipts),
+        sum(r.rows for r in report.receipts),
+        quarantined,
+        report,
+        blend,
+        sum(int(r.stats.get("held_out", 0)) for r in report.receipts),
+    )
     log(f"snapshot {rh}: {len(report.processed)} shards packed now, {len(report.skipped)} reused")
     for split, st in stats.items():
-        log(f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {settings.pack_size} "
+        log(
+            f"packed {split}: {st.documents} conversations -> {st.sequences} sequences of {settings.pack_size} "
             f"tokens ({st.efficiency:.2%} efficiency, {st.truncated_documents} truncated, {st.dropped_documents} "
-            "dropped as longer than a pack with no answer left)")
+            "dropped as longer than a pack with no answer left)"
+        )
     return run
 
 
 def samples_to_jsonl(samples: pd.DataFrame, out_root: str) -> str:
     """Judged samples as chat records in a content-addressed JSONL file (sorted by id: order-independent)."""
     samples = samples.sort_values("sample_id", kind="stable").reset_index(drop=True)
-    body = b"".join(dumps({"sample_id": r.sample_id, "day": r.day,
-                           "messages": conversation(r.system_prompt, r.prompt, r.response)})
-                    for r in samples.itertuples())
+    body = b"".join(
+        dumps(
+            {
+                "sample_id": r.sample_id,
+                "day": r.day,
+                "messages": conversation(r.system_prompt, r.prompt, r.response),
+            }
+        )
+        for r in samples.itertuples()
+    )
     return storage.write_content_addressed(storage.join(out_root, "inputs"), "filtered_samples", body)
 
 
@@ -327,9 +413,12 @@ def day_inputs_from_frame(samples: pd.DataFrame, out_root: str) -> list[DayInput
     return out
 
 
-def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: str,
-                               validate: Callable[[pd.DataFrame, str], None] | None = None,
-                               to_jsonl: Callable[[pd.DataFrame, str], str] | None = None) -> list[DayInput]:
+def day_inputs_from_partitions(
+    partitions: Sequence[tuple[str, str]],
+    out_root: str,
+    validate: Callable[[pd.DataFrame, str], None] | None = None,
+    to_jsonl: Callable[[pd.DataFrame, str], str] | None = None,
+) -> list[DayInput]:
     """The partitions' Parquet files as day JSONL files, one partition in memory at a time.
 
     A partition's JSONL is remembered under ``inputs/by-parquet/<sha256 of the Parquet bytes>.json``, so a night
@@ -356,16 +445,24 @@ def day_inputs_from_partitions(partitions: Sequence[tuple[str, str]], out_root: 
             validate(frame, path)
         days = tuple(sorted(frame["day"].astype(str).unique().tolist())) if len(frame) else (partition,)
         jsonl = to_jsonl(frame, out_root)
-        storage.write_json({"partition": partition, "file": jsonl.rsplit("/", 1)[-1], "days": list(days),
-                            "rows": len(frame)}, pointer)
+        storage.write_json(
+            {
+                "partition": partition,
+                "file": jsonl.rsplit("/", 1)[-1],
+                "days": list(days),
+                "rows": len(frame),
+            },
+            pointer,
+        )
         if len(frame):
             out.append(DayInput(days, jsonl, len(frame)))
         del frame
     return out
 
 
-def streamed_side_overrides(inputs: Sequence[DayInput], fraction: float, seed: int,
-                            eval_fraction: float) -> dict[str, str]:
+def streamed_side_overrides(
+    inputs: Sequence[DayInput], fraction: float, seed: int, eval_fraction: float
+) -> dict[str, str]:
     """``packing.side_overrides`` of every trainable id, reading one day at a time and stopping as soon as both
     sides have a sample (usually within the first day): memory and time do not grow with the history."""
     validation = train = 0
@@ -398,27 +495,65 @@ def default_blend() -> DataBlend:
     return DataBlend.load(DEFAULT_BLEND)
 
 
-def build_sft_dataset(samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str, out_root: str, pack_size: int,
-                      validation_fraction: float, seed: int = 0, log: Callable[[str], None] = print,
-                      blend: DataBlend | None = None, on_error: OnError = "raise", rows_per_shard: int = 5000,
-                      workers: int = 1, eval_fraction: float = 0.0,
-                      incremental: bool = True,
-                      keep_snapshots: int = 0) -> tuple[SFTDataset, dict[str, PackingStats]]:
+def build_sft_dataset(
+    samples: pd.DataFrame,
+    tokenizer: Any,
+    tokenizer_path: str,
+    out_root: str,
+    pack_size: int,
+    validation_fraction: float,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    blend: DataBlend | None = None,
+    on_error: OnError = "raise",
+    rows_per_shard: int = 5000,
+    workers: int = 1,
+    eval_fraction: float = 0.0,
+    incremental: bool = True,
+    keep_snapshots: int = 0,
+) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """``build_sft_dataset_from_days`` for samples already in memory (tests, small tools)."""
     if samples.empty:
-        raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
-    return build_sft_dataset_from_days(day_inputs_from_frame(samples, out_root), tokenizer, tokenizer_path, out_root,
-                                       pack_size, validation_fraction, seed, log, blend, on_error, rows_per_shard,
-                                       workers, eval_fraction, incremental, keep_snapshots=keep_snapshots)
+        raise ValueError(
+            "no filtered samples to package: every sample was rejected, or no day was materialized"
+        )
+    return build_sft_dataset_from_days(
+        day_inputs_from_frame(samples, out_root),
+        tokenizer,
+        tokenizer_path,
+        out_root,
+        pack_size,
+        validation_fraction,
+        seed,
+        log,
+        blend,
+        on_error,
+        rows_per_shard,
+        workers,
+        eval_fraction,
+        incremental,
+        keep_snapshots=keep_snapshots,
+    )
 
 
-def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, tokenizer_path: str, out_root: str,
-                                pack_size: int, validation_fraction: float, seed: int = 0,
-                                log: Callable[[str], None] = print, blend: DataBlend | None = None,
-                                on_error: OnError = "raise", rows_per_shard: int = 5000, workers: int = 1,
-                                eval_fraction: float = 0.0, incremental: bool = True,
-                                runner: sh.ShardRunner | None = None,
-                                keep_snapshots: int = 0) -> tuple[SFTDataset, dict[str, PackingStats]]:
+def build_sft_dataset_from_days(
+    inputs: Sequence[DayInput],
+    tokenizer: Any,
+    tokenizer_path: str,
+    out_root: str,
+    pack_size: int,
+    validation_fraction: float,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    blend: DataBlend | None = None,
+    on_error: OnError = "raise",
+    rows_per_shard: int = 5000,
+    workers: int = 1,
+    eval_fraction: float = 0.0,
+    incremental: bool = True,
+    runner: sh.ShardRunner | None = None,
+    keep_snapshots: int = 0,
+) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact.
 
     The samples come as one JSONL file per day (``day_inputs_from_partitions``), in day order: shards never span
@@ -427,39 +562,72 @@ def build_sft_dataset_from_days(inputs: Sequence[DayInput], tokenizer: Any, toke
     they come from; the train/validation split is a hash of each id, so both are per row and compose with days.
     ``runner`` runs the shards to pack on a cluster (a Slurm array...) instead of ``workers`` local processes."""
     if not inputs:
-        raise ValueError("no filtered samples to package: every sample was rejected, or no day was materialized")
+        raise ValueError(
+            "no filtered samples to package: every sample was rejected, or no day was materialized"
+        )
     # the schema is checked a day at a time: an id on two days is caught here, by an on-disk index of every day
     check_unique_across_days([(d.path, d.days) for d in inputs], index_for(out_root))
     blend = blend or default_blend()
     # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
     # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
-    keyed_by_sample_id = any(s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources)
-    moved = (streamed_side_overrides(inputs, validation_fraction, seed, eval_fraction) if keyed_by_sample_id
-             else {})
-    settings = PackagingSettings(pack_size, validation_fraction, seed, on_error, rows_per_shard, workers,
-                                 side_overrides=moved, eval_fraction=eval_fraction, incremental=incremental,
-                                 runner=runner, keep_snapshots=keep_snapshots)
-    run = package_sft(blend, tokenizer, out_root, settings,
-                      assets={"filtered_samples": [d.path for d in inputs]}, log=log)
+    keyed_by_sample_id = any(
+        s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources
+    )
+    moved = (
+        streamed_side_overrides(inputs, validation_fraction, seed, eval_fraction)
+        if keyed_by_sample_id
+        else {}
+    )
+    settings = PackagingSettings(
+        pack_size,
+        validation_fraction,
+        seed,
+        on_error,
+        rows_per_shard,
+        workers,
+        side_overrides=moved,
+        eval_fraction=eval_fraction,
+        incremental=incremental,
+        runner=runner,
+        keep_snapshots=keep_snapshots,
+    )
+    run = package_sft(
+        blend, tokenizer, out_root, settings, assets={"filtered_samples": [d.path for d in inputs]}, log=log
+    )
     for split in SPLITS:
         if run.stats[split].sequences == 0:
             if sum(s.documents for s in run.stats.values()) < 2:
-                raise ValueError(f"need at least 2 samples for a train/validation split, got {run.rows_read} rows")
-            raise ValueError(f"{split}: no packed sequence (no {split} sample, or every conversation is longer "
-                             f"than pack_size={pack_size} with no answer left); raise pack_size or add data")
+                raise ValueError(
+                    f"need at least 2 samples for a train/validation split, got {run.rows_read} rows"
+                )
+            raise ValueError(
+                f"{split}: no packed sequence (no {split} sample, or every conversation is longer "
+                f"than pack_size={pack_size} with no answer left); raise pack_size or add data"
+            )
     real = sum(s.real_tokens for s in run.stats.values())
     artifact = SFTDataset(
-        run_hash=run.run_hash, root=run.root, train_path=run.paths["train"],
-        validation_path=run.paths["validation"], train_jsonl_path=run.paths["train_jsonl"],
+        run_hash=run.run_hash,
+        root=run.root,
+        train_path=run.paths["train"],
+        validation_path=run.paths["validation"],
+        train_jsonl_path=run.paths["train_jsonl"],
         validation_jsonl_path=run.paths["validation_jsonl"],
-        num_samples=run.rows_read - run.quarantined_rows - run.held_out_rows, held_out_samples=run.held_out_rows,
+        num_samples=run.rows_read - run.quarantined_rows - run.held_out_rows,
+        held_out_samples=run.held_out_rows,
         num_train_sequences=run.stats["train"].sequences,
-        num_validation_sequences=run.stats["validation"].sequences, num_real_tokens=real,
-        num_loss_tokens=sum(s.loss_tokens for s in run.stats.values()), pack_size=pack_size,
-        packing_efficiency=run.packing_efficiency, days=sorted({day for d in inputs for day in d.days}),
-        tokenizer_path=os.fspath(tokenizer_path), blend=run.blend.name,
-        blend_fingerprint=run.blend.fingerprint(), num_shards=run.num_shards,
-        shards_reused=len(run.report.skipped), quarantined_rows=run.quarantined_rows, quarantine_path=run.paths.get("quarantine"),
+        num_validation_sequences=run.stats["validation"].sequences,
+        num_real_tokens=real,
+        num_loss_tokens=sum(s.loss_tokens for s in run.stats.values()),
+        pack_size=pack_size,
+        packing_efficiency=run.packing_efficiency,
+        days=sorted({day for d in inputs for day in d.days}),
+        tokenizer_path=os.fspath(tokenizer_path),
+        blend=run.blend.name,
+        blend_fingerprint=run.blend.fingerprint(),
+        num_shards=run.num_shards,
+        shards_reused=len(run.report.skipped),
+        quarantined_rows=run.quarantined_rows,
+        quarantine_path=run.paths.get("quarantine"),
     )
     storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
     return artifact, run.stats

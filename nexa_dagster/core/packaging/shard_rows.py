@@ -24,8 +24,9 @@ def source_of(task: sh.ShardTask) -> BlendSource:
     return BlendSource.model_validate(task.config["sources"][task.shard.source])
 
 
-def transformed_rows(task: sh.ShardTask, bad: list[bytes], validate: Validate | None = None
-                     ) -> Iterator[tuple[Record, Record]]:
+def transformed_rows(
+    task: sh.ShardTask, bad: list[bytes], validate: Validate | None = None
+) -> Iterator[tuple[Record, Record]]:
     """``(input record, transformed record)`` for every good row of the shard, in file order.
 
     Bad rows (unreadable, failing the transform or ``validate``) are appended to ``bad`` as quarantine lines, or
@@ -48,4 +49,3 @@ def transformed_rows(task: sh.ShardTask, bad: list[bytes], validate: Validate | 
                 bad.append(dump_line({"source": shard.source, **out.to_json()}))
                 continue
             yield item, out
-

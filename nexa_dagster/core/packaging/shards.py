@@ -59,7 +59,9 @@ class ShardTask:
     root: str
     key: str
     config: dict[str, Any]
-    runtime: dict[str, Any] = field(default_factory=dict)  # not hashed: tokenizer handle, options that don't change bytes
+    runtime: dict[str, Any] = field(
+        default_factory=dict
+    )  # not hashed: tokenizer handle, options that don't change bytes
     output_id: str = ""  # what the outputs and the receipt are named by: the shard key in a shard store
 
     @property
@@ -113,8 +115,9 @@ def plan_shards(inputs: Sequence[tuple[str, Sequence[str]]], rows_per_shard: int
     shards: list[Shard] = []
     for source, files in inputs:
         for path in files:
-            ranges = stat_cache.remembered(path, f"shard-ranges:{rows_per_shard}",
-                                           lambda p=path: scan_file(p, rows_per_shard))
+            ranges = stat_cache.remembered(
+                path, f"shard-ranges:{rows_per_shard}", lambda p=path: scan_file(p, rows_per_shard)
+            )
             for start, end, first, rows, digest in ranges:
                 shards.append(Shard(len(shards), source, path, start, end, first, rows, digest))
     return shards
@@ -130,8 +133,15 @@ def shard_key(shard: Shard, config: dict[str, Any], canonical_config: bytes | No
     ``canonical_config`` is ``_canonical(config)`` when the caller has it already: a plan of N shards serialises
     its configuration once, not N times (the bytes hashed are the same either way).
     """
-    rest = _canonical({"format": PLAN_FORMAT, "input": shard.input_sha256, "source": shard.source,
-                       "first_line": shard.first_line, "label": shard.label})
+    rest = _canonical(
+        {
+            "format": PLAN_FORMAT,
+            "input": shard.input_sha256,
+            "source": shard.source,
+            "first_line": shard.first_line,
+            "label": shard.label,
+        }
+    )
     # the canonical JSON of the whole dict, "config" being the first key in sorted order
     body = b'{"config":' + (canonical_config or _canonical(config)) + b"," + rest[1:]
     return hashlib.sha256(body).hexdigest()[:32]
@@ -140,7 +150,9 @@ def shard_key(shard: Shard, config: dict[str, Any], canonical_config: bytes | No
 ConfigFor = Callable[[Shard], dict[str, Any]]  # a shard's own configuration (default: the run's)
 
 
-def _keyer(config: dict[str, Any], config_for: ConfigFor | None) -> Callable[[Shard], tuple[dict[str, Any], str]]:
+def _keyer(
+    config: dict[str, Any], config_for: ConfigFor | None
+) -> Callable[[Shard], tuple[dict[str, Any], str]]:
     """``shard -> (its configuration, its key)``, serialising each distinct configuration object once."""
     seen: dict[int, tuple[dict[str, Any], bytes]] = {}
 
@@ -161,7 +173,9 @@ def run_hash(shards: Sequence[Shard], config: dict[str, Any], config_for: Config
     """
     keyer = _keyer(config, config_for)
     keys = [keyer(s)[1] for s in shards]
-    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config, "shards": keys})).hexdigest()[:16]
+    return hashlib.sha256(_canonical({"format": PLAN_FORMAT, "config": config, "shards": keys})).hexdigest()[
+        :16
+    ]
 
 
 def receipt_path(root: str, shard_id: str) -> str:
@@ -217,8 +231,9 @@ class ShardRunner(Protocol):
     afterwards raises, naming the shard.
     """
 
-    def __call__(self, tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt],
-                 log: Callable[[str], None]) -> Sequence[Receipt]: ...
+    def __call__(
+        self, tasks: Sequence[ShardTask], work: Callable[[ShardTask], Receipt], log: Callable[[str], None]
+    ) -> Sequence[Receipt]: ...
 
 
 @dataclass
@@ -231,10 +246,19 @@ class RunReport:
     redone: dict[str, str]
 
 
-def run_shards(shards: Sequence[Shard], root: str, config: dict[str, Any], work: Callable[[ShardTask], Receipt],
-               runtime: dict[str, Any] | None = None, workers: int = 1,
-               log: Callable[[str], None] = print, *, store: bool = False,
-               config_for: ConfigFor | None = None, runner: ShardRunner | None = None) -> RunReport:
+def run_shards(
+    shards: Sequence[Shard],
+    root: str,
+    config: dict[str, Any],
+    work: Callable[[ShardTask], Receipt],
+    runtime: dict[str, Any] | None = None,
+    workers: int = 1,
+    log: Callable[[str], None] = print,
+    *,
+    store: bool = False,
+    config_for: ConfigFor | None = None,
+    runner: ShardRunner | None = None,
+) -> RunReport:
     """Run ``work`` on every shard without a valid receipt, ``workers`` processes at a time.
 
     ``work`` must be a module-level function (it is pickled to spawned processes) that writes the shard's outputs

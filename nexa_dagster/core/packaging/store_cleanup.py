@@ -87,7 +87,9 @@ def clean_store(out_root: str, keep_snapshots: int, log: Callable[[str], None] =
             kept, old = snapshots[-keep_snapshots:], snapshots[:-keep_snapshots]
             referenced: set[str] = set()
             for _, folder in kept:
-                shards = storage.read_json(str(folder / SNAPSHOT))["shards"]  # unreadable: raise, remove nothing
+                shards = storage.read_json(str(folder / SNAPSHOT))[
+                    "shards"
+                ]  # unreadable: raise, remove nothing
                 referenced.update(str(s["shard_id"]) for s in shards)
                 report.kept_snapshots.append(folder.name)
             for _, folder in old:
@@ -105,8 +107,9 @@ def clean_store(out_root: str, keep_snapshots: int, log: Callable[[str], None] =
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     if report.removed_snapshots or report.removed_shards:
-        log(f"store clean-up of {root}: kept the last {len(report.kept_snapshots)} snapshots; removed "
+        log(
+            f"store clean-up of {root}: kept the last {len(report.kept_snapshots)} snapshots; removed "
             f"{len(report.removed_snapshots)} older snapshot(s) and {len(report.removed_shards)} shard(s) none of "
-            "the kept ones lists")
+            "the kept ones lists"
+        )
     return report
-

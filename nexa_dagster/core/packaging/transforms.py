@@ -18,8 +18,14 @@ from nexa_dagster.core.common.jsonl import BadRow, OnError, Record, RecordError
 Transform = Callable[[Record], Record]
 
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
 
 
 def _field(record: Record, name: str, kind: type | tuple[type, ...] = str) -> Any:
@@ -42,10 +48,14 @@ def validate_messages(messages: Any, field: str = "messages") -> list[dict[str, 
             raise RecordError(f"message {i} is {type(m).__name__}, not an object", field=field)
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise RecordError(f"message {i} has role {role!r}; expected one of {list(ROLES)}", field=f"{field}[{i}].role")
+            raise RecordError(
+                f"message {i} has role {role!r}; expected one of {list(ROLES)}", field=f"{field}[{i}].role"
+            )
         if not isinstance(content, str):
-            raise RecordError(f"message {i} content must be a string, got {type(content).__name__}",
-                              field=f"{field}[{i}].content")
+            raise RecordError(
+                f"message {i} content must be a string, got {type(content).__name__}",
+                field=f"{field}[{i}].content",
+            )
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
         raise RecordError("no assistant message with content: nothing to learn", field=field)
@@ -76,8 +86,9 @@ def openai_chat(messages_field: str = "messages") -> Transform:
     return apply
 
 
-def sharegpt(conversations_field: str = "conversations", role_field: str = "from",
-             content_field: str = "value") -> Transform:
+def sharegpt(
+    conversations_field: str = "conversations", role_field: str = "from", content_field: str = "value"
+) -> Transform:
     """``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}`` -> ``{"messages": [...]}``."""
 
     def apply(record: Record) -> Record:
@@ -85,11 +96,15 @@ def sharegpt(conversations_field: str = "conversations", role_field: str = "from
         messages = []
         for i, turn in enumerate(turns):
             if not isinstance(turn, Mapping):
-                raise RecordError(f"turn {i} is {type(turn).__name__}, not an object", field=conversations_field)
+                raise RecordError(
+                    f"turn {i} is {type(turn).__name__}, not an object", field=conversations_field
+                )
             speaker = turn.get(role_field)
             if speaker not in SHAREGPT_ROLES:
-                raise RecordError(f"turn {i} speaker {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}",
-                                  field=f"{conversations_field}[{i}].{role_field}")
+                raise RecordError(
+                    f"turn {i} speaker {speaker!r}; expected one of {sorted(SHAREGPT_ROLES)}",
+                    field=f"{conversations_field}[{i}].{role_field}",
+                )
             messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get(content_field)})
         return {"messages": validate_messages(messages, conversations_field)}
 
@@ -128,8 +143,14 @@ def rename(mapping: Mapping[str, str] | None = None, **kwargs: str) -> Transform
     return apply
 
 
-TRANSFORMS: dict[str, Callable[..., Transform]] = {"sft": sft, "openai_chat": openai_chat, "sharegpt": sharegpt,
-                                                   "passthrough": passthrough, "select": select, "rename": rename}
+TRANSFORMS: dict[str, Callable[..., Transform]] = {
+    "sft": sft,
+    "openai_chat": openai_chat,
+    "sharegpt": sharegpt,
+    "passthrough": passthrough,
+    "select": select,
+    "rename": rename,
+}
 TransformSpec = str | Mapping[str, Any] | Sequence[Any]
 
 

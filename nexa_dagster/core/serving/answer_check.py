@@ -19,12 +19,17 @@ def text_problem(answer: str, max_garbage_share: float = MAX_GARBAGE_SHARE) -> s
     stripped = answer.strip()
     if not stripped:
         return "the answer is empty"
-    garbage = sum(1 for ch in stripped if ch == REPLACEMENT
-                  or (unicodedata.category(ch) in ("Cc", "Cs", "Co", "Cn") and ch not in "\n\t\r"))
+    garbage = sum(
+        1
+        for ch in stripped
+        if ch == REPLACEMENT or (unicodedata.category(ch) in ("Cc", "Cs", "Co", "Cn") and ch not in "\n\t\r")
+    )
     share = garbage / len(stripped)
     if share > max_garbage_share:
-        return (f"the answer does not decode to text: {garbage} of its {len(stripped)} characters are U+FFFD or "
-                f"control characters (more than {max_garbage_share:.0%}): {stripped[:60]!r}")
+        return (
+            f"the answer does not decode to text: {garbage} of its {len(stripped)} characters are U+FFFD or "
+            f"control characters (more than {max_garbage_share:.0%}): {stripped[:60]!r}"
+        )
     if not any(ch.isalpha() for ch in stripped):
         return f"the answer has no letter: {stripped[:60]!r}"
     return None

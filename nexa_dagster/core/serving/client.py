@@ -68,11 +68,13 @@ class ServingServiceClient:
             return None
         return client
 
-    def _call(self, method: str, route: str, body: dict[str, Any] | None = None,
-              timeout_s: float = 10.0) -> tuple[int, dict[str, Any]]:
+    def _call(
+        self, method: str, route: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0
+    ) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.control_url + route, data=data, method=method,
-                                         headers={"content-type": "application/json"})
+        request = urllib.request.Request(
+            self.control_url + route, data=data, method=method, headers={"content-type": "application/json"}
+        )
         try:
             with _NO_PROXY.open(request, timeout=timeout_s) as resp:
                 return resp.status, json.loads(resp.read())
@@ -84,8 +86,12 @@ class ServingServiceClient:
 
     def switch(self, checkpoint_path: str, checkpoint_id: str, timeout_s: float = 900.0) -> SwitchResult:
         """Serve ``checkpoint_path`` instead of what is served now; returns once traffic is on it."""
-        code, answer = self._call("POST", "/switch", {"checkpoint_path": checkpoint_path,
-                                                      "checkpoint_id": checkpoint_id}, timeout_s=timeout_s)
+        code, answer = self._call(
+            "POST",
+            "/switch",
+            {"checkpoint_path": checkpoint_path, "checkpoint_id": checkpoint_id},
+            timeout_s=timeout_s,
+        )
         if code != 200:
             raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
         return SwitchResult.model_validate(answer)

@@ -39,8 +39,9 @@ def haproxy_binary() -> str | None:
     return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.access(p, os.X_OK)), None)
 
 
-def render_config(port: int, engine_ports: dict[str, int], control_port: int, admin_socket: Path,
-                  host: str = "127.0.0.1") -> str:
+def render_config(
+    port: int, engine_ports: dict[str, int], control_port: int, admin_socket: Path, host: str = "127.0.0.1"
+) -> str:
     """The whole configuration: one frontend, the engines backend (both colours out at first), the control API."""
     servers = "\n".join(f"    server {c} 127.0.0.1:{engine_ports[c]} disabled" for c in COLOURS)
     return f"""# written by nexa_dagster.core.serving.haproxy; traffic is steered at run time through {admin_socket}
@@ -75,8 +76,15 @@ backend control
 class HAProxyRouter:
     """``router.start()`` then ``router.route_to("green")``: green takes new requests, blue drains, then is out."""
 
-    def __init__(self, work_dir: str | Path, port: int, engine_ports: dict[str, int], control_port: int,
-                 host: str = "127.0.0.1", logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: str | Path,
+        port: int,
+        engine_ports: dict[str, int],
+        control_port: int,
+        host: str = "127.0.0.1",
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.work_dir = Path(work_dir)
         self.port, self.engine_ports, self.control_port, self.host = port, engine_ports, control_port, host
         self.admin_socket = self.work_dir / "haproxy.sock"
@@ -92,19 +100,27 @@ class HAProxyRouter:
             raise RouterError(f"haproxy is not installed: {INSTALL_HINT}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.admin_socket.unlink(missing_ok=True)  # a leftover of a killed service
-        self.config_path.write_text(render_config(self.port, self.engine_ports, self.control_port,
-                                                  self.admin_socket, self.host))
+        self.config_path.write_text(
+            render_config(self.port, self.engine_ports, self.control_port, self.admin_socket, self.host)
+        )
         cmd = [exe, "-db", "-f", str(self.config_path)]
         if sys.platform == "linux":  # dies with the service, even when the service is killed with SIGKILL
             cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *cmd]
         with open(self.log_path, "ab") as logfile:
-            self.process = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RouterError(f"haproxy exited with code {self.process.returncode}; {self.log_path}:\n"
-                                  f"{self.log_path.read_text(errors='replace')[-2000:]}")
+                raise RouterError(
+                    f"haproxy exited with code {self.process.returncode}; {self.log_path}:\n"
+                    f"{self.log_path.read_text(errors='replace')[-2000:]}"
+                )
             with contextlib.suppress(OSError):
                 if "Name: HAProxy" in self.command("show info"):
                     return self

@@ -63,10 +63,20 @@ class ServiceAlreadyRunning(RuntimeError):
 class ServingService:
     """``ServingService(serving_dir, pointer, port=8000).run()`` serves until SIGTERM/SIGINT."""
 
-    def __init__(self, serving_dir: str | Path, production_pointer: str, port: int, model_name: str = "nexa-moe",
-                 engine: str = "auto", startup_timeout_s: float = 300.0, poll_s: float = 0.5,
-                 drain_timeout_s: float = 120.0, host: str = "127.0.0.1", control_port: int = 0,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        serving_dir: str | Path,
+        production_pointer: str,
+        port: int,
+        model_name: str = "nexa-moe",
+        engine: str = "auto",
+        startup_timeout_s: float = 300.0,
+        poll_s: float = 0.5,
+        drain_timeout_s: float = 120.0,
+        host: str = "127.0.0.1",
+        control_port: int = 0,
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.dir = Path(serving_dir)
         # host: where the endpoint and the control API listen (0.0.0.0 in a container: other containers switch it)
         self.host, self.control_port = host, control_port
@@ -101,17 +111,34 @@ class ServingService:
             self._http.daemon_threads = True
             threading.Thread(target=self._http.serve_forever, name="control-api", daemon=True).start()
             stack.callback(self._http.shutdown)
-            self.router = HAProxyRouter(self.dir / "router", self.port, self.engine_ports,
-                                        self._http.server_address[1], host=self.host, logger=self.log).start()
+            self.router = HAProxyRouter(
+                self.dir / "router",
+                self.port,
+                self.engine_ports,
+                self._http.server_address[1],
+                host=self.host,
+                logger=self.log,
+            ).start()
             stack.callback(self.router.stop)
             stack.callback(self._stop_engine)
             self._follow_pointer()  # serve what is in production now
-            storage.write_json({"pid": os.getpid(), "base_url": self.base_url, "model_name": self.model_name,
-                                "control_url": f"http://127.0.0.1:{self._http.server_address[1]}",
-                                "started_at": now_utc()}, self.dir / SERVICE_FILE)
+            storage.write_json(
+                {
+                    "pid": os.getpid(),
+                    "base_url": self.base_url,
+                    "model_name": self.model_name,
+                    "control_url": f"http://127.0.0.1:{self._http.server_address[1]}",
+                    "started_at": now_utc(),
+                },
+                self.dir / SERVICE_FILE,
+            )
             stack.callback(lambda: (self.dir / SERVICE_FILE).unlink(missing_ok=True))
-            self.log.info("serving %s at %s (checkpoint %s)", self.model_name, self.base_url,
-                          self.active.checkpoint_id if self.active else "none yet")
+            self.log.info(
+                "serving %s at %s (checkpoint %s)",
+                self.model_name,
+                self.base_url,
+                self.active.checkpoint_id if self.active else "none yet",
+            )
             if ready:
                 ready(self)
             while not self._stopping.is_set():
@@ -128,8 +155,9 @@ class ServingService:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ServiceAlreadyRunning(f"a serving service already runs for {self.dir} "
-                                            f"(see {self.dir / SERVICE_FILE})") from None
+                raise ServiceAlreadyRunning(
+                    f"a serving service already runs for {self.dir} (see {self.dir / SERVICE_FILE})"
+                ) from None
             yield
 
     def _run_tasks(self, timeout_s: float) -> None:
@@ -157,14 +185,17 @@ class ServingService:
             return
         code = served.engine.process.returncode
         self.engine_restarts += 1
-        self.log.warning("the %s engine (%s) exited with code %s; restarting it", served.colour,
-                         served.checkpoint_id, code)
+        self.log.warning(
+            "the %s engine (%s) exited with code %s; restarting it", served.colour, served.checkpoint_id, code
+        )
         served.engine.stop()
         try:
             served.engine.start()
             self.last_error = None
         except (LLMError, OSError) as e:
-            self.last_error = f"the engine of {served.checkpoint_id} exited with code {code} and did not restart: {e}"
+            self.last_error = (
+                f"the engine of {served.checkpoint_id} exited with code {code} and did not restart: {e}"
+            )
             self.log.error(self.last_error)
 
     def _stop_engine(self) -> None:
@@ -201,9 +232,15 @@ class ServingService:
             return self._result(old, old.checkpoint_id, t0, 0.0, "", 0.0)  # already serving it
         colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
         try:
-            engine = ManagedServer(checkpoint_path, self.dir / "engines" / colour, engine=self.engine_kind,
-                                   port=self.engine_ports[colour], startup_timeout_s=self.startup_timeout_s,
-                                   served_model_name=self.model_name, logger=self.log)
+            engine = ManagedServer(
+                checkpoint_path,
+                self.dir / "engines" / colour,
+                engine=self.engine_kind,
+                port=self.engine_ports[colour],
+                startup_timeout_s=self.startup_timeout_s,
+                served_model_name=self.model_name,
+                logger=self.log,
+            )
             engine.start(attempts=1)
         except (LLMError, ValueError, OSError) as e:
             return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
@@ -211,9 +248,11 @@ class ServingService:
         if not smoke.ok:
             tail = engine.log_tail(10)
             engine.stop()
-            return self._failed(checkpoint_id, f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
-                                               f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text
-                                                                     else ""))
+            return self._failed(
+                checkpoint_id,
+                f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
+                f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text else ""),
+            )
         assert self.router is not None
         drain_s = self.router.route_to(colour, self.drain_timeout_s)
         self.active = ServedEngine(colour, checkpoint_id, checkpoint_path, engine)
@@ -221,10 +260,17 @@ class ServingService:
         if old is not None:
             old.engine.stop()
         self.last_error = None
-        result = self._result(self.active, self.previous_checkpoint_id, t0, drain_s, smoke.text, smoke.latency_s)
+        result = self._result(
+            self.active, self.previous_checkpoint_id, t0, drain_s, smoke.text, smoke.latency_s
+        )
         self.last_switch = result.model_dump()
-        self.log.info("now serving %s on %s (was %s), switch took %.1f s", checkpoint_id, colour,
-                      self.previous_checkpoint_id, result.switch_s)
+        self.log.info(
+            "now serving %s on %s (was %s), switch took %.1f s",
+            checkpoint_id,
+            colour,
+            self.previous_checkpoint_id,
+            result.switch_s,
+        )
         return result
 
     def _still_serving(self) -> str:
@@ -235,19 +281,36 @@ class ServingService:
         self.last_switch = {"checkpoint_id": checkpoint_id, "failed_at": now_utc(), "error": reason}
         raise SwitchFailed(reason)
 
-    def _result(self, served: ServedEngine, previous: str | None, t0: float, drain_s: float, smoke: str,
-                smoke_latency_s: float) -> SwitchResult:
-        return SwitchResult(checkpoint_id=served.checkpoint_id, checkpoint_path=served.checkpoint_path,
-                            previous_checkpoint_id=previous, endpoint=self.base_url, model_name=self.model_name,
-                            colour=served.colour, switched_at=served.since, switch_s=time.perf_counter() - t0,
-                            drain_s=drain_s, smoke_response=smoke, smoke_latency_s=smoke_latency_s,
-                            engine=served.engine.engine)
+    def _result(
+        self,
+        served: ServedEngine,
+        previous: str | None,
+        t0: float,
+        drain_s: float,
+        smoke: str,
+        smoke_latency_s: float,
+    ) -> SwitchResult:
+        return SwitchResult(
+            checkpoint_id=served.checkpoint_id,
+            checkpoint_path=served.checkpoint_path,
+            previous_checkpoint_id=previous,
+            endpoint=self.base_url,
+            model_name=self.model_name,
+            colour=served.colour,
+            switched_at=served.since,
+            switch_s=time.perf_counter() - t0,
+            drain_s=drain_s,
+            smoke_response=smoke,
+            smoke_latency_s=smoke_latency_s,
+            engine=served.engine.engine,
+        )
 
     # -- what the control API reports ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         served = self.active
         return {
-            "endpoint": self.base_url, "model": self.model_name,
+            "endpoint": self.base_url,
+            "model": self.model_name,
             "checkpoint_id": served.checkpoint_id if served else None,
             "checkpoint_path": served.checkpoint_path if served else None,
             "colour": served.colour if served else None,
@@ -256,16 +319,29 @@ class ServingService:
             "engine_url": served.engine.base_url if served else None,  # the engine itself, bypassing HAProxy
             "serving_since": served.since if served else None,
             "previous_checkpoint_id": self.previous_checkpoint_id,
-            "engine_restarts": self.engine_restarts, "last_switch": self.last_switch, "last_error": self.last_error,
+            "engine_restarts": self.engine_restarts,
+            "last_switch": self.last_switch,
+            "last_error": self.last_error,
             "service_pid": os.getpid(),
         }
 
     def models(self) -> dict[str, Any]:
         served = self.active
-        data = [] if served is None else [{
-            "id": self.model_name, "object": "model", "owned_by": "nexa-dagster",
-            "created": int(Path(served.checkpoint_path).stat().st_mtime) if Path(served.checkpoint_path).exists()
-            else 0, "checkpoint_id": served.checkpoint_id}]
+        data = (
+            []
+            if served is None
+            else [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "owned_by": "nexa-dagster",
+                    "created": int(Path(served.checkpoint_path).stat().st_mtime)
+                    if Path(served.checkpoint_path).exists()
+                    else 0,
+                    "checkpoint_id": served.checkpoint_id,
+                }
+            ]
+        )
         return {"object": "list", "data": data}
 
 
@@ -292,7 +368,9 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
                 self._send(200, service.models())
             elif path.startswith("/v1/models/"):
                 found = [m for m in service.models()["data"] if m["id"] == path.rsplit("/", 1)[1]]
-                self._send(200, found[0]) if found else self._send(404, {"error": {"message": "no such model"}})
+                self._send(200, found[0]) if found else self._send(
+                    404, {"error": {"message": "no such model"}}
+                )
             else:
                 self._send(404, {"error": f"no route {path}"})
 
@@ -304,7 +382,9 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
                 path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
             except (ValueError, KeyError) as e:
-                self._send(400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"})
+                self._send(
+                    400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"}
+                )
                 return
             try:
                 result = service.submit(lambda: service.switch(path, checkpoint_id)).result()

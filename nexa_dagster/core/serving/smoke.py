@@ -42,14 +42,23 @@ class SmokeAnswer:
         return self.problem is None
 
 
-def smoke_request(base_url: str, model_name: str, prompt: str = SMOKE_PROMPT, max_tokens: int = 32,
-                  timeout_s: float = 120.0, max_retries: int = 2) -> SmokeAnswer:
+def smoke_request(
+    base_url: str,
+    model_name: str,
+    prompt: str = SMOKE_PROMPT,
+    max_tokens: int = 32,
+    timeout_s: float = 120.0,
+    max_retries: int = 2,
+) -> SmokeAnswer:
     """Send the smoke request (temperature 0: a checkpoint's answer is reproducible) and judge the answer."""
     t0 = time.perf_counter()
-    with OpenAICompatibleClient(base_url, model=model_name, max_retries=max_retries, timeout_s=timeout_s) as client:
+    with OpenAICompatibleClient(
+        base_url, model=model_name, max_retries=max_retries, timeout_s=timeout_s
+    ) as client:
         try:
-            answer = client.chat([{"role": "user", "content": prompt}],
-                                 SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            answer = client.chat(
+                [{"role": "user", "content": prompt}], SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            )
         except LLMError as e:
             return SmokeAnswer("", 0, time.perf_counter() - t0, f"the smoke request failed: {e}")
     problem = text_problem(answer.text)
@@ -76,10 +85,17 @@ class DeploymentManifest(BaseModel):
     log_path: str = ""
 
 
-def smoke_test_in_temporary_engine(checkpoint_dir: str | Path, checkpoint_id: str, work_dir: str | Path,
-                                   prompt: str = SMOKE_PROMPT, engine: str = "auto", max_tokens: int = 32,
-                                   startup_timeout_s: float = 300.0, request_timeout_s: float = 120.0,
-                                   logger: logging.Logger | None = None) -> DeploymentManifest:
+def smoke_test_in_temporary_engine(
+    checkpoint_dir: str | Path,
+    checkpoint_id: str,
+    work_dir: str | Path,
+    prompt: str = SMOKE_PROMPT,
+    engine: str = "auto",
+    max_tokens: int = 32,
+    startup_timeout_s: float = 300.0,
+    request_timeout_s: float = 120.0,
+    logger: logging.Logger | None = None,
+) -> DeploymentManifest:
     """Start an engine, send the smoke request, stop the engine, write ``deployment.json`` atomically.
 
     The manifest is written even when the smoke test fails (``status`` says how, ``error`` why) so that the
@@ -87,19 +103,33 @@ def smoke_test_in_temporary_engine(checkpoint_dir: str | Path, checkpoint_id: st
     """
     work_dir = Path(work_dir)
     started = now_utc()
-    with ManagedServer(checkpoint_dir, work_dir, engine=engine, startup_timeout_s=startup_timeout_s,
-                       logger=logger) as server:
+    with ManagedServer(
+        checkpoint_dir, work_dir, engine=engine, startup_timeout_s=startup_timeout_s, logger=logger
+    ) as server:
         answer = smoke_request(server.base_url, server.model_name, prompt, max_tokens, request_timeout_s)
         error = answer.problem
         if error and not answer.text:
             error = f"{error}; server log tail:\n{server.log_tail(15)}"
-        facts = {"engine": server.engine, "base_url": server.base_url, "model_name": server.model_name,
-                 "ready_s": server.ready_s, "log_path": str(server.log_path)}
+        facts = {
+            "engine": server.engine,
+            "base_url": server.base_url,
+            "model_name": server.model_name,
+            "ready_s": server.ready_s,
+            "log_path": str(server.log_path),
+        }
     status = "ok" if answer.ok else ("not_text" if answer.text else "failed")
     manifest = DeploymentManifest(
-        checkpoint_id=checkpoint_id, checkpoint_dir=str(checkpoint_dir), started_at=started, smoke_prompt=prompt,
-        smoke_response=answer.text, smoke_latency_s=answer.latency_s, completion_tokens=answer.completion_tokens,
-        stopped_at=now_utc(), status=status, error=error, **facts,
+        checkpoint_id=checkpoint_id,
+        checkpoint_dir=str(checkpoint_dir),
+        started_at=started,
+        smoke_prompt=prompt,
+        smoke_response=answer.text,
+        smoke_latency_s=answer.latency_s,
+        completion_tokens=answer.completion_tokens,
+        stopped_at=now_utc(),
+        status=status,
+        error=error,
+        **facts,
     )
     storage.write_json(manifest.model_dump(), work_dir / MANIFEST_NAME)  # temp file + os.replace
     return manifest

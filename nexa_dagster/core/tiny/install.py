@@ -16,4 +16,8 @@ from nexa_dagster.core.tiny.pretrain import build_pretrained_tiny_lm
 
 def install_tiny_models(model_dirs: Iterable[str | Path]) -> list[Path]:
     """A complete tiny model in each of ``model_dirs`` named ``tiny-*`` (others are real models: left alone)."""
-    return [build_pretrained_tiny_lm(d) for d in dict.fromkeys(Path(p) for p in model_dirs) if d.name.startswith("tiny-")]
+    return [
+        build_pretrained_tiny_lm(d)
+        for d in dict.fromkeys(Path(p) for p in model_dirs)
+        if d.name.startswith("tiny-")
+    ]

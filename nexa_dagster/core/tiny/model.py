@@ -67,8 +67,13 @@ def undecodable_tokens(tokenizer: Any) -> list[int]:
     return [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
 
 
-def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", corpus: Iterable[str] | None = None,
-                         vocab_size: int = 2048, seed: int = 0) -> Path:
+def build_tiny_causal_lm(
+    out_dir: str | os.PathLike[str],
+    preset: str = "tiny",
+    corpus: Iterable[str] | None = None,
+    vocab_size: int = 2048,
+    seed: int = 0,
+) -> Path:
     """Create tokenizer + randomly initialised MoE model and save them to ``out_dir`` atomically.
 
     The directory is written under a temporary name and renamed into place, with a completion marker last, so a
@@ -88,10 +93,15 @@ def build_tiny_causal_lm(out_dir: str | os.PathLike[str], preset: str = "tiny", 
         config = build_model_config(preset, vocab_size=len(tokenizer), tokenizer=tokenizer)
         model = MixtralForCausalLM(config)
         model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.95,
             suppress_tokens=undecodable_tokens(tokenizer),
         )
+
         def fill(tmp: Path) -> None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

@@ -74,9 +74,15 @@ class TinyPretrainRecipe:
 def recipe_key(recipe: TinyPretrainRecipe, corpus: list[str]) -> str:
     """A hash of what makes the model: a different recipe, preset, corpus, prompt or chat template, another key."""
     h = hashlib.sha256()
-    parts = {"version": RECIPE_VERSION, "recipe": asdict(recipe), "preset": load_model_preset(recipe.preset),
-             "teacher": read_text("prompts/teacher.jinja"), "system": read_text("prompts/teacher_system.txt"),
-             "judge": read_text("prompts/judge.jinja"), "chat": read_text("chat_template.jinja")}
+    parts = {
+        "version": RECIPE_VERSION,
+        "recipe": asdict(recipe),
+        "preset": load_model_preset(recipe.preset),
+        "teacher": read_text("prompts/teacher.jinja"),
+        "system": read_text("prompts/teacher_system.txt"),
+        "judge": read_text("prompts/judge.jinja"),
+        "chat": read_text("chat_template.jinja"),
+    }
     h.update(json.dumps(parts, sort_keys=True, default=str).encode())
     for doc in corpus:
         h.update(hashlib.sha256(doc.encode()).digest())
@@ -93,13 +99,17 @@ def _cut(text: str, limit: int) -> str:
 class ExampleMaker:
     """Draws training conversations (teacher and judge) from the corpus with one seeded RNG."""
 
-    def __init__(self, corpus: list[str], recipe: TinyPretrainRecipe, titles: list[str] | None = None) -> None:
+    def __init__(
+        self, corpus: list[str], recipe: TinyPretrainRecipe, titles: list[str] | None = None
+    ) -> None:
         self.render = render
         self.recipe = recipe
         self.docs = [d for d in corpus if len(d) > recipe.window_chars + recipe.answer_chars // 2]
         if len(self.docs) < 2:
-            raise ValueError(f"tiny pretraining needs at least 2 documents longer than "
-                             f"{recipe.window_chars + recipe.answer_chars // 2} characters; got {len(self.docs)}")
+            raise ValueError(
+                f"tiny pretraining needs at least 2 documents longer than "
+                f"{recipe.window_chars + recipe.answer_chars // 2} characters; got {len(self.docs)}"
+            )
         self.titles = titles
         self.rng = random.Random(recipe.seed)
         self.teacher = read_text("prompts/teacher.jinja")
@@ -114,7 +124,7 @@ class ExampleMaker:
         if start:
             start = doc.find(" ", start) + 1 or start
         window = _cut(doc[start:], r.window_chars)
-        rest = doc[start + len(window):].lstrip()
+        rest = doc[start + len(window) :].lstrip()
         return window, _cut(rest, r.answer_chars)
 
     def _prompt(self, window: str) -> str:
@@ -123,8 +133,11 @@ class ExampleMaker:
 
     def teacher_example(self) -> tuple[list[dict[str, str]], bool]:
         window, answer = self._window(self.rng.choice(self.docs))
-        return [{"role": "system", "content": self.system}, {"role": "user", "content": self._prompt(window)},
-                {"role": "assistant", "content": answer}], False
+        return [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": self._prompt(window)},
+            {"role": "assistant", "content": answer},
+        ], False
 
     def judge_example(self) -> tuple[list[dict[str, str]], bool]:
         doc = self.rng.choice(self.docs)
@@ -138,26 +151,32 @@ class ExampleMaker:
         else:  # what a weak teacher writes: a few symbols or words shuffled beyond reading
             words = answer.split()
             self.rng.shuffle(words)
-            junk = "".join(self.rng.choice("-_()[]{}.,:;'\"|#*=\n ") for _ in range(self.rng.randrange(0, 12)))
-            answer, score = (" ".join(words[:self.rng.randrange(1, 6)]) if self.rng.random() < 0.5 else junk), "1"
+            junk = "".join(
+                self.rng.choice("-_()[]{}.,:;'\"|#*=\n ") for _ in range(self.rng.randrange(0, 12))
+            )
+            answer, score = (
+                (" ".join(words[: self.rng.randrange(1, 6)]) if self.rng.random() < 0.5 else junk),
+                "1",
+            )
         prompt = self.render(self.judge, prompt=self._prompt(window), response=answer)
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": score}], True
 
 
-def _encode(tokenizer: Any, messages: list[dict[str, str]], answer_only: bool,
-            max_len: int) -> tuple[list[int], list[int]]:
+def _encode(
+    tokenizer: Any, messages: list[dict[str, str]], answer_only: bool, max_len: int
+) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and its labels (-100 where nothing is learned)."""
     prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(messages, tokenize=False)
     p_ids = tokenizer.encode(prompt, add_special_tokens=False)
     ids = tokenizer.encode(full, add_special_tokens=False)
     if len(ids) > max_len:  # keep the answer and the prompt's end (rare: a window is ~200 tokens)
-        answer = ids[len(p_ids):]
-        p_ids = p_ids[len(p_ids) - (max_len - len(answer)):]
+        answer = ids[len(p_ids) :]
+        p_ids = p_ids[len(p_ids) - (max_len - len(answer)) :]
         ids = p_ids + answer
     labels = list(ids)
     if answer_only:
-        labels[:len(p_ids)] = [-100] * len(p_ids)
+        labels[: len(p_ids)] = [-100] * len(p_ids)
     return ids, labels
 
 
@@ -188,8 +207,9 @@ def pretrain(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe) -> 
         torch.set_num_threads(threads)
 
 
-def _train(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: float,
-           cpu0: float) -> dict[str, float]:
+def _train(
+    model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: float, cpu0: float
+) -> dict[str, float]:
     torch.manual_seed(recipe.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_mixtral_checkpoint(str(model_dir), attention="causal")
@@ -197,8 +217,9 @@ def _train(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: f
     maker = ExampleMaker(corpus, recipe)
     max_len = int(model.config.max_position_embeddings)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / recipe.warmup_steps) * max(
-        0.1, 1 - s / recipe.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / recipe.warmup_steps) * max(0.1, 1 - s / recipe.steps)
+    )
     n_judge = round(recipe.batch_size * recipe.judge_share)
     losses: list[float] = []
     for _ in range(recipe.steps):
@@ -218,8 +239,13 @@ def _train(model_dir: Path, corpus: list[str], recipe: TinyPretrainRecipe, t0: f
     hf.save_pretrained(model_dir)
     write_portable_configs(model_dir)  # what transformers 4.x reads too, as build_tiny_causal_lm writes
     k = max(1, len(losses) // 10)
-    return {"first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k,
-            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0, "steps": recipe.steps}
+    return {
+        "first_loss": sum(losses[:k]) / k,
+        "last_loss": sum(losses[-k:]) / k,
+        "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - cpu0,
+        "steps": recipe.steps,
+    }
 
 
 def shipped_model(key: str) -> Path | None:
@@ -228,8 +254,9 @@ def shipped_model(key: str) -> Path | None:
     return path if (path / COMPLETION_MARKER).exists() else None
 
 
-def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretrainRecipe | None = None,
-                             corpus: list[str] | None = None) -> Path:
+def build_pretrained_tiny_lm(
+    out_dir: str | os.PathLike[str], recipe: TinyPretrainRecipe | None = None, corpus: list[str] | None = None
+) -> Path:
     """The pretrained tiny teacher/judge at ``out_dir``: a copy of the shipped model for this recipe, else of the
     machine's cached build (built there first if new).
 
@@ -246,9 +273,12 @@ def build_pretrained_tiny_lm(out_dir: str | os.PathLike[str], recipe: TinyPretra
     if source is None:
         source = settings.model_cache_root() / f"tiny-pretrained-{key}"
         if recipe == TinyPretrainRecipe() and corpus is None:
-            log.warning("the repository ships no tiny model for recipe %s (a prompt, the chat template, the preset "
-                        "or the recipe changed): building one on this machine, whose weights depend on its CPU; "
-                        "`make tiny-models` rebuilds the shipped copy", key)
+            log.warning(
+                "the repository ships no tiny model for recipe %s (a prompt, the chat template, the preset "
+                "or the recipe changed): building one on this machine, whose weights depend on its CPU; "
+                "`make tiny-models` rebuilds the shipped copy",
+                key,
+            )
         _build_cached(source, recipe, docs)
     out.parent.mkdir(parents=True, exist_ok=True)
     with directory_lock(out):
@@ -287,8 +317,11 @@ def _kernels() -> dict[str, str]:
     """What decided the float results of a build: PyTorch's version and the CPU kernels it picked."""
     import platform
 
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine()}
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+    }
 
 
 def _build_into(cached: Path, recipe: TinyPretrainRecipe, corpus: list[str]) -> None:
@@ -300,13 +333,30 @@ def _build_into(cached: Path, recipe: TinyPretrainRecipe, corpus: list[str]) -> 
             shutil.rmtree(leftover, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
     try:
-        model_dir = build_tiny_causal_lm(work / "model", preset=recipe.preset, corpus=corpus,
-                                         vocab_size=recipe.vocab_size, seed=recipe.seed)
+        model_dir = build_tiny_causal_lm(
+            work / "model",
+            preset=recipe.preset,
+            corpus=corpus,
+            vocab_size=recipe.vocab_size,
+            seed=recipe.seed,
+        )
         stats = pretrain(model_dir, corpus, recipe)
         (model_dir / COMPLETION_MARKER).unlink()
-        (model_dir / "pretraining.json").write_text(json.dumps(
-            {"recipe": asdict(recipe), "key": cached.name, "corpus": "pydoc_data.topics" if corpus == default_corpus()
-             else f"{len(corpus)} documents", "built_with": _kernels(), **stats}, indent=2) + "\n")
+        (model_dir / "pretraining.json").write_text(
+            json.dumps(
+                {
+                    "recipe": asdict(recipe),
+                    "key": cached.name,
+                    "corpus": "pydoc_data.topics"
+                    if corpus == default_corpus()
+                    else f"{len(corpus)} documents",
+                    "built_with": _kernels(),
+                    **stats,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         (model_dir / COMPLETION_MARKER).write_text("ok\n")
         if cached.exists():
             shutil.rmtree(cached)
@@ -319,7 +369,11 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Rebuild the tiny teacher/judge the repository ships.")
-    parser.add_argument("--ship", action="store_true", required=True,
-                        help=f"build from nothing into {SHIPPED_ROOT} (then commit it)")
+    parser.add_argument(
+        "--ship",
+        action="store_true",
+        required=True,
+        help=f"build from nothing into {SHIPPED_ROOT} (then commit it)",
+    )
     parser.parse_args()
     print(ship())

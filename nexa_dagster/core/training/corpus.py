@@ -57,9 +57,11 @@ def split_documents(documents: list[np.ndarray], heldout_fraction: float, seed: 
         return side == "validation" if side else is_validation(doc_id, heldout_fraction, seed)
 
     sides = [held(i) for i in ids]
-    return CorpusSplit(train=[d for d, h in zip(documents, sides, strict=True) if not h],
-                       heldout=[d for d, h in zip(documents, sides, strict=True) if h],
-                       heldout_ids=frozenset(i for i, h in zip(ids, sides, strict=True) if h))
+    return CorpusSplit(
+        train=[d for d, h in zip(documents, sides, strict=True) if not h],
+        heldout=[d for d, h in zip(documents, sides, strict=True) if h],
+        heldout_ids=frozenset(i for i, h in zip(ids, sides, strict=True) if h),
+    )
 
 
 def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Batch:
@@ -73,11 +75,11 @@ def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Bat
     rows = -(-len(stream) // pack_size)
     slots = rows * pack_size
     input_ids = np.full(slots, pad_id, dtype=np.int64)
-    input_ids[:len(stream)] = stream
+    input_ids[: len(stream)] = stream
     attention = np.zeros(slots, dtype=np.int64)
-    attention[:len(stream)] = 1
+    attention[: len(stream)] = 1
     restart = np.zeros(slots, dtype=bool)
-    restart[:len(stream)] = starts
+    restart[: len(stream)] = starts
     restart[::pack_size] = True  # a carried-over document starts again at position 0 in its new row
     if len(stream) < slots:
         restart[len(stream)] = True  # padding counts from 0 too; attention_mask hides it
@@ -85,23 +87,32 @@ def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Bat
     last_start = np.maximum.accumulate(np.where(restart, index, 0))
     positions = index - last_start
     shape = (rows, pack_size)
-    return {"input_ids": torch.from_numpy(input_ids.reshape(shape)),
-            "loss_mask": torch.from_numpy(attention.reshape(shape).copy()),
-            "position_ids": torch.from_numpy(positions.reshape(shape)),
-            "attention_mask": torch.from_numpy(attention.reshape(shape))}
+    return {
+        "input_ids": torch.from_numpy(input_ids.reshape(shape)),
+        "loss_mask": torch.from_numpy(attention.reshape(shape).copy()),
+        "position_ids": torch.from_numpy(positions.reshape(shape)),
+        "attention_mask": torch.from_numpy(attention.reshape(shape)),
+    }
 
 
-def load_corpus(path: str, pack_size: int, heldout_fraction: float, pad_id: int, seed: int = 0,
-                eval_fraction: float = 0.0) -> tuple[Batch, Batch, CorpusSplit]:
+def load_corpus(
+    path: str, pack_size: int, heldout_fraction: float, pad_id: int, seed: int = 0, eval_fraction: float = 0.0
+) -> tuple[Batch, Batch, CorpusSplit]:
     """(training rows, held-out rows, the split) of a bin/idx corpus, ready for the training loop; the documents
     on the eval set's side (``eval_fraction``, 0: none) are in neither."""
     everything = read_documents(corpus_prefixes(path))
     documents = without_eval_set_documents(everything, eval_fraction)
     if len(documents) < 2:
-        kept_out = f" once the {len(everything) - len(documents)} on the eval set's side (eval_set.corpus_fraction=" \
-                   f"{eval_fraction}) are kept out" if len(everything) != len(documents) else ""
-        raise ValueError(f"pretraining corpus {path} has {len(documents)} document(s){kept_out}; a training side "
-                         "and a held-out side need at least two")
+        kept_out = (
+            f" once the {len(everything) - len(documents)} on the eval set's side (eval_set.corpus_fraction="
+            f"{eval_fraction}) are kept out"
+            if len(everything) != len(documents)
+            else ""
+        )
+        raise ValueError(
+            f"pretraining corpus {path} has {len(documents)} document(s){kept_out}; a training side "
+            "and a held-out side need at least two"
+        )
     split = split_documents(documents, heldout_fraction, seed)
     split = CorpusSplit(split.train, split.heldout, split.heldout_ids, len(everything) - len(documents))
     if not split.train or not split.heldout:

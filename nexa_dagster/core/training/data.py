@@ -26,7 +26,9 @@ from nexa_dagster.core.training.job import TrainingJob
 Batch = dict[str, torch.Tensor]
 
 PACKED_COLUMNS = ("input_ids", "loss_mask", "position_ids", "attention_mask")
-OPTIONAL_COLUMNS = ("labels",)  # written by packaging since packed-sft-parquet/3; computed here for older data
+OPTIONAL_COLUMNS = (
+    "labels",
+)  # written by packaging since packed-sft-parquet/3; computed here for older data
 LOSS_TOKENS = "loss_tokens"  # a micro-batch's learned-token count, added by micro_batches
 HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
 
@@ -56,15 +58,23 @@ def check_packed(data: Batch, path: str, vocab_size: int) -> None:
     """Catch data the model cannot train on before the engine starts, with a message that says what to fix."""
     top = int(data["input_ids"].max())
     if top >= vocab_size:
-        raise ValueError(f"packed dataset {path} has token id {top} but the tokenizer's vocabulary has {vocab_size} "
-                         "entries: the data was tokenized with a different tokenizer")
+        raise ValueError(
+            f"packed dataset {path} has token id {top} but the tokenizer's vocabulary has {vocab_size} "
+            "entries: the data was tokenized with a different tokenizer"
+        )
     if "labels" in data:
-        stored, rule = data["labels"], data["input_ids"].masked_fill(
-            ~learned(data["loss_mask"], data["attention_mask"], data["position_ids"]), IGNORE_INDEX)
+        stored, rule = (
+            data["labels"],
+            data["input_ids"].masked_fill(
+                ~learned(data["loss_mask"], data["attention_mask"], data["position_ids"]), IGNORE_INDEX
+            ),
+        )
         if not torch.equal(stored, rule):
             row = int(stored.ne(rule).any(dim=1).nonzero()[0, 0])
-            raise ValueError(f"packed dataset {path}: row {row} has labels that disagree with its input_ids and "
-                             "loss_mask (labels must be the token id where learned, -100 elsewhere)")
+            raise ValueError(
+                f"packed dataset {path}: row {row} has labels that disagree with its input_ids and "
+                "loss_mask (labels must be the token id where learned, -100 elsewhere)"
+            )
     if int(labels_for(data).ne(IGNORE_INDEX).sum()) == 0:
         raise ValueError(f"packed dataset {path} has no loss-mask tokens: nothing to learn")
 
@@ -86,8 +96,9 @@ def index_stream(num_rows: int, seed: int) -> Iterator[int]:
         yield from torch.randperm(num_rows, generator=generator).tolist()
 
 
-def micro_batches(data: Batch, micro_batch: int, seed: int, rank: int, world_size: int,
-                  start: int = 0) -> Iterator[Batch]:
+def micro_batches(
+    data: Batch, micro_batch: int, seed: int, rank: int, world_size: int, start: int = 0
+) -> Iterator[Batch]:
     """This rank's share of every global batch, from global batch number ``start`` on (resume).
 
     Each global batch holds ``micro_batch * world_size`` rows, no row twice unless the dataset is smaller than a
@@ -95,10 +106,12 @@ def micro_batches(data: Batch, micro_batch: int, seed: int, rank: int, world_siz
     """
     stream = index_stream(data["input_ids"].shape[0], seed)
     if start:
-        next(itertools.islice(stream, start * micro_batch * world_size - 1, None))  # skip without building lists
+        next(
+            itertools.islice(stream, start * micro_batch * world_size - 1, None)
+        )  # skip without building lists
     while True:
         global_batch = list(itertools.islice(stream, micro_batch * world_size))
-        mine = torch.tensor(global_batch[rank * micro_batch:(rank + 1) * micro_batch])
+        mine = torch.tensor(global_batch[rank * micro_batch : (rank + 1) * micro_batch])
         batch = {name: tensor[mine] for name, tensor in data.items()}
         batch[LOSS_TOKENS] = labels_for(batch)[:, 1:].ne(IGNORE_INDEX).sum()  # counted here, on the host
         yield batch
@@ -121,7 +134,9 @@ class Prefetcher:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, depth))
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True) if depth > 0 else None
+        self._thread = (
+            threading.Thread(target=self._fill, name="prefetch", daemon=True) if depth > 0 else None
+        )
         if self._thread is not None:
             self._thread.start()
 
@@ -177,8 +192,9 @@ def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # the split is the corpus's, not the run's: no training seed in it, so every base model trained on this
         # corpus holds out the same documents
-        train, validation, split = load_corpus(job.train_path, job.pack_size, job.heldout_fraction, pad,
-                                              eval_fraction=job.eval_fraction)
+        train, validation, split = load_corpus(
+            job.train_path, job.pack_size, job.heldout_fraction, pad, eval_fraction=job.eval_fraction
+        )
         check_packed(train, f"{job.train_path} (training side)", vocab_size)
         check_packed(validation, f"{job.train_path} (held-out side)", vocab_size)
         return train, validation, len(split.heldout)

@@ -32,8 +32,12 @@ class InitSource:
     note: str = ""  # why the request was changed (e.g. "base" with no base model yet)
 
 
-def resolve(init_from: str, base: tuple[str, str] | None, production: tuple[str, str] | None,
-            fallback_to_scratch: bool = False) -> InitSource:
+def resolve(
+    init_from: str,
+    base: tuple[str, str] | None,
+    production: tuple[str, str] | None,
+    fallback_to_scratch: bool = False,
+) -> InitSource:
     """Turn ``init_from`` into a directory. ``base`` and ``production`` are ``(id, path)`` or None when none
     exists. A missing base falls back to scratch only when ``fallback_to_scratch`` (``base`` is the preset's
     default, and the very first night has no base model); asked for explicitly, a missing one is an error."""
@@ -43,10 +47,16 @@ def resolve(init_from: str, base: tuple[str, str] | None, production: tuple[str,
     if value == "base":
         if base is None:
             if fallback_to_scratch:
-                return InitSource("", "scratch", "init_from 'base' (the preset's default) but no base_model has "
-                                                 "been materialized yet: training from scratch")
-            raise ValueError("init_from 'base' but no base_model has been materialized yet (run pretraining_job, "
-                             "or set init_from: scratch)")
+                return InitSource(
+                    "",
+                    "scratch",
+                    "init_from 'base' (the preset's default) but no base_model has "
+                    "been materialized yet: training from scratch",
+                )
+            raise ValueError(
+                "init_from 'base' but no base_model has been materialized yet (run pretraining_job, "
+                "or set init_from: scratch)"
+            )
         return InitSource(base[1], f"base:{base[0]}")
     if value == "production":
         if production is None:
@@ -79,8 +89,10 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     architectures = config.get("architectures") or []
     if config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures):
         found = ", ".join(architectures) or config.get("model_type") or "unknown"
-        raise ValueError(f"init_from {path}: a {found} checkpoint; training starts only from a Mixtral-architecture "
-                         f"checkpoint ({MIXTRAL}, model_type 'mixtral')")
+        raise ValueError(
+            f"init_from {path}: a {found} checkpoint; training starts only from a Mixtral-architecture "
+            f"checkpoint ({MIXTRAL}, model_type 'mixtral')"
+        )
     if not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise ValueError(f"init_from {path}: no weights (*.safetensors or *.bin) in the directory")
     vocab = int(config.get("vocab_size", 0))
@@ -89,15 +101,19 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
 
         own = AutoTokenizer.from_pretrained(path)
         if tokenizer_fingerprint(own) != tokenizer_fingerprint(data_tokenizer):
-            raise ValueError(f"init_from {path}: its tokenizer ({len(own)} tokens) is not the one {data_label} was "
-                             f"tokenized with ({len(data_tokenizer)} tokens); re-package the data with this "
-                             "model's tokenizer or start from another checkpoint")
+            raise ValueError(
+                f"init_from {path}: its tokenizer ({len(own)} tokens) is not the one {data_label} was "
+                f"tokenized with ({len(data_tokenizer)} tokens); re-package the data with this "
+                "model's tokenizer or start from another checkpoint"
+            )
         tokenizer_dir = path
     else:
         tokenizer_dir = ""
     if vocab < len(data_tokenizer):
-        raise ValueError(f"init_from {path}: vocab_size {vocab} is smaller than the {len(data_tokenizer)} tokens "
-                         f"of the tokenizer {data_label} was tokenized with")
+        raise ValueError(
+            f"init_from {path}: vocab_size {vocab} is smaller than the {len(data_tokenizer)} tokens "
+            f"of the tokenizer {data_label} was tokenized with"
+        )
     return tokenizer_dir
 
 
@@ -125,6 +141,8 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
     missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"init_from {path}: weights do not map onto the training MoE: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"init_from {path}: weights do not map onto the training MoE: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
     return model

@@ -23,26 +23,46 @@ class TrainingJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_id: str = Field(min_length=1, description="unique per run; also the checkpoint's name")
-    train_path: str = Field(description="packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
-                                        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file")
+    train_path: str = Field(
+        description="packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
+        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file"
+    )
     validation_path: str = Field(description="packed Parquet with the same columns, for the validation loss")
-    tokenizer_path: str = Field(description="a Hugging Face directory whose tokenizer the model is trained for")
+    tokenizer_path: str = Field(
+        description="a Hugging Face directory whose tokenizer the model is trained for"
+    )
     model_preset: str = Field(description="name of a preset in configs/models/")
-    deepspeed_config: dict[str, Any] = Field(description='DeepSpeed JSON config; "auto" fields come from settings')
+    deepspeed_config: dict[str, Any] = Field(
+        description='DeepSpeed JSON config; "auto" fields come from settings'
+    )
     settings: TrainingSettings
     output_dir: str = Field(description="final Hugging Face checkpoint directory (must not exist yet)")
     dataset_run_hash: str = Field(default="", description="lineage: the packed dataset this run trained on")
     accelerator: Accelerator = "cpu"
-    data_kind: DataKind = Field(default="packed_sft", description=(
-        "packed_sft: train/validation_path are packed Parquet; pretrain_corpus: train_path is a Megatron bin/idx "
-        "corpus (megatron_blend.json or its directory), packed here into pack_size rows, its held-out documents "
-        "are the validation set"))
+    data_kind: DataKind = Field(
+        default="packed_sft",
+        description=(
+            "packed_sft: train/validation_path are packed Parquet; pretrain_corpus: train_path is a Megatron bin/idx "
+            "corpus (megatron_blend.json or its directory), packed here into pack_size rows, its held-out documents "
+            "are the validation set"
+        ),
+    )
     pack_size: int = Field(default=0, ge=0, description="pretrain_corpus: tokens per packed row")
-    heldout_fraction: float = Field(default=0.1, gt=0, lt=1, description="pretrain_corpus: documents held out")
-    eval_fraction: float = Field(default=0.0, ge=0, lt=1, description=(
-        "pretrain_corpus: documents on the frozen eval set's side (eval_set.corpus_fraction), never trained on"))
+    heldout_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="pretrain_corpus: documents held out"
+    )
+    eval_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "pretrain_corpus: documents on the frozen eval set's side (eval_set.corpus_fraction), never trained on"
+        ),
+    )
     init_from: str = Field(default="", description="a Mixtral HF directory to start from; empty: random init")
-    parent: str = Field(default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>")
+    parent: str = Field(
+        default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>"
+    )
 
 
 class TrainingResult(BaseModel):
@@ -62,8 +82,12 @@ class TrainingResult(BaseModel):
     parameters_active: int = Field(description="parameters used per token: non-expert + top-k of the experts")
     world_size: int = 1
     dataset_run_hash: str = ""
-    resumed_from_step: int = Field(default=0, description="0, or the step whose saved state this run resumed from")
-    mfu: float = Field(default=0.0, description="best model-FLOPs utilisation of a logging window (GPUs only)")
+    resumed_from_step: int = Field(
+        default=0, description="0, or the step whose saved state this run resumed from"
+    )
+    mfu: float = Field(
+        default=0.0, description="best model-FLOPs utilisation of a logging window (GPUs only)"
+    )
     peak_mem_gb: float = Field(default=0.0, description="peak accelerator memory (GPU) or process RSS (CPU)")
     parent: str = Field(default="scratch", description="what the weights started from (TrainingJob.parent)")
     data_kind: str = "packed_sft"

@@ -56,7 +56,6 @@ LogFn = Callable[[int, dict[str, float]], None]
 MessageFn = Callable[[str], None]
 
 
-
 # -- model and optimisation -------------------------------------------------------------------------------------
 def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEForCausalLM:
     """The MoE to train: the weights of ``job.init_from`` (a Mixtral HF directory), or a randomly initialised
@@ -65,8 +64,10 @@ def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEFor
     if job.init_from:
         model = load_mixtral_checkpoint(job.init_from, attention=job.settings.attention)
         if model.config.vocab_size < vocab_size:
-            raise ValueError(f"init_from {job.init_from}: vocab_size {model.config.vocab_size} is smaller than the "
-                             f"tokenizer's {vocab_size} tokens")
+            raise ValueError(
+                f"init_from {job.init_from}: vocab_size {model.config.vocab_size} is smaller than the "
+                f"tokenizer's {vocab_size} tokens"
+            )
     else:
         config = build_model_config(job.model_preset, vocab_size=vocab_size, tokenizer=tokenizer)
         model = NexaMoEForCausalLM(config, attention=job.settings.attention)
@@ -83,8 +84,9 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return total, active
 
 
-def build_optimizer(model: torch.nn.Module, name: str, learning_rate: float, weight_decay: float,
-                    fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, name: str, learning_rate: float, weight_decay: float, fused: bool = False
+) -> torch.optim.Optimizer:
     """AdamW (or Adam) with the usual LLM split: matrices decay, norms (1-D) do not."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -97,11 +99,13 @@ def build_optimizer(model: torch.nn.Module, name: str, learning_rate: float, wei
 
 def warmup_cosine(warmup_steps: int, total_steps: int, floor: float = 0.1) -> Callable[[int], float]:
     """LR multiplier: linear warmup to the peak, then cosine decay to ``floor`` x peak at the last step."""
+
     def multiplier(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return multiplier
 
 
@@ -123,8 +127,10 @@ def fill_deepspeed_config(job: TrainingJob, world_size: int) -> dict[str, Any]:
         if cfg.get(key, "auto") == "auto":
             cfg[key] = value
         elif cfg[key] != value:
-            raise ValueError(f"DeepSpeed config sets {key}={cfg[key]!r} but the scale preset implies {value!r}; "
-                             'set it to "auto" and change the scale preset instead')
+            raise ValueError(
+                f"DeepSpeed config sets {key}={cfg[key]!r} but the scale preset implies {value!r}; "
+                'set it to "auto" and change the scale preset instead'
+            )
     leftover = _auto_keys(cfg)
     if leftover:
         raise ValueError(f'DeepSpeed config has "auto" values this loop cannot fill: {leftover}')
@@ -160,7 +166,9 @@ def pending_comm_op_build(accelerator: str, world_size: int) -> str:
         return ""
     directory = Path(_get_build_directory(builder.name, verbose=False))
     remove_stale_build_lock(directory / "lock")
-    building = (directory / "lock").exists()  # another process compiles it now (torch's file lock): we wait too
+    building = (
+        directory / "lock"
+    ).exists()  # another process compiles it now (torch's file lock): we wait too
     return str(directory) if building or not any(directory.glob(f"{builder.name}*.so")) else ""
 
 
@@ -180,21 +188,27 @@ def remove_stale_build_lock(lock: Path, max_age_s: float = STALE_BUILD_LOCK_S) -
         return False
     if age < max_age_s:
         return False
-    print(f"removing a stale DeepSpeed build lock {lock} ({age / 60:.0f} min old; its builder is gone)",
-          file=sys.stderr, flush=True)
+    print(
+        f"removing a stale DeepSpeed build lock {lock} ({age / 60:.0f} min old; its builder is gone)",
+        file=sys.stderr,
+        flush=True,
+    )
     lock.unlink(missing_ok=True)
     return True
 
 
-def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int,
-                 say: MessageFn | None = None) -> Any:
+def build_engine(
+    model: NexaMoEForCausalLM, job: TrainingJob, world_size: int, say: MessageFn | None = None
+) -> Any:
     """Model + optimizer + warmup/cosine schedule wrapped by the DeepSpeed engine (ZeRO stage from the JSON)."""
     import deepspeed
 
     build_dir = pending_comm_op_build(job.accelerator, world_size)
     if build_dir and say is not None:
-        say(f"DeepSpeed is compiling its CPU communication op into {build_dir} (or waiting for another process "
-            "that does): once per machine and installation, a few minutes with no output")
+        say(
+            f"DeepSpeed is compiling its CPU communication op into {build_dir} (or waiting for another process "
+            "that does): once per machine and installation, a few minutes with no output"
+        )
 
     s = job.settings
     ds_config = fill_deepspeed_config(job, world_size)
@@ -204,11 +218,13 @@ def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int,
         deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])
     if s.compile and job.accelerator == "cuda":
         model.compile_layers()
-    optimizer = build_optimizer(model, s.optimizer, s.learning_rate, s.weight_decay,
-                                fused=job.accelerator == "cuda")
+    optimizer = build_optimizer(
+        model, s.optimizer, s.learning_rate, s.weight_decay, fused=job.accelerator == "cuda"
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(s.warmup_steps, s.max_steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
     return engine
 
 
@@ -251,9 +267,15 @@ class Control:
         return int(values[0]), bool(values[1] > 0)
 
 
-def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, control: Control,
-                   guard: NonFiniteGuard, step: int,
-                   poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+def optimizer_step(
+    engine: Any,
+    batches: Iterator[Batch],
+    accumulation: int,
+    control: Control,
+    guard: NonFiniteGuard,
+    step: int,
+    poison: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """One optimizer step over ``accumulation`` micro-batches, the LM loss weighted by tokens (torchtitan style).
 
     Each micro-batch's summed token loss is divided by the loss tokens of the whole global batch (all
@@ -276,7 +298,9 @@ def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, con
     lm_loss = aux_loss = expert_load = 0
     tokens = 0
     for i, batch in enumerate(micro):
-        out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch))
+        out = engine(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch)
+        )
         lm = out.lm_loss_sum * weight
         if poison:
             lm = lm * float("nan")
@@ -298,14 +322,15 @@ def optimizer_step(engine: Any, batches: Iterator[Batch], accumulation: int, con
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, data: Batch, device: torch.device, micro_batch: int,
-                    rank: int, world_size: int) -> float:
+def validation_loss(
+    model: torch.nn.Module, data: Batch, device: torch.device, micro_batch: int, rank: int, world_size: int
+) -> float:
     """Mean token NLL over the loss-mask tokens of the validation set (no router aux loss), all ranks."""
     model.eval()
     rows = torch.arange(rank, data["input_ids"].shape[0], world_size)
     nll, count = 0.0, 0
     for start in range(0, len(rows), micro_batch):
-        batch = {k: v[rows[start:start + micro_batch]].to(device) for k, v in data.items()}
+        batch = {k: v[rows[start : start + micro_batch]].to(device) for k, v in data.items()}
         labels = labels_for(batch)
         learned = int(labels[:, 1:].ne(IGNORE_INDEX).sum())
         if learned:
@@ -325,33 +350,54 @@ class MetricsWindow:
     collective of a metrics line, so every rank must call it at the same steps) and starts the next window.
     """
 
-    def __init__(self, batches: Prefetcher, world_size: int, per_token_flops: float, peak: float | None,
-                 device: torch.device, last_step: int) -> None:
+    def __init__(
+        self,
+        batches: Prefetcher,
+        world_size: int,
+        per_token_flops: float,
+        peak: float | None,
+        device: torch.device,
+        last_step: int,
+    ) -> None:
         self.batches, self.world_size, self.device = batches, world_size, device
         self.per_token_flops, self.peak = per_token_flops, peak
         self._reset(last_step)
 
     def _reset(self, step: int) -> None:
-        self.tokens, self.start, self.wait_at_start, self.last_step = 0, time.perf_counter(), self.batches.wait_s, step
+        self.tokens, self.start, self.wait_at_start, self.last_step = (
+            0,
+            time.perf_counter(),
+            self.batches.wait_s,
+            step,
+        )
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
 
-    def close(self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any,
-              expert_load: Any) -> dict[str, float]:
+    def close(
+        self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any, expert_load: Any
+    ) -> dict[str, float]:
         loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), self.tokens)
         if not math.isfinite(loss_sum):  # the guard raises first; kept for a loss that only the sum overflows
-            raise FloatingPointError(f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check "
-                                     "the packed data")
+            raise FloatingPointError(
+                f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check the packed data"
+            )
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tokens_per_s = tokens / elapsed
-        metrics = {"step": step, "loss": loss_sum / self.world_size, "aux_loss": aux_sum / self.world_size,
-                   "lr": lr, "grad_norm": _as_float(grad_norm), "tokens": tokens, "tokens_per_s": tokens_per_s,
-                   "step_s": elapsed / max(step - self.last_step, 1),
-                   "mfu": monitor.mfu(tokens_per_s / self.world_size, self.per_token_flops, self.peak) or 0.0,
-                   "data_wait": (self.batches.wait_s - self.wait_at_start) / elapsed,
-                   "expert_balance": monitor.expert_balance(expert_load),
-                   "mem_gb": monitor.peak_memory_gb(self.device)}
+        metrics = {
+            "step": step,
+            "loss": loss_sum / self.world_size,
+            "aux_loss": aux_sum / self.world_size,
+            "lr": lr,
+            "grad_norm": _as_float(grad_norm),
+            "tokens": tokens,
+            "tokens_per_s": tokens_per_s,
+            "step_s": elapsed / max(step - self.last_step, 1),
+            "mfu": monitor.mfu(tokens_per_s / self.world_size, self.per_token_flops, self.peak) or 0.0,
+            "data_wait": (self.batches.wait_s - self.wait_at_start) / elapsed,
+            "expert_balance": monitor.expert_balance(expert_load),
+            "mem_gb": monitor.peak_memory_gb(self.device),
+        }
         self._reset(step)
         return metrics
 
@@ -361,16 +407,21 @@ def state_dir(job: TrainingJob) -> Path:
     return Path(job.output_dir).with_name(Path(job.output_dir).name + ".state")
 
 
-def save_state(engine: Any, job: TrainingJob, step: int, metrics_log: list[dict[str, float]],
-               tokens_seen: int) -> None:
+def save_state(
+    engine: Any, job: TrainingJob, step: int, metrics_log: list[dict[str, float]], tokens_seen: int
+) -> None:
     """DeepSpeed checkpoint of model, optimizer, scheduler (every rank writes its shard) + loop state.
 
     DeepSpeed writes the ``latest`` pointer after the files, so a kill during the save leaves the previous state
     as the one a relaunch resumes from.
     """
-    client_state = {"step": step, "tokens_seen": tokens_seen, "metrics_log": metrics_log,
-                    "torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    client_state = {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "metrics_log": metrics_log,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
     engine.save_checkpoint(str(state_dir(job)), tag=f"step{step:08d}", client_state=client_state)
 
 
@@ -379,8 +430,9 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
     directory = state_dir(job)
     if not (directory / "latest").exists():
         return None
-    path, client_state = engine.load_checkpoint(str(directory), load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    path, client_state = engine.load_checkpoint(
+        str(directory), load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         # a ValueError: a relaunch would read the same files and fail again, so it is not retried
         raise ValueError(f"could not load the training state in {directory}; delete it to start over")
@@ -391,7 +443,9 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
-def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None) -> TrainingResult:
+def train(
+    job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None
+) -> TrainingResult:
     """Train ``job`` to completion in this process (one rank) and return its result; rank 0 saves the checkpoint.
 
     ``on_log(step, metrics)`` is called on rank 0 every ``log_every`` steps (and on the first and last step) with
@@ -427,12 +481,15 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     total_params, active_params = count_parameters(model)
     engine = build_engine(model, job, world_size, say)
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
-    per_token_flops = monitor.flops_per_token(active_params, model.config.num_hidden_layers,
-                                              model.config.hidden_size, seq_len)
+    per_token_flops = monitor.flops_per_token(
+        active_params, model.config.num_hidden_layers, model.config.hidden_size, seq_len
+    )
     peak = monitor.peak_flops(device)
-    say(f"engine ready: {total_params:,} parameters ({active_params:,} active), ZeRO stage "
+    say(
+        f"engine ready: {total_params:,} parameters ({active_params:,} active), ZeRO stage "
         f"{engine.zero_optimization_stage()}, {train_data['input_ids'].shape[0]} packed rows of {seq_len} tokens, "
-        f"world size {world_size}, device {device}")
+        f"world size {world_size}, device {device}"
+    )
 
     # 3. resume from the last saved state of an earlier attempt of this run, if there is one
     start_step, metrics_log, tokens_seen, tokens_before = 0, [], 0, 0
@@ -444,8 +501,13 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
 
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
     accumulation = s.gradient_accumulation_steps
-    batches = Prefetcher(micro_batches(train_data, s.micro_batch_size, s.seed, rank, world_size,
-                                       start=start_step * accumulation), device, depth=s.prefetch)
+    batches = Prefetcher(
+        micro_batches(
+            train_data, s.micro_batch_size, s.seed, rank, world_size, start=start_step * accumulation
+        ),
+        device,
+        depth=s.prefetch,
+    )
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
     control = Control(world_size)
@@ -473,8 +535,15 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
             try:
-                lm_loss, aux_loss, tokens, expert_load = optimizer_step(engine, batches, accumulation, control, guard,
-                                                                        step, poison=fault_point(NAN_AT_STEP, step=step))
+                lm_loss, aux_loss, tokens, expert_load = optimizer_step(
+                    engine,
+                    batches,
+                    accumulation,
+                    control,
+                    guard,
+                    step,
+                    poison=fault_point(NAN_AT_STEP, step=step),
+                )
             except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
                 if stop.step > start_step:
                     if stop.step > window.last_step:
@@ -486,7 +555,9 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
             window.add(tokens)
             watchdog.beat()
             progress(step, s.max_steps)
-            fault_point(STALL_AT_STEP, step=step, stall_s=10 * s.stall_timeout_s)  # test-only: common/faults.py
+            fault_point(
+                STALL_AT_STEP, step=step, stall_s=10 * s.stall_timeout_s
+            )  # test-only: common/faults.py
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
                 log_line(step, *last)
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
@@ -499,15 +570,26 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     say(f"validation loss {val_loss:.4f}")
     trained_now = [m for m in metrics_log if m["step"] > start_step]
     result = TrainingResult(
-        run_id=job.run_id, checkpoint_dir=str(output_dir), steps=s.max_steps,
-        first_loss=metrics_log[0]["loss"], final_loss=metrics_log[-1]["loss"], validation_loss=val_loss,
-        tokens_seen=tokens_seen, tokens_per_s=(tokens_seen - tokens_before) / max(train_s, 1e-9),
+        run_id=job.run_id,
+        checkpoint_dir=str(output_dir),
+        steps=s.max_steps,
+        first_loss=metrics_log[0]["loss"],
+        final_loss=metrics_log[-1]["loss"],
+        validation_loss=val_loss,
+        tokens_seen=tokens_seen,
+        tokens_per_s=(tokens_seen - tokens_before) / max(train_s, 1e-9),
         wall_s=time.perf_counter() - t_start,
-        loss_curve=[(int(m["step"]), m["loss"]) for m in metrics_log], parameters_total=total_params,
-        parameters_active=active_params, world_size=world_size, dataset_run_hash=job.dataset_run_hash,
-        resumed_from_step=start_step, mfu=max((m["mfu"] for m in trained_now), default=0.0),
+        loss_curve=[(int(m["step"]), m["loss"]) for m in metrics_log],
+        parameters_total=total_params,
+        parameters_active=active_params,
+        world_size=world_size,
+        dataset_run_hash=job.dataset_run_hash,
+        resumed_from_step=start_step,
+        mfu=max((m["mfu"] for m in trained_now), default=0.0),
         peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
-        parent=job.parent, data_kind=job.data_kind, validation_documents=heldout_documents,
+        parent=job.parent,
+        data_kind=job.data_kind,
+        validation_documents=heldout_documents,
     )
     export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
     if dist.is_available() and dist.is_initialized() and world_size > 1:
@@ -520,8 +602,14 @@ def train(job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn |
     return result
 
 
-def export_checkpoint(engine: Any, tokenizer: Any, job: TrainingJob, result: TrainingResult,
-                      metrics_log: list[dict[str, float]], rank: int) -> None:
+def export_checkpoint(
+    engine: Any,
+    tokenizer: Any,
+    job: TrainingJob,
+    result: TrainingResult,
+    metrics_log: list[dict[str, float]],
+    rank: int,
+) -> None:
     """Rank 0 writes the Hugging Face checkpoint; under ZeRO-3 every rank first helps gather the weights."""
     if engine.zero_optimization_stage() >= 3:
         import deepspeed
@@ -533,8 +621,13 @@ def export_checkpoint(engine: Any, tokenizer: Any, job: TrainingJob, result: Tra
         save_checkpoint(engine.module, tokenizer, job, result, metrics_log)
 
 
-def save_checkpoint(model: NexaMoEForCausalLM, tokenizer: Any, job: TrainingJob, result: TrainingResult,
-                    metrics_log: list[dict[str, float]]) -> Path:
+def save_checkpoint(
+    model: NexaMoEForCausalLM,
+    tokenizer: Any,
+    job: TrainingJob,
+    result: TrainingResult,
+    metrics_log: list[dict[str, float]],
+) -> Path:
     """Write the Hugging Face checkpoint under a temporary name, rename it into place, mark it complete last.
 
     The checkpoint sensor and every later stage only trust directories with the completion marker, so nothing

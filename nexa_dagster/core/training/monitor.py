@@ -84,8 +84,10 @@ class StallWatchdog:
                 continue
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                sys.stderr.write(f"STALL: no training step completed for {idle:.0f} s (limit {self.timeout_s:.0f} "
-                                 f"s); {self.describe()}; stacks of every thread follow\n")
+                sys.stderr.write(
+                    f"STALL: no training step completed for {idle:.0f} s (limit {self.timeout_s:.0f} "
+                    f"s); {self.describe()}; stacks of every thread follow\n"
+                )
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()

@@ -34,7 +34,9 @@ class NonFiniteGuard:
         self.first = torch.full((), NO_STEP, dtype=torch.int64, device=device)
         self.engine_skips = hasattr(engine.optimizer, "overflow")
         self.loss_scaling = bool(engine.fp16_enabled())
-        self.group = group  # the host (gloo) group of ``Control`` for the MIN over ranks; None: the default group
+        self.group = (
+            group  # the host (gloo) group of ``Control`` for the MIN over ranks; None: the default group
+        )
 
     def gate(self, loss_so_far: torch.Tensor) -> torch.Tensor:
         """1 where the step's loss is finite, NaN where it is not (a device scalar: multiply the last backward)."""
@@ -53,8 +55,10 @@ class NonFiniteGuard:
     def after_update(self, engine: Any, step: int) -> None:
         """Report a skipped update at once: DeepSpeed has already read its overflow flag back to the host."""
         if not engine.was_step_applied() and not self.loss_scaling:
-            raise FloatingPointError(f"non-finite loss at step {step} (caught before its update, which was not "
-                                     "applied): lower the learning rate or check the packed data")
+            raise FloatingPointError(
+                f"non-finite loss at step {step} (caught before its update, which was not "
+                "applied): lower the learning rate or check the packed data"
+            )
 
     def first_non_finite_step(self) -> int | None:
         """The first non-finite step on any rank (a host read and, with several ranks, a MIN over them)."""
@@ -68,6 +72,8 @@ class NonFiniteGuard:
         """At a log step: raise if any step so far had a non-finite loss (its update was skipped)."""
         first = self.first_non_finite_step()
         if first is not None:
-            raise FloatingPointError(f"non-finite loss at step {first} (seen at step {step}; caught before its "
-                                     "update, which was not applied): lower the learning rate or check the packed "
-                                     "data")
+            raise FloatingPointError(
+                f"non-finite loss at step {first} (seen at step {step}; caught before its "
+                "update, which was not applied): lower the learning rate or check the packed "
+                "data"
+            )

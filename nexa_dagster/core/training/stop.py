@@ -13,6 +13,7 @@ class StopRequested(Exception):  # noqa: N818 (not an error: the run was asked t
     Slurm's warning before the time limit, a preempted node, a deleted pod); a relaunch resumes from ``step``."""
 
     def __init__(self, step: int) -> None:
-        super().__init__(f"stopped after step {step} on request; its resumable state is saved, a relaunch resumes "
-                         "from it")
+        super().__init__(
+            f"stopped after step {step} on request; its resumable state is saved, a relaunch resumes from it"
+        )
         self.step = step

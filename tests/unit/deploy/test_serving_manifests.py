@@ -35,8 +35,11 @@ def service(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def served_colours(docs: list[dict[str, Any]]) -> list[str]:
     """The colours whose pods the Service's selector matches (a label selector: every key must match)."""
     selector = service(docs)["spec"]["selector"]
-    return [c for c, d in deployments(docs).items()
-            if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+    return [
+        c
+        for c, d in deployments(docs).items()
+        if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())
+    ]
 
 
 def without_colour(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -44,8 +47,11 @@ def without_colour(deployment: dict[str, Any]) -> dict[str, Any]:
     d = copy.deepcopy(deployment)
     colour = d["metadata"]["labels"]["colour"]
     d["metadata"]["name"] = d["metadata"]["name"].removesuffix(colour)
-    for labels in (d["metadata"]["labels"], d["spec"]["selector"]["matchLabels"],
-                   d["spec"]["template"]["metadata"]["labels"]):
+    for labels in (
+        d["metadata"]["labels"],
+        d["spec"]["selector"]["matchLabels"],
+        d["spec"]["template"]["metadata"]["labels"],
+    ):
         labels["colour"] = "*"
     d["spec"]["replicas"] = "*"
     for c in d["spec"]["template"]["spec"]["containers"]:
@@ -69,7 +75,9 @@ def test_the_service_sends_traffic_to_exactly_one_running_colour() -> None:
     switched = copy.deepcopy(docs)
     service(switched)["spec"]["selector"]["colour"] = "green"  # what the README's switch command patches
     assert served_colours(switched) == ["green"]
-    del service(switched)["spec"]["selector"]["colour"]  # a selector without the colour: both would get traffic
+    del service(switched)["spec"]["selector"][
+        "colour"
+    ]  # a selector without the colour: both would get traffic
     assert served_colours(switched) == list(COLOURS)
 
 

@@ -40,6 +40,7 @@ def client_of(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(registry_utils, "_registry_uri", None)
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+
     return use
 
 
@@ -70,7 +71,9 @@ def _assert_loads_as_the_checkpoint(checkpoint: Path) -> None:
         torch.testing.assert_close(pipeline.model.eval()(ids).logits, reference(ids).logits)
     assert pipeline.tokenizer.chat_template == AutoTokenizer.from_pretrained(checkpoint).chat_template
     out = pipeline("def f(x):", max_new_tokens=4, do_sample=False)
-    assert out[0]["generated_text"].startswith("def f(x):") and len(out[0]["generated_text"]) > len("def f(x):")
+    assert out[0]["generated_text"].startswith("def f(x):") and len(out[0]["generated_text"]) > len(
+        "def f(x):"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +91,18 @@ def test_local_store_holds_the_model_not_a_path(checkpoint: Path, tmp_path: Path
     client = tracking._client()
     v = client.get_model_version(MODEL, version)
     assert v.source == f"runs:/{run_id}/model" and str(checkpoint) not in v.source
-    assert tracking.registered_checkpoints(MODEL) == {"ckpt-1": str(checkpoint)}  # this host's stages still find it
+    assert tracking.registered_checkpoints(MODEL) == {
+        "ckpt-1": str(checkpoint)
+    }  # this host's stages still find it
     assert {"model", "loss_curve.png"} <= {a.path for a in client.list_artifacts(run_id)}
     assert "MLmodel" in {Path(a.path).name for a in client.list_artifacts(run_id, "model")}
     client_of(tracking.uri())
     _assert_loads_as_the_checkpoint(checkpoint)
 
 
-def test_a_tracking_server_holds_and_serves_the_model(server, checkpoint: Path, tmp_path: Path, client_of) -> None:
+def test_a_tracking_server_holds_and_serves_the_model(
+    server, checkpoint: Path, tmp_path: Path, client_of
+) -> None:
     """The client's host keeps nothing: the model and the run's artifacts are in the server's artifact store, and a
     client that only knows the server's URL loads the model from there."""
     url, server_root = server()

@@ -36,8 +36,16 @@ from nexa_dagster.core.common import storage
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
-DTYPE_CODES: dict[type, int] = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6,
-                                np.float32: 7, np.uint16: 8}
+DTYPE_CODES: dict[type, int] = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -67,16 +75,18 @@ def encode_index(sequence_lengths: np.ndarray, document_indices: np.ndarray, dty
     if len(lengths) > 1:
         np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
     docs = np.asarray(document_indices, dtype=np.int64)
-    return b"".join([
-        INDEX_HEADER,
-        struct.pack("<Q", INDEX_VERSION),
-        struct.pack("<B", DTYPE_CODES[dtype]),
-        struct.pack("<Q", len(lengths)),
-        struct.pack("<Q", len(docs)),
-        lengths.astype("<i4").tobytes(order="C"),
-        pointers.astype("<i8").tobytes(order="C"),
-        docs.astype("<i8").tobytes(order="C"),
-    ])
+    return b"".join(
+        [
+            INDEX_HEADER,
+            struct.pack("<Q", INDEX_VERSION),
+            struct.pack("<B", DTYPE_CODES[dtype]),
+            struct.pack("<Q", len(lengths)),
+            struct.pack("<Q", len(docs)),
+            lengths.astype("<i4").tobytes(order="C"),
+            pointers.astype("<i8").tobytes(order="C"),
+            docs.astype("<i8").tobytes(order="C"),
+        ]
+    )
 
 
 class IndexedDatasetWriter:
@@ -89,7 +99,9 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str, dtype: Any = np.int32) -> None:
         dtype = np.dtype(dtype).type
         if dtype not in DTYPE_CODES:
-            raise IndexedDatasetError(f"{prefix}: dtype {dtype} has no Megatron code; use one of {list(DTYPE_CODES)}")
+            raise IndexedDatasetError(
+                f"{prefix}: dtype {dtype} has no Megatron code; use one of {list(DTYPE_CODES)}"
+            )
         self.prefix = prefix
         self.dtype = dtype
         self._bin = storage.atomic_writer(data_file_path(prefix))
@@ -122,7 +134,9 @@ class IndexedDatasetWriter:
             return
         self._closed = True
         self._bin.__exit__(None, None, None)
-        index = encode_index(np.asarray(self._lengths, dtype=np.int32), np.asarray(self._documents), self.dtype)
+        index = encode_index(
+            np.asarray(self._lengths, dtype=np.int32), np.asarray(self._documents), self.dtype
+        )
         with storage.atomic_writer(index_file_path(self.prefix)) as f:
             f.write(index)
 
@@ -135,8 +149,9 @@ class IndexedDatasetWriter:
     def __enter__(self) -> IndexedDatasetWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -158,13 +173,19 @@ class IndexedDataset:
         self._parse_index(raw, idx_path)
         self._local = "://" not in prefix or prefix.startswith("file://")
         bin_path = data_file_path(prefix)
-        expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.itemsize \
-            if len(self.sequence_lengths) else 0
+        expected = (
+            int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.itemsize
+            if len(self.sequence_lengths)
+            else 0
+        )
         actual = storage.size(bin_path)
         if actual != expected:
             raise IndexedDatasetError(f"{bin_path}: {actual} bytes but {idx_path} describes {expected}")
-        self._bin: Any = (np.memmap(bin_path.removeprefix("file://"), dtype=self.dtype, mode="r")
-                          if self._local and expected else None)
+        self._bin: Any = (
+            np.memmap(bin_path.removeprefix("file://"), dtype=self.dtype, mode="r")
+            if self._local and expected
+            else None
+        )
 
     def _parse_index(self, raw: bytes, where: str) -> None:
         header_len = len(INDEX_HEADER) + 8 + 1 + 8 + 8
@@ -205,7 +226,7 @@ class IndexedDataset:
         start = int(self.sequence_pointers[i]) // self.itemsize
         n = int(self.sequence_lengths[i])
         if self._bin is not None:
-            return np.asarray(self._bin[start:start + n])
+            return np.asarray(self._bin[start : start + n])
         with storage.open_read(data_file_path(self.prefix)) as f:
             f.seek(int(self.sequence_pointers[i]))
             return np.frombuffer(f.read(n * self.itemsize), dtype=self.dtype)
@@ -233,8 +254,10 @@ def corpus_prefixes(path: str) -> list[str]:
         return [path]
     blend = path if path.endswith(".json") else storage.join(path, "megatron_blend.json")
     if not storage.exists(blend):
-        raise FileNotFoundError(f"pretraining corpus not found: {path} (neither a megatron_blend.json, a corpus "
-                                "directory holding one, nor a bin/idx prefix)")
+        raise FileNotFoundError(
+            f"pretraining corpus not found: {path} (neither a megatron_blend.json, a corpus "
+            "directory holding one, nor a bin/idx prefix)"
+        )
     data_paths = storage.read_json(blend).get("data_paths")
     if not isinstance(data_paths, list) or len(data_paths) % 2:
         raise ValueError(f"{blend}: data_paths must be a list of [weight, prefix, ...] pairs")

@@ -25,11 +25,19 @@ from nexa_dagster.core.common import storage
 FORMAT = "nexa-packed-shards/1"
 SUFFIX = ".shards.json"
 # one row of packed SFT data: exactly pack_size tokens (the column-by-column meaning: README.md in this folder)
-PACKED_SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("position_ids", pa.list_(pa.int32())),
-    ("attention_mask", pa.list_(pa.int8())), ("cu_seqlens", pa.list_(pa.int32())), ("num_documents", pa.int64()),
-    ("num_tokens", pa.int64()), ("num_loss_tokens", pa.int64()), ("labels", pa.list_(pa.int32())),
-])
+PACKED_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("position_ids", pa.list_(pa.int32())),
+        ("attention_mask", pa.list_(pa.int8())),
+        ("cu_seqlens", pa.list_(pa.int32())),
+        ("num_documents", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("num_loss_tokens", pa.int64()),
+        ("labels", pa.list_(pa.int32())),
+    ]
+)
 
 
 def split_manifest_path(snapshot_root: str, split: str) -> str:
@@ -44,12 +52,15 @@ def _base_of(manifest: str) -> str:
     """The folder the manifest's entries are relative to: the one that holds the snapshot folder."""
     parts = str(manifest).rstrip("/").rsplit("/", 2)
     if len(parts) < 3:
-        raise ValueError(f"split manifest {manifest} must sit in a snapshot folder (<root>/<run_hash>/{SUFFIX})")
+        raise ValueError(
+            f"split manifest {manifest} must sit in a snapshot folder (<root>/<run_hash>/{SUFFIX})"
+        )
     return parts[0]
 
 
-def write_split_manifest(path: str, split: str, run_hash: str, base: str,
-                         files: Sequence[tuple[str, int, str, int | None]]) -> None:
+def write_split_manifest(
+    path: str, split: str, run_hash: str, base: str, files: Sequence[tuple[str, int, str, int | None]]
+) -> None:
     """Write ``path`` (atomically) listing ``(path under base, bytes, sha256, rows)`` per shard file, in order.
 
     Files with no rows (or no bytes) are left out: they add nothing to the split and would cost an open per night.
@@ -57,9 +68,19 @@ def write_split_manifest(path: str, split: str, run_hash: str, base: str,
     """
     if _base_of(path).rstrip("/") != str(base).rstrip("/"):
         raise ValueError(f"split manifest {path}: entries must be relative to {_base_of(path)}, not {base}")
-    storage.write_json({"format": FORMAT, "split": split, "run_hash": run_hash,
-                        "files": [{"path": rel, "bytes": size, "sha256": digest, "rows": rows}
-                                  for rel, size, digest, rows in files if rows != 0 and size]}, path)
+    storage.write_json(
+        {
+            "format": FORMAT,
+            "split": split,
+            "run_hash": run_hash,
+            "files": [
+                {"path": rel, "bytes": size, "sha256": digest, "rows": rows}
+                for rel, size, digest, rows in files
+                if rows != 0 and size
+            ],
+        },
+        path,
+    )
 
 
 def read_split_manifest(path: str) -> dict[str, Any]:
@@ -91,11 +112,15 @@ def split_files(path: str, check_sizes: bool = True) -> list[str]:
         file = storage.join(base, entry["path"])
         if check_sizes:
             if not storage.exists(file):
-                raise FileNotFoundError(f"packed split {path}: shard file {file} is missing (the shard store was "
-                                        "cleaned or moved without this snapshot)")
+                raise FileNotFoundError(
+                    f"packed split {path}: shard file {file} is missing (the shard store was "
+                    "cleaned or moved without this snapshot)"
+                )
             if storage.size(file) != entry["bytes"]:
-                raise ValueError(f"packed split {path}: shard file {file} is {storage.size(file)} bytes, the manifest "
-                                 f"says {entry['bytes']}")
+                raise ValueError(
+                    f"packed split {path}: shard file {file} is {storage.size(file)} bytes, the manifest "
+                    f"says {entry['bytes']}"
+                )
         out.append(file)
     return out
 

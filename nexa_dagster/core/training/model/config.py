@@ -10,8 +10,12 @@ from transformers import MixtralConfig
 from nexa_dagster.core.common.config import load_model_preset
 
 
-def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer: Any | None = None,
-                       output_router_logits: bool = False) -> Any:
+def build_model_config(
+    preset: str | dict[str, Any],
+    vocab_size: int,
+    tokenizer: Any | None = None,
+    output_router_logits: bool = False,
+) -> Any:
     """A ``transformers`` config for a model preset from ``configs/models/``.
 
     ``output_router_logits`` adds the router's load-balancing loss to the LM loss: training wants it, inference
@@ -23,8 +27,10 @@ def build_model_config(preset: str | dict[str, Any], vocab_size: int, tokenizer:
         raise ValueError(f"model preset {preset!r}: unsupported architecture {arch!r}")
     unknown = sorted(set(spec) - set(MixtralConfig().to_dict()) - {"rope_theta"})
     if unknown:  # transformers keeps unknown keys silently: a typo would train a different model than asked
-        raise ValueError(f"model preset {preset if isinstance(preset, str) else '(inline)'!r} has unknown fields "
-                         f"{unknown}; see MixtralConfig for the valid ones")
+        raise ValueError(
+            f"model preset {preset if isinstance(preset, str) else '(inline)'!r} has unknown fields "
+            f"{unknown}; see MixtralConfig for the valid ones"
+        )
     spec["vocab_size"] = vocab_size  # the tokenizer decides
     extra: dict[str, Any] = {}
     if tokenizer is not None:

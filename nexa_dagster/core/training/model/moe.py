@@ -40,10 +40,16 @@ class MoEOutput(ModelOutput):
 
     loss: torch.Tensor | None = None  # lm_loss + router_aux_loss_coef * aux_loss (None without labels)
     lm_loss: torch.Tensor | None = None
-    lm_loss_sum: torch.Tensor | None = None  # summed over the learned tokens: the training loop weights by tokens
+    lm_loss_sum: torch.Tensor | None = (
+        None  # summed over the learned tokens: the training loop weights by tokens
+    )
     aux_loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None  # only when asked for (evaluation, tests): training never materialises them
-    expert_load: torch.Tensor | None = None  # [layers, experts] share of routed token slots each expert received
+    logits: torch.Tensor | None = (
+        None  # only when asked for (evaluation, tests): training never materialises them
+    )
+    expert_load: torch.Tensor | None = (
+        None  # [layers, experts] share of routed token slots each expert received
+    )
 
 
 class RMSNorm(nn.Module):
@@ -59,8 +65,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[batch, seq, head_dim]`` for rotary embeddings at each token's position in its own document."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
     freqs = position_ids[..., None].float() * inv_freq
@@ -99,8 +106,9 @@ class DocumentMask:
             def same_document_causal(b, h, q, kv):  # noqa: ANN001 - FlexAttention's mask_mod signature
                 return (docs[b, q] == docs[b, kv]) & (q >= kv)
 
-            self.flex = create_block_mask(same_document_causal, batch, None, seq, seq, device=docs.device,
-                                          _compile=docs.is_cuda)
+            self.flex = create_block_mask(
+                same_document_causal, batch, None, seq, seq, device=docs.device, _compile=docs.is_cuda
+            )
         else:
             causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
             self.dense = (docs[:, :, None] == docs[:, None, :]) & causal  # [batch, q, kv]
@@ -128,8 +136,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -188,7 +197,8 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))  # not bincount: a fixed output shape compiles without graph breaks
+            0, flat, torch.ones_like(flat)
+        )  # not bincount: a fixed output shape compiles without graph breaks
         offsets = counts.cumsum(0).to(torch.int32)
         token = order // k  # the token each sorted slot belongs to
         rows = x[token]
@@ -222,12 +232,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoEBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok)
+        self.mlp = MoEBlock(
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         moe_out, slot_fraction, mean_prob = self.mlp(self.post_attention_layernorm(x))
         return x + moe_out, slot_fraction, mean_prob
@@ -256,7 +271,9 @@ class NexaMoEForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.attention = attention  # "auto": FlexAttention on CUDA, SDPA with a dense mask elsewhere; "causal"
+        self.attention = (
+            attention  # "auto": FlexAttention on CUDA, SDPA with a dense mask elsewhere; "causal"
+        )
         self.activation_checkpointing = False
         self.loss_chunk_tokens = 8192
         self.reset_parameters()
@@ -276,8 +293,13 @@ class NexaMoEForCausalLM(nn.Module):
             self.model.layers[i] = torch.compile(layer, dynamic=False)
         self._loss = torch.compile(self._loss, dynamic=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, return_logits: bool = False) -> MoEOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool = False,
+    ) -> MoEOutput:
         cfg = self.config
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -287,13 +309,17 @@ class NexaMoEForCausalLM(nn.Module):
         if use_flex:  # a block mask costs little even for single-document rows; no GPU sync to find out
             mask = DocumentMask(position_ids, use_flex=True)
         elif self.attention == "causal" or not bool((position_ids[:, 1:] == 0).any()):
-            mask = None  # plain causal attention (one document per row, or asked for: the baseline's attention)
+            mask = (
+                None  # plain causal attention (one document per row, or asked for: the baseline's attention)
+            )
         else:
             mask = DocumentMask(position_ids, use_flex=False)
         slot_fractions, mean_probs = [], []
         for layer in self.model.layers:
             if self.activation_checkpointing and self.training:
-                x, frac, prob = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x, frac, prob = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, mask, use_reentrant=False
+                )
             else:
                 x, frac, prob = layer(x, cos, sin, mask)
             slot_fractions.append(frac)
@@ -310,8 +336,14 @@ class NexaMoEForCausalLM(nn.Module):
             lm_loss_sum = self._loss(x, labels)
             lm_loss = lm_loss_sum / labels[:, 1:].ne(IGNORE_INDEX).sum().clamp(min=1)
             loss = lm_loss + cfg.router_aux_loss_coef * aux_loss
-        return MoEOutput(loss=loss, lm_loss=lm_loss, lm_loss_sum=lm_loss_sum, aux_loss=aux_loss, logits=logits,
-                         expert_load=expert_load)
+        return MoEOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            lm_loss_sum=lm_loss_sum,
+            aux_loss=aux_loss,
+            logits=logits,
+            expert_load=expert_load,
+        )
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy summed over learned tokens, computed in chunks of ``loss_chunk_tokens``.
@@ -325,9 +357,15 @@ class NexaMoEForCausalLM(nn.Module):
         total = hidden.new_zeros((), dtype=torch.float32)
         checkpointed = torch.is_grad_enabled() and hidden.requires_grad
         for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
-            chunk = (hidden[start:start + self.loss_chunk_tokens], targets[start:start + self.loss_chunk_tokens])
-            total = total + (torch.utils.checkpoint.checkpoint(self._chunk_loss, *chunk, use_reentrant=False)
-                             if checkpointed else self._chunk_loss(*chunk))
+            chunk = (
+                hidden[start : start + self.loss_chunk_tokens],
+                targets[start : start + self.loss_chunk_tokens],
+            )
+            total = total + (
+                torch.utils.checkpoint.checkpoint(self._chunk_loss, *chunk, use_reentrant=False)
+                if checkpointed
+                else self._chunk_loss(*chunk)
+            )
         return total
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -344,6 +382,7 @@ def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise RuntimeError(f"weights do not map onto transformers' Mixtral: missing {missing}, "
-                           f"unexpected {unexpected}")
+        raise RuntimeError(
+            f"weights do not map onto transformers' Mixtral: missing {missing}, unexpected {unexpected}"
+        )
     return hf.to(next(model.parameters()).dtype)

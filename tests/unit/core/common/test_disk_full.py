@@ -26,8 +26,9 @@ def small_disk() -> Iterator[Path]:
     if os.geteuid() != 0:
         missing("root (to mount a size-limited tmpfs)", "run as root, as CI does")
     mount = Path(tempfile.mkdtemp(prefix="nexa-full-"))
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         missing(f"a mountable tmpfs ({proc.stderr.strip()})", "run where root may mount tmpfs")
     try:
@@ -37,8 +38,9 @@ def small_disk() -> Iterator[Path]:
         shutil.rmtree(mount, ignore_errors=True)
 
 
-def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(small_disk: Path,
-                                                                            tmp_path: Path) -> None:
+def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(
+    small_disk: Path, tmp_path: Path
+) -> None:
     from nexa_dagster.assets.ingest import raw_documents
     from nexa_dagster.resources.io_manager import NexaIOManager
     from nexa_dagster.resources.storage import StorageResource
@@ -46,9 +48,12 @@ def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(smal
     landing = tmp_path / "landing"
     shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, landing / DAY)
     data = str(small_disk / "data")
-    resources = {**config_resources(), "io_manager": NexaIOManager(data_root=data),
-                 "storage": StorageResource(data_root=data, landing_root=str(landing)),
-                 **config_resources()}
+    resources = {
+        **config_resources(),
+        "io_manager": NexaIOManager(data_root=data),
+        "storage": StorageResource(data_root=data, landing_root=str(landing)),
+        **config_resources(),
+    }
     instance = dg.DagsterInstance.ephemeral()
     assert dg.materialize([raw_documents], partition_key=DAY, resources=resources, instance=instance).success
     written = sorted(p for p in (small_disk / "data").rglob("*") if p.is_file())
@@ -57,8 +62,9 @@ def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(smal
 
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * max(0, free - 2048))  # leave 2 KB: less than one partition
-    result = dg.materialize([raw_documents], partition_key=DAY, resources=resources, instance=instance,
-                            raise_on_error=False)
+    result = dg.materialize(
+        [raw_documents], partition_key=DAY, resources=resources, instance=instance, raise_on_error=False
+    )
     assert not result.success
     error = str(result.get_step_failure_events()[0].step_failure_data.error)
     assert "No space left on device" in error and "cannot write" in error and str(small_disk) in error, error

@@ -31,12 +31,16 @@ def test_a_small_consistent_improvement_is_detected_because_the_examples_are_pai
     assert alone.high - alone.low > 10 * abs(paired.difference.estimate)
     # and the worse direction is detected just as well
     worse = paired_loss_difference(prod, cand, tokens)
-    assert worse.difference.low > 0 and worse.difference.estimate == pytest.approx(-paired.difference.estimate)
+    assert worse.difference.low > 0 and worse.difference.estimate == pytest.approx(
+        -paired.difference.estimate
+    )
 
 
 def test_no_difference_gives_an_interval_that_contains_zero() -> None:
     prod, tokens = _eval_set()
-    noise = np.where(np.arange(len(tokens)) % 2 == 0, 0.3, -0.3) * tokens  # +-0.3 per token, mean 0 by example
+    noise = (
+        np.where(np.arange(len(tokens)) % 2 == 0, 0.3, -0.3) * tokens
+    )  # +-0.3 per token, mean 0 by example
     paired = paired_loss_difference(prod + noise, prod, tokens)
     assert paired.difference.low < 0 < paired.difference.high
     assert paired.examples == len(tokens) and paired.tokens == int(tokens.sum())
@@ -70,5 +74,7 @@ def test_win_rate_counts_only_verdicts_that_survive_swapping_the_answers() -> No
 def test_wilson_interval_matches_the_textbook_values() -> None:
     low, high = wilson_interval(8, 10)  # Wilson 95%: 0.4902 .. 0.9433
     assert (round(low, 4), round(high, 4)) == (0.4902, 0.9433)
-    assert wilson_interval(0, 10)[0] == pytest.approx(0.0) and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    assert wilson_interval(0, 10)[0] == pytest.approx(0.0) and wilson_interval(10, 10)[1] == pytest.approx(
+        1.0
+    )
     assert wilson_interval(0, 0) == (0.0, 1.0)

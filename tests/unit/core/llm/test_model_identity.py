@@ -22,7 +22,9 @@ def _model(root: Path) -> Path:
     return root
 
 
-def test_fingerprint_follows_the_content_not_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fingerprint_follows_the_content_not_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NEXA_CACHE_DIR", str(tmp_path / "cache"))
     a = _model(tmp_path / "a" / "models" / "teacher")
     first = model_fingerprint(a)

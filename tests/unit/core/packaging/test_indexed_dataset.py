@@ -17,8 +17,16 @@ from nexa_dagster.core.packaging.formats.indexed_dataset import (
 
 # Megatron-Core's DType codes (megatron/core/datasets/indexed_dataset.py), written out here on purpose: the test
 # must fail if the module's table drifts from the published one.
-MEGATRON_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7,
-                  np.uint16: 8}
+MEGATRON_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 
 
 def _write(prefix: str, docs: list[list[list[int]]], dtype: type) -> None:
@@ -44,11 +52,16 @@ def test_idx_layout_field_by_field(tmp_path: Path, dtype: type) -> None:
     assert struct.unpack("<Q", raw[18:26]) == (4,)  # sequence count
     assert struct.unpack("<Q", raw[26:34]) == (4,)  # document count = documents + 1
     off = 34
-    assert list(struct.unpack("<4i", raw[off:off + 16])) == lengths  # sizes, int32
+    assert list(struct.unpack("<4i", raw[off : off + 16])) == lengths  # sizes, int32
     off += 16
-    assert list(struct.unpack("<4q", raw[off:off + 32])) == [0, 3 * itemsize, 4 * itemsize, 6 * itemsize]  # bytes
+    assert list(struct.unpack("<4q", raw[off : off + 32])) == [
+        0,
+        3 * itemsize,
+        4 * itemsize,
+        6 * itemsize,
+    ]  # bytes
     off += 32
-    assert list(struct.unpack("<4q", raw[off:off + 32])) == [0, 1, 3, 4]  # document indices, int64
+    assert list(struct.unpack("<4q", raw[off : off + 32])) == [0, 1, 3, 4]  # document indices, int64
     off += 32
     assert off == len(raw)  # nothing else (no sequence modes)
 

@@ -28,8 +28,10 @@ def test_best_fit_decreasing_fills_bins_and_keeps_every_item() -> None:
 
 
 def test_pack_rows_have_pack_size_restarting_positions_and_boundaries() -> None:
-    docs = [(np.arange(10, 10 + n, dtype=np.int32), np.array([0] * (n // 2) + [1] * (n - n // 2), dtype=np.int8))
-            for n in [5, 7, 3, 9, 20]]
+    docs = [
+        (np.arange(10, 10 + n, dtype=np.int32), np.array([0] * (n // 2) + [1] * (n - n // 2), dtype=np.int8))
+        for n in [5, 7, 3, 9, 20]
+    ]
     table, stats = pack_table(docs, pack_size=16, pad_id=0)
     frame = table.to_pandas()
     PackedSequences.validate(frame)
@@ -40,7 +42,7 @@ def test_pack_rows_have_pack_size_restarting_positions_and_boundaries() -> None:
         for a, b in zip(cu[:-1], cu[1:], strict=True):
             assert list(row.position_ids[a:b]) == list(range(b - a))
         assert sum(row.attention_mask) == row.num_tokens == cu[-1]
-        assert all(m == 0 for m in row.loss_mask[row.num_tokens:])
+        assert all(m == 0 for m in row.loss_mask[row.num_tokens :])
     assert stats.real_tokens == sum(min(n, 16) for n in [5, 7, 3, 9, 20])
 
 
@@ -54,23 +56,43 @@ def test_split_is_stable_when_more_data_arrives() -> None:
 
 
 def _samples(n: int) -> pd.DataFrame:
-    return pd.DataFrame({
-        "sample_id": [f"id{i:03d}" for i in range(n)], "day": ["2026-11-20"] * n,
-        "system_prompt": ["sys"] * n, "prompt": [f"question {i}?" for i in range(n)],
-        "response": [f"answer number {i} " * (1 + i % 5) for i in range(n)],
-    })
+    return pd.DataFrame(
+        {
+            "sample_id": [f"id{i:03d}" for i in range(n)],
+            "day": ["2026-11-20"] * n,
+            "system_prompt": ["sys"] * n,
+            "prompt": [f"question {i}?" for i in range(n)],
+            "response": [f"answer number {i} " * (1 + i % 5) for i in range(n)],
+        }
+    )
 
 
 def test_sft_dataset_is_deterministic_and_written_atomically(tiny_tokenizer, tmp_path: Path) -> None:
-    a, stats = build_sft_dataset(_samples(40), tiny_tokenizer, "tok", str(tmp_path / "a"), 128, 0.2, log=lambda m: None)
-    b, _ = build_sft_dataset(_samples(40).sample(frac=1, random_state=3), tiny_tokenizer, "tok",
-                             str(tmp_path / "b"), 128, 0.2, log=lambda m: None)
+    a, stats = build_sft_dataset(
+        _samples(40), tiny_tokenizer, "tok", str(tmp_path / "a"), 128, 0.2, log=lambda m: None
+    )
+    b, _ = build_sft_dataset(
+        _samples(40).sample(frac=1, random_state=3),
+        tiny_tokenizer,
+        "tok",
+        str(tmp_path / "b"),
+        128,
+        0.2,
+        log=lambda m: None,
+    )
     assert a.run_hash == b.run_hash
-    for name in ("train.shards.json", "validation.shards.json", "train.jsonl.shards.json",
-                 "validation.jsonl.shards.json"):
+    for name in (
+        "train.shards.json",
+        "validation.shards.json",
+        "train.jsonl.shards.json",
+        "validation.jsonl.shards.json",
+    ):
         assert (Path(a.root) / name).read_bytes() == (Path(b.root) / name).read_bytes()
     assert not list(Path(a.root).glob(".*.tmp"))
-    assert a.num_train_sequences + a.num_validation_sequences == stats["train"].sequences + stats["validation"].sequences
+    assert (
+        a.num_train_sequences + a.num_validation_sequences
+        == stats["train"].sequences + stats["validation"].sequences
+    )
     assert 0.5 < a.packing_efficiency <= 1.0
     first = next(split_lines(a.train_jsonl_path))
     assert '"messages"' in first and '"role": "assistant"' in first
@@ -87,7 +109,9 @@ def test_a_small_dataset_always_gets_both_splits(tiny_tokenizer, tmp_path: Path)
     assert side_overrides(ids, 0.1) == {} and side_overrides(["only"], 0.1) == {}
 
     samples = _samples(40).set_index("sample_id").loc[natural_train].reset_index()
-    dataset, stats = build_sft_dataset(samples, tiny_tokenizer, "tok", str(tmp_path), 128, 0.1, log=lambda m: None)
+    dataset, stats = build_sft_dataset(
+        samples, tiny_tokenizer, "tok", str(tmp_path), 128, 0.1, log=lambda m: None
+    )
     assert stats["validation"].documents == 1 and stats["train"].documents == 11
     assert list(moved)[0] in "\n".join(split_lines(dataset.validation_jsonl_path))
 

@@ -11,17 +11,26 @@ from support.checkpoint_files import assert_portable_checkpoint
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 
-BUILD = ("import sys; from nexa_dagster.core.tiny.install import install_tiny_models; "
-         "from transformers import AutoModelForCausalLM; "
-         "AutoModelForCausalLM.from_pretrained(install_tiny_models([sys.argv[1]])[0]); print('loaded')")
+BUILD = (
+    "import sys; from nexa_dagster.core.tiny.install import install_tiny_models; "
+    "from transformers import AutoModelForCausalLM; "
+    "AutoModelForCausalLM.from_pretrained(install_tiny_models([sys.argv[1]])[0]); print('loaded')"
+)
 
 
 def test_installs_that_start_together_install_the_model_once_and_all_load_it(tmp_path: Path) -> None:
     """Three installs into one fresh data root at once (two `make run`s started together): every one of them must
     load a complete model, and one directory (no leftovers) must remain."""
     target = tmp_path / "models" / "tiny-teacher"
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(target)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD, str(target)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     for proc, (out, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0 and out.strip().endswith("loaded"), err[-2000:]
@@ -50,14 +59,18 @@ def test_scaled_rope_is_written_in_the_4x_schema_too() -> None:
     from nexa_dagster.core.training.hf_checkpoint import portable_model_config, portable_tokenizer_config
 
     yarn = {"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}}
-    assert portable_model_config(yarn) == {**yarn, "rope_theta": 5e5, "rope_scaling": {"rope_type": "yarn",
-                                                                                        "factor": 4.0}}
+    assert portable_model_config(yarn) == {
+        **yarn,
+        "rope_theta": 5e5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
     named = {"tokenizer_class": "LlamaTokenizerFast", "extra_special_tokens": {"image_token": "<img>"}}
     assert portable_tokenizer_config(named) == named  # a real class and a dict of named tokens are left alone
 
 
 def test_the_pretrained_tiny_model_is_built_once_per_machine_and_a_changed_recipe_builds_anew(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     """Every data root's tiny teacher is a copy of one cached build; the cache is keyed by what makes the model."""
     from pydoc_data.topics import topics
 
@@ -72,19 +85,24 @@ def test_the_pretrained_tiny_model_is_built_once_per_machine_and_a_changed_recip
     second = build_pretrained_tiny_lm(tmp_path / "b" / "models" / "tiny-teacher", recipe, corpus)
     assert (second / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # copied, not built again
-    assert sorted(p.name for p in (tmp_path / "b" / "models").iterdir()) == [".tiny-teacher.lock", "tiny-teacher"]
+    assert sorted(p.name for p in (tmp_path / "b" / "models").iterdir()) == [
+        ".tiny-teacher.lock",
+        "tiny-teacher",
+    ]
     made = (first / "pretraining.json").read_text()
     assert '"steps": 2' in made and cached.name in made
 
-    build_pretrained_tiny_lm(tmp_path / "c" / "models" / "tiny-teacher", TinyPretrainRecipe(steps=3, batch_size=2),
-                             corpus)
+    build_pretrained_tiny_lm(
+        tmp_path / "c" / "models" / "tiny-teacher", TinyPretrainRecipe(steps=3, batch_size=2), corpus
+    )
     assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 2  # another recipe, another build
     build_pretrained_tiny_lm(tmp_path / "d" / "models" / "tiny-teacher", recipe, corpus[:4])
     assert len(list((tmp_path / "cache").glob("tiny-pretrained-*"))) == 3  # another corpus, too
 
 
 def test_every_data_root_gets_the_shipped_tiny_model_and_nothing_is_built_on_the_machine(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     """The tiny teacher/judge is the same bytes on every machine: the repository ships the build of the current
     recipe (a build's weights depend on the CPU's kernels), and a data root's copy comes from it, with the machine's
     cache left empty. A recipe the repository does not ship (a changed prompt, say) has no shipped model."""
@@ -101,9 +119,12 @@ def test_every_data_root_gets_the_shipped_tiny_model_and_nothing_is_built_on_the
 
     key = recipe_key(TinyPretrainRecipe(), default_corpus())
     shipped = shipped_model(key)
-    assert shipped is not None, (f"no shipped tiny model for recipe {key}: run `make tiny-models` and commit "
-                                 f"{SHIPPED_ROOT}")
-    assert [p.name for p in SHIPPED_ROOT.glob("tiny-pretrained-*")] == [shipped.name]  # no stale copy beside it
+    assert shipped is not None, (
+        f"no shipped tiny model for recipe {key}: run `make tiny-models` and commit {SHIPPED_ROOT}"
+    )
+    assert [p.name for p in SHIPPED_ROOT.glob("tiny-pretrained-*")] == [
+        shipped.name
+    ]  # no stale copy beside it
     monkeypatch.setenv("NEXA_MODEL_CACHE", str(tmp_path / "cache"))
     copy = build_pretrained_tiny_lm(tmp_path / "data" / "models" / "tiny-teacher")
 
@@ -123,7 +144,9 @@ def test_a_configured_model_that_is_not_there_is_an_error_naming_it(tmp_path: Pa
     from nexa_dagster.core.common.artifacts import require_model_dir
     from nexa_dagster.core.llm.local import LocalTransformersClient
 
-    with pytest.raises(FileNotFoundError, match=r"models/tiny-teacher has no config.json.*nexa-dagster tiny-models"):
+    with pytest.raises(
+        FileNotFoundError, match=r"models/tiny-teacher has no config.json.*nexa-dagster tiny-models"
+    ):
         require_model_dir(tmp_path / "models" / "tiny-teacher", "teacher model")
     with pytest.raises(FileNotFoundError, match=r"student tokenizer directory .*/llama has no config.json"):
         require_model_dir(tmp_path / "llama", "student tokenizer")

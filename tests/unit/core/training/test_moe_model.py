@@ -1,7 +1,5 @@
 """The training model is the exported model: same weights, same logits, attention kept within packed documents."""
 
-
-
 from pathlib import Path
 
 import pytest
@@ -12,9 +10,18 @@ from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM, to_hf
 
 
 def small_config(**overrides: object) -> MixtralConfig:
-    spec = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-            "router_aux_loss_coef": 0.02, "rope_theta": 10000.0}
+    spec = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "rope_theta": 10000.0,
+    }
     return MixtralConfig(**{**spec, **overrides})
 
 
@@ -106,8 +113,9 @@ def test_gpu_paths_match_the_exported_model() -> None:
     ids = torch.randint(0, 300, (2, 256), device="cuda")
     position_ids = torch.cat([torch.arange(100), torch.arange(156)]).cuda()[None].expand(2, -1)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, return_logits=True).logits, hf(input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model(ids, return_logits=True).logits, hf(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
         packed = model(ids, position_ids=position_ids, return_logits=True).logits
         torch.testing.assert_close(packed[:, 100:], hf(input_ids=ids[:, 100:]).logits, rtol=1e-4, atol=1e-4)
 
@@ -149,9 +157,17 @@ def test_chunked_loss_keeps_no_fp32_logits_for_backward() -> None:
     model.loss_chunk_tokens = 32  # 96 tokens: three chunks
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         out = model(ids, labels=ids)
-    weights = {p.data_ptr() for p in model.parameters()}  # lm_head's weight (and its transpose) are not logits
-    vocab_sized = [tuple(t.shape) for t in saved if t.dim() >= 1 and t.shape[-1] == cfg.vocab_size
-                   and t.dtype == torch.float32 and t.data_ptr() not in weights]
+    weights = {
+        p.data_ptr() for p in model.parameters()
+    }  # lm_head's weight (and its transpose) are not logits
+    vocab_sized = [
+        tuple(t.shape)
+        for t in saved
+        if t.dim() >= 1
+        and t.shape[-1] == cfg.vocab_size
+        and t.dtype == torch.float32
+        and t.data_ptr() not in weights
+    ]
     assert vocab_sized == [], vocab_sized  # before: one [32, 2000] fp32 softmax saved per chunk
     out.lm_loss.backward()
     chunked = [p.grad.clone() for p in model.parameters()]
