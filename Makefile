@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test ui serve status rollback lint validate bench clean home tiny-models
+.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models
 
 install: $(VENV)/.installed
 
@@ -31,10 +31,16 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 home: $(DAGSTER_HOME)/dagster.yaml
 
 run: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/python -m nexa_dagster.demo
+	$(BIN)/python -m nexa_dagster.demo   # installs the tiny models it configures first (nexa-dagster tiny-models)
 
+# everything (what .ci/run calls and what must pass): two xdist workers (tests wait on servers, daemons and ranks as
+# much as they compute), tests sharing a Slurm cluster or a PostgreSQL server kept on one worker
 test: install
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadgroup --durations=25
+
+# the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
+test-fast: install
+	$(BIN)/pytest tests/unit tests/integration -m "not slow" -n 2 --dist loadgroup --durations=10
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
@@ -52,7 +58,8 @@ validate: install
 	$(BIN)/dagster definitions validate -w workspace.yaml
 
 lint: install
-	$(BIN)/ruff check nexa_dagster tests bench
+	$(BIN)/ruff format --check nexa_dagster tests bench scripts
+	$(BIN)/ruff check nexa_dagster tests bench scripts
 
 clean:
 	rm -rf data results .dagster_home
