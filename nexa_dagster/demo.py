@@ -26,6 +26,7 @@ from nexa_dagster.core.common.config import REPO_ROOT, load_scale, resolve_path
 from nexa_dagster.core.common.process_token import process_token, token_alive
 from nexa_dagster.core.data.ingest import landed_days
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
+from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.core.tiny.install import install_tiny_models
 from nexa_dagster.definitions import build_defs, local_model_dirs
 
@@ -34,40 +35,36 @@ LAUNCHER_TAG = "nexa/launcher"  # host:pid:start of the `make run` process that 
 
 @dataclass(frozen=True)
 class Night:
-    """One night of ``make run``: the checkpoint trained on the data so far and what the gate made of it."""
+    """One night of ``make run``: the checkpoint trained on the data so far, what the gate decided and on what
+    evidence, and what happened at deployment."""
 
     number: int
     day: str
     checkpoint_id: str
-    eval_set_version: int | None
-    candidate_loss: float | None
-    production_id: str | None  # the production model it was compared with (None: there was none yet)
-    production_loss: float | None
-    difference: float | None  # candidate - production, on the same eval set
-    interval: tuple[float, float] | None
-    decision: str  # "promote" | "hold back" | "evaluation failed"
-    reason: str
-    production_after: str | None  # production once the night is over
+    eval_set_version: int | None = None
+    candidate_loss: float | None = None
+    production_id: str | None = None  # the production model it was compared with (None: there was none yet)
+    production_loss: float | None = None
+    difference: float | None = None  # candidate - production, on the same eval set
+    interval: tuple[float, float] | None = None
+    decision: str = "evaluation failed"  # promote | hold back | insufficient evidence | evaluation failed
+    reason: str = "see the evaluation_job run in the UI"
+    production_after: str | None = None  # production once the night is over
+    n: int | None = None  # the examples (or verdicts) the decision rests on
+    method: str = ""
+    rule: str = ""
+    outcome: str = ""  # what deployment did: deployed, held back: ..., failed: ...
 
 
-def night_of(number: int, day: str, checkpoint: Any, evaluation: Any, production_after: str | None) -> Night:
+def night_of(
+    number: int, day: str, checkpoint: Any, evaluation: Any, production_after: str | None, outcome: str = ""
+) -> Night:
     """The night's figures from the evaluation run's eval_report output (which carries the gate's decision)."""
     try:
         report = evaluation.output_for_node("eval_report")
     except Exception:  # the evaluation failed: no report (its error is in the run's log above)
         return Night(
-            number,
-            day,
-            checkpoint.checkpoint_id,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            "evaluation failed",
-            "see the evaluation_job run in the UI",
-            production_after,
+            number, day, checkpoint.checkpoint_id, production_after=production_after, outcome=outcome
         )
     interval = tuple(report.eval_loss_difference_interval) if report.eval_loss_difference_interval else None
     return Night(
@@ -83,31 +80,38 @@ def night_of(number: int, day: str, checkpoint: Any, evaluation: Any, production
         report.gate_decision,
         report.gate_reason,
         production_after,
+        report.gate_n if report.gate_n is not None else report.eval_examples,
+        report.gate_method or "",
+        report.gate_rule or "",
+        outcome,
     )
 
 
 def summary_lines(nights: list[Night]) -> list[str]:
-    """Night by night: both losses on the same eval set, the difference with its interval, the gate's decision."""
+    """Night by night: both losses on the same eval set, the difference with its interval, the n and method behind
+    it, the gate's decision with the rule that made it, and what deployment did."""
     lines = []
     for n in nights:
         head = f"night {n.number} ({n.day}) {n.checkpoint_id}:"
+        outcome = f"; {n.outcome}" if n.outcome else ""
         if n.candidate_loss is None:
-            lines.append(f"{head} {n.decision} ({n.reason})")
+            lines.append(f"{head} {n.decision} ({n.reason}){outcome}")
             continue
+        evidence = f"eval set v{n.eval_set_version}, n = {n.n} examples"
         if n.production_loss is None:  # no production model yet (night 1), or one that could not be scored
             compared = (
-                f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, "
+                f"{evidence}: candidate {n.candidate_loss:.4f}, "
                 f"{'no production model yet' if n.production_id is None else 'production not scored'}"
             )
-            lines.append(f"{head} {compared} -> {n.decision} ({n.reason})")
+            lines.append(f"{head} {compared} -> {n.decision} ({n.reason}){outcome}")
             continue
         low, high = n.interval if n.interval else (float("nan"), float("nan"))
         compared = (
-            f"eval set v{n.eval_set_version}: candidate {n.candidate_loss:.4f}, production "
+            f"{evidence}: candidate {n.candidate_loss:.4f}, production "
             f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
-            f"95% CI [{low:+.4f}, {high:+.4f}]"
+            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method or 'interval'})"
         )
-        lines.append(f"{head} {compared} -> {n.decision}")
+        lines.append(f"{head} {compared} -> {n.decision} (rule: {n.rule}){outcome}")
     return lines
 
 
@@ -196,8 +200,9 @@ def main() -> int:
             base_eval = scored.output_for_node("base_model_eval") if scored.success else None
         evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
         current = ProductionRegistry(storage.production_pointer()).current()
+        outcome = describe(read_outcome(storage.deployment_dir(checkpoint.checkpoint_id)))
         nights.append(
-            night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None)
+            night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None, outcome)
         )
     run("leaderboard_job")
 

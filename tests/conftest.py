@@ -40,7 +40,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e":
             item.add_marker(pytest.mark.slow)
-        for fixture, group in (("slurm", "slurm"), ("pg", "postgres")):  # one cluster, one server: one xdist worker
+        for fixture, group in (
+            ("slurm", "slurm"),
+            ("pg", "postgres"),
+        ):  # one cluster, one server: one xdist worker
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(group))
 

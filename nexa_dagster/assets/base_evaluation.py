@@ -85,6 +85,7 @@ def base_model_eval(
         [int(v) for v in scores["tokens"]],
         policy.confidence,
         policy.bootstrap_resamples,
+        policy.interval_method,
     )
     loss, ppl = measured.loss, measured.perplexity
     context.log.info(

@@ -32,6 +32,7 @@ from nexa_dagster.core.evaluation.report import (
 )
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
+from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
     PromotionResource,
@@ -184,6 +185,7 @@ def eval_report(
             policy.confidence,
             policy.bootstrap_resamples,
             log=context.log.info,
+            interval_method=policy.interval_method,
         )
 
     # 3. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
@@ -203,6 +205,7 @@ def eval_report(
         eval_set,
         storage.report_dir(checkpoint_id),
         context.run.run_id,
+        policy.metric,
     )
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
@@ -306,7 +309,14 @@ def leaderboard(
 ) -> pd.DataFrame:
     production = ProductionRegistry(storage.production_pointer()).current()
     in_production = production.checkpoint_id if production else None
-    rows = [leaderboard_row(r, r.checkpoint_id == in_production) for r in eval_report.values()]
+    rows = [
+        leaderboard_row(
+            r,
+            r.checkpoint_id == in_production,
+            describe(read_outcome(storage.deployment_dir(r.checkpoint_id))),
+        )
+        for r in eval_report.values()
+    ]
     # base models: measured on the version's frozen corpus documents, not on its SFT samples (a stage of its own)
     rows += [base_leaderboard_row(r) for r in base_model_eval.values()]
     # rows of one eval-set version and stage are comparable: the newest version first, SFT checkpoints before

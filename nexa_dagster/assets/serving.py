@@ -16,6 +16,7 @@ from nexa_dagster.core.evaluation.promotion import (
     held_back_because,
 )
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
+from nexa_dagster.core.serving.outcomes import record_outcome
 from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
 from nexa_dagster.resources.configs import PromotionResource
 from nexa_dagster.resources.storage import StorageResource
@@ -70,11 +71,19 @@ def model_deployment(
     policy = promotion_policy.policy()
     registry = ProductionRegistry(storage.production_pointer())
     production = registry.current()
+    outcome_dir = storage.deployment_dir(checkpoint_id)
     held_back = held_back_because(checkpoint_id, eval_report, production)
     if held_back:
         context.log.info(
             f"{checkpoint_id} held back: {held_back}; "
             f"{production.checkpoint_id if production else 'nothing'} stays in production"
+        )
+        record_outcome(
+            outcome_dir,
+            checkpoint_id,
+            "held back",
+            held_back,
+            production.checkpoint_id if production else None,
         )
         return
 
@@ -82,38 +91,15 @@ def model_deployment(
     context.log.info(
         f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)"
     )
-    service = ServingServiceClient.find(storage.serving_dir())
-    if service is None:
-        context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
-        result = _smoke_test_without_service(context, eval_report, storage, previous)
-    else:
-        context.log.info(f"asking the serving service at {service.base_url} to switch to {checkpoint_id}")
-        try:
-            result = service.switch(eval_report.checkpoint_path, checkpoint_id)
-        except SwitchFailed as e:
-            raise dg.Failure(
-                f"the serving service did not switch to {checkpoint_id}: {e}", allow_retries=False
-            ) from e
-
     try:
-        version = tracking.version_of(policy.registered_model, checkpoint_id) or tracking.register_checkpoint(
-            policy.registered_model, checkpoint_id, eval_report.checkpoint_path, None
+        result, service, version = _deploy(
+            context, eval_report, storage, tracking, policy.registered_model, registry, production
         )
-        tracking.set_alias(policy.registered_model, "production", version)
-        registry.promote(
-            ProductionEntry(
-                checkpoint_id=checkpoint_id,
-                checkpoint_path=eval_report.checkpoint_path,
-                metric="eval_loss",
-                value=eval_report.eval_loss,
-                eval_set_version=eval_report.eval_set_version,
-                mlflow_version=version,
-            )
-        )
-    except BaseException:
-        if service is not None and production is not None:  # traffic goes back to what the pointer says
-            service.switch(production.checkpoint_path, production.checkpoint_id)
+    except Exception as error:
+        # a failed smoke test or switch: recorded as what happened, then the step fails
+        record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
+    record_outcome(outcome_dir, checkpoint_id, "deployed", "the promotion gate passed", checkpoint_id)
     context.log.info(
         f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
         + (f", served at {result.endpoint}" if result.endpoint else "")
@@ -135,3 +121,51 @@ def model_deployment(
             "mlflow_model_version": f"{policy.registered_model}/{version}",
         },
     )
+
+
+def _deploy(
+    context: dg.AssetExecutionContext,
+    eval_report: EvalReport,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    registered_model: str,
+    registry: ProductionRegistry,
+    production: ProductionEntry | None,
+) -> tuple[SwitchResult, ServingServiceClient | None, str]:
+    """Serve the checkpoint (the service switches, or a temporary engine smoke-tests it), then move the MLflow alias
+    and the production pointer; if those fail, traffic goes back to what the pointer says."""
+    checkpoint_id = context.partition_key
+    previous = production.checkpoint_id if production else None
+    service = ServingServiceClient.find(storage.serving_dir())
+    if service is None:
+        context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
+        result = _smoke_test_without_service(context, eval_report, storage, previous)
+    else:
+        context.log.info(f"asking the serving service at {service.base_url} to switch to {checkpoint_id}")
+        try:
+            result = service.switch(eval_report.checkpoint_path, checkpoint_id)
+        except SwitchFailed as e:
+            raise dg.Failure(
+                f"the serving service did not switch to {checkpoint_id}: {e}", allow_retries=False
+            ) from e
+
+    try:
+        version = tracking.version_of(registered_model, checkpoint_id) or tracking.register_checkpoint(
+            registered_model, checkpoint_id, eval_report.checkpoint_path, None
+        )
+        tracking.set_alias(registered_model, "production", version)
+        registry.promote(
+            ProductionEntry(
+                checkpoint_id=checkpoint_id,
+                checkpoint_path=eval_report.checkpoint_path,
+                metric="eval_loss",
+                value=eval_report.eval_loss,
+                eval_set_version=eval_report.eval_set_version,
+                mlflow_version=version,
+            )
+        )
+    except BaseException:
+        if service is not None and production is not None:  # traffic goes back to what the pointer says
+            service.switch(production.checkpoint_path, production.checkpoint_id)
+        raise
+    return result, service, version

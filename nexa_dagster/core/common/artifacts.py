@@ -131,8 +131,12 @@ class EvalReport(Artifact):
     eval_loss_difference: float | None = None  # candidate - production on the same examples
     eval_loss_difference_interval: tuple[float, float] | None = None
     win_rate_interval: tuple[float, float] | None = None
-    gate_decision: str | None = None  # promote | hold back
+    gate_decision: str | None = None  # promote | hold back | insufficient evidence
     gate_reason: str | None = None
+    gate_metric: str | None = None  # what the gate compared (promotion.yaml's metric)
+    gate_n: int | None = None  # the evidence it rested on: examples, consistent verdicts or benchmark samples
+    gate_method: str | None = None  # how its interval was computed
+    gate_rule: str | None = None  # the rule that decided, e.g. "interval high < -0.0", "n >= 30"
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

@@ -1,9 +1,10 @@
-"""A base model's evaluation: its loss on the frozen eval set's corpus documents, with a bootstrap interval.
+"""A base model's evaluation: its loss on the frozen eval set's corpus documents, with an interval over documents.
 
 The documents are those an eval-set version froze from the pretraining corpus (``core.eval_set``), which no base
 model ever trains on (``core.training.corpus``); the evaluation worker scores them as it scores SFT examples (every
 token but a document's first), and this turns its per-document sums into the mean loss per token and perplexity
-with a percentile bootstrap interval over documents (``core.paired.bootstrap_mean_loss``). Dagster-free.
+with an interval over documents (``core.evaluation.paired.mean_loss_interval``: the gate's method, a studentized
+t-interval by default). Dagster-free.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.evaluation.paired import Interval, bootstrap_mean_loss
+from nexa_dagster.core.evaluation.paired import Interval, mean_loss_interval
 from nexa_dagster.core.evaluation.scoring import perplexity_of
 
 
@@ -51,10 +52,15 @@ class CorpusScores:
 
 
 def corpus_scores(
-    corpus_path: str, nll: list[float], tokens: list[int], confidence: float = 0.95, resamples: int = 2000
+    corpus_path: str,
+    nll: list[float],
+    tokens: list[int],
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    method: str = "t",
 ) -> CorpusScores:
     """The worker's per-document sums for ``corpus_path`` (the frozen ``corpus.parquet``, in its order), summed up."""
     ids = [str(i) for i in storage.read_parquet(corpus_path)["sample_id"]]
     if len(ids) != len(nll) or len(nll) != len(tokens):
         raise ValueError(f"{corpus_path} holds {len(ids)} documents but {len(nll)} were scored")
-    return CorpusScores(ids, nll, tokens, bootstrap_mean_loss(nll, tokens, confidence, resamples))
+    return CorpusScores(ids, nll, tokens, mean_loss_interval(nll, tokens, confidence, method, resamples))

@@ -247,6 +247,7 @@ class BenchmarkComparison:
     high: float
     confidence: float
     higher_is_better: bool
+    samples: int = 0  # the fewer of the two runs' harness samples of the task: the n the interval rests on
 
 
 def _score(scores: dict[str, Any] | None, task: str, metric: str, who: str) -> dict[str, Any]:
@@ -276,7 +277,13 @@ def compare_benchmark(
         diff + z * se,
         confidence,
         c["higher_is_better"],
+        samples=min(_samples(candidate, task), _samples(production, task)),
     )
+
+
+def _samples(scores: dict[str, Any] | None, task: str) -> int:
+    """The harness's sample count of ``task`` in one run (0 when it did not say)."""
+    return int(((scores or {}).get("samples") or {}).get(task, 0))
 
 
 def markdown_table(candidate: dict[str, Any] | None, production: dict[str, Any] | None = None) -> list[str]:

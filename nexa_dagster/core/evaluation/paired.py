@@ -4,8 +4,12 @@ Two models measured on the *same* eval set differ example by example; pairing re
 themselves (a hard question is hard for both), so a small eval set can still tell a real improvement from noise.
 
 * ``paired_loss_difference``: per-example summed NLL and token counts of both models on the same examples; the
-  statistic is the difference of their token-weighted mean losses (what training optimises), with a percentile
-  bootstrap interval that resamples *examples* (both models' values move together).
+  statistic is the difference of their token-weighted mean losses (what training optimises). Its interval is a
+  studentized one (``ratio_t_interval``): the ratio estimator's delta-method standard error over examples, with
+  Student's t at n - 1 degrees of freedom. A percentile bootstrap of n examples understates the uncertainty when n
+  is small (with one example it resamples that example every time: a zero-width "95 %" interval); the t-interval
+  widens as n shrinks and does not exist below two examples. ``tests/unit/core/evaluation/test_paired.py``
+  measures its coverage on simulated paired data (93-97 % of 1,000 draws at n = 30).
 * ``order_consistent_win_rate``: the judge compares the two answers twice, once in each order; only verdicts that
   agree across the orders count (a judge that always picks "A" contributes nothing), and the win rate among them
   gets a Wilson score interval.
@@ -38,15 +42,24 @@ class Interval:
         return not (self.low <= value <= self.high)
 
 
+INTERVAL_METHODS = {
+    "t": "studentized t-interval (delta-method standard error of the token-weighted mean, n - 1 df)",
+    "bootstrap": "percentile bootstrap over examples",
+}
+
+
 @dataclass(frozen=True)
 class PairedLoss:
-    """Both models' mean loss on the same examples and the difference candidate - production with its interval."""
+    """Both models' mean loss on the same examples and the difference candidate - production with its interval.
+
+    ``examples`` is the n the interval rests on; ``method`` how the interval was computed (``INTERVAL_METHODS``)."""
 
     candidate: float
     production: float
     difference: Interval
     examples: int
     tokens: int
+    method: str = "t"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "difference": asdict(self.difference)}
@@ -58,6 +71,43 @@ def mean_loss(nll_sums: Sequence[float], tokens: Sequence[int]) -> float:
     if total <= 0:
         raise ValueError("no scored tokens")
     return float(np.sum(nll_sums)) / total
+
+
+def ratio_t_interval(numerators: np.ndarray, denominators: np.ndarray, confidence: float) -> Interval:
+    """``sum(numerators) / sum(denominators)`` with a studentized interval over the n pairs.
+
+    The ratio estimator R = sum(x) / sum(t) has, to first order, the standard error of the mean of the residuals
+    ``x_i - R t_i`` divided by the mean of ``t`` (the delta method); the interval is R +- t_{n-1} * SE. With fewer
+    than two pairs there is no estimate of the spread: the interval is (-inf, inf), which no gate can pass.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    x, t = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
+    n = len(x)
+    estimate = float(x.sum() / t.sum())
+    if n < 2:
+        return Interval(estimate, -math.inf, math.inf, confidence)
+    from scipy.special import stdtrit  # Student's t quantile; ~1 s to import: not at the code location's load
+
+    residuals = x - estimate * t
+    se = math.sqrt(float(np.sum(residuals**2)) / (n * (n - 1))) / float(t.mean())
+    half = float(stdtrit(n - 1, 0.5 + confidence / 2)) * se
+    return Interval(estimate, estimate - half, estimate + half, confidence)
+
+
+def mean_loss_interval(
+    nll_sums: Sequence[float],
+    tokens: Sequence[int],
+    confidence: float = 0.95,
+    method: str = "t",
+    resamples: int = 2000,
+    seed: int = 0,
+) -> Interval:
+    """One model's token-weighted mean loss with its interval over examples (``method``: ``t`` or ``bootstrap``)."""
+    nll, tok = _arrays(nll_sums, tokens)
+    if method == "t":
+        return ratio_t_interval(nll, tok, confidence)
+    return bootstrap_mean_loss(nll, tok, confidence, resamples, seed)
 
 
 def bootstrap_mean_loss(
@@ -81,9 +131,11 @@ def paired_loss_difference(
     confidence: float = 0.95,
     resamples: int = 2000,
     seed: int = 0,
+    method: str = "t",
 ) -> PairedLoss:
     """Difference of the two models' token-weighted mean losses on the same examples (negative: the candidate is
-    better), with a percentile bootstrap interval that resamples examples, keeping each example's pair together.
+    better), with an interval over examples that keeps each example's pair together: ``method="t"`` (default) the
+    studentized ``ratio_t_interval`` of the per-example differences, ``"bootstrap"`` a percentile bootstrap.
 
     ``candidate_nll[i]`` and ``production_nll[i]`` are the summed NLL of example ``i``'s ``tokens[i]`` scored
     tokens under each model (both models see the same tokens: the eval set is tokenized once).
@@ -93,23 +145,35 @@ def paired_loss_difference(
             f"paired comparison needs the same examples: {len(candidate_nll)} candidate vs "
             f"{len(production_nll)} production values"
         )
+    if method not in INTERVAL_METHODS:
+        raise ValueError(f"interval method must be one of {sorted(INTERVAL_METHODS)}, not {method!r}")
     cand, tok = _arrays(candidate_nll, tokens)
     prod, _ = _arrays(production_nll, tokens)
-    idx = _resample_indices(len(cand), resamples, seed)
-    tok_b = tok[idx].sum(axis=1)
-    diffs = (cand[idx].sum(axis=1) - prod[idx].sum(axis=1)) / tok_b
     c, p = mean_loss(cand, tok), mean_loss(prod, tok)
-    return PairedLoss(c, p, _percentile_interval(c - p, diffs, confidence), len(cand), int(tok.sum()))
+    if method == "t":
+        interval = ratio_t_interval(cand - prod, tok, confidence)
+    else:
+        idx = _resample_indices(len(cand), resamples, seed)
+        diffs = (cand[idx].sum(axis=1) - prod[idx].sum(axis=1)) / tok[idx].sum(axis=1)
+        interval = _percentile_interval(c - p, diffs, confidence)
+    return PairedLoss(c, p, interval, len(cand), int(tok.sum()), method)
 
 
 @dataclass(frozen=True)
 class WinRate:
-    """The judge's preference for the candidate among order-consistent verdicts, with a Wilson interval."""
+    """The judge's preference for the candidate among order-consistent verdicts, with a Wilson interval.
+
+    ``consistent`` (wins + losses) is the n the interval rests on."""
 
     wins: int
     losses: int
     inconsistent: int  # the verdict flipped with the answer order (position bias) or was unreadable
     rate: Interval
+    method: str = "Wilson score interval over order-consistent verdicts"
+
+    @property
+    def consistent(self) -> int:
+        return self.wins + self.losses
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rate": asdict(self.rate)}

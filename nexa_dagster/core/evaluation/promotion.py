@@ -8,20 +8,21 @@ production checkpoint and the history of earlier ones, written atomically; the M
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import load_yaml, validated
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
-from nexa_dagster.core.evaluation.paired import PairedLoss, WinRate
+from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, PairedLoss, WinRate
 
 
 class PromotionPolicy(BaseModel):
-    """``configs/promotion.yaml``: what the gate compares and how sure it must be."""
+    """``configs/promotion.yaml``: what the gate compares, how sure it must be, and how much evidence it needs."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt `margin` must not silently promote at margin 0
 
@@ -44,7 +45,34 @@ class PromotionPolicy(BaseModel):
         description="the whole confidence interval must clear the margin, not just the point estimate",
     )
     confidence: float = Field(default=0.95, gt=0, lt=1)
-    bootstrap_resamples: int = Field(default=2000, ge=100)
+    interval_method: Literal["t", "bootstrap"] = Field(
+        default="t",
+        description="eval_loss's interval: t (studentized, honest at small n) or bootstrap (percentile)",
+    )
+    bootstrap_resamples: int = Field(
+        default=2000, ge=100, description="resamples of interval_method: bootstrap"
+    )
+    min_examples: int = Field(
+        default=30, ge=2, description="eval_loss: fewer eval-set examples decide nothing"
+    )
+    min_consistent_verdicts: int = Field(
+        default=20, ge=1, description="win_rate: fewer order-consistent judge verdicts decide nothing"
+    )
+    min_benchmark_samples: int = Field(
+        default=30, ge=1, description="benchmark:<task>/<metric>: fewer harness samples decide nothing"
+    )
+    on_insufficient_evidence: Literal["hold back", "promote"] = Field(
+        default="hold back",
+        description="below the minimum evidence: hold the candidate back (decision 'insufficient evidence'), or "
+        "promote it with a warning naming the shortfall (only where this file says so)",
+    )
+    max_contamination: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="the share of eval examples (or benchmark items) whose n-grams occur in the candidate's training "
+        "data above which the gate holds it back",
+    )
     registered_model: str = "nexa-moe"
 
     @field_validator("metric")
@@ -62,6 +90,14 @@ class PromotionPolicy(BaseModel):
     @property
     def benchmark(self) -> bool:
         return self.metric.startswith(BENCHMARK_METRIC_PREFIX)
+
+    def minimum_evidence(self) -> int:
+        """The n the configured metric needs: examples, consistent verdicts or harness samples."""
+        if self.metric == "eval_loss":
+            return self.min_examples
+        if self.metric == "win_rate":
+            return self.min_consistent_verdicts
+        return self.min_benchmark_samples
 
 
 def load_policy(name: str = "promotion.yaml") -> PromotionPolicy:
@@ -84,10 +120,14 @@ class ProductionState(BaseModel):
     history: list[ProductionEntry] = Field(default_factory=list)  # earlier production models, oldest first
 
 
+Decision = Literal["promote", "hold back", "insufficient evidence"]
+
+
 @dataclass(frozen=True)
 class GateDecision:
-    """The gate's verdict and the numbers it was made from (both models' values on the same eval set, the
-    difference candidate - production for eval_loss or the win rate for win_rate, and its interval)."""
+    """The gate's verdict and what it rests on: both models' values on the same eval set, the difference
+    (candidate - production for eval_loss, the win rate for win_rate, the gain for a benchmark), its interval, the
+    n behind it, the interval's method and the rule that decided."""
 
     passed: bool
     reason: str
@@ -95,18 +135,34 @@ class GateDecision:
     production: float | None = None
     difference: float | None = None
     interval: tuple[float, float] | None = None
+    decision: Decision | None = None  # None: "promote" when passed, else "hold back"
+    n: int | None = None
+    method: str = ""
+    rule: str = ""
+
+    @property
+    def outcome(self) -> Decision:
+        return self.decision or ("promote" if self.passed else "hold back")
 
     def metadata(self) -> dict[str, Any]:
         low, high = self.interval if self.interval else (None, None)
         return {
-            "decision": "promote" if self.passed else "hold back",
+            "decision": self.outcome,
             "reason": self.reason,
             "candidate": self.candidate,
             "production": self.production,
             "difference": self.difference,
-            "interval_low": low,
-            "interval_high": high,
+            "interval_low": _finite(low),
+            "interval_high": _finite(high),
+            "n": self.n,
+            "method": self.method,
+            "rule": self.rule,
         }
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON and the leaderboard have no infinity: an unbounded interval end is written as null."""
+    return value if value is None or math.isfinite(value) else None
 
 
 def decide(
@@ -116,14 +172,73 @@ def decide(
     paired_loss: PairedLoss | None = None,
     win_rate: WinRate | None = None,
     benchmark: BenchmarkComparison | None = None,
+    contamination: float | None = None,
 ) -> GateDecision:
-    """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin;
-    with ``require_interval`` the whole confidence interval must clear the margin (a tie, or an improvement
-    smaller than the noise of the eval set, is held back)."""
+    """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin
+    with enough evidence; with ``require_interval`` the whole confidence interval must clear the margin (a tie,
+    or an improvement smaller than the noise of the eval set, is held back). Below the policy's minimum n the
+    decision is "insufficient evidence" (held back; promoted with a warning only where the policy says so); a
+    candidate whose training data holds more of the eval set than ``max_contamination`` is held back, naming it."""
     if production is None:
-        return GateDecision(True, "no production model yet")
+        return GateDecision(True, "no production model yet", decision="promote", rule="first model")
     if production.checkpoint_id == checkpoint_id:
-        return GateDecision(True, f"{checkpoint_id} is the production model (re-evaluation)")
+        return GateDecision(
+            True,
+            f"{checkpoint_id} is the production model (re-evaluation)",
+            decision="promote",
+            rule="already production",
+        )
+    measured = _measure(checkpoint_id, production, policy, paired_loss, win_rate, benchmark)
+    if measured.n is None:  # nothing was compared: the reason says why
+        return measured
+    if contamination is not None and contamination > policy.max_contamination:
+        return replace(
+            measured,
+            passed=False,
+            decision="hold back",
+            reason=f"contaminated: {contamination:.1%} of the eval set occurs in its training data "
+            f"(max_contamination {policy.max_contamination:.1%}); {measured.reason}",
+            rule=f"contamination <= {policy.max_contamination}",
+        )
+    need = policy.minimum_evidence()
+    if measured.n < need:
+        shortfall = f"insufficient evidence: n = {measured.n} < {need} ({_evidence_name(policy)})"
+        if policy.on_insufficient_evidence == "promote":
+            return replace(
+                measured,
+                passed=True,
+                decision="promote",
+                reason=f"WARN {shortfall}, promoted because "
+                f"on_insufficient_evidence: promote; {measured.reason}",
+                rule=f"n >= {need} (waived)",
+            )
+        return replace(
+            measured,
+            passed=False,
+            decision="insufficient evidence",
+            reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
+            rule=f"n >= {need}",
+        )
+    return measured
+
+
+def _evidence_name(policy: PromotionPolicy) -> str:
+    if policy.metric == "eval_loss":
+        return "eval-set examples, min_examples"
+    if policy.metric == "win_rate":
+        return "order-consistent judge verdicts, min_consistent_verdicts"
+    return "benchmark samples, min_benchmark_samples"
+
+
+def _measure(
+    checkpoint_id: str,
+    production: ProductionEntry,
+    policy: PromotionPolicy,
+    paired_loss: PairedLoss | None,
+    win_rate: WinRate | None,
+    benchmark: BenchmarkComparison | None,
+) -> GateDecision:
+    """The configured metric's comparison against the margin, with its n (None when nothing was compared)."""
     need = "interval" if policy.require_interval else "point estimate"
     level = f"{policy.confidence:.0%}"
     if policy.benchmark:
@@ -136,13 +251,24 @@ def decide(
         b = benchmark
         worst = b.low if policy.require_interval else b.difference  # better is positive
         passed = worst > policy.margin
+        rule = f"{'interval low' if policy.require_interval else 'gain'} > {policy.margin}"
         reason = (
             f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
             f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
-            f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors); the {need} "
+            f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors, n = {b.samples}); the {need} "
             f"{'is' if passed else 'is not'} above {policy.margin}"
         )
-        return GateDecision(passed, reason, b.candidate, b.production, b.difference, (b.low, b.high))
+        return GateDecision(
+            passed,
+            reason,
+            b.candidate,
+            b.production,
+            b.difference,
+            (b.low, b.high),
+            n=b.samples,
+            method="normal interval from the harness's standard errors",
+            rule=rule,
+        )
     if policy.metric == "eval_loss":
         if paired_loss is None:
             return GateDecision(
@@ -155,14 +281,23 @@ def decide(
             d.high if policy.require_interval else d.estimate
         )  # candidate - production: negative is better
         passed = worst < -policy.margin
+        rule = f"{'interval high' if policy.require_interval else 'difference'} < -{policy.margin}"
         reason = (
             f"eval_loss {paired_loss.candidate:.4f} vs production {production.checkpoint_id} "
-            f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} interval [{d.low:+.4f}, "
-            f"{d.high:+.4f}]; the {need} {'is' if passed else 'is not'} below -{policy.margin} "
-            f"over {paired_loss.examples} examples"
+            f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} {paired_loss.method}-interval "
+            f"[{d.low:+.4f}, {d.high:+.4f}] over n = {paired_loss.examples} examples; the {need} "
+            f"{'is' if passed else 'is not'} below -{policy.margin}"
         )
         return GateDecision(
-            passed, reason, paired_loss.candidate, paired_loss.production, d.estimate, (d.low, d.high)
+            passed,
+            reason,
+            paired_loss.candidate,
+            paired_loss.production,
+            d.estimate,
+            (d.low, d.high),
+            n=paired_loss.examples,
+            method=INTERVAL_METHODS[paired_loss.method],
+            rule=rule,
         )
     if win_rate is None:
         return GateDecision(
@@ -173,13 +308,24 @@ def decide(
     r = win_rate.rate
     worst = r.low if policy.require_interval else r.estimate
     passed = worst > 0.5 + policy.margin
+    rule = f"{'interval low' if policy.require_interval else 'win rate'} > {0.5 + policy.margin}"
     reason = (
         f"win_rate {r.estimate:.3f} over production {production.checkpoint_id} ({win_rate.wins} wins, "
-        f"{win_rate.losses} losses, {win_rate.inconsistent} order-inconsistent), {level} interval "
-        f"[{r.low:.3f}, {r.high:.3f}]; the {need} {'is' if passed else 'is not'} above "
-        f"{0.5 + policy.margin}"
+        f"{win_rate.losses} losses, {win_rate.inconsistent} order-inconsistent), {level} Wilson interval "
+        f"[{r.low:.3f}, {r.high:.3f}] over n = {win_rate.consistent} consistent verdicts; the {need} "
+        f"{'is' if passed else 'is not'} above {0.5 + policy.margin}"
     )
-    return GateDecision(passed, reason, r.estimate, 1 - r.estimate, r.estimate - 0.5, (r.low, r.high))
+    return GateDecision(
+        passed,
+        reason,
+        r.estimate,
+        1 - r.estimate,
+        r.estimate - 0.5,
+        (r.low, r.high),
+        n=win_rate.consistent,
+        method=win_rate.method,
+        rule=rule,
+    )
 
 
 def held_back_because(checkpoint_id: str, report: Any, production: ProductionEntry | None) -> str | None:

@@ -93,9 +93,11 @@ def build_eval_report(
     eval_set: dict[str, Any],
     report_dir: str,
     run_id: str,
+    metric: str = "eval_loss",
 ) -> EvalReport:
     """Write ``report.json`` and ``report.md`` under ``report_dir`` and return the record they describe."""
     result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
+    gate = decision.metadata()
     json_path, md_path = write_report(
         result,
         {
@@ -125,15 +127,28 @@ def build_eval_report(
         production_checkpoint_id=production_id,
         production_eval_loss=paired.production if paired else None,
         eval_loss_difference=paired.difference.estimate if paired else None,
-        eval_loss_difference_interval=(paired.difference.low, paired.difference.high) if paired else None,
+        eval_loss_difference_interval=_bounded(paired.difference) if paired else None,
         win_rate_interval=(win.rate.low, win.rate.high) if win else None,
-        gate_decision=decision.metadata()["decision"],
+        gate_decision=gate["decision"],
         gate_reason=decision.reason,
+        gate_metric=metric,
+        gate_n=decision.n,
+        gate_method=decision.method or None,
+        gate_rule=decision.rule or None,
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
         benchmarks=result.benchmarks,
         production_benchmarks=result.production_benchmarks,
+    )
+
+
+def _bounded(interval: Any) -> tuple[float, float] | None:
+    """An interval both of whose ends are finite (below two examples there is none: ``None``)."""
+    return (
+        (interval.low, interval.high)
+        if math.isfinite(interval.low) and math.isfinite(interval.high)
+        else None
     )
 
 
@@ -172,6 +187,12 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "production_eval_loss": report.production_eval_loss,
         "eval_loss_difference": report.eval_loss_difference,
         "gate_decision": report.gate_decision,
+        "gate_n": report.gate_n,
+        "gate_method": report.gate_method,
+        "gate_rule": report.gate_rule,
+        "eval_loss_difference_interval": list(report.eval_loss_difference_interval)
+        if report.eval_loss_difference_interval
+        else None,
         "dataset_run_hash": report.dataset_run_hash,
         "parent": report.parent or "",
         **{f"benchmark/{k}": v for k, v in flat_scores(report.benchmarks).items()},
@@ -190,9 +211,16 @@ def mlflow_metrics(report: EvalReport) -> dict[str, float]:
     }
 
 
-def leaderboard_row(report: EvalReport, in_production: bool) -> dict[str, Any]:
-    """The report's row on the leaderboard (stage ``sft``; base models have rows of their own)."""
+def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") -> dict[str, Any]:
+    """The report's row on the leaderboard (stage ``sft``; base models have rows of their own): its figures, the
+    gate's decision with the n, interval, method and rule behind it, and what happened (``outcome``: deployed, or
+    held back and why, as the deployment recorded it)."""
     figures = report_figures(report)
+    interval = (
+        report.eval_loss_difference_interval
+        if report.gate_metric in (None, "eval_loss")
+        else (report.win_rate_interval if report.gate_metric == "win_rate" else None)
+    )
     return {
         "checkpoint_id": report.checkpoint_id,
         "stage": "sft",
@@ -209,6 +237,11 @@ def leaderboard_row(report: EvalReport, in_production: bool) -> dict[str, Any]:
         },
         "vs_production": report.production_checkpoint_id or "",
         "gate": report.gate_decision or "",
+        "gate_n": report.gate_n,
+        "gate_interval": f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "",
+        "gate_method": report.gate_method or "",
+        "gate_rule": report.gate_rule or "",
+        "outcome": outcome,
         "dataset_run_hash": report.dataset_run_hash or "",
         "parent": report.parent or "",
         "evaluated_at": report.created_at,

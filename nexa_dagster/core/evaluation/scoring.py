@@ -348,9 +348,11 @@ def compare(
     confidence: float = 0.95,
     resamples: int = 2000,
     log: Callable[[str], None] = print,
+    interval_method: str = "t",
 ) -> CheckpointEvaluation:
     """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
-    per-example loss differences with a bootstrap interval and the order-consistent pairwise win rate."""
+    per-example loss differences with their interval (``interval_method``) and the order-consistent pairwise win
+    rate."""
     with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
         answers = judge_answers(judge, prompts, candidate.answers, rubric, log=log, progress=progress)
     result = EvalResult(
@@ -364,13 +366,19 @@ def compare(
     if production is None:
         return evaluation
     evaluation.paired_loss = paired_loss_difference(
-        candidate.nll, production.nll, candidate.tokens, confidence=confidence, resamples=resamples
+        candidate.nll,
+        production.nll,
+        candidate.tokens,
+        confidence=confidence,
+        resamples=resamples,
+        method=interval_method,
     )
     d = evaluation.paired_loss.difference
     log(
         f"{checkpoint_id}: eval-set loss {evaluation.paired_loss.candidate:.4f} vs production "
         f"{evaluation.paired_loss.production:.4f}: difference {d.estimate:+.4f} "
-        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%})"
+        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%} {evaluation.paired_loss.method}-interval, "
+        f"n = {evaluation.paired_loss.examples})"
     )
     first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
     evaluation.win_rate = order_consistent_win_rate(first, second, confidence)

@@ -1,0 +1,71 @@
+"""The promotion gate decides only on enough evidence, says on what it decided, and refuses a contaminated win."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nexa_dagster.core.evaluation.paired import order_consistent_win_rate, paired_loss_difference
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
+
+PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
+
+
+def _clearly_better(n: int):
+    """A candidate better by 0.5 nats per token on every one of ``n`` examples (tiny noise)."""
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(20, 60, size=n)
+    production = rng.uniform(3.0, 6.0, size=n) * tokens
+    candidate = production - (0.5 + rng.normal(0, 0.01, size=n)) * tokens
+    return paired_loss_difference(candidate, production, tokens)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_or_two_examples_are_insufficient_evidence_whatever_the_difference(n: int) -> None:
+    decision = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(n))
+    assert not decision.passed and decision.outcome == "insufficient evidence"
+    assert decision.n == n and decision.rule == "n >= 30"
+    assert f"insufficient evidence: n = {n} < 30 (eval-set examples, min_examples)" in decision.reason
+
+
+def test_enough_examples_and_a_clear_interval_promote_with_n_method_and_rule_stated() -> None:
+    decision = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30))
+    assert decision.passed and decision.outcome == "promote" and decision.n == 30
+    assert decision.rule == "interval high < -0.0" and decision.method.startswith("studentized t-interval")
+    meta = decision.metadata()
+    assert (meta["decision"], meta["n"]) == ("promote", 30) and meta["interval_high"] < -0.4
+
+
+def test_promoting_on_too_little_evidence_happens_only_where_the_policy_says_so_and_warns() -> None:
+    policy = PromotionPolicy(on_insufficient_evidence="promote")
+    decision = decide("cand", PRODUCTION, policy, _clearly_better(5))
+    assert (
+        decision.passed and decision.outcome == "promote" and decision.reason.startswith("WARN insufficient")
+    )
+    assert decision.rule == "n >= 30 (waived)"
+
+
+def test_the_first_model_is_promoted_without_a_comparison() -> None:
+    decision = decide("cand", None, PromotionPolicy())
+    assert decision.passed and decision.outcome == "promote" and decision.rule == "first model"
+
+
+def test_a_win_rate_on_a_handful_of_consistent_verdicts_decides_nothing() -> None:
+    policy = PromotionPolicy(metric="win_rate")
+    few = order_consistent_win_rate(["candidate"] * 8, ["candidate"] * 8)  # 8 wins, 0 losses: Wilson low 0.68
+    decision = decide("cand", PRODUCTION, policy, win_rate=few)
+    assert few.rate.low > 0.5 and decision.outcome == "insufficient evidence" and decision.n == 8
+    many = order_consistent_win_rate(["candidate"] * 22, ["candidate"] * 22)
+    assert decide("cand", PRODUCTION, policy, win_rate=many).outcome == "promote"
+
+
+def test_a_contaminated_candidate_is_held_back_naming_the_share() -> None:
+    decision = decide(
+        "cand", PRODUCTION, PromotionPolicy(max_contamination=0.02), _clearly_better(30), contamination=0.1
+    )
+    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.reason.startswith("contaminated: 10.0% of the eval set occurs in its training data")
+    clean = decide(
+        "cand", PRODUCTION, PromotionPolicy(max_contamination=0.02), _clearly_better(30), contamination=0.0
+    )
+    assert clean.passed
