@@ -11,13 +11,19 @@ import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
+from nexa_dagster.assets.packaging import contamination_index
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
-from nexa_dagster.core.common.config import resolve_path
+from nexa_dagster.core.common.config import ScalePreset, resolve_path
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
-from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison, BenchmarkError, compare_benchmark
+from nexa_dagster.core.evaluation.benchmarks import (
+    BenchmarkComparison,
+    BenchmarkError,
+    compare_benchmark,
+    parse_metric,
+)
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry, PromotionPolicy, decide
 from nexa_dagster.core.evaluation.report import (
@@ -32,9 +38,16 @@ from nexa_dagster.core.evaluation.report import (
 )
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
+from nexa_dagster.core.packaging.decontaminate import (
+    chat_texts,
+    decontaminate,
+    recorded_inputs,
+    template_segments,
+)
 from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
+    PackagingResource,
     PromotionResource,
     PromptsResource,
     SampleGateResource,
@@ -140,6 +153,7 @@ def eval_report(
     promotion_policy: PromotionResource,
     sample_gate_config: SampleGateResource,
     prompts: PromptsResource,
+    packaging_config: PackagingResource,
 ):
     checkpoint_id = context.partition_key
     scale, policy, version = scale_preset.load(), promotion_policy.policy(), eval_sets.version
@@ -188,7 +202,12 @@ def eval_report(
             interval_method=policy.interval_method,
         )
 
-    # 3. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
+    # 3. how much of the eval set (or of the gate's benchmark) its training data holds
+    contamination, contaminated = training_data_contamination(
+        context, storage, ckpt, eval_sets, scale, prompts, packaging_config, policy
+    )
+
+    # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
     decision = decide(
         checkpoint_id,
         production,
@@ -196,6 +215,7 @@ def eval_report(
         evaluation.paired_loss,
         evaluation.win_rate,
         benchmark_comparison(policy, evaluation),
+        contamination,
     )
     report = build_eval_report(
         ckpt,
@@ -206,6 +226,8 @@ def eval_report(
         storage.report_dir(checkpoint_id),
         context.run.run_id,
         policy.metric,
+        contamination,
+        contaminated,
     )
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
@@ -229,6 +251,38 @@ def eval_report(
             }
         ),
     )
+
+
+def training_data_contamination(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    ckpt: Checkpoint,
+    eval_sets: EvalSetsResource,
+    scale: ScalePreset,
+    prompts: PromptsResource,
+    packaging_config: PackagingResource,
+    policy: PromotionPolicy,
+) -> tuple[float | None, list[str]]:
+    """(the share of the gate's protected items, the eval set's or its benchmark task's, that the candidate's SFT
+    data holds; those items) from the day files its dataset was packed from, each checked once per index
+    (``core/packaging/decontaminate.py``'s receipts). None: unknown (no dataset of it in this data root)."""
+    sft_root = storage.path("sft")
+    files = (
+        recorded_inputs(io.join(sft_root, ckpt.dataset_run_hash), sft_root) if ckpt.dataset_run_hash else None
+    )
+    if files is None:
+        context.log.warning(
+            f"{ckpt.checkpoint_id}: its training data is not in this data root: contamination unknown"
+        )
+        return None, []
+    index, _ = contamination_index(
+        storage, eval_sets, scale, prompts, packaging_config.config().contamination
+    )
+    texts = chat_texts(template_segments(prompts.text("teacher")))
+    _, report = decontaminate(files, index, sft_root, "report", texts, "sample_id", context.log.info)
+    source = f"benchmark:{parse_metric(policy.metric)[0]}" if policy.benchmark else "eval_set"
+    items = sorted(index.describe(i) for i in report.items_hit if index.items[i][0].startswith(source))
+    return index.share(report.items_hit, source), items
 
 
 def checkpoint_dir(

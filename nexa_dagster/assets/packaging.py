@@ -17,9 +17,21 @@ import pandas as pd
 
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common.artifacts import SFTDataset
+from nexa_dagster.core.common.config import ScalePreset
+from nexa_dagster.core.data.contamination import ContaminationIndex, load_or_build
 from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
-from nexa_dagster.core.packaging.blend import DataBlend, PackagingConfig
+from nexa_dagster.core.evaluation.eval_set import load_eval_set
+from nexa_dagster.core.evaluation.protected import benchmark_items, eval_set_items
+from nexa_dagster.core.packaging.blend import ContaminationConfig, DataBlend, PackagingConfig
+from nexa_dagster.core.packaging.decontaminate import (
+    DecontaminationReport,
+    chat_texts,
+    decontaminate,
+    document_texts,
+    record_inputs,
+    template_segments,
+)
 from nexa_dagster.core.packaging.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
 from nexa_dagster.core.packaging.packing import check_packed_file
 from nexa_dagster.core.packaging.pretrain_corpus import (
@@ -30,7 +42,7 @@ from nexa_dagster.core.packaging.pretrain_corpus import (
 )
 from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
-from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource
+from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
 from nexa_dagster.resources.scale import ScaleResource
@@ -43,6 +55,34 @@ def load_student_tokenizer(storage: StorageResource) -> tuple[object, str]:
 
     path = storage.student_tokenizer_dir()
     return AutoTokenizer.from_pretrained(path), path
+
+
+def contamination_index(
+    storage: StorageResource,
+    eval_sets: EvalSetsResource,
+    scale: ScalePreset,
+    prompts: PromptsResource,
+    cfg: ContaminationConfig,
+) -> tuple[ContaminationIndex, list[str]]:
+    """What training must not contain now: the current eval-set version's examples (once frozen) and the items of
+    the scale's benchmark tasks, as an n-gram index built once per such set; with the tasks that have no local
+    data to protect."""
+    items = []
+    try:
+        manifest = load_eval_set(storage.path("eval_sets"), eval_sets.version)
+        items += eval_set_items(manifest, template_segments(prompts.text("teacher")))
+    except FileNotFoundError:
+        pass  # not frozen yet (the first pretraining of a data root): the benchmarks only
+    benchmark, unchecked = benchmark_items(scale.evaluation.benchmarks)
+    index = load_or_build(storage.path("decontamination", "indexes"), items + benchmark, cfg.n, cfg.min_words)
+    return index, unchecked
+
+
+def contamination_metadata(report: DecontaminationReport, index: ContaminationIndex) -> dict[str, object]:
+    meta = report.metadata(index)
+    meta["contamination_examples"] = dg.MetadataValue.json(meta["contamination_examples"])
+    meta["protected_items"] = len(index.items)
+    return meta
 
 
 def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
@@ -93,6 +133,7 @@ def shard_runner(
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
     ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
+    deps=["eval_set"],  # frozen first: no sample that holds an eval example's text is packed
     kinds={"python", "parquet"},
     description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
     "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
@@ -107,6 +148,7 @@ def sft_dataset(
     gpu_cluster: GPUClusterResource,
     packaging_config: PackagingResource,
     eval_sets: EvalSetsResource,
+    prompts: PromptsResource,
 ) -> SFTDataset:
     scale, cfg = scale_preset.load(), packaging_config.config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
@@ -117,6 +159,17 @@ def sft_dataset(
         list(context.asset_partition_keys_for_input("filtered_samples")),
     )
     days = day_inputs_from_partitions(partitions, storage.path("sft"), validate=_valid_filtered_samples)
+    # before packing: no sample that holds eval-set or benchmark text (a night checks only its new day)
+    index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
+    days, contamination = decontaminate(
+        days,
+        index,
+        storage.path("sft"),
+        cfg.contamination.on_overlap,
+        chat_texts(template_segments(prompts.text("teacher"))),
+        "sample_id",
+        context.log.info,
+    )
     dataset, stats = build_sft_dataset_from_days(
         days,
         tokenizer,
@@ -157,8 +210,10 @@ def sft_dataset(
             "held_out_for_eval_set": dataset.held_out_samples,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             "validation_path": dg.MetadataValue.path(dataset.validation_path),
+            **contamination_metadata(contamination, index),
         }
     )
+    record_inputs(dataset.root, storage.path("sft"), days, contamination, index)
     return dataset
 
 
@@ -198,6 +253,9 @@ def pretrain_corpus(
     storage: StorageResource,
     gpu_cluster: GPUClusterResource,
     packaging_config: PackagingResource,
+    eval_sets: EvalSetsResource,
+    scale_preset: ScaleResource,
+    prompts: PromptsResource,
 ) -> PretrainCorpus:
     cfg = packaging_config.config()
     tokenizer, _ = load_student_tokenizer(storage)
@@ -213,6 +271,12 @@ def pretrain_corpus(
         raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
     # each day is schema-checked alone: a doc_id on two days is caught by the on-disk index of every day's ids
     check_unique_across_days([(d.path, d.days) for d in days], index_for(out_root), "doc_id", "raw_documents")
+    # before packing: no document that holds eval-set or benchmark text known now (base_model checks again, against
+    # the eval set frozen since, and keeps those out of its training)
+    index, _ = contamination_index(storage, eval_sets, scale_preset.load(), prompts, cfg.contamination)
+    days, contamination = decontaminate(
+        days, index, out_root, cfg.contamination.on_overlap, document_texts, "doc_id", context.log.info
+    )
     run = package_pretrain(
         blend,
         tokenizer,
@@ -246,8 +310,10 @@ def pretrain_corpus(
             "tokens": run.num_tokens,
             "shards": len(run.prefixes),
             "megatron_blend": dg.MetadataValue.path(run.blend_path),
+            **contamination_metadata(contamination, index),
         }
     )
+    record_inputs(run.root, out_root, days, contamination, index)
     return corpus
 
 

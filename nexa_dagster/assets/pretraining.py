@@ -11,26 +11,50 @@ eval-set version froze (``base_model_eval``), so base models trained on differen
 import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.packaging import load_student_tokenizer
+from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
+from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.evaluation.scoring import perplexity_of
-from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus
+from nexa_dagster.core.packaging.decontaminate import decontaminate, document_texts, recorded_inputs, rows_of
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus, corpus_document_ids
 from nexa_dagster.core.training.job import TrainingJob
-from nexa_dagster.resources.configs import EvalSetsResource
+from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
 
+def contaminated_documents(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    corpus: PretrainCorpus,
+    index: ContaminationIndex,
+    tokenizer: object,
+) -> tuple[list[str], int]:
+    """(the corpus ids of its documents that hold protected text, how many were found) from the corpus's recorded
+    day inputs, each checked once per index (the receipts of ``core/packaging/decontaminate.py``)."""
+    out_root = storage.path("pretrain")
+    files = recorded_inputs(corpus.root, out_root)
+    if files is None:  # a corpus packed before its inputs were recorded: nothing to go on
+        context.log.warning(
+            f"corpus {corpus.run_hash} records no inputs: not checked for contamination again"
+        )
+        return [], 0
+    _, report = decontaminate(files, index, out_root, "report", document_texts, "doc_id", context.log.info)
+    texts = [r["text"] for path, rows in report.rows_hit.items() for r in rows_of(path, rows)]
+    return corpus_document_ids(texts, tokenizer, out_root), len(texts)
+
+
 @dg.asset(
     group_name="training",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
+    deps=["eval_set"],  # frozen first: the base never trains on a document the eval set quotes
     kinds={"deepspeed", "pytorch"},
     description="The MoE preset pretrained with the DeepSpeed engine on pretrain_corpus (documents concatenated "
     "into pack_size rows, attention within documents, loss on every token), saved as a Hugging Face "
@@ -45,6 +69,8 @@ def base_model(
     tracking: TrackingResource,
     scale_preset: ScaleResource,
     eval_sets: EvalSetsResource,
+    packaging_config: PackagingResource,
+    prompts: PromptsResource,
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     if scale.pretraining is None:
@@ -53,7 +79,14 @@ def base_model(
         )
     settings = scale.pretraining.settings(scale.training)
     base_id = checkpoint_id_for(context, storage, prefix="base", store=storage.path("base_models"))
-    _, tokenizer_path = load_student_tokenizer(storage)
+    tokenizer, tokenizer_path = load_student_tokenizer(storage)
+    # the corpus was checked when it was packed; the eval set may have been frozen since: check again, and leave out
+    # what holds eval-set or benchmark text (with on_overlap: remove)
+    contamination = packaging_config.config().contamination
+    index, _ = contamination_index(storage, eval_sets, scale, prompts, contamination)
+    excluded, found = contaminated_documents(context, storage, pretrain_corpus, index, tokenizer)
+    if contamination.on_overlap == "report":
+        excluded = []
     job = TrainingJob(
         run_id=base_id,
         train_path=pretrain_corpus.root,
@@ -70,6 +103,7 @@ def base_model(
         heldout_fraction=scale.pretraining.heldout_fraction,
         parent="scratch",
         eval_fraction=eval_sets.corpus_fraction,  # the eval set's documents: never trained on
+        exclude_documents=excluded,
     )
     context.log.info(
         f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
@@ -127,6 +161,8 @@ def base_model(
             "heldout_loss": result.validation_loss,
             "heldout_perplexity": perplexity,
             "heldout_documents": result.validation_documents,
+            "contaminated_documents_found": found,
+            "contaminated_documents_excluded": len(excluded),
             "mlflow_run_id": mlflow_run_id,
         },
     )

@@ -50,7 +50,9 @@ corpus_job = dg.define_asset_job(
 )
 pretraining_job = dg.define_asset_job(
     "pretraining_job",
-    selection=dg.AssetSelection.assets("pretrain_corpus", "base_model"),
+    # the eval set is frozen between the corpus (whose eval-side documents it holds) and the base model (which never
+    # trains on what the eval set holds: core/packaging/decontaminate.py)
+    selection=dg.AssetSelection.assets("pretrain_corpus", "eval_set", "base_model"),
     description="Tokenize every ingested document into the bin/idx corpus and pretrain the base model on it "
     "(the model moe_checkpoint starts from with init_from: base).",
 )

@@ -137,6 +137,10 @@ class EvalReport(Artifact):
     gate_n: int | None = None  # the evidence it rested on: examples, consistent verdicts or benchmark samples
     gate_method: str | None = None  # how its interval was computed
     gate_rule: str | None = None  # the rule that decided, e.g. "interval high < -0.0", "n >= 30"
+    # the share of the eval set (or of the gate's benchmark items) whose n-grams occur in the candidate's training
+    # data (None: unknown, e.g. a checkpoint copied in without its dataset), and which items
+    contamination: float | None = None
+    contaminated_items: list[str] = Field(default_factory=list)
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

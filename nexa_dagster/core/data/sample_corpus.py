@@ -1,6 +1,9 @@
 """The sample corpus the project ships for the demo: CPython's documentation topics, three days of arrivals.
 
-Each day lands in a different format so that the demo exercises every reader of the ingest stage:
+Each topic is cut into sections of about one teacher prompt (``SECTION_CHARS``, at paragraph ends), so a day holds
+a few hundred documents: enough that the first night's frozen eval set has the examples a promotion decision needs
+(the gate's ``min_examples``; tests/e2e check it). Each day lands in a different format so that the demo exercises
+every reader of the ingest stage:
 JSONL on day one, Parquet plus a plain-text file on day two, a Hugging Face ``datasets`` directory on day three.
 ``python -m nexa_dagster.core.data.sample_corpus sample_data/landing`` regenerates ``sample_data/`` byte for byte.
 """
@@ -15,10 +18,41 @@ SAMPLE_DAYS = ("2026-11-20", "2026-11-21", "2026-11-22")
 _DOCS_URL = "https://docs.python.org/3/reference/"
 
 
+SECTION_CHARS = 650  # about the tiny scale's max_chars_per_doc (600): one section, one teacher prompt
+MIN_SECTION_CHARS = 200  # shorter tails join the section before them
+
+
 def _topics() -> list[tuple[str, str]]:
+    """Every documentation topic cut into sections: ``("<topic>", text)`` for a short topic, else
+    ``("<topic> (part k)", text)``, in topic order."""
     from pydoc_data.topics import topics
 
-    return [(k, topics[k]) for k in sorted(topics)]
+    out = []
+    for name in sorted(topics):
+        parts = _sections(topics[name])
+        out += [(name if len(parts) == 1 else f"{name} (part {k})", text) for k, text in enumerate(parts, 1)]
+    return out
+
+
+def _sections(text: str) -> list[str]:
+    """``text`` cut at paragraph ends into pieces of about ``SECTION_CHARS`` characters (a paragraph longer than
+    that stays whole); a piece shorter than ``MIN_SECTION_CHARS`` joins the one before it."""
+    pieces: list[str] = []
+    current = ""
+    for paragraph in (p.strip("\n") for p in text.split("\n\n")):
+        if not paragraph.strip():
+            continue
+        if current and len(current) + len(paragraph) + 2 > SECTION_CHARS:
+            pieces.append(current)
+            current = paragraph
+        else:
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+    if current:
+        if pieces and len(current) < MIN_SECTION_CHARS:
+            pieces[-1] = f"{pieces[-1]}\n\n{current}"
+        else:
+            pieces.append(current)
+    return pieces
 
 
 def write_sample_landing(root: str | Path) -> list[Path]:
@@ -34,7 +68,7 @@ def write_sample_landing(root: str | Path) -> list[Path]:
     d1.mkdir(parents=True, exist_ok=True)
     with open(d1 / "python_reference.jsonl", "w", encoding="utf-8") as f:
         for name, text in chunks[0]:
-            f.write(json.dumps({"title": name, "text": text, "url": _DOCS_URL + name}) + "\n")
+            f.write(json.dumps({"title": name, "text": text, "url": _DOCS_URL + name.split(" (part")[0]}) + "\n")
     written.append(d1 / "python_reference.jsonl")
 
     d2 = root / SAMPLE_DAYS[1]
@@ -42,8 +76,9 @@ def write_sample_landing(root: str | Path) -> list[Path]:
     rows = [{"name": n, "content": t} for n, t in chunks[1][1:]]
     pd.DataFrame(rows).to_parquet(d2 / "python_reference.parquet", index=False)
     name, text = chunks[1][0]
-    (d2 / f"{name}.txt").write_text(text, encoding="utf-8")
-    written += [d2 / "python_reference.parquet", d2 / f"{name}.txt"]
+    slug = name.replace(" (part ", "-part-").rstrip(")")
+    (d2 / f"{slug}.txt").write_text(text, encoding="utf-8")
+    written += [d2 / "python_reference.parquet", d2 / f"{slug}.txt"]
 
     from datasets import Dataset
 

@@ -94,6 +94,8 @@ def build_eval_report(
     report_dir: str,
     run_id: str,
     metric: str = "eval_loss",
+    contamination: float | None = None,
+    contaminated_items: list[str] | None = None,
 ) -> EvalReport:
     """Write ``report.json`` and ``report.md`` under ``report_dir`` and return the record they describe."""
     result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
@@ -135,6 +137,8 @@ def build_eval_report(
         gate_n=decision.n,
         gate_method=decision.method or None,
         gate_rule=decision.rule or None,
+        contamination=contamination,
+        contaminated_items=contaminated_items or [],
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
@@ -190,6 +194,7 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "gate_n": report.gate_n,
         "gate_method": report.gate_method,
         "gate_rule": report.gate_rule,
+        "contamination": report.contamination,
         "eval_loss_difference_interval": list(report.eval_loss_difference_interval)
         if report.eval_loss_difference_interval
         else None,
@@ -241,6 +246,7 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
         "gate_interval": f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "",
         "gate_method": report.gate_method or "",
         "gate_rule": report.gate_rule or "",
+        "contamination": report.contamination,
         "outcome": outcome,
         "dataset_run_hash": report.dataset_run_hash or "",
         "parent": report.parent or "",

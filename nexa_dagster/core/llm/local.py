@@ -7,9 +7,10 @@ judge needs for a well-formed verdict from a weak model.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,9 @@ def unreadable_file(path: Path) -> str:
     return ""
 
 
+SMALL_MODEL_PARAMETERS = 50_000_000  # below this, one CPU thread computes as fast as two, and never spins
+
+
 class LocalTransformersClient(LLMClient):
     """A causal LM loaded with ``from_pretrained`` from a local directory, answering chat requests in batches.
 
@@ -54,7 +58,9 @@ class LocalTransformersClient(LLMClient):
     ("Already borrowed"), and interleaved ``generate`` calls would only compete for the same cores anyway.
     """
 
-    def __init__(self, model_path: str | Path, batch_size: int = 16, device: str = "cpu") -> None:
+    def __init__(
+        self, model_path: str | Path, batch_size: int = 16, device: str = "cpu", threads: int | None = None
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,6 +88,11 @@ class LocalTransformersClient(LLMClient):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "left"  # generation continues at the right edge of every row
         self._lock = threading.Lock()
+        # A model under SMALL_MODEL_PARAMETERS gains nothing from a second CPU thread, and on a busy machine (tests,
+        # runs beside it) OpenMP threads spin-wait for each other: measured 4.8 answers/s with one thread against
+        # 0.7/s with two, the tiny teacher at a load average of 8 on 2 cores (README: docs/measurements.md).
+        small = sum(p.numel() for p in self.model.parameters()) < SMALL_MODEL_PARAMETERS
+        self.threads = threads or (1 if small and device == "cpu" else torch.get_num_threads())
 
     def __repr__(self) -> str:
         return f"LocalTransformersClient(model={self.model_path!r}, batch_size={self.batch_size}, device={self.device!r})"
@@ -95,6 +106,18 @@ class LocalTransformersClient(LLMClient):
         )
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """torch's CPU threads set to ``self.threads`` while this client computes, and given back after."""
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def _model(self) -> Any:
         if self.model is None:
             raise LLMError(f"{self.model_path}: client is closed")
@@ -159,7 +182,7 @@ class LocalTransformersClient(LLMClient):
         model = self._model()
         kwargs = self._generation_kwargs(params)
         eos = self.tokenizer.eos_token_id
-        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with self._lock, self._threads(), torch.no_grad(), torch.random.fork_rng(devices=[]):
             # fork_rng: a request's seed makes its sampling reproducible without resetting the caller's RNG
             t0 = time.perf_counter()
             enc = self.tokenizer(
@@ -215,7 +238,7 @@ class LocalTransformersClient(LLMClient):
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
-        with self._lock, torch.no_grad():
+        with self._lock, self._threads(), torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits
             logp = torch.log_softmax(logits.float(), dim=-1)
         start = len(prompt_ids)

@@ -126,6 +126,26 @@ class DataBlend(BaseModel):
         return out
 
 
+class ContaminationConfig(BaseModel):
+    """``contamination`` of packaging.yaml: every training input checked against the frozen eval set and the
+    benchmark items before it is packed (``core/packaging/decontaminate.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(default=13, ge=1, description="words per n-gram (13, as the common decontamination tools)")
+    min_words: int = Field(
+        default=8,
+        ge=1,
+        description="a protected item shorter than n but at least this long is "
+        "matched whole; shorter ones are too generic to check",
+    )
+    on_overlap: Literal["remove", "report"] = Field(
+        default="remove",
+        description="remove: a training row holding protected text is left out (counted); "
+        "report: it stays, counted and shown",
+    )
+
+
 class PackagingConfig(BaseModel):
     """``configs/packaging.yaml``: which blends feed which format and how the shards run."""
 
@@ -143,6 +163,7 @@ class PackagingConfig(BaseModel):
     cluster_parallelism: int = Field(default=0, ge=0)  # runner: cluster: shards running at once (0: no limit)
     # after each sft_dataset snapshot: keep the newest N snapshots and the store shards they list, remove the rest
     keep_snapshots: int = Field(default=14, ge=0)  # 0: keep every snapshot and shard
+    contamination: ContaminationConfig = Field(default_factory=ContaminationConfig)
 
     def worker_count(self) -> int:
         return self.workers or default_workers()

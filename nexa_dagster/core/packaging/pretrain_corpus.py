@@ -9,7 +9,7 @@ takes, so the whole corpus trains in its natural proportions.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,11 @@ from nexa_dagster.core.common.jsonl import (
 )
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import DataBlend
-from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWriter, best_fitting_dtype
+from nexa_dagster.core.packaging.formats.indexed_dataset import (
+    IndexedDatasetWriter,
+    best_fitting_dtype,
+    document_id,
+)
 from nexa_dagster.core.packaging.packing import ChatTokenizer, tokenizer_fingerprint
 from nexa_dagster.core.packaging.shard_rows import source_of, transformed_rows
 
@@ -216,3 +220,14 @@ def documents_to_jsonl(documents: pd.DataFrame, out_root: str) -> str:
         for r in documents.itertuples()
     )
     return storage.write_content_addressed(storage.join(out_root, "inputs"), "raw_documents", body)
+
+
+def corpus_document_ids(
+    texts: Sequence[str], tokenizer: Any, out_root: str, append_eos: bool = True
+) -> list[str]:
+    """The ids a corpus gives these texts (``document_id`` of their tokens, as ``process_pretrain_shard`` writes
+    them): how training finds, by content, the documents it must leave out."""
+    fp = tokenizer_fingerprint(tokenizer)
+    chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers", f"{fp}.json"))
+    eos = [chat.eos_id] if append_eos and chat.eos_id is not None else []
+    return [document_id(np.asarray(ids + eos, dtype=np.int64)) for ids in chat.encode_texts(list(texts))]

@@ -96,12 +96,21 @@ def pack_stream(documents: list[np.ndarray], pack_size: int, pad_id: int) -> Bat
 
 
 def load_corpus(
-    path: str, pack_size: int, heldout_fraction: float, pad_id: int, seed: int = 0, eval_fraction: float = 0.0
+    path: str,
+    pack_size: int,
+    heldout_fraction: float,
+    pad_id: int,
+    seed: int = 0,
+    eval_fraction: float = 0.0,
+    exclude: frozenset[str] = frozenset(),
 ) -> tuple[Batch, Batch, CorpusSplit]:
     """(training rows, held-out rows, the split) of a bin/idx corpus, ready for the training loop; the documents
-    on the eval set's side (``eval_fraction``, 0: none) are in neither."""
+    on the eval set's side (``eval_fraction``, 0: none) and those whose id is in ``exclude`` (contaminated) are in
+    neither."""
     everything = read_documents(corpus_prefixes(path))
-    documents = without_eval_set_documents(everything, eval_fraction)
+    documents = [
+        d for d in without_eval_set_documents(everything, eval_fraction) if document_id(d) not in exclude
+    ]
     if len(documents) < 2:
         kept_out = (
             f" once the {len(everything) - len(documents)} on the eval set's side (eval_set.corpus_fraction="

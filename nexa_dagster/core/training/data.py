@@ -193,7 +193,12 @@ def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:
         # the split is the corpus's, not the run's: no training seed in it, so every base model trained on this
         # corpus holds out the same documents
         train, validation, split = load_corpus(
-            job.train_path, job.pack_size, job.heldout_fraction, pad, eval_fraction=job.eval_fraction
+            job.train_path,
+            job.pack_size,
+            job.heldout_fraction,
+            pad,
+            eval_fraction=job.eval_fraction,
+            exclude=frozenset(job.exclude_documents),
         )
         check_packed(train, f"{job.train_path} (training side)", vocab_size)
         check_packed(validation, f"{job.train_path} (held-out side)", vocab_size)

@@ -59,6 +59,13 @@ class TrainingJob(BaseModel):
             "pretrain_corpus: documents on the frozen eval set's side (eval_set.corpus_fraction), never trained on"
         ),
     )
+    exclude_documents: list[str] = Field(
+        default_factory=list,
+        description=(
+            "pretrain_corpus: document ids (core.packaging.formats.indexed_dataset.document_id) never trained on: "
+            "the corpus documents that hold eval-set or benchmark text (the contamination check)"
+        ),
+    )
     init_from: str = Field(default="", description="a Mixtral HF directory to start from; empty: random init")
     parent: str = Field(
         default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>"

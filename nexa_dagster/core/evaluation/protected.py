@@ -1,0 +1,64 @@
+"""What training data must not contain: the frozen eval set's examples and the configured benchmark tasks' items.
+
+``protected_items`` lists them for ``core.data.contamination.ContaminationIndex``: an eval example is protected by
+its prompt's own text (the document it quotes, without the teacher template's words) and its answer; a benchmark
+item by the string fields of its data row (a task's YAML under the benchmarks' ``include_path`` names its data
+file; ``id`` fields are not text). A task given by a name the local YAMLs do not define (one of the harness's own,
+downloaded on a GPU host) has no local items to protect and is listed as such.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
+from nexa_dagster.core.data.contamination import ProtectedItem
+
+
+def eval_set_items(
+    manifest: dict[str, Any], prompt_segments: Callable[[str], list[str]]
+) -> list[ProtectedItem]:
+    """The frozen eval set's examples (``samples.jsonl``), each by its prompt's own text and its answer."""
+    items = []
+    with storage.open_read(manifest["samples_path"]) as f:
+        for line in f:
+            record = json.loads(line)
+            texts: list[str] = []
+            for message in record["messages"]:
+                if message["role"] == "user":
+                    texts += prompt_segments(message["content"])
+                elif message["role"] == "assistant":
+                    texts.append(message["content"])
+            items.append(ProtectedItem(f"eval_set v{manifest['version']}", record["sample_id"], tuple(texts)))
+    return items
+
+
+def benchmark_items(settings: BenchmarkSettings) -> tuple[list[ProtectedItem], list[str]]:
+    """(the items of the configured tasks found in local task YAMLs, the task names with no local data)."""
+    wanted = set(settings.tasks)
+    items: list[ProtectedItem] = []
+    found: set[str] = set()
+    for folder in (resolve_path(p) for p in settings.include_path):
+        for task_yaml in sorted(Path(folder).rglob("*.yaml")):
+            spec = yaml.safe_load(task_yaml.read_text(encoding="utf-8")) or {}
+            tags = spec.get("tag", [])
+            names = {spec.get("task"), *(tags if isinstance(tags, list) else [tags])}
+            if not wanted & names or not isinstance(spec.get("task"), str):
+                continue
+            found |= wanted & names
+            files = (spec.get("dataset_kwargs") or {}).get("data_files") or {}
+            for data_file in files.values() if isinstance(files, dict) else [files]:
+                path = task_yaml.parent / data_file
+                with open(path, encoding="utf-8") as f:
+                    for row, line in enumerate(f):
+                        record = json.loads(line)
+                        text = " ".join(v for k, v in record.items() if k != "id" and isinstance(v, str))
+                        item_id = str(record.get("id", row))
+                        items.append(ProtectedItem(f"benchmark:{spec['task']}", item_id, (text,)))
+    return items, sorted(wanted - found)
