@@ -1,4 +1,4 @@
-"""Partitioning of the lifecycle (see the README's "Partitions" section for why).
+"""Partitioning of the lifecycle (docs/architecture.md, "Partitions", says why).
 
 * Data stages are **daily**: a day's newly landed documents are ingested, distilled and judged once.
 * Packaging and training are **unpartitioned**: each materialization is a snapshot of all filtered data so far,

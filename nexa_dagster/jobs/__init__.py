@@ -28,7 +28,8 @@ ingest_job = dg.define_asset_job(
     description="Ingest one day's landing folder (re-ingest a day, or backfill many without teacher calls).",
 )
 # One process for the whole run: the day's steps are a chain (no parallelism to lose) and each spawned step paid a
-# Python start and an import of the code location (see README, "Executors"); a backfill pays it per day and step.
+# Python start and an import of the code location (docs/architecture.md, "Executors"); a backfill pays it per day
+# and step.
 # Training and evaluation keep the multiprocess default: a step that dies (OOM, a killed worker) fails alone and
 # its memory goes back before the next step starts.
 daily_data_job = dg.define_asset_job(

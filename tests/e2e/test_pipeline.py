@@ -410,9 +410,9 @@ def test_a_copied_checkpoint_is_evaluated_from_where_it_lies(lifecycle) -> None:
     assert json.loads(Path(original.report_json).read_text())["lineage"]["checkpoint_path"] == checkpoint.path
 
 
-def readme_block(heading: str) -> str:
-    """The first ```bash block under a README heading, as a user would copy it."""
-    text = (REPO_ROOT / "README.md").read_text()
+def docs_block(page: str, heading: str) -> str:
+    """The first ```bash block under a heading of a documentation page (``docs/<page>``), as a user would copy it."""
+    text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
     section = text[text.index(heading) :]
     return section[
         section.index("```bash\n") + len("```bash\n") : section.index("\n```", section.index("```bash"))
@@ -432,11 +432,12 @@ def fresh_clone(dest: Path) -> Path:
 
 
 def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
-    """The README's backfill commands, as written, in a fresh clone (no Dagster home yet): a single run for the
-    date range, then a multi-run backfill queued for the daemon. The last command (training) is left out here:
-    `dagster job execute -j training_job` is run by test_gpu_pool_runs_one_training_at_a_time."""
+    """The backfill commands of docs/operations.md, as written, in a fresh clone (no Dagster home yet): the tiny
+    models installed, a single run for the date range, then a multi-run backfill queued for the daemon. The last
+    command (training) is left out here: `dagster job execute -j training_job` is run by
+    test_gpu_pool_runs_one_training_at_a_time."""
     clone = fresh_clone(tmp_path / "clone")
-    block = readme_block("## Backfills from the command line")
+    block = docs_block("operations.md", "## Backfills from the command line")
     script = "\n".join(line for line in block.splitlines() if "-j training_job" not in line)
     assert "dagster asset materialize" in script and "dagster job backfill" in script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEXA_", "DAGSTER_"))}
@@ -532,8 +533,8 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
 
     The second starts once the first holds the slot, not at the same instant: on the embedded SQLite instance
     Dagster's slot claim is check-then-act without row locks, so two claims in the same few milliseconds can both
-    win (seen here: two runs started together both trained); Postgres claims with FOR UPDATE SKIP LOCKED (README,
-    "GPU pool")."""
+    win (seen here: two runs started together both trained); Postgres claims with FOR UPDATE SKIP LOCKED
+    (docs/operations.md, "The GPU pool")."""
     defs, instance, env, _, _ = lifecycle
     before = {r.dagster_run.run_id for r in instance.get_run_records(dg.RunsFilter(job_name="training_job"))}
     cmd = [

@@ -1,5 +1,6 @@
-"""The README's recipe for a pool of engines behind one URL: HAProxy, configured with the block the README shows,
-in front of two OpenAI-compatible engines (stubs on 127.0.0.1); the project's client sees one ``base_url``."""
+"""The documented recipe for a pool of engines behind one URL (docs/stages/distillation.md, "A pool of vLLM
+servers"): HAProxy, configured with the block that page shows, in front of two OpenAI-compatible engines (stubs on
+127.0.0.1); the project's client sees one ``base_url``."""
 
 import subprocess
 import time
@@ -17,10 +18,11 @@ from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 
 
-def readme_pool_config() -> str:
-    """The HAProxy block of the README's "A pool of vLLM servers" paragraph, as written there."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    return text.split("**A pool of vLLM servers.**", 1)[1].split("```\n", 2)[1]
+def documented_pool_config() -> str:
+    """The HAProxy block of docs/stages/distillation.md's "A pool of vLLM servers" section, as written there."""
+    text = (REPO_ROOT / "docs" / "stages" / "distillation.md").read_text(encoding="utf-8")
+    section = text[text.index("## A pool of vLLM servers") :]
+    return section.split("```\n", 2)[1]
 
 
 def engine(name: str):
@@ -41,7 +43,7 @@ def test_a_load_balancer_spreads_teacher_requests_over_engines_and_routes_around
         url0, calls0, _ = first_engine.enter_context(engine("v0"))
         port = free_port()
         config = (
-            readme_pool_config()
+            documented_pool_config()
             .replace("bind :8000", f"bind 127.0.0.1:{port}")
             .replace("gpu-node-0:8000", url0.split("//")[1].removesuffix("/v1"))
             .replace("gpu-node-1:8000", url1.split("//")[1].removesuffix("/v1"))

@@ -9,9 +9,10 @@ There is no cluster and no `helm` here. What is checked instead:
   (run queue limits, pools, run monitoring, run retries, telemetry) and pass Dagster's own instance-config check;
 * the code location runs the command and image the Dockerfile and docker-compose.yaml use, and the module exists;
 * no literal secret: the PostgreSQL password and the API keys only come from Kubernetes secrets;
-* the GPU pool: the deployment's environment plus the pipeline.yaml ConfigMap the README builds give the kubernetes
-  training backend a pod spec on the GPU nodes, with one `nvidia.com/gpu` per rank of the scale preset, on the
-  volume the run pods write the job to.
+* the GPU pool: the deployment's environment plus the pipeline.yaml ConfigMap docs/operations.md builds give the
+  kubernetes training backend a pod spec on the GPU nodes, with one `nvidia.com/gpu` per rank of the scale preset,
+  on the volume the run pods write the job to;
+* docs/operations.md creates every secret, volume claim and ConfigMap the values refer to.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def test_no_secret_is_written_in_the_values() -> None:
     )
 
 
-def test_the_readme_creates_every_object_the_values_refer_to() -> None:
+def test_the_operations_page_creates_every_object_the_values_refer_to() -> None:
     values = load_values()
     deployment = the_deployment(values)
     names = {values["global"]["postgresqlSecretName"], *(s["name"] for s in deployment["envSecrets"])}
@@ -399,8 +400,8 @@ def test_the_readme_creates_every_object_the_values_refer_to() -> None:
             if "persistentVolumeClaim" in volume
             else volume["configMap"]["name"]
         )
-    readme = (REPO_ROOT / "README.md").read_text()
-    kubernetes = readme[readme.index("**Kubernetes.**") : readme.index("**Docker.**")]
+    page = (REPO_ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    kubernetes = page[page.index("### Kubernetes") : page.index("### Docker")]
     assert "deploy/helm/values.yaml" in kubernetes
     assert [name for name in sorted(names) if name not in kubernetes] == []
 
@@ -410,7 +411,8 @@ def test_training_pods_land_on_the_gpu_pool_with_a_gpu_per_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a run pod builds: the deployment's environment, configs/pipeline.yaml replaced by the ConfigMap (the
-    pipeline config with nexaPipelineOverrides applied, as the README's command does), then the training pod."""
+    pipeline config with nexaPipelineOverrides applied, as docs/operations.md's command does), then the training
+    pod."""
     # imported before the environment changes: its module-level `defs` is shared with the other tests
     from nexa_dagster.definitions import build_resources
 

@@ -73,7 +73,7 @@ def test_the_service_sends_traffic_to_exactly_one_running_colour() -> None:
     docs = load()
     assert served_colours(docs) == ["blue"] and deployments(docs)["blue"]["spec"]["replicas"] >= 1
     switched = copy.deepcopy(docs)
-    service(switched)["spec"]["selector"]["colour"] = "green"  # what the README's switch command patches
+    service(switched)["spec"]["selector"]["colour"] = "green"  # serving.yaml's switch patches this
     assert served_colours(switched) == ["green"]
     del service(switched)["spec"]["selector"][
         "colour"
