@@ -96,8 +96,10 @@ class ContaminationIndex:
         sizes = {}
         for size, pairs in grams.items():
             pairs.sort()
-            sizes[size] = (np.array([h for h, _ in pairs], dtype=np.uint64), np.array([i for _, i in pairs],
-                                                                                       dtype=np.int64))
+            sizes[size] = (
+                np.array([h for h, _ in pairs], dtype=np.uint64),
+                np.array([i for _, i in pairs], dtype=np.int64),
+            )
         return cls(n, min_words, items, sizes, unchecked, index_key(protected, n, min_words))
 
     def hits(self, texts: Iterable[str]) -> tuple[list[int], str]:
@@ -142,22 +144,39 @@ class ContaminationIndex:
         for size, (hashes, owners) in self.sizes.items():
             with storage.atomic_writer(storage.join(directory, f"ngrams-{size}.npz")) as f:
                 np.savez(f, hashes=hashes, owners=owners)
-        storage.write_json({"format": FORMAT, "key": self.key, "n": self.n, "min_words": self.min_words,
-                            "items": self.items, "sizes": sorted(self.sizes), "unchecked": self.unchecked},
-                           storage.join(directory, "index.json"))
+        storage.write_json(
+            {
+                "format": FORMAT,
+                "key": self.key,
+                "n": self.n,
+                "min_words": self.min_words,
+                "items": self.items,
+                "sizes": sorted(self.sizes),
+                "unchecked": self.unchecked,
+            },
+            storage.join(directory, "index.json"),
+        )
 
     @classmethod
     def load(cls, directory: str) -> ContaminationIndex:
         meta: dict[str, Any] = storage.read_json(storage.join(directory, "index.json"))
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{directory}/index.json: not a contamination index (format {meta.get('format')!r})")
+            raise ValueError(
+                f"{directory}/index.json: not a contamination index (format {meta.get('format')!r})"
+            )
         sizes = {}
         for size in meta["sizes"]:
             with storage.open_read(storage.join(directory, f"ngrams-{size}.npz")) as f:
                 data = np.load(f)
                 sizes[int(size)] = (data["hashes"], data["owners"])
-        return cls(meta["n"], meta["min_words"], [tuple(i) for i in meta["items"]], sizes, meta["unchecked"],
-                   meta["key"])
+        return cls(
+            meta["n"],
+            meta["min_words"],
+            [tuple(i) for i in meta["items"]],
+            sizes,
+            meta["unchecked"],
+            meta["key"],
+        )
 
 
 def index_key(protected: Sequence[ProtectedItem], n: int, min_words: int) -> str:
@@ -168,7 +187,9 @@ def index_key(protected: Sequence[ProtectedItem], n: int, min_words: int) -> str
     return digest.hexdigest()[:16]
 
 
-def load_or_build(root: str, protected: Sequence[ProtectedItem], n: int, min_words: int) -> ContaminationIndex:
+def load_or_build(
+    root: str, protected: Sequence[ProtectedItem], n: int, min_words: int
+) -> ContaminationIndex:
     """The index of ``protected`` under ``<root>/<key>/``: built once, then read (a new eval-set version or
     benchmark set has another key, hence its own index)."""
     directory = storage.join(root, index_key(protected, n, min_words))

@@ -61,14 +61,16 @@ def write_sample_landing(root: str | Path) -> list[Path]:
     root = Path(root)
     topics = _topics()
     per_day = len(topics) // 3
-    chunks = [topics[i * per_day:(i + 1) * per_day] for i in range(3)]
+    chunks = [topics[i * per_day : (i + 1) * per_day] for i in range(3)]
     written: list[Path] = []
 
     d1 = root / SAMPLE_DAYS[0]
     d1.mkdir(parents=True, exist_ok=True)
     with open(d1 / "python_reference.jsonl", "w", encoding="utf-8") as f:
         for name, text in chunks[0]:
-            f.write(json.dumps({"title": name, "text": text, "url": _DOCS_URL + name.split(" (part")[0]}) + "\n")
+            f.write(
+                json.dumps({"title": name, "text": text, "url": _DOCS_URL + name.split(" (part")[0]}) + "\n"
+            )
     written.append(d1 / "python_reference.jsonl")
 
     d2 = root / SAMPLE_DAYS[1]
