@@ -20,6 +20,7 @@ from nexa_dagster.assets import (
     evaluation_set,
     ingest,
     packaging,
+    preference,
     pretraining,
     serving,
     training,
@@ -51,6 +52,7 @@ ASSET_MODULES = [
     pretraining,
     evaluation_set,
     training,
+    preference,
     evaluation,
     base_evaluation,
     serving,
@@ -109,6 +111,8 @@ def build_resources() -> dict[str, Any]:
         "judge_llm": llm_resource(
             "judge", cfg.judge_llm, f"{where}: judge_llm", storage.model_path(cfg.models.judge)
         ),
+        # no model of its own: the production checkpoint when preference_pairs runs (LLMResource.for_model)
+        "policy_llm": llm_resource("policy", cfg.policy_llm, f"{where}: policy_llm", ""),
         "gpu_cluster": gpu_cluster_resource(cfg.gpu_cluster, f"{where}: gpu_cluster"),
         "tracking": TrackingResource(
             tracking_uri=settings.MLFLOW_TRACKING_URI.get(), data_root=storage.data_root

@@ -91,7 +91,7 @@ def llm_variable(role: str, field: str) -> Variable:
     return next(v for v in VARIABLES if v.name == f"NEXA_{role.upper()}_{field}")
 
 
-for _role in ("teacher", "judge"):
+for _role in ("teacher", "judge", "policy"):
     _var(f"NEXA_{_role.upper()}_BACKEND", "", f"the {_role}'s backend: local | managed | openai", "llm")
     _var(
         f"NEXA_{_role.upper()}_MODEL", "", f"the {_role}'s local model directory or served model name", "llm"

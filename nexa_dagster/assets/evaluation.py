@@ -25,7 +25,12 @@ from nexa_dagster.core.evaluation.benchmarks import (
     parse_metric,
 )
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, load_eval_set
-from nexa_dagster.core.evaluation.promotion import ProductionRegistry, PromotionPolicy, decide
+from nexa_dagster.core.evaluation.promotion import (
+    ProductionRegistry,
+    PromotionPolicy,
+    decide,
+    decide_preference,
+)
 from nexa_dagster.core.evaluation.report import (
     base_leaderboard_row,
     build_eval_report,
@@ -133,7 +138,7 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
     partitions_def=checkpoint_partitions,
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=["moe_checkpoint", "eval_set"],
+    deps=["moe_checkpoint", "preference_checkpoint", "eval_set"],
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
     description="The checkpoint and the production model scored on the same frozen eval set (eval_set.version) "
@@ -179,7 +184,9 @@ def eval_report(
         output_path=str(work_dir / "scores.json"),
         benchmarks=bench if bench.tasks else None,
         # production's benchmark scores cost a second harness run: only when the gate needs them
-        benchmark_roles=["candidate", "production"] if policy.benchmark else ["candidate"],
+        benchmark_roles=["candidate", "production"]
+        if policy.benchmark or ckpt.stage == "preference"
+        else ["candidate"],
     )
     scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
@@ -208,15 +215,26 @@ def eval_report(
     )
 
     # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
-    decision = decide(
-        checkpoint_id,
-        production,
-        policy,
-        evaluation.paired_loss,
-        evaluation.win_rate,
-        benchmark_comparison(policy, evaluation),
-        contamination,
-    )
+    if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
+        decision = decide_preference(
+            checkpoint_id,
+            production,
+            policy,
+            evaluation.paired_loss,
+            evaluation.win_rate,
+            benchmark_guards(policy, evaluation),
+            contamination,
+        )
+    else:
+        decision = decide(
+            checkpoint_id,
+            production,
+            policy,
+            evaluation.paired_loss,
+            evaluation.win_rate,
+            benchmark_comparison(policy, evaluation),
+            contamination,
+        )
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -225,7 +243,7 @@ def eval_report(
         eval_set,
         storage.report_dir(checkpoint_id),
         context.run.run_id,
-        policy.metric,
+        "win_rate" if ckpt.stage == "preference" else policy.metric,
         contamination,
         contaminated,
     )
@@ -294,6 +312,27 @@ def checkpoint_dir(
         source = tracking.registered_checkpoints(registered_model).get(checkpoint_id)
         ckpt_dir = Path(source) if source else ckpt_dir
     return ckpt_dir
+
+
+def benchmark_guards(policy: PromotionPolicy, evaluation: CheckpointEvaluation) -> list[BenchmarkComparison]:
+    """Every benchmark task both models were scored on, by its first metric: the preference stage's guards."""
+    if evaluation.production is None or not evaluation.candidate.benchmarks:
+        return []
+    out = []
+    for task, metrics in (evaluation.candidate.benchmarks.get("tasks") or {}).items():
+        metric = f"benchmark:{task}/{next(iter(metrics))}"
+        try:
+            out.append(
+                compare_benchmark(
+                    metric,
+                    evaluation.candidate.benchmarks,
+                    evaluation.production.benchmarks,
+                    policy.confidence,
+                )
+            )
+        except BenchmarkError:  # production was not scored on it: no guard to apply
+            continue
+    return out
 
 
 def benchmark_comparison(

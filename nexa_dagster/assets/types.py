@@ -13,3 +13,4 @@ with warnings.catch_warnings():
     FilteredSamplesType = pandera_schema_to_dagster_type(schemas.FilteredSamples)
     RejectedSamplesType = pandera_schema_to_dagster_type(schemas.RejectedSamples)
     LeaderboardType = pandera_schema_to_dagster_type(schemas.Leaderboard)
+    PreferencePairsType = pandera_schema_to_dagster_type(schemas.PreferencePairs)

@@ -65,6 +65,21 @@ evaluation_job = dg.define_asset_job(
 )
 
 
+preference_pairs_job = dg.define_asset_job(
+    "preference_pairs_job",
+    selection=dg.AssetSelection.assets("preference_pairs"),
+    partitions_def=daily_partitions,
+    description="Answer one day's training prompts with the production model and judge them into preference pairs.",
+    executor_def=dg.in_process_executor,
+)
+preference_training_job = dg.define_asset_job(
+    "preference_training_job",
+    selection=dg.AssetSelection.assets("preference_dataset", "preference_checkpoint"),
+    description="Pack every day's preference pairs and train a DPO checkpoint from the production model on them "
+    "(the checkpoint sensor then evaluates it like any checkpoint).",
+)
+
+
 def nightly_schedule(hour_utc: int) -> dg.ScheduleDefinition:
     """The nightly run at ``hour_utc`` (pipeline.yaml's ``schedule.nightly_retrain_hour_utc``)."""
 
@@ -108,6 +123,8 @@ leaderboard_job = dg.define_asset_job(
 )
 
 JOBS = [
+    preference_pairs_job,
+    preference_training_job,
     ingest_job,
     daily_data_job,
     training_job,

@@ -57,6 +57,13 @@ class LLMResource(dg.ConfigurableResource, abc.ABC):
         "(openai; empty = the first model the server lists)",
     )
 
+    def for_model(self, path: str) -> LLMResource:
+        """This endpoint for ``path`` when it names no model of its own (the preference stage's policy: the
+        production checkpoint of the moment); a served model (``openai``) or a configured one stays as it is."""
+        if self.model or self.backend == "openai":
+            return self
+        return type(self)(**{**self.model_dump(), "model": path})
+
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """What is safe to show in metadata and logs (never the key)."""

@@ -5,6 +5,7 @@ asset's automation condition is only evaluated while such a sensor runs)."""
 import dagster as dg
 
 from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
+from nexa_dagster.sensors.preference import pairs_after_promotion, preference_training_after_pairs
 from nexa_dagster.sensors.retrain import retrain_after_ingest
 
 automation_sensor = dg.AutomationConditionSensorDefinition(
@@ -16,6 +17,19 @@ automation_sensor = dg.AutomationConditionSensorDefinition(
     "each new base model is evaluated once an eval set exists.",
 )
 
-SENSORS = [new_checkpoint_sensor, retrain_after_ingest, automation_sensor]
+SENSORS = [
+    new_checkpoint_sensor,
+    retrain_after_ingest,
+    automation_sensor,
+    pairs_after_promotion,
+    preference_training_after_pairs,
+]
 
-__all__ = ["SENSORS", "automation_sensor", "new_checkpoint_sensor", "retrain_after_ingest"]
+__all__ = [
+    "SENSORS",
+    "automation_sensor",
+    "new_checkpoint_sensor",
+    "pairs_after_promotion",
+    "preference_training_after_pairs",
+    "retrain_after_ingest",
+]

@@ -76,6 +76,20 @@ class SFTDataset(Artifact):
         return v
 
 
+class PreferenceDataset(Artifact):
+    """Packed preference pairs (``core/packaging/preference_dataset.py``): split manifests of store shards."""
+
+    run_hash: str = Field(min_length=8)
+    root: str
+    train_path: str
+    validation_path: str
+    train_pairs: int = Field(gt=0)
+    validation_pairs: int = Field(gt=0)
+    days: list[str]
+    tokenizer_path: str
+    shards_reused: int = 0
+
+
 class Checkpoint(Artifact):
     checkpoint_id: str = Field(min_length=1)
     path: str
@@ -90,7 +104,11 @@ class Checkpoint(Artifact):
     mlflow_run_id: str | None = None
     parameters_total: int | None = None
     parameters_active: int | None = None
-    stage: str = "sft"  # "sft" (moe_checkpoint) or "pretrain" (base_model)
+    stage: str = (
+        "sft"  # "sft" (moe_checkpoint), "pretrain" (base_model) or "preference" (preference_checkpoint)
+    )
+    # preference checkpoints: reward margin and accuracy on the held-out pairs, with their n, as training measured
+    preference_metrics: dict[str, float] | None = None
     parent: str | None = (
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
@@ -141,6 +159,11 @@ class EvalReport(Artifact):
     # data (None: unknown, e.g. a checkpoint copied in without its dataset), and which items
     contamination: float | None = None
     contaminated_items: list[str] = Field(default_factory=list)
+    stage: str = "sft"  # the checkpoint's: sft or preference
+    length_controlled_win_rate: float | None = None  # the win rate at a zero length difference (AlpacaEval's)
+    mean_length_change: float | None = None  # candidate minus production, characters per answer
+    preference_metrics: dict[str, float] | None = None  # held-out reward accuracy and margin, from training
+    guards: list[str] = Field(default_factory=list)  # the non-regression guards that held it back, if any
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

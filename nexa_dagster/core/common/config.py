@@ -206,6 +206,43 @@ class PretrainingSettings(_Strict):
         return training.model_copy(update=update)
 
 
+class PreferenceSettings(_Strict):
+    """The preference stage of a scale preset: pairs from the production model, then DPO from it."""
+
+    completions_per_prompt: int = Field(default=2, ge=1, description="K answers of the policy per prompt")
+    min_score_gap: float = Field(
+        default=0.5, ge=0, description="a pair's chosen score minus its rejected score"
+    )
+    sampling: TeacherSampling = Field(
+        default_factory=lambda: TeacherSampling(max_new_tokens=40, temperature=1.0, top_p=0.95, seed=4321),
+        description="how the policy samples its K answers (diverse answers make pairs)",
+    )
+    validation_fraction: float = Field(
+        default=0.1, gt=0, lt=1, description="pairs held out for reward accuracy"
+    )
+    beta: float = Field(
+        default=0.1, gt=0, description="DPO's beta: how far the policy may move from its reference"
+    )
+    loss: Literal["sigmoid", "sigmoid_norm"] = Field(
+        default="sigmoid", description="sigmoid: DPO; sigmoid_norm: DPO on length-normalised log-ratios"
+    )
+    max_steps: int = Field(default=24, gt=0)
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="default: training.learning_rate / 10"
+    )
+    warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+
+    def settings(self, training: TrainingSettings) -> TrainingSettings:
+        """The SFT settings with the preference stage's steps and (a tenth of SFT's, by default) learning rate."""
+        update: dict[str, Any] = {
+            "max_steps": self.max_steps,
+            "learning_rate": self.learning_rate or training.learning_rate / 10,
+        }
+        if self.warmup_steps is not None:
+            update["warmup_steps"] = self.warmup_steps
+        return training.model_copy(update=update)
+
+
 class ScalePreset(_Strict):
     """A scale factor in the Nemotron sense: the same recipe at tiny, small or full size."""
 
@@ -230,6 +267,9 @@ class ScalePreset(_Strict):
     )
     pretraining: PretrainingSettings | None = Field(
         default=None, description="the base_model stage (None: off)"
+    )
+    preference: PreferenceSettings | None = Field(
+        default=None, description="the preference stage: pairs and DPO (None: off)"
     )
 
 
@@ -320,6 +360,11 @@ class PipelineConfig(_Strict):
     )
     judge_llm: dict[str, Any] = Field(
         default_factory=dict, description="the same for the judge (NEXA_JUDGE_*)"
+    )
+    policy_llm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the same for the production model answering preference prompts (NEXA_POLICY_*); no model: "
+        "the production checkpoint (local/managed)",
     )
     schedule: ScheduleConfig = ScheduleConfig()
     eval_set: dict[str, Any] = Field(

@@ -71,6 +71,30 @@ class RejectedSamples(TeacherSamples):
     reason: Series[str] = pa.Field(str_length={"min_value": 1})
 
 
+class PreferencePairs(pa.DataFrameModel):
+    """``preference_pairs``: one pair per prompt that gave one, TRL's conversational columns plus how it was made."""
+
+    pair_id: Series[str] = pa.Field(unique=True)
+    sample_id: Series[str]
+    day: Series[str] = pa.Field(str_matches=DAY_REGEX)
+    prompt: Series[object]  # [{"role", "content"}, ...]: system (if any) and user
+    chosen: Series[object]  # [{"role": "assistant", "content"}]
+    rejected: Series[object]
+    chosen_score: Series[float] = pa.Field(ge=1, le=5)
+    rejected_score: Series[float] = pa.Field(ge=1, le=5)
+    score_gap: Series[float] = pa.Field(ge=0)
+    chosen_source: Series[str]  # teacher | policy:<generation index>
+    rejected_source: Series[str]
+    chosen_length: Series[int] = pa.Field(ge=1)
+    rejected_length: Series[int] = pa.Field(ge=0)
+    judge_model: Series[str] = pa.Field(str_length={"min_value": 1})
+    policy_model: Series[str] = pa.Field(str_length={"min_value": 1})
+
+    class Config:
+        strict = True
+        coerce = True
+
+
 class PackedSequences(pa.DataFrameModel):
     """Fixed-length packed training sequences (lists stored as Parquet list columns)."""
 

@@ -248,3 +248,59 @@ def _percentile_interval(estimate: float, stats: np.ndarray, confidence: float) 
     alpha = (1 - confidence) / 2
     low, high = np.quantile(stats, [alpha, 1 - alpha])
     return Interval(float(estimate), float(low), float(high), confidence)
+
+
+@dataclass(frozen=True)
+class LengthControlled:
+    """AlpacaEval's length-controlled win rate: a logistic model of the judge's verdict on the (tanh-scaled) length
+    difference of the two answers, read at a zero length difference; and how much longer the candidate's answers
+    are on average (characters). A judge that prefers longer answers cannot hand a win to a model that only talks
+    more."""
+
+    win_rate: float
+    length_coefficient: float
+    mean_length_change: float
+    verdicts: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def length_controlled_win_rate(
+    candidate_first: Sequence[Verdict],
+    production_first: Sequence[Verdict],
+    candidate_lengths: Sequence[int],
+    production_lengths: Sequence[int],
+    iterations: int = 50,
+) -> LengthControlled:
+    """Fit ``P(candidate wins) = sigmoid(a + b * tanh(d / sd(d)))`` on the order-consistent verdicts (``d``: the
+    length difference) by Newton's method with a small ridge on ``b``; the length-controlled win rate is
+    ``sigmoid(a)``. With no consistent verdict it is 0.5; with every difference zero, the plain win rate."""
+    wins, diffs = [], []
+    for first, second, c, p in zip(
+        candidate_first, production_first, candidate_lengths, production_lengths, strict=True
+    ):
+        if first is not None and first == second:
+            wins.append(1.0 if first == "candidate" else 0.0)
+            diffs.append(float(c - p))
+    change = (
+        float(np.mean(np.asarray(candidate_lengths, float) - np.asarray(production_lengths, float)))
+        if len(candidate_lengths)
+        else 0.0
+    )
+    if not wins:
+        return LengthControlled(0.5, 0.0, change, 0)
+    y, d = np.asarray(wins), np.asarray(diffs)
+    scale = float(d.std()) or 1.0
+    x = np.stack([np.ones_like(d), np.tanh(d / scale)], axis=1)
+    beta = np.zeros(2)
+    ridge = np.diag([1e-3, 1e-1])  # keeps the fit finite when every verdict agrees (separable data)
+    for _ in range(iterations):
+        p = 1 / (1 + np.exp(-(x @ beta)))
+        gradient = x.T @ (y - p) - ridge @ beta
+        hessian = x.T @ (x * (p * (1 - p))[:, None]) + ridge
+        step = np.linalg.solve(hessian, gradient)
+        beta = beta + step
+        if np.abs(step).max() < 1e-10:
+            break
+    return LengthControlled(float(1 / (1 + math.exp(-beta[0]))), float(beta[1]), change, len(wins))

@@ -21,6 +21,27 @@ from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, Ben
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, PairedLoss, WinRate
 
 
+class PreferenceGate(BaseModel):
+    """``preference`` of promotion.yaml: a preference checkpoint is promoted on the judge's win rate against
+    production; eval-set loss and the benchmarks only guard against a regression."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    margin: float = Field(default=0.0, ge=0, description="the win rate's interval must clear 0.5 + margin")
+    max_eval_loss_regression: float = Field(
+        default=0.05,
+        ge=0,
+        description="held back when the eval-set loss is worse by more than this (nats per "
+        "token), its whole interval included",
+    )
+    max_benchmark_regression: float = Field(
+        default=0.05,
+        ge=0,
+        description="held back when a benchmark score is lower by more than this, its whole "
+        "interval included",
+    )
+
+
 class PromotionPolicy(BaseModel):
     """``configs/promotion.yaml``: what the gate compares, how sure it must be, and how much evidence it needs."""
 
@@ -74,6 +95,7 @@ class PromotionPolicy(BaseModel):
         "data above which the gate holds it back",
     )
     registered_model: str = "nexa-moe"
+    preference: PreferenceGate = Field(default_factory=PreferenceGate)
 
     @field_validator("metric")
     @classmethod
@@ -90,6 +112,10 @@ class PromotionPolicy(BaseModel):
     @property
     def benchmark(self) -> bool:
         return self.metric.startswith(BENCHMARK_METRIC_PREFIX)
+
+    def for_preference(self) -> PromotionPolicy:
+        """This policy as the preference stage's gate: the win rate decides, with the preference margin."""
+        return self.model_copy(update={"metric": "win_rate", "margin": self.preference.margin})
 
     def minimum_evidence(self) -> int:
         """The n the configured metric needs: examples, consistent verdicts or harness samples."""
@@ -139,6 +165,7 @@ class GateDecision:
     n: int | None = None
     method: str = ""
     rule: str = ""
+    guards: tuple[str, ...] = ()  # the non-regression guards that held it back (preference stage)
 
     @property
     def outcome(self) -> Decision:
@@ -220,6 +247,44 @@ def decide(
             rule=f"n >= {need}",
         )
     return measured
+
+
+def decide_preference(
+    checkpoint_id: str,
+    production: ProductionEntry | None,
+    policy: PromotionPolicy,
+    paired_loss: PairedLoss | None,
+    win_rate: WinRate | None,
+    benchmarks: list[BenchmarkComparison],
+    contamination: float | None = None,
+) -> GateDecision:
+    """A preference checkpoint's gate: the judge's order-consistent win rate against production decides (its
+    interval must clear 0.5 + the preference margin, on enough verdicts); a candidate clearly worse on the eval set
+    or a benchmark (the whole interval past ``max_*_regression``) is held back, naming the guard."""
+    decision = decide(
+        checkpoint_id, production, policy.for_preference(), paired_loss, win_rate, None, contamination
+    )
+    if not decision.passed or decision.rule in ("first model", "already production"):
+        return decision
+    guards = []
+    limit = policy.preference.max_eval_loss_regression
+    if paired_loss is not None and paired_loss.difference.low > limit:
+        d = paired_loss.difference
+        guards.append(f"eval_loss worse by {d.estimate:+.4f} nats/token, interval low {d.low:+.4f} > {limit}")
+    limit = policy.preference.max_benchmark_regression
+    for b in benchmarks:
+        if b.high < -limit:
+            guards.append(f"{b.metric} lower by {-b.difference:.4f}, interval high {b.high:+.4f} < -{limit}")
+    if not guards:
+        return replace(decision, rule=f"{decision.rule}; guards eval_loss, benchmarks")
+    return replace(
+        decision,
+        passed=False,
+        decision="hold back",
+        guards=tuple(guards),
+        reason=f"non-regression guard: {'; '.join(guards)}; {decision.reason}",
+        rule=f"{decision.rule}; guards eval_loss, benchmarks",
+    )
 
 
 def _evidence_name(policy: PromotionPolicy) -> str:

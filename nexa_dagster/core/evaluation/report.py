@@ -139,6 +139,15 @@ def build_eval_report(
         gate_rule=decision.rule or None,
         contamination=contamination,
         contaminated_items=contaminated_items or [],
+        stage=ckpt.stage,
+        length_controlled_win_rate=evaluation.length_controlled.win_rate
+        if evaluation.length_controlled
+        else None,
+        mean_length_change=evaluation.length_controlled.mean_length_change
+        if evaluation.length_controlled
+        else None,
+        preference_metrics=ckpt.preference_metrics,
+        guards=list(decision.guards),
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
@@ -195,6 +204,10 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "gate_method": report.gate_method,
         "gate_rule": report.gate_rule,
         "contamination": report.contamination,
+        "stage": report.stage,
+        "length_controlled_win_rate": report.length_controlled_win_rate,
+        "mean_length_change": report.mean_length_change,
+        **{f"heldout_{k}": v for k, v in (report.preference_metrics or {}).items()},
         "eval_loss_difference_interval": list(report.eval_loss_difference_interval)
         if report.eval_loss_difference_interval
         else None,
@@ -217,7 +230,7 @@ def mlflow_metrics(report: EvalReport) -> dict[str, float]:
 
 
 def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") -> dict[str, Any]:
-    """The report's row on the leaderboard (stage ``sft``; base models have rows of their own): its figures, the
+    """The report's row on the leaderboard (stage ``sft`` or ``preference``; base models have rows of their own): its figures, the
     gate's decision with the n, interval, method and rule behind it, and what happened (``outcome``: deployed, or
     held back and why, as the deployment recorded it)."""
     figures = report_figures(report)
@@ -228,7 +241,7 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
     )
     return {
         "checkpoint_id": report.checkpoint_id,
-        "stage": "sft",
+        "stage": report.stage,
         "eval_set_version": report.eval_set_version,
         **{
             k: figures[k]
@@ -237,6 +250,7 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
                 "perplexity",
                 "judge_score",
                 "win_rate_vs_production",
+                "length_controlled_win_rate",
                 "eval_loss_difference",
             )
         },

@@ -24,9 +24,11 @@ from nexa_dagster.core.distill.judge import Judge
 from nexa_dagster.core.distill.sample_gate import JudgeConfig, load_gate_config
 from nexa_dagster.core.evaluation.benchmarks import markdown_table
 from nexa_dagster.core.evaluation.paired import (
+    LengthControlled,
     PairedLoss,
     Verdict,
     WinRate,
+    length_controlled_win_rate,
     order_consistent_win_rate,
     paired_loss_difference,
 )
@@ -331,6 +333,7 @@ class CheckpointEvaluation:
     production: ModelScores | None = None
     paired_loss: PairedLoss | None = None
     win_rate: WinRate | None = None
+    length_controlled: LengthControlled | None = None
 
     @property
     def win_rate_vs_production(self) -> float | None:
@@ -382,6 +385,9 @@ def compare(
     )
     first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
     evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
+    evaluation.length_controlled = length_controlled_win_rate(
+        first, second, [len(a) for a in candidate.answers], [len(a) for a in production.answers]
+    )
     w = evaluation.win_rate
     log(
         f"{checkpoint_id}: pairwise win rate vs production {w.rate.estimate:.2f} [{w.rate.low:.2f}, "

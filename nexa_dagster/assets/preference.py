@@ -1,0 +1,367 @@
+"""Preference stage: pairs judged every night from the production model, packed, then DPO from it.
+
+* ``preference_pairs`` (daily): the day's training prompts (never the eval set's side) answered K times by the
+  model in production (on-policy), every answer judged as SampleGate judges the teacher's; the best answer that
+  passes the heuristics against the worst one is a pair when their scores differ enough.
+* ``preference_dataset``: every day's pairs so far, checked for contamination, tokenized as TRL's DPOTrainer
+  tokenizes them, stored day by day (a night tokenizes only its day) and split by pair id.
+* ``preference_checkpoint``: DPO in the project's own training worker and DeepSpeed engine, from the production
+  SFT checkpoint, with reference log-probabilities computed once per pair set and reference (never a second model
+  in memory). It is evaluated like any checkpoint; the gate decides on the judge's win rate against production.
+"""
+
+import dagster as dg
+import pandas as pd
+
+from nexa_dagster.assets.common import (
+    MODEL_CALL_RETRY,
+    no_retry_on_permanent_llm_errors,
+    preview,
+    progress_logger,
+)
+from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
+from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
+from nexa_dagster.assets.training import checkpoint_id_for
+from nexa_dagster.assets.training_record import log_training_run, training_metadata
+from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
+from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
+from nexa_dagster.core.data import schemas
+from nexa_dagster.core.distill.generation_store import GenerationStore
+from nexa_dagster.core.distill.judge import Judge
+from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
+from nexa_dagster.core.llm.base import SamplingParams
+from nexa_dagster.core.llm.model_identity import model_fingerprint
+from nexa_dagster.core.packaging.decontaminate import decontaminate, template_segments
+from nexa_dagster.core.packaging.preference_dataset import (
+    build_preference_dataset,
+    pair_texts,
+    pairs_to_jsonl,
+)
+from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
+from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.resources.configs import (
+    EvalSetsResource,
+    PackagingResource,
+    PromotionResource,
+    PromptsResource,
+    SampleGateResource,
+)
+from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.io_manager import stored_partitions
+from nexa_dagster.resources.llm import LLMResource
+from nexa_dagster.resources.scale import ScaleResource
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
+
+
+def preference_settings(scale: ScalePreset) -> PreferenceSettings:
+    if scale.preference is None:
+        raise dg.Failure(f"scale preset {scale.name!r} has no preference section", allow_retries=False)
+    return scale.preference
+
+
+def production_model(storage: StorageResource) -> ProductionEntry:
+    """The model in production, which the preference stage starts from; none yet is a failure that says why."""
+    production = ProductionRegistry(storage.production_pointer()).current()
+    if production is None:
+        raise dg.Failure(
+            "no production model yet: the preference stage answers with, and trains from, the model in production; "
+            "promote an SFT checkpoint first (training_job, then evaluation_job)",
+            allow_retries=False,
+        )
+    return production
+
+
+@dg.asset(
+    group_name="preference",
+    partitions_def=daily_partitions,
+    retry_policy=MODEL_CALL_RETRY,
+    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    dagster_type=PreferencePairsType,
+    kinds={"python", "parquet"},
+    description="The day's training prompts answered K times by the production model (on-policy) and judged as "
+    "SampleGate judges the teacher; per prompt, the best answer passing the heuristics against the worst, when "
+    "their scores differ by min_score_gap: TRL's prompt/chosen/rejected with both scores, models, lengths, day.",
+)
+def preference_pairs(
+    context: dg.AssetExecutionContext,
+    filtered_samples: pd.DataFrame,
+    policy_llm: LLMResource,
+    judge_llm: LLMResource,
+    storage: StorageResource,
+    scale_preset: ScaleResource,
+    eval_sets: EvalSetsResource,
+    sample_gate_config: SampleGateResource,
+    prompts: PromptsResource,
+) -> pd.DataFrame:
+    settings = preference_settings(scale_preset.load())
+    production = production_model(storage)
+    policy = policy_llm.for_model(production.checkpoint_path)
+    sampling = settings.sampling
+    params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed)
+    gate = sample_gate_config.config()
+    store_dir = io.local_dir(storage.path("generation_store", "preference_pairs"))
+    with (
+        no_retry_on_permanent_llm_errors(f"policy {policy.where()} / judge {judge_llm.where()}"),
+        policy.get_client(log=context.log) as answering,
+        judge_llm.get_client(log=context.log) as judging,
+        GenerationStore(store_dir) as store,
+        progress_logger(context, "policy answers") as progress,
+    ):
+        judge = Judge(
+            judging,
+            prompts.text("judge"),
+            prompts.text("judge_verdict"),
+            gate.judge.max_tokens,
+            gate.judge.method,
+            gate.judge.retries,
+        )
+        pairs, stats = make_pairs(
+            filtered_samples,
+            answering,
+            judge,
+            gate,
+            store,
+            params,
+            settings.completions_per_prompt,
+            settings.min_score_gap,
+            eval_sets.fraction,
+            batch_size=policy.batch(),
+            progress=progress,
+        )
+    context.log.info(
+        f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
+        f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
+    )
+    context.add_output_metadata(
+        {
+            "dagster/row_count": len(pairs),
+            "policy_checkpoint": production.checkpoint_id,
+            "policy_model": answering_id(pairs, production),
+            "prompts": stats.prompts,
+            "held_out_prompts_skipped": stats.held_out_prompts,
+            "answers_generated": stats.generated,
+            "answers_reused": stats.reused,
+            "failed_requests": stats.failed,
+            "no_pair_share": round(stats.no_pair_share, 4),
+            "no_pair_reasons": dg.MetadataValue.json(stats.no_pair),
+            "score_gap_histogram": dg.MetadataValue.json(gap_histogram(pairs)),
+            "mean_score_gap": round(float(pairs["score_gap"].mean()), 3) if len(pairs) else None,
+            "chosen_from_teacher": int((pairs["chosen_source"] == "teacher").sum()),
+            "preview": preview(
+                pairs.assign(
+                    chosen_text=pairs["chosen"].map(lambda m: m[0]["content"]),
+                    rejected_text=pairs["rejected"].map(lambda m: m[0]["content"]),
+                ),
+                ["pair_id", "chosen_text", "rejected_text", "score_gap"],
+            ),
+        }
+    )
+    return pairs
+
+
+def answering_id(pairs: pd.DataFrame, production: ProductionEntry) -> str:
+    return str(pairs["policy_model"].iloc[0]) if len(pairs) else production.checkpoint_id
+
+
+def _valid_pairs(frame: pd.DataFrame, path: str) -> None:
+    try:
+        schemas.PreferencePairs.validate(frame)
+    except Exception as e:  # pandera's errors name the column and rows; add the file
+        raise ValueError(f"preference_pairs partition {path} does not match its schema: {e}") from e
+
+
+@dg.asset(
+    group_name="preference",
+    # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
+    ins={"preference_pairs": dg.AssetIn(dagster_type=dg.Nothing)},
+    deps=["eval_set"],  # frozen first: no pair holding an eval example's text is packed
+    kinds={"python", "parquet"},
+    description="Every day's pairs so far, checked for contamination, tokenized with the student's chat template "
+    "as TRL's DPOTrainer tokenizes them (loss on the answer tokens only), split by pair id, stored day by day under "
+    "data/preference/ (a night tokenizes only its day); loads in TRL's DPOTrainer as it is.",
+)
+def preference_dataset(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale_preset: ScaleResource,
+    eval_sets: EvalSetsResource,
+    packaging_config: PackagingResource,
+    prompts: PromptsResource,
+) -> PreferenceDataset:
+    scale, cfg = scale_preset.load(), packaging_config.config()
+    settings = preference_settings(scale)
+    tokenizer, tokenizer_path = load_student_tokenizer(storage)
+    out_root = storage.path("preference")
+    partitions = stored_partitions(
+        storage.data_root,
+        "preference_pairs",
+        list(context.asset_partition_keys_for_input("preference_pairs")),
+    )
+    days = day_inputs_from_partitions(partitions, out_root, validate=_valid_pairs, to_jsonl=pairs_to_jsonl)
+    if not days:
+        raise dg.Failure(
+            "preference_dataset: no pairs yet (materialize preference_pairs first)", allow_retries=False
+        )
+    index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
+    days, contamination = decontaminate(
+        days,
+        index,
+        out_root,
+        cfg.contamination.on_overlap,
+        pair_texts(template_segments(prompts.text("teacher"))),
+        "pair_id",
+        context.log.info,
+    )
+    snapshot = build_preference_dataset(
+        days,
+        tokenizer,
+        tokenizer_path,
+        out_root,
+        settings.validation_fraction,
+        eval_sets.fraction,
+        seed=scale.training.seed,
+        log=context.log.info,
+    )
+    dataset = PreferenceDataset(
+        run_hash=snapshot.run_hash,
+        root=snapshot.root,
+        train_path=snapshot.train_path,
+        validation_path=snapshot.validation_path,
+        train_pairs=snapshot.pairs["train"],
+        validation_pairs=snapshot.pairs["validation"],
+        days=sorted({d for day in days for d in day.days}),
+        tokenizer_path=tokenizer_path,
+        shards_reused=snapshot.shards_reused,
+    )
+    context.add_output_metadata(
+        {
+            "run_hash": dataset.run_hash,
+            "train_pairs": dataset.train_pairs,
+            "validation_pairs": dataset.validation_pairs,
+            "days": dg.MetadataValue.json(dataset.days),
+            "days_reused": dataset.shards_reused,
+            "train_path": dg.MetadataValue.path(dataset.train_path),
+            **contamination_metadata(contamination, index),
+        }
+    )
+    return dataset
+
+
+@dg.asset(
+    group_name="preference",
+    pool="gpu",
+    retry_policy=MODEL_CALL_RETRY,
+    deps=[
+        "moe_checkpoint"
+    ],  # lineage: corpus -> base -> SFT -> preference; it starts from the production SFT model
+    kinds={"deepspeed", "pytorch"},
+    description="The production SFT checkpoint trained with DPO (sigmoid or length-normalised, beta) on "
+    "preference_dataset by the project's own worker and DeepSpeed engine (the same Pipes launch, gpu pool, monitors "
+    "and exact resume as SFT); reference log-probabilities computed once per pair set and reference, stored beside "
+    "the pairs. A Hugging Face checkpoint in data/checkpoints/<id>/, evaluated like any checkpoint.",
+)
+def preference_checkpoint(
+    context: dg.AssetExecutionContext,
+    preference_dataset: PreferenceDataset,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    tracking: TrackingResource,
+    scale_preset: ScaleResource,
+    promotion_policy: PromotionResource,
+) -> dg.Output[Checkpoint]:
+    scale = scale_preset.load()
+    settings = preference_settings(scale)
+    production = production_model(storage)
+    training = settings.settings(scale.training)
+    checkpoint_id = checkpoint_id_for(context, storage, prefix="pref")
+    reference = model_fingerprint(production.checkpoint_path).removeprefix("sha256:")[:16]
+    job = TrainingJob(
+        run_id=checkpoint_id,
+        data_kind="preference",
+        train_path=preference_dataset.train_path,
+        validation_path=preference_dataset.validation_path,
+        tokenizer_path=preference_dataset.tokenizer_path,
+        model_preset=scale.model_preset,
+        deepspeed_config=scale_preset.deepspeed_config(),
+        settings=training,
+        output_dir=str(storage.checkpoint_dir(checkpoint_id)),
+        dataset_run_hash=preference_dataset.run_hash,
+        accelerator=gpu_cluster.accelerator,
+        init_from=production.checkpoint_path,
+        parent=f"production:{production.checkpoint_id}",
+        dpo_beta=settings.beta,
+        dpo_loss=settings.loss,
+        reference_path=production.checkpoint_path,
+        reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
+    )
+    context.log.info(
+        f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
+        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, "
+        f"{preference_dataset.train_pairs} pairs) on the {gpu_cluster.backend} cluster"
+    )
+    result, invocation = gpu_cluster.run_training(
+        context, job, io.local_dir(storage.path("runs", checkpoint_id))
+    )
+    heldout = {
+        "reward_accuracy": result.reward_accuracy,
+        "reward_margin": result.reward_margin,
+        "pairs": float(result.validation_pairs or 0),
+    }
+    png, mlflow_run_id = log_training_run(
+        context,
+        tracking,
+        result,
+        run_name=checkpoint_id,
+        stage="preference",
+        title=f"{checkpoint_id} (DPO)",
+        params={
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "parent": job.parent,
+            "dataset_run_hash": preference_dataset.run_hash,
+            "beta": settings.beta,
+            "loss": settings.loss,
+            **training.model_dump(),
+        },
+        final_metrics={f"heldout_{k}": v for k, v in heldout.items() if v is not None},
+    )
+    checkpoint = Checkpoint(
+        checkpoint_id=checkpoint_id,
+        path=result.checkpoint_dir,
+        num_steps=result.steps,
+        training_loss=result.final_loss,
+        validation_loss=result.validation_loss,
+        dataset_run_hash=preference_dataset.run_hash,
+        dataset_validation_path=preference_dataset.validation_path,
+        model_preset=scale.model_preset,
+        scale=scale.name,
+        parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active,
+        training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id,
+        stage="preference",
+        parent=job.parent,
+        preference_metrics={k: v for k, v in heldout.items() if v is not None},
+    )
+    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    model_name = promotion_policy.policy().registered_model
+    version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
+    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])  # evaluated next
+    return dg.Output(
+        checkpoint,
+        metadata={
+            **training_metadata(invocation, png, result, "DPO loss"),
+            "checkpoint_id": checkpoint_id,
+            "parent": job.parent,
+            "heldout_reward_accuracy": result.reward_accuracy,
+            "heldout_reward_margin": result.reward_margin,
+            "heldout_pairs": result.validation_pairs,
+            "dataset_run_hash": preference_dataset.run_hash,
+            "mlflow_run_id": mlflow_run_id,
+            "mlflow_model_version": f"{model_name}/{version}",
+        },
+    )

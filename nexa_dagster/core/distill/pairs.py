@@ -1,0 +1,190 @@
+"""Preference pairs: the production model answers the day's training prompts K times, the judge scores every answer
+(and the teacher's, already scored by SampleGate), and the best answer that passes SampleGate's heuristics against
+the worst one becomes a pair when their scores differ by at least ``min_score_gap``.
+
+On-policy: the answers come from the model in production, so the pairs say what to change in the model users get.
+The answers go through the generation store like the teacher's (keyed by prompt, policy model identity, sampling
+and generation index): a killed run resumes without paying twice, and a rerun on the same data reuses every answer.
+The table keeps TRL's conversational columns (``prompt``, ``chosen``, ``rejected``), both scores, both models' ids,
+the answers' lengths and the day; ``core/data/schemas.PreferencePairs`` checks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from nexa_dagster.core.data.splits import is_held_out
+from nexa_dagster.core.distill.generation_store import GenerationStore
+from nexa_dagster.core.distill.judge import Judge
+from nexa_dagster.core.distill.sample_gate import GateConfig, heuristic_reason
+from nexa_dagster.core.distill.teacher import PromptSpec, for_generation, generate_teacher_samples, sample_key
+from nexa_dagster.core.llm.base import LLMClient, SamplingParams
+
+PAIR_COLUMNS = [
+    "pair_id",
+    "sample_id",
+    "day",
+    "prompt",
+    "chosen",
+    "rejected",
+    "chosen_score",
+    "rejected_score",
+    "score_gap",
+    "chosen_source",
+    "rejected_source",
+    "chosen_length",
+    "rejected_length",
+    "judge_model",
+    "policy_model",
+]
+GAP_BUCKETS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+
+
+@dataclass
+class PairStats:
+    """What making one day's pairs did: prompts, answers generated and reused, pairs, and why prompts gave none."""
+
+    prompts: int = 0
+    held_out_prompts: int = 0  # on the eval set's side: never used
+    generated: int = 0
+    reused: int = 0
+    failed: int = 0
+    pairs: int = 0
+    no_pair: dict[str, int] = field(default_factory=dict)  # reason -> prompts
+
+    @property
+    def no_pair_share(self) -> float:
+        return 1 - self.pairs / self.prompts if self.prompts else 0.0
+
+
+def training_prompts(samples: pd.DataFrame, eval_fraction: float) -> tuple[pd.DataFrame, int]:
+    """The judged samples whose prompt may be trained on (never the eval set's held-out side), and how many were
+    held out."""
+    held = samples["sample_id"].astype(str).map(lambda s: is_held_out(s, eval_fraction))
+    return samples[~held].reset_index(drop=True), int(held.sum())
+
+
+def policy_requests(
+    samples: pd.DataFrame, policy_id: str, params: SamplingParams, k: int
+) -> list[PromptSpec]:
+    """K answers to ask of the policy per prompt, keyed as teacher answers are (so the store finds them again)."""
+    specs = []  # a spec's doc_id holds the teacher sample the answer is for (the prompt's id)
+    for row in samples.itertuples(index=False):
+        for g in range(k):
+            key = sample_key(row.prompt, row.system_prompt, policy_id, for_generation(params, g), g)
+            specs.append(PromptSpec(key, str(row.sample_id), str(row.day), g, row.system_prompt, row.prompt))
+    return specs
+
+
+def make_pairs(
+    samples: pd.DataFrame,
+    policy: LLMClient,
+    judge: Judge,
+    gate: GateConfig,
+    store: GenerationStore,
+    params: SamplingParams,
+    k: int,
+    min_score_gap: float,
+    eval_fraction: float,
+    batch_size: int = 16,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[pd.DataFrame, PairStats]:
+    """The day's pairs from ``samples`` (``filtered_samples`` rows: prompt, system prompt, teacher answer and its
+    judge score) with K answers of ``policy`` each, judged by ``judge``."""
+    usable, held_out = training_prompts(samples, eval_fraction)
+    stats = PairStats(prompts=len(usable), held_out_prompts=held_out)
+    specs = policy_requests(usable, policy.model_id, params, k)
+    answers, generation = generate_teacher_samples(policy, specs, params, store, batch_size, progress)
+    stats.generated, stats.reused, stats.failed = generation.generated, generation.reused, generation.failed
+    ok = answers[answers["error"].isna()]
+    verdicts = judge.judge_many(list(zip(ok["prompt"], ok["response"], strict=True)))
+    scores = dict(zip(ok["sample_id"], (v.score for v in verdicts), strict=True))
+    by_prompt: dict[str, list[tuple[str, str, float, int]]] = {}  # sample id -> (source, text, score, tokens)
+    for row in ok.itertuples(index=False):
+        if scores[row.sample_id] is not None:
+            by_prompt.setdefault(row.doc_id, []).append(
+                (
+                    f"policy:{row.generation_index}",
+                    row.response,
+                    float(scores[row.sample_id]),
+                    row.completion_tokens,
+                )
+            )
+    rows = []
+    for sample in usable.itertuples(index=False):
+        candidates = [("teacher", sample.response, float(sample.judge_score), int(sample.completion_tokens))]
+        candidates += by_prompt.get(str(sample.sample_id), [])
+        pair, why = choose_pair(sample.prompt, candidates, gate, min_score_gap)
+        if pair is None:
+            stats.no_pair[why] = stats.no_pair.get(why, 0) + 1
+            continue
+        (c_src, c_text, c_score, _), (r_src, r_text, r_score, _) = pair
+        prompt = ([{"role": "system", "content": sample.system_prompt}] if sample.system_prompt else []) + [
+            {"role": "user", "content": sample.prompt}
+        ]
+        rows.append(
+            {
+                "pair_id": pair_id(str(sample.sample_id), c_text, r_text),
+                "sample_id": str(sample.sample_id),
+                "day": str(sample.day),
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": c_text}],
+                "rejected": [{"role": "assistant", "content": r_text}],
+                "chosen_score": c_score,
+                "rejected_score": r_score,
+                "score_gap": c_score - r_score,
+                "chosen_source": c_src,
+                "rejected_source": r_src,
+                "chosen_length": len(c_text),
+                "rejected_length": len(r_text),
+                "judge_model": judge.client.model_id,
+                "policy_model": policy.model_id,
+            }
+        )
+    stats.pairs = len(rows)
+    frame = (
+        pd.DataFrame(rows, columns=PAIR_COLUMNS).sort_values("pair_id", kind="stable").reset_index(drop=True)
+    )
+    return frame, stats
+
+
+def choose_pair(
+    prompt: str,
+    candidates: Sequence[tuple[str, str, float, int]],
+    gate: GateConfig,
+    min_score_gap: float,
+) -> tuple[tuple[tuple[str, str, float, int], tuple[str, str, float, int]] | None, str]:
+    """(chosen, rejected) among ``(source, text, score, tokens)`` candidates: the best-scored one that passes the
+    heuristics against the worst-scored other one; or None with why (ties are broken by source, for determinism)."""
+    ranked = sorted(candidates, key=lambda c: (-c[2], c[0]))
+    passing = [c for c in ranked if heuristic_reason(prompt, c[1], None, gate, c[3]) is None]
+    if not passing:
+        return None, "no answer passes the heuristics"
+    chosen = passing[0]
+    others = [c for c in ranked if c is not chosen and c[1].strip() != chosen[1].strip()]
+    if not others:
+        return None, "every answer is the same text"
+    rejected = others[-1]
+    if chosen[2] - rejected[2] < min_score_gap:
+        return None, f"score gap below {min_score_gap}"
+    return (chosen, rejected), ""
+
+
+def pair_id(sample_id: str, chosen: str, rejected: str) -> str:
+    return hashlib.sha256(f"{sample_id}\0{chosen}\0{rejected}".encode()).hexdigest()[:24]
+
+
+def gap_histogram(pairs: pd.DataFrame) -> dict[str, int]:
+    """Pairs per score-gap bucket (``[0.5, 1.0)`` ...), for the asset's metadata."""
+    edges = (*GAP_BUCKETS, float("inf"))
+    counts = {f"[{lo}, {hi})": 0 for lo, hi in zip((0.0, *GAP_BUCKETS), edges, strict=True)}
+    for gap in pairs["score_gap"] if len(pairs) else []:
+        for lo, hi in zip((0.0, *GAP_BUCKETS), edges, strict=True):
+            if lo <= gap < hi:
+                counts[f"[{lo}, {hi})"] += 1
+                break
+    return counts

@@ -1,0 +1,240 @@
+"""Packed preference data: pairs tokenized with the student's chat template, split by pair id, stored day by day.
+
+Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes a conversational row, so the files load there as they
+are: ``P`` = the prompt with the generation prompt, ``PC``/``PR`` = prompt + chosen / rejected (no special token
+added beyond the template's), ``n`` = the longer common prefix both share with ``P``; ``prompt_input_ids`` = P[:n],
+``chosen_input_ids`` = PC[n:], ``rejected_input_ids`` = PR[n:] (the answer and its end-of-turn, which is all that
+is learned). A day's pairs are one content-addressed JSONL (``day_inputs_from_partitions``, checked for
+contamination like every training input); its tokenized rows are one shard per split in the store
+``<root>/store/<day file>-<tokenizer>.<split>.parquet``, so a night tokenizes only its day, and the same input
+gives the same bytes. A snapshot ``<root>/<run_hash>/`` lists the store's shards in day order per split
+(``<split>.shards.json``, ``core/packaging/formats/packed_split.py``).
+
+Bad input fails before anything is written, naming the file and line: an empty chosen answer, chosen equal to
+rejected, a prompt on the eval set's held-out side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.jsonl import dumps
+from nexa_dagster.core.data.splits import is_held_out, is_validation
+from nexa_dagster.core.packaging.formats.packed_split import split_manifest_path, write_split_manifest
+from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
+
+FORMAT = "packed-preference-parquet/1"
+SPLITS = ("train", "validation")
+SCHEMA = pa.schema(
+    [
+        ("pair_id", pa.string()),
+        ("day", pa.string()),
+        ("prompt_input_ids", pa.list_(pa.int32())),
+        ("chosen_input_ids", pa.list_(pa.int32())),
+        ("rejected_input_ids", pa.list_(pa.int32())),
+    ]
+)
+
+
+class PreferenceDataError(ValueError):
+    """A pair that no training should see; the message names the file and line."""
+
+
+def pairs_to_jsonl(pairs: pd.DataFrame, out_root: str) -> str:
+    """A day's ``preference_pairs`` as a content-addressed JSONL (sorted by pair id: order-independent)."""
+    pairs = pairs.sort_values("pair_id", kind="stable")
+
+    def plain(messages: Any) -> list[dict[str, str]]:  # Parquet gives numpy arrays of dicts back
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+
+    body = b"".join(
+        dumps(
+            {
+                "pair_id": r.pair_id,
+                "sample_id": r.sample_id,
+                "day": r.day,
+                "prompt": plain(r.prompt),
+                "chosen": plain(r.chosen),
+                "rejected": plain(r.rejected),
+            }
+        )
+        for r in pairs.itertuples()
+    )
+    return storage.write_content_addressed(storage.join(out_root, "inputs"), "preference_pairs", body)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(tokenizer: Any, record: dict[str, Any]) -> dict[str, Any]:
+    """One pair as TRL's DPOTrainer tokenizes a conversational row (see the module's docstring)."""
+
+    def ids(messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    p = ids(record["prompt"], True)
+    pc = ids(record["prompt"] + record["chosen"], False)
+    pr = ids(record["prompt"] + record["rejected"], False)
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    return {
+        "pair_id": record["pair_id"],
+        "day": record["day"],
+        "prompt_input_ids": p[:n],
+        "chosen_input_ids": pc[n:],
+        "rejected_input_ids": pr[n:],
+    }
+
+
+def check_pair(record: dict[str, Any], where: str, eval_fraction: float) -> None:
+    """The pair is one a training may see, or a ``PreferenceDataError`` naming ``where`` and what is wrong."""
+    chosen = "".join(m["content"] for m in record["chosen"]).strip()
+    rejected = "".join(m["content"] for m in record["rejected"]).strip()
+    if not chosen:
+        raise PreferenceDataError(f"{where}: pair {record['pair_id']}: the chosen answer is empty")
+    if chosen == rejected:
+        raise PreferenceDataError(
+            f"{where}: pair {record['pair_id']}: chosen and rejected are the same answer"
+        )
+    if is_held_out(str(record["sample_id"]), eval_fraction):
+        raise PreferenceDataError(
+            f"{where}: pair {record['pair_id']}: its prompt (sample {record['sample_id']}) is on the eval set's "
+            "held-out side, which no training may see"
+        )
+
+
+@dataclass(frozen=True)
+class PreferenceSnapshot:
+    run_hash: str
+    root: str
+    train_path: str
+    validation_path: str
+    pairs: dict[str, int]  # split -> pairs
+    shards_reused: int
+    tokenizer_path: str
+
+
+def build_preference_dataset(
+    days: Sequence[Any],
+    tokenizer: Any,
+    tokenizer_path: str,
+    out_root: str,
+    validation_fraction: float,
+    eval_fraction: float,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> PreferenceSnapshot:
+    """The snapshot of ``days`` (``DayInput``-like: ``path``): each day tokenized once into the store, then split
+    manifests over the store's shards in day order."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    store = storage.join(out_root, "store")
+    shards: dict[str, list[tuple[str, int, str, int]]] = {s: [] for s in SPLITS}
+    reused = 0
+    for day in days:
+        name = day.path.rsplit("/", 1)[-1].removesuffix(".jsonl")
+        paths = {s: storage.join(store, f"{name}-{fingerprint}.{s}.parquet") for s in SPLITS}
+        if all(storage.exists(p) for p in paths.values()):
+            reused += 1
+        else:
+            _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed)
+        for split, path in paths.items():
+            with storage.open_read(path) as f:
+                rows = pq.ParquetFile(f).metadata.num_rows
+            shards[split].append((path, storage.size(path), storage.sha256_file(path), rows))
+    config = {
+        "format": FORMAT,
+        "tokenizer": fingerprint,
+        "validation_fraction": validation_fraction,
+        "eval_fraction": eval_fraction,
+        "seed": seed,
+        "shards": [s[2] for split in SPLITS for s in shards[split]],
+    }
+    run_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    root = storage.join(out_root, run_hash)
+    counts = {split: sum(s[3] for s in shards[split]) for split in SPLITS}
+    if not counts["train"] or not counts["validation"]:
+        raise PreferenceDataError(
+            f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs; "
+            "both sides need at least one (more pairs, or another validation_fraction)"
+        )
+    for split in SPLITS:
+        write_split_manifest(
+            split_manifest_path(root, split),
+            split,
+            run_hash,
+            out_root,
+            [
+                (p.removeprefix(out_root.rstrip("/") + "/"), size, digest, rows)
+                for p, size, digest, rows in shards[split]
+            ],
+        )
+    storage.write_json(
+        {**config, "run_hash": run_hash, "pairs": counts, "tokenizer_path": tokenizer_path},
+        storage.join(root, "snapshot.json"),
+    )
+    log(
+        f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs "
+        f"from {len(days)} days ({reused} days' shards reused)"
+    )
+    return PreferenceSnapshot(
+        run_hash,
+        root,
+        split_manifest_path(root, "train"),
+        split_manifest_path(root, "validation"),
+        counts,
+        reused,
+        tokenizer_path,
+    )
+
+
+def _tokenize_day(
+    path: str,
+    tokenizer: Any,
+    outputs: dict[str, str],
+    validation_fraction: float,
+    eval_fraction: float,
+    seed: int,
+) -> None:
+    rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    label = path.rsplit("/", 1)[-1]
+    with storage.open_read(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            record = json.loads(line)
+            check_pair(record, f"{label}:{line_no}", eval_fraction)
+            side = "validation" if is_validation(record["pair_id"], validation_fraction, seed) else "train"
+            rows[side].append(tokenize_pair(tokenizer, record))
+    for split, out in outputs.items():
+        table = pa.Table.from_pylist(rows[split], schema=SCHEMA)
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        with storage.atomic_writer(out) as f:
+            f.write(buffer.getvalue())
+
+
+def pair_texts(prompt_segments: Callable[[str], list[str]]) -> Callable[[dict[str, Any]], list[str]]:
+    """The texts of a pair checked for contamination: the user turn without its template's words, both answers."""
+
+    def texts(record: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        for message in record["prompt"]:
+            if message["role"] == "user":
+                out += prompt_segments(message["content"])
+        return out + [m["content"] for m in (*record["chosen"], *record["rejected"])]
+
+    return texts
