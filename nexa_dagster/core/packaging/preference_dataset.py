@@ -1,7 +1,8 @@
 """Packed preference data: pairs tokenized with the student's chat template, split by pair id, stored day by day.
 
-Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes a conversational row, so the files load there as they
-are: ``P`` = the prompt with the generation prompt, ``PC``/``PR`` = prompt + chosen / rejected (no special token
+Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes a conversational row (the day's JSONL, with TRL's
+``prompt``/``chosen``/``rejected`` columns, loads in ``DPOTrainer`` as it is and gives the same ids, tested):
+``P`` = the prompt with the generation prompt, ``PC``/``PR`` = prompt + chosen / rejected (no special token
 added beyond the template's), ``n`` = the longer common prefix both share with ``P``; ``prompt_input_ids`` = P[:n],
 ``chosen_input_ids`` = PC[n:], ``rejected_input_ids`` = PR[n:] (the answer and its end-of-turn, which is all that
 is learned). A day's pairs are one content-addressed JSONL (``day_inputs_from_partitions``, checked for

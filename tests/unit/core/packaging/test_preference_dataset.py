@@ -1,0 +1,158 @@
+"""The preference dataset: tokenized exactly as TRL's DPOTrainer tokenizes the same pairs, built incrementally (a
+new day tokenizes only itself, an old day's shards are reused byte for byte), and bad pairs refused with the file
+and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from nexa_dagster.core.data.splits import is_held_out
+from nexa_dagster.core.distill.pairs import PAIR_COLUMNS, pair_id
+from nexa_dagster.core.packaging.formats.packed_split import split_files
+from nexa_dagster.core.packaging.preference_dataset import (
+    PreferenceDataError,
+    build_preference_dataset,
+    pairs_to_jsonl,
+    tokenize_pair,
+)
+from nexa_dagster.core.packaging.sft_dataset import DayInput
+
+EVAL_FRACTION = 0.2
+
+
+def pairs_frame(day: str, n: int, start: int = 0) -> pd.DataFrame:
+    """``n`` pairs of ``day`` whose prompts are all on the training side of the eval split."""
+    rows, i = [], start
+    while len(rows) < n:
+        sample_id = f"{day}-s{i}"
+        i += 1
+        if is_held_out(sample_id, EVAL_FRACTION):
+            continue
+        chosen = f"A list keeps its items in order; answer {i} appends with list.append(x)."
+        rejected = f"no idea {i}"
+        rows.append(
+            {
+                "pair_id": pair_id(sample_id, chosen, rejected),
+                "sample_id": sample_id,
+                "day": day,
+                "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+                "chosen_score": 8.0,
+                "rejected_score": 2.0,
+                "score_gap": 6.0,
+                "chosen_source": "teacher",
+                "rejected_source": "policy:0",
+                "chosen_length": len(chosen),
+                "rejected_length": len(rejected),
+                "judge_model": "judge",
+                "policy_model": "policy",
+            }
+        )
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+
+
+def day_input(frame: pd.DataFrame, root: Path) -> DayInput:
+    return DayInput((str(frame["day"].iloc[0]),), pairs_to_jsonl(frame, str(root)), len(frame))
+
+
+def rows_of(manifest: str) -> list[dict]:
+    return [r for shard in split_files(manifest) for r in pq.read_table(shard).to_pylist()]
+
+
+def test_tokenization_is_trls(tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
+    """TRL's DPOTrainer, given the same conversational rows, tokenizes them to the same prompt/chosen/rejected ids."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    frame = pairs_frame("2026-01-01", 6)
+    ours = [tokenize_pair(tiny_tokenizer, r) for r in frame.to_dict("records")]
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        args=DPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            dataset_num_proc=None,
+        ),
+        train_dataset=Dataset.from_list(frame[["prompt", "chosen", "rejected"]].to_dict("records")),
+        processing_class=tiny_tokenizer,
+    )
+    theirs = list(trainer.train_dataset)
+    assert len(theirs) == len(ours)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["prompt_input_ids"] == b["prompt_ids"]
+        assert a["chosen_input_ids"] == b["chosen_ids"]
+        assert a["rejected_input_ids"] == b["rejected_ids"]
+    record = frame.iloc[0]
+    answer = tiny_tokenizer.decode(ours[0]["chosen_input_ids"])
+    assert record["chosen"][0]["content"] in answer and "Question" not in answer  # the answer alone is learned
+
+
+def test_a_new_day_tokenizes_only_itself(tiny_tokenizer, tmp_path: Path) -> None:
+    day1, day2 = pairs_frame("2026-01-01", 12), pairs_frame("2026-01-02", 12, start=100)
+    root, logs = tmp_path / "preference", []
+    first = build_preference_dataset(
+        [day_input(day1, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, log=logs.append
+    )
+    store = root / "store"
+    day1_shards = {p.name: p.read_bytes() for p in store.iterdir()}
+    second = build_preference_dataset(
+        [day_input(day1, root), day_input(day2, root)],
+        tiny_tokenizer,
+        "tok",
+        str(root),
+        0.25,
+        EVAL_FRACTION,
+        log=logs.append,
+    )
+    assert first.shards_reused == 0 and second.shards_reused == 1
+    assert {p.name: p.read_bytes() for p in store.iterdir() if p.name in day1_shards} == day1_shards
+    assert sum(first.pairs.values()) == 12 and sum(second.pairs.values()) == 24
+    assert first.run_hash != second.run_hash
+    train = rows_of(second.train_path)
+    validation = rows_of(second.validation_path)
+    assert len(train) + len(validation) == 24
+    assert not {r["pair_id"] for r in train} & {r["pair_id"] for r in validation}
+    assert [r["day"] for r in train] == sorted(r["day"] for r in train)  # day order
+    # a pair stays on its side when later days arrive
+    first_sides = {r["pair_id"] for r in rows_of(first.validation_path)}
+    assert first_sides <= {r["pair_id"] for r in validation}
+    again = build_preference_dataset(
+        [day_input(day1, root), day_input(day2, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION
+    )
+    assert again.run_hash == second.run_hash and again.shards_reused == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.update(chosen=[{"role": "assistant", "content": "  "}]), "the chosen answer is empty"),
+        (lambda r: r.update(rejected=r["chosen"]), "chosen and rejected are the same answer"),
+        (lambda r: r.update(sample_id=HELD_OUT), "held-out side"),
+    ],
+)
+def test_bad_pairs_are_refused_naming_file_and_line(tiny_tokenizer, tmp_path: Path, change, message: str) -> None:
+    frame = pairs_frame("2026-01-01", 5)
+    records = frame.to_dict("records")
+    change(records[3])
+    root = tmp_path / "preference"
+    path = root / "bad.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["pair_id"])))
+    line = 1 + sorted(r["pair_id"] for r in records).index(records[3]["pair_id"])
+    with pytest.raises(PreferenceDataError, match=f"bad.jsonl:{line}: .*{message}"):
+        build_preference_dataset(
+            [DayInput(("2026-01-01",), str(path), 5)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION
+        )
+    assert not (root / "store").exists() or not list((root / "store").iterdir())  # nothing half-written
+
+
+HELD_OUT = next(f"held-{i}" for i in range(1000) if is_held_out(f"held-{i}", EVAL_FRACTION))
