@@ -224,6 +224,7 @@ def eval_report(
             evaluation.win_rate,
             benchmark_guards(policy, evaluation),
             contamination,
+            evaluation.length_controlled,
         )
     else:
         decision = decide(

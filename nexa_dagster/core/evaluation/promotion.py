@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import load_yaml, validated
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
-from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, PairedLoss, WinRate
+from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, LengthControlled, PairedLoss, WinRate
 
 
 class PreferenceGate(BaseModel):
@@ -39,6 +39,14 @@ class PreferenceGate(BaseModel):
         ge=0,
         description="held back when a benchmark score is lower by more than this, its whole "
         "interval included",
+    )
+    min_length_controlled_win_rate: float | None = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="held back when the length-controlled win rate (the judge's verdicts with the answers' "
+        "length difference regressed out) is not above this: a win that comes from longer answers alone is no "
+        "win; null turns the guard off",
     )
 
 
@@ -257,10 +265,12 @@ def decide_preference(
     win_rate: WinRate | None,
     benchmarks: list[BenchmarkComparison],
     contamination: float | None = None,
+    length_controlled: LengthControlled | None = None,
 ) -> GateDecision:
     """A preference checkpoint's gate: the judge's order-consistent win rate against production decides (its
     interval must clear 0.5 + the preference margin, on enough verdicts); a candidate clearly worse on the eval set
-    or a benchmark (the whole interval past ``max_*_regression``) is held back, naming the guard."""
+    or a benchmark (the whole interval past ``max_*_regression``), or one whose win vanishes once the answers'
+    length is controlled for, is held back, naming the guard."""
     decision = decide(
         checkpoint_id, production, policy.for_preference(), paired_loss, win_rate, None, contamination
     )
@@ -275,15 +285,23 @@ def decide_preference(
     for b in benchmarks:
         if b.high < -limit:
             guards.append(f"{b.metric} lower by {-b.difference:.4f}, interval high {b.high:+.4f} < -{limit}")
+    limit = policy.preference.min_length_controlled_win_rate
+    if limit is not None and length_controlled is not None and length_controlled.win_rate <= limit:
+        lc = length_controlled
+        guards.append(
+            f"length-controlled win rate {lc.win_rate:.3f} <= {limit} (answers longer by "
+            f"{lc.mean_length_change:+.0f} characters on average; logistic fit on {lc.verdicts} verdicts)"
+        )
+    names = "eval_loss, benchmarks" + (", length-controlled win rate" if limit is not None else "")
     if not guards:
-        return replace(decision, rule=f"{decision.rule}; guards eval_loss, benchmarks")
+        return replace(decision, rule=f"{decision.rule}; guards {names}")
     return replace(
         decision,
         passed=False,
         decision="hold back",
         guards=tuple(guards),
         reason=f"non-regression guard: {'; '.join(guards)}; {decision.reason}",
-        rule=f"{decision.rule}; guards eval_loss, benchmarks",
+        rule=f"{decision.rule}; guards {names}",
     )
 
 

@@ -15,7 +15,9 @@ GOOD = (
     "A context manager sets something up before a block runs and tears it down after, even when the block "
     "raises. Example: `with open(path) as f: data = f.read()` closes the file for you."
 )
-FAIR = "It wraps a block: the with statement calls __enter__ first and __exit__ when the block ends or raises."
+FAIR = (
+    "It wraps a block: the with statement calls __enter__ first and __exit__ when the block ends or raises."
+)
 WEAK = "A context manager is a thing that manages a context in Python, it is used for managing contexts well."
 REFUSAL = "As an AI language model, I think this is a fine explanation of the topic at hand for you to read."
 
@@ -42,7 +44,9 @@ def test_no_pair_says_why() -> None:
         None,
         "score gap below 1.0",
     )
-    assert choose_pair(PROMPT, [("teacher", GOOD, 8.0, 40), ("policy:0", GOOD + "  ", 2.0, 40)], GATE, 1.0) == (
+    assert choose_pair(
+        PROMPT, [("teacher", GOOD, 8.0, 40), ("policy:0", GOOD + "  ", 2.0, 40)], GATE, 1.0
+    ) == (
         None,
         "every answer is the same text",
     )

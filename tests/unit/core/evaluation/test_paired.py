@@ -6,6 +6,7 @@ import pytest
 
 from nexa_dagster.core.evaluation.paired import (
     bootstrap_mean_loss,
+    length_controlled_win_rate,
     order_consistent_win_rate,
     paired_loss_difference,
     wilson_interval,
@@ -114,3 +115,29 @@ def test_a_percentile_bootstrap_of_few_examples_understates_the_uncertainty() ->
     assert one.low == one.high  # the zero-width "interval" the gate once promoted on
     t_one = paired_loss_difference(candidate, production, tokens).difference
     assert t_one.low == -np.inf and t_one.high == np.inf  # no spread can be estimated from one example
+
+
+def test_length_controlled_win_rate_removes_a_win_bought_with_length() -> None:
+    """A judge that prefers longer answers (P = sigmoid(2.5 tanh(d / 100)), d the length difference) and two models
+    of the same quality, the candidate ~80 characters longer: the raw win rate is ~0.72, the length-controlled one
+    ~0.5 (five simulated eval sets of 300 verdicts each)."""
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        d = rng.normal(80, 100, 300)
+        judge_prefers_candidate = rng.random(300) < 1 / (1 + np.exp(-2.5 * np.tanh(d / 100)))
+        verdicts = ["candidate" if x else "production" for x in judge_prefers_candidate]
+        raw = order_consistent_win_rate(verdicts, verdicts)
+        lc = length_controlled_win_rate(verdicts, verdicts, (300 + d).astype(int), np.full(300, 300))
+        assert raw.rate.low > 0.6 and lc.verdicts == 300
+        assert abs(lc.win_rate - 0.5) < 0.06 and lc.length_coefficient > 1.5 and lc.mean_length_change > 60
+
+
+def test_length_controlled_win_rate_keeps_a_win_that_does_not_depend_on_length() -> None:
+    rng = np.random.default_rng(8)
+    cand_len, prod_len = rng.integers(100, 400, size=60), rng.integers(100, 400, size=60)
+    verdicts = ["candidate" if i % 4 else "production" for i in range(60)]  # 75% wins, whatever the lengths
+    lc = length_controlled_win_rate(verdicts, verdicts, cand_len, prod_len)
+    assert abs(lc.win_rate - 0.75) < 0.06
+    # an order-inconsistent verdict is not counted
+    flipped = ["production" if i == 1 else v for i, v in enumerate(verdicts)]
+    assert length_controlled_win_rate(verdicts, flipped, cand_len, prod_len).verdicts == 59

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nexa_dagster.core.evaluation.paired import order_consistent_win_rate, paired_loss_difference
-from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide
+from nexa_dagster.core.evaluation.paired import (
+    Interval,
+    LengthControlled,
+    PairedLoss,
+    order_consistent_win_rate,
+    paired_loss_difference,
+)
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide, decide_preference
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
 
@@ -69,3 +75,44 @@ def test_a_contaminated_candidate_is_held_back_naming_the_share() -> None:
         "cand", PRODUCTION, PromotionPolicy(max_contamination=0.02), _clearly_better(30), contamination=0.0
     )
     assert clean.passed
+
+
+def _win_rate(wins: int, losses: int):
+    return order_consistent_win_rate(
+        ["candidate"] * wins + ["production"] * losses, ["candidate"] * wins + ["production"] * losses
+    )
+
+
+def test_a_preference_checkpoint_is_promoted_on_its_win_rate_with_the_guards_named() -> None:
+    decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [])
+    assert decision.passed and decision.n == 36
+    assert decision.rule.endswith("guards eval_loss, benchmarks, length-controlled win rate")
+    too_few = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, _win_rate(10, 1), [])
+    assert too_few.outcome == "insufficient evidence"
+
+
+def test_a_preference_checkpoint_much_worse_on_the_eval_set_is_held_back() -> None:
+    worse = _clearly_better(30)
+    worse = PairedLoss(  # the same examples with the signs turned: candidate worse by 0.5 nats per token
+        worse.production,
+        worse.candidate,
+        Interval(-worse.difference.estimate, -worse.difference.high, -worse.difference.low, 0.95),
+        worse.examples,
+        worse.tokens,
+    )
+    decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), worse, _win_rate(30, 6), [])
+    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.guards and decision.guards[0].startswith("eval_loss worse by +0.5")
+
+
+def test_a_win_bought_with_longer_answers_is_held_back() -> None:
+    verbose = LengthControlled(win_rate=0.46, length_coefficient=3.1, mean_length_change=240.0, verdicts=36)
+    decision = decide_preference(
+        "pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [], None, verbose
+    )
+    assert not decision.passed and "length-controlled win rate 0.460 <= 0.5" in decision.reason
+    assert "+240 characters" in decision.reason
+    honest = LengthControlled(win_rate=0.8, length_coefficient=0.1, mean_length_change=3.0, verdicts=36)
+    assert decide_preference(
+        "pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [], None, honest
+    ).passed

@@ -40,7 +40,10 @@ def pairs_frame(day: str, n: int, start: int = 0) -> pd.DataFrame:
                 "pair_id": pair_id(sample_id, chosen, rejected),
                 "sample_id": sample_id,
                 "day": day,
-                "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"}],
+                "prompt": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"Question {i}?"},
+                ],
                 "chosen": [{"role": "assistant", "content": chosen}],
                 "rejected": [{"role": "assistant", "content": rejected}],
                 "chosen_score": 8.0,
@@ -93,7 +96,9 @@ def test_tokenization_is_trls(tiny_model_dir: Path, tiny_tokenizer, tmp_path: Pa
         assert a["rejected_input_ids"] == b["rejected_ids"]
     record = frame.iloc[0]
     answer = tiny_tokenizer.decode(ours[0]["chosen_input_ids"])
-    assert record["chosen"][0]["content"] in answer and "Question" not in answer  # the answer alone is learned
+    assert (
+        record["chosen"][0]["content"] in answer and "Question" not in answer
+    )  # the answer alone is learned
 
 
 def test_a_new_day_tokenizes_only_itself(tiny_tokenizer, tmp_path: Path) -> None:
@@ -139,7 +144,9 @@ def test_a_new_day_tokenizes_only_itself(tiny_tokenizer, tmp_path: Path) -> None
         (lambda r: r.update(sample_id=HELD_OUT), "held-out side"),
     ],
 )
-def test_bad_pairs_are_refused_naming_file_and_line(tiny_tokenizer, tmp_path: Path, change, message: str) -> None:
+def test_bad_pairs_are_refused_naming_file_and_line(
+    tiny_tokenizer, tmp_path: Path, change, message: str
+) -> None:
     frame = pairs_frame("2026-01-01", 5)
     records = frame.to_dict("records")
     change(records[3])
