@@ -2,10 +2,12 @@
 
 The landed sample days run as nights, one after the other, as the schedule and sensors would run them: the day's
 data, a training from the pretrained base on the snapshot so far, its evaluation beside the production model on
-the same frozen eval set, and the promotion gate. The summary gives each night's two losses, their difference with
-its interval and the gate's decision.
+the same frozen eval set, and the promotion gate. Then the preference stage: the production model answers the days'
+prompts, the judge turns its answers into pairs, DPO trains from it, and the gate compares the result with it on
+the judge's win rate. The summary gives each night's two losses, their difference with its interval and the gate's
+decision, then the preference stage's pairs, held-out reward accuracy, win rate and decision.
 
-It runs the same three jobs the schedule and sensors run, in order, recording every run and materialization in
+It runs the jobs the schedule and sensors run, in order, recording every run and materialization in
 the instance in ``$DAGSTER_HOME`` (``.dagster_home/`` by default), so ``make ui`` afterwards shows the lineage
 graph with every asset materialized.
 """
@@ -115,6 +117,53 @@ def summary_lines(nights: list[Night]) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class PreferenceRun:
+    """The preference stage of ``make run``: the pairs, the DPO checkpoint and what its gate decided."""
+
+    pairs: int
+    days: int
+    mean_gap: float | None
+    checkpoint_id: str
+    parent: str | None
+    reward_accuracy: float | None
+    reward_margin: float | None
+    heldout_pairs: int | None
+    report: Any = None  # the EvalReport (None: the evaluation failed)
+    outcome: str = ""
+
+
+def preference_lines(p: PreferenceRun) -> list[str]:
+    """The preference stage's summary: pairs, what DPO learned on held-out pairs, and the judge's verdict."""
+    gap = f", mean score gap {p.mean_gap:.2f}" if p.mean_gap is not None else ""
+    lines = [f"{p.pairs} pairs from {p.days} days of the production model's answers{gap}"]
+    if p.reward_accuracy is not None:
+        lines.append(
+            f"{p.checkpoint_id} (DPO from {p.parent}): held-out reward accuracy {p.reward_accuracy:.2f}, "
+            f"margin {p.reward_margin:+.3f} on {p.heldout_pairs} pairs"
+        )
+    r = p.report
+    if r is None:
+        lines.append(
+            f"evaluation failed (see the evaluation_job run in the UI){'; ' + p.outcome if p.outcome else ''}"
+        )
+        return lines
+    if r.win_rate_vs_production is not None and r.win_rate_interval:
+        low, high = r.win_rate_interval
+        lc = (
+            f", length-controlled {r.length_controlled_win_rate:.3f} (answers {r.mean_length_change:+.0f} chars)"
+            if r.length_controlled_win_rate is not None and r.mean_length_change is not None
+            else ""
+        )
+        lines.append(
+            f"judge win rate vs {r.production_checkpoint_id} {r.win_rate_vs_production:.3f} 95% CI "
+            f"[{low:.3f}, {high:.3f}], n = {r.gate_n} consistent verdicts{lc}"
+        )
+    outcome = f"; {p.outcome}" if p.outcome else ""
+    lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){outcome}")
+    return lines
+
+
 def fail_orphaned_runs(instance: Any) -> list[str]:
     """Mark failed the runs a killed ``make run`` left STARTED (its process is gone); return their ids.
 
@@ -204,6 +253,37 @@ def main() -> int:
         nights.append(
             night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None, outcome)
         )
+    preference = None
+    if (
+        scale.preference is not None
+        and ProductionRegistry(storage.production_pointer()).current() is not None
+    ):
+        # pretrain -> SFT -> preference: the production model answers every day's prompts, the judge turns its
+        # answers into pairs, DPO trains from it, and the gate compares the result with it (as the sensors run it)
+        print("\n--- preference: the production model's answers judged into pairs, then DPO ---", flush=True)
+        pairs = [
+            run("preference_pairs_job", partition_key=day).output_for_node("preference_pairs") for day in days
+        ]
+        trained = run("preference_training_job", raise_on_error=False)
+        if trained.success:
+            pref = trained.output_for_node("preference_checkpoint")
+            evaluation = run("evaluation_job", partition_key=pref.checkpoint_id, raise_on_error=False)
+            gaps = [g for frame in pairs for g in frame["score_gap"]]
+            metrics = pref.preference_metrics or {}
+            preference = PreferenceRun(
+                sum(len(f) for f in pairs),
+                len(days),
+                sum(gaps) / len(gaps) if gaps else None,
+                pref.checkpoint_id,
+                pref.parent,
+                metrics.get("reward_accuracy"),
+                metrics.get("reward_margin"),
+                int(metrics["pairs"]) if "pairs" in metrics else None,
+                evaluation.output_for_node("eval_report") if evaluation.success else None,
+                describe(read_outcome(storage.deployment_dir(pref.checkpoint_id))),
+            )
+        else:
+            print("the preference training failed: see the preference_training_job run in the UI")
     run("leaderboard_job")
 
     total = time.perf_counter() - t0
@@ -228,8 +308,12 @@ def main() -> int:
     )
     for line in summary_lines(nights):
         print(f"    {line}")
-    last = nights[-1]
-    print(f"  production        {last.production_after or 'none'}")
+    if preference is not None:
+        print("  preference        DPO from the production model, judged against it on the same prompts")
+        for line in preference_lines(preference):
+            print(f"    {line}")
+    production = ProductionRegistry(storage.production_pointer()).current()
+    print(f"  production        {production.checkpoint_id if production else 'none'}")
     deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))
     dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
     if dm:
@@ -240,7 +324,7 @@ def main() -> int:
             else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
         )
         print(
-            f"  serving           {dm.get('checkpoint_id', last.production_after)}: {dm.get('engine')} smoke "
+            f"  serving           {dm.get('checkpoint_id')}: {dm.get('engine')} smoke "
             f"request {dm.get('smoke_latency_s')} s; {where}"
         )
     print(f"  leaderboard       {storage.results_path('evaluation', 'leaderboard.csv')}")

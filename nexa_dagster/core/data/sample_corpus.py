@@ -34,12 +34,31 @@ def _topics() -> list[tuple[str, str]]:
     return out
 
 
+def _unwrap(paragraph: str) -> str:
+    """A prose paragraph as one line, the way a web page delivers it (pydoc hard-wraps text at 72 columns for a
+    terminal); a heading's underline of ``*`` or ``=`` dropped; code and grammar blocks kept as they are.
+
+    Prose is a paragraph whose lines share one indent (a list item's continuation lines may be indented more) and
+    run close to the wrap width but for the last. Wrapped, the corpus taught the tiny student that a newline is
+    the likeliest next token: its greedy answer was nothing but newlines, an empty answer the deployment's smoke
+    test refuses."""
+    lines = [line for line in paragraph.split("\n") if set(line.strip()) - set("*=-")]
+    if not lines:
+        return ""
+    indent = len(lines[0]) - len(lines[0].lstrip(" "))
+    same_indent = all(len(line) - len(line.lstrip(" ")) >= indent for line in lines)
+    wrapped = all(50 <= len(line) <= 80 for line in lines[:-1]) and not any(">>>" in line for line in lines)
+    if len(lines) > 1 and not (same_indent and wrapped):
+        return "\n".join(lines)  # code, a grammar block, a table
+    return " " * indent + " ".join(line.strip() for line in lines)
+
+
 def _sections(text: str) -> list[str]:
     """``text`` cut at paragraph ends into pieces of about ``SECTION_CHARS`` characters (a paragraph longer than
     that stays whole); a piece shorter than ``MIN_SECTION_CHARS`` joins the one before it."""
     pieces: list[str] = []
     current = ""
-    for paragraph in (p.strip("\n") for p in text.split("\n\n")):
+    for paragraph in (_unwrap(p.strip("\n")) for p in text.split("\n\n")):
         if not paragraph.strip():
             continue
         if current and len(current) + len(paragraph) + 2 > SECTION_CHARS:
