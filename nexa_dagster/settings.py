@@ -179,5 +179,6 @@ def markdown_table() -> str:
     """The table docs/configuration.md carries (checked by a test)."""
     lines = ["| variable | default | what it changes |", "|---|---|---|"]
     for v in VARIABLES:
-        lines.append(f"| `{v.name}` | {f'`{v.default}`' if v.default else ''} | {v.effect} |")
+        effect = v.effect.replace("|", "\\|")  # "local | slurm" would split the cell
+        lines.append(f"| `{v.name}` | {f'`{v.default}`' if v.default else ''} | {effect} |")
     return "\n".join(lines)
