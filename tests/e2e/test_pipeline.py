@@ -19,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
@@ -45,7 +46,7 @@ def _env(root: Path) -> dict[str, str]:
     landing = root / "landing"
     if not landing.exists():
         for day in DAYS:
-            shutil.copytree(REPO_ROOT / "sample_data" / "landing" / day, landing / day)
+            shutil.copytree(SAMPLE_LANDING / day, landing / day)
     return {
         "NEXA_DATA_ROOT": str(root / "data"),
         "NEXA_RESULTS_ROOT": str(root / "results"),

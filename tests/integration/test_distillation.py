@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale, read_text
 from nexa_dagster.core.common.net import free_port
@@ -45,9 +46,7 @@ SYSTEM = read_text("prompts/teacher_system.txt").strip()
 def _documents(n: int, day: str = DAY) -> pd.DataFrame:
     rows = [
         json.loads(line)
-        for line in (REPO_ROOT / "sample_data" / "landing" / DAY / "python_reference.jsonl")
-        .read_text()
-        .splitlines()
+        for line in (SAMPLE_LANDING / DAY / "python_reference.jsonl").read_text().splitlines()
         if line.strip()
     ]
     return pd.DataFrame(
@@ -211,7 +210,7 @@ def _result(proc: subprocess.Popen[str]) -> dict:
 
 def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, tmp_path: Path) -> None:
     landing = tmp_path / "landing"
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, landing / DAY)
+    shutil.copytree(SAMPLE_LANDING / DAY, landing / DAY)
     root = tmp_path / "data"
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     (tmp_path / "home").mkdir()

@@ -63,7 +63,7 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
-from support.sandbox import sandbox_env
+from support.sandbox import SAMPLE_LANDING, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.net import free_port
@@ -190,7 +190,7 @@ def _landing(landing: Path) -> None:
                 )
                 + "\n"
             )
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / STUCK_DAY, landing / STUCK_DAY)
+    shutil.copytree(SAMPLE_LANDING / STUCK_DAY, landing / STUCK_DAY)
 
 
 def _instance_yaml(pg_url: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._serdes import serialize_value
+from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.llm.managed_server import ManagedServer
@@ -25,7 +26,7 @@ def test_the_api_key_is_in_no_event_metadata_log_or_file(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     teacher = build_tiny_causal_lm(tmp_path / "data" / "models" / "tiny-teacher")
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, tmp_path / "landing" / DAY)
+    shutil.copytree(SAMPLE_LANDING / DAY, tmp_path / "landing" / DAY)
     home = tmp_path / "home"
     home.mkdir()
     shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")

@@ -15,6 +15,11 @@ from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.faults import KILL_BEFORE_RENAME as FAULT_KILL_ENV
 from nexa_dagster.core.tiny.install import install_tiny_models
 
+# The three sample days with a dozen documents each, in the same formats (sample_data/landing holds ~280 a day, for
+# make run's gate to decide on enough evidence; a test that needs that many reads sample_data/ itself).
+# Regenerate: python -m nexa_dagster.core.data.sample_corpus tests/data/landing 12
+SAMPLE_LANDING = REPO_ROOT / "tests" / "data" / "landing"
+
 
 def make_sandbox(
     root: Path,
@@ -26,7 +31,7 @@ def make_sandbox(
     names (``nexa-dagster tiny-models``, as ``make run`` installs them); returns ``root``."""
     install_tiny_models([root / "data" / "models" / "tiny-teacher"])
     for day in days:
-        shutil.copytree(REPO_ROOT / "sample_data" / "landing" / day, root / "landing" / day)
+        shutil.copytree(SAMPLE_LANDING / day, root / "landing" / day)
     (root / "home").mkdir(parents=True)
     (root / "home" / "dagster.yaml").write_text(settings.read_text() + extra_settings)
     return root

@@ -5,7 +5,8 @@ a few hundred documents: enough that the first night's frozen eval set has the e
 (the gate's ``min_examples``; tests/e2e check it). Each day lands in a different format so that the demo exercises
 every reader of the ingest stage:
 JSONL on day one, Parquet plus a plain-text file on day two, a Hugging Face ``datasets`` directory on day three.
-``python -m nexa_dagster.core.data.sample_corpus sample_data/landing`` regenerates ``sample_data/`` byte for byte.
+``python -m nexa_dagster.core.data.sample_corpus sample_data/landing`` regenerates ``sample_data/`` byte for byte
+(with Python 3.11's ``pydoc_data``); ``... tests/data/landing 12`` the test suite's small copy.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def _unwrap(paragraph: str) -> str:
     terminal); a heading's underline of ``*`` or ``=`` dropped; code and grammar blocks kept as they are.
 
     Prose is a paragraph whose lines share one indent (a list item's continuation lines may be indented more) and
-    run close to the wrap width but for the last. Wrapped, the corpus taught the tiny student that a newline is
-    the likeliest next token: its greedy answer was nothing but newlines, an empty answer the deployment's smoke
-    test refuses."""
+    run close to the wrap width but for the last. Paragraphs are then joined by one newline, not a blank line.
+    Why: the chat template's generation prompt ends with a newline, and in pydoc's text the likeliest token after
+    a newline is another one; the tiny base learned exactly that, and the student's greedy answer was nothing but
+    newlines, an empty answer the deployment's smoke test refuses."""
     lines = [line for line in paragraph.split("\n") if set(line.strip()) - set("*=-")]
     if not lines:
         return ""
@@ -54,7 +56,7 @@ def _unwrap(paragraph: str) -> str:
 
 
 def _sections(text: str) -> list[str]:
-    """``text`` cut at paragraph ends into pieces of about ``SECTION_CHARS`` characters (a paragraph longer than
+    """``text`` cut at paragraph ends (joined again by one newline) into pieces of about ``SECTION_CHARS`` characters (a paragraph longer than
     that stays whole); a piece shorter than ``MIN_SECTION_CHARS`` joins the one before it."""
     pieces: list[str] = []
     current = ""
@@ -65,22 +67,24 @@ def _sections(text: str) -> list[str]:
             pieces.append(current)
             current = paragraph
         else:
-            current = f"{current}\n\n{paragraph}" if current else paragraph
+            current = f"{current}\n{paragraph}" if current else paragraph
     if current:
         if pieces and len(current) < MIN_SECTION_CHARS:
-            pieces[-1] = f"{pieces[-1]}\n\n{current}"
+            pieces[-1] = f"{pieces[-1]}\n{current}"
         else:
             pieces.append(current)
     return pieces
 
 
-def write_sample_landing(root: str | Path) -> list[Path]:
+def write_sample_landing(root: str | Path, docs_per_day: int | None = None) -> list[Path]:
+    """The three sample days under ``root``; ``docs_per_day`` keeps only each day's first documents (the test
+    suite's small landing, ``tests/data/landing``: the same formats, a dozen documents a day)."""
     import pandas as pd
 
     root = Path(root)
     topics = _topics()
     per_day = len(topics) // 3
-    chunks = [topics[i * per_day : (i + 1) * per_day] for i in range(3)]
+    chunks = [topics[i * per_day : (i + 1) * per_day][:docs_per_day] for i in range(3)]
     written: list[Path] = []
 
     d1 = root / SAMPLE_DAYS[0]
@@ -110,5 +114,6 @@ def write_sample_landing(root: str | Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for p in write_sample_landing(sys.argv[1] if len(sys.argv) > 1 else "sample_data/landing"):
+    target = sys.argv[1] if len(sys.argv) > 1 else "sample_data/landing"
+    for p in write_sample_landing(target, int(sys.argv[2]) if len(sys.argv) > 2 else None):
         print(p)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from support.sandbox import SAMPLE_LANDING
 from support.services import missing
 
-from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.definitions import config_resources
 
 DAY = "2026-11-20"
@@ -46,7 +46,7 @@ def test_a_full_disk_fails_the_write_clearly_and_keeps_the_previous_version(
     from nexa_dagster.resources.storage import StorageResource
 
     landing = tmp_path / "landing"
-    shutil.copytree(REPO_ROOT / "sample_data" / "landing" / DAY, landing / DAY)
+    shutil.copytree(SAMPLE_LANDING / DAY, landing / DAY)
     data = str(small_disk / "data")
     resources = {
         **config_resources(),

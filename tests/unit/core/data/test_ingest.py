@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.sandbox import SAMPLE_LANDING
 
-from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.data.ingest import IngestError, ingest_day, normalise_text, stable_doc_id
 from nexa_dagster.core.data.schemas import RawDocuments
 
-LANDING = REPO_ROOT / "sample_data" / "landing"
+LANDING = SAMPLE_LANDING
 
 
 @pytest.mark.parametrize("day", ["2026-11-20", "2026-11-21", "2026-11-22"])

@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from support.packaging_inputs import chat_records, one_source_blend, packaging_settings, quiet, write_jsonl
+from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.jsonl import RecordError
 from nexa_dagster.core.data.splits import is_held_out, is_validation, side_overrides
 from nexa_dagster.core.packaging import shards as sh
@@ -620,6 +620,7 @@ import sys, time
 from transformers import AutoTokenizer
 import nexa_dagster.core.packaging.sft_dataset as sd
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
+from support.sandbox import SAMPLE_LANDING
 
 real = sd.process_sft_shard
 def slow(task):
@@ -748,7 +749,7 @@ def test_packing_efficiency_at_4096_on_the_sample_data(tiny_tokenizer, tmp_path:
     from nexa_dagster.core.data.ingest import ingest_day
 
     records = []
-    for day_dir in sorted((REPO_ROOT / "sample_data" / "landing").iterdir()):
+    for day_dir in sorted((SAMPLE_LANDING).iterdir()):
         for d in ingest_day(day_dir, day_dir.name, max_docs=None, max_chars=4096 * 3).itertuples():
             half = len(d.text) // 2
             records.append(
