@@ -47,10 +47,12 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     upstream = {k: {p.to_user_string() for p in graph.get(dg.AssetKey(k)).parent_keys} for k in STAGE_KEYS}
     assert upstream["teacher_samples"] == {"raw_documents"}
     assert upstream["filtered_samples"] == {"teacher_samples"}
-    assert upstream["sft_dataset"] == {"filtered_samples"}
+    # the eval set is frozen before packaging, which leaves out every row that quotes it (decontamination)
+    assert upstream["sft_dataset"] == {"filtered_samples", "eval_set"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
     assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {
-        "pretrain_corpus"
+        "pretrain_corpus",
+        "eval_set",  # no base model trains on a corpus document that quotes the eval set
     }
     assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"]
     # the eval set freezes held-out samples and held-out corpus documents; base models are scored on the latter
@@ -60,6 +62,13 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
         "eval_set",
     }
     assert upstream["model_deployment"] == {"eval_report"}
+    # pretrain -> SFT -> preference: pairs from the judged samples, DPO from the production SFT model
+    pairs, dataset, dpo = (
+        {p.to_user_string() for p in graph.get(dg.AssetKey(k)).parent_keys}
+        for k in ("preference_pairs", "preference_dataset", "preference_checkpoint")
+    )
+    assert pairs == {"filtered_samples"} and dataset == {"preference_pairs", "eval_set"}
+    assert dpo == {"preference_dataset", "moe_checkpoint"} and "preference_checkpoint" in upstream["eval_report"]
 
 
 def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:

@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from support.packaging_inputs import chat_records, one_source_blend, packaging_settings, quiet, write_jsonl
-from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.jsonl import RecordError
 from nexa_dagster.core.data.splits import is_held_out, is_validation, side_overrides
 from nexa_dagster.core.packaging import shards as sh
@@ -620,7 +620,6 @@ import sys, time
 from transformers import AutoTokenizer
 import nexa_dagster.core.packaging.sft_dataset as sd
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
-from support.sandbox import SAMPLE_LANDING
 
 real = sd.process_sft_shard
 def slow(task):
@@ -749,7 +748,7 @@ def test_packing_efficiency_at_4096_on_the_sample_data(tiny_tokenizer, tmp_path:
     from nexa_dagster.core.data.ingest import ingest_day
 
     records = []
-    for day_dir in sorted((SAMPLE_LANDING).iterdir()):
+    for day_dir in sorted((REPO_ROOT / "sample_data" / "landing").iterdir()):  # make run's days
         for d in ingest_day(day_dir, day_dir.name, max_docs=None, max_chars=4096 * 3).itertuples():
             half = len(d.text) // 2
             records.append(
@@ -769,8 +768,10 @@ def test_packing_efficiency_at_4096_on_the_sample_data(tiny_tokenizer, tmp_path:
         packaging_settings(pack_size=4096, validation_fraction=0.0001, rows_per_shard=5000),
         log=quiet,
     )
-    assert run.stats["train"].documents >= 70
-    assert run.stats["train"].efficiency >= 0.98, run.stats["train"]
+    stats = run.stats["train"]
+    assert stats.documents >= 700
+    # every pack but the last is nearly full: the empty slots are less than one pack's worth plus 0.5%
+    assert stats.slots - stats.real_tokens < 4096 + 0.005 * stats.slots, stats
 
 
 def test_pretrain_corpus_bin_idx(tiny_tokenizer, tmp_path: Path) -> None:
