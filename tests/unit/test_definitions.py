@@ -68,7 +68,9 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
         for k in ("preference_pairs", "preference_dataset", "preference_checkpoint")
     )
     assert pairs == {"filtered_samples"} and dataset == {"preference_pairs", "eval_set"}
-    assert dpo == {"preference_dataset", "moe_checkpoint"} and "preference_checkpoint" in upstream["eval_report"]
+    assert (
+        dpo == {"preference_dataset", "moe_checkpoint"} and "preference_checkpoint" in upstream["eval_report"]
+    )
 
 
 def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
