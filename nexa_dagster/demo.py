@@ -95,7 +95,8 @@ def summary_lines(nights: list[Night]) -> list[str]:
     lines = []
     for n in nights:
         head = f"night {n.number} ({n.day}) {n.checkpoint_id}:"
-        outcome = f"; {n.outcome}" if n.outcome else ""
+        gate_said_it = n.outcome.startswith("held back: the promotion gate")  # the decision already says so
+        outcome = f"; {n.outcome}" if n.outcome and not gate_said_it else ""
         if n.candidate_loss is None:
             lines.append(f"{head} {n.decision} ({n.reason}){outcome}")
             continue
@@ -111,7 +112,7 @@ def summary_lines(nights: list[Night]) -> list[str]:
         compared = (
             f"{evidence}: candidate {n.candidate_loss:.4f}, production "
             f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
-            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method or 'interval'})"
+            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method.split(' (')[0] or 'interval'})"
         )
         lines.append(f"{head} {compared} -> {n.decision} (rule: {n.rule}){outcome}")
     return lines
@@ -324,7 +325,7 @@ def main() -> int:
             else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
         )
         print(
-            f"  serving           {dm.get('checkpoint_id')}: {dm.get('engine')} smoke "
+            f"  serving           {dm.get('checkpoint_served')}: {dm.get('engine')} smoke "
             f"request {dm.get('smoke_latency_s')} s; {where}"
         )
     print(f"  leaderboard       {storage.results_path('evaluation', 'leaderboard.csv')}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pytest
 from support.sandbox import make_sandbox, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -96,27 +97,30 @@ def test_a_run_killed_under_make_run_is_failed_by_the_next_one(tmp_path: Path) -
 
 
 NIGHT = re.compile(
-    r"night (\d) \((\d{4}-\d\d-\d\d)\) (\S+): eval set v(\d+): candidate (\d+\.\d+), (.*) -> "
-    r"(promote|hold back)(?: \((.*)\))?$"
+    r"night (\d) \((\d{4}-\d\d-\d\d)\) (\S+): eval set v(\d+), n = (\d+) examples: candidate (\d+\.\d+), "
+    r"(.*) -> (promote|hold back|insufficient evidence) \(([^)]*(?:\([^)]*\))?[^)]*)\)(?:; (.*))?$"
 )
 COMPARED = re.compile(
     r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
-    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\]$"
+    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \(studentized t-interval\)$"
 )
 
 
+@pytest.mark.timeout(2400)
 def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_writes_text(
     tmp_path: Path,
 ) -> None:
-    """`python -m nexa_dagster.demo` (what `make run` runs) on the three sample days, in a world of its own."""
-    root = make_sandbox(tmp_path / "world", SAMPLE_DAYS)
+    """`python -m nexa_dagster.demo` (what `make run` runs) on the three sample days make run ships (~280 documents
+    a day), in a world of its own: every night's decision rests on an eval set of enough examples and says so, then
+    the preference stage."""
+    root = make_sandbox(tmp_path / "world", SAMPLE_DAYS, landing=REPO_ROOT / "sample_data" / "landing")
     proc = subprocess.run(
         [sys.executable, "-m", "nexa_dagster.demo"],
         cwd=REPO_ROOT,
         env=sandbox_env(root),
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=2300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = proc.stdout[proc.stdout.index("tiny pipeline finished") :]
@@ -127,21 +131,55 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     assert [(m.group(1), m.group(2)) for m in nights] == [(str(i), d) for i, d in enumerate(SAMPLE_DAYS, 1)]
     assert len({m.group(3) for m in nights}) == 3, "each night trains a checkpoint of its own"
     assert len({m.group(4) for m in nights}) == 1, "every night is measured on the same eval-set version"
+    # the first night's frozen eval set is large enough for the gate to decide (min_examples 30) with room
+    assert all(int(m.group(5)) >= 40 for m in nights), summary
     first = nights[0]
-    assert first.group(6) == "no production model yet" and first.group(7) == "promote", summary
-    assert first.group(8) == "no production model yet", summary
+    assert first.group(7) == "no production model yet" and first.group(8) == "promote", summary
+    assert first.group(9) == "no production model yet" and first.group(10) == "deployed", summary
     for earlier, night in zip(nights, nights[1:], strict=False):
-        compared = COMPARED.match(night.group(6))
+        compared = COMPARED.match(night.group(7))
         assert compared, night.group(0)
-        candidate, production = float(night.group(5)), float(compared.group(1))
+        candidate, production = float(night.group(6)), float(compared.group(1))
         difference, low, high = (float(compared.group(i)) for i in (3, 4, 5))
         assert abs(difference - (candidate - production)) < 2e-3 and low <= difference <= high, night.group(0)
         # production is whatever the gate left in place after the night before
-        promoted_before = earlier.group(3) if earlier.group(7) == "promote" else None
+        promoted_before = earlier.group(3) if earlier.group(8) == "promote" else None
         if promoted_before:
             assert compared.group(2) == promoted_before, (earlier.group(0), night.group(0))
-        decision_agrees = (night.group(7) == "promote") == (high < 0)  # margin 0, interval required
+        assert night.group(9) == "rule: interval high < -0.0", night.group(0)
+        decision_agrees = (night.group(8) == "promote") == (high < 0)  # margin 0, interval required
         assert decision_agrees, night.group(0)
+
+    # the preference stage: pairs from the production model, DPO from it, its held-out reward accuracy and the
+    # judge's verdict against production with its n, the length-controlled rate and the decision
+    pairs = re.search(
+        r"(\d+) pairs from 3 days of the production model's answers, mean score gap (\d+\.\d+)", summary
+    )
+    assert pairs and int(pairs.group(1)) >= 30, summary
+    dpo = re.search(
+        r"(pref-\S+) \(DPO from production:(\S+)\): held-out reward accuracy (\d\.\d+), margin ([+-]\d+\.\d+) "
+        r"on (\d+) pairs",
+        summary,
+    )
+    assert dpo and int(dpo.group(5)) >= 1 and dpo.group(2) == first.group(3), summary
+    verdict = re.search(
+        r"judge win rate vs (\S+) (\d\.\d+) 95% CI \[(\d\.\d+), (\d\.\d+)\], n = (\d+) consistent verdicts, "
+        r"length-controlled (\d\.\d+) \(answers ([+-]\d+) chars\)\s+-> (promote|hold back|insufficient evidence) "
+        r"\(rule: ([^)]*)\)",
+        summary,
+    )
+    assert verdict, summary
+    rate, low, high, n = (
+        float(verdict.group(2)),
+        float(verdict.group(3)),
+        float(verdict.group(4)),
+        int(verdict.group(5)),
+    )
+    assert low <= rate <= high and n > 0
+    if n < 20:
+        assert verdict.group(8) == "insufficient evidence", verdict.group(0)
+    else:
+        assert (verdict.group(8) == "promote") <= (low > 0.5), verdict.group(0)
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
     base = re.search(

@@ -26,12 +26,14 @@ def make_sandbox(
     days: Iterable[str] = (),
     settings: Path = REPO_ROOT / "dagster.yaml",
     extra_settings: str = "",
+    landing: Path = SAMPLE_LANDING,
 ) -> Path:
-    """``root/landing/<day>`` for each sample day, ``root/home/dagster.yaml`` and the tiny models the configuration
-    names (``nexa-dagster tiny-models``, as ``make run`` installs them); returns ``root``."""
+    """``root/landing/<day>`` for each sample day (from ``landing``: the small test copy unless a test needs
+    make run's own days), ``root/home/dagster.yaml`` and the tiny models the configuration names
+    (``nexa-dagster tiny-models``, as ``make run`` installs them); returns ``root``."""
     install_tiny_models([root / "data" / "models" / "tiny-teacher"])
     for day in days:
-        shutil.copytree(SAMPLE_LANDING / day, root / "landing" / day)
+        shutil.copytree(landing / day, root / "landing" / day)
     (root / "home").mkdir(parents=True)
     (root / "home" / "dagster.yaml").write_text(settings.read_text() + extra_settings)
     return root
