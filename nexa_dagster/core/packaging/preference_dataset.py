@@ -1,7 +1,8 @@
 """Packed preference data: pairs tokenized with the student's chat template, split by pair id, stored day by day.
 
-Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes a conversational row (the day's JSONL, with TRL's
-``prompt``/``chosen``/``rejected`` columns, loads in ``DPOTrainer`` as it is and gives the same ids, tested):
+Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes a conversational row, and a shard keeps TRL's
+``prompt``/``chosen``/``rejected`` columns beside the ids, so it loads in ``DPOTrainer`` as it is
+(``datasets.Dataset.from_parquet``) and TRL's tokenization gives exactly the stored ids (tested):
 ``P`` = the prompt with the generation prompt, ``PC``/``PR`` = prompt + chosen / rejected (no special token
 added beyond the template's), ``n`` = the longer common prefix both share with ``P``; ``prompt_input_ids`` = P[:n],
 ``chosen_input_ids`` = PC[n:], ``rejected_input_ids`` = PR[n:] (the answer and its end-of-turn, which is all that
@@ -36,6 +37,7 @@ from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
 FORMAT = "packed-preference-parquet/1"
 SPLITS = ("train", "validation")
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 SCHEMA = pa.schema(
     [
         ("pair_id", pa.string()),
@@ -43,6 +45,10 @@ SCHEMA = pa.schema(
         ("prompt_input_ids", pa.list_(pa.int32())),
         ("chosen_input_ids", pa.list_(pa.int32())),
         ("rejected_input_ids", pa.list_(pa.int32())),
+        # TRL's conversational columns, so a shard loads in DPOTrainer as it is (which tokenizes them to the ids)
+        ("prompt", MESSAGES),
+        ("chosen", MESSAGES),
+        ("rejected", MESSAGES),
     ]
 )
 
@@ -100,6 +106,9 @@ def tokenize_pair(tokenizer: Any, record: dict[str, Any]) -> dict[str, Any]:
         "prompt_input_ids": p[:n],
         "chosen_input_ids": pc[n:],
         "rejected_input_ids": pr[n:],
+        "prompt": record["prompt"],
+        "chosen": record["chosen"],
+        "rejected": record["rejected"],
     }
 
 

@@ -18,7 +18,6 @@ from nexa_dagster.core.packaging.preference_dataset import (
     PreferenceDataError,
     build_preference_dataset,
     pairs_to_jsonl,
-    tokenize_pair,
 )
 from nexa_dagster.core.packaging.sft_dataset import DayInput
 
@@ -68,36 +67,36 @@ def rows_of(manifest: str) -> list[dict]:
     return [r for shard in split_files(manifest) for r in pq.read_table(shard).to_pylist()]
 
 
-def test_tokenization_is_trls(tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path) -> None:
-    """TRL's DPOTrainer, given the same conversational rows, tokenizes them to the same prompt/chosen/rejected ids."""
+def test_a_shard_loads_in_trls_dpo_trainer_as_it_is_and_gives_the_stored_ids(
+    tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path
+) -> None:
+    """The packed shards handed to TRL's DPOTrainer as they are: TRL tokenizes their conversational columns to exactly
+    the prompt/chosen/rejected ids we stored (which our trainer reads)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    frame = pairs_frame("2026-01-01", 6)
-    ours = [tokenize_pair(tiny_tokenizer, r) for r in frame.to_dict("records")]
+    root = tmp_path / "preference"
+    snapshot = build_preference_dataset(
+        [day_input(pairs_frame("2026-01-01", 8), root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION
+    )
+    shards = split_files(snapshot.train_path)
+    ours = rows_of(snapshot.train_path)
     trainer = DPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-        args=DPOConfig(
-            output_dir=str(tmp_path / "trl"),
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            dataset_num_proc=None,
-        ),
-        train_dataset=Dataset.from_list(frame[["prompt", "chosen", "rejected"]].to_dict("records")),
+        args=DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none"),
+        train_dataset=Dataset.from_parquet(shards),
         processing_class=tiny_tokenizer,
     )
     theirs = list(trainer.train_dataset)
-    assert len(theirs) == len(ours)
+    assert len(theirs) == len(ours) > 0
     for a, b in zip(ours, theirs, strict=True):
         assert a["prompt_input_ids"] == b["prompt_ids"]
         assert a["chosen_input_ids"] == b["chosen_ids"]
         assert a["rejected_input_ids"] == b["rejected_ids"]
-    record = frame.iloc[0]
     answer = tiny_tokenizer.decode(ours[0]["chosen_input_ids"])
     assert (
-        record["chosen"][0]["content"] in answer and "Question" not in answer
+        ours[0]["chosen"][0]["content"] in answer and "Question" not in answer
     )  # the answer alone is learned
 
 
