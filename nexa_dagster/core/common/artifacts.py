@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nexa_dagster.core.common import roots
+
 COMPLETION_MARKER = "_COMPLETE"  # written last into a model or checkpoint directory: it is complete
 
 
@@ -95,6 +97,17 @@ class Checkpoint(Artifact):
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
 
+    def record(self, data_root: str) -> dict[str, Any]:
+        """What ``checkpoint.json`` holds: this record with its paths relative to ``data_root`` (a moved or copied
+        data root keeps it valid; readers take the model from the folder the record lies in)."""
+        return {
+            **self.model_dump(),
+            "path": roots.relative_to(self.path, data_root),
+            "dataset_validation_path": roots.relative_to(self.dataset_validation_path, data_root)
+            if self.dataset_validation_path
+            else None,
+        }
+
     @field_validator("path")
     @classmethod
     def _is_hf_dir(cls, v: str) -> str:
@@ -115,6 +128,9 @@ class EvalReport(Artifact):
     checkpoint_id: str
     checkpoint_path: str
     eval_set_version: int | None = None  # None: a report written before eval sets existed (not comparable)
+    # the version's content hash (core.evaluation.eval_set.content_sha256): two reports that say the same version
+    # measured the same data when these agree (None: a report written before it was recorded)
+    eval_set_sha256: str | None = None
     eval_loss: float | None = None
     eval_examples: int | None = Field(default=None, gt=0)
     eval_tokens: int | None = Field(default=None, gt=0)
@@ -154,6 +170,7 @@ class BaseModelEval(Artifact):
     checkpoint_id: str
     checkpoint_path: str
     eval_set_version: int
+    eval_set_sha256: str | None = None  # the version's content hash, as EvalReport's
     corpus_run_hash: str | None = None  # the corpus the base model trained on
     eval_corpus_run_hash: str | None = None  # the corpus the eval set's documents were frozen from
     documents: int = Field(gt=0)

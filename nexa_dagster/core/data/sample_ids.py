@@ -78,10 +78,14 @@ def _index_file(con: sqlite3.Connection, path: str, days: Sequence[str], field: 
             try:
                 con.execute("INSERT INTO new_ids VALUES (?)", (sid,))
             except sqlite3.IntegrityError:
-                raise DuplicateSampleId(f"{table}: {field} {sid!r} occurs twice in day "
-                                        f"{', '.join(days)} ({path})") from None
-        con.execute("INSERT OR IGNORE INTO clashes SELECT n.sample_id, i.file, ? FROM new_ids n "
-                    "JOIN ids i ON i.sample_id = n.sample_id", (file,))
+                raise DuplicateSampleId(
+                    f"{table}: {field} {sid!r} occurs twice in day {', '.join(days)} ({path})"
+                ) from None
+        con.execute(
+            "INSERT OR IGNORE INTO clashes SELECT n.sample_id, i.file, ? FROM new_ids n "
+            "JOIN ids i ON i.sample_id = n.sample_id",
+            (file,),
+        )
         con.execute("INSERT INTO ids SELECT sample_id, ? FROM new_ids", (file,))
         con.execute("INSERT INTO files VALUES (?, ?)", (file, json.dumps(list(days))))
         con.execute("COMMIT")
@@ -97,8 +101,12 @@ def index_for(out_root: str) -> str | None:
     return storage.join(out_root.removeprefix("file://"), "inputs", "sample-ids.sqlite")
 
 
-def check_unique_across_days(files: Sequence[tuple[str, Sequence[str]]], index: str | None,
-                             field: str = "sample_id", table: str = "filtered_samples") -> None:
+def check_unique_across_days(
+    files: Sequence[tuple[str, Sequence[str]]],
+    index: str | None,
+    field: str = "sample_id",
+    table: str = "filtered_samples",
+) -> None:
     """Raise ``DuplicateSampleId`` naming the id and both days if an id (``field`` of ``table``: ``sample_id`` of
     ``filtered_samples``, ``doc_id`` of ``raw_documents``) is in two of ``files``.
 
@@ -112,14 +120,19 @@ def check_unique_across_days(files: Sequence[tuple[str, Sequence[str]]], index: 
         con.execute("DELETE FROM snapshot")
         con.executemany("INSERT OR IGNORE INTO snapshot VALUES (?)", [(_name(p),) for p, _ in files])
         clash = "FROM clashes c JOIN snapshot a ON a.file = c.first JOIN snapshot b ON b.file = c.second"
-        first = con.execute(f"SELECT c.sample_id, c.first, c.second {clash} ORDER BY c.sample_id LIMIT 1").fetchone()
+        first = con.execute(
+            f"SELECT c.sample_id, c.first, c.second {clash} ORDER BY c.sample_id LIMIT 1"
+        ).fetchone()
         if first is None:
             return
         count = con.execute(f"SELECT COUNT(DISTINCT c.sample_id) {clash}").fetchone()[0]
         sid, one, two = first
-        days = {f: ", ".join(json.loads(d)) for f, d in con.execute(
-            "SELECT file, days FROM files WHERE file IN (?, ?)", (one, two))}
+        days = {
+            f: ", ".join(json.loads(d))
+            for f, d in con.execute("SELECT file, days FROM files WHERE file IN (?, ?)", (one, two))
+        }
         raise DuplicateSampleId(
             f"{table}: {field} {sid!r} is on day {days[one]} ({one}) and on day {days[two]} ({two}); "
             f"{count} id(s) in all are on two days. A row belongs to one day: re-materialize one of those days' "
-            f"{table}, or fix what gave two days the same id")
+            f"{table}, or fix what gave two days the same id"
+        )
