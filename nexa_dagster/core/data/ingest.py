@@ -73,20 +73,29 @@ def _pick(record: dict[str, Any], candidates: Sequence[str], where: str, require
         if name in record and record[name] is not None:
             value = record[name]
             if not isinstance(value, str):
-                raise IngestError(where, f"field {name!r} must be a string, got {type(value).__name__} ({value!r:.60})")
+                raise IngestError(
+                    where, f"field {name!r} must be a string, got {type(value).__name__} ({value!r:.60})"
+                )
             return value
     if required:
-        raise IngestError(where, f"no text field (looked for {', '.join(candidates)}); fields are {sorted(record)}")
+        raise IngestError(
+            where, f"no text field (looked for {', '.join(candidates)}); fields are {sorted(record)}"
+        )
     return None
 
 
-def _parse_jsonl_line(raw: bytes, where: str, text_fields: Sequence[str],
-                      title_fields: Sequence[str]) -> RawDocument | None:
+def _parse_jsonl_line(
+    raw: bytes, where: str, text_fields: Sequence[str], title_fields: Sequence[str]
+) -> RawDocument | None:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise IngestError(where, f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 4]!r})") from None
-    line = line.removeprefix(BOM).strip()  # a byte-order mark (Windows editors write one) and CRLF are accepted
+        raise IngestError(
+            where, f"not valid UTF-8 (byte {e.start} of the line: {raw[e.start : e.start + 4]!r})"
+        ) from None
+    line = line.removeprefix(
+        BOM
+    ).strip()  # a byte-order mark (Windows editors write one) and CRLF are accepted
     if not line:
         return None
     try:
@@ -95,12 +104,14 @@ def _parse_jsonl_line(raw: bytes, where: str, text_fields: Sequence[str],
         raise IngestError(where, f"malformed JSON ({json_error_reason(e)})") from None
     if not isinstance(record, dict):
         raise IngestError(where, f"expected a JSON object, got {type(record).__name__}")
-    return RawDocument(where, _pick(record, title_fields, where, False) or "",
-                       _pick(record, text_fields, where, True) or "")
+    return RawDocument(
+        where, _pick(record, title_fields, where, False) or "", _pick(record, text_fields, where, True) or ""
+    )
 
 
-def read_jsonl(path: Path, text_fields: Sequence[str], title_fields: Sequence[str],
-               on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
+def read_jsonl(
+    path: Path, text_fields: Sequence[str], title_fields: Sequence[str], on_error: OnError = "raise"
+) -> Iterator[RawDocument | BadInput]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -115,15 +126,25 @@ def read_jsonl(path: Path, text_fields: Sequence[str], title_fields: Sequence[st
                 yield doc
 
 
-def read_table(frame: pd.DataFrame, label: str, text_fields: Sequence[str], title_fields: Sequence[str],
-               on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
+def read_table(
+    frame: pd.DataFrame,
+    label: str,
+    text_fields: Sequence[str],
+    title_fields: Sequence[str],
+    on_error: OnError = "raise",
+) -> Iterator[RawDocument | BadInput]:
     if not any(c in frame.columns for c in text_fields):
-        raise IngestError(label, f"no text column (looked for {', '.join(text_fields)}); columns are {list(frame.columns)}")
+        raise IngestError(
+            label, f"no text column (looked for {', '.join(text_fields)}); columns are {list(frame.columns)}"
+        )
     for i, record in enumerate(frame.to_dict(orient="records")):
         where = f"{label} row {i}"
         try:
-            yield RawDocument(where, _pick(record, title_fields, where, False) or "",
-                              _pick(record, text_fields, where, True) or "")
+            yield RawDocument(
+                where,
+                _pick(record, title_fields, where, False) or "",
+                _pick(record, text_fields, where, True) or "",
+            )
         except IngestError as e:
             if on_error == "raise":
                 raise
@@ -136,7 +157,9 @@ def read_text_file(path: Path) -> RawDocument:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise IngestError(f"{path}:{line}", f"not valid UTF-8 (byte offset {e.start}: {raw[e.start:e.start + 4]!r})") from None
+        raise IngestError(
+            f"{path}:{line}", f"not valid UTF-8 (byte offset {e.start}: {raw[e.start : e.start + 4]!r})"
+        ) from None
     return RawDocument(str(path), path.stem, text.removeprefix(BOM))
 
 
@@ -144,11 +167,14 @@ def is_hf_dataset_dir(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
-def _read_file(path: Path, text_fields: Sequence[str], title_fields: Sequence[str],
-               on_error: OnError) -> Iterator[RawDocument | BadInput]:
+def _read_file(
+    path: Path, text_fields: Sequence[str], title_fields: Sequence[str], on_error: OnError
+) -> Iterator[RawDocument | BadInput]:
     if path.is_dir():
         if not is_hf_dataset_dir(path):
-            raise IngestError(str(path), "a folder that is not a Hugging Face dataset saved with save_to_disk")
+            raise IngestError(
+                str(path), "a folder that is not a Hugging Face dataset saved with save_to_disk"
+            )
         from datasets import load_from_disk
 
         ds = load_from_disk(str(path))
@@ -167,12 +193,16 @@ def _read_file(path: Path, text_fields: Sequence[str], title_fields: Sequence[st
     elif path.suffix in (".txt", ".md"):
         yield read_text_file(path)
     else:
-        raise IngestError(str(path), f"unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md "
-                                     "or a datasets folder)")
+        raise IngestError(
+            str(path),
+            f"unsupported file type {path.suffix!r} (expected .jsonl, .parquet, .txt, .md "
+            "or a datasets folder)",
+        )
 
 
-def iter_landing(day_dir: Path, text_fields: Sequence[str], title_fields: Sequence[str],
-                 on_error: OnError = "raise") -> Iterator[RawDocument | BadInput]:
+def iter_landing(
+    day_dir: Path, text_fields: Sequence[str], title_fields: Sequence[str], on_error: OnError = "raise"
+) -> Iterator[RawDocument | BadInput]:
     """Every document in a day's landing folder, in a deterministic order (sorted paths).
 
     ``on_error="quarantine"`` yields a bad line or row as a ``BadInput`` and goes on; a file that cannot be read
@@ -199,8 +229,9 @@ def landed_days(landing_root: Path) -> list[str]:
     """The days (YYYY-MM-DD folders) under a landing root that hold documents, in order."""
     if not landing_root.is_dir():
         return []
-    return sorted(p.name for p in landing_root.iterdir() if re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name)
-                  and has_landed(p))
+    return sorted(
+        p.name for p in landing_root.iterdir() if re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.name) and has_landed(p)
+    )
 
 
 @dataclass(frozen=True)
@@ -209,9 +240,16 @@ class IngestedDay:
     quarantined: list[BadInput]  # lines, rows or files set aside (empty unless on_error="quarantine")
 
 
-def read_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
-             text_fields: Sequence[str] = ("text", "content", "body"),
-             title_fields: Sequence[str] = ("title", "name", "topic"), on_error: OnError = "raise") -> IngestedDay:
+def read_day(
+    day_dir: Path,
+    day: str,
+    *,
+    max_docs: int | None,
+    max_chars: int,
+    text_fields: Sequence[str] = ("text", "content", "body"),
+    title_fields: Sequence[str] = ("title", "name", "topic"),
+    on_error: OnError = "raise",
+) -> IngestedDay:
     """Read, normalise and de-duplicate one day's documents into the ``raw_documents`` table.
 
     Documents are cut to ``max_chars`` at a paragraph boundary where possible, empty ones are dropped, and
@@ -236,22 +274,44 @@ def read_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
             continue
         seen.add(doc_id)
         source = doc.source.replace(str(root) + "/", "")
-        rows.append({"doc_id": doc_id, "day": day, "source": source, "title": normalise_text(doc.title),
-                     "text": text, "n_chars": len(text)})
+        rows.append(
+            {
+                "doc_id": doc_id,
+                "day": day,
+                "source": source,
+                "title": normalise_text(doc.title),
+                "text": text,
+                "n_chars": len(text),
+            }
+        )
         if max_docs is not None and len(rows) >= max_docs:
             break
     if not rows:
-        set_aside = f" ({len(bad)} bad lines/files set aside, first: {bad[0].where}: {bad[0].reason})" if bad else ""
+        set_aside = (
+            f" ({len(bad)} bad lines/files set aside, first: {bad[0].where}: {bad[0].reason})" if bad else ""
+        )
         raise IngestError(f"partition {day}", f"{day_dir} holds files but no non-empty documents{set_aside}")
     return IngestedDay(pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS), bad)
 
 
-def ingest_day(day_dir: Path, day: str, *, max_docs: int | None, max_chars: int,
-               text_fields: Sequence[str] = ("text", "content", "body"),
-               title_fields: Sequence[str] = ("title", "name", "topic")) -> pd.DataFrame:
+def ingest_day(
+    day_dir: Path,
+    day: str,
+    *,
+    max_docs: int | None,
+    max_chars: int,
+    text_fields: Sequence[str] = ("text", "content", "body"),
+    title_fields: Sequence[str] = ("title", "name", "topic"),
+) -> pd.DataFrame:
     """``read_day`` with bad input raising: the day's ``raw_documents`` table."""
-    return read_day(day_dir, day, max_docs=max_docs, max_chars=max_chars, text_fields=text_fields,
-                    title_fields=title_fields).documents
+    return read_day(
+        day_dir,
+        day,
+        max_docs=max_docs,
+        max_chars=max_chars,
+        text_fields=text_fields,
+        title_fields=title_fields,
+    ).documents
 
 
 def _cut(text: str, max_chars: int) -> str:

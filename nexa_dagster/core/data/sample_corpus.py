@@ -27,7 +27,7 @@ def write_sample_landing(root: str | Path) -> list[Path]:
     root = Path(root)
     topics = _topics()
     per_day = len(topics) // 3
-    chunks = [topics[i * per_day:(i + 1) * per_day] for i in range(3)]
+    chunks = [topics[i * per_day : (i + 1) * per_day] for i in range(3)]
     written: list[Path] = []
 
     d1 = root / SAMPLE_DAYS[0]

@@ -95,7 +95,9 @@ class PackedSequences(pa.DataFrameModel):
 
 class Leaderboard(pa.DataFrameModel):
     checkpoint_id: Series[str] = pa.Field(unique=True)
-    eval_set_version: Series[pd.Int64Dtype] = pa.Field(nullable=True, coerce=True)  # rows of one version compare
+    eval_set_version: Series[pd.Int64Dtype] = pa.Field(
+        nullable=True, coerce=True
+    )  # rows of one version compare
     eval_loss: Series[float] = pa.Field(nullable=True)
     perplexity: Series[float] = pa.Field(ge=1)
     judge_score: Series[float] = pa.Field(nullable=True)
