@@ -17,7 +17,6 @@ import pandas as pd
 
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common.artifacts import SFTDataset
-from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
 from nexa_dagster.core.packaging.blend import DataBlend, PackagingConfig
 from nexa_dagster.core.packaging.jsonl_dataset import JsonlDataset, package_jsonl, partitions_to_flat_jsonl
@@ -28,7 +27,11 @@ from nexa_dagster.core.packaging.pretrain_corpus import (
     documents_to_jsonl,
     package_pretrain,
 )
-from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
+from nexa_dagster.core.packaging.sft_dataset import (
+    build_sft_dataset_from_days,
+    day_inputs_from_partitions,
+    drop_cross_day_duplicates,
+)
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -155,6 +158,8 @@ def sft_dataset(
             "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
             "quarantined_rows": dataset.quarantined_rows,
             "held_out_for_eval_set": dataset.held_out_samples,
+            # a sample on two days (two days processed at once, a document landed again): the earliest day keeps it
+            "cross_day_duplicates_dropped": dataset.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             "validation_path": dg.MetadataValue.path(dataset.validation_path),
         }
@@ -211,8 +216,9 @@ def pretrain_corpus(
     )
     if not days:
         raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
-    # each day is schema-checked alone: a doc_id on two days is caught by the on-disk index of every day's ids
-    check_unique_across_days([(d.path, d.days) for d in days], index_for(out_root), "doc_id", "raw_documents")
+    # each day is schema-checked alone: a doc_id on two days is found by the on-disk index of every day's ids and
+    # kept on the earliest day only
+    days, repeated = drop_cross_day_duplicates(days, out_root, context.log.info, "doc_id", "raw_documents")
     run = package_pretrain(
         blend,
         tokenizer,
@@ -236,6 +242,7 @@ def pretrain_corpus(
         blend=blend.name,
         blend_fingerprint=blend.fingerprint(),
         quarantined_rows=run.quarantined_rows,
+        cross_day_duplicates_dropped=repeated,
     )
     context.add_output_metadata(
         {
@@ -243,6 +250,7 @@ def pretrain_corpus(
             "blend": blend.name,
             "blend_fingerprint": blend.fingerprint(),
             "documents": run.num_documents,
+            "cross_day_duplicates_dropped": repeated,
             "tokens": run.num_tokens,
             "shards": len(run.prefixes),
             "megatron_blend": dg.MetadataValue.path(run.blend_path),

@@ -69,6 +69,8 @@ class SFTDataset(Artifact):
     quarantine_path: str | None = None
     held_out_samples: int = 0  # on the frozen eval set's side (core.eval_set): in neither split
     shards_reused: int = 0  # taken from the shard store (packed by an earlier snapshot), not packed again
+    # rows whose sample_id an earlier day also holds: kept on the earliest day, left out of the later ones
+    cross_day_duplicates_dropped: int = 0
 
     @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
     @classmethod
@@ -96,6 +98,8 @@ class Checkpoint(Artifact):
     parent: str | None = (
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
+    # what init_from asked for; "base" with parent "scratch": no base model existed yet (a fresh instance)
+    init_requested: str | None = None
 
     def record(self, data_root: str) -> dict[str, Any]:
         """What ``checkpoint.json`` holds: this record with its paths relative to ``data_root`` (a moved or copied
@@ -156,6 +160,7 @@ class EvalReport(Artifact):
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)
+    init_requested: str | None = None  # what its training's init_from asked for (Checkpoint.init_requested)
     # lm-evaluation-harness scores, {"tasks": {task: {metric: {value, stderr, higher_is_better}}}, ...}
     benchmarks: dict[str, Any] | None = None
     production_benchmarks: dict[str, Any] | None = None
