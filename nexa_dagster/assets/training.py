@@ -159,6 +159,7 @@ def moe_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=init.path,
         parent=init.parent,
+        init_requested=config.init_from or scale.init_from,
     )
     work_dir = io.local_dir(storage.path("runs", checkpoint_id))
     context.log.info(
@@ -200,6 +201,7 @@ def moe_checkpoint(
         training_run_id=context.run.run_id,
         mlflow_run_id=mlflow_run_id,
         parent=init.parent,
+        init_requested=config.init_from or scale.init_from,
     )
     io.write_json(checkpoint.record(storage.root), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = promotion_policy.policy().registered_model

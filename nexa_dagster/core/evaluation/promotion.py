@@ -333,12 +333,31 @@ def _measure(
     )
 
 
+NO_BASE_MODEL_YET = (
+    "trained from scratch: no base model yet (init_from: base, but none had been pretrained when it trained); "
+    "pretrain one with pretraining_job, then train again"
+)
+
+
+def trained_from_scratch_without_base(report: Any) -> str | None:
+    """Why a checkpoint is not served when its training asked for the base model (``init_from: base``, the presets'
+    default) and fell back to random weights because none existed (a fresh instance's first training): a few
+    steps from scratch teach the student nothing (its answer is empty), so serving it would fail its smoke test.
+    None for anything else, a training asked to start from scratch included."""
+    if getattr(report, "parent", None) == "scratch" and getattr(report, "init_requested", None) == "base":
+        return NO_BASE_MODEL_YET
+    return None
+
+
 def held_back_because(checkpoint_id: str, report: Any, production: ProductionEntry | None) -> str | None:
     """Why serving must not deploy a checkpoint whose evaluation ``report`` (an ``EvalReport``) recorded the gate's
     decision, or None to deploy. The decision holds only against the production model it was made against: when
     production has changed since, the checkpoint is evaluated again, not deployed on an old comparison."""
     if report.gate_decision is None:
         return "its evaluation predates the paired promotion gate; evaluate it again"
+    scratch = trained_from_scratch_without_base(report)
+    if scratch:
+        return scratch
     if report.gate_decision != "promote":
         return f"the promotion gate held it back ({report.gate_reason or report.gate_decision})"
     if production is not None and production.checkpoint_id not in (

@@ -60,6 +60,7 @@ def read_checkpoint(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = 
                 dataset_validation_path=_dataset_path(j["validation_path"], data_root),
                 model_preset=j["model_preset"],
                 parent=j.get("parent"),
+                init_requested=j.get("init_requested") or None,
             )
         return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
     except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
@@ -153,6 +154,7 @@ def build_eval_report(
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
+        init_requested=ckpt.init_requested,
         benchmarks=result.benchmarks,
         production_benchmarks=result.production_benchmarks,
     )
