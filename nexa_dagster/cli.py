@@ -41,7 +41,18 @@ def _all_resources() -> dict[str, Any]:
 
 def _resources() -> tuple[Any, Any]:
     resources = _all_resources()
+    _quiet_mlflow()
     return resources["storage"], resources["tracking"]
+
+
+def _quiet_mlflow() -> None:
+    """MLflow's INFO lines (e.g. "Creating initial MLflow database tables" on a fresh store) are not for an operator
+    reading a command's one-line answer; MLflow sets its logger's level when imported, so import it first."""
+    import logging
+
+    import mlflow  # noqa: F401 - configures the "mlflow" logger
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def tiny_models() -> int:
