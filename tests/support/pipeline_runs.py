@@ -46,7 +46,11 @@ for spec in sys.argv[1:]:
         "materialized": sorted(
             e.asset_key.to_user_string() for e in result.get_asset_materialization_events()
         ),
-        "errors": [str(e.message)[:2000] for e in result.all_events if e.is_failure],
+        "errors": [
+            (e.step_failure_data.error.message if e.step_failure_data.error else str(e.message))[-3000:]
+            for e in result.all_events
+            if e.is_step_failure
+        ],
     }
     if job in ("training_job", "pretraining_job") and result.success:
         node = "moe_checkpoint" if job == "training_job" else "base_model"
