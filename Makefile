@@ -16,12 +16,29 @@ export DS_ACCELERATOR ?= cpu
 
 install: $(VENV)/.installed
 
+# A .venv keeps the path it was built at (its scripts' shebangs, the editable install of nexa_dagster): moved or
+# copied with the checkout, it runs the old checkout's code or none at all. Its stamp holds the checkout it was
+# built for; a stamp from before stamps held it is checked by its pip's shebang. Built for another path, it is
+# rebuilt here from nothing.
+VENV_BUILT_HERE := $(shell test "$$(cat $(VENV)/.installed 2>/dev/null)" = "$(CURDIR)" \
+	|| { test ! -s $(VENV)/.installed && head -c 512 $(BIN)/pip 2>/dev/null | grep -qF '$(CURDIR)/$(VENV)/bin/python'; } \
+	&& echo yes)
+ifneq ($(wildcard $(VENV)/.installed),)
+ifneq ($(VENV_BUILT_HERE),yes)
+$(VENV)/.installed: venv-elsewhere
+endif
+endif
+
+.PHONY: venv-elsewhere
+venv-elsewhere:
+	@echo "==> $(VENV) was built for $$(grep . $(VENV)/.installed 2>/dev/null || echo 'another path'), not $(CURDIR) (a moved or copied checkout): rebuilding it"
+
 $(VENV)/.installed: pyproject.toml
 	@echo "==> creating $(VENV) and installing nexa-dagster (torch CPU build first)"
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
-	touch $@
+	$(PYTHON) -m venv $(if $(filter yes,$(VENV_BUILT_HERE)),,--clear) $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	echo "$(CURDIR)" > $@
 
 $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)

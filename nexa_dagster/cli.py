@@ -11,6 +11,7 @@ nexa-dagster tiny-models install the project's tiny teacher/judge where the conf
 from __future__ import annotations
 
 import argparse
+import http.client
 import sys
 from typing import Any
 
@@ -40,7 +41,18 @@ def _all_resources() -> dict[str, Any]:
 
 def _resources() -> tuple[Any, Any]:
     resources = _all_resources()
+    _quiet_mlflow()
     return resources["storage"], resources["tracking"]
+
+
+def _quiet_mlflow() -> None:
+    """MLflow's INFO lines (e.g. "Creating initial MLflow database tables" on a fresh store) are not for an operator
+    reading a command's one-line answer; MLflow sets its logger's level when imported, so import it first."""
+    import logging
+
+    import mlflow  # noqa: F401 - configures the "mlflow" logger
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def tiny_models() -> int:
@@ -112,6 +124,14 @@ def rollback() -> int:
         except SwitchFailed as e:
             print(f"rollback failed, production unchanged: {e}", file=sys.stderr)
             return 1
+        except (OSError, http.client.HTTPException) as e:  # the service died or stopped answering mid-switch
+            print(
+                f"rollback to {target.checkpoint_id} failed: the serving service stopped answering during the "
+                f"switch ({type(e).__name__}: {e or 'no answer'}); "
+                + production_state(storage, tracking, registry, before),
+                file=sys.stderr,
+            )
+            return 1
     state = registry.rollback()
     assert state.current is not None
     policy = load_policy()
@@ -126,6 +146,40 @@ def rollback() -> int:
         f"(was {before.checkpoint_id if before else 'none'}){served}"
     )
     return 0
+
+
+def production_state(storage: Any, tracking: Any, registry: ProductionRegistry, expected: Any) -> str:
+    """One sentence on where production stands after a failed rollback: the pointer, the MLflow alias and what
+    the endpoint serves (asked again: a service that died is gone, one that lives says what it serves)."""
+    current = registry.current()
+    unchanged = (current.checkpoint_id if current else None) == (expected.checkpoint_id if expected else None)
+    pointer = (
+        f"the pointer {'still ' if unchanged else ''}names {current.checkpoint_id}"
+        if current
+        else "the pointer names nothing"
+    )
+    try:
+        alias = tracking.alias_version(load_policy().registered_model, "production")
+        mlflow = (
+            f"the MLflow alias production is on version {alias[0]} ({alias[1] or 'no checkpoint id'})"
+            if alias
+            else "the MLflow alias production is not set"
+        )
+    except Exception as e:  # noqa: BLE001 - one line for the operator whatever the tracking store does
+        mlflow = f"the MLflow alias could not be read ({type(e).__name__})"
+    try:
+        service = ServingServiceClient.find(_serving_dir(storage))
+        status = service.status() if service is not None else None
+    except (OSError, http.client.HTTPException, ValueError):
+        service, status = None, None
+    if status is None:
+        serving = (
+            "the endpoint serves nothing: the serving service is gone (`make serve` starts it again, serving "
+            f"{current.checkpoint_id if current else 'the production pointer'})"
+        )
+    else:
+        serving = f"the endpoint {status['endpoint']} serves {status['checkpoint_id'] or 'nothing yet'}"
+    return f"production is {'unchanged' if unchanged else 'not what it was'}: {pointer}, {mlflow}, {serving}"
 
 
 def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:

@@ -103,7 +103,7 @@ def build_resources() -> dict[str, Any]:
         student_tokenizer=cfg.models.student_tokenizer,
     )
     return {
-        "io_manager": NexaIOManager(data_root=storage.data_root),
+        "io_manager": NexaIOManager(data_root=storage.data_root, results_root=storage.results_root),
         "storage": storage,
         "teacher_llm": llm_resource(
             "teacher", cfg.teacher_llm, f"{where}: teacher_llm", storage.model_path(cfg.models.teacher)

@@ -11,6 +11,7 @@ import dagster as dg
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.evaluation import frozen_eval_set
 from nexa_dagster.assets.partitions import base_model_partitions
+from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint
 from nexa_dagster.core.evaluation.base_model import corpus_scores
@@ -30,7 +31,16 @@ def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
         raise dg.Failure(
             f"base model {base_id}: no {record} (not a completed base_model)", allow_retries=False
         )
-    return Checkpoint.model_validate({**io.read_json(record), "path": directory, "checkpoint_id": base_id})
+    fields = io.read_json(record)
+    stored = fields.get("dataset_validation_path")
+    return Checkpoint.model_validate(
+        {
+            **fields,
+            "path": directory,
+            "checkpoint_id": base_id,
+            "dataset_validation_path": roots.resolve_under(stored, storage.root) if stored else None,
+        }
+    )
 
 
 @dg.asset(
@@ -120,6 +130,7 @@ def base_model_eval(
         checkpoint_id=base_id,
         checkpoint_path=base.path,
         eval_set_version=version,
+        eval_set_sha256=eval_set.get("content_sha256"),
         corpus_run_hash=base.dataset_run_hash,
         eval_corpus_run_hash=lineage["eval_corpus_run_hash"],
         documents=len(measured.nll),

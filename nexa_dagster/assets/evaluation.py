@@ -82,17 +82,18 @@ GATE = dg.AssetCheckSpec(
 LEADERBOARD_CONDITION = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing())
 
 
-def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
+def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = None) -> Checkpoint:
     """``core.evaluation.report.read_checkpoint``; an incomplete or unloadable folder fails, not retried."""
     try:
-        return read_checkpoint(ckpt_dir, checkpoint_id)
+        return read_checkpoint(ckpt_dir, checkpoint_id, data_root)
     except ValueError as error:
         raise dg.Failure(str(error), allow_retries=False) from error
 
 
 def frozen_eval_set(storage: StorageResource, version: int, checkpoint_id: str) -> dict:
     """The manifest of eval set ``version`` in this data root: all a checkpoint needs besides itself (it may have
-    been copied in from anywhere); a clear failure, not retried, naming what to materialize when there is none."""
+    been copied in from anywhere); a clear failure, not retried, naming what to materialize when none was ever
+    frozen, or the file and what to do when a frozen version is damaged (a file missing, changed, unreadable)."""
     try:
         return load_eval_set(storage.path("eval_sets"), version)
     except FileNotFoundError:
@@ -104,7 +105,9 @@ def frozen_eval_set(storage: StorageResource, version: int, checkpoint_id: str) 
             f"eval_report,model_deployment --partition {checkpoint_id}`.",
             allow_retries=False,
         ) from None
-    except ValueError as error:  # a frozen file was edited
+    except (
+        ValueError
+    ) as error:  # a frozen version with a file missing, changed or unreadable (EvalSetDamaged)
         raise dg.Failure(str(error), allow_retries=False) from error
 
 
@@ -163,7 +166,7 @@ def eval_report(
     checkpoint_id = context.partition_key
     scale, policy, version = scale_preset.load(), promotion_policy.policy(), eval_sets.version
     ckpt = load_checkpoint_record(
-        checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id
+        checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id, storage.root
     )
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
     questions = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)

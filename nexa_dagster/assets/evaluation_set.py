@@ -40,7 +40,7 @@ def eval_set(
 ) -> dg.MaterializeResult:
     cfg = eval_sets
     tokenizer, _ = load_student_tokenizer(storage)
-    corpus = read_stored_artifact(storage.data_root, "pretrain_corpus")
+    corpus = read_stored_artifact(storage.data_root, "pretrain_corpus", results_root=storage.results_root)
     if not isinstance(corpus, PretrainCorpus):
         context.log.warning(
             "no pretrain_corpus materialized yet: this eval-set version, if frozen now, has no "
@@ -70,6 +70,9 @@ def eval_set(
             "days": dg.MetadataValue.json(manifest["days"]),
             "created_at": manifest["created_at"],
             "examples_sha256": manifest["files"]["examples.parquet"],
+            "content_sha256": manifest[
+                "content_sha256"
+            ],  # the whole version: reports and the leaderboard carry it
             "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),
         }
     )

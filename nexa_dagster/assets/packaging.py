@@ -19,7 +19,6 @@ from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common.artifacts import SFTDataset
 from nexa_dagster.core.common.config import ScalePreset
 from nexa_dagster.core.data.contamination import ContaminationIndex, load_or_build
-from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
 from nexa_dagster.core.evaluation.eval_set import load_eval_set
 from nexa_dagster.core.evaluation.protected import benchmark_items, eval_set_items
@@ -40,7 +39,11 @@ from nexa_dagster.core.packaging.pretrain_corpus import (
     documents_to_jsonl,
     package_pretrain,
 )
-from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset_from_days, day_inputs_from_partitions
+from nexa_dagster.core.packaging.sft_dataset import (
+    build_sft_dataset_from_days,
+    day_inputs_from_partitions,
+    drop_cross_day_duplicates,
+)
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -208,6 +211,8 @@ def sft_dataset(
             "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
             "quarantined_rows": dataset.quarantined_rows,
             "held_out_for_eval_set": dataset.held_out_samples,
+            # a sample on two days (two days processed at once, a document landed again): the earliest day keeps it
+            "cross_day_duplicates_dropped": dataset.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             "validation_path": dg.MetadataValue.path(dataset.validation_path),
             **contamination_metadata(contamination, index),
@@ -269,8 +274,9 @@ def pretrain_corpus(
     )
     if not days:
         raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
-    # each day is schema-checked alone: a doc_id on two days is caught by the on-disk index of every day's ids
-    check_unique_across_days([(d.path, d.days) for d in days], index_for(out_root), "doc_id", "raw_documents")
+    # each day is schema-checked alone: a doc_id on two days is found by the on-disk index of every day's ids and
+    # kept on the earliest day only
+    days, repeated = drop_cross_day_duplicates(days, out_root, context.log.info, "doc_id", "raw_documents")
     # before packing: no document that holds eval-set or benchmark text known now (base_model checks again, against
     # the eval set frozen since, and keeps those out of its training)
     index, _ = contamination_index(storage, eval_sets, scale_preset.load(), prompts, cfg.contamination)
@@ -300,6 +306,7 @@ def pretrain_corpus(
         blend=blend.name,
         blend_fingerprint=blend.fingerprint(),
         quarantined_rows=run.quarantined_rows,
+        cross_day_duplicates_dropped=repeated,
     )
     context.add_output_metadata(
         {
@@ -307,6 +314,7 @@ def pretrain_corpus(
             "blend": blend.name,
             "blend_fingerprint": blend.fingerprint(),
             "documents": run.num_documents,
+            "cross_day_duplicates_dropped": repeated,
             "tokens": run.num_tokens,
             "shards": len(run.prefixes),
             "megatron_blend": dg.MetadataValue.path(run.blend_path),

@@ -146,7 +146,7 @@ def base_model(
         stage="pretrain",
         parent="scratch",
     )
-    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    io.write_json(checkpoint.record(storage.root), io.join(result.checkpoint_dir, "checkpoint.json"))
     context.instance.add_dynamic_partitions(
         base_model_partitions.name, [base_id]
     )  # base_model_eval's partition

@@ -13,6 +13,7 @@ from pydantic import Field
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.training_record import log_training_run, training_metadata
+from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
 from nexa_dagster.core.common.config import ScalePreset, TrainingSettings
@@ -70,13 +71,17 @@ class TrainingRunConfig(dg.Config):
         return preset.model_copy(update={k: v for k, v in overrides.items() if v is not None})
 
 
-def latest_base_model(context: dg.AssetExecutionContext) -> tuple[str, str] | None:
-    """(id, directory) of the latest materialized base_model, or None when there is none."""
+def latest_base_model(context: dg.AssetExecutionContext, storage: StorageResource) -> tuple[str, str] | None:
+    """(id, directory) of the latest materialized base_model, or None when there is none. The directory is where
+    it lies now: the event recorded where it was written, which a moved data root no longer is."""
     event = context.instance.get_latest_materialization_event(dg.AssetKey("base_model"))
     if event is None or event.asset_materialization is None:
         return None
     metadata = event.asset_materialization.metadata
-    return str(metadata["checkpoint_id"].value), str(metadata["checkpoint_path"].value)
+    base_id = str(metadata["checkpoint_id"].value)
+    recorded = str(metadata["checkpoint_path"].value)
+    here = storage.path("base_models", base_id)
+    return base_id, here if io.exists(here) else roots.resolve_under(recorded, storage.root)
 
 
 def resolve_init(
@@ -98,7 +103,7 @@ def resolve_init(
     try:
         source = resolve(
             requested,
-            latest_base_model(context),
+            latest_base_model(context, storage),
             (production.checkpoint_id, production.checkpoint_path) if production else None,
             fallback_to_scratch=not config.init_from,
         )
@@ -154,6 +159,7 @@ def moe_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=init.path,
         parent=init.parent,
+        init_requested=config.init_from or scale.init_from,
     )
     work_dir = io.local_dir(storage.path("runs", checkpoint_id))
     context.log.info(
@@ -195,8 +201,9 @@ def moe_checkpoint(
         training_run_id=context.run.run_id,
         mlflow_run_id=mlflow_run_id,
         parent=init.parent,
+        init_requested=config.init_from or scale.init_from,
     )
-    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
+    io.write_json(checkpoint.record(storage.root), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = promotion_policy.policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])

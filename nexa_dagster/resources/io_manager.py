@@ -3,6 +3,11 @@
 It understands partition ranges: a single-run backfill over ten days hands the asset one frame with a ``day``
 column, and this IO manager writes each day's rows to that day's partition file (and reads a range back as one
 frame). That is what lets ``dagster asset materialize --partition-range`` process a date range in one run.
+
+Artifacts name the files they describe by their place in the data root or the results root
+(``{data_root}/checkpoints/ckpt-1``, ``core.common.roots.portable``) and are read back under the roots as they
+are now, so a moved data root's artifacts stay valid; an artifact written with absolute paths before is read
+under the current roots by the paths' tails.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import dagster as dg
 import pandas as pd
 from pydantic import BaseModel
 
+from nexa_dagster import settings
+from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.config import resolve_path
 
@@ -25,12 +32,23 @@ PARTITION_COLUMN = "day"
 MISSING_OK = "nexa/missing_ok"
 
 
+def _root(value: str) -> str:
+    return value if "://" in value else str(resolve_path(value))
+
+
 class NexaIOManager(dg.ConfigurableIOManager):
     data_root: str = "data"
+    results_root: str = ""  # empty: NEXA_RESULTS_ROOT's value (reports, the leaderboard)
 
     def _base(self, key: dg.AssetKey) -> str:
-        root = self.data_root if "://" in self.data_root else str(resolve_path(self.data_root))
-        return io.join(root, "assets", *key.path)
+        return io.join(_root(self.data_root), "assets", *key.path)
+
+    def roots(self) -> dict[str, str]:
+        """The roots artifacts' paths are stored relative to, as they are now."""
+        return {
+            "data_root": _root(self.data_root),
+            "results_root": _root(self.results_root or settings.RESULTS_ROOT.get()),
+        }
 
     def _path(self, key: dg.AssetKey, partition: str | None, ext: str) -> str:
         return io.join(self._base(key), f"{partition or '__all__'}.{ext}")
@@ -60,7 +78,10 @@ class NexaIOManager(dg.ConfigurableIOManager):
             cls = type(obj)
             for key in keys:
                 io.write_json(
-                    {"type": f"{cls.__module__}.{cls.__qualname__}", "data": obj.model_dump()},
+                    {
+                        "type": f"{cls.__module__}.{cls.__qualname__}",
+                        "data": roots.portable(obj.model_dump(), self.roots()),
+                    },
                     self._path(context.asset_key, key, "json"),
                 )
         else:
@@ -79,11 +100,11 @@ class NexaIOManager(dg.ConfigurableIOManager):
         # an unpartitioned asset reading a partitioned one gets every partition (e.g. every checkpoint's report)
         many = context.has_asset_partitions and not context.has_partition_key
         if not many and len(keys) == 1 and io.exists(json_paths[keys[0]]):
-            return _load_artifact(json_paths[keys[0]])
+            return _load_artifact(json_paths[keys[0]], self.roots())
         if many:  # {partition: artifact} for artifacts; tables fall through and are concatenated
             found = {k: p for k, p in json_paths.items() if io.exists(p)}
             if found or (context.definition_metadata or {}).get(MISSING_OK):
-                return {k: _load_artifact(p) for k, p in found.items()}
+                return {k: _load_artifact(p, self.roots()) for k, p in found.items()}
         paths = [self._path(key, k, "parquet") for k in keys]
         present = [p for p in paths if io.exists(p)]
         if not present:
@@ -119,11 +140,14 @@ def skipped_partitions_message(asset: str, keys: list[str | None], materialized:
     )
 
 
-def read_stored_artifact(data_root: str, asset: str, partition: str | None = None) -> BaseModel | None:
+def read_stored_artifact(
+    data_root: str, asset: str, partition: str | None = None, results_root: str = ""
+) -> BaseModel | None:
     """An artifact asset's value as this IO manager stored it under ``data_root``, or None if it never was: for an
     asset that may run before the artifact exists and says so itself (evaluation without a dataset)."""
-    path = NexaIOManager(data_root=data_root)._path(dg.AssetKey(asset), partition, "json")
-    return _load_artifact(path) if io.exists(path) else None
+    manager = NexaIOManager(data_root=data_root, results_root=results_root)
+    path = manager._path(dg.AssetKey(asset), partition, "json")
+    return _load_artifact(path, manager.roots()) if io.exists(path) else None
 
 
 def stored_partitions(data_root: str, asset: str, partitions: list[str]) -> list[tuple[str, str]]:
@@ -134,7 +158,10 @@ def stored_partitions(data_root: str, asset: str, partitions: list[str]) -> list
     return [(k, p) for k, p in paths if io.exists(p)]
 
 
-def _load_artifact(path: str) -> BaseModel:
+def _load_artifact(path: str, where: dict[str, str]) -> BaseModel:
+    """The artifact at ``path`` with its paths under the roots as they are now (``where``)."""
     payload = io.read_json(path)
     module, _, name = payload["type"].rpartition(".")
-    return getattr(importlib.import_module(module), name).model_validate(payload["data"])
+    return getattr(importlib.import_module(module), name).model_validate(
+        roots.localize(payload["data"], where)
+    )

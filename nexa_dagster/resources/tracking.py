@@ -1,8 +1,19 @@
-"""Experiment tracking: MLflow, with a local SQLite store under the data root by default."""
+"""Experiment tracking: MLflow, with a local SQLite store under the data root by default.
+
+The local store moves with its data root: MLflow records an experiment's artifact location (and each run's) as an
+absolute ``file://`` URI when it creates them, so after a move (``mv`` of the data root or the checkout, a copy to
+another host, a restore) the store still names the old place, and runs logged afterwards would be written there,
+outside the data root. Before every run the resource checks the experiment's location against the data root as it
+is now and, when it names an ``mlartifacts`` folder elsewhere, moves the store's records to the current one
+(``rebase_sqlite_store``): nothing is written under the old path, and earlier runs' artifacts (which moved with
+the data root) are found again. A checkpoint's directory is kept in its model version's ``checkpoint_path`` tag
+relative to the data root.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,9 +21,46 @@ from typing import Any
 
 import dagster as dg
 
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.config import resolve_path
 from nexa_dagster.core.evaluation.model_registry import log_checkpoint_model
+
+ARTIFACTS = "mlartifacts"
+# every place a local SQLite store keeps an artifact location: (table, column); tables an MLflow version lacks are
+# skipped
+LOCATION_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("model_versions", "storage_location"),
+    ("model_versions", "source"),
+    ("logged_models", "artifact_location"),
+)
+
+
+def rebase_sqlite_store(db: Path, old: str, new: str) -> None:
+    """Rewrite every artifact location of the SQLite tracking store ``db`` under ``old`` (a ``file://`` URI) to the
+    same place under ``new``, in one transaction (concurrent runs rebasing at once: the second finds nothing)."""
+    con = sqlite3.connect(str(db), timeout=60, isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        for table, column in LOCATION_COLUMNS:
+            if table not in tables:
+                continue
+            columns = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+            if column not in columns:
+                continue
+            con.execute(
+                f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
+                (new, len(old) + 1, old, len(old) + 1, old + "/"),
+            )
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        con.close()
 
 
 class MLflowRun:
@@ -58,6 +106,26 @@ class TrackingResource(dg.ConfigurableResource):
         root.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{root / 'mlflow.db'}"
 
+    def artifact_root(self) -> str:
+        """Where a local store keeps its artifacts: ``<data_root>/mlartifacts``, as a ``file://`` URI."""
+        return (resolve_path(self.data_root) / ARTIFACTS).as_uri()
+
+    def follow_moved_data_root(self, artifact_location: str) -> bool:
+        """When the local store's experiment keeps its artifacts in an ``mlartifacts`` folder that is not this data
+        root's (the data root was moved, copied or restored elsewhere), move the store's records to this data
+        root's folder; True when it did. A tracking server, or a location the project did not choose, is left as
+        it is."""
+        here = self.artifact_root()
+        if (
+            self.tracking_uri
+            or artifact_location == here
+            or not artifact_location.startswith("file://")
+            or not artifact_location.rstrip("/").endswith("/" + ARTIFACTS)
+        ):
+            return False
+        rebase_sqlite_store(resolve_path(self.data_root) / "mlflow.db", artifact_location.rstrip("/"), here)
+        return True
+
     @contextmanager
     def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[MLflowRun]:
         from mlflow.tracking import MlflowClient
@@ -67,10 +135,11 @@ class TrackingResource(dg.ConfigurableResource):
         if exp is None:
             # a local store keeps artifacts under the data root; a server stores them itself (mlflow-artifacts:/),
             # where every client can fetch them, instead of at a path of whichever host created the experiment
-            artifacts = None if self.is_server() else (resolve_path(self.data_root) / "mlartifacts").as_uri()
+            artifacts = None if self.is_server() else self.artifact_root()
             exp_id = client.create_experiment(self.experiment, artifact_location=artifacts)
         else:
             exp_id = exp.experiment_id
+            self.follow_moved_data_root(exp.artifact_location)
         run = client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
         status = "FAILED"
         try:
@@ -110,7 +179,11 @@ class TrackingResource(dg.ConfigurableResource):
             model_name,
             source=source,
             run_id=run_id,
-            tags={"checkpoint_id": checkpoint_id, "checkpoint_path": str(path)},
+            # relative to the data root when it lies there: a moved data root keeps finding it
+            tags={
+                "checkpoint_id": checkpoint_id,
+                "checkpoint_path": roots.relative_to(str(path), str(resolve_path(self.data_root))),
+            },
         )
         return str(version.version)
 
@@ -129,8 +202,11 @@ class TrackingResource(dg.ConfigurableResource):
             versions = self._client().search_model_versions(f"name='{model_name}'")
         except MlflowException:
             return {}
+        root = str(resolve_path(self.data_root))
         return {
-            v.tags["checkpoint_id"]: v.tags.get("checkpoint_path", v.source)
+            v.tags["checkpoint_id"]: roots.resolve_under(v.tags["checkpoint_path"], root)
+            if "checkpoint_path" in v.tags
+            else v.source
             for v in versions
             if v.tags.get("checkpoint_id")
         }

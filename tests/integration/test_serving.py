@@ -68,3 +68,26 @@ def test_rollback_with_nothing_to_roll_back_to_is_one_clear_line(tmp_path: Path)
         f"nothing to roll back to: there is no production model yet ({tmp_path}/data/serving/production.json)"
     ]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_the_router_starts_in_a_data_root_too_deep_for_a_unix_socket_beside_it(tmp_path: Path) -> None:
+    """A data root moved or restored under a long path: HAProxy refuses an admin socket path longer than 97
+    characters (and the kernel one longer than 107), so `make serve` could not start there. The router's socket
+    then lives under a short name in the temporary directory, and is gone once the router stops."""
+    from support.services import missing
+
+    from nexa_dagster.core.common.net import free_port
+    from nexa_dagster.core.serving.haproxy import HAProxyRouter, haproxy_binary
+
+    if haproxy_binary() is None:
+        missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
+    deep = tmp_path / "restored-from-the-nightly-backup" / "of-the-lab" / "data" / "serving" / "router"
+    assert len(str(deep / "haproxy.sock")) > 108
+    router = HAProxyRouter(
+        deep, free_port(), {"blue": free_port(), "green": free_port()}, free_port()
+    ).start()
+    try:
+        assert "Name: HAProxy" in router.command("show info")
+    finally:
+        router.stop()
+    assert not router.admin_socket.exists()

@@ -402,3 +402,61 @@ def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoi
     with httpx.Client(timeout=60.0) as http:
         r = _chat(http, endpoint.base_url)
     assert r.status_code == 200 and endpoint.client().status()["checkpoint_id"] == "b"
+
+
+def test_a_rollback_whose_service_dies_mid_switch_says_in_one_line_what_production_is(
+    endpoint: Endpoint,
+) -> None:
+    """`nexa-dagster rollback` asks the service to switch back to A; the service is killed (kill -9) while the
+    incoming engine starts. The command fails with one line saying where production stands (the pointer and the
+    alias unchanged, the endpoint serving nothing), no traceback; a restarted service serves the pointer's model."""
+    assert endpoint.process is not None
+    if not endpoint.registry.state().history:  # run alone: something to roll back to first
+        endpoint.registry.promote(
+            ProductionEntry(checkpoint_id="b", checkpoint_path=str(endpoint.b), metric="eval_loss", value=4.0)
+        )
+        endpoint.wait_serving("b")
+    current = endpoint.registry.current()
+    service = psutil.Process(endpoint.process.pid)
+
+    def engines() -> list[psutil.Process]:
+        return [
+            p
+            for p in service.children(recursive=True)
+            if "haproxy" not in " ".join(p.cmdline()) and "serve" in " ".join(p.cmdline())
+        ]
+
+    deadline = time.monotonic() + 120
+    while len(engines()) != 1:  # a switch just before (run alone) stops its old engine after routing
+        assert time.monotonic() < deadline, endpoint.log_tail()
+        time.sleep(0.2)
+    rollback = subprocess.Popen(
+        [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
+        cwd=REPO_ROOT,
+        env={**os.environ, **endpoint.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(engines()) < 2:  # until the incoming engine has started: the switch is under way
+            assert rollback.poll() is None, rollback.communicate()
+            assert time.monotonic() < deadline, endpoint.log_tail()
+            time.sleep(0.05)
+        children = service.children(recursive=True)
+        endpoint.process.kill()
+        endpoint.process.wait(timeout=30)
+        psutil.wait_procs(children, timeout=60)
+        out, err = rollback.communicate(timeout=300)
+    finally:
+        if rollback.poll() is None:
+            rollback.kill()
+    assert rollback.returncode == 1, (out, err)
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"rollback to {endpoint.registry.state().history[-1].checkpoint_id} failed"), err
+    assert f"production is unchanged: the pointer still names {current.checkpoint_id}" in err, err
+    assert "the MLflow alias production is not set" in err, err  # none was set in this data root
+    assert "the endpoint serves nothing: the serving service is gone" in err, err
+    assert endpoint.registry.current().checkpoint_id == current.checkpoint_id
+    endpoint.start()  # waits until it serves the pointer's checkpoint again

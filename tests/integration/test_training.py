@@ -405,6 +405,37 @@ def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, t
     assert "non-finite loss at step 2 (caught before its update" in failure.description
 
 
+def test_a_worker_whose_python_cannot_import_the_project_is_not_retried(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
+    """A checkout moved with its .venv: the interpreter runs, but nexa_dagster is not importable from it (the
+    editable install points at the old place), so the worker dies before its first line, writing nothing. A
+    relaunch fails the same way: the step fails at once (no retry of MODEL_CALL_RETRY), saying what is wrong.
+    Here the interpreter is a real virtual environment without the project installed."""
+    from nexa_dagster.assets.common import MODEL_CALL_RETRY
+
+    venv = tmp_path / "venv-elsewhere"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    job = make_job(tmp_path, teacher_dir, steps=2, run_id="moved")
+
+    @dg.asset(retry_policy=MODEL_CALL_RETRY)
+    def trained(context: dg.AssetExecutionContext, gpu_cluster: GPUClusterResource) -> dg.MaterializeResult:
+        return gpu_cluster.run_training(context, job, tmp_path / "work")[1].get_materialize_result()
+
+    res = dg.materialize(
+        [trained],
+        resources={"gpu_cluster": LocalGPUCluster(python_executable=str(venv / "bin" / "python"))},
+        raise_on_error=False,
+        instance=dg.DagsterInstance.ephemeral(),
+    )
+    retries = [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert not res.success and retries == [], len(retries)
+    failure = res.get_step_failure_events()[0].step_failure_data.user_failure_data
+    assert "not retried, it would fail again" in failure.description, failure.description
+    assert "No module named 'nexa_dagster'" in failure.description, failure.description
+    assert "make install" in failure.description, failure.description
+
+
 def test_a_wrong_config_fails_before_anything_launches(tmp_path: Path, teacher_dir: Path) -> None:
     """A DeepSpeed value that contradicts the scale preset, or a typo in a model preset: a clear error from the
     launching step, no worker started."""

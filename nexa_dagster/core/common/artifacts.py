@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nexa_dagster.core.common import roots
+
 COMPLETION_MARKER = "_COMPLETE"  # written last into a model or checkpoint directory: it is complete
 
 
@@ -67,6 +69,8 @@ class SFTDataset(Artifact):
     quarantine_path: str | None = None
     held_out_samples: int = 0  # on the frozen eval set's side (core.eval_set): in neither split
     shards_reused: int = 0  # taken from the shard store (packed by an earlier snapshot), not packed again
+    # rows whose sample_id an earlier day also holds: kept on the earliest day, left out of the later ones
+    cross_day_duplicates_dropped: int = 0
 
     @field_validator("train_path", "validation_path", "train_jsonl_path", "validation_jsonl_path")
     @classmethod
@@ -112,6 +116,19 @@ class Checkpoint(Artifact):
     parent: str | None = (
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
+    # what init_from asked for; "base" with parent "scratch": no base model existed yet (a fresh instance)
+    init_requested: str | None = None
+
+    def record(self, data_root: str) -> dict[str, Any]:
+        """What ``checkpoint.json`` holds: this record with its paths relative to ``data_root`` (a moved or copied
+        data root keeps it valid; readers take the model from the folder the record lies in)."""
+        return {
+            **self.model_dump(),
+            "path": roots.relative_to(self.path, data_root),
+            "dataset_validation_path": roots.relative_to(self.dataset_validation_path, data_root)
+            if self.dataset_validation_path
+            else None,
+        }
 
     @field_validator("path")
     @classmethod
@@ -133,6 +150,9 @@ class EvalReport(Artifact):
     checkpoint_id: str
     checkpoint_path: str
     eval_set_version: int | None = None  # None: a report written before eval sets existed (not comparable)
+    # the version's content hash (core.evaluation.eval_set.content_sha256): two reports that say the same version
+    # measured the same data when these agree (None: a report written before it was recorded)
+    eval_set_sha256: str | None = None
     eval_loss: float | None = None
     eval_examples: int | None = Field(default=None, gt=0)
     eval_tokens: int | None = Field(default=None, gt=0)
@@ -167,6 +187,7 @@ class EvalReport(Artifact):
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)
+    init_requested: str | None = None  # what its training's init_from asked for (Checkpoint.init_requested)
     # lm-evaluation-harness scores, {"tasks": {task: {metric: {value, stderr, higher_is_better}}}, ...}
     benchmarks: dict[str, Any] | None = None
     production_benchmarks: dict[str, Any] | None = None
@@ -181,6 +202,7 @@ class BaseModelEval(Artifact):
     checkpoint_id: str
     checkpoint_path: str
     eval_set_version: int
+    eval_set_sha256: str | None = None  # the version's content hash, as EvalReport's
     corpus_run_hash: str | None = None  # the corpus the base model trained on
     eval_corpus_run_hash: str | None = None  # the corpus the eval set's documents were frozen from
     documents: int = Field(gt=0)

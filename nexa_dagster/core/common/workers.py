@@ -38,6 +38,7 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     FileExistsError,
     NotADirectoryError,
     IsADirectoryError,
+    ImportError,  # ModuleNotFoundError included: an installation that lacks a module lacks it on every relaunch
 )
 INTERRUPT_GRACE_S = 10.0  # below PipesSubprocessClient's 20 s wait, so Dagster never leaves us running
 

@@ -12,6 +12,13 @@ days passed both checks and was trained on twice. This index restores the check 
 
 A night therefore reads only its new day's ids, and memory is SQLite's page cache whatever the history. Files are
 named by their base name (content-addressed under ``inputs/``), so a moved data root keeps its index.
+
+Real landing data repeats documents across days, and two days processed at once cannot see each other's ids
+upstream (the gate's dedup history holds only the days that finished before). Packaging therefore resolves a
+cross-day repeat instead of failing on it (``keep_earliest_day``): the day that sorts first keeps the row, the
+later days' files are packaged without it (a content-addressed copy of the file without those rows), and the
+count is reported; the outcome is the same whatever order the days ran in. ``check_unique_across_days`` is the
+strict form (an error naming the id and both days). An id twice within one day is an error either way.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import sqlite3
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from nexa_dagster.core.common import storage
 
@@ -136,3 +144,84 @@ def check_unique_across_days(
             f"{count} id(s) in all are on two days. A row belongs to one day: re-materialize one of those days' "
             f"{table}, or fix what gave two days the same id"
         )
+
+
+@dataclass(frozen=True)
+class EarliestDayKept:
+    """What ``keep_earliest_day`` gives packaging: the day files to read (in the order given; a later day's file
+    replaced by a copy without the rows an earlier day holds), how many rows were dropped, and an example."""
+
+    files: list[tuple[str, tuple[str, ...]]]
+    dropped: int
+    example: str | None = None  # "sample_id 'x' kept from day A, dropped from day B"
+
+
+def _order(days: Sequence[str], path: str) -> tuple[str, str, str]:
+    return (min(days) if days else "", max(days) if days else "", _name(path))
+
+
+def keep_earliest_day(
+    files: Sequence[tuple[str, Sequence[str]]],
+    index: str | None,
+    field: str = "sample_id",
+    table: str = "filtered_samples",
+) -> EarliestDayKept:
+    """Resolve ids that are on two days of ``files`` (``(path of a day's JSONL, its days)``): the file of the earliest
+    day keeps the row (ties by file name), the others are given as content-addressed copies without it, written
+    beside the original (``<table>-<sha256>.jsonl``); a file left with no row is left out. Deterministic: the same
+    files give the same result whatever order they were indexed in. An id twice within one file raises
+    ``DuplicateSampleId``. Only new files' ids are read (the on-disk ``index``), and only files that lose rows are
+    read again."""
+    with _connect(index) as con:
+        for path, days in files:
+            _index_file(con, path, days, field, table)
+        con.execute("CREATE TEMP TABLE IF NOT EXISTS snapshot(file TEXT PRIMARY KEY) WITHOUT ROWID")
+        con.execute("DELETE FROM snapshot")
+        con.executemany("INSERT OR IGNORE INTO snapshot VALUES (?)", [(_name(p),) for p, _ in files])
+        pairs = con.execute(
+            "SELECT c.sample_id, c.first, c.second FROM clashes c JOIN snapshot a ON a.file = c.first "
+            "JOIN snapshot b ON b.file = c.second ORDER BY c.sample_id"
+        ).fetchall()
+    if not pairs:
+        return EarliestDayKept([(p, tuple(d)) for p, d in files], 0)
+    order = {_name(p): _order(d, p) for p, d in files}
+    days_of = {_name(p): tuple(d) for p, d in files}
+    holders: dict[str, set[str]] = {}
+    for sid, one, two in pairs:
+        holders.setdefault(sid, set()).update((one, two))
+    drop: dict[str, set[str]] = {}  # file name -> ids it must not give
+    example = None
+    for sid, names in sorted(holders.items()):
+        keeper, *others = sorted(names, key=lambda n: order[n])
+        for other in others:
+            drop.setdefault(other, set()).add(sid)
+        if example is None:
+            example = (
+                f"{field} {sid!r} kept from day {', '.join(days_of[keeper])}, dropped from day "
+                f"{', '.join(', '.join(days_of[o]) for o in others)}"
+            )
+    out: list[tuple[str, tuple[str, ...]]] = []
+    dropped = 0
+    for path, days in files:
+        ids = drop.get(_name(path))
+        if not ids:
+            out.append((path, tuple(days)))
+            continue
+        kept, removed = _without(path, ids, field)
+        dropped += removed
+        if kept:
+            directory = str(path).rstrip("/").rsplit("/", 1)[0]
+            out.append((storage.write_content_addressed(directory, table, b"".join(kept)), tuple(days)))
+    return EarliestDayKept(out, dropped, example)
+
+
+def _without(path: str, ids: set[str], field: str) -> tuple[list[bytes], int]:
+    """The lines of ``path`` whose ``field`` is not in ``ids``, and how many were left out."""
+    kept, removed = [], 0
+    with storage.open_read(path) as f:
+        for line in f:
+            if str(json.loads(line)[field]) in ids:
+                removed += 1
+            else:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+    return kept, removed

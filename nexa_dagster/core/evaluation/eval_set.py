@@ -10,11 +10,17 @@ known at that time, under ``<root>/v<N>/``::
     corpus.parquet     the base models' eval set: the pretraining corpus's documents on the eval side
                        (``sample_id`` is the document id, ``core.packaging.formats.indexed_dataset.document_id``), their token ids
                        as ``pretrain_corpus`` holds them, loss on every token, sorted by id
-    manifest.json      version, counts, tokenizer fingerprint, SHA-256 of every file
+    manifest.json      version, counts, tokenizer fingerprint, SHA-256 of every file, and ``content_sha256``: one
+                       hash of the version's content (of its files' hashes), which every report and leaderboard
+                       row measured on it carries, so two rows that say ``v1`` provably measured the same data
 
 and never rewrites it: later materializations of the same version return it unchanged (a new version is made only
 when the configuration asks for one), and ``load_eval_set`` checks the files' hashes, so every checkpoint scored
-against ``v<N>`` is scored on exactly the same tokens. A corpus document is on the eval side by the same rule
+against ``v<N>`` is scored on exactly the same tokens. A version exists from the moment any of its files does
+(or its ``v<N>.frozen`` marker beside the folder, written at the freeze): a file missing, changed or unreadable
+is an error naming the version, the file and what to do (restore it, or freeze a new version by raising
+``eval_set.version``), never a reason to freeze the version again. On a local disk the version is written into a
+temporary folder and renamed into place whole, so a killed freeze leaves no half version behind. A corpus document is on the eval side by the same rule
 (``is_held_out`` of its id below ``corpus_fraction``), and pretraining drops those documents before it splits a
 corpus (``core.training.corpus.load_corpus``): no base model, whatever corpus it trains on, trains on them.
 """
@@ -22,7 +28,9 @@ corpus (``core.training.corpus.load_corpus``): no base model, whatever corpus it
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -35,10 +43,43 @@ from nexa_dagster.core.packaging.formats.indexed_dataset import corpus_prefixes,
 from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, tokenizer_fingerprint
 
 FORMAT = "nexa-eval-set/1"
+FILES = ("manifest.json", "examples.parquet", "samples.jsonl", "corpus.parquet")
+
+
+class EvalSetDamaged(ValueError):
+    """A frozen eval-set version whose files are not as frozen (missing, changed or unreadable)."""
 
 
 def version_dir(root: str, version: int) -> str:
     return storage.join(root, f"v{version}")
+
+
+def frozen_marker(root: str, version: int) -> str:
+    """``<root>/v<N>.frozen``: written once the version is frozen, holding its content hash; it says the version
+    exists even when its whole folder is gone."""
+    return storage.join(root, f"v{version}.frozen")
+
+
+def content_sha256(files: dict[str, str]) -> str:
+    """One hash of a version's content: of its files' names and SHA-256s (so it follows from the manifest of any
+    version, including one frozen before the manifest recorded it)."""
+    body = "".join(f"{name} {digest}\n" for name, digest in sorted(files.items()))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _what_to_do(version: int) -> str:
+    return (
+        f"a frozen eval set is never rewritten: restore the file from a backup, or freeze a new version by "
+        f"raising eval_set.version in configs/pipeline.yaml (to {version + 1} or any number not used yet)"
+    )
+
+
+def version_exists(root: str, version: int) -> bool:
+    """Whether version ``version`` was frozen: any of its files, or its marker, is there."""
+    directory = version_dir(root, version)
+    return storage.exists(frozen_marker(root, version)) or any(
+        storage.exists(storage.join(directory, name)) for name in FILES
+    )
 
 
 def corpus_documents(corpus_root: str, fraction: float, max_tokens: int) -> tuple[pd.DataFrame, int]:
@@ -123,19 +164,8 @@ def freeze_eval_set(
     (``corpus_fraction``) for the base models; without one the version has none and base models cannot be
     scored against it."""
     directory = version_dir(root, version)
-    if storage.exists(storage.join(directory, "manifest.json")):
-        manifest = load_eval_set(root, version)
-        if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
-            raise ValueError(
-                f"eval set v{version} in {directory} was tokenized with tokenizer "
-                f"{manifest['tokenizer_fingerprint']}, the student's is now "
-                f"{tokenizer_fingerprint(tokenizer)}: set eval_set.version in configs/pipeline.yaml "
-                "to a new number to freeze a new eval set"
-            )
-        log(
-            f"eval set v{version} is frozen: {manifest['examples']} examples, {manifest['tokens']} scored tokens"
-        )
-        return manifest
+    if version_exists(root, version):
+        return _already_frozen(root, version, tokenizer, log)
     held = samples[held_out_mask(samples["sample_id"].astype(str).tolist(), fraction)]
     held = held.drop_duplicates("sample_id").sort_values("sample_id", kind="stable").reset_index(drop=True)
     # the same tokenization as packing (ChatTokenizer), so the eval set's tokens are the ones training sees
@@ -165,16 +195,81 @@ def freeze_eval_set(
             "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8())),
         }
     )
-    examples, samples_path = (
-        storage.join(directory, "examples.parquet"),
-        storage.join(directory, "samples.jsonl"),
+
+    def write(directory: str) -> dict[str, Any]:
+        """Every file of the version into ``directory``, the manifest last; returns the manifest."""
+        storage.write_parquet(table.to_pandas(), storage.join(directory, "examples.parquet"))
+        with storage.atomic_writer(storage.join(directory, "samples.jsonl")) as f:
+            f.write(b"".join(lines))
+        frozen_corpus = _write_corpus(
+            corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory, log
+        )
+        return _write_manifest(
+            directory, version, fraction, rows, dropped, max_tokens, held, tokenizer, frozen_corpus
+        )
+
+    if "://" in directory:  # a remote root: no rename of a folder; the manifest, written last, completes it
+        manifest = write(directory)
+    else:
+        out = Path(directory)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with storage.directory_lock(out):  # two runs freezing at once: one freezes, the other finds it frozen
+            if version_exists(root, version):
+                return _already_frozen(root, version, tokenizer, log)
+            written: dict[str, Any] = {}
+            storage.publish_directory(out, lambda tmp: written.update(write(str(tmp))))
+            manifest = written
+    storage.write_text(manifest["content_sha256"] + "\n", frozen_marker(root, version))
+    frozen_corpus = manifest["corpus"]
+    log(
+        f"froze eval set v{version}: {len(rows)} held-out examples ({manifest['tokens']} scored tokens) in "
+        f"{directory}"
+        + (
+            f", and {frozen_corpus['documents']} corpus documents ({frozen_corpus['tokens']} scored "
+            f"tokens) of corpus {frozen_corpus['run_hash']} for base models"
+            if frozen_corpus
+            else ""
+        )
+        + f"; content SHA-256 {manifest['content_sha256'][:16]}"
     )
-    storage.write_parquet(table.to_pandas(), examples)
-    with storage.atomic_writer(samples_path) as f:
-        f.write(b"".join(lines))
-    frozen_corpus = _write_corpus(
-        corpus, corpus_fraction, max_tokens, tokenizer_fingerprint(tokenizer), directory, log
+    return {**manifest, **_paths(directory, manifest)}
+
+
+def _already_frozen(root: str, version: int, tokenizer: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """The frozen version, checked (a damaged one raises ``EvalSetDamaged``), for the same tokenizer."""
+    directory = version_dir(root, version)
+    manifest = load_eval_set(root, version)
+    if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
+        raise ValueError(
+            f"eval set v{version} in {directory} was tokenized with tokenizer "
+            f"{manifest['tokenizer_fingerprint']}, the student's is now "
+            f"{tokenizer_fingerprint(tokenizer)}: set eval_set.version in configs/pipeline.yaml "
+            "to a new number to freeze a new eval set"
+        )
+    if not storage.exists(frozen_marker(root, version)):  # frozen before markers existed
+        storage.write_text(manifest["content_sha256"] + "\n", frozen_marker(root, version))
+    log(
+        f"eval set v{version} is frozen: {manifest['examples']} examples, {manifest['tokens']} scored tokens "
+        f"(content SHA-256 {manifest['content_sha256'][:16]})"
     )
+    return manifest
+
+
+def _write_manifest(
+    directory: str,
+    version: int,
+    fraction: float,
+    rows: list[dict[str, Any]],
+    dropped: int,
+    max_tokens: int,
+    held: pd.DataFrame,
+    tokenizer: Any,
+    frozen_corpus: dict[str, Any] | None,
+) -> dict[str, Any]:
+    files = {
+        name: storage.sha256_file(storage.join(directory, name))
+        for name in ("examples.parquet", "samples.jsonl", *(["corpus.parquet"] if frozen_corpus else []))
+    }
     manifest = {
         "format": FORMAT,
         "version": version,
@@ -186,52 +281,79 @@ def freeze_eval_set(
         "days": sorted(held["day"].astype(str).unique().tolist()),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "corpus": frozen_corpus,
-        "files": {
-            name: storage.sha256_file(storage.join(directory, name))
-            for name in ("examples.parquet", "samples.jsonl", *(["corpus.parquet"] if frozen_corpus else []))
-        },
+        "files": files,
+        "content_sha256": content_sha256(files),
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     storage.write_json(
         manifest, storage.join(directory, "manifest.json")
     )  # last: its presence means complete
-    log(
-        f"froze eval set v{version}: {len(rows)} held-out examples ({manifest['tokens']} scored tokens) in "
-        f"{directory}"
-        + (
-            f", and {frozen_corpus['documents']} corpus documents ({frozen_corpus['tokens']} scored "
-            f"tokens) of corpus {frozen_corpus['run_hash']} for base models"
-            if frozen_corpus
-            else ""
-        )
-    )
     return manifest
 
 
-def load_eval_set(root: str, version: int) -> dict[str, Any]:
-    """The manifest of frozen version ``version`` (with ``path``: its examples file), its files checked."""
-    directory = version_dir(root, version)
-    manifest_path = storage.join(directory, "manifest.json")
-    if not storage.exists(manifest_path):
-        raise FileNotFoundError(
-            f"no eval set v{version} in {directory}: materialize the eval_set asset "
-            "(training_job does) before evaluating"
-        )
-    manifest = storage.read_json(manifest_path)
-    for name, digest in manifest["files"].items():
-        actual = storage.sha256_file(storage.join(directory, name))
-        if actual != digest:
-            raise ValueError(
-                f"eval set v{version}: {storage.join(directory, name)} changed since it was frozen "
-                f"(SHA-256 {actual[:12]} != {digest[:12]}); a frozen eval set is never edited, "
-                "freeze a new version instead"
-            )
+def _paths(directory: str, manifest: dict[str, Any]) -> dict[str, Any]:
     return {
-        **manifest,
         "path": storage.join(directory, "examples.parquet"),
         "samples_path": storage.join(directory, "samples.jsonl"),
         "corpus_path": storage.join(directory, "corpus.parquet") if manifest.get("corpus") else None,
     }
+
+
+def load_eval_set(root: str, version: int) -> dict[str, Any]:
+    """The manifest of frozen version ``version`` (with ``path``: its examples file, and ``content_sha256``), its
+    files checked. ``FileNotFoundError`` when the version was never frozen; ``EvalSetDamaged`` naming the version,
+    the file and what to do when a file of it is missing, changed or unreadable."""
+    directory = version_dir(root, version)
+    manifest_path = storage.join(directory, "manifest.json")
+    if not version_exists(root, version):
+        raise FileNotFoundError(
+            f"no eval set v{version} in {directory}: materialize the eval_set asset "
+            "(training_job does) before evaluating"
+        )
+    if not storage.exists(manifest_path):
+        present = [n for n in FILES if storage.exists(storage.join(directory, n))]
+        raise EvalSetDamaged(
+            f"eval set v{version} is frozen but its manifest {manifest_path} is missing (the version holds "
+            f"{', '.join(present) if present else 'no file: its whole folder is gone'}); {_what_to_do(version)}"
+        )
+    try:
+        manifest = storage.read_json(manifest_path)
+        files = manifest["files"]
+        if not isinstance(files, dict) or manifest.get("version") != version:
+            raise ValueError(f"not the manifest of version {version}")
+    except (ValueError, KeyError, TypeError) as e:  # a truncated or edited manifest
+        raise EvalSetDamaged(
+            f"eval set v{version}: its manifest {manifest_path} is unreadable ({type(e).__name__}: {e}); "
+            f"{_what_to_do(version)}"
+        ) from e
+    for name, digest in files.items():
+        path = storage.join(directory, name)
+        if not storage.exists(path):
+            raise EvalSetDamaged(
+                f"eval set v{version}: {path} is missing (its manifest lists it); {_what_to_do(version)}"
+            )
+        actual = storage.sha256_file(path)
+        if actual != digest:
+            raise EvalSetDamaged(
+                f"eval set v{version}: {path} changed since it was frozen "
+                f"(SHA-256 {actual[:12]} != {digest[:12]}); {_what_to_do(version)}"
+            )
+    content = content_sha256(files)
+    if manifest.get("content_sha256", content) != content:
+        raise EvalSetDamaged(
+            f"eval set v{version}: its manifest {manifest_path} was edited (its content_sha256 does not match "
+            f"its files); {_what_to_do(version)}"
+        )
+    marker = frozen_marker(root, version)
+    if storage.exists(marker):
+        with storage.open_read(marker) as f:
+            recorded = f.read().decode("utf-8", errors="replace").strip()
+        if recorded and recorded != content:
+            raise EvalSetDamaged(
+                f"eval set v{version}: its files are not the ones frozen (content SHA-256 {content[:16]}, "
+                f"{marker} says {recorded[:16]}); {_what_to_do(version)}"
+            )
+    return {**manifest, "content_sha256": content, **_paths(directory, manifest)}
 
 
 def eval_prompts(manifest: dict[str, Any], limit: int) -> list[str]:

@@ -3,19 +3,24 @@
 The production pointer is a small JSON file (``<data_root>/serving/production.json``) holding the current
 production checkpoint and the history of earlier ones, written atomically; the MLflow registry alias
 ``production`` is moved alongside it by the Dagster layer. Rolling back pops the history.
+
+The pointer names each checkpoint by its place in the data root (``checkpoints/ckpt-1``), so a data root that is
+moved, copied or restored keeps its production model; a pointer written before (absolute paths) is read under the
+root as it is now (``core.common.roots``). Entries handed out carry the checkpoint's path as it is now.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import posixpath
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.config import load_yaml, validated
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, LengthControlled, PairedLoss, WinRate
@@ -411,12 +416,31 @@ def _measure(
     )
 
 
+NO_BASE_MODEL_YET = (
+    "trained from scratch: no base model yet (init_from: base, but none had been pretrained when it trained); "
+    "pretrain one with pretraining_job, then train again"
+)
+
+
+def trained_from_scratch_without_base(report: Any) -> str | None:
+    """Why a checkpoint is not served when its training asked for the base model (``init_from: base``, the presets'
+    default) and fell back to random weights because none existed (a fresh instance's first training): a few
+    steps from scratch teach the student nothing (its answer is empty), so serving it would fail its smoke test.
+    None for anything else, a training asked to start from scratch included."""
+    if getattr(report, "parent", None) == "scratch" and getattr(report, "init_requested", None) == "base":
+        return NO_BASE_MODEL_YET
+    return None
+
+
 def held_back_because(checkpoint_id: str, report: Any, production: ProductionEntry | None) -> str | None:
     """Why serving must not deploy a checkpoint whose evaluation ``report`` (an ``EvalReport``) recorded the gate's
     decision, or None to deploy. The decision holds only against the production model it was made against: when
     production has changed since, the checkpoint is evaluated again, not deployed on an old comparison."""
     if report.gate_decision is None:
         return "its evaluation predates the paired promotion gate; evaluate it again"
+    scratch = trained_from_scratch_without_base(report)
+    if scratch:
+        return scratch
     if report.gate_decision != "promote":
         return f"the promotion gate held it back ({report.gate_reason or report.gate_decision})"
     if production is not None and production.checkpoint_id not in (
@@ -431,23 +455,54 @@ def held_back_because(checkpoint_id: str, report: Any, production: ProductionEnt
 
 
 class ProductionRegistry:
-    def __init__(self, path: str | Path) -> None:
+    """The pointer at ``path``; ``data_root`` (default: the pointer's grandparent, as in
+    ``<data_root>/serving/production.json``) is what its checkpoint paths are relative to."""
+
+    def __init__(self, path: str | Path, data_root: str | Path | None = None) -> None:
         self.path = str(path)
+        self.data_root = (
+            str(data_root) if data_root is not None else posixpath.dirname(posixpath.dirname(self.path))
+        )
+
+    def _here(self, entry: ProductionEntry) -> ProductionEntry:
+        return entry.model_copy(
+            update={"checkpoint_path": roots.resolve_under(entry.checkpoint_path, self.data_root)}
+        )
+
+    def _stored(self, entry: ProductionEntry) -> dict[str, Any]:
+        return {
+            **entry.model_dump(),
+            "checkpoint_path": roots.relative_to(entry.checkpoint_path, self.data_root),
+        }
 
     def state(self) -> ProductionState:
+        """The pointer with every checkpoint path where it is now (under the data root as it is now)."""
         if not storage.exists(self.path):
             return ProductionState()
-        return ProductionState.model_validate(storage.read_json(self.path))
+        state = ProductionState.model_validate(storage.read_json(self.path))
+        return ProductionState(
+            current=self._here(state.current) if state.current else None,
+            history=[self._here(h) for h in state.history],
+        )
 
     def current(self) -> ProductionEntry | None:
         return self.state().current
+
+    def _write(self, state: ProductionState) -> None:
+        storage.write_json(
+            {
+                "current": self._stored(state.current) if state.current else None,
+                "history": [self._stored(h) for h in state.history],
+            },
+            self.path,
+        )
 
     def promote(self, entry: ProductionEntry) -> ProductionState:
         state = self.state()
         if state.current is not None and state.current.checkpoint_id != entry.checkpoint_id:
             state.history.append(state.current)
         state.current = entry
-        storage.write_json(state.model_dump(), self.path)
+        self._write(state)
         return state
 
     def rollback(self) -> ProductionState:
@@ -456,5 +511,5 @@ class ProductionRegistry:
         if not state.history:
             raise RuntimeError(f"nothing to roll back to: {self.path} has no earlier production model")
         state.current = state.history.pop()
-        storage.write_json(state.model_dump(), self.path)
+        self._write(state)
         return state

@@ -12,28 +12,38 @@ import math
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.evaluation.benchmarks import flat_scores
 from nexa_dagster.core.evaluation.promotion import GateDecision
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, write_report
 
 
-def read_checkpoint(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
+def read_checkpoint(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = None) -> Checkpoint:
     """The checkpoint's own record, or a minimal one for a checkpoint copied into the store by hand.
 
     The record is read for its lineage, never for where the model is or what it is called: a folder copied from
     another data root or host carries the absolute path it was written at, and a copy beside its original carries
     the original's id, so the model is always the folder it was found in and its id the folder's name (the
     partition). Under the record's id, a copy's report would overwrite the original's and the leaderboard would
-    hold one id twice. Raises ``ValueError`` (naming the folder) for an incomplete or unloadable checkpoint."""
+    hold one id twice. The dataset path it names (relative to the data root it was trained in, or absolute in older
+    records) is resolved under ``data_root``. Raises ``ValueError`` (naming the folder) for an incomplete or
+    unloadable checkpoint."""
     if not (ckpt_dir / COMPLETION_MARKER).exists():
         raise ValueError(f"checkpoint {ckpt_dir} is not complete (no {COMPLETION_MARKER} marker)")
     record = ckpt_dir / "checkpoint.json"
     try:
         if record.exists():
+            fields = storage.read_json(record)
             return Checkpoint.model_validate(
-                {**storage.read_json(record), "path": str(ckpt_dir), "checkpoint_id": checkpoint_id}
+                {
+                    **fields,
+                    "path": str(ckpt_dir),
+                    "checkpoint_id": checkpoint_id,
+                    "dataset_validation_path": _dataset_path(
+                        fields.get("dataset_validation_path"), data_root
+                    ),
+                }
             )
         job, summary = ckpt_dir / "training_job.json", ckpt_dir / "training_summary.json"
         if job.exists() and summary.exists():
@@ -47,13 +57,18 @@ def read_checkpoint(ckpt_dir: Path, checkpoint_id: str) -> Checkpoint:
                 training_loss=r["final_loss"],
                 validation_loss=r["validation_loss"],
                 dataset_run_hash=j.get("dataset_run_hash") or None,
-                dataset_validation_path=j["validation_path"],
+                dataset_validation_path=_dataset_path(j["validation_path"], data_root),
                 model_preset=j["model_preset"],
                 parent=j.get("parent"),
+                init_requested=j.get("init_requested") or None,
             )
         return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
     except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
         raise ValueError(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}") from error
+
+
+def _dataset_path(stored: str | None, data_root: str | None) -> str | None:
+    return roots.resolve_under(stored, data_root) if stored and data_root else stored
 
 
 def gate_figures(decision: GateDecision, evaluation: CheckpointEvaluation) -> dict[str, Any]:
@@ -116,6 +131,7 @@ def build_eval_report(
         checkpoint_id=ckpt.checkpoint_id,
         checkpoint_path=ckpt.path,
         eval_set_version=evaluation.eval_set_version,
+        eval_set_sha256=eval_set.get("content_sha256"),
         eval_loss=result.loss.loss,
         eval_examples=result.loss.sequences,
         eval_tokens=result.loss.tokens,
@@ -151,6 +167,7 @@ def build_eval_report(
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
+        init_requested=ckpt.init_requested,
         benchmarks=result.benchmarks,
         production_benchmarks=result.production_benchmarks,
     )
@@ -173,7 +190,8 @@ def report_lineage(
         "checkpoint_path": ckpt.path,
         "dataset_run_hash": ckpt.dataset_run_hash,
         "eval_set_version": evaluation.eval_set_version,
-        "eval_set_sha256": eval_set["files"]["examples.parquet"],
+        "eval_set_sha256": eval_set.get("content_sha256"),  # the whole version's content
+        "eval_set_examples_sha256": eval_set["files"]["examples.parquet"],
         "model_preset": ckpt.model_preset,
         "scale": ckpt.scale,
         "training_steps": ckpt.num_steps,
@@ -188,6 +206,7 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
     """Every figure of the report under its one name: the asset's metadata, MLflow and the leaderboard use these."""
     return {
         "eval_set_version": report.eval_set_version,
+        "eval_set_sha256": report.eval_set_sha256 or "",
         "eval_loss": report.eval_loss,
         "perplexity": report.perplexity,
         "eval_examples": report.eval_examples,
@@ -243,6 +262,7 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
         "checkpoint_id": report.checkpoint_id,
         "stage": report.stage,
         "eval_set_version": report.eval_set_version,
+        "eval_set_sha256": report.eval_set_sha256 or "",  # the same for every row measured on the same data
         **{
             k: figures[k]
             for k in (
@@ -278,6 +298,7 @@ def base_leaderboard_row(report: BaseModelEval) -> dict[str, Any]:
         "checkpoint_id": report.checkpoint_id,
         "stage": "base",
         "eval_set_version": report.eval_set_version,
+        "eval_set_sha256": report.eval_set_sha256 or "",
         "eval_loss": report.loss,
         "eval_loss_interval": f"[{low:.4f}, {high:.4f}]",
         "perplexity": report.perplexity,

@@ -76,6 +76,9 @@ class PretrainCorpus(Artifact):
     blend: str
     blend_fingerprint: str
     quarantined_rows: int = 0
+    cross_day_duplicates_dropped: int = (
+        0  # documents an earlier day also holds: kept on the earliest day only
+    )
 
 
 def process_pretrain_shard(task: sh.ShardTask) -> sh.Receipt:

@@ -41,7 +41,7 @@ from nexa_dagster.core.common.jsonl import (
     OnError,
     dumps,
 )
-from nexa_dagster.core.data.sample_ids import check_unique_across_days, index_for
+from nexa_dagster.core.data.sample_ids import index_for, keep_earliest_day
 from nexa_dagster.core.data.splits import is_held_out, is_validation, split_hash
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
@@ -460,6 +460,32 @@ def day_inputs_from_partitions(
     return out
 
 
+def drop_cross_day_duplicates(
+    inputs: Sequence[DayInput],
+    out_root: str,
+    log: Callable[[str], None] = print,
+    field: str = "sample_id",
+    table: str = "filtered_samples",
+) -> tuple[list[DayInput], int]:
+    """``inputs`` with every id that an earlier day also holds left out of the later day (``sample_ids.
+    keep_earliest_day``), and how many rows were left out: a repeated document never fails a training."""
+    kept = keep_earliest_day([(d.path, d.days) for d in inputs], index_for(out_root), field, table)
+    if not kept.dropped:
+        return list(inputs), 0
+    rows = {d.path: d.rows for d in inputs}  # a copy without the repeated rows is counted again
+    out = [DayInput(days, path, rows.get(path) or _count_lines(path)) for path, days in kept.files]
+    log(
+        f"{kept.dropped} {table} row(s) whose {field} an earlier day also holds were left out of the later "
+        f"day ({kept.example}); the earliest day keeps each"
+    )
+    return out, kept.dropped
+
+
+def _count_lines(path: str) -> int:
+    with storage.open_read(path) as f:
+        return sum(1 for _ in f)
+
+
 def streamed_side_overrides(
     inputs: Sequence[DayInput], fraction: float, seed: int, eval_fraction: float
 ) -> dict[str, str]:
@@ -565,8 +591,9 @@ def build_sft_dataset_from_days(
         raise ValueError(
             "no filtered samples to package: every sample was rejected, or no day was materialized"
         )
-    # the schema is checked a day at a time: an id on two days is caught here, by an on-disk index of every day
-    check_unique_across_days([(d.path, d.days) for d in inputs], index_for(out_root))
+    # the schema is checked a day at a time: an id on two days is found here, by an on-disk index of every day,
+    # and kept on the earliest day only (two days processed at once both keep a repeated document upstream)
+    inputs, cross_day = drop_cross_day_duplicates(inputs, out_root, log)
     blend = blend or default_blend()
     # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
     # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
@@ -628,6 +655,7 @@ def build_sft_dataset_from_days(
         shards_reused=len(run.report.skipped),
         quarantined_rows=run.quarantined_rows,
         quarantine_path=run.paths.get("quarantine"),
+        cross_day_duplicates_dropped=cross_day,
     )
     storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
     return artifact, run.stats

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import io
 import logging
 import os
@@ -18,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +31,22 @@ log = logging.getLogger(__name__)
 COLOURS = ("blue", "green")
 BACKEND = "engines"
 INSTALL_HINT = "install it with scripts/install_services.sh (Debian: apt-get install haproxy)"
+
+
+# HAProxy refuses a UNIX socket path longer than this ("socket path ... too long (max 97)", the NUL included); the
+# kernel's own limit (sun_path) is 107
+MAX_SOCKET_PATH = 96
+
+
+def admin_socket_path(work_dir: Path) -> Path:
+    """``<work_dir>/haproxy.sock``, or, when that path is too long for a UNIX socket (a data root deep in the file
+    system, e.g. restored or moved under a long path), a short one in the temporary directory named by a hash of
+    ``work_dir`` (one per router, whatever the data root)."""
+    beside = work_dir / "haproxy.sock"
+    if len(str(beside)) <= MAX_SOCKET_PATH:
+        return beside
+    digest = hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"nexa-haproxy-{digest}.sock"
 
 
 class RouterError(RuntimeError):
@@ -87,7 +105,7 @@ class HAProxyRouter:
     ) -> None:
         self.work_dir = Path(work_dir)
         self.port, self.engine_ports, self.control_port, self.host = port, engine_ports, control_port, host
-        self.admin_socket = self.work_dir / "haproxy.sock"
+        self.admin_socket = admin_socket_path(self.work_dir)
         self.config_path = self.work_dir / "haproxy.cfg"
         self.log_path = self.work_dir / "haproxy.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -133,6 +151,7 @@ class HAProxyRouter:
         proc, self.process = self.process, None
         if proc is not None:
             stop_process_group(proc)
+            self.admin_socket.unlink(missing_ok=True)
 
     # -- runtime API ---------------------------------------------------------------------------------------------
     def command(self, line: str) -> str:

@@ -51,7 +51,8 @@ def resolve(
                     "",
                     "scratch",
                     "init_from 'base' (the preset's default) but no base_model has "
-                    "been materialized yet: training from scratch",
+                    "been materialized yet: training from scratch; the checkpoint will be evaluated but not "
+                    "deployed (pretrain a base model with pretraining_job first)",
                 )
             raise ValueError(
                 "init_from 'base' but no base_model has been materialized yet (run pretraining_job, "

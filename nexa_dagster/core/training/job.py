@@ -70,6 +70,11 @@ class TrainingJob(BaseModel):
     parent: str = Field(
         default="scratch", description="lineage: scratch, base:<id>, production:<id>, path:<dir>"
     )
+    init_requested: str = Field(
+        default="",
+        description="lineage: what init_from asked for (base, production, scratch, a path); 'base' with parent "
+        "scratch: no base model existed yet",
+    )
 
 
 class TrainingResult(BaseModel):

@@ -11,6 +11,8 @@ setting, a non-finite loss) is not retried; one that died without a word (a kill
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
@@ -20,7 +22,8 @@ from typing import Any, ClassVar, Literal
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.core.cluster.commands import evaluation_argv, worker_argv
+from nexa_dagster import settings
+from nexa_dagster.core.cluster.commands import EVALUATION_MODULE, WORKER_MODULE, evaluation_argv, worker_argv
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.workers import FAILURE_FILE, STDERR_LOG
@@ -182,7 +185,35 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         except dg.Failure:
             raise
         except Exception as e:  # a failed worker (DagsterPipesExecutionError is not public API) or launch;
-            raise worker_failure(launch, str(e)) from e  # a cancelled run (BaseException) passes through
+            # a cancelled run (BaseException) passes through
+            raise worker_failure(launch, str(e), self.worker_import_problem(launch)) from e
+
+    # whether this host's interpreter is the one the worker runs (a pod runs its image's: not checked here)
+    imports_checked_here: ClassVar[bool] = True
+
+    def worker_import_problem(self, launch: WorkerLaunch) -> str | None:
+        """Why the worker's interpreter cannot import the worker, when a failed worker left no word (no failure
+        report, no stderr copy: it died before its first line ran), else None. A Python that does not find
+        ``nexa_dagster`` (an installation moved or copied from another path, a broken environment) fails every
+        relaunch the same way: the caller does not retry it."""
+        if not self.imports_checked_here or _worker_spoke(launch.work_dir):
+            return None
+        module = WORKER_MODULE if launch.kind == "training" else EVALUATION_MODULE
+        try:
+            probe = subprocess.run(
+                [self.python(), "-c", f"import {module}"],
+                cwd=str(launch.work_dir),
+                env={**settings.environ(), **launch.env},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the worker's Python {self.python()} cannot run: {e}"
+        if probe.returncode == 0:
+            return None
+        last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        return import_error_line(last) and f"{self.python()} cannot import {module}: {last}"
 
     def _check_accelerator(self, kind: str, run_id: str, wanted: str) -> None:
         if wanted != self.accelerator:
@@ -241,11 +272,28 @@ def _prepare(launch: WorkerLaunch, job_json: str) -> None:
             old.unlink()
 
 
-def worker_failure(launch: WorkerLaunch, what: str) -> dg.Failure:
+def _worker_spoke(work_dir: Path) -> bool:
+    """A rank wrote its failure report or its stderr copy: it got as far as running the project's code."""
+    return any(work_dir.glob(FAILURE_FILE.format(rank="*"))) or any(
+        work_dir.glob(STDERR_LOG.format(rank="*"))
+    )
+
+
+_IMPORT_ERROR = re.compile(r"\b(ModuleNotFoundError|ImportError)\b|No module named ")
+
+
+def import_error_line(text: str) -> str | None:
+    """The first line of ``text`` that reports a module Python could not import, or None."""
+    return next((line.strip() for line in text.splitlines() if _IMPORT_ERROR.search(line)), None)
+
+
+def worker_failure(launch: WorkerLaunch, what: str, import_problem: str | None = None) -> dg.Failure:
     """The step's failure, with the worker's stderr tail; retried by the step's retry policy only if no rank
     reported a failure that a relaunch repeats (a non-finite loss, bad data or configuration, an unknown benchmark
-    task). A worker that died without a word (a lost node, a killed process) or stopped on SIGTERM with its state
-    saved is retried."""
+    task) and the worker could import its code. A worker whose Python cannot import it (``import_problem``, or an
+    ImportError in what the backend or the worker's stderr said) fails the same way on every relaunch: not
+    retried. A worker that died without a word (a lost node, a killed process) or stopped on SIGTERM with its
+    state saved is retried."""
     work_dir = launch.work_dir
     reports = [
         json.loads(f.read_text(encoding="utf-8"))
@@ -253,6 +301,15 @@ def worker_failure(launch: WorkerLaunch, what: str) -> dg.Failure:
     ]
     permanent = [r for r in reports if not r.get("retryable", True)]
     tail = stderr_tail(work_dir)
+    if not permanent and not reports:
+        cannot_import = import_problem or import_error_line(f"{what}\n{tail}")
+        if cannot_import:
+            permanent = [
+                {
+                    "message": f"{cannot_import} (the installation does not match this checkout: moved or "
+                    "copied from another path? rebuild it with `make install`)"
+                }
+            ]
     verdict = (
         f"not retried, it would fail again: {permanent[0]['message']}"
         if permanent

@@ -20,6 +20,7 @@ class KubernetesGPUCluster(GPUClusterResource):
     """Runs the worker in a pod: a training with all ``num_procs`` GPUs of a node, an evaluation with one."""
 
     backend = "kubernetes"
+    imports_checked_here = False  # the worker runs the image's Python, not this host's
 
     k8s_image: str = Field(min_length=1, description="image with nexa-dagster installed")
     k8s_namespace: str = "default"

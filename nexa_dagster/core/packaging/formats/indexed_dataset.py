@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import roots, storage
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -261,10 +261,20 @@ def corpus_prefixes(path: str) -> list[str]:
     data_paths = storage.read_json(blend).get("data_paths")
     if not isinstance(data_paths, list) or len(data_paths) % 2:
         raise ValueError(f"{blend}: data_paths must be a list of [weight, prefix, ...] pairs")
-    prefixes = [str(p) for p in data_paths[1::2]]
+    prefixes = [_prefix_here(str(p), blend) for p in data_paths[1::2]]
     if not prefixes:
         raise ValueError(f"pretraining corpus {blend} lists no non-empty shard")
     return prefixes
+
+
+def _prefix_here(prefix: str, blend: str) -> str:
+    """A prefix as the blend lists it (absolute, for Megatron's ``--data-path``), or, when the corpus has moved
+    since (a moved data root), the same shard under the corpus's root as it is now (``core.common.roots``)."""
+    if storage.exists(f"{prefix}.idx") or not prefix.startswith("/"):
+        return prefix
+    corpus_root = blend.rsplit("/", 2)[0]  # <corpus root>/<run hash>/megatron_blend.json
+    found = roots.found_under(f"{prefix}.idx", [corpus_root])
+    return found.removesuffix(".idx") if found else prefix
 
 
 def read_documents(prefixes: list[str]) -> list[np.ndarray]:

@@ -201,3 +201,108 @@ def test_frozen_corpus_documents_never_train_a_later_bigger_corpus_and_stay_froz
         corpus_fraction=1e-9,
     )
     assert none_held["corpus"] is None and none_held["examples"] == v1["examples"]
+
+
+def _frozen_v1(tiny_tokenizer, root: str, with_corpus: Path | None = None) -> dict:
+    return freeze_eval_set(
+        _samples(0, 40, "2026-11-20"),
+        tiny_tokenizer,
+        root,
+        1,
+        0.25,
+        128,
+        log=lambda m: None,
+        corpus=(str(with_corpus), "corpus1hash") if with_corpus else None,
+        corpus_fraction=0.25 if with_corpus else 0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "lost", ["manifest.json", "examples.parquet", "samples.jsonl", "corpus.parquet", "v1/"]
+)
+def test_a_frozen_version_missing_a_file_is_never_frozen_again(
+    tiny_tokenizer, tmp_path: Path, lost: str
+) -> None:
+    """Once v1 exists (any of its files), materializing it again never rewrites it, even with more data and a file
+    gone: the error names the version, the file and what to do; the files that are left stay byte for byte."""
+    import shutil
+
+    from support.corpus_files import random_documents, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", random_documents(40, len(tiny_tokenizer), 2, seed=1))
+    root = str(tmp_path / "eval_sets")
+    v1 = _frozen_v1(tiny_tokenizer, root, Path(corpus))
+    assert v1["corpus"] is not None  # every file of a version is there to lose
+    directory = Path(root) / "v1"
+    if lost == "v1/":
+        shutil.rmtree(directory)
+    else:
+        (directory / lost).unlink()
+    left = {p.name: p.read_bytes() for p in directory.glob("*")} if directory.exists() else {}
+    more = pd.concat([_samples(0, 40, "2026-11-20"), _samples(40, 40, "2026-11-21")], ignore_index=True)
+    what = "manifest.json" if lost == "v1/" else lost
+    for attempt in (
+        lambda: freeze_eval_set(more, tiny_tokenizer, root, 1, 0.25, 128, log=lambda m: None),
+        lambda: load_eval_set(root, 1),
+    ):
+        with pytest.raises(ValueError) as error:
+            attempt()
+        message = str(error.value)
+        assert "eval set v1" in message and what in message and "missing" in message, message
+        assert "restore" in message and "eval_set.version" in message, message
+        assert "materialize the eval_set" not in message, message
+    assert ({p.name: p.read_bytes() for p in directory.glob("*")} if directory.exists() else {}) == left
+    # a new version is the way forward, and it is frozen from the data known now
+    v2 = freeze_eval_set(more, tiny_tokenizer, root, 2, 0.25, 128, log=lambda m: None)
+    assert (
+        v2["examples"] > v1["examples"] and load_eval_set(root, 2)["content_sha256"] == v2["content_sha256"]
+    )
+
+
+def test_a_truncated_manifest_is_an_error_naming_it(tiny_tokenizer, tmp_path: Path) -> None:
+    root = str(tmp_path / "eval_sets")
+    _frozen_v1(tiny_tokenizer, root)
+    manifest = Path(root) / "v1" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[: len(manifest.read_bytes()) // 2])
+    for attempt in (
+        lambda: load_eval_set(root, 1),
+        lambda: _frozen_v1(tiny_tokenizer, root),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"eval set v1: its manifest {manifest} is unreadable .*restore"
+        ):
+            attempt()
+
+
+def test_an_evaluation_whose_examples_file_was_deleted_says_it_is_missing(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """The evaluation's own message (eval_report), not "none has been frozen ... materialize it first"."""
+    import dagster as dg
+
+    from nexa_dagster.assets.evaluation import frozen_eval_set
+    from nexa_dagster.resources.storage import StorageResource
+
+    storage = StorageResource(data_root=str(tmp_path / "data"), results_root=str(tmp_path / "results"))
+    _frozen_v1(tiny_tokenizer, storage.path("eval_sets"))
+    (Path(storage.path("eval_sets")) / "v1" / "examples.parquet").unlink()
+    with pytest.raises(dg.Failure) as failure:
+        frozen_eval_set(storage, 1, "ckpt-1")
+    message = str(failure.value)
+    assert f"{storage.path('eval_sets', 'v1', 'examples.parquet')} is missing" in message, message
+    assert "Materialize it first" not in message and "has been frozen" not in message, message
+
+
+def test_the_versions_content_hash_is_the_same_for_the_same_data_only(tiny_tokenizer, tmp_path: Path) -> None:
+    """Two reports that say v1 measured the same data exactly when their content hashes agree: the same samples
+    frozen in another data root give the same hash, other samples another one."""
+    a = _frozen_v1(tiny_tokenizer, str(tmp_path / "a"))
+    b = _frozen_v1(tiny_tokenizer, str(tmp_path / "b"))
+    assert len(a["content_sha256"]) == 64 and a["content_sha256"] == b["content_sha256"]
+    assert load_eval_set(str(tmp_path / "a"), 1)["content_sha256"] == a["content_sha256"]
+    other = freeze_eval_set(
+        _samples(40, 40, "2026-11-21"), tiny_tokenizer, str(tmp_path / "c"), 1, 0.25, 128, log=lambda m: None
+    )
+    assert other["content_sha256"] != a["content_sha256"]
+    manifest = json.loads((tmp_path / "a" / "v1" / "manifest.json").read_text())
+    assert manifest["content_sha256"] == a["content_sha256"]

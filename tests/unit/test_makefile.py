@@ -1,0 +1,61 @@
+"""`make install` and a checkout that moved: a ``.venv`` built at another path (its scripts' shebangs and the
+editable install point there) is rebuilt, one built here is left alone. The project's real Makefile, run by
+`make -n` (what it would do) in a copy of the checkout's files, with ``.venv`` files as a build leaves them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nexa_dagster.core.common.config import REPO_ROOT
+
+
+def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
+    """A checkout at ``tmp_path/checkout`` with a ``.venv`` built at ``built_at`` (its pip's shebang), whose stamp
+    holds ``stamp`` (None: no stamp, an empty string: the stamp older makes wrote)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("Makefile", "pyproject.toml", "dagster.yaml"):
+        shutil.copy(REPO_ROOT / name, checkout / name)
+    if built_at is not None:
+        (checkout / ".venv" / "bin").mkdir(parents=True)
+        (checkout / ".venv" / "bin" / "pip").write_text(
+            f"#!{built_at}/.venv/bin/python3.11\nimport sys\nfrom pip._internal.cli.main import main\n"
+        )
+    if stamp is not None:
+        (checkout / ".venv" / ".installed").write_text(f"{stamp}\n" if stamp else "")
+    earlier = time.time() - 60  # pyproject.toml older than the stamp: only the path can make the .venv stale
+    os.utime(checkout / "pyproject.toml", (earlier, earlier))
+    return checkout
+
+
+def _dry_run(checkout: Path) -> str:
+    proc = subprocess.run(
+        ["make", "-n", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, check=True
+    )
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("stamp", ["elsewhere", "old-empty-stamp"])
+def test_a_venv_built_for_another_path_is_rebuilt(tmp_path: Path, stamp: str) -> None:
+    elsewhere = str(tmp_path / "old-place" / "checkout")
+    checkout = _checkout(tmp_path, elsewhere, elsewhere if stamp == "elsewhere" else "")
+    out = _dry_run(checkout)
+    assert "-m venv --clear .venv" in out, out  # from nothing: its scripts point at the old place
+    assert "install -q --disable-pip-version-check -e '.[dev]'" in out, out
+    assert f'echo "{checkout}" > .venv/.installed' in out, out
+    assert "not " + str(checkout) in out and "rebuilding it" in out, out
+
+
+@pytest.mark.parametrize("stamp", ["here", "old-empty-stamp"])
+def test_a_venv_built_here_is_left_alone(tmp_path: Path, stamp: str) -> None:
+    here = str(tmp_path / "checkout")
+    checkout = _checkout(tmp_path, here, here if stamp == "here" else "")
+    out = _dry_run(checkout)
+    assert "Nothing to be done for 'install'" in out, out
+    assert "pip install" not in out and "rebuilding" not in out, out
