@@ -13,6 +13,10 @@ same core functions the asset calls:
   (``day_inputs_from_partitions``, each validated against the ``FilteredSamples`` schema), and the snapshot is
   built from the content-addressed shard store (``build_sft_dataset_from_days``): only the new day's shard is
   tokenized and packed;
+Both check every row against the protected items first (the frozen eval set and benchmark items, 13-gram overlap,
+``core/packaging/decontaminate.py``): the incremental side as the asset does (the index built once, a night checks
+only its new day, earlier days read from their receipts), the baseline every day again.
+
 * **baseline** (the asset before): every partition is loaded into one DataFrame and validated, as the IO manager
   did, and the snapshot is packed from nothing (``incremental=False``: every shard of the history again).
 
@@ -145,6 +149,37 @@ def day_frame(n: int, samples: int) -> Any:
     )
 
 
+def protected_items() -> list[Any]:
+    """What no training may contain, as the pipeline protects it: a frozen eval set (300 examples, 40-120 words)
+    and benchmark items (200, 10-30 words), drawn from the same vocabulary as the days (another seed)."""
+    import numpy as np
+
+    from nexa_dagster.core.data.contamination import ProtectedItem
+
+    rng = np.random.default_rng(10_000)
+    words = np.array(WORDS)
+
+    def text(low: int, high: int) -> str:
+        return " ".join(words[rng.integers(0, len(words), size=int(rng.integers(low, high)))])
+
+    return [ProtectedItem("eval_set v1", f"e{i}", (text(40, 120),)) for i in range(300)] + [
+        ProtectedItem("benchmark:bench", f"b{i}", (text(10, 30),)) for i in range(200)
+    ]
+
+
+def decontaminated(inputs: list[Any], root: Path, out: str) -> list[Any]:
+    """``inputs`` checked against the protected items as ``sft_dataset`` checks them (13-grams, ``remove``): the
+    index built once under the data root; the receipts under ``out`` (a night checks only days without one)."""
+    from nexa_dagster.core.data.contamination import load_or_build
+    from nexa_dagster.core.packaging.decontaminate import chat_texts, decontaminate
+
+    index = load_or_build(str(root / "decontamination" / "indexes"), protected_items(), 13, 8)
+    kept, _ = decontaminate(
+        inputs, index, out, "remove", chat_texts(lambda s: [s]), "sample_id", lambda m: None
+    )
+    return kept
+
+
 def partition_path(root: Path, n: int) -> Path:
     return root / "assets" / "filtered_samples" / f"{day_name(n)}.parquet"
 
@@ -189,7 +224,7 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
     out = str(root / "sft")
     if mode == "incremental":
         parts = [(day_name(n), str(partition_path(root, n))) for n in range(1, days + 1)]
-        inputs = day_inputs_from_partitions(parts, out, validate=validate)
+        inputs = decontaminated(day_inputs_from_partitions(parts, out, validate=validate), root, out)
         dataset, _ = build_sft_dataset_from_days(inputs, tokenizer, tokenizer_dir, out, **kw)
     else:
         import pandas as pd
@@ -202,6 +237,10 @@ def package(root: Path, days: int, mode: str, workers: int, tokenizer_dir: str) 
             ignore_index=True,
         )
         FilteredSamples.validate(frame)
+        # the naive check: every day's rows against the index, every night (receipts in a folder of this night)
+        parts = [(day_name(n), str(partition_path(root, n))) for n in range(1, days + 1)]
+        with tempfile.TemporaryDirectory() as scratch:
+            decontaminated(day_inputs_from_partitions(parts, scratch), root, scratch)
         dataset, _ = build_sft_dataset(frame, tokenizer, tokenizer_dir, out, incremental=False, **kw)
     return {
         "samples": dataset.num_samples,
