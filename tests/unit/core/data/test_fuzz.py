@@ -19,23 +19,31 @@ from nexa_dagster.core.packaging.transforms import apply_transform, build_transf
 CASES = 150
 tried = {"ingest": 0, "transforms": 0}
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                        max_size=3), max_leaves=8)
-good_doc = st.fixed_dictionaries({"text": st.text(min_size=0, max_size=300)},
-                                 optional={"title": st.text(max_size=20) | st.none()})
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+good_doc = st.fixed_dictionaries(
+    {"text": st.text(min_size=0, max_size=300)}, optional={"title": st.text(max_size=20) | st.none()}
+)
 line = st.one_of(
-    good_doc.map(lambda d: json.dumps(d).encode()),                                         # a valid document
-    st.just(b""),                                                                           # blank line
-    st.binary(max_size=40),                                                                 # bytes, maybe not UTF-8
-    st.text(max_size=40).map(str.encode),                                                   # text, maybe not JSON
-    json_values.map(lambda v: json.dumps(v).encode()),                                      # JSON of any shape
-    st.fixed_dictionaries({"text": json_values}).map(lambda d: json.dumps(d).encode()),      # wrong type for text
+    good_doc.map(lambda d: json.dumps(d).encode()),  # a valid document
+    st.just(b""),  # blank line
+    st.binary(max_size=40),  # bytes, maybe not UTF-8
+    st.text(max_size=40).map(str.encode),  # text, maybe not JSON
+    json_values.map(lambda v: json.dumps(v).encode()),  # JSON of any shape
+    st.fixed_dictionaries({"text": json_values}).map(lambda d: json.dumps(d).encode()),  # wrong type for text
     st.integers(100_000, 300_000).map(lambda n: json.dumps({"text": "x" * n}).encode()),  # enormous row
 )
 
 
-@settings(max_examples=CASES, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=CASES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(lines=st.lists(line, max_size=12), duplicate=st.booleans())
 def test_ingest_ends_in_documents_or_an_error_naming_the_line(lines: list[bytes], duplicate: bool) -> None:
     tried["ingest"] += 1
@@ -69,7 +77,11 @@ def test_ingest_ends_in_documents_or_an_error_naming_the_line(lines: list[bytes]
             frame = ingest_day(day, "2026-11-20", max_docs=None, max_chars=1_000_000)
         except IngestError as e:
             message = str(e)
-            assert str(path) in message or "no documents landed" in message or "no non-empty documents" in message
+            assert (
+                str(path) in message
+                or "no documents landed" in message
+                or "no non-empty documents" in message
+            )
             if first_bad is not None:
                 assert f"{path}:{first_bad}:" in message, (message, first_bad)
             return
@@ -84,20 +96,37 @@ def _first(record: dict, names: tuple[str, ...]) -> object:
     return next((record[n] for n in names if record.get(n) is not None), None)
 
 
-records = st.dictionaries(st.sampled_from(["input", "output", "system", "messages", "conversations", "id", "x"]),
-                          json_values | st.lists(st.dictionaries(st.sampled_from(["role", "content", "from",
-                                                                                  "value"]),
-                                                                 st.text(max_size=12) | st.sampled_from(
-                                                                     ["user", "assistant", "system", "human", "gpt"]),
-                                                                 max_size=3), max_size=4), max_size=5)
-specs = st.sampled_from(["sft", "openai_chat", "sharegpt", "passthrough", {"select": ["id", "x"]},
-                         {"rename": {"x": "y"}}, ["passthrough", {"select": ["input", "output"]}, "sft"]])
+records = st.dictionaries(
+    st.sampled_from(["input", "output", "system", "messages", "conversations", "id", "x"]),
+    json_values
+    | st.lists(
+        st.dictionaries(
+            st.sampled_from(["role", "content", "from", "value"]),
+            st.text(max_size=12) | st.sampled_from(["user", "assistant", "system", "human", "gpt"]),
+            max_size=3,
+        ),
+        max_size=4,
+    ),
+    max_size=5,
+)
+specs = st.sampled_from(
+    [
+        "sft",
+        "openai_chat",
+        "sharegpt",
+        "passthrough",
+        {"select": ["id", "x"]},
+        {"rename": {"x": "y"}},
+        ["passthrough", {"select": ["input", "output"]}, "sft"],
+    ]
+)
 
 
 @settings(max_examples=CASES, deadline=None, derandomize=True)
 @given(record=records, spec=specs, raw_junk=st.binary(max_size=30))
-def test_transforms_end_in_a_record_or_a_quarantined_row_with_a_reason(record: dict, spec: object,
-                                                                       raw_junk: bytes) -> None:
+def test_transforms_end_in_a_record_or_a_quarantined_row_with_a_reason(
+    record: dict, spec: object, raw_junk: bytes
+) -> None:
     tried["transforms"] += 1
     transform = build_transform(spec)
     out = apply_transform(transform, record, "chat.jsonl:7", on_error="quarantine")
@@ -112,8 +141,13 @@ def test_transforms_end_in_a_record_or_a_quarantined_row_with_a_reason(record: d
     # the same record arriving as a raw line, possibly with junk bytes after it
     import io
 
-    rows = list(iter_jsonl(io.BytesIO(json.dumps(record).encode() + b"\n" + raw_junk + b"\n"), "chat.jsonl",
-                           on_error="quarantine"))
+    rows = list(
+        iter_jsonl(
+            io.BytesIO(json.dumps(record).encode() + b"\n" + raw_junk + b"\n"),
+            "chat.jsonl",
+            on_error="quarantine",
+        )
+    )
     assert isinstance(rows[0][1], dict)
     assert all(isinstance(r, dict) or (isinstance(r, BadRow) and r.reason) for _, r in rows)
 

@@ -80,7 +80,8 @@ def test_wrong_column_type_names_row_and_field(tmp_path: Path) -> None:
     day = tmp_path / "2026-01-07"
     day.mkdir()
     pd.DataFrame({"text": ["fine", None, "x"], "title": ["a", "b", "c"]}).assign(
-        text=lambda d: d["text"].astype(object)).to_parquet(day / "t.parquet")
+        text=lambda d: d["text"].astype(object)
+    ).to_parquet(day / "t.parquet")
     (day / "u.jsonl").write_text(json.dumps({"text": 42}) + "\n")
     with pytest.raises(IngestError, match=r"row 1: no text field|u\.jsonl:1: field 'text' must be a string"):
         ingest_day(day, "2026-01-07", max_docs=None, max_chars=100)
@@ -110,11 +111,18 @@ def test_a_byte_order_mark_and_crlf_are_accepted(tmp_path: Path) -> None:
     (day / "windows.jsonl").write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
     (day / "notes.txt").write_bytes(b"\xef\xbb\xbfthird\r\n")
     docs = ingest_day(day, "2026-01-09", max_docs=None, max_chars=100)
-    assert docs["text"].tolist() == ["third", "first", "second"] and docs["title"].tolist() == ["notes", "T", ""]
+    assert docs["text"].tolist() == ["third", "first", "second"] and docs["title"].tolist() == [
+        "notes",
+        "T",
+        "",
+    ]
 
     from nexa_dagster.core.common.jsonl import parse_line  # packaging's reader too
 
-    assert parse_line(b"\xef\xbb\xbf" + lines[0].encode() + b"\r\n", "windows.jsonl:1") == {"title": "T", "text": "first"}
+    assert parse_line(b"\xef\xbb\xbf" + lines[0].encode() + b"\r\n", "windows.jsonl:1") == {
+        "title": "T",
+        "text": "first",
+    }
 
 
 def test_a_json_error_reads_once_at_its_column(tmp_path: Path) -> None:
@@ -131,16 +139,30 @@ def test_quarantine_sets_bad_lines_aside_with_file_line_and_reason(tmp_path: Pat
 
     day = tmp_path / "2026-01-11"
     day.mkdir()
-    (day / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join([
-        json.dumps({"text": "good one"}).encode(), b'{"text": broken}', b'["a list"]', b'{"text": 42}',
-        b'{"text": "caf\xe9"}', json.dumps({"text": "good two"}).encode()]) + b"\n")
+    (day / "a.jsonl").write_bytes(
+        b"\xef\xbb\xbf"
+        + b"\n".join(
+            [
+                json.dumps({"text": "good one"}).encode(),
+                b'{"text": broken}',
+                b'["a list"]',
+                b'{"text": 42}',
+                b'{"text": "caf\xe9"}',
+                json.dumps({"text": "good two"}).encode(),
+            ]
+        )
+        + b"\n"
+    )
     (day / "b.parquet").write_bytes(b"PAR1 not really")
     got = read_day(day, "2026-01-11", max_docs=None, max_chars=100, on_error="quarantine")
     assert got.documents["text"].tolist() == ["good one", "good two"]
     assert [(b.where, b.reason.split(" (")[0]) for b in got.quarantined] == [
-        ("2026-01-11/a.jsonl:2", "malformed JSON"), ("2026-01-11/a.jsonl:3", "expected a JSON object, got list"),
+        ("2026-01-11/a.jsonl:2", "malformed JSON"),
+        ("2026-01-11/a.jsonl:3", "expected a JSON object, got list"),
         ("2026-01-11/a.jsonl:4", "field 'text' must be a string, got int"),
-        ("2026-01-11/a.jsonl:5", "not valid UTF-8"), ("2026-01-11/b.parquet", "unreadable Parquet")]
+        ("2026-01-11/a.jsonl:5", "not valid UTF-8"),
+        ("2026-01-11/b.parquet", "unreadable Parquet"),
+    ]
     assert got.quarantined[0].raw == '{"text": broken}'
     with pytest.raises(IngestError, match=r"a\.jsonl:2: malformed JSON"):  # raise stays the default
         read_day(day, "2026-01-11", max_docs=None, max_chars=100)
