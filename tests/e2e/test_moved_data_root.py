@@ -50,6 +50,8 @@ def _all_ok(results: list[dict]) -> None:
     assert not failed, failed
 
 
+# two runs of the jobs (pretraining, two trainings, two evaluations): about 7 minutes on a loaded 2-core machine
+@pytest.mark.timeout(1800)
 def test_a_moved_data_root_keeps_production_and_scores_promotes_and_serves_from_the_new_place(
     tmp_path: Path,
 ) -> None:
