@@ -30,7 +30,10 @@ OPTIONAL_COLUMNS = (
     "labels",
 )  # written by packaging since packed-sft-parquet/3; computed here for older data
 LOSS_TOKENS = "loss_tokens"  # a micro-batch's learned-token count, added by micro_batches
-HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
+REAL_TOKENS = (
+    "real_tokens"  # a preference micro-batch's non-padding tokens (core/training/preference_data.py)
+)
+HOST_KEYS = {LOSS_TOKENS, REAL_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
 
 
 def load_packed(path: str) -> Batch:
