@@ -1,28 +1,34 @@
 """DPO in the project's training worker: its throughput against SFT and TRL, and whether it learns a preference.
 
-    .venv/bin/python bench/preference.py [--work DIR] [--steps 150] [--train-pairs 1200] [--val-pairs 400]
+    .venv/bin/python bench/preference.py [--work DIR] [--steps 100] [--train-pairs 1200] [--val-pairs 400]
 
-One run, same machine, the tiny preset (a random tiny Mixtral built here, the project's tokenizer), all three
-sides on exactly the same token ids and batch shapes, CPU, fp32, one process each:
+One run, one machine, the tiny preset (a random tiny Mixtral built here with the project's tokenizer), CPU, fp32:
 
-* ``dpo``: the project's worker (``python -m nexa_dagster.core.training.worker``, ``data_kind: preference``, the
-  DeepSpeed engine, ZeRO-1), ``--micro`` pairs per step (``2 x micro`` rows), the reference log-probabilities
-  precomputed by the worker before its loop (their time is reported apart);
-* ``sft``: the same worker and model on packed SFT rows that are the DPO batch's rows (prompt + chosen and
-  prompt + rejected, one per row, loss on the completion), ``2 x micro`` rows per step: the same tensors, the LM
-  loss instead of DPO's;
-* ``trl``: TRL 1.16 ``DPOTrainer`` (the dev extra) on ``transformers.MixtralForCausalLM`` with the same weights,
-  the same pairs as pre-tokenized rows with the worker's reference values, ``per_device_train_batch_size=micro``,
-  the router aux loss at the preset's 0.02 as in the worker.
+1. ``dpo`` learning run: the project's worker (``python -m nexa_dagster.core.training.worker``, ``data_kind:
+   preference``, DeepSpeed ZeRO-1) trains ``--steps`` steps of ``--micro`` pairs; before its loop it computes and
+   stores the reference log-probabilities (their time is reported apart). Its held-out reward accuracy (the share
+   of validation pairs whose chosen reward is above the rejected one) is reported with its Wilson 95% interval.
+2. Throughput, three sides stepped in turn in one process, so that all three see the same machine load step for
+   step (on a shared machine, runs one after the other measure the other tenants as much as the code):
+   * ``dpo``: the worker's own functions (``build_model``/``build_engine``, ``pair_batches`` through the
+     prefetching loader, ``preference_step``) with the reference values the learning run stored;
+   * ``sft``: the worker's SFT path (``micro_batches``, ``optimizer_step``) on packed rows that are the DPO batch's
+     rows (prompt + chosen and prompt + rejected, one per row, loss on the completion), ``2 x micro`` rows a step:
+     the same tensors, the LM loss instead of DPO's;
+   * ``trl``: TRL 1.16 ``DPOTrainer`` (the dev extra) on ``transformers.MixtralForCausalLM`` with the same
+     weights, the same pairs as pre-tokenized rows with the same reference values, batches of ``micro`` pairs from
+     its own dataloader; a step is what ``Trainer.train`` runs per step: ``training_step`` (loss and backward),
+     gradient clipping, the optimizer and scheduler steps (the router aux loss at the preset's 0.02, as in the
+     worker).
+   tokens/s = a step's tokens over the median wall-clock step time (each side's first step left out); the ratios
+   of median CPU time per step (this process's, all threads) are reported too: less sensitive to the other
+   tenants of a shared machine.
 
 Every pair has the same length (a prompt of ``--prompt`` text tokens, a completion of ``--completion`` text tokens +
-the end of turn), so no side pays for padding and tokens/s compare like for like. tokens/s: steady state, the
-first step (allocations, warm-up) left out on every side.
-
-Learning: the chosen completion is the passage's next ``--completion`` tokens, the rejected one the same tokens in
-a shuffled order (same tokens, same length: only the order tells them apart); the held-out pairs come from other
-documents. Held-out reward accuracy = the share of validation pairs whose chosen reward is above the rejected one
-after training, with its Wilson 95% interval. The last line printed is one JSON object.
+the end of turn), so no side pays for padding and the three sides run the same batch shapes. The chosen completion
+is the passage's next ``--completion`` tokens, the rejected one the same tokens shuffled (only the order tells them
+apart); held-out pairs come from a third of the documents that no training pair uses, in windows that do not
+overlap (training windows overlap by half). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -75,13 +81,13 @@ def make_pairs(tokenizer, n_train: int, n_val: int, prompt_len: int, completion_
     docs = default_corpus()
     order = list(range(len(docs)))
     rng.shuffle(order)
-    val_docs, train_docs = order[: len(order) // 5], order[len(order) // 5 :]
+    val_docs, train_docs = order[: len(order) // 3], order[len(order) // 3 :]
 
-    def windows(doc_ids: list[int]) -> list[list[int]]:
+    def windows(doc_ids: list[int], stride: int) -> list[list[int]]:
         out = []
         for d in doc_ids:
             ids = [t for t in tokenizer.encode(docs[d], add_special_tokens=False) if t not in special]
-            out += [ids[s : s + span] for s in range(0, len(ids) - span, span)]
+            out += [ids[s : s + span] for s in range(0, len(ids) - span, stride)]
         rng.shuffle(out)
         return out
 
@@ -105,7 +111,11 @@ def make_pairs(tokenizer, n_train: int, n_val: int, prompt_len: int, completion_
             )
         return rows
 
-    return records(windows(train_docs), n_train, "train"), records(windows(val_docs), n_val, "heldout")
+    # training windows overlap by half; held-out ones do not (each held-out pair its own text)
+    return (
+        records(windows(train_docs, span // 2), n_train, "train"),
+        records(windows(val_docs, span), n_val, "heldout"),
+    )
 
 
 def write_pairs(records: list[dict], path: Path) -> str:
@@ -168,70 +178,6 @@ def steady_tokens_per_s(checkpoint: str) -> float:
     return float(np.median([m["tokens"] for m in later])) / float(np.median([m["step_s"] for m in later]))
 
 
-def interleaved_ratio(dpo_job: TrainingJob, sft_job: TrainingJob, steps: int) -> dict:
-    """DPO and SFT steps alternated in one process with the worker's own functions (model, engine, loaders,
-    ``preference_step``/``optimizer_step``): both sides see the same machine load, step for step."""
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoTokenizer
-
-    from nexa_dagster.core.training.data import Prefetcher, load_packed, micro_batches
-    from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
-    from nexa_dagster.core.training.nonfinite import NonFiniteGuard
-    from nexa_dagster.core.training.preference import preference_step
-    from nexa_dagster.core.training.preference_data import load_pairs, pair_batches, read_reference_logps
-    from nexa_dagster.core.training.worker import configure_environment
-
-    cpu = torch.device("cpu")
-    tokenizer = AutoTokenizer.from_pretrained(dpo_job.tokenizer_path)
-    pairs = load_pairs(dpo_job.train_path, tokenizer, 1 << 30)
-    reference_file = next(Path(dpo_job.train_path).parent.glob("ref_logps-*.parquet"))
-    meta = json.loads(reference_file.with_suffix(".json").read_text())
-    pairs.with_reference(
-        read_reference_logps(
-            str(reference_file), meta["reference_id"], meta["dataset_run_hash"], pairs.pair_ids
-        )
-    )
-    saved_environment = dict(os.environ)
-    configure_environment(
-        dpo_job
-    )  # a world of one (RANK, MASTER_PORT, ...): not for the processes started later
-    try:
-        engines = {
-            "dpo": build_engine(build_model(dpo_job, len(tokenizer), tokenizer), dpo_job, 1),
-            "sft": build_engine(build_model(sft_job, len(tokenizer), tokenizer), sft_job, 1),
-        }
-        loaders = {
-            "dpo": Prefetcher(pair_batches(pairs, dpo_job.settings.micro_batch_size, 0, 0, 1, 0), cpu),
-            "sft": Prefetcher(
-                micro_batches(load_packed(sft_job.train_path), sft_job.settings.micro_batch_size, 0, 0, 1),
-                cpu,
-            ),
-        }
-        guards = {k: NonFiniteGuard(e, cpu) for k, e in engines.items()}
-        control, times = Control(1), {"dpo": [], "sft": []}
-        for step in range(1, steps + 2):
-            for side in ("dpo", "sft") if step % 2 else ("sft", "dpo"):
-                start = time.perf_counter()
-                if side == "dpo":
-                    preference_step(
-                        engines[side], loaders[side], 1, control, guards[side], step, BETA, "sigmoid"
-                    )
-                else:
-                    optimizer_step(engines[side], loaders[side], 1, control, guards[side], step)
-                if step > 1:
-                    times[side].append(time.perf_counter() - start)
-        for loader in loaders.values():
-            loader.close()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved_environment)
-    dpo_s, sft_s = float(np.median(times["dpo"])), float(np.median(times["sft"]))
-    return {"dpo_step_s": dpo_s, "sft_step_s": sft_s, "dpo_vs_sft_interleaved": sft_s / dpo_s}
-
-
 def job_for(args: argparse.Namespace, model: Path, work: Path, run_id: str, **fields) -> TrainingJob:  # noqa: ANN003
     micro = fields.pop("micro")
     steps = fields.pop("steps")
@@ -261,19 +207,17 @@ def job_for(args: argparse.Namespace, model: Path, work: Path, run_id: str, **fi
     )
 
 
-# -- TRL --------------------------------------------------------------------------------------------------------
-def trl_side(args: argparse.Namespace) -> dict:
-    """TRL's DPOTrainer on the same model, pre-tokenized pairs and reference values; runs in its own process."""
+# -- throughput: three sides in turn ----------------------------------------------------------------------------
+def trl_trainer(model_dir: str, pairs_path: str, reference_path: str, micro: int, steps: int, lr: float):  # noqa: ANN201
+    """TRL's DPOTrainer on the same weights, the same pre-tokenized pairs and the same reference values."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, MixtralForCausalLM, TrainerCallback
+    from transformers import AutoTokenizer, MixtralForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    spec = json.loads(Path(args.trl_spec).read_text())
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = MixtralForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    records = pd.read_parquet(spec["pairs"])
-    reference = pd.read_parquet(spec["reference"]).set_index("pair_id").loc[records["pair_id"]]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = pd.read_parquet(pairs_path)
+    reference = pd.read_parquet(reference_path).set_index("pair_id").loc[records["pair_id"]]
     data = Dataset.from_dict(
         {
             "prompt_ids": [list(map(int, v)) for v in records["prompt_input_ids"]],
@@ -283,21 +227,16 @@ def trl_side(args: argparse.Namespace) -> dict:
             "ref_rejected_logps": reference["ref_rejected_logps"].astype("float32").tolist(),
         }
     )
-    stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-            stamps.append(time.perf_counter())
-
     config = DPOConfig(
-        output_dir=spec["output_dir"],
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
         beta=BETA,
         loss_type=["sigmoid"],
         router_aux_loss_coef=AUX_COEF,
         precompute_ref_log_probs=False,
-        per_device_train_batch_size=spec["micro"],
-        max_steps=spec["steps"],
-        learning_rate=spec["lr"],
+        per_device_train_batch_size=micro,
+        max_steps=steps,
+        learning_rate=lr,
+        max_grad_norm=1.0,
         bf16=False,  # TRL's defaults (bf16 autocast, gradient checkpointing) off: fp32 like the worker on CPU
         gradient_checkpointing=False,
         use_cpu=True,
@@ -309,7 +248,7 @@ def trl_side(args: argparse.Namespace) -> dict:
         disable_tqdm=True,
         max_length=None,
     )
-    conversational = [  # DPOTrainer prepares its dataset at construction: one placeholder row, replaced below
+    placeholder = [  # DPOTrainer tokenizes its dataset when built: one conversational row, replaced below
         {
             "prompt": [{"role": "user", "content": "hi"}],
             "chosen": [{"role": "assistant", "content": "a"}],
@@ -317,22 +256,108 @@ def trl_side(args: argparse.Namespace) -> dict:
         }
     ]
     trainer = DPOTrainer(
-        model=model,
-        ref_model=MixtralForCausalLM.from_pretrained(spec["model"], dtype=torch.float32),
+        model=MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        ref_model=MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         args=config,
-        train_dataset=Dataset.from_list(conversational),
+        train_dataset=Dataset.from_list(placeholder),
         processing_class=tokenizer,
-        callbacks=[Clock()],
     )
     trainer.train_dataset = data
-    trainer.precompute_ref_logps = True  # the reference values come with the rows (never the ref model)
-    trainer.train()
-    tokens_per_step = 2 * spec["micro"] * spec["row_tokens"]
+    trainer.precompute_ref_logps = True  # the reference values come with the rows (the ref model never runs)
+    config_ = trainer.model.config
+    implementation = (
+        f"experts {getattr(config_, '_experts_implementation', None) or 'default'}, attention "
+        f"{getattr(config_, '_attn_implementation', None) or 'default'}"
+    )
+    return trainer, implementation
+
+
+def interleaved(dpo_job: TrainingJob, sft_job: TrainingJob, steps: int) -> dict:
+    """TRL's ``trainer.train()`` drives; after each of its steps a callback runs one step of the worker's DPO and one
+    of its SFT (each timed); a TRL step is the time between two callbacks. Median step time per side."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from nexa_dagster.core.training.data import Prefetcher, load_packed, micro_batches
+    from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
+    from nexa_dagster.core.training.nonfinite import NonFiniteGuard
+    from nexa_dagster.core.training.preference import preference_step
+    from nexa_dagster.core.training.preference_data import load_pairs, pair_batches, read_reference_logps
+    from nexa_dagster.core.training.worker import configure_environment
+
+    cpu = torch.device("cpu")
+    micro = dpo_job.settings.micro_batch_size
+    tokenizer = AutoTokenizer.from_pretrained(dpo_job.tokenizer_path)
+    pairs = load_pairs(dpo_job.train_path, tokenizer, 1 << 30)
+    reference_file = next(Path(dpo_job.train_path).parent.glob("ref_logps-*.parquet"))
+    meta = json.loads(reference_file.with_suffix(".json").read_text())
+    pairs.with_reference(
+        read_reference_logps(
+            str(reference_file), meta["reference_id"], meta["dataset_run_hash"], pairs.pair_ids
+        )
+    )
+    trainer, trl_implementation = trl_trainer(  # built before DeepSpeed's world of one is in the environment
+        dpo_job.init_from,
+        dpo_job.train_path,
+        str(reference_file),
+        micro,
+        steps + 1,
+        dpo_job.settings.learning_rate,
+    )
+    saved_environment = dict(os.environ)
+    configure_environment(dpo_job)  # RANK, MASTER_PORT, ...: for this process only
+    times: dict[str, list[float]] = {"dpo": [], "sft": [], "trl": []}
+    cpu_times: dict[str, list[float]] = {"dpo": [], "sft": [], "trl": []}  # this process's CPU seconds
+    try:
+        engines = {
+            "dpo": build_engine(build_model(dpo_job, len(tokenizer), tokenizer), dpo_job, 1),
+            "sft": build_engine(build_model(sft_job, len(tokenizer), tokenizer), sft_job, 1),
+        }
+        loaders = {
+            "dpo": Prefetcher(pair_batches(pairs, micro, 0, 0, 1, tokenizer.pad_token_id), cpu),
+            "sft": Prefetcher(micro_batches(load_packed(sft_job.train_path), 2 * micro, 0, 0, 1), cpu),
+        }
+        guards = {k: NonFiniteGuard(e, cpu) for k, e in engines.items()}
+        control = Control(1)
+        run = {
+            "dpo": lambda step: preference_step(
+                engines["dpo"], loaders["dpo"], 1, control, guards["dpo"], step, BETA, "sigmoid"
+            ),
+            "sft": lambda step: optimizer_step(
+                engines["sft"], loaders["sft"], 1, control, guards["sft"], step
+            ),
+        }
+
+        class Interleave(TrainerCallback):
+            left_at: tuple[float, float] | None = None
+
+            def on_step_end(self, args, state, control_, **kwargs) -> None:  # noqa: ANN001, ANN003
+                arrived = (time.perf_counter(), time.process_time())
+                if self.left_at is not None:  # TRL's step 1 (from train()'s start) is left out, as ours
+                    times["trl"].append(arrived[0] - self.left_at[0])
+                    cpu_times["trl"].append(arrived[1] - self.left_at[1])
+                for side in ("dpo", "sft") if state.global_step % 2 else ("sft", "dpo"):
+                    start = (time.perf_counter(), time.process_time())
+                    run[side](state.global_step)
+                    if state.global_step > 1:
+                        times[side].append(time.perf_counter() - start[0])
+                        cpu_times[side].append(time.process_time() - start[1])
+                self.left_at = (time.perf_counter(), time.process_time())
+
+        trainer.add_callback(Interleave())
+        trainer.train()
+        for loader in loaders.values():
+            loader.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_environment)
     return {
-        "trl_tokens_per_s": tokens_per_step / float(np.median(np.diff(stamps))),  # step 1 left out
-        "trl_steps": len(stamps),
-        "trl_experts_implementation": str(getattr(model.config, "_experts_implementation", "default")),
-        "trl_attn_implementation": str(getattr(model.config, "_attn_implementation", "default")),
+        "step_s": {k: float(np.median(v)) for k, v in times.items()},
+        "step_cpu_s": {k: float(np.median(v)) for k, v in cpu_times.items()},
+        "trl_implementation": trl_implementation,
     }
 
 
@@ -340,21 +365,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="", help="working folder (default: a temporary one)")
     parser.add_argument("--steps", type=int, default=100, help="DPO steps (the learning run)")
-    parser.add_argument("--throughput-steps", type=int, default=30, help="SFT and TRL steps")
-    parser.add_argument(
-        "--interleaved-steps", type=int, default=15, help="DPO and SFT steps each, alternated"
-    )
+    parser.add_argument("--throughput-steps", type=int, default=20, help="timed steps of each side")
     parser.add_argument("--train-pairs", type=int, default=1200)
     parser.add_argument("--val-pairs", type=int, default=400)
     parser.add_argument("--micro", type=int, default=8, help="pairs per step (2x rows)")
     parser.add_argument("--prompt", type=int, default=24, help="prompt text tokens")
     parser.add_argument("--completion", type=int, default=24, help="completion text tokens")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--trl-spec", default="", help=argparse.SUPPRESS)  # the TRL side's own process
     args = parser.parse_args()
-    if args.trl_spec:
-        print(json.dumps(trl_side(args)), flush=True)
-        return
 
     from transformers import AutoTokenizer
 
@@ -377,26 +395,7 @@ def main() -> None:
         flush=True,
     )
 
-    # SFT: the same rows, the LM loss
-    sft_rows = write_sft_rows(train[: args.micro * args.throughput_steps], work / "sft" / "train.parquet")
-    sft_job = job_for(
-        args,
-        model,
-        work,
-        "sft",
-        micro=2 * args.micro,
-        steps=args.throughput_steps,
-        train_path=sft_rows,
-        validation_path=write_sft_rows(heldout[:8], work / "sft" / "validation.parquet"),
-    )
-    sft, _, sft_wall = run_worker(sft_job, work)
-    sft_tps = steady_tokens_per_s(sft.checkpoint_dir)
-    loads["after_sft"] = load()
-    print(
-        f"sft  {args.throughput_steps} steps: {sft_tps:,.0f} tokens/s (process {sft_wall:.0f} s)", flush=True
-    )
-
-    # DPO: the project's worker, reference values computed before its loop
+    # 1. the learning run: the project's worker, reference values computed before its loop
     dpo_job = job_for(
         args,
         model,
@@ -411,51 +410,43 @@ def main() -> None:
         dataset_run_hash="bench0001",
     )
     dpo, out, dpo_wall = run_worker(dpo_job, work)
-    dpo_tps = steady_tokens_per_s(dpo.checkpoint_dir)
-    loads["after_dpo"] = load()
+    worker_tps = steady_tokens_per_s(dpo.checkpoint_dir)
+    loads["after_learning_run"] = load()
     reference_line = next(line for line in out.splitlines() if line.startswith("reference log-probabilities"))
     reference_s = float(reference_line.split(" computed in ")[1].split(" s ")[0])
     print(
-        f"dpo  {args.steps} steps: {dpo_tps:,.0f} tokens/s (process {dpo_wall:.0f} s; reference values of "
-        f"{len(train) + len(heldout)} pairs {reference_s:.1f} s), loss {dpo.first_loss:.4f} -> {dpo.final_loss:.4f}",
+        f"dpo worker, {args.steps} steps: loss {dpo.first_loss:.4f} -> {dpo.final_loss:.4f}, {worker_tps:,.0f} "
+        f"tokens/s (median step), process {dpo_wall:.0f} s, reference values of {len(train) + len(heldout)} pairs "
+        f"{reference_s:.1f} s",
         flush=True,
     )
 
-    # DPO and SFT alternated step by step in one process (the same load on both)
-    interleaved = interleaved_ratio(dpo_job, sft_job, args.interleaved_steps)
-    loads["after_interleaved"] = load()
-    print(
-        f"interleaved {args.interleaved_steps} + {args.interleaved_steps} steps: DPO step "
-        f"{interleaved['dpo_step_s'] * 1000:.0f} ms, SFT step {interleaved['sft_step_s'] * 1000:.0f} ms (medians): "
-        f"DPO/SFT {interleaved['dpo_vs_sft_interleaved']:.2f}x",
-        flush=True,
+    # 2. throughput: DPO, SFT (the same rows, the LM loss) and TRL stepped in turn
+    sft_rows = write_sft_rows(
+        train[: args.micro * (args.throughput_steps + 1)], work / "sft" / "train.parquet"
     )
-
-    # TRL: its own process, the worker's reference values
-    reference_file = next(snapshot.glob("ref_logps-*.parquet"))
-    spec = {
-        "model": str(model),
-        "pairs": train_path,
-        "reference": str(reference_file),
-        "micro": args.micro,
-        "steps": args.throughput_steps,
-        "lr": args.lr,
-        "row_tokens": row_tokens,
-        "output_dir": str(work / "trl"),
-    }
-    (work / "trl.json").write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, __file__, "--trl-spec", str(work / "trl.json")], capture_output=True, text=True
+    sft_job = job_for(
+        args,
+        model,
+        work,
+        "sft",
+        micro=2 * args.micro,
+        steps=args.throughput_steps + 1,
+        train_path=sft_rows,
+        validation_path=sft_rows,
     )
-    if proc.returncode != 0:
-        raise SystemExit(f"TRL side failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    trl = json.loads(proc.stdout.strip().splitlines()[-1])
-    loads["after_trl"] = load()
-    print(
-        f"trl  {trl['trl_steps']} steps: {trl['trl_tokens_per_s']:,.0f} tokens/s (experts "
-        f"{trl['trl_experts_implementation']}, attention {trl['trl_attn_implementation']})",
-        flush=True,
-    )
+    measured = interleaved(dpo_job, sft_job, args.throughput_steps)
+    loads["after_throughput"] = load()
+    step_tokens = 2 * args.micro * row_tokens
+    tps = {side: step_tokens / seconds for side, seconds in measured["step_s"].items()}
+    cpu = measured["step_cpu_s"]
+    for side in ("dpo", "sft", "trl"):
+        print(
+            f"{side:4s} {measured['step_s'][side] * 1000:6.1f} ms/step, {tps[side]:8,.0f} tokens/s (median of "
+            f"{args.throughput_steps}; CPU {cpu[side] * 1000:6.1f} ms/step)"
+            + (f" ({measured['trl_implementation']})" if side == "trl" else ""),
+            flush=True,
+        )
 
     n = dpo.validation_pairs or 0
     accuracy = dpo.reward_accuracy or 0.0
@@ -463,19 +454,20 @@ def main() -> None:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(
         f"held-out reward accuracy {accuracy:.3f} (95% Wilson [{low:.3f}, {high:.3f}], n={n}), margin "
-        f"{dpo.reward_margin:.4f}; DPO/SFT {dpo_tps / sft_tps:.2f}x, DPO/TRL {dpo_tps / trl['trl_tokens_per_s']:.2f}x; "
+        f"{dpo.reward_margin:.4f}; DPO/SFT {tps['dpo'] / tps['sft']:.2f}x, DPO/TRL {tps['dpo'] / tps['trl']:.2f}x; "
         f"uptime: {uptime}",
         flush=True,
     )
     print(
         json.dumps(
             {
-                "dpo_tokens_per_s": round(dpo_tps, 1),
-                "sft_tokens_per_s": round(sft_tps, 1),
-                "trl_tokens_per_s": round(trl["trl_tokens_per_s"], 1),
-                "dpo_vs_sft": round(dpo_tps / sft_tps, 3),
-                "dpo_vs_sft_interleaved": round(interleaved["dpo_vs_sft_interleaved"], 3),
-                "dpo_vs_trl": round(dpo_tps / trl["trl_tokens_per_s"], 3),
+                "dpo_tokens_per_s": round(tps["dpo"], 1),
+                "sft_tokens_per_s": round(tps["sft"], 1),
+                "trl_tokens_per_s": round(tps["trl"], 1),
+                "dpo_vs_sft": round(tps["dpo"] / tps["sft"], 3),
+                "dpo_vs_trl": round(tps["dpo"] / tps["trl"], 3),
+                "dpo_vs_sft_cpu_time": round(cpu["sft"] / cpu["dpo"], 3),
+                "dpo_vs_trl_cpu_time": round(cpu["trl"] / cpu["dpo"], 3),
                 "heldout_reward_accuracy": round(accuracy, 4),
                 "heldout_reward_accuracy_ci": [round(low, 4), round(high, 4)],
                 "heldout_reward_margin": round(dpo.reward_margin or 0.0, 5),
@@ -485,8 +477,10 @@ def main() -> None:
                 "throughput_steps": args.throughput_steps,
                 "pairs_per_step": args.micro,
                 "row_tokens": row_tokens,
+                "dpo_worker_process_tokens_per_s": round(worker_tps, 1),
                 "reference_logps_s": reference_s,
                 "load": loads,
+                "uptime": uptime,
                 "cpus": os.cpu_count(),
             }
         )
