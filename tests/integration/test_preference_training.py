@@ -187,7 +187,8 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
     """One optimizer step of the worker's loop on the real DeepSpeed engine (one gloo rank), 8 pairs, with the tiny
     preset's router_aux_loss_coef 0.02 and with 0: the objective differs by exactly 0.02 x the aux loss, the DPO
     part not at all; the aux loss is Mixtral's load-balancing loss with the padding left out (it differs from the
-    one over every slot), and the engine's gradient is that of mean DPO loss + 0.02 x aux."""
+    one over every slot), and the engine's gradient is that of mean DPO loss + 0.02 x aux. A NaN loss then raises
+    before its update, and no weight moves."""
     import torch
     import torch.distributed as dist
 
@@ -249,6 +250,23 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
                     "sigmoid",
                 )
                 norms[coef] = float(engine.get_global_grad_norm())
+            # a non-finite loss never reaches the weights (SFT's NonFiniteGuard): the step raises, nothing moves
+            before = [p.detach().clone() for p in engine.module.parameters()]
+            with pytest.raises(
+                FloatingPointError, match="non-finite loss at step 2 .caught before its update"
+            ):
+                preference_step(
+                    engine,
+                    iter([batch]),
+                    1,
+                    Control(1),
+                    NonFiniteGuard(engine, torch.device("cpu")),
+                    2,
+                    BETA,
+                    "sigmoid",
+                    poison=True,
+                )
+            assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -103,3 +103,39 @@ def test_the_reference_file_is_refused_for_other_pairs_or_another_dataset(tmp_pa
         read_reference_logps(path, "sha256:cd", "run1", ["a"])
     (tmp_path / "ref_logps-sha256-ab.json").unlink()  # a writer killed before its sidecar: computed again
     assert read_reference_logps(path, "sha256:ab", "run1", ["a"]) is None
+
+
+def test_a_preference_job_needs_the_checkpoint_it_starts_from() -> None:
+    """DPO starts from an SFT checkpoint, which is also its default reference: a job without one is refused."""
+    from pydantic import ValidationError
+
+    from nexa_dagster.core.common.config import TrainingSettings
+    from nexa_dagster.core.training.job import TrainingJob
+
+    fields = {
+        "run_id": "dpo",
+        "train_path": "t",
+        "validation_path": "v",
+        "tokenizer_path": "tok",
+        "model_preset": "tiny",
+        "deepspeed_config": {},
+        "settings": TrainingSettings(
+            max_steps=1,
+            micro_batch_size=1,
+            gradient_accumulation_steps=1,
+            learning_rate=1e-3,
+            warmup_steps=0,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            log_every=1,
+            num_procs=1,
+        ),
+        "output_dir": "out",
+        "data_kind": "preference",
+    }
+    with pytest.raises(ValidationError, match="a preference .DPO. job needs init_from"):
+        TrainingJob(**fields)
+    job = TrainingJob(**fields, init_from="/models/sft")
+    assert (job.dpo_beta, job.dpo_loss, job.reference_path) == (0.1, "sigmoid", "")
+    with pytest.raises(ValidationError):
+        TrainingJob(**fields, init_from="/models/sft", dpo_loss="ipo")
