@@ -304,8 +304,8 @@ def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
     tmp_path: Path, teacher_dir: Path, tokenizer: Any
 ) -> None:
     """2 gloo ranks under torchrun, 12 training pairs (2 per rank per step), state every 3 steps. An uninterrupted
-    run; then a run on a copy of the snapshot killed with SIGKILL (the whole torchrun group) during step 7, after
-    its state of step 6, and relaunched: the relaunch reads the reference values its first attempt computed and
+    run, and beside it a run on a copy of the snapshot killed with SIGKILL (the whole torchrun group) during step 7,
+    after its state of step 6, then relaunched: the relaunch reads the reference values its first attempt computed and
     gives the uninterrupted run's loss, reward metrics and grad norm at every step; both save a complete checkpoint
     that reports the held-out reward accuracy."""
     train = pair_records(tokenizer, conversational_pairs(12, offset=80), "r")
@@ -322,12 +322,6 @@ def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
     straight = base.model_copy(
         update={"run_id": "straight", "output_dir": str(tmp_path / "ckpt" / "straight")}
     )
-    proc = _torchrun(straight, tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "reference log-probabilities of 16 pairs computed" in out
-    assert "step 9/9 loss" in out and " margin " in out
-
     train_b, validation_b = write_snapshot(tmp_path / "b", train, validation)  # same pairs, a second snapshot
     killed = base.model_copy(
         update={
@@ -337,7 +331,9 @@ def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
             "validation_path": validation_b,
         }
     )
-    proc = _torchrun(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"})  # hangs after step 7
+    # both start at once (they share nothing; it saves the suite a launch); the killed one hangs after step 7
+    uninterrupted = _torchrun(straight, tmp_path)
+    proc = _torchrun(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "7"})
     latest = tmp_path / "ckpt" / "killed.state" / "latest"
     deadline = time.monotonic() + 240
     while not (latest.exists() and latest.read_text().strip() == "step00000006"):
@@ -355,6 +351,10 @@ def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
     _, alive = psutil.wait_procs(ranks, timeout=15)
     assert not alive, f"ranks {[p.pid for p in alive]} outlived their killed launcher"
     assert not (Path(killed.output_dir) / COMPLETION_MARKER).exists()
+    out, _ = uninterrupted.communicate(timeout=300)
+    assert uninterrupted.returncode == 0, out[-3000:]
+    assert "reference log-probabilities of 16 pairs computed" in out
+    assert "step 9/9 loss" in out and " margin " in out
     written = list((tmp_path / "b" / "prefs0001").glob("ref_logps-sha256-*.parquet"))
     assert len(written) == 1, "the first attempt stored the reference values beside its pairs"
 
