@@ -284,7 +284,12 @@ def interleaved(dpo_job: TrainingJob, sft_job: TrainingJob, steps: int) -> dict:
     from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
     from nexa_dagster.core.training.nonfinite import NonFiniteGuard
     from nexa_dagster.core.training.preference import preference_step
-    from nexa_dagster.core.training.preference_data import load_pairs, pair_batches, read_reference_logps
+    from nexa_dagster.core.training.preference_data import (
+        PAIR_HOST_KEYS,
+        load_pairs,
+        pair_batches,
+        read_reference_logps,
+    )
     from nexa_dagster.core.training.worker import configure_environment
 
     cpu = torch.device("cpu")
@@ -316,7 +321,9 @@ def interleaved(dpo_job: TrainingJob, sft_job: TrainingJob, steps: int) -> dict:
             "sft": build_engine(build_model(sft_job, len(tokenizer), tokenizer), sft_job, 1),
         }
         loaders = {
-            "dpo": Prefetcher(pair_batches(pairs, micro, 0, 0, 1, tokenizer.pad_token_id), cpu),
+            "dpo": Prefetcher(
+                pair_batches(pairs, micro, 0, 0, 1, tokenizer.pad_token_id), cpu, host_keys=PAIR_HOST_KEYS
+            ),
             "sft": Prefetcher(micro_batches(load_packed(sft_job.train_path), 2 * micro, 0, 0, 1), cpu),
         }
         guards = {k: NonFiniteGuard(e, cpu) for k, e in engines.items()}

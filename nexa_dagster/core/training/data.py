@@ -30,10 +30,7 @@ OPTIONAL_COLUMNS = (
     "labels",
 )  # written by packaging since packed-sft-parquet/3; computed here for older data
 LOSS_TOKENS = "loss_tokens"  # a micro-batch's learned-token count, added by micro_batches
-REAL_TOKENS = (
-    "real_tokens"  # a preference micro-batch's non-padding tokens (core/training/preference_data.py)
-)
-HOST_KEYS = {LOSS_TOKENS, REAL_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
+HOST_KEYS = {LOSS_TOKENS}  # stay on the CPU: the loop reads them without waiting for the GPU
 
 
 def load_packed(path: str) -> Batch:
@@ -129,8 +126,15 @@ class Prefetcher:
 
     _END = object()
 
-    def __init__(self, source: Iterator[Batch], device: torch.device, depth: int = 2) -> None:
+    def __init__(
+        self,
+        source: Iterator[Batch],
+        device: torch.device,
+        depth: int = 2,
+        host_keys: frozenset[str] | set[str] = frozenset(HOST_KEYS),
+    ) -> None:
         self.device = device
+        self.host_keys = host_keys  # left on the host: counts the loop reads without waiting for the GPU
         self.wait_s = 0.0
         self._source = source
         self._pin = device.type == "cuda"
@@ -174,7 +178,9 @@ class Prefetcher:
                     raise self._error
                 raise StopIteration
             batch = item  # type: ignore[assignment]
-        batch = {k: v if k in HOST_KEYS else v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = {
+            k: v if k in self.host_keys else v.to(self.device, non_blocking=True) for k, v in batch.items()
+        }
         self.wait_s += time.perf_counter() - start
         return batch
 

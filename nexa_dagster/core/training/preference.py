@@ -38,7 +38,7 @@ from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_po
 from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.llm.model_identity import model_fingerprint
 from nexa_dagster.core.training import monitor
-from nexa_dagster.core.training.data import REAL_TOKENS, Batch, Prefetcher
+from nexa_dagster.core.training.data import Batch, Prefetcher
 from nexa_dagster.core.training.init import load_mixtral_checkpoint, read_config
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.loop import (
@@ -57,6 +57,8 @@ from nexa_dagster.core.training.loop import (
 )
 from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 from nexa_dagster.core.training.preference_data import (
+    PAIR_HOST_KEYS,
+    REAL_TOKENS,
     Pairs,
     check_disjoint,
     collate_pairs,
@@ -465,6 +467,7 @@ def train_preference(
         ),
         device,
         depth=s.prefetch,
+        host_keys=PAIR_HOST_KEYS,
     )
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")

@@ -29,12 +29,14 @@ import torch
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame
 from nexa_dagster.core.packaging.packing import IGNORE_INDEX
-from nexa_dagster.core.training.data import REAL_TOKENS, Batch, index_stream
+from nexa_dagster.core.training.data import HOST_KEYS, Batch, index_stream
 
 FORMAT = "packed-preference-parquet/1"
 PAIR_COLUMNS = ("pair_id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 REF_COLUMNS = ("pair_id", "ref_chosen_logps", "ref_rejected_logps")
 REF_PREFIX = "ref_logps-"
+REAL_TOKENS = "real_tokens"  # a micro-batch's non-padding tokens, counted on the host by collate_pairs
+PAIR_HOST_KEYS = frozenset(HOST_KEYS | {REAL_TOKENS})  # what the loader leaves on the host (Prefetcher)
 
 
 @dataclass
