@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nexa_dagster.core.common.config import TrainingSettings
 
 Accelerator = Literal["cpu", "cuda"]
-DataKind = Literal["packed_sft", "pretrain_corpus"]
+DataKind = Literal["packed_sft", "pretrain_corpus", "preference"]
+DPOLoss = Literal["sigmoid", "sigmoid_norm"]
 
 
 class TrainingJob(BaseModel):
@@ -44,7 +45,8 @@ class TrainingJob(BaseModel):
         description=(
             "packed_sft: train/validation_path are packed Parquet; pretrain_corpus: train_path is a Megatron bin/idx "
             "corpus (megatron_blend.json or its directory), packed here into pack_size rows, its held-out documents "
-            "are the validation set"
+            "are the validation set; preference: train/validation_path are packed preference pairs "
+            "(packed-preference-parquet/1), trained with DPO from init_from (core/training/preference.py)"
         ),
     )
     pack_size: int = Field(default=0, ge=0, description="pretrain_corpus: tokens per packed row")
@@ -75,6 +77,35 @@ class TrainingJob(BaseModel):
         description="lineage: what init_from asked for (base, production, scratch, a path); 'base' with parent "
         "scratch: no base model existed yet",
     )
+    dpo_beta: float = Field(
+        default=0.1, gt=0, description="preference: DPO's beta (strength of the pull towards the reference)"
+    )
+    dpo_loss: DPOLoss = Field(
+        default="sigmoid",
+        description=(
+            "preference: sigmoid (DPO) or sigmoid_norm (each log-ratio divided by its completion's token count)"
+        ),
+    )
+    reference_path: str = Field(
+        default="",
+        description="preference: the reference checkpoint directory (empty: init_from, the weights before training)",
+    )
+    reference_logps_path: str = Field(
+        default="",
+        description=(
+            "preference: the reference log-probabilities file to read, or to write when missing (empty: "
+            "ref_logps-<reference id>.parquet beside the training split)"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _preference_starts_from_a_checkpoint(self) -> TrainingJob:
+        if self.data_kind == "preference" and not self.init_from:
+            raise ValueError(
+                f"training job {self.run_id}: a preference (DPO) job needs init_from, the SFT checkpoint it "
+                "starts from (and, by default, its reference model)"
+            )
+        return self
 
 
 class TrainingResult(BaseModel):
@@ -83,9 +114,16 @@ class TrainingResult(BaseModel):
     run_id: str
     checkpoint_dir: str
     steps: int
-    first_loss: float = Field(description="LM loss (without the router aux loss) of step 1")
-    final_loss: float = Field(description="LM loss (without the router aux loss) of the last step")
-    validation_loss: float = Field(description="mean token NLL over the validation set's loss-mask tokens")
+    first_loss: float = Field(
+        description="LM loss (preference: DPO loss), without the router aux loss, of step 1"
+    )
+    final_loss: float = Field(
+        description="LM loss (preference: DPO loss), without the router aux loss, of the last step"
+    )
+    validation_loss: float = Field(
+        description="mean token NLL over the validation set's loss-mask tokens (preference: mean DPO loss of "
+        "the validation pairs)"
+    )
     tokens_seen: int = Field(description="real (non-padding) tokens trained on, all ranks")
     tokens_per_s: float = Field(description="tokens_seen over the training loop's wall time")
     wall_s: float = Field(description="the run up to the save: loading, engine setup, training, validation")
@@ -104,3 +142,12 @@ class TrainingResult(BaseModel):
     parent: str = Field(default="scratch", description="what the weights started from (TrainingJob.parent)")
     data_kind: str = "packed_sft"
     validation_documents: int = Field(default=0, description="pretrain_corpus: held-out documents evaluated")
+    reward_accuracy: float | None = Field(
+        default=None,
+        description="preference: share of validation pairs whose chosen reward beats the rejected one (strict)",
+    )
+    reward_margin: float | None = Field(
+        default=None,
+        description="preference: mean of beta*(chosen log-ratio - rejected log-ratio) over the validation pairs",
+    )
+    validation_pairs: int | None = Field(default=None, description="preference: validation pairs scored")

@@ -375,9 +375,21 @@ class MetricsWindow:
         self.tokens += tokens
 
     def close(
-        self, step: int, lm_loss: Any, aux_loss: Any, lr: float, grad_norm: Any, expert_load: Any
+        self,
+        step: int,
+        lm_loss: Any,
+        aux_loss: Any,
+        lr: float,
+        grad_norm: Any,
+        expert_load: Any,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, float]:
-        loss_sum, aux_sum, tokens = all_reduce_sum(_as_float(lm_loss), _as_float(aux_loss), self.tokens)
+        """``extra``: more per-rank shares of the step's means (the preference metrics), summed over ranks in the
+        same collective and divided by the world size like the loss."""
+        extra = extra or {}
+        loss_sum, aux_sum, tokens, *extra_sums = all_reduce_sum(
+            _as_float(lm_loss), _as_float(aux_loss), self.tokens, *(_as_float(v) for v in extra.values())
+        )
         if not math.isfinite(loss_sum):  # the guard raises first; kept for a loss that only the sum overflows
             raise FloatingPointError(
                 f"non-finite loss {loss_sum} at step {step}: lower the learning rate or check the packed data"
@@ -398,6 +410,7 @@ class MetricsWindow:
             "expert_balance": monitor.expert_balance(expert_load),
             "mem_gb": monitor.peak_memory_gb(self.device),
         }
+        metrics.update({k: v / self.world_size for k, v in zip(extra, extra_sums, strict=True)})
         self._reset(step)
         return metrics
 

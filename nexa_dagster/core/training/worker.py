@@ -42,6 +42,7 @@ from nexa_dagster.core.common.workers import (
 )
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.loop import train
+from nexa_dagster.core.training.preference import train_preference
 from nexa_dagster.core.training.stop import STOP, StopRequested
 
 
@@ -99,8 +100,14 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
     def on_log(self, max_steps: int) -> Callable[[int, dict[str, float]], None]:
         def log(step: int, m: dict[str, float]) -> None:
             mfu = f" mfu {m['mfu']:.1%}" if m.get("mfu") else ""
+            dpo = (
+                f" margin {m['reward_margin']:.4f} accuracy {m['reward_accuracy']:.2f} logps chosen "
+                f"{m['logps_chosen']:.2f} rejected {m['logps_rejected']:.2f}"
+                if "reward_margin" in m
+                else ""
+            )
             self.info(
-                f"step {step}/{max_steps} loss {m['loss']:.4f} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
+                f"step {step}/{max_steps} loss {m['loss']:.4f}{dpo} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
                 f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}{mfu} "
                 f"step {m['step_s'] * 1000:.0f} ms data-wait {m['data_wait']:.1%} "
                 f"expert-balance {m['expert_balance']:.2f} mem {m['mem_gb']:.2f} GB"
@@ -142,6 +149,11 @@ def materialization_metadata(result: TrainingResult) -> dict[str, Any]:
         "peak_mem_gb": round(result.peak_mem_gb, 3),
         "dataset_run_hash": result.dataset_run_hash,
         "checkpoint_dir": {"raw_value": result.checkpoint_dir, "type": "path"},
+        **{  # preference runs: the held-out rewards
+            key: round(value, 5) if isinstance(value, float) else value
+            for key in ("reward_accuracy", "reward_margin", "validation_pairs")
+            if (value := getattr(result, key)) is not None
+        },
     }
 
 
@@ -167,10 +179,16 @@ def run(job: TrainingJob, reporter: Reporter) -> TrainingResult:
         f"{s.micro_batch_size} x accumulation {s.gradient_accumulation_steps}, world size "
         f"{settings.WORLD_SIZE.get()}, accelerator {job.accelerator}"
     )
-    result = train(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
+    trainer = train_preference if job.data_kind == "preference" else train
+    result = trainer(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
+    rewards = (
+        f", held-out reward accuracy {result.reward_accuracy:.3f} over {result.validation_pairs} pairs"
+        if result.reward_accuracy is not None
+        else ""
+    )
     reporter.info(
         f"done {job.run_id}: loss {result.first_loss:.4f} -> {result.final_loss:.4f}, validation "
-        f"{result.validation_loss:.4f}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, "
+        f"{result.validation_loss:.4f}{rewards}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, "
         f"checkpoint {result.checkpoint_dir}"
     )
     reporter.report_result(result)

@@ -50,6 +50,9 @@ class MoEOutput(ModelOutput):
     expert_load: torch.Tensor | None = (
         None  # [layers, experts] share of routed token slots each expert received
     )
+    sequence_logps: torch.Tensor | None = (
+        None  # [rows] summed log-probabilities of each row's labelled tokens (``sequence_logps``)
+    )
 
 
 class RMSNorm(nn.Module):
@@ -216,15 +219,26 @@ class MoEBlock(nn.Module):
         self.gate = Router(hidden, experts, top_k)
         self.experts = Experts(hidden, ffn, experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns the output and this layer's two load-balancing statistics (per-expert means)."""
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the output and this layer's two load-balancing statistics (per-expert means).
+
+        ``token_mask`` (``[batch, seq]``, 1 for real tokens) leaves padding out of the statistics, as Hugging Face's
+        ``load_balancing_loss_func`` does with an attention mask; None: every token counts (packed rows).
+        """
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, weights, experts = self.gate(flat)
         out = self.experts(flat, weights, experts)
         # Switch/Mixtral load balancing: fraction of token slots per expert, and mean router probability
-        slot_fraction = F.one_hot(experts, probs.shape[-1]).float().mean(0)  # [k, E]
-        return out.view(shape), slot_fraction, probs.mean(0)
+        if token_mask is None:
+            slot_fraction = F.one_hot(experts, probs.shape[-1]).float().mean(0)  # [k, E]
+            return out.view(shape), slot_fraction, probs.mean(0)
+        m = token_mask.reshape(-1).float()
+        count = m.sum().clamp(min=1)
+        slot_fraction = (F.one_hot(experts, probs.shape[-1]).float() * m[:, None, None]).sum(0) / count
+        return out.view(shape), slot_fraction, (probs * m[:, None]).sum(0) / count
 
 
 class DecoderLayer(nn.Module):
@@ -241,10 +255,15 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: DocumentMask | None,
+        token_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        moe_out, slot_fraction, mean_prob = self.mlp(self.post_attention_layernorm(x))
+        moe_out, slot_fraction, mean_prob = self.mlp(self.post_attention_layernorm(x), token_mask)
         return x + moe_out, slot_fraction, mean_prob
 
 
@@ -292,6 +311,7 @@ class NexaMoEForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             self.model.layers[i] = torch.compile(layer, dynamic=False)
         self._loss = torch.compile(self._loss, dynamic=False)
+        self._token_logps = torch.compile(self._token_logps, dynamic=False)
 
     def forward(
         self,
@@ -299,7 +319,64 @@ class NexaMoEForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        per_sequence: bool = False,
     ) -> MoEOutput:
+        """The LM loss of packed rows (SFT, pretraining); with ``per_sequence`` the summed log-probabilities of
+        each row's labelled tokens instead (``sequence_logps``: what a preference objective scores), so that a
+        DeepSpeed engine, which only ever calls ``forward``, can run either."""
+        if per_sequence:
+            if labels is None:
+                raise ValueError("per_sequence scoring needs labels (the tokens to score, -100 elsewhere)")
+            return self.sequence_logps(input_ids, labels, position_ids, attention_mask)
+        cfg = self.config
+        x, aux_loss, expert_load = self._trunk(input_ids, position_ids)
+        logits = self.lm_head(x) if return_logits else None
+        lm_loss = lm_loss_sum = loss = None
+        if labels is not None:
+            lm_loss_sum = self._loss(x, labels)
+            lm_loss = lm_loss_sum / labels[:, 1:].ne(IGNORE_INDEX).sum().clamp(min=1)
+            loss = lm_loss + cfg.router_aux_loss_coef * aux_loss
+        return MoEOutput(
+            loss=loss,
+            lm_loss=lm_loss,
+            lm_loss_sum=lm_loss_sum,
+            aux_loss=aux_loss,
+            logits=logits,
+            expert_load=expert_load,
+        )
+
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> MoEOutput:
+        """Per row, the summed log-probability of its labelled tokens (a preference objective's sequence score).
+
+        Token ``t`` (``labels[:, t] != -100``, ``t >= 1``) is scored by the logits at ``t - 1``: TRL's
+        ``DPOTrainer`` scoring, computed in chunks as ``_loss`` is (``tokens x vocab`` never materialised in fp32).
+        ``attention_mask`` (1 for real tokens; right padding) leaves padding out of the router aux loss and the
+        expert load, as Hugging Face's Mixtral does; it does not change attention, which is causal, so padding
+        at the end of a row never reaches an earlier token. Returns ``sequence_logps``, ``aux_loss`` and
+        ``expert_load`` (no LM loss).
+        """
+        x, aux_loss, expert_load = self._trunk(input_ids, position_ids, attention_mask)
+        per_token = self._token_logps(x, labels)
+        return MoEOutput(
+            aux_loss=aux_loss,
+            expert_load=expert_load,
+            sequence_logps=per_token.view(input_ids.shape).sum(-1),
+        )
+
+    def _trunk(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder: final hidden states, the router aux loss over all layers and the expert load."""
         cfg = self.config
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -318,10 +395,10 @@ class NexaMoEForCausalLM(nn.Module):
         for layer in self.model.layers:
             if self.activation_checkpointing and self.training:
                 x, frac, prob = torch.utils.checkpoint.checkpoint(
-                    layer, x, cos, sin, mask, use_reentrant=False
+                    layer, x, cos, sin, mask, token_mask, use_reentrant=False
                 )
             else:
-                x, frac, prob = layer(x, cos, sin, mask)
+                x, frac, prob = layer(x, cos, sin, mask, token_mask)
             slot_fractions.append(frac)
             mean_probs.append(prob)
         x = self.model.norm(x)
@@ -330,20 +407,7 @@ class NexaMoEForCausalLM(nn.Module):
         # Hugging Face's load_balancing_loss_func over all layers' router outputs at once
         aux_loss = (frac.mean(0) * prob.mean(0)[None]).sum() * cfg.num_local_experts
         expert_load = frac.sum(1).detach() / frac.shape[1]
-        logits = self.lm_head(x) if return_logits else None
-        lm_loss = lm_loss_sum = loss = None
-        if labels is not None:
-            lm_loss_sum = self._loss(x, labels)
-            lm_loss = lm_loss_sum / labels[:, 1:].ne(IGNORE_INDEX).sum().clamp(min=1)
-            loss = lm_loss + cfg.router_aux_loss_coef * aux_loss
-        return MoEOutput(
-            loss=loss,
-            lm_loss=lm_loss,
-            lm_loss_sum=lm_loss_sum,
-            aux_loss=aux_loss,
-            logits=logits,
-            expert_load=expert_load,
-        )
+        return x, aux_loss, expert_load
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy summed over learned tokens, computed in chunks of ``loss_chunk_tokens``.
@@ -371,6 +435,29 @@ class NexaMoEForCausalLM(nn.Module):
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def _token_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[tokens]`` log-probability of each labelled next token (0 elsewhere), chunked and checkpointed like
+        ``_loss``: the same logits, kept per token instead of summed."""
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+        parts = []
+        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
+            chunk = (
+                hidden[start : start + self.loss_chunk_tokens],
+                targets[start : start + self.loss_chunk_tokens],
+            )
+            parts.append(
+                torch.utils.checkpoint.checkpoint(self._chunk_logps, *chunk, use_reentrant=False)
+                if checkpointed
+                else self._chunk_logps(*chunk)
+            )
+        return torch.cat(parts)
+
+    def _chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
