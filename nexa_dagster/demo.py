@@ -156,9 +156,11 @@ def preference_lines(p: PreferenceRun) -> list[str]:
             if r.length_controlled_win_rate is not None and r.mean_length_change is not None
             else ""
         )
-        lines.append(
+        win = (r.lineage or {}).get("win_rate") or {}
+        asked = f" of {win['wins'] + win['losses'] + win['inconsistent']}" if "inconsistent" in win else ""
+        lines.append(  # a verdict that flips with the answers' order is no verdict: n counts the others
             f"judge win rate vs {r.production_checkpoint_id} {r.win_rate_vs_production:.3f} 95% CI "
-            f"[{low:.3f}, {high:.3f}], n = {r.gate_n} consistent verdicts{lc}"
+            f"[{low:.3f}, {high:.3f}], n = {r.gate_n} consistent verdicts{asked}{lc}"
         )
     outcome = f"; {p.outcome}" if p.outcome else ""
     lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){outcome}")
@@ -254,7 +256,7 @@ def main() -> int:
         nights.append(
             night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None, outcome)
         )
-    preference = None
+    preference, preference_failed = None, ""
     if (
         scale.preference is not None
         and ProductionRegistry(storage.production_pointer()).current() is not None
@@ -284,7 +286,8 @@ def main() -> int:
                 describe(read_outcome(storage.deployment_dir(pref.checkpoint_id))),
             )
         else:
-            print("the preference training failed: see the preference_training_job run in the UI")
+            preference_failed = "DPO training failed: see the preference_training_job run in the UI"
+            print(preference_failed)
     run("leaderboard_job")
 
     total = time.perf_counter() - t0
@@ -313,6 +316,8 @@ def main() -> int:
         print("  preference        DPO from the production model, judged against it on the same prompts")
         for line in preference_lines(preference):
             print(f"    {line}")
+    elif preference_failed:
+        print(f"  preference        {preference_failed}")
     production = ProductionRegistry(storage.production_pointer()).current()
     print(f"  production        {production.checkpoint_id if production else 'none'}")
     deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))

@@ -163,7 +163,7 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     )
     assert dpo and int(dpo.group(5)) >= 1 and dpo.group(2) == first.group(3), summary
     verdict = re.search(
-        r"judge win rate vs (\S+) (\d\.\d+) 95% CI \[(\d\.\d+), (\d\.\d+)\], n = (\d+) consistent verdicts, "
+        r"judge win rate vs (\S+) (\d\.\d+) 95% CI \[(\d\.\d+), (\d\.\d+)\], n = (\d+) consistent verdicts of \d+, "
         r"length-controlled (\d\.\d+) \(answers ([+-]\d+) chars\)\s+-> (promote|hold back|insufficient evidence) "
         r"\(rule: ([^)]*)\)",
         summary,
@@ -175,9 +175,11 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
         float(verdict.group(4)),
         int(verdict.group(5)),
     )
-    assert low <= rate <= high and n > 0
-    if n < 20:
-        assert verdict.group(8) == "insufficient evidence", verdict.group(0)
+    assert low <= rate <= high, verdict.group(0)
+    if (
+        n < 20
+    ):  # the tiny judge flips many verdicts with the answers' order: too few consistent ones to decide
+        assert verdict.group(8) == "insufficient evidence" and verdict.group(9) == "n >= 20", verdict.group(0)
     else:
         assert (verdict.group(8) == "promote") <= (low > 0.5), verdict.group(0)
 

@@ -28,7 +28,7 @@ def test_without_a_dataset_the_evaluation_says_what_to_materialize_and_is_retrie
 
     defs = build_defs()
     copy_checkpoint_from_elsewhere(tiny_model_dir, tmp_path / "data" / "checkpoints" / "copied")
-    resources = {"storage": defs.resources["storage"], "tracking": defs.resources["tracking"]}
+    resources = {k: defs.resources[k] for k in ("storage", "tracking", "promotion_policy")}
     instance = dg.DagsterInstance.from_config(str(tmp_path / "home"))
     try:
         tick = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources=resources))

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 from support.openai_stub import DROP, chat_payload, json_judge, stub_server
+from support.services import child_processes_matching
 
 from nexa_dagster.core.common.config import load_yaml, read_text
 from nexa_dagster.core.distill.sample_gate import SCORE_CHOICES, judge_one
@@ -40,18 +41,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _servers_of_this_process() -> list[psutil.Process]:
-    """`serve` processes descending from the test process (what an orphan would look like)."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "serve" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +156,12 @@ def test_real_transformers_serve_answers_through_the_openai_client(
 
 
 def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_dir: Path) -> None:
-    before = {p.pid for p in _servers_of_this_process()}
+    before = {p.pid for p in child_processes_matching("serve")}
     resource = ManagedLLM(model=str(tiny_model_dir))
     with resource.get_client(log=logging.getLogger("test")) as client:
         assert client.chat([{"role": "user", "content": "hi"}], GREEDY).completion_tokens > 0
         base_url = client.base_url
-        started = [p for p in _servers_of_this_process() if p.pid not in before]
+        started = [p for p in child_processes_matching("serve") if p.pid not in before]
         assert started
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
     with pytest.raises(LLMError, match="cannot reach"):
@@ -273,12 +262,14 @@ def test_a_server_that_dies_or_hangs_is_reported_with_its_log(tmp_path: Path) ->
         ManagedServer(broken, tmp_path).start()
     assert str(broken) in str(err.value) and "last log lines" in str(err.value)
 
-    before = {p.pid for p in _servers_of_this_process()}  # the module's `served` fixture may be running
+    before = {
+        p.pid for p in child_processes_matching("serve")
+    }  # the module's `served` fixture may be running
     slow = ManagedServer(broken, tmp_path, startup_timeout_s=0.5)
     with pytest.raises(LLMError, match="not healthy after"):
         slow.start()
     assert slow.process is None
-    assert not [p for p in _servers_of_this_process() if p.pid not in before]
+    assert not [p for p in child_processes_matching("serve") if p.pid not in before]
 
     with pytest.raises(LLMError, match="no config.json"):
         ManagedServer(tmp_path / "missing", tmp_path)

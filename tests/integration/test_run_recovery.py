@@ -64,6 +64,7 @@ import psutil
 import pytest
 import yaml
 from support.sandbox import SAMPLE_LANDING, sandbox_env
+from support.services import database_of_its_own
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.net import free_port
@@ -213,6 +214,7 @@ def _instance_yaml(pg_url: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def production(pg: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Production]:
+    pg = database_of_its_own(pg, "recovery")  # its assertions count every run and materialization it sees
     root = tmp_path_factory.mktemp("recovery")
     _landing(root / "landing")
     home = root / "home"

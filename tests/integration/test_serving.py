@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
+from support.services import child_processes_matching
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.serving.answer_check import text_problem
@@ -21,6 +21,7 @@ from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_te
 def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    before = {p.pid for p in child_processes_matching("serve")}  # a session fixture's server may run already
     manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
     stored = DeploymentManifest.model_validate(json.loads((tmp_path / "deployment.json").read_text()))
     assert stored == manifest
@@ -32,8 +33,8 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     port = int(manifest.base_url.rsplit(":", 1)[1].split("/")[0])
     with socket.socket() as s:  # nothing listens on the port any more
         assert s.connect_ex(("127.0.0.1", port)) != 0
-    leftovers = [p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())]
-    assert not leftovers
+    leftovers = [p for p in child_processes_matching("serve") if p.pid not in before]
+    assert not leftovers, [p.cmdline() for p in leftovers]
     assert not list(tmp_path.glob(".*.tmp"))  # the manifest was written under a temporary name, then renamed
     log = Path(manifest.log_path)
     assert log == tmp_path / f"transformers-serve-{port}.log" and "serve" in log.read_text()

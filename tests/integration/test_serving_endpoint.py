@@ -23,7 +23,7 @@ import dagster as dg
 import httpx
 import psutil
 import pytest
-from support.services import missing
+from support.services import child_processes_matching, missing
 
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -112,6 +112,7 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     b = build_tiny_causal_lm(
         root / "checkpoints" / "tiny-b", seed=1
     )  # same shape, other weights: other answers
+    before = {p.pid for p in child_processes_matching("haproxy", "serve")}  # the shared teacher's server, say
     ep = Endpoint(root, env, free_port(), tiny_model_dir, b)
     ep.serving_dir.mkdir(parents=True)
     ep.registry.promote(
@@ -120,11 +121,7 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ep.start()
     yield ep
     ep.stop()
-    left = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if any(s in " ".join(p.cmdline()) for s in ("haproxy", "serve"))
-    ]
+    left = [p for p in child_processes_matching("haproxy", "serve") if p.pid not in before]
     assert not left, [p.cmdline() for p in left]
 
 

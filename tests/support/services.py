@@ -93,6 +93,7 @@ def postgres_server() -> Iterator[dict[str, str]]:
             "host": "127.0.0.1",
             "port": str(port),
             "db": "dagster",
+            "psql": str(bin_dir / "psql"),
         }
     finally:
         subprocess.run(
@@ -101,6 +102,18 @@ def postgres_server() -> Iterator[dict[str, str]]:
         )
         time.sleep(0.2)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def database_of_its_own(pg: dict[str, str], name: str) -> dict[str, str]:
+    """A new, empty database on the shared server ``pg``: a module whose assertions count runs or materializations
+    must not see another module's (the server is one per session, and xdist runs modules side by side)."""
+    subprocess.run(
+        [pg["psql"], "-h", pg["host"], "-p", pg["port"], "-U", "postgres", "-c", f"CREATE DATABASE {name}"],
+        check=True,
+        capture_output=True,
+    )
+    url = pg["DAGSTER_PG_URL"].rsplit("/", 1)[0] + f"/{name}"
+    return {**pg, "DAGSTER_PG_URL": url, "db": name}
 
 
 @contextmanager
@@ -244,3 +257,20 @@ def mlflow_server(root: Path, wait: bool = True) -> Iterator[tuple[str, Callable
         yield url, until_up
     finally:
         stop_process_group(process)
+
+
+def child_processes_matching(*words: str) -> list[object]:
+    """Processes descending from this test process whose command line holds one of ``words`` (an orphan's look).
+
+    Under xdist a worker runs many tests, so a session fixture's server (the shared teacher) is a child too: take
+    the pids before the test and compare (``pid not in before``)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(w in " ".join(child.cmdline()) for w in words):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found

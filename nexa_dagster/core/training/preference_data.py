@@ -65,8 +65,9 @@ class Pairs:
 def load_pairs(path: str, tokenizer: Any, max_length: int) -> Pairs:
     """Read a preference split and refuse pairs DPO cannot learn from, naming the file, the row and the pair.
 
-    Refused: a missing column, an empty split, a repeated ``pair_id``, an empty prompt, a completion with no
-    answer in it (no tokens, or only special tokens and whitespace: an empty answer through the chat template),
+    Refused: a missing column, an empty split, a repeated ``pair_id``, an empty prompt, a chosen completion with no
+    answer in it (no tokens, or only special tokens and whitespace: an empty answer through the chat template; an
+    empty *rejected* answer is kept, it teaches the policy not to stop at once), a rejected completion with no tokens,
     chosen and rejected completions with the same tokens (no preference to learn), a token id outside the
     tokenizer's vocabulary, and a sequence longer than the model's positions (``max_length``).
     """
@@ -100,10 +101,15 @@ def load_pairs(path: str, tokenizer: Any, max_length: int) -> Pairs:
         prompt, chosen, rejected = (columns[n][row] for n in ("prompt", "chosen", "rejected"))
         if prompt.size == 0:
             raise ValueError(f"{where(row)}: empty prompt")
-        for name, ids in (("chosen", chosen), ("rejected", rejected)):
-            content = [int(t) for t in ids if int(t) not in special]
-            if not content or not tokenizer.decode(content).strip():
-                raise ValueError(f"{where(row)}: empty {name} answer ({ids.size} tokens, none of them text)")
+        # an empty *rejected* answer is a preference worth learning (a policy that stops at once), so only an
+        # empty chosen answer is refused; the rejected one needs at least its end-of-turn token
+        content = [int(t) for t in chosen if int(t) not in special]
+        if not content or not tokenizer.decode(content).strip():
+            raise ValueError(f"{where(row)}: empty chosen answer ({chosen.size} tokens, none of them text)")
+        if rejected.size == 0:
+            raise ValueError(
+                f"{where(row)}: the rejected completion has no tokens (not even its end-of-turn)"
+            )
         if np.array_equal(chosen, rejected):
             raise ValueError(f"{where(row)}: chosen and rejected are the same tokens: there is no preference")
         for name, ids in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
