@@ -22,7 +22,7 @@ from nexa_dagster.assets.common import (
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
-from nexa_dagster.assets.training_record import log_training_run, training_metadata
+from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
@@ -329,25 +329,20 @@ def preference_checkpoint(
         },
         final_metrics={f"heldout_{k}": v for k, v in heldout.items() if v is not None},
     )
-    checkpoint = Checkpoint(
+    checkpoint = write_checkpoint_record(
+        context,
+        result,
+        storage.root,
         checkpoint_id=checkpoint_id,
-        path=result.checkpoint_dir,
-        num_steps=result.steps,
-        training_loss=result.final_loss,
-        validation_loss=result.validation_loss,
+        mlflow_run_id=mlflow_run_id,
         dataset_run_hash=preference_dataset.run_hash,
         dataset_validation_path=preference_dataset.validation_path,
         model_preset=scale.model_preset,
         scale=scale.name,
-        parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active,
-        training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id,
         stage="preference",
         parent=job.parent,
         preference_metrics={k: v for k, v in heldout.items() if v is not None},
     )
-    io.write_json(checkpoint.model_dump(), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = promotion_policy.policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])  # evaluated next

@@ -14,7 +14,7 @@ from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
-from nexa_dagster.assets.training_record import log_training_run, training_metadata
+from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.data.contamination import ContaminationIndex
@@ -129,24 +129,19 @@ def base_model(
         final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity},
     )
 
-    checkpoint = Checkpoint(
+    checkpoint = write_checkpoint_record(
+        context,
+        result,
+        storage.root,
         checkpoint_id=base_id,
-        path=result.checkpoint_dir,
-        num_steps=result.steps,
-        training_loss=result.final_loss,
-        validation_loss=result.validation_loss,
+        mlflow_run_id=mlflow_run_id,
         dataset_run_hash=pretrain_corpus.run_hash,
         dataset_validation_path=pretrain_corpus.root,
         model_preset=scale.model_preset,
         scale=scale.name,
-        parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active,
-        training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id,
         stage="pretrain",
         parent="scratch",
     )
-    io.write_json(checkpoint.record(storage.root), io.join(result.checkpoint_dir, "checkpoint.json"))
     context.instance.add_dynamic_partitions(
         base_model_partitions.name, [base_id]
     )  # base_model_eval's partition

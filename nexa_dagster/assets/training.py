@@ -12,7 +12,7 @@ from pydantic import Field
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
-from nexa_dagster.assets.training_record import log_training_run, training_metadata
+from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
@@ -186,24 +186,19 @@ def moe_checkpoint(
     )
 
     # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
-    checkpoint = Checkpoint(
+    checkpoint = write_checkpoint_record(
+        context,
+        result,
+        storage.root,
         checkpoint_id=checkpoint_id,
-        path=result.checkpoint_dir,
-        num_steps=result.steps,
-        training_loss=result.final_loss,
-        validation_loss=result.validation_loss,
+        mlflow_run_id=mlflow_run_id,
         dataset_run_hash=sft_dataset.run_hash,
         dataset_validation_path=sft_dataset.validation_path,
         model_preset=scale.model_preset,
         scale=scale.name,
-        parameters_total=result.parameters_total,
-        parameters_active=result.parameters_active,
-        training_run_id=context.run.run_id,
-        mlflow_run_id=mlflow_run_id,
         parent=init.parent,
         init_requested=config.init_from or scale.init_from,
     )
-    io.write_json(checkpoint.record(storage.root), io.join(result.checkpoint_dir, "checkpoint.json"))
     model_name = promotion_policy.policy().registered_model
     version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])

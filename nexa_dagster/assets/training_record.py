@@ -1,7 +1,8 @@
-"""What every training asset does with a finished worker's result: the loss curve, the MLflow run, the metadata.
+"""What every training asset does with a finished worker's result: the loss curve, the MLflow run, the checkpoint's
+record, the metadata.
 
-``base_model`` (pretraining) and ``moe_checkpoint`` (SFT) differ in their data and their record's fields, not in
-how a training is written down; one function each keeps the two from drifting apart.
+``base_model`` (pretraining), ``moe_checkpoint`` (SFT) and ``preference_checkpoint`` (DPO) differ in their data and
+their record's fields, not in how a training is written down; one function each keeps them from drifting apart.
 """
 
 from pathlib import Path
@@ -9,6 +10,8 @@ from typing import Any
 
 import dagster as dg
 
+from nexa_dagster.core.common import storage as io
+from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.training.job import TrainingResult
 from nexa_dagster.resources.tracking import TrackingResource
@@ -42,6 +45,35 @@ def log_training_run(
         run.log_artifact(curve)
         run.log_metrics(final_metrics)
         return png, run.run_id
+
+
+def write_checkpoint_record(
+    context: dg.AssetExecutionContext,
+    result: TrainingResult,
+    data_root: str,
+    *,
+    checkpoint_id: str,
+    mlflow_run_id: str,
+    **fields: Any,
+) -> Checkpoint:
+    """The checkpoint's own record, ``checkpoint.json`` beside its weights: what it is and what it came from (read
+    by evaluation, also for hand copies), its paths relative to the data root so a moved root keeps it valid.
+
+    ``fields``: what differs by stage (``stage``, ``parent``, the dataset's hash and validation path, ...)."""
+    checkpoint = Checkpoint(
+        checkpoint_id=checkpoint_id,
+        path=result.checkpoint_dir,
+        num_steps=result.steps,
+        training_loss=result.final_loss,
+        validation_loss=result.validation_loss,
+        parameters_total=result.parameters_total,
+        parameters_active=result.parameters_active,
+        training_run_id=context.run.run_id,
+        mlflow_run_id=mlflow_run_id,
+        **fields,
+    )
+    io.write_json(checkpoint.record(data_root), io.join(result.checkpoint_dir, "checkpoint.json"))
+    return checkpoint
 
 
 def training_metadata(

@@ -456,19 +456,12 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
-def train(
-    job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None
-) -> TrainingResult:
-    """Train ``job`` to completion in this process (one rank) and return its result; rank 0 saves the checkpoint.
 
-    ``on_log(step, metrics)`` is called on rank 0 every ``log_every`` steps (and on the first and last step) with
-    loss, aux_loss, lr, grad_norm, tokens_per_s, step_s, mfu, data_wait, expert_balance and mem_gb;
-    ``on_message`` gets human-readable progress lines.
-    """
-    from transformers import AutoTokenizer
 
-    t_start = time.perf_counter()
-    s = job.settings
+def open_run(job: TrainingJob, on_message: MessageFn | None) -> tuple[int, int, MessageFn, Path]:
+    """This rank, the world size, a ``say`` that only rank 0 speaks through, and the output directory, refused
+    when it already holds a complete checkpoint (a new run needs a new run_id). What SFT, pretraining and DPO
+    start with."""
     rank, world_size = int(settings.RANK.get()), int(settings.WORLD_SIZE.get())
 
     def say(message: str) -> None:
@@ -478,11 +471,33 @@ def train(
     output_dir = Path(job.output_dir)
     if (output_dir / COMPLETION_MARKER).exists():
         raise FileExistsError(f"checkpoint {output_dir} is already complete; a new run needs a new run_id")
+    return rank, world_size, say, output_dir
 
-    # 1. data and tokenizer
+
+def load_tokenizer(job: TrainingJob) -> Any:
+    """The job's tokenizer, with a clear error when its local directory is missing."""
+    from transformers import AutoTokenizer
+
     if "://" not in job.tokenizer_path and not Path(job.tokenizer_path).is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {job.tokenizer_path}")
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_path)
+    return AutoTokenizer.from_pretrained(job.tokenizer_path)
+
+
+def train(
+    job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None
+) -> TrainingResult:
+    """Train ``job`` to completion in this process (one rank) and return its result; rank 0 saves the checkpoint.
+
+    ``on_log(step, metrics)`` is called on rank 0 every ``log_every`` steps (and on the first and last step) with
+    loss, aux_loss, lr, grad_norm, tokens_per_s, step_s, mfu, data_wait, expert_balance and mem_gb;
+    ``on_message`` gets human-readable progress lines.
+    """
+    t_start = time.perf_counter()
+    s = job.settings
+    rank, world_size, say, output_dir = open_run(job, on_message)
+
+    # 1. data and tokenizer
+    tokenizer = load_tokenizer(job)
     vocab_size = len(tokenizer)
     train_data, val_data, heldout_documents = load_job_data(job, tokenizer)
     seq_len = train_data["input_ids"].shape[1]

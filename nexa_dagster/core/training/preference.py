@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nexa_dagster import settings
-from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_point
 from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.llm.model_identity import model_fingerprint
@@ -52,6 +51,8 @@ from nexa_dagster.core.training.loop import (
     count_parameters,
     export_checkpoint,
     load_state,
+    load_tokenizer,
+    open_run,
     save_state,
     state_dir,
 )
@@ -398,24 +399,12 @@ def train_preference(
     ``on_log(step, metrics)`` gets, besides ``loop.train``'s metrics (``loss`` is the DPO loss), ``reward_margin``,
     ``reward_accuracy``, ``reward_chosen``, ``reward_rejected``, ``logps_chosen`` and ``logps_rejected``.
     """
-    from transformers import AutoTokenizer
-
     t_start = time.perf_counter()
     s = job.settings
-    rank, world_size = int(settings.RANK.get()), int(settings.WORLD_SIZE.get())
-
-    def say(message: str) -> None:
-        if on_message and rank == 0:
-            on_message(message)
-
-    output_dir = Path(job.output_dir)
-    if (output_dir / COMPLETION_MARKER).exists():
-        raise FileExistsError(f"checkpoint {output_dir} is already complete; a new run needs a new run_id")
+    rank, world_size, say, output_dir = open_run(job, on_message)
 
     # 1. pairs, tokenizer and reference values: every input checked before a model is built
-    if "://" not in job.tokenizer_path and not Path(job.tokenizer_path).is_dir():
-        raise FileNotFoundError(f"tokenizer directory not found: {job.tokenizer_path}")
-    tokenizer = AutoTokenizer.from_pretrained(job.tokenizer_path)
+    tokenizer = load_tokenizer(job)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     max_length = int(read_config(job.init_from).get("max_position_embeddings", 0)) or 1 << 30
     train_pairs = load_pairs(job.train_path, tokenizer, max_length)
