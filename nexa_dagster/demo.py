@@ -156,8 +156,7 @@ def preference_lines(p: PreferenceRun) -> list[str]:
             if r.length_controlled_win_rate is not None and r.mean_length_change is not None
             else ""
         )
-        win = (r.lineage or {}).get("win_rate") or {}
-        asked = f" of {win['wins'] + win['losses'] + win['inconsistent']}" if "inconsistent" in win else ""
+        asked = f" of {r.win_rate_verdicts}" if r.win_rate_verdicts is not None else ""
         lines.append(  # a verdict that flips with the answers' order is no verdict: n counts the others
             f"judge win rate vs {r.production_checkpoint_id} {r.win_rate_vs_production:.3f} 95% CI "
             f"[{low:.3f}, {high:.3f}], n = {r.gate_n} consistent verdicts{asked}{lc}"

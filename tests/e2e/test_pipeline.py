@@ -19,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from support.pipeline_runs import configs_with
 from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -72,6 +73,10 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     """Run the three jobs in order on a fresh instance; yield (defs, instance, env, checkpoint)."""
     root = tmp_path_factory.mktemp("lifecycle")
     env = _env(root)
+    # the tests' small landing (12 documents a day) freezes an eval set of about a dozen examples: below the
+    # gate's default evidence minimum (30), which would hold every candidate back. The gate's rule is what these
+    # tests check, so this copy of configs/ lowers the minimum to what the small eval set holds, nothing else.
+    env["NEXA_CONFIG_DIR"] = str(configs_with(root / "configs", {"promotion.yaml": {"min_examples": 3}}))
     mp = pytest.MonkeyPatch()
     for k, v in env.items():
         mp.setenv(k, v)
@@ -163,7 +168,9 @@ def test_the_tiny_scales_benchmarks_reach_the_report_mlflow_and_the_leaderboard(
         report["benchmark/nexa_stdlib_module/acc"],
         report["benchmark/nexa_stdlib_module/acc_stderr"],
     )
-    assert 0 <= acc <= 1 and stderr == pytest.approx((acc * (1 - acc) / 39) ** 0.5)  # 40 examples
+    assert 0 <= acc <= 1 and stderr == pytest.approx(
+        (acc * (1 - acc) / 39) ** 0.5, abs=5e-5
+    )  # 40 examples; 4 decimals
     assert "benchmark/nexa_docstring_completion/exact_match.first_three_words_stderr" in report
     saved = json.loads(Path(report["report_json"]).read_text())
     assert saved["benchmarks"]["tasks"]["nexa_stdlib_module"]["acc"]["value"] == acc
@@ -697,8 +704,12 @@ def test_corpus_job_writes_a_megatron_corpus_and_rl_prompts(lifecycle) -> None:
     assert result.success
     corpus = result.output_for_node("pretrain_corpus")
     documents = sum(len(dg_runs.output_for_node("raw_documents")) for dg_runs in lifecycle[4].values())
-    assert corpus.num_documents == documents and corpus.num_tokens > documents
-    assert sum(IndexedDataset(prefix).num_documents for prefix in corpus.prefixes) == documents
+    # every ingested document but those holding eval-set or benchmark text (the contamination check removes them)
+    # and a document landed again on a later day (kept once, from the earlier day)
+    removed = _metadata(instance, "pretrain_corpus")["contaminated_rows_removed"]
+    kept = documents - removed - corpus.cross_day_duplicates_dropped
+    assert 0 < corpus.num_documents == kept and corpus.num_tokens > corpus.num_documents
+    assert sum(IndexedDataset(prefix).num_documents for prefix in corpus.prefixes) == corpus.num_documents
     assert json_.loads(Path(corpus.megatron_blend_path).read_text())
     prompts = result.output_for_node("rl_prompts")
     metadata = _metadata(instance, "rl_prompts")

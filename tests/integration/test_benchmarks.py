@@ -174,8 +174,13 @@ def test_a_bad_task_or_a_missing_data_file_fails_before_any_model_is_loaded(
     assert resolved.specs[0]["dataset_kwargs"]["data_files"] == {"test": str(tasks / "stdlib_module.jsonl")}
 
 
-def _scores(acc: float, stderr: float) -> dict:
-    return {"tasks": {"mmlu": {"acc": {"value": acc, "stderr": stderr, "higher_is_better": True}}}}
+def _scores(acc: float, stderr: float, samples: int = 500) -> dict:
+    """A harness result of one task as the evaluation stores it (``samples``: the task's item count, the n the
+    gate's evidence rule reads)."""
+    return {
+        "tasks": {"mmlu": {"acc": {"value": acc, "stderr": stderr, "higher_is_better": True}}},
+        "samples": {"mmlu": samples},
+    }
 
 
 def test_the_gate_on_a_benchmark_needs_the_interval_from_the_harness_standard_errors() -> None:
@@ -193,6 +198,10 @@ def test_the_gate_on_a_benchmark_needs_the_interval_from_the_harness_standard_er
     assert not decide(
         "c", production, PromotionPolicy(metric=policy.metric, margin=0.1), benchmark=clear
     ).passed
+    # a clear gain on a task of 10 items is no evidence: the gate refuses to decide on it
+    few = compare_benchmark(policy.metric, _scores(0.60, 0.01, samples=10), _scores(0.50, 0.01, samples=10))
+    refused = decide("c", production, policy, benchmark=few)
+    assert not refused.passed and refused.decision == "insufficient evidence" and refused.n == 10, refused
     # lower-is-better metrics (a perplexity) count a reduction as the gain
     lower = {"tasks": {"mmlu": {"acc": {"value": 0.3, "stderr": 0.01, "higher_is_better": False}}}}
     assert isinstance(compare_benchmark(policy.metric, lower, _scores(0.5, 0.01)), BenchmarkComparison)

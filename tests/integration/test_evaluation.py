@@ -215,20 +215,21 @@ def test_the_gate_needs_the_interval_not_just_the_point_estimate() -> None:
     from nexa_dagster.core.evaluation.paired import PairedLoss
 
     production = ProductionEntry(checkpoint_id="prod", checkpoint_path="/nowhere", metric="eval_loss")
-    noisy = PairedLoss(2.90, 3.00, Interval(-0.10, -0.30, 0.05, 0.95), 12, 300)  # better, within the noise
+    # 40 examples: enough evidence (min_examples 30), so what decides is the interval or the point estimate
+    noisy = PairedLoss(2.90, 3.00, Interval(-0.10, -0.30, 0.05, 0.95), 40, 1000)  # better, within the noise
     assert not decide("c", production, PromotionPolicy(), noisy).passed
     assert decide("c", production, PromotionPolicy(require_interval=False), noisy).passed
-    clear = PairedLoss(2.90, 3.00, Interval(-0.10, -0.15, -0.05, 0.95), 12, 300)
+    clear = PairedLoss(2.90, 3.00, Interval(-0.10, -0.15, -0.05, 0.95), 40, 1000)
     assert decide("c", production, PromotionPolicy(), clear).passed
     assert not decide("c", production, PromotionPolicy(margin=0.08), clear).passed  # the margin counts too
-    # win rate: 7 of 10 consistent verdicts is a point estimate above 0.5 with an interval that is not
+    # win rate: 14 of 20 consistent verdicts is a point estimate above 0.5 with a Wilson interval that is not
     win = PromotionPolicy(metric="win_rate")
-    assert not decide("c", production, win, win_rate=_win(7, 3, 0.397, 0.892)).passed
+    assert not decide("c", production, win, win_rate=_win(14, 6, 0.481, 0.855)).passed
     assert decide(
         "c",
         production,
         PromotionPolicy(metric="win_rate", require_interval=False),
-        win_rate=_win(7, 3, 0.397, 0.892),
+        win_rate=_win(14, 6, 0.481, 0.855),
     ).passed
     assert decide("c", production, win, win_rate=_win(18, 2, 0.699, 0.972)).passed
     # nothing to compare with (production not readable here) is held back; no production at all is promoted

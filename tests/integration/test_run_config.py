@@ -19,7 +19,8 @@ from support.sandbox import make_sandbox, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
-DAY = "2026-11-20"  # 26 lines, more than the tiny preset's cap of 12 documents a day
+DAY = "2026-11-20"
+TINY_CAP = yaml.safe_load((REPO_ROOT / "configs" / "scales" / "tiny.yaml").read_text())["max_docs_per_day"]
 
 
 def _scale_in_schema(job: dg.JobDefinition) -> object:
@@ -68,7 +69,14 @@ def _materialize(root: Path, *config: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path, monkeypatch) -> None:
-    root = make_sandbox(tmp_path, days=[DAY])
+    root = make_sandbox(tmp_path)
+    day = root / "landing" / DAY  # ten documents more than the tiny preset's cap of a day
+    day.mkdir(parents=True)
+    lines = (
+        json.dumps({"title": f"note {i}", "text": f"Note {i}: " + "words " * 20})
+        for i in range(TINY_CAP + 10)
+    )
+    (day / "notes.jsonl").write_text("\n".join(lines) + "\n")
     monkeypatch.delenv("NEXA_SCALE", raising=False)
     default = _materialize(root)  # what a schedule launches: no config, the environment's preset (tiny)
     assert default.returncode == 0, default.stderr[-3000:]
@@ -88,7 +96,7 @@ def test_a_run_launched_with_another_scale_uses_it_and_records_it(tmp_path: Path
             scale: e.asset_materialization.metadata["dagster/row_count"].value
             for scale, e in by_scale.items()
         }
-        assert rows["tiny"] == 12 < rows["full"], rows  # tiny caps a day at 12 documents, full does not
+        assert rows == {"tiny": TINY_CAP, "full": TINY_CAP + 10}, rows  # tiny caps a day, full does not
         recorded = instance.get_run_by_id(by_scale["full"].run_id).run_config
         assert recorded["resources"]["scale_preset"]["config"]["name"] == "full", json.dumps(recorded)
     finally:

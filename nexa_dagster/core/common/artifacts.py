@@ -169,6 +169,8 @@ class EvalReport(Artifact):
     eval_loss_difference: float | None = None  # candidate - production on the same examples
     eval_loss_difference_interval: tuple[float, float] | None = None
     win_rate_interval: tuple[float, float] | None = None
+    # the judge's verdicts asked for (both orders of each answer pair); only the order-consistent ones count
+    win_rate_verdicts: int | None = None
     gate_decision: str | None = None  # promote | hold back | insufficient evidence
     gate_reason: str | None = None
     gate_metric: str | None = None  # what the gate compared (promotion.yaml's metric)

@@ -14,9 +14,10 @@ DAY_REGEX = r"^\d{4}-\d{2}-\d{2}$"
 
 
 class RawDocuments(pa.DataFrameModel):
-    """One row per ingested document of a day."""
+    """One row per ingested document of a day (the same document landed on two days is a row on each: a frame of
+    a partition range holds both, so a doc_id is unique within its day, not across days)."""
 
-    doc_id: Series[str] = pa.Field(unique=True, str_length={"min_value": 16, "max_value": 16})
+    doc_id: Series[str] = pa.Field(str_length={"min_value": 16, "max_value": 16})
     day: Series[str] = pa.Field(str_matches=DAY_REGEX)
     source: Series[str] = pa.Field(str_length={"min_value": 1})
     title: Series[str]
@@ -26,6 +27,7 @@ class RawDocuments(pa.DataFrameModel):
     class Config:
         strict = True
         coerce = True
+        unique = ["day", "doc_id"]
 
 
 class TeacherSamples(pa.DataFrameModel):

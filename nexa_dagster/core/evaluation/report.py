@@ -147,6 +147,7 @@ def build_eval_report(
         eval_loss_difference=paired.difference.estimate if paired else None,
         eval_loss_difference_interval=_bounded(paired.difference) if paired else None,
         win_rate_interval=(win.rate.low, win.rate.high) if win else None,
+        win_rate_verdicts=win.wins + win.losses + win.inconsistent if win else None,
         gate_decision=gate["decision"],
         gate_reason=decision.reason,
         gate_metric=metric,
