@@ -110,6 +110,7 @@ def test_answers_are_stored_once_and_reused(served: ManagedServer, tmp_path: Pat
         assert len(doubled) == 12 and stats.requested == 12
 
 
+@pytest.mark.slow
 def test_server_killed_mid_partition_and_restarted(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -211,6 +212,7 @@ def _result(proc: subprocess.Popen[str]) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_materializing_process_then_rerun(served: ManagedServer, tmp_path: Path) -> None:
     landing = tmp_path / "landing"
     shutil.copytree(SAMPLE_LANDING / DAY, landing / DAY)

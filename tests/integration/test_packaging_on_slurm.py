@@ -31,6 +31,9 @@ from nexa_dagster.resources.gpu_cluster import (
 )
 from nexa_dagster.resources.storage import StorageResource
 
+# a Slurm cluster and packaging jobs on it: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 
 def _tree(root: Path, skip: str = "") -> dict[str, bytes]:
     """Every file under ``root`` by relative path (what packaging wrote: snapshot, store, receipts, inputs), with

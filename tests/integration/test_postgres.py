@@ -21,6 +21,9 @@ from nexa_dagster.core.common.config import REPO_ROOT, load_scale
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.definitions import config_resources
 
+# a PostgreSQL server and a daemon draining a queue of runs: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 DAYS = [f"2026-11-{d:02d}" for d in range(1, 13)]  # 12 daily partitions: more runs than the queue's 8 slots
 
 

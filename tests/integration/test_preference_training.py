@@ -33,6 +33,7 @@ from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.gpu_cluster import LocalGPUCluster
 
+
 BETA = 0.1
 
 
@@ -300,6 +301,7 @@ def _metrics(job: TrainingJob) -> list[dict[str, float]]:
     return [json.loads(line) for line in (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # two ranks trained, killed and resumed: left out of make test-fast
 def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
     tmp_path: Path, teacher_dir: Path, tokenizer: Any
 ) -> None:

@@ -163,6 +163,7 @@ def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
 
 
+@pytest.mark.slow
 def test_pretraining_on_bin_idx_resumes_with_the_same_loss_at_every_step(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -69,6 +69,9 @@ from support.services import database_of_its_own
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.net import free_port
 
+# a PostgreSQL instance, a code server, a daemon and killed run workers: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 KILLED_DAY = "2026-11-20"  # generated landing folder, big enough that raw_documents computes for seconds
 STUCK_DAY = "2026-11-21"  # the sample landing folder, cheap
 NUM_DOCS = 30_000

@@ -18,6 +18,9 @@ from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
+# whole runs whose every log, event and file is searched: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 SECRET = "sk-nexa-TEST-9f2c41d7e8b0a6"
 DAY = "2026-11-20"
 

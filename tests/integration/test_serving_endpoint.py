@@ -34,6 +34,9 @@ from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
+# HAProxy and model servers switched and killed: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 MODEL = "nexa-moe"
 
 

@@ -30,6 +30,9 @@ from nexa_dagster.resources.gpu_cluster import (
     gpu_cluster_from_settings,
 )
 
+# a Slurm cluster and jobs on it: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 SLURM_WARNING_S = 20  # --signal=TERM@20: one step and a save of the tiny model fit with room to spare
 
 

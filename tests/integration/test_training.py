@@ -266,6 +266,7 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
 
 
 # -- through Dagster ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(
     tmp_path: Path, teacher_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -296,6 +297,7 @@ def test_dagster_asset_trains_through_the_gpu_cluster_resource_with_pipes(
     assert console.count("step 3/3 loss") == 1, [line for line in console.splitlines() if "step 3/3" in line]
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_train_one_model(tmp_path: Path, teacher_dir: Path) -> None:
     """num_procs=2 launches torchrun: two gloo ranks share each global batch, only rank 0 reports and saves."""
     job = make_job(tmp_path, teacher_dir, steps=2, log_every=1, num_procs=2)
@@ -350,6 +352,7 @@ def test_worker_failure_is_a_dagster_failure_quoting_its_stderr(tmp_path: Path, 
     assert "training test-run failed on rank 0: ValueError" in description
 
 
+@pytest.mark.slow
 def test_a_lost_worker_is_retried_and_a_non_finite_loss_is_not(tmp_path: Path, teacher_dir: Path) -> None:
     """moe_checkpoint's retry policy (MODEL_CALL_RETRY) through the real resource: a worker killed with SIGKILL (a
     lost node) is run again and the step succeeds; a non-finite loss fails the step at once, without the three
@@ -502,6 +505,7 @@ def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
 
 
+@pytest.mark.slow
 def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(
     tmp_path: Path, teacher_dir: Path
 ) -> None:
@@ -558,6 +562,7 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(
     assert not (tmp_path / "ckpt" / "killed.state").exists(), "a finished run's resume state is deleted"
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_reaches_both_ranks_which_save_their_state_and_stop(
     tmp_path: Path, teacher_dir: Path
 ) -> None:
@@ -585,6 +590,7 @@ def test_sigterm_to_torchrun_reaches_both_ranks_which_save_their_state_and_stop(
     assert (state / "latest").read_text().strip() == f"step{int(saved.group(1)):08d}"
 
 
+@pytest.mark.slow
 def test_zero3_trains_like_zero1_and_exports_gathered_weights(tmp_path: Path, teacher_dir: Path) -> None:
     """ZeRO-3 (parameters partitioned over 2 ranks, each MoE block gathered as one leaf module) computes the same
     losses as ZeRO-1, and the exported checkpoint holds the full, gathered weights."""
@@ -607,6 +613,7 @@ def test_zero3_trains_like_zero1_and_exports_gathered_weights(tmp_path: Path, te
     assert model.lm_head.weight.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_dir: Path) -> None:
     job = make_job(tmp_path, teacher_dir, steps=5, log_every=1)
     job = job.model_copy(update={"settings": job.settings.model_copy(update={"stall_timeout_s": 3.0})})
@@ -809,6 +816,7 @@ def _launch_long_training(
     return launcher, workers[0], log
 
 
+@pytest.mark.slow
 def test_cancelling_the_dagster_run_stops_the_worker(tmp_path: Path, teacher_dir: Path) -> None:
     """A cancelled run gets SIGINT (what Dagster's run worker receives on cancel): the worker must go with it."""
     launcher, worker, log = _launch_long_training(tmp_path, teacher_dir)
@@ -820,6 +828,7 @@ def test_cancelling_the_dagster_run_stops_the_worker(tmp_path: Path, teacher_dir
     assert not (tmp_path / "checkpoints" / "test-run" / COMPLETION_MARKER).exists()
 
 
+@pytest.mark.slow
 def test_killing_the_dagster_process_stops_the_worker(tmp_path: Path, teacher_dir: Path) -> None:
     """SIGKILL gives Dagster no chance to forward anything: the worker notices its launcher is gone."""
     launcher, worker, _ = _launch_long_training(tmp_path, teacher_dir)

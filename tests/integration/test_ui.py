@@ -20,6 +20,9 @@ from support.services import free_port, missing
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.processes import stop_process_group
 
+# the Dagster UI driven by a real browser: left out of make test-fast
+pytestmark = pytest.mark.slow
+
 DAY = "2026-11-20"
 LOCATION = "nexa_dagster.definitions"
 GROUPS = {
