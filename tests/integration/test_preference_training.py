@@ -33,7 +33,6 @@ from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.gpu_cluster import LocalGPUCluster
 
-
 BETA = 0.1
 
 
