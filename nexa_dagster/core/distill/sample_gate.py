@@ -287,7 +287,8 @@ def apply_sample_gate(
                 save_partition(history, dedup_root, day, [part.at[i, "sample_id"] for i in kept], exact)
         judged_frames.append(judged)
         done += len(part)
-        if progress:  # rows the heuristics or dedup decided never reach the judge: the day is done all the same
+        # rows the heuristics or dedup decided never reach the judge: the day is done all the same
+        if progress:
             progress(done, total)
     if judged_frames:
         judged = pd.concat(judged_frames, ignore_index=True)
