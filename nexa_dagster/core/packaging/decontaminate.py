@@ -149,7 +149,15 @@ def decontaminate(
             kept.append(day)
         else:
             report.removed_rows += len(receipt["hits"])
-            clean = _without_rows(day.path, {hit["row"] for hit in receipt["hits"]}, out_root)
+            # the cleaned copy is named in the receipt once made: a later night reuses it without reading the day
+            # again (the receipt and the copy are both named by content, so the name stays right)
+            clean_dir = storage.join(out_root, "inputs", "decontaminated")
+            made = receipt.get("without_hits")
+            if made and storage.exists(storage.join(clean_dir, made)):
+                clean = storage.join(clean_dir, made)
+            else:
+                clean = _without_rows(day.path, {hit["row"] for hit in receipt["hits"]}, out_root)
+                storage.write_json({**receipt, "without_hits": clean.rsplit("/", 1)[-1]}, receipt_path)
             if day.rows - len(receipt["hits"]):
                 kept.append(replace(day, path=clean, rows=day.rows - len(receipt["hits"])))
     if report.contaminated_rows:

@@ -117,12 +117,17 @@ def test_a_planted_eval_example_is_removed_before_packing_and_a_clean_day_is_unt
         packed_ids == ["c"] and kept[1].rows == 1 and report.items_hit == set()
     )  # nothing of it is trained on
 
-    # the next night checks only its new day: the two earlier days come from their receipts
+    # the next night checks only its new day: the two earlier days come from their receipts, and the planted
+    # day's cleaned copy is the one made before (named in its receipt): the night does not read that day again
     later = DayInput(("2026-11-04",), samples_to_jsonl(_samples([("d", 13)], "2026-11-04"), out), 1)
-    _, night = decontaminate(
+    planted_bytes = Path(planted.path).read_bytes()
+    Path(planted.path).unlink()  # a read of it now would fail
+    again, night = decontaminate(
         [clean, planted, later], index, out, "remove", texts, "sample_id", log=lambda _: None
     )
     assert (night.rows_checked, night.rows_checked_now, night.removed_rows) == (5, 1, 1)
+    assert again[1].path == kept[1].path and again[2] == later
+    Path(planted.path).write_bytes(planted_bytes)
     # with report, the row stays, is counted, and the item it holds is named
     _, reported = decontaminate([planted], index, out, "report", texts, "sample_id", log=lambda _: None)
     assert reported.removed_rows == 0 and [index.describe(i) for i in reported.items_hit] == [
