@@ -28,6 +28,9 @@ from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.tiny.install import install_tiny_models
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
+# one worker runs every test of the module-scoped lifecycle (under xdist each worker would build its own: minutes)
+pytestmark = pytest.mark.xdist_group("lifecycle")
+
 DAYS = ["2026-11-20", "2026-11-21", "2026-11-22"]
 ALL_KEYS = [
     "raw_documents",
@@ -124,6 +127,18 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     yield defs, instance, env, checkpoint, runs
     mp.undo()
     instance.dispose()
+
+
+def _corpus_beside_base(instance: dg.DagsterInstance) -> dict:
+    """The metadata of the pretrain_corpus the latest base model trained on: the one materialized in the same run.
+    A corpus built later (test_corpus_job's, after the eval set froze) is another corpus: the contamination check
+    removes the documents that share text with eval examples, so its run hash differs."""
+    base = instance.get_latest_materialization_event(dg.AssetKey("base_model"))
+    assert base is not None, "base_model has no materialization"
+    records = instance.fetch_materializations(dg.AssetKey("pretrain_corpus"), limit=100).records
+    same_run = [r for r in records if r.run_id == base.run_id]
+    assert same_run, "no pretrain_corpus materialized in the base model's run"
+    return {k: v.value for k, v in same_run[0].event_log_entry.asset_materialization.metadata.items()}
 
 
 def _metadata(instance: dg.DagsterInstance, key: str, partition: str | None = None) -> dict:
@@ -439,6 +454,7 @@ def fresh_clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.xdist_group("cli_backfill")  # needs no lifecycle: free to run on the other worker
 def test_cli_backfill_of_a_date_range_in_one_run(tmp_path: Path) -> None:
     """The backfill commands of docs/operations.md, as written, in a fresh clone (no Dagster home yet): the tiny
     models installed, a single run for the date range, then a multi-run backfill queued for the daemon. The last
@@ -726,7 +742,7 @@ def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(life
 
     defs, instance, env, first, _ = lifecycle
     meta = _metadata(instance, "base_model")
-    corpus = _metadata(instance, "pretrain_corpus")
+    corpus = _corpus_beside_base(instance)
     base_dir = Path(str(meta["checkpoint_path"]))
     assert (base_dir / "model.safetensors").exists() and (base_dir / "tokenizer.json").exists()
     assert meta["corpus_run_hash"] == corpus["run_hash"] and meta["heldout_documents"] > 0
@@ -777,7 +793,7 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     frozen = _metadata(instance, "eval_set")
     assert (
         frozen["corpus_documents"] > 0
-        and frozen["corpus_run_hash"] == _metadata(instance, "pretrain_corpus")["run_hash"]
+        and frozen["corpus_run_hash"] == _corpus_beside_base(instance)["run_hash"]
     )
     manifest = load_eval_set(str(data / "eval_sets"), 1)
     documents = pd.read_parquet(manifest["corpus_path"])["sample_id"].tolist()

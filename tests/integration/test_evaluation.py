@@ -161,7 +161,9 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
 
         return json.loads((tmp_path / f"{name}.json").read_text())["scores"]
 
-    policy = PromotionPolicy()  # eval_loss, margin 0, the interval must clear it
+    # eval_loss, margin 0, the interval must clear it; this eval set holds 10 examples, so the evidence minimum is
+    # set to what it holds (the gate's refusal below the minimum is test_the_gate_needs_the_interval_...'s subject)
+    policy = PromotionPolicy(min_examples=10)
     with LocalTransformersClient(str(random_init)) as judge:
         template = JudgeRubric.from_files()
         better = worker(trained, random_init, "better")
