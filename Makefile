@@ -57,7 +57,7 @@ test: install
 
 # the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
 test-fast: install
-	$(BIN)/pytest tests/unit tests/integration -m "not slow" -n 2 --dist loadgroup --durations=10
+	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10
 
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml

@@ -28,6 +28,7 @@ from support.preference_pairs import (
     preference_job,
     write_snapshot,
 )
+from support.training_jobs import end_process_group
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -190,7 +191,6 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
     one over every slot), and the engine's gradient is that of mean DPO loss + 0.02 x aux. A NaN loss then raises
     before its update, and no weight moves."""
     import torch
-    import torch.distributed as dist
 
     from nexa_dagster.core.training.loop import Control, build_engine, build_model
     from nexa_dagster.core.training.model.moe import to_hf
@@ -268,8 +268,7 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
                 )
             assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            end_process_group()  # and DeepSpeed's cached groups: the next in-process engine starts clean
 
     aux = float(totals[0.02].aux_loss)
     assert aux == pytest.approx(float(hf_aux), abs=1e-6) and abs(aux - float(every_slot)) > 1e-4

@@ -153,3 +153,27 @@ def launch_training_in_dagster(
         ]
         time.sleep(0.5)
     return launcher, log
+
+
+def end_process_group() -> None:
+    """Destroy this process's torch.distributed group and forget DeepSpeed's cached groups.
+
+    For tests that build a real engine in the test process: DeepSpeed keeps the world and data-parallel groups in
+    module globals (``deepspeed.utils.groups``), so a second in-process engine in the same xdist worker would reuse
+    a destroyed group ("Group ... is not registered"). A worker process never needs this: it has one group."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    groups._WORLD_GROUP = None
+    groups._DATA_PARALLEL_GROUP = None
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    for cache in (
+        groups._EXPERT_PARALLEL_GROUP,
+        groups._EXPERT_PARALLEL_GROUP_RANKS,
+        groups._EXPERT_DATA_PARALLEL_GROUP,
+        groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+        groups._ALL_TO_ALL_GROUP,
+    ):
+        cache.clear()

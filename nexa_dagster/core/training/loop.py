@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -596,28 +597,65 @@ def train(
     # 5. evaluate, then save (rank 0)
     val_loss = validation_loss(engine.module, val_data, device, s.micro_batch_size, rank, world_size)
     say(f"validation loss {val_loss:.4f}")
-    trained_now = [m for m in metrics_log if m["step"] > start_step]
+    return finish_run(
+        job,
+        engine,
+        tokenizer,
+        metrics_log,
+        RunTotals(start_step, tokens_seen, tokens_before, train_s, t_start, total_params, active_params),
+        say,
+        validation_loss=val_loss,
+        validation_documents=heldout_documents,
+    )
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """What a finished run counted, for its result: where it resumed, tokens, times and parameter counts."""
+
+    start_step: int
+    tokens_seen: int
+    tokens_before: int  # tokens seen before this process resumed (not this process's throughput)
+    train_s: float
+    t_start: float  # time.perf_counter() when the run started
+    parameters_total: int
+    parameters_active: int
+
+
+def finish_run(
+    job: TrainingJob,
+    engine: Any,
+    tokenizer: Any,
+    metrics_log: list[dict[str, float]],
+    totals: RunTotals,
+    say: MessageFn,
+    **figures: Any,
+) -> TrainingResult:
+    """The run's result (``figures``: what the data kind adds, e.g. the validation loss, DPO's reward accuracy),
+    the checkpoint exported by rank 0, every rank leaving together, and the resume state removed: how SFT,
+    pretraining and DPO end."""
+    rank, world_size = int(settings.RANK.get()), int(settings.WORLD_SIZE.get())
+    trained_now = [m for m in metrics_log if m["step"] > totals.start_step]
     result = TrainingResult(
         run_id=job.run_id,
-        checkpoint_dir=str(output_dir),
-        steps=s.max_steps,
+        checkpoint_dir=str(Path(job.output_dir)),
+        steps=job.settings.max_steps,
         first_loss=metrics_log[0]["loss"],
         final_loss=metrics_log[-1]["loss"],
-        validation_loss=val_loss,
-        tokens_seen=tokens_seen,
-        tokens_per_s=(tokens_seen - tokens_before) / max(train_s, 1e-9),
-        wall_s=time.perf_counter() - t_start,
+        tokens_seen=totals.tokens_seen,
+        tokens_per_s=(totals.tokens_seen - totals.tokens_before) / max(totals.train_s, 1e-9),
+        wall_s=time.perf_counter() - totals.t_start,
         loss_curve=[(int(m["step"]), m["loss"]) for m in metrics_log],
-        parameters_total=total_params,
-        parameters_active=active_params,
+        parameters_total=totals.parameters_total,
+        parameters_active=totals.parameters_active,
         world_size=world_size,
         dataset_run_hash=job.dataset_run_hash,
-        resumed_from_step=start_step,
+        resumed_from_step=totals.start_step,
         mfu=max((m["mfu"] for m in trained_now), default=0.0),
         peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
         parent=job.parent,
         data_kind=job.data_kind,
-        validation_documents=heldout_documents,
+        **figures,
     )
     export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
     if dist.is_available() and dist.is_initialized() and world_size > 1:
@@ -625,7 +663,7 @@ def train(
         # checkpoint was seen to abort at exit ("terminate called without an active exception")
         dist.barrier()
     if rank == 0:
-        say(f"saved {output_dir}")
+        say(f"saved {Path(job.output_dir)}")
         shutil.rmtree(state_dir(job), ignore_errors=True)  # the run is complete: its resume state is garbage
     return result
 

@@ -21,7 +21,6 @@ engine, resumable state, stop on SIGTERM, non-finite guard, stall watchdog, prog
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,11 +44,12 @@ from nexa_dagster.core.training.loop import (
     LogFn,
     MessageFn,
     MetricsWindow,
+    RunTotals,
     all_reduce_sum,
     build_engine,
     build_model,
     count_parameters,
-    export_checkpoint,
+    finish_run,
     load_state,
     load_tokenizer,
     open_run,
@@ -529,35 +529,15 @@ def train_preference(
         f"validation: {held_out.pairs} pairs, DPO loss {held_out.loss:.4f}, reward accuracy "
         f"{held_out.reward_accuracy:.3f}, reward margin {held_out.reward_margin:.4f}"
     )
-    trained_now = [m for m in metrics_log if m["step"] > start_step]
-    result = TrainingResult(
-        run_id=job.run_id,
-        checkpoint_dir=str(output_dir),
-        steps=s.max_steps,
-        first_loss=metrics_log[0]["loss"],
-        final_loss=metrics_log[-1]["loss"],
+    return finish_run(
+        job,
+        engine,
+        tokenizer,
+        metrics_log,
+        RunTotals(start_step, tokens_seen, tokens_before, train_s, t_start, total_params, active_params),
+        say,
         validation_loss=held_out.loss,
-        tokens_seen=tokens_seen,
-        tokens_per_s=(tokens_seen - tokens_before) / max(train_s, 1e-9),
-        wall_s=time.perf_counter() - t_start,
-        loss_curve=[(int(m["step"]), m["loss"]) for m in metrics_log],
-        parameters_total=total_params,
-        parameters_active=active_params,
-        world_size=world_size,
-        dataset_run_hash=job.dataset_run_hash,
-        resumed_from_step=start_step,
-        mfu=max((m["mfu"] for m in trained_now), default=0.0),
-        peak_mem_gb=max((m["mem_gb"] for m in trained_now), default=0.0),
-        parent=job.parent,
-        data_kind=job.data_kind,
         reward_accuracy=held_out.reward_accuracy,
         reward_margin=held_out.reward_margin,
         validation_pairs=held_out.pairs,
     )
-    export_checkpoint(engine, tokenizer, job, result, metrics_log, rank)
-    if dist.is_available() and dist.is_initialized() and world_size > 1:
-        dist.barrier()
-    if rank == 0:
-        say(f"saved {output_dir}")
-        shutil.rmtree(state_dir(job), ignore_errors=True)
-    return result
