@@ -21,6 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from support.services import postgres_server, slurm_cluster  # noqa: E402
+from support.xdist_groups import ungrouped  # noqa: E402
 
 from nexa_dagster.core.llm.managed_server import ManagedServer  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
@@ -46,6 +47,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ):  # one cluster, one server: one xdist worker
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``: stop at once if the ``xdist_group`` marks were dropped."""
+    if getattr(session.config.option, "loadgroup", False) and (lost := ungrouped(session.items)):
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} tests marked xdist_group (e.g. {lost[0]}): this pytest and "
+            "pytest-xdist do not work together (see the pin in pyproject.toml)"
+        )
 
 
 @pytest.fixture(scope="session")
