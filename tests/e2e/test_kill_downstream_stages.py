@@ -249,8 +249,10 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     assert _production(killed) is None
     _assert_nothing_left_running(killed)
 
-    # ... rerun: the same evaluation metrics and the same (greedy) smoke answer, and the checkpoint in production
-    _finish(_materialize(killed, SERVE, retrained))
+    # ... rerun from the failure (Dagster's "re-execute from failure": the deployment step, on the report the
+    # killed run completed): the same evaluation metrics and the same (greedy) smoke answer, and the checkpoint in
+    # production
+    _finish(_materialize(killed, "model_deployment", retrained))
     reports = [
         _metadata(root, "eval_report", ckpt) for root, ckpt in ((straight, checkpoint), (killed, retrained))
     ]
