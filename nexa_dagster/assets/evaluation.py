@@ -49,6 +49,7 @@ from nexa_dagster.core.packaging.decontaminate import (
     recorded_inputs,
     template_segments,
 )
+from nexa_dagster.core.packaging.preference_dataset import pair_texts
 from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
@@ -214,7 +215,7 @@ def eval_report(
 
     # 3. how much of the eval set (or of the gate's benchmark) its training data holds
     contamination, contaminated = training_data_contamination(
-        context, storage, ckpt, eval_sets, scale, prompts, packaging_config, policy
+        context, storage, tracking, ckpt, eval_sets, scale, prompts, packaging_config, policy
     )
 
     # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
@@ -278,6 +279,7 @@ def eval_report(
 def training_data_contamination(
     context: dg.AssetExecutionContext,
     storage: StorageResource,
+    tracking: TrackingResource,
     ckpt: Checkpoint,
     eval_sets: EvalSetsResource,
     scale: ScalePreset,
@@ -285,26 +287,59 @@ def training_data_contamination(
     packaging_config: PackagingResource,
     policy: PromotionPolicy,
 ) -> tuple[float | None, list[str]]:
-    """(the share of the gate's protected items, the eval set's or its benchmark task's, that the candidate's SFT
-    data holds; those items) from the day files its dataset was packed from, each checked once per index
-    (``core/packaging/decontaminate.py``'s receipts). None: unknown (no dataset of it in this data root)."""
-    sft_root = storage.path("sft")
-    files = (
-        recorded_inputs(io.join(sft_root, ckpt.dataset_run_hash), sft_root) if ckpt.dataset_run_hash else None
-    )
-    if files is None:
-        context.log.warning(
-            f"{ckpt.checkpoint_id}: its training data is not in this data root: contamination unknown"
-        )
-        return None, []
-    index, _ = contamination_index(
-        storage, eval_sets, scale, prompts, packaging_config.config().contamination
-    )
-    texts = chat_texts(template_segments(prompts.text("teacher")))
-    _, report = decontaminate(files, index, sft_root, "report", texts, "sample_id", context.log.info)
+    """(the share of the gate's protected items, the eval set's or its benchmark task's, that the candidate's
+    training data holds; those items) from the day files its datasets were packed from, each checked once per index
+    (``core/packaging/decontaminate.py``'s receipts). A preference checkpoint learned from its pairs and from
+    everything its parent learned from, so its lineage is followed back to the SFT data. None: unknown (a dataset
+    of that lineage is not in this data root)."""
+    segments = template_segments(prompts.text("teacher"))
+    # stage -> (its datasets' root, the texts of one record, the record's id field); a base model's corpus is
+    # checked again when it trains (base_model keeps eval-side documents out), so its inputs say too much
+    kinds = {
+        "sft": (storage.path("sft"), chat_texts(segments), "sample_id"),
+        "preference": (storage.path("preference"), pair_texts(segments), "pair_id"),
+    }
+    index = None
+    hit: set[int] = set()
+    for stage, dataset_run_hash, who in training_lineage(storage, tracking, policy, ckpt):
+        root, texts, id_field = kinds.get(stage, kinds["sft"])
+        known = stage in kinds and dataset_run_hash
+        files = recorded_inputs(io.join(root, dataset_run_hash), root) if known else None
+        if files is None:
+            context.log.warning(
+                f"{ckpt.checkpoint_id}: the {stage} data of {who} is not in this data root: contamination unknown"
+            )
+            return None, []
+        if index is None:
+            index, _ = contamination_index(
+                storage, eval_sets, scale, prompts, packaging_config.config().contamination
+            )
+        _, report = decontaminate(files, index, root, "report", texts, id_field, context.log.info)
+        hit |= set(report.items_hit)
+    assert index is not None  # the lineage holds the checkpoint itself
     source = f"benchmark:{parse_metric(policy.metric)[0]}" if policy.benchmark else "eval_set"
-    items = sorted(index.describe(i) for i in report.items_hit if index.items[i][0].startswith(source))
-    return index.share(report.items_hit, source), items
+    items = sorted(index.describe(i) for i in hit if index.items[i][0].startswith(source))
+    return index.share(hit, source), items
+
+
+def training_lineage(
+    storage: StorageResource, tracking: TrackingResource, policy: PromotionPolicy, ckpt: Checkpoint
+) -> list[tuple[str, str | None, str]]:
+    """(stage, dataset run hash, whose) for the checkpoint and, for a preference checkpoint, each ancestor back to
+    the SFT checkpoint it started from (a DPO model holds what its SFT parent learned). A parent whose record is
+    not in this data root ends the lineage with an unknown dataset."""
+    lineage, seen = [], set()
+    while True:
+        lineage.append((ckpt.stage, ckpt.dataset_run_hash, ckpt.checkpoint_id))
+        seen.add(ckpt.checkpoint_id)
+        parent = (ckpt.parent or "").partition(":")
+        if ckpt.stage != "preference" or parent[0] != "production" or parent[2] in seen:
+            return lineage
+        parent_dir = checkpoint_dir(storage, tracking, policy.registered_model, parent[2])
+        try:
+            ckpt = read_checkpoint(parent_dir, parent[2], storage.root)
+        except ValueError:
+            return [*lineage, ("sft", None, parent[2])]
 
 
 def checkpoint_dir(

@@ -34,7 +34,7 @@ from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
-from nexa_dagster.core.packaging.decontaminate import decontaminate, template_segments
+from nexa_dagster.core.packaging.decontaminate import decontaminate, record_inputs, template_segments
 from nexa_dagster.core.packaging.preference_dataset import (
     build_preference_dataset,
     pair_texts,
@@ -248,6 +248,8 @@ def preference_dataset(
             **contamination_metadata(contamination, index),
         }
     )
+    # the pair files it was packed from: the evaluation of a checkpoint trained on it says what they hold
+    record_inputs(dataset.root, out_root, days, contamination, index)
     return dataset
 
 

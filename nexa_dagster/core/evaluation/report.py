@@ -61,10 +61,15 @@ def read_checkpoint(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = 
                 model_preset=j["model_preset"],
                 parent=j.get("parent"),
                 init_requested=j.get("init_requested") or None,
+                stage=_STAGE_OF_DATA.get(j.get("data_kind", "packed_sft"), "sft"),
             )
         return Checkpoint(checkpoint_id=checkpoint_id, path=str(ckpt_dir), num_steps=0)  # copied in by hand
     except ValueError as error:  # pydantic's ValidationError: no config.json or weights in the folder
         raise ValueError(f"checkpoint {checkpoint_id} in {ckpt_dir} cannot be evaluated: {error}") from error
+
+
+# what a training job's data kind makes of its checkpoint (``Checkpoint.stage``)
+_STAGE_OF_DATA = {"packed_sft": "sft", "preference": "preference", "pretrain_corpus": "pretrain"}
 
 
 def _dataset_path(stored: str | None, data_root: str | None) -> str | None:

@@ -1,0 +1,154 @@
+"""What an evaluation says a checkpoint's training data holds of the eval set (``assets/evaluation.py``): a DPO
+checkpoint learned from its preference pairs *and* from everything its SFT parent learned from, so an eval example
+in either is found; a lineage whose data is not in this data root is unknown, never a clean zero."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from nexa_dagster.assets.evaluation import training_data_contamination, training_lineage
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.config import load_scale, read_text
+from nexa_dagster.core.data.contamination import ContaminationIndex
+from nexa_dagster.core.distill.teacher import render
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set
+from nexa_dagster.core.evaluation.promotion import PromotionPolicy
+from nexa_dagster.core.evaluation.report import read_checkpoint
+from nexa_dagster.core.packaging.decontaminate import DecontaminationReport, record_inputs
+from nexa_dagster.core.packaging.preference_dataset import pairs_to_jsonl
+from nexa_dagster.core.packaging.sft_dataset import DayInput, samples_to_jsonl
+from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
+
+TEMPLATE = read_text("prompts/teacher.jinja")
+
+
+def _document(k: int) -> str:
+    """A distinct 40-word text (no 13-gram of one is in another)."""
+    return " ".join(f"word{k}x{i}" for i in range(40))
+
+
+def _samples(ids_and_docs: list[tuple[str, int]], day: str) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "sample_id": sid,
+                "day": day,
+                "system_prompt": "Answer briefly.",
+                "prompt": render(TEMPLATE, title=f"title {sid}", text=_document(k)),
+                "response": f"an answer about number {k}",
+            }
+            for sid, k in ids_and_docs
+        ]
+    )
+
+
+def _pairs(ids_and_chosen: list[tuple[str, str]], day: str) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "pair_id": pid,
+                "sample_id": f"s-{pid}",
+                "day": day,
+                "prompt": [{"role": "user", "content": f"question {pid}"}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": "no"}],
+            }
+            for pid, chosen in ids_and_chosen
+        ]
+    )
+
+
+def _dataset(root: str, run_hash: str, day: DayInput) -> None:
+    """A dataset snapshot that records the day file it was packed from (as packaging does)."""
+    record_inputs(f"{root}/{run_hash}", root, [day], DecontaminationReport("unused", "remove"), _NO_INDEX)
+
+
+_NO_INDEX = ContaminationIndex.build([])
+
+
+def _checkpoint(data: Path, checkpoint_id: str, **record: str) -> None:
+    """A complete checkpoint folder with its record (weights are never read on this path)."""
+    folder = data / "checkpoints" / checkpoint_id
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "checkpoint.json").write_text(json.dumps({"num_steps": 1, "path": str(folder), **record}))
+    (folder / COMPLETION_MARKER).write_text("")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict:
+    data = tmp_path_factory.mktemp("contamination") / "data"
+    storage = StorageResource(data_root=str(data))
+    freeze_eval_set(
+        _samples([(f"held-{k}", k) for k in range(3)], "2026-11-01"),
+        tiny_tokenizer,
+        storage.path("eval_sets"),
+        1,
+        fraction=0.999999,
+        max_tokens=512,
+        log=lambda _: None,
+    )
+    sft, pref = storage.path("sft"), storage.path("preference")
+    clean = DayInput(("2026-11-02",), samples_to_jsonl(_samples([("a", 10), ("b", 11)], "2026-11-02"), sft), 2)
+    _dataset(sft, "sft-clean", clean)
+    # a DPO pair whose chosen answer quotes eval example held-1's document (an answer that recites a page)
+    leaked = _pairs([("p1", "fine"), ("p2", "it says " + _document(1))], "2026-11-03")
+    _dataset(pref, "pref-leaky", DayInput(("2026-11-03",), pairs_to_jsonl(leaked, pref), 2))
+    _dataset(pref, "pref-clean", DayInput(("2026-11-04",), pairs_to_jsonl(_pairs([("p3", "ok")], "x"), pref), 1))
+    _checkpoint(data, "sft-1", stage="sft", dataset_run_hash="sft-clean", parent="base:b1")
+    _checkpoint(data, "pref-1", stage="preference", dataset_run_hash="pref-leaky", parent="production:sft-1")
+    _checkpoint(data, "pref-2", stage="preference", dataset_run_hash="pref-clean", parent="production:pref-1")
+    _checkpoint(data, "pref-3", stage="preference", dataset_run_hash="pref-clean", parent="production:gone")
+    return {
+        "data": data,
+        "storage": storage,
+        "tracking": TrackingResource(data_root=str(data)),
+        "scale": (scale := load_scale("tiny")).model_copy(
+            update={
+                "evaluation": scale.evaluation.model_copy(
+                    update={"benchmarks": scale.evaluation.benchmarks.model_copy(update={"tasks": []})}
+                )
+            }
+        ),
+    }
+
+
+def _contamination(world: dict, checkpoint_id: str) -> tuple[float | None, list[str]]:
+    ckpt = read_checkpoint(world["data"] / "checkpoints" / checkpoint_id, checkpoint_id, str(world["data"]))
+    return training_data_contamination(
+        dg.build_asset_context(),
+        world["storage"],
+        world["tracking"],
+        ckpt,
+        EvalSetsResource(),
+        world["scale"],
+        PromptsResource(),
+        PackagingResource(),
+        PromotionPolicy(),
+    )
+
+
+def test_an_sft_checkpoint_on_clean_data_holds_none_of_the_eval_set(world: dict) -> None:
+    assert _contamination(world, "sft-1") == (0.0, [])
+
+
+def test_a_dpo_checkpoint_holds_what_its_pairs_hold_and_its_child_inherits_it(world: dict) -> None:
+    share, items = _contamination(world, "pref-1")
+    assert items == ["eval_set v1 held-1"] and share == pytest.approx(1 / 3)
+    # DPO from a DPO production model: clean pairs of its own, its parent's leak still in its weights
+    assert _contamination(world, "pref-2") == (pytest.approx(1 / 3), ["eval_set v1 held-1"])
+
+
+def test_a_dpo_checkpoint_whose_parent_is_not_in_this_data_root_is_unknown(world: dict) -> None:
+    ckpt = read_checkpoint(world["data"] / "checkpoints" / "pref-3", "pref-3", str(world["data"]))
+    lineage = training_lineage(world["storage"], world["tracking"], PromotionPolicy(), ckpt)
+    assert lineage == [("preference", "pref-clean", "pref-3"), ("sft", None, "gone")]
+    assert _contamination(world, "pref-3") == (None, [])
