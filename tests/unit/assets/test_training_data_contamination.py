@@ -97,12 +97,16 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict:
         log=lambda _: None,
     )
     sft, pref = storage.path("sft"), storage.path("preference")
-    clean = DayInput(("2026-11-02",), samples_to_jsonl(_samples([("a", 10), ("b", 11)], "2026-11-02"), sft), 2)
+    clean = DayInput(
+        ("2026-11-02",), samples_to_jsonl(_samples([("a", 10), ("b", 11)], "2026-11-02"), sft), 2
+    )
     _dataset(sft, "sft-clean", clean)
     # a DPO pair whose chosen answer quotes eval example held-1's document (an answer that recites a page)
     leaked = _pairs([("p1", "fine"), ("p2", "it says " + _document(1))], "2026-11-03")
     _dataset(pref, "pref-leaky", DayInput(("2026-11-03",), pairs_to_jsonl(leaked, pref), 2))
-    _dataset(pref, "pref-clean", DayInput(("2026-11-04",), pairs_to_jsonl(_pairs([("p3", "ok")], "x"), pref), 1))
+    _dataset(
+        pref, "pref-clean", DayInput(("2026-11-04",), pairs_to_jsonl(_pairs([("p3", "ok")], "x"), pref), 1)
+    )
     _checkpoint(data, "sft-1", stage="sft", dataset_run_hash="sft-clean", parent="base:b1")
     _checkpoint(data, "pref-1", stage="preference", dataset_run_hash="pref-leaky", parent="production:sft-1")
     _checkpoint(data, "pref-2", stage="preference", dataset_run_hash="pref-clean", parent="production:pref-1")
