@@ -129,11 +129,20 @@ def local_model_dirs(resources: dict[str, Any]) -> list[str]:
     return dirs + [m for role in ("teacher_llm", "judge_llm") if (m := getattr(resources[role], "model", ""))]
 
 
+# Every step in a process of its own (a step killed by the OOM killer or a lost node fails alone, and is retried
+# alone), forked from a server that imported the code location once per run: Dagster's default `spawn` start
+# imports it again for every step, about 3.5 s of CPU each on a 2-core host (docs/operations.md, "Step processes").
+STEP_EXECUTOR = dg.multiprocess_executor.configured(
+    {"start_method": {"forkserver": {}}}, name="multiprocess_forkserver"
+)
+
+
 def build_defs() -> dg.Definitions:
     """The code location. Every file under ``configs/`` is checked first: a bad key fails the load (``make
     validate``, the UI) naming the file and the key, not a run hours later."""
     check_configs(extra=[build_resources])
     return dg.Definitions(
+        executor=STEP_EXECUTOR,
         assets=dg.load_assets_from_modules(ASSET_MODULES),
         asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
         jobs=JOBS,

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import dagster as dg
 import httpx
 import pandas as pd
 import pytest
@@ -46,12 +47,20 @@ def corrupted_model(path: Path, scale: float = 20.0) -> Path:
     return path
 
 
+def _metadata(root: Path, key: str) -> dict:
+    """The latest materialization's metadata of ``key`` in the sandbox's instance."""
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey(key))
+        assert event is not None, f"{key} has no materialization"
+        return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
 def _all_ok(results: list[dict]) -> None:
     failed = [(r["job"], r["partition"], r["errors"][:2]) for r in results if not r["success"]]
     assert not failed, failed
 
 
-# two runs of the jobs (pretraining, two trainings, two evaluations): about 7 minutes on a loaded 2-core machine
+# the jobs before the move (data, pretraining, packaging, an evaluation) and after it (a training, an evaluation)
 @pytest.mark.timeout(1800)
 def test_a_moved_data_root_keeps_production_and_scores_promotes_and_serves_from_the_new_place(
     tmp_path: Path,
@@ -73,8 +82,8 @@ def test_a_moved_data_root_keeps_production_and_scores_promotes_and_serves_from_
     before = run_jobs(
         world,
         f"daily_data_job:{DAY}",
-        "pretraining_job",
-        "training_job",  # freezes the eval set (its candidate is not evaluated here)
+        "pretraining_job",  # freezes the eval set; the base model the candidate starts from
+        "training_job[sft_dataset]",  # the packaged data the training after the move reuses
         "add_partition:untrained",
         "evaluation_job:untrained",  # nothing to beat yet: production
         "leaderboard_job",
@@ -95,6 +104,10 @@ def test_a_moved_data_root_keeps_production_and_scores_promotes_and_serves_from_
     _all_ok(after)
     training, evaluation, _ = after
     candidate = training["checkpoint_id"]
+    # the data packaged before the move is found and reused from the new place (its store's paths are relative)
+    assert "sft_dataset" in before[2]["materialized"], before[2]
+    reused = _metadata(moved, "sft_dataset")
+    assert reused["num_shards"] > 0 and reused["shards_reused"] == reused["num_shards"], reused
     # trained from the base model, found where it lies now (the Dagster event recorded the old place)
     assert training["parent"].startswith("base:") and training["path"].startswith(str(moved)), training
     assert "model_deployment" in evaluation["materialized"], evaluation

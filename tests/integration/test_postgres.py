@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from support.pipeline_runs import configs_with
 from support.sandbox import make_sandbox, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale
@@ -135,7 +136,10 @@ def test_twelve_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
                 "API_KEY": "unused-by-transformers-serve",
             }.items()
         }
-        env = sandbox_env(tmp_path, **endpoint)
+        # the queue is under test, not the answers: the teacher writes 8 tokens, not the preset's 40 (the one
+        # shared model server answers every run's requests, and generation was most of this test's time)
+        configs = configs_with(tmp_path / "configs", {"scales/tiny.yaml": {"teacher.max_new_tokens": 8}})
+        env = sandbox_env(tmp_path, **endpoint, NEXA_CONFIG_DIR=str(configs))
         cmd = [
             sys.executable,
             "-m",

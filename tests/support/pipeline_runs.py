@@ -30,13 +30,15 @@ instance = dg.DagsterInstance.get()
 trained = None
 for spec in sys.argv[1:]:
     job, _, partition = spec.partition(":")
+    job, _, keys = job.rstrip("]").partition("[")
+    selection = [dg.AssetKey(k) for k in keys.split(",")] if keys else None
     if partition == "@trained":
         partition = trained
     if job == "add_partition":
         instance.add_dynamic_partitions("checkpoints", [partition])
         continue
     result = defs.resolve_job_def(job).execute_in_process(
-        instance=instance, partition_key=partition or None, raise_on_error=False
+        instance=instance, partition_key=partition or None, raise_on_error=False, asset_selection=selection
     )
     record = {
         "job": job,
@@ -52,7 +54,7 @@ for spec in sys.argv[1:]:
             if e.is_step_failure
         ],
     }
-    if job in ("training_job", "pretraining_job") and result.success:
+    if job in ("training_job", "pretraining_job") and result.success and not selection:
         node = "moe_checkpoint" if job == "training_job" else "base_model"
         ckpt = result.output_for_node(node)
         record.update(checkpoint_id=ckpt.checkpoint_id, path=ckpt.path, parent=ckpt.parent)
@@ -64,7 +66,8 @@ for spec in sys.argv[1:]:
 
 def run_jobs(root: Path, *specs: str, timeout_s: float = 1800, **env: str) -> list[dict[str, Any]]:
     """Run ``specs`` in one process against the sandbox ``root``: ``job`` or ``job:partition`` (``@trained``: the
-    checkpoint the last training_job trained), or ``add_partition:<checkpoint id>``. Returns one record per job
+    checkpoint the last training_job trained), ``job[asset,...]`` for some of a job's assets, or
+    ``add_partition:<checkpoint id>``. Returns one record per job
     (success, the assets materialized, failure messages; a training's checkpoint id, path and parent)."""
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, *specs],
