@@ -28,6 +28,7 @@ from support.preference_pairs import (
     preference_job,
     write_snapshot,
 )
+from support.services import descendants_matching
 from support.training_jobs import end_process_group
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
@@ -340,11 +341,7 @@ def test_a_killed_two_rank_dpo_run_resumes_with_the_same_loss_at_every_step(
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     time.sleep(1.0)  # the ranks are now in step 7
-    ranks = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
-    ]
+    ranks = descendants_matching(proc.pid, "nexa_dagster.core.training.worker")
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)

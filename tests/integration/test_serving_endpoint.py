@@ -23,7 +23,7 @@ import dagster as dg
 import httpx
 import psutil
 import pytest
-from support.services import child_processes_matching, missing
+from support.services import child_processes_matching, descendants_matching, missing
 
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -388,7 +388,7 @@ def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoi
     the production pointer names (moved meanwhile, as a deployment would)."""
     assert endpoint.process is not None
     children = psutil.Process(endpoint.process.pid).children(recursive=True)
-    assert any("haproxy" in " ".join(c.cmdline()) for c in children)
+    assert descendants_matching(endpoint.process.pid, "haproxy")
     endpoint.process.kill()
     endpoint.process.wait(timeout=30)
     _, alive = psutil.wait_procs(children, timeout=60)
@@ -420,11 +420,7 @@ def test_a_rollback_whose_service_dies_mid_switch_says_in_one_line_what_producti
     service = psutil.Process(endpoint.process.pid)
 
     def engines() -> list[psutil.Process]:
-        return [
-            p
-            for p in service.children(recursive=True)
-            if "haproxy" not in " ".join(p.cmdline()) and "serve" in " ".join(p.cmdline())
-        ]
+        return descendants_matching(service.pid, "serve", excluding=("haproxy",))
 
     deadline = time.monotonic() + 120
     while len(engines()) != 1:  # a switch just before (run alone) stops its old engine after routing

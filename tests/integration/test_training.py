@@ -23,6 +23,7 @@ import pandas as pd
 import psutil
 import pytest
 from support.checkpoint_files import assert_portable_checkpoint
+from support.services import descendants_matching
 from support.training_jobs import end_process_group, launch_training_in_dagster, make_job
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
@@ -535,11 +536,7 @@ def test_a_killed_two_rank_run_resumes_with_the_same_loss_at_every_step(
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     time.sleep(1.0)  # the ranks are now in step 7
-    ranks = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
-    ]
+    ranks = descendants_matching(proc.pid, "nexa_dagster.core.training.worker")
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     assert {os.getpgid(p.pid) for p in ranks}.isdisjoint({proc.pid}), (
         "ranks share torchrun's group: test is moot"
@@ -805,11 +802,7 @@ def _launch_long_training(
 ) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
     """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
     launcher, log = launch_training_in_dagster(tmp_path, teacher_dir)
-    workers = [
-        p
-        for p in psutil.Process(launcher.pid).children(recursive=True)
-        if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
-    ]
+    workers = descendants_matching(launcher.pid, "nexa_dagster.core.training.worker")
     assert len(workers) == 1
     return launcher, workers[0], log
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nexa_dagster.core.common.net import free_port
@@ -259,18 +260,27 @@ def mlflow_server(root: Path, wait: bool = True) -> Iterator[tuple[str, Callable
         stop_process_group(process)
 
 
-def child_processes_matching(*words: str) -> list[object]:
+def descendants_matching(pid: int, *words: str, excluding: tuple[str, ...] = ()) -> list[psutil.Process]:
+    """Live processes descending from ``pid`` whose command line holds one of ``words`` and none of ``excluding``.
+
+    A child that has just exited is a zombie until its parent reaps it, and ``cmdline()`` raises on it; such a
+    process (or one gone between listing and reading) is skipped: it is not running, whatever its command was."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if any(w in command for w in words) and not any(x in command for x in excluding):
+            found.append(child)
+    return found
+
+
+def child_processes_matching(*words: str) -> list[psutil.Process]:
     """Processes descending from this test process whose command line holds one of ``words`` (an orphan's look).
 
     Under xdist a worker runs many tests, so a session fixture's server (the shared teacher) is a child too: take
     the pids before the test and compare (``pid not in before``)."""
-    import psutil
-
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any(w in " ".join(child.cmdline()) for w in words):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
+    return descendants_matching(os.getpid(), *words)
