@@ -1,0 +1,79 @@
+"""Where the suite's wall time goes: ``pytest -p support.timeline --timeline=FILE`` appends one JSON line per test
+phase (worker, node id, phase, start, end) and prints, at the end, each worker's busy time and how long the last
+worker ran alone (the tail an ordering change could save). docs/testing.md, "Finding the suite's time"."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--timeline", default=None, help="append each test phase's start and end to this JSON-lines file"
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the controller (or a lone process): every phase's report carries its start and stop times."""
+    path = _path_of(report)
+    if path is None:
+        return
+    node = getattr(
+        report, "node", None
+    )  # set by pytest-xdist on the controller: the worker that ran the test
+    line = {
+        "worker": node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "nodeid": report.nodeid,
+        "phase": report.when,
+        "start": report.start,
+        "stop": report.stop,
+    }
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller writes; workers only report
+        _CONFIG.append(config)
+
+
+def _path_of(report: pytest.TestReport) -> Path | None:
+    if not _CONFIG or not _CONFIG[0].getoption("timeline"):
+        return None
+    return Path(_CONFIG[0].getoption("timeline"))
+
+
+def summarize(lines: list[dict]) -> dict:
+    """Busy seconds per worker, the span of the whole run, and the seconds the last worker ran alone."""
+    busy: dict[str, float] = defaultdict(float)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for line in lines:
+        w = line["worker"]
+        busy[w] += line["stop"] - line["start"]
+        first[w] = min(first.get(w, line["start"]), line["start"])
+        last[w] = max(last.get(w, line["stop"]), line["stop"])
+    ends = sorted(last.values())
+    return {
+        "span_s": round(max(ends) - min(first.values()), 1),
+        "busy_s": {w: round(s, 1) for w, s in sorted(busy.items())},
+        "tail_alone_s": round(ends[-1] - ends[-2], 1) if len(ends) > 1 else 0.0,
+    }
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001
+    if hasattr(config, "workerinput") or not config.getoption("timeline"):
+        return
+    path = Path(config.getoption("timeline"))
+    if path.exists():
+        terminalreporter.write_line(
+            f"timeline: {json.dumps(summarize([json.loads(x) for x in path.read_text().splitlines()]))}"
+        )
