@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+import yaml
 from support.pipeline_runs import configs_with
 from support.sandbox import make_sandbox, sandbox_env
 
@@ -25,11 +26,32 @@ from nexa_dagster.definitions import config_resources
 # a PostgreSQL server and a daemon draining a queue of runs: left out of make test-fast
 pytestmark = pytest.mark.slow
 
-DAYS = [f"2026-11-{d:02d}" for d in range(1, 13)]  # 12 daily partitions: more runs than the queue's 8 slots
+DAYS = [
+    f"2026-11-{d:02d}" for d in range(1, 7)
+]  # 6 daily partitions: 3 times the backfill runs allowed at once
+PRODUCTION = REPO_ROOT / "configs" / "dagster" / "production.yaml"
+
+
+def _backfill_limit() -> int:
+    """How many runs of one backfill production.yaml lets the daemon run at once (its dagster/backfill limit)."""
+    limits = yaml.safe_load(PRODUCTION.read_text())["concurrency"]["runs"]["tag_concurrency_limits"]
+    return next(int(x["limit"]) for x in limits if x["key"] == "dagster/backfill")
+
+
+def _most_at_once(records: list[dg.RunRecord]) -> int:
+    """The most runs that were running at the same moment (from each run's start and end time)."""
+    edges = sorted(
+        [(r.start_time, 1) for r in records] + [(r.end_time, -1) for r in records], key=lambda e: (e[0], e[1])
+    )
+    running = most = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
 
 
 def _home(tmp_path: Path, pg: dict[str, str]) -> Path:
-    make_sandbox(tmp_path, settings=REPO_ROOT / "configs" / "dagster" / "production.yaml")
+    make_sandbox(tmp_path, settings=PRODUCTION)
     os.environ["DAGSTER_PG_URL"] = pg["DAGSTER_PG_URL"]  # the instance config reads it from the environment
     return tmp_path / "home"
 
@@ -46,7 +68,7 @@ def _psql(pg: dict[str, str], sql: str) -> str:
 
 
 def _landing(root: Path) -> dict[str, int]:
-    """12 landing folders of distinct documents; returns how many documents each day holds."""
+    """A landing folder of distinct documents per day; returns how many documents each day holds."""
     counts = {}
     for i, day in enumerate(DAYS):
         (root / day).mkdir(parents=True)
@@ -114,14 +136,14 @@ def _read_partitions(data: Path, asset: str) -> dict[str, pd.DataFrame]:
     return {f.stem: pd.read_parquet(f) for f in sorted(data.rglob(f"{asset}/*.parquet"))}
 
 
-@pytest.mark.timeout(1800)  # 12 runs through the daemon's queue: minutes on 2 cores (20 took 13 min serially)
-def test_twelve_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
+@pytest.mark.timeout(1800)  # 6 runs through the daemon's queue, 2 at a time: minutes on 2 cores
+def test_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
     tmp_path: Path, pg: dict[str, str], tiny_model_dir: Path
 ) -> None:
-    """`dagster job backfill` queues 12 runs of the data stages (ingest, teacher, judge); the real daemon dequeues
-    them (8 at a time, so 4 wait in the queue) against Postgres, and all 12 share one OpenAI-compatible model
-    server, as a lab's runs share one vLLM endpoint. Each day's documents, answers and verdicts
-    arrive once: none lost, none twice."""
+    """`dagster job backfill` queues 6 runs of the data stages (ingest, teacher, judge); the real daemon dequeues
+    them against Postgres within production.yaml's limit on one backfill's runs (2 at a time, so the others wait in
+    the queue), and all share one OpenAI-compatible model server, as a lab's runs share one vLLM endpoint. Each
+    day's documents, answers and verdicts arrive once: none lost, none twice."""
     counts = _landing(tmp_path / "landing")
     home = _home(tmp_path, pg)
     data = tmp_path / "data"
@@ -187,6 +209,11 @@ def test_twelve_daily_data_runs_through_the_queue_lose_and_duplicate_nothing(
             )
             for asset in ("raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"):
                 assert instance.get_materialized_partitions(dg.AssetKey(asset)) == set(DAYS), asset
+            # the queue held them: never more than the limit running at once, and the limit reached
+            records = list(instance.get_run_records(dg.RunsFilter(job_name="daily_data_job")))
+            assert _most_at_once(records) == _backfill_limit() < len(DAYS), [
+                (r.start_time, r.end_time) for r in records
+            ]
         finally:
             os.killpg(daemon.pid, signal.SIGTERM)
             daemon.wait(timeout=60)

@@ -30,6 +30,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "worker": node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main"),
         "nodeid": report.nodeid,
         "phase": report.when,
+        "outcome": report.outcome,
         "start": report.start,
         "stop": report.stop,
     }
