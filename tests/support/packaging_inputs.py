@@ -1,12 +1,17 @@
-"""Packaging inputs the packaging tests share: random chat records, a JSONL file of them, a one-source blend."""
+"""Packaging inputs the packaging tests share: random chat records, a JSONL file of them, a one-source blend, and
+teacher rows whose prompts are the real teacher template around a given document (the contamination tests)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
+from nexa_dagster.core.common.config import read_text
+from nexa_dagster.core.distill.teacher import render
 from nexa_dagster.core.packaging.blend import BlendSource, DataBlend
 from nexa_dagster.core.packaging.sft_dataset import PackagingSettings
 
@@ -61,3 +66,28 @@ def packaging_settings(**kw) -> PackagingSettings:
 
 def quiet(_: str) -> None:
     pass
+
+
+TEACHER_TEMPLATE = read_text("prompts/teacher.jinja")
+
+
+def teacher_rows(
+    ids_and_docs: list[tuple[str, int]],
+    day: str,
+    document: Callable[[int], str],
+    response: Callable[[int], str] = lambda k: f"an answer about number {k}",
+) -> pd.DataFrame:
+    """Filtered-sample rows of one day: each ``(sample_id, k)`` asks the teacher template about ``document(k)``
+    (so two ids over one ``k`` are the same text under another id, as a planted eval example is)."""
+    return pd.DataFrame(
+        [
+            {
+                "sample_id": sid,
+                "day": day,
+                "system_prompt": "Answer briefly.",
+                "prompt": render(TEACHER_TEMPLATE, title=f"title {sid}", text=document(k)),
+                "response": response(k),
+            }
+            for sid, k in ids_and_docs
+        ]
+    )

@@ -10,12 +10,12 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from support.packaging_inputs import teacher_rows
 
 from nexa_dagster.assets.evaluation import training_data_contamination, training_lineage
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
-from nexa_dagster.core.common.config import load_scale, read_text
+from nexa_dagster.core.common.config import load_scale
 from nexa_dagster.core.data.contamination import ContaminationIndex
-from nexa_dagster.core.distill.teacher import render
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set
 from nexa_dagster.core.evaluation.promotion import PromotionPolicy
 from nexa_dagster.core.evaluation.report import read_checkpoint
@@ -26,8 +26,6 @@ from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, 
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
-TEMPLATE = read_text("prompts/teacher.jinja")
-
 
 def _document(k: int) -> str:
     """A distinct 40-word text (no 13-gram of one is in another)."""
@@ -35,18 +33,7 @@ def _document(k: int) -> str:
 
 
 def _samples(ids_and_docs: list[tuple[str, int]], day: str) -> pd.DataFrame:
-    return pd.DataFrame(
-        [
-            {
-                "sample_id": sid,
-                "day": day,
-                "system_prompt": "Answer briefly.",
-                "prompt": render(TEMPLATE, title=f"title {sid}", text=_document(k)),
-                "response": f"an answer about number {k}",
-            }
-            for sid, k in ids_and_docs
-        ]
-    )
+    return teacher_rows(ids_and_docs, day, _document)
 
 
 def _pairs(ids_and_chosen: list[tuple[str, str]], day: str) -> pd.DataFrame:

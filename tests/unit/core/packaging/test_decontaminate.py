@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pandas as pd
+from support.packaging_inputs import TEACHER_TEMPLATE, teacher_rows
 
-from nexa_dagster.core.common.config import BenchmarkSettings, read_text
+from nexa_dagster.core.common.config import BenchmarkSettings
 from nexa_dagster.core.data.contamination import ContaminationIndex, ProtectedItem, normalise
 from nexa_dagster.core.distill.teacher import render
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set
@@ -23,7 +24,6 @@ from nexa_dagster.core.packaging.decontaminate import (
 from nexa_dagster.core.packaging.pretrain_corpus import documents_to_jsonl
 from nexa_dagster.core.packaging.sft_dataset import DayInput, samples_to_jsonl
 
-TEMPLATE = read_text("prompts/teacher.jinja")
 WORDS = [
     "the",
     "compiler",
@@ -68,17 +68,12 @@ def _document(k: int) -> str:
 
 
 def _samples(ids_and_docs: list[tuple[str, int]], day: str) -> pd.DataFrame:
-    rows = [
-        {
-            "sample_id": sid,
-            "day": day,
-            "system_prompt": "Answer briefly.",
-            "prompt": render(TEMPLATE, title=f"title {sid}", text=_document(k)),
-            "response": f"an answer about {_document(k).split()[k]} number {k}",
-        }
-        for sid, k in ids_and_docs
-    ]
-    return pd.DataFrame(rows)
+    return teacher_rows(
+        ids_and_docs,
+        day,
+        _document,
+        response=lambda k: f"an answer about {_document(k).split()[k]} number {k}",
+    )
 
 
 def test_a_planted_eval_example_is_removed_before_packing_and_a_clean_day_is_untouched(
@@ -95,8 +90,8 @@ def test_a_planted_eval_example_is_removed_before_packing_and_a_clean_day_is_unt
         log=lambda _: None,
     )
     manifest = load_eval_set(str(tmp_path / "eval_sets"), 1)
-    index = ContaminationIndex.build(eval_set_items(manifest, template_segments(TEMPLATE)))
-    texts = chat_texts(template_segments(TEMPLATE))
+    index = ContaminationIndex.build(eval_set_items(manifest, template_segments(TEACHER_TEMPLATE)))
+    texts = chat_texts(template_segments(TEACHER_TEMPLATE))
     out = str(tmp_path / "sft")
     clean = DayInput(
         ("2026-11-02",), samples_to_jsonl(_samples([("a", 10), ("b", 11)], "2026-11-02"), out), 2
@@ -138,9 +133,9 @@ def test_a_planted_eval_example_is_removed_before_packing_and_a_clean_day_is_unt
 def test_the_teacher_templates_own_words_are_not_evidence(tmp_path: Path) -> None:
     """Every prompt shares the template's words; with them left out, two prompts on different documents share
     no 13-gram (without the cut they would: the template alone is 25 words)."""
-    segments = template_segments(TEMPLATE)
-    mine, other = (render(TEMPLATE, title="t", text=_document(k)) for k in (1, 2))
-    assert len(normalise(TEMPLATE)) > 13  # the template alone holds 13-grams
+    segments = template_segments(TEACHER_TEMPLATE)
+    mine, other = (render(TEACHER_TEMPLATE, title="t", text=_document(k)) for k in (1, 2))
+    assert len(normalise(TEACHER_TEMPLATE)) > 13  # the template alone holds 13-grams
     assert ContaminationIndex.build([ProtectedItem("eval_set v1", "x", (mine,))]).hits([other])[0] == [0]
     assert (
         ContaminationIndex.build([ProtectedItem("eval_set v1", "x", tuple(segments(mine)))]).hits(
