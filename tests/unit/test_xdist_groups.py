@@ -53,7 +53,8 @@ def test_one_group_runs_on_one_worker_and_builds_its_module_fixture_once(tmp_pat
             ".",
         ],
         cwd=tmp_path,
-        env={**os.environ, "SETUPS": str(setups)},
+        # a pytest of its own: options meant for the suite (PYTEST_ADDOPTS, e.g. the timeline plugin) stay out
+        env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "SETUPS": str(setups)},
         capture_output=True,
         text=True,
         timeout=120,
