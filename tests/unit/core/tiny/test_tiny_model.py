@@ -1,42 +1,12 @@
-"""The project's own tiny models: the shipped copy installed into a data root, safely when several runs start at once,
-and a configured model path that holds no model named in the error, never built behind it."""
+"""The project's own tiny models: the shipped copy installed into a data root (several installs at once:
+tests/integration/test_tiny_model_install.py), and a configured model path that holds no model named in the
+error, never built behind it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from support.checkpoint_files import assert_portable_checkpoint
-
-from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
-
-BUILD = (
-    "import sys; from nexa_dagster.core.tiny.install import install_tiny_models; "
-    "from transformers import AutoModelForCausalLM; "
-    "AutoModelForCausalLM.from_pretrained(install_tiny_models([sys.argv[1]])[0]); print('loaded')"
-)
-
-
-def test_installs_that_start_together_install_the_model_once_and_all_load_it(tmp_path: Path) -> None:
-    """Three installs into one fresh data root at once (two `make run`s started together): every one of them must
-    load a complete model, and one directory (no leftovers) must remain."""
-    target = tmp_path / "models" / "tiny-teacher"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", BUILD, str(target)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    results = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, results, strict=True):
-        assert proc.returncode == 0 and out.strip().endswith("loaded"), err[-2000:]
-    assert (target / COMPLETION_MARKER).exists()
-    left = sorted(p.name for p in target.parent.iterdir())
-    assert left == [".tiny-teacher.lock", "tiny-teacher"], left
 
 
 def test_the_saved_model_reads_the_same_under_both_transformers_schemas(tiny_model_dir: Path) -> None:

@@ -19,10 +19,10 @@ from nexa_dagster.resources.tracking import TrackingResource
 MODEL = "nexa-moe"
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    """One ``mlflow server`` for the module, started before the first test: it takes a while to come up (close to a
-    minute on a loaded 2-core machine), which the local-store test's time covers; ``server()`` waits for it."""
+    """One ``mlflow server`` for the module's server tests: it takes a while to come up (close to a minute on a
+    loaded 2-core machine), so those tests are ``slow``; ``server()`` waits for it."""
     root = tmp_path_factory.mktemp("mlflow-server")
     with mlflow_server(root, wait=False) as (url, wait):
         yield lambda: (wait(), (url, root))[1]
@@ -100,6 +100,7 @@ def test_local_store_holds_the_model_not_a_path(checkpoint: Path, tmp_path: Path
     _assert_loads_as_the_checkpoint(checkpoint)
 
 
+@pytest.mark.slow  # an `mlflow server` process: left out of make test-fast
 def test_a_tracking_server_holds_and_serves_the_model(
     server, checkpoint: Path, tmp_path: Path, client_of
 ) -> None:
@@ -131,6 +132,7 @@ def test_a_tracking_server_holds_and_serves_the_model(
         moved.rename(checkpoint)
 
 
+@pytest.mark.slow  # an `mlflow server` process: left out of make test-fast
 def test_an_evaluation_run_holds_its_report(server, tmp_path: Path) -> None:
     """What the eval_report asset logs: report.json / report.md, read from the project's storage, become artifacts
     of the evaluation run on the server."""
