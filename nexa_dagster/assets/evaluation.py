@@ -302,18 +302,15 @@ def training_data_contamination(
     index = None
     hit: set[int] = set()
     for stage, dataset_run_hash, who in training_lineage(storage, tracking, policy, ckpt):
-        kind = kinds.get(stage)
-        files = (
-            recorded_inputs(io.join(kind[0], dataset_run_hash), kind[0])
-            if kind and dataset_run_hash
-            else None
-        )
-        if kind is None or files is None:
+        root, texts, id_field = kinds.get(
+            stage, (None, None, None)
+        )  # None: a stage whose data is not known here
+        files = recorded_inputs(io.join(root, dataset_run_hash), root) if root and dataset_run_hash else None
+        if files is None:
             context.log.warning(
                 f"{ckpt.checkpoint_id}: the {stage} data of {who} is not in this data root: contamination unknown"
             )
             return None, []
-        root, texts, id_field = kind
         if index is None:
             index, _ = contamination_index(
                 storage, eval_sets, scale, prompts, packaging_config.config().contamination

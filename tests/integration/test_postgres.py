@@ -26,9 +26,8 @@ from nexa_dagster.definitions import config_resources
 # a PostgreSQL server and a daemon draining a queue of runs: left out of make test-fast
 pytestmark = pytest.mark.slow
 
-DAYS = [
-    f"2026-11-{d:02d}" for d in range(1, 7)
-]  # 6 daily partitions: 3 times the backfill runs allowed at once
+# 6 daily partitions: 3 times the backfill runs production.yaml allows at once
+DAYS = [f"2026-11-{d:02d}" for d in range(1, 7)]
 PRODUCTION = REPO_ROOT / "configs" / "dagster" / "production.yaml"
 
 
@@ -40,9 +39,8 @@ def _backfill_limit() -> int:
 
 def _most_at_once(records: list[dg.RunRecord]) -> int:
     """The most runs that were running at the same moment (from each run's start and end time)."""
-    edges = sorted(
-        [(r.start_time, 1) for r in records] + [(r.end_time, -1) for r in records], key=lambda e: (e[0], e[1])
-    )
+    # at one instant an end (-1) sorts before a start (+1): a run that ends as another starts is not beside it
+    edges = sorted([(r.start_time, 1) for r in records] + [(r.end_time, -1) for r in records])
     running = most = 0
     for _, step in edges:
         running += step

@@ -265,8 +265,6 @@ def descendants_matching(pid: int, *words: str, excluding: tuple[str, ...] = ())
 
     A child that has just exited is a zombie until its parent reaps it, and ``cmdline()`` raises on it; such a
     process (or one gone between listing and reading) is skipped: it is not running, whatever its command was."""
-    import psutil
-
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:

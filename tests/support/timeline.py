@@ -1,6 +1,6 @@
 """Where the suite's wall time goes: ``pytest -p support.timeline --timeline=FILE`` appends one JSON line per test
 phase (worker, node id, phase, start, end) and prints, at the end, each worker's busy time and how long the last
-worker ran alone (the tail an ordering change could save). docs/testing.md, "Finding the suite's time"."""
+worker ran alone (the tail an ordering change could save). docs/testing.md, "Suite time"."""
 
 from __future__ import annotations
 
@@ -18,10 +18,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+_PATH: Path | None = None  # the file the controller (or a lone process) writes; workers only report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _PATH
+    if not hasattr(config, "workerinput") and config.getoption("timeline"):
+        _PATH = Path(config.getoption("timeline"))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """On the controller (or a lone process): every phase's report carries its start and stop times."""
-    path = _path_of(report)
-    if path is None:
+    if _PATH is None:
         return
     node = getattr(
         report, "node", None
@@ -34,22 +42,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "start": report.start,
         "stop": report.stop,
     }
-    with path.open("a") as f:
+    with _PATH.open("a") as f:
         f.write(json.dumps(line) + "\n")
-
-
-_CONFIG: list[pytest.Config] = []
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):  # the controller writes; workers only report
-        _CONFIG.append(config)
-
-
-def _path_of(report: pytest.TestReport) -> Path | None:
-    if not _CONFIG or not _CONFIG[0].getoption("timeline"):
-        return None
-    return Path(_CONFIG[0].getoption("timeline"))
 
 
 def summarize(lines: list[dict]) -> dict:
@@ -71,10 +65,6 @@ def summarize(lines: list[dict]) -> dict:
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001
-    if hasattr(config, "workerinput") or not config.getoption("timeline"):
-        return
-    path = Path(config.getoption("timeline"))
-    if path.exists():
-        terminalreporter.write_line(
-            f"timeline: {json.dumps(summarize([json.loads(x) for x in path.read_text().splitlines()]))}"
-        )
+    if _PATH is not None and _PATH.exists():
+        lines = [json.loads(x) for x in _PATH.read_text().splitlines()]
+        terminalreporter.write_line(f"timeline: {json.dumps(summarize(lines))}")

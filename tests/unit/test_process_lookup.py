@@ -3,6 +3,7 @@
 A switch stops its old engine while a test polls the service's children; psutil raises on a zombie's command
 line, and the lookup once failed a serving test that way (CI, 2026-11-26)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -20,9 +21,9 @@ def test_an_exited_unreaped_child_is_skipped_and_a_running_one_is_found() -> Non
         while psutil.Process(exited.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not yet waited for
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        found = descendants_matching(psutil.Process().pid, marker)
+        found = descendants_matching(os.getpid(), marker)
         assert [p.pid for p in found] == [running.pid]
-        assert descendants_matching(psutil.Process().pid, marker, excluding=("sleep",)) == []
+        assert descendants_matching(os.getpid(), marker, excluding=("sleep",)) == []
     finally:
         running.kill()
         running.wait()
