@@ -15,6 +15,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# OpenMP threads that wait sleep instead of spinning. Two xdist workers share two cores, and each starts torch
+# processes (training ranks, evaluation workers, model servers) with an OpenMP thread per core: their idle threads
+# spun at every parallel region's end on the cores the other worker needed, about doubling each process's CPU time
+# on the loaded machine (docs/measurements.md, "OpenMP wait policy"). Scheduling only: threads and numerics are
+# unchanged. Inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

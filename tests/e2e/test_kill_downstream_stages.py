@@ -86,31 +86,33 @@ def _kill_inside(
 ) -> str:
     """Start a run and SIGKILL its whole process group once ``step`` has logged a line matching ``marker`` (a
     point inside the stage's real work, whatever the machine's speed) and ``ready()`` holds. Returns the run id."""
-    with _instance(root) as instance:
+    with _instance(root) as instance:  # one instance for the whole wait: opening one costs more than a query
         before = {r.run_id for r in instance.get_runs()}
-    proc = _materialize(root, select, partition)
-    deadline = time.monotonic() + 600
-    run_id = ""
-    try:
-        while True:
-            assert proc.poll() is None, f"the run ended before the kill point: {proc.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, f"{step} never reached {marker!r}"
-            time.sleep(0.1)
-            with _instance(root) as instance:
-                new = [r for r in instance.get_runs() if r.run_id not in before]
-                run_id = new[0].run_id if new else ""
-                if (
-                    run_id
-                    and any(
-                        e.step_key == step and re.search(marker, e.user_message or "")
-                        for e in instance.all_logs(run_id)
-                    )
-                    and ready()
-                ):
-                    break
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc = _materialize(root, select, partition)
+        deadline = time.monotonic() + 600
+        run_id, cursor, reached = "", None, False
+        try:
+            while not (reached and ready()):
+                assert proc.poll() is None, (
+                    f"the run ended before the kill point: {proc.stdout.read()[-3000:]}"
+                )
+                assert time.monotonic() < deadline, f"{step} never reached {marker!r}"
+                time.sleep(0.1)
+                if not run_id:
+                    run_id = next((r.run_id for r in instance.get_runs() if r.run_id not in before), "")
+                    continue
+                page = instance.get_records_for_run(
+                    run_id, cursor=cursor
+                )  # only the events since the last look
+                cursor = page.cursor
+                reached = reached or any(
+                    r.event_log_entry.step_key == step
+                    and re.search(marker, r.event_log_entry.user_message or "")
+                    for r in page.records
+                )
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     # A run killed outright stays STARTED and keeps its `gpu` pool slot until something declares it dead and frees
     # the slot: in production the daemon's run monitoring (`free_slots_after_run_end_seconds`), by hand an
@@ -186,10 +188,10 @@ def test_killing_each_downstream_stage_then_rerunning_gives_the_uninterrupted_ou
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     make_sandbox(straight, [DAY])
     _finish(_materialize(straight, "raw_documents,teacher_samples,filtered_samples,rejected_samples", DAY))
-    _finish(_materialize(straight, "eval_set"))  # the frozen eval set both evaluations are measured on
-    # the base both fine-tunings start from (init_from: base): from scratch the tiny student's greedy smoke answer
-    # is an empty <|im_end|>, which the deployment refuses
-    _finish(_materialize(straight, "pretrain_corpus,base_model"))
+    # pretraining_job's assets in one run: the frozen eval set both evaluations are measured on, and the base both
+    # fine-tunings start from (init_from: base; from scratch the tiny student's greedy smoke answer is an empty
+    # <|im_end|>, which the deployment refuses)
+    _finish(_materialize(straight, "pretrain_corpus,eval_set,base_model"))
     shutil.copytree(straight, killed)  # both start from the same day of data (and the same instance history)
 
     # the uninterrupted run

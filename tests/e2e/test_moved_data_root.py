@@ -23,6 +23,7 @@ import dagster as dg
 import httpx
 import pandas as pd
 import pytest
+from support.checkpoint_files import corrupted_model
 from support.pipeline_runs import configs_with, run_jobs
 from support.sandbox import make_sandbox, sandbox_env
 from support.services import missing
@@ -33,18 +34,6 @@ from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
 DAY = "2026-11-20"
-
-
-def corrupted_model(path: Path, scale: float = 20.0) -> Path:
-    """A saved model's output layer scaled in place: far more confident random predictions, a much worse loss."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    model.save_pretrained(str(path))
-    return path
 
 
 def _metadata(root: Path, key: str) -> dict:

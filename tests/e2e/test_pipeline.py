@@ -19,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from support.checkpoint_files import corrupted_model
 from support.pipeline_runs import configs_with
 from support.sandbox import SAMPLE_LANDING
 
@@ -57,18 +58,6 @@ def _env(root: Path) -> dict[str, str]:
         "NEXA_LANDING_ROOT": str(landing),
         "DAGSTER_HOME": str(root / "home"),
     }
-
-
-def corrupted_model(path: Path, scale: float = 20.0) -> Path:
-    """Scale a saved model's output layer in place: far more confident random predictions, a much worse loss."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    model.save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

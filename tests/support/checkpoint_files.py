@@ -1,5 +1,5 @@
-"""Checkpoint folders in tests: what one must say for transformers 4.x to read it as 5.x does, and a folder copied in
-by hand from another data root."""
+"""Checkpoint folders in tests: what one must say for transformers 4.x to read it as 5.x does, a folder copied in
+by hand from another data root, and a model worse by construction."""
 
 from __future__ import annotations
 
@@ -43,3 +43,16 @@ def copy_checkpoint_from_elsewhere(model: Path, dest: Path) -> Path:
     )
     (dest / COMPLETION_MARKER).write_text("ok\n")
     return dest
+
+
+def corrupted_model(path: Path, scale: float = 20.0) -> Path:
+    """A saved model's output layer scaled in place: far more confident random predictions, a much worse loss (about
+    double on every example), so a gate's paired interval against it is decisive even on a tiny eval set."""
+    import torch  # only the tests that build such a model pay for it
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(str(path))
+    return path
