@@ -302,9 +302,8 @@ def training_data_contamination(
     index = None
     hit: set[int] = set()
     for stage, dataset_run_hash, who in training_lineage(storage, tracking, policy, ckpt):
-        root, texts, id_field = kinds.get(
-            stage, (None, None, None)
-        )  # None: a stage whose data is not known here
+        # all None: a stage whose data is not known here
+        root, texts, id_field = kinds.get(stage, (None, None, None))
         files = recorded_inputs(io.join(root, dataset_run_hash), root) if root and dataset_run_hash else None
         if files is None:
             context.log.warning(

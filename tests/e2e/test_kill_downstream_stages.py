@@ -101,9 +101,8 @@ def _kill_inside(
                 if not run_id:
                     run_id = next((r.run_id for r in instance.get_runs() if r.run_id not in before), "")
                     continue
-                page = instance.get_records_for_run(
-                    run_id, cursor=cursor
-                )  # only the events since the last look
+                # only the events since the last look
+                page = instance.get_records_for_run(run_id, cursor=cursor)
                 cursor = page.cursor
                 reached = reached or any(
                     r.event_log_entry.step_key == step
