@@ -1,10 +1,12 @@
 """Sensors that chain the lifecycle: retrain after a day's data lands, evaluate every new checkpoint once, and
 Dagster's automation condition sensor, which keeps the leaderboard fresh and evaluates each new base model (an
-asset's automation condition is only evaluated while such a sensor runs)."""
+asset's automation condition is only evaluated while such a sensor runs), and one that makes Dagster's run
+retries happen when its retry daemon skipped a failed run."""
 
 import dagster as dg
 
 from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
+from nexa_dagster.sensors.missed_retries import missed_run_retries
 from nexa_dagster.sensors.preference import pairs_after_promotion, preference_training_after_pairs
 from nexa_dagster.sensors.retrain import retrain_after_ingest
 
@@ -23,11 +25,13 @@ SENSORS = [
     automation_sensor,
     pairs_after_promotion,
     preference_training_after_pairs,
+    missed_run_retries,
 ]
 
 __all__ = [
     "SENSORS",
     "automation_sensor",
+    "missed_run_retries",
     "new_checkpoint_sensor",
     "pairs_after_promotion",
     "preference_training_after_pairs",

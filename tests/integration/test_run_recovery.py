@@ -25,6 +25,9 @@ What is proven, and by which part of Dagster (dagster 1.13, DefaultRunLauncher):
    after ``start_timeout_seconds`` (failure reason START_TIMEOUT), and ``run_retries`` retries it to SUCCESS.
    The monitoring daemon does not terminate the hung worker: it is still there, frozen, after the run failed
    (the test kills it).
+3. A failed run that Dagster's retry daemon passed over although it is tagged ``will_retry: true`` (Dagster's own
+   race, dagster-io/dagster#33741, made here on purpose) is handed back to that daemon by this code location's
+   ``missed_run_retries`` sensor, and retried by Dagster.
 
 Not covered, because Dagster does not do it with this launcher (seen by hand against this deployment, except
 the hang after STARTED, which follows from dagster/_daemon/monitoring/run_monitoring.py):
@@ -63,17 +66,21 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
+from dagster._core.event_api import RunStatusChangeRecordsFilter
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 from support.sandbox import SAMPLE_LANDING, sandbox_env
 from support.services import database_of_its_own
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.net import free_port
+from nexa_dagster.sensors.missed_retries import consumer_failure_cursor
 
 # a PostgreSQL instance, a code server, a daemon and killed run workers: left out of make test-fast
 pytestmark = pytest.mark.slow
 
 KILLED_DAY = "2026-11-20"  # generated landing folder, big enough that raw_documents computes for seconds
 STUCK_DAY = "2026-11-21"  # the sample landing folder, cheap
+MISSING_DAY = "2026-11-23"  # no landing folder: its run fails at once
 NUM_DOCS = 30_000
 START_TIMEOUT_S = 30  # a healthy worker took up to 13 s to start on a loaded 2-core machine
 POLL_INTERVAL_S = 2
@@ -473,3 +480,42 @@ def test_a_run_worker_hung_while_starting_is_failed_by_run_monitoring_and_retrie
     pd.testing.assert_frame_equal(
         pd.read_parquet(production.parquet(STUCK_DAY)), production.reference_output(STUCK_DAY)
     )
+
+
+def test_a_failed_run_the_retry_daemon_skipped_is_retried_after_the_missed_retries_sensor_rewinds_it(
+    production: Production,
+) -> None:
+    """Dagster's missed retry (dagster-io/dagster#33741), made on purpose: a run fails (a day with no landing
+    folder, not to be retried), the retry daemon reads its RUN_FAILURE event and passes it by; then its
+    ``will_retry`` tag says true, which is the state the race leaves (the tag written after the daemon looked).
+    The ``missed_run_retries`` sensor, running in the real daemon, moves the retry daemon's cursor back, and
+    Dagster retries the run itself: one retry, with Dagster's own retry tags."""
+    skipped_id = production.launch(MISSING_DAY)
+    run = production.wait("the run to fail", lambda: production.finished(skipped_id), timeout=150)
+    assert run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "false", (
+        production.describe()
+    )
+    failure = production.instance.fetch_run_status_changes(
+        RunStatusChangeRecordsFilter(event_type=dg.DagsterEventType.RUN_FAILURE), limit=20
+    ).records
+    failure_id = next(f.storage_id for f in failure if f.run_id == skipped_id)
+    production.wait(
+        "the retry daemon to read past the failure",
+        lambda: (consumer_failure_cursor(production.instance) or 0) >= failure_id,
+        timeout=60,
+    )
+    assert production.retry_of(skipped_id) is None
+    production.instance.add_run_tags(skipped_id, {WILL_RETRY_TAG: "true"})  # what the race leaves
+
+    retry = production.wait(
+        "the sensor to hand the run back and the daemon to retry it",
+        lambda: production.retry_of(skipped_id),
+        timeout=120,
+    )
+    assert retry.tags["dagster/retry_number"] == "1" and retry.tags["dagster/root_run_id"] == skipped_id
+    assert production.run(skipped_id).tags.get(AUTO_RETRY_RUN_ID_TAG) == retry.run_id
+    done = production.wait("the retry to finish", lambda: production.finished(retry.run_id), timeout=150)
+    assert (
+        done.status == dg.DagsterRunStatus.FAILURE
+    )  # the day still has no data: it fails again, not retried
+    assert done.tags.get(WILL_RETRY_TAG) == "false" and production.retry_of(retry.run_id) is None

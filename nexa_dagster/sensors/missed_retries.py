@@ -1,0 +1,95 @@
+"""Make Dagster's run retries happen when its own daemon skipped one (dagster-io/dagster#33741).
+
+Why this exists: Dagster's retry daemon (the event-log consumer) reads each new RUN_FAILURE event and retries the
+run if its record says FAILURE and ``dagster/will_retry: true``. The instance writes the event first, then the run's
+status, then that tag (``dagster/_core/instance/methods/event_methods.py``, Dagster 1.13). A consumer tick that
+falls between the two reads a run that is still STARTING, skips it, and moves its cursor past the event: the run
+stays failed, tagged to be retried, and is never retried. Seen here once in about ten full test runs, for a run
+failed by run monitoring on a loaded machine.
+
+What this sensor does: it finds such runs (failed in the last hour, tagged ``will_retry: true``, no retry launched,
+no child run, their RUN_FAILURE event already behind the consumer's cursor, so the consumer has looked at them)
+and moves that cursor back to just before the earliest one. On its next tick the consumer reads the event again,
+now with the run's record complete, and retries it the way it retries any run (same strategy, tags and
+``max_retries``). Re-reading the events in between is safe: Dagster's ``retry_run`` launches no second retry for a
+run that has one. The sensor launches nothing itself; it says what it did in its skip reason and log.
+
+The cursor key is Dagster's own (``EVENT_LOG_CONSUMER_CURSOR-<event type>``, from
+``dagster/_daemon/auto_run_reexecution/event_log_consumer.py``); ``tests/unit/sensors/test_missed_retries.py``
+checks it against the daemon's code, so a Dagster upgrade that renames it fails there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import dagster as dg
+from dagster._core.event_api import RunStatusChangeRecordsFilter
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG
+
+FAILURE_CURSOR_KEY = f"EVENT_LOG_CONSUMER_CURSOR-{dg.DagsterEventType.RUN_FAILURE.value}"
+# A run failed longer ago than this is left to a person: by then they may have re-run it by hand.
+LOOKBACK_S = 3600
+
+
+@dataclass(frozen=True)
+class MissedRetry:
+    run_id: str
+    failure_storage_id: int  # the RUN_FAILURE event's id in the event log
+
+
+def consumer_failure_cursor(instance: dg.DagsterInstance) -> int | None:
+    """The id of the last RUN_FAILURE event the retry daemon has handled; None before its first tick."""
+    value = instance.daemon_cursor_storage.get_cursor_values({FAILURE_CURSOR_KEY}).get(FAILURE_CURSOR_KEY)
+    return int(value) if value is not None else None
+
+
+def missed_retries(instance: dg.DagsterInstance, now: float | None = None) -> list[MissedRetry]:
+    """Runs the retry daemon has passed over although they are tagged to be retried, oldest failure first.
+
+    The failure events come from the same cross-run index the daemon reads, so their ids compare with its cursor
+    (a per-run SQLite event log numbers each run's events from 1; the index does not)."""
+    cursor = consumer_failure_cursor(instance)
+    if cursor is None:
+        return []
+    since = (now if now is not None else time.time()) - LOOKBACK_S
+    failures = instance.fetch_run_status_changes(
+        RunStatusChangeRecordsFilter(
+            event_type=dg.DagsterEventType.RUN_FAILURE, after_timestamp=since, before_storage_id=cursor + 1
+        ),
+        limit=100,
+    ).records
+    missed = []
+    for failure in failures:
+        run = instance.get_run_by_id(failure.run_id)
+        if (
+            run is None
+            or run.status != dg.DagsterRunStatus.FAILURE
+            or run.tags.get(WILL_RETRY_TAG) != "true"
+            or AUTO_RETRY_RUN_ID_TAG in run.tags
+            or instance.get_runs(dg.RunsFilter(tags={PARENT_RUN_ID_TAG: run.run_id}), limit=1)
+        ):
+            continue  # not to be retried, or retried already (by the daemon or by a person)
+        missed.append(MissedRetry(run.run_id, failure.storage_id))
+    return sorted(missed, key=lambda m: m.failure_storage_id)
+
+
+@dg.sensor(
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Makes Dagster's run retries happen when its retry daemon skipped a failed run "
+    "(dagster-io/dagster#33741): rewinds the daemon's cursor so that it retries the run itself.",
+)
+def missed_run_retries(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+    missed = missed_retries(context.instance)
+    if not missed:
+        return dg.SkipReason("no failed run waits for a retry the daemon skipped")
+    rewind_to = missed[0].failure_storage_id - 1
+    context.instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(rewind_to)})
+    runs = ", ".join(m.run_id for m in missed)
+    context.log.warning(
+        f"the retry daemon skipped {len(missed)} failed run(s) tagged to be retried ({runs}); "
+        f"its RUN_FAILURE cursor is moved back to {rewind_to} so that it retries them"
+    )
+    return dg.SkipReason(f"handed back to Dagster's retry daemon: {runs}")
