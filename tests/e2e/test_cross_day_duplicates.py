@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 from support.pipeline_runs import configs_with
-from support.sandbox import make_sandbox, sandbox_env
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.data.splits import is_held_out
@@ -35,10 +34,8 @@ DAILY = "raw_documents,teacher_samples,filtered_samples,rejected_samples"
 def _materialize(
     root: Path, select: str, partition: str | None, env: dict[str, str]
 ) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "nexa_dagster.definitions"]
-    cmd += ["--select", select, *(["--partition", partition] if partition else [])]
     return subprocess.Popen(
-        cmd,
+        materialize_command(select, partition),
         env=sandbox_env(root, **env),
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,

@@ -15,16 +15,16 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 import psutil
 import pytest
-from support.sandbox import make_sandbox, sandbox_env
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -35,41 +35,42 @@ TRAIN = "sft_dataset,moe_checkpoint"
 SERVE = "eval_report,model_deployment"
 
 
-def _materialize(
-    root: Path, select: str, partition: str | None = None, fault: str | None = None
-) -> subprocess.Popen[str]:
-    """`dagster asset materialize` in its own process group, so the kill takes all of the run at once."""
-    argv = [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-m",
-        "nexa_dagster.definitions",
-        "--select",
-        select,
-        *(["--partition", partition] if partition else []),
-    ]
-    return subprocess.Popen(
-        argv,
-        env=sandbox_env(root, fault),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+@dataclass
+class _Run:
+    """A ``dagster asset materialize`` in its own process group (the kill takes all of the run at once), its
+    output in a file: a pipe nobody reads until the kill would block a run that logs more than the pipe holds."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
 
 
-def _finish(proc: subprocess.Popen[str]) -> str:
+def _materialize(root: Path, select: str, partition: str | None = None, fault: str | None = None) -> _Run:
+    logs = root / "materialize-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{len(list(logs.iterdir())):02d}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            materialize_command(select, partition),
+            env=sandbox_env(root, fault),
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return _Run(proc, log)
+
+
+def _finish(run: _Run) -> str:
     try:
-        out, _ = proc.communicate(timeout=600)
+        run.proc.wait(timeout=600)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(run.proc.pid, signal.SIGKILL)
         raise
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    assert run.proc.returncode == 0, run.output()[-4000:]
+    return run.output()
 
 
 def _instance(root: Path) -> dg.DagsterInstance:
@@ -88,14 +89,12 @@ def _kill_inside(
     point inside the stage's real work, whatever the machine's speed) and ``ready()`` holds. Returns the run id."""
     with _instance(root) as instance:  # one instance for the whole wait: opening one costs more than a query
         before = {r.run_id for r in instance.get_runs()}
-        proc = _materialize(root, select, partition)
+        run = _materialize(root, select, partition)
         deadline = time.monotonic() + 600
         run_id, cursor, reached = "", None, False
         try:
             while not (reached and ready()):
-                assert proc.poll() is None, (
-                    f"the run ended before the kill point: {proc.stdout.read()[-3000:]}"
-                )
+                assert run.proc.poll() is None, f"the run ended before the kill point: {run.output()[-3000:]}"
                 assert time.monotonic() < deadline, f"{step} never reached {marker!r}"
                 time.sleep(0.1)
                 if not run_id:
@@ -110,9 +109,9 @@ def _kill_inside(
                     for r in page.records
                 )
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait(timeout=60)
+    assert run.proc.returncode == -signal.SIGKILL
     # A run killed outright stays STARTED and keeps its `gpu` pool slot until something declares it dead and frees
     # the slot: in production the daemon's run monitoring (`free_slots_after_run_end_seconds`), by hand an
     # operator's "terminate" in the UI. Do what they do.
@@ -125,9 +124,10 @@ def _kill_inside(
 def _killed_before_publishing(root: Path, select: str, fault: str) -> str:
     """A run whose stage is SIGKILLed by the fault point in `storage.atomic_writer`: its output fully written
     under a temporary name, not yet renamed (the worst moment for a stage too quick to catch from outside)."""
-    proc = _materialize(root, select, fault=fault)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0 and "terminated by signal 9 (SIGKILL)" in out, out[-3000:]
+    run = _materialize(root, select, fault=fault)
+    run.proc.wait(timeout=600)
+    out = run.output()
+    assert run.proc.returncode != 0 and "terminated by signal 9 (SIGKILL)" in out, out[-3000:]
     with _instance(root) as instance:
         return instance.get_runs(limit=1)[0].run_id
 

@@ -7,11 +7,10 @@ the fault point in `core/storage.atomic_writer` (`NEXA_FAULT_KILL_BEFORE_RENAME`
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
-from support.sandbox import make_sandbox, sandbox_env
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
@@ -24,19 +23,7 @@ def _materialize(root: Path, fault: str | None = None) -> subprocess.CompletedPr
     if not (root / "landing").exists():
         make_sandbox(root, [DAY])
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dagster",
-            "asset",
-            "materialize",
-            "-m",
-            "nexa_dagster.definitions",
-            "--select",
-            ASSETS,
-            "--partition",
-            DAY,
-        ],
+        materialize_command(ASSETS, DAY),
         env=sandbox_env(root, fault),
         cwd=REPO_ROOT,
         capture_output=True,

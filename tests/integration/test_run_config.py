@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
-from support.sandbox import make_sandbox, sandbox_env
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
@@ -46,20 +45,7 @@ def test_the_launchpad_shows_the_scale_preset_with_the_environment_as_default(mo
 
 def _materialize(root: Path, *config: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dagster",
-            "asset",
-            "materialize",
-            "-m",
-            "nexa_dagster.definitions",
-            "--select",
-            "raw_documents",
-            "--partition",
-            DAY,
-            *config,
-        ],
+        materialize_command("raw_documents", DAY, *config),
         cwd=REPO_ROOT,
         env=sandbox_env(root),
         capture_output=True,

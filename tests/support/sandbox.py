@@ -58,3 +58,21 @@ def sandbox_env(root: Path, fault: str | None = None, **overrides: str) -> dict[
     if fault:
         env[FAULT_KILL_ENV] = fault
     return {**env, **overrides}
+
+
+def materialize_command(select: str, partition: str | None = None, *extra: str) -> list[str]:
+    """``dagster asset materialize`` of the code location, as an operator runs it, with this interpreter (run it
+    with ``cwd=REPO_ROOT`` and ``env=sandbox_env(root)``)."""
+    return [
+        sys.executable,
+        "-m",
+        "dagster",
+        "asset",
+        "materialize",
+        "-m",
+        "nexa_dagster.definitions",
+        "--select",
+        select,
+        *(["--partition", partition] if partition else []),
+        *extra,
+    ]
