@@ -338,8 +338,8 @@ def training_lineage(
         parent_dir = checkpoint_dir(storage, tracking, policy.registered_model, parent[2])
         try:
             ckpt = read_checkpoint(parent_dir, parent[2], storage.root)
-        except ValueError:
-            return [*lineage, ("sft", None, parent[2])]
+        except ValueError:  # its stage is unknown too: an SFT or another preference checkpoint
+            return [*lineage, ("training", None, parent[2])]
 
 
 def checkpoint_dir(

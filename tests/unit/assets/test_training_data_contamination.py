@@ -141,5 +141,5 @@ def test_a_dpo_checkpoint_holds_what_its_pairs_hold_and_its_child_inherits_it(wo
 def test_a_dpo_checkpoint_whose_parent_is_not_in_this_data_root_is_unknown(world: dict) -> None:
     ckpt = read_checkpoint(world["data"] / "checkpoints" / "pref-3", "pref-3", str(world["data"]))
     lineage = training_lineage(world["storage"], world["tracking"], PromotionPolicy(), ckpt)
-    assert lineage == [("preference", "pref-clean", "pref-3"), ("sft", None, "gone")]
+    assert lineage == [("preference", "pref-clean", "pref-3"), ("training", None, "gone")]
     assert _contamination(world, "pref-3") == (None, [])
