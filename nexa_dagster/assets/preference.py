@@ -20,9 +20,14 @@ from nexa_dagster.assets.common import (
     progress_logger,
 )
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
-from nexa_dagster.assets.partitions import checkpoint_partitions, daily_partitions
+from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
-from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
+from nexa_dagster.assets.training_record import (
+    log_training_run,
+    publish_checkpoint,
+    training_metadata,
+    write_checkpoint_record,
+)
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
@@ -345,9 +350,10 @@ def preference_checkpoint(
         parent=job.parent,
         preference_metrics={k: v for k, v in heldout.items() if v is not None},
     )
-    model_name = promotion_policy.policy().registered_model
-    version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
-    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])  # evaluated next
+    # a model version in MLflow, and the partition evaluation_job runs on next
+    model_version = publish_checkpoint(
+        context, tracking, promotion_policy.policy().registered_model, checkpoint
+    )
     return dg.Output(
         checkpoint,
         metadata={
@@ -359,6 +365,6 @@ def preference_checkpoint(
             "heldout_pairs": result.validation_pairs,
             "dataset_run_hash": preference_dataset.run_hash,
             "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": f"{model_name}/{version}",
+            "mlflow_model_version": model_version,
         },
     )

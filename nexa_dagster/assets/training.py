@@ -11,8 +11,12 @@ import dagster as dg
 from pydantic import Field
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.partitions import checkpoint_partitions
-from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
+from nexa_dagster.assets.training_record import (
+    log_training_run,
+    publish_checkpoint,
+    training_metadata,
+    write_checkpoint_record,
+)
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
@@ -199,9 +203,10 @@ def moe_checkpoint(
         parent=init.parent,
         init_requested=config.init_from or scale.init_from,
     )
-    model_name = promotion_policy.policy().registered_model
-    version = tracking.register_checkpoint(model_name, checkpoint_id, result.checkpoint_dir, mlflow_run_id)
-    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint_id])
+    # a model version in MLflow, and the partition evaluation_job runs on next
+    model_version = publish_checkpoint(
+        context, tracking, promotion_policy.policy().registered_model, checkpoint
+    )
 
     return dg.Output(
         checkpoint,
@@ -215,7 +220,7 @@ def moe_checkpoint(
             "dataset_run_hash": sft_dataset.run_hash,
             "parent": init.parent,
             "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": f"{model_name}/{version}",
+            "mlflow_model_version": model_version,
         },
     )
 

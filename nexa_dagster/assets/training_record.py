@@ -10,6 +10,7 @@ from typing import Any
 
 import dagster as dg
 
+from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
@@ -74,6 +75,21 @@ def write_checkpoint_record(
     )
     io.write_json(checkpoint.record(data_root), io.join(result.checkpoint_dir, "checkpoint.json"))
     return checkpoint
+
+
+def publish_checkpoint(
+    context: dg.AssetExecutionContext,
+    tracking: TrackingResource,
+    registered_model: str,
+    checkpoint: Checkpoint,
+) -> str:
+    """Register the checkpoint in the MLflow model registry and give it its ``checkpoints`` partition, which is
+    what ``new_checkpoint_sensor`` and a backfill of ``eval_report`` evaluate next. Returns ``<model>/<version>``."""
+    version = tracking.register_checkpoint(
+        registered_model, checkpoint.checkpoint_id, checkpoint.path, checkpoint.mlflow_run_id
+    )
+    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [checkpoint.checkpoint_id])
+    return f"{registered_model}/{version}"
 
 
 def training_metadata(
