@@ -12,7 +12,9 @@ no child run, their RUN_FAILURE event already behind the consumer's cursor, so t
 and moves that cursor back to just before the earliest one. On its next tick the consumer reads the event again,
 now with the run's record complete, and retries it the way it retries any run (same strategy, tags and
 ``max_retries``). Re-reading the events in between is safe: Dagster's ``retry_run`` launches no second retry for a
-run that has one. The sensor launches nothing itself; it says what it did in its skip reason and log.
+run that has one. The sensor launches nothing itself; it says what it did in its skip reason and log. A run
+the daemon still does not retry after three hand-backs (it declined it for a reason of its own, written in the
+run's engine events) is named in the skip reason for a person, and the cursor is left alone.
 
 The cursor key is Dagster's own (``EVENT_LOG_CONSUMER_CURSOR-<event type>``, from
 ``dagster/_daemon/auto_run_reexecution/event_log_consumer.py``); ``tests/unit/sensors/test_missed_retries.py``
@@ -21,6 +23,7 @@ checks it against the daemon's code, so a Dagster upgrade that renames it fails 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG,
 FAILURE_CURSOR_KEY = f"EVENT_LOG_CONSUMER_CURSOR-{dg.DagsterEventType.RUN_FAILURE.value}"
 # A run failed longer ago than this is left to a person: by then they may have re-run it by hand.
 LOOKBACK_S = 3600
+MAX_HAND_BACKS = 3
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,31 @@ def missed_retries(instance: dg.DagsterInstance, now: float | None = None) -> li
     "(dagster-io/dagster#33741): rewinds the daemon's cursor so that it retries the run itself.",
 )
 def missed_run_retries(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+    # cursor: {run id: times handed back} for the runs still missed, so that a run the daemon declines for a
+    # reason of its own (its job was deleted, say: it says why in the run's engine events) is not handed back
+    # every 30 s for an hour; more than once, because the daemon can overwrite a rewind it had not yet read
+    handed_back: dict[str, int] = json.loads(context.cursor) if context.cursor else {}
     missed = missed_retries(context.instance)
-    if not missed:
-        return dg.SkipReason("no failed run waits for a retry the daemon skipped")
-    rewind_to = missed[0].failure_storage_id - 1
-    context.instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(rewind_to)})
-    runs = ", ".join(m.run_id for m in missed)
-    context.log.warning(
-        f"the retry daemon skipped {len(missed)} failed run(s) tagged to be retried ({runs}); "
-        f"its RUN_FAILURE cursor is moved back to {rewind_to} so that it retries them"
-    )
-    return dg.SkipReason(f"handed back to Dagster's retry daemon: {runs}")
+    handed_back = {m.run_id: handed_back.get(m.run_id, 0) for m in missed}
+    again = [m for m in missed if handed_back[m.run_id] < MAX_HAND_BACKS]
+    declined = sorted(run_id for run_id, n in handed_back.items() if n >= MAX_HAND_BACKS)
+    if again:
+        rewind_to = again[0].failure_storage_id - 1
+        context.instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(rewind_to)})
+        for m in again:
+            handed_back[m.run_id] += 1
+        context.log.warning(
+            f"the retry daemon skipped {len(again)} failed run(s) tagged to be retried "
+            f"({', '.join(m.run_id for m in again)}); its RUN_FAILURE cursor is moved back to {rewind_to} so "
+            "that it retries them"
+        )
+    context.update_cursor(json.dumps(handed_back))
+    said = []
+    if again:
+        said.append(f"handed back to Dagster's retry daemon: {', '.join(m.run_id for m in again)}")
+    if declined:
+        said.append(
+            f"not retried after {MAX_HAND_BACKS} hand-backs, see their engine events and re-execute them by "
+            f"hand: {', '.join(declined)}"
+        )
+    return dg.SkipReason("; ".join(said) or "no failed run waits for a retry the daemon skipped")

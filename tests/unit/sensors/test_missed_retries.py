@@ -14,6 +14,7 @@ from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_curs
 
 from nexa_dagster.sensors.missed_retries import (
     FAILURE_CURSOR_KEY,
+    MAX_HAND_BACKS,
     consumer_failure_cursor,
     missed_retries,
     missed_run_retries,
@@ -50,10 +51,12 @@ def failed_run(instance: dg.DagsterInstance) -> tuple[str, int]:
     return run.run_id, failures[0].storage_id
 
 
-def evaluate(instance: dg.DagsterInstance) -> str:
-    result = missed_run_retries(dg.build_sensor_context(instance=instance))
+def evaluate(instance: dg.DagsterInstance, cursor: str | None = None) -> tuple[str, str | None]:
+    """The sensor's skip reason and its new cursor, for one tick."""
+    context = dg.build_sensor_context(instance=instance, cursor=cursor)
+    result = missed_run_retries(context)
     assert isinstance(result, dg.SkipReason)  # it never launches a run itself
-    return result.skip_message or ""
+    return result.skip_message or "", context.cursor
 
 
 def test_the_cursor_key_is_the_one_dagsters_retry_daemon_keeps() -> None:
@@ -68,7 +71,7 @@ def test_a_run_the_daemon_passed_over_is_handed_back_by_moving_its_cursor_to_jus
     instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(second_event + 5)})
 
     assert [m.run_id for m in missed_retries(instance)] == [first, second]
-    message = evaluate(instance)
+    message, _ = evaluate(instance)
     assert first in message and second in message
     assert consumer_failure_cursor(instance) == first_event - 1  # the daemon re-reads both failures
 
@@ -76,14 +79,14 @@ def test_a_run_the_daemon_passed_over_is_handed_back_by_moving_its_cursor_to_jus
 def test_runs_the_daemon_has_not_reached_or_has_retried_or_that_are_old_are_left_alone(
     instance: dg.DagsterInstance,
 ) -> None:
-    assert evaluate(instance) == "no failed run waits for a retry the daemon skipped"  # no daemon tick yet
+    assert evaluate(instance)[0] == "no failed run waits for a retry the daemon skipped"  # no daemon tick yet
     ahead, ahead_event = failed_run(instance)
     retried, _ = failed_run(instance)
     instance.add_run_tags(retried, {AUTO_RETRY_RUN_ID_TAG: "the-retry"})
     instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(ahead_event - 1)})
 
     assert missed_retries(instance) == []  # one not read yet by the daemon, one retried
-    assert evaluate(instance).startswith("no failed run")
+    assert evaluate(instance)[0].startswith("no failed run")
     assert consumer_failure_cursor(instance) == ahead_event - 1  # untouched
 
     instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(ahead_event + 5)})
@@ -91,3 +94,27 @@ def test_runs_the_daemon_has_not_reached_or_has_retried_or_that_are_old_are_left
     assert missed_retries(instance, now=time.time() + 2 * 3600) == []  # past the look-back
     instance.add_run_tags(ahead, {WILL_RETRY_TAG: "false"})
     assert missed_retries(instance) == []  # not to be retried (max_retries reached, say)
+
+
+def test_a_run_the_daemon_keeps_declining_is_handed_back_three_times_then_named_for_a_person(
+    instance: dg.DagsterInstance,
+) -> None:
+    """The daemon can decline a run for a reason of its own (its job deleted, say): the sensor hands it back a few
+    times (a rewind can be overwritten by the daemon's own cursor write), then stops moving the cursor and names it."""
+    run_id, event = failed_run(instance)
+    cursor = None
+    for _ in range(MAX_HAND_BACKS):
+        instance.daemon_cursor_storage.set_cursor_values(
+            {FAILURE_CURSOR_KEY: str(event + 5)}
+        )  # read past again
+        message, cursor = evaluate(instance, cursor)
+        assert message == f"handed back to Dagster's retry daemon: {run_id}"
+        assert consumer_failure_cursor(instance) == event - 1
+    instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(event + 5)})
+    message, cursor = evaluate(instance, cursor)
+    assert message.startswith(f"not retried after {MAX_HAND_BACKS} hand-backs") and run_id in message
+    assert consumer_failure_cursor(instance) == event + 5  # left where the daemon put it
+
+    instance.add_run_tags(run_id, {AUTO_RETRY_RUN_ID_TAG: "the-retry"})
+    message, cursor = evaluate(instance, cursor)
+    assert message.startswith("no failed run") and cursor == "{}"  # no longer missed: dropped from the cursor
