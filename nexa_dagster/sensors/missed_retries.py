@@ -64,18 +64,24 @@ def missed_retries(instance: dg.DagsterInstance, now: float | None = None) -> li
         ),
         limit=100,
     ).records
-    missed = []
-    for failure in failures:
-        run = instance.get_run_by_id(failure.run_id)
-        if (
-            run is None
-            or run.status != dg.DagsterRunStatus.FAILURE
-            or run.tags.get(WILL_RETRY_TAG) != "true"
-            or AUTO_RETRY_RUN_ID_TAG in run.tags
-            or instance.get_runs(dg.RunsFilter(tags={PARENT_RUN_ID_TAG: run.run_id}), limit=1)
-        ):
-            continue  # not to be retried, or retried already (by the daemon or by a person)
-        missed.append(MissedRetry(run.run_id, failure.storage_id))
+    if not failures:
+        return []
+    # the failed runs among them still tagged to be retried, in one query
+    tagged = instance.get_runs(
+        dg.RunsFilter(
+            run_ids=list({f.run_id for f in failures}),
+            statuses=[dg.DagsterRunStatus.FAILURE],
+            tags={WILL_RETRY_TAG: "true"},
+        )
+    )
+    failure_ids = {f.run_id: f.storage_id for f in failures}
+    missed = [
+        MissedRetry(run.run_id, failure_ids[run.run_id])
+        for run in tagged
+        # not retried already, by the daemon or by a person
+        if AUTO_RETRY_RUN_ID_TAG not in run.tags
+        and not instance.get_runs(dg.RunsFilter(tags={PARENT_RUN_ID_TAG: run.run_id}), limit=1)
+    ]
     return sorted(missed, key=lambda m: m.failure_storage_id)
 
 

@@ -69,8 +69,9 @@ def _finish(run: _Run) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(run.proc.pid, signal.SIGKILL)
         raise
-    assert run.proc.returncode == 0, run.output()[-4000:]
-    return run.output()
+    out = run.output()
+    assert run.proc.returncode == 0, out[-4000:]
+    return out
 
 
 def _instance(root: Path) -> dg.DagsterInstance:

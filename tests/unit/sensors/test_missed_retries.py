@@ -9,11 +9,12 @@ from collections.abc import Iterator
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG
 from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_cursor_key
 
 from nexa_dagster.sensors.missed_retries import (
     FAILURE_CURSOR_KEY,
+    LOOKBACK_S,
     MAX_HAND_BACKS,
     consumer_failure_cursor,
     missed_retries,
@@ -44,10 +45,9 @@ def failed_run(instance: dg.DagsterInstance) -> tuple[str, int]:
     assert (
         run is not None and run.status == dg.DagsterRunStatus.FAILURE and run.tags[WILL_RETRY_TAG] == "true"
     )
+    # its id in the cross-run index, the one the daemon's cursor counts
     failures = instance.fetch_run_status_changes(dg.DagsterEventType.RUN_FAILURE, limit=1).records
-    assert (
-        failures[0].run_id == run.run_id
-    )  # the id in the cross-run index, the one the daemon's cursor counts
+    assert failures[0].run_id == run.run_id
     return run.run_id, failures[0].storage_id
 
 
@@ -91,9 +91,14 @@ def test_runs_the_daemon_has_not_reached_or_has_retried_or_that_are_old_are_left
 
     instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(ahead_event + 5)})
     assert [m.run_id for m in missed_retries(instance)] == [ahead]
-    assert missed_retries(instance, now=time.time() + 2 * 3600) == []  # past the look-back
+    assert missed_retries(instance, now=time.time() + LOOKBACK_S + 60) == []  # past the look-back
     instance.add_run_tags(ahead, {WILL_RETRY_TAG: "false"})
     assert missed_retries(instance) == []  # not to be retried (max_retries reached, say)
+
+    instance.add_run_tags(ahead, {WILL_RETRY_TAG: "true"})
+    # re-executed by a person: a child run, and no automatic-retry tag on the parent
+    flaky_job.execute_in_process(instance=instance, raise_on_error=False, tags={PARENT_RUN_ID_TAG: ahead})
+    assert ahead not in [m.run_id for m in missed_retries(instance)]
 
 
 def test_a_run_the_daemon_keeps_declining_is_handed_back_three_times_then_named_for_a_person(
@@ -104,9 +109,8 @@ def test_a_run_the_daemon_keeps_declining_is_handed_back_three_times_then_named_
     run_id, event = failed_run(instance)
     cursor = None
     for _ in range(MAX_HAND_BACKS):
-        instance.daemon_cursor_storage.set_cursor_values(
-            {FAILURE_CURSOR_KEY: str(event + 5)}
-        )  # read past again
+        # the daemon has read past it again
+        instance.daemon_cursor_storage.set_cursor_values({FAILURE_CURSOR_KEY: str(event + 5)})
         message, cursor = evaluate(instance, cursor)
         assert message == f"handed back to Dagster's retry daemon: {run_id}"
         assert consumer_failure_cursor(instance) == event - 1
