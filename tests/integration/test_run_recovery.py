@@ -515,7 +515,8 @@ def test_a_failed_run_the_retry_daemon_skipped_is_retried_after_the_missed_retri
 
     retry = production.wait(
         "the sensor to hand the run back and the daemon to retry it",
-        lambda: production.retry_of(skipped_id),
+        # Dagster tags the failed run with its retry's id just after creating the retry: wait for both
+        lambda: AUTO_RETRY_RUN_ID_TAG in production.run(skipped_id).tags and production.retry_of(skipped_id),
         timeout=120,
     )
     assert retry.tags["dagster/retry_number"] == "1" and retry.tags["dagster/root_run_id"] == skipped_id
