@@ -5,13 +5,14 @@ model_deployment follows (held back is a recorded warning, not a failure), decid
 confidence interval whether it is served.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
-from nexa_dagster.assets.packaging import contamination_index
+from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
 from nexa_dagster.core.common import storage as io
@@ -46,10 +47,12 @@ from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.packaging.decontaminate import (
     chat_texts,
     decontaminate,
+    document_texts,
     recorded_inputs,
     template_segments,
 )
 from nexa_dagster.core.packaging.preference_dataset import pair_texts
+from nexa_dagster.core.packaging.pretrain_corpus import items_trained_on
 from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
@@ -289,25 +292,27 @@ def training_data_contamination(
 ) -> tuple[float | None, list[str]]:
     """(the share of the gate's protected items, the eval set's or its benchmark task's, that the candidate's
     training data holds; those items) from the day files its datasets were packed from, each checked once per index
-    (``core/packaging/decontaminate.py``'s receipts). A preference checkpoint learned from its pairs and from
-    everything its parent learned from, so its lineage is followed back to the SFT data. None: unknown (a dataset
-    of that lineage is not in this data root)."""
+    (``core/packaging/decontaminate.py``'s receipts). A checkpoint learned from its own data and from everything
+    its ancestors learned from (the production models it continued from, the base model's corpus), so its whole
+    lineage is followed (``training_lineage``). None: unknown (a dataset of that lineage is not in this data root)."""
     segments = template_segments(prompts.text("teacher"))
-    # stage -> (its datasets' root, the texts of one record, the record's id field); a base model's corpus is
-    # checked again when it trains (base_model keeps eval-side documents out), so its inputs say too much
+    # stage -> (its datasets' root, the texts of one record, the record's id field)
     kinds = {
         "sft": (storage.path("sft"), chat_texts(segments), "sample_id"),
         "preference": (storage.path("preference"), pair_texts(segments), "pair_id"),
+        "pretrain": (storage.path("pretrain"), document_texts, "doc_id"),
     }
     index = None
     hit: set[int] = set()
-    for stage, dataset_run_hash, who in training_lineage(storage, tracking, policy, ckpt):
+    for ancestor in training_lineage(storage, tracking, policy, ckpt):
         # all None: a stage whose data is not known here
-        root, texts, id_field = kinds.get(stage, (None, None, None))
-        files = recorded_inputs(io.join(root, dataset_run_hash), root) if root and dataset_run_hash else None
+        root, texts, id_field = kinds.get(ancestor.stage, (None, None, None))
+        run_hash = ancestor.dataset_run_hash
+        files = recorded_inputs(io.join(root, run_hash), root) if root and run_hash else None
         if files is None:
             context.log.warning(
-                f"{ckpt.checkpoint_id}: the {stage} data of {who} is not in this data root: contamination unknown"
+                f"{ckpt.checkpoint_id}: the {ancestor.stage} data of {ancestor.checkpoint_id} is not in this data "
+                "root: contamination unknown"
             )
             return None, []
         if index is None:
@@ -315,31 +320,63 @@ def training_data_contamination(
                 storage, eval_sets, scale, prompts, packaging_config.config().contamination
             )
         _, report = decontaminate(files, index, root, "report", texts, id_field, context.log.info)
-        hit |= set(report.items_hit)
+        if ancestor.stage == "pretrain":  # only the documents the base model did not leave out
+            tokenizer, _ = load_student_tokenizer(storage)
+            hit |= items_trained_on(
+                report, tokenizer, root, ancestor.excluded_documents, ancestor.eval_side_fraction
+            )
+        else:
+            hit |= set(report.items_hit)
     assert index is not None  # the lineage holds the checkpoint itself
     source = f"benchmark:{parse_metric(policy.metric)[0]}" if policy.benchmark else "eval_set"
     items = sorted(index.describe(i) for i in hit if index.items[i][0].startswith(source))
     return index.share(hit, source), items
 
 
+@dataclass(frozen=True)
+class Ancestor:
+    """One training in a checkpoint's lineage: its stage, the dataset it trained on and, for a base model, the
+    corpus documents it never saw. ``stage`` "training": a parent whose record is not here (its data unknown)."""
+
+    stage: str
+    dataset_run_hash: str | None
+    checkpoint_id: str
+    excluded_documents: frozenset[str] = frozenset()
+    eval_side_fraction: float = 0.0
+
+
 def training_lineage(
     storage: StorageResource, tracking: TrackingResource, policy: PromotionPolicy, ckpt: Checkpoint
-) -> list[tuple[str, str | None, str]]:
-    """(stage, dataset run hash, whose) for the checkpoint and, for a preference checkpoint, each ancestor back to
-    the SFT checkpoint it started from (a DPO model holds what its SFT parent learned). A parent whose record is
-    not in this data root ends the lineage with an unknown dataset."""
+) -> list[Ancestor]:
+    """The checkpoint, then every training its weights came from: ``production:<id>`` (nightly continual
+    fine-tuning, DPO from production), ``base:<id>`` (the base model and its corpus), back to random weights. A
+    parent whose record is not in this data root, or a model from elsewhere (``path:<dir>``), ends the lineage with
+    an unknown stage."""
     lineage, seen = [], set()
     while True:
-        lineage.append((ckpt.stage, ckpt.dataset_run_hash, ckpt.checkpoint_id))
+        lineage.append(
+            Ancestor(
+                ckpt.stage,
+                ckpt.dataset_run_hash,
+                ckpt.checkpoint_id,
+                frozenset(ckpt.excluded_documents or ()),
+                ckpt.eval_side_fraction or 0.0,
+            )
+        )
         seen.add(ckpt.checkpoint_id)
-        parent = (ckpt.parent or "").partition(":")
-        if ckpt.stage != "preference" or parent[0] != "production" or parent[2] in seen:
+        kind, _, parent = (ckpt.parent or "scratch").partition(":")
+        if kind == "scratch" or parent in seen:
             return lineage
-        parent_dir = checkpoint_dir(storage, tracking, policy.registered_model, parent[2])
+        if kind == "base":
+            parent_dir = Path(storage.path("base_models", parent))
+        elif kind == "production":
+            parent_dir = checkpoint_dir(storage, tracking, policy.registered_model, parent)
+        else:  # path:<dir>: trained elsewhere, on data this root does not hold
+            return [*lineage, Ancestor("training", None, ckpt.parent or parent)]
         try:
-            ckpt = read_checkpoint(parent_dir, parent[2], storage.root)
-        except ValueError:  # its stage is unknown too: an SFT or another preference checkpoint
-            return [*lineage, ("training", None, parent[2])]
+            ckpt = read_checkpoint(parent_dir, parent, storage.root)
+        except ValueError:  # its stage is unknown too: an SFT, base or preference checkpoint
+            return [*lineage, Ancestor("training", None, parent)]
 
 
 def checkpoint_dir(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common.artifacts import SFTDataset
@@ -132,6 +133,16 @@ def shard_runner(
     return run
 
 
+class SFTDatasetConfig(dg.Config):
+    """Run configuration of ``sft_dataset`` (the Launchpad's ``ops: sft_dataset: config``)."""
+
+    blend: str = Field(
+        default="",
+        description="the data blend to pack, relative to configs/ (e.g. blends/sft_negative_control.yaml: a "
+        "negative control the gate must hold back); empty: packaging.yaml's sft_blend",
+    )
+
+
 @dg.asset(
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
@@ -146,6 +157,7 @@ def shard_runner(
 )
 def sft_dataset(
     context: dg.AssetExecutionContext,
+    config: SFTDatasetConfig,
     storage: StorageResource,
     scale_preset: ScaleResource,
     gpu_cluster: GPUClusterResource,
@@ -155,7 +167,10 @@ def sft_dataset(
 ) -> SFTDataset:
     scale, cfg = scale_preset.load(), packaging_config.config()
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
-    blend = DataBlend.load(cfg.sft_blend)
+    try:
+        blend = DataBlend.load(config.blend or cfg.sft_blend)
+    except (FileNotFoundError, ValueError) as e:  # a run config naming no valid blend: retrying cannot help
+        raise dg.Failure(f"sft_dataset blend: {e}", allow_retries=False) from e
     partitions = stored_partitions(
         storage.data_root,
         "filtered_samples",

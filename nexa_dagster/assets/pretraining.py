@@ -45,8 +45,19 @@ def contaminated_documents(
             f"corpus {corpus.run_hash} records no inputs: not checked for contamination again"
         )
         return [], 0
-    _, report = decontaminate(files, index, out_root, "report", document_texts, "doc_id", context.log.info)
+    # report mode: the corpus stays as packed; the training leaves these documents out by their id
+    _, report = decontaminate(files, index, out_root, "report", document_texts, "doc_id", lambda _: None)
     texts = [r["text"] for path, rows in report.rows_hit.items() for r in rows_of(path, rows)]
+    if texts:
+        context.log.info(
+            f"contamination check (index {index.key}): {len(texts)} of {report.rows_checked} corpus documents "
+            f"hold eval-set or benchmark text; first: {report.examples[0]}"
+        )
+    else:
+        context.log.info(
+            f"contamination check (index {index.key}): none of {report.rows_checked} corpus documents holds "
+            "eval-set or benchmark text"
+        )
     return corpus_document_ids(texts, tokenizer, out_root), len(texts)
 
 
@@ -87,6 +98,10 @@ def base_model(
     excluded, found = contaminated_documents(context, storage, pretrain_corpus, index, tokenizer)
     if contamination.on_overlap == "report":
         excluded = []
+    context.log.info(
+        f"{len(excluded)} of them left out of this training (on_overlap: {contamination.on_overlap}), with the "
+        f"corpus documents on the frozen eval set's side (eval_set.corpus_fraction {eval_sets.corpus_fraction})"
+    )
     job = TrainingJob(
         run_id=base_id,
         train_path=pretrain_corpus.root,
@@ -141,6 +156,9 @@ def base_model(
         scale=scale.name,
         stage="pretrain",
         parent="scratch",
+        # what it never saw, so that its descendants' evaluation counts only the corpus it learned from
+        excluded_documents=sorted(excluded),
+        eval_side_fraction=eval_sets.corpus_fraction,
     )
     context.instance.add_dynamic_partitions(
         base_model_partitions.name, [base_id]

@@ -109,7 +109,7 @@ def resolve_init(
             requested,
             latest_base_model(context, storage),
             (production.checkpoint_id, production.checkpoint_path) if production else None,
-            fallback_to_scratch=not config.init_from,
+            preset_default=not config.init_from,
         )
         tokenizer_dir = ""
         if source.path:

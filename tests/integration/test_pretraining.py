@@ -282,9 +282,15 @@ def test_init_from_resolves_each_name() -> None:
         resolve("scratch", base, production).path == "" and resolve("scratch", None, None).parent == "scratch"
     )
     assert resolve("/models/m", None, None).parent == "path:/models/m"
-    fallback = resolve("base", None, production, fallback_to_scratch=True)
+    fallback = resolve("base", None, production, preset_default=True)
     assert fallback.parent == "scratch" and "no base_model" in fallback.note
     with pytest.raises(ValueError, match="no base_model has been materialized"):
         resolve("base", None, production)
     with pytest.raises(ValueError, match="no model is in production"):
         resolve("production", base, None)
+    # the preset's continual fine-tuning: the first night has no production model, and starts from the base
+    first_night = resolve("production", base, None, preset_default=True)
+    assert first_night.path == "/ckpt/base-1" and first_night.parent == "base:base-1"
+    assert "no model is in production yet" in first_night.note
+    fresh_root = resolve("production", None, None, preset_default=True)
+    assert fresh_root.parent == "scratch" and "no base_model" in fresh_root.note

@@ -118,6 +118,10 @@ class Checkpoint(Artifact):
     )
     # what init_from asked for; "base" with parent "scratch": no base model existed yet (a fresh instance)
     init_requested: str | None = None
+    # base models: the corpus documents (ids) it never trained on, left out as contaminated, and the share of
+    # documents on the frozen eval set's side (also left out): what an evaluation of its descendants subtracts
+    excluded_documents: list[str] | None = None
+    eval_side_fraction: float | None = None
 
     def record(self, data_root: str) -> dict[str, Any]:
         """What ``checkpoint.json`` holds: this record with its paths relative to ``data_root`` (a moved or copied

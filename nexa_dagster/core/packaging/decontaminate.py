@@ -39,6 +39,7 @@ class DecontaminationReport:
     # protected items found in the training data that is KEPT, and the kept rows that hold them (file -> rows)
     items_hit: set[int] = field(default_factory=set)
     rows_hit: dict[str, list[int]] = field(default_factory=dict)
+    items_by_row: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # file -> kept row -> items
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     def metadata(self, index: ContaminationIndex) -> dict[str, Any]:
@@ -146,6 +147,7 @@ def decontaminate(
         elif on_overlap == "report":
             report.items_hit.update(i for hit in receipt["hits"] for i in hit["items"])
             report.rows_hit[day.path] = [hit["row"] for hit in receipt["hits"]]
+            report.items_by_row[day.path] = {hit["row"]: hit["items"] for hit in receipt["hits"]}
             kept.append(day)
         else:
             report.removed_rows += len(receipt["hits"])

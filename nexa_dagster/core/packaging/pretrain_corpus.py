@@ -23,8 +23,10 @@ from nexa_dagster.core.common.jsonl import (
     RecordError,
     dumps,
 )
+from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.packaging import shards as sh
 from nexa_dagster.core.packaging.blend import DataBlend
+from nexa_dagster.core.packaging.decontaminate import DecontaminationReport, document_texts, rows_of
 from nexa_dagster.core.packaging.formats.indexed_dataset import (
     IndexedDatasetWriter,
     best_fitting_dtype,
@@ -234,3 +236,24 @@ def corpus_document_ids(
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers", f"{fp}.json"))
     eos = [chat.eos_id] if append_eos and chat.eos_id is not None else []
     return [document_id(np.asarray(ids + eos, dtype=np.int64)) for ids in chat.encode_texts(list(texts))]
+
+
+def items_trained_on(
+    report: DecontaminationReport,
+    tokenizer: Any,
+    out_root: str,
+    left_out: frozenset[str],
+    eval_fraction: float,
+) -> set[int]:
+    """The protected items held by the corpus documents a base model trained on: those a ``report``-mode check
+    found, less the documents the base never saw (``left_out``: the contaminated ones it excluded, and those on the
+    frozen eval set's side, ``eval_fraction``). A base trained before an eval set was frozen holds its text; one
+    trained after, with ``on_overlap: remove``, holds none."""
+    items: set[int] = set()
+    for path, by_row in report.items_by_row.items():
+        rows = sorted(by_row)
+        texts = [document_texts(record)[0] for record in rows_of(path, rows)]
+        for row, doc in zip(rows, corpus_document_ids(texts, tokenizer, out_root), strict=True):
+            if doc not in left_out and not is_held_out(doc, eval_fraction):
+                items.update(by_row[row])
+    return items

@@ -9,7 +9,9 @@ read raises ``RecordError`` naming the field; ``apply_transform`` adds the file 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -143,6 +145,29 @@ def rename(mapping: Mapping[str, str] | None = None, **kwargs: str) -> Transform
     return apply
 
 
+def shuffle_answer_words(seed: int = 0) -> Transform:
+    """A negative control: every assistant answer's words in a seeded random order (the prompt kept as it is).
+
+    A model fine-tuned on such answers learns the answers' vocabulary but not their order, so on real answers it
+    must score worse than the model it started from: the blend ``configs/blends/sft_negative_control.yaml`` trains
+    that candidate, and the promotion gate is expected to hold it back on evidence (tests/e2e/test_demo.py). The
+    order depends only on ``seed`` and the answer's text, so a record shuffles the same way on every run."""
+
+    def apply(record: Record) -> Record:
+        messages = validate_messages(_field(record, "messages", list))
+        out = []
+        for m in messages:
+            if m["role"] == "assistant":
+                words = m["content"].split()
+                digest = hashlib.sha256(f"{seed}:{m['content']}".encode()).digest()
+                random.Random(digest).shuffle(words)
+                m = {"role": "assistant", "content": " ".join(words)}
+            out.append(m)
+        return {**record, "messages": out}
+
+    return apply
+
+
 TRANSFORMS: dict[str, Callable[..., Transform]] = {
     "sft": sft,
     "openai_chat": openai_chat,
@@ -150,6 +175,7 @@ TRANSFORMS: dict[str, Callable[..., Transform]] = {
     "passthrough": passthrough,
     "select": select,
     "rename": rename,
+    "shuffle_answer_words": shuffle_answer_words,
 }
 TransformSpec = str | Mapping[str, Any] | Sequence[Any]
 

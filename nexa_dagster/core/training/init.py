@@ -36,17 +36,26 @@ def resolve(
     init_from: str,
     base: tuple[str, str] | None,
     production: tuple[str, str] | None,
-    fallback_to_scratch: bool = False,
+    preset_default: bool = False,
 ) -> InitSource:
     """Turn ``init_from`` into a directory. ``base`` and ``production`` are ``(id, path)`` or None when none
-    exists. A missing base falls back to scratch only when ``fallback_to_scratch`` (``base`` is the preset's
-    default, and the very first night has no base model); asked for explicitly, a missing one is an error."""
+    exists. Only for the ``preset_default`` (the preset named it, no person asked for it) does a
+    missing production model fall back to the base model and a missing base model to scratch: the very first night
+    has neither; asked for explicitly, a missing one is an error."""
     value = init_from.strip()
     if value == "scratch":
         return InitSource("", "scratch")
+    if value == "production" and production is None and preset_default:
+        # the preset's continual fine-tuning on a data root with no production model yet (the first night)
+        fallen = resolve("base", base, None, preset_default=True)
+        note = (
+            "init_from 'production' (the preset's default) but no model is in production yet: starting from "
+            + ("the latest base model" if fallen.path else "random weights")
+        )
+        return InitSource(fallen.path, fallen.parent, f"{note}; {fallen.note}" if fallen.note else note)
     if value == "base":
         if base is None:
-            if fallback_to_scratch:
+            if preset_default:
                 return InitSource(
                     "",
                     "scratch",

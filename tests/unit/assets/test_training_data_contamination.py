@@ -1,6 +1,7 @@
-"""What an evaluation says a checkpoint's training data holds of the eval set (``assets/evaluation.py``): a DPO
-checkpoint learned from its preference pairs *and* from everything its SFT parent learned from, so an eval example
-in either is found; a lineage whose data is not in this data root is unknown, never a clean zero."""
+"""What an evaluation says a checkpoint's training data holds of the eval set (``assets/evaluation.py``): a
+checkpoint learned from its own data *and* from everything its lineage learned from (the production models it
+continued from, its SFT parent, the base model's corpus less the documents the base left out), so an eval example in
+any of them is found; a lineage whose data is not in this data root is unknown, never a clean zero."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pandas as pd
 import pytest
 from support.packaging_inputs import teacher_rows
 
-from nexa_dagster.assets.evaluation import training_data_contamination, training_lineage
+from nexa_dagster.assets.evaluation import Ancestor, training_data_contamination, training_lineage
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.config import load_scale
 from nexa_dagster.core.data.contamination import ContaminationIndex
@@ -21,6 +22,7 @@ from nexa_dagster.core.evaluation.promotion import PromotionPolicy
 from nexa_dagster.core.evaluation.report import read_checkpoint
 from nexa_dagster.core.packaging.decontaminate import DecontaminationReport, record_inputs
 from nexa_dagster.core.packaging.preference_dataset import pairs_to_jsonl
+from nexa_dagster.core.packaging.pretrain_corpus import corpus_document_ids, documents_to_jsonl
 from nexa_dagster.core.packaging.sft_dataset import DayInput, samples_to_jsonl
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.storage import StorageResource
@@ -60,9 +62,9 @@ def _dataset(root: str, run_hash: str, day: DayInput) -> None:
 _NO_INDEX = ContaminationIndex.build([])
 
 
-def _checkpoint(data: Path, checkpoint_id: str, **record: str) -> None:
+def _checkpoint(data: Path, checkpoint_id: str, store: str = "checkpoints", **record: object) -> None:
     """A complete checkpoint folder with its record (weights are never read on this path)."""
-    folder = data / "checkpoints" / checkpoint_id
+    folder = data / store / checkpoint_id
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"")
@@ -71,7 +73,7 @@ def _checkpoint(data: Path, checkpoint_id: str, **record: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict:
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer, tiny_model_dir: Path) -> dict:
     data = tmp_path_factory.mktemp("contamination") / "data"
     storage = StorageResource(data_root=str(data))
     freeze_eval_set(
@@ -94,7 +96,31 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer) -> dict:
     _dataset(
         pref, "pref-clean", DayInput(("2026-11-04",), pairs_to_jsonl(_pairs([("p3", "ok")], "x"), pref), 1)
     )
+    # a pretraining corpus holding the documents of eval examples held-0 and held-2, and a clean one: base b1 left
+    # both contaminated documents out of its training, base b2 (trained before the eval set was frozen) only held-0's
+    (data / "models").mkdir(parents=True)
+    (data / "models" / "tiny-teacher").symlink_to(tiny_model_dir)
+    corpus, texts = storage.path("pretrain"), [_document(0), _document(2), _document(20)]
+    docs = pd.DataFrame({"doc_id": ["d0", "d2", "d20"], "day": "2026-11-01", "title": "t", "text": texts})
+    _dataset(corpus, "corpus-1", DayInput(("2026-11-01",), documents_to_jsonl(docs, corpus), 3))
+    ids = corpus_document_ids(texts, tiny_tokenizer, corpus)
+    for base, left_out in (("b1", ids[:2]), ("b2", ids[:1])):
+        _checkpoint(
+            data,
+            base,
+            "base_models",
+            stage="pretrain",
+            dataset_run_hash="corpus-1",
+            parent="scratch",
+            excluded_documents=left_out,
+            eval_side_fraction=0.0,
+        )
     _checkpoint(data, "sft-1", stage="sft", dataset_run_hash="sft-clean", parent="base:b1")
+    # nightly continual fine-tuning: an SFT model that went on from one that started from the leaky base
+    _checkpoint(data, "sft-leaky-base", stage="sft", dataset_run_hash="sft-clean", parent="base:b2")
+    _checkpoint(
+        data, "sft-night-2", stage="sft", dataset_run_hash="sft-clean", parent="production:sft-leaky-base"
+    )
     _checkpoint(data, "pref-1", stage="preference", dataset_run_hash="pref-leaky", parent="production:sft-1")
     _checkpoint(data, "pref-2", stage="preference", dataset_run_hash="pref-clean", parent="production:pref-1")
     _checkpoint(data, "pref-3", stage="preference", dataset_run_hash="pref-clean", parent="production:gone")
@@ -141,5 +167,26 @@ def test_a_dpo_checkpoint_holds_what_its_pairs_hold_and_its_child_inherits_it(wo
 def test_a_dpo_checkpoint_whose_parent_is_not_in_this_data_root_is_unknown(world: dict) -> None:
     ckpt = read_checkpoint(world["data"] / "checkpoints" / "pref-3", "pref-3", str(world["data"]))
     lineage = training_lineage(world["storage"], world["tracking"], PromotionPolicy(), ckpt)
-    assert lineage == [("preference", "pref-clean", "pref-3"), ("training", None, "gone")]
+    assert lineage == [Ancestor("preference", "pref-clean", "pref-3"), Ancestor("training", None, "gone")]
     assert _contamination(world, "pref-3") == (None, [])
+
+
+def test_the_base_models_corpus_counts_less_the_documents_it_left_out(world: dict) -> None:
+    # b1 left both contaminated documents out (sft-1 is clean, above); b2 trained on held-2's document
+    assert _contamination(world, "sft-leaky-base") == (pytest.approx(1 / 3), ["eval_set v1 held-2"])
+    # and a model that continued from it (init_from: production) inherits what its lineage learned
+    ckpt = read_checkpoint(world["data"] / "checkpoints" / "sft-night-2", "sft-night-2", str(world["data"]))
+    lineage = training_lineage(world["storage"], world["tracking"], PromotionPolicy(), ckpt)
+    assert [(a.stage, a.checkpoint_id) for a in lineage] == [
+        ("sft", "sft-night-2"),
+        ("sft", "sft-leaky-base"),
+        ("pretrain", "b2"),
+    ]
+    assert _contamination(world, "sft-night-2") == (pytest.approx(1 / 3), ["eval_set v1 held-2"])
+
+
+def test_a_checkpoint_started_from_a_model_trained_elsewhere_is_unknown(world: dict, tmp_path: Path) -> None:
+    _checkpoint(
+        world["data"], "from-path", stage="sft", dataset_run_hash="sft-clean", parent=f"path:{tmp_path}"
+    )
+    assert _contamination(world, "from-path") == (None, [])

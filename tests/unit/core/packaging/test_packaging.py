@@ -134,6 +134,26 @@ def test_labels_column_is_the_loss_mask_in_the_hugging_face_convention(
 # -- transforms and bad rows -------------------------------------------------------------------------------------
 
 
+def test_the_negative_control_shuffles_each_answers_words_the_same_way_every_time() -> None:
+    """The negative control's blend (configs/blends/sft_negative_control.yaml): the answer's words, reordered by a
+    seed and the answer's text alone; the prompt and system turns untouched."""
+    answer = " ".join(f"w{i}" for i in range(30))
+    record = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "explain this excerpt please"},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+    control = build_transform(DataBlend.load("blends/sft_negative_control.yaml").sources[0].transform)
+    shuffled = control(record)["messages"]
+    assert shuffled[:2] == record["messages"][:2]
+    assert shuffled[2]["content"] != answer and sorted(shuffled[2]["content"].split()) == sorted(answer.split())
+    assert control(record) == control(record)  # deterministic: a re-run packs the same bytes
+    other_seed = build_transform({"shuffle_answer_words": {"seed": 1}})(record)["messages"][2]["content"]
+    assert other_seed != shuffled[2]["content"]
+
+
 def test_each_transform() -> None:
     assert build_transform("sft")({"input": "q", "output": "a", "system": "s"}) == {
         "messages": [
