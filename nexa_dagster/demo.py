@@ -15,6 +15,7 @@ graph with every asset materialized.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -89,6 +90,16 @@ def night_of(
     )
 
 
+def change(candidate_loss: float, production_loss: float) -> str:
+    """How much better (or worse) the candidate is, as a person reads it: the loss per token in percent, and the
+    perplexities (exp of the loss: the number of equally likely next tokens the model is as unsure as)."""
+    percent = 100 * (candidate_loss - production_loss) / production_loss
+    return (
+        f"{abs(percent):.1f}% {'lower' if percent < 0 else 'higher'} loss (perplexity "
+        f"{math.exp(production_loss):.1f} -> {math.exp(candidate_loss):.1f})"
+    )
+
+
 def summary_lines(nights: list[Night]) -> list[str]:
     """Night by night: both losses on the same eval set, the difference with its interval, the n and method behind
     it, the gate's decision with the rule that made it, and what deployment did."""
@@ -112,7 +123,8 @@ def summary_lines(nights: list[Night]) -> list[str]:
         compared = (
             f"{evidence}: candidate {n.candidate_loss:.4f}, production "
             f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
-            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method.split(' (')[0] or 'interval'})"
+            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method.split(' (')[0] or 'interval'}), "
+            f"{change(n.candidate_loss, n.production_loss)}"
         )
         lines.append(f"{head} {compared} -> {n.decision} (rule: {n.rule}){outcome}")
     return lines

@@ -304,32 +304,41 @@ def training_data_contamination(
     }
     index = None
     hit: set[int] = set()
-    for ancestor in training_lineage(storage, tracking, policy, ckpt):
+    lineage = training_lineage(storage, tracking, policy, ckpt)
+    for ancestor in lineage:
         # all None: a stage whose data is not known here
         root, texts, id_field = kinds.get(ancestor.stage, (None, None, None))
         run_hash = ancestor.dataset_run_hash
         files = recorded_inputs(io.join(root, run_hash), root) if root and run_hash else None
-        if files is None:
-            context.log.warning(
-                f"{ckpt.checkpoint_id}: the {ancestor.stage} data of {ancestor.checkpoint_id} is not in this data "
-                "root: contamination unknown"
-            )
+        unknown = (
+            f"the {ancestor.stage} data of {ancestor.checkpoint_id} is not in this data root"
+            if files is None
+            else f"base model {ancestor.checkpoint_id} records no documents it left out (trained before its record "
+            "held them)"
+            if ancestor.stage == "pretrain" and ancestor.excluded_documents is None
+            else ""
+        )
+        if unknown:
+            context.log.warning(f"{ckpt.checkpoint_id}: {unknown}: contamination unknown")
             return None, []
         if index is None:
             index, _ = contamination_index(
                 storage, eval_sets, scale, prompts, packaging_config.config().contamination
             )
-        _, report = decontaminate(files, index, root, "report", texts, id_field, context.log.info)
+        _, report = decontaminate(files, index, root, "report", texts, id_field, lambda _: None)
         if ancestor.stage == "pretrain":  # only the documents the base model did not leave out
             tokenizer, _ = load_student_tokenizer(storage)
-            hit |= items_trained_on(
-                report, tokenizer, root, ancestor.excluded_documents, ancestor.eval_side_fraction
-            )
+            left_out = frozenset(ancestor.excluded_documents or ())
+            hit |= items_trained_on(report, tokenizer, root, left_out, ancestor.eval_side_fraction)
         else:
             hit |= set(report.items_hit)
     assert index is not None  # the lineage holds the checkpoint itself
     source = f"benchmark:{parse_metric(policy.metric)[0]}" if policy.benchmark else "eval_set"
     items = sorted(index.describe(i) for i in hit if index.items[i][0].startswith(source))
+    context.log.info(
+        f"contamination of {ckpt.checkpoint_id}'s lineage ({', '.join(a.describe() for a in lineage)}): "
+        f"{len(items)} of the {source} items occur in what it trained on (index {index.key})"
+    )
     return index.share(hit, source), items
 
 
@@ -341,8 +350,13 @@ class Ancestor:
     stage: str
     dataset_run_hash: str | None
     checkpoint_id: str
-    excluded_documents: frozenset[str] = frozenset()
+    excluded_documents: frozenset[str] | None = (
+        None  # None: not recorded (a base model trained before it was)
+    )
     eval_side_fraction: float = 0.0
+
+    def describe(self) -> str:
+        return f"{self.stage} {self.checkpoint_id}"
 
 
 def training_lineage(
@@ -359,7 +373,7 @@ def training_lineage(
                 ckpt.stage,
                 ckpt.dataset_run_hash,
                 ckpt.checkpoint_id,
-                frozenset(ckpt.excluded_documents or ()),
+                None if ckpt.excluded_documents is None else frozenset(ckpt.excluded_documents),
                 ckpt.eval_side_fraction or 0.0,
             )
         )

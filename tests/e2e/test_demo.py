@@ -3,6 +3,7 @@ teacher and judge whose output carries signal; and what a killed run leaves behi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,12 +15,19 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
-from support.sandbox import make_sandbox, sandbox_env
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
+from transformers import AutoTokenizer
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.process_token import process_token, token_alive
 from nexa_dagster.core.data.sample_corpus import SAMPLE_DAYS
+from nexa_dagster.core.data.splits import is_held_out
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
+from nexa_dagster.core.packaging.formats.indexed_dataset import document_id
+from nexa_dagster.core.training.corpus import corpus_prefixes, read_documents
 from nexa_dagster.demo import LAUNCHER_TAG, fail_orphaned_runs
+from nexa_dagster.resources.storage import StorageResource
+from nexa_dagster.resources.tracking import TrackingResource
 
 STUCK_RUN = """
 import sys, time
@@ -102,7 +110,8 @@ NIGHT = re.compile(
 )
 COMPARED = re.compile(
     r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
-    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \(studentized t-interval\)$"
+    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \(([^)]+)\), (\d+\.\d)% (lower|higher) loss "
+    r"\(perplexity (\d+\.\d) -> (\d+\.\d)\)$"
 )
 
 
@@ -149,6 +158,24 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
         assert night.group(9) == "rule: interval high < -0.0", night.group(0)
         decision_agrees = (night.group(8) == "promote") == (high < 0)  # margin 0, interval required
         assert decision_agrees, night.group(0)
+        percent = 100 * abs(candidate - production) / production
+        assert abs(float(compared.group(7)) - percent) < 0.1, night.group(0)
+        assert (compared.group(8) == "lower") == (candidate < production), night.group(0)
+
+    # what the demo is for: the nights learn (nightly continual fine-tuning from production), so a later night is
+    # promoted on evidence (the whole interval below zero, n >= 30) and deployed: pointer and MLflow alias moved
+    promoted = [m for m in nights[1:] if m.group(8) == "promote"]
+    assert promoted, summary
+    for night in promoted:
+        assert int(night.group(5)) >= 30 and float(COMPARED.match(night.group(7)).group(5)) < 0, night.group(
+            0
+        )
+        assert night.group(10) == "deployed", night.group(0)
+    registry = ProductionRegistry(StorageResource(data_root=str(root / "data")).production_pointer())
+    assert registry.current().checkpoint_id == promoted[-1].group(3), summary
+    alias = TrackingResource(data_root=str(root / "data")).alias_version("nexa-moe", "production")
+    assert alias and alias[1] == promoted[-1].group(3), alias
+    assert f"production        {promoted[-1].group(3)}" in summary
 
     # the preference stage: pairs from the production model, DPO from it, its held-out reward accuracy and the
     # judge's verdict against production with its n, the length-controlled rate and the decision
@@ -211,3 +238,59 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     )
     scores = judged["judge_score"].dropna().round(3)
     assert len(scores) >= 10 and scores.nunique() >= 5, scores.tolist()
+
+    # the base model's corpus holds no eval-set text: what it trained on (the corpus less the documents on the eval
+    # set's side and those it left out as contaminated), read back from the bin/idx shards and checked here by
+    # 13-gram overlap with every eval example's excerpt, independently of the product's index
+    data = root / "data"
+    base_id = Path(base_record := next((data / "base_models").glob("base-*/checkpoint.json"))).parent.name
+    record = json.loads(base_record.read_text())
+    assert record["excluded_documents"], "the first night's corpus holds the documents the eval set quotes"
+    tokenizer = AutoTokenizer.from_pretrained(data / "models" / "tiny-teacher")
+    corpus = read_documents(corpus_prefixes(str(data / "pretrain" / record["dataset_run_hash"])))
+    trained = [
+        d
+        for d in corpus
+        if document_id(d) not in set(record["excluded_documents"])
+        and not is_held_out(document_id(d), record["eval_side_fraction"])
+    ]
+    assert 0 < len(trained) <= len(corpus) - len(record["excluded_documents"])
+    trained_grams = {g for d in trained for g in _grams(tokenizer.decode(d.tolist()))}
+    eval_samples = [json.loads(line) for line in (data / "eval_sets" / "v1" / "samples.jsonl").open()]
+    excerpts = [
+        m["content"].split("---", 1)[1] for s in eval_samples for m in s["messages"] if m["role"] == "user"
+    ]
+    leaked = [e[:80] for e in excerpts if _grams(e) & trained_grams]
+    assert not leaked, f"{base_id} trained on eval-set text: {leaked[:3]}"
+
+    # the negative control, in the same world: a candidate fine-tuned from production on the same days with every
+    # answer's words shuffled (configs/blends/sft_negative_control.yaml), as an operator trains and evaluates one
+    env = sandbox_env(root)
+    before = registry.current().checkpoint_id
+    control = '{"ops": {"sft_dataset": {"config": {"blend": "blends/sft_negative_control.yaml"}}}}'
+    train = materialize_command("sft_dataset,eval_set,moe_checkpoint", None, "--config-json", control)
+    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    instance = dg.DagsterInstance.from_config(str(root / "home"))
+    worse = instance.get_latest_materialization_event(dg.AssetKey("moe_checkpoint")).asset_materialization
+    worse_id = str(worse.metadata["checkpoint_id"].value)
+    assert str(worse.metadata["parent"].value) == f"production:{before}"
+    evaluate = materialize_command("eval_report,model_deployment", worse_id)
+    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    report = {
+        k: v.value
+        for k, v in instance.get_latest_materialization_event(
+            dg.AssetKey("eval_report"), partition=worse_id
+        ).asset_materialization.metadata.items()
+    }
+    low, high = report["eval_loss_difference_interval"]
+    # held back on evidence: worse by the whole interval, on n >= 30 examples, by the loss rule (not contamination)
+    assert report["gate_decision"] == "hold back" and report["gate_n"] >= 30, report
+    assert 0 < low <= report["eval_loss_difference"] <= high, report
+    assert report["contamination"] == 0.0 and report["gate_rule"] == "interval high < -0.0", report
+    assert registry.current().checkpoint_id == before
+    assert TrackingResource(data_root=str(data)).alias_version("nexa-moe", "production")[1] == before
+
+
+def _grams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}

@@ -115,6 +115,9 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer, tiny_model_d
             excluded_documents=left_out,
             eval_side_fraction=0.0,
         )
+    # a base whose record predates the left-out documents: what it trained on is unknown
+    _checkpoint(data, "b-old", "base_models", stage="pretrain", dataset_run_hash="corpus-1", parent="scratch")
+    _checkpoint(data, "sft-on-old-base", stage="sft", dataset_run_hash="sft-clean", parent="base:b-old")
     _checkpoint(data, "sft-1", stage="sft", dataset_run_hash="sft-clean", parent="base:b1")
     # nightly continual fine-tuning: an SFT model that went on from one that started from the leaky base
     _checkpoint(data, "sft-leaky-base", stage="sft", dataset_run_hash="sft-clean", parent="base:b2")
@@ -183,6 +186,10 @@ def test_the_base_models_corpus_counts_less_the_documents_it_left_out(world: dic
         ("pretrain", "b2"),
     ]
     assert _contamination(world, "sft-night-2") == (pytest.approx(1 / 3), ["eval_set v1 held-2"])
+
+
+def test_a_base_model_that_does_not_record_what_it_left_out_is_unknown(world: dict) -> None:
+    assert _contamination(world, "sft-on-old-base") == (None, [])
 
 
 def test_a_checkpoint_started_from_a_model_trained_elsewhere_is_unknown(world: dict, tmp_path: Path) -> None:
