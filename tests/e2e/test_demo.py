@@ -102,7 +102,7 @@ NIGHT = re.compile(
 )
 COMPARED = re.compile(
     r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
-    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \(studentized t-interval\)$"
+    r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \((?:skew-corrected|studentized) t-interval\)$"
 )
 
 

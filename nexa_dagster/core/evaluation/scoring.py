@@ -24,6 +24,7 @@ from nexa_dagster.core.distill.judge import Judge
 from nexa_dagster.core.distill.sample_gate import JudgeConfig, load_gate_config
 from nexa_dagster.core.evaluation.benchmarks import markdown_table
 from nexa_dagster.core.evaluation.paired import (
+    DEFAULT_INTERVAL_METHOD,
     LengthControlled,
     PairedLoss,
     Verdict,
@@ -351,7 +352,7 @@ def compare(
     confidence: float = 0.95,
     resamples: int = 2000,
     log: Callable[[str], None] = print,
-    interval_method: str = "t",
+    interval_method: str = DEFAULT_INTERVAL_METHOD,
 ) -> CheckpointEvaluation:
     """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
     per-example loss differences with their interval (``interval_method``) and the order-consistent pairwise win

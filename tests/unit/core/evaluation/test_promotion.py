@@ -37,7 +37,7 @@ def test_one_or_two_examples_are_insufficient_evidence_whatever_the_difference(n
 def test_enough_examples_and_a_clear_interval_promote_with_n_method_and_rule_stated() -> None:
     decision = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30))
     assert decision.passed and decision.outcome == "promote" and decision.n == 30
-    assert decision.rule == "interval high < -0.0" and decision.method.startswith("studentized t-interval")
+    assert decision.rule == "interval high < -0.0" and decision.method.startswith("skew-corrected t-interval")
     meta = decision.metadata()
     assert (meta["decision"], meta["n"]) == ("promote", 30) and meta["interval_high"] < -0.4
 
