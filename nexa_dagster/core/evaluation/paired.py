@@ -15,7 +15,9 @@ themselves (a hard question is hard for both), so a small eval set can still tel
   simulated eval sets (``tests/unit/core/evaluation/test_paired.py`` asserts it).
 * ``order_consistent_win_rate``: the judge compares the two answers twice, once in each order; only verdicts that
   agree across the orders count (a judge that always picks "A" contributes nothing), and the win rate among them
-  gets a Wilson score interval.
+  gets a Wilson score interval; flips and unreadable replies are counted apart, and the headline rate counts a
+  flip as a tie. ``pointwise_win_rate``: each answer scored on its own (1-5), the higher score wins a prompt: no
+  answer order for a judge to be biased by.
 
 Dagster-free and model-free (``bench/learning.py`` reuses it).
 """
@@ -198,31 +200,95 @@ def paired_loss_difference(
     return PairedLoss(c, p, interval, len(cand), int(tok.sum()), method)
 
 
+JUDGE_MODES = {
+    "pairwise": "Wilson score interval over order-consistent pairwise verdicts (both answer orders)",
+    "pointwise": "Wilson score interval over decisive pointwise verdicts (each answer scored alone)",
+}
+
+
 @dataclass(frozen=True)
 class WinRate:
-    """The judge's preference for the candidate among order-consistent verdicts, with a Wilson interval.
+    """The judge's preference for the candidate over production, prompt by prompt.
 
-    ``consistent`` (wins + losses) is the n the interval rests on."""
+    ``rate`` is the *conditional* win rate, wins / (wins + losses), with a Wilson interval: what the gate decides on,
+    ``usable`` (wins + losses) its n. Besides it, the *headline* win rate counts an order-inconsistent verdict (and
+    a pointwise tie) as half a win (MT-Bench and Arena-Hard do), so a judge that only follows the answers' order
+    reads 0.5, not a win; and ``order_consistency``, the share of the judged prompts whose verdict survived the
+    swap (pairwise mode). An unreadable reply (in either order, or for either answer) is counted apart from the
+    flips: it says nothing about the judge's position bias."""
 
     wins: int
     losses: int
-    inconsistent: int  # the verdict flipped with the answer order (position bias) or was unreadable
+    inconsistent: int  # pairwise: a readable verdict in both orders, but a different winner (position bias)
     rate: Interval
-    method: str = "Wilson score interval over order-consistent verdicts"
+    method: str = JUDGE_MODES["pairwise"]
+    unreadable: int = 0  # prompts with no readable verdict (either order, or either answer's score)
+    ties: int = 0  # pointwise: both answers scored the same, within the tie epsilon
+    mode: str = "pairwise"
 
     @property
     def consistent(self) -> int:
+        """The usable verdicts the conditional rate rests on (the decision's n)."""
         return self.wins + self.losses
 
+    @property
+    def judged(self) -> int:
+        """Prompts with a readable verdict (both orders, or both scores)."""
+        return self.wins + self.losses + self.inconsistent + self.ties
+
+    @property
+    def prompts(self) -> int:
+        return self.judged + self.unreadable
+
+    @property
+    def order_consistency(self) -> float | None:
+        """Share of the judged prompts whose verdict survived the answer swap; None in pointwise mode (no order)
+        or when nothing was readable."""
+        if self.mode != "pairwise" or self.judged == 0:
+            return None
+        return (self.judged - self.inconsistent) / self.judged
+
+    @property
+    def headline(self) -> float:
+        """Wins plus half of the inconsistent verdicts and ties, over the judged prompts (0.5 with none)."""
+        if self.judged == 0:
+            return 0.5
+        return (self.wins + 0.5 * (self.inconsistent + self.ties)) / self.judged
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rate": asdict(self.rate)}
+        return {
+            **asdict(self),
+            "rate": asdict(self.rate),
+            "usable": self.consistent,
+            "prompts": self.prompts,
+            "order_consistency": self.order_consistency,
+            "headline": self.headline,
+        }
+
+
+def _win_rate(
+    wins: int, losses: int, inconsistent: int, unreadable: int, ties: int, mode: str, confidence: float
+) -> WinRate:
+    low, high = wilson_interval(wins, wins + losses, confidence)
+    rate = wins / (wins + losses) if wins + losses else 0.5
+    return WinRate(
+        wins,
+        losses,
+        inconsistent,
+        Interval(rate, low, high, confidence),
+        JUDGE_MODES[mode],
+        unreadable,
+        ties,
+        mode,
+    )
 
 
 def order_consistent_win_rate(
     candidate_first: Sequence[Verdict], production_first: Sequence[Verdict], confidence: float = 0.95
 ) -> WinRate:
     """Win rate of the candidate over the prompts whose two verdicts (candidate shown first, production shown
-    first) name the same winner. Each element names the preferred model, or ``None`` for no usable verdict.
+    first) name the same winner. Each element names the preferred model, or ``None`` for no usable verdict
+    (counted as unreadable, apart from the verdicts that flip with the order).
 
     With no consistent verdict at all the rate is 0.5 with the interval [0, 1]: nothing is known.
     """
@@ -231,16 +297,62 @@ def order_consistent_win_rate(
             f"both answer orders must be judged on the same prompts: {len(candidate_first)} vs "
             f"{len(production_first)} verdicts"
         )
-    wins = losses = inconsistent = 0
+    wins = losses = inconsistent = unreadable = 0
     for first, second in zip(candidate_first, production_first, strict=True):
-        if first is not None and first == second:
+        if first is None or second is None:
+            unreadable += 1
+        elif first == second:
             wins += first == "candidate"
             losses += first == "production"
         else:
             inconsistent += 1
-    low, high = wilson_interval(wins, wins + losses, confidence)
-    rate = wins / (wins + losses) if wins + losses else 0.5
-    return WinRate(wins, losses, inconsistent, Interval(rate, low, high, confidence))
+    return _win_rate(wins, losses, inconsistent, unreadable, 0, "pairwise", confidence)
+
+
+def pointwise_verdicts(
+    candidate_scores: Sequence[float | None],
+    production_scores: Sequence[float | None],
+    tie_epsilon: float = 0.0,
+) -> list[Verdict | Literal["tie"]]:
+    """Each prompt's verdict from the two answers' own scores (as a reward model scores: no position to favour):
+    the higher score wins; ``"tie"`` when they differ by ``tie_epsilon`` or less; ``None`` when either answer has
+    no score (an unreadable verdict)."""
+    if len(candidate_scores) != len(production_scores):
+        raise ValueError(
+            f"both models' answers must be scored on the same prompts: {len(candidate_scores)} vs "
+            f"{len(production_scores)} scores"
+        )
+    if tie_epsilon < 0:
+        raise ValueError(f"tie_epsilon must be >= 0, got {tie_epsilon}")
+    out: list[Verdict | Literal["tie"]] = []
+    for c, p in zip(candidate_scores, production_scores, strict=True):
+        if c is None or p is None or not (math.isfinite(c) and math.isfinite(p)):
+            out.append(None)
+        elif abs(c - p) <= tie_epsilon:
+            out.append("tie")
+        else:
+            out.append("candidate" if c > p else "production")
+    return out
+
+
+def pointwise_win_rate(
+    candidate_scores: Sequence[float | None],
+    production_scores: Sequence[float | None],
+    tie_epsilon: float = 0.0,
+    confidence: float = 0.95,
+) -> WinRate:
+    """Win rate of the candidate over the prompts where the two answers' scores differ by more than
+    ``tie_epsilon`` (``pointwise_verdicts``); ties and unreadable scores are counted apart."""
+    verdicts = pointwise_verdicts(candidate_scores, production_scores, tie_epsilon)
+    return _win_rate(
+        verdicts.count("candidate"),
+        verdicts.count("production"),
+        0,
+        verdicts.count(None),
+        verdicts.count("tie"),
+        "pointwise",
+        confidence,
+    )
 
 
 def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from nexa_dagster.core.evaluation.paired import (
     length_controlled_win_rate,
     order_consistent_win_rate,
     paired_loss_difference,
+    pointwise_win_rate,
     ratio_bounds,
     wilson_interval,
 )
@@ -68,10 +69,32 @@ def test_win_rate_counts_only_verdicts_that_survive_swapping_the_answers() -> No
     first = ["candidate"] * 18 + ["production"] * 2 + ["candidate"] * 5 + [None, "candidate"]
     second = ["candidate"] * 18 + ["production"] * 2 + ["production"] * 5 + ["candidate", None]
     rate = order_consistent_win_rate(first, second)
-    assert (rate.wins, rate.losses, rate.inconsistent) == (18, 2, 7)
+    assert (rate.wins, rate.losses, rate.inconsistent, rate.unreadable) == (18, 2, 5, 2)
     assert rate.rate.estimate == pytest.approx(0.9) and rate.rate.low > 0.5
+    # the flips are counted apart from the unreadable replies: 20 of the 25 readable prompts survived the swap
+    assert rate.order_consistency == pytest.approx(20 / 25) and rate.prompts == 27
+    # the headline rate counts a flip as a tie (MT-Bench, Arena-Hard): (18 + 5 / 2) / 25
+    assert rate.headline == pytest.approx(20.5 / 25)
+    assert rate.to_json()["order_consistency"] == pytest.approx(0.8)
+    assert biased.order_consistency == 0.0 and biased.headline == 0.5
     lose = order_consistent_win_rate(second[:20], ["production"] * 18 + ["candidate"] * 2)
     assert lose.rate.estimate == 0.5 and lose.inconsistent == 20
+
+
+def test_pointwise_verdicts_take_the_higher_score_with_ties_and_unreadable_scores_counted_apart() -> None:
+    """Each answer scored alone (a 1-5 expected score): no answer order, so nothing can flip; a difference within
+    ``tie_epsilon`` is a tie, a missing score unreadable; neither counts in the n of the conditional rate."""
+    candidate = [4.2, 3.9, 2.0, 3.00, 3.0, None, 4.5] + [4.0] * 20
+    production = [3.1, 3.0, 2.5, 3.04, 3.0, 3.0, None] + [3.0] * 20
+    w = pointwise_win_rate(candidate, production, tie_epsilon=0.05)
+    assert (w.wins, w.losses, w.ties, w.unreadable, w.inconsistent) == (22, 1, 2, 2, 0)
+    assert w.consistent == 23 and w.prompts == 27 and w.mode == "pointwise" and w.order_consistency is None
+    assert w.rate.estimate == pytest.approx(22 / 23) and w.rate.low > 0.7
+    assert w.headline == pytest.approx((22 + 1) / 25) and "pointwise" in w.method
+    # with no epsilon, 3.00 vs 3.04 is a loss: only exact equality ties
+    assert pointwise_win_rate(candidate, production).ties == 1
+    with pytest.raises(ValueError, match="same prompts"):
+        pointwise_win_rate([1.0], [1.0, 2.0])
 
 
 def test_wilson_interval_matches_the_textbook_values() -> None:
