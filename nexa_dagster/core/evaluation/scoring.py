@@ -447,7 +447,7 @@ def describe_win_rate(w: WinRate) -> str:
     return (
         f"{w.mode} judge win rate vs production {w.rate.estimate:.3f} [{w.rate.low:.3f}, {w.rate.high:.3f}] over "
         f"n = {w.consistent} usable verdicts of {w.prompts} prompts ({w.wins} wins, {w.losses} losses); "
-        f"headline {w.headline:.3f} ({'flips' if w.mode == 'pairwise' else 'ties'} as ties); {apart}; "
+        f"headline {w.headline:.3f} ({'flips' if w.mode == 'pairwise' else 'ties'} count half); {apart}; "
         f"{w.unreadable} unreadable"
     )
 
