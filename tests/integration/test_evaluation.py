@@ -328,28 +328,34 @@ def _scoring_judge(position_biased_pairwise: bool = False):
     return reply
 
 
-def _scores(answers: list[str]) -> ModelScores:
-    return ModelScores([3.0] * len(answers), [3] * len(answers), answers)
+def _judged(judge_mode: str, position_biased_pairwise: bool = False) -> tuple[Any, list[dict[str, Any]]]:
+    """``compare`` of CANDIDATE with PRODUCTION (equal losses) by ``_scoring_judge``; the evaluation and the judge's
+    requests."""
 
+    def scores(answers: list[str]) -> ModelScores:
+        return ModelScores([3.0] * len(answers), [3] * len(answers), answers)
 
-def test_a_pointwise_judge_scores_each_answer_alone_and_the_higher_score_wins() -> None:
-    """Each answer scored on its own with the judge's score prompt (the expected score from the log-probabilities
-    of "1".."5": about 4 for a right sum, 2 for a wrong one): 3 wins of 4, and no pairwise prompt asked."""
-    rubric = JudgeRubric.from_files()
     with (
-        stub_server(_scoring_judge()) as (url, calls, _),
+        stub_server(_scoring_judge(position_biased_pairwise)) as (url, calls, _),
         OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as judge,
     ):
         evaluation = compare(
             "cand",
             1,
-            _scores(CANDIDATE),
-            _scores(PRODUCTION),
+            scores(CANDIDATE),
+            scores(PRODUCTION),
             QUESTIONS,
             judge,
-            rubric,
-            judge_mode="pointwise",
+            JudgeRubric.from_files(),
+            judge_mode=judge_mode,
         )
+    return evaluation, calls
+
+
+def test_a_pointwise_judge_scores_each_answer_alone_and_the_higher_score_wins() -> None:
+    """Each answer scored on its own with the judge's score prompt (the expected score from the log-probabilities
+    of "1".."5": about 4 for a right sum, 2 for a wrong one): 3 wins of 4, and no pairwise prompt asked."""
+    evaluation, calls = _judged("pointwise")
     w = evaluation.win_rate
     assert (w.mode, w.wins, w.losses, w.ties, w.unreadable) == ("pointwise", 3, 1, 0, 0)
     scores = [a.score for a in evaluation.result.answers]
@@ -365,22 +371,7 @@ def test_a_pointwise_judge_scores_each_answer_alone_and_the_higher_score_wins() 
 def test_a_position_biased_pairwise_judge_is_called_unreliable_by_the_gate() -> None:
     """The same judge asked pairwise always names the first answer: every verdict flips with the order, the
     order-consistency rate is 0 and the gate holds the candidate back calling the judge unreliable."""
-    rubric = JudgeRubric.from_files()
-    with (
-        stub_server(_scoring_judge(position_biased_pairwise=True)) as (url, _calls, _),
-        OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as judge,
-    ):
-        evaluation = compare(
-            "cand",
-            1,
-            _scores(CANDIDATE),
-            _scores(PRODUCTION),
-            QUESTIONS,
-            judge,
-            rubric,
-            judge_mode="pairwise",
-        )
-    w = evaluation.win_rate
+    w = _judged("pairwise", position_biased_pairwise=True)[0].win_rate
     assert (w.inconsistent, w.unreadable, w.order_consistency, w.headline) == (4, 0, 0.0, 0.5)
     production = ProductionEntry(checkpoint_id="prod", checkpoint_path="/nowhere", metric="eval_loss")
     decision = decide("cand", production, PromotionPolicy(metric="win_rate"), win_rate=w)
