@@ -168,13 +168,32 @@ def preference_lines(p: PreferenceRun) -> list[str]:
             if r.length_controlled_win_rate is not None and r.mean_length_change is not None
             else ""
         )
-        asked = f" of {r.win_rate_verdicts}" if r.win_rate_verdicts is not None else ""
-        lines.append(  # a verdict that flips with the answers' order is no verdict: n counts the others
-            f"judge win rate vs {r.production_checkpoint_id} {r.win_rate_vs_production:.3f} 95% CI "
-            f"[{low:.3f}, {high:.3f}], n = {r.gate_n} consistent verdicts{asked}{lc}"
+        mode = r.judge_mode or "pairwise"
+        usable = "order-consistent" if mode == "pairwise" else "decisive"
+        headline = (
+            f", headline {r.win_rate_headline:.3f} ({'flips' if mode == 'pairwise' else 'ties'} count half)"
+            if r.win_rate_headline is not None
+            else ""
         )
+        method = (r.gate_method or "Wilson score interval").split(" over ")[0]
+        lines.append(  # n counts the usable verdicts: a flip, a tie or an unreadable reply is no verdict
+            f"{mode} judge win rate vs {r.production_checkpoint_id} {r.win_rate_vs_production:.3f} 95% CI "
+            f"[{low:.3f}, {high:.3f}], n = {r.gate_n} {usable} verdicts of {r.win_rate_verdicts} prompts "
+            f"({method}){headline}{lc}"
+        )
+        if mode == "pairwise" and r.judge_order_consistency is not None:
+            apart = (
+                f"order consistency {r.judge_order_consistency:.0%} ({r.judge_flips} flipped with the order)"
+            )
+        else:
+            apart = f"{r.judge_ties} ties (each answer scored alone: no order to flip)"
+        lines.append(f"judge: {apart}, {r.judge_unreadable} unreadable")
     outcome = f"; {p.outcome}" if p.outcome else ""
-    lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){outcome}")
+    first = (r.gate_reason or "").split(";")[0]  # a hold-back other than by the interval names its cause
+    why = (
+        f": {first}" if first.startswith(("judge unreliable", "non-regression guard", "contaminated")) else ""
+    )
+    lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){why}{outcome}")
     return lines
 
 

@@ -214,6 +214,8 @@ def eval_report(
             policy.bootstrap_resamples,
             log=context.log.info,
             interval_method=policy.interval_method,
+            judge_mode=policy.preference.judge_mode,
+            tie_epsilon=policy.preference.tie_epsilon,
         )
 
     # 3. how much of the eval set (or of the gate's benchmark) its training data holds

@@ -303,6 +303,81 @@ def test_the_win_rate_is_the_judges_known_preference(logprobs: bool) -> None:
         assert len(asked) == 2 * 2 * len(QUESTIONS)  # every pair in both orders, for both calls
 
 
+def _scoring_judge(position_biased_pairwise: bool = False):
+    """A judge that scores one answer alone (the 1-5 score prompt): 5 for the right sum, 1 for a wrong one, by the
+    probabilities of the score tokens; shown two answers, it always prefers the first (pure position bias) when
+    ``position_biased_pairwise``."""
+
+    def reply(n: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if body.get("response_format"):
+            return 400, {"error": {"message": "response_format is not supported"}}
+        prompt = body["messages"][-1]["content"]
+        if "Better answer" in prompt:
+            pick = "A" if position_biased_pairwise else "B"
+            entry = {"token": pick, "logprob": math.log(0.9), "bytes": None}
+            return 200, chat_payload(pick, {"content": [{**entry, "top_logprobs": [entry]}]})
+        found = re.search(r"What is (\d+) \+ 1\?.*ANSWER:\s*(.*?)\s*Score:", prompt, re.S)
+        score = "5" if found and found.group(2) == f"It is {int(found.group(1)) + 1}." else "1"
+        other = "1" if score == "5" else "5"
+        top = [
+            {"token": score, "logprob": math.log(0.8), "bytes": None},
+            {"token": other, "logprob": math.log(0.2), "bytes": None},
+        ]
+        return 200, chat_payload(score, {"content": [{**top[0], "top_logprobs": top}]})
+
+    return reply
+
+
+def _judged(judge_mode: str, position_biased_pairwise: bool = False) -> tuple[Any, list[dict[str, Any]]]:
+    """``compare`` of CANDIDATE with PRODUCTION (equal losses) by ``_scoring_judge``; the evaluation and the judge's
+    requests."""
+
+    def scores(answers: list[str]) -> ModelScores:
+        return ModelScores([3.0] * len(answers), [3] * len(answers), answers)
+
+    with (
+        stub_server(_scoring_judge(position_biased_pairwise)) as (url, calls, _),
+        OpenAICompatibleClient(url, model="stub", backoff_s=0.01) as judge,
+    ):
+        evaluation = compare(
+            "cand",
+            1,
+            scores(CANDIDATE),
+            scores(PRODUCTION),
+            QUESTIONS,
+            judge,
+            JudgeRubric.from_files(),
+            judge_mode=judge_mode,
+        )
+    return evaluation, calls
+
+
+def test_a_pointwise_judge_scores_each_answer_alone_and_the_higher_score_wins() -> None:
+    """Each answer scored on its own with the judge's score prompt (the expected score from the log-probabilities
+    of "1".."5": about 4 for a right sum, 2 for a wrong one): 3 wins of 4, and no pairwise prompt asked."""
+    evaluation, calls = _judged("pointwise")
+    w = evaluation.win_rate
+    assert (w.mode, w.wins, w.losses, w.ties, w.unreadable) == ("pointwise", 3, 1, 0, 0)
+    scores = [a.score for a in evaluation.result.answers]
+    assert (
+        min(scores[:3]) > 3.9
+        and scores[3] < 2.1
+        and {a.method for a in evaluation.result.answers} == {"logprobs"}
+    )
+    assert not [c for c in calls if "Better answer" in c["messages"][-1]["content"]]
+    assert len(calls) >= 2 * len(QUESTIONS)  # both models' answers scored (after the capability probe)
+
+
+def test_a_position_biased_pairwise_judge_is_called_unreliable_by_the_gate() -> None:
+    """The same judge asked pairwise always names the first answer: every verdict flips with the order, the
+    order-consistency rate is 0 and the gate holds the candidate back calling the judge unreliable."""
+    w = _judged("pairwise", position_biased_pairwise=True)[0].win_rate
+    assert (w.inconsistent, w.unreadable, w.order_consistency, w.headline) == (4, 0, 0.0, 0.5)
+    production = ProductionEntry(checkpoint_id="prod", checkpoint_path="/nowhere", metric="eval_loss")
+    decision = decide("cand", production, PromotionPolicy(metric="win_rate"), win_rate=w)
+    assert decision.outcome == "hold back" and decision.reason.startswith("judge unreliable: 4 of 4")
+
+
 def test_serving_follows_the_recorded_decision_only_against_the_production_it_was_made_against() -> None:
     from nexa_dagster.core.common.artifacts import EvalReport
     from nexa_dagster.core.evaluation.promotion import held_back_because

@@ -173,8 +173,17 @@ class EvalReport(Artifact):
     eval_loss_difference: float | None = None  # candidate - production on the same examples
     eval_loss_difference_interval: tuple[float, float] | None = None
     win_rate_interval: tuple[float, float] | None = None
-    # the judge's verdicts asked for (both orders of each answer pair); only the order-consistent ones count
+    # the prompts the judge gave a verdict on (pairwise: both orders of each answer pair; pointwise: each answer
+    # scored alone); only the usable ones (order-consistent, or decisive) count in the win rate's n
     win_rate_verdicts: int | None = None
+    judge_mode: str | None = None  # pairwise | pointwise (promotion.yaml preference.judge_mode)
+    win_rate_headline: float | None = None  # flips (pairwise) and ties (pointwise) counted as half a win
+    judge_order_consistency: float | None = (
+        None  # pairwise: share of judged prompts whose verdict survived the swap
+    )
+    judge_flips: int | None = None  # pairwise: readable in both orders, a different winner
+    judge_ties: int | None = None  # pointwise: both answers scored the same (within tie_epsilon)
+    judge_unreadable: int | None = None  # prompts with no readable verdict, counted apart from flips
     gate_decision: str | None = None  # promote | hold back | insufficient evidence
     gate_reason: str | None = None
     gate_metric: str | None = None  # what the gate compared (promotion.yaml's metric)

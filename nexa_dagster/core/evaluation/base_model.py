@@ -3,7 +3,7 @@
 The documents are those an eval-set version froze from the pretraining corpus (``core.eval_set``), which no base
 model ever trains on (``core.training.corpus``); the evaluation worker scores them as it scores SFT examples (every
 token but a document's first), and this turns its per-document sums into the mean loss per token and perplexity
-with an interval over documents (``core.evaluation.paired.mean_loss_interval``: the gate's method, a studentized
+with an interval over documents (``core.evaluation.paired.mean_loss_interval``: the gate's method, the skew-corrected
 t-interval by default). Dagster-free.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.evaluation.paired import Interval, mean_loss_interval
+from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, mean_loss_interval
 from nexa_dagster.core.evaluation.scoring import perplexity_of
 
 
@@ -57,7 +57,7 @@ def corpus_scores(
     tokens: list[int],
     confidence: float = 0.95,
     resamples: int = 2000,
-    method: str = "t",
+    method: str = DEFAULT_INTERVAL_METHOD,
 ) -> CorpusScores:
     """The worker's per-document sums for ``corpus_path`` (the frozen ``corpus.parquet``, in its order), summed up."""
     ids = [str(i) for i in storage.read_parquet(corpus_path)["sample_id"]]

@@ -33,6 +33,24 @@ class PreferenceGate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     margin: float = Field(default=0.0, ge=0, description="the win rate's interval must clear 0.5 + margin")
+    judge_mode: Literal["pointwise", "pairwise"] = Field(
+        default="pointwise",
+        description="how the judge's win rate is measured: pointwise (each answer scored alone with the judge's "
+        "1-5 score prompt, the higher score wins; no answer order to be biased by) or pairwise (both answers "
+        "shown, in both orders; only verdicts that survive the swap count)",
+    )
+    tie_epsilon: float = Field(
+        default=0.0,
+        ge=0,
+        description="pointwise: scores that differ by this much or less are a tie (counted apart, not in n)",
+    )
+    max_inconsistent_share: float = Field(
+        default=0.4,
+        ge=0,
+        le=1,
+        description="pairwise: above this share of the judged prompts whose verdict flips when the answers swap "
+        "places, the judge is unreliable and the candidate is held back, naming it",
+    )
     max_eval_loss_regression: float = Field(
         default=0.05,
         ge=0,
@@ -79,9 +97,11 @@ class PromotionPolicy(BaseModel):
         description="the whole confidence interval must clear the margin, not just the point estimate",
     )
     confidence: float = Field(default=0.95, gt=0, lt=1)
-    interval_method: Literal["t", "bootstrap"] = Field(
-        default="t",
-        description="eval_loss's interval: t (studentized, honest at small n) or bootstrap (percentile)",
+    interval_method: Literal["skew_t", "t", "bootstrap"] = Field(
+        default="skew_t",
+        description="eval_loss's interval: skew_t (Hall's skew-corrected t, never narrower than t; holds its "
+        "coverage on skewed per-example differences), t (studentized; too narrow on the side of a long tail) or "
+        "bootstrap (percentile; too narrow at small n)",
     )
     bootstrap_resamples: int = Field(
         default=2000, ge=100, description="resamples of interval_method: bootstrap"
@@ -90,7 +110,10 @@ class PromotionPolicy(BaseModel):
         default=30, ge=2, description="eval_loss: fewer eval-set examples decide nothing"
     )
     min_consistent_verdicts: int = Field(
-        default=20, ge=1, description="win_rate: fewer order-consistent judge verdicts decide nothing"
+        default=20,
+        ge=1,
+        description="win_rate: fewer usable judge verdicts (order-consistent pairwise, decisive pointwise) decide "
+        "nothing",
     )
     min_benchmark_samples: int = Field(
         default=30, ge=1, description="benchmark:<task>/<metric>: fewer harness samples decide nothing"
@@ -218,7 +241,9 @@ def decide(
     with enough evidence; with ``require_interval`` the whole confidence interval must clear the margin (a tie,
     or an improvement smaller than the noise of the eval set, is held back). Below the policy's minimum n the
     decision is "insufficient evidence" (held back; promoted with a warning only where the policy says so); a
-    candidate whose training data holds more of the eval set than ``max_contamination`` is held back, naming it."""
+    candidate whose training data holds more of the eval set than ``max_contamination`` is held back, naming it,
+    and so is one judged by a pairwise judge whose verdicts flip with the answer order too often
+    (``unreliable_judge``)."""
     if production is None:
         return GateDecision(True, "no production model yet", decision="promote", rule="first model")
     if production.checkpoint_id == checkpoint_id:
@@ -239,6 +264,15 @@ def decide(
             reason=f"contaminated: {contamination:.1%} of the eval set occurs in its training data "
             f"(max_contamination {policy.max_contamination:.1%}); {measured.reason}",
             rule=f"contamination <= {policy.max_contamination}",
+        )
+    unreliable = unreliable_judge(policy, win_rate)
+    if unreliable:
+        return replace(
+            measured,
+            passed=False,
+            decision="hold back",
+            reason=f"{unreliable}; {measured.reason}",
+            rule=f"flipped share <= {policy.preference.max_inconsistent_share}",
         )
     need = policy.minimum_evidence()
     if measured.n < need:
@@ -310,11 +344,27 @@ def decide_preference(
     )
 
 
+def unreliable_judge(policy: PromotionPolicy, win_rate: WinRate | None) -> str | None:
+    """Why the judge's verdicts cannot be evidence, or None: in pairwise mode, more of the judged prompts flipped
+    their verdict when the answers swapped places than ``max_inconsistent_share`` allows (a judge that follows the
+    position, not the answer). Unreadable replies are not flips: too many of them leave too few verdicts instead."""
+    if policy.metric != "win_rate" or win_rate is None or win_rate.mode != "pairwise" or not win_rate.judged:
+        return None
+    share, limit = win_rate.inconsistent / win_rate.judged, policy.preference.max_inconsistent_share
+    if share <= limit:
+        return None
+    return (
+        f"judge unreliable: {win_rate.inconsistent} of {win_rate.judged} judged prompts ({share:.0%}) flipped their "
+        f"verdict when the answers swapped places (order consistency {win_rate.order_consistency:.0%}; "
+        f"max_inconsistent_share {limit:.0%}); {win_rate.unreadable} unreadable"
+    )
+
+
 def _evidence_name(policy: PromotionPolicy) -> str:
     if policy.metric == "eval_loss":
         return "eval-set examples, min_examples"
     if policy.metric == "win_rate":
-        return "order-consistent judge verdicts, min_consistent_verdicts"
+        return "usable judge verdicts, min_consistent_verdicts"
     return "benchmark samples, min_benchmark_samples"
 
 
@@ -397,11 +447,19 @@ def _measure(
     worst = r.low if policy.require_interval else r.estimate
     passed = worst > 0.5 + policy.margin
     rule = f"{'interval low' if policy.require_interval else 'win rate'} > {0.5 + policy.margin}"
+    w = win_rate
+    apart = (
+        f"{w.inconsistent} flipped with the answer order, order consistency "
+        + (f"{w.order_consistency:.0%}" if w.order_consistency is not None else "n/a")
+        if w.mode == "pairwise"
+        else f"{w.ties} ties"
+    )
+    usable = "order-consistent" if w.mode == "pairwise" else "decisive pointwise"
     reason = (
-        f"win_rate {r.estimate:.3f} over production {production.checkpoint_id} ({win_rate.wins} wins, "
-        f"{win_rate.losses} losses, {win_rate.inconsistent} order-inconsistent), {level} Wilson interval "
-        f"[{r.low:.3f}, {r.high:.3f}] over n = {win_rate.consistent} consistent verdicts; the {need} "
-        f"{'is' if passed else 'is not'} above {0.5 + policy.margin}"
+        f"{w.mode} judge: win_rate {r.estimate:.3f} over production {production.checkpoint_id} ({w.wins} wins, "
+        f"{w.losses} losses; {apart}; {w.unreadable} unreadable; headline {w.headline:.3f} with those as ties), "
+        f"{level} Wilson interval [{r.low:.3f}, {r.high:.3f}] over n = {w.consistent} {usable} verdicts of "
+        f"{w.prompts} prompts; the {need} {'is' if passed else 'is not'} above {0.5 + policy.margin}"
     )
     return GateDecision(
         passed,
@@ -410,8 +468,8 @@ def _measure(
         1 - r.estimate,
         r.estimate - 0.5,
         (r.low, r.high),
-        n=win_rate.consistent,
-        method=win_rate.method,
+        n=w.consistent,
+        method=w.method,
         rule=rule,
     )
 

@@ -97,9 +97,14 @@ def gate_figures(decision: GateDecision, evaluation: CheckpointEvaluation) -> di
             {
                 "win_rate": w.rate.estimate,
                 "win_rate_interval": [w.rate.low, w.rate.high],
+                "win_rate_headline": w.headline,
+                "judge_mode": w.mode,
                 "judge_wins": w.wins,
                 "judge_losses": w.losses,
                 "judge_order_inconsistent": w.inconsistent,
+                "judge_order_consistency": w.order_consistency,
+                "judge_ties": w.ties,
+                "judge_unreadable": w.unreadable,
             }
         )
     return figures
@@ -130,6 +135,7 @@ def build_eval_report(
             "gate": decision.metadata(),
         },
         report_dir,
+        win,
     )
     answers = result.answers
     return EvalReport(
@@ -152,7 +158,13 @@ def build_eval_report(
         eval_loss_difference=paired.difference.estimate if paired else None,
         eval_loss_difference_interval=_bounded(paired.difference) if paired else None,
         win_rate_interval=(win.rate.low, win.rate.high) if win else None,
-        win_rate_verdicts=win.wins + win.losses + win.inconsistent if win else None,
+        win_rate_verdicts=win.prompts if win else None,
+        judge_mode=win.mode if win else None,
+        win_rate_headline=win.headline if win else None,
+        judge_order_consistency=win.order_consistency if win else None,
+        judge_flips=win.inconsistent if win else None,
+        judge_ties=win.ties if win else None,
+        judge_unreadable=win.unreadable if win else None,
         gate_decision=gate["decision"],
         gate_reason=decision.reason,
         gate_metric=metric,
@@ -221,6 +233,12 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "judge_score": report.judge_score,
         "judge_method": report.judge_method,
         "win_rate_vs_production": report.win_rate_vs_production,
+        "win_rate_headline": report.win_rate_headline,
+        "judge_mode": report.judge_mode,
+        "judge_order_consistency": report.judge_order_consistency,
+        "judge_flips": report.judge_flips,
+        "judge_ties": report.judge_ties,
+        "judge_unreadable": report.judge_unreadable,
         "production_checkpoint": report.production_checkpoint_id,
         "production_eval_loss": report.production_eval_loss,
         "eval_loss_difference": report.eval_loss_difference,
@@ -276,6 +294,8 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
                 "perplexity",
                 "judge_score",
                 "win_rate_vs_production",
+                "win_rate_headline",
+                "judge_order_consistency",
                 "length_controlled_win_rate",
                 "eval_loss_difference",
             )

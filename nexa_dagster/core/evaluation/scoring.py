@@ -24,6 +24,7 @@ from nexa_dagster.core.distill.judge import Judge
 from nexa_dagster.core.distill.sample_gate import JudgeConfig, load_gate_config
 from nexa_dagster.core.evaluation.benchmarks import markdown_table
 from nexa_dagster.core.evaluation.paired import (
+    DEFAULT_INTERVAL_METHOD,
     LengthControlled,
     PairedLoss,
     Verdict,
@@ -31,6 +32,8 @@ from nexa_dagster.core.evaluation.paired import (
     length_controlled_win_rate,
     order_consistent_win_rate,
     paired_loss_difference,
+    pointwise_verdicts,
+    pointwise_win_rate,
 )
 from nexa_dagster.core.llm.base import ChatMessage, LLMClient, SamplingParams
 from nexa_dagster.core.llm.local import LocalTransformersClient
@@ -210,11 +213,14 @@ def judge_answers(
     rubric: JudgeRubric,
     log: Callable[[str], None] = print,
     progress: Callable[[int, int], None] | None = None,
+    method: str | None = None,
 ) -> list[JudgedAnswer]:
-    """The judge scores each answer (1-5) by ``rubric``; ``progress(judged, total)`` follows it, the slow part
-    with a remote judge."""
+    """The judge scores each answer (1-5) by ``rubric`` (its method, or ``method``); ``progress(judged, total)``
+    follows it, the slow part with a remote judge."""
     s = rubric.settings
-    scorer = Judge(judge, rubric.template, rubric.verdict_template, s.max_tokens, s.method, s.retries)
+    scorer = Judge(
+        judge, rubric.template, rubric.verdict_template, s.max_tokens, method or s.method, s.retries
+    )
     out = []
     for prompt, answer in zip(prompts, answers, strict=True):
         verdict = scorer.judge(prompt, answer)
@@ -225,8 +231,9 @@ def judge_answers(
     return out
 
 
-def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
+def render_markdown(result: EvalResult, lineage: dict[str, Any], win_rate: WinRate | None = None) -> str:
     judge = f"{result.judge_score:.3f}" if result.judge_score is not None else "n/a"
+    versus = [f"| judge vs production | {describe_win_rate(win_rate)} |"] if win_rate is not None else []
     lines = [
         f"# Evaluation of checkpoint `{result.checkpoint_id}`",
         "",
@@ -236,6 +243,7 @@ def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
         f"| perplexity | {result.loss.perplexity:.2f} |",
         f"| eval-set examples / tokens | {result.loss.sequences} / {result.loss.tokens} |",
         f"| judge score (1-5, mean) | {judge} |",
+        *versus,
         "",
         *markdown_table(result.benchmarks, result.production_benchmarks),
         "## Lineage",
@@ -252,7 +260,9 @@ def render_markdown(result: EvalResult, lineage: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -> tuple[str, str]:
+def write_report(
+    result: EvalResult, lineage: dict[str, Any], report_dir: str, win_rate: WinRate | None = None
+) -> tuple[str, str]:
     """Write ``report.json`` and ``report.md`` (atomically) and return their paths."""
     payload = {
         "checkpoint_id": result.checkpoint_id,
@@ -269,7 +279,7 @@ def write_report(result: EvalResult, lineage: dict[str, Any], report_dir: str) -
     json_path = storage.join(report_dir, "report.json")
     md_path = storage.join(report_dir, "report.md")
     storage.write_json(payload, json_path)
-    storage.write_text(render_markdown(result, lineage), md_path)
+    storage.write_text(render_markdown(result, lineage, win_rate), md_path)
     return json_path, md_path
 
 
@@ -322,6 +332,15 @@ def pairwise_win_rate(
     return order_consistent_win_rate(*pairwise_verdicts(judge, prompts, candidate, production)).rate.estimate
 
 
+def pointwise_method(judge: LLMClient, rubric: JudgeRubric) -> str:
+    """How the pointwise judge scores an answer: the expected score under the judge's own probabilities where the
+    engine gives log-probabilities (graded: two answers rarely tie), else the rubric's method (a parsed 1-5)."""
+    return "logprobs" if judge.capabilities().logprobs else rubric.settings.method
+
+
+JUDGE_MODE_NAMES = ("pairwise", "pointwise")
+
+
 @dataclass
 class CheckpointEvaluation:
     """Everything measured about one checkpoint on one eval-set version: what the report, MLflow and the
@@ -351,13 +370,22 @@ def compare(
     confidence: float = 0.95,
     resamples: int = 2000,
     log: Callable[[str], None] = print,
-    interval_method: str = "t",
+    interval_method: str = DEFAULT_INTERVAL_METHOD,
+    judge_mode: str = "pairwise",
+    tie_epsilon: float = 0.0,
 ) -> CheckpointEvaluation:
     """Judge the candidate's answers and, given production's scores on the same eval set, pair the two models:
-    per-example loss differences with their interval (``interval_method``) and the order-consistent pairwise win
-    rate."""
+    per-example loss differences with their interval (``interval_method``) and the judge's win rate, by
+    ``judge_mode``: ``pairwise`` (both answers shown, in both orders; order-consistent verdicts count) or
+    ``pointwise`` (each answer scored alone by ``pointwise_method``; the higher score wins, within ``tie_epsilon``
+    a tie)."""
+    if judge_mode not in JUDGE_MODE_NAMES:
+        raise ValueError(f"judge_mode must be one of {JUDGE_MODE_NAMES}, not {judge_mode!r}")
+    method = pointwise_method(judge, rubric) if judge_mode == "pointwise" and production is not None else None
     with Progress(log, f"{checkpoint_id}: held-out answers judged") as progress:
-        answers = judge_answers(judge, prompts, candidate.answers, rubric, log=log, progress=progress)
+        answers = judge_answers(
+            judge, prompts, candidate.answers, rubric, log=log, progress=progress, method=method
+        )
     result = EvalResult(
         checkpoint_id,
         candidate.loss,
@@ -383,17 +411,45 @@ def compare(
         f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%} {evaluation.paired_loss.method}-interval, "
         f"n = {evaluation.paired_loss.examples})"
     )
-    first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
-    evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
+    if judge_mode == "pointwise":
+        with Progress(log, "production: held-out answers judged") as progress:
+            theirs = judge_answers(
+                judge, prompts, production.answers, rubric, log=log, progress=progress, method=method
+            )
+        ours_scores, their_scores = [a.score for a in answers], [a.score for a in theirs]
+        evaluation.win_rate = pointwise_win_rate(ours_scores, their_scores, tie_epsilon, confidence)
+        verdicts = [
+            v if v != "tie" else None for v in pointwise_verdicts(ours_scores, their_scores, tie_epsilon)
+        ]
+        first, second = verdicts, verdicts  # one verdict per prompt: no order to be consistent across
+    else:
+        first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
+        evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
     evaluation.length_controlled = length_controlled_win_rate(
         first, second, [len(a) for a in candidate.answers], [len(a) for a in production.answers]
     )
-    w = evaluation.win_rate
-    log(
-        f"{checkpoint_id}: pairwise win rate vs production {w.rate.estimate:.2f} [{w.rate.low:.2f}, "
-        f"{w.rate.high:.2f}] over {w.wins + w.losses} order-consistent verdicts ({w.inconsistent} not)"
-    )
+    log(f"{checkpoint_id}: {describe_win_rate(evaluation.win_rate)}")
     return evaluation
+
+
+def describe_win_rate(w: WinRate) -> str:
+    """The judge's verdicts in one line: the conditional rate with its n, the headline rate, how many verdicts
+    flipped with the answer order (pairwise) or tied (pointwise), and how many replies were unreadable."""
+    if w.mode == "pairwise":
+        consistency = (
+            f"order consistency {w.order_consistency:.0%}"
+            if w.order_consistency is not None
+            else "nothing readable"
+        )
+        apart = f"{w.inconsistent} flipped with the answer order ({consistency})"
+    else:
+        apart = f"{w.ties} ties"
+    return (
+        f"{w.mode} judge win rate vs production {w.rate.estimate:.3f} [{w.rate.low:.3f}, {w.rate.high:.3f}] over "
+        f"n = {w.consistent} usable verdicts of {w.prompts} prompts ({w.wins} wins, {w.losses} losses); "
+        f"headline {w.headline:.3f} ({'flips' if w.mode == 'pairwise' else 'ties'} count half); {apart}; "
+        f"{w.unreadable} unreadable"
+    )
 
 
 def evaluate_checkpoint(

@@ -11,6 +11,7 @@ from nexa_dagster.core.evaluation.paired import (
     PairedLoss,
     order_consistent_win_rate,
     paired_loss_difference,
+    pointwise_win_rate,
 )
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide, decide_preference
 
@@ -37,7 +38,7 @@ def test_one_or_two_examples_are_insufficient_evidence_whatever_the_difference(n
 def test_enough_examples_and_a_clear_interval_promote_with_n_method_and_rule_stated() -> None:
     decision = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30))
     assert decision.passed and decision.outcome == "promote" and decision.n == 30
-    assert decision.rule == "interval high < -0.0" and decision.method.startswith("studentized t-interval")
+    assert decision.rule == "interval high < -0.0" and decision.method.startswith("skew-corrected t-interval")
     meta = decision.metadata()
     assert (meta["decision"], meta["n"]) == ("promote", 30) and meta["interval_high"] < -0.4
 
@@ -116,3 +117,54 @@ def test_a_win_bought_with_longer_answers_is_held_back() -> None:
     assert decide_preference(
         "pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [], None, honest
     ).passed
+
+
+def test_a_judge_whose_verdicts_follow_the_answer_order_is_called_unreliable_and_the_candidate_held_back() -> (
+    None
+):
+    """30 prompts: 22 verdicts survive the swap (all wins: Wilson low 0.85, enough for a promotion on its own),
+    but 8 more flipped with the order: 27 % of the judged prompts > max_inconsistent_share 0.2. The decision says
+    the judge is unreliable, with the counts; unreadable replies are counted apart, not as flips."""
+    first = ["candidate"] * 22 + ["candidate"] * 8 + [None] * 5
+    second = ["candidate"] * 22 + ["production"] * 8 + ["candidate"] * 5
+    rate = order_consistent_win_rate(first, second)
+    policy = PromotionPolicy(preference={"judge_mode": "pairwise", "max_inconsistent_share": 0.2})
+    decision = decide_preference("pref", PRODUCTION, policy, None, rate, [])
+    assert not decision.passed and decision.outcome == "hold back" and decision.n == 22
+    assert decision.reason.startswith(
+        "judge unreliable: 8 of 30 judged prompts (27%) flipped their verdict when the answers swapped places "
+        "(order consistency 73%; max_inconsistent_share 20%); 5 unreadable"
+    )
+    assert decision.rule == "flipped share <= 0.2" and "pairwise judge" in decision.reason
+    # the same verdicts under a looser bound promote, stating the mode, n and method
+    loose = PromotionPolicy(preference={"judge_mode": "pairwise", "max_inconsistent_share": 0.3})
+    passed = decide_preference("pref", PRODUCTION, loose, None, rate, [])
+    assert passed.passed and passed.n == 22 and passed.method.startswith("Wilson score interval over order-")
+    # a judge flipping on nearly every prompt (the tiny demo judge) is unreliable before it is short of verdicts
+    tiny = order_consistent_win_rate(["candidate"] * 47, ["production"] * 46 + ["candidate"])
+    held = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, tiny, [])
+    assert held.outcome == "hold back" and held.reason.startswith("judge unreliable: 46 of 47")
+
+
+def test_a_pointwise_judge_decides_on_its_decisive_verdicts_and_refuses_too_few() -> None:
+    """Pointwise, nothing can flip: the win rate over the decisive verdicts decides (ties and unreadable scores
+    counted apart, stated in the reason); below min_consistent_verdicts usable verdicts, insufficient evidence."""
+    candidate = [4.0] * 20 + [2.0] * 4 + [3.0] * 6 + [None] * 2
+    production = [3.0] * 20 + [3.0] * 4 + [3.0] * 6 + [3.0] * 2
+    decision = decide_preference(
+        "pref", PRODUCTION, PromotionPolicy(), None, pointwise_win_rate(candidate, production), []
+    )
+    assert (
+        decision.passed
+        and decision.n == 24
+        and decision.method.startswith("Wilson score interval over decisive")
+    )
+    assert "pointwise judge: win_rate 0.833" in decision.reason and "6 ties; 2 unreadable" in decision.reason
+    few = pointwise_win_rate(candidate[:19] + [3.0] * 13, production)  # 19 wins, 13 ties
+    short = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, few, [])
+    assert short.outcome == "insufficient evidence" and short.n == 19 and short.rule == "n >= 20"
+    assert (
+        "insufficient evidence: n = 19 < 20 (usable judge verdicts, min_consistent_verdicts)" in short.reason
+    )
+    # a pointwise judge is never called unreliable for flips: it has no answer order
+    assert "unreliable" not in short.reason
