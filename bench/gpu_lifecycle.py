@@ -180,6 +180,17 @@ def training_job(plan: Plan, job: dict[str, Any], stage: str, out: Path, **chang
     return {**job, **changes}
 
 
+def starts_from(out: Path, stage: str) -> dict[str, str]:
+    """A training job's start: the checkpoint the earlier stage wrote."""
+    return {"init_from": str(out / stage), "parent": f"path:gpu-lifecycle-{stage}"}
+
+
+def dpo_job(job: dict[str, Any], reference_logps: Path) -> dict[str, Any]:
+    """The DPO job with its reference model the weights it starts from, their log-probabilities computed anew (the
+    CPU run's cached ones belong to other weights)."""
+    return {**job, "reference_path": "", "reference_logps_path": str(reference_logps)}
+
+
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A worker in a session of its own (a kill reaches all of it), its output in ``log``."""
     return subprocess.Popen(
@@ -378,63 +389,40 @@ def main() -> int:
         runs[name] = train(job, out, timeout)
         return figures(runs[name])
 
+    # the training stages' jobs: each starts from the one before (pretrain -> SFT -> DPO; fp16 is SFT again)
     every = {"log_every": 1, "checkpoint_every": plan.state_every}
-    sft_job = training_job(
+    steps = plan.steps
+    jobs["pretrain"] = training_job(
+        plan, jobs["pretrain"], "pretrain", out, settings={"max_steps": steps["pretrain"]}
+    )
+    jobs["sft"] = training_job(
         plan,
         jobs["sft"],
         "sft",
         out,
-        init_from=str(out / "pretrain"),
-        parent="path:gpu-lifecycle-pretrain",
-        settings={"max_steps": plan.steps["sft"], **every},
+        settings={"max_steps": steps["sft"], **every},
+        **starts_from(out, "pretrain"),
     )
-    stage(
-        "pretrain",
-        lambda t: trained(
-            "pretrain",
-            training_job(
-                plan, jobs["pretrain"], "pretrain", out, settings={"max_steps": plan.steps["pretrain"]}
-            ),
-            t,
+    jobs["dpo"] = dpo_job(
+        training_job(
+            plan, jobs["dpo"], "dpo", out, settings={"max_steps": steps["dpo"]}, **starts_from(out, "sft")
         ),
+        out / "reference_logps.parquet",
     )
-    stage("sft", lambda t: trained("sft", sft_job, t))
-    stage(
-        "dpo",
-        lambda t: trained(
-            "dpo",
-            training_job(
-                plan,
-                jobs["dpo"],
-                "dpo",
-                out,
-                init_from=str(out / "sft"),
-                parent="path:gpu-lifecycle-sft",
-                reference_path="",
-                reference_logps_path=str(out / "reference_logps.parquet"),
-                settings={"max_steps": plan.steps["dpo"]},
-            ),
-            t,
-        ),
-    )
+    jobs["fp16"] = {
+        **training_job(plan, jobs["sft"], "fp16", out, settings={"max_steps": steps["fp16"]}),
+        "deepspeed_config": json.loads((REPO / "configs/deepspeed/zero2_fp16.json").read_text()),
+    }
+    for name in ("pretrain", "sft", "dpo"):
+        stage(name, lambda t, name=name: trained(name, jobs[name], t))
     stage(
         "evaluate",
         lambda t: evaluate(jobs["evaluate"], str(out / "sft"), str(out / "pretrain"), plan, out, t),
     )
     stage("generate", lambda t: generate(str(out / "sft"), plan.device, out, t))
-    stage("resume", lambda t: resume(plan, sft_job, runs["sft"], out, t))
-    if plan.steps["fp16"]:
-        stage(
-            "fp16",
-            lambda t: trained(
-                "fp16",
-                {
-                    **training_job(plan, sft_job, "fp16", out, settings={"max_steps": plan.steps["fp16"]}),
-                    "deepspeed_config": json.loads((REPO / "configs/deepspeed/zero2_fp16.json").read_text()),
-                },
-                t,
-            ),
-        )
+    stage("resume", lambda t: resume(plan, jobs["sft"], runs["sft"], out, t))
+    if steps["fp16"]:
+        stage("fp16", lambda t: trained("fp16", jobs["fp16"], t))
     else:
         results["fp16"] = {"status": "skipped", "reason": "fp16 is a GPU path (DeepSpeed has none on CPU)"}
     stage("throughput", lambda t: throughput(plan, out, t))
