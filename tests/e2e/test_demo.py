@@ -217,16 +217,11 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     assert low <= rate <= high and verdict.group(8) == "Wilson score interval", verdict.group(0)
     # the demo's judge scores each answer alone (promotion.yaml preference.judge_mode: pointwise; pairwise, the tiny
     # judge flips with the answers' order on nearly every prompt, which gives no verdict at all). A prompt both
-    # models answer alike is a tie, no verdict: with today's tiny models (both answer nothing to 30 of the 47
-    # eval-set prompts) 17 verdicts are decisive, too few to decide on
-    assert mode == "pointwise" and int(verdict.group(7)) >= n, verdict.group(0)
-    if n < 20:
-        assert verdict.group(14) == "insufficient evidence" and verdict.group(15) == "n >= 20", verdict.group(
-            0
-        )
-    else:
-        assert verdict.group(14) in ("promote", "hold back"), verdict.group(0)
-        assert (verdict.group(14) == "promote") <= (low > 0.5), verdict.group(0)
+    # models answer alike is a tie, no verdict; DPO moves the production model far enough (tiny.yaml preference)
+    # that the decision rests on evidence: at least the rule's 20 usable verdicts, promote or hold back
+    assert mode == "pointwise" and int(verdict.group(7)) >= n >= 20, verdict.group(0)
+    assert verdict.group(14) in ("promote", "hold back"), verdict.group(0)
+    assert (verdict.group(14) == "promote") == (low > 0.5), verdict.group(0)
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
     base = re.search(
