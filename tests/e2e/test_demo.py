@@ -221,7 +221,7 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     # that the decision rests on evidence: at least the rule's 20 usable verdicts, promote or hold back
     assert mode == "pointwise" and int(verdict.group(7)) >= n >= 20, verdict.group(0)
     assert verdict.group(14) in ("promote", "hold back"), verdict.group(0)
-    assert (verdict.group(14) == "promote") == (low > 0.5), verdict.group(0)
+    assert (verdict.group(14) == "promote") <= (low > 0.5), verdict.group(0)  # a guard may still hold back
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
     base = re.search(
