@@ -62,7 +62,9 @@ def test_a_moved_data_root_keeps_production_and_scores_promotes_and_serves_from_
                 "on_insufficient_evidence": "promote",
                 "require_interval": False,
             },
-            "scales/tiny.yaml": {"evaluation.benchmarks.tasks": []},
+            # the base model is what this test follows across the move (the preset's default, production, is
+            # here a model broken on purpose)
+            "scales/tiny.yaml": {"evaluation.benchmarks.tasks": [], "init_from": "base"},
         },
     )
     env = {"NEXA_CONFIG_DIR": str(configs)}
