@@ -35,7 +35,9 @@ def test_a_fresh_instances_scratch_candidate_is_held_back_with_the_reason_not_a_
     candidate = training["checkpoint_id"]
     assert training["parent"] == "scratch"  # no base model existed
     record = json.loads((Path(training["path"]) / "checkpoint.json").read_text())
-    assert record["init_requested"] == "base" and record["parent"] == "scratch"
+    assert (
+        record["init_requested"] == "production" and record["parent"] == "scratch"
+    )  # the tiny preset's default
 
     assert "eval_report" in evaluation["materialized"]  # evaluated: its figures are on record
     assert "model_deployment" not in evaluation["materialized"]  # and not deployed

@@ -475,18 +475,19 @@ def _measure(
 
 
 NO_BASE_MODEL_YET = (
-    "trained from scratch: no base model yet (init_from: base, but none had been pretrained when it trained); "
-    "pretrain one with pretraining_job, then train again"
+    "trained from scratch: no base model yet (init_from: {asked}, but neither a production nor a base model "
+    "existed when it trained); pretrain one with pretraining_job, then train again"
 )
 
 
 def trained_from_scratch_without_base(report: Any) -> str | None:
-    """Why a checkpoint is not served when its training asked for the base model (``init_from: base``, the presets'
-    default) and fell back to random weights because none existed (a fresh instance's first training): a few
-    steps from scratch teach the student nothing (its answer is empty), so serving it would fail its smoke test.
-    None for anything else, a training asked to start from scratch included."""
-    if getattr(report, "parent", None) == "scratch" and getattr(report, "init_requested", None) == "base":
-        return NO_BASE_MODEL_YET
+    """Why a checkpoint is not served when its training asked for the base or the production model (``init_from:
+    base`` or ``production``, the presets' defaults) and fell back to random weights because neither existed (a
+    fresh instance's first training): a few steps from scratch teach the student nothing (its answer is empty), so
+    serving it would fail its smoke test. None for anything else, a training asked to start from scratch included."""
+    asked = getattr(report, "init_requested", None)
+    if getattr(report, "parent", None) == "scratch" and asked in ("base", "production"):
+        return NO_BASE_MODEL_YET.format(asked=asked)
     return None
 
 
