@@ -46,7 +46,7 @@ from nexa_dagster.core.packaging.preference_dataset import (
     pairs_to_jsonl,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
-from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.core.training.job import DPOObjective, TrainingJob
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
     PackagingResource,
@@ -300,10 +300,12 @@ def preference_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
-        dpo_beta=settings.beta,
-        dpo_loss=settings.loss,
-        reference_path=production.checkpoint_path,
-        reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
+        objective=DPOObjective(
+            beta=settings.beta,
+            loss=settings.loss,
+            reference_path=production.checkpoint_path,
+            reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
+        ),
     )
     context.log.info(
         f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
