@@ -9,6 +9,7 @@ worker under ``torchrun`` for the resume test, and TRL 1.16 (a test-only depende
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import signal
@@ -205,7 +206,9 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
     packed = layouts["packed 4 x 320"]
     packed_rows = collate_packed(pairs, next(pack_pairs(pairs, range(8), packed)), packed, pad)
     starts = (packed_rows["position_ids"] == 0) & (packed_rows["attention_mask"] == 1)
-    assert int(starts.sum()) == 16 and int(starts.sum(1).max()) >= 4, "the packed layout's rows hold documents"
+    assert int(starts.sum()) == 16 and int(starts.sum(1).max()) >= 4, (
+        "the packed layout's rows hold documents"
+    )
     assert 0 < trl_metrics["rewards/accuracies"] < 1, "the pairs' rewards differ in sign: margins are tested"
 
 
@@ -312,6 +315,60 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
     assert norms[0.02] == pytest.approx(float(by_hand), rel=1e-5) and norms[0.02] != pytest.approx(
         norms[0.0], rel=1e-4
     )
+
+
+# -- static shapes ----------------------------------------------------------------------------------------------
+def test_an_epoch_of_pairs_of_varied_lengths_reaches_the_model_in_at_most_four_shapes(
+    tmp_path: Path, teacher_dir: Path, tokenizer: Any
+) -> None:
+    """122 training pairs (the demo run's count) and 20 held-out ones whose prompts and answers vary in length: the
+    shapes of ``input_ids`` the model's forward receives while the reference values are scored, over an epoch of
+    training micro-batches and while the held-out rewards are scored are at most 4 (packed: one). The same epoch
+    right-padded per micro-batch (TRL's layout, the stage's before packing) gives more than 4: the count tells the
+    layouts apart. On a GPU every new shape is a FlexAttention recompile."""
+    import torch
+
+    from nexa_dagster.core.training.data import index_stream
+    from nexa_dagster.core.training.loop import build_model
+    from nexa_dagster.core.training.preference import DPOLoss, score_pairs
+
+    train = pair_records(tokenizer, conversational_pairs(122), "e")
+    validation = pair_records(tokenizer, conversational_pairs(20, offset=300), "ev")
+    job = preference_job(tmp_path, teacher_dir, *write_snapshot(tmp_path / "data", train, validation), 1, 4)
+    objective = DPOLoss(job, tokenizer, 0, 1, lambda message: None)
+    model = build_model(job, len(tokenizer), tokenizer)
+    shapes: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    cpu = torch.device("cpu")
+    reference = {}
+    for pairs in (objective.train, objective.validation):  # what objective.prepare scores
+        chosen, rejected = score_pairs(model, pairs, objective.layout, objective.pad_id, cpu)
+        reference.update(
+            zip(pairs.pair_ids, zip(chosen.tolist(), rejected.tolist(), strict=True), strict=True)
+        )
+    objective.train.with_reference(reference)
+    objective.validation.with_reference(reference)
+    seen = 0
+    with torch.no_grad():
+        for batch in objective.batches(4, job.settings.seed, 0, 1, start=0):
+            objective.terms(model, batch)
+            seen += objective.units(batch)
+            if seen >= len(train):
+                break
+    objective.evaluate(model, cpu, lambda message: None)
+    print(f"packed: {len(shapes)} forwards, shapes {sorted(set(shapes))}")
+    assert len(shapes) > 10 and len(set(shapes)) <= 4, sorted(set(shapes))
+
+    order = list(itertools.islice(index_stream(len(train), job.settings.seed), len(train)))
+    longest = [
+        len(r["prompt_input_ids"]) + max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"]))
+        for r in train
+    ]
+    padded = {(8, max(longest[i] for i in order[k : k + 4])) for k in range(0, len(order), 4)}
+    print(f"padded per micro-batch: {len(padded)} shapes")
+    assert len(padded) > 4, "the demo-like pairs must vary enough for per-batch padding to show"
 
 
 # -- exact resume -----------------------------------------------------------------------------------------------
