@@ -282,12 +282,17 @@ def pair_batches(
 def scoring_batches(
     pairs: Pairs, layout: PairLayout, pad_id: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, bool]]:
-    """Every pair once, packed in file order: this rank's share of the micro-batches, and whether each is its own.
+    """Every pair once, packed longest first (first-fit decreasing: fuller rows than in file order, and the order
+    is free here): this rank's share of the micro-batches, and whether each is its own.
 
     Every rank runs as many batches as the others (a rank whose share has run out gets a filler, flagged False:
     its caller drops the result): under ZeRO-3 a forward gathers parameters from every rank.
     """
-    packed = list(pack_pairs(pairs, range(len(pairs)), layout))
+    longest_first = sorted(
+        range(len(pairs)),
+        key=lambda i: -document_length(pairs, (i, CHOSEN)) - document_length(pairs, (i, REJECTED)),
+    )
+    packed = list(pack_pairs(pairs, longest_first, layout))
     for first in range(0, len(packed), world_size):
         mine = first + rank < len(packed)
         yield collate_packed(pairs, packed[first + rank] if mine else packed[0], layout, pad_id), mine
