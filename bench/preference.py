@@ -1,7 +1,7 @@
 """DPO in the project's training worker: its throughput against SFT's on the same documents and TRL's, and whether
 it learns a preference.
 
-    .venv/bin/python bench/preference.py [--work DIR] [--steps 100] [--train-pairs 1200] [--val-pairs 300]
+    .venv/bin/python bench/preference.py [--work DIR] [--steps 100] [--train-pairs 1200] [--val-pairs 180]
 
 One run, one machine, the tiny preset (a random tiny Mixtral built here with the project's tokenizer), CPU, fp32.
 Pairs vary in length as the demo's do (prompts of half to twice ``--prompt`` text tokens, chosen and rejected
@@ -449,7 +449,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="DPO steps (the learning run)")
     parser.add_argument("--throughput-steps", type=int, default=20, help="timed steps of each side")
     parser.add_argument("--train-pairs", type=int, default=1200)
-    parser.add_argument("--val-pairs", type=int, default=300)
+    parser.add_argument("--val-pairs", type=int, default=180)
     parser.add_argument("--score-pairs", type=int, default=400, help="pairs of the scoring comparison")
     parser.add_argument("--micro", type=int, default=8, help="pairs per micro-batch at least (2x rows)")
     parser.add_argument("--prompt", type=int, default=24, help="median prompt text tokens")

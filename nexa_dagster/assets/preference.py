@@ -41,11 +41,13 @@ from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
 from nexa_dagster.core.packaging.decontaminate import decontaminate, record_inputs, template_segments
 from nexa_dagster.core.packaging.preference_dataset import (
+    ModelLimits,
     build_preference_dataset,
     pair_texts,
     pairs_to_jsonl,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
+from nexa_dagster.core.training.init import read_config
 from nexa_dagster.core.training.job import DPOObjective, TrainingJob
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
@@ -60,6 +62,19 @@ from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
+
+# The model in production, as the stage reads it: the production pointer that model_deployment writes. An external
+# asset, not a dependency on model_deployment: the lifecycle is a loop (preference_checkpoint -> eval_report ->
+# model_deployment -> the next preference run), and an asset graph cannot hold one.
+PRODUCTION_MODEL = "production_model"
+production_model_asset = dg.AssetSpec(
+    PRODUCTION_MODEL,
+    group_name="preference",
+    kinds={"json"},
+    description="The checkpoint in production: serving/production.json under the data root, written by "
+    "model_deployment when the gate promotes a checkpoint (an SFT one, or an earlier DPO one). The preference stage "
+    "answers with it, packs for it and trains from it.",
+)
 
 
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
@@ -80,11 +95,18 @@ def production_model(storage: StorageResource) -> ProductionEntry:
     return production
 
 
+def model_limits(production: ProductionEntry) -> ModelLimits:
+    """The token ids and sequence length the production model (DPO's starting point) can take."""
+    config = read_config(production.checkpoint_path)
+    return ModelLimits(int(config["vocab_size"]), int(config["max_position_embeddings"]))
+
+
 @dg.asset(
     group_name="preference",
     partitions_def=daily_partitions,
     retry_policy=MODEL_CALL_RETRY,
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    deps=[PRODUCTION_MODEL],  # on-policy: the model in production answers
     dagster_type=PreferencePairsType,
     kinds={"python", "parquet"},
     description="The day's training prompts answered K times by the production model (on-policy) and judged as "
@@ -183,7 +205,8 @@ def _valid_pairs(frame: pd.DataFrame, path: str) -> None:
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
     ins={"preference_pairs": dg.AssetIn(dagster_type=dg.Nothing)},
-    deps=["eval_set"],  # frozen first: no pair holding an eval example's text is packed
+    # the eval set frozen first (no pair holding an eval example's text is packed); the production model's limits
+    deps=["eval_set", PRODUCTION_MODEL],
     kinds={"python", "parquet"},
     description="Every day's pairs so far, checked for contamination, tokenized with the student's chat template "
     "as TRL's DPOTrainer tokenizes them (loss on the answer tokens only), split by pair id, stored day by day under "
@@ -230,6 +253,7 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
+        limits=model_limits(production_model(storage)),  # the model DPO will train
     )
     dataset = PreferenceDataset(
         run_hash=snapshot.run_hash,
@@ -262,9 +286,7 @@ def preference_dataset(
     group_name="preference",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=[
-        "moe_checkpoint"
-    ],  # lineage: corpus -> base -> SFT -> preference; it starts from the production SFT model
+    deps=[PRODUCTION_MODEL],  # it trains from the model in production (an SFT or an earlier DPO checkpoint)
     kinds={"deepspeed", "pytorch"},
     description="The production SFT checkpoint trained with DPO (sigmoid or length-normalised, beta) on "
     "preference_dataset by the project's own worker and DeepSpeed engine (the same Pipes launch, gpu pool, monitors "

@@ -162,3 +162,70 @@ def test_bad_pairs_are_refused_naming_file_and_line(
 
 
 HELD_OUT = next(f"held-{i}" for i in range(1000) if is_held_out(f"held-{i}", EVAL_FRACTION))
+
+
+def test_a_pair_on_two_days_is_kept_once_from_the_earlier_day_and_training_reads_the_snapshot(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """Three of day 1's pairs land on day 2 too (a document on both days, answered by the same model: the same
+    pair_id); the later day's copy is changed (its day) so it can be told apart. The snapshot holds each pair once,
+    from day 1; the training's reader (``load_pairs``, which refuses a repeated pair_id) reads both splits; a
+    rebuild gives the same snapshot, reusing the derived shard."""
+    from nexa_dagster.core.training.preference_data import load_pairs
+
+    day1 = pairs_frame("2026-01-01", 12)
+    day2 = pd.concat(
+        [pairs_frame("2026-01-02", 12, start=100), day1.iloc[[2, 5, 7]].assign(day="2026-01-02")]
+    )
+    root, logs = tmp_path / "preference", []
+    days = [day_input(day1, root), day_input(day2.reset_index(drop=True), root)]
+    snapshot = build_preference_dataset(
+        days, tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, log=logs.append
+    )
+    rows = rows_of(snapshot.train_path) + rows_of(snapshot.validation_path)
+    assert len(rows) == 24 and sum(snapshot.pairs.values()) == 24
+    assert len({r["pair_id"] for r in rows}) == 24
+    repeated = set(day1["pair_id"].iloc[[2, 5, 7]])
+    assert {r["day"] for r in rows if r["pair_id"] in repeated} == {"2026-01-01"}
+    assert sum(int(line.split(" pair(s) of ")[0]) for line in logs if "kept from there" in line) == 3
+    for manifest in (snapshot.train_path, snapshot.validation_path):
+        load_pairs(manifest, tiny_tokenizer, max_length=4096)
+    again = build_preference_dataset(days, tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION)
+    assert again.run_hash == snapshot.run_hash and again.shards_reused == 2
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ("vocab", r"pair [0-9a-f]+: (prompt|chosen|rejected) has token id \d+ outside the model's \d+ ids"),
+        (
+            "length",
+            r"pair [0-9a-f]+: prompt and completion are \d+ tokens, more than the model's \d+ positions",
+        ),
+    ],
+)
+def test_pairs_the_model_cannot_take_are_refused_at_packaging_naming_the_pair(
+    tiny_tokenizer, tmp_path: Path, limits: str, message: str
+) -> None:
+    """A token id at or above the model's vocabulary (a model with fewer ids than the tokenizer), and a pair longer
+    than the model's positions: refused while packaging, naming the file, line and pair, before anything is written;
+    within the limits the same day packs."""
+    from nexa_dagster.core.packaging.preference_dataset import ModelLimits
+
+    frame = pairs_frame("2026-01-01", 5)
+    root = tmp_path / "preference"
+    fits = ModelLimits(len(tiny_tokenizer), 4096)
+    bad = ModelLimits(8, 4096) if limits == "vocab" else ModelLimits(len(tiny_tokenizer), 20)
+    with pytest.raises(PreferenceDataError, match=r"\.jsonl:1: " + message):
+        build_preference_dataset(
+            [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
+        )
+    assert not (root / "store").exists() or not list((root / "store").iterdir())  # nothing written
+    snapshot = build_preference_dataset(
+        [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=fits
+    )
+    assert sum(snapshot.pairs.values()) == 5
+    with pytest.raises(PreferenceDataError, match=message):  # a reused day's shards are checked too
+        build_preference_dataset(
+            [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
+        )
