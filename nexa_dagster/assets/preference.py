@@ -10,8 +10,12 @@
   in memory). It is evaluated like any checkpoint; the gate decides on the judge's win rate against production.
 """
 
+import math
+from collections.abc import Iterator
+
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
@@ -21,7 +25,7 @@ from nexa_dagster.assets.common import (
 )
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import daily_partitions
-from nexa_dagster.assets.training import checkpoint_id_for
+from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.assets.training_record import (
     log_training_run,
     publish_checkpoint,
@@ -35,7 +39,7 @@ from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
 from nexa_dagster.core.data import schemas
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge import Judge
-from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs
+from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs, pair_problems
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
@@ -45,10 +49,11 @@ from nexa_dagster.core.packaging.preference_dataset import (
     build_preference_dataset,
     pair_texts,
     pairs_to_jsonl,
+    snapshot_problems,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
 from nexa_dagster.core.training.init import read_config
-from nexa_dagster.core.training.job import DPOObjective, TrainingJob
+from nexa_dagster.core.training.job import DPOObjective, TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
     PackagingResource,
@@ -107,6 +112,15 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
     retry_policy=MODEL_CALL_RETRY,
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
     deps=[PRODUCTION_MODEL],  # on-policy: the model in production answers
+    check_specs=[
+        dg.AssetCheckSpec(
+            "pairs_are_trainable",
+            asset="preference_pairs",
+            description="Every pair of the day: its pair_id the hash of sample and answers and not repeated, "
+            "chosen and rejected different texts, the score gap at least min_score_gap and equal to chosen minus "
+            "rejected, no prompt on the eval set's held-out side.",
+        )
+    ],
     dagster_type=PreferencePairsType,
     kinds={"python", "parquet"},
     description="The day's training prompts answered K times by the production model (on-policy) and judged as "
@@ -123,7 +137,7 @@ def preference_pairs(
     eval_sets: EvalSetsResource,
     sample_gate_config: SampleGateResource,
     prompts: PromptsResource,
-) -> pd.DataFrame:
+) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
     settings = preference_settings(scale_preset.load())
     production = production_model(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
@@ -187,7 +201,13 @@ def preference_pairs(
             ),
         }
     )
-    return pairs
+    yield dg.Output(pairs)
+    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
+    yield dg.AssetCheckResult(
+        check_name="pairs_are_trainable",
+        passed=not problems,
+        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+    )
 
 
 def answering_id(pairs: pd.DataFrame, production: ProductionEntry) -> str:
@@ -282,6 +302,49 @@ def preference_dataset(
     return dataset
 
 
+@dg.asset_check(
+    asset=preference_dataset,
+    description="Both splits re-read from storage: the recorded pair counts, every pair_id once over both "
+    "splits, no empty prompt or completion, chosen and rejected different tokens.",
+)
+def preference_splits_are_well_formed(preference_dataset: PreferenceDataset) -> dg.AssetCheckResult:
+    expected = {"train": preference_dataset.train_pairs, "validation": preference_dataset.validation_pairs}
+    problems = snapshot_problems(preference_dataset.train_path, preference_dataset.validation_path, expected)
+    return dg.AssetCheckResult(
+        passed=not problems, metadata={"problems": dg.MetadataValue.json(problems[:20])}
+    )
+
+
+class PreferenceRunConfig(dg.Config):
+    """Run configuration of ``preference_checkpoint`` (the Launchpad's ``ops: preference_checkpoint: config``):
+    what a person changes for one DPO training without editing the scale preset; unset, the preset's values hold."""
+
+    max_steps: int | None = Field(
+        default=None, gt=0, description="optimizer steps; empty: preference.max_steps"
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="peak learning rate; empty: preference.learning_rate (or SFT's / 10)"
+    )
+    beta: float | None = Field(default=None, gt=0, description="DPO's beta; empty: preference.beta")
+    loss: str | None = Field(default=None, description="sigmoid or sigmoid_norm; empty: preference.loss")
+
+    def settings(self, preset: PreferenceSettings) -> PreferenceSettings:
+        """The preset's preference settings with this run's overrides, validated as the preset is (a loss that is
+        not sigmoid or sigmoid_norm fails the run before anything launches, naming the field)."""
+        overrides = {
+            "max_steps": self.max_steps,
+            "learning_rate": self.learning_rate,
+            "beta": self.beta,
+            "loss": self.loss,
+        }
+        try:
+            return PreferenceSettings.model_validate(
+                {**preset.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+            )
+        except ValueError as e:
+            raise dg.Failure(f"preference_checkpoint run config: {e}", allow_retries=False) from e
+
+
 @dg.asset(
     group_name="preference",
     pool="gpu",
@@ -295,6 +358,7 @@ def preference_dataset(
 )
 def preference_checkpoint(
     context: dg.AssetExecutionContext,
+    config: PreferenceRunConfig,
     preference_dataset: PreferenceDataset,
     gpu_cluster: GPUClusterResource,
     storage: StorageResource,
@@ -303,7 +367,7 @@ def preference_checkpoint(
     promotion_policy: PromotionResource,
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
-    settings = preference_settings(scale)
+    settings = config.settings(preference_settings(scale))
     production = production_model(storage)
     training = settings.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage, prefix="pref")
@@ -391,4 +455,21 @@ def preference_checkpoint(
             "mlflow_run_id": mlflow_run_id,
             "mlflow_model_version": model_version,
         },
+    )
+
+
+@dg.asset_check(
+    asset=preference_checkpoint,
+    description="The DPO checkpoint loads with plain transformers and gives finite logits, and its held-out "
+    "reward accuracy and margin were measured on at least one validation pair and are finite.",
+)
+def preference_checkpoint_loads_and_was_scored(preference_checkpoint: Checkpoint) -> dg.AssetCheckResult:
+    summary = TrainingResult.model_validate(
+        io.read_json(io.join(preference_checkpoint.path, "training_summary.json"))
+    )
+    scored = [summary.reward_accuracy, summary.reward_margin]
+    return loads_with_transformers(
+        preference_checkpoint.path,
+        heldout_rewards_finite=all(v is not None and math.isfinite(v) for v in scored),
+        heldout_pairs=(summary.validation_pairs or 0) > 0,
     )

@@ -37,7 +37,11 @@ import pyarrow.parquet as pq
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.jsonl import dumps
 from nexa_dagster.core.data.splits import is_held_out, is_validation
-from nexa_dagster.core.packaging.formats.packed_split import split_manifest_path, write_split_manifest
+from nexa_dagster.core.packaging.formats.packed_split import (
+    read_packed_frame,
+    split_manifest_path,
+    write_split_manifest,
+)
 from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
 FORMAT = "packed-preference-parquet/1"
@@ -314,6 +318,37 @@ def _without_earlier_pairs(path: str, seen: dict[str, str], log: Callable[[str],
         f"(e.g. {repeated[0]} from {seen[repeated[0]].rsplit('/', 1)[-1]})"
     )
     return out
+
+
+def snapshot_problems(train_path: str, validation_path: str, expected: dict[str, int]) -> list[str]:
+    """What is wrong with a snapshot re-read from storage (the ``preference_dataset`` asset check): a split whose
+    pair count is not the one recorded, a pair in both splits or twice in one, a missing column, an empty prompt or
+    completion, chosen and rejected with the same tokens. Empty: none."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for split, manifest in (("train", train_path), ("validation", validation_path)):
+        frame = read_packed_frame(manifest)
+        missing = [
+            c
+            for c in ("pair_id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+            if c not in frame
+        ]
+        if missing:
+            problems.append(f"{split} ({manifest}): columns {missing} missing")
+            continue
+        if len(frame) != expected.get(split):
+            problems.append(f"{split}: {len(frame)} pairs, the snapshot records {expected.get(split)}")
+        for row in frame.itertuples(index=False):
+            where = f"{split}: pair {row.pair_id}"
+            if row.pair_id in seen:
+                problems.append(f"{where} is also in {seen[row.pair_id]}")
+            seen[str(row.pair_id)] = split
+            sizes = (len(row.prompt_input_ids), len(row.chosen_input_ids), len(row.rejected_input_ids))
+            if 0 in sizes:
+                problems.append(f"{where}: an empty prompt or completion (tokens {sizes})")
+            if list(row.chosen_input_ids) == list(row.rejected_input_ids):
+                problems.append(f"{where}: chosen and rejected are the same tokens")
+    return problems
 
 
 def pair_texts(prompt_segments: Callable[[str], list[str]]) -> Callable[[dict[str, Any]], list[str]]:

@@ -178,25 +178,45 @@ def document_length(pairs: Pairs, member: Member) -> int:
     return pairs.prompt[index].size + (pairs.chosen if side == CHOSEN else pairs.rejected)[index].size
 
 
-def pack_pairs(pairs: Pairs, order: Iterable[int], layout: PairLayout) -> Iterator[list[list[Member]]]:
-    """The pairs of ``order`` packed, in that order, into micro-batches of ``layout.rows`` rows: each pair's two
-    documents (prompt+chosen, prompt+rejected) go first-fit into the rows of the current micro-batch; a pair that
-    does not fit closes it (a pair is never split over two micro-batches). Yields each micro-batch's rows."""
-    rows: list[list[Member]] = [[] for _ in range(layout.rows)]
-    free = [layout.length] * layout.rows
-    for index in order:
-        documents = [(index, CHOSEN), (index, REJECTED)]
-        where = _first_fit(free, [document_length(pairs, d) for d in documents])
-        if where is None:  # an empty micro-batch takes any pair: two rows, each as long as any document
-            yield rows
-            rows, free = [[] for _ in range(layout.rows)], [layout.length] * layout.rows
+def pack_pairs(
+    pairs: Pairs, order: Iterable[int], layout: PairLayout, lookahead: int = 0
+) -> Iterator[list[list[Member]]]:
+    """The pairs of ``order`` packed into micro-batches of ``layout.rows`` rows; yields each micro-batch's rows.
+
+    A window of the next ``lookahead`` pairs of the order (default ``2 x layout.rows``) is packed first-fit
+    decreasing: the oldest pair of the window first (no pair waits more than ``lookahead`` micro-batches), then the
+    others longest first, each pair's two documents (prompt+chosen, prompt+rejected) into the first rows with room;
+    the pairs that do not fit wait in the window for the next micro-batch. A pair is never split over two
+    micro-batches. A pure function of the order: a resumed run packs the same micro-batches.
+    """
+    window: list[int] = []
+    upcoming = iter(order)
+    size = lookahead or 2 * layout.rows
+    while True:
+        window.extend(itertools.islice(upcoming, size - len(window)))
+        if not window:
+            return
+        rows: list[list[Member]] = [[] for _ in range(layout.rows)]
+        free = [layout.length] * layout.rows
+        longest_first = sorted(window[1:], key=lambda i: -pair_length(pairs, i))
+        placed = set()
+        for index in [window[0], *longest_first]:
+            documents = [(index, CHOSEN), (index, REJECTED)]
             where = _first_fit(free, [document_length(pairs, d) for d in documents])
-            assert where is not None
-        for document, row in zip(documents, where, strict=True):
-            rows[row].append(document)
-            free[row] -= document_length(pairs, document)
-    if any(rows):
+            if (
+                where is None
+            ):  # the oldest always fits: an empty micro-batch has two rows as long as any document
+                continue
+            for document, row in zip(documents, where, strict=True):
+                rows[row].append(document)
+                free[row] -= document_length(pairs, document)
+            placed.add(index)
+        window = [i for i in window if i not in placed]
         yield rows
+
+
+def pair_length(pairs: Pairs, index: int) -> int:
+    return document_length(pairs, (index, CHOSEN)) + document_length(pairs, (index, REJECTED))
 
 
 def _first_fit(free: list[int], sizes: list[int]) -> list[int] | None:
@@ -282,17 +302,13 @@ def pair_batches(
 def scoring_batches(
     pairs: Pairs, layout: PairLayout, pad_id: int, rank: int, world_size: int
 ) -> Iterator[tuple[Batch, bool]]:
-    """Every pair once, packed longest first (first-fit decreasing: fuller rows than in file order, and the order
-    is free here): this rank's share of the micro-batches, and whether each is its own.
+    """Every pair once, packed first-fit decreasing over all of them (the order is free here: the fullest rows):
+    this rank's share of the micro-batches, and whether each is its own.
 
     Every rank runs as many batches as the others (a rank whose share has run out gets a filler, flagged False:
     its caller drops the result): under ZeRO-3 a forward gathers parameters from every rank.
     """
-    longest_first = sorted(
-        range(len(pairs)),
-        key=lambda i: -document_length(pairs, (i, CHOSEN)) - document_length(pairs, (i, REJECTED)),
-    )
-    packed = list(pack_pairs(pairs, longest_first, layout))
+    packed = list(pack_pairs(pairs, range(len(pairs)), layout, lookahead=len(pairs)))
     for first in range(0, len(packed), world_size):
         mine = first + rank < len(packed)
         yield collate_packed(pairs, packed[first + rank] if mine else packed[0], layout, pad_id), mine
