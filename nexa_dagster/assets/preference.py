@@ -293,6 +293,7 @@ def preference_dataset(
             "validation_pairs": dataset.validation_pairs,
             "days": dg.MetadataValue.json(dataset.days),
             "days_reused": dataset.shards_reused,
+            "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             **contamination_metadata(contamination, index),
         }

@@ -176,6 +176,7 @@ class PreferenceSnapshot:
     pairs: dict[str, int]  # split -> pairs
     shards_reused: int
     tokenizer_path: str
+    cross_day_duplicates_dropped: int = 0  # pairs on an earlier day too, kept from there
 
 
 def build_preference_dataset(
@@ -209,9 +210,11 @@ def build_preference_dataset(
             _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed, limits)
         day_paths.append(paths)
     seen: dict[str, str] = {}  # pair_id -> the shard (earlier day) it is kept from
+    dropped = 0
     for paths in day_paths:
         for split, path in list(paths.items()):
-            paths[split] = _without_earlier_pairs(path, seen, log)
+            paths[split], repeated = _without_earlier_pairs(path, seen, log)
+            dropped += repeated
         for split, path in paths.items():
             with storage.open_read(path) as f:
                 rows = pq.ParquetFile(f).metadata.num_rows
@@ -259,6 +262,7 @@ def build_preference_dataset(
         counts,
         reused,
         tokenizer_path,
+        dropped,
     )
 
 
@@ -298,16 +302,16 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
         return pq.read_table(f).to_pylist()
 
 
-def _without_earlier_pairs(path: str, seen: dict[str, str], log: Callable[[str], None]) -> str:
-    """``path``, or a derived shard without the pairs an earlier day's shard already holds (recorded in ``seen``,
-    with this shard's own pairs added): named by the pairs it leaves out, so a rebuild reuses it."""
+def _without_earlier_pairs(path: str, seen: dict[str, str], log: Callable[[str], None]) -> tuple[str, int]:
+    """(``path`` or a derived shard without the pairs an earlier day's shard already holds, how many it leaves out);
+    ``seen`` records this shard's own pairs. The derived shard is named by what it leaves out: a rebuild reuses it."""
     with storage.open_read(path) as f:
         ids = [str(p) for p in pq.read_table(f, columns=["pair_id"]).column("pair_id").to_pylist()]
     repeated = sorted({p for p in ids if p in seen})
     for pair in ids:
         seen.setdefault(pair, path)
     if not repeated:
-        return path
+        return path, 0
     digest = hashlib.sha256("\n".join(repeated).encode()).hexdigest()[:12]
     derived = path.removesuffix(".parquet").rsplit(".", 1)
     out = f"{derived[0]}-without-{digest}.{derived[1]}.parquet"
@@ -317,7 +321,7 @@ def _without_earlier_pairs(path: str, seen: dict[str, str], log: Callable[[str],
         f"{len(repeated)} pair(s) of {path.rsplit('/', 1)[-1]} are on an earlier day too, kept from there "
         f"(e.g. {repeated[0]} from {seen[repeated[0]].rsplit('/', 1)[-1]})"
     )
-    return out
+    return out, len(repeated)
 
 
 def snapshot_problems(train_path: str, validation_path: str, expected: dict[str, int]) -> list[str]:

@@ -183,7 +183,9 @@ def test_a_pair_on_two_days_is_kept_once_from_the_earlier_day_and_training_reads
         days, tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, log=logs.append
     )
     rows = rows_of(snapshot.train_path) + rows_of(snapshot.validation_path)
-    assert len(rows) == 24 and sum(snapshot.pairs.values()) == 24
+    assert (
+        len(rows) == 24 and sum(snapshot.pairs.values()) == 24 and snapshot.cross_day_duplicates_dropped == 3
+    )
     assert len({r["pair_id"] for r in rows}) == 24
     repeated = set(day1["pair_id"].iloc[[2, 5, 7]])
     assert {r["day"] for r in rows if r["pair_id"] in repeated} == {"2026-01-01"}
