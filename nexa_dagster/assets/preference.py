@@ -274,6 +274,7 @@ def preference_dataset(
         seed=scale.training.seed,
         log=context.log.info,
         limits=model_limits(production_model(storage)),  # the model DPO will train
+        keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
         run_hash=snapshot.run_hash,

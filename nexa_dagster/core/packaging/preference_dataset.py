@@ -43,6 +43,7 @@ from nexa_dagster.core.packaging.formats.packed_split import (
     write_split_manifest,
 )
 from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
+from nexa_dagster.core.packaging.store_cleanup import SplitManifestStore, clean_store, packaging_in_flight
 
 FORMAT = "packed-preference-parquet/1"
 SPLITS = ("train", "validation")
@@ -189,10 +190,32 @@ def build_preference_dataset(
     seed: int = 0,
     log: Callable[[str], None] = print,
     limits: ModelLimits | None = None,
+    keep_snapshots: int = 0,
 ) -> PreferenceSnapshot:
     """The snapshot of ``days`` (``DayInput``-like: ``path``, in day order): each day tokenized once into the store,
     then split manifests over the store's shards in day order, a pair already on an earlier day left out.
-    ``limits``: refuse pairs the model to train cannot take (checked on reused shards too)."""
+    ``limits``: refuse pairs the model to train cannot take (checked on reused shards too). ``keep_snapshots``: then
+    keep the newest that many snapshots and the store files they list, removing the rest (0: keep all), as
+    ``sft_dataset`` does (``store_cleanup``; never while another packaging run is in flight)."""
+    with packaging_in_flight(out_root):  # no clean-up removes a shard this run may still pick up
+        snapshot = _build_snapshot(
+            days, tokenizer, tokenizer_path, out_root, validation_fraction, eval_fraction, seed, log, limits
+        )
+    clean_store(out_root, keep_snapshots, log, SplitManifestStore())
+    return snapshot
+
+
+def _build_snapshot(
+    days: Sequence[Any],
+    tokenizer: Any,
+    tokenizer_path: str,
+    out_root: str,
+    validation_fraction: float,
+    eval_fraction: float,
+    seed: int,
+    log: Callable[[str], None],
+    limits: ModelLimits | None,
+) -> PreferenceSnapshot:
     fingerprint = tokenizer_fingerprint(tokenizer)
     store = storage.join(out_root, "store")
     shards: dict[str, list[tuple[str, int, str, int]]] = {s: [] for s in SPLITS}

@@ -158,7 +158,7 @@ def test_bad_pairs_are_refused_naming_file_and_line(
         build_preference_dataset(
             [DayInput(("2026-01-01",), str(path), 5)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION
         )
-    assert not (root / "store").exists() or not list((root / "store").iterdir())  # nothing half-written
+    assert not list((root / "store").glob("*.parquet"))  # nothing half-written
 
 
 HELD_OUT = next(f"held-{i}" for i in range(1000) if is_held_out(f"held-{i}", EVAL_FRACTION))
@@ -222,7 +222,7 @@ def test_pairs_the_model_cannot_take_are_refused_at_packaging_naming_the_pair(
         build_preference_dataset(
             [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
         )
-    assert not (root / "store").exists() or not list((root / "store").iterdir())  # nothing written
+    assert not list((root / "store").glob("*.parquet"))  # nothing written
     snapshot = build_preference_dataset(
         [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=fits
     )
@@ -231,3 +231,40 @@ def test_pairs_the_model_cannot_take_are_refused_at_packaging_naming_the_pair(
         build_preference_dataset(
             [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
         )
+
+
+def test_old_snapshots_and_the_day_files_only_they_list_are_removed_as_sft_dataset_does(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """keep_snapshots 1 over three nights whose days are replaced (a day repacked after a fix gives a new day file):
+    the newest snapshot and every store file it lists stay (its training reads them), the older snapshots and the
+    files only they listed go; keep_snapshots 0 removes nothing."""
+    root, quiet = tmp_path / "preference", (lambda message: None)
+    store = root / "store"
+    nights = [[pairs_frame("2026-01-01", 8, start=100 * k)] for k in range(3)]
+    snapshots = []
+    for k, frames in enumerate(nights):
+        days = [day_input(f, root) for f in frames]
+        snapshots.append(
+            build_preference_dataset(
+                days,
+                tiny_tokenizer,
+                "tok",
+                str(root),
+                0.25,
+                EVAL_FRACTION,
+                log=quiet,
+                keep_snapshots=0 if k < 2 else 1,
+            )
+        )
+        if k < 2:
+            assert len(list(root.glob("*/snapshot.json"))) == k + 1, "keep_snapshots 0: nothing removed"
+    assert len(list(root.glob("*/snapshot.json"))) == 1, "keep_snapshots 1: the newest snapshot only"
+    newest = snapshots[-1]
+    listed = {
+        Path(p).name
+        for manifest in (newest.train_path, newest.validation_path)
+        for p in split_files(manifest)
+    }
+    assert {p.name for p in store.glob("*.parquet")} == listed
+    assert len(rows_of(newest.train_path)) + len(rows_of(newest.validation_path)) == 8  # still readable
