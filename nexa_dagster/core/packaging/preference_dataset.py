@@ -198,95 +198,79 @@ def build_preference_dataset(
     keep the newest that many snapshots and the store files they list, removing the rest (0: keep all), as
     ``sft_dataset`` does (``store_cleanup``; never while another packaging run is in flight)."""
     with packaging_in_flight(out_root):  # no clean-up removes a shard this run may still pick up
-        snapshot = _build_snapshot(
-            days, tokenizer, tokenizer_path, out_root, validation_fraction, eval_fraction, seed, log, limits
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        store = storage.join(out_root, "store")
+        shards: dict[str, list[tuple[str, int, str, int]]] = {s: [] for s in SPLITS}
+        reused = 0
+        day_paths = []
+        for day in days:  # every day tokenized and checked before any manifest is written
+            name = day.path.rsplit("/", 1)[-1].removesuffix(".jsonl")
+            paths = {s: storage.join(store, f"{name}-{fingerprint}.{s}.parquet") for s in SPLITS}
+            if all(storage.exists(p) for p in paths.values()):
+                reused += 1
+                for path in paths.values() if limits is not None else ():
+                    for row in _read_rows(path):
+                        check_limits(row, path.rsplit("/", 1)[-1], limits)
+            else:
+                _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed, limits)
+            day_paths.append(paths)
+        seen: dict[str, str] = {}  # pair_id -> the shard (earlier day) it is kept from
+        dropped = 0
+        for paths in day_paths:
+            for split, path in list(paths.items()):
+                paths[split], repeated = _without_earlier_pairs(path, seen, log)
+                dropped += repeated
+            for split, path in paths.items():
+                with storage.open_read(path) as f:
+                    rows = pq.ParquetFile(f).metadata.num_rows
+                shards[split].append((path, storage.size(path), storage.sha256_file(path), rows))
+        config = {
+            "format": FORMAT,
+            "tokenizer": fingerprint,
+            "validation_fraction": validation_fraction,
+            "eval_fraction": eval_fraction,
+            "seed": seed,
+            "shards": [s[2] for split in SPLITS for s in shards[split]],
+        }
+        run_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        root = storage.join(out_root, run_hash)
+        counts = {split: sum(s[3] for s in shards[split]) for split in SPLITS}
+        if not counts["train"] or not counts["validation"]:
+            raise PreferenceDataError(
+                f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs; "
+                "both sides need at least one (more pairs, or another validation_fraction)"
+            )
+        for split in SPLITS:
+            write_split_manifest(
+                split_manifest_path(root, split),
+                split,
+                run_hash,
+                out_root,
+                [
+                    (p.removeprefix(out_root.rstrip("/") + "/"), size, digest, rows)
+                    for p, size, digest, rows in shards[split]
+                ],
+            )
+        storage.write_json(
+            {**config, "run_hash": run_hash, "pairs": counts, "tokenizer_path": tokenizer_path},
+            storage.join(root, "snapshot.json"),
+        )
+        log(
+            f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs "
+            f"from {len(days)} days ({reused} days' shards reused)"
+        )
+        snapshot = PreferenceSnapshot(
+            run_hash,
+            root,
+            split_manifest_path(root, "train"),
+            split_manifest_path(root, "validation"),
+            counts,
+            reused,
+            tokenizer_path,
+            dropped,
         )
     clean_store(out_root, keep_snapshots, log, SplitManifestStore())
     return snapshot
-
-
-def _build_snapshot(
-    days: Sequence[Any],
-    tokenizer: Any,
-    tokenizer_path: str,
-    out_root: str,
-    validation_fraction: float,
-    eval_fraction: float,
-    seed: int,
-    log: Callable[[str], None],
-    limits: ModelLimits | None,
-) -> PreferenceSnapshot:
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    store = storage.join(out_root, "store")
-    shards: dict[str, list[tuple[str, int, str, int]]] = {s: [] for s in SPLITS}
-    reused = 0
-    day_paths = []
-    for day in days:  # every day tokenized and checked before any manifest is written
-        name = day.path.rsplit("/", 1)[-1].removesuffix(".jsonl")
-        paths = {s: storage.join(store, f"{name}-{fingerprint}.{s}.parquet") for s in SPLITS}
-        if all(storage.exists(p) for p in paths.values()):
-            reused += 1
-            for path in paths.values() if limits is not None else ():
-                for row in _read_rows(path):
-                    check_limits(row, path.rsplit("/", 1)[-1], limits)
-        else:
-            _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed, limits)
-        day_paths.append(paths)
-    seen: dict[str, str] = {}  # pair_id -> the shard (earlier day) it is kept from
-    dropped = 0
-    for paths in day_paths:
-        for split, path in list(paths.items()):
-            paths[split], repeated = _without_earlier_pairs(path, seen, log)
-            dropped += repeated
-        for split, path in paths.items():
-            with storage.open_read(path) as f:
-                rows = pq.ParquetFile(f).metadata.num_rows
-            shards[split].append((path, storage.size(path), storage.sha256_file(path), rows))
-    config = {
-        "format": FORMAT,
-        "tokenizer": fingerprint,
-        "validation_fraction": validation_fraction,
-        "eval_fraction": eval_fraction,
-        "seed": seed,
-        "shards": [s[2] for split in SPLITS for s in shards[split]],
-    }
-    run_hash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    root = storage.join(out_root, run_hash)
-    counts = {split: sum(s[3] for s in shards[split]) for split in SPLITS}
-    if not counts["train"] or not counts["validation"]:
-        raise PreferenceDataError(
-            f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs; "
-            "both sides need at least one (more pairs, or another validation_fraction)"
-        )
-    for split in SPLITS:
-        write_split_manifest(
-            split_manifest_path(root, split),
-            split,
-            run_hash,
-            out_root,
-            [
-                (p.removeprefix(out_root.rstrip("/") + "/"), size, digest, rows)
-                for p, size, digest, rows in shards[split]
-            ],
-        )
-    storage.write_json(
-        {**config, "run_hash": run_hash, "pairs": counts, "tokenizer_path": tokenizer_path},
-        storage.join(root, "snapshot.json"),
-    )
-    log(
-        f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs "
-        f"from {len(days)} days ({reused} days' shards reused)"
-    )
-    return PreferenceSnapshot(
-        run_hash,
-        root,
-        split_manifest_path(root, "train"),
-        split_manifest_path(root, "validation"),
-        counts,
-        reused,
-        tokenizer_path,
-        dropped,
-    )
 
 
 def _tokenize_day(

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.preference_pairs import judged_pairs
 
 from nexa_dagster.core.data.splits import is_held_out
-from nexa_dagster.core.distill.pairs import PAIR_COLUMNS, pair_id, pair_problems
+from nexa_dagster.core.distill.pairs import pair_problems
 from nexa_dagster.core.packaging.preference_dataset import (
     build_preference_dataset,
     pairs_to_jsonl,
@@ -25,32 +26,7 @@ EVAL_FRACTION = 0.2
 
 
 def day_pairs(n: int) -> pd.DataFrame:
-    rows, i = [], 0
-    while len(rows) < n:
-        sample_id, i = f"s{i}", i + 1
-        if is_held_out(sample_id, EVAL_FRACTION):
-            continue
-        chosen, rejected = f"Use list.append(x) to add item {i}.", f"no idea {i}"
-        rows.append(
-            {
-                "pair_id": pair_id(sample_id, chosen, rejected),
-                "sample_id": sample_id,
-                "day": "2026-01-01",
-                "prompt": [{"role": "user", "content": f"How do I add item {i}?"}],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-                "chosen_score": 8.0,
-                "rejected_score": 3.0,
-                "score_gap": 5.0,
-                "chosen_source": "teacher",
-                "rejected_source": "policy:0",
-                "chosen_length": len(chosen),
-                "rejected_length": len(rejected),
-                "judge_model": "judge",
-                "policy_model": "policy",
-            }
-        )
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+    return judged_pairs("2026-01-01", n, EVAL_FRACTION)
 
 
 HELD_OUT = next(f"h{i}" for i in range(1000) if is_held_out(f"h{i}", EVAL_FRACTION))
@@ -66,7 +42,7 @@ HELD_OUT = next(f"h{i}" for i in range(1000) if is_held_out(f"h{i}", EVAL_FRACTI
         (lambda f: f.assign(score_gap=f["score_gap"].where(f.index != 1, 0.2)), "score gap 0.2"),
         (
             lambda f: f.assign(chosen_score=f["chosen_score"].where(f.index != 1, 9.5)),
-            "score gap 5.0 .chosen 9.5",
+            "score gap 6.0 .chosen 9.5",
         ),
         (lambda f: f.assign(rejected=f["rejected"].where(f.index != 4, f["chosen"])), "same text"),
         (lambda f: f.assign(sample_id=f["sample_id"].where(f.index != 0, HELD_OUT)), "held-out side"),

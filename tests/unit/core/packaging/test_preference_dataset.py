@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from support.preference_pairs import judged_pairs
 
 from nexa_dagster.core.data.splits import is_held_out
-from nexa_dagster.core.distill.pairs import PAIR_COLUMNS, pair_id
 from nexa_dagster.core.packaging.formats.packed_split import split_files
 from nexa_dagster.core.packaging.preference_dataset import (
     PreferenceDataError,
@@ -26,37 +26,7 @@ EVAL_FRACTION = 0.2
 
 def pairs_frame(day: str, n: int, start: int = 0) -> pd.DataFrame:
     """``n`` pairs of ``day`` whose prompts are all on the training side of the eval split."""
-    rows, i = [], start
-    while len(rows) < n:
-        sample_id = f"{day}-s{i}"
-        i += 1
-        if is_held_out(sample_id, EVAL_FRACTION):
-            continue
-        chosen = f"A list keeps its items in order; answer {i} appends with list.append(x)."
-        rejected = f"no idea {i}"
-        rows.append(
-            {
-                "pair_id": pair_id(sample_id, chosen, rejected),
-                "sample_id": sample_id,
-                "day": day,
-                "prompt": [
-                    {"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": f"Question {i}?"},
-                ],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-                "chosen_score": 8.0,
-                "rejected_score": 2.0,
-                "score_gap": 6.0,
-                "chosen_source": "teacher",
-                "rejected_source": "policy:0",
-                "chosen_length": len(chosen),
-                "rejected_length": len(rejected),
-                "judge_model": "judge",
-                "policy_model": "policy",
-            }
-        )
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+    return judged_pairs(day, n, EVAL_FRACTION, start)
 
 
 def day_input(frame: pd.DataFrame, root: Path) -> DayInput:
