@@ -112,3 +112,24 @@ def test_the_checkpoint_check_needs_a_loadable_model_and_measured_held_out_rewar
     result = preference_checkpoint_loads_and_was_scored(checkpoint)
     assert result.passed is passed
     assert result.metadata["logits_finite"].value is True
+
+
+def test_the_run_config_overrides_the_presets_dpo_settings_and_refuses_an_unknown_loss() -> None:
+    """What a person sets in the Launchpad for one DPO training replaces the preset's value; unset, the preset holds;
+    a loss DPO does not have fails before anything launches, naming the field."""
+    import dagster as dg
+
+    from nexa_dagster.assets.preference import PreferenceRunConfig
+    from nexa_dagster.core.common.config import PreferenceSettings
+
+    preset = PreferenceSettings(beta=0.1, loss="sigmoid", max_steps=24)
+    assert PreferenceRunConfig().settings(preset) == preset
+    changed = PreferenceRunConfig(max_steps=5, beta=0.3, loss="sigmoid_norm").settings(preset)
+    assert (changed.max_steps, changed.beta, changed.loss, changed.learning_rate) == (
+        5,
+        0.3,
+        "sigmoid_norm",
+        None,
+    )
+    with pytest.raises(dg.Failure, match="(?s)preference_checkpoint run config: .*loss.*sigmoid_norm"):
+        PreferenceRunConfig(loss="ipo").settings(preset)
