@@ -309,7 +309,7 @@ def interleaved(dpo_job: TrainingJob, sft_job: TrainingJob, steps: int, score_pa
     micro = dpo_job.settings.micro_batch_size
     tokenizer = AutoTokenizer.from_pretrained(dpo_job.tokenizer_path)
     quiet = lambda message: None  # noqa: E731
-    dpo = DPOLoss(dpo_job, tokenizer, 0, 1, quiet)  # the pairs, their layout, the reference values stored
+    dpo = DPOLoss(dpo_job, tokenizer, quiet)  # the pairs, their layout, the reference values stored
     assert dpo.reference is not None, "the learning run stores the reference values"
     dpo.train.with_reference(dpo.reference)
     sft_rows = load_packed(sft_job.train_path)

@@ -264,7 +264,7 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
         hf_aux = hf(input_ids=padded, attention_mask=mask).aux_loss
         every_slot = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).aux_loss
     say = lambda message: None  # noqa: E731
-    objective = DPOLoss(job, tokenizer, 0, 1, say)
+    objective = DPOLoss(job, tokenizer, say)
     model = build_model(job, len(tokenizer), tokenizer)
     _, total = micro_objective(objective.terms(model, batch), weight=1 / 8, aux_coef=0.02, accumulation=1)
     total.backward()
@@ -335,7 +335,7 @@ def test_an_epoch_of_pairs_of_varied_lengths_reaches_the_model_in_at_most_four_s
     train = pair_records(tokenizer, conversational_pairs(122), "e")
     validation = pair_records(tokenizer, conversational_pairs(20, offset=300), "ev")
     job = preference_job(tmp_path, teacher_dir, *write_snapshot(tmp_path / "data", train, validation), 1, 4)
-    objective = DPOLoss(job, tokenizer, 0, 1, lambda message: None)
+    objective = DPOLoss(job, tokenizer, lambda message: None)
     model = build_model(job, len(tokenizer), tokenizer)
     shapes: list[tuple[int, ...]] = []
     model.register_forward_pre_hook(

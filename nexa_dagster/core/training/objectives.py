@@ -15,5 +15,5 @@ def build_objective(
 ) -> Objective:
     """Load and check the objective's data (before any model is built) and return it."""
     if isinstance(job.objective, DPOObjective):
-        return DPOLoss(job, tokenizer, rank, world_size, say)
+        return DPOLoss(job, tokenizer, say)
     return LanguageModelLoss.for_job(job, tokenizer, rank, world_size)

@@ -68,9 +68,9 @@ class DPOLoss:
     metric_keys = STEP_METRICS
     host_keys = PAIR_HOST_KEYS
 
-    def __init__(self, job: TrainingJob, tokenizer: Any, rank: int, world_size: int, say: MessageFn) -> None:
+    def __init__(self, job: TrainingJob, tokenizer: Any, say: MessageFn) -> None:
         """Pairs and stored reference values, every input checked before a model is built."""
-        self.job, self.config, self.say = job, dpo_config(job), say
+        self.job, self.config = job, dpo_config(job)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         max_length = int(read_config(job.init_from).get("max_position_embeddings", 0)) or 1 << 30
         self.train = load_pairs(job.train_path, tokenizer, max_length)
