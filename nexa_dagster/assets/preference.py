@@ -177,31 +177,29 @@ def preference_pairs(
         f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
         f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
     )
-    context.add_output_metadata(
-        {
-            "dagster/row_count": len(pairs),
-            "policy_checkpoint": production.checkpoint_id,
-            "policy_model": answering_id(pairs, production),
-            "prompts": stats.prompts,
-            "held_out_prompts_skipped": stats.held_out_prompts,
-            "answers_generated": stats.generated,
-            "answers_reused": stats.reused,
-            "failed_requests": stats.failed,
-            "no_pair_share": round(stats.no_pair_share, 4),
-            "no_pair_reasons": dg.MetadataValue.json(stats.no_pair),
-            "score_gap_histogram": dg.MetadataValue.json(gap_histogram(pairs)),
-            "mean_score_gap": round(float(pairs["score_gap"].mean()), 3) if len(pairs) else None,
-            "chosen_from_teacher": int((pairs["chosen_source"] == "teacher").sum()),
-            "preview": preview(
-                pairs.assign(
-                    chosen_text=pairs["chosen"].map(lambda m: m[0]["content"]),
-                    rejected_text=pairs["rejected"].map(lambda m: m[0]["content"]),
-                ),
-                ["pair_id", "chosen_text", "rejected_text", "score_gap"],
+    metadata = {
+        "dagster/row_count": len(pairs),
+        "policy_checkpoint": production.checkpoint_id,
+        "policy_model": answering_id(pairs, production),
+        "prompts": stats.prompts,
+        "held_out_prompts_skipped": stats.held_out_prompts,
+        "answers_generated": stats.generated,
+        "answers_reused": stats.reused,
+        "failed_requests": stats.failed,
+        "no_pair_share": round(stats.no_pair_share, 4),
+        "no_pair_reasons": dg.MetadataValue.json(stats.no_pair),
+        "score_gap_histogram": dg.MetadataValue.json(gap_histogram(pairs)),
+        "mean_score_gap": round(float(pairs["score_gap"].mean()), 3) if len(pairs) else None,
+        "chosen_from_teacher": int((pairs["chosen_source"] == "teacher").sum()),
+        "preview": preview(
+            pairs.assign(
+                chosen_text=pairs["chosen"].map(lambda m: m[0]["content"]),
+                rejected_text=pairs["rejected"].map(lambda m: m[0]["content"]),
             ),
-        }
-    )
-    yield dg.Output(pairs)
+            ["pair_id", "chosen_text", "rejected_text", "score_gap"],
+        ),
+    }
+    yield dg.Output(pairs, metadata=metadata)
     problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
     yield dg.AssetCheckResult(
         check_name="pairs_are_trainable",
