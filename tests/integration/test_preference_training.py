@@ -371,6 +371,52 @@ def test_an_epoch_of_pairs_of_varied_lengths_reaches_the_model_in_at_most_four_s
     assert len(padded) > 4, "the demo-like pairs must vary enough for per-batch padding to show"
 
 
+# -- two days at once ------------------------------------------------------------------------------------------
+def test_a_pair_on_two_days_packed_together_trains_once_without_failing(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
+    """Two days packed at once by the packaging stage's own build, three of day 1's pairs on day 2 too (the same
+    pair_id): the snapshot keeps them once, from day 1, and the worker's DPO (which refuses a repeated pair_id)
+    trains on it to a complete checkpoint."""
+    from support.preference_pairs import judged_pairs
+    from transformers import AutoTokenizer
+
+    from nexa_dagster.core.packaging.preference_dataset import build_preference_dataset, pairs_to_jsonl
+    from nexa_dagster.core.packaging.sft_dataset import DayInput
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    root = tmp_path / "preference"
+    day1 = judged_pairs("2026-01-01", 10, 0.2)
+    day2 = pd.concat(
+        [judged_pairs("2026-01-02", 10, 0.2, start=50), day1.iloc[[1, 4, 6]].assign(day="2026-01-02")]
+    )
+    days = [
+        DayInput((str(f["day"].iloc[0]),), pairs_to_jsonl(f.reset_index(drop=True), str(root)), len(f))
+        for f in (day1, day2)
+    ]
+    snapshot = build_preference_dataset(days, tokenizer, str(teacher_dir), str(root), 0.25, 0.2)
+    assert snapshot.cross_day_duplicates_dropped == 3 and sum(snapshot.pairs.values()) == 20
+    job = preference_job(
+        tmp_path,
+        teacher_dir,
+        snapshot.train_path,
+        snapshot.validation_path,
+        steps=2,
+        dataset_run_hash=snapshot.run_hash,
+    )
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
+    assert (Path(job.output_dir) / COMPLETION_MARKER).exists()
+    assert result.validation_pairs == snapshot.pairs["validation"] and result.reward_accuracy is not None
+
+
 # -- exact resume -----------------------------------------------------------------------------------------------
 def _torchrun(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     job_file = tmp_path / f"{job.run_id}.json"
