@@ -89,6 +89,7 @@ def run_side(args: argparse.Namespace) -> dict:
     from nexa_dagster.core.training import monitor
     from nexa_dagster.core.training.data import Prefetcher, labels_for, micro_batches
     from nexa_dagster.core.training.job import TrainingJob
+    from nexa_dagster.core.training.lm_objective import LanguageModelLoss
     from nexa_dagster.core.training.loop import (
         Control,
         build_engine,
@@ -147,10 +148,10 @@ def run_side(args: argparse.Namespace) -> dict:
         )
 
         guard = NonFiniteGuard(engine, torch.device(engine.device))
+        objective = LanguageModelLoss(data, data, args.micro_batch)
 
         def step() -> None:
-            lm_loss, _, _, _ = optimizer_step(engine, batches, 1, Control(1), guard, step=1)
-            return lm_loss
+            return optimizer_step(engine, batches, 1, Control(1), guard, 1, objective).loss
     else:
         import deepspeed
         from transformers import MixtralForCausalLM

@@ -10,8 +10,12 @@
   in memory). It is evaluated like any checkpoint; the gate decides on the judge's win rate against production.
 """
 
+import math
+from collections.abc import Iterator
+
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
@@ -21,7 +25,7 @@ from nexa_dagster.assets.common import (
 )
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import daily_partitions
-from nexa_dagster.assets.training import checkpoint_id_for
+from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.assets.training_record import (
     log_training_run,
     publish_checkpoint,
@@ -35,18 +39,21 @@ from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
 from nexa_dagster.core.data import schemas
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge import Judge
-from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs
+from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs, pair_problems
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
 from nexa_dagster.core.packaging.decontaminate import decontaminate, record_inputs, template_segments
 from nexa_dagster.core.packaging.preference_dataset import (
+    ModelLimits,
     build_preference_dataset,
     pair_texts,
     pairs_to_jsonl,
+    snapshot_problems,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
-from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.core.training.init import read_config
+from nexa_dagster.core.training.job import DPOObjective, TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import (
     EvalSetsResource,
     PackagingResource,
@@ -60,6 +67,19 @@ from nexa_dagster.resources.llm import LLMResource
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
+
+# The model in production, as the stage reads it: the production pointer that model_deployment writes. An external
+# asset, not a dependency on model_deployment: the lifecycle is a loop (preference_checkpoint -> eval_report ->
+# model_deployment -> the next preference run), and an asset graph cannot hold one.
+PRODUCTION_MODEL = "production_model"
+production_model_asset = dg.AssetSpec(
+    PRODUCTION_MODEL,
+    group_name="preference",
+    kinds={"json"},
+    description="The checkpoint in production: serving/production.json under the data root, written by "
+    "model_deployment when the gate promotes a checkpoint (an SFT one, or an earlier DPO one). The preference stage "
+    "answers with it, packs for it and trains from it.",
+)
 
 
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
@@ -80,11 +100,27 @@ def production_model(storage: StorageResource) -> ProductionEntry:
     return production
 
 
+def model_limits(production: ProductionEntry) -> ModelLimits:
+    """The token ids and sequence length the production model (DPO's starting point) can take."""
+    config = read_config(production.checkpoint_path)
+    return ModelLimits(int(config["vocab_size"]), int(config["max_position_embeddings"]))
+
+
 @dg.asset(
     group_name="preference",
     partitions_def=daily_partitions,
     retry_policy=MODEL_CALL_RETRY,
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    deps=[PRODUCTION_MODEL],  # on-policy: the model in production answers
+    check_specs=[
+        dg.AssetCheckSpec(
+            "pairs_are_trainable",
+            asset="preference_pairs",
+            description="Every pair of the day: its pair_id the hash of sample and answers and not repeated, "
+            "chosen and rejected different texts, the score gap at least min_score_gap and equal to chosen minus "
+            "rejected, no prompt on the eval set's held-out side.",
+        )
+    ],
     dagster_type=PreferencePairsType,
     kinds={"python", "parquet"},
     description="The day's training prompts answered K times by the production model (on-policy) and judged as "
@@ -101,7 +137,7 @@ def preference_pairs(
     eval_sets: EvalSetsResource,
     sample_gate_config: SampleGateResource,
     prompts: PromptsResource,
-) -> pd.DataFrame:
+) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
     settings = preference_settings(scale_preset.load())
     production = production_model(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
@@ -141,31 +177,35 @@ def preference_pairs(
         f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
         f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
     )
-    context.add_output_metadata(
-        {
-            "dagster/row_count": len(pairs),
-            "policy_checkpoint": production.checkpoint_id,
-            "policy_model": answering_id(pairs, production),
-            "prompts": stats.prompts,
-            "held_out_prompts_skipped": stats.held_out_prompts,
-            "answers_generated": stats.generated,
-            "answers_reused": stats.reused,
-            "failed_requests": stats.failed,
-            "no_pair_share": round(stats.no_pair_share, 4),
-            "no_pair_reasons": dg.MetadataValue.json(stats.no_pair),
-            "score_gap_histogram": dg.MetadataValue.json(gap_histogram(pairs)),
-            "mean_score_gap": round(float(pairs["score_gap"].mean()), 3) if len(pairs) else None,
-            "chosen_from_teacher": int((pairs["chosen_source"] == "teacher").sum()),
-            "preview": preview(
-                pairs.assign(
-                    chosen_text=pairs["chosen"].map(lambda m: m[0]["content"]),
-                    rejected_text=pairs["rejected"].map(lambda m: m[0]["content"]),
-                ),
-                ["pair_id", "chosen_text", "rejected_text", "score_gap"],
+    metadata = {
+        "dagster/row_count": len(pairs),
+        "policy_checkpoint": production.checkpoint_id,
+        "policy_model": answering_id(pairs, production),
+        "prompts": stats.prompts,
+        "held_out_prompts_skipped": stats.held_out_prompts,
+        "answers_generated": stats.generated,
+        "answers_reused": stats.reused,
+        "failed_requests": stats.failed,
+        "no_pair_share": round(stats.no_pair_share, 4),
+        "no_pair_reasons": dg.MetadataValue.json(stats.no_pair),
+        "score_gap_histogram": dg.MetadataValue.json(gap_histogram(pairs)),
+        "mean_score_gap": round(float(pairs["score_gap"].mean()), 3) if len(pairs) else None,
+        "chosen_from_teacher": int((pairs["chosen_source"] == "teacher").sum()),
+        "preview": preview(
+            pairs.assign(
+                chosen_text=pairs["chosen"].map(lambda m: m[0]["content"]),
+                rejected_text=pairs["rejected"].map(lambda m: m[0]["content"]),
             ),
-        }
+            ["pair_id", "chosen_text", "rejected_text", "score_gap"],
+        ),
+    }
+    yield dg.Output(pairs, metadata=metadata)
+    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
+    yield dg.AssetCheckResult(
+        check_name="pairs_are_trainable",
+        passed=not problems,
+        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
     )
-    return pairs
 
 
 def answering_id(pairs: pd.DataFrame, production: ProductionEntry) -> str:
@@ -183,7 +223,8 @@ def _valid_pairs(frame: pd.DataFrame, path: str) -> None:
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
     ins={"preference_pairs": dg.AssetIn(dagster_type=dg.Nothing)},
-    deps=["eval_set"],  # frozen first: no pair holding an eval example's text is packed
+    # the eval set frozen first (no pair holding an eval example's text is packed); the production model's limits
+    deps=["eval_set", PRODUCTION_MODEL],
     kinds={"python", "parquet"},
     description="Every day's pairs so far, checked for contamination, tokenized with the student's chat template "
     "as TRL's DPOTrainer tokenizes them (loss on the answer tokens only), split by pair id, stored day by day under "
@@ -230,6 +271,8 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
+        limits=model_limits(production_model(storage)),  # the model DPO will train
+        keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
         run_hash=snapshot.run_hash,
@@ -249,6 +292,7 @@ def preference_dataset(
             "validation_pairs": dataset.validation_pairs,
             "days": dg.MetadataValue.json(dataset.days),
             "days_reused": dataset.shards_reused,
+            "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             **contamination_metadata(contamination, index),
         }
@@ -258,13 +302,54 @@ def preference_dataset(
     return dataset
 
 
+@dg.asset_check(
+    asset=preference_dataset,
+    description="Both splits re-read from storage: the recorded pair counts, every pair_id once over both "
+    "splits, no empty prompt or completion, chosen and rejected different tokens.",
+)
+def preference_splits_are_well_formed(preference_dataset: PreferenceDataset) -> dg.AssetCheckResult:
+    expected = {"train": preference_dataset.train_pairs, "validation": preference_dataset.validation_pairs}
+    problems = snapshot_problems(preference_dataset.train_path, preference_dataset.validation_path, expected)
+    return dg.AssetCheckResult(
+        passed=not problems, metadata={"problems": dg.MetadataValue.json(problems[:20])}
+    )
+
+
+class PreferenceRunConfig(dg.Config):
+    """Run configuration of ``preference_checkpoint`` (the Launchpad's ``ops: preference_checkpoint: config``):
+    what a person changes for one DPO training without editing the scale preset; unset, the preset's values hold."""
+
+    max_steps: int | None = Field(
+        default=None, gt=0, description="optimizer steps; empty: preference.max_steps"
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="peak learning rate; empty: preference.learning_rate (or SFT's / 10)"
+    )
+    beta: float | None = Field(default=None, gt=0, description="DPO's beta; empty: preference.beta")
+    loss: str | None = Field(default=None, description="sigmoid or sigmoid_norm; empty: preference.loss")
+
+    def settings(self, preset: PreferenceSettings) -> PreferenceSettings:
+        """The preset's preference settings with this run's overrides, validated as the preset is (a loss that is
+        not sigmoid or sigmoid_norm fails the run before anything launches, naming the field)."""
+        overrides = {
+            "max_steps": self.max_steps,
+            "learning_rate": self.learning_rate,
+            "beta": self.beta,
+            "loss": self.loss,
+        }
+        try:
+            return PreferenceSettings.model_validate(
+                {**preset.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+            )
+        except ValueError as e:
+            raise dg.Failure(f"preference_checkpoint run config: {e}", allow_retries=False) from e
+
+
 @dg.asset(
     group_name="preference",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=[
-        "moe_checkpoint"
-    ],  # lineage: corpus -> base -> SFT -> preference; it starts from the production SFT model
+    deps=[PRODUCTION_MODEL],  # it trains from the model in production (an SFT or an earlier DPO checkpoint)
     kinds={"deepspeed", "pytorch"},
     description="The production SFT checkpoint trained with DPO (sigmoid or length-normalised, beta) on "
     "preference_dataset by the project's own worker and DeepSpeed engine (the same Pipes launch, gpu pool, monitors "
@@ -273,6 +358,7 @@ def preference_dataset(
 )
 def preference_checkpoint(
     context: dg.AssetExecutionContext,
+    config: PreferenceRunConfig,
     preference_dataset: PreferenceDataset,
     gpu_cluster: GPUClusterResource,
     storage: StorageResource,
@@ -281,7 +367,7 @@ def preference_checkpoint(
     promotion_policy: PromotionResource,
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
-    settings = preference_settings(scale)
+    settings = config.settings(preference_settings(scale))
     production = production_model(storage)
     training = settings.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage, prefix="pref")
@@ -300,10 +386,12 @@ def preference_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
-        dpo_beta=settings.beta,
-        dpo_loss=settings.loss,
-        reference_path=production.checkpoint_path,
-        reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
+        objective=DPOObjective(
+            beta=settings.beta,
+            loss=settings.loss,
+            reference_path=production.checkpoint_path,
+            reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
+        ),
     )
     context.log.info(
         f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
@@ -367,4 +455,21 @@ def preference_checkpoint(
             "mlflow_run_id": mlflow_run_id,
             "mlflow_model_version": model_version,
         },
+    )
+
+
+@dg.asset_check(
+    asset=preference_checkpoint,
+    description="The DPO checkpoint loads with plain transformers and gives finite logits, and its held-out "
+    "reward accuracy and margin were measured on at least one validation pair and are finite.",
+)
+def preference_checkpoint_loads_and_was_scored(preference_checkpoint: Checkpoint) -> dg.AssetCheckResult:
+    summary = TrainingResult.model_validate(
+        io.read_json(io.join(preference_checkpoint.path, "training_summary.json"))
+    )
+    scored = [summary.reward_accuracy, summary.reward_margin]
+    return loads_with_transformers(
+        preference_checkpoint.path,
+        heldout_rewards_finite=all(v is not None and math.isfinite(v) for v in scored),
+        heldout_pairs=(summary.validation_pairs or 0) > 0,
     )

@@ -6,6 +6,7 @@ or later on Slurm/Kubernetes) and streams its logs and metrics back through Dags
 
 import datetime as dt
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -231,20 +232,27 @@ def moe_checkpoint(
     "(AutoModelForCausalLM) and gives finite logits.",
 )
 def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCheckResult:
+    return loads_with_transformers(moe_checkpoint.path)
+
+
+def loads_with_transformers(path: str, **extra: Any) -> dg.AssetCheckResult:
+    """Passed when the checkpoint at ``path`` loads with plain transformers and gives finite logits (and every
+    ``extra`` condition, a name and whether it holds, is true): the check of every trained checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(moe_checkpoint.path)
-    model = AutoModelForCausalLM.from_pretrained(moe_checkpoint.path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
     ids = tokenizer("def f(x): return x", return_tensors="pt")
     with torch.no_grad():
         logits = model(**ids).logits
     finite = bool(torch.isfinite(logits).all())
     return dg.AssetCheckResult(
-        passed=finite,
+        passed=finite and all(bool(v) for v in extra.values()),
         metadata={
             "architecture": model.config.architectures[0],
             "num_experts": model.config.num_local_experts,
             "logits_finite": finite,
+            **{k: bool(v) for k, v in extra.items()},
         },
     )

@@ -9,6 +9,7 @@ worker under ``torchrun`` for the resume test, and TRL 1.16 (a test-only depende
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pandas as pd
 import psutil
 import pytest
@@ -61,8 +63,15 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
 
     from nexa_dagster.core.training.init import load_mixtral_checkpoint
     from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
-    from nexa_dagster.core.training.preference import micro_batch_objective, preference_terms, score_pairs
-    from nexa_dagster.core.training.preference_data import collate_pairs, load_pairs
+    from nexa_dagster.core.training.objective import MicroTerms, micro_objective
+    from nexa_dagster.core.training.preference import preference_terms, score_pairs
+    from nexa_dagster.core.training.preference_data import (
+        PairLayout,
+        collate_packed,
+        load_pairs,
+        pack_pairs,
+        pair_layout,
+    )
 
     torch.manual_seed(0)
     rows = conversational_pairs(8)
@@ -70,6 +79,9 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
     train_path, _ = write_snapshot(tmp_path / "data", records, records[:1])
     pairs = load_pairs(train_path, tokenizer, max_length=512)
     pad = tokenizer.pad_token_id
+    # two layouts of the same 8 pairs, each one micro-batch: four rows of 320 tokens holding several documents each,
+    # and the run's default (16 rows as long as the longest document rounded up to 64)
+    layouts = {"packed 4 x 320": PairLayout(rows=4, length=320), "default": pair_layout([pairs], 8)}
 
     reference = MixtralForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     policy = copy.deepcopy(reference)
@@ -79,7 +91,11 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
 
     # the project's reference values: the reference checkpoint scored by the worker's own scoring
     ref_chosen, ref_rejected = score_pairs(
-        load_mixtral_checkpoint(str(teacher_dir)), pairs, 3, pad, torch.device("cpu")
+        load_mixtral_checkpoint(str(teacher_dir)),
+        pairs,
+        PairLayout(rows=2, length=256),
+        pad,
+        torch.device("cpu"),
     )
     pairs.with_reference(
         {
@@ -140,45 +156,59 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
         trl_loss.backward()
         trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-        ours = NexaMoEForCausalLM(policy.config)
-        missing, unexpected = ours.load_state_dict(policy.state_dict(), strict=False)
-        assert not missing and not unexpected, (missing, unexpected)
-        ours.train()
-        ours_batch = collate_pairs(pairs, range(8), pad)
-        assert torch.equal(ours_batch["input_ids"], batch["input_ids"])  # same rows, same right padding
-        terms = preference_terms(ours, ours_batch, BETA, loss_type)
-        _, loss = micro_batch_objective(terms, weight=1 / 8, aux_coef=aux_coef, accumulation=1)
-        loss.backward()
-
-        case = f"{loss_type}, aux coef {aux_coef}"
-        assert abs(loss.item() - trl_loss.item()) < 1e-5, (case, loss.item(), trl_loss.item())
-        sums = {k: float(v) / 8 for k, v in terms.metric_sums().items()}
-        for key, trl_key in (
-            ("reward_chosen", "rewards/chosen"),
-            ("reward_rejected", "rewards/rejected"),
-            ("reward_margin", "rewards/margins"),
-            ("reward_accuracy", "rewards/accuracies"),
-            ("logps_chosen", "logps/chosen"),
-            ("logps_rejected", "logps/rejected"),
-        ):
-            assert sums[key] == pytest.approx(trl_metrics[trl_key], abs=1e-4), (case, key)
-        if aux_coef:
-            assert float(terms.aux_loss) == pytest.approx(trl_metrics["aux_loss"], abs=1e-6)
-
         theirs = dict(trainer.model.named_parameters())
-        assert set(theirs) == {n for n, _ in ours.named_parameters()}  # transformers' names, one to one
-        worst, largest = 0.0, 0.0
-        for name, p in ours.named_parameters():
-            assert p.grad is not None and theirs[name].grad is not None, (case, name)
-            worst = max(worst, (p.grad - theirs[name].grad).abs().max().item())
-            largest = max(largest, p.grad.abs().max().item())
-        print(
-            f"{case}: |loss - TRL| {abs(loss.item() - trl_loss.item()):.2e}, max |grad - TRL| {worst:.2e}, max |grad| {largest:.2e}"
-        )
-        assert worst < 1e-5, (case, worst)
-        assert worst < 1e-3 * largest, (
-            f"{case}: gradients too small for the comparison to mean anything ({largest})"
-        )
+        for name, layout in layouts.items():
+            ours = NexaMoEForCausalLM(policy.config)
+            missing, unexpected = ours.load_state_dict(policy.state_dict(), strict=False)
+            assert not missing and not unexpected, (missing, unexpected)
+            ours.train()
+            [members] = list(pack_pairs(pairs, range(8), layout))  # all 8 pairs in one micro-batch
+            ours_batch = collate_packed(pairs, members, layout, pad)
+            assert ours_batch["input_ids"].shape == (layout.rows, layout.length)
+            n = ours_batch["pair_index"].shape[0]
+            for j, i in enumerate(ours_batch["pair_index"].tolist()):  # TRL's rows are our documents
+                for slot, row in ((j, i), (n + j, 8 + i)):
+                    document = ours_batch["input_ids"][ours_batch["segments"] == slot]
+                    assert torch.equal(document, batch["input_ids"][row][batch["attention_mask"][row].bool()])
+            terms = preference_terms(ours, ours_batch, BETA, loss_type)
+            micro = MicroTerms(terms.losses.sum(), terms.aux_loss, terms.expert_load, terms.metric_sums())
+            _, loss = micro_objective(micro, weight=1 / 8, aux_coef=aux_coef, accumulation=1)
+            loss.backward()
+
+            case = f"{loss_type}, aux coef {aux_coef}, layout {name}"
+            assert abs(loss.item() - trl_loss.item()) < 1e-5, (case, loss.item(), trl_loss.item())
+            sums = {k: float(v) / 8 for k, v in micro.metric_sums.items()}
+            for key, trl_key in (
+                ("reward_chosen", "rewards/chosen"),
+                ("reward_rejected", "rewards/rejected"),
+                ("reward_margin", "rewards/margins"),
+                ("reward_accuracy", "rewards/accuracies"),
+                ("logps_chosen", "logps/chosen"),
+                ("logps_rejected", "logps/rejected"),
+            ):
+                assert sums[key] == pytest.approx(trl_metrics[trl_key], abs=1e-4), (case, key)
+            if aux_coef:
+                assert float(terms.aux_loss) == pytest.approx(trl_metrics["aux_loss"], abs=1e-6)
+
+            assert set(theirs) == {n for n, _ in ours.named_parameters()}  # transformers' names, one to one
+            worst, largest = 0.0, 0.0
+            for param_name, p in ours.named_parameters():
+                assert p.grad is not None and theirs[param_name].grad is not None, (case, param_name)
+                worst = max(worst, (p.grad - theirs[param_name].grad).abs().max().item())
+                largest = max(largest, p.grad.abs().max().item())
+            print(
+                f"{case}: |loss - TRL| {abs(loss.item() - trl_loss.item()):.2e}, max |grad - TRL| {worst:.2e}, max |grad| {largest:.2e}"
+            )
+            assert worst < 1e-5, (case, worst)
+            assert worst < 1e-3 * largest, (
+                f"{case}: gradients too small for the comparison to mean anything ({largest})"
+            )
+    packed = layouts["packed 4 x 320"]
+    packed_rows = collate_packed(pairs, next(pack_pairs(pairs, range(8), packed)), packed, pad)
+    starts = (packed_rows["position_ids"] == 0) & (packed_rows["attention_mask"] == 1)
+    assert int(starts.sum()) == 16 and int(starts.sum(1).max()) >= 4, (
+        "the packed layout's rows hold documents"
+    )
     assert 0 < trl_metrics["rewards/accuracies"] < 1, "the pairs' rewards differ in sign: margins are tested"
 
 
@@ -193,43 +223,51 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
     before its update, and no weight moves."""
     import torch
 
-    from nexa_dagster.core.training.loop import Control, build_engine, build_model
+    from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
     from nexa_dagster.core.training.model.moe import to_hf
     from nexa_dagster.core.training.nonfinite import NonFiniteGuard
-    from nexa_dagster.core.training.preference import (
-        micro_batch_objective,
-        preference_step,
-        preference_terms,
-        score_pairs,
-    )
-    from nexa_dagster.core.training.preference_data import collate_pairs, load_pairs
+    from nexa_dagster.core.training.objective import micro_objective
+    from nexa_dagster.core.training.preference import DPOLoss, score_pairs
+    from nexa_dagster.core.training.preference_data import collate_packed, load_pairs, pack_pairs, pair_layout
     from nexa_dagster.core.training.worker import configure_environment
 
     records = pair_records(tokenizer, conversational_pairs(8, offset=40), "aux")
-    train_path, validation_path = write_snapshot(tmp_path / "data", records, records[:1])
+    held_out = pair_records(tokenizer, conversational_pairs(1, offset=300), "aux-v")
+    train_path, validation_path = write_snapshot(tmp_path / "data", records, held_out)
     job = preference_job(tmp_path, teacher_dir, train_path, validation_path, steps=1, micro_batch=8)
     pairs = load_pairs(train_path, tokenizer, 512)
+    layout = pair_layout([pairs], 8)
     reference = build_model(job, len(tokenizer), tokenizer)
-    chosen, rejected = score_pairs(reference, pairs, 8, tokenizer.pad_token_id, torch.device("cpu"))
+    chosen, rejected = score_pairs(reference, pairs, layout, tokenizer.pad_token_id, torch.device("cpu"))
     pairs.with_reference(
         dict(zip(pairs.pair_ids, zip(chosen.tolist(), rejected.tolist(), strict=True), strict=True))
     )
-    batch = collate_pairs(pairs, range(8), tokenizer.pad_token_id)
+    [members] = list(pack_pairs(pairs, range(8), layout))
+    batch = collate_packed(pairs, members, layout, tokenizer.pad_token_id)
     assert (batch["attention_mask"] == 0).sum() > 20, (
         "the batch must hold padding for the check to mean anything"
     )
+    # TRL's layout of the same pairs: 16 right-padded rows, prompt+chosen then prompt+rejected
+    documents = [
+        torch.from_numpy(np.concatenate([pairs.prompt[i], completion[i]]))
+        for completion in (pairs.chosen, pairs.rejected)
+        for i in range(8)
+    ]
+    padded = torch.nn.utils.rnn.pad_sequence(
+        documents, batch_first=True, padding_value=tokenizer.pad_token_id
+    )
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(d) for d in documents], batch_first=True)
 
-    with (
-        torch.no_grad()
-    ):  # Mixtral's own aux loss on the same rows: padding excluded through the attention mask
+    with torch.no_grad():  # Mixtral's own aux loss on TRL's rows: padding excluded through the attention mask
         hf = to_hf(reference).eval()
         hf.config.output_router_logits = True
-        hf_aux = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).aux_loss
-        every_slot = reference(input_ids=batch["input_ids"]).aux_loss
+        hf_aux = hf(input_ids=padded, attention_mask=mask).aux_loss
+        every_slot = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).aux_loss
+    say = lambda message: None  # noqa: E731
+    objective = DPOLoss(job, tokenizer, say)
     model = build_model(job, len(tokenizer), tokenizer)
-    terms = preference_terms(model, batch, BETA, "sigmoid")
-    _, objective = micro_batch_objective(terms, weight=1 / 8, aux_coef=0.02, accumulation=1)
-    objective.backward()
+    _, total = micro_objective(objective.terms(model, batch), weight=1 / 8, aux_coef=0.02, accumulation=1)
+    total.backward()
     by_hand = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
 
     totals, norms = {}, {}
@@ -240,15 +278,14 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
                 model = build_model(job, len(tokenizer), tokenizer)
                 model.config.router_aux_loss_coef = coef
                 engine = build_engine(model, job, world_size=1)
-                totals[coef] = preference_step(
+                totals[coef] = optimizer_step(
                     engine,
                     iter([batch]),
                     1,
                     Control(1),
                     NonFiniteGuard(engine, torch.device("cpu")),
                     1,
-                    BETA,
-                    "sigmoid",
+                    objective,
                 )
                 norms[coef] = float(engine.get_global_grad_norm())
             # a non-finite loss never reaches the weights (SFT's NonFiniteGuard): the step raises, nothing moves
@@ -256,15 +293,14 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
             with pytest.raises(
                 FloatingPointError, match="non-finite loss at step 2 .caught before its update"
             ):
-                preference_step(
+                optimizer_step(
                     engine,
                     iter([batch]),
                     1,
                     Control(1),
                     NonFiniteGuard(engine, torch.device("cpu")),
                     2,
-                    BETA,
-                    "sigmoid",
+                    objective,
                     poison=True,
                 )
             assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
@@ -273,12 +309,112 @@ def test_a_step_minimises_dpo_plus_the_routers_aux_loss_without_padding(
 
     aux = float(totals[0.02].aux_loss)
     assert aux == pytest.approx(float(hf_aux), abs=1e-6) and abs(aux - float(every_slot)) > 1e-4
-    assert float(totals[0.02].objective - totals[0.02].loss) == pytest.approx(0.02 * aux, abs=1e-7)
-    assert float(totals[0.0].objective) == float(totals[0.0].loss)
+    assert float(totals[0.02].total - totals[0.02].loss) == pytest.approx(0.02 * aux, abs=1e-7)
+    assert float(totals[0.0].total) == float(totals[0.0].loss)
     assert float(totals[0.02].loss) == pytest.approx(float(totals[0.0].loss), abs=1e-7)
     assert norms[0.02] == pytest.approx(float(by_hand), rel=1e-5) and norms[0.02] != pytest.approx(
         norms[0.0], rel=1e-4
     )
+
+
+# -- static shapes ----------------------------------------------------------------------------------------------
+def test_an_epoch_of_pairs_of_varied_lengths_reaches_the_model_in_at_most_four_shapes(
+    tmp_path: Path, teacher_dir: Path, tokenizer: Any
+) -> None:
+    """122 training pairs (the demo run's count) and 20 held-out ones whose prompts and answers vary in length: the
+    shapes of ``input_ids`` the model's forward receives while the reference values are scored, over an epoch of
+    training micro-batches and while the held-out rewards are scored are at most 4 (packed: one). The same epoch
+    right-padded per micro-batch (TRL's layout, the stage's before packing) gives more than 4: the count tells the
+    layouts apart. On a GPU every new shape is a FlexAttention recompile."""
+    import torch
+
+    from nexa_dagster.core.training.data import index_stream
+    from nexa_dagster.core.training.loop import build_model
+    from nexa_dagster.core.training.preference import DPOLoss, score_pairs
+
+    train = pair_records(tokenizer, conversational_pairs(122), "e")
+    validation = pair_records(tokenizer, conversational_pairs(20, offset=300), "ev")
+    job = preference_job(tmp_path, teacher_dir, *write_snapshot(tmp_path / "data", train, validation), 1, 4)
+    objective = DPOLoss(job, tokenizer, lambda message: None)
+    model = build_model(job, len(tokenizer), tokenizer)
+    shapes: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    cpu = torch.device("cpu")
+    reference = {}
+    for pairs in (objective.train, objective.validation):  # what objective.prepare scores
+        chosen, rejected = score_pairs(model, pairs, objective.layout, objective.pad_id, cpu)
+        reference.update(
+            zip(pairs.pair_ids, zip(chosen.tolist(), rejected.tolist(), strict=True), strict=True)
+        )
+    objective.train.with_reference(reference)
+    objective.validation.with_reference(reference)
+    seen = 0
+    with torch.no_grad():
+        for batch in objective.batches(4, job.settings.seed, 0, 1, start=0):
+            objective.terms(model, batch)
+            seen += objective.units(batch)
+            if seen >= len(train):
+                break
+    objective.evaluate(model, cpu, lambda message: None)
+    print(f"packed: {len(shapes)} forwards, shapes {sorted(set(shapes))}")
+    assert len(shapes) > 10 and len(set(shapes)) <= 4, sorted(set(shapes))
+
+    order = list(itertools.islice(index_stream(len(train), job.settings.seed), len(train)))
+    longest = [
+        len(r["prompt_input_ids"]) + max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"]))
+        for r in train
+    ]
+    padded = {(8, max(longest[i] for i in order[k : k + 4])) for k in range(0, len(order), 4)}
+    print(f"padded per micro-batch: {len(padded)} shapes")
+    assert len(padded) > 4, "the demo-like pairs must vary enough for per-batch padding to show"
+
+
+# -- two days at once ------------------------------------------------------------------------------------------
+def test_a_pair_on_two_days_packed_together_trains_once_without_failing(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
+    """Two days packed at once by the packaging stage's own build, three of day 1's pairs on day 2 too (the same
+    pair_id): the snapshot keeps them once, from day 1, and the worker's DPO (which refuses a repeated pair_id)
+    trains on it to a complete checkpoint."""
+    from support.preference_pairs import judged_pairs
+    from transformers import AutoTokenizer
+
+    from nexa_dagster.core.packaging.preference_dataset import build_preference_dataset, pairs_to_jsonl
+    from nexa_dagster.core.packaging.sft_dataset import DayInput
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    root = tmp_path / "preference"
+    day1 = judged_pairs("2026-01-01", 10, 0.2)
+    day2 = pd.concat(
+        [judged_pairs("2026-01-02", 10, 0.2, start=50), day1.iloc[[1, 4, 6]].assign(day="2026-01-02")]
+    )
+    days = [
+        DayInput((str(f["day"].iloc[0]),), pairs_to_jsonl(f.reset_index(drop=True), str(root)), len(f))
+        for f in (day1, day2)
+    ]
+    snapshot = build_preference_dataset(days, tokenizer, str(teacher_dir), str(root), 0.25, 0.2)
+    assert snapshot.cross_day_duplicates_dropped == 3 and sum(snapshot.pairs.values()) == 20
+    job = preference_job(
+        tmp_path,
+        teacher_dir,
+        snapshot.train_path,
+        snapshot.validation_path,
+        steps=2,
+        dataset_run_hash=snapshot.run_hash,
+    )
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(tmp_path / "job.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
+    assert (Path(job.output_dir) / COMPLETION_MARKER).exists()
+    assert result.validation_pairs == snapshot.pairs["validation"] and result.reward_accuracy is not None
 
 
 # -- exact resume -----------------------------------------------------------------------------------------------
@@ -386,7 +522,7 @@ def test_bad_pairs_and_a_foreign_reference_file_fail_before_training(
     from bad pairs). The last case runs the worker: exit 1, and a failure a relaunch would not fix."""
     from nexa_dagster.core.common.storage import write_json
     from nexa_dagster.core.llm.model_identity import model_fingerprint
-    from nexa_dagster.core.training.preference import train_preference
+    from nexa_dagster.core.training.loop import train
     from nexa_dagster.core.training.preference_data import reference_logps_file, sidecar_of
 
     good = pair_records(tokenizer, conversational_pairs(6, offset=120), "g")
@@ -410,7 +546,7 @@ def test_bad_pairs_and_a_foreign_reference_file_fail_before_training(
             steps=2,
         )
         with pytest.raises(ValueError, match=message):
-            train_preference(job)
+            train(job)
         assert not Path(job.output_dir).exists() and not Path(job.output_dir).parent.exists()
         assert not list((tmp_path / name / "data").rglob("ref_logps-*")), "reference values of bad pairs"
 

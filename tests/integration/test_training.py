@@ -47,9 +47,9 @@ def host_reads_by_the_loop() -> Iterator[list[str]]:
     ``numpy``) made by the training loop's own code, except the token counts the data loader keeps on the host."""
     import torch
 
-    from nexa_dagster.core.training import loop, nonfinite
+    from nexa_dagster.core.training import lm_objective, loop, nonfinite, objective
 
-    ours = {loop.__file__, nonfinite.__file__}
+    ours = {loop.__file__, nonfinite.__file__, lm_objective.__file__, objective.__file__}
     reads: list[str] = []
 
     def recording(name: str) -> Callable[..., Any]:
@@ -179,6 +179,7 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
     from transformers import AutoTokenizer
 
     from nexa_dagster.core.training.data import Prefetcher, labels_for, load_packed, micro_batches
+    from nexa_dagster.core.training.lm_objective import LanguageModelLoss
     from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
     from nexa_dagster.core.training.nonfinite import NonFiniteGuard
     from nexa_dagster.core.training.worker import configure_environment
@@ -238,8 +239,9 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
                 depth=0,
             )
             control, guard = Control(1), NonFiniteGuard(engine, torch.device("cpu"))
+            objective = LanguageModelLoss(data, data, micro_batch=1)
             with host_reads_by_the_loop() as reads:
-                optimizer_step(engine, batches, 2, control, guard, step=1)
+                optimizer_step(engine, batches, 2, control, guard, 1, objective)
             assert engine.get_global_grad_norm() == pytest.approx(weighted, rel=1e-4), (weighted, per_row)
             assert reads == [], "the loop read a tensor back to the host during a step that logs nothing"
 
@@ -250,7 +252,7 @@ def test_a_step_weighs_rows_by_their_tokens_and_a_nan_never_reaches_the_weights(
                     FloatingPointError, match="non-finite loss at step 2 .caught before its update"
                 ),
             ):
-                optimizer_step(engine, batches, 2, control, guard, step=2, poison=True)
+                optimizer_step(engine, batches, 2, control, guard, 2, objective, poison=True)
             # reported from the flag DeepSpeed's own overflow check left on the host (fp32 ZeRO used to skip the
             # update silently), without a host read of the loop's own
             assert reads == [], reads

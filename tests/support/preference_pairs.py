@@ -178,3 +178,44 @@ def preference_job(
         parent=f"path:{init_from}",
         **job_fields,
     )
+
+
+def judged_pairs(day: str, n: int, eval_fraction: float, start: int = 0) -> Any:
+    """``n`` pairs of ``day`` as ``preference_pairs`` writes them (``core.distill.pairs.PAIR_COLUMNS``), their
+    prompts all on the training side of the eval split at ``eval_fraction``."""
+    import pandas as pd
+
+    from nexa_dagster.core.data.splits import is_held_out
+    from nexa_dagster.core.distill.pairs import PAIR_COLUMNS, pair_id
+
+    rows, i = [], start
+    while len(rows) < n:
+        sample_id = f"{day}-s{i}"
+        i += 1
+        if is_held_out(sample_id, eval_fraction):
+            continue
+        chosen = f"A list keeps its items in order; answer {i} appends with list.append(x)."
+        rejected = f"no idea {i}"
+        rows.append(
+            {
+                "pair_id": pair_id(sample_id, chosen, rejected),
+                "sample_id": sample_id,
+                "day": day,
+                "prompt": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"Question {i}?"},
+                ],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+                "chosen_score": 8.0,
+                "rejected_score": 2.0,
+                "score_gap": 6.0,
+                "chosen_source": "teacher",
+                "rejected_source": "policy:0",
+                "chosen_length": len(chosen),
+                "rejected_length": len(rejected),
+                "judge_model": "judge",
+                "policy_model": "policy",
+            }
+        )
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)

@@ -67,9 +67,12 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
         {p.to_user_string() for p in graph.get(dg.AssetKey(k)).parent_keys}
         for k in ("preference_pairs", "preference_dataset", "preference_checkpoint")
     )
-    assert pairs == {"filtered_samples"} and dataset == {"preference_pairs", "eval_set"}
+    # the stage reads the model in production (the pointer model_deployment writes), not a fixed SFT checkpoint
+    assert pairs == {"filtered_samples", "production_model"}
+    assert dataset == {"preference_pairs", "eval_set", "production_model"}
     assert (
-        dpo == {"preference_dataset", "moe_checkpoint"} and "preference_checkpoint" in upstream["eval_report"]
+        dpo == {"preference_dataset", "production_model"}
+        and "preference_checkpoint" in upstream["eval_report"]
     )
 
 

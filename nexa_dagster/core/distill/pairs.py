@@ -188,3 +188,33 @@ def gap_histogram(pairs: pd.DataFrame) -> dict[str, int]:
                 counts[f"[{lo}, {hi})"] += 1
                 break
     return counts
+
+
+def pair_problems(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> list[str]:
+    """What makes a day's pairs untrustworthy (the ``preference_pairs`` asset check): a repeated ``pair_id``, a
+    ``pair_id`` that is not the hash of its sample and answers, chosen and rejected with the same text, a score gap
+    below ``min_score_gap`` or not the difference of the two scores, a prompt on the eval set's held-out side.
+    Empty: none."""
+    problems: list[str] = []
+    repeated = pairs["pair_id"][pairs["pair_id"].duplicated()].tolist()
+    if repeated:
+        problems.append(f"pair_id repeated: {repeated[:3]}")
+    for row in pairs.itertuples(index=False):
+        chosen = "".join(m["content"] for m in row.chosen)
+        rejected = "".join(m["content"] for m in row.rejected)
+        where = f"pair {row.pair_id} (sample {row.sample_id})"
+        if row.pair_id != pair_id(str(row.sample_id), chosen, rejected):
+            problems.append(f"{where}: pair_id is not the hash of its sample and answers")
+        if chosen.strip() == rejected.strip():
+            problems.append(f"{where}: chosen and rejected are the same text")
+        if (
+            row.score_gap < min_score_gap
+            or abs(row.score_gap - (row.chosen_score - row.rejected_score)) > 1e-6
+        ):
+            problems.append(
+                f"{where}: score gap {row.score_gap} (chosen {row.chosen_score}, rejected {row.rejected_score}; "
+                f"at least {min_score_gap})"
+            )
+        if is_held_out(str(row.sample_id), eval_fraction):
+            problems.append(f"{where}: its prompt is on the eval set's held-out side")
+    return problems

@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from nexa_dagster.core.common import storage
 
@@ -68,8 +69,53 @@ def _snapshots(root: Path) -> list[tuple[float, Path]]:
     return sorted(found)
 
 
-def clean_store(out_root: str, keep_snapshots: int, log: Callable[[str], None] = print) -> Cleanup:
-    """Keep the newest ``keep_snapshots`` snapshots and the store shards they list; remove the rest (0: keep all)."""
+class StoreLayout(Protocol):
+    """How a store names what its snapshots list, and which files make up each stored shard."""
+
+    def listed(self, snapshot: Path) -> set[str]:
+        """The keys of the shards ``snapshot`` (a snapshot folder) lists; unreadable: raise."""
+
+    def shards(self, store: Path) -> list[tuple[str, list[Path]]]:
+        """Every stored shard: its key and its files, the one whose absence stops reuse first."""
+
+
+class SFTStore:
+    """``sft_dataset``'s store: ``receipts/<key>.json`` beside ``shards/<key>.*``; ``snapshot.json`` lists the
+    shard ids."""
+
+    def listed(self, snapshot: Path) -> set[str]:
+        return {str(s["shard_id"]) for s in storage.read_json(str(snapshot / SNAPSHOT))["shards"]}
+
+    def shards(self, store: Path) -> list[tuple[str, list[Path]]]:
+        found = []
+        for receipt in sorted((store / "receipts").glob("*.json")):
+            key = receipt.name.removesuffix(".json")
+            outputs = [o for o in (store / "shards").glob(f"{key}.*") if not o.name.endswith(".tmp")]
+            found.append((key, [receipt, *outputs]))  # the receipt first: a shard without it is never reused
+        return found
+
+
+class SplitManifestStore:
+    """``preference_dataset``'s store: one Parquet file per day and split directly in ``store/``; a snapshot's
+    split manifests (``<split>.shards.json``) list the files it reads."""
+
+    def listed(self, snapshot: Path) -> set[str]:
+        return {
+            Path(entry["path"]).name
+            for manifest in snapshot.glob("*.shards.json")
+            for entry in storage.read_json(str(manifest))["files"]
+        }
+
+    def shards(self, store: Path) -> list[tuple[str, list[Path]]]:
+        return [(f.name, [f]) for f in sorted(store.glob("*.parquet"))]
+
+
+def clean_store(
+    out_root: str, keep_snapshots: int, log: Callable[[str], None] = print, layout: StoreLayout | None = None
+) -> Cleanup:
+    """Keep the newest ``keep_snapshots`` snapshots and the store shards they list; remove the rest (0: keep all).
+    ``layout``: the store's (default: ``sft_dataset``'s)."""
+    layout = layout or SFTStore()
     report = Cleanup()
     root = _local(out_root)
     if keep_snapshots <= 0 or root is None or not (root / "store").is_dir():
@@ -87,22 +133,16 @@ def clean_store(out_root: str, keep_snapshots: int, log: Callable[[str], None] =
             kept, old = snapshots[-keep_snapshots:], snapshots[:-keep_snapshots]
             referenced: set[str] = set()
             for _, folder in kept:
-                shards = storage.read_json(str(folder / SNAPSHOT))[
-                    "shards"
-                ]  # unreadable: raise, remove nothing
-                referenced.update(str(s["shard_id"]) for s in shards)
+                referenced |= layout.listed(folder)  # unreadable: raise, remove nothing
                 report.kept_snapshots.append(folder.name)
             for _, folder in old:
                 shutil.rmtree(folder, ignore_errors=True)
                 report.removed_snapshots.append(folder.name)
-            for receipt in sorted((root / "store" / "receipts").glob("*.json")):
-                key = receipt.name.removesuffix(".json")
+            for key, files in layout.shards(root / "store"):
                 if key in referenced:
                     continue
-                receipt.unlink(missing_ok=True)  # first: a shard without its receipt is never reused
-                for output in (root / "store" / "shards").glob(f"{key}.*"):
-                    if not output.name.endswith(".tmp"):
-                        output.unlink(missing_ok=True)
+                for file in files:
+                    file.unlink(missing_ok=True)
                 report.removed_shards.append(key)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

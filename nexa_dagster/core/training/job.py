@@ -7,7 +7,7 @@ written beside the checkpoint (``training_summary.json``), so a checkpoint expla
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -15,7 +15,50 @@ from nexa_dagster.core.common.config import TrainingSettings
 
 Accelerator = Literal["cpu", "cuda"]
 DataKind = Literal["packed_sft", "pretrain_corpus", "preference"]
-DPOLoss = Literal["sigmoid", "sigmoid_norm"]
+DPOLossType = Literal["sigmoid", "sigmoid_norm"]
+
+
+class LanguageModelObjective(BaseModel):
+    """Pretraining and SFT: next-token cross-entropy over the learned tokens, weighted by tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["language_model"] = "language_model"
+
+
+class DPOObjective(BaseModel):
+    """Preference training: the DPO family, scored against a frozen reference checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["dpo"] = "dpo"
+    beta: float = Field(
+        default=0.1, gt=0, description="DPO's beta (strength of the pull towards the reference)"
+    )
+    loss: DPOLossType = Field(
+        default="sigmoid",
+        description="sigmoid (DPO) or sigmoid_norm (each log-ratio divided by its completion's token count)",
+    )
+    reference_path: str = Field(
+        default="",
+        description="the reference checkpoint directory (empty: init_from, the weights before training)",
+    )
+    reference_logps_path: str = Field(
+        default="",
+        description=(
+            "the reference log-probabilities file to read, or to write when missing (empty: "
+            "ref_logps-<reference id>.parquet beside the training split)"
+        ),
+    )
+    pack_length: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "tokens per packed row of pairs (every micro-batch is 2 x micro_batch_size rows of it); 0: the longest "
+            "prompt+completion of the run's pairs rounded up to a multiple of 64"
+        ),
+    )
+
+
+Objective = Annotated[LanguageModelObjective | DPOObjective, Field(discriminator="kind")]
 
 
 class TrainingJob(BaseModel):
@@ -77,29 +120,31 @@ class TrainingJob(BaseModel):
         description="lineage: what init_from asked for (base, production, scratch, a path); 'base' with parent "
         "scratch: no base model existed yet",
     )
-    dpo_beta: float = Field(
-        default=0.1, gt=0, description="preference: DPO's beta (strength of the pull towards the reference)"
-    )
-    dpo_loss: DPOLoss = Field(
-        default="sigmoid",
+    objective: Objective = Field(
+        default=None,  # filled from data_kind by _objective_of_the_data_kind
         description=(
-            "preference: sigmoid (DPO) or sigmoid_norm (each log-ratio divided by its completion's token count)"
-        ),
-    )
-    reference_path: str = Field(
-        default="",
-        description="preference: the reference checkpoint directory (empty: init_from, the weights before training)",
-    )
-    reference_logps_path: str = Field(
-        default="",
-        description=(
-            "preference: the reference log-probabilities file to read, or to write when missing (empty: "
-            "ref_logps-<reference id>.parquet beside the training split)"
+            "what the loop minimises, a typed section per objective (core/training/objectives.py): "
+            '{"kind": "language_model"} for packed_sft and pretrain_corpus, {"kind": "dpo", ...} for preference'
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_of_the_data_kind(cls, data: Any) -> Any:
+        """A job without an ``objective`` section gets its data kind's default objective."""
+        if isinstance(data, dict) and data.get("objective") is None:
+            kind = "dpo" if data.get("data_kind") == "preference" else "language_model"
+            data = {**data, "objective": {"kind": kind}}
+        return data
+
     @model_validator(mode="after")
     def _preference_starts_from_a_checkpoint(self) -> TrainingJob:
+        wanted = "dpo" if self.data_kind == "preference" else "language_model"
+        if self.objective.kind != wanted:
+            raise ValueError(
+                f"training job {self.run_id}: data_kind {self.data_kind} is trained with the {wanted} objective, "
+                f"not {self.objective.kind}"
+            )
         if self.data_kind == "preference" and not self.init_from:
             raise ValueError(
                 f"training job {self.run_id}: a preference (DPO) job needs init_from, the SFT checkpoint it "

@@ -1,7 +1,9 @@
-"""The training loop: packed SFT sequences -> DeepSpeed engine -> Hugging Face MoE checkpoint.
+"""The training loop: an objective's batches -> DeepSpeed engine -> Hugging Face MoE checkpoint.
 
 Read it top to bottom, torchtitan-style: load the data, build the model, build the engine, resume if a previous
-attempt left state, loop, evaluate, save. No trainer framework hides a step. The model is the project's
+attempt left state, loop, evaluate, save. One loop for every objective (``objective.py``): the language-model loss
+of pretraining and SFT (``lm_objective.py``) and the DPO family of preference training (``preference.py``) plug
+into the same resume, prefetch, watchdog, stop and checkpoint path. No trainer framework hides a step. The model is the project's
 Mixtral-architecture MoE (``core/training/model/moe.py``: grouped-GEMM experts, attention kept within packed documents),
 exported as a plain ``transformers`` Mixtral checkpoint that vLLM and ``transformers serve`` load unchanged.
 Nothing here imports Dagster: the worker process runs this, the Dagster process never does.
@@ -36,25 +38,19 @@ from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_point
 from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.training import monitor
-from nexa_dagster.core.training.data import (
-    IGNORE_INDEX,
-    LOSS_TOKENS,
-    Batch,
-    Prefetcher,
-    labels_for,
-    load_job_data,
-    micro_batches,
-)
+from nexa_dagster.core.training.collectives import all_reduce_sum
+from nexa_dagster.core.training.data import Batch, Prefetcher
 from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
 from nexa_dagster.core.training.init import load_mixtral_checkpoint
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.model.config import build_model_config
 from nexa_dagster.core.training.model.moe import MoEBlock, NexaMoEForCausalLM, to_hf
 from nexa_dagster.core.training.nonfinite import NonFiniteGuard
+from nexa_dagster.core.training.objective import MessageFn, Objective, micro_objective
+from nexa_dagster.core.training.objectives import build_objective
 from nexa_dagster.core.training.stop import STOP, StopRequested
 
 LogFn = Callable[[int, dict[str, float]], None]
-MessageFn = Callable[[str], None]
 
 
 # -- model and optimisation -------------------------------------------------------------------------------------
@@ -230,16 +226,6 @@ def build_engine(
 
 
 # -- distributed helpers ----------------------------------------------------------------------------------------
-def all_reduce_sum(*values: float) -> list[float]:
-    """Sum scalars over ranks (a no-op for a single process)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
-
-
 def _as_float(value: Any) -> float:
     if value is None:
         return float("nan")
@@ -268,6 +254,20 @@ class Control:
         return int(values[0]), bool(values[1] > 0)
 
 
+@dataclass
+class StepTotals:
+    """A step's sums over its micro-batches, this rank's share (device tensors: reading them waits for the GPU)."""
+
+    loss: (
+        Any  # the objective's loss (world_size x this rank's share of the global mean), without the aux loss
+    )
+    aux_loss: Any
+    total: Any  # what the backward passes minimised: loss + router_aux_loss_coef * aux_loss
+    metrics: dict[str, Any]  # the objective's step metrics (shares of global means, like the loss)
+    tokens: int  # tokens trained on (the objective's host count)
+    expert_load: Any
+
+
 def optimizer_step(
     engine: Any,
     batches: Iterator[Batch],
@@ -275,72 +275,53 @@ def optimizer_step(
     control: Control,
     guard: NonFiniteGuard,
     step: int,
+    objective: Objective,
     poison: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """One optimizer step over ``accumulation`` micro-batches, the LM loss weighted by tokens (torchtitan style).
+) -> StepTotals:
+    """One optimizer step over ``accumulation`` micro-batches, the objective's mean over its units (torchtitan style).
 
-    Each micro-batch's summed token loss is divided by the loss tokens of the whole global batch (all
-    micro-batches, all ranks), so a packed row with few assistant tokens weighs what its tokens weigh, not as much
-    as a full one. DeepSpeed averages gradients over ranks, hence the factor ``world_size``; its own division by
-    the accumulation steps is turned off (``scale_wrt_gas=False``). The router's aux loss stays a mean per
-    micro-batch. A non-finite loss never reaches the weights and is reported without a host read of our own
-    per step (``NonFiniteGuard``): at once when DeepSpeed skips the update, else at the next log step.
+    Each micro-batch's summed loss (over its loss tokens, its pairs: ``objective.units``) is divided by the units of
+    the whole global batch (all micro-batches, all ranks), so a packed row with few assistant tokens weighs what
+    its tokens weigh, and every pair of a DPO batch the same. DeepSpeed averages gradients over ranks, hence the
+    factor ``world_size``; its own division by the accumulation steps is turned off (``scale_wrt_gas=False``). The
+    router's aux loss stays a mean per micro-batch. A non-finite loss never reaches the weights and is reported
+    without a host read of our own per step (``NonFiniteGuard``): at once when DeepSpeed skips the update, else at
+    the next log step.
 
-    Raises ``StopRequested`` (before the step) when any rank was asked to stop. Returns this rank's share of the
-    step's mean LM loss and its mean aux loss (tensors: reading them would wait for the GPU), the token slots
-    trained on, and the mean expert load. ``poison`` (tests) turns the loss into NaN.
+    Raises ``StopRequested`` (before the step) when any rank was asked to stop. ``poison`` (tests) turns the loss
+    into NaN.
     """
     micro = [next(batches) for _ in range(accumulation)]
-    global_tokens, stop = control.agree(sum(int(b[LOSS_TOKENS]) for b in micro), STOP.is_set())
+    global_units, stop = control.agree(sum(objective.units(b) for b in micro), STOP.is_set())
     if stop:
         raise StopRequested(step - 1)
-    weight = control.world_size / max(global_tokens, 1)
+    weight = control.world_size / max(global_units, 1)
     aux_coef = engine.module.config.router_aux_loss_coef
-    lm_loss = aux_loss = expert_load = 0
+    loss = aux_loss = total_sum = expert_load = 0
+    metrics: dict[str, Any] = dict.fromkeys(objective.metric_keys, 0)
     tokens = 0
     for i, batch in enumerate(micro):
-        out = engine(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels_for(batch)
-        )
-        lm = out.lm_loss_sum * weight
+        terms = objective.terms(engine, batch)
+        main, total = micro_objective(terms, weight, aux_coef, accumulation)
         if poison:
-            lm = lm * float("nan")
-        loss = lm + aux_coef * out.aux_loss / accumulation
-        lm_loss = lm_loss + lm.detach()
-        aux_loss = aux_loss + out.aux_loss.detach() / accumulation
+            main, total = main * float("nan"), total * float("nan")
+        loss = loss + main.detach()
+        aux_loss = aux_loss + terms.aux_loss.detach() / accumulation
+        total_sum = total_sum + total.detach()
+        for key, value in terms.metric_sums.items():
+            metrics[key] = metrics[key] + value * weight
         if i == accumulation - 1:  # on device: a non-finite step loss makes every gradient non-finite
-            guard.record(step, lm_loss + aux_loss)
-            loss = loss * guard.gate(lm_loss + aux_loss)
-        engine.backward(loss, scale_wrt_gas=False)
-        expert_load = expert_load + out.expert_load / accumulation
-        tokens += batch["input_ids"].numel()  # packed rows: padding is rare, count slots (no GPU sync)
+            guard.record(step, loss + aux_loss)
+            total = total * guard.gate(loss + aux_loss)
+        engine.backward(total, scale_wrt_gas=False)
+        expert_load = expert_load + terms.expert_load / accumulation
+        tokens += objective.tokens(batch)
         if i == accumulation - 1:
             guard.before_update(step)  # a host read only for an engine that cannot skip an update
         engine.step()  # DeepSpeed updates (and clips) only at the accumulation boundary, skips non-finite grads
         if i == accumulation - 1:
             guard.after_update(engine, step)
-    return lm_loss, aux_loss, tokens, expert_load
-
-
-@torch.no_grad()
-def validation_loss(
-    model: torch.nn.Module, data: Batch, device: torch.device, micro_batch: int, rank: int, world_size: int
-) -> float:
-    """Mean token NLL over the loss-mask tokens of the validation set (no router aux loss), all ranks."""
-    model.eval()
-    rows = torch.arange(rank, data["input_ids"].shape[0], world_size)
-    nll, count = 0.0, 0
-    for start in range(0, len(rows), micro_batch):
-        batch = {k: v[rows[start : start + micro_batch]].to(device) for k, v in data.items()}
-        labels = labels_for(batch)
-        learned = int(labels[:, 1:].ne(IGNORE_INDEX).sum())
-        if learned:
-            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=labels)
-            nll += float(out.lm_loss) * learned
-            count += learned
-    model.train()
-    nll, count = all_reduce_sum(nll, count)
-    return nll / count if count else float("nan")
+    return StepTotals(loss, aux_loss, total_sum, metrics, tokens, expert_load)
 
 
 # -- the metrics line -------------------------------------------------------------------------------------------
@@ -487,38 +468,37 @@ def load_tokenizer(job: TrainingJob) -> Any:
 def train(
     job: TrainingJob, on_log: LogFn | None = None, on_message: MessageFn | None = None
 ) -> TrainingResult:
-    """Train ``job`` to completion in this process (one rank) and return its result; rank 0 saves the checkpoint.
+    """Train ``job`` to completion in this process (one rank) with its objective; rank 0 saves the checkpoint.
 
     ``on_log(step, metrics)`` is called on rank 0 every ``log_every`` steps (and on the first and last step) with
-    loss, aux_loss, lr, grad_norm, tokens_per_s, step_s, mfu, data_wait, expert_balance and mem_gb;
+    loss (the objective's, without the aux loss), aux_loss, lr, grad_norm, tokens_per_s, step_s, mfu, data_wait,
+    expert_balance, mem_gb and the objective's own step metrics (DPO: rewards, margin, accuracy, log-probabilities);
     ``on_message`` gets human-readable progress lines.
     """
     t_start = time.perf_counter()
     s = job.settings
     rank, world_size, say, output_dir = open_run(job, on_message)
 
-    # 1. data and tokenizer
+    # 1. tokenizer and the objective's data: every input checked before a model is built
     tokenizer = load_tokenizer(job)
-    vocab_size = len(tokenizer)
-    train_data, val_data, heldout_documents = load_job_data(job, tokenizer)
-    seq_len = train_data["input_ids"].shape[1]
+    objective = build_objective(job, tokenizer, rank, world_size, say)
 
     # 2. model and engine
-    model = build_model(job, vocab_size, tokenizer)
+    model = build_model(job, len(tokenizer), tokenizer)
     if job.init_from:
         say(f"weights from {job.parent} ({job.init_from})")
     total_params, active_params = count_parameters(model)
     engine = build_engine(model, job, world_size, say)
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
     per_token_flops = monitor.flops_per_token(
-        active_params, model.config.num_hidden_layers, model.config.hidden_size, seq_len
+        active_params, model.config.num_hidden_layers, model.config.hidden_size, objective.seq_len
     )
     peak = monitor.peak_flops(device)
     say(
         f"engine ready: {total_params:,} parameters ({active_params:,} active), ZeRO stage "
-        f"{engine.zero_optimization_stage()}, {train_data['input_ids'].shape[0]} packed rows of {seq_len} tokens, "
-        f"world size {world_size}, device {device}"
+        f"{engine.zero_optimization_stage()}, {objective.describe()}, world size {world_size}, device {device}"
     )
+    objective.prepare(engine, device, say)  # before any update and before resuming (DPO's reference values)
 
     # 3. resume from the last saved state of an earlier attempt of this run, if there is one
     start_step, metrics_log, tokens_seen, tokens_before = 0, [], 0, 0
@@ -531,11 +511,10 @@ def train(
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
     accumulation = s.gradient_accumulation_steps
     batches = Prefetcher(
-        micro_batches(
-            train_data, s.micro_batch_size, s.seed, rank, world_size, start=start_step * accumulation
-        ),
+        objective.batches(s.micro_batch_size, s.seed, rank, world_size, start=start_step * accumulation),
         device,
         depth=s.prefetch,
+        host_keys=objective.host_keys,
     )
     step = start_step
     watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
@@ -551,37 +530,46 @@ def train(
         progress = running.enter_context(Progress(say, "training steps", every_s=s.progress_every_s))
         progress(start_step, s.max_steps)
 
-        def log_line(step: int, lm_loss: Any, aux_loss: Any, lr: float, expert_load: Any) -> None:
+        def log_line(step: int, totals: StepTotals, lr: float) -> None:
             nonlocal tokens_seen
             guard.check(step)  # the one host read of the on-device non-finite flag, at log steps only
-            metrics = window.close(step, lm_loss, aux_loss, lr, engine.get_global_grad_norm(), expert_load)
+            metrics = window.close(
+                step,
+                totals.loss,
+                totals.aux_loss,
+                lr,
+                engine.get_global_grad_norm(),
+                totals.expert_load,
+                extra=totals.metrics,
+            )
             metrics_log.append(metrics)
             tokens_seen += int(metrics["tokens"])
             if on_log and rank == 0:
                 on_log(step, {k: v for k, v in metrics.items() if k != "step"})
 
-        last: tuple[Any, ...] = ()
+        last: tuple[StepTotals, float] | None = None
         for step in range(start_step + 1, s.max_steps + 1):
             lr = engine.get_lr()[0]  # the rate this step's update uses
             try:
-                lm_loss, aux_loss, tokens, expert_load = optimizer_step(
+                totals = optimizer_step(
                     engine,
                     batches,
                     accumulation,
                     control,
                     guard,
                     step,
+                    objective,
                     poison=fault_point(NAN_AT_STEP, step=step),
                 )
             except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
                 if stop.step > start_step:
-                    if stop.step > window.last_step:
+                    if stop.step > window.last_step and last is not None:
                         log_line(stop.step, *last)
                     save_state(engine, job, stop.step, metrics_log, tokens_seen)
                     say(f"saved resumable state at step {stop.step}; stopping as asked (SIGTERM)")
                 raise
-            last = (lm_loss, aux_loss, lr, expert_load)
-            window.add(tokens)
+            last = (totals, lr)
+            window.add(totals.tokens)
             watchdog.beat()
             progress(step, s.max_steps)
             fault_point(
@@ -594,9 +582,8 @@ def train(
                 say(f"saved resumable state at step {step}")
     train_s = time.perf_counter() - train_start
 
-    # 5. evaluate, then save (rank 0)
-    val_loss = validation_loss(engine.module, val_data, device, s.micro_batch_size, rank, world_size)
-    say(f"validation loss {val_loss:.4f}")
+    # 5. the objective's held-out figures, then save (rank 0)
+    figures = objective.evaluate(engine.module, device, say)
     return finish_run(
         job,
         engine,
@@ -604,8 +591,7 @@ def train(
         metrics_log,
         RunTotals(start_step, tokens_seen, tokens_before, train_s, t_start, total_params, active_params),
         say,
-        validation_loss=val_loss,
-        validation_documents=heldout_documents,
+        **figures,
     )
 
 

@@ -10,16 +10,19 @@ live beside the snapshot, ``<snapshot>/ref_logps-<reference id>.parquet`` with a
 checkpoint and the dataset: computed once per (pair set, reference checkpoint) by the training worker, read by every
 later attempt and run, so training never holds a second model.
 
-A micro-batch of ``b`` pairs is ``2b`` rows, the ``b`` prompt+chosen rows then the ``b`` prompt+rejected rows,
-right-padded; ``labels`` hold the completion tokens (-100 elsewhere), scored as TRL scores them: token ``t >= 1`` by
-the logits at ``t - 1``.
+Pairs are packed as SFT packs samples: prompt+chosen and prompt+rejected are two documents, placed first-fit into the
+rows of a micro-batch of fixed shape (``PairLayout``: ``2 x micro_batch`` rows of one length for the whole run), with
+attention kept within each document and the completion log-probabilities summed per document (``segments``), scored
+as TRL scores them: token ``t >= 1`` of a document by the logits at ``t - 1``. One shape for every batch: on a GPU
+FlexAttention compiles once (per-batch padding made it recompile for every new length, then fall back to its
+unfused kernel), and the short pairs of a batch no longer pay for its longest.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +38,9 @@ FORMAT = "packed-preference-parquet/1"
 PAIR_COLUMNS = ("pair_id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 REF_COLUMNS = ("pair_id", "ref_chosen_logps", "ref_rejected_logps")
 REF_PREFIX = "ref_logps-"
-REAL_TOKENS = "real_tokens"  # a micro-batch's non-padding tokens, counted on the host by collate_pairs
-PAIR_HOST_KEYS = frozenset(HOST_KEYS | {REAL_TOKENS})  # what the loader leaves on the host (Prefetcher)
+REAL_TOKENS = "real_tokens"  # a micro-batch's non-padding tokens, counted on the host by collate_packed
+PAIR_COUNT = "pairs"  # a micro-batch's pairs, counted on the host by collate_packed
+PAIR_HOST_KEYS = frozenset(HOST_KEYS | {REAL_TOKENS, PAIR_COUNT})  # what the loader leaves on the host
 
 
 @dataclass
@@ -137,67 +141,177 @@ def check_disjoint(train: Pairs, validation: Pairs) -> None:
         )
 
 
-# -- batches ----------------------------------------------------------------------------------------------------
-def collate_pairs(pairs: Pairs, indices: Sequence[int], pad_id: int) -> Batch:
-    """``2b`` right-padded rows (prompt+chosen for each pair, then prompt+rejected), TRL's layout.
+# -- batches: pairs packed into fixed-length rows ------------------------------------------------------------------
+CHOSEN, REJECTED = 0, 1
+Member = tuple[int, int]  # (pair index, CHOSEN or REJECTED): one document of a packed row
 
-    ``labels`` are the completion tokens (-100 on prompt and padding), ``attention_mask`` marks real tokens,
-    ``completion_tokens`` counts each row's completion (the length-normalised loss divides by it), and
-    ``ref_chosen``/``ref_rejected`` are the pairs' reference log-probabilities when known. Position ids are the
-    model's default ``0..T-1``: under causal attention the padding at a row's end reaches no real token.
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Every micro-batch of a run is ``rows`` x ``length`` tokens: one input shape for training, reference scoring
+    and the held-out rewards, so a compiled attention kernel is built once, never per batch."""
+
+    rows: int
+    length: int
+
+
+def pair_layout(
+    splits: Sequence[Pairs], micro_batch: int, pack_length: int = 0, multiple: int = 64
+) -> PairLayout:
+    """``2 x micro_batch`` rows (a micro-batch holds at least ``micro_batch`` pairs, more when they are short) of
+    ``pack_length`` tokens, or of the longest prompt+completion of ``splits`` rounded up to ``multiple``."""
+    longest, where = 0, ""
+    for pairs in splits:
+        for i in range(len(pairs)):
+            size = pairs.prompt[i].size + max(pairs.chosen[i].size, pairs.rejected[i].size)
+            if size > longest:
+                longest, where = size, f"{pairs.path} (pair_id {pairs.pair_ids[i]!r})"
+    if pack_length and pack_length < longest:
+        raise ValueError(
+            f"pack_length {pack_length} is shorter than the {longest} tokens of a prompt and completion in {where}"
+        )
+    return PairLayout(rows=2 * micro_batch, length=pack_length or -(-longest // multiple) * multiple)
+
+
+def document_length(pairs: Pairs, member: Member) -> int:
+    index, side = member
+    return pairs.prompt[index].size + (pairs.chosen if side == CHOSEN else pairs.rejected)[index].size
+
+
+def pack_pairs(
+    pairs: Pairs, order: Iterable[int], layout: PairLayout, lookahead: int = 0
+) -> Iterator[list[list[Member]]]:
+    """The pairs of ``order`` packed into micro-batches of ``layout.rows`` rows; yields each micro-batch's rows.
+
+    A window of the next ``lookahead`` pairs of the order (default ``2 x layout.rows``) is packed first-fit
+    decreasing: the oldest pair of the window first (no pair waits more than ``lookahead`` micro-batches), then the
+    others longest first, each pair's two documents (prompt+chosen, prompt+rejected) into the first rows with room;
+    the pairs that do not fit wait in the window for the next micro-batch. A pair is never split over two
+    micro-batches. A pure function of the order: a resumed run packs the same micro-batches.
     """
-    rows = [np.concatenate([pairs.prompt[i], pairs.chosen[i]]) for i in indices] + [
-        np.concatenate([pairs.prompt[i], pairs.rejected[i]]) for i in indices
-    ]
-    prompts = [pairs.prompt[i].size for i in indices] * 2
-    width = max(r.size for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
-    attention = torch.zeros((len(rows), width), dtype=torch.int64)
-    for k, (row, start) in enumerate(zip(rows, prompts, strict=True)):
-        tokens = torch.from_numpy(row)
-        input_ids[k, : row.size] = tokens
-        labels[k, start : row.size] = tokens[start:]
-        attention[k, : row.size] = 1
+    window: list[int] = []
+    upcoming = iter(order)
+    size = lookahead or 2 * layout.rows
+    while True:
+        window.extend(itertools.islice(upcoming, size - len(window)))
+        if not window:
+            return
+        rows: list[list[Member]] = [[] for _ in range(layout.rows)]
+        free = [layout.length] * layout.rows
+        longest_first = sorted(window[1:], key=lambda i: -pair_length(pairs, i))
+        placed = set()
+        for index in [window[0], *longest_first]:
+            documents = [(index, CHOSEN), (index, REJECTED)]
+            where = _first_fit(free, [document_length(pairs, d) for d in documents])
+            if (
+                where is None
+            ):  # the oldest always fits: an empty micro-batch has two rows as long as any document
+                continue
+            for document, row in zip(documents, where, strict=True):
+                rows[row].append(document)
+                free[row] -= document_length(pairs, document)
+            placed.add(index)
+        window = [i for i in window if i not in placed]
+        yield rows
+
+
+def pair_length(pairs: Pairs, index: int) -> int:
+    return document_length(pairs, (index, CHOSEN)) + document_length(pairs, (index, REJECTED))
+
+
+def _first_fit(free: list[int], sizes: list[int]) -> list[int] | None:
+    """The row of each of ``sizes`` (in turn, first fit), or None when one does not fit; ``free`` is unchanged."""
+    left, where = list(free), []
+    for size in sizes:
+        row = next((r for r, f in enumerate(left) if f >= size), None)
+        if row is None:
+            return None
+        left[row] -= size
+        where.append(row)
+    return where
+
+
+def collate_packed(pairs: Pairs, rows: Sequence[Sequence[Member]], layout: PairLayout, pad_id: int) -> Batch:
+    """One micro-batch of packed pairs, ``layout.rows x layout.length`` whatever the pairs' lengths.
+
+    Each document is laid out as SFT's packer lays out a sample: ``position_ids`` restart at 0 (the model keeps
+    attention within documents), ``attention_mask`` marks real tokens, padding at a row's end counts from 0 too.
+    ``labels`` hold the completion tokens (-100 on prompts and padding). ``segments`` give each token its document's
+    slot: ``j`` for the chosen document of the batch's ``j``-th pair, ``P + j`` for its rejected one, ``2P`` for
+    padding (``P`` pairs, listed in ``pair_index``): the sums of the token log-probabilities per slot are the pairs'
+    sequence log-probabilities. ``completion_tokens`` (``2P``, chosen then rejected) feed the length-normalised
+    loss; ``ref_chosen``/``ref_rejected`` are the pairs' reference values when known.
+    """
+    order = list(dict.fromkeys(index for row in rows for index, _ in row))
+    slot = {index: j for j, index in enumerate(order)}
+    n = len(order)
+    shape = (layout.rows, layout.length)
+    input_ids = np.full(shape, pad_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.zeros(shape, dtype=np.int64)
+    attention = np.zeros(shape, dtype=np.int64)
+    segments = np.full(shape, 2 * n, dtype=np.int64)
+    ramp = np.arange(layout.length, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for index, side in row:
+            prompt = pairs.prompt[index]
+            completion = (pairs.chosen if side == CHOSEN else pairs.rejected)[index]
+            k = prompt.size + completion.size
+            input_ids[r, at : at + prompt.size] = prompt
+            input_ids[r, at + prompt.size : at + k] = completion
+            labels[r, at + prompt.size : at + k] = completion
+            position_ids[r, at : at + k] = ramp[:k]
+            attention[r, at : at + k] = 1
+            segments[r, at : at + k] = slot[index] + side * n
+            at += k
+        position_ids[r, at:] = ramp[: layout.length - at]
+    completion_tokens = [pairs.chosen[i].size for i in order] + [pairs.rejected[i].size for i in order]
     batch: Batch = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "attention_mask": attention,
-        "completion_tokens": torch.tensor([r.size - p for r, p in zip(rows, prompts, strict=True)]).float(),
+        "input_ids": torch.from_numpy(input_ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(position_ids),
+        "attention_mask": torch.from_numpy(attention),
+        "segments": torch.from_numpy(segments),
+        "completion_tokens": torch.tensor(completion_tokens, dtype=torch.float32),
+        "pair_index": torch.tensor(order, dtype=torch.int64),
     }
     if pairs.ref_chosen is not None and pairs.ref_rejected is not None:
-        mine = torch.as_tensor(list(indices), dtype=torch.int64)
+        mine = batch["pair_index"]
         batch["ref_chosen"], batch["ref_rejected"] = pairs.ref_chosen[mine], pairs.ref_rejected[mine]
-    batch[REAL_TOKENS] = torch.tensor(sum(r.size for r in rows))  # counted on the host, read without a sync
+    batch[REAL_TOKENS] = torch.tensor(int(attention.sum()))  # counted on the host, read without a sync
+    batch[PAIR_COUNT] = torch.tensor(n)
     return batch
 
 
 def pair_batches(
-    pairs: Pairs, micro_batch: int, seed: int, rank: int, world_size: int, pad_id: int, start: int = 0
+    pairs: Pairs, layout: PairLayout, seed: int, rank: int, world_size: int, pad_id: int, start: int = 0
 ) -> Iterator[Batch]:
-    """This rank's micro-batch of every global batch of pairs, from global batch number ``start`` on (resume).
+    """This rank's packed micro-batches, from global micro-batch number ``start`` on (resume).
 
-    The order is ``index_stream``'s (one seeded permutation per epoch, a pure function of seed and position), so a
-    resumed run gets exactly the pairs an uninterrupted one would have seen next.
+    The pairs come in ``index_stream``'s order (one seeded permutation per epoch, a pure function of seed and
+    position) and are packed in that order; global micro-batch ``g`` goes to rank ``g % world_size``. Packing is
+    cheap host work, so a resumed run packs the stream again from its beginning and skips what was trained: it gets
+    exactly the micro-batches an uninterrupted run would have seen next.
     """
-    stream = index_stream(len(pairs), seed)
-    if start:
-        next(itertools.islice(stream, start * micro_batch * world_size - 1, None))
-    while True:
-        global_batch = list(itertools.islice(stream, micro_batch * world_size))
-        yield collate_pairs(pairs, global_batch[rank * micro_batch : (rank + 1) * micro_batch], pad_id)
+    packed = pack_pairs(pairs, index_stream(len(pairs), seed), layout)
+    for rows in itertools.islice(packed, start * world_size + rank, None, world_size):
+        yield collate_packed(pairs, rows, layout, pad_id)
 
 
-def rank_rounds(n: int, micro_batch: int, rank: int, world_size: int) -> Iterator[list[int]]:
-    """This rank's share of ``range(n)``, ``micro_batch`` at a time, in as many rounds as every other rank has.
+def scoring_batches(
+    pairs: Pairs, layout: PairLayout, pad_id: int, rank: int, world_size: int
+) -> Iterator[tuple[Batch, bool]]:
+    """Every pair once, packed first-fit decreasing over all of them (the order is free here: the fullest rows):
+    this rank's share of the micro-batches, and whether each is its own.
 
-    A rank whose share has run out gets an empty list (its caller runs a filler batch and drops the result):
-    under ZeRO-3 a forward gathers parameters from every rank, so all ranks must run the same number.
+    Every rank runs as many batches as the others (a rank whose share has run out gets a filler, flagged False:
+    its caller drops the result): under ZeRO-3 a forward gathers parameters from every rank.
     """
-    rounds = math.ceil(n / (micro_batch * world_size))
-    for r in range(rounds):
-        first = r * micro_batch * world_size + rank * micro_batch
-        yield list(range(first, min(first + micro_batch, n)))
+    packed = list(pack_pairs(pairs, range(len(pairs)), layout, lookahead=len(pairs)))
+    for first in range(0, len(packed), world_size):
+        mine = first + rank < len(packed)
+        yield collate_packed(pairs, packed[first + rank] if mine else packed[0], layout, pad_id), mine
 
 
 # -- the reference log-probabilities file ----------------------------------------------------------------------

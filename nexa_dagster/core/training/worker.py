@@ -42,7 +42,6 @@ from nexa_dagster.core.common.workers import (
 )
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.core.training.loop import train
-from nexa_dagster.core.training.preference import train_preference
 from nexa_dagster.core.training.stop import STOP, StopRequested
 
 
@@ -179,8 +178,7 @@ def run(job: TrainingJob, reporter: Reporter) -> TrainingResult:
         f"{s.micro_batch_size} x accumulation {s.gradient_accumulation_steps}, world size "
         f"{settings.WORLD_SIZE.get()}, accelerator {job.accelerator}"
     )
-    trainer = train_preference if job.data_kind == "preference" else train
-    result = trainer(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
+    result = train(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
     rewards = (
         f", held-out reward accuracy {result.reward_accuracy:.3f} over {result.validation_pairs} pairs"
         if result.reward_accuracy is not None

@@ -50,8 +50,8 @@ class MoEOutput(ModelOutput):
     expert_load: torch.Tensor | None = (
         None  # [layers, experts] share of routed token slots each expert received
     )
-    sequence_logps: torch.Tensor | None = (
-        None  # [rows] summed log-probabilities of each row's labelled tokens (``sequence_logps``)
+    token_logps: torch.Tensor | None = (
+        None  # [rows, seq] log-probability of each labelled token, 0 elsewhere (``token_logps``)
     )
 
 
@@ -320,15 +320,15 @@ class NexaMoEForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         return_logits: bool = False,
         attention_mask: torch.Tensor | None = None,
-        per_sequence: bool = False,
+        per_token: bool = False,
     ) -> MoEOutput:
-        """The LM loss of packed rows (SFT, pretraining); with ``per_sequence`` the summed log-probabilities of
-        each row's labelled tokens instead (``sequence_logps``: what a preference objective scores), so that a
-        DeepSpeed engine, which only ever calls ``forward``, can run either."""
-        if per_sequence:
+        """The LM loss of packed rows (SFT, pretraining); with ``per_token`` the log-probability of each labelled
+        token instead (``token_logps``: what a preference objective sums per document), so that a DeepSpeed engine,
+        which only ever calls ``forward``, can run either."""
+        if per_token:
             if labels is None:
-                raise ValueError("per_sequence scoring needs labels (the tokens to score, -100 elsewhere)")
-            return self.sequence_logps(input_ids, labels, position_ids, attention_mask)
+                raise ValueError("per_token scoring needs labels (the tokens to score, -100 elsewhere)")
+            return self.token_logps(input_ids, labels, position_ids, attention_mask)
         cfg = self.config
         x, aux_loss, expert_load = self._trunk(input_ids, position_ids)
         logits = self.lm_head(x) if return_logits else None
@@ -346,28 +346,29 @@ class NexaMoEForCausalLM(nn.Module):
             expert_load=expert_load,
         )
 
-    def sequence_logps(
+    def token_logps(
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> MoEOutput:
-        """Per row, the summed log-probability of its labelled tokens (a preference objective's sequence score).
+        """``[rows, seq]``: at each labelled token its log-probability, 0 elsewhere (summed per document by a
+        preference objective).
 
         Token ``t`` (``labels[:, t] != -100``, ``t >= 1``) is scored by the logits at ``t - 1``: TRL's
         ``DPOTrainer`` scoring, computed in chunks as ``_loss`` is (``tokens x vocab`` never materialised in fp32).
-        ``attention_mask`` (1 for real tokens; right padding) leaves padding out of the router aux loss and the
-        expert load, as Hugging Face's Mixtral does; it does not change attention, which is causal, so padding
-        at the end of a row never reaches an earlier token. Returns ``sequence_logps``, ``aux_loss`` and
-        ``expert_load`` (no LM loss).
+        A document's first token (position 0) is a prompt token and never labelled, so no document is scored from
+        the one before it. ``attention_mask`` (1 for real tokens) leaves padding out of the router aux loss and
+        the expert load, as Hugging Face's Mixtral does; attention stays within documents (``position_ids``).
+        Returns ``token_logps``, ``aux_loss`` and ``expert_load`` (no LM loss).
         """
         x, aux_loss, expert_load = self._trunk(input_ids, position_ids, attention_mask)
-        per_token = self._token_logps(x, labels)
+        per_token = self._token_logps(x, labels).view(input_ids.shape)  # [:, t]: the token at t + 1
         return MoEOutput(
             aux_loss=aux_loss,
             expert_load=expert_load,
-            sequence_logps=per_token.view(input_ids.shape).sum(-1),
+            token_logps=F.pad(per_token[:, :-1], (1, 0)),
         )
 
     def _trunk(

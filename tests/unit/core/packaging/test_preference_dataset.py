@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from support.preference_pairs import judged_pairs
 
 from nexa_dagster.core.data.splits import is_held_out
-from nexa_dagster.core.distill.pairs import PAIR_COLUMNS, pair_id
 from nexa_dagster.core.packaging.formats.packed_split import split_files
 from nexa_dagster.core.packaging.preference_dataset import (
     PreferenceDataError,
@@ -26,37 +26,7 @@ EVAL_FRACTION = 0.2
 
 def pairs_frame(day: str, n: int, start: int = 0) -> pd.DataFrame:
     """``n`` pairs of ``day`` whose prompts are all on the training side of the eval split."""
-    rows, i = [], start
-    while len(rows) < n:
-        sample_id = f"{day}-s{i}"
-        i += 1
-        if is_held_out(sample_id, EVAL_FRACTION):
-            continue
-        chosen = f"A list keeps its items in order; answer {i} appends with list.append(x)."
-        rejected = f"no idea {i}"
-        rows.append(
-            {
-                "pair_id": pair_id(sample_id, chosen, rejected),
-                "sample_id": sample_id,
-                "day": day,
-                "prompt": [
-                    {"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": f"Question {i}?"},
-                ],
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}],
-                "chosen_score": 8.0,
-                "rejected_score": 2.0,
-                "score_gap": 6.0,
-                "chosen_source": "teacher",
-                "rejected_source": "policy:0",
-                "chosen_length": len(chosen),
-                "rejected_length": len(rejected),
-                "judge_model": "judge",
-                "policy_model": "policy",
-            }
-        )
-    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
+    return judged_pairs(day, n, EVAL_FRACTION, start)
 
 
 def day_input(frame: pd.DataFrame, root: Path) -> DayInput:
@@ -158,7 +128,113 @@ def test_bad_pairs_are_refused_naming_file_and_line(
         build_preference_dataset(
             [DayInput(("2026-01-01",), str(path), 5)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION
         )
-    assert not (root / "store").exists() or not list((root / "store").iterdir())  # nothing half-written
+    assert not list((root / "store").glob("*.parquet"))  # nothing half-written
 
 
 HELD_OUT = next(f"held-{i}" for i in range(1000) if is_held_out(f"held-{i}", EVAL_FRACTION))
+
+
+def test_a_pair_on_two_days_is_kept_once_from_the_earlier_day_and_training_reads_the_snapshot(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """Three of day 1's pairs land on day 2 too (a document on both days, answered by the same model: the same
+    pair_id); the later day's copy is changed (its day) so it can be told apart. The snapshot holds each pair once,
+    from day 1; the training's reader (``load_pairs``, which refuses a repeated pair_id) reads both splits; a
+    rebuild gives the same snapshot, reusing the derived shard."""
+    from nexa_dagster.core.training.preference_data import load_pairs
+
+    day1 = pairs_frame("2026-01-01", 12)
+    day2 = pd.concat(
+        [pairs_frame("2026-01-02", 12, start=100), day1.iloc[[2, 5, 7]].assign(day="2026-01-02")]
+    )
+    root, logs = tmp_path / "preference", []
+    days = [day_input(day1, root), day_input(day2.reset_index(drop=True), root)]
+    snapshot = build_preference_dataset(
+        days, tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, log=logs.append
+    )
+    rows = rows_of(snapshot.train_path) + rows_of(snapshot.validation_path)
+    assert (
+        len(rows) == 24 and sum(snapshot.pairs.values()) == 24 and snapshot.cross_day_duplicates_dropped == 3
+    )
+    assert len({r["pair_id"] for r in rows}) == 24
+    repeated = set(day1["pair_id"].iloc[[2, 5, 7]])
+    assert {r["day"] for r in rows if r["pair_id"] in repeated} == {"2026-01-01"}
+    assert sum(int(line.split(" pair(s) of ")[0]) for line in logs if "kept from there" in line) == 3
+    for manifest in (snapshot.train_path, snapshot.validation_path):
+        load_pairs(manifest, tiny_tokenizer, max_length=4096)
+    again = build_preference_dataset(days, tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION)
+    assert again.run_hash == snapshot.run_hash and again.shards_reused == 2
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ("vocab", r"pair [0-9a-f]+: (prompt|chosen|rejected) has token id \d+ outside the model's \d+ ids"),
+        (
+            "length",
+            r"pair [0-9a-f]+: prompt and completion are \d+ tokens, more than the model's \d+ positions",
+        ),
+    ],
+)
+def test_pairs_the_model_cannot_take_are_refused_at_packaging_naming_the_pair(
+    tiny_tokenizer, tmp_path: Path, limits: str, message: str
+) -> None:
+    """A token id at or above the model's vocabulary (a model with fewer ids than the tokenizer), and a pair longer
+    than the model's positions: refused while packaging, naming the file, line and pair, before anything is written;
+    within the limits the same day packs."""
+    from nexa_dagster.core.packaging.preference_dataset import ModelLimits
+
+    frame = pairs_frame("2026-01-01", 5)
+    root = tmp_path / "preference"
+    fits = ModelLimits(len(tiny_tokenizer), 4096)
+    bad = ModelLimits(8, 4096) if limits == "vocab" else ModelLimits(len(tiny_tokenizer), 20)
+    with pytest.raises(PreferenceDataError, match=r"\.jsonl:1: " + message):
+        build_preference_dataset(
+            [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
+        )
+    assert not list((root / "store").glob("*.parquet"))  # nothing written
+    snapshot = build_preference_dataset(
+        [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=fits
+    )
+    assert sum(snapshot.pairs.values()) == 5
+    with pytest.raises(PreferenceDataError, match=message):  # a reused day's shards are checked too
+        build_preference_dataset(
+            [day_input(frame, root)], tiny_tokenizer, "tok", str(root), 0.25, EVAL_FRACTION, limits=bad
+        )
+
+
+def test_old_snapshots_and_the_day_files_only_they_list_are_removed_as_sft_dataset_does(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """keep_snapshots 1 over three nights whose days are replaced (a day repacked after a fix gives a new day file):
+    the newest snapshot and every store file it lists stay (its training reads them), the older snapshots and the
+    files only they listed go; keep_snapshots 0 removes nothing."""
+    root, quiet = tmp_path / "preference", (lambda message: None)
+    store = root / "store"
+    nights = [[pairs_frame("2026-01-01", 8, start=100 * k)] for k in range(3)]
+    snapshots = []
+    for k, frames in enumerate(nights):
+        days = [day_input(f, root) for f in frames]
+        snapshots.append(
+            build_preference_dataset(
+                days,
+                tiny_tokenizer,
+                "tok",
+                str(root),
+                0.25,
+                EVAL_FRACTION,
+                log=quiet,
+                keep_snapshots=0 if k < 2 else 1,
+            )
+        )
+        if k < 2:
+            assert len(list(root.glob("*/snapshot.json"))) == k + 1, "keep_snapshots 0: nothing removed"
+    assert len(list(root.glob("*/snapshot.json"))) == 1, "keep_snapshots 1: the newest snapshot only"
+    newest = snapshots[-1]
+    listed = {
+        Path(p).name
+        for manifest in (newest.train_path, newest.validation_path)
+        for p in split_files(manifest)
+    }
+    assert {p.name for p in store.glob("*.parquet")} == listed
+    assert len(rows_of(newest.train_path)) + len(rows_of(newest.validation_path)) == 8  # still readable

@@ -1,5 +1,6 @@
-"""The preference input's pure parts: a resumable order of pairs shared out over ranks, TRL's batch layout, and the
-reference values file refusing values that belong to other pairs or another dataset."""
+"""The preference input's pure parts: pairs packed into fixed-shape micro-batches in a resumable order shared out
+over ranks, SFT's document layout, a job's typed DPO section, and the reference values file refusing values that
+belong to other pairs or another dataset."""
 
 from __future__ import annotations
 
@@ -12,79 +13,101 @@ import torch
 
 from nexa_dagster.core.training.data import index_stream
 from nexa_dagster.core.training.preference_data import (
+    PairLayout,
     Pairs,
-    collate_pairs,
+    collate_packed,
+    pack_pairs,
     pair_batches,
-    rank_rounds,
+    pair_layout,
     read_reference_logps,
+    scoring_batches,
     write_reference_logps,
 )
 
 
-def toy_pairs(n: int) -> Pairs:
+def toy_pairs(n: int, longest: int = 9) -> Pairs:
     rng = np.random.default_rng(0)
-    ids = [rng.integers(6, 100, k) for k in rng.integers(2, 9, 3 * n)]
+    ids = [rng.integers(6, 100, k) for k in rng.integers(2, longest, 3 * n)]
     return Pairs("toy", [f"p{i}" for i in range(n)], ids[:n], ids[n : 2 * n], ids[2 * n :])
 
 
-def pair_ids_of(batch: dict[str, torch.Tensor], pairs: Pairs) -> list[int]:
-    """Which pairs a batch holds, recovered from its chosen rows."""
-    half = batch["input_ids"].shape[0] // 2
-    found = []
-    for row in batch["input_ids"][:half]:
-        found.append(
-            next(
-                i
-                for i in range(len(pairs))
-                if torch.equal(row[: pairs.prompt[i].size + pairs.chosen[i].size], _chosen_row(pairs, i))
-            )
-        )
-    return found
+def pairs_of(batch: dict[str, torch.Tensor]) -> list[int]:
+    return batch["pair_index"].tolist()
 
 
-def _chosen_row(pairs: Pairs, i: int) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate([pairs.prompt[i], pairs.chosen[i]]))
-
-
-def test_a_resumed_order_continues_exactly_and_ranks_share_each_global_batch() -> None:
-    """The order is a pure function of (seed, position): a run resumed at global batch 5 gets batches 5, 6, 7 of an
-    uninterrupted run, and the two ranks' micro-batches of a global batch are its two halves."""
-    pairs = toy_pairs(7)
-    stream = list(itertools.islice(index_stream(7, 3), 32))
-    expected = [stream[4 * k : 4 * k + 4] for k in range(8)]  # global batches: 2 ranks x 2 pairs
+def test_a_resumed_order_continues_exactly_and_ranks_take_turns_at_the_packed_micro_batches() -> None:
+    """The packed stream is a pure function of (seed, position): a run resumed at global micro-batch 5 gets what an
+    uninterrupted one gets from there, rank r takes every other micro-batch of one stream, and the packer's lookahead
+    only reorders the seeded order locally: an epoch trains every pair, none twice."""
+    pairs = toy_pairs(40)
+    layout = PairLayout(rows=4, length=24)
+    stream = [pairs_of(b) for b in itertools.islice(pair_batches(pairs, layout, 3, 0, 1, pad_id=0), 40)]
 
     def ids(rank: int, start: int, count: int) -> list[list[int]]:
-        batches = pair_batches(pairs, 2, 3, rank, 2, pad_id=0, start=start)
-        return [pair_ids_of(b, pairs) for b in itertools.islice(batches, count)]
+        batches = pair_batches(pairs, layout, 3, rank, 2, pad_id=0, start=start)
+        return [pairs_of(b) for b in itertools.islice(batches, count)]
 
-    assert ids(0, 0, 8) == [g[:2] for g in expected] and ids(1, 0, 8) == [g[2:] for g in expected]
-    assert ids(0, 5, 3) == [g[:2] for g in expected[5:]] and ids(1, 5, 3) == [g[2:] for g in expected[5:]]
-    assert ids(0, 0, 8) != [
-        pair_ids_of(b, pairs) for b in itertools.islice(pair_batches(pairs, 2, 4, 0, 2, 0), 8)
-    ]
+    assert ids(0, 0, 8) == stream[0:16:2] and ids(1, 0, 8) == stream[1:16:2]
+    assert ids(0, 5, 3) == stream[10:16:2] and ids(1, 5, 3) == stream[11:17:2]
+    flat = [i for batch in stream for i in batch]
+    window = 2 * layout.rows  # the packer's lookahead, in pairs
+    assert len(set(flat[: 40 - window])) == 40 - window, "within an epoch no pair comes twice"
+    assert set(flat[: 40 + window]) == set(range(40)), "every pair of an epoch is trained on within it"
+    order, taken = list(itertools.islice(index_stream(40, 3), len(flat) + window)), 0
+    for batch in stream:  # each micro-batch comes from the next stretch of the seeded order
+        assert set(batch) <= set(order[: taken + window + len(batch)])
+        taken += len(batch)
+    assert max(len(b) for b in stream) > layout.rows // 2, (
+        "short pairs share rows: more pairs than half the rows"
+    )
+    assert stream != [pairs_of(b) for b in itertools.islice(pair_batches(pairs, layout, 4, 0, 1, 0), 40)]
 
 
-def test_a_batch_is_chosen_rows_then_rejected_rows_right_padded_with_labels_on_completions() -> None:
-    pairs = toy_pairs(3)
-    batch = collate_pairs(pairs, [2, 0], pad_id=1)
-    assert batch["input_ids"].shape[0] == 4
-    for row, (i, completion) in enumerate(
-        [(2, pairs.chosen[2]), (0, pairs.chosen[0]), (2, pairs.rejected[2]), (0, pairs.rejected[0])]
+def test_a_packed_batch_lays_each_document_out_like_sft_with_labels_on_its_completion() -> None:
+    pairs = toy_pairs(6)
+    layout = PairLayout(rows=3, length=30)
+    rows = next(pack_pairs(pairs, [4, 1, 5, 0, 2, 3], layout))
+    batch = collate_packed(pairs, rows, layout, pad_id=1)
+    assert batch["input_ids"].shape == (3, 30)
+    n = batch["pair_index"].shape[0]
+    assert sorted(batch["pair_index"].tolist()) == sorted({i for row in rows for i, _ in row})
+    for j, i in enumerate(batch["pair_index"].tolist()):
+        for slot, completion in ((j, pairs.chosen[i]), (n + j, pairs.rejected[i])):
+            where = batch["segments"] == slot
+            assert int(where.any(1).sum()) == 1, "a document lies in one row"
+            document = np.concatenate([pairs.prompt[i], completion])
+            assert batch["input_ids"][where].tolist() == document.tolist()
+            assert batch["position_ids"][where].tolist() == list(range(document.size))
+            assert batch["labels"][where].tolist() == [-100] * pairs.prompt[i].size + completion.tolist()
+            assert batch["attention_mask"][where].eq(1).all()
+        assert batch["completion_tokens"][j] == pairs.chosen[i].size
+        assert batch["completion_tokens"][n + j] == pairs.rejected[i].size
+    padding = batch["segments"] == 2 * n
+    assert batch["attention_mask"][padding].eq(0).all() and batch["labels"][padding].eq(-100).all()
+    assert batch["input_ids"][padding].eq(1).all()
+    assert int(batch["real_tokens"]) == int(batch["attention_mask"].sum()) and int(batch["pairs"]) == n
+
+
+def test_scoring_batches_give_every_rank_as_many_batches_and_each_pair_once() -> None:
+    pairs = toy_pairs(30)
+    layout = PairLayout(rows=2, length=20)
+    shares = [list(scoring_batches(pairs, layout, 0, r, 3)) for r in range(3)]
+    assert len({len(s) for s in shares}) == 1
+    scored = [i for s in shares for batch, mine in s if mine for i in pairs_of(batch)]
+    assert sorted(scored) == list(range(30))
+    assert not shares[2][-1][1] or len(list(pack_pairs(pairs, range(30), layout))) % 3 == 0
+
+
+def test_the_layout_fits_the_longest_pair_and_refuses_a_pack_length_too_short() -> None:
+    pairs = toy_pairs(10, longest=40)
+    longest = max(pairs.prompt[i].size + max(pairs.chosen[i].size, pairs.rejected[i].size) for i in range(10))
+    layout = pair_layout([pairs], 4)
+    assert layout.rows == 8 and layout.length % 64 == 0 and layout.length - 64 < longest <= layout.length
+    assert pair_layout([pairs], 4, pack_length=longest).length == longest
+    with pytest.raises(
+        ValueError, match=r"pack_length 10 is shorter than the \d+ tokens .* in toy \(pair_id"
     ):
-        n, p = pairs.prompt[i].size + completion.size, pairs.prompt[i].size
-        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
-        assert batch["input_ids"][row, n:].eq(1).all()
-        assert batch["labels"][row, :p].eq(-100).all() and batch["labels"][row, n:].eq(-100).all()
-        assert batch["labels"][row, p:n].tolist() == completion.tolist()
-        assert batch["completion_tokens"][row] == completion.size
-    assert int(batch["real_tokens"]) == int(batch["attention_mask"].sum())
-
-
-def test_rank_rounds_give_every_rank_as_many_rounds_and_cover_each_item_once() -> None:
-    shares = [list(rank_rounds(7, 2, r, 3)) for r in range(3)]
-    assert {len(s) for s in shares} == {2}
-    assert sorted(i for s in shares for part in s for i in part) == list(range(7))
-    assert shares[2][1] == [], "a rank without items left still runs the round"
+        pair_layout([pairs], 4, pack_length=10)
 
 
 def test_the_reference_file_is_refused_for_other_pairs_or_another_dataset(tmp_path: Path) -> None:
@@ -110,7 +133,7 @@ def test_a_preference_job_needs_the_checkpoint_it_starts_from() -> None:
     from pydantic import ValidationError
 
     from nexa_dagster.core.common.config import TrainingSettings
-    from nexa_dagster.core.training.job import TrainingJob
+    from nexa_dagster.core.training.job import DPOObjective, LanguageModelObjective, TrainingJob
 
     fields = {
         "run_id": "dpo",
@@ -136,6 +159,15 @@ def test_a_preference_job_needs_the_checkpoint_it_starts_from() -> None:
     with pytest.raises(ValidationError, match="a preference .DPO. job needs init_from"):
         TrainingJob(**fields)
     job = TrainingJob(**fields, init_from="/models/sft")
-    assert (job.dpo_beta, job.dpo_loss, job.reference_path) == (0.1, "sigmoid", "")
+    assert job.objective == DPOObjective()  # the data kind's objective, with DPO's defaults
+    assert (job.objective.beta, job.objective.loss, job.objective.reference_path) == (0.1, "sigmoid", "")
     with pytest.raises(ValidationError):
-        TrainingJob(**fields, init_from="/models/sft", dpo_loss="ipo")
+        TrainingJob(**fields, init_from="/models/sft", objective={"kind": "dpo", "loss": "ipo"})
+    with pytest.raises(ValidationError, match="data_kind preference is trained with the dpo objective"):
+        TrainingJob(**fields, init_from="/models/sft", objective={"kind": "language_model"})
+    sft = TrainingJob(**{**fields, "data_kind": "packed_sft"})
+    assert sft.objective == LanguageModelObjective()
+    with pytest.raises(
+        ValidationError, match="data_kind packed_sft is trained with the language_model objective"
+    ):
+        TrainingJob(**{**fields, "data_kind": "packed_sft"}, objective={"kind": "dpo"})
