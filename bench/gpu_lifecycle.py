@@ -188,7 +188,8 @@ def starts_from(out: Path, stage: str) -> dict[str, str]:
 def dpo_job(job: dict[str, Any], reference_logps: Path) -> dict[str, Any]:
     """The DPO job with its reference model the weights it starts from, their log-probabilities computed anew (the
     CPU run's cached ones belong to other weights)."""
-    return {**job, "reference_path": "", "reference_logps_path": str(reference_logps)}
+    objective = {**job["objective"], "reference_path": "", "reference_logps_path": str(reference_logps)}
+    return {**job, "objective": objective}
 
 
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
