@@ -71,12 +71,19 @@ status: install
 rollback: install
 	$(BIN)/python -m nexa_dagster.cli rollback
 
-validate: install
-	$(BIN)/dagster definitions validate -w workspace.yaml
+# the code location loads (every configs/ file checked, every asset, job, schedule and sensor built): silent when it
+# does, Dagster's whole output when it does not. Run from DAGSTER_HOME, as every `dagster` command here is (Dagster
+# warns about a dagster.yaml in the current folder that is not DAGSTER_HOME's).
+validate: install $(DAGSTER_HOME)/dagster.yaml
+	@cd $(DAGSTER_HOME) && out=$$($(CURDIR)/$(BIN)/dagster definitions validate -w $(CURDIR)/workspace.yaml 2>&1) \
+		|| { echo "$$out"; echo "==> the code location does not load (dagster definitions validate)"; exit 1; }
+	@echo "==> the code location loads (dagster definitions validate)"
 
+# what CI runs before the tests: formatting, lint, and a code location that loads
 lint: install
 	$(BIN)/ruff format --check nexa_dagster tests bench scripts
 	$(BIN)/ruff check nexa_dagster tests bench scripts
+	@$(MAKE) --no-print-directory validate
 
 clean:
 	rm -rf data results .dagster_home

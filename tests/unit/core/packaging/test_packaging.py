@@ -148,7 +148,9 @@ def test_the_negative_control_shuffles_each_answers_words_the_same_way_every_tim
     control = build_transform(DataBlend.load("blends/sft_negative_control.yaml").sources[0].transform)
     shuffled = control(record)["messages"]
     assert shuffled[:2] == record["messages"][:2]
-    assert shuffled[2]["content"] != answer and sorted(shuffled[2]["content"].split()) == sorted(answer.split())
+    assert shuffled[2]["content"] != answer and sorted(shuffled[2]["content"].split()) == sorted(
+        answer.split()
+    )
     assert control(record) == control(record)  # deterministic: a re-run packs the same bytes
     other_seed = build_transform({"shuffle_answer_words": {"seed": 1}})(record)["messages"][2]["content"]
     assert other_seed != shuffled[2]["content"]
