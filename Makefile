@@ -59,8 +59,17 @@ test: install
 test-fast: install
 	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10
 
+# the UI and the daemon (`dg dev`, the successor of `dagster dev`), run from DAGSTER_HOME (Dagster warns about a
+# dagster.yaml in another current folder).
+# AUTOMATION=off: the schedule and sensors start stopped (NEXA_AUTOMATION, nexa_dagster/automation.py).
 ui: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml
+	@echo "==> make ui: the Dagster UI on http://127.0.0.1:3000 and the daemon. The daemon runs the nightly_retrain"
+	@echo "    schedule and the sensors (retrain, new checkpoints, automation, preference, missed retries), which are"
+	@echo "    $(if $(filter off,$(AUTOMATION)),OFF (AUTOMATION=off),ON (make ui AUTOMATION=off starts them off)) unless turned on or off in the UI before: runs may start"
+	@echo "    at once (an evaluation_job for each checkpoint not yet evaluated). Ctrl-C stops the UI, the daemon and"
+	@echo "    every run in progress (marked failed); to stop cleanly, turn the sensors off under Automation and wait"
+	@echo "    for the runs under Runs to finish first."
+	cd $(DAGSTER_HOME) && $(if $(AUTOMATION),NEXA_AUTOMATION=$(AUTOMATION) )$(CURDIR)/$(BIN)/dg dev -w $(CURDIR)/workspace.yaml
 
 serve: install
 	$(BIN)/python -m nexa_dagster.cli serve --port $${PORT:-8000}
