@@ -25,6 +25,7 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
+from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
 from nexa_dagster.core.common.config import config_dir, pipeline_config
 from nexa_dagster.jobs import JOBS, nightly_schedule
@@ -143,7 +144,7 @@ def build_defs() -> dg.Definitions:
     check_configs(extra=[build_resources])
     return dg.Definitions(
         executor=STEP_EXECUTOR,
-        assets=dg.load_assets_from_modules(ASSET_MODULES),
+        assets=with_code_versions(dg.load_assets_from_modules(ASSET_MODULES)),  # assets/versions.py
         asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
         jobs=JOBS,
         schedules=[nightly_schedule(pipeline_config().schedule.nightly_retrain_hour_utc)],

@@ -36,6 +36,15 @@ TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest sets its own warning filters around each test phase: the beta APIs the project chose knowingly
+    (nexa_dagster/dagster_warnings.py) are silenced there too, from the same list."""
+    from nexa_dagster.dagster_warnings import KNOWN_BETA_APIS
+
+    for _api, message, _why in KNOWN_BETA_APIS:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:dagster.BetaWarning")
+
+
 # first: pytest-xdist's own hook (registered after this file on a worker) turns xdist_group marks into groups
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
