@@ -25,6 +25,7 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
+from nexa_dagster.assets.freshness import with_freshness
 from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
 from nexa_dagster.core.common.config import config_dir, pipeline_config
@@ -142,12 +143,14 @@ def build_defs() -> dg.Definitions:
     """The code location. Every file under ``configs/`` is checked first: a bad key fails the load (``make
     validate``, the UI) naming the file and the key, not a run hours later."""
     check_configs(extra=[build_resources])
+    schedule = pipeline_config().schedule
+    assets = with_code_versions(dg.load_assets_from_modules(ASSET_MODULES))  # assets/versions.py
     return dg.Definitions(
         executor=STEP_EXECUTOR,
-        assets=with_code_versions(dg.load_assets_from_modules(ASSET_MODULES)),  # assets/versions.py
+        assets=with_freshness(assets, schedule),  # assets/freshness.py
         asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
         jobs=JOBS,
-        schedules=[nightly_schedule(pipeline_config().schedule.nightly_retrain_hour_utc)],
+        schedules=[nightly_schedule(schedule.nightly_retrain_hour_utc)],
         sensors=SENSORS,
         resources=build_resources(),
     )
