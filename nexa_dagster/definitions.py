@@ -25,6 +25,7 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
+from nexa_dagster.assets.columns import with_column_schemas
 from nexa_dagster.assets.freshness import with_freshness
 from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
@@ -145,6 +146,7 @@ def build_defs() -> dg.Definitions:
     check_configs(extra=[build_resources])
     schedule = pipeline_config().schedule
     assets = with_code_versions(dg.load_assets_from_modules(ASSET_MODULES))  # assets/versions.py
+    assets = with_column_schemas(assets)  # assets/columns.py: from the pandera models
     return dg.Definitions(
         executor=STEP_EXECUTOR,
         assets=with_freshness(assets, schedule),  # assets/freshness.py
