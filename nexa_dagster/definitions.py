@@ -15,6 +15,7 @@ import dagster as dg
 from nexa_dagster import settings
 from nexa_dagster.assets import (
     base_evaluation,
+    checks,
     distill,
     evaluation,
     evaluation_set,
@@ -150,7 +151,9 @@ def build_defs() -> dg.Definitions:
     return dg.Definitions(
         executor=STEP_EXECUTOR,
         assets=with_freshness(assets, schedule),  # assets/freshness.py
-        asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
+        asset_checks=dg.load_asset_checks_from_modules(
+            [*ASSET_MODULES, checks]
+        ),  # assets/checks.py: the rest
         jobs=JOBS,
         schedules=[nightly_schedule(schedule.nightly_retrain_hour_utc)],
         sensors=SENSORS,

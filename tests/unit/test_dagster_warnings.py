@@ -12,7 +12,7 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster.core.common.config import REPO_ROOT
-from nexa_dagster.dagster_warnings import KNOWN_BETA_APIS, filter_known_beta_warnings
+from nexa_dagster.dagster_warnings import filter_known_beta_warnings, known_warnings
 
 
 def test_loading_the_code_location_prints_no_beta_or_preview_warning() -> None:
@@ -33,9 +33,9 @@ def test_only_the_chosen_beta_apis_are_silenced() -> None:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         filter_known_beta_warnings()
-        for _api, message, _why in KNOWN_BETA_APIS:
+        for message, category in known_warnings():
             warnings.warn(
-                message.replace("\\", "") + ", and may have breaking changes", dg.BetaWarning, stacklevel=1
+                message.replace("\\", "") + ", and may have breaking changes", category, stacklevel=1
             )
         warnings.warn("Function `some_new_api` is currently in beta", dg.BetaWarning, stacklevel=1)
         warnings.warn(
