@@ -65,8 +65,13 @@ test-fast: install
 ui: install $(DAGSTER_HOME)/dagster.yaml
 	@echo "==> make ui: the Dagster UI on http://127.0.0.1:3000 and the daemon. The daemon runs the nightly_retrain"
 	@echo "    schedule and the sensors (retrain, new checkpoints, automation, preference, missed retries), which are"
-	@echo "    $(if $(filter off,$(AUTOMATION)),OFF (AUTOMATION=off),ON (make ui AUTOMATION=off starts them off)) unless turned on or off in the UI before: runs may start"
-	@echo "    at once (an evaluation_job for each checkpoint not yet evaluated). Ctrl-C stops the UI, the daemon and"
+ifeq ($(AUTOMATION),off)
+	@echo "    OFF (AUTOMATION=off) unless turned on in the UI before: nothing starts until you turn them on under"
+	@echo "    Automation. Ctrl-C stops the UI, the daemon and"
+else
+	@echo "    ON unless turned off in the UI before (make ui AUTOMATION=off starts them off): runs may start at"
+	@echo "    once (an evaluation_job for each checkpoint not yet evaluated). Ctrl-C stops the UI, the daemon and"
+endif
 	@echo "    every run in progress (marked failed); to stop cleanly, turn the sensors off under Automation and wait"
 	@echo "    for the runs under Runs to finish first."
 	cd $(DAGSTER_HOME) && $(if $(AUTOMATION),NEXA_AUTOMATION=$(AUTOMATION) )$(CURDIR)/$(BIN)/dg dev -w $(CURDIR)/workspace.yaml
