@@ -59,8 +59,22 @@ test: install
 test-fast: install
 	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10
 
+# the UI and the daemon (`dg dev`, the successor of `dagster dev`), run from DAGSTER_HOME (Dagster warns about a
+# dagster.yaml in another current folder).
+# AUTOMATION=off: the schedule and sensors start stopped (NEXA_AUTOMATION, nexa_dagster/automation.py).
 ui: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml
+	@echo "==> make ui: the Dagster UI on http://127.0.0.1:3000 and the daemon. The daemon runs the nightly_retrain"
+	@echo "    schedule and the sensors (retrain, new checkpoints, automation, preference, missed retries), which are"
+ifeq ($(AUTOMATION),off)
+	@echo "    OFF (AUTOMATION=off) unless turned on in the UI before: nothing starts until you turn them on under"
+	@echo "    Automation. Ctrl-C stops the UI, the daemon and"
+else
+	@echo "    ON unless turned off in the UI before (make ui AUTOMATION=off starts them off): runs may start at"
+	@echo "    once (an evaluation_job for each checkpoint not yet evaluated). Ctrl-C stops the UI, the daemon and"
+endif
+	@echo "    every run in progress (marked failed); to stop cleanly, turn the sensors off under Automation and wait"
+	@echo "    for the runs under Runs to finish first."
+	cd $(DAGSTER_HOME) && $(if $(AUTOMATION),NEXA_AUTOMATION=$(AUTOMATION) )$(CURDIR)/$(BIN)/dg dev -w $(CURDIR)/workspace.yaml
 
 serve: install
 	$(BIN)/python -m nexa_dagster.cli serve --port $${PORT:-8000}
@@ -71,12 +85,19 @@ status: install
 rollback: install
 	$(BIN)/python -m nexa_dagster.cli rollback
 
-validate: install
-	$(BIN)/dagster definitions validate -w workspace.yaml
+# the code location loads (every configs/ file checked, every asset, job, schedule and sensor built): silent when it
+# does, Dagster's whole output when it does not. Run from DAGSTER_HOME, as every `dagster` command here is (Dagster
+# warns about a dagster.yaml in the current folder that is not DAGSTER_HOME's).
+validate: install $(DAGSTER_HOME)/dagster.yaml
+	@cd $(DAGSTER_HOME) && out=$$($(CURDIR)/$(BIN)/dagster definitions validate -w $(CURDIR)/workspace.yaml 2>&1) \
+		|| { echo "$$out"; echo "==> the code location does not load (dagster definitions validate)"; exit 1; }
+	@echo "==> the code location loads (dagster definitions validate)"
 
+# what CI runs before the tests: formatting, lint, and a code location that loads
 lint: install
 	$(BIN)/ruff format --check nexa_dagster tests bench scripts
 	$(BIN)/ruff check nexa_dagster tests bench scripts
+	@$(MAKE) --no-print-directory validate
 
 clean:
 	rm -rf data results .dagster_home

@@ -15,6 +15,7 @@ import dagster as dg
 from nexa_dagster import settings
 from nexa_dagster.assets import (
     base_evaluation,
+    checks,
     distill,
     evaluation,
     evaluation_set,
@@ -25,6 +26,9 @@ from nexa_dagster.assets import (
     serving,
     training,
 )
+from nexa_dagster.assets.columns import with_column_schemas
+from nexa_dagster.assets.freshness import with_freshness
+from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
 from nexa_dagster.core.common.config import config_dir, pipeline_config
 from nexa_dagster.jobs import JOBS, nightly_schedule
@@ -141,12 +145,17 @@ def build_defs() -> dg.Definitions:
     """The code location. Every file under ``configs/`` is checked first: a bad key fails the load (``make
     validate``, the UI) naming the file and the key, not a run hours later."""
     check_configs(extra=[build_resources])
+    schedule = pipeline_config().schedule
+    assets = with_code_versions(dg.load_assets_from_modules(ASSET_MODULES))  # assets/versions.py
+    assets = with_column_schemas(assets)  # assets/columns.py: from the pandera models
     return dg.Definitions(
         executor=STEP_EXECUTOR,
-        assets=dg.load_assets_from_modules(ASSET_MODULES),
-        asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
+        assets=with_freshness(assets, schedule),  # assets/freshness.py
+        asset_checks=dg.load_asset_checks_from_modules(
+            [*ASSET_MODULES, checks]
+        ),  # assets/checks.py: the rest
         jobs=JOBS,
-        schedules=[nightly_schedule(pipeline_config().schedule.nightly_retrain_hour_utc)],
+        schedules=[nightly_schedule(schedule.nightly_retrain_hour_utc)],
         sensors=SENSORS,
         resources=build_resources(),
     )

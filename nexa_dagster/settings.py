@@ -84,6 +84,12 @@ SERVING_CONTROL_URL = _var(
     "NEXA_SERVING_CONTROL_URL", "", "the serving service's control API when it runs elsewhere (containers)"
 )
 SERVING_URL = _var("NEXA_SERVING_URL", "", "that service's OpenAI-compatible endpoint")
+AUTOMATION = _var(
+    "NEXA_AUTOMATION",
+    "on",
+    "off: the schedule and sensors start stopped on an instance that holds no on/off state for them "
+    "(`make ui AUTOMATION=off`)",
+)
 
 
 def llm_variable(role: str, field: str) -> Variable:

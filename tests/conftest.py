@@ -36,6 +36,15 @@ TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest sets its own warning filters around each test phase: the beta APIs the project chose knowingly
+    (nexa_dagster/dagster_warnings.py) are silenced there too, from the same list."""
+    from nexa_dagster.dagster_warnings import known_warnings
+
+    for message, category in known_warnings():
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:dagster.{category.__name__}")
+
+
 # first: pytest-xdist's own hook (registered after this file on a worker) turns xdist_group marks into groups
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

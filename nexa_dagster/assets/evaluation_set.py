@@ -59,6 +59,8 @@ def eval_set(
     )
     frozen_corpus = manifest.get("corpus") or {}
     return dg.MaterializeResult(
+        # frozen: the same content each night, so what reads it (base_model, eval reports) is not marked stale
+        data_version=dg.DataVersion(manifest["content_sha256"]),
         metadata={
             "version": manifest["version"],
             "examples": manifest["examples"],
@@ -74,5 +76,5 @@ def eval_set(
                 "content_sha256"
             ],  # the whole version: reports and the leaderboard carry it
             "path": dg.MetadataValue.path(storage.path("eval_sets", f"v{manifest['version']}")),
-        }
+        },
     )

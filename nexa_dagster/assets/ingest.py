@@ -50,9 +50,7 @@ def raw_documents(
         except IngestError as e:
             raise dg.Failure(description=str(e), allow_retries=False) from e
         frame = ingested.documents
-        context.log.info(
-            f"{day}: {len(frame)} documents from {frame['source'].str.split(':').str[0].nunique()} files"
-        )
+        context.log.info(f"{day}: {len(frame)} documents from {ingested.files} files")
         path = quarantine_path(storage, day)
         if ingested.quarantined:
             io.write_jsonl((b.to_json() for b in ingested.quarantined), path)

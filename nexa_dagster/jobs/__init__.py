@@ -14,6 +14,7 @@ import datetime as dt
 import dagster as dg
 
 from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions, daily_partitions
+from nexa_dagster.automation import schedule_default_status
 from nexa_dagster.core.data.ingest import has_landed
 from nexa_dagster.resources.storage import StorageResource
 
@@ -88,7 +89,7 @@ def nightly_schedule(hour_utc: int) -> dg.ScheduleDefinition:
         execution_timezone="UTC",
         job=daily_data_job,
         name="nightly_retrain",
-        default_status=dg.DefaultScheduleStatus.RUNNING,
+        default_status=schedule_default_status(),
         description="Every night: process the day that just ended; the retrain sensor then trains on the "
         "new snapshot and the checkpoint sensor evaluates the result.",
     )

@@ -71,7 +71,9 @@ class NexaIOManager(dg.ConfigurableIOManager):
                 {
                     "path": dg.MetadataValue.path(written[0])
                     if len(written) == 1
-                    else dg.MetadataValue.json(written)
+                    else dg.MetadataValue.json(written),
+                    # the lineage assets/columns.py declares, where the UI's column lineage graph reads it
+                    **_column_lineage(context),
                 }
             )
         elif isinstance(obj, BaseModel):
@@ -165,3 +167,9 @@ def _load_artifact(path: str, where: dict[str, str]) -> BaseModel:
     return getattr(importlib.import_module(module), name).model_validate(
         roots.localize(payload["data"], where)
     )
+
+
+def _column_lineage(context: dg.OutputContext) -> dict[str, Any]:
+    """``dagster/column_lineage`` of the asset's definition metadata, for its materialization (none: empty)."""
+    lineage = (context.definition_metadata or {}).get("dagster/column_lineage")
+    return {"dagster/column_lineage": lineage} if lineage is not None else {}

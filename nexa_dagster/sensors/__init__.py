@@ -5,6 +5,7 @@ retries happen when its retry daemon skipped a failed run."""
 
 import dagster as dg
 
+from nexa_dagster.automation import sensor_default_status
 from nexa_dagster.sensors.checkpoints import new_checkpoint_sensor
 from nexa_dagster.sensors.missed_retries import missed_run_retries
 from nexa_dagster.sensors.preference import pairs_after_promotion, preference_training_after_pairs
@@ -13,7 +14,7 @@ from nexa_dagster.sensors.retrain import retrain_after_ingest
 automation_sensor = dg.AutomationConditionSensorDefinition(
     "automation_sensor",
     target=dg.AssetSelection.assets("leaderboard", "base_model_eval"),
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     minimum_interval_seconds=30,
     description="Evaluates automation conditions: the leaderboard is rebuilt after new evaluation reports, and "
     "each new base model is evaluated once an eval set exists.",

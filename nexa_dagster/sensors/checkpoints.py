@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.automation import sensor_default_status
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.jobs import evaluation_job
 from nexa_dagster.resources.configs import PromotionResource
@@ -62,7 +63,7 @@ def evaluation_runs(instance: dg.DagsterInstance, checkpoint: str) -> list[dg.Da
 @dg.sensor(
     job=evaluation_job,
     minimum_interval_seconds=30,
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     description="Starts evaluation_job for each complete checkpoint in the checkpoint store or the MLflow "
     f"model registry, once; an evaluation run that failed is tried again, "
     f"{MAX_EVALUATION_ATTEMPTS} runs at most.",

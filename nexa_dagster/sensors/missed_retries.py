@@ -31,6 +31,8 @@ import dagster as dg
 from dagster._core.event_api import RunStatusChangeRecordsFilter
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG
 
+from nexa_dagster.automation import sensor_default_status
+
 FAILURE_CURSOR_KEY = f"EVENT_LOG_CONSUMER_CURSOR-{dg.DagsterEventType.RUN_FAILURE.value}"
 # A run failed longer ago than this is left to a person: by then they may have re-run it by hand.
 LOOKBACK_S = 3600
@@ -87,7 +89,7 @@ def missed_retries(instance: dg.DagsterInstance, now: float | None = None) -> li
 
 @dg.sensor(
     minimum_interval_seconds=30,
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     description="Makes Dagster's run retries happen when its retry daemon skipped a failed run "
     "(dagster-io/dagster#33741): rewinds the daemon's cursor so that it retries the run itself.",
 )

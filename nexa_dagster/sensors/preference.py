@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from nexa_dagster.automation import sensor_default_status
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.jobs import preference_pairs_job, preference_training_job
@@ -34,7 +35,7 @@ def production_stage(storage: StorageResource) -> tuple[str | None, str]:
 @dg.sensor(
     job=preference_pairs_job,
     minimum_interval_seconds=60,
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     description="When a new SFT model is promoted, its answers to the days without pairs become preference pairs.",
 )
 def pairs_after_promotion(
@@ -64,7 +65,7 @@ def pairs_after_promotion(
 @dg.sensor(
     job=preference_training_job,
     minimum_interval_seconds=60,
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     description="Trains a DPO checkpoint once new preference pairs have landed and no pairs run is in flight.",
 )
 def preference_training_after_pairs(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:

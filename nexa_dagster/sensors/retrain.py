@@ -12,6 +12,7 @@ from __future__ import annotations
 import dagster as dg
 from dagster._core.execution.backfill import BulkActionStatus
 
+from nexa_dagster.automation import sensor_default_status
 from nexa_dagster.jobs import daily_data_job, training_job
 
 FILTERED = dg.AssetKey("filtered_samples")
@@ -69,7 +70,7 @@ def data_runs_in_flight(instance: dg.DagsterInstance) -> int:
 @dg.sensor(
     job=training_job,
     minimum_interval_seconds=60,
-    default_status=dg.DefaultSensorStatus.RUNNING,
+    default_status=sensor_default_status(),
     description="Trains on the new snapshot once new filtered samples have landed and the data runs in "
     "flight (a nightly run, a backfill's runs) are done: one training per new snapshot.",
 )

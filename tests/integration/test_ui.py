@@ -139,6 +139,23 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
             page.get_by_text("Success").first.wait_for(timeout=60_000)
             shot = tmp_path / "run.png"
             page.screenshot(path=str(shot))
+
+            # what the code location feeds the asset pages (docs/architecture.md): the run's check results and the
+            # column schema of raw_documents, and the freshness policy of eval_report
+            page.goto(f"{base}/assets/raw_documents", wait_until="networkidle")
+            for text in ("Columns", "doc_id", "n_chars"):
+                page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "asset.png"))
+            page.goto(f"{base}/assets/raw_documents?view=checks", wait_until="networkidle")
+            for text in ("raw_documents_fit_their_days", "This is a blocking asset check.", "Passed"):
+                page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "checks.png"))
+            page.goto(f"{base}/assets/eval_report", wait_until="networkidle")
+            page.get_by_text("Freshness policy", exact=True).first.wait_for(timeout=60_000)
+            page.get_by_text("Deadline: At 08:00 AM UTC").first.wait_for(
+                timeout=60_000
+            )  # pipeline.yaml: 2 + 6 h
+            page.screenshot(path=str(tmp_path / "freshness.png"))
             browser.close()
     finally:
         stop_process_group(server, grace_s=60)  # whatever else keeps it: SIGKILL, this test is about the UI
@@ -156,7 +173,7 @@ def _keep_screenshots(tmp_path: Path, request: pytest.FixtureRequest):  # noqa: 
     """Copy the screenshots under results/ui/ for a person to look at (the temp dir is cleaned up)."""
     yield
     out = REPO_ROOT / "results" / "ui"
-    for name in ("graph.png", "run.png", "launch-failed.png"):
+    for name in ("graph.png", "run.png", "launch-failed.png", "asset.png", "checks.png", "freshness.png"):
         if (tmp_path / name).exists():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy(tmp_path / name, out / name)

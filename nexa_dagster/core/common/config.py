@@ -338,6 +338,9 @@ class ModelsConfig(_Strict):
 
 class ScheduleConfig(_Strict):
     nightly_retrain_hour_utc: int = Field(default=2, ge=0, le=23)
+    # how long a night may take: its evaluation is overdue (freshness FAIL in the UI) this many hours after the
+    # schedule's hour (nexa_dagster/assets/freshness.py)
+    nightly_deadline_hours: int = Field(default=6, ge=1, le=23)
 
 
 class PipelineConfig(_Strict):

@@ -208,9 +208,7 @@ def iter_landing(
     ``on_error="quarantine"`` yields a bad line or row as a ``BadInput`` and goes on; a file that cannot be read
     at all (corrupt Parquet, unsupported type) is set aside whole, with its path as ``where``.
     """
-    for path in sorted(day_dir.iterdir()):
-        if path.name.startswith("."):
-            continue
+    for path in landing_files(day_dir):
         try:
             # a file fails as a whole before its first document, or line by line after (read_* handle those)
             yield from _read_file(path, text_fields, title_fields, on_error)
@@ -220,9 +218,16 @@ def iter_landing(
             yield BadInput(e.where, e.reason, "")
 
 
+def landing_files(day_dir: Path) -> list[Path]:
+    """The files (or dataset folders) a day's landing folder holds, sorted; hidden ones (partial uploads) are not."""
+    if not day_dir.is_dir():
+        return []
+    return sorted(p for p in day_dir.iterdir() if not p.name.startswith("."))
+
+
 def has_landed(day_dir: Path) -> bool:
     """Whether a day's landing folder exists and holds anything (hidden files, e.g. partial uploads, don't count)."""
-    return day_dir.is_dir() and any(not p.name.startswith(".") for p in day_dir.iterdir())
+    return bool(landing_files(day_dir))
 
 
 def landed_days(landing_root: Path) -> list[str]:
@@ -238,6 +243,7 @@ def landed_days(landing_root: Path) -> list[str]:
 class IngestedDay:
     documents: pd.DataFrame  # the raw_documents rows of the day
     quarantined: list[BadInput]  # lines, rows or files set aside (empty unless on_error="quarantine")
+    files: int  # the files (a Parquet file, a datasets folder: one each) that landed on the day
 
 
 def read_day(
@@ -291,7 +297,7 @@ def read_day(
             f" ({len(bad)} bad lines/files set aside, first: {bad[0].where}: {bad[0].reason})" if bad else ""
         )
         raise IngestError(f"partition {day}", f"{day_dir} holds files but no non-empty documents{set_aside}")
-    return IngestedDay(pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS), bad)
+    return IngestedDay(pd.DataFrame(rows, columns=RAW_DOCUMENT_COLUMNS), bad, len(landing_files(day_dir)))
 
 
 def ingest_day(

@@ -172,3 +172,17 @@ def test_quarantine_sets_bad_lines_aside_with_file_line_and_reason(tmp_path: Pat
     assert got.quarantined[0].raw == '{"text": broken}'
     with pytest.raises(IngestError, match=r"a\.jsonl:2: malformed JSON"):  # raise stays the default
         read_day(day, "2026-01-11", max_docs=None, max_chars=100)
+
+
+def test_a_day_counts_its_files_not_its_rows(tmp_path: Path) -> None:
+    """ "N documents from M files": a Parquet file of 3 rows and a JSONL file of 2 lines are 2 files (the log of
+    raw_documents used to count each Parquet row as a file); a hidden partial upload is not one."""
+    from nexa_dagster.core.data.ingest import read_day
+
+    day = tmp_path / "2026-01-03"
+    day.mkdir()
+    pd.DataFrame({"text": ["one text", "two text", "three text"]}).to_parquet(day / "rows.parquet")
+    (day / "lines.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(2)))
+    (day / ".partial.jsonl").write_text("")
+    got = read_day(day, "2026-01-03", max_docs=None, max_chars=100)
+    assert (len(got.documents), got.files) == (5, 2)

@@ -1,0 +1,119 @@
+"""Asset checks on the stages that had none: a red or yellow light on each asset page, and, where a bad output must
+not flow on, a blocking check that stops the run before the next stage reads it.
+
+* ``raw_documents``: the day's rows are the run's days, none empty, none above the scale preset's cap (blocking:
+  the teacher must not be paid to answer another day's documents).
+* ``filtered_samples``: no sample the judge let through without an answer (blocking: packaging would train on it).
+* ``eval_set``: the frozen files match the SHA-256s of their manifest and the frozen marker (blocking: every report
+  compares checkpoints on the eval set's hash; a changed file makes the comparison meaningless).
+* ``leaderboard``: lists every checkpoint whose evaluation the instance recorded (a warning).
+* ``model_deployment``: the production pointer names a complete checkpoint directory (an error: serving would fail).
+
+The checks of packaging, training and evaluation's promotion gate live beside their assets; the preference stage's
+are its own.
+"""
+
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+
+from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.data.table_checks import day_problems, unanswered
+from nexa_dagster.core.evaluation.eval_set import EvalSetDamaged, load_eval_set
+from nexa_dagster.core.evaluation.promotion import ProductionRegistry
+from nexa_dagster.resources.configs import EvalSetsResource
+from nexa_dagster.resources.scale import ScaleResource
+from nexa_dagster.resources.storage import StorageResource
+
+
+@dg.asset_check(
+    asset="raw_documents",
+    blocking=True,
+    partitions_def=daily_partitions,
+    description="Every row is of one of the run's days; each day has documents, and no more than the scale "
+    "preset's max_docs_per_day.",
+)
+def raw_documents_fit_their_days(
+    context: dg.AssetCheckExecutionContext, raw_documents: pd.DataFrame, scale_preset: ScaleResource
+) -> dg.AssetCheckResult:
+    days = context.op_execution_context.partition_keys
+    cap = scale_preset.load().max_docs_per_day
+    problems = day_problems(raw_documents, days, cap)
+    return dg.AssetCheckResult(
+        passed=not problems,
+        description="; ".join(problems) or None,
+        metadata={"days": dg.MetadataValue.json(list(days)), "rows": len(raw_documents), "cap": cap or 0},
+    )
+
+
+@dg.asset_check(
+    asset="filtered_samples",
+    blocking=True,
+    partitions_def=daily_partitions,
+    description="No sample that passed SampleGate has an empty answer or a generation error.",
+)
+def filtered_samples_have_answers(filtered_samples: pd.DataFrame) -> dg.AssetCheckResult:
+    bad = unanswered(filtered_samples)
+    return dg.AssetCheckResult(
+        passed=bad.empty,
+        description=None if bad.empty else f"{len(bad)} of {len(filtered_samples)} samples have no answer",
+        metadata={
+            "unanswered": len(bad),
+            "sample_ids": dg.MetadataValue.json(bad["sample_id"].head(20).tolist()),
+        },
+    )
+
+
+@dg.asset_check(
+    asset="eval_set",
+    blocking=True,
+    description="The frozen version's files match the SHA-256s its manifest and its frozen marker recorded.",
+)
+def eval_set_matches_its_manifest(
+    storage: StorageResource, eval_sets: EvalSetsResource
+) -> dg.AssetCheckResult:
+    try:
+        manifest = load_eval_set(storage.path("eval_sets"), eval_sets.version)
+    except (EvalSetDamaged, FileNotFoundError) as e:
+        return dg.AssetCheckResult(passed=False, description=str(e), metadata={"version": eval_sets.version})
+    return dg.AssetCheckResult(
+        passed=True, metadata={"version": eval_sets.version, "content_sha256": manifest["content_sha256"]}
+    )
+
+
+@dg.asset_check(
+    asset="leaderboard",
+    description="Every checkpoint whose evaluation (eval_report) the instance recorded has a row.",
+)
+def leaderboard_lists_every_evaluation(
+    context: dg.AssetCheckExecutionContext, leaderboard: pd.DataFrame
+) -> dg.AssetCheckResult:
+    evaluated = context.instance.get_materialized_partitions(dg.AssetKey("eval_report"))
+    missing = sorted(evaluated - set(leaderboard["checkpoint_id"]))
+    return dg.AssetCheckResult(
+        passed=not missing,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{len(missing)} evaluated checkpoints missing: {missing[:10]}" if missing else None,
+        metadata={"evaluated": len(evaluated), "rows": len(leaderboard)},
+    )
+
+
+@dg.asset_check(
+    asset="model_deployment",
+    description="The production pointer names a checkpoint directory that is complete (its _COMPLETE marker).",
+)
+def production_checkpoint_is_complete(storage: StorageResource) -> dg.AssetCheckResult:
+    production = ProductionRegistry(storage.production_pointer()).current()
+    if production is None:
+        return dg.AssetCheckResult(passed=True, description="no production model (nothing promoted yet)")
+    path = production.checkpoint_path
+    complete = (Path(path) / COMPLETION_MARKER).is_file()
+    return dg.AssetCheckResult(
+        passed=complete,
+        description=None
+        if complete
+        else f"production {production.checkpoint_id}: {path} is not a complete checkpoint",
+        metadata={"checkpoint_id": production.checkpoint_id, "path": dg.MetadataValue.path(path)},
+    )
