@@ -80,7 +80,9 @@ def instance():
 
 def test_every_asset_has_a_code_version_from_its_sources() -> None:
     graph = _defs().resolve_asset_graph()
-    for key in graph.get_all_asset_keys():
+    materialized_here = [k for k in graph.get_all_asset_keys() if graph.get(k).is_materializable]
+    assert len(materialized_here) == len(versions.SOURCES)
+    for key in materialized_here:  # an external asset (production_model: the pointer serving writes) has none
         assert graph.get(key).code_version == versions.code_version(key.to_user_string()), key
 
 
