@@ -14,7 +14,8 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from support.sandbox import make_sandbox, sandbox_env
+from support.pipeline_runs import configs_with
+from support.sandbox import make_sandbox, materialize_command, sandbox_env
 from support.services import free_port, missing
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -57,7 +58,9 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
     # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
     # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
     make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
-    home, env = tmp_path / "home", sandbox_env(tmp_path)
+    # a copy of configs/ this test edits later: an asset's code version follows its configuration file
+    configs = configs_with(tmp_path / "configs", {})
+    home, env = tmp_path / "home", sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dagster-dev.log", "wb") as log:
@@ -156,6 +159,35 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
                 timeout=60_000
             )  # pipeline.yaml: 2 + 6 h
             page.screenshot(path=str(tmp_path / "freshness.png"))
+
+            # a stale marker after a version change: pretrain_corpus materialized, then its configuration edited and
+            # the code location reloaded: its code version changed, and the asset page says it is unsynced
+            corpus = subprocess.run(
+                materialize_command("pretrain_corpus"),
+                cwd=REPO_ROOT,
+                env=env,
+                capture_output=True,
+                timeout=600,
+            )
+            assert corpus.returncode == 0, corpus.stderr[-3000:]
+            page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
+            page.get_by_text("pretrain_corpus").first.wait_for(timeout=60_000)
+            time.sleep(3)  # the page's status queries
+            assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before any change"
+            packaging = configs / "packaging.yaml"
+            packaging.write_text(
+                packaging.read_text().replace("rows_per_shard: 5000", "rows_per_shard: 4000")
+            )
+            reload = b'{"query": "mutation { reloadRepositoryLocation(repositoryLocationName: \\"%s\\") { __typename } }"}'
+            request = urllib.request.Request(
+                f"{base}/graphql",
+                data=reload % LOCATION.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            assert b"error" not in urllib.request.urlopen(request, timeout=120).read().lower()
+            page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
+            page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "stale.png"))
             browser.close()
     finally:
         stop_process_group(server, grace_s=60)  # whatever else keeps it: SIGKILL, this test is about the UI
@@ -173,7 +205,15 @@ def _keep_screenshots(tmp_path: Path, request: pytest.FixtureRequest):  # noqa: 
     """Copy the screenshots under results/ui/ for a person to look at (the temp dir is cleaned up)."""
     yield
     out = REPO_ROOT / "results" / "ui"
-    for name in ("graph.png", "run.png", "launch-failed.png", "asset.png", "checks.png", "freshness.png"):
+    for name in (
+        "graph.png",
+        "run.png",
+        "launch-failed.png",
+        "asset.png",
+        "checks.png",
+        "freshness.png",
+        "stale.png",
+    ):
         if (tmp_path / name).exists():
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy(tmp_path / name, out / name)
