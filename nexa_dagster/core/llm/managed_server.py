@@ -399,26 +399,28 @@ class ManagedServer:
             time.sleep(0.25)
 
     def renice(self, nice: int) -> list[str]:
-        """Set the server's CPU priority to ``nice`` (every thread of it and of its children, and its autogroup).
+        """Set the server's CPU priority to ``nice`` more than this process's (every thread of it and of its
+        children, and its autogroup), as ``nice`` at the start does.
 
         Returns what could not be set (empty: all of it): lowering a nice value needs ``CAP_SYS_NICE`` (or an
         ``RLIMIT_NICE`` that allows it), while an autogroup's nice may go back to 0 without it.
         """
         if self.process is None:
             return ["the server is not running"]
+        level = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
         pids = [self.process.pid, *(p.pid for p in _descendants(self.process.pid))]  # type: ignore[attr-defined]
         problems = []
         for pid in pids:
             for tid in _threads(pid):
                 try:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    os.setpriority(os.PRIO_PROCESS, tid, level)
                 except ProcessLookupError:
                     continue  # a thread that just ended
                 except PermissionError as e:
                     problems.append(f"thread {tid}: {e.strerror}")
         for _ in range(40):  # one autogroup change per 100 ms (EAGAIN) without CAP_SYS_ADMIN
             try:
-                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(nice))
+                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(level))
                 break
             except BlockingIOError:
                 time.sleep(0.05)

@@ -279,7 +279,7 @@ class ServingService:
                 startup_timeout_s=self.startup_timeout_s,
                 served_model_name=self.model_name,
                 logger=self.log,
-                **self._engine_resources(beside_another=old is not None),
+                **self._engine_resources(old.engine if old is not None else None),
             )
             engine.start(attempts=1)
         except (LLMError, ValueError, OSError) as e:
@@ -296,9 +296,9 @@ class ServingService:
         # it passed: it takes the traffic at the normal priority
         if engine.nice and (problems := engine.renice(0)):
             self.log.warning(
-                "the %s engine keeps part of its loading priority (nice %d): %s",
+                "the %s engine keeps part of its loading priority (nice +%d): %s",
                 colour,
-                self.loading_nice,
+                engine.nice,
                 "; ".join(problems[:3]),
             )
         assert self.router is not None
@@ -321,16 +321,18 @@ class ServingService:
         )
         return result
 
-    def _engine_resources(self, beside_another: bool) -> dict[str, Any]:
+    def _engine_resources(self, serving: ManagedServer | None) -> dict[str, Any]:
         """What an engine starts with: idle OpenMP threads that sleep rather than spin (they would take the CPU
-        from the other engine, and from the HTTP threads of their own), and, while another engine serves, a lower
-        priority and ``loading_threads`` OpenMP threads (an OpenMP pool is sized when the engine starts)."""
+        from the other engine, and from the HTTP threads of their own), and, while ``serving`` serves, a priority
+        ``loading_nice`` below it and ``loading_threads`` OpenMP threads (an OpenMP pool is sized when the engine
+        starts). Below it, not below the service: an engine whose priority could not be raised back (no
+        ``CAP_SYS_NICE``) still serves ahead of the next one loading."""
         env = {settings.OMP_WAIT_POLICY.name: settings.OMP_WAIT_POLICY.default}
-        if not beside_another:
+        if serving is None:
             return {"extra_env": env}
         if self.loading_threads > 0:
             env[settings.OMP_NUM_THREADS.name] = str(self.loading_threads)
-        return {"extra_env": env, "nice": self.loading_nice}
+        return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice)}
 
     def _still_serving(self) -> str:
         return f"{self.active.checkpoint_id} keeps serving" if self.active else "nothing is served"
