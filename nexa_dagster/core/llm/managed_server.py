@@ -37,9 +37,8 @@ _PORT_IN_USE = ("address already in use", "errno 98")
 # Linux: the server gets SIGTERM if the process that started it dies without cleaning up (SIGKILL, OOM kill).
 # Set in a tiny exec wrapper rather than a preexec_fn (unsafe with threads); the flag survives execv. The wrapper
 # also lowers the CPU priority (argv[2], a nice increment) of what it execs, before that starts any thread (every
-# thread inherits it), and of its autogroup: with the kernel's autogroups on, a process in its own session (as the
-# servers are) competes with other sessions by its autogroup's nice, its threads' nice counting only among
-# themselves.
+# thread inherits it), and, when it leads a session of its own, of its autogroup: with the kernel's autogroups on, a
+# session competes with other sessions by its autogroup's nice, its threads' nice counting only among themselves.
 _EXEC_WITH_PDEATHSIG = """\
 import ctypes, os, signal, sys, time
 try:
@@ -50,7 +49,7 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit(143)  # the parent died before prctl took effect
 if int(sys.argv[2]):
     os.nice(int(sys.argv[2]))
-    for _ in range(40):  # the kernel takes one autogroup change per 100 ms (EAGAIN) from an unprivileged user
+    for _ in range(40 if os.getsid(0) == os.getpid() else 0):  # a session (an autogroup) of its own only  # the kernel takes one autogroup change per 100 ms (EAGAIN) from an unprivileged user
         try:
             with open("/proc/self/autogroup", "w") as ag:
                 ag.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
@@ -192,11 +191,15 @@ class ManagedServer:
         served_model_name: str | None = None,
         nice: int = 0,
         extra_env: Mapping[str, str] | None = None,
+        own_session: bool = True,
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         # a lower CPU priority (nice increment, 0..19) from its first instruction on, and environment variables of
         # its own (a thread count, say): an engine loading beside one that serves (serving/service.py)
         self.nice, self.extra_env = nice, dict(extra_env or {})
+        # own_session=False: a process group of its own (stopped as one) in the starter's session, so that with
+        # autogroups its nice counts against the starter's other children (the engine that serves), not the world
+        self.own_session = own_session
         self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(
@@ -352,7 +355,8 @@ class ManagedServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,
+                start_new_session=self.own_session,
+                process_group=None if self.own_session else 0,
                 cwd=self.log_dir,
             )  # own process group: clean stop
         atexit.register(self.stop)
@@ -418,7 +422,8 @@ class ManagedServer:
                     continue  # a thread that just ended
                 except PermissionError as e:
                     problems.append(f"thread {tid}: {e.strerror}")
-        for _ in range(40):  # one autogroup change per 100 ms (EAGAIN) without CAP_SYS_ADMIN
+        # its autogroup, when it leads a session (one autogroup change per 100 ms, EAGAIN, without CAP_SYS_ADMIN)
+        for _ in range(40 if os.getsid(self.process.pid) == self.process.pid else 0):
             try:
                 Path(f"/proc/{self.process.pid}/autogroup").write_text(str(level))
                 break

@@ -329,10 +329,11 @@ class ServingService:
         ``CAP_SYS_NICE``) still serves ahead of the next one loading."""
         env = {settings.OMP_WAIT_POLICY.name: settings.OMP_WAIT_POLICY.default}
         if serving is None:
-            return {"extra_env": env}
+            return {"extra_env": env, "own_session": False}
         if self.loading_threads > 0:
             env[settings.OMP_NUM_THREADS.name] = str(self.loading_threads)
-        return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice)}
+        # in the service's session: with autogroups the engines yield to each other, not to every other session
+        return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice), "own_session": False}
 
     def _still_serving(self) -> str:
         return f"{self.active.checkpoint_id} keeps serving" if self.active else "nothing is served"
