@@ -123,7 +123,9 @@ def test_compose_gives_the_serving_key_and_token_as_secrets_never_as_values() ->
     }
     serving = services["serving"]
     assert serving["environment"]["NEXA_SERVING_API_KEY_FILE"] == "/run/secrets/serving_api_key"
-    assert "serving_api_key" in serving["secrets"] and "SYS_NICE" in serving["cap_add"]
+    assert (
+        "serving_api_key" in serving["secrets"] and serving["ulimits"]["nice"] == 20
+    )  # renice to 0, not below
     for name in ("user_code", "daemon", "webserver", "serving"):
         env = services[name]["environment"]
         assert env["NEXA_SERVING_CONTROL_TOKEN_FILE"] == "/run/secrets/serving_control_token", name
