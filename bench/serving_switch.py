@@ -183,6 +183,9 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
             "serve_args": extra,
             "before": before,
             "during": during,
+            # per switch, to see a drift (the machine is shared) apart from the switches' own effect
+            "before_requests_per_s_each": [load.windows([w])["requests_per_s"] for w in befores],
+            "during_requests_per_s_each": [load.windows([w])["requests_per_s"] for w in durings],
             "switch_s": switch_s,
             "failed_requests_total": sum(1 for r in load.records if not r[2]),
             "load_average_start": load_at_start,
