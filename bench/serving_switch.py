@@ -1,19 +1,26 @@
-"""The serving endpoint through a blue/green switch: throughput, latency and failures before, during and after.
+"""The serving endpoint through repeated blue/green switches: throughput, latency and failures before vs during.
 
-Run: .venv/bin/python bench/serving_switch.py [--phase-s 20] [--clients 2] [--max-tokens 8]
+Run: .venv/bin/python bench/serving_switch.py [--switches 10] [--before-s 6] [--clients 2] [--max-tokens 8]
+     [--compare]
 
 Builds two tiny models (other seeds, other answers), puts the first in production and starts the serving service
-(`nexa-dagster serve`: HAProxy in front of `transformers serve`) on a temporary data root. Then, with ``--clients``
-clients sending chat requests without pause (plain httpx, no retry: a failure counts):
+(`nexa-dagster serve`: HAProxy in front of `transformers serve`, with an API key every request sends) on a temporary
+data root. Then, with ``--clients`` clients sending chat requests without pause (plain httpx, no retry: a failure
+counts), it switches ``--switches`` times, promotion and rollback in turn (a -> b -> a ...). Each cycle has:
 
-- ``direct``: the serving engine reached directly, bypassing HAProxy (the baseline, same run, same engine);
-- ``before``: the same through the stable endpoint;
-- ``during``: from the switch request to its answer (the new engine starts, answers its smoke request, takes
-  traffic while the old one drains and stops);
-- ``after``: through the endpoint, on the new engine.
+- ``before``: ``--before-s`` seconds on the serving engine, after a settling second (the baseline, measured between
+  the switches of the same run, so a machine whose load drifts moves both);
+- ``during``: from the switch request to its answer (the new engine starts, answers its smoke request, takes the
+  traffic while the old one drains and stops).
 
-Each phase reports requests/s, latency p50/p99 and failed requests; ``switch_s`` is the switch's own duration.
-Last line: one JSON object with the figures.
+A request belongs to the window it was sent in. Per window over all cycles: requests (n), failed, requests/s (n over
+the windows' summed length), latency p50 and p99 (nearest rank over the n latencies). The goal (issue 35): during
+>= 0.7x the requests/s before, p99 during <= 2x before, 0 failed, decided only on >= 300 requests during.
+``--compare`` runs the same cycles first with the loading engine unrestrained (`--loading-nice 0 --loading-threads
+0`: the behaviour before the change), then restrained (the defaults), on one machine, one after the other.
+
+The load average (``os.getloadavg``, what `uptime` says) is read at each configuration's start and end: the
+machine is shared. Last line: one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +47,9 @@ from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRe
 from nexa_dagster.core.serving.client import ServingServiceClient  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
+API_KEY = "bench-serving-switch-key"
+MIN_DURING = 300  # requests during the switches below which the goal is not decided
+
 
 class Load:
     """``clients`` threads sending requests one after another to ``base_url`` until stopped."""
@@ -58,7 +67,8 @@ class Load:
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
         }
-        with httpx.Client(timeout=120.0) as http:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.Client(timeout=120.0, headers=headers) as http:
             while not self._stop.is_set():
                 sent = time.monotonic()
                 try:
@@ -77,105 +87,156 @@ class Load:
         for t in self._threads:
             t.join(timeout=180)
 
-    def phase(self, start: float, end: float) -> dict[str, float | int]:
-        rows = [r for r in self.records if start <= r[0] < end]
+    def windows(self, spans: list[tuple[float, float]]) -> dict[str, float | int | None]:
+        """The figures of the requests sent within any of ``spans``."""
+        rows = [r for r in self.records if any(start <= r[0] < end for start, end in spans)]
+        seconds = sum(end - start for start, end in spans)
         latencies = sorted(r[1] for r in rows)
-        p = (
-            (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000, 1))
-            if latencies
-            else (lambda q: None)
-        )
+
+        def rank(q: float) -> float | None:  # nearest rank
+            return (
+                round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000, 1) if rows else None
+            )
+
         return {
             "requests": len(rows),
             "failed": sum(1 for r in rows if not r[2]),
-            "requests_per_s": round(len(rows) / (end - start), 2),
-            "p50_ms": p(0.50),
-            "p99_ms": p(0.99),
-            "mean_ms": round(statistics.fmean(latencies) * 1000, 1) if latencies else None,
+            "seconds": round(seconds, 2),
+            "requests_per_s": round(len(rows) / seconds, 2) if seconds else None,
+            "p50_ms": rank(0.50),
+            "p99_ms": rank(0.99),
         }
 
 
-def measure(base_url: str, clients: int, max_tokens: int, seconds: float) -> dict[str, float | int]:
-    with Load(base_url, clients, max_tokens) as load:
-        t0 = time.monotonic()
-        time.sleep(seconds)
-        t1 = time.monotonic()
-    return load.phase(t0, t1)
+def verdict(before: dict, during: dict) -> dict[str, object]:
+    """The ratios and whether they meet the goal; undecided on fewer than ``MIN_DURING`` requests during."""
+    throughput = during["requests_per_s"] / before["requests_per_s"] if before["requests_per_s"] else None
+    p99 = during["p99_ms"] / before["p99_ms"] if before["p99_ms"] and during["p99_ms"] else None
+    out: dict[str, object] = {
+        "throughput_during_over_before": round(throughput, 3) if throughput is not None else None,
+        "p99_during_over_before": round(p99, 3) if p99 is not None else None,
+        "failed": during["failed"] + before["failed"],
+    }
+    if during["requests"] < MIN_DURING or throughput is None or p99 is None:
+        out["goal_met"] = None
+        out["why"] = f"{during['requests']} requests during the switches, {MIN_DURING} needed: not decided"
+    else:
+        out["goal_met"] = throughput >= 0.7 and p99 <= 2.0 and out["failed"] == 0
+    return out
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, extra: list[str]) -> dict:
+    """One service (with ``extra`` arguments to `nexa-dagster serve`) through ``args.switches`` switches."""
+    data = root / "data"
+    env = {
+        **os.environ,
+        "NEXA_DATA_ROOT": str(data),
+        "NEXA_RESULTS_ROOT": str(root / "results"),
+        "NEXA_SERVING_API_KEY": API_KEY,
+        "NEXA_SERVING_CHECKPOINT_ROOTS": str(a.parent),
+    }
+    serving_dir = data / "serving"
+    serving_dir.mkdir(parents=True)
+    ProductionRegistry(serving_dir / "production.json").promote(
+        ProductionEntry(checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0)
+    )
+    port = free_port()
+    log_path = root / "service.log"
+    with open(log_path, "wb") as log:
+        service = subprocess.Popen(
+            [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port), *extra],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while (client := ServingServiceClient.find(serving_dir)) is None or client.status()[
+            "checkpoint_id"
+        ] != "a":
+            if service.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the serving service did not come up:\n{log_path.read_text()}")
+            time.sleep(0.5)
+        endpoint = f"http://127.0.0.1:{port}/v1"
+        load_at_start = load_average()
+        befores, durings, switch_s = [], [], []
+        with Load(endpoint, args.clients, args.max_tokens) as load:
+            for i in range(args.switches):
+                time.sleep(1.0)  # settling: the engine that just took the traffic answers its first requests
+                t0 = time.monotonic()
+                time.sleep(args.before_s)
+                t1 = time.monotonic()
+                target, checkpoint_id = (b, "b") if i % 2 == 0 else (a, "a")
+                result = client.switch(str(target), checkpoint_id)
+                t2 = time.monotonic()
+                befores.append((t0, t1))
+                durings.append((t1, t2))
+                switch_s.append(round(result.switch_s, 2))
+                print(f"  switch {i + 1}: to {checkpoint_id} in {result.switch_s:.2f} s", flush=True)
+        before, during = load.windows(befores), load.windows(durings)
+        return {
+            "serve_args": extra,
+            "before": before,
+            "during": during,
+            # per switch, to see a drift (the machine is shared) apart from the switches' own effect
+            "before_requests_per_s_each": [load.windows([w])["requests_per_s"] for w in befores],
+            "during_requests_per_s_each": [load.windows([w])["requests_per_s"] for w in durings],
+            "switch_s": switch_s,
+            "failed_requests_total": sum(1 for r in load.records if not r[2]),
+            "load_average_start": load_at_start,
+            "load_average_end": load_average(),
+            **verdict(before, during),
+        }
+    finally:
+        service.terminate()
+        service.wait(timeout=120)
 
 
 def main() -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase-s", type=float, default=20.0, help="seconds of load per steady phase")
+    ap.add_argument("--switches", type=int, default=10, help="promotions and rollbacks in turn")
+    ap.add_argument("--before-s", type=float, default=6.0, help="seconds of baseline before each switch")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--compare", action="store_true", help="first with the loading engine unrestrained")
     args = ap.parse_args()
+    configurations = {"restrained": []}
+    if args.compare:
+        configurations = {"unrestrained": ["--loading-nice", "0", "--loading-threads", "0"], **configurations}
+    figures: dict[str, object] = {
+        "switches": args.switches,
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "before_s": args.before_s,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
     with tempfile.TemporaryDirectory(prefix="serving-switch-") as tmp:
-        root = Path(tmp)
-        a = build_tiny_causal_lm(root / "models" / "tiny-a", seed=0)
-        b = build_tiny_causal_lm(root / "models" / "tiny-b", seed=1)
-        env = {**os.environ, "NEXA_DATA_ROOT": str(root / "data"), "NEXA_RESULTS_ROOT": str(root / "results")}
-        serving_dir = root / "data" / "serving"
-        serving_dir.mkdir(parents=True)
-        ProductionRegistry(serving_dir / "production.json").promote(
-            ProductionEntry(checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0)
-        )
-        port = free_port()
-        with open(root / "service.log", "wb") as log:
-            service = subprocess.Popen(
-                [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
-                env=env,
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            deadline = time.monotonic() + 600
-            while (client := ServingServiceClient.find(serving_dir)) is None or client.status()[
-                "checkpoint_id"
-            ] != "a":
-                if service.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(
-                        f"the serving service did not come up:\n{(root / 'service.log').read_text()}"
-                    )
-                time.sleep(0.5)
-            endpoint = f"http://127.0.0.1:{port}/v1"
-            figures: dict[str, object] = {
-                "clients": args.clients,
-                "max_tokens": args.max_tokens,
-                "phase_s": args.phase_s,
-                "cpus": os.cpu_count(),
-                "machine": platform.machine(),
-            }
-            figures["direct"] = measure(
-                client.status()["engine_url"], args.clients, args.max_tokens, args.phase_s
-            )
-            figures["before"] = measure(endpoint, args.clients, args.max_tokens, args.phase_s)
-            with Load(endpoint, args.clients, args.max_tokens) as load:
-                t0 = time.monotonic()
-                result = client.switch(str(b), "b")
-                t1 = time.monotonic()
-                time.sleep(args.phase_s)
-                t2 = time.monotonic()
-            figures["during"] = load.phase(t0, t1)
-            figures["after"] = load.phase(t1, t2)
-            figures["switch_s"] = round(result.switch_s, 2)
-            figures["drain_s"] = round(result.drain_s, 3)
-            figures["failed_requests_total"] = sum(1 for r in load.records if not r[2])
-            before, during = figures["before"], figures["during"]
-            assert isinstance(before, dict) and isinstance(during, dict)
-            if before["p99_ms"] and during["p99_ms"]:
-                figures["p99_during_over_before"] = round(during["p99_ms"] / before["p99_ms"], 2)
-        finally:
-            service.terminate()
-            service.wait(timeout=120)
-    for phase in ("direct", "before", "during", "after"):
-        f = figures[phase]
+        models = Path(tmp) / "models"
+        a = build_tiny_causal_lm(models / "tiny-a", seed=0)
+        b = build_tiny_causal_lm(models / "tiny-b", seed=1)
+        for name, extra in configurations.items():
+            print(f"{name}: nexa-dagster serve {' '.join(extra)}", flush=True)
+            figures[name] = run_configuration(args, Path(tmp) / name, a, b, extra)
+    for name in configurations:
+        f = figures[name]
         assert isinstance(f, dict)
+        print(f"{name} (load average {f['load_average_start']} -> {f['load_average_end']}):")
+        for window in ("before", "during"):
+            w = f[window]
+            print(
+                f"  {window:>6}: {w['requests']:5d} requests in {w['seconds']:7.1f} s, {w['requests_per_s']}/s, "
+                f"p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms, failed {w['failed']}"
+            )
         print(
-            f"{phase:>7}: {f['requests']:5d} requests, {f['requests_per_s']:6.2f}/s, p50 {f['p50_ms']} ms, "
-            f"p99 {f['p99_ms']} ms, failed {f['failed']}"
+            f"  during/before: throughput {f['throughput_during_over_before']}x, p99 {f['p99_during_over_before']}x, "
+            f"failed {f['failed']}; goal met: {f['goal_met']}; switches {min(f['switch_s'])}-{max(f['switch_s'])} s"
         )
-    print(f"switch: {figures['switch_s']} s (drain {figures['drain_s']} s)")
     return figures
 
 

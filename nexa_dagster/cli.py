@@ -16,9 +16,14 @@ import sys
 from typing import Any
 
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
-from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
+from nexa_dagster.core.serving import access
+from nexa_dagster.core.serving.client import ControlRefused, ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import RouterError
-from nexa_dagster.core.serving.service import ServiceAlreadyRunning, ServingService
+from nexa_dagster.core.serving.service import (
+    ServiceAlreadyRunning,
+    ServingService,
+    default_loading_threads,
+)
 
 
 def _measured(entry: Any) -> str:
@@ -182,35 +187,53 @@ def production_state(storage: Any, tracking: Any, registry: ProductionRegistry, 
     return f"production is {'unchanged' if unchanged else 'not what it was'}: {pointer}, {mlflow}, {serving}"
 
 
-def serve(port: int, host: str = "127.0.0.1", control_port: int = 0) -> int:
+def serve(
+    port: int,
+    host: str = "127.0.0.1",
+    control_port: int = 0,
+    loading_nice: int = 10,
+    loading_threads: int | None = None,
+) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     storage, _ = _resources()
-    service = ServingService(
-        _serving_dir(storage),
-        storage.production_pointer(),
-        port,
-        model_name=load_policy().registered_model,
-        host=host,
-        control_port=control_port,
-    )
+    try:
+        service = ServingService(
+            _serving_dir(storage),
+            storage.production_pointer(),
+            port,
+            model_name=load_policy().registered_model,
+            host=host,
+            control_port=control_port,
+            api_key=access.api_key(),
+            control_token=access.configured_control_token(),
+            checkpoint_roots=access.checkpoint_roots(storage.checkpoints_dir()),
+            loading_nice=loading_nice,
+            loading_threads=loading_threads,
+        )
+    except access.SecretMissing as e:
+        print(f"cannot serve: {e}", file=sys.stderr)
+        return 1
 
     def ready(s: ServingService) -> None:
         print(
             f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
             f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})"
         )
+        key = ' -H "Authorization: Bearer $NEXA_SERVING_API_KEY"' if s.api_key else ""
         print(
-            f"  try: curl {s.base_url}/chat/completions -H 'content-type: application/json' "
+            f"  try: curl {s.base_url}/chat/completions{key} -H 'content-type: application/json' "
             f'-d \'{{"model": "{s.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
         )
+        if not s.api_key:
+            print("  no API key (NEXA_SERVING_API_KEY[_FILE]): anyone on this host may use the endpoint")
         print("Ctrl-C stops it.", flush=True)
 
     try:
         service.run(ready)
-    except (ServiceAlreadyRunning, RouterError) as e:
+    except (ServiceAlreadyRunning, RouterError, access.SecretMissing) as e:
         print(f"cannot serve: {e}", file=sys.stderr)
         return 1
     return 0
@@ -223,25 +246,52 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("status")
     sub.add_parser("rollback")
-    p_serve = sub.add_parser("serve")
+    p_serve = sub.add_parser(
+        "serve",
+        help="the production model on one stable OpenAI-compatible URL until Ctrl-C",
+        description="The serving service. Its API key (clients send `Authorization: Bearer <key>`) comes from "
+        "NEXA_SERVING_API_KEY or NEXA_SERVING_API_KEY_FILE (required unless --host is a loopback address), its "
+        "control API's token from NEXA_SERVING_CONTROL_TOKEN[_FILE] (else a fresh one in "
+        "<data root>/serving/control-token).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p_serve.add_argument("--port", type=int, default=8000, help="the endpoint's port (HAProxy listens on it)")
     p_serve.add_argument(
         "--host",
         default="127.0.0.1",
-        help="where the endpoint and control API listen (0.0.0.0 in a container)",
+        help="where the endpoint and control API listen (0.0.0.0 in a container: an API key is then required)",
     )
     p_serve.add_argument(
-        "--control-port", type=int, default=0, help="the control API's port (default: any free)"
+        "--control-port", type=int, default=0, help="the control API's port (0: any free one)"
+    )
+    p_serve.add_argument(
+        "--loading-nice",
+        type=int,
+        default=10,
+        choices=range(20),
+        metavar="0..19",
+        help="how much lower the CPU priority of an engine loading while another serves is, until it passed its "
+        "smoke test (0: the same)",
+    )
+    p_serve.add_argument(
+        "--loading-threads",
+        type=int,
+        default=default_loading_threads(),
+        help="the OpenMP threads of an engine loading while another serves (0: the library's default, all cores)",
     )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     args = parser.parse_args(argv)
-    if args.command == "status":
-        return status()
-    if args.command == "rollback":
-        return rollback()
+    try:
+        if args.command == "status":
+            return status()
+        if args.command == "rollback":
+            return rollback()
+    except (ControlRefused, access.SecretMissing) as e:  # one line, not a traceback; nothing was changed
+        print(f"{args.command}: {e}", file=sys.stderr)
+        return 1
     if args.command == "serve":
-        return serve(args.port, args.host, args.control_port)
+        return serve(args.port, args.host, args.control_port, args.loading_nice, args.loading_threads)
     if args.command == "tiny-models":
         return tiny_models()
     from nexa_dagster.demo import main as demo  # builds the code location: only for this command

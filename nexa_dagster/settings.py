@@ -90,6 +90,30 @@ AUTOMATION = _var(
     "off: the schedule and sensors start stopped on an instance that holds no on/off state for them "
     "(`make ui AUTOMATION=off`)",
 )
+SERVING_API_KEY = _var(
+    "NEXA_SERVING_API_KEY",
+    "",
+    "the key clients send to the serving endpoint (`Authorization: Bearer`); required off loopback; "
+    "never in a file, log or metadata",
+)
+SERVING_API_KEY_FILE = _var(
+    "NEXA_SERVING_API_KEY_FILE", "", "a file holding that key (a Docker or Kubernetes secret) instead"
+)
+SERVING_CONTROL_TOKEN = _var(
+    "NEXA_SERVING_CONTROL_TOKEN",
+    "",
+    "the token of the serving service's control API (switch, status), held by the service and the pipeline "
+    "(default on loopback: a fresh one in <data root>/serving/control-token, mode 600)",
+)
+SERVING_CONTROL_TOKEN_FILE = _var(
+    "NEXA_SERVING_CONTROL_TOKEN_FILE", "", "a file holding that token (a secret) instead"
+)
+SERVING_CHECKPOINT_ROOTS = _var(
+    "NEXA_SERVING_CHECKPOINT_ROOTS",
+    "",
+    "more folders (separated by `:`) the serving service may load checkpoints from, beside "
+    "<data root>/checkpoints",
+)
 
 
 def llm_variable(role: str, field: str) -> Variable:
@@ -124,6 +148,18 @@ HF_DATASETS_OFFLINE = _var(
 )
 HF_HUB_CACHE = _var(
     "HF_HUB_CACHE", "", "the hub cache `transformers serve` scans (default: beside its log)", "process"
+)
+OMP_WAIT_POLICY = _var(
+    "OMP_WAIT_POLICY",
+    "PASSIVE",
+    "how idle OpenMP threads wait (set for serving engines: they sleep)",
+    "process",
+)
+OMP_NUM_THREADS = _var(
+    "OMP_NUM_THREADS",
+    "",
+    "an engine's OpenMP threads (set for a serving engine that loads beside one serving)",
+    "process",
 )
 DS_ACCELERATOR = _var(
     "DS_ACCELERATOR", "cpu", "DeepSpeed's accelerator; the training worker sets it from its job", "process"

@@ -7,12 +7,15 @@ One service is shared by the tests of this module (in file order: each leaves it
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +41,8 @@ from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 pytestmark = pytest.mark.slow
 
 MODEL = "nexa-moe"
+API_KEY = "sk-lab-endpoint-5d0c93e1a7"  # what a lab hands its users (NEXA_SERVING_API_KEY)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @dataclass
@@ -111,6 +116,9 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "NEXA_RESULTS_ROOT": str(root / "results"),
         "NEXA_LANDING_ROOT": str(root / "landing"),
         "DAGSTER_HOME": str(root / "home"),
+        "NEXA_SERVING_API_KEY": API_KEY,
+        # the tests' models and checkpoints live in pytest's folders, not in the data root's checkpoints/
+        "NEXA_SERVING_CHECKPOINT_ROOTS": str(tmp_path_factory.getbasetemp()),
     }
     b = build_tiny_causal_lm(
         root / "checkpoints" / "tiny-b", seed=1
@@ -144,7 +152,7 @@ class NonStopClient:
     """Sends chat requests one after another, without pause, until stopped (bounded in count and time);
     every request is recorded: (time sent, HTTP status or the error, answer, engine colour)."""
 
-    def __init__(self, base_url: str, max_requests: int = 3000, max_s: float = 400.0) -> None:
+    def __init__(self, base_url: str, max_requests: int = 50_000, max_s: float = 900.0) -> None:
         self.base_url, self.max_requests, self.max_s = base_url, max_requests, max_s
         self.records: list[tuple[float, int | str, str, str]] = []
         self._stop = threading.Event()
@@ -152,7 +160,7 @@ class NonStopClient:
 
     def _run(self) -> None:
         t0 = time.monotonic()
-        with httpx.Client(timeout=60.0) as http:  # no retry: a failure counts as one
+        with httpx.Client(timeout=60.0, headers=AUTH) as http:  # no retry: a failure counts as one
             while (
                 not self._stop.is_set()
                 and len(self.records) < self.max_requests
@@ -238,7 +246,7 @@ def _materialize_deployment(
 def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(endpoint: Endpoint) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=API_KEY, max_retries=0)
     models = client.models.list()
     assert [m.id for m in models] == [MODEL]
     answer = client.chat.completions.create(
@@ -250,7 +258,7 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
-    status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status").json()
+    status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status", headers=AUTH).json()
     assert status["checkpoint_id"] == "a" and status["model"] == MODEL
     proc = subprocess.run(
         [sys.executable, "-m", "nexa_dagster.cli", "status"],
@@ -264,6 +272,123 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     assert proc.stdout.startswith(
         f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue"
     )
+
+
+def test_the_endpoint_answers_only_a_request_with_its_api_key(endpoint: Endpoint) -> None:
+    """No key, a wrong key, the key: 401, 401, 200 (HAProxy answers the 401s: the engine never sees them), the
+    model list and the status alike; the key is in no file the service, HAProxy or the engines wrote."""
+    import openai
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    url = f"{endpoint.base_url}/chat/completions"
+    missing = httpx.post(url, json=chat, timeout=60)
+    wrong = httpx.post(url, json=chat, headers={"Authorization": "Bearer sk-not-the-key"}, timeout=60)
+    right = httpx.post(url, json=chat, headers=AUTH, timeout=60)
+    assert (missing.status_code, wrong.status_code, right.status_code) == (401, 401, 200), right.text
+    assert missing.json()["error"]["message"].startswith(
+        "missing API key: send the key of the serving endpoint"
+    )
+    assert wrong.json()["error"]["message"] == "wrong API key for the serving endpoint"
+    assert missing.headers["www-authenticate"] == "Bearer" and "x-nexa-engine" not in missing.headers
+    root = endpoint.base_url.removesuffix("/v1")
+    for path in ("/v1/models", "/status", "/v1/completions"):
+        assert httpx.get(root + path, timeout=60).status_code == 401, path
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=endpoint.base_url, api_key="sk-wrong", max_retries=0).models.list()
+    written = [p for p in endpoint.root.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]
+    assert written == []
+    assert (endpoint.serving_dir / "router" / "haproxy.cfg").read_text().count("sha2(256)") == 1
+
+
+def test_status_through_the_public_port_says_what_is_served_and_nothing_internal(endpoint: Endpoint) -> None:
+    public = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status", headers=AUTH, timeout=60)
+    assert public.status_code == 200, public.text
+    said = public.json()
+    assert set(said) == {"model", "checkpoint_id", "serving_since"}, said
+    assert said["model"] == MODEL and said["checkpoint_id"] == "a" and said["serving_since"]
+    internal = endpoint.client().status()  # the control API's, with its token
+    assert internal["serving_since"] == said["serving_since"]
+    assert "/" not in public.text  # no path, no URL
+    assert not {str(internal["engine_pid"]), str(internal["service_pid"])} & {str(v) for v in said.values()}
+    assert "pid" not in public.text and "url" not in public.text and "127.0.0.1" not in public.text
+
+
+def test_a_switch_without_the_control_token_is_refused_and_production_is_unchanged(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
+    client = endpoint.client()
+    with httpx.Client(timeout=60.0, headers=AUTH) as http:
+        before = _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"]
+    switch = {"checkpoint_path": str(endpoint.b), "checkpoint_id": "b"}
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}, AUTH):  # the API key is not the token
+        refused = httpx.post(f"{client.control_url}/switch", json=switch, headers=headers, timeout=60)
+        assert refused.status_code == 401 and "control token" in refused.json()["error"], refused.text
+    assert httpx.get(f"{client.control_url}/status", timeout=60).status_code == 401
+    # with the token, a checkpoint outside the folders it may load from (here through a link inside one) is refused
+    outside = Path(tempfile.mkdtemp(prefix="not-a-checkpoint-folder-"))
+    try:
+        shutil.copytree(endpoint.b, outside / "b")
+        (tmp_path / "link").symlink_to(outside / "b")
+        with pytest.raises(
+            SwitchFailed, match="outside the folders the serving service loads checkpoints from"
+        ):
+            client.switch(str(tmp_path / "link"), "outside")
+    finally:
+        shutil.rmtree(outside)
+    assert endpoint.registry.current().checkpoint_id == "a"
+    assert client.status()["checkpoint_id"] == "a" and client.status()["engine_restarts"] == 0
+    with httpx.Client(timeout=60.0, headers=AUTH) as http:
+        assert _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"] == before
+
+
+def _nice(pid: int) -> list[int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat: a nice value is a
+    thread's), as the kernel schedules them."""
+    values = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            values.append(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return values
+
+
+def test_the_incoming_engine_loads_at_a_lower_priority_until_it_is_promoted(endpoint: Endpoint) -> None:
+    """While B loads beside A (which serves), B's every thread runs at nice 10 with fewer OpenMP threads that
+    sleep when idle, A's at 0; once B passed its smoke test and takes the traffic, its threads are back at 0."""
+    from nexa_dagster.core.serving.service import default_loading_threads
+
+    assert endpoint.process is not None
+    client = endpoint.client()
+    serving = client.status()["engine_pid"]
+    samples: list[tuple[list[int], list[int]]] = []  # (the incoming engine's threads, the serving one's)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        switching = pool.submit(client.switch, str(endpoint.b), "b")
+        deadline = time.monotonic() + 300
+        incoming = None
+        while incoming is None:  # the incoming engine, once its wrapper has exec'd `transformers serve`
+            assert not switching.done() and time.monotonic() < deadline, endpoint.log_tail()
+            started = descendants_matching(endpoint.process.pid, "serve", excluding=("haproxy", " -c "))
+            incoming = next((p for p in started if p.pid != serving), None)
+            time.sleep(0.05)
+        environ = incoming.environ()
+        while not switching.done():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                samples.append((_nice(incoming.pid), _nice(serving)))
+            time.sleep(0.05)
+        result = switching.result()
+    assert result.checkpoint_id == "b" and client.status()["engine_pid"] == incoming.pid
+    assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert environ["OMP_NUM_THREADS"] == str(default_loading_threads())
+    assert samples and samples[0][0] and set(samples[0][0]) == {10}, samples[:3]  # loading: every thread
+    assert all(set(s[1]) <= {0} for s in samples), samples  # the serving engine keeps its priority
+    levels = [set(s[0]) for s in samples if s[0]]
+    raised = next((i for i, lv in enumerate(levels) if lv != {10}), len(levels))
+    assert all(lv == {10} for lv in levels[:raised]) and all(lv == {0} for lv in levels[raised:]), levels
+    assert set(_nice(incoming.pid)) == {0}  # promoted: the normal priority, every thread
+    autogroup = Path(f"/proc/{incoming.pid}/autogroup")
+    if autogroup.exists():  # the kernel's autogroups: the engines share the service's, so nice ranks them
+        assert autogroup.read_text() == Path(f"/proc/{endpoint.process.pid}/autogroup").read_text()
+    client.switch(str(endpoint.a), "a")  # as the other tests expect it (the pointer never moved)
+    assert endpoint.registry.current().checkpoint_id == "a"
 
 
 def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
@@ -300,7 +425,8 @@ def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
     answers_a = {r[2] for r in load.records if r[0] < deploying}
     answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
     answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
-    assert len(answers_a) == 1 and len(answers_b) == 1, (answers_a, answers_b)  # greedy: one answer per model
+    sent = f"{len(load.records)} requests sent (at most {load.max_requests})"  # a client at its cap sends no more
+    assert len(answers_a) == 1 and len(answers_b) == 1, (answers_a, answers_b, sent)  # one answer per model
     assert answers_b != answers_a and answers_a_again == answers_a, (answers_a, answers_b, answers_a_again)
     assert endpoint.registry.current().checkpoint_id == "a"
     assert endpoint.client().status()["checkpoint_id"] == "a"
@@ -319,7 +445,7 @@ def test_a_checkpoint_that_cannot_load_fails_the_deployment_and_the_old_one_keep
     shutil.copytree(endpoint.a, broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
-    with httpx.Client(timeout=60.0) as http:
+    with httpx.Client(timeout=60.0, headers=AUTH) as http:
         before = _chat(http, endpoint.base_url).json()["choices"][0]["message"]["content"]
         result = _materialize_deployment(endpoint, "broken", broken, "promote")
         assert not result.success
@@ -375,7 +501,9 @@ def test_kill_9_of_the_engine_restarts_it(endpoint: Endpoint) -> None:
     ] == status["engine_pid"]:
         assert time.monotonic() < deadline, endpoint.log_tail()
         time.sleep(0.5)
-    with httpx.Client(timeout=60.0) as http:  # the endpoint answers again once the new engine is up
+    with httpx.Client(
+        timeout=60.0, headers=AUTH
+    ) as http:  # the endpoint answers again once the new engine is up
         while (code := _chat(http, endpoint.base_url).status_code) != 200:
             assert code == 503 and time.monotonic() < deadline, endpoint.log_tail()
             time.sleep(0.5)
@@ -404,7 +532,7 @@ def test_kill_9_of_the_service_then_a_restart_serves_production(endpoint: Endpoi
         )
     )
     endpoint.start()  # waits until it serves b
-    with httpx.Client(timeout=60.0) as http:
+    with httpx.Client(timeout=60.0, headers=AUTH) as http:
         r = _chat(http, endpoint.base_url)
     assert r.status_code == 200 and endpoint.client().status()["checkpoint_id"] == "b"
 

@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -35,17 +35,41 @@ log = logging.getLogger(__name__)
 
 _PORT_IN_USE = ("address already in use", "errno 98")
 # Linux: the server gets SIGTERM if the process that started it dies without cleaning up (SIGKILL, OOM kill).
-# Set in a tiny exec wrapper rather than a preexec_fn (unsafe with threads); the flag survives execv.
+# Set in a tiny exec wrapper rather than a preexec_fn (unsafe with threads); the flag survives execv. The wrapper
+# also lowers the CPU priority (argv[2], a nice increment) of what it execs, before that starts any thread (every
+# thread inherits it), and, when it leads a session of its own, of its autogroup: with the kernel's autogroups on, a
+# session competes with other sessions by its autogroup's nice, its threads' nice counting only among themselves.
 _EXEC_WITH_PDEATHSIG = """\
-import ctypes, os, signal, sys
+import ctypes, os, signal, sys, time
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 except Exception:
     pass
 if os.getppid() != int(sys.argv[1]):
     sys.exit(143)  # the parent died before prctl took effect
-os.execv(sys.argv[2], sys.argv[2:])
+if int(sys.argv[2]):
+    os.nice(int(sys.argv[2]))
+    for _ in range(40 if os.getsid(0) == os.getpid() else 0):  # a session (an autogroup) of its own only  # the kernel takes one autogroup change per 100 ms (EAGAIN) from an unprivileged user
+        try:
+            with open("/proc/self/autogroup", "w") as ag:
+                ag.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+            break
+        except BlockingIOError:
+            time.sleep(0.05)
+        except OSError:
+            break  # no autogroups here
+os.execv(sys.argv[3], sys.argv[3:])
 """
+
+
+def with_parent_death_signal(cmd: Sequence[str], nice: int = 0) -> list[str]:
+    """``cmd`` run through the wrapper above (Linux; elsewhere ``cmd`` as is): it dies with this process's thread
+    that starts it, at ``nice`` more than this process's nice value."""
+    if sys.platform != "linux":
+        return list(cmd)
+    return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), str(nice), *cmd]
+
+
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks never go via a proxy
 
 
@@ -165,8 +189,17 @@ class ManagedServer:
         cb_max_memory_percent: float | None = None,
         progress_every_s: float = 10.0,
         served_model_name: str | None = None,
+        nice: int = 0,
+        extra_env: Mapping[str, str] | None = None,
+        own_session: bool = True,
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
+        # a lower CPU priority (nice increment, 0..19) from its first instruction on, and environment variables of
+        # its own (a thread count, say): an engine loading beside one that serves (serving/service.py)
+        self.nice, self.extra_env = nice, dict(extra_env or {})
+        # own_session=False: a process group of its own (stopped as one) in the starter's session, so that with
+        # autogroups its nice counts against the starter's other children (the engine that serves), not the world
+        self.own_session = own_session
         self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(
@@ -310,19 +343,20 @@ class ManagedServer:
             "HF_HUB_CACHE": str(cache),
             "PYTHONUNBUFFERED": "1",
             "TQDM_DISABLE": "1",
+            **self.extra_env,
         }
         with open(self.log_path, "wb") as logfile:
             logfile.write(f"$ {' '.join(cmd)}\n".encode())
             logfile.flush()
-            if sys.platform == "linux":
-                cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *cmd]
+            cmd = with_parent_death_signal(cmd, self.nice)
             self.process = subprocess.Popen(
                 cmd,
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,
+                start_new_session=self.own_session,
+                process_group=None if self.own_session else 0,
                 cwd=self.log_dir,
             )  # own process group: clean stop
         atexit.register(self.stop)
@@ -368,6 +402,42 @@ class ManagedServer:
                 )
             time.sleep(0.25)
 
+    def renice(self, nice: int) -> list[str]:
+        """Set the server's CPU priority to ``nice`` more than this process's (every thread of it and of its
+        children, and its autogroup), as ``nice`` at the start does.
+
+        Returns what could not be set (empty: all of it): lowering a nice value needs ``CAP_SYS_NICE`` (or an
+        ``RLIMIT_NICE`` that allows it), while an autogroup's nice may go back to 0 without it.
+        """
+        if self.process is None:
+            return ["the server is not running"]
+        level = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        pids = [self.process.pid, *(p.pid for p in _descendants(self.process.pid))]  # type: ignore[attr-defined]
+        problems = []
+        for pid in pids:
+            for tid in _threads(pid):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, level)
+                except ProcessLookupError:
+                    continue  # a thread that just ended
+                except PermissionError as e:
+                    problems.append(f"thread {tid}: {e.strerror}")
+        # its autogroup, when it leads a session (one autogroup change per 100 ms, EAGAIN, without CAP_SYS_ADMIN)
+        for _ in range(40 if os.getsid(self.process.pid) == self.process.pid else 0):
+            try:
+                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(level))
+                break
+            except BlockingIOError:
+                time.sleep(0.05)
+            except FileNotFoundError:
+                break  # no autogroups (another OS, or a kernel without them)
+            except OSError as e:
+                problems.append(f"autogroup: {e.strerror}")
+                break
+        if not problems:
+            self.nice = nice
+        return problems
+
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after the grace period. Idempotent.
 
@@ -405,6 +475,14 @@ class ManagedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (Linux: a nice value belongs to a thread); elsewhere the process alone."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def _descendants(pid: int) -> list[object]:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from nexa_dagster import settings
+from nexa_dagster.core.serving import access
 
 SERVICE_FILE = "service.json"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -21,6 +22,11 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class SwitchFailed(RuntimeError):
     """The service did not switch (the new checkpoint did not start or failed its smoke test); the old one
     keeps serving. The message is the service's reason."""
+
+
+class ControlRefused(RuntimeError):
+    """The control API refused the call: no token, or not its token. Not an ``OSError``: a service that refuses is
+    there, and must not be mistaken for no service (then a deployment would go around it)."""
 
 
 class SwitchResult(BaseModel):
@@ -41,8 +47,12 @@ class SwitchResult(BaseModel):
 
 
 class ServingServiceClient:
-    def __init__(self, control_url: str, base_url: str, pid: int) -> None:
+    """The control API of one service, called with its token (``access.py``: configured, or the one the service
+    issued in its serving directory)."""
+
+    def __init__(self, control_url: str, base_url: str, pid: int, token: str | None = None) -> None:
         self.control_url, self.base_url, self.pid = control_url.rstrip("/"), base_url, pid
+        self._token = token  # never in a repr, a log line or a result
 
     @classmethod
     def find(cls, serving_dir: str | Path) -> ServingServiceClient | None:
@@ -52,7 +62,7 @@ class ServingServiceClient:
         its control API (e.g. ``http://serving:8001``) and ``NEXA_SERVING_URL`` its endpoint.
         """
         if url := settings.SERVING_CONTROL_URL.get():
-            remote = cls(url, settings.SERVING_URL.get(), 0)
+            remote = cls(url, settings.SERVING_URL.get(), 0, access.configured_control_token())
             remote.status()  # a named service that does not answer is an error, not "no service"
             return remote
         path = Path(serving_dir) / SERVICE_FILE
@@ -61,7 +71,12 @@ class ServingServiceClient:
             os.kill(int(facts["pid"]), 0)
         except (OSError, ValueError, KeyError):
             return None
-        client = cls(facts["control_url"], facts["base_url"], int(facts["pid"]))
+        client = cls(
+            facts["control_url"],
+            facts["base_url"],
+            int(facts["pid"]),
+            access.local_control_token(Path(serving_dir)),
+        )
         try:
             client.status()
         except OSError:
@@ -72,9 +87,10 @@ class ServingServiceClient:
         self, method: str, route: str, body: dict[str, Any] | None = None, timeout_s: float = 10.0
     ) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            self.control_url + route, data=data, method=method, headers={"content-type": "application/json"}
-        )
+        headers = {"content-type": "application/json"}
+        if self._token:
+            headers[access.CONTROL_TOKEN_HEADER] = access.bearer(self._token)
+        request = urllib.request.Request(self.control_url + route, data=data, method=method, headers=headers)
         try:
             with _NO_PROXY.open(request, timeout=timeout_s) as resp:
                 return resp.status, json.loads(resp.read())
@@ -82,7 +98,10 @@ class ServingServiceClient:
             return e.code, json.loads(e.read() or b"{}")
 
     def status(self) -> dict[str, Any]:
-        return self._call("GET", "/status")[1]
+        code, answer = self._call("GET", "/status")
+        if code == 401:
+            raise ControlRefused(f"the serving service at {self.control_url} refused: {answer.get('error')}")
+        return answer
 
     def switch(self, checkpoint_path: str, checkpoint_id: str, timeout_s: float = 900.0) -> SwitchResult:
         """Serve ``checkpoint_path`` instead of what is served now; returns once traffic is on it."""

@@ -4,7 +4,9 @@ Why HAProxy: it is a proven HTTP router whose runtime API (the admin socket) cha
 reload: ``ready`` (takes new requests), ``drain`` (no new requests, the ones in flight finish) and ``maint``
 (out). That is blue/green without dropping a request, and without a home-made proxy in the request path. The
 two colours are two ``server`` lines of one backend, at ports fixed when the router is configured; the routes
-``/v1/models`` and ``/status`` go to the serving service's own control API, everything else to the engines.
+``/v1/models`` and ``/status`` (as ``/public/status``: what is served, nothing internal) go to the serving
+service's own control API, everything else to the engines. With an API key, every request needs it
+(``Authorization: Bearer <key>``): HAProxy answers 401 itself otherwise.
 """
 
 from __future__ import annotations
@@ -13,22 +15,24 @@ import contextlib
 import csv
 import hashlib
 import io
+import json
 import logging
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from nexa_dagster.core.common.processes import stop_process_group
-from nexa_dagster.core.llm.managed_server import _EXEC_WITH_PDEATHSIG
+from nexa_dagster.core.llm.managed_server import with_parent_death_signal
 
 log = logging.getLogger(__name__)
 
 COLOURS = ("blue", "green")
+# the public port's GET /status, as HAProxy hands it to the control API: what is served, nothing internal
+PUBLIC_STATUS = "/public/status"
 BACKEND = "engines"
 INSTALL_HINT = "install it with scripts/install_services.sh (Debian: apt-get install haproxy)"
 
@@ -57,10 +61,50 @@ def haproxy_binary() -> str | None:
     return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if os.access(p, os.X_OK)), None)
 
 
+def _unauthorized(message: str, condition: str) -> str:
+    """An OpenAI-style 401 answered by HAProxy itself (as `vllm serve --api-key` answers, the request goes nowhere)."""
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}}
+    )
+    assert "'" not in body  # HAProxy's strong quoting
+    return (
+        "    http-request return status 401 content-type application/json "
+        f"hdr www-authenticate Bearer string '{body}' if {condition}"
+    )
+
+
+def api_key_rules(api_key_digest: str | None) -> str:
+    """The frontend's key check: the SHA-256 of the request's whole ``Authorization`` header against
+    ``api_key_digest`` (``access.bearer_digest``), so that the configuration file holds no secret. The header is
+    removed before the request goes on (no engine sees or logs it). None: no check (a loopback-only endpoint)."""
+    if api_key_digest is None:
+        return ""
+    return "\n".join(
+        [
+            "    acl has_key req.fhdr(authorization) -m found",
+            f"    acl right_key req.fhdr(authorization),sha2(256),hex -m str {api_key_digest}",
+            _unauthorized(
+                "missing API key: send the key of the serving endpoint as `Authorization: Bearer <key>` "
+                "(OpenAI clients: api_key=...)",
+                "!has_key",
+            ),
+            _unauthorized("wrong API key for the serving endpoint", "!right_key"),
+            "    http-request del-header authorization",
+            "",
+        ]
+    )
+
+
 def render_config(
-    port: int, engine_ports: dict[str, int], control_port: int, admin_socket: Path, host: str = "127.0.0.1"
+    port: int,
+    engine_ports: dict[str, int],
+    control_port: int,
+    admin_socket: Path,
+    host: str = "127.0.0.1",
+    api_key_digest: str | None = None,
 ) -> str:
-    """The whole configuration: one frontend, the engines backend (both colours out at first), the control API."""
+    """The whole configuration: one frontend (the API key checked first), the engines backend (both colours out at
+    first), the control API's public routes."""
     servers = "\n".join(f"    server {c} 127.0.0.1:{engine_ports[c]} disabled" for c in COLOURS)
     return f"""# written by nexa_dagster.core.serving.haproxy; traffic is steered at run time through {admin_socket}
 global
@@ -78,7 +122,8 @@ defaults
 
 frontend endpoint
     bind {host}:{port}
-    use_backend control if {{ path /v1/models /status }} || {{ path_beg /v1/models/ }}
+{api_key_rules(api_key_digest)}    http-request set-path {PUBLIC_STATUS} if {{ path /status }}
+    use_backend control if {{ path /v1/models {PUBLIC_STATUS} }} || {{ path_beg /v1/models/ }}
     default_backend {BACKEND}
 
 backend {BACKEND}
@@ -102,8 +147,10 @@ class HAProxyRouter:
         control_port: int,
         host: str = "127.0.0.1",
         logger: logging.Logger | None = None,
+        api_key_digest: str | None = None,
     ) -> None:
         self.work_dir = Path(work_dir)
+        self.api_key_digest = api_key_digest
         self.port, self.engine_ports, self.control_port, self.host = port, engine_ports, control_port, host
         self.admin_socket = admin_socket_path(self.work_dir)
         self.config_path = self.work_dir / "haproxy.cfg"
@@ -119,11 +166,17 @@ class HAProxyRouter:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.admin_socket.unlink(missing_ok=True)  # a leftover of a killed service
         self.config_path.write_text(
-            render_config(self.port, self.engine_ports, self.control_port, self.admin_socket, self.host)
+            render_config(
+                self.port,
+                self.engine_ports,
+                self.control_port,
+                self.admin_socket,
+                self.host,
+                self.api_key_digest,
+            )
         )
-        cmd = [exe, "-db", "-f", str(self.config_path)]
-        if sys.platform == "linux":  # dies with the service, even when the service is killed with SIGKILL
-            cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *cmd]
+        # dies with the service, even when the service is killed with SIGKILL
+        cmd = with_parent_death_signal([exe, "-db", "-f", str(self.config_path)])
         with open(self.log_path, "ab") as logfile:
             self.process = subprocess.Popen(
                 cmd,

@@ -29,19 +29,21 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.client import SERVICE_FILE, SwitchFailed, SwitchResult
-from nexa_dagster.core.serving.haproxy import COLOURS, HAProxyRouter
+from nexa_dagster.core.serving.haproxy import COLOURS, PUBLIC_STATUS, HAProxyRouter
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class ServiceAlreadyRunning(RuntimeError):
     pass
 
 
+def default_loading_threads() -> int:
+    """Half the cores (at least one): the other half stays with the engine that serves while one loads."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 class ServingService:
     """``ServingService(serving_dir, pointer, port=8000).run()`` serves until SIGTERM/SIGINT."""
 
@@ -76,8 +83,32 @@ class ServingService:
         host: str = "127.0.0.1",
         control_port: int = 0,
         logger: logging.Logger | None = None,
+        api_key: str | None = None,
+        control_token: str | None = None,
+        checkpoint_roots: Sequence[Path] | None = None,
+        loading_nice: int = 10,
+        loading_threads: int | None = None,
     ) -> None:
         self.dir = Path(serving_dir)
+        # who gets in (access.py): the endpoint's key (None: open, loopback only), the control API's token (None:
+        # a fresh one at each start, in <serving_dir>/control-token), where checkpoints may be loaded from
+        # (None: anywhere, for a caller that checked)
+        if api_key is None and not access.is_loopback(host):
+            raise access.SecretMissing(
+                f"the endpoint would listen on {host} with no API key: set NEXA_SERVING_API_KEY or "
+                "NEXA_SERVING_API_KEY_FILE (clients send it as `Authorization: Bearer <key>`)"
+            )
+        if control_token is None and not access.is_loopback(host):
+            raise access.SecretMissing(
+                f"the control API would listen on {host} with no token of its own: set "
+                "NEXA_SERVING_CONTROL_TOKEN or NEXA_SERVING_CONTROL_TOKEN_FILE for the service and the pipeline"
+            )
+        self.api_key, self.control_token = api_key, control_token
+        self.checkpoint_roots = list(checkpoint_roots) if checkpoint_roots is not None else None
+        # an engine that loads while another serves: a lower CPU priority and fewer OpenMP threads until it passed
+        # its smoke test (then its priority is raised to the normal one), so that the serving engine keeps its pace
+        self.loading_nice = loading_nice
+        self.loading_threads = loading_threads if loading_threads is not None else default_loading_threads()
         # host: where the endpoint and the control API listen (0.0.0.0 in a container: other containers switch it)
         self.host, self.control_port = host, control_port
         self.pointer = production_pointer
@@ -107,6 +138,9 @@ class ServingService:
         with self._exclusive(), contextlib.ExitStack() as stack:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stopping.set())
+            if self.control_token is None:
+                self.control_token = access.issue_control_token(self.dir)
+                stack.callback(lambda: (self.dir / access.TOKEN_FILE).unlink(missing_ok=True))
             self._http = ThreadingHTTPServer((self.host, self.control_port), _control_handler(self))
             self._http.daemon_threads = True
             threading.Thread(target=self._http.serve_forever, name="control-api", daemon=True).start()
@@ -118,6 +152,7 @@ class ServingService:
                 self._http.server_address[1],
                 host=self.host,
                 logger=self.log,
+                api_key_digest=access.bearer_digest(self.api_key) if self.api_key else None,
             ).start()
             stack.callback(self.router.stop)
             stack.callback(self._stop_engine)
@@ -230,6 +265,10 @@ class ServingService:
         old = self.active
         if old is not None and old.checkpoint_path == checkpoint_path and old.checkpoint_id == checkpoint_id:
             return self._result(old, old.checkpoint_id, t0, 0.0, "", 0.0)  # already serving it
+        if self.checkpoint_roots is not None and (
+            refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
+        ):
+            return self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
         colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
         try:
             engine = ManagedServer(
@@ -240,6 +279,7 @@ class ServingService:
                 startup_timeout_s=self.startup_timeout_s,
                 served_model_name=self.model_name,
                 logger=self.log,
+                **self._engine_resources(old.engine if old is not None else None),
             )
             engine.start(attempts=1)
         except (LLMError, ValueError, OSError) as e:
@@ -252,6 +292,14 @@ class ServingService:
                 checkpoint_id,
                 f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
                 f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text else ""),
+            )
+        # it passed: it takes the traffic at the normal priority
+        if engine.nice and (problems := engine.renice(0)):
+            self.log.warning(
+                "the %s engine keeps part of its loading priority (nice +%d): %s",
+                colour,
+                engine.nice,
+                "; ".join(problems[:3]),
             )
         assert self.router is not None
         drain_s = self.router.route_to(colour, self.drain_timeout_s)
@@ -272,6 +320,20 @@ class ServingService:
             result.switch_s,
         )
         return result
+
+    def _engine_resources(self, serving: ManagedServer | None) -> dict[str, Any]:
+        """What an engine starts with: idle OpenMP threads that sleep rather than spin (they would take the CPU
+        from the other engine, and from the HTTP threads of their own), and, while ``serving`` serves, a priority
+        ``loading_nice`` below it and ``loading_threads`` OpenMP threads (an OpenMP pool is sized when the engine
+        starts). Below it, not below the service: an engine whose priority could not be raised back (no
+        ``CAP_SYS_NICE``) still serves ahead of the next one loading."""
+        env = {settings.OMP_WAIT_POLICY.name: settings.OMP_WAIT_POLICY.default}
+        if serving is None:
+            return {"extra_env": env, "own_session": False}
+        if self.loading_threads > 0:
+            env[settings.OMP_NUM_THREADS.name] = str(self.loading_threads)
+        # in the service's session: with autogroups the engines yield to each other, not to every other session
+        return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice), "own_session": False}
 
     def _still_serving(self) -> str:
         return f"{self.active.checkpoint_id} keeps serving" if self.active else "nothing is served"
@@ -325,6 +387,16 @@ class ServingService:
             "service_pid": os.getpid(),
         }
 
+    def public_status(self) -> dict[str, Any]:
+        """What anyone holding the API key may know (``GET /status`` through the public port): what is served and
+        since when; no path, process id, internal URL or error text."""
+        served = self.active
+        return {
+            "model": self.model_name,
+            "checkpoint_id": served.checkpoint_id if served else None,
+            "serving_since": served.since if served else None,
+        }
+
     def models(self) -> dict[str, Any]:
         served = self.active
         data = (
@@ -347,7 +419,8 @@ class ServingService:
 
 def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
     class ControlAPI(BaseHTTPRequestHandler):
-        """``GET /status``, ``GET /v1/models``, ``POST /switch`` (JSON)."""
+        """``GET /status`` and ``POST /switch`` (JSON, with the control token); ``GET /v1/models`` and
+        ``GET /public/status`` (what the public port shows, behind HAProxy's API key check)."""
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             service.log.debug("control API: " + format, *args)
@@ -360,10 +433,32 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _authorized(self) -> bool:
+            """The control token is required (401 otherwise); the caller is told which header carries it."""
+            assert service.control_token is not None
+            given = self.headers.get(access.CONTROL_TOKEN_HEADER)
+            if access.same_secret(given, access.bearer(service.control_token)):
+                return True
+            self._send(
+                401,
+                {
+                    "error": (
+                        "no control token: send `Authorization: Bearer <token>`"
+                        if given is None
+                        else "wrong control token"
+                    )
+                    + " (NEXA_SERVING_CONTROL_TOKEN[_FILE], or <serving dir>/control-token on the service's host)"
+                },
+            )
+            return False
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?")[0]
-            if path == "/status":
-                self._send(200, service.status())
+            if path == PUBLIC_STATUS:  # HAProxy's rewrite of the public port's /status
+                self._send(200, service.public_status())
+            elif path == "/status":
+                if self._authorized():
+                    self._send(200, service.status())
             elif path == "/v1/models":
                 self._send(200, service.models())
             elif path.startswith("/v1/models/"):
@@ -377,6 +472,8 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802
             if self.path != "/switch":
                 self._send(404, {"error": f"no route {self.path}"})
+                return
+            if not self._authorized():
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")

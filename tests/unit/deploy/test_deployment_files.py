@@ -110,3 +110,25 @@ def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_c
     installs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     assert "haproxy" in installs.split("apt-get install", 2)[2]  # the runtime stage's packages
     assert port in next(args for op, args in dockerfile_instructions() if op == "EXPOSE").split()
+
+
+def test_compose_gives_the_serving_key_and_token_as_secrets_never_as_values() -> None:
+    """The serving service reads its API key and the control token from secret files; the pipeline (the code
+    server, the daemon and the webserver, which start runs) reads the token; no service holds either as a value."""
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert compose["secrets"] == {
+        "serving_api_key": {"environment": "NEXA_SERVING_API_KEY"},
+        "serving_control_token": {"environment": "NEXA_SERVING_CONTROL_TOKEN"},
+    }
+    serving = services["serving"]
+    assert serving["environment"]["NEXA_SERVING_API_KEY_FILE"] == "/run/secrets/serving_api_key"
+    assert (
+        "serving_api_key" in serving["secrets"] and serving["ulimits"]["nice"] == 20
+    )  # renice to 0, not below
+    for name in ("user_code", "daemon", "webserver", "serving"):
+        env = services[name]["environment"]
+        assert env["NEXA_SERVING_CONTROL_TOKEN_FILE"] == "/run/secrets/serving_control_token", name
+        assert "serving_control_token" in services[name]["secrets"], name
+        assert not {"NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN"} & set(env), name
+    assert "serving_api_key" not in services["daemon"]["secrets"]  # the pipeline switches, it does not chat

@@ -112,3 +112,15 @@ def test_the_manifests_agree_with_the_helm_values() -> None:
         assert pod["containers"][0]["volumeMounts"][0]["mountPath"] == cluster["k8s_data_mount"]
         assert pod["nodeSelector"] == cluster["k8s_node_selector"]
         assert pod["tolerations"] == cluster["k8s_tolerations"]
+
+
+@pytest.mark.parametrize("colour", COLOURS)
+def test_the_engine_wants_an_api_key_from_a_secret(colour: str) -> None:
+    [engine] = deployments(load())[colour]["spec"]["template"]["spec"]["containers"]
+    [key] = [
+        e for e in engine["env"] if e["name"] == "VLLM_API_KEY"
+    ]  # what `vllm serve --api-key` defaults to
+    assert "value" not in key and key["valueFrom"]["secretKeyRef"] == {
+        "name": "nexa-serving",
+        "key": "api-key",
+    }
