@@ -132,7 +132,7 @@ def rebase(value: Any, old: str, new: str) -> Any:
 
 
 def first_night_jobs(data_root: Path) -> dict[str, dict[str, Any]]:
-    """The job files of the first pretraining, the first SFT from a base model, the latest DPO training and the
+    """The job files of the first pretraining, the first SFT from a base model, the first DPO training and the
     first SFT model's evaluation, rebased onto ``data_root``."""
     runs = data_root / "runs"
 
