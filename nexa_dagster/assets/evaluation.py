@@ -352,9 +352,8 @@ class Ancestor:
     stage: str
     dataset_run_hash: str | None
     checkpoint_id: str
-    excluded_documents: frozenset[str] | None = (
-        None  # None: not recorded (a base model trained before it was)
-    )
+    # a base model's: None when not recorded (a base model trained before its record held them)
+    excluded_documents: frozenset[str] | None = None
     eval_side_fraction: float = 0.0
 
     def describe(self) -> str:

@@ -19,8 +19,8 @@ from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.evaluation.scoring import perplexity_of
-from nexa_dagster.core.packaging.decontaminate import decontaminate, document_texts, recorded_inputs, rows_of
-from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus, corpus_document_ids
+from nexa_dagster.core.packaging.decontaminate import decontaminate, document_texts, recorded_inputs
+from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus, documents_holding_protected_text
 from nexa_dagster.core.training.job import TrainingJob
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -47,10 +47,10 @@ def contaminated_documents(
         return [], 0
     # report mode: the corpus stays as packed; the training leaves these documents out by their id
     _, report = decontaminate(files, index, out_root, "report", document_texts, "doc_id", lambda _: None)
-    texts = [r["text"] for path, rows in report.rows_hit.items() for r in rows_of(path, rows)]
-    if texts:
+    found = report.contaminated_rows
+    if found:
         context.log.info(
-            f"contamination check (index {index.key}): {len(texts)} of {report.rows_checked} corpus documents "
+            f"contamination check (index {index.key}): {found} of {report.rows_checked} corpus documents "
             f"hold eval-set or benchmark text; first: {report.examples[0]}"
         )
     else:
@@ -58,7 +58,7 @@ def contaminated_documents(
             f"contamination check (index {index.key}): none of {report.rows_checked} corpus documents holds "
             "eval-set or benchmark text"
         )
-    return corpus_document_ids(texts, tokenizer, out_root), len(texts)
+    return sorted(documents_holding_protected_text(report, tokenizer, out_root)), found
 
 
 @dg.asset(
@@ -157,7 +157,7 @@ def base_model(
         stage="pretrain",
         parent="scratch",
         # what it never saw, so that its descendants' evaluation counts only the corpus it learned from
-        excluded_documents=sorted(excluded),
+        excluded_documents=excluded,
         eval_side_fraction=eval_sets.corpus_fraction,
     )
     context.instance.add_dynamic_partitions(

@@ -238,6 +238,20 @@ def corpus_document_ids(
     return [document_id(np.asarray(ids + eos, dtype=np.int64)) for ids in chat.encode_texts(list(texts))]
 
 
+def documents_holding_protected_text(
+    report: DecontaminationReport, tokenizer: Any, out_root: str
+) -> dict[str, set[int]]:
+    """The corpus documents a ``report``-mode check found holding protected text, by the id a corpus gives them (how
+    a training leaves them out, ``corpus_document_ids``), each with the protected items it holds."""
+    found: dict[str, set[int]] = {}
+    for path, by_row in report.items_by_row.items():
+        rows = sorted(by_row)
+        texts = [document_texts(record)[0] for record in rows_of(path, rows)]
+        for row, doc in zip(rows, corpus_document_ids(texts, tokenizer, out_root), strict=True):
+            found.setdefault(doc, set()).update(by_row[row])
+    return found
+
+
 def items_trained_on(
     report: DecontaminationReport,
     tokenizer: Any,
@@ -249,11 +263,10 @@ def items_trained_on(
     found, less the documents the base never saw (``left_out``: the contaminated ones it excluded, and those on the
     frozen eval set's side, ``eval_fraction``). A base trained before an eval set was frozen holds its text; one
     trained after, with ``on_overlap: remove``, holds none."""
-    items: set[int] = set()
-    for path, by_row in report.items_by_row.items():
-        rows = sorted(by_row)
-        texts = [document_texts(record)[0] for record in rows_of(path, rows)]
-        for row, doc in zip(rows, corpus_document_ids(texts, tokenizer, out_root), strict=True):
-            if doc not in left_out and not is_held_out(doc, eval_fraction):
-                items.update(by_row[row])
-    return items
+    found = documents_holding_protected_text(report, tokenizer, out_root)
+    return {
+        item
+        for doc, items in found.items()
+        if doc not in left_out and not is_held_out(doc, eval_fraction)
+        for item in items
+    }
