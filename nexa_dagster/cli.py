@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import sys
 from typing import Any
 
@@ -193,11 +194,17 @@ def serve(
     control_port: int = 0,
     loading_nice: int = 10,
     loading_threads: int | None = None,
+    control_host: str = "127.0.0.1",
 ) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:  # the secrets first: a refused one stops the start before anything is imported or listens
+        keys, token = access.api_keys(), access.configured_control_token()
+    except access.SecretMissing as e:
+        print(f"cannot serve: {e}", file=sys.stderr)
+        return 1
     storage, _ = _resources()
     try:
         service = ServingService(
@@ -207,8 +214,10 @@ def serve(
             model_name=load_policy().registered_model,
             host=host,
             control_port=control_port,
-            api_key=access.api_key(),
-            control_token=access.configured_control_token(),
+            control_host=control_host,
+            api_keys=keys,
+            control_token=token,
+            reload_api_keys=access.api_keys if keys else None,
             checkpoint_roots=access.checkpoint_roots(storage.checkpoints_dir()),
             loading_nice=loading_nice,
             loading_threads=loading_threads,
@@ -222,13 +231,18 @@ def serve(
             f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
             f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})"
         )
-        key = ' -H "Authorization: Bearer $NEXA_SERVING_API_KEY"' if s.api_key else ""
+        key = ' -H "Authorization: Bearer $(head -n1 $NEXA_SERVING_API_KEY_FILE)"' if s.api_key else ""
         print(
             f"  try: curl {s.base_url}/chat/completions{key} -H 'content-type: application/json' "
             f'-d \'{{"model": "{s.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
         )
         if not s.api_key:
-            print("  no API key (NEXA_SERVING_API_KEY[_FILE]): anyone on this host may use the endpoint")
+            print(
+                f"  no API key needed: the endpoint listens on {s.host}, this machine only (anyone on it may use "
+                "it); to listen on a network, give a key file: NEXA_SERVING_API_KEY_FILE (docs/security.md)"
+            )
+        else:
+            print(f"  {len(s.api_keys)} API key(s) valid; `kill -HUP {os.getpid()}` re-reads the key file")
         print("Ctrl-C stops it.", flush=True)
 
     try:
@@ -237,6 +251,22 @@ def serve(
         print(f"cannot serve: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def ui_proxy(host: str, port: int, upstream: str) -> int:
+    """Become HAProxy in front of the Dagster webserver, asking for the UI's password (docs/security.md)."""
+    from nexa_dagster import settings
+    from nexa_dagster.core.serving.ui_proxy import default_work_dir, prepare_ui_proxy
+
+    try:
+        cmd = prepare_ui_proxy(
+            default_work_dir(), host, port, upstream, settings.UI_USER.get(), access.ui_password()
+        )
+    except (access.SecretMissing, RouterError) as e:
+        print(f"cannot start the UI proxy: {e}", file=sys.stderr)
+        return 1
+    print(f"the Dagster UI ({upstream}) at http://{host}:{port}, user {settings.UI_USER.get()!r}", flush=True)
+    os.execve(cmd[0], cmd, dict(settings.environ()))  # HAProxy takes this process's place (signals, PID 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,16 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         "serve",
         help="the production model on one stable OpenAI-compatible URL until Ctrl-C",
         description="The serving service. Its API key (clients send `Authorization: Bearer <key>`) comes from "
-        "NEXA_SERVING_API_KEY or NEXA_SERVING_API_KEY_FILE (required unless --host is a loopback address), its "
-        "control API's token from NEXA_SERVING_CONTROL_TOKEN[_FILE] (else a fresh one in "
-        "<data root>/serving/control-token).",
+        "the file NEXA_SERVING_API_KEY_FILE names (one key a line, two during a rotation; SIGHUP re-reads it; "
+        "required unless --host is a loopback address), its control API's token from the file "
+        "NEXA_SERVING_CONTROL_TOKEN_FILE names (else a fresh one in <data root>/serving/control-token). Secrets "
+        "given as values (NEXA_SERVING_API_KEY, NEXA_SERVING_CONTROL_TOKEN) are refused. docs/security.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p_serve.add_argument("--port", type=int, default=8000, help="the endpoint's port (HAProxy listens on it)")
     p_serve.add_argument(
         "--host",
         default="127.0.0.1",
-        help="where the endpoint and control API listen (0.0.0.0 in a container: an API key is then required)",
+        help="where the endpoint listens (0.0.0.0 in a container: an API key is then required)",
+    )
+    p_serve.add_argument(
+        "--control-host",
+        default="127.0.0.1",
+        help="where the control API listens (0.0.0.0 in a container, its port unpublished: the compose network; "
+        "a control token file is then required)",
     )
     p_serve.add_argument(
         "--control-port", type=int, default=0, help="the control API's port (0: any free one)"
@@ -279,9 +316,21 @@ def main(argv: list[str] | None = None) -> int:
         default=default_loading_threads(),
         help="the OpenMP threads of an engine loading while another serves (0: the library's default, all cores)",
     )
+    p_ui = sub.add_parser(
+        "ui-proxy",
+        help="HAProxy asking for a password in front of the Dagster webserver (docker compose's `ui`)",
+        description="Dagster OSS has no login: this proxy is the UI's only published door. The password comes "
+        "from the file NEXA_UI_PASSWORD_FILE names (at least 128 bits), the user from NEXA_UI_USER.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p_ui.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
+    p_ui.add_argument("--port", type=int, default=3000)
+    p_ui.add_argument("--upstream", default="webserver:3000", help="the webserver, host:port")
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     args = parser.parse_args(argv)
+    if args.command == "ui-proxy":
+        return ui_proxy(args.host, args.port, args.upstream)
     try:
         if args.command == "status":
             return status()
@@ -291,7 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.command}: {e}", file=sys.stderr)
         return 1
     if args.command == "serve":
-        return serve(args.port, args.host, args.control_port, args.loading_nice, args.loading_threads)
+        return serve(
+            args.port,
+            args.host,
+            args.control_port,
+            args.loading_nice,
+            args.loading_threads,
+            args.control_host,
+        )
     if args.command == "tiny-models":
         return tiny_models()
     from nexa_dagster.demo import main as demo  # builds the code location: only for this command

@@ -90,23 +90,38 @@ AUTOMATION = _var(
     "off: the schedule and sensors start stopped on an instance that holds no on/off state for them "
     "(`make ui AUTOMATION=off`)",
 )
+SERVING_API_KEY_FILE = _var(
+    "NEXA_SERVING_API_KEY_FILE",
+    "",
+    "a file (a Docker or Kubernetes secret, mode 600) holding the key or keys, one a line, that clients send to the "
+    "serving endpoint (`Authorization: Bearer`); each at least 128 bits; required off loopback; re-read on SIGHUP",
+)
 SERVING_API_KEY = _var(
     "NEXA_SERVING_API_KEY",
     "",
-    "the key clients send to the serving endpoint (`Authorization: Bearer`); required off loopback; "
-    "never in a file, log or metadata",
+    "refused: a key given as a value is inherited by every child process; use NEXA_SERVING_API_KEY_FILE",
 )
-SERVING_API_KEY_FILE = _var(
-    "NEXA_SERVING_API_KEY_FILE", "", "a file holding that key (a Docker or Kubernetes secret) instead"
+SERVING_CONTROL_TOKEN_FILE = _var(
+    "NEXA_SERVING_CONTROL_TOKEN_FILE",
+    "",
+    "a file holding the token of the serving service's control API, held by the service and the process that "
+    "runs model_deployment (default on loopback: a fresh one in <data root>/serving/control-token, mode 600)",
 )
 SERVING_CONTROL_TOKEN = _var(
     "NEXA_SERVING_CONTROL_TOKEN",
     "",
-    "the token of the serving service's control API (switch, status), held by the service and the pipeline "
-    "(default on loopback: a fresh one in <data root>/serving/control-token, mode 600)",
+    "refused: a token given as a value is inherited by every child process; use NEXA_SERVING_CONTROL_TOKEN_FILE",
 )
-SERVING_CONTROL_TOKEN_FILE = _var(
-    "NEXA_SERVING_CONTROL_TOKEN_FILE", "", "a file holding that token (a secret) instead"
+UI_USER = _var(
+    "NEXA_UI_USER", "nexa", "the user name the Dagster UI's proxy asks for (`nexa-dagster ui-proxy`)"
+)
+UI_PASSWORD_FILE = _var(
+    "NEXA_UI_PASSWORD_FILE",
+    "",
+    "a file holding the password of the Dagster UI's proxy (a Docker secret; at least 128 bits)",
+)
+UI_PASSWORD = _var(
+    "NEXA_UI_PASSWORD", "", "refused: a password given as a value is inherited; use NEXA_UI_PASSWORD_FILE"
 )
 SERVING_CHECKPOINT_ROOTS = _var(
     "NEXA_SERVING_CHECKPOINT_ROOTS",
@@ -182,9 +197,23 @@ SLURM_ARRAY_TASK_ID = _var(
 JOB_COMPLETION_INDEX = _var("JOB_COMPLETION_INDEX", "", "its index in a Kubernetes indexed Job", "worker")
 
 
+# secrets of the serving service and where they are: read by the service, never handed to a child (an engine,
+# HAProxy, a worker): a process's environment is readable in /proc/<pid>/environ by its user and outlives the read
+SECRET_VARIABLES = (
+    SERVING_API_KEY,
+    SERVING_API_KEY_FILE,
+    SERVING_CONTROL_TOKEN,
+    SERVING_CONTROL_TOKEN_FILE,
+    UI_PASSWORD,
+    UI_PASSWORD_FILE,
+)
+
+
 def environ() -> Mapping[str, str]:
-    """The whole environment, for a child process that inherits it (a server, a worker, a test's subprocess)."""
-    return os.environ
+    """The environment for a child process that inherits it (a server, a worker, a test's subprocess): the whole
+    environment less the serving secrets (``SECRET_VARIABLES``), which no child needs."""
+    secret = {v.name for v in SECRET_VARIABLES}
+    return {k: v for k, v in os.environ.items() if k not in secret}
 
 
 def export(variable: Variable, value: str) -> None:

@@ -41,8 +41,13 @@ from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 pytestmark = pytest.mark.slow
 
 MODEL = "nexa-moe"
-API_KEY = "sk-lab-endpoint-5d0c93e1a7"  # what a lab hands its users (NEXA_SERVING_API_KEY)
+API_KEY = (
+    "sk-lab-endpoint-5d0c93e1a7"  # what a lab hands its users (in the file NEXA_SERVING_API_KEY_FILE names)
+)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# the address the endpoint is published on (a lab's network, here a second loopback address): the control API stays
+# on 127.0.0.1, the engines on Unix sockets
+PUBLISHED = "127.0.0.2"
 
 
 @dataclass
@@ -57,7 +62,17 @@ class Endpoint:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{PUBLISHED}:{self.port}/v1"
+
+    @property
+    def key_file(self) -> Path:
+        return Path(self.env["NEXA_SERVING_API_KEY_FILE"])
+
+    def set_keys(self, *keys: str) -> None:
+        """Write the key file in place (as a lab edits a mounted secret) and tell the service (SIGHUP)."""
+        self.key_file.write_text("".join(f"{k}\n" for k in keys))
+        assert self.process is not None
+        self.process.send_signal(signal.SIGHUP)
 
     @property
     def serving_dir(self) -> Path:
@@ -72,7 +87,16 @@ class Endpoint:
         self.logs.append(log)
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(self.port)],
+                [
+                    sys.executable,
+                    "-m",
+                    "nexa_dagster.cli",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--host",
+                    PUBLISHED,
+                ],
                 env={**os.environ, **self.env},
                 cwd=REPO_ROOT,
                 stdout=out,
@@ -111,12 +135,16 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     if haproxy_binary() is None:
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
     root = tmp_path_factory.mktemp("endpoint")
+    (root / "secrets").mkdir(mode=0o700)
+    key_file = root / "secrets" / "api-key"
+    key_file.write_text(f"{API_KEY}\n")
+    key_file.chmod(0o600)
     env = {
         "NEXA_DATA_ROOT": str(root / "data"),
         "NEXA_RESULTS_ROOT": str(root / "results"),
         "NEXA_LANDING_ROOT": str(root / "landing"),
         "DAGSTER_HOME": str(root / "home"),
-        "NEXA_SERVING_API_KEY": API_KEY,
+        "NEXA_SERVING_API_KEY_FILE": str(key_file),
         # the tests' models and checkpoints live in pytest's folders, not in the data root's checkpoints/
         "NEXA_SERVING_CHECKPOINT_ROOTS": str(tmp_path_factory.getbasetemp()),
     }
@@ -295,9 +323,13 @@ def test_the_endpoint_answers_only_a_request_with_its_api_key(endpoint: Endpoint
         assert httpx.get(root + path, timeout=60).status_code == 401, path
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=endpoint.base_url, api_key="sk-wrong", max_retries=0).models.list()
-    written = [p for p in endpoint.root.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]
+    written = [
+        p
+        for p in endpoint.root.rglob("*")
+        if p.is_file() and API_KEY.encode() in p.read_bytes() and p != endpoint.key_file
+    ]
     assert written == []
-    assert (endpoint.serving_dir / "router" / "haproxy.cfg").read_text().count("sha2(256)") == 1
+    assert (endpoint.serving_dir / "router" / "haproxy.cfg").read_text().count("hmac(sha256,") == 1
 
 
 def test_status_through_the_public_port_says_what_is_served_and_nothing_internal(endpoint: Endpoint) -> None:
@@ -311,6 +343,210 @@ def test_status_through_the_public_port_says_what_is_served_and_nothing_internal
     assert "/" not in public.text  # no path, no URL
     assert not {str(internal["engine_pid"]), str(internal["service_pid"])} & {str(v) for v in said.values()}
     assert "pid" not in public.text and "url" not in public.text and "127.0.0.1" not in public.text
+
+
+def _service_tree(ep: Endpoint) -> list[psutil.Process]:
+    assert ep.process is not None
+    return psutil.Process(ep.process.pid).children(recursive=True)
+
+
+def _engines(ep: Endpoint) -> list[psutil.Process]:
+    assert ep.process is not None
+    return descendants_matching(ep.process.pid, "serve", excluding=("haproxy",))
+
+
+def _listening(procs: list[psutil.Process]) -> set[tuple[str, int]]:
+    """Every TCP address (host, port) the processes listen on."""
+    found = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+ROUTES = ("/", "/v1/models", "/v1/models/nexa-moe", "/status", "/public/status", "/health", "/v1/completions")
+
+
+def test_every_port_the_service_opens_answers_no_route_without_its_secret(endpoint: Endpoint) -> None:
+    """The service, HAProxy and the engines listen on two TCP addresses only: the endpoint on the published
+    address (every route 401 without the key) and the control API on 127.0.0.1 (every route 401 without the token,
+    the model list and the public status included); from the published address the control port is refused; the
+    engines have no TCP port, and their Unix sockets lie in a folder only the service's user may enter."""
+    assert endpoint.process is not None
+    control = endpoint.client()
+    control_port = int(control.control_url.rsplit(":", 1)[1])
+    tree = [psutil.Process(endpoint.process.pid), *_service_tree(endpoint)]
+    assert _listening(tree) == {(PUBLISHED, endpoint.port), ("127.0.0.1", control_port)}
+    root = endpoint.base_url.removesuffix("/v1")
+    for path in ROUTES:
+        assert httpx.get(root + path, timeout=60).status_code == 401, path
+        assert httpx.get(control.control_url + path, timeout=60).status_code == 401, path
+    assert httpx.post(root + "/v1/chat/completions", json={}, timeout=60).status_code == 401
+    assert httpx.post(control.control_url + "/switch", json={}, timeout=60).status_code == 401
+    with pytest.raises(httpx.ConnectError):  # the control API is not on the published address
+        httpx.get(f"http://{PUBLISHED}:{control_port}/status", timeout=10)
+    token = {"Authorization": f"Bearer {control._token}"}
+    assert (
+        httpx.get(control.control_url + "/v1/models", headers=token, timeout=60).json()["data"][0]["id"]
+        == MODEL
+    )
+    engines = _engines(endpoint)
+    assert engines and _listening(engines) == set()
+    sockets = {Path(p) for e in engines for p in e.cmdline() if p.endswith(".sock")}
+    assert sockets and all(s.parent.stat().st_mode & 0o777 == 0o700 for s in sockets), sockets
+    if (
+        os.geteuid() == 0
+    ):  # another user (nobody) cannot reach an engine straight: its socket's folder is private
+        reach = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])"
+        for sock in sockets:
+            other = subprocess.run(
+                [sys.executable, "-c", reach, str(sock)],
+                user=65534,
+                group=65534,
+                capture_output=True,
+                text=True,
+            )
+            assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
+
+
+def test_no_engine_or_proxy_inherits_a_secret_and_what_holds_one_is_private(endpoint: Endpoint) -> None:
+    """/proc/<pid>/environ of every process the service started (HAProxy, the engines and their wrappers) holds
+    neither the key, nor the control token, nor where they are; the files that hold one, or a digest, are 600."""
+    client = endpoint.client()
+    token = client._token
+    assert token and endpoint.process is not None
+    assert b"NEXA_SERVING_API_KEY_FILE" in Path(f"/proc/{endpoint.process.pid}/environ").read_bytes()
+    children = _service_tree(endpoint)
+    assert len(_engines(endpoint)) >= 1 and any("haproxy" in " ".join(p.cmdline()) for p in children)
+    for proc in children:
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        for secret in (API_KEY, token, "NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN"):
+            assert secret.encode() not in environ, (proc.cmdline()[:3], secret[:12])
+    router = endpoint.serving_dir / "router"
+    for private in (router / "haproxy.cfg", router / "keys.acl", endpoint.serving_dir / "control-token"):
+        assert private.stat().st_mode & 0o777 == 0o600, private
+
+
+def _streamed_chat(client: object) -> str:
+    stream = client.chat.completions.create(  # type: ignore[attr-defined]
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is a list?"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+class RotatingOpenAIClient(NonStopClient):
+    """The official OpenAI SDK streaming chats without pause, with the key it is told to use (a client that moves
+    to the new key during a rotation); every request is recorded with the key it sent."""
+
+    def __init__(self, base_url: str, key: str, max_requests: int = 5_000, max_s: float = 600.0) -> None:
+        super().__init__(base_url, max_requests, max_s)
+        self.key = key
+
+    def _run(self) -> None:
+        import openai
+
+        t0 = time.monotonic()
+        while (
+            not self._stop.is_set()
+            and len(self.records) < self.max_requests
+            and time.monotonic() - t0 < self.max_s
+        ):
+            key, sent = self.key, time.monotonic()
+            client = openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
+            try:
+                self.records.append((sent, 200, _streamed_chat(client), key))
+            except openai.OpenAIError as e:
+                self.records.append((sent, f"{type(e).__name__}: {e}", "", key))
+            finally:
+                client.close()
+
+
+def _wait_keys(ep: Endpoint, n: int, since: str) -> None:
+    deadline = time.monotonic() + 60
+    while (s := ep.client().status())["api_keys"] != n or s["api_keys_loaded_at"] <= since:
+        assert time.monotonic() < deadline, ep.log_tail()
+        time.sleep(0.1)
+
+
+def test_the_openai_sdk_streams_through_a_promotion_and_a_key_rotation_without_a_failure(
+    endpoint: Endpoint,
+) -> None:
+    """A lab rotates the key while a promotion happens: the file gets the new key beside the old one (SIGHUP: both
+    valid), the client moves to the new key, the old line goes (SIGHUP). The SDK's streamed chats never fail, the
+    answers change with the switch, and afterwards the old key gets openai.AuthenticationError. A weak key written
+    meanwhile is refused and changes nothing."""
+    import openai
+
+    new_key = "sk-lab-rotated-" + "Q7vX2mPz9LwK4tRb"
+    client = endpoint.client()
+    try:
+        with RotatingOpenAIClient(endpoint.base_url, API_KEY) as load:
+            time.sleep(2)
+            since = client.status()["api_keys_loaded_at"]
+            endpoint.set_keys(API_KEY, new_key)
+            _wait_keys(endpoint, 2, since)
+            switched = client.switch(str(endpoint.b), "b")  # the promotion, while both keys are valid
+            promoted = time.monotonic()
+            load.key = new_key
+            time.sleep(2)
+            since = client.status()["api_keys_loaded_at"]
+            endpoint.set_keys(new_key)
+            _wait_keys(endpoint, 1, since)
+            time.sleep(2)
+        assert switched.checkpoint_id == "b"
+        assert load.failures() == [], load.failures()[:5]
+        sent_with = {r[3] for r in load.records}
+        assert sent_with == {API_KEY, new_key}, len(load.records)
+        assert load.answers_before(promoted) != load.answers_after(promoted + 0.5)
+        with pytest.raises(openai.AuthenticationError):
+            _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=API_KEY, max_retries=0))
+        assert _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=new_key, max_retries=0))
+        # a weak key in the file: refused with the reason in the log, the key before stays the only one
+        before = client.status()["api_keys_loaded_at"]
+        endpoint.set_keys(new_key, "short-key")
+        deadline = time.monotonic() + 60
+        while "the API keys were not changed" not in endpoint.log_tail():
+            assert time.monotonic() < deadline, endpoint.log_tail()
+            time.sleep(0.1)
+        assert "at least 128 bits are required" in endpoint.log_tail()
+        assert client.status()["api_keys_loaded_at"] == before
+        with pytest.raises(openai.AuthenticationError):
+            _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key="short-key", max_retries=0))
+    finally:  # as the other tests expect it: the first key, checkpoint A
+        since = client.status()["api_keys_loaded_at"]
+        endpoint.set_keys(API_KEY)
+        _wait_keys(endpoint, 1, since)
+        client.switch(str(endpoint.a), "a")
+
+
+def test_serve_refuses_a_secret_given_as_a_value_or_too_short(endpoint: Endpoint, tmp_path: Path) -> None:
+    """At start, before anything listens: a key as a value (every child would inherit it) and a key under 128 bits
+    are refused, each with the reason and what to do."""
+    weak = tmp_path / "weak-key"
+    weak.write_text("sk-lab-7c1f9e22b0\n")
+    for extra, said in (
+        ({"NEXA_SERVING_API_KEY": API_KEY}, "NEXA_SERVING_API_KEY gives a secret as a value"),
+        (
+            {"NEXA_SERVING_API_KEY_FILE": str(weak)},
+            f"{weak} (line 1, NEXA_SERVING_API_KEY_FILE) holds a secret of 17",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(free_port())],
+            cwd=REPO_ROOT,
+            env={**os.environ, **endpoint.env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 1 and said in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
 
 
 def test_a_switch_without_the_control_token_is_refused_and_production_is_unchanged(

@@ -13,11 +13,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import http.client
 import importlib.util
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +73,40 @@ def with_parent_death_signal(cmd: Sequence[str], nice: int = 0) -> list[str]:
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks never go via a proxy
+ON_UNIX_SOCKET = Path(__file__).with_name("serve_on_unix_socket.py")
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (an engine without a TCP port)."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def http_status(root: str, path: str, socket_path: str | None = None, timeout_s: float = 2.0) -> int:
+    """The HTTP status of ``GET root + path`` (``root`` ignored with ``socket_path``); OSError when nothing answers."""
+    if socket_path is None:
+        try:
+            with _NO_PROXY.open(root + path, timeout=timeout_s) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except urllib.error.URLError as e:
+            raise OSError(str(e.reason)) from None
+    conn = _UnixHTTPConnection(socket_path, timeout_s)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except http.client.HTTPException as e:
+        raise OSError(str(e)) from None
+    finally:
+        conn.close()
 
 
 def cuda_available() -> bool:
@@ -114,8 +150,10 @@ def server_command(
     continuous_batching: bool = False,
     extra_args: Sequence[str] = (),
     served_model_name: str | None = None,
+    socket_path: str | Path | None = None,
 ) -> list[str]:
-    """The command line that serves ``model_dir`` on ``127.0.0.1:port``.
+    """The command line that serves ``model_dir`` on ``127.0.0.1:port``, or on the Unix socket ``socket_path``
+    (no TCP port at all: vLLM's ``--uds``; ``transformers serve`` through ``serve_on_unix_socket.py``).
 
     ``transformers serve`` names the model by the path it was given (``model_dir``); to serve it under a stable
     name, pass that name as ``model_dir`` and run the command where a link of that name points at the model.
@@ -127,12 +165,10 @@ def server_command(
             if exe
             else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
         )
+        where = ["--uds", str(socket_path)] if socket_path else ["--host", "127.0.0.1", "--port", str(port)]
         return [
             *head,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *where,
             "--served-model-name",
             served_model_name or Path(model_dir).name,
             *extra_args,
@@ -142,14 +178,16 @@ def server_command(
     exe = _venv_cli("transformers")
     if exe is None:
         raise LLMError("`transformers` CLI not found: install transformers[serving]")
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    if socket_path:
+        head, where = [sys.executable, str(ON_UNIX_SOCKET), str(socket_path)], []
+    else:
+        head = [exe]
     cmd = [
-        exe,
+        *head,
         "serve",
         model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        *where,
         "--device",
         device,
         "--log-level",
@@ -192,8 +230,11 @@ class ManagedServer:
         nice: int = 0,
         extra_env: Mapping[str, str] | None = None,
         own_session: bool = True,
+        socket_path: str | Path | None = None,
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
+        # a Unix socket instead of a TCP port: reachable by this user only (its folder's mode), e.g. by HAProxy
+        self.socket_path = str(socket_path) if socket_path else None
         # a lower CPU priority (nice increment, 0..19) from its first instruction on, and environment variables of
         # its own (a thread count, say): an engine loading beside one that serves (serving/service.py)
         self.nice, self.extra_env = nice, dict(extra_env or {})
@@ -245,11 +286,13 @@ class ManagedServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        """The OpenAI base URL; on a Unix socket (``socket_path``) the host is a placeholder: send it there."""
+        return "http://localhost/v1" if self.socket_path else f"http://127.0.0.1:{self.port}/v1"
 
     @property
     def log_path(self) -> Path:
-        return self.log_dir / f"{self.engine}-serve-{self.port}.log"
+        where = Path(self.socket_path).stem if self.socket_path else self.port
+        return self.log_dir / f"{self.engine}-serve-{where}.log"
 
     @property
     def model_name(self) -> str:
@@ -333,7 +376,10 @@ class ManagedServer:
             self.continuous_batching,
             self.extra_args,
             self.served_model_name,
+            self.socket_path,
         )
+        if self.socket_path:
+            Path(self.socket_path).unlink(missing_ok=True)  # a killed engine's socket: the new one binds anew
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
@@ -364,7 +410,7 @@ class ManagedServer:
     def _wait_healthy(self) -> None:
         started = time.monotonic()
         deadline, next_note = started + self.startup_timeout_s, started + self.progress_every_s
-        root = f"http://127.0.0.1:{self.port}"
+        root = self.socket_path or f"http://127.0.0.1:{self.port}"
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
@@ -375,14 +421,13 @@ class ManagedServer:
                 )
             for path in ("/health", "/v1/models"):  # /health first; /v1/models for engines without it
                 try:
-                    with _NO_PROXY.open(root + path, timeout=2.0) as resp:
-                        if resp.status == 200:
-                            return
-                except urllib.error.HTTPError as e:
-                    if e.code != 404:
-                        break  # 503 while loading: not ready yet, and the fallback would not be truthful
-                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                    break  # not listening yet
+                    code = http_status(root, path, self.socket_path)
+                except OSError:
+                    break  # not listening yet (ConnectionError, TimeoutError, no socket file)
+                if code == 200:
+                    return
+                if code != 404:
+                    break  # 503 while loading: not ready yet, and the fallback would not be truthful
             if time.monotonic() > deadline:
                 raise LLMError(
                     f"{self.engine} server at {root}/health not healthy after "

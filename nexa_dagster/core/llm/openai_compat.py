@@ -23,6 +23,7 @@ import logging
 import math
 import queue
 import random
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -78,6 +79,18 @@ class _LoopThread:
         self.loop.close()
 
 
+def _unix_transport(uds: str, limits: Any) -> Any:
+    """An HTTP transport to a Unix socket, of the HTTP library the installed ``openai`` is built on (``httpx``, or
+    its successor ``httpx2`` in recent releases: a transport of the other one is refused)."""
+    import openai
+
+    library = sys.modules[openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]]
+    own_limits = library.Limits(
+        max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections
+    )
+    return library.AsyncHTTPTransport(uds=uds, limits=own_limits)
+
+
 class OpenAICompatibleClient(LLMClient):
     """Chat completions against ``base_url`` (``http://host:port/v1``) with retries and bounded concurrency.
 
@@ -95,7 +108,9 @@ class OpenAICompatibleClient(LLMClient):
         max_retries: int = 4,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        uds: str | None = None,
     ) -> None:
+        """``uds``: the server's Unix socket (an engine without a TCP port); ``base_url`` then names the paths."""
         import httpx
         import openai
 
@@ -118,7 +133,9 @@ class OpenAICompatibleClient(LLMClient):
             limits = httpx.Limits(
                 max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency
             )
-            http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout_s)
+            http = openai.DefaultAsyncHttpxClient(
+                limits=limits, timeout=timeout_s, transport=_unix_transport(uds, limits) if uds else None
+            )
             # the openai client's own retries are off: ours back off with jitter and name the URL when they give up
             client = openai.AsyncOpenAI(
                 base_url=self.base_url,

@@ -1,13 +1,18 @@
-"""Who may use the serving service: the API key of the public endpoint and the token of its control API.
+"""Who may use the serving service: the API key(s) of the public endpoint and the token of its control API.
 
-Both are secrets a person provides the way containers do, as an environment variable or a file (a Docker or
-Kubernetes secret mounted read-only). Neither is ever written to the production pointer, ``service.json``, a log
-line or Dagster metadata: HAProxy is given only the SHA-256 of the expected ``Authorization`` header, so its
-configuration file holds no secret; the control API compares tokens in constant time.
+Both are secrets a person provides as files (a Docker or Kubernetes secret mounted read-only), never as values in
+the environment: a value there is inherited by every process started after it and readable in
+``/proc/<pid>/environ`` for as long as that process lives, while a file is read once by the one process that needs
+it. Neither is ever written to the production pointer, ``service.json``, a log line or Dagster metadata: HAProxy is
+given only a salted HMAC-SHA-256 of the expected ``Authorization`` header (haproxy.py), so its configuration holds
+no secret; the control API compares tokens in constant time. Every secret a person configures must carry at least
+128 bits (``secret_bits``): with that, a salted fast hash is as safe as a slow one (no guess list reaches 2^128).
 
-Without a configured control token the service makes a fresh one at every start and writes it, readable by its
-owner only, to ``<serving dir>/control-token``, where the pipeline on the same host reads it: whoever may read the
-data root may already move the production pointer, which the service follows, so the file grants nothing more.
+The key file holds one key a line: during a rotation it holds two (the old and the new), both valid; the service
+re-reads it on SIGHUP (docs/security.md). Without a configured control token the service makes a fresh one at
+every start and writes it, readable by its owner only, to ``<serving dir>/control-token``, where the pipeline on
+the same host reads it: whoever may read the data root may already move the production pointer, which the service
+follows, so the file grants nothing more.
 """
 
 from __future__ import annotations
@@ -15,42 +20,122 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import os
 import secrets
+import string
 from pathlib import Path
 
 from nexa_dagster import settings
 
 TOKEN_FILE = "control-token"
 CONTROL_TOKEN_HEADER = "Authorization"
+MIN_SECRET_BITS = 128  # NIST SP 800-131A's floor for a symmetric key; also what `token_urlsafe(16)` gives
+MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+# the smallest of these alphabets that holds every character of a secret sets its bits per character
+_ALPHABETS = (
+    string.digits,
+    string.hexdigits.lower(),
+    string.digits + "ABCDEF",
+    string.ascii_lowercase + string.digits,
+    string.ascii_letters + string.digits,
+    string.ascii_letters + string.digits + "-_",  # base64url, what secrets.token_urlsafe writes
+    string.ascii_letters + string.digits + "+/=",
+    string.ascii_letters + string.digits + "-_+/=.~",
+    "".join(chr(c) for c in range(33, 127)),  # any printable ASCII but the space
+)
 
 
 class SecretMissing(RuntimeError):
-    """A secret the service needs is not configured, or its file cannot be read."""
+    """A secret the service needs is not configured, is too weak, or its file cannot be read."""
+
+
+def secret_bits(secret: str) -> float:
+    """An upper bound of the secret's entropy: its length times log2 of the smallest common alphabet that holds
+    it (a random string of that alphabet has exactly this; a chosen word has far less, hence the generous floor)."""
+    chars = set(secret)
+    size = next((len(set(a)) for a in _ALPHABETS if chars <= set(a)), 256)
+    return len(secret) * math.log2(size)
+
+
+def _check_strength(secret: str, where: str) -> None:
+    """Refuse what cannot be a random token: whitespace (a phrase of words, whose bits no length tells), fewer
+    than 8 distinct characters (a repeated pattern), or fewer than 128 bits by ``secret_bits``."""
+    if any(c.isspace() for c in secret) or len(set(secret)) < 8:
+        raise SecretMissing(
+            f"{where} holds a secret that is not a random token (whitespace, or fewer than 8 distinct "
+            f"characters): make one with {MAKE_ONE}"
+        )
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS:
+        raise SecretMissing(
+            f"{where} holds a secret of {len(secret)} characters (at most {bits:.0f} bits): at least "
+            f"{MIN_SECRET_BITS} bits are required; make one with {MAKE_ONE}"
+        )
+
+
+def _refuse_value(value: settings.Variable, file: settings.Variable) -> None:
+    if value.is_set():
+        raise SecretMissing(
+            f"{value.name} gives a secret as a value, which every process started from here would inherit "
+            f"(/proc/<pid>/environ): write it to a file readable by its owner only (chmod 600) and set "
+            f"{file.name} to that file's path instead"
+        )
+
+
+def read_secrets(value: settings.Variable, file: settings.Variable) -> list[str]:
+    """The secrets, one a line, in the file ``file`` names (blank lines and ``#`` comments skipped), each of at
+    least 128 bits; [] when ``file`` is unset. A secret given as a value (``value``) is refused."""
+    _refuse_value(value, file)
+    if not file.is_set():
+        return []
+    path = Path(file.get())
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SecretMissing(f"{file.name} names {path}, which cannot be read: {e.strerror or e}") from None
+    found = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not found:
+        raise SecretMissing(f"{file.name} names {path}, which is empty")
+    for number, secret in enumerate(found, 1):
+        _check_strength(secret, f"{path} (line {number}, {file.name})")
+    return found
 
 
 def read_secret(value: settings.Variable, file: settings.Variable) -> str | None:
-    """The secret in ``value``, else the content of the file ``file`` names (whitespace stripped), else None."""
-    if value.is_set():
-        return value.get().strip() or None
-    if not file.is_set():
-        return None
-    path = Path(file.get())
-    try:
-        secret = path.read_text().strip()
-    except OSError as e:
-        raise SecretMissing(f"{file.name} names {path}, which cannot be read: {e.strerror or e}") from None
-    if not secret:
-        raise SecretMissing(f"{file.name} names {path}, which is empty")
-    return secret
+    """The one secret of ``file`` (a second line is an error: only the API key may have two), else None."""
+    found = read_secrets(value, file)
+    if len(found) > 1:
+        raise SecretMissing(
+            f"{file.name} names {file.get()}, which holds {len(found)} lines: one secret only"
+        )
+    return found[0] if found else None
+
+
+def api_keys() -> list[str]:
+    """Every valid key of the endpoint (two while one replaces the other); [] when none is configured."""
+    return read_secrets(settings.SERVING_API_KEY, settings.SERVING_API_KEY_FILE)
 
 
 def api_key() -> str | None:
-    return read_secret(settings.SERVING_API_KEY, settings.SERVING_API_KEY_FILE)
+    """The first configured key (what a client on this host would send), or None."""
+    keys = api_keys()
+    return keys[0] if keys else None
 
 
 def configured_control_token() -> str | None:
     return read_secret(settings.SERVING_CONTROL_TOKEN, settings.SERVING_CONTROL_TOKEN_FILE)
+
+
+def ui_password() -> str:
+    """The Dagster UI proxy's password (required: a proxy without one would protect nothing)."""
+    password = read_secret(settings.UI_PASSWORD, settings.UI_PASSWORD_FILE)
+    if password is None:
+        raise SecretMissing(
+            f"the UI proxy needs a password: write one to a file (mode 600) and set NEXA_UI_PASSWORD_FILE; make one "
+            f"with {MAKE_ONE}"
+        )
+    return password
 
 
 def is_loopback(host: str) -> bool:
@@ -63,9 +148,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bearer_digest(key: str) -> str:
-    """The SHA-256, upper-case hex, of ``Bearer <key>``: what HAProxy compares the request's header with."""
-    return hashlib.sha256(f"Bearer {key}".encode()).hexdigest().upper()
+def new_salt() -> bytes:
+    """A fresh 128-bit salt for one HAProxy configuration (a digest of one deployment says nothing of another)."""
+    return secrets.token_bytes(16)
+
+
+def header_digest(header: str, salt: bytes) -> str:
+    """HMAC-SHA-256 of a whole ``Authorization`` header under ``salt``, upper-case hex: what HAProxy's
+    ``hmac(sha256,<salt>),hex`` makes of the request's header (haproxy.py)."""
+    return hmac.new(salt, header.encode(), hashlib.sha256).hexdigest().upper()
+
+
+def bearer_digest(key: str, salt: bytes) -> str:
+    """The digest of ``Bearer <key>``."""
+    return header_digest(f"Bearer {key}", salt)
 
 
 def bearer(token: str) -> str:
@@ -80,14 +176,32 @@ def same_secret(given: str | None, expected: str) -> bool:
 def issue_control_token(serving_dir: Path) -> str:
     """A fresh random token in ``<serving_dir>/control-token``, created readable by its owner only."""
     token = secrets.token_urlsafe(32)
-    path = serving_dir / TOKEN_FILE
-    tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.tmp")
+    write_private(serving_dir / TOKEN_FILE, token)
+    return token
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable and writable by its owner only from its first byte (a temporary file
+    created with mode 600, then renamed over ``path``: no moment where another user could open it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as handle:
-        handle.write(token)
+        handle.write(text)
     os.replace(tmp, path)
-    return token
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only its owner may enter (mode 700): the sockets in it (the engines', the control API's
+    public one) are then reachable by this user alone, whatever mode the server gave the socket itself. A folder
+    of that name owned by another user (a trap laid in /tmp) is refused."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    facts = path.lstat()
+    if facts.st_uid != os.getuid() or not path.is_dir() or path.is_symlink():
+        raise SecretMissing(f"{path} is not a folder of this user: refusing to put sockets in it")
+    if facts.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
 
 
 def local_control_token(serving_dir: Path) -> str | None:

@@ -11,6 +11,7 @@ service's own control API, everything else to the engines. With an API key, ever
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import csv
 import hashlib
@@ -25,8 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from nexa_dagster import settings
 from nexa_dagster.core.common.processes import stop_process_group
 from nexa_dagster.core.llm.managed_server import with_parent_death_signal
+from nexa_dagster.core.serving import access
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,17 @@ def admin_socket_path(work_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"nexa-haproxy-{digest}.sock"
 
 
+def socket_dir(work_dir: Path) -> Path:
+    """The private folder (mode 700, ``access.private_dir``) of the service's Unix sockets (the engines', the
+    control API's public one): ``<work_dir>/sockets``, or a short one in the temporary directory when that path is
+    too long for a socket (as ``admin_socket_path``)."""
+    beside = work_dir / "sockets"
+    if len(str(beside / "public.sock")) > MAX_SOCKET_PATH:
+        digest = hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:16]
+        beside = Path(tempfile.gettempdir()) / f"nexa-serving-{digest}"
+    return access.private_dir(beside)
+
+
 class RouterError(RuntimeError):
     """HAProxy is missing, did not start, or refused a runtime command."""
 
@@ -73,16 +87,24 @@ def _unauthorized(message: str, condition: str) -> str:
     )
 
 
-def api_key_rules(api_key_digest: str | None) -> str:
-    """The frontend's key check: the SHA-256 of the request's whole ``Authorization`` header against
-    ``api_key_digest`` (``access.bearer_digest``), so that the configuration file holds no secret. The header is
-    removed before the request goes on (no engine sees or logs it). None: no check (a loopback-only endpoint)."""
-    if api_key_digest is None:
+def header_check(salt: bytes, digests_file: Path, acl: str = "right_key") -> str:
+    """The ACL ``acl``: the HMAC-SHA-256 under ``salt`` of the request's whole ``Authorization`` header (a comma
+    cannot split it) is one of the digests in ``digests_file`` (one a line; changed at run time through the admin
+    socket, ``HAProxyRouter.set_keys``). The salt is random per configuration: two deployments with one key share
+    no digest, and no table computed ahead matches (HAProxy 2.6's ``hmac`` converter takes the key in base64)."""
+    salt64 = base64.b64encode(salt).decode()
+    return f"    acl {acl} req.fhdr(authorization),hmac(sha256,{salt64}),hex -m str -f {digests_file}"
+
+
+def api_key_rules(salt: bytes | None, digests_file: Path) -> str:
+    """The frontend's key check (None: no check, a loopback-only endpoint). The header is removed before the
+    request goes on (no engine sees or logs it)."""
+    if salt is None:
         return ""
     return "\n".join(
         [
             "    acl has_key req.fhdr(authorization) -m found",
-            f"    acl right_key req.fhdr(authorization),sha2(256),hex -m str {api_key_digest}",
+            header_check(salt, digests_file),
             _unauthorized(
                 "missing API key: send the key of the serving endpoint as `Authorization: Bearer <key>` "
                 "(OpenAI clients: api_key=...)",
@@ -97,15 +119,18 @@ def api_key_rules(api_key_digest: str | None) -> str:
 
 def render_config(
     port: int,
-    engine_ports: dict[str, int],
-    control_port: int,
+    engine_sockets: dict[str, Path],
+    public_socket: Path,
     admin_socket: Path,
     host: str = "127.0.0.1",
-    api_key_digest: str | None = None,
+    salt: bytes | None = None,
+    digests_file: Path | None = None,
 ) -> str:
     """The whole configuration: one frontend (the API key checked first), the engines backend (both colours out at
-    first), the control API's public routes."""
-    servers = "\n".join(f"    server {c} 127.0.0.1:{engine_ports[c]} disabled" for c in COLOURS)
+    first, each reached on its Unix socket: no engine has a TCP port), the control API's public routes (on a Unix
+    socket of their own: the control API's TCP port wants its token on every route)."""
+    servers = "\n".join(f"    server {c} unix@{engine_sockets[c]} disabled" for c in COLOURS)
+    rules = api_key_rules(salt, digests_file or admin_socket.with_name("keys.acl"))
     return f"""# written by nexa_dagster.core.serving.haproxy; traffic is steered at run time through {admin_socket}
 global
     stats socket {admin_socket} mode 600 level admin
@@ -122,7 +147,7 @@ defaults
 
 frontend endpoint
     bind {host}:{port}
-{api_key_rules(api_key_digest)}    http-request set-path {PUBLIC_STATUS} if {{ path /status }}
+{rules}    http-request set-path {PUBLIC_STATUS} if {{ path /status }}
     use_backend control if {{ path /v1/models {PUBLIC_STATUS} }} || {{ path_beg /v1/models/ }}
     default_backend {BACKEND}
 
@@ -132,7 +157,7 @@ backend {BACKEND}
 {servers}
 
 backend control
-    server control 127.0.0.1:{control_port}
+    server control unix@{public_socket}
 """
 
 
@@ -143,20 +168,32 @@ class HAProxyRouter:
         self,
         work_dir: str | Path,
         port: int,
-        engine_ports: dict[str, int],
-        control_port: int,
+        engine_sockets: dict[str, Path],
+        public_socket: Path,
         host: str = "127.0.0.1",
         logger: logging.Logger | None = None,
-        api_key_digest: str | None = None,
+        api_keys: list[str] | None = None,
     ) -> None:
         self.work_dir = Path(work_dir)
-        self.api_key_digest = api_key_digest
-        self.port, self.engine_ports, self.control_port, self.host = port, engine_ports, control_port, host
+        # no keys: an open endpoint (loopback only, the caller checked); else a fresh salt for this configuration
+        self.salt = access.new_salt() if api_keys else None
+        self.api_keys = list(api_keys or [])
+        self.port, self.engine_sockets, self.public_socket, self.host = (
+            port,
+            engine_sockets,
+            public_socket,
+            host,
+        )
         self.admin_socket = admin_socket_path(self.work_dir)
         self.config_path = self.work_dir / "haproxy.cfg"
+        self.digests_path = self.work_dir / "keys.acl"
         self.log_path = self.work_dir / "haproxy.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.log = logger or log
+
+    def _digests(self, keys: list[str]) -> list[str]:
+        assert self.salt is not None
+        return [access.bearer_digest(k, self.salt) for k in keys]
 
     # -- process -------------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 15.0) -> HAProxyRouter:
@@ -165,17 +202,23 @@ class HAProxyRouter:
             raise RouterError(f"haproxy is not installed: {INSTALL_HINT}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.admin_socket.unlink(missing_ok=True)  # a leftover of a killed service
-        self.config_path.write_text(
+        # both files readable by this user only (the digests are no secret, but a guess could be tested on them)
+        access.write_private(
+            self.digests_path, "".join(f"{d}\n" for d in self._digests(self.api_keys)) if self.salt else ""
+        )
+        access.write_private(
+            self.config_path,
             render_config(
                 self.port,
-                self.engine_ports,
-                self.control_port,
+                self.engine_sockets,
+                self.public_socket,
                 self.admin_socket,
                 self.host,
-                self.api_key_digest,
-            )
+                self.salt,
+                self.digests_path,
+            ),
         )
-        # dies with the service, even when the service is killed with SIGKILL
+        # dies with the service, even when the service is killed with SIGKILL; inherits no secret
         cmd = with_parent_death_signal([exe, "-db", "-f", str(self.config_path)])
         with open(self.log_path, "ab") as logfile:
             self.process = subprocess.Popen(
@@ -183,6 +226,7 @@ class HAProxyRouter:
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=dict(settings.environ()),
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
@@ -199,6 +243,27 @@ class HAProxyRouter:
                 self.stop()
                 raise RouterError(f"haproxy did not open {self.admin_socket} within {timeout_s:.0f} s")
             time.sleep(0.1)
+
+    def set_keys(self, keys: list[str]) -> tuple[int, int]:
+        """Make ``keys`` the valid keys without a reload (HAProxy's runtime API): the new digests are added first,
+        then the ones of keys no longer given are deleted, so a key valid before and after is never refused, and
+        no connection is closed. Returns (keys added, keys removed)."""
+        if self.salt is None:
+            raise RouterError(
+                "this endpoint was started without an API key: restart it with NEXA_SERVING_API_KEY_FILE to add one"
+            )
+        if not keys:
+            raise RouterError("no API key left: an endpoint that had a key keeps one (the file was emptied?)")
+        old, new = set(self._digests(self.api_keys)), self._digests(keys)
+        added, removed = [d for d in new if d not in old], sorted(old - set(new))
+        for verb, digests in (("add", added), ("del", removed)):
+            for digest in digests:
+                answer = self.command(f"{verb} acl {self.digests_path} {digest}").strip()
+                if answer:  # nothing on success
+                    raise RouterError(f"haproxy refused `{verb} acl {self.digests_path} <digest>`: {answer}")
+        self.api_keys = list(keys)
+        access.write_private(self.digests_path, "".join(f"{d}\n" for d in new))
+        return len(added), len(removed)
 
     def stop(self) -> None:
         proc, self.process = self.process, None

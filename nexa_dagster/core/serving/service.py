@@ -9,8 +9,12 @@ start or fails its smoke test is stopped and the old one keeps serving; the swit
 
 The service supervises the serving engine (an engine that dies is restarted on its port) and follows the
 production pointer: a pointer that moves (a deployment or a rollback while the service was busy, by hand) is
-switched to. Its control API (loopback only): ``GET /status``, ``GET /v1/models`` (also routed through the
-stable URL), ``POST /switch``. ``service.json`` in the serving directory says where it listens.
+switched to. Its control API (on loopback unless told otherwise: a container's network), every route behind its
+token: ``GET /status``, ``GET /v1/models``, ``POST /switch``. The public routes (``/v1/models`` and the public
+status, behind the API key) reach it from HAProxy on a Unix socket of their own; the engines too listen on Unix
+sockets, in a folder only the service's user may enter: no port of the service answers without a secret
+(docs/security.md). SIGHUP re-reads the API key file: the keys it holds are the valid ones from then on, without a
+restart or a closed connection. ``service.json`` in the serving directory says where it listens.
 
 Every engine is started and stopped by the main thread: the engines are told to die with the thread that
 started them (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the service leaves no engine and no HAProxy behind,
@@ -27,6 +31,7 @@ import logging
 import os
 import queue
 import signal
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,13 +42,18 @@ from typing import Any
 
 from nexa_dagster import settings
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.client import SERVICE_FILE, SwitchFailed, SwitchResult
-from nexa_dagster.core.serving.haproxy import COLOURS, PUBLIC_STATUS, HAProxyRouter
+from nexa_dagster.core.serving.haproxy import (
+    COLOURS,
+    PUBLIC_STATUS,
+    HAProxyRouter,
+    RouterError,
+    socket_dir,
+)
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request
 
 log = logging.getLogger(__name__)
@@ -83,39 +93,45 @@ class ServingService:
         host: str = "127.0.0.1",
         control_port: int = 0,
         logger: logging.Logger | None = None,
-        api_key: str | None = None,
+        api_keys: Sequence[str] | None = None,
         control_token: str | None = None,
+        control_host: str = "127.0.0.1",
+        reload_api_keys: Callable[[], list[str]] | None = None,
         checkpoint_roots: Sequence[Path] | None = None,
         loading_nice: int = 10,
         loading_threads: int | None = None,
     ) -> None:
         self.dir = Path(serving_dir)
-        # who gets in (access.py): the endpoint's key (None: open, loopback only), the control API's token (None:
-        # a fresh one at each start, in <serving_dir>/control-token), where checkpoints may be loaded from
-        # (None: anywhere, for a caller that checked)
-        if api_key is None and not access.is_loopback(host):
+        # who gets in (access.py): the endpoint's keys (none: open, loopback only; SIGHUP asks reload_api_keys for
+        # the valid ones), the control API's token (None: a fresh one at each start, in <serving_dir>/control-token),
+        # where checkpoints may be loaded from (None: anywhere, for a caller that checked)
+        if not api_keys and not access.is_loopback(host):
             raise access.SecretMissing(
-                f"the endpoint would listen on {host} with no API key: set NEXA_SERVING_API_KEY or "
-                "NEXA_SERVING_API_KEY_FILE (clients send it as `Authorization: Bearer <key>`)"
+                f"the endpoint would listen on {host} with no API key: write one to a file (mode 600) and set "
+                f"NEXA_SERVING_API_KEY_FILE (clients send it as `Authorization: Bearer <key>`; make one with "
+                f"{access.MAKE_ONE})"
             )
-        if control_token is None and not access.is_loopback(host):
+        if control_token is None and not access.is_loopback(control_host):
             raise access.SecretMissing(
-                f"the control API would listen on {host} with no token of its own: set "
-                "NEXA_SERVING_CONTROL_TOKEN or NEXA_SERVING_CONTROL_TOKEN_FILE for the service and the pipeline"
+                f"the control API would listen on {control_host} with no token of its own: set "
+                "NEXA_SERVING_CONTROL_TOKEN_FILE for the service and the pipeline"
             )
-        self.api_key, self.control_token = api_key, control_token
+        self.api_keys, self.control_token = list(api_keys or []), control_token
+        self.reload_api_keys, self.keys_loaded_at = reload_api_keys, now_utc()
+        self._reload_requested = threading.Event()
         self.checkpoint_roots = list(checkpoint_roots) if checkpoint_roots is not None else None
         # an engine that loads while another serves: a lower CPU priority and fewer OpenMP threads until it passed
         # its smoke test (then its priority is raised to the normal one), so that the serving engine keeps its pace
         self.loading_nice = loading_nice
         self.loading_threads = loading_threads if loading_threads is not None else default_loading_threads()
-        # host: where the endpoint and the control API listen (0.0.0.0 in a container: other containers switch it)
-        self.host, self.control_port = host, control_port
+        # host: where the endpoint listens (0.0.0.0 in a container); control_host: the control API (loopback; in a
+        # container 0.0.0.0 of the compose network, where the code server's runs switch it, its port unpublished)
+        self.host, self.control_host, self.control_port = host, control_host, control_port
         self.pointer = production_pointer
         self.port, self.model_name, self.engine_kind = port, model_name, engine
         self.startup_timeout_s, self.poll_s, self.drain_timeout_s = startup_timeout_s, poll_s, drain_timeout_s
         self.log = logger or log
-        self.engine_ports = {c: free_port() for c in COLOURS}
+        self.engine_sockets: dict[str, Path] = {}  # set at start, in socket_dir (private)
         self.active: ServedEngine | None = None
         self.previous_checkpoint_id: str | None = None
         self.last_switch: dict[str, Any] | None = None
@@ -128,8 +144,15 @@ class ServingService:
         self._http: ThreadingHTTPServer | None = None
 
     @property
+    def api_key(self) -> str | None:
+        """The first valid key (what the start message's example sends), or None for an open endpoint."""
+        return self.api_keys[0] if self.api_keys else None
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        """The endpoint as a client on this host reaches it (the host it binds, unless that is every address)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
 
     # -- life cycle ----------------------------------------------------------------------------------------------
     def run(self, ready: Callable[[ServingService], None] | None = None) -> None:
@@ -138,31 +161,38 @@ class ServingService:
         with self._exclusive(), contextlib.ExitStack() as stack:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stopping.set())
+            signal.signal(signal.SIGHUP, lambda *_: self._reload_requested.set())
             if self.control_token is None:
                 self.control_token = access.issue_control_token(self.dir)
                 stack.callback(lambda: (self.dir / access.TOKEN_FILE).unlink(missing_ok=True))
-            self._http = ThreadingHTTPServer((self.host, self.control_port), _control_handler(self))
-            self._http.daemon_threads = True
-            threading.Thread(target=self._http.serve_forever, name="control-api", daemon=True).start()
-            stack.callback(self._http.shutdown)
+            sockets = socket_dir(self.dir)
+            self.engine_sockets = {c: sockets / f"{c}.sock" for c in COLOURS}
+            self._http = self._serve_http(
+                ThreadingHTTPServer((self.control_host, self.control_port), _control_handler(self)), stack
+            )
+            public_socket = sockets / "public.sock"
+            public_socket.unlink(missing_ok=True)
+            self._serve_http(_UnixHTTPServer(str(public_socket), _control_handler(self, public=True)), stack)
+            stack.callback(lambda: public_socket.unlink(missing_ok=True))
             self.router = HAProxyRouter(
                 self.dir / "router",
                 self.port,
-                self.engine_ports,
-                self._http.server_address[1],
+                self.engine_sockets,
+                public_socket,
                 host=self.host,
                 logger=self.log,
-                api_key_digest=access.bearer_digest(self.api_key) if self.api_key else None,
+                api_keys=self.api_keys,
             ).start()
             stack.callback(self.router.stop)
             stack.callback(self._stop_engine)
             self._follow_pointer()  # serve what is in production now
+            control_host = "127.0.0.1" if self.control_host in ("0.0.0.0", "::", "") else self.control_host
             storage.write_json(
                 {
                     "pid": os.getpid(),
                     "base_url": self.base_url,
                     "model_name": self.model_name,
-                    "control_url": f"http://127.0.0.1:{self._http.server_address[1]}",
+                    "control_url": f"http://{control_host}:{self._http.server_address[1]}",
                     "started_at": now_utc(),
                 },
                 self.dir / SERVICE_FILE,
@@ -178,11 +208,40 @@ class ServingService:
                 ready(self)
             while not self._stopping.is_set():
                 self._run_tasks(timeout_s=self.poll_s)
+                if self._reload_requested.is_set():
+                    self._reload_requested.clear()
+                    self.reload_keys()
                 self._supervise()
                 self._follow_pointer()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @staticmethod
+    def _serve_http(server: socketserver.BaseServer, stack: contextlib.ExitStack) -> Any:
+        server.daemon_threads = True  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, name="control-api", daemon=True).start()
+        stack.callback(server.shutdown)
+        return server
+
+    def reload_keys(self) -> bool:
+        """Make the key file's keys the valid ones (SIGHUP): during a rotation the file holds the old key and the
+        new one, both valid, then the new one alone. A file that cannot be read, or holds a weak key, changes
+        nothing (the keys valid before stay valid) and says why in the log. Main thread only."""
+        if self.reload_api_keys is None or self.router is None:
+            self.log.warning(
+                "SIGHUP: this service was given its keys directly, it has no key file to re-read"
+            )
+            return False
+        try:
+            keys = self.reload_api_keys()
+            added, removed = self.router.set_keys(keys)
+        except (access.SecretMissing, RouterError, OSError) as e:
+            self.log.error("SIGHUP: the API keys were not changed, the ones before stay valid: %s", e)
+            return False
+        self.api_keys, self.keys_loaded_at = keys, now_utc()
+        self.log.info("SIGHUP: %d API key(s) valid now (%d added, %d removed)", len(keys), added, removed)
+        return True
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -275,7 +334,7 @@ class ServingService:
                 checkpoint_path,
                 self.dir / "engines" / colour,
                 engine=self.engine_kind,
-                port=self.engine_ports[colour],
+                socket_path=self.engine_sockets[colour],
                 startup_timeout_s=self.startup_timeout_s,
                 served_model_name=self.model_name,
                 logger=self.log,
@@ -284,7 +343,9 @@ class ServingService:
             engine.start(attempts=1)
         except (LLMError, ValueError, OSError) as e:
             return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
-        smoke = smoke_request(engine.base_url, engine.model_name, timeout_s=60.0, max_retries=1)
+        smoke = smoke_request(
+            engine.base_url, engine.model_name, timeout_s=60.0, max_retries=1, uds=engine.socket_path
+        )
         if not smoke.ok:
             tail = engine.log_tail(10)
             engine.stop()
@@ -378,13 +439,17 @@ class ServingService:
             "colour": served.colour if served else None,
             "engine": served.engine.engine if served else None,
             "engine_pid": served.engine.pid if served else None,
-            "engine_url": served.engine.base_url if served else None,  # the engine itself, bypassing HAProxy
+            "engine_socket": served.engine.socket_path
+            if served
+            else None,  # the engine itself (this user only)
             "serving_since": served.since if served else None,
             "previous_checkpoint_id": self.previous_checkpoint_id,
             "engine_restarts": self.engine_restarts,
             "last_switch": self.last_switch,
             "last_error": self.last_error,
             "service_pid": os.getpid(),
+            "api_keys": len(self.api_keys),  # how many keys are valid (two during a rotation), never the keys
+            "api_keys_loaded_at": self.keys_loaded_at,
         }
 
     def public_status(self) -> dict[str, Any]:
@@ -417,10 +482,20 @@ class ServingService:
         return {"object": "list", "data": data}
 
 
-def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The control API's public routes on a Unix socket, for HAProxy alone (its folder is private)."""
+
+
+def _control_handler(service: ServingService, public: bool = False) -> type[BaseHTTPRequestHandler]:
+    """The control API's handler: on its TCP port every route wants the control token; ``public``: the routes
+    HAProxy forwards once the API key was checked (the model list, the public status), on the private socket."""
+
     class ControlAPI(BaseHTTPRequestHandler):
-        """``GET /status`` and ``POST /switch`` (JSON, with the control token); ``GET /v1/models`` and
-        ``GET /public/status`` (what the public port shows, behind HAProxy's API key check)."""
+        """``GET /status``, ``GET /v1/models`` and ``POST /switch`` (JSON, with the control token); on the public
+        socket ``GET /v1/models`` and ``GET /public/status`` only."""
+
+        def address_string(self) -> str:  # a Unix socket's peer has no address
+            return str(self.client_address[0]) if self.client_address else "unix"
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             service.log.debug("control API: " + format, *args)
@@ -447,18 +522,19 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
                         if given is None
                         else "wrong control token"
                     )
-                    + " (NEXA_SERVING_CONTROL_TOKEN[_FILE], or <serving dir>/control-token on the service's host)"
+                    + " (NEXA_SERVING_CONTROL_TOKEN_FILE, or <serving dir>/control-token on the service's host)"
                 },
             )
             return False
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?")[0]
+            if not public and not self._authorized():
+                return
             if path == PUBLIC_STATUS:  # HAProxy's rewrite of the public port's /status
                 self._send(200, service.public_status())
-            elif path == "/status":
-                if self._authorized():
-                    self._send(200, service.status())
+            elif path == "/status" and not public:
+                self._send(200, service.status())
             elif path == "/v1/models":
                 self._send(200, service.models())
             elif path.startswith("/v1/models/"):
@@ -470,11 +546,16 @@ def _control_handler(service: ServingService) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"error": f"no route {path}"})
 
         def do_POST(self) -> None:  # noqa: N802
+            if public or not self._authorized():
+                if public:
+                    self._send(404, {"error": f"no route {self.path}"})
+                return
             if self.path != "/switch":
                 self._send(404, {"error": f"no route {self.path}"})
                 return
-            if not self._authorized():
-                return
+            self._switch()
+
+        def _switch(self) -> None:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
                 path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])

@@ -49,11 +49,12 @@ def smoke_request(
     max_tokens: int = 32,
     timeout_s: float = 120.0,
     max_retries: int = 2,
+    uds: str | None = None,
 ) -> SmokeAnswer:
     """Send the smoke request (temperature 0: a checkpoint's answer is reproducible) and judge the answer."""
     t0 = time.perf_counter()
     with OpenAICompatibleClient(
-        base_url, model=model_name, max_retries=max_retries, timeout_s=timeout_s
+        base_url, model=model_name, max_retries=max_retries, timeout_s=timeout_s, uds=uds
     ) as client:
         try:
             answer = client.chat(

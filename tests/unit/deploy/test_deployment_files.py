@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from dagster._core.instance.config import dagster_instance_config
 
@@ -103,32 +104,79 @@ def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_c
     port, control = command[command.index("--port") + 1], command[command.index("--control-port") + 1]
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert f"{port}:{port}" in serving["ports"]
-    for name in ("user_code", "daemon", "serving"):  # the run workers (user code, daemon) switch it
-        env = services[name]["environment"]
-        assert env["NEXA_SERVING_CONTROL_URL"] == f"http://serving:{control}"
-        assert env["NEXA_SERVING_URL"] == f"http://serving:{port}/v1"
+    # the runs (in the code server: the default run launcher) switch it; the serving service knows its own URLs
+    env = services["user_code"]["environment"]
+    assert env["NEXA_SERVING_CONTROL_URL"] == f"http://serving:{control}"
+    assert env["NEXA_SERVING_URL"] == f"http://serving:{port}/v1"
     installs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     assert "haproxy" in installs.split("apt-get install", 2)[2]  # the runtime stage's packages
     assert port in next(args for op, args in dockerfile_instructions() if op == "EXPOSE").split()
 
 
-def test_compose_gives_the_serving_key_and_token_as_secrets_never_as_values() -> None:
-    """The serving service reads its API key and the control token from secret files; the pipeline (the code
-    server, the daemon and the webserver, which start runs) reads the token; no service holds either as a value."""
+def _published(service: dict) -> set[str]:
+    """The container ports a service publishes on the host ("3000:3000", "127.0.0.1:3000:3000", long syntax)."""
+    ports = set()
+    for entry in service.get("ports", []):
+        ports.add(str(entry["target"]) if isinstance(entry, dict) else str(entry).rsplit(":", 1)[-1])
+    return ports
+
+
+def test_compose_publishes_only_the_ui_proxy_and_the_endpoint_each_behind_a_secret() -> None:
+    """Dagster OSS has no login: the webserver publishes no port, and the one door to it is the `ui` proxy, which
+    asks for a password (nexa-dagster ui-proxy: HAProxy's basic authentication); the serving control API and the
+    code server are on the stack's network only; nothing else is published."""
+    services = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())["services"]
+    published = {name: _published(s) for name, s in services.items() if _published(s)}
+    assert published == {"ui": {"3000"}, "serving": {"8000"}}, published
+    web = services["webserver"]["command"]
+    ui = services["ui"]["command"]
+    assert ui[:4] == ["python", "-m", "nexa_dagster.cli", "ui-proxy"]
+    assert ui[ui.index("--upstream") + 1] == f"webserver:{web[web.index('-p') + 1]}"
+    assert services["ui"]["environment"] == {"NEXA_UI_PASSWORD_FILE": "/run/secrets/ui_password"}
+    assert "--read-only" not in web  # operators launch from it: behind the password, not read-only
+    serving = services["serving"]["command"]
+    assert serving[serving.index("--control-host") + 1] == "0.0.0.0"  # the stack's network: the code server
+    assert serving[serving.index("--control-port") + 1] not in published["serving"]
+    from nexa_dagster.cli import main
+
+    with pytest.raises(SystemExit):  # the command the ui service runs exists with these options
+        main(["ui-proxy", "--help"])
+
+
+def test_compose_gives_the_control_token_only_where_deployments_run() -> None:
+    """The control token is where model_deployment runs: the code server (the instance has no run launcher of its
+    own: Dagster's default starts each run's process in the code server) and the serving service; not the
+    webserver, the daemon or the UI proxy, which a person or a schedule reaches but which run no step."""
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    instance = yaml.safe_load((REPO_ROOT / "configs/dagster/production.yaml").read_text())
+    assert "run_launcher" not in instance  # DefaultRunLauncher: runs start in the code server
+    holders = {n for n, s in services.items() if "serving_control_token" in s.get("secrets", [])}
+    assert holders == {"user_code", "serving"}, holders
+    for name in holders:
+        env = services[name]["environment"]
+        assert env["NEXA_SERVING_CONTROL_TOKEN_FILE"] == "/run/secrets/serving_control_token", name
+    for name in set(services) - holders:
+        assert "NEXA_SERVING_CONTROL_TOKEN_FILE" not in services[name].get("environment", {}), name
+
+
+def test_compose_gives_every_secret_as_a_file_never_as_a_value() -> None:
+    """The serving service reads its API key and the control token from secret files, the UI proxy its password;
+    no service's environment holds a secret's value (refused by the service, inherited by every child)."""
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
     services = compose["services"]
     assert compose["secrets"] == {
-        "serving_api_key": {"environment": "NEXA_SERVING_API_KEY"},
+        "serving_api_key": {"file": "./secrets/serving_api_key"},  # edited in place to rotate the key
         "serving_control_token": {"environment": "NEXA_SERVING_CONTROL_TOKEN"},
+        "ui_password": {"environment": "NEXA_UI_PASSWORD"},
     }
     serving = services["serving"]
     assert serving["environment"]["NEXA_SERVING_API_KEY_FILE"] == "/run/secrets/serving_api_key"
-    assert (
-        "serving_api_key" in serving["secrets"] and serving["ulimits"]["nice"] == 20
-    )  # renice to 0, not below
-    for name in ("user_code", "daemon", "webserver", "serving"):
-        env = services[name]["environment"]
-        assert env["NEXA_SERVING_CONTROL_TOKEN_FILE"] == "/run/secrets/serving_control_token", name
-        assert "serving_control_token" in services[name]["secrets"], name
-        assert not {"NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN"} & set(env), name
-    assert "serving_api_key" not in services["daemon"]["secrets"]  # the pipeline switches, it does not chat
+    assert serving["ulimits"]["nice"] == 20  # renice to 0, not below
+    holders = {n for n, s in services.items() if "serving_api_key" in s.get("secrets", [])}
+    assert holders == {"serving"}  # the pipeline switches, it does not chat
+    values = {"NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN", "NEXA_UI_PASSWORD"}
+    for name, service in services.items():
+        assert not values & set(service.get("environment", {})), name
+    ignored = (REPO_ROOT / ".gitignore").read_text().splitlines()
+    assert "/secrets/" in ignored  # the key file is never committed

@@ -1,11 +1,13 @@
-"""Who may use the serving service: secrets from a variable or a file, the key's check as HAProxy is configured
-with it (a digest, not the key), the checkpoint folders a switch may load from, and a service that will not listen
+"""Who may use the serving service: secrets from a file only (a value refused, a weak one refused), the key's check
+as HAProxy is configured with it (a salted digest, not the key), no secret in a child's environment, the checkpoint folders a switch may load from, and a service that will not listen
 off loopback without a key and a token. (The real endpoint answering 401/401/200: tests/integration/
 test_serving_endpoint.py.)"""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import os
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.haproxy import render_config
 from nexa_dagster.core.serving.service import ServingService
 
-KEY = "sk-lab-7c1f9e22b0"
+KEY = "sk-lab-7c1f9e22b0Qm4v-Zr8TkPa1xWn"  # 34 characters of base64url: 204 bits at most
 
 
 def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,7 +31,7 @@ def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(v.name, raising=False)
 
 
-def test_a_secret_comes_from_its_variable_or_from_the_file_it_names(
+def test_a_secret_comes_from_the_file_it_names_and_never_from_a_value(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     _clear(monkeypatch)
@@ -37,9 +39,52 @@ def test_a_secret_comes_from_its_variable_or_from_the_file_it_names(
     secret_file = tmp_path / "api-key"
     secret_file.write_text(f"{KEY}\n")  # a secret file usually ends with a newline
     monkeypatch.setenv("NEXA_SERVING_API_KEY_FILE", str(secret_file))
-    assert access.api_key() == KEY
-    monkeypatch.setenv("NEXA_SERVING_API_KEY", "from-the-variable")  # the variable wins
-    assert access.api_key() == "from-the-variable"
+    assert access.api_key() == KEY and access.api_keys() == [KEY]
+    new = "N3w-key-" + "x7Qp" * 6
+    secret_file.write_text(f"# rotating\n{KEY}\n\n{new}\n")  # two keys while one replaces the other
+    assert access.api_keys() == [KEY, new]
+    monkeypatch.setenv("NEXA_SERVING_API_KEY", KEY)  # a value, which every child would inherit: refused
+    with pytest.raises(access.SecretMissing, match="NEXA_SERVING_API_KEY gives a secret as a value"):
+        access.api_keys()
+    monkeypatch.setenv("NEXA_SERVING_CONTROL_TOKEN", KEY)
+    with pytest.raises(access.SecretMissing, match="set NEXA_SERVING_CONTROL_TOKEN_FILE to that file's path"):
+        access.configured_control_token()
+
+
+@pytest.mark.parametrize(
+    ("secret", "refused"),
+    [
+        ("sk-lab-7c1f9e22b0", True),  # 17 characters of base64url: 102 bits
+        ("0123456789abcdef0123456789abcde", True),  # 31 hex digits: 124 bits
+        ("0123456789abcdef0123456789abcdef", False),  # 32 hex digits: 128 bits
+        ("12345678901234567890123456789012345678", True),  # 38 decimal digits: 126.2 bits
+        ("123456789012345678901234567890123456789", False),  # 39 decimal digits: 129.6 bits
+        ("correct horse battery staple", True),  # a passphrase of words: far under its length's bits
+        ("Zm9vYmFy-_Zm9vYmFy-_Zm", False),  # 22 base64url characters: 132 bits (token_urlsafe(16))
+    ],
+)
+def test_a_secret_under_128_bits_is_refused_naming_its_file_and_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, secret: str, refused: bool
+) -> None:
+    _clear(monkeypatch)
+    (tmp_path / "key").write_text(f"{'Zm9vYmFy-_Zm9vYmFy-_Zm'}\n{secret}\n")
+    monkeypatch.setenv("NEXA_SERVING_API_KEY_FILE", str(tmp_path / "key"))
+    if refused:
+        with pytest.raises(
+            access.SecretMissing, match=f"{tmp_path}/key \\(line 2, NEXA_SERVING_API_KEY_FILE\\)"
+        ):
+            access.api_keys()
+    else:
+        assert access.api_keys()[1] == secret
+
+
+def test_no_child_process_inherits_a_serving_secret_or_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    for v in settings.SECRET_VARIABLES:
+        monkeypatch.setenv(v.name, "x")
+    monkeypatch.setenv("NEXA_DATA_ROOT", "/data")
+    child = settings.environ()
+    assert not {v.name for v in settings.SECRET_VARIABLES} & set(child)
+    assert child["NEXA_DATA_ROOT"] == "/data"  # the rest is inherited
 
 
 def test_a_secret_file_that_is_missing_or_empty_is_an_error_naming_it(
@@ -57,19 +102,22 @@ def test_a_secret_file_that_is_missing_or_empty_is_an_error_naming_it(
         access.configured_control_token()
 
 
-def test_haproxy_is_given_the_digest_of_the_header_never_the_key(tmp_path: Path) -> None:
-    digest = access.bearer_digest(KEY)
-    assert digest == hashlib.sha256(f"Bearer {KEY}".encode()).hexdigest().upper()
+def test_haproxy_is_given_a_salted_digest_of_the_header_never_the_key(tmp_path: Path) -> None:
+    salt = access.new_salt()
+    digest = access.bearer_digest(KEY, salt)
+    assert digest == hmac.new(salt, f"Bearer {KEY}".encode(), hashlib.sha256).hexdigest().upper()
+    assert digest != access.bearer_digest(KEY, access.new_salt())  # another deployment: another digest
+    engines = {"blue": tmp_path / "blue.sock", "green": tmp_path / "green.sock"}
     config = render_config(
-        8000, {"blue": 9001, "green": 9002}, 9000, tmp_path / "s.sock", api_key_digest=digest
+        8000, engines, tmp_path / "p.sock", tmp_path / "s.sock", salt=salt, digests_file=tmp_path / "k.acl"
     )
-    assert KEY not in config and digest in config
-    assert (
-        "req.fhdr(authorization),sha2(256),hex -m str" in config
-    )  # the whole header: a comma cannot split it
+    assert KEY not in config and digest not in config  # the digests are in k.acl, changed at run time
+    salt64 = base64.b64encode(salt).decode()
+    assert f"req.fhdr(authorization),hmac(sha256,{salt64}),hex -m str -f {tmp_path}/k.acl" in config
     assert config.count("http-request return status 401") == 2  # missing, wrong: each its message
     assert config.index("status 401") < config.index("del-header authorization") < config.index("use_backend")
-    open_config = render_config(8000, {"blue": 9001, "green": 9002}, 9000, tmp_path / "s.sock")
+    assert f"server blue unix@{tmp_path}/blue.sock" in config and config.count("127.0.0.1:") == 1  # bind only
+    open_config = render_config(8000, engines, tmp_path / "p.sock", tmp_path / "s.sock")
     assert "401" not in open_config and "authorization" not in open_config
 
 
@@ -82,8 +130,9 @@ def test_a_control_token_issued_by_the_service_is_readable_by_its_owner_only(
     assert (tmp_path / access.TOKEN_FILE).stat().st_mode & 0o777 == 0o600
     assert access.local_control_token(tmp_path) == token
     assert access.issue_control_token(tmp_path) != token  # a fresh one at each start
-    monkeypatch.setenv("NEXA_SERVING_CONTROL_TOKEN", "configured")
-    assert access.local_control_token(tmp_path) == "configured"
+    (tmp_path / "configured").write_text(KEY)
+    monkeypatch.setenv("NEXA_SERVING_CONTROL_TOKEN_FILE", str(tmp_path / "configured"))
+    assert access.local_control_token(tmp_path) == KEY
     assert access.same_secret("configured", "configured") and not access.same_secret(
         "configure", "configured"
     )
@@ -128,9 +177,14 @@ def test_what_counts_as_loopback(host: str, loopback: bool) -> None:
 
 def test_the_service_will_not_listen_off_loopback_without_a_key_or_a_token(tmp_path: Path) -> None:
     common = {"serving_dir": tmp_path, "production_pointer": str(tmp_path / "p.json"), "port": 8000}
-    with pytest.raises(access.SecretMissing, match="on 0.0.0.0 with no API key: set NEXA_SERVING_API_KEY"):
+    with pytest.raises(access.SecretMissing, match="on 0.0.0.0 with no API key: write one to a file"):
         ServingService(**common, host="0.0.0.0", control_token="t")
-    with pytest.raises(access.SecretMissing, match="no token of its own: set NEXA_SERVING_CONTROL_TOKEN"):
-        ServingService(**common, host="0.0.0.0", api_key=KEY)
-    assert ServingService(**common, host="0.0.0.0", api_key=KEY, control_token="t").api_key == KEY
+    with pytest.raises(
+        access.SecretMissing, match="no token of its own: set NEXA_SERVING_CONTROL_TOKEN_FILE"
+    ):
+        ServingService(**common, host="0.0.0.0", control_host="0.0.0.0", api_keys=[KEY])
+    # off loopback with a key, the control API on loopback (the default): its token may be issued at start
+    assert ServingService(**common, host="0.0.0.0", api_keys=[KEY]).api_key == KEY
+    assert ServingService(**common, host="0.0.0.0", api_keys=[KEY]).base_url == "http://127.0.0.1:8000/v1"
+    assert ServingService(**common, host="127.0.0.2", api_keys=[KEY]).base_url == "http://127.0.0.2:8000/v1"
     assert ServingService(**common).api_key is None  # loopback: open, and the token is issued at start
