@@ -47,7 +47,7 @@ from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRe
 from nexa_dagster.core.serving.client import ServingServiceClient  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
-API_KEY = "bench-serving-switch-key"
+API_KEY = "bench-serving-switch-key-7Qv2Lp9xWm4K"  # 222 bits by the service's count (128 required)
 MIN_DURING = 300  # requests during the switches below which the goal is not decided
 
 
@@ -132,11 +132,14 @@ def load_average() -> list[float]:
 def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, extra: list[str]) -> dict:
     """One service (with ``extra`` arguments to `nexa-dagster serve`) through ``args.switches`` switches."""
     data = root / "data"
+    key_file = root / "api-key"  # a secret is a file, never a value (docs/security.md)
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
     env = {
         **os.environ,
         "NEXA_DATA_ROOT": str(data),
         "NEXA_RESULTS_ROOT": str(root / "results"),
-        "NEXA_SERVING_API_KEY": API_KEY,
+        "NEXA_SERVING_API_KEY_FILE": str(key_file),
         "NEXA_SERVING_CHECKPOINT_ROOTS": str(a.parent),
     }
     serving_dir = data / "serving"

@@ -14,6 +14,7 @@ import argparse
 import http.client
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
@@ -253,14 +254,19 @@ def serve(
     return 0
 
 
-def ui_proxy(host: str, port: int, upstream: str) -> int:
+def ui_proxy(host: str, port: int, upstream: str, work_dir: str | None = None) -> int:
     """Become HAProxy in front of the Dagster webserver, asking for the UI's password (docs/security.md)."""
     from nexa_dagster import settings
     from nexa_dagster.core.serving.ui_proxy import default_work_dir, prepare_ui_proxy
 
     try:
         cmd = prepare_ui_proxy(
-            default_work_dir(), host, port, upstream, settings.UI_USER.get(), access.ui_password()
+            Path(work_dir) if work_dir else default_work_dir(),
+            host,
+            port,
+            upstream,
+            settings.UI_USER.get(),
+            access.ui_password(),
         )
     except (access.SecretMissing, RouterError) as e:
         print(f"cannot start the UI proxy: {e}", file=sys.stderr)
@@ -326,11 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     p_ui.add_argument("--host", default="127.0.0.1", help="where the proxy listens")
     p_ui.add_argument("--port", type=int, default=3000)
     p_ui.add_argument("--upstream", default="webserver:3000", help="the webserver, host:port")
+    p_ui.add_argument(
+        "--work-dir", default=None, help="where its configuration is written (a private folder)"
+    )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     args = parser.parse_args(argv)
     if args.command == "ui-proxy":
-        return ui_proxy(args.host, args.port, args.upstream)
+        return ui_proxy(args.host, args.port, args.upstream, args.work_dir)
     try:
         if args.command == "status":
             return status()
