@@ -129,17 +129,22 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _key_file(root: Path) -> Path:
+    """The endpoint's key in a file of mode 600: a secret is a file, never a value (docs/security.md)."""
+    path = root / "api-key"
+    path.write_text(API_KEY + "\n")
+    path.chmod(0o600)
+    return path
+
+
 def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, extra: list[str]) -> dict:
     """One service (with ``extra`` arguments to `nexa-dagster serve`) through ``args.switches`` switches."""
     data = root / "data"
-    key_file = root / "api-key"  # a secret is a file, never a value (docs/security.md)
-    key_file.write_text(API_KEY + "\n")
-    key_file.chmod(0o600)
     env = {
         **os.environ,
         "NEXA_DATA_ROOT": str(data),
         "NEXA_RESULTS_ROOT": str(root / "results"),
-        "NEXA_SERVING_API_KEY_FILE": str(key_file),
+        "NEXA_SERVING_API_KEY_FILE": str(_key_file(root)),
         "NEXA_SERVING_CHECKPOINT_ROOTS": str(a.parent),
     }
     serving_dir = data / "serving"

@@ -189,6 +189,27 @@ def production_state(storage: Any, tracking: Any, registry: ProductionRegistry, 
     return f"production is {'unchanged' if unchanged else 'not what it was'}: {pointer}, {mlflow}, {serving}"
 
 
+def _say_serving(s: ServingService) -> None:
+    """What `make serve` prints once it serves: where, with which key (or why none is needed), how to try it."""
+    print(
+        f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
+        f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})"
+    )
+    key = ' -H "Authorization: Bearer $(head -n1 $NEXA_SERVING_API_KEY_FILE)"' if s.api_key else ""
+    print(
+        f"  try: curl {s.base_url}/chat/completions{key} -H 'content-type: application/json' "
+        f'-d \'{{"model": "{s.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
+    )
+    if not s.api_key:
+        print(
+            f"  no API key needed: the endpoint listens on {s.host}, this machine only (anyone on it may use "
+            "it); to listen on a network, give a key file: NEXA_SERVING_API_KEY_FILE (docs/security.md)"
+        )
+    else:
+        print(f"  {len(s.api_keys)} API key(s) valid; `kill -HUP {os.getpid()}` re-reads the key file")
+    print("Ctrl-C stops it.", flush=True)
+
+
 def serve(
     port: int,
     host: str = "127.0.0.1",
@@ -227,27 +248,8 @@ def serve(
         print(f"cannot serve: {e}", file=sys.stderr)
         return 1
 
-    def ready(s: ServingService) -> None:
-        print(
-            f"serving {s.model_name!r} at {s.base_url} (production checkpoint: "
-            f"{s.active.checkpoint_id if s.active else 'none yet; promotions are switched to'})"
-        )
-        key = ' -H "Authorization: Bearer $(head -n1 $NEXA_SERVING_API_KEY_FILE)"' if s.api_key else ""
-        print(
-            f"  try: curl {s.base_url}/chat/completions{key} -H 'content-type: application/json' "
-            f'-d \'{{"model": "{s.model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\''
-        )
-        if not s.api_key:
-            print(
-                f"  no API key needed: the endpoint listens on {s.host}, this machine only (anyone on it may use "
-                "it); to listen on a network, give a key file: NEXA_SERVING_API_KEY_FILE (docs/security.md)"
-            )
-        else:
-            print(f"  {len(s.api_keys)} API key(s) valid; `kill -HUP {os.getpid()}` re-reads the key file")
-        print("Ctrl-C stops it.", flush=True)
-
     try:
-        service.run(ready)
+        service.run(_say_serving)
     except (ServiceAlreadyRunning, RouterError, access.SecretMissing) as e:
         print(f"cannot serve: {e}", file=sys.stderr)
         return 1
@@ -275,13 +277,7 @@ def ui_proxy(host: str, port: int, upstream: str, work_dir: str | None = None) -
     os.execve(cmd[0], cmd, dict(settings.environ()))  # HAProxy takes this process's place (signals, PID 1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="nexa-dagster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status")
-    sub.add_parser("rollback")
+def _add_serve_parser(sub: Any) -> None:
     p_serve = sub.add_parser(
         "serve",
         help="the production model on one stable OpenAI-compatible URL until Ctrl-C",
@@ -322,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         default=default_loading_threads(),
         help="the OpenMP threads of an engine loading while another serves (0: the library's default, all cores)",
     )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nexa-dagster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status")
+    sub.add_parser("rollback")
+    _add_serve_parser(sub)
     p_ui = sub.add_parser(
         "ui-proxy",
         help="HAProxy asking for a password in front of the Dagster webserver (docker compose's `ui`)",
@@ -337,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "ui-proxy":
         return ui_proxy(args.host, args.port, args.upstream, args.work_dir)
     try:

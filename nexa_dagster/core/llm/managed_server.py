@@ -233,8 +233,7 @@ class ManagedServer:
         socket_path: str | Path | None = None,
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
-        # a Unix socket instead of a TCP port: reachable by this user only (its folder's mode), e.g. by HAProxy
-        self.socket_path = str(socket_path) if socket_path else None
+        self.socket_path = str(socket_path) if socket_path else None  # no port: HAProxy's, in a 700 folder
         # a lower CPU priority (nice increment, 0..19) from its first instruction on, and environment variables of
         # its own (a thread count, say): an engine loading beside one that serves (serving/service.py)
         self.nice, self.extra_env = nice, dict(extra_env or {})
@@ -258,17 +257,7 @@ class ManagedServer:
         elif continuous_batching and not supported and self.engine == "transformers":
             raise LLMError("this transformers version has no `transformers serve --continuous-batching`")
         self.continuous_batching = bool(continuous_batching) and self.engine == "transformers"
-        if cb_max_memory_percent is None and not self.device.startswith("cuda"):
-            cb_max_memory_percent = 0.05
-        cb_args: tuple[str, ...] = ()
-        if self.continuous_batching and cb_max_memory_percent is not None:
-            if not 0 < cb_max_memory_percent <= 1:
-                raise ValueError(
-                    f"cb_max_memory_percent is a fraction in (0, 1], got {cb_max_memory_percent}"
-                )
-            if "cb_max_memory_percent" in transformers_serve_options():
-                cb_args = ("--cb-max-memory-percent", str(cb_max_memory_percent))
-        self.extra_args = (*cb_args, *extra_args)
+        self.extra_args = (*self._cb_memory_args(cb_max_memory_percent), *extra_args)
         self._fixed_port = port
         self.port = port or free_port()
         self.log_dir = Path(log_dir)
@@ -278,6 +267,18 @@ class ManagedServer:
         self.log = logger or log
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_s: float = 0.0
+
+    def _cb_memory_args(self, cb_max_memory_percent: float | None) -> tuple[str, ...]:
+        """The cap of continuous batching's KV cache (5 % of the memory on a CPU host, see the class docstring)."""
+        if cb_max_memory_percent is None and not self.device.startswith("cuda"):
+            cb_max_memory_percent = 0.05
+        if not self.continuous_batching or cb_max_memory_percent is None:
+            return ()
+        if not 0 < cb_max_memory_percent <= 1:
+            raise ValueError(f"cb_max_memory_percent is a fraction in (0, 1], got {cb_max_memory_percent}")
+        if "cb_max_memory_percent" in transformers_serve_options():
+            return ("--cb-max-memory-percent", str(cb_max_memory_percent))
+        return ()
 
     def __repr__(self) -> str:
         return (

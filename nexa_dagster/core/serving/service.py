@@ -77,6 +77,23 @@ def default_loading_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+def _refuse_open_listeners(
+    host: str, control_host: str, api_keys: Sequence[str] | None, control_token: str | None
+) -> None:
+    """Off loopback, the endpoint needs a key and the control API a configured token (SecretMissing otherwise)."""
+    if not api_keys and not access.is_loopback(host):
+        raise access.SecretMissing(
+            f"the endpoint would listen on {host} with no API key: write one to a file (mode 600) and set "
+            f"NEXA_SERVING_API_KEY_FILE (clients send it as `Authorization: Bearer <key>`; make one with "
+            f"{access.MAKE_ONE})"
+        )
+    if control_token is None and not access.is_loopback(control_host):
+        raise access.SecretMissing(
+            f"the control API would listen on {control_host} with no token of its own: set "
+            "NEXA_SERVING_CONTROL_TOKEN_FILE for the service and the pipeline"
+        )
+
+
 class ServingService:
     """``ServingService(serving_dir, pointer, port=8000).run()`` serves until SIGTERM/SIGINT."""
 
@@ -105,27 +122,19 @@ class ServingService:
         # who gets in (access.py): the endpoint's keys (none: open, loopback only; SIGHUP asks reload_api_keys for
         # the valid ones), the control API's token (None: a fresh one at each start, in <serving_dir>/control-token),
         # where checkpoints may be loaded from (None: anywhere, for a caller that checked)
-        if not api_keys and not access.is_loopback(host):
-            raise access.SecretMissing(
-                f"the endpoint would listen on {host} with no API key: write one to a file (mode 600) and set "
-                f"NEXA_SERVING_API_KEY_FILE (clients send it as `Authorization: Bearer <key>`; make one with "
-                f"{access.MAKE_ONE})"
-            )
-        if control_token is None and not access.is_loopback(control_host):
-            raise access.SecretMissing(
-                f"the control API would listen on {control_host} with no token of its own: set "
-                "NEXA_SERVING_CONTROL_TOKEN_FILE for the service and the pipeline"
-            )
-        self.api_keys, self.control_token = list(api_keys or []), control_token
-        self.reload_api_keys, self.keys_loaded_at = reload_api_keys, now_utc()
-        self._reload_requested = threading.Event()
+        _refuse_open_listeners(host, control_host, api_keys, control_token)
+        self.api_keys, self.control_token, self.reload_api_keys = (
+            list(api_keys or []),
+            control_token,
+            reload_api_keys,
+        )
+        self.keys_loaded_at, self._reload_requested = now_utc(), threading.Event()
         self.checkpoint_roots = list(checkpoint_roots) if checkpoint_roots is not None else None
         # an engine that loads while another serves: a lower CPU priority and fewer OpenMP threads until it passed
         # its smoke test (then its priority is raised to the normal one), so that the serving engine keeps its pace
         self.loading_nice = loading_nice
         self.loading_threads = loading_threads if loading_threads is not None else default_loading_threads()
-        # host: where the endpoint listens (0.0.0.0 in a container); control_host: the control API (loopback; in a
-        # container 0.0.0.0 of the compose network, where the code server's runs switch it, its port unpublished)
+        # the endpoint's host (0.0.0.0 in a container); the control API's (in a container: the compose network)
         self.host, self.control_host, self.control_port = host, control_host, control_port
         self.pointer = production_pointer
         self.port, self.model_name, self.engine_kind = port, model_name, engine
@@ -330,17 +339,7 @@ class ServingService:
             return self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
         colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
         try:
-            engine = ManagedServer(
-                checkpoint_path,
-                self.dir / "engines" / colour,
-                engine=self.engine_kind,
-                socket_path=self.engine_sockets[colour],
-                startup_timeout_s=self.startup_timeout_s,
-                served_model_name=self.model_name,
-                logger=self.log,
-                **self._engine_resources(old.engine if old is not None else None),
-            )
-            engine.start(attempts=1)
+            engine = self._start_engine(colour, checkpoint_path, old.engine if old is not None else None)
         except (LLMError, ValueError, OSError) as e:
             return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
         smoke = smoke_request(
@@ -381,6 +380,22 @@ class ServingService:
             result.switch_s,
         )
         return result
+
+    def _start_engine(
+        self, colour: str, checkpoint_path: str, serving: ManagedServer | None
+    ) -> ManagedServer:
+        """``checkpoint_path`` in an engine of ``colour``, on its private socket, healthy (raises otherwise)."""
+        engine = ManagedServer(
+            checkpoint_path,
+            self.dir / "engines" / colour,
+            engine=self.engine_kind,
+            socket_path=self.engine_sockets[colour],
+            startup_timeout_s=self.startup_timeout_s,
+            served_model_name=self.model_name,
+            logger=self.log,
+            **self._engine_resources(serving),
+        )
+        return engine.start(attempts=1)
 
     def _engine_resources(self, serving: ManagedServer | None) -> dict[str, Any]:
         """What an engine starts with: idle OpenMP threads that sleep rather than spin (they would take the CPU
@@ -489,89 +504,85 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
 def _control_handler(service: ServingService, public: bool = False) -> type[BaseHTTPRequestHandler]:
     """The control API's handler: on its TCP port every route wants the control token; ``public``: the routes
     HAProxy forwards once the API key was checked (the model list, the public status), on the private socket."""
+    return type("ControlAPI", (_ControlAPI,), {"service": service, "public": public})
 
-    class ControlAPI(BaseHTTPRequestHandler):
-        """``GET /status``, ``GET /v1/models`` and ``POST /switch`` (JSON, with the control token); on the public
-        socket ``GET /v1/models`` and ``GET /public/status`` only."""
 
-        def address_string(self) -> str:  # a Unix socket's peer has no address
-            return str(self.client_address[0]) if self.client_address else "unix"
+class _ControlAPI(BaseHTTPRequestHandler):
+    """``GET /status``, ``GET /v1/models`` and ``POST /switch`` (JSON, with the control token); on the public
+    socket ``GET /v1/models`` and ``GET /public/status`` only."""
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-            service.log.debug("control API: " + format, *args)
+    service: ServingService
+    public: bool
 
-        def _send(self, code: int, payload: dict[str, Any]) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def address_string(self) -> str:  # a Unix socket's peer has no address
+        return str(self.client_address[0]) if self.client_address else "unix"
 
-        def _authorized(self) -> bool:
-            """The control token is required (401 otherwise); the caller is told which header carries it."""
-            assert service.control_token is not None
-            given = self.headers.get(access.CONTROL_TOKEN_HEADER)
-            if access.same_secret(given, access.bearer(service.control_token)):
-                return True
-            self._send(
-                401,
-                {
-                    "error": (
-                        "no control token: send `Authorization: Bearer <token>`"
-                        if given is None
-                        else "wrong control token"
-                    )
-                    + " (NEXA_SERVING_CONTROL_TOKEN_FILE, or <serving dir>/control-token on the service's host)"
-                },
-            )
-            return False
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        self.service.log.debug("control API: " + format, *args)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            path = self.path.split("?")[0]
-            if not public and not self._authorized():
-                return
-            if path == PUBLIC_STATUS:  # HAProxy's rewrite of the public port's /status
-                self._send(200, service.public_status())
-            elif path == "/status" and not public:
-                self._send(200, service.status())
-            elif path == "/v1/models":
-                self._send(200, service.models())
-            elif path.startswith("/v1/models/"):
-                found = [m for m in service.models()["data"] if m["id"] == path.rsplit("/", 1)[1]]
-                self._send(200, found[0]) if found else self._send(
-                    404, {"error": {"message": "no such model"}}
-                )
-            else:
-                self._send(404, {"error": f"no route {path}"})
+    def _send(self, code: int, payload: dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        def do_POST(self) -> None:  # noqa: N802
-            if public or not self._authorized():
-                if public:
-                    self._send(404, {"error": f"no route {self.path}"})
-                return
-            if self.path != "/switch":
-                self._send(404, {"error": f"no route {self.path}"})
-                return
+    def _authorized(self) -> bool:
+        """The control token is required (401 otherwise); the caller is told which header carries it."""
+        assert self.service.control_token is not None
+        given = self.headers.get(access.CONTROL_TOKEN_HEADER)
+        if access.same_secret(given, access.bearer(self.service.control_token)):
+            return True
+        said = (
+            "no control token: send `Authorization: Bearer <token>`"
+            if given is None
+            else "wrong control token"
+        )
+        where = " (NEXA_SERVING_CONTROL_TOKEN_FILE, or <serving dir>/control-token on the service's host)"
+        self._send(401, {"error": said + where})
+        return False
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path, service = self.path.split("?")[0], self.service
+        if not self.public and not self._authorized():
+            return
+        if path == PUBLIC_STATUS:  # HAProxy's rewrite of the public port's /status
+            self._send(200, service.public_status())
+        elif path == "/status" and not self.public:
+            self._send(200, service.status())
+        elif path == "/v1/models":
+            self._send(200, service.models())
+        elif path.startswith("/v1/models/"):
+            found = [m for m in service.models()["data"] if m["id"] == path.rsplit("/", 1)[1]]
+            self._send(200, found[0]) if found else self._send(404, {"error": {"message": "no such model"}})
+        else:
+            self._send(404, {"error": f"no route {path}"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.public:
+            self._send(404, {"error": f"no route {self.path}"})
+        elif not self._authorized():
+            return
+        elif self.path != "/switch":
+            self._send(404, {"error": f"no route {self.path}"})
+        else:
             self._switch()
 
-        def _switch(self) -> None:
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
-                path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
-            except (ValueError, KeyError) as e:
-                self._send(
-                    400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"}
-                )
-                return
-            try:
-                result = service.submit(lambda: service.switch(path, checkpoint_id)).result()
-            except SwitchFailed as e:
-                self._send(409, {"error": str(e)})
-                return
-            except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
-                return
-            self._send(200, result.model_dump())
-
-    return ControlAPI
+    def _switch(self) -> None:
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
+        except (ValueError, KeyError) as e:
+            self._send(400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"})
+            return
+        service = self.service
+        try:
+            result = service.submit(lambda: service.switch(path, checkpoint_id)).result()
+        except SwitchFailed as e:
+            self._send(409, {"error": str(e)})
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
+        self._send(200, result.model_dump())
