@@ -3,9 +3,10 @@
 #
 #   docker build -t nexa-dagster .                                   # CPU torch
 #   docker build -t nexa-dagster:gpu --build-arg EXTRAS=gpu,k8s .    # GPU hosts (vLLM); use a CUDA base for real work
-#   docker run -p 3000:3000 -v nexa-data:/app/data nexa-dagster      # single container: dagster dev, SQLite
-#   docker compose up --build                                        # Postgres + code server + webserver + daemon
-#                                                                    # + the serving service (:8000/v1)
+#   docker run -p 127.0.0.1:3000:3000 -v nexa-data:/app/data nexa-dagster  # single container: dagster dev, SQLite;
+#       published on the host's loopback only: Dagster has no login (docs/security.md; compose puts a proxy in front)
+#   docker compose up --build                                        # Postgres + code server + webserver (behind
+#                                                                    # the `ui` proxy) + daemon + serving (:8000/v1)
 
 # ---- build: a virtual environment with the project installed (editable, so configs/ resolve under /app) ----
 FROM python:3.11-slim AS build

@@ -78,14 +78,16 @@ def test_the_router_starts_in_a_data_root_too_deep_for_a_unix_socket_beside_it(t
     from support.services import missing
 
     from nexa_dagster.core.common.net import free_port
-    from nexa_dagster.core.serving.haproxy import HAProxyRouter, haproxy_binary
+    from nexa_dagster.core.serving.haproxy import HAProxyRouter, haproxy_binary, socket_dir
 
     if haproxy_binary() is None:
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
     deep = tmp_path / "restored-from-the-nightly-backup" / "of-the-lab" / "data" / "serving" / "router"
     assert len(str(deep / "haproxy.sock")) > 108
+    sockets = socket_dir(deep.parent)  # the engines' and the public routes' sockets: short, private
+    assert len(str(sockets / "public.sock")) <= 96 and sockets.stat().st_mode & 0o777 == 0o700
     router = HAProxyRouter(
-        deep, free_port(), {"blue": free_port(), "green": free_port()}, free_port()
+        deep, free_port(), {c: sockets / f"{c}.sock" for c in ("blue", "green")}, sockets / "public.sock"
     ).start()
     try:
         assert "Name: HAProxy" in router.command("show info")

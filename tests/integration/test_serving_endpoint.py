@@ -500,6 +500,11 @@ def test_the_openai_sdk_streams_through_a_promotion_and_a_key_rotation_without_a
             endpoint.set_keys(new_key)
             _wait_keys(endpoint, 1, since)
             time.sleep(2)
+        old_n = sum(1 for r in load.records if r[3] == API_KEY)
+        print(  # the figure docs/security.md quotes (pytest -s)
+            f"rotation: {len(load.records)} streamed chats ({old_n} with the old key, "
+            f"{len(load.records) - old_n} with the new), {len(load.failures())} failed"
+        )
         assert switched.checkpoint_id == "b"
         assert load.failures() == [], load.failures()[:5]
         sent_with = {r[3] for r in load.records}
