@@ -3,10 +3,12 @@
 Why HAProxy: it is a proven HTTP router whose runtime API (the admin socket) changes a server's state without a
 reload: ``ready`` (takes new requests), ``drain`` (no new requests, the ones in flight finish) and ``maint``
 (out). That is blue/green without dropping a request, and without a home-made proxy in the request path. The
-two colours are two ``server`` lines of one backend, at ports fixed when the router is configured; the routes
-``/v1/models`` and ``/status`` (as ``/public/status``: what is served, nothing internal) go to the serving
-service's own control API, everything else to the engines. With an API key, every request needs it
-(``Authorization: Bearer <key>``): HAProxy answers 401 itself otherwise.
+two colours are two ``server`` lines of one backend, at Unix sockets fixed when the router is configured (no
+engine has a TCP port); the routes ``/v1/models`` and ``/status`` (as ``/public/status``: what is served, nothing
+internal) go to the serving service's own control API on a socket of its own, everything else to the engines. With
+an API key, every request needs it (``Authorization: Bearer <key>``): HAProxy answers 401 itself otherwise. The
+valid keys (their salted digests) change through the same runtime API (``set_keys``): a key rotation needs no
+reload either (docs/security.md).
 """
 
 from __future__ import annotations
