@@ -475,62 +475,6 @@ def _wait_keys(ep: Endpoint, n: int, since: str) -> None:
         time.sleep(0.1)
 
 
-def test_the_openai_sdk_streams_through_a_promotion_and_a_key_rotation_without_a_failure(
-    endpoint: Endpoint,
-) -> None:
-    """A lab rotates the key while a promotion happens: the file gets the new key beside the old one (SIGHUP: both
-    valid), the client moves to the new key, the old line goes (SIGHUP). The SDK's streamed chats never fail, the
-    answers change with the switch, and afterwards the old key gets openai.AuthenticationError. A weak key written
-    meanwhile is refused and changes nothing."""
-    import openai
-
-    new_key = "sk-lab-rotated-" + "Q7vX2mPz9LwK4tRb"
-    client = endpoint.client()
-    try:
-        with RotatingOpenAIClient(endpoint.base_url, API_KEY) as load:
-            time.sleep(2)
-            since = client.status()["api_keys_loaded_at"]
-            endpoint.set_keys(API_KEY, new_key)
-            _wait_keys(endpoint, 2, since)
-            switched = client.switch(str(endpoint.b), "b")  # the promotion, while both keys are valid
-            promoted = time.monotonic()
-            load.key = new_key
-            time.sleep(2)
-            since = client.status()["api_keys_loaded_at"]
-            endpoint.set_keys(new_key)
-            _wait_keys(endpoint, 1, since)
-            time.sleep(2)
-        old_n = sum(1 for r in load.records if r[3] == API_KEY)
-        print(  # the figure docs/security.md quotes (pytest -s)
-            f"rotation: {len(load.records)} streamed chats ({old_n} with the old key, "
-            f"{len(load.records) - old_n} with the new), {len(load.failures())} failed"
-        )
-        assert switched.checkpoint_id == "b"
-        assert load.failures() == [], load.failures()[:5]
-        sent_with = {r[3] for r in load.records}
-        assert sent_with == {API_KEY, new_key}, len(load.records)
-        assert load.answers_before(promoted) != load.answers_after(promoted + 0.5)
-        with pytest.raises(openai.AuthenticationError):
-            _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=API_KEY, max_retries=0))
-        assert _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=new_key, max_retries=0))
-        # a weak key in the file: refused with the reason in the log, the key before stays the only one
-        before = client.status()["api_keys_loaded_at"]
-        endpoint.set_keys(new_key, "short-key")
-        deadline = time.monotonic() + 60
-        while "the API keys were not changed" not in endpoint.log_tail():
-            assert time.monotonic() < deadline, endpoint.log_tail()
-            time.sleep(0.1)
-        assert "at least 128 bits are required" in endpoint.log_tail()
-        assert client.status()["api_keys_loaded_at"] == before
-        with pytest.raises(openai.AuthenticationError):
-            _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key="short-key", max_retries=0))
-    finally:  # as the other tests expect it: the first key, checkpoint A
-        since = client.status()["api_keys_loaded_at"]
-        endpoint.set_keys(API_KEY)
-        _wait_keys(endpoint, 1, since)
-        client.switch(str(endpoint.a), "a")
-
-
 def test_serve_refuses_a_secret_given_as_a_value_or_too_short(endpoint: Endpoint, tmp_path: Path) -> None:
     """At start, before anything listens: a key as a value (every child would inherit it) and a key under 128 bits
     are refused, each with the reason and what to do."""
@@ -633,45 +577,99 @@ def test_the_incoming_engine_loads_at_a_lower_priority_until_it_is_promoted(endp
     assert endpoint.registry.current().checkpoint_id == "a"
 
 
-def test_a_promotion_and_a_rollback_fail_no_request(endpoint: Endpoint) -> None:
+def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: Endpoint) -> None:
     """model_deployment (a real Dagster run) switches the endpoint to B, `nexa-dagster rollback` back to A, while a
-    client sends requests without pause: no request fails, and after each switch every answer is the new one's."""
-    with NonStopClient(endpoint.base_url) as load:
-        time.sleep(2)
-        deploying = time.monotonic()
-        result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
-        assert result.success
-        promoted = time.monotonic()
-        meta = {
-            k: v.value
-            for k, v in result.asset_materializations_for_node("model_deployment")[0].metadata.items()
-        }
-        assert meta["endpoint"] == endpoint.base_url and meta["checkpoint_served"] == "b"
-        assert meta["previous_checkpoint"] == "a" and text_problem(meta["smoke_response"]) is None
-        assert endpoint.registry.current().checkpoint_id == "b"
-        time.sleep(2)
-        rolling_back = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
-            cwd=REPO_ROOT,
-            env={**os.environ, **endpoint.env},
-            capture_output=True,
-            text=True,
-            timeout=600,
+    client (the official OpenAI SDK, streaming) sends chats without pause, and the lab rotates the key meanwhile:
+    the key file gets the new key beside the old one (SIGHUP: both valid), the client moves to the new key, the old
+    line goes (SIGHUP). No request fails, after each switch every answer is the new one's, and afterwards the old
+    key gets openai.AuthenticationError. A weak key written meanwhile is refused and changes nothing."""
+    import openai
+
+    new_key = "sk-lab-rotated-" + "Q7vX2mPz9LwK4tRb"
+    client = endpoint.client()
+    try:
+        with RotatingOpenAIClient(endpoint.base_url, API_KEY) as load:
+            time.sleep(2)
+            deploying = time.monotonic()
+            _rotate(endpoint, API_KEY, new_key)  # both valid from here
+            result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
+            assert result.success
+            promoted = time.monotonic()
+            load.key = new_key  # the client moves to the new key
+            meta = {
+                k: v.value
+                for k, v in result.asset_materializations_for_node("model_deployment")[0].metadata.items()
+            }
+            assert meta["endpoint"] == endpoint.base_url and meta["checkpoint_served"] == "b"
+            assert meta["previous_checkpoint"] == "a" and text_problem(meta["smoke_response"]) is None
+            assert endpoint.registry.current().checkpoint_id == "b"
+            time.sleep(2)
+            _rotate(endpoint, new_key)  # the old key is refused from here
+            rolling_back = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
+                cwd=REPO_ROOT,
+                env={**os.environ, **endpoint.env},
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert "rolled back: production is a again (was b)" in proc.stdout
+            rolled_back = time.monotonic()
+            time.sleep(2)
+        old_n = sum(1 for r in load.records if r[3] == API_KEY)
+        print(  # the figure docs/security.md quotes (pytest -s)
+            f"promotion, rotation, rollback: {len(load.records)} streamed chats ({old_n} with the old key, "
+            f"{len(load.records) - old_n} with the new), {len(load.failures())} failed"
         )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "rolled back: production is a again (was b)" in proc.stdout
-        rolled_back = time.monotonic()
-        time.sleep(2)
-    assert load.failures() == [], load.failures()[:5]
-    answers_a = {r[2] for r in load.records if r[0] < deploying}
-    answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
-    answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
-    sent = f"{len(load.records)} requests sent (at most {load.max_requests})"  # a client at its cap sends no more
-    assert len(answers_a) == 1 and len(answers_b) == 1, (answers_a, answers_b, sent)  # one answer per model
-    assert answers_b != answers_a and answers_a_again == answers_a, (answers_a, answers_b, answers_a_again)
-    assert endpoint.registry.current().checkpoint_id == "a"
-    assert endpoint.client().status()["checkpoint_id"] == "a"
+        assert load.failures() == [], load.failures()[:5]
+        assert {r[3] for r in load.records} == {API_KEY, new_key}
+        answers_a = {r[2] for r in load.records if r[0] < deploying}
+        answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
+        answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
+        sent = f"{len(load.records)} requests sent (at most {load.max_requests})"  # a client at its cap stops
+        assert len(answers_a) == 1 and len(answers_b) == 1, (
+            answers_a,
+            answers_b,
+            sent,
+        )  # one answer per model
+        assert answers_b != answers_a and answers_a_again == answers_a, (
+            answers_a,
+            answers_b,
+            answers_a_again,
+        )
+        assert endpoint.registry.current().checkpoint_id == "a"
+        assert client.status()["checkpoint_id"] == "a"
+        with pytest.raises(openai.AuthenticationError):
+            _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=API_KEY, max_retries=0))
+        assert _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=new_key, max_retries=0))
+        _a_weak_key_changes_nothing(endpoint, new_key)
+    finally:  # as the other tests expect it: the first key
+        _rotate(endpoint, API_KEY)
+
+
+def _rotate(ep: Endpoint, *keys: str) -> None:
+    """The key file holds ``keys`` (in place, as a lab edits a mounted secret), SIGHUP, until the service says so."""
+    since = ep.client().status()["api_keys_loaded_at"]
+    ep.set_keys(*keys)
+    _wait_keys(ep, len(keys), since)
+
+
+def _a_weak_key_changes_nothing(ep: Endpoint, valid: str) -> None:
+    """A weak key in the file: refused with the reason in the log, the keys before stay the valid ones."""
+    import openai
+
+    before = ep.client().status()["api_keys_loaded_at"]
+    ep.set_keys(valid, "short-key")
+    deadline = time.monotonic() + 60
+    while "the API keys were not changed" not in ep.log_tail():
+        assert time.monotonic() < deadline, ep.log_tail()
+        time.sleep(0.1)
+    assert "at least 128 bits are required" in ep.log_tail()
+    assert ep.client().status()["api_keys_loaded_at"] == before
+    with pytest.raises(openai.AuthenticationError):
+        _streamed_chat(openai.OpenAI(base_url=ep.base_url, api_key="short-key", max_retries=0))
 
 
 def _failure_message(result: dg.ExecuteInProcessResult, node: str) -> str:
