@@ -176,31 +176,45 @@ def _chat(http: httpx.Client, base_url: str, max_tokens: int = 4) -> httpx.Respo
     )
 
 
-class NonStopClient:
-    """Sends chat requests one after another, without pause, until stopped (bounded in count and time);
-    every request is recorded: (time sent, HTTP status or the error, answer, engine colour)."""
+def _streamed_chat(client: object) -> str:
+    stream = client.chat.completions.create(  # type: ignore[attr-defined]
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is a list?"}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    def __init__(self, base_url: str, max_requests: int = 50_000, max_s: float = 900.0) -> None:
-        self.base_url, self.max_requests, self.max_s = base_url, max_requests, max_s
+
+class NonStopClient:
+    """The official OpenAI SDK streaming chats one after another, without pause, until stopped (bounded in count and
+    time), with the key it is told to use (``key``: a client that moves to the new key during a rotation); every
+    request is recorded: (time sent, 200 or the error, the answer, the key it sent). No retry: a failure counts."""
+
+    def __init__(self, base_url: str, key: str, max_requests: int = 50_000, max_s: float = 900.0) -> None:
+        self.base_url, self.key, self.max_requests, self.max_s = base_url, key, max_requests, max_s
         self.records: list[tuple[float, int | str, str, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        import openai
+
         t0 = time.monotonic()
-        with httpx.Client(timeout=60.0, headers=AUTH) as http:  # no retry: a failure counts as one
-            while (
-                not self._stop.is_set()
-                and len(self.records) < self.max_requests
-                and time.monotonic() - t0 < self.max_s
-            ):
-                sent = time.monotonic()
-                try:
-                    r = _chat(http, self.base_url)
-                    answer = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
-                    self.records.append((sent, r.status_code, answer, r.headers.get("x-nexa-engine", "")))
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    self.records.append((sent, f"{type(e).__name__}: {e}", "", ""))
+        while (
+            not self._stop.is_set()
+            and len(self.records) < self.max_requests
+            and time.monotonic() - t0 < self.max_s
+        ):
+            key, sent = self.key, time.monotonic()
+            client = openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
+            try:
+                self.records.append((sent, 200, _streamed_chat(client), key))
+            except openai.OpenAIError as e:
+                self.records.append((sent, f"{type(e).__name__}: {e}", "", key))
+            finally:
+                client.close()
 
     def __enter__(self) -> NonStopClient:
         self._thread.start()
@@ -212,12 +226,6 @@ class NonStopClient:
 
     def failures(self) -> list[tuple[float, int | str, str, str]]:
         return [r for r in self.records if r[1] != 200]
-
-    def answers_after(self, t: float) -> set[str]:
-        return {r[2] for r in self.records if r[0] > t}
-
-    def answers_before(self, t: float) -> set[str]:
-        return {r[2] for r in self.records if r[0] < t}
 
 
 def _materialize_deployment(
@@ -430,44 +438,6 @@ def test_no_engine_or_proxy_inherits_a_secret_and_what_holds_one_is_private(endp
         assert private.stat().st_mode & 0o777 == 0o600, private
 
 
-def _streamed_chat(client: object) -> str:
-    stream = client.chat.completions.create(  # type: ignore[attr-defined]
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is a list?"}],
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-    )
-    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-
-
-class RotatingOpenAIClient(NonStopClient):
-    """The official OpenAI SDK streaming chats without pause, with the key it is told to use (a client that moves
-    to the new key during a rotation); every request is recorded with the key it sent."""
-
-    def __init__(self, base_url: str, key: str, max_requests: int = 5_000, max_s: float = 600.0) -> None:
-        super().__init__(base_url, max_requests, max_s)
-        self.key = key
-
-    def _run(self) -> None:
-        import openai
-
-        t0 = time.monotonic()
-        while (
-            not self._stop.is_set()
-            and len(self.records) < self.max_requests
-            and time.monotonic() - t0 < self.max_s
-        ):
-            key, sent = self.key, time.monotonic()
-            client = openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60)
-            try:
-                self.records.append((sent, 200, _streamed_chat(client), key))
-            except openai.OpenAIError as e:
-                self.records.append((sent, f"{type(e).__name__}: {e}", "", key))
-            finally:
-                client.close()
-
-
 def _wait_keys(ep: Endpoint, n: int, since: str) -> None:
     deadline = time.monotonic() + 60
     while (s := ep.client().status())["api_keys"] != n or s["api_keys_loaded_at"] <= since:
@@ -588,7 +558,7 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
     new_key = "sk-lab-rotated-" + "Q7vX2mPz9LwK4tRb"
     client = endpoint.client()
     try:
-        with RotatingOpenAIClient(endpoint.base_url, API_KEY) as load:
+        with NonStopClient(endpoint.base_url, API_KEY) as load:
             time.sleep(2)
             deploying = time.monotonic()
             _rotate(endpoint, API_KEY, new_key)  # both valid from here
@@ -625,20 +595,7 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
         )
         assert load.failures() == [], load.failures()[:5]
         assert {r[3] for r in load.records} == {API_KEY, new_key}
-        answers_a = {r[2] for r in load.records if r[0] < deploying}
-        answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
-        answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
-        sent = f"{len(load.records)} requests sent (at most {load.max_requests})"  # a client at its cap stops
-        assert len(answers_a) == 1 and len(answers_b) == 1, (
-            answers_a,
-            answers_b,
-            sent,
-        )  # one answer per model
-        assert answers_b != answers_a and answers_a_again == answers_a, (
-            answers_a,
-            answers_b,
-            answers_a_again,
-        )
+        _answers_follow_the_switches(load, deploying, promoted, rolling_back, rolled_back)
         assert endpoint.registry.current().checkpoint_id == "a"
         assert client.status()["checkpoint_id"] == "a"
         with pytest.raises(openai.AuthenticationError):
@@ -647,6 +604,18 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
         _a_weak_key_changes_nothing(endpoint, new_key)
     finally:  # as the other tests expect it: the first key
         _rotate(endpoint, API_KEY)
+
+
+def _answers_follow_the_switches(
+    load: NonStopClient, deploying: float, promoted: float, rolling_back: float, rolled_back: float
+) -> None:
+    """One answer per model (greedy), B's after the promotion, A's again after the rollback."""
+    answers_a = {r[2] for r in load.records if r[0] < deploying}
+    answers_b = {r[2] for r in load.records if promoted < r[0] < rolling_back}
+    answers_a_again = {r[2] for r in load.records if r[0] > rolled_back}
+    sent = f"{len(load.records)} requests sent (at most {load.max_requests})"  # a client at its cap stops
+    assert len(answers_a) == 1 and len(answers_b) == 1, (answers_a, answers_b, sent)
+    assert answers_b != answers_a and answers_a_again == answers_a, (answers_a, answers_b, answers_a_again)
 
 
 def _rotate(ep: Endpoint, *keys: str) -> None:
