@@ -176,6 +176,18 @@ def _chat(http: httpx.Client, base_url: str, max_tokens: int = 4) -> httpx.Respo
     )
 
 
+def _cli(ep: Endpoint, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """``nexa-dagster <args>`` as an operator on the service's host runs it (its environment, its data root)."""
+    return subprocess.run(
+        [sys.executable, "-m", "nexa_dagster.cli", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **ep.env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def _streamed_chat(client: object) -> str:
     stream = client.chat.completions.create(  # type: ignore[attr-defined]
         model=MODEL,
@@ -296,14 +308,7 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
     status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status", headers=AUTH).json()
     assert status["checkpoint_id"] == "a" and status["model"] == MODEL
-    proc = subprocess.run(
-        [sys.executable, "-m", "nexa_dagster.cli", "status"],
-        cwd=REPO_ROOT,
-        env={**os.environ, **endpoint.env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _cli(endpoint, "status", timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(
         f"endpoint: {endpoint.base_url}  model 'nexa-moe' -> a (transformers on blue"
@@ -576,14 +581,7 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
             time.sleep(2)
             _rotate(endpoint, new_key)  # the old key is refused from here
             rolling_back = time.monotonic()
-            proc = subprocess.run(
-                [sys.executable, "-m", "nexa_dagster.cli", "rollback"],
-                cwd=REPO_ROOT,
-                env={**os.environ, **endpoint.env},
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            proc = _cli(endpoint, "rollback", timeout_s=600)
             assert proc.returncode == 0, proc.stderr[-2000:]
             assert "rolled back: production is a again (was b)" in proc.stdout
             rolled_back = time.monotonic()
