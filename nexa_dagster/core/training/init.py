@@ -100,7 +100,9 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     config = read_config(path)
     architectures = config.get("architectures") or []
     dense = config.get("model_type") in DENSE_MODEL_TYPES  # upcycled into the MoE (core/training/upcycle.py)
-    if not dense and (config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures)):
+    if not dense and (
+        config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures)
+    ):
         found = ", ".join(architectures) or config.get("model_type") or "unknown"
         raise ValueError(
             f"init_from {path}: a {found} checkpoint; training starts only from a Mixtral-architecture "
@@ -174,4 +176,6 @@ def _upcycled(path: str, attention: str, model_preset: str | None) -> Any:
             f"init_from {path}: a dense checkpoint is upcycled into the MoE, and that needs a model preset "
             "naming the experts (num_local_experts, num_experts_per_tok)"
         )
-    return upcycle_dense_checkpoint(path, UpcyclingSpec.from_preset(load_model_preset(model_preset)), attention)
+    return upcycle_dense_checkpoint(
+        path, UpcyclingSpec.from_preset(load_model_preset(model_preset)), attention
+    )

@@ -60,11 +60,15 @@ def test_every_expert_is_the_dense_mlp_and_the_router_is_new(tmp_path: Path) -> 
     dense = LlamaForCausalLM.from_pretrained(path).state_dict()
     moe = upcycle_dense_checkpoint(str(path), UpcyclingSpec(num_local_experts=3, num_experts_per_tok=2))
     experts = moe.model.layers[1].mlp.experts
-    gate_up = torch.cat([dense["model.layers.1.mlp.gate_proj.weight"], dense["model.layers.1.mlp.up_proj.weight"]])
+    gate_up = torch.cat(
+        [dense["model.layers.1.mlp.gate_proj.weight"], dense["model.layers.1.mlp.up_proj.weight"]]
+    )
     for e in range(3):
         assert torch.equal(experts.gate_up_proj[e], gate_up)
         assert torch.equal(experts.down_proj[e], dense["model.layers.1.mlp.down_proj.weight"])
-    assert torch.equal(moe.model.layers[0].self_attn.q_proj.weight, dense["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        moe.model.layers[0].self_attn.q_proj.weight, dense["model.layers.0.self_attn.q_proj.weight"]
+    )
     router = moe.model.layers[0].mlp.gate.weight
     assert router.shape == (3, 64) and 0.01 < router.std().item() < 0.03  # normal(0, router_init_std=0.02)
     assert moe.config.model_type == "mixtral" and moe.config.num_local_experts == 3
@@ -97,7 +101,9 @@ def test_init_from_a_dense_directory_is_upcycled_with_the_presets_experts(tmp_pa
     biased = tiny_llama(tmp_path / "biased", attention_bias=True)
     with pytest.raises(ValueError, match="cannot upcycle this checkpoint: attention_bias"):
         load_mixtral_checkpoint(str(biased), "causal", "tiny")
-    with pytest.raises(ValueError, match="vocab_size 320 is smaller"):  # the check before launch accepts llama
+    with pytest.raises(
+        ValueError, match="vocab_size 320 is smaller"
+    ):  # the check before launch accepts llama
         check_init_checkpoint(str(path), ThousandTokens(), "the data")
 
 
