@@ -145,7 +145,7 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto", model_preset: st
     import torch
     from transformers import MixtralForCausalLM
 
-    from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
+    from nexa_dagster.core.training.model.moe import moe_with_weights
 
     if read_config(path).get("model_type") in DENSE_MODEL_TYPES:
         return _upcycled(path, attention, model_preset)
@@ -153,17 +153,8 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto", model_preset: st
         hf = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ValueError(f"init_from {path}: cannot load it as {MIXTRAL}: {e}") from e
-    config = hf.config
-    config.output_router_logits = False
-    model = NexaMoEForCausalLM(config, attention=attention)
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(
-            f"init_from {path}: weights do not map onto the training MoE: missing {missing}, "
-            f"unexpected {unexpected}"
-        )
-    return model
+    hf.config.output_router_logits = False
+    return moe_with_weights(hf.config, hf.state_dict(), attention, f"init_from {path}")
 
 
 def _upcycled(path: str, attention: str, model_preset: str | None) -> Any:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
+from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM, moe_with_weights
 
 
 @dataclass(frozen=True)
@@ -178,13 +178,5 @@ def upcycle_dense_checkpoint(path: str, spec: UpcyclingSpec, attention: str = "a
     dense = load_dense(path)
     check_dense_config(dense.config, path)
     config = upcycled_config(dense.config, spec)
-    model = NexaMoEForCausalLM(config, attention=attention)
     state = upcycle_state_dict(dense.state_dict(), config.num_hidden_layers, config.hidden_size, spec)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(
-            f"init_from {path}: the dense weights do not map onto the MoE: missing {missing}, "
-            f"unexpected {unexpected}"
-        )
-    return model
+    return moe_with_weights(config, state, attention, f"init_from {path} (upcycled)")
