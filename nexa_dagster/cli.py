@@ -264,7 +264,8 @@ def serve(
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The commands and their options (``main`` runs them)."""
     parser = argparse.ArgumentParser(
         prog="nexa-dagster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -315,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p_real.add_argument(
         "--dir", default=None, help="where (default: <data root>/models/smollm2-135m-instruct)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "status":
             return status()

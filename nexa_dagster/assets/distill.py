@@ -33,7 +33,7 @@ from nexa_dagster.assets.types import (
 )
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge_validity import JudgeValidity, judge_validity
-from nexa_dagster.core.distill.sample_gate import apply_sample_gate, configured_judge
+from nexa_dagster.core.distill.sample_gate import GateResult, apply_sample_gate, configured_judge
 from nexa_dagster.core.distill.teacher import build_prompts, generate_teacher_samples
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.resources.configs import PromptsResource, SampleGateResource
@@ -199,7 +199,6 @@ def sample_gate(
         f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
         f"{result.judge_method}; engine offers {result.judge_capabilities})"
     )
-    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
     common = {
         "judge": dg.MetadataValue.json(judge_llm.describe()),
         "judge_method": result.judge_method,
@@ -207,7 +206,19 @@ def sample_gate(
         "pass_rate": round(result.pass_rate, 4),
         "thresholds": f"configs/{sample_gate_config.file}",
     }
-    yield dg.Output(
+    yield from gate_outputs(result, common)
+    yield pass_rate_check(result, config.pass_rate_band)
+    yield judge_validity_check(validity, judged)
+    context.log.info(
+        f"SampleGate kept {len(result.filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
+        f"reason: {result.reason_counts()}"
+    )
+
+
+def gate_outputs(result: GateResult, common: dict[str, object]) -> tuple[dg.Output, dg.Output]:
+    """The kept and the rejected samples, each with what a person reads first (scores, reasons, previews)."""
+    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
+    kept = dg.Output(
         filtered,
         output_name="filtered_samples",
         metadata={
@@ -218,7 +229,7 @@ def sample_gate(
             "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
         },
     )
-    yield dg.Output(
+    set_aside = dg.Output(
         rejected,
         output_name="rejected_samples",
         metadata={
@@ -232,8 +243,13 @@ def sample_gate(
             "preview": preview(rejected, ["sample_id", "response", "reason"]),
         },
     )
-    lo, hi = config.pass_rate_band
-    yield dg.AssetCheckResult(
+    return kept, set_aside
+
+
+def pass_rate_check(result: GateResult, band: tuple[float, float]) -> dg.AssetCheckResult:
+    """Warns when the share of samples kept leaves the SampleGate file's band."""
+    lo, hi = band
+    return dg.AssetCheckResult(
         asset_key="filtered_samples",
         check_name="pass_rate_in_band",
         passed=bool(result.total == 0 or lo <= result.pass_rate <= hi),
@@ -242,13 +258,8 @@ def sample_gate(
             "pass_rate": round(result.pass_rate, 4),
             "band": dg.MetadataValue.json([lo, hi]),
             "samples": result.total,
-            "reasons": dg.MetadataValue.json(reasons),
+            "reasons": dg.MetadataValue.json(result.reason_counts()),
         },
-    )
-    yield judge_validity_check(validity, judged)
-    context.log.info(
-        f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
-        f"reason: {reasons}"
     )
 
 
