@@ -1,14 +1,14 @@
 """Teacher-stage client at concurrency 1, 8 and 32 vs. the same requests sent one by one with plain httpx.
 
-Run: .venv/bin/python bench/generation.py [--requests 48] [--max-tokens 32] [--model DIR | --url URL --name NAME]
+Run: .venv/bin/python bench/generation.py [--requests 48] [--max-tokens 32] [--model DIR ... | --url URL --name NAME]
 
-Without --model/--url it builds the project's tiny model and starts a local `transformers serve` on it
+Without --model/--url (or with --model tiny) it builds the project's tiny model and starts a local `transformers serve` on it
 (continuous batching on, as the teacher's managed backend does). The concurrent figures come from the client the
 teacher stage uses (``OpenAICompatibleClient.stream_chat``: async ``openai`` client, bounded in-flight requests);
 the baseline is a plain ``httpx.Client`` loop over the same requests, one at a time, against the same server, in
 the same run. Each configuration runs ``--rounds`` times (interleaved) and the best round counts, since the
 machine may be shared. Last line: one JSON object with the figures, including ``speedup_c8`` (generated tokens/s
-at concurrency 8 over the sequential baseline's).
+at concurrency 8 over the sequential baseline's); with several --model, ``{"runs": [one such object per model]}``.
 """
 
 from __future__ import annotations
@@ -78,16 +78,8 @@ def client_run(
     return elapsed, sum(c.completion_tokens for c in answers)
 
 
-def main() -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--model", help="local model directory to serve (default: the tiny model)")
-    parser.add_argument("--url", help="an OpenAI-compatible base URL already serving (instead of --model)")
-    parser.add_argument("--name", default="", help="model name for --url (default: the first it lists)")
-    parser.add_argument("--no-continuous-batching", action="store_true")
-    args = parser.parse_args()
+def measure(args: argparse.Namespace, model_arg: str | None) -> dict[str, object]:
+    """The sequential baseline and the client at each concurrency against one engine, best of ``--rounds``."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95)
     with ExitStack() as stack:
         if args.url:
@@ -102,7 +94,9 @@ def main() -> dict[str, object]:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nexa-bench-")))
             model_dir = (
-                Path(args.model) if args.model else build_tiny_causal_lm(work / "models" / "tiny-bench")
+                Path(model_arg)
+                if model_arg and model_arg != "tiny"
+                else build_tiny_causal_lm(work / "models" / "tiny-bench")
             )
             server = stack.enter_context(
                 ManagedServer(model_dir, work / "logs", continuous_batching=not args.no_continuous_batching)
@@ -120,6 +114,13 @@ def main() -> dict[str, object]:
             for name, (secs, toks) in runs.items():
                 if name not in best or toks / secs > best[name][1] / best[name][0]:
                     best[name] = (secs, toks)
+    return report(args, engine, served, best)
+
+
+def report(
+    args: argparse.Namespace, engine: str, served: str, best: dict[str, tuple[float, int]]
+) -> dict[str, object]:
+    """The figures of one engine, printed as a table and returned for the JSON line."""
     figures: dict[str, object] = {
         "engine": engine,
         "model": served,
@@ -129,7 +130,7 @@ def main() -> dict[str, object]:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
     }
-    print(f"{'run':>12} {'seconds':>8} {'req/s':>8} {'tokens/s':>9}")
+    print(f"{served}\n{'run':>12} {'seconds':>8} {'req/s':>8} {'tokens/s':>9}")
     for name, (secs, toks) in best.items():
         figures[f"{name}_requests_per_s"] = round(args.requests / secs, 2)
         figures[f"{name}_tokens_per_s"] = round(toks / secs, 1)
@@ -143,6 +144,26 @@ def main() -> dict[str, object]:
         f"c32 {figures['speedup_c32']}x"
     )
     return figures
+
+
+def main() -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--model",
+        action="append",
+        help="local model directory to serve, or 'tiny' (default: the tiny model); repeat it to measure several "
+        "models one after the other in one run (e.g. --model tiny --model data/models/smollm2-135m-instruct)",
+    )
+    parser.add_argument("--url", help="an OpenAI-compatible base URL already serving (instead of --model)")
+    parser.add_argument("--name", default="", help="model name for --url (default: the first it lists)")
+    parser.add_argument("--no-continuous-batching", action="store_true")
+    args = parser.parse_args()
+    models = [None] if args.url else (args.model or ["tiny"])
+    runs = [measure(args, m) for m in models]
+    return runs[0] if len(runs) == 1 else {"runs": runs}
 
 
 if __name__ == "__main__":

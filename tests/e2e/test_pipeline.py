@@ -727,7 +727,7 @@ def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(life
     base) and records it as its parent (asset metadata, checkpoint.json, leaderboard); a checkpoint path of the
     wrong architecture fails before anything launches."""
     import pandas as pd
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     defs, instance, env, first, _ = lifecycle
     meta = _metadata(instance, "base_model")
@@ -750,25 +750,16 @@ def test_pretraining_job_trains_a_base_model_that_training_then_starts_from(life
     board = pd.read_csv(Path(env["NEXA_RESULTS_ROOT"]) / "evaluation" / "leaderboard.csv")
     assert board.set_index("checkpoint_id").loc[first.checkpoint_id, "parent"] == first.parent
 
-    llama = Path(env["NEXA_DATA_ROOT"]).parent / "llama"
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(llama)
+    gpt2 = Path(env["NEXA_DATA_ROOT"]).parent / "gpt2"  # a dense Llama would be upcycled; a GPT-2 is refused
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)).save_pretrained(gpt2)
     refused = defs.resolve_job_def("training_job").execute_in_process(
         instance=instance,
         raise_on_error=False,
-        run_config={"ops": {"moe_checkpoint": {"config": {"init_from": str(llama)}}}},
+        run_config={"ops": {"moe_checkpoint": {"config": {"init_from": str(gpt2)}}}},
     )
     assert not refused.success
     failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "a LlamaForCausalLM checkpoint; training starts only from a Mixtral" in str(
+    assert "a GPT2LMHeadModel checkpoint; training starts only from a Mixtral" in str(
         failure.event_specific_data
     )
 

@@ -108,7 +108,8 @@ def test_a_dropped_connection_is_retried_and_the_run_succeeds(tmp_path: Path) ->
     with stub_server(reply) as (url, calls, _):
         result = _gate(tmp_path, url, _teacher_frame())
     assert result.success and _retries(result) == 0
-    assert len(calls) == 4  # two probes, the dropped verdict request and its retry
+    # two probes, the dropped verdict request and its retry, then the judge-validity check's shuffled answer
+    assert len(calls) == 5
     filtered = pd.read_parquet(tmp_path / "data" / "assets" / "filtered_samples" / f"{DAY}.parquet")
     assert filtered["judge_score"].tolist() == [5.0] and filtered["judge_method"].tolist() == ["json_schema"]
 
@@ -151,7 +152,8 @@ def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(
     assert _stored(tmp_path) == []
     assert not result.get_asset_check_evaluations()
     assert [spec.name for spec in sample_gate.check_specs] == [
-        "pass_rate_in_band"
+        "pass_rate_in_band",
+        "judge_prefers_real_answers",  # its failing case: tests/integration/test_judge_validity.py
     ]  # no check that cannot fail
 
 

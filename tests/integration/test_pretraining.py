@@ -237,23 +237,15 @@ def test_the_training_loop_starts_from_the_init_checkpoint(tmp_path: Path, tiny_
 
 
 def test_a_wrong_architecture_or_vocabulary_fails_before_launch(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(tmp_path / "llama")
-    with pytest.raises(
-        ValueError, match="a LlamaForCausalLM checkpoint; training starts only from a Mixtral"
-    ):
-        check_init_checkpoint(str(tmp_path / "llama"), tokenizer, "the data")
+    # a dense Llama is upcycled (tests/unit/core/training/test_upcycle.py); a GPT-2 is neither
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    with pytest.raises(ValueError, match="a GPT2LMHeadModel checkpoint; training starts only from a Mixtral"):
+        check_init_checkpoint(str(tmp_path / "gpt2"), tokenizer, "the data")
     MixtralForCausalLM(small_config(vocab=len(tokenizer) - 10)).save_pretrained(tmp_path / "small-vocab")
     with pytest.raises(
         ValueError, match=f"vocab_size {len(tokenizer) - 10} is smaller than the {len(tokenizer)}"

@@ -48,6 +48,10 @@ for spec in sys.argv[1:]:
         "materialized": sorted(
             e.asset_key.to_user_string() for e in result.get_asset_materialization_events()
         ),
+        "checks": {
+            c.check_name: {"passed": c.passed, **{k: getattr(v, "value", None) for k, v in c.metadata.items()}}
+            for c in result.get_asset_check_evaluations()
+        },
         "errors": [
             (e.step_failure_data.error.message if e.step_failure_data.error else str(e.message))[-3000:]
             for e in result.all_events
@@ -60,15 +64,15 @@ for spec in sys.argv[1:]:
         record.update(checkpoint_id=ckpt.checkpoint_id, path=ckpt.path, parent=ckpt.parent)
         if job == "training_job":
             trained = ckpt.checkpoint_id
-    print("JOB-RESULT " + json.dumps(record), flush=True)  # MARK
+    print("JOB-RESULT " + json.dumps(record, default=str), flush=True)  # MARK
 """
 
 
 def run_jobs(root: Path, *specs: str, timeout_s: float = 1800, **env: str) -> list[dict[str, Any]]:
     """Run ``specs`` in one process against the sandbox ``root``: ``job`` or ``job:partition`` (``@trained``: the
     checkpoint the last training_job trained), ``job[asset,...]`` for some of a job's assets, or
-    ``add_partition:<checkpoint id>``. Returns one record per job
-    (success, the assets materialized, failure messages; a training's checkpoint id, path and parent)."""
+    ``add_partition:<checkpoint id>``. Returns one record per job (success, the assets materialized, the asset
+    checks' results with their metadata, failure messages; a training's checkpoint id, path and parent)."""
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, *specs],
         cwd=REPO_ROOT,

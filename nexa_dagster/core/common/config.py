@@ -288,6 +288,16 @@ def _load_scale(directory: str, name: str) -> ScalePreset:
     return validated(ScalePreset, f"scales/{name}.yaml", load_yaml(f"scales/{name}.yaml"))
 
 
+class UpcyclingConfig(_Strict):
+    """A model preset's ``upcycling`` block: how a dense checkpoint's MLPs become experts
+    (``core/training/upcycle.py`` names the sources)."""
+
+    router_init_std: float = Field(default=0.02, gt=0, description="the new router's normal std")
+    expert_drop_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Drop-Upcycling's r: share of each expert's units re-drawn"
+    )
+
+
 class ModelPreset(_Strict):
     """``configs/models/<name>.yaml``: a Mixtral-architecture model's shape (the vocabulary comes from the tokenizer).
 
@@ -315,6 +325,7 @@ class ModelPreset(_Strict):
     sliding_window: int | None = Field(default=None, gt=0)
     attention_dropout: float | None = Field(default=None, ge=0, le=1)
     router_jitter_noise: float | None = Field(default=None, ge=0)
+    upcycling: UpcyclingConfig | None = None  # used only when init_from is a dense checkpoint
 
 
 def load_model_preset(name: str) -> dict[str, Any]:

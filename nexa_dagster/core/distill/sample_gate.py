@@ -54,6 +54,12 @@ class JudgeConfig(_Strict):
         description="for JSON verdicts (json_schema, text); fewer would cut a verdict off",
     )
     retries: int = Field(default=2, ge=0, description="re-asks of an unreadable verdict before judge_error")
+    validity_pairs: int = Field(
+        default=24,  # a judge right 3 times in 4 passes the sign test (17+ of 24) with probability 0.77; 12: 0.39
+        ge=0,
+        description="answers re-judged with their words shuffled for the judge_prefers_real_answers check "
+        "(0: no check); core/distill/judge_validity.py",
+    )
 
 
 class DedupConfig(_Strict):
@@ -195,6 +201,20 @@ class GateResult:
         }
 
 
+def configured_judge(
+    client: LLMClient, config: GateConfig, score_template: str, verdict_template: str
+) -> Judge:
+    """The gate's judge: ``client`` with the SampleGate file's method, token budget and retries."""
+    return Judge(
+        client,
+        score_template,
+        verdict_template,
+        config.judge.max_tokens,
+        config.judge.method,
+        config.judge.retries,
+    )
+
+
 def apply_sample_gate(
     samples: pd.DataFrame,
     config: GateConfig,
@@ -210,14 +230,7 @@ def apply_sample_gate(
     history persisted under ``dedup_root`` (partitions before the first one here) and those earlier in this call.
     With ``dedup_root`` set, each partition's kept signatures are written there for the partitions after it.
     """
-    gate_judge = Judge(
-        judge,
-        score_template,
-        verdict_template,
-        config.judge.max_tokens,
-        config.judge.method,
-        config.judge.retries,
-    )
+    gate_judge = configured_judge(judge, config, score_template, verdict_template)
     caps = judge.capabilities()
     settings = DedupSettings(
         config.dedup.near_duplicate_threshold, config.dedup.num_perm, config.dedup.shingle

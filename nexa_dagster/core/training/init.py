@@ -19,6 +19,8 @@ from typing import Any
 
 from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
+DENSE_MODEL_TYPES = ("llama",)  # decoders upcycle.py turns into the MoE (Llama's: RoPE, RMSNorm, SwiGLU)
+
 INIT_NAMES = ("base", "production", "scratch")
 MIXTRAL = "MixtralForCausalLM"
 
@@ -97,11 +99,15 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     """
     config = read_config(path)
     architectures = config.get("architectures") or []
-    if config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures):
+    dense = config.get("model_type") in DENSE_MODEL_TYPES  # upcycled into the MoE (core/training/upcycle.py)
+    if not dense and (
+        config.get("model_type") != "mixtral" or (architectures and MIXTRAL not in architectures)
+    ):
         found = ", ".join(architectures) or config.get("model_type") or "unknown"
         raise ValueError(
             f"init_from {path}: a {found} checkpoint; training starts only from a Mixtral-architecture "
-            f"checkpoint ({MIXTRAL}, model_type 'mixtral')"
+            f"checkpoint ({MIXTRAL}, model_type 'mixtral') or a dense one it upcycles (model_type "
+            f"{', '.join(DENSE_MODEL_TYPES)})"
         )
     if not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise ValueError(f"init_from {path}: no weights (*.safetensors or *.bin) in the directory")
@@ -127,8 +133,9 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
     return tokenizer_dir
 
 
-def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
-    """A Hugging Face Mixtral directory as the project's training MoE, with exactly its weights.
+def load_mixtral_checkpoint(path: str, attention: str = "auto", model_preset: str | None = None) -> Any:
+    """A Hugging Face Mixtral directory as the project's training MoE, with exactly its weights; a dense
+    Llama-family directory is upcycled into one instead, with ``model_preset``'s experts (``upcycle.py``).
 
     Loaded through ``MixtralForCausalLM.from_pretrained`` (so every layout transformers reads, including the
     older per-expert one, works) in fp32, the training dtype before DeepSpeed casts; then every tensor is copied
@@ -138,21 +145,28 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto") -> Any:
     import torch
     from transformers import MixtralForCausalLM
 
-    from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
+    from nexa_dagster.core.training.model.moe import moe_with_weights
 
-    read_config(path)
+    if read_config(path).get("model_type") in DENSE_MODEL_TYPES:
+        return _upcycled(path, attention, model_preset)
     try:
         hf = MixtralForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ValueError(f"init_from {path}: cannot load it as {MIXTRAL}: {e}") from e
-    config = hf.config
-    config.output_router_logits = False
-    model = NexaMoEForCausalLM(config, attention=attention)
-    missing, unexpected = model.load_state_dict(hf.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
+    hf.config.output_router_logits = False
+    return moe_with_weights(hf.config, hf.state_dict(), attention, f"init_from {path}")
+
+
+def _upcycled(path: str, attention: str, model_preset: str | None) -> Any:
+    """The MoE sparse-upcycled from the dense checkpoint at ``path``, with the preset's experts and routing."""
+    from nexa_dagster.core.common.config import load_model_preset
+    from nexa_dagster.core.training.upcycle import UpcyclingSpec, upcycle_dense_checkpoint
+
+    if not model_preset:
         raise ValueError(
-            f"init_from {path}: weights do not map onto the training MoE: missing {missing}, "
-            f"unexpected {unexpected}"
+            f"init_from {path}: a dense checkpoint is upcycled into the MoE, and that needs a model preset "
+            "naming the experts (num_local_experts, num_experts_per_tok)"
         )
-    return model
+    return upcycle_dense_checkpoint(
+        path, UpcyclingSpec.from_preset(load_model_preset(model_preset)), attention
+    )

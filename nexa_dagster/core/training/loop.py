@@ -59,7 +59,8 @@ def build_model(job: TrainingJob, vocab_size: int, tokenizer: Any) -> NexaMoEFor
     one from the preset; same seed and same weights on every rank, so every rank starts identical."""
     torch.manual_seed(job.settings.seed)
     if job.init_from:
-        model = load_mixtral_checkpoint(job.init_from, attention=job.settings.attention)
+        # a dense checkpoint is upcycled with the preset's experts (core/training/upcycle.py)
+        model = load_mixtral_checkpoint(job.init_from, job.settings.attention, job.model_preset)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"init_from {job.init_from}: vocab_size {model.config.vocab_size} is smaller than the "

@@ -23,6 +23,9 @@ def build_model_config(
     """
     spec = dict(load_model_preset(preset) if isinstance(preset, str) else preset)
     arch = spec.pop("architecture", "MixtralForCausalLM")
+    spec.pop(
+        "upcycling", None
+    )  # how a dense checkpoint is upcycled (core/training/upcycle.py): not the shape
     if arch != "MixtralForCausalLM":
         raise ValueError(f"model preset {preset!r}: unsupported architecture {arch!r}")
     unknown = sorted(set(spec) - set(MixtralConfig().to_dict()) - {"rope_theta"})

@@ -461,6 +461,21 @@ class NexaMoEForCausalLM(nn.Module):
         return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
+def moe_with_weights(
+    config: object, state: dict[str, torch.Tensor], attention: str, where: str
+) -> NexaMoEForCausalLM:
+    """The training MoE of ``config`` holding exactly ``state`` (a tied head may be absent from it); a tensor that
+    does not map is an error naming ``where`` (the checkpoint it came from)."""
+    model = NexaMoEForCausalLM(config, attention=attention)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: weights do not map onto the training MoE: missing {missing}, unexpected {unexpected}"
+        )
+    return model
+
+
 def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
     """The same weights as a ``transformers.MixtralForCausalLM`` (for saving, serving and evaluation)."""
     from transformers import MixtralForCausalLM
