@@ -24,6 +24,10 @@ runs the gate on eval sets resampled from a lab's own per-example differences (c
 token; ``--weights`` the column of token counts, else every example weighs the same), shifted so that the
 candidate is truly worse by ``--worse-by``: how often it would promote a model that much worse, at n = 30, 47,
 100 and the file's own n; and how often the interval covers the truth. A CSV or a JSONL file (one object a line).
+
+    .venv/bin/python -m nexa_dagster.core.evaluation.interval_coverage --sizes
+
+prints how big an eval set a lab needs for the regressions it wants to catch (``size_table``).
 ``tests/unit/core/evaluation/test_paired.py`` asserts the default method's coverage on the populations it covers.
 """
 
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexa_dagster.core.evaluation.guards import regressed_bounds, skew_refuses, skewness
+from nexa_dagster.core.evaluation.guards import regressed_bounds, required_examples, skew_refuses, skewness
 from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, ratio_bounds
 from nexa_dagster.core.evaluation.promotion import PromotionPolicy, load_policy
 
@@ -272,6 +276,35 @@ def gate_rates(pop: Population, n: int, draws: int = 10_000, seed: int = 2026112
     }
 
 
+def size_table(
+    shares: tuple[float, ...] = (0.20, 0.10, 0.05, 0.02), draws: int = 4000, seed: int = 20261126
+) -> list[dict]:
+    """How big an eval set a lab needs for the regressions it wants to catch: for each share ``p`` (the gate's
+    ``max_regressed_share`` set to it), the smallest n on which a candidate with no regressed example can pass
+    (exact), and at that n and twice it, the gate's promotion rate on two simulated candidates: one truly worse
+    (``p`` of examples 1.0 nats/token worse, the rest better, mean +0.01: false promotions) and one truly better
+    (``p / 4`` of examples 1.0 worse, the rest 0.1 better: how often the gate lets a good model through)."""
+    base = load_policy()
+    rows = []
+    for p in shares:
+        policy = base.model_copy(update={"guards": base.guards.model_copy(update={"max_regressed_share": p})})
+        n_min = required_examples(p, policy.confidence)
+        worse = _effects(_two_point(p, 1.0, (WORSE_BY - p) / (1 - p)))
+        better = _effects(_two_point(p / 4, 1.0, -0.1))
+        for n in (n_min, 2 * n_min):
+            rng = np.random.default_rng(seed)
+            rows.append(
+                {
+                    "max_regressed_share": p,
+                    "n": n,
+                    "smallest_n": n_min,
+                    "false_promotions": float(np.mean(promotes(*worse(rng, draws, n), policy))),
+                    "good_promoted": float(np.mean(promotes(*better(rng, draws, n), policy))),
+                }
+            )
+    return rows
+
+
 def resampled(differences: np.ndarray, weights: np.ndarray, worse_by: float) -> Population:
     """A population of a lab's own per-example differences (nats per token) and weights, shifted so that the
     token-weighted mean is ``worse_by``: eval sets are drawn from it with replacement, examples whole."""
@@ -322,9 +355,23 @@ def main() -> None:
     parser.add_argument("--column", default="difference")
     parser.add_argument("--weights", default=None, help="the column of token counts (weights)")
     parser.add_argument("--worse-by", type=float, default=WORSE_BY)
+    parser.add_argument(
+        "--sizes", action="store_true", help="the eval-set size table (docs/stages/evaluation.md)"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    if args.differences:
+    if args.sizes:
+        rows = size_table(draws=args.draws, seed=args.seed)
+        print(
+            f"{'max_regressed_share':>20}{'smallest n':>12}{'n':>6}{'false promotions':>18}{'good promoted':>15}"
+        )
+        for r in rows:
+            print(
+                f"{r['max_regressed_share']:>20.2f}{r['smallest_n']:>12}{r['n']:>6}"
+                f"{r['false_promotions']:>18.4f}{r['good_promoted']:>15.3f}"
+            )
+        result = {"sizes": rows}
+    elif args.differences:
         d, w = _read_differences(args.differences, args.column, args.weights)
         sizes = tuple(sorted({30, 47, 100, len(d)}))
         result = {"gate": _gate_table((resampled(d, w, args.worse_by),), sizes, args.draws, args.seed)}
