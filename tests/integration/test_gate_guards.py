@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from support.tiny_training import train_steps
 
 from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.evaluation.eval_set import eval_slices, freeze_eval_set, load_eval_set
@@ -63,19 +64,7 @@ def _train(model_dir: Path, out: Path, conversations: list, tokenizer, root: Pat
     chat = ChatTokenizer.from_hf(tokenizer, str(root / "tokenizer.json"))
     encoded = [(ids.tolist(), mask.tolist()) for ids, mask in chat.encode_conversations(conversations)]
     encoded = [encoded[i] for i in np.random.default_rng(0).permutation(len(encoded))]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    torch.manual_seed(0)
-    for step in range(steps):
-        ids, mask = encoded[step % len(encoded)]
-        x = torch.tensor([ids])
-        logits = model(input_ids=x).logits[:, :-1]
-        target = torch.tensor([mask[1:]], dtype=torch.float32)
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        loss = (nll * target).sum() / target.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_steps(model, encoded, steps)
     model.save_pretrained(str(out))
     return out
 
