@@ -242,7 +242,9 @@ def _slice_results(
             continue
         z = w * (d - mean) / w.mean()
         se = math.sqrt(float(np.sum(z**2)) / (n - 1) / n)
-        p = 0.5 if se == 0 and mean == 0 else float(1 - stdtr(n - 1, mean / se)) if se > 0 else 0.0
+        # no spread: every example of the slice changed alike, worse for sure, better for sure, or not at all
+        still = 0.0 if mean > 0 else (1.0 if mean < 0 else 0.5)
+        p = float(1 - stdtr(n - 1, mean / se)) if se > 0 else still
         results.append(SliceResult(label, n, mean, p))
     tested = sorted((r for r in results if r.p_value is not None), key=lambda r: r.p_value or 0.0)
     alpha, m, adjusted, running, rejecting = 1 - confidence, len(tested), {}, 0.0, True
