@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -283,6 +283,25 @@ def paired_guards(
     regressed = int(np.sum(worse > policy.regression_margin))
     low, high = (float(b) for b in regressed_bounds(np.array(regressed), n, confidence))
     sliced = _slice_results(worse, w, slices, policy, confidence) if slices is not None else ()
+    report = GuardReport(
+        n,
+        g1,
+        needs,
+        regressed,
+        regressed / n,
+        (low, high),
+        policy.regression_margin,
+        policy.max_regressed_share,
+        sliced,
+        confidence=confidence,
+    )
+    return replace(report, findings=_findings(report, policy, unit))
+
+
+def _findings(report: GuardReport, policy: GuardPolicy, unit: str) -> tuple[tuple[Verdict, str], ...]:
+    """Each guard's finding on ``report``, with its verdict, as the sentence the summary and the UI show."""
+    n, g1, needs, regressed = report.n, report.skewness, report.skew_needs, report.regressed
+    confidence, sliced, (low, high) = report.confidence, report.slices, report.regressed_interval
     findings: list[tuple[Verdict, str]] = []
     if policy.skew_rule and bool(skew_refuses(np.array(g1), n)):
         findings.append(
@@ -317,16 +336,4 @@ def paired_guards(
                     f"{1 - confidence:.2g} over {sum(r.p_value is not None for r in sliced)} slices)",
                 )
             )
-    return GuardReport(
-        n,
-        g1,
-        needs,
-        regressed,
-        regressed / n,
-        (low, high),
-        policy.regression_margin,
-        p0,
-        sliced,
-        tuple(findings),
-        confidence,
-    )
+    return tuple(findings)
