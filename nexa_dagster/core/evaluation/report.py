@@ -331,6 +331,8 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
         "gate_interval": f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "",
         "gate_method": report.gate_method or "",
         "gate_rule": report.gate_rule or "",
+        # what the guards on the examples that got worse said (core/evaluation/guards.py): pass, or each reason
+        "gate_guards": ("; ".join(report.guard["guard_reasons"]) or "pass") if report.guard else "",
         "contamination": report.contamination,
         "outcome": outcome,
         "dataset_run_hash": report.dataset_run_hash or "",
