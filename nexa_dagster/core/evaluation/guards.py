@@ -141,7 +141,13 @@ class GuardReport:
             else ""
         )
         return (
-            f"skewness toward worse {self.skewness:+.2f} (Cochran needs n > {self.skew_needs}, n = {self.n}); "
+            f"skewness toward worse {self.skewness:+.2f} ("
+            + (
+                f"Cochran's rule needs n >= {self.skew_needs}"
+                if self.skew_needs
+                else "toward better: no limit"
+            )
+            + f", n = {self.n}); "
             f"{self.regressed} of {self.n} examples worse by > {self.margin:g} ({self.regressed_share:.1%}, "
             f"{self.confidence:.0%} CI [{low:.1%}, {high:.1%}])" + slices
         )
