@@ -15,9 +15,9 @@ from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.faults import KILL_BEFORE_RENAME as FAULT_KILL_ENV
 from nexa_dagster.core.tiny.install import install_tiny_models
 
-# The three sample days with a dozen documents each, in the same formats (sample_data/landing holds ~600 a day, for
+# The three sample days with a dozen documents each, in the same formats (sample_data/landing holds ~280 a day, for
 # make run's gate to decide on enough evidence; a test that needs that many reads sample_data/ itself).
-# Regenerate: python -m nexa_dagster.core.data.sample_corpus tests/data/landing 12 650 200
+# Regenerate: python -m nexa_dagster.core.data.sample_corpus tests/data/landing 12
 SAMPLE_LANDING = REPO_ROOT / "tests" / "data" / "landing"
 
 

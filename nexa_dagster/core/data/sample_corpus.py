@@ -1,14 +1,12 @@
 """The sample corpus the project ships for the demo: CPython's documentation topics, three days of arrivals.
 
-Each topic is cut into sections of about half a teacher prompt (``SECTION_CHARS``, at paragraph ends), so a day
-holds about 600 documents: enough that the first night's frozen eval set has the >= 100 examples the promotion
-gate's guards need to see rare regressions (issue 40: at 47 examples a candidate that broke a tenth of them was
-promoted 3.4 times as often as claimed; docs/stages/evaluation.md has the n a lab needs; tests/e2e check it). Each day lands in a different format so that the demo exercises
+Each topic is cut into sections of about one teacher prompt (``SECTION_CHARS``, at paragraph ends), so a day holds
+a few hundred documents: enough that the first night's frozen eval set has the examples a promotion decision needs
+(the gate's ``min_examples``; tests/e2e check it). Each day lands in a different format so that the demo exercises
 every reader of the ingest stage:
 JSONL on day one, Parquet plus a plain-text file on day two, a Hugging Face ``datasets`` directory on day three.
 ``python -m nexa_dagster.core.data.sample_corpus sample_data/landing`` regenerates ``sample_data/`` byte for byte
-(with Python 3.11's ``pydoc_data``); ``... tests/data/landing 12 650 200`` the test suite's small copy (cut at
-the 650 and 200 characters of its time: the suite's tests were written against it).
+(with Python 3.11's ``pydoc_data``); ``... tests/data/landing 12`` the test suite's small copy.
 """
 
 from __future__ import annotations
@@ -21,20 +19,18 @@ SAMPLE_DAYS = ("2026-11-20", "2026-11-21", "2026-11-22")
 _DOCS_URL = "https://docs.python.org/3/reference/"
 
 
-# Short sections, more of them: the eval set grows with the documents (issue 40) while a teacher answer costs the
-# same 40 new tokens whatever the prompt's length; a paragraph longer than this stays whole.
-SECTION_CHARS = 220
-MIN_SECTION_CHARS = 70  # shorter tails join the section before them
+SECTION_CHARS = 650  # about the tiny scale's max_chars_per_doc (600): one section, one teacher prompt
+MIN_SECTION_CHARS = 200  # shorter tails join the section before them
 
 
-def _topics(section_chars: int = SECTION_CHARS, shortest: int = MIN_SECTION_CHARS) -> list[tuple[str, str]]:
+def _topics() -> list[tuple[str, str]]:
     """Every documentation topic cut into sections: ``("<topic>", text)`` for a short topic, else
     ``("<topic> (part k)", text)``, in topic order."""
     from pydoc_data.topics import topics
 
     out = []
     for name in sorted(topics):
-        parts = _sections(topics[name], section_chars, shortest)
+        parts = _sections(topics[name])
         out += [(name if len(parts) == 1 else f"{name} (part {k})", text) for k, text in enumerate(parts, 1)]
     return out
 
@@ -59,41 +55,34 @@ def _unwrap(paragraph: str) -> str:
     return " " * indent + " ".join(line.strip() for line in lines)
 
 
-def _sections(text: str, section_chars: int = SECTION_CHARS, shortest: int = MIN_SECTION_CHARS) -> list[str]:
-    """``text`` cut at paragraph ends (joined again by one newline) into pieces of about ``section_chars``
-    characters (a paragraph longer than that stays whole); a piece shorter than ``shortest`` joins the one before
-    it."""
+def _sections(text: str) -> list[str]:
+    """``text`` cut at paragraph ends (joined again by one newline) into pieces of about ``SECTION_CHARS`` characters (a paragraph longer than
+    that stays whole); a piece shorter than ``MIN_SECTION_CHARS`` joins the one before it."""
     pieces: list[str] = []
     current = ""
     for paragraph in (_unwrap(p.strip("\n")) for p in text.split("\n\n")):
         if not paragraph.strip():
             continue
-        if current and len(current) + len(paragraph) + 2 > section_chars:
+        if current and len(current) + len(paragraph) + 2 > SECTION_CHARS:
             pieces.append(current)
             current = paragraph
         else:
             current = f"{current}\n{paragraph}" if current else paragraph
     if current:
-        if pieces and len(current) < shortest:
+        if pieces and len(current) < MIN_SECTION_CHARS:
             pieces[-1] = f"{pieces[-1]}\n{current}"
         else:
             pieces.append(current)
     return pieces
 
 
-def write_sample_landing(
-    root: str | Path,
-    docs_per_day: int | None = None,
-    section_chars: int = SECTION_CHARS,
-    shortest: int = MIN_SECTION_CHARS,
-) -> list[Path]:
+def write_sample_landing(root: str | Path, docs_per_day: int | None = None) -> list[Path]:
     """The three sample days under ``root``; ``docs_per_day`` keeps only each day's first documents (the test
-    suite's small landing, ``tests/data/landing``: the same formats, a dozen documents a day, cut at 650 and 200
-    characters)."""
+    suite's small landing, ``tests/data/landing``: the same formats, a dozen documents a day)."""
     import pandas as pd
 
     root = Path(root)
-    topics = _topics(section_chars, shortest)
+    topics = _topics()
     per_day = len(topics) // 3
     chunks = [topics[i * per_day : (i + 1) * per_day][:docs_per_day] for i in range(3)]
     written: list[Path] = []
@@ -126,6 +115,5 @@ def write_sample_landing(
 
 if __name__ == "__main__":
     target = sys.argv[1] if len(sys.argv) > 1 else "sample_data/landing"
-    sizes = [int(a) for a in sys.argv[3:5]]  # section_chars, shortest (the test copy: 650 200)
-    for p in write_sample_landing(target, int(sys.argv[2]) if len(sys.argv) > 2 else None, *sizes):
+    for p in write_sample_landing(target, int(sys.argv[2]) if len(sys.argv) > 2 else None):
         print(p)
