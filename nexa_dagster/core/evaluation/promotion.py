@@ -314,7 +314,20 @@ def decide(
             reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
             rule=f"n >= {need}",
         )
-    return apply_guards(measured, guard)
+    guarded = apply_guards(measured, guard)
+    if (
+        measured.passed
+        and guarded.outcome == "insufficient evidence"
+        and policy.on_insufficient_evidence == "promote"
+    ):
+        return replace(  # the guards only said the sample cannot tell: the lab's waiver covers that too
+            guarded,
+            passed=True,
+            decision="promote",
+            reason=f"WARN {guarded.reason}; promoted because on_insufficient_evidence: promote",
+            rule=f"{guarded.rule} (waived)",
+        )
+    return guarded
 
 
 def apply_guards(decision: GateDecision, guard: GuardReport | None) -> GateDecision:

@@ -218,3 +218,27 @@ def test_a_lab_runs_the_simulation_on_its_own_eval_sets_differences(tmp_path) ->
         timeout=120,
     )
     assert bad.returncode != 0 and "no column 'delta'" in bad.stderr
+
+
+def test_a_lab_that_waives_the_evidence_minimum_waives_the_guards_insufficiency_but_not_a_hold_back() -> None:
+    policy = PromotionPolicy(min_examples=10, on_insufficient_evidence="promote")
+    cand, prod, tokens = _losses(np.full(12, -0.2) + np.random.default_rng(6).normal(0, 0.01, 12))
+    paired = paired_loss_difference(cand, prod, tokens)
+    guard = eval_loss_guard(cand, prod, tokens, policy)
+    assert guard.verdict == "insufficient evidence"  # 12 examples cannot rule out a tenth regressing
+    waived = decide("cand", PRODUCTION, policy, paired, guard=guard)
+    assert waived.passed and waived.reason.startswith("WARN insufficient evidence on regressions")
+    assert waived.rule == "interval high < -0.0; guards (waived)"
+    assert decide("cand", PRODUCTION, PromotionPolicy(min_examples=10), paired, guard=guard).outcome == (
+        "insufficient evidence"
+    )
+    broken = np.r_[np.full(40, -0.2), np.full(20, 0.8)]  # a third regressed: held back, waiver or not
+    cand, prod, tokens = _losses(broken)
+    held = decide(
+        "cand",
+        PRODUCTION,
+        policy.model_copy(update={"require_interval": False}),
+        paired_loss_difference(cand, prod, tokens),
+        guard=eval_loss_guard(cand, prod, tokens, policy),
+    )
+    assert held.outcome == "hold back" and held.guards[0].startswith("regressed: 20 of 60")
