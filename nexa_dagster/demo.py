@@ -57,6 +57,17 @@ class Night:
     method: str = ""
     rule: str = ""
     outcome: str = ""  # what deployment did: deployed, held back: ..., failed: ...
+    guards: str = ""  # what the guards on the examples that got worse found (core/evaluation/guards.py)
+
+
+def guard_line(report: Any) -> str:
+    """The guards' verdict in one line: each reason that held the candidate back, else their figures."""
+    guard = getattr(report, "guard", None)
+    if not guard:
+        return ""
+    if guard["guard_verdict"] == "pass":
+        return f"guards pass: {guard['summary']}"
+    return f"guards: {guard['guard_verdict']}: {'; '.join(guard['guard_reasons'])}"
 
 
 def night_of(
@@ -87,6 +98,7 @@ def night_of(
         report.gate_method or "",
         report.gate_rule or "",
         outcome,
+        guard_line(report),
     )
 
 
@@ -127,6 +139,8 @@ def summary_lines(nights: list[Night]) -> list[str]:
             f"{change(n.candidate_loss, n.production_loss)}"
         )
         lines.append(f"{head} {compared} -> {n.decision} (rule: {n.rule}){outcome}")
+        if n.guards:
+            lines.append(f"  {n.guards}")
     return lines
 
 
@@ -194,6 +208,8 @@ def preference_lines(p: PreferenceRun) -> list[str]:
         f": {first}" if first.startswith(("judge unreliable", "non-regression guard", "contaminated")) else ""
     )
     lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){why}{outcome}")
+    if guard_line(r):
+        lines.append(f"  {guard_line(r)} (the judge's per-prompt scores)")
     return lines
 
 

@@ -25,12 +25,15 @@ from nexa_dagster.core.evaluation.benchmarks import (
     compare_benchmark,
     parse_metric,
 )
-from nexa_dagster.core.evaluation.eval_set import eval_prompts, load_eval_set
+from nexa_dagster.core.evaluation.eval_set import eval_prompts, eval_slices, load_eval_set
+from nexa_dagster.core.evaluation.guards import GuardReport
 from nexa_dagster.core.evaluation.promotion import (
     ProductionRegistry,
     PromotionPolicy,
     decide,
     decide_preference,
+    eval_loss_guard,
+    judge_score_guard,
 )
 from nexa_dagster.core.evaluation.report import (
     base_leaderboard_row,
@@ -223,7 +226,9 @@ def eval_report(
         context, storage, tracking, ckpt, eval_sets, scale, prompts, packaging_config, policy
     )
 
-    # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
+    # 4. the promotion gate (the mean, and the guards on the examples that got worse), then one report from which
+    # the metadata, MLflow and the leaderboard row derive
+    guard = example_guards(policy, evaluation, eval_set, ckpt.stage)
     if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
         decision = decide_preference(
             checkpoint_id,
@@ -234,6 +239,7 @@ def eval_report(
             benchmark_guards(policy, evaluation),
             contamination,
             evaluation.length_controlled,
+            guard,
         )
     else:
         decision = decide(
@@ -244,6 +250,7 @@ def eval_report(
             evaluation.win_rate,
             benchmark_comparison(policy, evaluation),
             contamination,
+            guard if policy.metric == "eval_loss" else None,
         )
     report = build_eval_report(
         ckpt,
@@ -278,6 +285,29 @@ def eval_report(
                 **gate_figures(decision, evaluation),
             }
         ),
+    )
+
+
+def example_guards(
+    policy: PromotionPolicy, evaluation: CheckpointEvaluation, eval_set: dict, stage: str
+) -> GuardReport | None:
+    """The guards on the per-example differences the gate decides on (core/evaluation/guards.py): the eval-set
+    losses of an SFT checkpoint, sliced by the eval set's ``guards.slice_by`` field; the pointwise judge's scores of
+    a preference checkpoint (its prompts are the eval set's first ones). None: nothing per example to guard."""
+    if evaluation.production is None:
+        return None
+    try:
+        slices = eval_slices(eval_set, policy.guards.slice_by)
+    except ValueError as error:
+        raise dg.Failure(str(error), allow_retries=False) from error
+    if stage == "preference":
+        # pairwise verdicts carry no size: the Wilson interval is the test
+        if evaluation.judge_scores is None:
+            return None
+        ours, theirs = evaluation.judge_scores
+        return judge_score_guard(ours, theirs, policy, slices[: len(ours)] if slices else None)
+    return eval_loss_guard(
+        evaluation.candidate.nll, evaluation.production.nll, evaluation.candidate.tokens, policy, slices
     )
 
 

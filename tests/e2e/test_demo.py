@@ -145,11 +145,13 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     nights = [
         NIGHT.search(line.strip()) for line in summary.splitlines() if line.strip().startswith("night ")
     ]
+    guards = night_guards(summary)
     assert len(nights) == 3 and all(nights), summary
     assert [(m.group(1), m.group(2)) for m in nights] == [(str(i), d) for i, d in enumerate(SAMPLE_DAYS, 1)]
     assert len({m.group(3) for m in nights}) == 3, "each night trains a checkpoint of its own"
     assert len({m.group(4) for m in nights}) == 1, "every night is measured on the same eval-set version"
-    # the first night's frozen eval set is large enough for the gate to decide (min_examples 30) with room
+    # the first night's frozen eval set is large enough for the gate to decide (min_examples 30) with room, and
+    # for the guards to rule out a tenth of examples regressing when none did (n >= 36, promotion.yaml guards)
     assert all(int(m.group(5)) >= 40 for m in nights), summary
     first = nights[0]
     assert first.group(7) == "no production model yet" and first.group(8) == "promote", summary
@@ -164,9 +166,19 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
         promoted_before = earlier.group(3) if earlier.group(8) == "promote" else None
         if promoted_before:
             assert compared.group(2) == promoted_before, (earlier.group(0), night.group(0))
-        assert night.group(9) == "rule: interval high < -0.0", night.group(0)
-        decision_agrees = (night.group(8) == "promote") == (high < 0)  # margin 0, interval required
-        assert decision_agrees, night.group(0)
+        # each compared night names what the guards on the examples that got worse found, pass or not
+        guard = guards[night.group(3)]
+        assert guard.startswith(("guards pass: skewness toward worse", "guards: ")), guard
+        if night.group(9) == "rule: interval high < -0.0; guards":  # the mean promoted, a guard held it back
+            assert high < 0 and night.group(8) != "promote" and guard.startswith("guards: "), (
+                night.group(0),
+                guard,
+            )
+        else:
+            assert night.group(9) == "rule: interval high < -0.0", night.group(0)
+            decision_agrees = (night.group(8) == "promote") == (high < 0)  # margin 0, interval required
+            assert decision_agrees, night.group(0)
+        assert (night.group(8) == "promote") <= guard.startswith("guards pass"), (night.group(0), guard)
         percent = 100 * abs(candidate - production) / production
         assert abs(float(compared.group(7)) - percent) < 0.1, night.group(0)
         assert (compared.group(8) == "lower") == (candidate < production), night.group(0)
@@ -220,7 +232,9 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     # models answer alike is a tie, no verdict; DPO moves the production model far enough (tiny.yaml preference)
     # that the decision rests on evidence: at least the rule's 20 usable verdicts, promote or hold back
     assert mode == "pointwise" and int(verdict.group(7)) >= n >= 20, verdict.group(0)
-    assert verdict.group(14) in ("promote", "hold back"), verdict.group(0)
+    # decided on evidence, or refused by a guard on the judge's per-prompt scores (which names its reason)
+    refused_by_guards = verdict.group(14) == "insufficient evidence" and "guards" in verdict.group(15)
+    assert verdict.group(14) in ("promote", "hold back") or refused_by_guards, verdict.group(0)
     assert (verdict.group(14) == "promote") <= (low > 0.5), verdict.group(0)  # a guard may still hold back
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
@@ -360,6 +374,17 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
     }
     assert stages["throughput"]["tokens_per_s"] > 0 and stages["throughput"]["baseline_tokens_per_s"] > 0
     assert result["versions"]["torch"] and result["versions"]["deepspeed"] != "absent"
+
+
+def night_guards(summary: str) -> dict[str, str]:
+    """Each compared night's checkpoint id -> the guards line printed under it (``demo.summary_lines``)."""
+    out, current = {}, None
+    for line in (raw.strip() for raw in summary.splitlines()):
+        if line.startswith("night "):
+            current = line.split()[3].rstrip(":")
+        elif current and line.startswith("guards"):
+            out[current] = line
+    return out
 
 
 def _grams(text: str, n: int = 13) -> set[tuple[str, ...]]:

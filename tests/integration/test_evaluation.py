@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import pytest
 from support.openai_stub import chat_payload, stub_server
+from support.tiny_training import train_steps
 
 from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, load_eval_set
@@ -74,19 +75,7 @@ def eval_setup(tiny_model_dir: Path, tiny_tokenizer, tmp_path_factory: pytest.Te
             [conversation(r.system_prompt, r.prompt, r.response) for r in train]
         )
     ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    torch.manual_seed(0)
-    for step in range(40):
-        ids, mask = encoded[step % len(encoded)]
-        x = torch.tensor([ids])
-        logits = model(input_ids=x).logits[:, :-1]
-        target_mask = torch.tensor([mask[1:]], dtype=torch.float32)
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        loss = (nll * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train_steps(model, encoded, 40)
     model.save_pretrained(str(trained))
     return manifest, tiny_model_dir, trained
 

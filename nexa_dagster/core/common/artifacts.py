@@ -198,7 +198,10 @@ class EvalReport(Artifact):
     length_controlled_win_rate: float | None = None  # the win rate at a zero length difference (AlpacaEval's)
     mean_length_change: float | None = None  # candidate minus production, characters per answer
     preference_metrics: dict[str, float] | None = None  # held-out reward accuracy and margin, from training
-    guards: list[str] = Field(default_factory=list)  # the non-regression guards that held it back, if any
+    guards: list[str] = Field(default_factory=list)  # the guards that held it back, if any (each reason)
+    # core.evaluation.guards' figures on the per-example differences (skewness, regressed share, slices), whatever
+    # it decided; None: nothing per example was guarded (no production, pairwise verdicts, a benchmark gate)
+    guard: dict[str, Any] | None = None
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

@@ -356,6 +356,26 @@ def load_eval_set(root: str, version: int) -> dict[str, Any]:
     return {**manifest, "content_sha256": content, **_paths(directory, manifest)}
 
 
+def eval_slices(manifest: dict[str, Any], field: str | None) -> list[str] | None:
+    """Each example's value of ``field`` in ``samples.jsonl`` (in the examples' order), the promotion guards'
+    slices; None when ``field`` is None. A field an example does not carry is an error naming the file and row."""
+    import json
+
+    if field is None:
+        return None
+    labels: list[str] = []
+    with storage.open_read(manifest["samples_path"]) as f:
+        for row, line in enumerate(f, 1):
+            value = json.loads(line).get(field)
+            if value is None:
+                raise ValueError(
+                    f"{manifest['samples_path']} row {row} has no field {field!r} to slice the eval set by "
+                    "(promotion.yaml guards.slice_by)"
+                )
+            labels.append(str(value))
+    return labels
+
+
 def eval_prompts(manifest: dict[str, Any], limit: int) -> list[str]:
     """The user turns of the first ``limit`` eval-set examples: the questions both models answer for the judge."""
     import json

@@ -7,6 +7,15 @@ production checkpoint and the history of earlier ones, written atomically; the M
 The pointer names each checkpoint by its place in the data root (``checkpoints/ckpt-1``), so a data root that is
 moved, copied or restored keeps its production model; a pointer written before (absolute paths) is read under the
 root as it is now (``core.common.roots``). Entries handed out carry the checkpoint's path as it is now.
+
+Besides the mean, every gate looks at the examples that got worse through ONE generic function over per-example
+paired differences, ``core.evaluation.guards.paired_guards`` (skewness by Cochran's rule, the regressed share
+against ``guards.max_regressed_share``, slices with Holm's correction); ``decide`` and ``decide_preference`` take
+its ``GuardReport`` (``guard=``) and fold it in with ``apply_guards``. The adapters here build it for the two
+gates of this module: ``eval_loss_guard`` (per-example loss differences, token-weighted) and
+``judge_score_guard`` (the pointwise judge's per-prompt scores). A reward gate calls ``paired_guards`` on its
+per-prompt reward differences (``higher_is_better=True``, its own ``regression_margin`` in reward units) and
+``apply_guards`` on its decision.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.config import load_yaml, validated
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
+from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, paired_guards
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, LengthControlled, PairedLoss, WinRate
 
 
@@ -62,6 +72,12 @@ class PreferenceGate(BaseModel):
         ge=0,
         description="held back when a benchmark score is lower by more than this, its whole "
         "interval included",
+    )
+    score_regression_margin: float = Field(
+        default=1.0,
+        ge=0,
+        description="pointwise: a prompt whose answer the judge scored more than this lower than production's is "
+        "regressed (the guards' regression_margin for the win rate, in judge points on the 1-5 scale)",
     )
     min_length_controlled_win_rate: float | None = Field(
         default=0.5,
@@ -131,6 +147,7 @@ class PromotionPolicy(BaseModel):
         "data above which the gate holds it back",
     )
     registered_model: str = "nexa-moe"
+    guards: GuardPolicy = Field(default_factory=GuardPolicy)
     preference: PreferenceGate = Field(default_factory=PreferenceGate)
 
     @field_validator("metric")
@@ -201,7 +218,8 @@ class GateDecision:
     n: int | None = None
     method: str = ""
     rule: str = ""
-    guards: tuple[str, ...] = ()  # the non-regression guards that held it back (preference stage)
+    guards: tuple[str, ...] = ()  # the guards that held it back: non-regression, skew, regressions, slices
+    guard: GuardReport | None = None  # what core.evaluation.guards found, whatever it decided
 
     @property
     def outcome(self) -> Decision:
@@ -220,6 +238,7 @@ class GateDecision:
             "n": self.n,
             "method": self.method,
             "rule": self.rule,
+            **(self.guard.metadata() if self.guard else {}),
         }
 
 
@@ -236,6 +255,7 @@ def decide(
     win_rate: WinRate | None = None,
     benchmark: BenchmarkComparison | None = None,
     contamination: float | None = None,
+    guard: GuardReport | None = None,
 ) -> GateDecision:
     """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin
     with enough evidence; with ``require_interval`` the whole confidence interval must clear the margin (a tie,
@@ -243,7 +263,8 @@ def decide(
     decision is "insufficient evidence" (held back; promoted with a warning only where the policy says so); a
     candidate whose training data holds more of the eval set than ``max_contamination`` is held back, naming it,
     and so is one judged by a pairwise judge whose verdicts flip with the answer order too often
-    (``unreliable_judge``)."""
+    (``unreliable_judge``). ``guard`` (``paired_guards`` on the same per-example differences) can only hold a
+    candidate back: ``apply_guards``."""
     if production is None:
         return GateDecision(True, "no production model yet", decision="promote", rule="first model")
     if production.checkpoint_id == checkpoint_id:
@@ -293,7 +314,91 @@ def decide(
             reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
             rule=f"n >= {need}",
         )
-    return measured
+    guarded = apply_guards(measured, guard)
+    if (
+        measured.passed
+        and guarded.outcome == "insufficient evidence"
+        and policy.on_insufficient_evidence == "promote"
+    ):
+        return replace(  # the guards only said the sample cannot tell: the lab's waiver covers that too
+            guarded,
+            passed=True,
+            decision="promote",
+            reason=f"WARN {guarded.reason}; promoted because on_insufficient_evidence: promote",
+            rule=f"{guarded.rule} (waived)",
+        )
+    return guarded
+
+
+def apply_guards(decision: GateDecision, guard: GuardReport | None) -> GateDecision:
+    """``decision`` with what the guards found: a candidate the mean would promote is held back ("hold back", or
+    "insufficient evidence" when a guard only says the sample cannot tell), each reason named; one already held
+    back keeps its decision and names the guards' findings too. The figures go with it either way."""
+    if guard is None or decision.rule in ("first model", "already production"):
+        return decision
+    if guard.verdict is None:
+        return replace(decision, guard=guard, reason=f"{decision.reason}; guards pass: {guard.summary()}")
+    findings = "; ".join(guard.reasons)
+    if not decision.passed:
+        return replace(
+            decision,
+            guard=guard,
+            guards=decision.guards + tuple(guard.reasons),
+            reason=f"{decision.reason}; guards: {findings}",
+        )
+    return replace(
+        decision,
+        guard=guard,
+        passed=False,
+        decision=guard.verdict,
+        guards=decision.guards + tuple(guard.reasons),
+        reason=f"{findings}; {decision.reason}",
+        rule=f"{decision.rule}; guards",
+    )
+
+
+def eval_loss_guard(
+    candidate_nll: Any, production_nll: Any, tokens: Any, policy: PromotionPolicy, slices: Any = None
+) -> GuardReport:
+    """``paired_guards`` on the eval set's per-example loss differences (nats per token, weighted by the
+    example's tokens: the gate's token-weighted mean), with the eval set's ``slices`` (one label an example)."""
+    import numpy as np
+
+    t = np.asarray(tokens, dtype=np.float64)
+    d = (np.asarray(candidate_nll, dtype=np.float64) - np.asarray(production_nll, dtype=np.float64)) / t
+    return paired_guards(
+        d,
+        higher_is_better=False,
+        policy=policy.guards,
+        weights=t,
+        slices=slices,
+        confidence=policy.confidence,
+        unit="nats/token",
+    )
+
+
+def judge_score_guard(
+    candidate_scores: Any, production_scores: Any, policy: PromotionPolicy, slices: Any = None
+) -> GuardReport | None:
+    """``paired_guards`` on the pointwise judge's per-prompt score differences (judge points; a prompt either
+    answer of which has no score is left out, with its slice label): the win rate's trap is a rate near 0.5 built
+    from a few large losses and many small wins. None with fewer than two scored prompts."""
+    keep = [
+        i
+        for i, (c, p) in enumerate(zip(candidate_scores, production_scores, strict=True))
+        if c is not None and p is not None and math.isfinite(c) and math.isfinite(p)
+    ]
+    if len(keep) < 2:
+        return None
+    guards = policy.guards.model_copy(update={"regression_margin": policy.preference.score_regression_margin})
+    return paired_guards(
+        [candidate_scores[i] - production_scores[i] for i in keep],
+        higher_is_better=True,
+        policy=guards,
+        slices=[slices[i] for i in keep] if slices is not None else None,
+        confidence=policy.confidence,
+        unit="judge points",
+    )
 
 
 def decide_preference(
@@ -305,13 +410,15 @@ def decide_preference(
     benchmarks: list[BenchmarkComparison],
     contamination: float | None = None,
     length_controlled: LengthControlled | None = None,
+    guard: GuardReport | None = None,
 ) -> GateDecision:
     """A preference checkpoint's gate: the judge's order-consistent win rate against production decides (its
     interval must clear 0.5 + the preference margin, on enough verdicts); a candidate clearly worse on the eval set
     or a benchmark (the whole interval past ``max_*_regression``), or one whose win vanishes once the answers'
-    length is controlled for, is held back, naming the guard."""
+    length is controlled for, is held back, naming the guard; so is one the guards find worse on the judge's
+    per-prompt scores (``judge_score_guard``: skewed toward losses, too many prompts scored much lower, a slice)."""
     decision = decide(
-        checkpoint_id, production, policy.for_preference(), paired_loss, win_rate, None, contamination
+        checkpoint_id, production, policy.for_preference(), paired_loss, win_rate, None, contamination, guard
     )
     if not decision.passed or decision.rule in ("first model", "already production"):
         return decision

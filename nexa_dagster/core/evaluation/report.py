@@ -133,6 +133,8 @@ def build_eval_report(
             "paired_loss": paired.to_json() if paired else None,
             "win_rate": win.to_json() if win else None,
             "gate": decision.metadata(),
+            "guards": decision.guard.summary() if decision.guard else None,
+            "guard_findings": list(decision.guard.reasons) if decision.guard else [],
         },
         report_dir,
         win,
@@ -182,6 +184,7 @@ def build_eval_report(
         else None,
         preference_metrics=ckpt.preference_metrics,
         guards=list(decision.guards),
+        guard=decision.guard.to_json() if decision.guard else None,
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
@@ -246,6 +249,7 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "gate_n": report.gate_n,
         "gate_method": report.gate_method,
         "gate_rule": report.gate_rule,
+        **guard_figures(report.guard),
         "contamination": report.contamination,
         "stage": report.stage,
         "length_controlled_win_rate": report.length_controlled_win_rate,
@@ -257,6 +261,27 @@ def report_figures(report: EvalReport) -> dict[str, Any]:
         "dataset_run_hash": report.dataset_run_hash,
         "parent": report.parent or "",
         **{f"benchmark/{k}": v for k, v in flat_scores(report.benchmarks).items()},
+    }
+
+
+def guard_figures(guard: dict[str, Any] | None) -> dict[str, Any]:
+    """The guards' figures under the report's names (core.evaluation.guards): the verdict and each reason (the UI
+    shows why a candidate was held back), the skewness, the regressed share with its interval, the worst slice."""
+    if not guard:
+        return {}
+    slices = [s for s in guard["guard_slices"] if s["p_value"] is not None]
+    worst = max(slices, key=lambda s: s["worse_by"], default=None)
+    return {
+        "guard_verdict": guard["guard_verdict"],
+        "guard_reasons": "; ".join(guard["guard_reasons"]) or "none",
+        "guard_summary": guard["summary"],
+        "guard_skewness": guard["guard_skewness"],
+        "guard_regressed_share": guard["guard_regressed_share"],
+        "guard_regressed_interval": guard["guard_regressed_interval"],
+        "guard_slices_tested": len(slices),
+        "guard_worst_slice": f"{worst['label']} ({worst['worse_by']:+.4f}, n = {worst['n']})"
+        if worst
+        else "",
     }
 
 
@@ -306,6 +331,8 @@ def leaderboard_row(report: EvalReport, in_production: bool, outcome: str = "") 
         "gate_interval": f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "",
         "gate_method": report.gate_method or "",
         "gate_rule": report.gate_rule or "",
+        # what the guards on the examples that got worse said (core/evaluation/guards.py): pass, or each reason
+        "gate_guards": ("; ".join(report.guard["guard_reasons"]) or "pass") if report.guard else "",
         "contamination": report.contamination,
         "outcome": outcome,
         "dataset_run_hash": report.dataset_run_hash or "",

@@ -353,6 +353,8 @@ class CheckpointEvaluation:
     paired_loss: PairedLoss | None = None
     win_rate: WinRate | None = None
     length_controlled: LengthControlled | None = None
+    # pointwise mode: the judge's score of each prompt's two answers (candidate's, production's), for the guards
+    judge_scores: tuple[list[float | None], list[float | None]] | None = None
 
     @property
     def win_rate_vs_production(self) -> float | None:
@@ -418,6 +420,7 @@ def compare(
             )
         ours_scores, their_scores = [a.score for a in answers], [a.score for a in theirs]
         evaluation.win_rate = pointwise_win_rate(ours_scores, their_scores, tie_epsilon, confidence)
+        evaluation.judge_scores = (ours_scores, their_scores)
         verdicts = [
             v if v != "tie" else None for v in pointwise_verdicts(ours_scores, their_scores, tie_epsilon)
         ]

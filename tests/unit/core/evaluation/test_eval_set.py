@@ -10,7 +10,7 @@ import pytest
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.data.splits import is_held_out
-from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set
+from nexa_dagster.core.evaluation.eval_set import eval_slices, freeze_eval_set, load_eval_set
 from nexa_dagster.core.packaging.formats.packed_split import split_lines
 from nexa_dagster.core.packaging.sft_dataset import build_sft_dataset
 
@@ -306,3 +306,17 @@ def test_the_versions_content_hash_is_the_same_for_the_same_data_only(tiny_token
     assert other["content_sha256"] != a["content_sha256"]
     manifest = json.loads((tmp_path / "a" / "v1" / "manifest.json").read_text())
     assert manifest["content_sha256"] == a["content_sha256"]
+
+
+def test_the_slices_are_each_examples_field_in_the_examples_order(tiny_tokenizer, tmp_path: Path) -> None:
+    """The guards' slices (promotion.yaml guards.slice_by): one label per scored example, in examples.parquet's
+    order; a field the rows do not carry is an error naming the file, the row and the setting."""
+    samples = pd.concat([_samples(0, 40, "2026-11-20"), _samples(40, 40, "2026-11-21")])
+    manifest = freeze_eval_set(samples, tiny_tokenizer, str(tmp_path), 1, 0.25, 128, log=lambda m: None)
+    days = eval_slices(manifest, "day")
+    ids = pd.read_parquet(manifest["path"])["sample_id"].tolist()
+    by_id = dict(zip(samples["sample_id"], samples["day"], strict=True))
+    assert days == [by_id[i] for i in ids] and set(days) == {"2026-11-20", "2026-11-21"}
+    assert eval_slices(manifest, None) is None
+    with pytest.raises(ValueError, match=r"samples.jsonl row 1 has no field 'source'.*guards.slice_by"):
+        eval_slices(manifest, "source")
