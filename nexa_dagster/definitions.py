@@ -146,7 +146,9 @@ def build_defs() -> dg.Definitions:
     validate``, the UI) naming the file and the key, not a run hours later."""
     check_configs(extra=[build_resources])
     schedule = pipeline_config().schedule
-    assets = with_code_versions(dg.load_assets_from_modules(ASSET_MODULES))  # assets/versions.py
+    assets = with_code_versions(  # assets/versions.py: from the sources and configuration each asset reaches
+        dg.load_assets_from_modules(ASSET_MODULES), config_resources()
+    )
     assets = with_column_schemas(assets)  # assets/columns.py: from the pandera models
     return dg.Definitions(
         executor=STEP_EXECUTOR,
