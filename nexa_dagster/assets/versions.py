@@ -32,7 +32,7 @@ import hashlib
 import importlib.metadata
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -48,10 +48,21 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding nexa_dag
 
 # import name -> distribution: the libraries whose version changes what an asset writes (a tokenizer's merges,
 # a kernel's numerics, DeepSpeed's checkpoint layout). Others (dagster, pandas, pyarrow) write the same bytes.
-BYTE_DECIDING = {"tokenizers": "tokenizers", "torch": "torch", "transformers": "transformers", "deepspeed": "deepspeed"}
-SCALE_RECEIVERS = {"scale", "scale_preset"}  # how asset modules name the preset (ScaleResource and its load())
+BYTE_DECIDING = {
+    "tokenizers": "tokenizers",
+    "torch": "torch",
+    "transformers": "transformers",
+    "deepspeed": "deepspeed",
+}
+SCALE_RECEIVERS = {
+    "scale",
+    "scale_preset",
+}  # how asset modules name the preset (ScaleResource and its load())
 SCALE_RESOURCE = "scale_preset"
-NAMED_FILES = {"model_preset": "models/{}.yaml", "deepspeed_config": "deepspeed/{}"}  # a section naming a file
+NAMED_FILES = {
+    "model_preset": "models/{}.yaml",
+    "deepspeed_config": "deepspeed/{}",
+}  # a section naming a file
 
 
 def _without_docstrings(tree: ast.AST) -> ast.AST:
@@ -69,93 +80,169 @@ def _without_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-@dataclass(frozen=True)
+Symbol = tuple[str, str]  # (module, top-level name); name "*": the whole module
+WHOLE = "*"
+
+
+@dataclass
 class Module:
-    """One parsed package module: what counts of its source, the package modules and libraries it imports, and
-    the scale-preset attributes it reads."""
+    """One parsed package module: its top-level definitions (name -> statements), what its top-level imports bind
+    (local name -> (module, attribute or None)), and its other top-level statements."""
 
     name: str
-    source: str  # ast.dump without docstrings: comments and formatting do not count
-    imports: frozenset[str]
-    libraries: frozenset[str]
-    scale_reads: frozenset[str]
+    definitions: dict[str, list[ast.stmt]]
+    imports: dict[str, tuple[str, str | None]]
+    rest: list[ast.stmt]
+
+
+@dataclass
+class Reach:
+    """What one asset's computation reaches: the definitions' sources, the byte-deciding libraries they use, the
+    attributes they read on the scale preset."""
+
+    sources: dict[str, str] = field(default_factory=dict)  # "module:name" -> ast.dump without docstrings
+    libraries: set[str] = field(default_factory=set)
+    scale_reads: set[str] = field(default_factory=set)
 
 
 class SourceTree:
-    """The ``nexa_dagster`` package's sources under ``root`` (the folder holding ``nexa_dagster/``), parsed once."""
+    """The ``nexa_dagster`` package's sources under ``root`` (the folder holding ``nexa_dagster/``), parsed once,
+    as a graph of top-level definitions: a function, class or constant reaches every definition its body names,
+    through the module's own names, its imports (re-exports followed), attributes of an imported module
+    (``io.exists``), imports inside the body, and module names in strings (a worker's ``python -m``); a class
+    reaches its subclasses in the package (the resource an asset is given is one of them)."""
 
     def __init__(self, root: Path = SOURCE_ROOT) -> None:
         self.root = root
-        self._modules: dict[str, Module] = {}
-        self._paths: dict[str, Path | None] = {}
+        self.modules = {m.name: m for m in map(self._parse, sorted((root / PACKAGE).rglob("*.py")))}
+        self.subclasses: dict[Symbol, set[Symbol]] = {}
+        self._symbols: dict[Symbol, tuple[str, list[Symbol], set[str], set[str]]] = {}
+        for module in self.modules.values():
+            for name, statements in module.definitions.items():
+                for base in (b for s in statements if isinstance(s, ast.ClassDef) for b in s.bases):
+                    for parent in self._names(module, ast.walk(base)):
+                        self.subclasses.setdefault(parent, set()).add((module.name, name))
 
-    def path(self, name: str) -> Path | None:
-        """The file of module ``name`` in this tree; None: not a module of it."""
-        if name not in self._paths:
-            base = self.root.joinpath(*name.split("."))
-            found = [c for c in (base / "__init__.py", base.with_suffix(".py")) if c.is_file()]
-            self._paths[name] = found[0] if found else None
-        return self._paths[name]
-
-    def module(self, name: str) -> Module:
-        if name not in self._modules:
-            self._modules[name] = self._parse(name)
-        return self._modules[name]
-
-    def _parse(self, name: str) -> Module:
-        path = self.path(name)
-        if path is None:
-            raise ModuleNotFoundError(f"{name}: no such module under {self.root}")
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    def _parse(self, path: Path) -> Module:
+        parts = path.relative_to(self.root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        imports, libraries, scale_reads = set(), set(), set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    self._add_import(alias.name, imports, libraries)
-            elif isinstance(node, ast.ImportFrom):
-                base = _absolute(node.module or "", node.level, package)
-                self._add_import(base, imports, libraries)
-                imports.update(m for a in node.names if self.path(m := f"{base}.{a.name}"))
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if node.value.startswith(f"{PACKAGE}.") and self.path(node.value):
-                    imports.add(node.value)  # a worker command: ``python -m nexa_dagster.core.training.worker``
-            elif isinstance(node, ast.Attribute) and _reads_the_preset(node.value):
-                scale_reads.add(node.attr)
-        return Module(
-            name=name,
-            source=ast.dump(_without_docstrings(tree)),
-            imports=frozenset(self._with_parents(imports)),
-            libraries=frozenset(libraries),
-            scale_reads=frozenset(scale_reads),
-        )
+        tree = _without_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        module = Module(name, {}, {}, [])
+        for statement in tree.body:
+            targets = _defined_names(statement)
+            for target in targets:
+                module.definitions.setdefault(target, []).append(statement)
+            if isinstance(statement, ast.Import | ast.ImportFrom):
+                module.imports.update(_bindings(statement, package))
+            elif not targets:
+                module.rest.append(statement)
+        return module
 
-    def _add_import(self, name: str, imports: set[str], libraries: set[str]) -> None:
-        top = name.partition(".")[0]
-        if top == PACKAGE:
-            imports.add(name)
-        elif top in BYTE_DECIDING:
-            libraries.add(top)
+    def _resolve(self, module: str, name: str, seen: frozenset[Symbol] = frozenset()) -> Symbol | None:
+        """The definition ``name`` of ``module`` is (through imports and re-exports), or a module; None: outside
+        the package (a library, a builtin)."""
+        if (module, name) in seen or module not in self.modules:
+            return None
+        table = self.modules[module]
+        if name in table.definitions:
+            return module, name
+        if name in table.imports:
+            target, attribute = table.imports[name]
+            if attribute is None:
+                return (target, WHOLE) if target in self.modules else None
+            if f"{target}.{attribute}" in self.modules:
+                return f"{target}.{attribute}", WHOLE
+            return self._resolve(target, attribute, seen | {(module, name)})
+        return (f"{module}.{name}", WHOLE) if f"{module}.{name}" in self.modules else None
 
-    def _with_parents(self, names: Iterable[str]) -> set[str]:
-        """Every name and the packages above it (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``),
-        those that are modules of this tree."""
-        out = set()
-        for name in names:
-            parts = name.split(".")
-            out.update(p for i in range(1, len(parts) + 1) if self.path(p := ".".join(parts[:i])))
-        return out
+    def _names(self, module: Module, nodes: Iterable[ast.AST]) -> list[Symbol]:
+        """The package definitions ``nodes`` (a statement's, walked) name, read in ``module``."""
+        out, module_attributes = [], set()
+        for sub in nodes:
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+                owner = self._resolve(module.name, sub.value.id)
+                # io.exists: that attribute of an imported module, not all of it
+                if owner and owner[1] == WHOLE:
+                    out.append(self._resolve(owner[0], sub.attr))
+                    module_attributes.add(id(sub.value))
+        for sub in nodes:
+            if isinstance(sub, ast.Name) and id(sub) not in module_attributes:
+                out.append(self._resolve(module.name, sub.id))
+            if isinstance(sub, ast.Import | ast.ImportFrom):  # an import inside a function
+                for target, attribute in _bindings(sub, module.name.rpartition(".")[0]).values():
+                    out.append(self._resolve(target, attribute) if attribute else (target, WHOLE))
+            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value in self.modules:
+                # a worker command: ``python -m nexa_dagster.core.training.worker``
+                out.append((sub.value, WHOLE))
+        return [s for s in out if s is not None and s[0] in self.modules]
 
-    def closure(self, name: str) -> list[str]:
-        """``name`` and every package module it reaches through imports, transitively, sorted."""
-        seen: set[str] = set()
-        todo = [name, *self._with_parents([name])]
+    def _symbol(self, symbol: Symbol) -> tuple[str, list[Symbol], set[str], set[str]]:
+        """One definition's source, the definitions it names, its libraries and preset reads (computed once)."""
+        if symbol not in self._symbols:
+            table = self.modules[symbol[0]]
+            if symbol[1] == WHOLE:  # its other statements here; each definition is a symbol of its own
+                statements = table.rest
+                edges = [(symbol[0], n) for n in table.definitions]
+            else:
+                statements = table.definitions.get(symbol[1], [])
+                edges = sorted(self.subclasses.get(symbol, ()))
+            nodes = [n for statement in statements for n in ast.walk(statement)]
+            edges += self._names(table, nodes)
+            source = "\n".join(ast.dump(s) for s in statements)
+            libraries, scale_reads = _libraries(table, nodes), _scale_reads(nodes)
+            self._symbols[symbol] = (source, edges, libraries, scale_reads)
+        return self._symbols[symbol]
+
+    def reach(self, module: str, name: str) -> Reach:
+        """Everything the definition ``name`` of ``module`` reaches, transitively."""
+        reach, todo, seen = Reach(), [(module, name)], set()
         while todo:
-            current = todo.pop()
-            if current not in seen:
-                seen.add(current)
-                todo.extend(self.module(current).imports - seen)
-        return sorted(seen)
+            symbol = todo.pop()
+            if symbol not in seen:
+                seen.add(symbol)
+                source, edges, libraries, scale_reads = self._symbol(symbol)
+                reach.sources[f"{symbol[0]}:{symbol[1]}"] = source
+                reach.libraries |= libraries
+                reach.scale_reads |= scale_reads
+                todo += edges
+        return reach
+
+
+def _defined_names(statement: ast.stmt) -> list[str]:
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return [statement.name]
+    if isinstance(statement, ast.Assign):
+        return [t.id for t in statement.targets if isinstance(t, ast.Name)]
+    if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+        return [statement.target.id]
+    return []
+
+
+def _bindings(statement: ast.Import | ast.ImportFrom, package: str) -> dict[str, tuple[str, str | None]]:
+    """What an import binds: local name -> (module, attribute) (``from m import a``) or (module, None)."""
+    if isinstance(statement, ast.Import):
+        return {
+            (a.asname or a.name.partition(".")[0]): ((a.name if a.asname else a.name.partition(".")[0]), None)
+            for a in statement.names
+        }
+    base = _absolute(statement.module or "", statement.level, package)
+    return {(a.asname or a.name): (base, a.name) for a in statement.names if a.name != "*"}
+
+
+def _libraries(module: Module, nodes: list[ast.AST]) -> set[str]:
+    """The byte-deciding libraries a statement (``nodes``: walked) uses: names bound to them, or imported in it."""
+    names = {n.id for n in nodes if isinstance(n, ast.Name)}
+    used = {module.imports[n][0].partition(".")[0] for n in names if n in module.imports}
+    for sub in nodes:
+        if isinstance(sub, ast.Import | ast.ImportFrom):
+            used |= {target.partition(".")[0] for target, _ in _bindings(sub, "").values()}
+    return used & BYTE_DECIDING.keys()
+
+
+def _scale_reads(nodes: list[ast.AST]) -> set[str]:
+    """The attributes a statement (``nodes``: walked) reads on the scale preset: the sections it reads."""
+    return {n.attr for n in nodes if isinstance(n, ast.Attribute) and _reads_the_preset(n.value)}
 
 
 def _reads_the_preset(node: ast.expr) -> bool:
@@ -208,10 +295,10 @@ class ConfigReader:
         """A configuration resource's field values; one naming a file under configs/ counts as the file's bytes."""
         resource = self.resources[key]
         out = []
-        for field in sorted(type(resource).model_fields):
-            value = getattr(resource, field)
+        for name in sorted(type(resource).model_fields):
+            value = getattr(resource, name)
             named = self.files(value) if isinstance(value, str) else []
-            out += named or [(f"{key}.{field}", json.dumps(value, sort_keys=True, default=str).encode())]
+            out += named or [(f"{key}.{name}", json.dumps(value, sort_keys=True, default=str).encode())]
         return out
 
     def files(self, relative: str, depth: int = 1) -> list[tuple[str, bytes]]:
@@ -239,10 +326,11 @@ def _strings(value: Any) -> Iterable[str]:
             yield from _strings(v)
 
 
-def asset_module(asset: dg.AssetsDefinition) -> str:
-    """The module that defines ``asset``'s function."""
+def asset_function(asset: dg.AssetsDefinition) -> Symbol:
+    """(module, name) of the function that computes ``asset``."""
     fn = asset.op.compute_fn
-    return getattr(fn, "decorated_fn", fn).__module__
+    fn = getattr(fn, "decorated_fn", fn)
+    return fn.__module__, fn.__name__
 
 
 def code_version_of(
@@ -250,7 +338,6 @@ def code_version_of(
 ) -> str:
     """``asset``'s code version; ``parts``, when given, receives the names of what was hashed (for the docs)."""
     digest = hashlib.sha256()
-    own = asset_module(asset)
 
     def add(name: str, data: bytes) -> None:
         digest.update(f"{name}:{len(data)}\n".encode())
@@ -258,15 +345,13 @@ def code_version_of(
         if parts is not None:
             parts.append(name)
 
-    libraries: set[str] = set()
-    for name in tree.closure(own):
-        module = tree.module(name)
-        add(f"module {name}", module.source.encode())
-        libraries |= module.libraries
-    for library in sorted(libraries):
+    reach = tree.reach(*asset_function(asset))
+    for name in sorted(reach.sources):
+        add(f"source {name}", reach.sources[name].encode())
+    for library in sorted(reach.libraries):
         add(f"library {BYTE_DECIDING[library]}", library_version(library).encode())
     if SCALE_RESOURCE in asset.required_resource_keys:
-        for name, data in config.scale_sections(tree.module(own).scale_reads):
+        for name, data in config.scale_sections(reach.scale_reads):
             add(name, data)
     for key in sorted(asset.required_resource_keys & (config.resources.keys() - {SCALE_RESOURCE})):
         for name, data in config.resource(key):
