@@ -25,6 +25,11 @@ from nexa_dagster.assets.common import (
 )
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.assets.production import (  # noqa: F401 (production_model_asset: loaded with this module)
+    PRODUCTION_MODEL,
+    production_metadata,
+    production_model_asset,
+)
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.assets.training_record import (
     log_training_run,
@@ -68,19 +73,8 @@ from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
-# The model in production, as the stage reads it: the production pointer that model_deployment writes. An external
-# asset, not a dependency on model_deployment: the lifecycle is a loop (preference_checkpoint -> eval_report ->
-# model_deployment -> the next preference run), and an asset graph cannot hold one.
-PRODUCTION_MODEL = "production_model"
-production_model_asset = dg.AssetSpec(
-    PRODUCTION_MODEL,
-    group_name="preference",
-    kinds={"json"},
-    description="The checkpoint in production: serving/production.json under the data root, written by "
-    "model_deployment when the gate promotes a checkpoint (an SFT one, or an earlier DPO one). The preference stage "
-    "answers with it, packs for it and trains from it.",
-)
-
+# The model in production, as the stage reads it: the production pointer, and the asset whose events say
+# which checkpoint it names (assets/production.py: every promotion and rollback records one).
 
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
     if scale.preference is None:
@@ -179,6 +173,7 @@ def preference_pairs(
     )
     metadata = {
         "dagster/row_count": len(pairs),
+        **production_metadata(production),  # the model that answered (also its input data version)
         "policy_checkpoint": production.checkpoint_id,
         "policy_model": answering_id(pairs, production),
         "prompts": stats.prompts,
@@ -271,7 +266,7 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
-        limits=model_limits(production_model(storage)),  # the model DPO will train
+        limits=model_limits(production := production_model(storage)),  # the model DPO will train
         keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
@@ -294,6 +289,7 @@ def preference_dataset(
             "days_reused": dataset.shards_reused,
             "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
+            **production_metadata(production),
             **contamination_metadata(contamination, index),
         }
     )
@@ -448,6 +444,7 @@ def preference_checkpoint(
             **training_metadata(invocation, png, result, "DPO loss"),
             "checkpoint_id": checkpoint_id,
             "parent": job.parent,
+            **production_metadata(production),  # where DPO started (also its input data version)
             "heldout_reward_accuracy": result.reward_accuracy,
             "heldout_reward_margin": result.reward_margin,
             "heldout_pairs": result.validation_pairs,

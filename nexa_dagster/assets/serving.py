@@ -1,7 +1,8 @@
 """Serving stage: a checkpoint that passed the promotion gate becomes production. With the serving service
 running (``make serve``, docker compose), the service switches its endpoint to the checkpoint (blue/green) and
 this asset waits for it; without one, the checkpoint is smoke-tested in a temporary engine. Then the pointer file
-and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree."""
+and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree, and a materialization of
+``production_model`` records the change (assets/production.py)."""
 
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.assets.production import production_change
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.evaluation.promotion import (
     ProductionEntry,
@@ -100,6 +102,10 @@ def model_deployment(
         record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
     record_outcome(outcome_dir, checkpoint_id, "deployed", "the promotion gate passed", checkpoint_id)
+    # production_model's history: its data version is now this checkpoint (what the preference stage goes stale on)
+    promoted = registry.current()
+    assert promoted is not None and promoted.checkpoint_id == checkpoint_id
+    context.log_event(production_change(promoted, "promotion", previous))
     context.log.info(
         f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
         + (f", served at {result.endpoint}" if result.endpoint else "")
