@@ -165,7 +165,10 @@ def _tell_dagster(current: Any, previous: str | None) -> None:
         with dg.DagsterInstance.get() as instance:
             report_production_change(instance, current, "rollback", previous)
     except dg.DagsterError as e:  # DAGSTER_HOME unset, or not a Dagster home
-        print(f"the Dagster instance was not told of the rollback ({e}); the pointer and alias were", file=sys.stderr)
+        print(
+            f"the Dagster instance was not told of the rollback ({e}); the pointer and alias were",
+            file=sys.stderr,
+        )
 
 
 def production_state(storage: Any, tracking: Any, registry: ProductionRegistry, expected: Any) -> str:

@@ -76,6 +76,7 @@ from nexa_dagster.resources.tracking import TrackingResource
 # The model in production, as the stage reads it: the production pointer, and the asset whose events say
 # which checkpoint it names (assets/production.py: every promotion and rollback records one).
 
+
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
     if scale.preference is None:
         raise dg.Failure(f"scale preset {scale.name!r} has no preference section", allow_retries=False)

@@ -539,9 +539,14 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"
 
     # production_model's history: each promotion (in its deployment run) and the rollback, oldest first
-    events = instance.fetch_materializations(dg.AssetKey("production_model"), limit=20, ascending=True).records
+    events = instance.fetch_materializations(
+        dg.AssetKey("production_model"), limit=20, ascending=True
+    ).records
     history = [
-        (e.asset_materialization.metadata["change"].value, e.asset_materialization.tags["dagster/data_version"])
+        (
+            e.asset_materialization.metadata["change"].value,
+            e.asset_materialization.tags["dagster/data_version"],
+        )
         for e in events
     ]
     assert history[-3:] == [

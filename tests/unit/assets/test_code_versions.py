@@ -48,7 +48,9 @@ def package(tmp_path: Path) -> Path:
     return tmp_path / "src"
 
 
-def _changed(loaded, baseline: dict[str, str], source_root: Path = versions.SOURCE_ROOT, configs=None) -> set[str]:
+def _changed(
+    loaded, baseline: dict[str, str], source_root: Path = versions.SOURCE_ROOT, configs=None
+) -> set[str]:
     _, assets, resources = loaded
     after = versions.code_versions(assets, resources, source_root, configs)
     assert after.keys() == baseline.keys()
@@ -70,13 +72,23 @@ def test_what_dagster_shows_is_the_derived_code_version(loaded, baseline) -> Non
     assert len(set(baseline.values())) > 5  # assets reaching different code get different versions
 
 
-def test_a_training_loop_edit_marks_the_trained_models_and_not_ingest(loaded, baseline, package: Path) -> None:
+def test_a_training_loop_edit_marks_the_trained_models_and_not_ingest(
+    loaded, baseline, package: Path
+) -> None:
     loop = package / "nexa_dagster" / "core" / "training" / "loop.py"
     _edit(loop, "floor: float = 0.1", "floor: float = 0.2")  # the learning-rate schedule's floor
     changed = _changed(loaded, baseline, package)
-    trained = {"base_model", "moe_checkpoint", "preference_checkpoint"} | ({"rl_checkpoint"} & baseline.keys())
+    trained = {"base_model", "moe_checkpoint", "preference_checkpoint"} | (
+        {"rl_checkpoint"} & baseline.keys()
+    )
     assert trained <= changed, trained - changed
-    assert not changed & {"raw_documents", "teacher_samples", "filtered_samples", "eval_set", "model_deployment"}
+    assert not changed & {
+        "raw_documents",
+        "teacher_samples",
+        "filtered_samples",
+        "eval_set",
+        "model_deployment",
+    }
     assert not changed & {"preference_pairs", "preference_dataset"}  # they never run the worker
 
 
@@ -103,11 +115,15 @@ def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline
         for s in defs.resolve_all_asset_specs()
         if s.group_name == "preference" and s.code_version is not None
     }
-    assert _changed(loaded, baseline, configs=configs) == preference == {
-        "preference_pairs",
-        "preference_dataset",
-        "preference_checkpoint",
-    }
+    assert (
+        _changed(loaded, baseline, configs=configs)
+        == preference
+        == {
+            "preference_pairs",
+            "preference_dataset",
+            "preference_checkpoint",
+        }
+    )
 
 
 def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path) -> None:
@@ -118,9 +134,7 @@ def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path
     assert not changed & {"raw_documents", "sft_dataset", "moe_checkpoint", "preference_pairs"}, changed
 
 
-def test_a_library_upgrade_marks_what_it_decides(
-    loaded, baseline, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_library_upgrade_marks_what_it_decides(loaded, baseline, monkeypatch: pytest.MonkeyPatch) -> None:
     real = versions.library_version
     monkeypatch.setattr(
         versions, "library_version", lambda name: "9.9.9" if name == "tokenizers" else real(name)
