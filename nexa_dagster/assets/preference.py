@@ -111,6 +111,7 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
         dg.AssetCheckSpec(
             "pairs_are_trainable",
             asset="preference_pairs",
+            blocking=True,  # a failing day fails its run; the DPO sensor does not train on it (sensors/preference)
             description="Every pair of the day: its pair_id the hash of sample and answers and not repeated, "
             "chosen and rejected different texts, the score gap at least min_score_gap and equal to chosen minus "
             "rejected, no prompt on the eval set's held-out side.",
@@ -196,10 +197,16 @@ def preference_pairs(
         ),
     }
     yield dg.Output(pairs, metadata=metadata)
-    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
-    yield dg.AssetCheckResult(
+    yield pairs_check(pairs, settings.min_score_gap, eval_sets.fraction)
+
+
+def pairs_check(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> dg.AssetCheckResult:
+    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it)."""
+    problems = pair_problems(pairs, min_score_gap, eval_fraction)
+    return dg.AssetCheckResult(
         check_name="pairs_are_trainable",
         passed=not problems,
+        description="; ".join(problems[:3]) or None,
         metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
     )
 
