@@ -1,24 +1,28 @@
 """Every asset's ``code_version``, derived from the code and configuration that decide its output, never a hand list.
 
-An asset's code version is 16 hex characters of a SHA-256 over three things, each found from the code itself when
-the code location loads (``with_code_versions`` in ``build_defs``):
+An asset's code version is 16 hex characters of a SHA-256 over three things, each found from the sources when the
+code location loads (``with_code_versions`` in ``build_defs``), so an asset added in any module of
+``ASSET_MODULES`` (the RL stage's included) gets one with nothing to list:
 
-* **The source of every ``nexa_dagster`` module its computation reaches**: the module that defines the asset
-  function and, transitively, every package module it imports (``import``/``from ... import``, relative ones too, at
-  any depth in the file), read with ``ast`` from the files, plus the modules a worker command names as a string
-  (``"nexa_dagster.core.training.worker"``: the process the asset launches runs it). Each module counts as its
-  syntax tree with docstrings removed (``ast.dump``): **comments, docstrings, blank lines and formatting do not
-  count**; any other edit does. The graph is of modules, not functions: an edit anywhere in a reached module counts,
-  also in a function this asset never calls (an over-approximation: a false "stale", never a missed one).
-* **The configuration it reads**: of the scale preset (``NEXA_SCALE``'s ``configs/scales/<name>.yaml``), only the
-  top-level **sections** the asset's module reads (``scale.preference``, ``scale_preset.deepspeed_config()``: an
-  attribute of ``scale``/``scale_preset`` named like a section), with the file a section names (``model_preset`` ->
-  ``models/<name>.yaml``, ``deepspeed_config`` -> ``deepspeed/<file>``); of the configuration resources
-  (``config_resources()``: promotion policy, packaging, sample gate, prompts, ingest, eval sets), those the asset
-  requires: their field values, a value naming a file under ``configs/`` hashed as that file's bytes (and the
-  files that file names in turn: ``packaging.yaml`` -> ``blends/sft.yaml``).
+* **The source of every ``nexa_dagster`` definition its computation reaches**, read with ``ast`` from the files: the
+  asset function, then every top-level function, class or constant it names, transitively, through the module's
+  own names, its imports (relative ones and re-exports followed), attributes of an imported module (``io.exists``),
+  imports inside a function, the subclasses of a class it names (the resource it is given is one of them), and a
+  module named in a string, whole (the worker a resource launches: ``"nexa_dagster.core.training.worker"``). Each
+  definition counts as its syntax tree with docstrings removed (``ast.dump``): **comments, docstrings, blank lines
+  and formatting do not count**; any other edit does. A class counts whole: an edit of a method its asset never
+  calls still counts (a false "stale", never a missed one: ``GPUClusterResource`` launches both workers, so a
+  training-loop edit also marks the packaging and evaluation assets that are given it).
+* **The configuration it reads**: of the scale preset (``NEXA_SCALE``'s ``configs/scales/<name>.yaml``) only the
+  top-level **sections** its definitions read (an attribute of ``scale``, ``scale_preset`` or
+  ``scale_preset.load()`` named like a section: ``scale.preference``), with the file a section names
+  (``model_preset`` -> ``models/<name>.yaml``, ``deepspeed_config`` -> ``deepspeed/<file>``); of the configuration
+  resources (``config_resources()``: promotion policy, packaging, sample gate, prompts, ingest, eval sets) those the
+  asset requires: their field values, a value naming a file under ``configs/`` counted as that file (and the files
+  that file names: ``packaging.yaml`` -> ``blends/sft.yaml``). A YAML file counts as its parsed values (its
+  comments do not), any other file as its bytes.
 * **The versions of the libraries that decide its bytes** (``BYTE_DECIDING``: tokenizers, torch, transformers,
-  deepspeed), those that a reached module imports.
+  deepspeed) that its definitions use.
 
 Dagster then shows the asset stale ("has a new code version") until it is materialized again; what it feeds goes
 stale once that materialization gives a new data version. A run launched with another scale preset or another
@@ -308,11 +312,19 @@ class ConfigReader:
         if not relative or ".." in Path(relative).parts or not path.exists() or path == self.root:
             return []
         paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        out = [(p.relative_to(self.root).as_posix(), p.read_bytes()) for p in paths]
+        out = [(p.relative_to(self.root).as_posix(), _content(p)) for p in paths]
         if depth and path.suffix == ".yaml":
             for value in _strings(yaml.safe_load(path.read_text()) or {}):
                 out += self.files(value, depth - 1)
         return out
+
+
+def _content(path: Path) -> bytes:
+    """What of a configuration file counts: a YAML file's parsed values (its comments and layout do not), any
+    other file's bytes (a template's every character reaches a prompt)."""
+    if path.suffix in (".yaml", ".yml"):
+        return json.dumps(yaml.safe_load(path.read_text()), sort_keys=True, default=str).encode()
+    return path.read_bytes()
 
 
 def _strings(value: Any) -> Iterable[str]:

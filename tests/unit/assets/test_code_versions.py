@@ -101,6 +101,17 @@ def test_comments_and_docstrings_do_not_count(loaded, baseline, package: Path) -
     assert _changed(loaded, baseline, package) == set()
 
 
+def test_a_yaml_comment_does_not_count_and_a_value_does(loaded, baseline, tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    policy = configs / "promotion.yaml"
+    policy.write_text(policy.read_text() + "\n# why a value is what it is\n")
+    assert _changed(loaded, baseline, configs=configs) == set()
+    policy.write_text(policy.read_text() + "registered_model: another-name\n")
+    changed = _changed(loaded, baseline, configs=configs)
+    assert "eval_report" in changed and "raw_documents" not in changed and "sft_dataset" not in changed
+
+
 def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline, tmp_path: Path) -> None:
     defs, _, _ = loaded
     configs = tmp_path / "configs"
