@@ -4,12 +4,12 @@ answers, when a DPO training is requested, and what each waits for (its skip rea
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.utils import make_new_run_id
 
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.resources.scale import ScaleResource
@@ -111,7 +111,7 @@ def test_new_pairs_request_one_training_once_no_pairs_run_is_in_flight(instance:
 
     materialize(instance, "preference_pairs", DAYS[2])
     run = dg.DagsterRun(
-        job_name="preference_pairs_job", run_id=make_new_run_id(), status=dg.DagsterRunStatus.STARTED
+        job_name="preference_pairs_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED
     )
     instance.add_run(run)
     result, waiting = tick(cursor)  # new pairs, but a pairs run still writes: training waits for all of them
