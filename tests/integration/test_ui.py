@@ -164,7 +164,7 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
             page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
         page.screenshot(path=str(tmp_path / "asset.png"))
         page.goto(f"{base}/assets/raw_documents?view=checks", wait_until="networkidle")
-        for text in ("raw_documents_fit_their_days", "This is a blocking asset check.", "Passed"):
+        for text in ("raw_documents_are_new", "This is a blocking asset check.", "Passed"):
             page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
         page.screenshot(path=str(tmp_path / "checks.png"))
         page.goto(f"{base}/assets/eval_report", wait_until="networkidle")
