@@ -202,6 +202,13 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
     assert len(image.getcolors(maxcolors=1_000_000) or []) > 50, "the screenshot is nearly one colour"
 
 
+def show_code_version(page, base: str, asset: str) -> None:  # noqa: ANN001 (a playwright Page)
+    """The asset's page with its "Compute details" open, where the UI shows the code version."""
+    page.goto(f"{base}/assets/{asset}", wait_until="networkidle")
+    page.get_by_text("Compute details", exact=True).click()
+    page.get_by_text("Code version", exact=True).first.wait_for(timeout=60_000)
+
+
 def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
     """After an edit of the training loop and a reload, moe_checkpoint's page shows its new code version; after a
     promotion, production_model's page shows the new checkpoint and preference_pairs (made from the old one) is
@@ -249,17 +256,17 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
     with dagster_dev(env, tmp_path) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(f"{base}/assets/moe_checkpoint?view=definition", wait_until="networkidle")
-        page.get_by_text(before, exact=False).first.wait_for(timeout=60_000)
+        show_code_version(page, base, "moe_checkpoint")
+        page.get_by_text(before, exact=True).first.wait_for(timeout=60_000)
 
         loop = source / "nexa_dagster" / "core" / "training" / "loop.py"
         loop.write_text(loop.read_text().replace("floor: float = 0.1", "floor: float = 0.2", 1))
         after = versions.code_versions(assets, config_resources(), source)["moe_checkpoint"]
         assert after != before
         reload_location(base)
-        page.goto(f"{base}/assets/moe_checkpoint?view=definition", wait_until="networkidle")
-        page.get_by_text(after, exact=False).first.wait_for(timeout=60_000)
-        assert page.get_by_text(before, exact=False).count() == 0
+        show_code_version(page, base, "moe_checkpoint")
+        page.get_by_text(after, exact=True).first.wait_for(timeout=60_000)
+        assert page.get_by_text(before, exact=True).count() == 0
         page.screenshot(path=str(tmp_path / "code-version.png"))
 
         page.goto(f"{base}/assets/preference_pairs?partition={DAY}", wait_until="networkidle")
