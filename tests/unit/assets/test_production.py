@@ -112,3 +112,13 @@ def test_a_rollback_from_the_command_line_is_an_event_of_production(tmp_path: Pa
             "ckpt-b",
         )
         assert records[0].asset_materialization.tags[DATA_VERSION_TAG] == "ckpt-a"
+
+
+def test_production_model_is_the_projects_external_asset_not_a_stub() -> None:
+    """Its page has the project's description and group, and the preference stage below it (an AssetSpec that
+    load_assets_from_modules does not collect would be drawn as a stub in the default group)."""
+    from nexa_dagster.definitions import defs
+
+    spec = next(s for s in defs.resolve_all_asset_specs() if s.key == dg.AssetKey(PRODUCTION_MODEL))
+    assert spec.group_name == "preference" and "dagster/auto_created_stub_asset" not in spec.metadata
+    assert spec.description == production_model_asset.description
