@@ -102,10 +102,7 @@ def model_deployment(
         record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
     record_outcome(outcome_dir, checkpoint_id, "deployed", "the promotion gate passed", checkpoint_id)
-    # production_model's history: its data version is now this checkpoint (what the preference stage goes stale on)
-    promoted = registry.current()
-    assert promoted is not None and promoted.checkpoint_id == checkpoint_id
-    context.log_event(production_change(promoted, "promotion", previous))
+    context.log_event(production_event(registry, checkpoint_id, previous))
     context.log.info(
         f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
         + (f", served at {result.endpoint}" if result.endpoint else "")
@@ -127,6 +124,19 @@ def model_deployment(
             "mlflow_model_version": f"{policy.registered_model}/{version}",
         },
     )
+
+
+def production_event(
+    registry: ProductionRegistry, checkpoint_id: str, previous: str | None
+) -> dg.AssetMaterialization:
+    """production_model's history: its data version is now ``checkpoint_id`` (what the preference stage goes stale
+    on), as the pointer just written says."""
+    promoted = registry.current()
+    if promoted is None or promoted.checkpoint_id != checkpoint_id:
+        raise dg.Failure(
+            f"the production pointer {registry.path} does not name {checkpoint_id} after its promotion"
+        )
+    return production_change(promoted, "promotion", previous)
 
 
 def _deploy(

@@ -202,6 +202,37 @@ def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
     assert len(image.getcolors(maxcolors=1_000_000) or []) > 50, "the screenshot is nearly one colour"
 
 
+def pairs_made_from_production(root: Path):  # noqa: ANN201
+    """On the instance under ``root``: ckpt-a promoted, then preference_pairs of DAY materialized (its spec as the
+    code location defines it, a stand-in body), recording ckpt-a as its input; returns ``promote(checkpoint_id,
+    previous)``, a later promotion recorded as model_deployment records one."""
+    from nexa_dagster.assets.production import (
+        PRODUCTION_MODEL,
+        production_model_asset,
+        report_production_change,
+    )
+    from nexa_dagster.core.evaluation.promotion import ProductionEntry
+    from nexa_dagster.definitions import defs
+
+    def promote(checkpoint_id: str, previous: str | None) -> None:
+        entry = ProductionEntry(
+            checkpoint_id=checkpoint_id, checkpoint_path=str(root / checkpoint_id), metric="eval_loss"
+        )
+        with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+            report_production_change(instance, entry, "promotion", previous)
+
+    spec = next(s for s in defs.resolve_all_asset_specs() if s.key == dg.AssetKey("preference_pairs"))
+
+    @dg.multi_asset(specs=[spec.replace_attributes(deps=[PRODUCTION_MODEL])], name="pairs_stand_in")
+    def pairs() -> dg.MaterializeResult:
+        return dg.MaterializeResult(asset_key=spec.key)
+
+    promote("ckpt-a", None)
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        assert dg.materialize([production_model_asset, pairs], instance=instance, partition_key=DAY).success
+    return promote
+
+
 def show_code_version(page, base: str, asset: str) -> None:  # noqa: ANN001 (a playwright Page)
     """The asset's page with its "Compute details" open, where the UI shows the code version."""
     page.goto(f"{base}/assets/{asset}", wait_until="networkidle")
@@ -218,13 +249,8 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     from nexa_dagster.assets import versions
-    from nexa_dagster.assets.production import (
-        PRODUCTION_MODEL,
-        production_model_asset,
-        report_production_change,
-    )
-    from nexa_dagster.core.evaluation.promotion import ProductionEntry
-    from nexa_dagster.definitions import ASSET_MODULES, config_resources, defs
+    from nexa_dagster.assets.production import PRODUCTION_MODEL
+    from nexa_dagster.definitions import ASSET_MODULES, config_resources
 
     make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
     source = tmp_path / "src"
@@ -237,21 +263,7 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
     assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
     before = versions.code_versions(assets, config_resources(), source)["moe_checkpoint"]
 
-    def promote(instance: dg.DagsterInstance, checkpoint_id: str, previous: str | None) -> None:
-        entry = ProductionEntry(
-            checkpoint_id=checkpoint_id, checkpoint_path=str(tmp_path / checkpoint_id), metric="eval_loss"
-        )
-        report_production_change(instance, entry, "promotion", previous)
-
-    spec = next(s for s in defs.resolve_all_asset_specs() if s.key == dg.AssetKey("preference_pairs"))
-
-    @dg.multi_asset(specs=[spec.replace_attributes(deps=[PRODUCTION_MODEL])], name="pairs_stand_in")
-    def pairs() -> dg.MaterializeResult:
-        return dg.MaterializeResult(asset_key=spec.key)
-
-    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
-        promote(instance, "ckpt-a", None)
-        assert dg.materialize([production_model_asset, pairs], instance=instance, partition_key=DAY).success
+    promote = pairs_made_from_production(tmp_path)  # production ckpt-a, and pairs of DAY answered by it
 
     with dagster_dev(env, tmp_path) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
@@ -273,8 +285,7 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
         page.get_by_text("preference_pairs").first.wait_for(timeout=60_000)
         time.sleep(3)  # the page's status queries
         assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before the promotion"
-        with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
-            promote(instance, "ckpt-b", "ckpt-a")
+        promote("ckpt-b", "ckpt-a")
         page.goto(f"{base}/assets/{PRODUCTION_MODEL}", wait_until="networkidle")
         page.get_by_text("ckpt-b", exact=False).first.wait_for(timeout=60_000)
         page.screenshot(path=str(tmp_path / "production.png"))
