@@ -54,14 +54,16 @@ def _default_stop_signals() -> None:
 
 
 @contextlib.contextmanager
-def dagster_dev(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
-    """``dagster dev`` of the workspace on a free loopback port, until it answers; yields its base URL, then stops
+def dagster_dev(
+    env: dict[str, str], tmp_path: Path, workspace: Path = REPO_ROOT / "workspace.yaml"
+) -> Iterator[str]:
+    """``dagster dev`` of ``workspace`` on a free loopback port, until it answers; yields its base URL, then stops
     it (SIGTERM, then SIGKILL of whatever else its group keeps)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with open(tmp_path / "dagster-dev.log", "wb") as log:
         server = subprocess.Popen(
-            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml", "-h", "127.0.0.1"]
+            [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(workspace), "-h", "127.0.0.1"]
             + ["-p", str(port)],
             env=env,
             cwd=REPO_ROOT,
@@ -252,7 +254,7 @@ def show_code_version(page, base: str, asset: str) -> None:  # noqa: ANN001 (a p
 def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
     """After an edit of the training loop and a reload, moe_checkpoint's page shows its new code version; after a
     promotion, production_model's page shows the new checkpoint and preference_pairs (made from the old one) is
-    unsynced. The code location runs from a copy of the package (PYTHONPATH), which the test edits; production and
+    unsynced. The code location runs from a copy of the package (its own workspace file), which the test edits; production and
     the pairs are events on the instance, as a deployment run and a pairs run record them."""
     browser_path = chromium()
     from playwright.sync_api import sync_playwright
@@ -268,13 +270,18 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
         source / "nexa_dagster",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    env = {**sandbox_env(tmp_path), "PYTHONPATH": str(source)}
+    # the code location imports the copy (its working directory first on sys.path) and reads the repository's configs
+    workspace = tmp_path / "workspace.yaml"
+    workspace.write_text(
+        f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {source}\n"
+    )
+    env = sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(REPO_ROOT / "configs"))
     assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
     before = versions.code_versions(assets, config_resources(), source)["moe_checkpoint"]
 
     promote = pairs_made_from_production(tmp_path)  # production ckpt-a, and pairs of DAY answered by it
 
-    with dagster_dev(env, tmp_path) as base, sync_playwright() as pw:
+    with dagster_dev(env, tmp_path, workspace) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         show_code_version(page, base, "moe_checkpoint")
