@@ -209,7 +209,6 @@ def pairs_made_from_production(root: Path):  # noqa: ANN201
     code location defines it, a stand-in body), recording ckpt-a as its input; returns ``promote(checkpoint_id,
     previous)``, a later promotion recorded as model_deployment records one."""
     from nexa_dagster.assets.production import (
-        PRODUCTION_MODEL,
         production_model_asset,
         report_production_change,
     )
@@ -223,15 +222,19 @@ def pairs_made_from_production(root: Path):  # noqa: ANN201
         with dg.DagsterInstance.from_config(str(root / "home")) as instance:
             report_production_change(instance, entry, "promotion", previous)
 
-    spec = next(s for s in defs.resolve_all_asset_specs() if s.key == dg.AssetKey("preference_pairs"))
+    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
 
-    @dg.multi_asset(specs=[spec.replace_attributes(deps=[PRODUCTION_MODEL])], name="pairs_stand_in")
-    def pairs() -> dg.MaterializeResult:
-        return dg.MaterializeResult(asset_key=spec.key)
+    def stand_in(name: str, **changes: object) -> dg.AssetsDefinition:
+        @dg.multi_asset(specs=[specs[name].replace_attributes(**changes)], name=f"{name}_stand_in")
+        def materialize() -> dg.MaterializeResult:
+            return dg.MaterializeResult(asset_key=name)
+
+        return materialize
 
     promote("ckpt-a", None)
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:
-        assert dg.materialize([production_model_asset, pairs], instance=instance, partition_key=DAY).success
+        assets = [production_model_asset, stand_in("filtered_samples", deps=[]), stand_in("preference_pairs")]
+        assert dg.materialize(assets, instance=instance, partition_key=DAY).success
     return promote
 
 
@@ -297,15 +300,18 @@ def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
         assert page.get_by_text(before, exact=True).count() == 0
         page.screenshot(path=str(tmp_path / "code-version.png"))
 
-        page.goto(f"{base}/assets/preference_pairs?partition={DAY}", wait_until="networkidle")
-        page.get_by_text("preference_pairs").first.wait_for(timeout=60_000)
-        time.sleep(3)  # the page's status queries
+        partitions = (
+            f"{base}/assets/preference_pairs?view=partitions&partition={DAY}"  # where a day's state shows
+        )
+        page.goto(partitions, wait_until="networkidle")
+        page.get_by_text(DAY).first.wait_for(timeout=60_000)
+        time.sleep(5)  # the page's status queries
         assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before the promotion"
         promote("ckpt-b", "ckpt-a")
         page.goto(f"{base}/assets/{PRODUCTION_MODEL}", wait_until="networkidle")
         page.get_by_text("ckpt-b", exact=False).first.wait_for(timeout=60_000)
         page.screenshot(path=str(tmp_path / "production.png"))
-        page.goto(f"{base}/assets/preference_pairs?partition={DAY}", wait_until="networkidle")
+        page.goto(partitions, wait_until="networkidle")
         page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
         page.screenshot(path=str(tmp_path / "pairs-stale.png"))
         browser.close()
