@@ -177,7 +177,25 @@ def rollback() -> int:
         f"rolled back: production is {state.current.checkpoint_id} again "
         f"(was {before.checkpoint_id if before else 'none'}){served}"
     )
+    _tell_dagster(state.current, before.checkpoint_id if before else None)
     return 0
+
+
+def _tell_dagster(current: Any, previous: str | None) -> None:
+    """The rollback as an event of production_model on the Dagster instance (DAGSTER_HOME): the UI's history of
+    production, and what marks the preference stage stale. Without an instance, one line says so."""
+    import dagster as dg
+
+    from nexa_dagster.assets.production import report_production_change
+
+    try:
+        with dg.DagsterInstance.get() as instance:
+            report_production_change(instance, current, "rollback", previous)
+    except dg.DagsterError as e:  # DAGSTER_HOME unset, or not a Dagster home
+        print(
+            f"the Dagster instance was not told of the rollback ({e}); the pointer and alias were",
+            file=sys.stderr,
+        )
 
 
 def production_state(storage: Any, tracking: Any, registry: ProductionRegistry, expected: Any) -> str:

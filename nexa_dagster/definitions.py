@@ -28,6 +28,7 @@ from nexa_dagster.assets import (
 )
 from nexa_dagster.assets.columns import with_column_schemas
 from nexa_dagster.assets.freshness import with_freshness
+from nexa_dagster.assets.production import production_model_asset
 from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
 from nexa_dagster.core.common.config import config_dir, pipeline_config
@@ -146,7 +147,11 @@ def build_defs() -> dg.Definitions:
     validate``, the UI) naming the file and the key, not a run hours later."""
     check_configs(extra=[build_resources])
     schedule = pipeline_config().schedule
-    assets = with_code_versions(dg.load_assets_from_modules(ASSET_MODULES))  # assets/versions.py
+    # production_model, an external asset (an AssetSpec: load_assets_from_modules collects only definitions, and
+    # without it Dagster draws a nameless stub in the default group)
+    loaded = [*dg.load_assets_from_modules(ASSET_MODULES), production_model_asset]
+    # assets/versions.py: from the sources and configuration each asset reaches
+    assets = with_code_versions(loaded, config_resources())
     assets = with_column_schemas(assets)  # assets/columns.py: from the pandera models
     return dg.Definitions(
         executor=STEP_EXECUTOR,

@@ -25,6 +25,7 @@ from typing import Any
 import dagster as dg
 
 from nexa_dagster import settings
+from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale, resolve_path
 from nexa_dagster.core.common.process_token import process_token, token_alive
 from nexa_dagster.core.data.ingest import landed_days
@@ -237,6 +238,30 @@ def fail_orphaned_runs(instance: Any) -> list[str]:
     return failed
 
 
+def days_dagster_knows(
+    days: list[str], landing_root: Path, partitions: dg.DailyPartitionsDefinition = daily_partitions
+) -> tuple[list[str], list[str]]:
+    """(the landed days that are daily partitions, one line for each landing folder that is not: what it is and
+    what to do). A folder dated after today has no partition yet (Dagster adds a day's partition when it begins);
+    one dated before NEXA_PARTITIONS_START never will."""
+    first, last = partitions.get_first_partition_key(), partitions.get_last_partition_key()
+    known, lines = [], []
+    for day in days:
+        if partitions.has_partition_key(day):
+            known.append(day)
+        elif last is not None and day > last:
+            lines.append(
+                f"skipped {landing_root / day}: dated after today (the last daily partition is {last}); run again "
+                f"on {day} or later, or move its files to the folder of the day they landed"
+            )
+        else:
+            lines.append(
+                f"skipped {landing_root / day}: before the first daily partition {first}; set "
+                f"NEXA_PARTITIONS_START={day} (or earlier) to process it"
+            )
+    return known, lines
+
+
 def main() -> int:
     settings.export_default(settings.DAGSTER_HOME, str(REPO_ROOT / ".dagster_home"))
     settings.export_default(settings.HF_HUB_OFFLINE)
@@ -256,9 +281,11 @@ def main() -> int:
         )
     storage = defs.resources["storage"]
     landing_root = resolve_path(storage.landing_root)
-    days = landed_days(landing_root)
+    days, unknown = days_dagster_knows(landed_days(landing_root), landing_root)
+    for line in unknown:  # one line each, and the other days still run
+        print(line, file=sys.stderr)
     if not days:
-        print(f"no landed documents under {landing_root}", file=sys.stderr)
+        print(f"no landed documents under {landing_root} of a day Dagster knows", file=sys.stderr)
         return 1
     scale = load_scale()
     print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={settings.DAGSTER_HOME.get()}")

@@ -51,8 +51,10 @@ def base_checkpoint(storage: StorageResource, base_id: str) -> Checkpoint:
     deps=["base_model", "eval_set"],
     kinds={"pytorch"},
     # each new base model once, when it and an eval set exist (the default automation sensor requests it); an
-    # eager condition would re-evaluate every old base model whenever base_model materializes again
-    automation_condition=dg.AutomationCondition.on_missing(),
+    # eager condition would re-evaluate every old base model whenever base_model materializes again; never while
+    # the eval set's blocking check (its files match their manifest) fails
+    automation_condition=dg.AutomationCondition.on_missing()
+    & dg.AutomationCondition.all_deps_blocking_checks_passed(),
     description="A base model scored on the corpus documents frozen with eval set eval_set.version (never in any "
     "base model's training) in the evaluation worker on the GPU cluster: per-document loss, loss and "
     "perplexity with a bootstrap interval; results/evaluation/reports/<base id>/base_eval.json, MLflow "

@@ -1,8 +1,9 @@
 """Asset checks on the stages that had none: a red or yellow light on each asset page, and, where a bad output must
 not flow on, a blocking check that stops the run before the next stage reads it.
 
-* ``raw_documents``: the day's rows are the run's days, none empty, none above the scale preset's cap (blocking:
-  the teacher must not be paid to answer another day's documents).
+* ``raw_documents``: the day brings documents not ingested on an earlier day (blocking: a landing folder
+  re-delivered under a new date must not be answered and trained on twice). ``read_day`` already guarantees the
+  day's rows are of that day, not empty and within the preset's cap, so no check says it again.
 * ``filtered_samples``: no sample the judge let through without an answer (blocking: packaging would train on it).
 * ``eval_set``: the frozen files match the SHA-256s of their manifest and the frozen marker (blocking: every report
   compares checkpoints on the eval set's hash; a changed file makes the comparison meaningless).
@@ -19,12 +20,12 @@ import dagster as dg
 import pandas as pd
 
 from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
-from nexa_dagster.core.data.table_checks import day_problems, unanswered
+from nexa_dagster.core.data.table_checks import redelivered_days, unanswered
 from nexa_dagster.core.evaluation.eval_set import EvalSetDamaged, load_eval_set
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.resources.configs import EvalSetsResource
-from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
 
@@ -32,19 +33,23 @@ from nexa_dagster.resources.storage import StorageResource
     asset="raw_documents",
     blocking=True,
     partitions_def=daily_partitions,
-    description="Every row is of one of the run's days; each day has documents, and no more than the scale "
-    "preset's max_docs_per_day.",
+    description="The day brings new documents: not every one of them was already ingested on an earlier day (a "
+    "landing folder re-delivered under a new date).",
 )
-def raw_documents_fit_their_days(
-    context: dg.AssetCheckExecutionContext, raw_documents: pd.DataFrame, scale_preset: ScaleResource
+def raw_documents_are_new(
+    context: dg.AssetCheckExecutionContext, raw_documents: pd.DataFrame, storage: StorageResource
 ) -> dg.AssetCheckResult:
-    days = context.op_execution_context.partition_keys
-    cap = scale_preset.load().max_docs_per_day
-    problems = day_problems(raw_documents, days, cap)
+    first = min(context.op_execution_context.partition_keys)
+    earlier = {}  # the days stored before this run's first (the IO manager's files), their doc_ids only
+    for path in io.glob(storage.path("assets", "raw_documents", "*.parquet")):
+        if Path(path).stem < first:
+            with io.open_read(path) as f:
+                earlier[Path(path).stem] = set(pd.read_parquet(f, columns=["doc_id"])["doc_id"])
+    problems = redelivered_days(raw_documents, earlier)
     return dg.AssetCheckResult(
         passed=not problems,
         description="; ".join(problems) or None,
-        metadata={"days": dg.MetadataValue.json(list(days)), "rows": len(raw_documents), "cap": cap or 0},
+        metadata={"earlier_days": len(earlier), "rows": len(raw_documents)},
     )
 
 

@@ -86,7 +86,11 @@ GATE = dg.AssetCheckSpec(
 
 # Eager, except that a checkpoint whose evaluation is missing (failed, or not run yet) does not hold the
 # leaderboard back: plain eager() waits for every partition of eval_report, so one failed evaluation would freeze it.
-LEADERBOARD_CONDITION = dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing())
+# And never on an evaluation whose blocking check failed.
+LEADERBOARD_CONDITION = (
+    dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing())
+    & dg.AutomationCondition.all_deps_blocking_checks_passed()
+)
 
 
 def load_checkpoint_record(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = None) -> Checkpoint:

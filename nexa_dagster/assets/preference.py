@@ -25,6 +25,11 @@ from nexa_dagster.assets.common import (
 )
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import daily_partitions
+from nexa_dagster.assets.production import (  # noqa: F401 (production_model_asset: loaded with this module)
+    PRODUCTION_MODEL,
+    production_metadata,
+    production_model_asset,
+)
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.assets.training_record import (
     log_training_run,
@@ -68,18 +73,8 @@ from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
-# The model in production, as the stage reads it: the production pointer that model_deployment writes. An external
-# asset, not a dependency on model_deployment: the lifecycle is a loop (preference_checkpoint -> eval_report ->
-# model_deployment -> the next preference run), and an asset graph cannot hold one.
-PRODUCTION_MODEL = "production_model"
-production_model_asset = dg.AssetSpec(
-    PRODUCTION_MODEL,
-    group_name="preference",
-    kinds={"json"},
-    description="The checkpoint in production: serving/production.json under the data root, written by "
-    "model_deployment when the gate promotes a checkpoint (an SFT one, or an earlier DPO one). The preference stage "
-    "answers with it, packs for it and trains from it.",
-)
+# The model in production, as the stage reads it: the production pointer, and the asset whose events say
+# which checkpoint it names (assets/production.py: every promotion and rollback records one).
 
 
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
@@ -116,6 +111,7 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
         dg.AssetCheckSpec(
             "pairs_are_trainable",
             asset="preference_pairs",
+            blocking=True,  # a failing day fails its run; the DPO sensor does not train on it (sensors/preference)
             description="Every pair of the day: its pair_id the hash of sample and answers and not repeated, "
             "chosen and rejected different texts, the score gap at least min_score_gap and equal to chosen minus "
             "rejected, no prompt on the eval set's held-out side.",
@@ -179,6 +175,7 @@ def preference_pairs(
     )
     metadata = {
         "dagster/row_count": len(pairs),
+        **production_metadata(production),  # the model that answered (also its input data version)
         "policy_checkpoint": production.checkpoint_id,
         "policy_model": answering_id(pairs, production),
         "prompts": stats.prompts,
@@ -200,10 +197,16 @@ def preference_pairs(
         ),
     }
     yield dg.Output(pairs, metadata=metadata)
-    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
-    yield dg.AssetCheckResult(
+    yield pairs_check(pairs, settings.min_score_gap, eval_sets.fraction)
+
+
+def pairs_check(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> dg.AssetCheckResult:
+    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it)."""
+    problems = pair_problems(pairs, min_score_gap, eval_fraction)
+    return dg.AssetCheckResult(
         check_name="pairs_are_trainable",
         passed=not problems,
+        description="; ".join(problems[:3]) or None,
         metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
     )
 
@@ -271,7 +274,7 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
-        limits=model_limits(production_model(storage)),  # the model DPO will train
+        limits=model_limits(production := production_model(storage)),  # the model DPO will train
         keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
@@ -294,6 +297,7 @@ def preference_dataset(
             "days_reused": dataset.shards_reused,
             "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
+            **production_metadata(production),
             **contamination_metadata(contamination, index),
         }
     )
@@ -448,6 +452,7 @@ def preference_checkpoint(
             **training_metadata(invocation, png, result, "DPO loss"),
             "checkpoint_id": checkpoint_id,
             "parent": job.parent,
+            **production_metadata(production),  # where DPO started (also its input data version)
             "heldout_reward_accuracy": result.reward_accuracy,
             "heldout_reward_margin": result.reward_margin,
             "heldout_pairs": result.validation_pairs,

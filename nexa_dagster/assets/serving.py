@@ -1,7 +1,8 @@
 """Serving stage: a checkpoint that passed the promotion gate becomes production. With the serving service
 running (``make serve``, docker compose), the service switches its endpoint to the checkpoint (blue/green) and
 this asset waits for it; without one, the checkpoint is smoke-tested in a temporary engine. Then the pointer file
-and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree."""
+and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree, and a materialization of
+``production_model`` records the change (assets/production.py)."""
 
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import dagster as dg
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
+from nexa_dagster.assets.production import production_change
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.evaluation.promotion import (
     ProductionEntry,
@@ -100,6 +102,7 @@ def model_deployment(
         record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
     record_outcome(outcome_dir, checkpoint_id, "deployed", "the promotion gate passed", checkpoint_id)
+    context.log_event(production_event(registry, checkpoint_id, previous))
     context.log.info(
         f"{checkpoint_id} is now production (MLflow {policy.registered_model} v{version})"
         + (f", served at {result.endpoint}" if result.endpoint else "")
@@ -121,6 +124,19 @@ def model_deployment(
             "mlflow_model_version": f"{policy.registered_model}/{version}",
         },
     )
+
+
+def production_event(
+    registry: ProductionRegistry, checkpoint_id: str, previous: str | None
+) -> dg.AssetMaterialization:
+    """production_model's history: its data version is now ``checkpoint_id`` (what the preference stage goes stale
+    on), as the pointer just written says."""
+    promoted = registry.current()
+    if promoted is None or promoted.checkpoint_id != checkpoint_id:
+        raise dg.Failure(
+            f"the production pointer {registry.path} does not name {checkpoint_id} after its promotion"
+        )
+    return production_change(promoted, "promotion", previous)
 
 
 def _deploy(

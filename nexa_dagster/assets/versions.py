@@ -1,27 +1,43 @@
-"""Every asset's ``code_version``, derived from what decides its output, never a hand-bumped string.
+"""Every asset's ``code_version``, derived from the code and configuration that decide its output, never a hand list.
 
-An asset's output is decided by its core functions and its configuration. The core modules already name the version
-of what they write (``FORMAT``, ``INDEX_VERSION``, ``PLAN_FORMAT`` ...: raised whenever the bytes change), and the
-configuration is files under ``configs/`` (or one section of ``pipeline.yaml``). ``SOURCES`` lists both for each
-asset; its code version is a short hash of those constants' values and those files' bytes, computed when the code
-location loads (``with_code_versions`` in ``build_defs``), so that a changed format constant or an edited file gives
-a new code version at the next load, with nobody having to remember to bump one.
+An asset's code version is 16 hex characters of a SHA-256 over three things, each found from the sources when the
+code location loads (``with_code_versions`` in ``build_defs``), so an asset added in any module of
+``ASSET_MODULES`` (the RL stage's included) gets one with nothing to list:
+
+* **The source of every ``nexa_dagster`` definition its computation reaches**, read with ``ast`` from the files: the
+  asset function, then every top-level function, class or constant it names, transitively, through the module's
+  own names, its imports (relative ones and re-exports followed), attributes of an imported module (``io.exists``),
+  imports inside a function, the subclasses of a class it names (the resource it is given is one of them), and a
+  module named in a string, whole (the worker a resource launches: ``"nexa_dagster.core.training.worker"``). Each
+  definition counts as its syntax tree with docstrings removed (``ast.dump``): **comments, docstrings, blank lines
+  and formatting do not count**; any other edit does. A class counts whole: an edit of a method its asset never
+  calls still counts (a false "stale", never a missed one: ``GPUClusterResource`` launches both workers, so a
+  training-loop edit also marks the packaging and evaluation assets that are given it).
+* **The configuration it reads**: of the scale preset (``NEXA_SCALE``'s ``configs/scales/<name>.yaml``) only the
+  top-level **sections** its definitions read (an attribute of ``scale``, ``scale_preset`` or
+  ``scale_preset.load()`` named like a section: ``scale.preference``), with the file a section names
+  (``model_preset`` -> ``models/<name>.yaml``, ``deepspeed_config`` -> ``deepspeed/<file>``); of the configuration
+  resources (``config_resources()``: promotion policy, packaging, sample gate, prompts, ingest, eval sets) those the
+  asset requires: their field values, a value naming a file under ``configs/`` counted as that file (and the files
+  that file names: ``packaging.yaml`` -> ``blends/sft.yaml``). A YAML file counts as its parsed values (its
+  comments do not), any other file as its bytes.
+* **The versions of the libraries that decide its bytes** (``BYTE_DECIDING``: tokenizers, torch, transformers,
+  deepspeed) that its definitions use.
 
 Dagster then shows the asset stale ("has a new code version") until it is materialized again; what it feeds goes
-stale once that materialization gives a new data version (Dagster hashes the code version and the inputs' data
-versions): a packing format change marks ``sft_dataset``, and the checkpoint trained on it, stale in the UI.
-
-The scale preset is the one ``NEXA_SCALE`` selects (what schedules and sensors run with); a run launched with another
-preset in its run config is not what the code version describes.
+stale once that materialization gives a new data version. A run launched with another scale preset or another
+configuration file in its run config is not what the code version describes.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
-import importlib
+import importlib.metadata
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -31,114 +47,354 @@ import yaml
 from nexa_dagster import settings
 from nexa_dagster.core.common.config import config_dir
 
-SFT = "nexa_dagster.core.packaging.sft_dataset"
-PACKING = (
-    "nexa_dagster.core.packaging.formats.packed_split:FORMAT",
-    "nexa_dagster.core.packaging.shards:PLAN_FORMAT",
-)
-CONTAMINATION = "nexa_dagster.core.data.contamination:FORMAT"
+PACKAGE = "nexa_dagster"
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding nexa_dagster/
 
-
-@dataclass(frozen=True)
-class Sources:
-    """What decides an asset's output: ``configs`` are paths under ``configs/`` (a folder: every file in it;
-    ``file#section``: one top-level section of a YAML file; ``{scale}``: the preset NEXA_SCALE selects), ``formats``
-    are ``module:CONSTANT`` names of the version constants of the core code that writes it."""
-
-    configs: Sequence[str] = ()
-    formats: Sequence[str] = ()
-
-
-SCALE = "scales/{scale}.yaml"
-TRAINING = (SCALE, "models", "deepspeed", "chat_template.jinja")
-
-SOURCES: dict[str, Sources] = {
-    "raw_documents": Sources(configs=("pipeline.yaml#ingest", SCALE)),
-    "teacher_samples": Sources(configs=("pipeline.yaml#models", "prompts", "chat_template.jinja", SCALE)),
-    "filtered_samples": Sources(configs=("filters.yaml", "prompts")),
-    "rejected_samples": Sources(configs=("filters.yaml", "prompts")),
-    "sft_dataset": Sources(
-        configs=("packaging.yaml", "blends", "chat_template.jinja", SCALE),
-        formats=(f"{SFT}:FORMAT", f"{SFT}:SNAPSHOT_FORMAT", *PACKING, CONTAMINATION),
-    ),
-    "pretrain_corpus": Sources(
-        configs=("packaging.yaml", "blends", SCALE),
-        formats=(
-            "nexa_dagster.core.packaging.pretrain_corpus:FORMAT",
-            "nexa_dagster.core.packaging.formats.indexed_dataset:INDEX_VERSION",
-            "nexa_dagster.core.packaging.shards:PLAN_FORMAT",
-        ),
-    ),
-    "rl_prompts": Sources(
-        configs=("packaging.yaml", "blends"), formats=("nexa_dagster.core.packaging.jsonl_dataset:FORMAT",)
-    ),
-    "eval_set": Sources(
-        configs=("pipeline.yaml#eval_set", "prompts/eval_prompts.yaml"),
-        formats=("nexa_dagster.core.evaluation.eval_set:FORMAT", CONTAMINATION),
-    ),
-    "base_model": Sources(configs=TRAINING),
-    "moe_checkpoint": Sources(configs=TRAINING),
-    "preference_pairs": Sources(configs=("filters.yaml", "prompts", SCALE)),
-    "preference_dataset": Sources(
-        configs=("chat_template.jinja", SCALE),
-        formats=(
-            "nexa_dagster.core.packaging.preference_dataset:FORMAT",
-            "nexa_dagster.core.training.preference_data:FORMAT",
-        ),
-    ),
-    "preference_checkpoint": Sources(configs=TRAINING),
-    "eval_report": Sources(configs=("promotion.yaml", "benchmarks", "prompts", SCALE)),
-    "base_model_eval": Sources(configs=("benchmarks", SCALE)),
-    "leaderboard": Sources(configs=("promotion.yaml",)),
-    "model_deployment": Sources(configs=("promotion.yaml",)),
+# import name -> distribution: the libraries whose version changes what an asset writes (a tokenizer's merges,
+# a kernel's numerics, DeepSpeed's checkpoint layout). Others (dagster, pandas, pyarrow) write the same bytes.
+BYTE_DECIDING = {
+    "tokenizers": "tokenizers",
+    "torch": "torch",
+    "transformers": "transformers",
+    "deepspeed": "deepspeed",
 }
+SCALE_RECEIVERS = {
+    "scale",
+    "scale_preset",
+}  # how asset modules name the preset (ScaleResource and its load())
+SCALE_RESOURCE = "scale_preset"
+NAMED_FILES = {
+    "model_preset": "models/{}.yaml",
+    "deepspeed_config": "deepspeed/{}",
+}  # a section naming a file
 
 
-def _config_files(entry: str, root: Path) -> list[tuple[str, bytes]]:
-    """(name, bytes) of what one ``configs`` entry names; a missing file fails the load naming it."""
-    name, _, section = entry.format(scale=settings.SCALE.get()).partition("#")
-    path = root / name
-    if section:
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if section not in loaded:
-            raise KeyError(f"{path}: no section {section!r} (named by nexa_dagster/assets/versions.py)")
-        return [(entry, json.dumps(loaded[section], sort_keys=True, default=str).encode())]
-    if path.is_dir():
-        return [(str(p.relative_to(root)), p.read_bytes()) for p in sorted(path.rglob("*")) if p.is_file()]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: named by nexa_dagster/assets/versions.py as deciding an asset's output"
-        )
-    return [(name, path.read_bytes())]
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    """``tree`` with every module, class and function docstring removed (in place)."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
 
 
-def _constant(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
+Symbol = tuple[str, str]  # (module, top-level name); name "*": the whole module
+WHOLE = "*"
 
 
-def code_version(asset: str, root: Path | None = None) -> str:
-    """The code version of ``asset``: 16 hex characters of a SHA-256 over its ``SOURCES``."""
-    sources = SOURCES[asset]
-    root = root or config_dir()
+@dataclass
+class Module:
+    """One parsed package module: its top-level definitions (name -> statements), what its top-level imports bind
+    (local name -> (module, attribute or None)), and its other top-level statements."""
+
+    name: str
+    definitions: dict[str, list[ast.stmt]]
+    imports: dict[str, tuple[str, str | None]]
+    rest: list[ast.stmt]
+
+
+@dataclass
+class Reach:
+    """What one asset's computation reaches: the definitions' sources, the byte-deciding libraries they use, the
+    attributes they read on the scale preset."""
+
+    sources: dict[str, str] = field(default_factory=dict)  # "module:name" -> ast.dump without docstrings
+    libraries: set[str] = field(default_factory=set)
+    scale_reads: set[str] = field(default_factory=set)
+
+
+class SourceTree:
+    """The ``nexa_dagster`` package's sources under ``root`` (the folder holding ``nexa_dagster/``), parsed once,
+    as a graph of top-level definitions: a function, class or constant reaches every definition its body names,
+    through the module's own names, its imports (re-exports followed), attributes of an imported module
+    (``io.exists``), imports inside the body, and module names in strings (a worker's ``python -m``); a class
+    reaches its subclasses in the package (the resource an asset is given is one of them)."""
+
+    def __init__(self, root: Path = SOURCE_ROOT) -> None:
+        self.root = root
+        self.modules = {m.name: m for m in map(self._parse, sorted((root / PACKAGE).rglob("*.py")))}
+        self.subclasses: dict[Symbol, set[Symbol]] = {}
+        self._symbols: dict[Symbol, tuple[str, list[Symbol], set[str], set[str]]] = {}
+        for module in self.modules.values():
+            for name, statements in module.definitions.items():
+                for base in (b for s in statements if isinstance(s, ast.ClassDef) for b in s.bases):
+                    for parent in self._names(module, ast.walk(base)):
+                        self.subclasses.setdefault(parent, set()).add((module.name, name))
+
+    def _parse(self, path: Path) -> Module:
+        parts = path.relative_to(self.root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = _without_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        module = Module(name, {}, {}, [])
+        for statement in tree.body:
+            targets = _defined_names(statement)
+            for target in targets:
+                module.definitions.setdefault(target, []).append(statement)
+            if isinstance(statement, ast.Import | ast.ImportFrom):
+                module.imports.update(_bindings(statement, package))
+            elif not targets:
+                module.rest.append(statement)
+        return module
+
+    def _resolve(self, module: str, name: str, seen: frozenset[Symbol] = frozenset()) -> Symbol | None:
+        """The definition ``name`` of ``module`` is (through imports and re-exports), or a module; None: outside
+        the package (a library, a builtin)."""
+        if (module, name) in seen or module not in self.modules:
+            return None
+        table = self.modules[module]
+        if name in table.definitions:
+            return module, name
+        if name in table.imports:
+            target, attribute = table.imports[name]
+            if attribute is None:
+                return (target, WHOLE) if target in self.modules else None
+            if f"{target}.{attribute}" in self.modules:
+                return f"{target}.{attribute}", WHOLE
+            return self._resolve(target, attribute, seen | {(module, name)})
+        return (f"{module}.{name}", WHOLE) if f"{module}.{name}" in self.modules else None
+
+    def _names(self, module: Module, nodes: Iterable[ast.AST]) -> list[Symbol]:
+        """The package definitions ``nodes`` (a statement's, walked) name, read in ``module``."""
+        out, module_attributes = [], set()
+        for sub in nodes:
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+                owner = self._resolve(module.name, sub.value.id)
+                # io.exists: that attribute of an imported module, not all of it
+                if owner and owner[1] == WHOLE:
+                    out.append(self._resolve(owner[0], sub.attr))
+                    module_attributes.add(id(sub.value))
+        for sub in nodes:
+            if isinstance(sub, ast.Name) and id(sub) not in module_attributes:
+                out.append(self._resolve(module.name, sub.id))
+            if isinstance(sub, ast.Import | ast.ImportFrom):  # an import inside a function
+                for target, attribute in _bindings(sub, module.name.rpartition(".")[0]).values():
+                    out.append(self._resolve(target, attribute) if attribute else (target, WHOLE))
+            elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value in self.modules:
+                # a worker command: ``python -m nexa_dagster.core.training.worker``
+                out.append((sub.value, WHOLE))
+        return [s for s in out if s is not None and s[0] in self.modules]
+
+    def _symbol(self, symbol: Symbol) -> tuple[str, list[Symbol], set[str], set[str]]:
+        """One definition's source, the definitions it names, its libraries and preset reads (computed once)."""
+        if symbol not in self._symbols:
+            table = self.modules[symbol[0]]
+            if symbol[1] == WHOLE:  # its other statements here; each definition is a symbol of its own
+                statements = table.rest
+                edges = [(symbol[0], n) for n in table.definitions]
+            else:
+                statements = table.definitions.get(symbol[1], [])
+                edges = sorted(self.subclasses.get(symbol, ()))
+            nodes = [n for statement in statements for n in ast.walk(statement)]
+            edges += self._names(table, nodes)
+            source = "\n".join(ast.dump(s) for s in statements)
+            libraries, scale_reads = _libraries(table, nodes), _scale_reads(nodes)
+            self._symbols[symbol] = (source, edges, libraries, scale_reads)
+        return self._symbols[symbol]
+
+    def reach(self, module: str, name: str) -> Reach:
+        """Everything the definition ``name`` of ``module`` reaches, transitively."""
+        reach, todo, seen = Reach(), [(module, name)], set()
+        while todo:
+            symbol = todo.pop()
+            if symbol not in seen:
+                seen.add(symbol)
+                source, edges, libraries, scale_reads = self._symbol(symbol)
+                reach.sources[f"{symbol[0]}:{symbol[1]}"] = source
+                reach.libraries |= libraries
+                reach.scale_reads |= scale_reads
+                todo += edges
+        return reach
+
+
+def _defined_names(statement: ast.stmt) -> list[str]:
+    if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return [statement.name]
+    if isinstance(statement, ast.Assign):
+        return [t.id for t in statement.targets if isinstance(t, ast.Name)]
+    if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+        return [statement.target.id]
+    return []
+
+
+def _bindings(statement: ast.Import | ast.ImportFrom, package: str) -> dict[str, tuple[str, str | None]]:
+    """What an import binds: local name -> (module, attribute) (``from m import a``) or (module, None)."""
+    if isinstance(statement, ast.Import):
+        return {
+            (a.asname or a.name.partition(".")[0]): ((a.name if a.asname else a.name.partition(".")[0]), None)
+            for a in statement.names
+        }
+    base = _absolute(statement.module or "", statement.level, package)
+    return {(a.asname or a.name): (base, a.name) for a in statement.names if a.name != "*"}
+
+
+def _libraries(module: Module, nodes: list[ast.AST]) -> set[str]:
+    """The byte-deciding libraries a statement (``nodes``: walked) uses: names bound to them, or imported in it."""
+    names = {n.id for n in nodes if isinstance(n, ast.Name)}
+    used = {module.imports[n][0].partition(".")[0] for n in names if n in module.imports}
+    for sub in nodes:
+        if isinstance(sub, ast.Import | ast.ImportFrom):
+            used |= {target.partition(".")[0] for target, _ in _bindings(sub, "").values()}
+    return used & BYTE_DECIDING.keys()
+
+
+def _scale_reads(nodes: list[ast.AST]) -> set[str]:
+    """The attributes a statement (``nodes``: walked) reads on the scale preset: the sections it reads."""
+    return {n.attr for n in nodes if isinstance(n, ast.Attribute) and _reads_the_preset(n.value)}
+
+
+def _reads_the_preset(node: ast.expr) -> bool:
+    """``scale``, ``scale_preset`` or ``scale_preset.load()``: what an attribute of the preset is read on."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+        node = node.func.value
+    return isinstance(node, ast.Name) and node.id in SCALE_RECEIVERS
+
+
+def _absolute(module: str, level: int, package: str) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in ``package``."""
+    if not level:
+        return module
+    parts = package.split(".")
+    parts = parts[: len(parts) - (level - 1)]
+    return ".".join([*parts, module] if module else parts)
+
+
+def library_version(import_name: str) -> str:
+    try:
+        return importlib.metadata.version(BYTE_DECIDING[import_name])
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+@dataclass
+class ConfigReader:
+    """The configuration an asset reads, as (name, bytes) pairs, from the files under ``root``."""
+
+    root: Path
+    resources: Mapping[str, Any]
+
+    @cached_property
+    def scale(self) -> dict[str, Any]:
+        resource = self.resources.get(SCALE_RESOURCE)
+        name = resource.name if resource is not None else settings.SCALE.get()
+        return yaml.safe_load((self.root / "scales" / f"{name}.yaml").read_text()) or {}
+
+    def scale_sections(self, reads: Iterable[str]) -> list[tuple[str, bytes]]:
+        """The preset's sections among ``reads`` (attribute names read on the preset), and the files they name."""
+        out = []
+        for section in sorted(set(reads) & set(self.scale)):
+            value = self.scale[section]
+            out.append((f"scale.{section}", json.dumps(value, sort_keys=True, default=str).encode()))
+            if section in NAMED_FILES:
+                out += self.files(NAMED_FILES[section].format(value))
+        return out
+
+    def resource(self, key: str) -> list[tuple[str, bytes]]:
+        """A configuration resource's field values; one naming a file under configs/ counts as the file's bytes."""
+        resource = self.resources[key]
+        out = []
+        for name in sorted(type(resource).model_fields):
+            value = getattr(resource, name)
+            named = self.files(value) if isinstance(value, str) else []
+            out += named or [(f"{key}.{name}", json.dumps(value, sort_keys=True, default=str).encode())]
+        return out
+
+    def files(self, relative: str, depth: int = 1) -> list[tuple[str, bytes]]:
+        """The bytes of ``relative`` under root (every file of a folder), and of the files a YAML file names
+        (``depth`` levels); [] when it names nothing there."""
+        path = self.root / relative
+        if not relative or ".." in Path(relative).parts or not path.exists() or path == self.root:
+            return []
+        paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        out = [(p.relative_to(self.root).as_posix(), _content(p)) for p in paths]
+        if depth and path.suffix == ".yaml":
+            for value in _strings(yaml.safe_load(path.read_text()) or {}):
+                out += self.files(value, depth - 1)
+        return out
+
+
+def _content(path: Path) -> bytes:
+    """What of a configuration file counts: a YAML file's parsed values (its comments and layout do not), any
+    other file's bytes (a template's every character reaches a prompt)."""
+    if path.suffix in (".yaml", ".yml"):
+        return json.dumps(yaml.safe_load(path.read_text()), sort_keys=True, default=str).encode()
+    return path.read_bytes()
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def asset_function(asset: dg.AssetsDefinition) -> Symbol:
+    """(module, name) of the function that computes ``asset``."""
+    fn = asset.op.compute_fn
+    fn = getattr(fn, "decorated_fn", fn)
+    return fn.__module__, fn.__name__
+
+
+def code_version_of(
+    asset: dg.AssetsDefinition, tree: SourceTree, config: ConfigReader, parts: list[str] | None = None
+) -> str:
+    """``asset``'s code version; ``parts``, when given, receives the names of what was hashed (for the docs)."""
     digest = hashlib.sha256()
-    for ref in sources.formats:
-        digest.update(f"{ref}={_constant(ref)!r}\n".encode())
-    for entry in sources.configs:
-        for name, data in _config_files(entry, root):
-            digest.update(f"{name}:{len(data)}\n".encode())
-            digest.update(data)
+
+    def add(name: str, data: bytes) -> None:
+        digest.update(f"{name}:{len(data)}\n".encode())
+        digest.update(data)
+        if parts is not None:
+            parts.append(name)
+
+    reach = tree.reach(*asset_function(asset))
+    for name in sorted(reach.sources):
+        add(f"source {name}", reach.sources[name].encode())
+    for library in sorted(reach.libraries):
+        add(f"library {BYTE_DECIDING[library]}", library_version(library).encode())
+    if SCALE_RESOURCE in asset.required_resource_keys:
+        for name, data in config.scale_sections(reach.scale_reads):
+            add(name, data)
+    for key in sorted(asset.required_resource_keys & (config.resources.keys() - {SCALE_RESOURCE})):
+        for name, data in config.resource(key):
+            add(name, data)
     return digest.hexdigest()[:16]
 
 
-def with_code_versions(assets: Iterable[Any]) -> list[Any]:
-    """The assets, each spec given its ``code_version``; an asset ``SOURCES`` does not list fails the load (every
-    asset has one: a new asset must say what decides its output)."""
+def code_versions(
+    assets: Iterable[Any],
+    resources: Mapping[str, Any],
+    source_root: Path = SOURCE_ROOT,
+    configs: Path | None = None,
+) -> dict[str, str]:
+    """The code version of every asset key of ``assets`` (read from the sources under ``source_root`` and the
+    configuration under ``configs``, default the configured one); ``resources``: the configuration resources."""
+    tree, reader = SourceTree(source_root), ConfigReader(configs or config_dir(), resources)
+    out = {}
+    for asset in assets:
+        if isinstance(asset, dg.AssetsDefinition) and asset.is_executable:  # not production_model (external)
+            version = code_version_of(asset, tree, reader)
+            out.update({key.to_user_string(): version for key in asset.keys})
+    return out
+
+
+def with_code_versions(assets: Iterable[Any], resources: Mapping[str, Any]) -> list[Any]:
+    """The assets, each spec given its derived ``code_version`` (``resources``: the configuration resources)."""
+    assets = list(assets)
+    versions = code_versions(assets, resources)
 
     def versioned(spec: dg.AssetSpec) -> dg.AssetSpec:
-        name = spec.key.to_user_string()
-        if name not in SOURCES:
-            raise KeyError(f"asset {name} has no entry in nexa_dagster/assets/versions.py SOURCES")
-        return spec.replace_attributes(code_version=code_version(name))
+        version = versions.get(spec.key.to_user_string())
+        return spec if version is None else spec.replace_attributes(code_version=version)
 
     return [a.map_asset_specs(versioned) if isinstance(a, dg.AssetsDefinition) else a for a in assets]

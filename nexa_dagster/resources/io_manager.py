@@ -17,6 +17,7 @@ from typing import Any
 
 import dagster as dg
 import pandas as pd
+import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from nexa_dagster import settings
@@ -74,6 +75,9 @@ class NexaIOManager(dg.ConfigurableIOManager):
                     else dg.MetadataValue.json(written),
                     # the lineage assets/columns.py declares, where the UI's column lineage graph reads it
                     **_column_lineage(context),
+                    # the columns of the file written, read back from it: what the Columns tab shows of this
+                    # materialization (the definition's schema is the pandera model's: what every file must hold)
+                    "dagster/column_schema": written_schema(written[0]),
                 }
             )
         elif isinstance(obj, BaseModel):
@@ -167,6 +171,13 @@ def _load_artifact(path: str, where: dict[str, str]) -> BaseModel:
     return getattr(importlib.import_module(module), name).model_validate(
         roots.localize(payload["data"], where)
     )
+
+
+def written_schema(path: str) -> dg.TableSchema:
+    """The column names and Arrow types of the Parquet file at ``path``, read from its footer."""
+    with io.open_read(path) as f:
+        schema = pq.read_schema(f)
+    return dg.TableSchema(columns=[dg.TableColumn(name=field.name, type=str(field.type)) for field in schema])
 
 
 def _column_lineage(context: dg.OutputContext) -> dict[str, Any]:

@@ -78,4 +78,25 @@ def preference_training_after_pairs(context: dg.SensorEvaluationContext) -> dg.S
         return dg.SkipReason("no preference pairs since the last DPO training")
     if instance.get_runs(dg.RunsFilter(job_name=preference_pairs_job.name, statuses=IN_FLIGHT)):
         return dg.SkipReason("preference pairs runs in flight: training waits for all of them")
+    failed = days_whose_pairs_failed(instance, int(context.cursor or 0))
+    if failed:
+        return dg.SkipReason(
+            f"the latest pairs of {', '.join(failed)} failed their blocking check (pairs_are_trainable): DPO waits "
+            "until those days' pairs are made again and pass"
+        )
     return dg.SensorResult(run_requests=[dg.RunRequest(run_key=f"dpo-after-{newest}")], cursor=str(newest))
+
+
+def days_whose_pairs_failed(instance: dg.DagsterInstance, after: int) -> list[str]:
+    """The days materialized after storage id ``after`` whose latest pairs came from a failed run: a blocking check
+    (pairs_are_trainable) fails the run after the pairs are written, and a failed run never feeds DPO."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=PAIRS, after_storage_id=after), limit=10_000, ascending=True
+    ).records
+    latest = {r.partition_key: r for r in records}  # ascending: the last one of each day wins
+    failed = []
+    for day, record in sorted(latest.items(), key=lambda kv: str(kv[0])):
+        run = instance.get_run_by_id(record.run_id)
+        if run is not None and run.status == dg.DagsterRunStatus.FAILURE:
+            failed.append(str(day))
+    return failed

@@ -21,10 +21,15 @@ from transformers import AutoTokenizer
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.process_token import process_token, token_alive
 from nexa_dagster.core.data.sample_corpus import SAMPLE_DAYS
-from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.packaging.formats.indexed_dataset import document_id
-from nexa_dagster.core.training.corpus import corpus_prefixes, read_documents
+from nexa_dagster.core.training.corpus import (
+    corpus_prefixes,
+    pack_stream,
+    read_documents,
+    rows_sha256,
+    served_path,
+)
 from nexa_dagster.demo import LAUNCHER_TAG, fail_orphaned_runs
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
@@ -271,24 +276,29 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
 @pytest.mark.timeout(600)
 def test_the_base_model_never_trained_on_eval_set_text(demo_world: tuple[Path, str]) -> None:
     """On a fresh instance the first night pretrains the base after the eval set is frozen; the corpus holds the
-    documents the eval set quotes, and the base leaves every one of them out."""
+    documents the eval set quotes, and the base never trained on one of them: what it trained on is read back from
+    what its worker's data loader served (the document ids it logged beside the checkpoint, proved to be the rows
+    served by re-packing them to the same hash), not from the record of what it was asked to leave out."""
     root, _ = demo_world
-    # what it trained on (the corpus less the documents on the eval set's side and those it left out as
-    # contaminated), read back from the bin/idx shards and checked here by 13-gram overlap with every eval
+    # the served documents, read back from the bin/idx shards and checked here by 13-gram overlap with every eval
     # example's excerpt, independently of the product's index
     data = root / "data"
-    base_id = Path(base_record := next((data / "base_models").glob("base-*/checkpoint.json"))).parent.name
-    record = json.loads(base_record.read_text())
+    base_dir = next((data / "base_models").glob("base-*/checkpoint.json")).parent
+    base_id, record = base_dir.name, json.loads((base_dir / "checkpoint.json").read_text())
     assert record["excluded_documents"], "the first night's corpus holds the documents the eval set quotes"
     tokenizer = AutoTokenizer.from_pretrained(data / "models" / "tiny-teacher")
-    corpus = read_documents(corpus_prefixes(str(data / "pretrain" / record["dataset_run_hash"])))
-    trained = [
-        d
-        for d in corpus
-        if document_id(d) not in set(record["excluded_documents"])
-        and not is_held_out(document_id(d), record["eval_side_fraction"])
-    ]
-    assert 0 < len(trained) <= len(corpus) - len(record["excluded_documents"])
+    corpus = {
+        document_id(d): d
+        for d in read_documents(corpus_prefixes(str(data / "pretrain" / record["dataset_run_hash"])))
+    }
+    served = json.loads(Path(served_path(str(base_dir))).read_text())
+    trained = [corpus[i] for i in served["document_ids"]]
+    job = json.loads((base_dir / "training_job.json").read_text())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    assert rows_sha256(pack_stream(trained, job["pack_size"], pad)) == served["rows_sha256"]
+    assert 0 < len(trained) < len(corpus) and not set(served["document_ids"]) & set(
+        record["excluded_documents"]
+    )
     trained_grams = {g for d in trained for g in _grams(tokenizer.decode(d.tolist()))}
     eval_samples = [json.loads(line) for line in (data / "eval_sets" / "v1" / "samples.jsonl").open()]
     excerpts = [
@@ -385,6 +395,47 @@ def night_guards(summary: str) -> dict[str, str]:
         elif current and line.startswith("guards"):
             out[current] = line
     return out
+
+
+# the Arrow types a pandera column type is written as (pyarrow from pandas): an empty string column is all nulls
+ARROW_TYPES = {"str": {"string", "large_string", "null"}, "int64": {"int64"}, "Int64": {"int64"}}
+ARROW_TYPES |= {"float64": {"double"}, "object": None}  # object: lists of messages, any nested type
+
+
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(600)
+def test_every_table_schema_is_the_file_make_run_wrote(demo_world: tuple[Path, str]) -> None:
+    """For every table asset, the leaderboard included: the column schema its latest materialization shows (the
+    Columns tab) is the Parquet file written, names and types; every column of its definition's schema (the
+    pandera model) is in every file written, with its type; and, the leaderboard aside (one column per benchmark
+    metric besides its model's), no file holds a column the definition does not name."""
+    import pyarrow.parquet as pq
+
+    from nexa_dagster.assets import columns
+
+    root, _ = demo_world
+    with dg.DagsterInstance.from_config(sandbox_env(root)["DAGSTER_HOME"]) as instance:
+        for name in columns.TABLE_TYPES:
+            files = sorted((root / "data" / "assets" / name).glob("*.parquet"))
+            assert files, f"make run wrote no {name}"
+            event = instance.get_latest_materialization_event(dg.AssetKey(name))
+            shown = event.asset_materialization.metadata[columns.COLUMN_SCHEMA].value
+            path = event.asset_materialization.metadata["path"].value
+            written = [(f.name, str(f.type)) for f in pq.read_schema(path)]
+            assert [(c.name, c.type) for c in shown.columns] == written, name
+            defined = columns.column_schema(name).columns
+            for file in files:
+                types = {f.name: str(f.type) for f in pq.read_schema(file)}
+                for column in defined:
+                    assert column.name in types, f"{file}: no column {column.name}"
+                    allowed = ARROW_TYPES[column.type]
+                    assert allowed is None or types[column.name] in allowed, (
+                        file,
+                        column,
+                        types[column.name],
+                    )
+                if name != "leaderboard":
+                    assert list(types) == [c.name for c in defined], file
 
 
 def _grams(text: str, n: int = 13) -> set[tuple[str, ...]]:

@@ -541,6 +541,23 @@ def test_promotion_gate_leaderboard_and_rollback(lifecycle) -> None:
     assert registry.current().checkpoint_id == "untrained"
     assert tracking.alias_version("nexa-moe", "production")[1] == "untrained"
 
+    # production_model's history: each promotion (in its deployment run) and the rollback, oldest first
+    events = instance.fetch_materializations(
+        dg.AssetKey("production_model"), limit=20, ascending=True
+    ).records
+    history = [
+        (
+            e.asset_materialization.metadata["change"].value,
+            e.asset_materialization.tags["dagster/data_version"],
+        )
+        for e in events
+    ]
+    assert history[-3:] == [
+        ("promotion", "untrained"),
+        ("promotion", checkpoint.checkpoint_id),
+        ("rollback", "untrained"),
+    ], history
+
 
 def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None:
     """A training run started while another holds the `gpu` pool's one slot waits for it: their training steps

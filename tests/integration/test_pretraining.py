@@ -286,3 +286,25 @@ def test_init_from_resolves_each_name() -> None:
     assert "no model is in production yet" in first_night.note
     fresh_root = resolve("production", None, None, preset_default=True)
     assert fresh_root.parent == "scratch" and "no base_model" in fresh_root.note
+
+
+def test_the_loader_records_the_documents_it_serves_and_a_reader_proves_them(tmp_path: Path) -> None:
+    """What the worker's loader served, beside the checkpoint: the ids re-pack to the served rows' hash, and a
+    corpus loaded without its exclusion list (a trainer that ignored it) shows the excluded document as served."""
+    from nexa_dagster.core.training.corpus import pack_stream, record_served, rows_sha256, served_path
+
+    documents = [np.asarray(d) for d in random_documents(30, vocab=300, eos=2)]
+    corpus = write_corpus(tmp_path, documents)
+    by_id = {document_id(d): d for d in documents}
+
+    def served(exclude: frozenset[str], name: str) -> dict:
+        train, _, split = load_corpus(corpus, pack_size=32, heldout_fraction=0.2, pad_id=0, exclude=exclude)
+        record_served(str(tmp_path / name), split, train)
+        return json.loads(Path(served_path(str(tmp_path / name))).read_text())
+
+    ignoring = served(frozenset(), "ckpt-ignoring")  # a trainer that ignored its exclusion list
+    excluded = ignoring["document_ids"][0]  # a document on the training side
+    honest = served(frozenset({excluded}), "ckpt-honest")
+    repacked = pack_stream([by_id[i] for i in honest["document_ids"]], 32, 0)
+    assert rows_sha256(repacked) == honest["rows_sha256"]  # the ids are exactly the rows served
+    assert excluded not in honest["document_ids"] and excluded in ignoring["document_ids"]

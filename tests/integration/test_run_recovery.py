@@ -66,8 +66,6 @@ import pandas as pd
 import psutil
 import pytest
 import yaml
-from dagster._core.event_api import RunStatusChangeRecordsFilter
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 from support.sandbox import SAMPLE_LANDING, sandbox_env
 from support.services import database_of_its_own
 
@@ -85,6 +83,9 @@ NUM_DOCS = 30_000
 START_TIMEOUT_S = 30  # a healthy worker took up to 13 s to start on a loaded 2-core machine
 POLL_INTERVAL_S = 2
 BIN = Path(sys.executable).parent
+
+# Dagster's run tags (strings it documents; its own constants live in a private module)
+AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG = "dagster/auto_retry_run_id", "dagster/will_retry"
 
 
 @dataclass
@@ -502,7 +503,7 @@ def test_a_failed_run_the_retry_daemon_skipped_is_retried_after_the_missed_retri
         production.describe()
     )
     failure = production.instance.fetch_run_status_changes(
-        RunStatusChangeRecordsFilter(event_type=dg.DagsterEventType.RUN_FAILURE), limit=20
+        dg.RunStatusChangeRecordsFilter(event_type=dg.DagsterEventType.RUN_FAILURE), limit=20
     ).records
     failure_id = next(f.storage_id for f in failure if f.run_id == skipped_id)
     production.wait(

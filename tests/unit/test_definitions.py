@@ -300,7 +300,7 @@ def test_the_leaderboard_is_requested_after_new_evaluation_reports(tmp_path, mon
 def test_each_new_base_model_is_evaluated_once_when_an_eval_set_exists(tmp_path, monkeypatch) -> None:
     """The default automation sensor asks for ``base_model_eval`` of a base model that ``base_model`` added: not
     before an eval set is frozen (nothing to measure it on), once after, and never again for the same base model
-    when another one arrives."""
+    when another one arrives; and not while the eval set's blocking check has not passed."""
     from support.sandbox import make_sandbox, sandbox_env
 
     for key, value in sandbox_env(make_sandbox(tmp_path)).items():
@@ -327,6 +327,13 @@ def test_each_new_base_model_is_evaluated_once_when_an_eval_set_exists(tmp_path,
         assert first.total_requested == 0  # no eval set yet
         instance.report_runless_asset_event(dg.AssetMaterialization("eval_set"))
         second = tick(first.cursor)
+        assert second.total_requested == 0  # its blocking check (the frozen files match) has not passed yet
+        instance.report_runless_asset_event(
+            dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey("eval_set"), check_name="eval_set_matches_its_manifest", passed=True
+            )
+        )
+        second = tick(second.cursor)
         assert second.get_requested_partitions(key) == {"base-a"}
         instance.add_dynamic_partitions("base_models", ["base-b"])
         instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))

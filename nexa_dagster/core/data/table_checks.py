@@ -3,25 +3,27 @@ each into a Dagster asset check): each returns what is wrong, an empty result wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import pandas as pd
 
 
-def day_problems(documents: pd.DataFrame, days: Sequence[str], cap: int | None) -> list[str]:
-    """A day's ``raw_documents`` against the run's days: no row of another day, each day at least one document and
-    at most ``cap`` (the scale preset's ``max_docs_per_day``; None: uncapped)."""
+def redelivered_days(documents: pd.DataFrame, earlier: Mapping[str, set[str]]) -> list[str]:
+    """Each day of ``documents`` (``raw_documents`` rows) whose every document was already ingested on an earlier
+    day (``earlier``: day -> its doc_ids, the run's own earlier days added): a day re-delivered under a new date,
+    which brings nothing new to answer or train on. Ids are content hashes, so a repeated document repeats its id.
+    Some repeated documents are normal (documents repeat); only a day with none new is reported."""
+    seen = {day: set(ids) for day, ids in earlier.items()}
     problems = []
-    counts = documents["day"].value_counts() if len(documents) else pd.Series(dtype=int)
-    stray = sorted(set(counts.index) - set(days))
-    if stray:
-        problems.append(f"{int(counts[stray].sum())} rows of days outside the run's {list(days)}: {stray}")
-    for day in days:
-        n = int(counts.get(day, 0))
-        if n == 0:
-            problems.append(f"{day}: no documents")
-        elif cap is not None and n > cap:
-            problems.append(f"{day}: {n} documents, above the preset's cap of {cap}")
+    for day, ids in sorted((str(d), set(g["doc_id"])) for d, g in documents.groupby("day")):
+        before = {d: s for d, s in seen.items() if d < day}
+        if ids and ids <= set().union(*before.values()):
+            holders = sorted(d for d, s in before.items() if ids & s)
+            problems.append(
+                f"{day}: all {len(ids)} documents were ingested before (on {', '.join(holders)}): a re-delivered "
+                "day; remove its landing folder, or land the new documents it should hold"
+            )
+        seen[day] = ids
     return problems
 
 

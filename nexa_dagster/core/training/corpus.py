@@ -21,11 +21,13 @@ that an eval-set version froze (``core.eval_set.freeze_eval_set``), so base mode
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from nexa_dagster.core.common import storage
 from nexa_dagster.core.data.splits import is_held_out, is_validation, side_overrides
 from nexa_dagster.core.packaging.formats.indexed_dataset import corpus_prefixes, document_id, read_documents
 
@@ -127,3 +129,24 @@ def load_corpus(
     if not split.train or not split.heldout:
         raise ValueError(f"pretraining corpus {path}: every document is identical, nothing left to hold out")
     return pack_stream(split.train, pack_size, pad_id), pack_stream(split.heldout, pack_size, pad_id), split
+
+
+def served_path(output_dir: str) -> str:
+    """Where the worker records what its loader serves: beside the checkpoint directory, not in it (the
+    checkpoint is written under a temporary name and renamed into place at the end)."""
+    return f"{output_dir.rstrip('/')}.served.json"
+
+
+def rows_sha256(rows: Batch) -> str:
+    """SHA-256 of the training rows' token ids (int64), as the loader serves them."""
+    return hashlib.sha256(rows["input_ids"].numpy().astype(np.int64).tobytes()).hexdigest()
+
+
+def record_served(output_dir: str, split: CorpusSplit, train: Batch) -> None:
+    """The ids of the documents packed into the training rows, in order, and the rows' hash: a reader re-packs
+    those documents (``pack_stream``) and compares hashes to know they are exactly what was served, whatever the
+    job asked to exclude (a contamination check reads what was trained on, not what was meant to be)."""
+    storage.write_json(
+        {"document_ids": [document_id(d) for d in split.train], "rows_sha256": rows_sha256(train)},
+        served_path(output_dir),
+    )

@@ -20,7 +20,7 @@ import torch
 
 from nexa_dagster.core.packaging.formats.packed_split import read_packed_frame
 from nexa_dagster.core.packaging.packing import IGNORE_INDEX, learned
-from nexa_dagster.core.training.corpus import load_corpus
+from nexa_dagster.core.training.corpus import load_corpus, record_served
 from nexa_dagster.core.training.job import TrainingJob
 
 Batch = dict[str, torch.Tensor]
@@ -211,6 +211,7 @@ def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:
         )
         check_packed(train, f"{job.train_path} (training side)", vocab_size)
         check_packed(validation, f"{job.train_path} (held-out side)", vocab_size)
+        record_served(job.output_dir, split, train)  # <checkpoint>.served.json: what the loader serves from
         return train, validation, len(split.heldout)
     train, validation = load_packed(job.train_path), load_packed(job.validation_path)
     check_packed(train, job.train_path, vocab_size)

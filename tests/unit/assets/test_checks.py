@@ -1,19 +1,21 @@
 """The asset checks of assets/checks.py, each on a good output and on the bad one it exists for. The blocking
-check of raw_documents runs as Dagster runs it, in a real run on a real instance: a day's documents of another day
-fail it, and the teacher step downstream does not run."""
+check of raw_documents runs as Dagster runs it, in a real run on a real instance, on the real ingest of real landing
+folders: a day re-delivered under a new date fails it, and the teacher step downstream does not run."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
-import pytest
+from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.assets import checks
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.data.table_checks import redelivered_days
 from nexa_dagster.core.evaluation.eval_set import content_sha256, frozen_marker, version_dir
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.resources.configs import EvalSetsResource
@@ -21,81 +23,68 @@ from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 
-DAY = "2026-11-20"
+DAY, NEXT = "2026-11-20", "2026-11-21"
 
 
-def _documents(days: list[str]) -> pd.DataFrame:
-    return pd.DataFrame(
-        {
-            "doc_id": [f"{i:016x}" for i in range(len(days))],
-            "day": days,
-            "source": "a.jsonl",
-            "title": "",
-            "text": "some text",
-            "n_chars": 9,
-        }
-    )
+def _run_ingest(
+    tmp_path: Path, instance: dg.DagsterInstance, day: str
+) -> tuple[dg.ExecuteInProcessResult, bool]:
+    """The real raw_documents asset (the real ingest of the landing folder of ``day``), its real check, and a
+    stand-in teacher_samples that depends on it, in one run; (the result, whether the teacher step ran)."""
+    from nexa_dagster.assets.ingest import raw_documents
+    from nexa_dagster.resources.configs import IngestResource
 
+    ran = tmp_path / f"teacher-{day}"
 
-@pytest.fixture(scope="module")
-def graph():
-    from nexa_dagster.definitions import build_defs
-
-    return build_defs().resolve_asset_graph()
-
-
-def _run_ingest(graph, tmp_path: Path, frame: pd.DataFrame) -> tuple[dg.ExecuteInProcessResult, set[str]]:
-    """raw_documents (its spec as the code location defines it, returning ``frame``), its real check, and a
-    stand-in teacher_samples that depends on it, in one run."""
-    key = dg.AssetKey("raw_documents")
-    spec = next(s for s in graph.assets_def_for_key(key).specs if s.key == key)
-
-    @dg.asset(key=key, partitions_def=spec.partitions_def)
-    def raw_documents() -> pd.DataFrame:
-        return frame
-
-    @dg.asset(key="teacher_samples", partitions_def=spec.partitions_def, deps=[key])
+    @dg.asset(key="teacher_samples", partitions_def=raw_documents.partitions_def, deps=[raw_documents.key])
     def teacher_samples() -> None:
-        return None
+        ran.touch()
 
-    with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [raw_documents, teacher_samples, checks.raw_documents_fit_their_days],
-            instance=instance,
-            partition_key=DAY,
-            raise_on_error=False,
-            resources={
-                "io_manager": NexaIOManager(data_root=str(tmp_path), results_root=str(tmp_path)),
-                "scale_preset": ScaleResource(name="tiny"),
-            },
-        )
-        done = {
-            k.to_user_string()
-            for k in instance.get_asset_keys()
-            if instance.get_latest_materialization_event(k)
-        }
-    return result, done
+    storage = StorageResource(data_root=str(tmp_path / "data"), landing_root=str(tmp_path / "landing"))
+    result = dg.materialize(
+        [raw_documents, teacher_samples, checks.raw_documents_are_new],
+        instance=instance,
+        partition_key=day,
+        raise_on_error=False,
+        resources={
+            "io_manager": NexaIOManager(data_root=str(tmp_path / "data"), results_root=str(tmp_path)),
+            "storage": storage,
+            "scale_preset": ScaleResource(name="tiny"),
+            "ingest_config": IngestResource(),
+        },
+    )
+    return result, ran.exists()
 
 
-def test_raw_documents_of_the_runs_day_pass(graph, tmp_path: Path) -> None:
-    result, done = _run_ingest(graph, tmp_path, _documents([DAY, DAY]))
-    assert result.success
-    [evaluation] = result.get_asset_check_evaluations()
-    assert evaluation.passed and done == {"raw_documents", "teacher_samples"}
-
-
-@pytest.mark.parametrize(
-    ("days", "expected"),
-    [([DAY, "2026-11-19"], "outside the run's"), ([DAY] * 301, "above the preset's cap of 300")],
-)
-def test_a_bad_day_fails_the_blocking_check_and_stops_the_teacher(
-    graph, tmp_path: Path, days: list[str], expected: str
+def test_a_day_redelivered_under_a_new_date_fails_the_blocking_check_and_stops_the_teacher(
+    tmp_path: Path,
 ) -> None:
-    result, done = _run_ingest(graph, tmp_path, _documents(days))
-    assert not result.success
-    [evaluation] = result.get_asset_check_evaluations()
-    assert not evaluation.passed and expected in evaluation.description
-    assert done == {"raw_documents"}  # teacher_samples never ran
+    """Real landing folders, really ingested: a new day passes; the same files landed again under the next date
+    (a re-delivery) fail the check, naming the day that holds them, and the teacher never runs on them."""
+    landing = tmp_path / "landing"
+    shutil.copytree(SAMPLE_LANDING / DAY, landing / DAY)
+    shutil.copytree(SAMPLE_LANDING / DAY, landing / NEXT)  # the same files, delivered again
+    with dg.instance_for_test() as instance:
+        result, teacher_ran = _run_ingest(tmp_path, instance, DAY)
+        [evaluation] = result.get_asset_check_evaluations()
+        assert result.success and evaluation.passed and teacher_ran
+
+        result, teacher_ran = _run_ingest(tmp_path, instance, NEXT)
+        [evaluation] = result.get_asset_check_evaluations()
+        assert not result.success and not evaluation.passed and not teacher_ran
+        assert (
+            f"{NEXT}: all" in evaluation.description
+            and f"ingested before (on {DAY})" in evaluation.description
+        )
+
+
+def test_a_day_with_one_new_document_passes() -> None:
+    frame = pd.DataFrame({"doc_id": ["a", "b", "c"], "day": [NEXT] * 3})
+    assert redelivered_days(frame, {DAY: {"a", "b"}}) == []
+    assert redelivered_days(frame, {DAY: {"a", "b", "c", "d"}})[0].startswith(f"{NEXT}: all 3 documents")
+    # within one run (a backfill of both days), the earlier day of the run counts too
+    both = pd.concat([frame.assign(day=DAY), frame])
+    assert len(redelivered_days(both, {})) == 1
 
 
 def _samples(responses: list[str], errors: list[str | None]) -> pd.DataFrame:

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG
 from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_cursor_key
 
 from nexa_dagster.sensors.missed_retries import (
@@ -19,6 +18,13 @@ from nexa_dagster.sensors.missed_retries import (
     consumer_failure_cursor,
     missed_retries,
     missed_run_retries,
+)
+
+# Dagster's run tags (strings it documents; its own constants live in a private module)
+AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG = (
+    "dagster/auto_retry_run_id",
+    "dagster/parent_run_id",
+    "dagster/will_retry",
 )
 
 

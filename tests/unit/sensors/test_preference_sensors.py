@@ -4,12 +4,12 @@ answers, when a DPO training is requested, and what each waits for (its skip rea
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.utils import make_new_run_id
 
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.resources.scale import ScaleResource
@@ -111,7 +111,7 @@ def test_new_pairs_request_one_training_once_no_pairs_run_is_in_flight(instance:
 
     materialize(instance, "preference_pairs", DAYS[2])
     run = dg.DagsterRun(
-        job_name="preference_pairs_job", run_id=make_new_run_id(), status=dg.DagsterRunStatus.STARTED
+        job_name="preference_pairs_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED
     )
     instance.add_run(run)
     result, waiting = tick(cursor)  # new pairs, but a pairs run still writes: training waits for all of them
@@ -122,3 +122,51 @@ def test_new_pairs_request_one_training_once_no_pairs_run_is_in_flight(instance:
     result, cursor_after = tick(cursor)
     assert isinstance(result, dg.SensorResult) and len(result.run_requests or []) == 1
     assert int(cursor_after or 0) > int(cursor or 0)
+
+
+def test_pairs_failing_their_blocking_check_stop_the_run_and_never_feed_dpo(
+    instance: dg.DagsterInstance,
+) -> None:
+    """preference_pairs' spec as the code location defines it (key, partitions, the blocking pairs check), its
+    check function on a day with a repeated pair: the run fails, the DPO stand-in in the same run never starts,
+    and the training sensor waits, naming the day, until that day's pairs are made again and pass."""
+    from support.preference_pairs import judged_pairs
+
+    DAY = "2026-11-20"  # a day of the daily partitions (they start at the sample data's first day)
+
+    from nexa_dagster.assets.preference import pairs_check
+    from nexa_dagster.definitions import defs
+
+    spec = next(s for s in defs.resolve_all_asset_specs() if s.key == dg.AssetKey("preference_pairs"))
+    check = next(iter(defs.resolve_assets_def(spec.key).check_specs))  # its one check
+    assert check.blocking and check.name == "pairs_are_trainable"
+
+    def pairs_run(repeat: bool) -> dg.ExecuteInProcessResult:
+        frame = judged_pairs(DAY, 6, 0.2)
+        if repeat:
+            frame.loc[3, "pair_id"] = frame.loc[2, "pair_id"]
+
+        @dg.multi_asset(
+            specs=[spec.replace_attributes(deps=[])], check_specs=[check], partitions_def=spec.partitions_def
+        )
+        def preference_pairs() -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
+            yield dg.MaterializeResult(asset_key=spec.key)
+            yield pairs_check(frame, min_score_gap=1.0, eval_fraction=0.2)
+
+        @dg.asset(deps=[spec.key], partitions_def=spec.partitions_def)
+        def dpo_stand_in() -> None: ...
+
+        return dg.materialize(
+            [preference_pairs, dpo_stand_in], instance=instance, partition_key=DAY, raise_on_error=False
+        )
+
+    failed = pairs_run(repeat=True)
+    assert not failed.success
+    assert not instance.get_latest_materialization_event(dg.AssetKey("dpo_stand_in"))
+    tick = preference_training_after_pairs(dg.build_sensor_context(instance=instance))
+    assert isinstance(tick, dg.SkipReason) and f"pairs of {DAY} failed" in (tick.skip_message or "")
+
+    assert pairs_run(repeat=False).success  # made again, passing: the DPO stand-in ran, and the sensor trains
+    assert instance.get_latest_materialization_event(dg.AssetKey("dpo_stand_in"))
+    tick = preference_training_after_pairs(dg.build_sensor_context(instance=instance))
+    assert isinstance(tick, dg.SensorResult) and len(tick.run_requests or []) == 1
