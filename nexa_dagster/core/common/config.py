@@ -243,6 +243,64 @@ class PreferenceSettings(_Strict):
         return training.model_copy(update=update)
 
 
+class RLReward(_Strict):
+    """One reward of the RL stage's sum: a name in ``core.rl.rewards.REWARDS`` and its weight."""
+
+    name: str = Field(min_length=1)
+    weight: float = 1.0
+
+
+class RLSettings(_Strict):
+    """The RL stage of a scale preset: GRPO from the production model on verifiable rewards (``rl_checkpoint``).
+
+    The sampling and loss fields are ``GRPOObjective``'s (``core/training/job.py``, which says why each default is
+    what it is); the steps and learning rate override the preset's training settings, as DPO's do. One prompt's
+    group of ``num_generations`` completions is one micro-batch, so ``settings`` sets the micro-batch size to K and
+    the accumulation to the prompts per step over the ranks.
+    """
+
+    rewards: list[RLReward] = Field(
+        default_factory=lambda: [RLReward(name="exact_answer")],
+        min_length=1,
+        description="what a completion is rewarded for (exact_answer: a checkable task, the demo's choice)",
+    )
+    num_generations: int = Field(default=8, ge=2, description="K completions per prompt (TRL's default)")
+    prompts_per_step: int = Field(default=4, gt=0, description="B prompts per step: K x B rollouts per step")
+    max_completion_tokens: int = Field(default=32, gt=0, description="longest sampled completion, in tokens")
+    temperature: float = Field(default=1.0, gt=0, description="TRL's 1.0: sample the policy as it is")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="TRL's 1.0: no nucleus truncation")
+    beta: float = Field(default=0.0, ge=0, description="KL weight to the starting model (TRL's 0.0)")
+    epsilon: float = Field(default=0.2, gt=0, description="the surrogate's clip range (TRL's 0.2)")
+    loss_type: Literal["grpo", "dr_grpo"] = Field(
+        default="dr_grpo", description="dr_grpo: no per-completion length normalisation (no pull to length)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        default="group", description="what the advantages are divided by: the group's std (TRL), the batch's, none"
+    )
+    max_steps: int = Field(default=20, gt=0, description="optimizer steps, each on K x B fresh rollouts")
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="default: training.learning_rate / 10 (post-training moves less)"
+    )
+    warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+
+    def settings(self, training: TrainingSettings) -> TrainingSettings:
+        """The SFT settings with RL's steps, learning rate and batch shape (K completions per micro-batch)."""
+        if self.prompts_per_step % training.num_procs:
+            raise ValueError(
+                f"rl.prompts_per_step {self.prompts_per_step} is not a multiple of training.num_procs "
+                f"{training.num_procs}: every rank rolls out the same number of prompts"
+            )
+        update: dict[str, Any] = {
+            "max_steps": self.max_steps,
+            "learning_rate": self.learning_rate or training.learning_rate / 10,
+            "micro_batch_size": self.num_generations,
+            "gradient_accumulation_steps": self.prompts_per_step // training.num_procs,
+        }
+        if self.warmup_steps is not None:
+            update["warmup_steps"] = self.warmup_steps
+        return training.model_copy(update=update)
+
+
 class ScalePreset(_Strict):
     """A scale factor in the Nemotron sense: the same recipe at tiny, small or full size."""
 
@@ -270,6 +328,9 @@ class ScalePreset(_Strict):
     )
     preference: PreferenceSettings | None = Field(
         default=None, description="the preference stage: pairs and DPO (None: off)"
+    )
+    rl: RLSettings | None = Field(
+        default=None, description="the RL stage: GRPO on verifiable rewards (None: off)"
     )
 
 
