@@ -275,7 +275,8 @@ class RLSettings(_Strict):
         default="dr_grpo", description="dr_grpo: no per-completion length normalisation (no pull to length)"
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        default="group", description="what the advantages are divided by: the group's std (TRL), the batch's, none"
+        default="group",
+        description="what the advantages are divided by: the group's std (TRL), the batch's, none",
     )
     max_steps: int = Field(default=20, gt=0, description="optimizer steps, each on K x B fresh rollouts")
     learning_rate: float | None = Field(

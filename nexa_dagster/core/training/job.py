@@ -64,7 +64,9 @@ class RewardSpec(BaseModel):
     """One reward function of the sum a GRPO completion is scored by (``core/rl/rewards.py``'s registry)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, description="a name in core.rl.rewards.REWARDS (checked before a model is built)")
+    name: str = Field(
+        min_length=1, description="a name in core.rl.rewards.REWARDS (checked before a model is built)"
+    )
     weight: float = Field(
         default=1.0,
         description="its weight in the summed reward (TRL's reward_weights); 1.0: rewards count alike",
@@ -174,10 +176,11 @@ class TrainingJob(BaseModel):
     train_path: str = Field(
         default="",
         description="(unused by grpo: its objective names its prompts) packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
-        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file"
+        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file",
     )
     validation_path: str = Field(
-        default="", description="packed Parquet with the same columns, for the validation loss (unused by grpo)"
+        default="",
+        description="packed Parquet with the same columns, for the validation loss (unused by grpo)",
     )
     tokenizer_path: str = Field(
         description="a Hugging Face directory whose tokenizer the model is trained for"
@@ -321,7 +324,8 @@ class TrainingResult(BaseModel):
         description="rl_prompts: mean summed reward of greedy completions of the held-out prompts, at the end",
     )
     held_out_rewards: list[float] | None = Field(
-        default=None, description="rl_prompts: each held-out prompt's reward, in the file's order (paired gates)"
+        default=None,
+        description="rl_prompts: each held-out prompt's reward, in the file's order (paired gates)",
     )
     held_out_prompts: int | None = Field(default=None, description="rl_prompts: held-out prompts scored")
     rollout_s: float | None = Field(
