@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
@@ -27,6 +28,8 @@ from nexa_dagster.core.evaluation.benchmarks import (
 )
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, load_eval_set
 from nexa_dagster.core.evaluation.promotion import (
+    GateDecision,
+    ProductionEntry,
     ProductionRegistry,
     PromotionPolicy,
     decide,
@@ -42,6 +45,8 @@ from nexa_dagster.core.evaluation.report import (
     report_figures,
     report_lineage,
 )
+from nexa_dagster.core.evaluation.reward_gate import decide_reward, held_out_rewards
+from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set, read_prompts
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.packaging.decontaminate import (
@@ -145,7 +150,7 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
     partitions_def=checkpoint_partitions,
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=["moe_checkpoint", "preference_checkpoint", "eval_set"],
+    deps=["moe_checkpoint", "preference_checkpoint", "rl_checkpoint", "eval_set", "rl_eval_set"],
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
     description="The checkpoint and the production model scored on the same frozen eval set (eval_set.version) "
@@ -173,7 +178,14 @@ def eval_report(
         checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id, storage.root
     )
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
-    questions = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
+    # the prompts both models answer: the eval set's questions (for the judge), an RL checkpoint's frozen held-out
+    # RL prompts (for the reward gate, at training's completion length)
+    rl_rows = rl_held_out(storage, scale, checkpoint_id) if ckpt.stage == "rl" else None
+    questions = (
+        [r["prompt"] for r in rl_rows]
+        if rl_rows is not None
+        else eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
+    )
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
@@ -186,7 +198,9 @@ def eval_report(
         examples_path=eval_set["path"],
         eval_set_version=version,
         prompts=questions,
-        max_new_tokens=scale.evaluation.max_new_tokens,
+        max_new_tokens=scale.rl.max_completion_tokens
+        if rl_rows is not None and scale.rl
+        else scale.evaluation.max_new_tokens,
         accelerator=gpu_cluster.accelerator,
         output_path=str(work_dir / "scores.json"),
         benchmarks=bench if bench.tasks else None,
@@ -224,27 +238,9 @@ def eval_report(
     )
 
     # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
-    if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
-        decision = decide_preference(
-            checkpoint_id,
-            production,
-            policy,
-            evaluation.paired_loss,
-            evaluation.win_rate,
-            benchmark_guards(policy, evaluation),
-            contamination,
-            evaluation.length_controlled,
-        )
-    else:
-        decision = decide(
-            checkpoint_id,
-            production,
-            policy,
-            evaluation.paired_loss,
-            evaluation.win_rate,
-            benchmark_comparison(policy, evaluation),
-            contamination,
-        )
+    decision, reward_figures = gate_decision(
+        ckpt, production, policy, evaluation, scores, contamination, scale, rl_rows
+    )
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -253,10 +249,12 @@ def eval_report(
         eval_set,
         storage.report_dir(checkpoint_id),
         context.run.run_id,
-        "win_rate" if ckpt.stage == "preference" else policy.metric,
+        {"preference": "win_rate", "rl": "reward"}.get(ckpt.stage, policy.metric),
         contamination,
         contaminated,
     )
+    if reward_figures is not None:
+        report = report.model_copy(update={"reward_gate": reward_figures})
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
@@ -276,9 +274,85 @@ def eval_report(
                 "eval_set_version": version,
                 "production_checkpoint": report.production_checkpoint_id,
                 **gate_figures(decision, evaluation),
+                **{
+                    f"reward_gate/{k}": v
+                    for k, v in (reward_figures or {}).items()
+                    if not isinstance(v, dict)
+                },
             }
         ),
     )
+
+
+def gate_decision(
+    ckpt: Checkpoint,
+    production: ProductionEntry | None,
+    policy: PromotionPolicy,
+    evaluation: CheckpointEvaluation,
+    scores: dict,
+    contamination: float | None,
+    scale: ScalePreset,
+    rl_rows: list[dict] | None,
+) -> tuple[GateDecision, dict | None]:
+    """The gate of the checkpoint's stage: an SFT checkpoint on the configured metric (``decide``), a preference one
+    on the judge's win rate with guards (``decide_preference``), an RL one on the paired held-out reward difference
+    with the loss guard (``decide_reward``); with an RL checkpoint's reward figures."""
+    if ckpt.stage == "rl" and rl_rows is not None and scale.rl is not None:
+        specs = [(r.name, r.weight) for r in scale.rl.rewards]
+        candidate = held_out_rewards(rl_rows, scores["candidate"]["answers"], specs)
+        baseline = (
+            held_out_rewards(rl_rows, scores["production"]["answers"], specs)
+            if "production" in scores
+            else []
+        )
+        differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
+        means = (float(np.mean(candidate)), float(np.mean(baseline))) if baseline else None
+        decision = decide_reward(
+            ckpt.checkpoint_id, production, policy, differences, evaluation.paired_loss, means
+        )
+        figures = {
+            "rewards": [name for name, _ in specs],
+            "candidate_reward": float(np.mean(candidate)),
+            "production_reward": means[1] if means else None,
+            **{k: decision.metadata()[k] for k in ("difference", "interval_low", "interval_high", "n")},
+            "rl_eval_set_version": scale.rl.eval_set_version,
+            "training": ckpt.rl_metrics or {},
+        }
+        return decision, figures
+    if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
+        return decide_preference(
+            ckpt.checkpoint_id,
+            production,
+            policy,
+            evaluation.paired_loss,
+            evaluation.win_rate,
+            benchmark_guards(policy, evaluation),
+            contamination,
+            evaluation.length_controlled,
+        ), None
+    return decide(
+        ckpt.checkpoint_id,
+        production,
+        policy,
+        evaluation.paired_loss,
+        evaluation.win_rate,
+        benchmark_comparison(policy, evaluation),
+        contamination,
+    ), None
+
+
+def rl_held_out(storage: StorageResource, scale: ScalePreset, checkpoint_id: str) -> list[dict]:
+    """The frozen held-out RL prompts an RL checkpoint is gated on; a clear failure when none was frozen."""
+    version = scale.rl.eval_set_version if scale.rl else 1
+    try:
+        return read_prompts(load_rl_eval_set(storage.path("rl_eval_sets"), version))
+    except FileNotFoundError:
+        raise dg.Failure(
+            f"no RL eval set v{version} to gate RL checkpoint {checkpoint_id} on: materialize rl_eval_set first",
+            allow_retries=False,
+        ) from None
+    except ValueError as error:
+        raise dg.Failure(str(error), allow_retries=False) from error
 
 
 def training_data_contamination(
@@ -308,6 +382,10 @@ def training_data_contamination(
     hit: set[int] = set()
     lineage = training_lineage(storage, tracking, policy, ckpt)
     for ancestor in lineage:
+        if (
+            ancestor.stage == "rl"
+        ):  # its task prompts were decontaminated against this index when rl_prompts built
+            continue  # them (rl_prompts' metadata: tasks_contaminated); its parent's data is checked next
         # all None: a stage whose data is not known here
         root, texts, id_field = kinds.get(ancestor.stage, (None, None, None))
         run_hash = ancestor.dataset_run_hash

@@ -17,6 +17,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
@@ -26,12 +27,6 @@ from nexa_dagster.assets.common import (
 from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
-from nexa_dagster.assets.training_record import (
-    log_training_run,
-    publish_checkpoint,
-    training_metadata,
-    write_checkpoint_record,
-)
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
@@ -393,26 +388,13 @@ def preference_checkpoint(
             reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
         ),
     )
-    context.log.info(
-        f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
-        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, "
-        f"{preference_dataset.train_pairs} pairs) on the {gpu_cluster.backend} cluster"
-    )
-    result, invocation = gpu_cluster.run_training(
-        context, job, io.local_dir(storage.path("runs", checkpoint_id))
-    )
-    heldout = {
-        "reward_accuracy": result.reward_accuracy,
-        "reward_margin": result.reward_margin,
-        "pairs": float(result.validation_pairs or 0),
-    }
-    png, mlflow_run_id = log_training_run(
-        context,
-        tracking,
-        result,
-        run_name=checkpoint_id,
+    stage = StageRecord(
         stage="preference",
         title=f"{checkpoint_id} (DPO)",
+        curve_label="DPO loss",
+        launch_message=f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
+        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, "
+        f"{preference_dataset.train_pairs} pairs)",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
@@ -422,38 +404,35 @@ def preference_checkpoint(
             "loss": settings.loss,
             **training.model_dump(),
         },
-        final_metrics={f"heldout_{k}": v for k, v in heldout.items() if v is not None},
-    )
-    checkpoint = write_checkpoint_record(
-        context,
-        result,
-        storage.root,
-        checkpoint_id=checkpoint_id,
-        mlflow_run_id=mlflow_run_id,
-        dataset_run_hash=preference_dataset.run_hash,
-        dataset_validation_path=preference_dataset.validation_path,
-        model_preset=scale.model_preset,
-        scale=scale.name,
-        stage="preference",
-        parent=job.parent,
-        preference_metrics={k: v for k, v in heldout.items() if v is not None},
-    )
-    # a model version in MLflow, and the partition evaluation_job runs on next
-    model_version = publish_checkpoint(
-        context, tracking, promotion_policy.policy().registered_model, checkpoint
-    )
-    return dg.Output(
-        checkpoint,
-        metadata={
-            **training_metadata(invocation, png, result, "DPO loss"),
-            "checkpoint_id": checkpoint_id,
+        record={
+            "dataset_validation_path": preference_dataset.validation_path,
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "stage": "preference",
             "parent": job.parent,
+        },
+        figures=dpo_figures,
+    )
+    return launch_and_record(
+        context, job, stage, gpu_cluster, storage, tracking, promotion_policy.policy().registered_model
+    )
+
+
+def dpo_figures(result: TrainingResult) -> StageFigures:
+    """DPO's held-out reward accuracy and margin with their n: MLflow's final metrics, the record's
+    ``preference_metrics`` (read by the evaluation) and the materialization's metadata."""
+    heldout = {
+        "reward_accuracy": result.reward_accuracy,
+        "reward_margin": result.reward_margin,
+        "pairs": float(result.validation_pairs or 0),
+    }
+    return StageFigures(
+        final_metrics={f"heldout_{k}": v for k, v in heldout.items()},
+        record={"preference_metrics": {k: v for k, v in heldout.items() if v is not None}},
+        metadata={
             "heldout_reward_accuracy": result.reward_accuracy,
             "heldout_reward_margin": result.reward_margin,
             "heldout_pairs": result.validation_pairs,
-            "dataset_run_hash": preference_dataset.run_hash,
-            "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": model_version,
         },
     )
 

@@ -70,8 +70,10 @@ SOURCES: dict[str, Sources] = {
         ),
     ),
     "rl_prompts": Sources(
-        configs=("packaging.yaml", "blends"), formats=("nexa_dagster.core.packaging.jsonl_dataset:FORMAT",)
+        configs=("packaging.yaml", "blends", SCALE),
+        formats=("nexa_dagster.core.packaging.jsonl_dataset:FORMAT", CONTAMINATION),
     ),
+    "rl_eval_set": Sources(configs=(SCALE,), formats=("nexa_dagster.core.evaluation.rl_eval_set:FORMAT",)),
     "eval_set": Sources(
         configs=("pipeline.yaml#eval_set", "prompts/eval_prompts.yaml"),
         formats=("nexa_dagster.core.evaluation.eval_set:FORMAT", CONTAMINATION),
@@ -87,6 +89,7 @@ SOURCES: dict[str, Sources] = {
         ),
     ),
     "preference_checkpoint": Sources(configs=TRAINING),
+    "rl_checkpoint": Sources(configs=TRAINING),
     "eval_report": Sources(configs=("promotion.yaml", "benchmarks", "prompts", SCALE)),
     "base_model_eval": Sources(configs=("benchmarks", SCALE)),
     "leaderboard": Sources(configs=("promotion.yaml",)),

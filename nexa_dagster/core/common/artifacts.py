@@ -109,10 +109,12 @@ class Checkpoint(Artifact):
     parameters_total: int | None = None
     parameters_active: int | None = None
     stage: str = (
-        "sft"  # "sft" (moe_checkpoint), "pretrain" (base_model) or "preference" (preference_checkpoint)
+        "sft"  # "sft" (moe_checkpoint), "pretrain" (base_model), "preference" (preference_checkpoint), "rl"
     )
     # preference checkpoints: reward margin and accuracy on the held-out pairs, with their n, as training measured
     preference_metrics: dict[str, float] | None = None
+    # RL checkpoints: first and last rollout reward, held-out reward with its n, rollout and update seconds
+    rl_metrics: dict[str, float] | None = None
     parent: str | None = (
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
@@ -198,6 +200,9 @@ class EvalReport(Artifact):
     length_controlled_win_rate: float | None = None  # the win rate at a zero length difference (AlpacaEval's)
     mean_length_change: float | None = None  # candidate minus production, characters per answer
     preference_metrics: dict[str, float] | None = None  # held-out reward accuracy and margin, from training
+    # RL checkpoints: the reward gate's figures (both models' mean held-out reward, the paired difference with its
+    # interval, n, the reward names, the RL eval set's version and hash) and training's rl_metrics
+    reward_gate: dict[str, Any] | None = None
     guards: list[str] = Field(default_factory=list)  # the non-regression guards that held it back, if any
     report_json: str
     report_markdown: str
