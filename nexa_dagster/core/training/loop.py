@@ -291,7 +291,7 @@ def optimizer_step(
     Raises ``StopRequested`` (before the step) when any rank was asked to stop. ``poison`` (tests) turns the loss
     into NaN.
     """
-    micro = [next(batches) for _ in range(accumulation)]
+    micro = objective.rollout(engine, [next(batches) for _ in range(accumulation)], step)  # GRPO: sample now
     global_units, stop = control.agree(sum(objective.units(b) for b in micro), STOP.is_set())
     if stop:
         raise StopRequested(step - 1)
@@ -403,7 +403,12 @@ def state_dir(job: TrainingJob) -> Path:
 
 
 def save_state(
-    engine: Any, job: TrainingJob, step: int, metrics_log: list[dict[str, float]], tokens_seen: int
+    engine: Any,
+    job: TrainingJob,
+    step: int,
+    metrics_log: list[dict[str, float]],
+    tokens_seen: int,
+    objective_state: dict[str, Any] | None = None,
 ) -> None:
     """DeepSpeed checkpoint of model, optimizer, scheduler (every rank writes its shard) + loop state.
 
@@ -416,6 +421,7 @@ def save_state(
         "metrics_log": metrics_log,
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "objective": objective_state or {},  # the objective's own position (GRPO's prompts consumed)
     }
     engine.save_checkpoint(str(state_dir(job)), tag=f"step{step:08d}", client_state=client_state)
 
@@ -435,6 +441,17 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
     if client_state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(client_state["cuda_rng"])
     return client_state
+
+
+def check_steps_left(job: TrainingJob, start_step: int) -> None:
+    """A resume with no step left to train is an error, not a run that "completes" having trained nothing (the
+    state was saved by a run with more steps: max_steps was lowered, or the state belongs to another run)."""
+    if start_step >= job.settings.max_steps:
+        raise ValueError(
+            f"the saved state in {state_dir(job)} is at step {start_step} but max_steps is "
+            f"{job.settings.max_steps}: resuming would train zero steps; delete the state to start over or raise "
+            "max_steps"
+        )
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -506,6 +523,8 @@ def train(
     if resumed is not None:
         start_step, metrics_log, tokens_seen = resumed["step"], resumed["metrics_log"], resumed["tokens_seen"]
         tokens_before = tokens_seen
+        check_steps_left(job, start_step)
+        objective.restore(resumed.get("objective"), start_step)
         say(f"resumed from step {start_step} ({state_dir(job)})")
 
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
@@ -565,7 +584,9 @@ def train(
                 if stop.step > start_step:
                     if stop.step > window.last_step and last is not None:
                         log_line(stop.step, *last)
-                    save_state(engine, job, stop.step, metrics_log, tokens_seen)
+                    save_state(
+                        engine, job, stop.step, metrics_log, tokens_seen, objective.resume_state(stop.step)
+                    )
                     say(f"saved resumable state at step {stop.step}; stopping as asked (SIGTERM)")
                 raise
             last = (totals, lr)
@@ -578,7 +599,7 @@ def train(
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
                 log_line(step, *last)
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
-                save_state(engine, job, step, metrics_log, tokens_seen)
+                save_state(engine, job, step, metrics_log, tokens_seen, objective.resume_state(step))
                 say(f"saved resumable state at step {step}")
     train_s = time.perf_counter() - train_start
 
