@@ -10,6 +10,7 @@
   in memory). It is evaluated like any checkpoint; the gate decides on the judge's win rate against production.
 """
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -24,7 +25,13 @@ from nexa_dagster.assets.common import (
     preview,
     progress_logger,
 )
-from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
+from nexa_dagster.assets.packaging import (
+    contamination_index,
+    contamination_metadata,
+    load_student_tokenizer,
+    read_documents,
+    task_settings,
+)
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
@@ -34,7 +41,13 @@ from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
 from nexa_dagster.core.data import schemas
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge import Judge
-from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs, pair_problems
+from nexa_dagster.core.distill.pairs import (
+    JudgeScorer,
+    RewardScorer,
+    gap_histogram,
+    make_pairs,
+    pair_problems,
+)
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
@@ -47,6 +60,8 @@ from nexa_dagster.core.packaging.preference_dataset import (
     snapshot_problems,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
+from nexa_dagster.core.rl.rewards import reward_function
+from nexa_dagster.core.rl.tasks import build_tasks
 from nexa_dagster.core.training.init import read_config
 from nexa_dagster.core.training.job import DPOObjective, TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import (
@@ -105,7 +120,12 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
     group_name="preference",
     partitions_def=daily_partitions,
     retry_policy=MODEL_CALL_RETRY,
-    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    ins={
+        "filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType),
+        "raw_documents": dg.AssetIn(
+            dagster_type=dg.Nothing
+        ),  # preference.rank_by reward: the checkable tasks
+    },
     deps=[PRODUCTION_MODEL],  # on-policy: the model in production answers
     check_specs=[
         dg.AssetCheckSpec(
@@ -118,9 +138,11 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
     ],
     dagster_type=PreferencePairsType,
     kinds={"python", "parquet"},
-    description="The day's training prompts answered K times by the production model (on-policy) and judged as "
-    "SampleGate judges the teacher; per prompt, the best answer passing the heuristics against the worst, when "
-    "their scores differ by min_score_gap: TRL's prompt/chosen/rejected with both scores, models, lengths, day.",
+    description="The day's training prompts answered K times by the production model (on-policy) and scored "
+    "(preference.rank_by: judge, as SampleGate judges the teacher, on the day's judged samples; reward, a "
+    "verifiable reward on the checkable tasks of the day's documents, core/rl/tasks.py, train side only); per "
+    "prompt, the best answer against the worst, when their scores differ by min_score_gap: TRL's "
+    "prompt/chosen/rejected with both scores, models, lengths, day.",
 )
 def preference_pairs(
     context: dg.AssetExecutionContext,
@@ -132,33 +154,47 @@ def preference_pairs(
     eval_sets: EvalSetsResource,
     sample_gate_config: SampleGateResource,
     prompts: PromptsResource,
+    packaging_config: PackagingResource,
 ) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
-    settings = preference_settings(scale_preset.load())
+    scale = scale_preset.load()
+    settings = preference_settings(scale)
     production = production_model(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
     sampling = settings.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed)
     gate = sample_gate_config.config()
     store_dir = io.local_dir(storage.path("generation_store", "preference_pairs"))
+    by_reward = settings.rank_by == "reward"
+    day = (
+        checkable_prompts(context, storage, scale, eval_sets, prompts, packaging_config)
+        if by_reward
+        else filtered_samples
+    )
     with (
         no_retry_on_permanent_llm_errors(f"policy {policy.where()} / judge {judge_llm.where()}"),
         policy.get_client(log=context.log) as answering,
-        judge_llm.get_client(log=context.log) as judging,
+        contextlib.nullcontext() if by_reward else judge_llm.get_client(log=context.log) as judging,
         GenerationStore(store_dir) as store,
         progress_logger(context, "policy answers") as progress,
     ):
-        judge = Judge(
-            judging,
-            prompts.text("judge"),
-            prompts.text("judge_verdict"),
-            gate.judge.max_tokens,
-            gate.judge.method,
-            gate.judge.retries,
+        scorer = (
+            RewardScorer(reward_function(settings.reward), settings.reward)
+            if by_reward
+            else JudgeScorer(
+                Judge(
+                    judging,
+                    prompts.text("judge"),
+                    prompts.text("judge_verdict"),
+                    gate.judge.max_tokens,
+                    gate.judge.method,
+                    gate.judge.retries,
+                )
+            )
         )
         pairs, stats = make_pairs(
-            filtered_samples,
+            day,
             answering,
-            judge,
+            scorer,
             gate,
             store,
             params,
@@ -175,6 +211,7 @@ def preference_pairs(
     metadata = {
         "dagster/row_count": len(pairs),
         "policy_checkpoint": production.checkpoint_id,
+        "ranked_by": scorer.model_id,
         "policy_model": answering_id(pairs, production),
         "prompts": stats.prompts,
         "held_out_prompts_skipped": stats.held_out_prompts,
@@ -200,6 +237,31 @@ def preference_pairs(
         check_name="pairs_are_trainable",
         passed=not problems,
         metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+    )
+
+
+def checkable_prompts(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale: ScalePreset,
+    eval_sets: EvalSetsResource,
+    prompts: PromptsResource,
+    packaging_config: PackagingResource,
+) -> pd.DataFrame:
+    """The day's checkable task items (train side, decontaminated: the rows rl_prompts trains GRPO on) as the rows
+    make_pairs answers: the item id as sample id, the right answer as the reference answer."""
+    documents = stored_partitions(storage.data_root, "raw_documents", [context.partition_key])
+    index, _ = contamination_index(
+        storage, eval_sets, scale, prompts, packaging_config.config().contamination
+    )
+    build = build_tasks(read_documents(documents), task_settings(scale), index)
+    items = pd.DataFrame(build.train, columns=["item_id", "task", "prompt", "answer", "choices", "reference"])
+    return items.assign(
+        sample_id=items["item_id"],
+        day=context.partition_key,
+        system_prompt="",
+        response=items["answer"],
+        completion_tokens=items["answer"].str.split().str.len(),
     )
 
 
