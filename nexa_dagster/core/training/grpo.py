@@ -14,7 +14,8 @@ What this objective brings to the loop (``core/training/objective.py`` says what
 3. advantages within each prompt's group: reward minus the group's mean, divided by the group's std (``group``),
    the whole batch's std (``batch``) or nothing (``none``) — TRL's ``scale_rewards``, with its ``+ 1e-4``;
 4. the loss, TRL's ``GRPOTrainer._compute_loss``: per token ``-min(r A, clip(r, 1-eps, 1+eps) A) + beta KL`` with
-   ``r = exp(logp - logp_old)`` and TRL's estimator ``KL = exp(ref - logp) - (ref - logp) - 1``; ``grpo``: each
+   ``r = exp(logp - logp_old)`` and TRL's estimator ``KL = (exp(ref - logp) - (ref - logp) - 1) r`` (times the
+   ratio: TRL 1.16's default ``use_bias_correction_kl``); ``grpo``: each
    completion's token mean, then the mean over completions; ``dr_grpo``: the token sum over completions x
    ``max_completion_tokens``. One update per rollout (TRL's ``num_iterations = 1``), so ``logp_old`` is the
    detached ``logp`` of the same forward pass: the ratio is 1 and ``clip_ratio`` is 0 by construction, as in TRL;
@@ -80,7 +81,9 @@ def grpo_token_losses(
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        # TRL's k3 estimator times the ratio (TRL 1.16's default use_bias_correction_kl, DeepSeek-V3.2): the ratio
+        # is 1 on policy, but its gradient makes the KL's the unbiased reverse-KL gradient
+        kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         per_token = per_token + beta * kl
     return per_token, ratio, kl
 
