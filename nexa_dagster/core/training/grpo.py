@@ -34,9 +34,11 @@ What this objective brings to the loop (``core/training/objective.py`` says what
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -279,6 +281,14 @@ class GRPOLoss:
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
         totals, per_name = self.reward(texts, **self.train.rows(indices, k))
         batches = self._score(indices, completions, totals, per_name, step)
+        if self.rank == 0:
+            if (
+                self._last_rollout_end is None
+            ):  # this process's first step: drop what a crashed attempt sampled
+                truncate_rollouts(rollouts_file(self.job), step - 1)  # after its state (sampled again now)
+            append_rollouts(
+                rollouts_file(self.job), step, [i for i in indices for _ in range(k)], texts, totals
+            )
         self.rollout_tokens += sum(len(ids) for ids in completions)
         elapsed = time.perf_counter() - start
         self.rollout_s += elapsed
@@ -386,6 +396,29 @@ def grpo_config(job: TrainingJob) -> GRPOObjective:
     if not isinstance(job.objective, GRPOObjective):
         raise ValueError(f"training job {job.run_id}: objective {job.objective.kind} is not GRPO")
     return job.objective
+
+
+def rollouts_file(job: TrainingJob) -> Path:
+    """Every rollout of the run, one JSON line per completion (step, prompt index, completion, reward), beside the
+    checkpoint: what the policy was rewarded for, to read when the reward rises (or is gamed)."""
+    out = Path(job.output_dir)
+    return out.with_name(out.name + ".rollouts.jsonl")
+
+
+def append_rollouts(
+    path: Path, step: int, prompts: list[int], texts: list[str], rewards: list[float]
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for prompt, text, reward in zip(prompts, texts, rewards, strict=True):
+            f.write(json.dumps({"step": step, "prompt": prompt, "completion": text, "reward": reward}) + "\n")
+
+
+def truncate_rollouts(path: Path, step: int) -> None:
+    """Keep the rollouts of steps up to ``step`` (a resumed run samples the later ones again)."""
+    if path.exists():
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step), encoding="utf-8")
 
 
 def check_batch_shape(job: TrainingJob, config: GRPOObjective, world_size: int) -> None:
