@@ -443,6 +443,21 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
     return client_state
 
 
+def resume_run(
+    engine: Any, job: TrainingJob, objective: Objective, say: MessageFn
+) -> tuple[int, list[dict[str, float]], int]:
+    """(step, metrics log, tokens seen) of the state an earlier attempt of this run saved, checked and restored
+    into the engine and the objective; (0, [], 0) when there is none."""
+    resumed = load_state(engine, job)
+    if resumed is None:
+        return 0, [], 0
+    start_step = resumed["step"]
+    check_steps_left(job, start_step)
+    objective.restore(resumed.get("objective"), start_step)
+    say(f"resumed from step {start_step} ({state_dir(job)})")
+    return start_step, resumed["metrics_log"], resumed["tokens_seen"]
+
+
 def check_steps_left(job: TrainingJob, start_step: int) -> None:
     """A resume with no step left to train is an error, not a run that "completes" having trained nothing (the
     state was saved by a run with more steps: max_steps was lowered, or the state belongs to another run)."""
@@ -518,14 +533,8 @@ def train(
     objective.prepare(engine, device, say)  # before any update and before resuming (DPO's reference values)
 
     # 3. resume from the last saved state of an earlier attempt of this run, if there is one
-    start_step, metrics_log, tokens_seen, tokens_before = 0, [], 0, 0
-    resumed = load_state(engine, job)
-    if resumed is not None:
-        start_step, metrics_log, tokens_seen = resumed["step"], resumed["metrics_log"], resumed["tokens_seen"]
-        tokens_before = tokens_seen
-        check_steps_left(job, start_step)
-        objective.restore(resumed.get("objective"), start_step)
-        say(f"resumed from step {start_step} ({state_dir(job)})")
+    start_step, metrics_log, tokens_seen = resume_run(engine, job, objective, say)
+    tokens_before = tokens_seen
 
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
     accumulation = s.gradient_accumulation_steps

@@ -119,6 +119,45 @@ def trl_trainer(tmp_path: Path, policy: Any, tokenizer: Any, case: dict[str, Any
     return trainer
 
 
+def our_loss(
+    policy: Any,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    advantages: torch.Tensor,
+    old: list[torch.Tensor],
+    ref: list[torch.Tensor],
+    pad: int,
+    case: dict[str, Any],
+) -> tuple[Any, float, float]:
+    """(our model with its gradients, the loss, the mean KL) of the batch, one micro-batch per group as the loop
+    runs it: each group's summed loss weighted by 1 / completions, plus the router aux loss per micro-batch."""
+    from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
+
+    ours = NexaMoEForCausalLM(policy.config)
+    ours.load_state_dict(policy.state_dict(), strict=False)
+    ours.train()
+    config = GRPOObjective(
+        prompts_path="unused.jsonl",
+        rewards=[{"name": "exact_answer"}],
+        num_generations=K,
+        max_completion_tokens=MAX_COMPLETION,
+        loss_type=case["loss_type"],
+        beta=case["beta"],
+        temperature=case["temperature"],
+    )
+    loss, kl = 0.0, 0.0
+    for g in range(GROUPS):
+        rows = slice(g * K, (g + 1) * K)
+        batch = completion_batch(prompts[g], completions[rows], advantages[rows], pad, torch.device("cpu"))
+        batch["old_logps"], batch["ref_logps"] = ours_layout(old, batch, rows), ours_layout(ref, batch, rows)
+        terms = grpo_terms(ours, batch, config)
+        _, total = micro_objective(terms, weight=1 / (K * GROUPS), aux_coef=case["aux"], accumulation=GROUPS)
+        total.backward()
+        loss += float(total.detach())
+        kl += float(terms.metric_sums.get("kl", 0.0)) / (K * GROUPS)
+    return ours, loss, kl
+
+
 CASES = [
     {"loss_type": "grpo", "beta": 0.0, "temperature": 1.0, "aux": 0.0},
     {"loss_type": "dr_grpo", "beta": 0.0, "temperature": 1.0, "aux": 0.0},
@@ -135,8 +174,6 @@ def test_grpo_loss_and_every_gradient_equal_trls_grpotrainer(tmp_path: Path, tea
     temperature 1 and 0.7, and with the router's aux loss, our loss, clip ratio, KL and every parameter's gradient
     equal those of TRL's ``GRPOTrainer._compute_loss`` within 1e-5."""
     from transformers import AutoTokenizer, MixtralForCausalLM
-
-    from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     generator = torch.Generator().manual_seed(0)
@@ -163,37 +200,7 @@ def test_grpo_loss_and_every_gradient_equal_trls_grpotrainer(tmp_path: Path, tea
             trl_loss = trl_loss + micro_loss.detach()
         trl_metrics = {k: sum(v[-GROUPS:]) / GROUPS for k, v in trainer._metrics["train"].items()}
 
-        ours = NexaMoEForCausalLM(policy.config)
-        ours.load_state_dict(policy.state_dict(), strict=False)
-        ours.train()
-        config = GRPOObjective(
-            prompts_path="unused.jsonl",
-            rewards=[{"name": "exact_answer"}],
-            num_generations=K,
-            max_completion_tokens=MAX_COMPLETION,
-            loss_type=case["loss_type"],
-            beta=case["beta"],
-            temperature=case["temperature"],
-        )
-        loss, clip, kl = 0.0, 0.0, 0.0
-        for g in range(GROUPS):
-            rows = slice(g * K, (g + 1) * K)
-            batch = completion_batch(
-                prompts[g], completions[rows], advantages[rows], pad, torch.device("cpu")
-            )
-            batch["old_logps"], batch["ref_logps"] = (
-                ours_layout(old, batch, rows),
-                ours_layout(ref, batch, rows),
-            )
-            terms = grpo_terms(ours, batch, config)
-            _, total = micro_objective(
-                terms, weight=1 / (K * GROUPS), aux_coef=case["aux"], accumulation=GROUPS
-            )
-            total.backward()
-            loss += float(total.detach())
-            clip += float(terms.metric_sums["clip_ratio"]) / (K * GROUPS)
-            kl += float(terms.metric_sums.get("kl", 0.0)) / (K * GROUPS)
-
+        ours, loss, kl = our_loss(policy, prompts, completions, advantages, old, ref, pad, case)
         assert abs(loss - trl_loss.item()) < 1e-5, (case, loss, trl_loss.item())
         assert 0 < trl_metrics["clip_ratio/region_mean"] < 1, (
             "the ratio leaves the clip range: clipping is tested"
