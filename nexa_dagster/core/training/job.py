@@ -259,7 +259,8 @@ class TrainingJob(BaseModel):
             )
         if self.data_kind in OBJECTIVE_OF_DATA_KIND and not self.init_from:
             raise ValueError(
-                f"training job {self.run_id}: a {self.objective.kind} job needs init_from, the checkpoint it "
+                f"training job {self.run_id}: a {self.data_kind} ({self.objective.kind.upper()}) job needs init_from, "
+                "the checkpoint it "
                 "starts from (and, by default, its reference model)"
             )
         if self.objective.kind != "grpo" and not (self.train_path and self.validation_path):
