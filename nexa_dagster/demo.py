@@ -164,7 +164,11 @@ def preference_lines(p: PreferenceRun) -> list[str]:
             f"evaluation failed (see the evaluation_job run in the UI){'; ' + p.outcome if p.outcome else ''}"
         )
         return lines
-    if r.win_rate_vs_production is not None and r.win_rate_interval:
+    if r.reward_gate:  # pairs ranked by a reward: the same reward decides, on the frozen held-out RL prompts
+        lines.append(reward_gate_line(r))
+        if r.eval_loss_difference is not None:
+            lines.append(f"eval-set loss (guard): difference {r.eval_loss_difference:+.4f} nats/token")
+    elif r.win_rate_vs_production is not None and r.win_rate_interval:
         low, high = r.win_rate_interval
         lc = (
             f", length-controlled {r.length_controlled_win_rate:.3f} (answers {r.mean_length_change:+.0f} chars)"
@@ -228,22 +232,27 @@ def rl_lines(r: RLRun) -> list[str]:
             f"evaluation failed (see the evaluation_job run in the UI){'; ' + r.outcome if r.outcome else ''}"
         )
         return lines
-    g = report.reward_gate
-    low, high = g.get("interval_low"), g.get("interval_high")
-    interval = f"[{low:+.3f}, {high:+.3f}]" if low is not None and high is not None else "(none)"
-    production = g.get("production_reward")
-    lines.append(
-        f"held-out reward ({', '.join(g['rewards'])}, greedy, RL eval set v{g['rl_eval_set_version']}): candidate "
-        f"{g['candidate_reward']:.3f}, production {report.production_checkpoint_id} "
-        f"{production if production is None else f'{production:.3f}'}; difference "
-        f"{(g.get('difference') or 0.0):+.3f} 95% CI {interval}, n = {g.get('n')} prompts "
-        f"({(report.gate_method or '').split(' (')[0]})"
-    )
+    lines.append(reward_gate_line(report))
     if report.eval_loss_difference is not None:
         lines.append(f"eval-set loss (guard): difference {report.eval_loss_difference:+.4f} nats/token")
     outcome = f"; {r.outcome}" if r.outcome else ""
     lines.append(f"-> {report.gate_decision} (rule: {report.gate_rule}){outcome}")
     return lines
+
+
+def reward_gate_line(report: Any) -> str:
+    """Both models' mean held-out reward on the frozen held-out RL prompts, the paired difference with its interval,
+    n and method: what a reward gate decided on."""
+    g = report.reward_gate
+    low, high = g.get("interval_low"), g.get("interval_high")
+    interval = f"[{low:+.3f}, {high:+.3f}]" if low is not None and high is not None else "(none)"
+    production = g.get("production_reward")
+    return (
+        f"held-out reward ({', '.join(g['rewards'])}, greedy, RL eval set v{g.get('rl_eval_set_version')}): "
+        f"candidate {g['candidate_reward']:.3f}, production {report.production_checkpoint_id} "
+        f"{'none' if production is None else f'{production:.3f}'}; difference {(g.get('difference') or 0.0):+.3f} "
+        f"95% CI {interval}, n = {g.get('n')} prompts ({(report.gate_method or '').split(' (')[0]})"
+    )
 
 
 def run_rl(run: Any, storage: Any) -> RLRun | str:
@@ -367,6 +376,9 @@ def main() -> int:
         pairs = [
             run("preference_pairs_job", partition_key=day).output_for_node("preference_pairs") for day in days
         ]
+        if scale.rl is not None and scale.preference.rank_by == "reward":
+            # the reward gate of a DPO checkpoint trained on reward-ranked pairs scores the frozen held-out prompts
+            run("rl_training_job", asset_selection=[dg.AssetKey("rl_prompts"), dg.AssetKey("rl_eval_set")])
         trained = run("preference_training_job", raise_on_error=False)
         if trained.success:
             pref = trained.output_for_node("preference_checkpoint")

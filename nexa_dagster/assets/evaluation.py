@@ -180,7 +180,8 @@ def eval_report(
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
     # the prompts both models answer: the eval set's questions (for the judge), an RL checkpoint's frozen held-out
     # RL prompts (for the reward gate, at training's completion length)
-    rl_rows = rl_held_out(storage, scale, checkpoint_id) if ckpt.stage == "rl" else None
+    rewards = gate_rewards(ckpt, scale)
+    rl_rows = rl_held_out(storage, scale, checkpoint_id) if rewards else None
     questions = (
         [r["prompt"] for r in rl_rows]
         if rl_rows is not None
@@ -239,8 +240,10 @@ def eval_report(
 
     # 4. the promotion gate, then one report from which the metadata, MLflow and the leaderboard row derive
     decision, reward_figures = gate_decision(
-        ckpt, production, policy, evaluation, scores, contamination, scale, rl_rows
+        ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows
     )
+    if reward_figures is not None and scale.rl is not None:
+        reward_figures["rl_eval_set_version"] = scale.rl.eval_set_version
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -249,7 +252,7 @@ def eval_report(
         eval_set,
         storage.report_dir(checkpoint_id),
         context.run.run_id,
-        {"preference": "win_rate", "rl": "reward"}.get(ckpt.stage, policy.metric),
+        "reward" if rewards else {"preference": "win_rate"}.get(ckpt.stage, policy.metric),
         contamination,
         contaminated,
     )
@@ -284,6 +287,19 @@ def eval_report(
     )
 
 
+def gate_rewards(ckpt: Checkpoint, scale: ScalePreset) -> list[tuple[str, float]]:
+    """The rewards a checkpoint's gate decides on, or none: an RL checkpoint's (``rl.rewards``), and a preference
+    checkpoint's when its pairs were ranked by a reward (``preference.rank_by: reward``): a model trained to prefer
+    the right answer is judged on right answers to prompts it never saw, not on the judge's taste."""
+    if scale.rl is None:
+        return []
+    if ckpt.stage == "rl":
+        return [(r.name, r.weight) for r in scale.rl.rewards]
+    if ckpt.stage == "preference" and scale.preference is not None and scale.preference.rank_by == "reward":
+        return [(scale.preference.reward, 1.0)]
+    return []
+
+
 def gate_decision(
     ckpt: Checkpoint,
     production: ProductionEntry | None,
@@ -291,17 +307,17 @@ def gate_decision(
     evaluation: CheckpointEvaluation,
     scores: dict,
     contamination: float | None,
-    scale: ScalePreset,
+    rewards: list[tuple[str, float]],
     rl_rows: list[dict] | None,
 ) -> tuple[GateDecision, dict | None]:
-    """The gate of the checkpoint's stage: an SFT checkpoint on the configured metric (``decide``), a preference one
-    on the judge's win rate with guards (``decide_preference``), an RL one on the paired held-out reward difference
-    with the loss guard (``decide_reward``); with an RL checkpoint's reward figures."""
-    if ckpt.stage == "rl" and rl_rows is not None and scale.rl is not None:
-        specs = [(r.name, r.weight) for r in scale.rl.rewards]
-        candidate = held_out_rewards(rl_rows, scores["candidate"]["answers"], specs)
+    """The gate of the checkpoint's stage: on ``rewards`` (an RL checkpoint, a reward-ranked DPO one) the paired
+    held-out reward difference with the loss guard (``decide_reward``); a preference checkpoint on the judge's win
+    rate with guards (``decide_preference``); an SFT checkpoint on the configured metric (``decide``). With the
+    reward figures when a reward decided."""
+    if rewards and rl_rows is not None:
+        candidate = held_out_rewards(rl_rows, scores["candidate"]["answers"], rewards)
         baseline = (
-            held_out_rewards(rl_rows, scores["production"]["answers"], specs)
+            held_out_rewards(rl_rows, scores["production"]["answers"], rewards)
             if "production" in scores
             else []
         )
@@ -311,12 +327,11 @@ def gate_decision(
             ckpt.checkpoint_id, production, policy, differences, evaluation.paired_loss, means
         )
         figures = {
-            "rewards": [name for name, _ in specs],
+            "rewards": [name for name, _ in rewards],
             "candidate_reward": float(np.mean(candidate)),
             "production_reward": means[1] if means else None,
             **{k: decision.metadata()[k] for k in ("difference", "interval_low", "interval_high", "n")},
-            "rl_eval_set_version": scale.rl.eval_set_version,
-            "training": ckpt.rl_metrics or {},
+            "training": ckpt.rl_metrics or ckpt.preference_metrics or {},
         }
         return decision, figures
     if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard

@@ -20,7 +20,7 @@ from nexa_dagster.assets.common import preview
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import SFTDataset
-from nexa_dagster.core.common.config import ScalePreset
+from nexa_dagster.core.common.config import RLTaskSettings, ScalePreset
 from nexa_dagster.core.data.contamination import ContaminationIndex, load_or_build
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
 from nexa_dagster.core.evaluation.eval_set import load_eval_set
@@ -48,7 +48,7 @@ from nexa_dagster.core.packaging.sft_dataset import (
     drop_cross_day_duplicates,
 )
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
-from nexa_dagster.core.rl.tasks import RLPrompts, TaskBuild, TaskSettings, build_tasks, write_task_rows
+from nexa_dagster.core.rl.tasks import RLPrompts, TaskBuild, build_tasks, write_task_rows
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
@@ -417,10 +417,9 @@ def rl_prompts(
     )
 
 
-def task_settings(scale: ScalePreset) -> TaskSettings:
+def task_settings(scale: ScalePreset) -> RLTaskSettings:
     """The scale preset's ``rl.tasks`` (the defaults while the preset has no RL stage)."""
-    tasks = getattr(scale.rl, "tasks", None) if scale.rl is not None else None
-    return TaskSettings.model_validate(tasks.model_dump() if tasks is not None else {})
+    return scale.rl.tasks if scale.rl is not None else RLTaskSettings()
 
 
 def task_counts(build: TaskBuild) -> dict[str, dict[str, int]]:

@@ -128,7 +128,9 @@ class RLRunConfig(dg.Config):
     )
     loss_type: str | None = Field(default=None, description="grpo or dr_grpo; empty: rl.loss_type")
     rewards: list[str] | None = Field(
-        default=None, description="reward names (core/rl/rewards.py), weight 1 each; empty: rl.rewards"
+        default=None,
+        description="rewards as name or name:weight (core/rl/rewards.py), e.g. exact_answer:-1 (the negative "
+        "control: the right answer punished; the gate still measures the preset's rewards); empty: rl.rewards",
     )
 
     def settings(self, preset: RLSettings) -> RLSettings:
@@ -139,7 +141,7 @@ class RLRunConfig(dg.Config):
             "num_generations": self.num_generations,
             "beta": self.beta,
             "loss_type": self.loss_type,
-            "rewards": [{"name": r, "weight": 1.0} for r in self.rewards] if self.rewards else None,
+            "rewards": [reward_spec(r) for r in self.rewards] if self.rewards else None,
         }
         try:
             return RLSettings.model_validate(
@@ -147,6 +149,17 @@ class RLRunConfig(dg.Config):
             )
         except ValueError as e:
             raise dg.Failure(f"rl_checkpoint run config: {e}", allow_retries=False) from e
+
+
+def reward_spec(text: str) -> dict[str, object]:
+    """``name`` or ``name:weight`` as the preset's ``{name, weight}``."""
+    name, _, weight = text.partition(":")
+    try:
+        return {"name": name.strip(), "weight": float(weight) if weight else 1.0}
+    except ValueError as e:
+        raise dg.Failure(
+            f"rl_checkpoint run config: reward {text!r}: weight is not a number", allow_retries=False
+        ) from e
 
 
 @dg.asset(

@@ -317,6 +317,77 @@ def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_worl
     assert TrackingResource(data_root=str(data)).alias_version("nexa-moe", "production")[1] == before
 
 
+RL_GATE = re.compile(
+    r"held-out reward \(([^,]+), greedy, RL eval set v(\d+)\): candidate (\d\.\d+), production (\S+) "
+    r"(\d\.\d+); difference ([+-]\d\.\d+) 95% CI \[([+-]\d\.\d+), ([+-]\d\.\d+)\], n = (\d+) prompts"
+)
+
+
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(600)
+def test_make_run_post_trains_with_rl_and_promotes_it_on_held_out_evidence(
+    demo_world: tuple[Path, str],
+) -> None:
+    """After SFT and preference, GRPO from production on the checkable tasks: its rollout reward rises, and the
+    gate compares both models' greedy answers to the frozen held-out prompts with the same reward; the decision
+    follows the rule (the interval above zero on n >= 30 prompts), and a promoted candidate is deployed."""
+    root, summary = demo_world
+    trained = re.search(
+        r"(rl-\S+) \(GRPO from production:(\S+)\): rollout reward (\d\.\d+) at step 1 -> (\d\.\d+) at the last step",
+        summary,
+    )
+    assert trained, summary
+    assert float(trained.group(4)) > float(trained.group(3)), trained.group(0)  # it learned in training
+    gate = RL_GATE.search(summary)
+    assert gate and gate.group(1) == "exact_answer" and int(gate.group(9)) >= 30, summary
+    candidate, production, difference = (float(gate.group(i)) for i in (3, 5, 6))
+    low, high = float(gate.group(7)), float(gate.group(8))
+    assert abs(difference - (candidate - production)) < 2e-3 and low <= difference <= high, gate.group(0)
+    decision = re.search(
+        r"-> (promote|hold back|insufficient evidence) \(rule: (reward interval low > 0\.0[^)]*)\)(?:; (.*))?",
+        summary[gate.end() :],
+    )
+    assert decision, summary
+    assert (decision.group(1) == "promote") <= (low > 0), decision.group(0)
+    if decision.group(1) == "promote":
+        assert decision.group(3) == "deployed", decision.group(0)
+        assert f"production        {trained.group(1)}" in summary
+    # the frozen held-out prompts were never trained on: no document or prompt on both sides
+    data = root / "data"
+    held = [json.loads(line) for line in next((data / "rl_eval_sets").glob("v*/prompts.jsonl")).open()]
+    train = [json.loads(line) for p in (data / "rl" / "tasks").glob("*/train.jsonl") for line in p.open()]
+    assert held and train
+    assert not {r["doc_id"] for r in held} & {r["doc_id"] for r in train}
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+
+
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(1200)
+def test_an_rl_negative_control_is_held_back_in_the_same_world(demo_world: tuple[Path, str]) -> None:
+    """The RL gate discriminates both ways on a real run: GRPO from production with the reward inverted (the right
+    answer punished, exact_answer:-1) is evaluated with the preset's reward and held back; production stays."""
+    root, _ = demo_world
+    data = root / "data"
+    registry = ProductionRegistry(StorageResource(data_root=str(data)).production_pointer())
+    env = sandbox_env(root)
+    before = registry.current().checkpoint_id
+    control = '{"ops": {"rl_checkpoint": {"config": {"rewards": ["exact_answer:-1"]}}}}'
+    train = materialize_command("rl_prompts,rl_eval_set,rl_checkpoint", None, "--config-json", control)
+    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    instance = dg.DagsterInstance.from_config(str(root / "home"))
+    worse = instance.get_latest_materialization_event(dg.AssetKey("rl_checkpoint")).asset_materialization
+    worse_id = str(worse.metadata["checkpoint_id"].value)
+    assert str(worse.metadata["parent"].value) == f"production:{before}"
+    evaluate = materialize_command("eval_report,model_deployment", worse_id)
+    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
+    assert evaluated.partition == worse_id
+    report = {k: v.value for k, v in evaluated.metadata.items()}
+    assert report["gate_decision"] in ("hold back", "insufficient evidence"), report
+    assert report["gate_rule"].startswith("reward interval low > 0.0"), report
+    assert registry.current().checkpoint_id == before
+
+
 @pytest.mark.xdist_group("demo")
 @pytest.mark.timeout(1200)
 def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, str], tmp_path: Path) -> None:

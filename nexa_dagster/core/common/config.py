@@ -230,6 +230,11 @@ class PreferenceSettings(_Strict):
     learning_rate: float | None = Field(
         default=None, gt=0, description="default: training.learning_rate / 10"
     )
+    # (pipeline engineer) how the K answers are ranked into pairs: the judge's score, or a verifiable reward
+    rank_by: Literal["judge", "reward"] = Field(
+        default="judge", description="judge: pointwise judge score; reward: `reward` on the checkable tasks"
+    )
+    reward: str = Field(default="exact_answer", min_length=1, description="rank_by reward: a core.rl.rewards name")
     warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:
@@ -248,6 +253,19 @@ class RLReward(_Strict):
 
     name: str = Field(min_length=1)
     weight: float = 1.0
+
+
+class RLTaskSettings(_Strict):
+    """How ``rl_prompts`` builds the checkable tasks from the ingested documents (``core/rl/tasks.py``)."""
+
+    tasks: list[Literal["topic", "next_words"]] = Field(default_factory=lambda: ["topic"], min_length=1)
+    choices: int = Field(default=4, ge=2, le=10, description="topic: candidate topics listed in the prompt")
+    passage_words: int = Field(default=40, ge=8, description="words of the document shown")
+    next_words: int = Field(default=3, ge=1, le=10, description="next_words: words to continue with")
+    held_out_fraction: float = Field(
+        default=0.25, gt=0, lt=1, description="documents (by a hash of the id) held out for the RL gate"
+    )
+    seed: int = 0
 
 
 class RLSettings(_Strict):
@@ -283,6 +301,10 @@ class RLSettings(_Strict):
         default=None, gt=0, description="default: training.learning_rate / 10 (post-training moves less)"
     )
     warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+    # (pipeline engineer) the tasks, and the frozen held-out prompts the reward gate compares both models on
+    tasks: RLTaskSettings = Field(default_factory=RLTaskSettings)
+    held_out_prompts: int = Field(default=64, gt=0, description="prompts of the frozen RL eval set")
+    eval_set_version: int = Field(default=1, ge=1, description="the frozen RL eval set's version")
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:
         """The SFT settings with RL's steps, learning rate and batch shape (K completions per micro-batch)."""

@@ -99,17 +99,12 @@ def read_prompts(manifest: dict[str, Any], limit: int | None = None) -> list[dic
 
 
 def overlap_problems(held_out: Sequence[dict[str, Any]], train_path: str) -> list[str]:
-    """What puts a held-out prompt in training: an item id, a document, a topic answer or a prompt text that the
-    train rows at ``train_path`` also hold. Empty: none (the ``rl_eval_set`` asset check)."""
+    """What puts a held-out prompt in training: an item id, a document or a prompt text that the train rows at
+    ``train_path`` also hold. Empty: none (the ``rl_eval_set`` asset check)."""
     with storage.open_read(train_path) as f:
         train = [json.loads(line) for line in f]
     problems = []
     for key in ("item_id", "doc_id", "prompt"):
         shared = sorted({str(r[key]) for r in held_out} & {str(r[key]) for r in train})
         problems += [f"{key} on both sides: {value[:80]}" for value in shared]
-    topics = {r["answer"] for r in train if r["task"] == "topic"}
-    problems += [
-        f"topic answer on both sides: {a}"
-        for a in sorted({r["answer"] for r in held_out if r["task"] == "topic"} & topics)
-    ]
     return problems

@@ -12,11 +12,13 @@ about the Python reference documentation the pipeline ingests:
   answer that names several candidates (listing every choice is the obvious way to game an exact-match check).
 * ``next_words``: the next ``next_words`` words of a passage, checked after normalisation (case, punctuation).
 
-Train and held-out items are kept apart by a hash of the topic (``held_out``), not of the document: a topic's
-parts share its answer, so splitting by document would let a held-out answer be one the policy was rewarded for
-in training. No item that shares text with a protected item (the frozen eval set, the lm-eval benchmark tasks:
-``core.data.contamination``'s 13-gram index, the one packaging uses) is kept: ``decontaminated`` drops them and
-says which. Every row carries ``prompt``, ``task``, ``answer``, ``reference`` (the answer as text, for the
+Train and held-out items are kept apart by a hash of the document id (``held_out``): a held-out prompt is a passage
+no training prompt shows. The topics (the labels) are shared by both sides, as a classifier's labels are: the
+held-out question is whether the policy names the topic of a passage it never saw, not whether it can copy a name it
+was never rewarded for (which a tiny model cannot learn). A prompt text that occurs on both sides, or with two
+answers (pydoc repeats some passages word for word), is left out whole. No item that shares text with a protected
+item (the frozen eval set, the lm-eval benchmark tasks: ``core.data.contamination``'s 13-gram index, the one
+packaging uses) is kept: ``decontaminated`` drops them and says which. Every row carries ``prompt``, ``task``, ``answer``, ``reference`` (the answer as text, for the
 reference-F1 reward), ``choices``, ``item_id`` and ``doc_id``. Dagster-free.
 """
 
@@ -26,33 +28,18 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.config import RLTaskSettings
 from nexa_dagster.core.common.jsonl import dumps
 from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.packaging.jsonl_dataset import JsonlDataset
 
 TOPIC = "topic"
 NEXT_WORDS = "next_words"
-TaskName = Literal["topic", "next_words"]
-_PART = re.compile(r"^(?P<topic>.+?) \(part \d+\)$")
+_PART = re.compile(r"^(?P<topic>.+?)(?: \(part \d+\)|-part-\d+)$")  # "x (part 2)"; a file's "x-part-29"
 _SALT = "nexa-rl-held-out"
-
-
-class TaskSettings(BaseModel):
-    """How the checkable tasks are built (the scale preset's ``rl.tasks``; every value explained there)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tasks: list[TaskName] = Field(default_factory=lambda: [TOPIC], min_length=1)
-    choices: int = Field(default=4, ge=2, le=10)
-    passage_words: int = Field(default=40, ge=8)
-    next_words: int = Field(default=3, ge=1, le=10)
-    held_out_fraction: float = Field(default=0.25, gt=0, lt=1)
-    seed: int = 0
 
 
 @dataclass
@@ -79,9 +66,9 @@ def _unit(key: str, seed: int) -> float:
     return int(hashlib.sha256(f"{_SALT}:{seed}:{key}".encode()).hexdigest()[:12], 16) / float(16**12)
 
 
-def held_out(topic: str, settings: TaskSettings) -> bool:
-    """Whether a topic's items are on the held-out side (never trained on): a hash of the topic alone."""
-    return _unit(f"topic:{topic}", settings.seed) < settings.held_out_fraction
+def held_out(doc_id: str, settings: RLTaskSettings) -> bool:
+    """Whether a document's items are on the held-out side (never trained on): a hash of its id alone."""
+    return _unit(f"doc:{doc_id}", settings.seed) < settings.held_out_fraction
 
 
 def normalise_words(text: str) -> list[str]:
@@ -89,7 +76,7 @@ def normalise_words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+(?:[-_][a-z0-9]+)*", text.lower())
 
 
-def _choices(answer: str, topics: Sequence[str], doc_id: str, settings: TaskSettings) -> list[str]:
+def _choices(answer: str, topics: Sequence[str], doc_id: str, settings: RLTaskSettings) -> list[str]:
     """``settings.choices`` candidates: the answer and distractors, picked and ordered by hashes of the document
     (so the answer's position is uniform: always naming the first choice scores chance, 1/choices)."""
     others = sorted((t for t in topics if t != answer), key=lambda t: _unit(f"{doc_id}:{t}", settings.seed))
@@ -108,8 +95,11 @@ def next_words_prompt(passage: str, k: int) -> str:
     return f"Continue this passage with its next {k} words.\n\n{passage}"
 
 
-def _row(task: str, doc_id: str, prompt: str, answer: str, choices: list[str], side: str) -> dict[str, Any]:
+def _row(
+    task: str, doc_id: str, prompt: str, answer: str, choices: list[str], side: str, passage: str
+) -> dict[str, Any]:
     return {
+        "_passage": passage,  # what the question is about: two items on one passage must agree (``unambiguous``)
         "item_id": f"{task}:{doc_id}",
         "doc_id": doc_id,
         "task": task,
@@ -122,12 +112,12 @@ def _row(task: str, doc_id: str, prompt: str, answer: str, choices: list[str], s
 
 
 def document_items(
-    doc_id: str, title: str, text: str, topics: Sequence[str], settings: TaskSettings, build: TaskBuild
+    doc_id: str, title: str, text: str, topics: Sequence[str], settings: RLTaskSettings, build: TaskBuild
 ) -> list[dict[str, Any]]:
     """The checkable items of one document (none when it is too short or has no title), each on its side."""
     words = text.split()
     topic = topic_of(title)
-    side = "held_out" if held_out(topic, settings) else "train"
+    side = "held_out" if held_out(doc_id, settings) else "train"
     items = []
     if TOPIC in settings.tasks:
         if not topic or len(topics) < settings.choices:
@@ -135,19 +125,20 @@ def document_items(
         else:
             choices = _choices(topic, topics, doc_id, settings)
             passage = " ".join(words[: settings.passage_words])
-            items.append(_row(TOPIC, doc_id, topic_prompt(passage, choices), topic, choices, side))
+            items.append(_row(TOPIC, doc_id, topic_prompt(passage, choices), topic, choices, side, passage))
     if NEXT_WORDS in settings.tasks:
         cut = _cut(words, settings)
         if cut is None:
             build.skip("next_words: no run of next words after the passage (too short, or symbols)")
         else:
             answer = " ".join(words[cut : cut + settings.next_words])
-            prompt = next_words_prompt(" ".join(words[:cut]), settings.next_words)
-            items.append(_row(NEXT_WORDS, doc_id, prompt, answer, [], side))
+            passage = " ".join(words[:cut])
+            prompt = next_words_prompt(passage, settings.next_words)
+            items.append(_row(NEXT_WORDS, doc_id, prompt, answer, [], side, passage))
     return items
 
 
-def _cut(words: Sequence[str], settings: TaskSettings) -> int | None:
+def _cut(words: Sequence[str], settings: RLTaskSettings) -> int | None:
     """Where the passage ends: the first position from ``passage_words`` on whose next ``next_words`` tokens are
     each one word (grammar symbols such as ``::=`` or ``*`` have no words to check)."""
     k = settings.next_words
@@ -158,12 +149,12 @@ def _cut(words: Sequence[str], settings: TaskSettings) -> int | None:
 
 
 def unambiguous(items: list[dict[str, Any]], build: TaskBuild) -> list[dict[str, Any]]:
-    """One item per prompt text: the pydoc topics repeat some passages word for word, and a prompt that is on both
-    sides would put a held-out prompt in training, a prompt with two answers would reward a guess. Those are left
-    out whole; a prompt repeated with the same answer on one side is kept once."""
-    by_prompt: dict[str, list[dict[str, Any]]] = {}
+    """One item per task and passage: the pydoc topics repeat some passages word for word, and a passage on both
+    sides would put a held-out question in training, a passage with two answers would reward a guess. Those are
+    left out whole; a passage repeated with the same answer on one side is kept once."""
+    by_prompt: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for item in items:
-        by_prompt.setdefault(item["prompt"], []).append(item)
+        by_prompt.setdefault((item["task"], item.pop("_passage")), []).append(item)
     kept = []
     for same in by_prompt.values():
         if len({(i["side"], i["answer"]) for i in same}) > 1:
@@ -194,7 +185,7 @@ def decontaminated(
 
 
 def build_tasks(
-    documents: Iterable[dict[str, Any]], settings: TaskSettings, index: ContaminationIndex | None
+    documents: Iterable[dict[str, Any]], settings: RLTaskSettings, index: ContaminationIndex | None
 ) -> TaskBuild:
     """Checkable items of every document (``doc_id``, ``title``, ``text``; a doc_id seen again is skipped),
     decontaminated against ``index`` and split into train and held-out sides, each sorted by item id."""

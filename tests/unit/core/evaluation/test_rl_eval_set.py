@@ -68,5 +68,5 @@ def test_a_held_out_item_among_the_train_rows_is_named(tmp_path) -> None:
     train.write_text(train.read_text() + json.dumps(leaked) + "\n")
     problems = overlap_problems(HELD, str(train))
     assert (
-        "item_id on both sides: topic:doc002" in problems and "topic answer on both sides: lambda" in problems
+        "item_id on both sides: topic:doc002" in problems and "doc_id on both sides: doc002" in problems
     )

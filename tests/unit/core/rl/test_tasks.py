@@ -7,21 +7,20 @@ import hashlib
 
 import pytest
 
-from nexa_dagster.core.common.config import BenchmarkSettings
+from nexa_dagster.core.common.config import BenchmarkSettings, RLTaskSettings
 from nexa_dagster.core.data.contamination import ContaminationIndex, ProtectedItem
 from nexa_dagster.core.data.sample_corpus import _topics
 from nexa_dagster.core.evaluation.protected import benchmark_items
 from nexa_dagster.core.rl.tasks import (
     NEXT_WORDS,
     TOPIC,
-    TaskSettings,
     build_tasks,
     normalise_words,
     topic_of,
     write_task_rows,
 )
 
-SETTINGS = TaskSettings(tasks=[TOPIC, NEXT_WORDS])
+SETTINGS = RLTaskSettings(tasks=[TOPIC, NEXT_WORDS])
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +43,27 @@ def benchmark_index() -> ContaminationIndex:
     return ContaminationIndex.build(items, n=13, min_words=8)
 
 
-def test_train_and_held_out_share_no_document_topic_or_prompt_and_the_split_is_stable(documents) -> None:
+def test_train_and_held_out_share_no_document_or_prompt_and_the_split_is_stable(documents) -> None:
     build = build_tasks(documents, SETTINGS, None)
     assert build.train and build.held_out
-    train_topics = {topic_of(r["answer"]) for r in build.train if r["task"] == TOPIC}
-    held_topics = {topic_of(r["answer"]) for r in build.held_out if r["task"] == TOPIC}
-    assert (
-        train_topics and held_topics and not train_topics & held_topics
-    )  # no held-out answer rewarded in training
     assert not {r["doc_id"] for r in build.train} & {r["doc_id"] for r in build.held_out}
     assert not {r["prompt"] for r in build.train} & {r["prompt"] for r in build.held_out}
-    share = len({r["doc_id"] for r in build.held_out}) / len(documents)
-    assert (
-        0.1 < share < 0.45
-    )  # about held_out_fraction (0.25) of the topics, whose sizes vary (5 to 115 parts)
+    share = len({r["doc_id"] for r in build.held_out}) / len(
+        {r["doc_id"] for r in build.train + build.held_out}
+    )
+    assert 0.2 < share < 0.3  # held_out_fraction (0.25) of the documents, by a hash of their id
     again = build_tasks(
         list(reversed(documents)), SETTINGS, None
     )  # another order, another run: the same items
     assert again.train == build.train and again.held_out == build.held_out
+
+
+def test_a_passage_repeated_word_for_word_under_two_topics_is_never_a_prompt(documents) -> None:
+    twin = {**documents[0], "doc_id": "f" * 16, "title": "lambda (part 9)"}  # the same text, another answer
+    build = build_tasks([*documents, twin], RLTaskSettings(tasks=[TOPIC]), None)
+    passages = [r["prompt"].split("\n\n")[1] for r in build.train + build.held_out]
+    assert " ".join(documents[0]["text"].split()[:40]) not in passages
+    assert build.skipped["prompt repeated with another answer or on the other side"] >= 2
 
 
 def test_items_sharing_text_with_a_protected_item_are_left_out_and_named(documents, benchmark_index) -> None:
@@ -88,7 +90,7 @@ def test_a_benchmark_item_planted_in_a_document_is_never_trained_on(documents, b
         "Base16, Base32, Base64 (RFC 3548), Base85 and Ascii85 data encodings, as the module's docstring says: "
         + planted["text"]
     )
-    build = build_tasks([planted, *documents[4:]], TaskSettings(tasks=[TOPIC]), benchmark_index)
+    build = build_tasks([planted, *documents[4:]], RLTaskSettings(tasks=[TOPIC]), benchmark_index)
     assert planted["doc_id"] not in {r["doc_id"] for r in build.train + build.held_out}
     assert build.contaminated and build.contaminated[0]["protected"].startswith("benchmark:nexa_")
 
@@ -116,7 +118,7 @@ def test_the_answer_is_in_every_position_about_equally_often(documents) -> None:
 
 
 def test_task_rows_are_written_once_content_addressed(documents, tmp_path) -> None:
-    build = build_tasks(documents, TaskSettings(), None)
+    build = build_tasks(documents, RLTaskSettings(), None)
     run_hash, train, held = write_task_rows(build, str(tmp_path))
     assert write_task_rows(build, str(tmp_path)) == (run_hash, train, held)
     with open(train) as t, open(held) as h:
