@@ -1,12 +1,13 @@
-"""One launch-and-record path for every trained checkpoint: SFT (``moe_checkpoint``), DPO
-(``preference_checkpoint``) and GRPO (``rl_checkpoint``).
+"""One launch-and-record path for every trained checkpoint: pretraining (``base_model``), SFT (``moe_checkpoint``),
+DPO (``preference_checkpoint``) and GRPO (``rl_checkpoint``).
 
 Each stage builds its ``TrainingJob`` and says what is its own (``StageRecord``: the MLflow stage, the curve's
 label, the parameters, and ``figures``, the pluggable part that turns the worker's result into the stage's
 final metrics, record fields and metadata); ``launch_and_record`` then does what every one of them does, in one
 order: launch the worker on the GPU cluster through Dagster Pipes, log the run to MLflow with its loss curve,
-write the checkpoint's record beside its weights, register it (a model version, the partition evaluation runs
-on) and return it with its metadata. A fourth stage adds a ``StageRecord``, not a fifth copy of the sequence.
+write the checkpoint's record beside its weights, publish it (``registered``: a model version and the
+``checkpoints`` partition evaluation runs on; a base model: its ``base_models`` partition) and return it with its
+metadata. A fourth stage adds a ``StageRecord``, not a fifth copy of the sequence.
 """
 
 from __future__ import annotations
@@ -55,6 +56,21 @@ class StageRecord:
     figures: Callable[[TrainingResult], StageFigures]
 
 
+Publish = Callable[[Checkpoint], dict[str, Any]]
+
+
+def registered(
+    context: dg.AssetExecutionContext, tracking: TrackingResource, registered_model: str
+) -> Publish:
+    """Publishing as every post-trained checkpoint is published: a model version in MLflow, and the
+    ``checkpoints`` partition evaluation_job runs on next."""
+
+    def publish(checkpoint: Checkpoint) -> dict[str, Any]:
+        return {"mlflow_model_version": publish_checkpoint(context, tracking, registered_model, checkpoint)}
+
+    return publish
+
+
 def launch_and_record(
     context: dg.AssetExecutionContext,
     job: TrainingJob,
@@ -62,10 +78,10 @@ def launch_and_record(
     gpu_cluster: GPUClusterResource,
     storage: StorageResource,
     tracking: TrackingResource,
-    registered_model: str,
+    publish: Publish,
 ) -> dg.Output[Checkpoint]:
-    """Train ``job`` off-process and write it down: Pipes launch, MLflow run, ``checkpoint.json``, model version
-    and ``checkpoints`` partition, and the materialization's metadata."""
+    """Train ``job`` off-process and write it down: Pipes launch, MLflow run, ``checkpoint.json``, ``publish``
+    (returns metadata of its own), and the materialization's metadata."""
     context.log.info(f"{stage.launch_message} on the {gpu_cluster.backend} cluster")
     result, invocation = gpu_cluster.run_training(
         context, job, io.local_dir(storage.path("runs", job.run_id))
@@ -92,8 +108,7 @@ def launch_and_record(
         **stage.record,
         **figures.record,
     )
-    # a model version in MLflow, and the partition evaluation_job runs on next
-    model_version = publish_checkpoint(context, tracking, registered_model, checkpoint)
+    published = publish(checkpoint)
     return dg.Output(
         checkpoint,
         metadata={
@@ -102,7 +117,7 @@ def launch_and_record(
             "parent": job.parent,
             "dataset_run_hash": job.dataset_run_hash,
             "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": model_version,
+            **published,
             **figures.metadata,
         },
     )

@@ -355,7 +355,7 @@ def pretrain_corpus(
     description="Prompts for RL as JSONL: the teacher's accepted answer as reference, through the transforms of the "
     "RL blend (path), and checkable tasks built from the ingested documents (core/rl/tasks.py: which reference "
     "topic a passage is from, its next words), decontaminated against the eval set and the benchmark items and "
-    "split by a hash of the topic into the train side (tasks_path, what GRPO trains on) and the held-out side "
+    "split by a hash of the document id into the train side (tasks_path, what GRPO trains on) and the held-out side "
     "(held_out_path, what the frozen rl_eval_set is drawn from), under data/rl/.",
 )
 def rl_prompts(

@@ -18,7 +18,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
@@ -37,17 +37,20 @@ from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transform
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
-from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
+from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset, TrainingSettings
 from nexa_dagster.core.data import schemas
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge import Judge
 from nexa_dagster.core.distill.pairs import (
+    AnswerScorer,
     JudgeScorer,
+    PairStats,
     RewardScorer,
     gap_histogram,
     make_pairs,
     pair_problems,
 )
+from nexa_dagster.core.distill.sample_gate import GateConfig
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
@@ -177,20 +180,7 @@ def preference_pairs(
         GenerationStore(store_dir) as store,
         progress_logger(context, "policy answers") as progress,
     ):
-        scorer = (
-            RewardScorer(reward_function(settings.reward), settings.reward)
-            if by_reward
-            else JudgeScorer(
-                Judge(
-                    judging,
-                    prompts.text("judge"),
-                    prompts.text("judge_verdict"),
-                    gate.judge.max_tokens,
-                    gate.judge.method,
-                    gate.judge.retries,
-                )
-            )
-        )
+        scorer = answer_scorer(settings, judging, prompts, gate)
         pairs, stats = make_pairs(
             day,
             answering,
@@ -208,10 +198,24 @@ def preference_pairs(
         f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
         f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
     )
-    metadata = {
+    metadata = pairs_metadata(pairs, stats, production, scorer.model_id)
+    yield dg.Output(pairs, metadata=metadata)
+    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
+    yield dg.AssetCheckResult(
+        check_name="pairs_are_trainable",
+        passed=not problems,
+        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+    )
+
+
+def pairs_metadata(
+    pairs: pd.DataFrame, stats: PairStats, production: ProductionEntry, ranked_by: str
+) -> dict:
+    """What a person reads on the day's pairs: counts, why prompts gave no pair, the score gaps, a preview."""
+    return {
         "dagster/row_count": len(pairs),
         "policy_checkpoint": production.checkpoint_id,
-        "ranked_by": scorer.model_id,
+        "ranked_by": ranked_by,
         "policy_model": answering_id(pairs, production),
         "prompts": stats.prompts,
         "held_out_prompts_skipped": stats.held_out_prompts,
@@ -231,13 +235,24 @@ def preference_pairs(
             ["pair_id", "chosen_text", "rejected_text", "score_gap"],
         ),
     }
-    yield dg.Output(pairs, metadata=metadata)
-    problems = pair_problems(pairs, settings.min_score_gap, eval_sets.fraction)
-    yield dg.AssetCheckResult(
-        check_name="pairs_are_trainable",
-        passed=not problems,
-        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+
+
+def answer_scorer(
+    settings: PreferenceSettings, judging: object, prompts: PromptsResource, gate: GateConfig
+) -> AnswerScorer:
+    """What ranks the policy's answers (``preference.rank_by``): a verifiable reward, or the judge's pointwise
+    score as SampleGate judges the teacher."""
+    if settings.rank_by == "reward":
+        return RewardScorer(reward_function(settings.reward), settings.reward)
+    judge = Judge(
+        judging,
+        prompts.text("judge"),
+        prompts.text("judge_verdict"),
+        gate.judge.max_tokens,
+        gate.judge.method,
+        gate.judge.retries,
     )
+    return JudgeScorer(judge)
 
 
 def checkable_prompts(
@@ -450,33 +465,43 @@ def preference_checkpoint(
             reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
         ),
     )
-    stage = StageRecord(
+    stage = dpo_record(job, scale, settings, training, preference_dataset, production.checkpoint_id)
+    publish = registered(context, tracking, promotion_policy.policy().registered_model)
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
+
+
+def dpo_record(
+    job: TrainingJob,
+    scale: ScalePreset,
+    settings: PreferenceSettings,
+    training: TrainingSettings,
+    data: PreferenceDataset,
+    production_id: str,
+) -> StageRecord:
+    """What is DPO's own in the launch-and-record path: its parameters, record fields and held-out figures."""
+    return StageRecord(
         stage="preference",
-        title=f"{checkpoint_id} (DPO)",
+        title=f"{job.run_id} (DPO)",
         curve_label="DPO loss",
-        launch_message=f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
-        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, "
-        f"{preference_dataset.train_pairs} pairs)",
+        launch_message=f"launching DPO of {job.run_id} from production {production_id} "
+        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, {data.train_pairs} pairs)",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
             "parent": job.parent,
-            "dataset_run_hash": preference_dataset.run_hash,
+            "dataset_run_hash": data.run_hash,
             "beta": settings.beta,
             "loss": settings.loss,
             **training.model_dump(),
         },
         record={
-            "dataset_validation_path": preference_dataset.validation_path,
+            "dataset_validation_path": data.validation_path,
             "model_preset": scale.model_preset,
             "scale": scale.name,
             "stage": "preference",
             "parent": job.parent,
         },
         figures=dpo_figures,
-    )
-    return launch_and_record(
-        context, job, stage, gpu_cluster, storage, tracking, promotion_policy.policy().registered_model
     )
 
 

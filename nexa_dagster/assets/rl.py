@@ -1,7 +1,7 @@
 """RL stage: GRPO from the production model on checkable prompts, judged on prompts it never trained on.
 
 * ``rl_eval_set``: the frozen held-out RL prompts (versioned, manifest hashed, decontaminated), drawn once from
-  ``rl_prompts``' held-out side (topics hashed away from training): what the RL gate compares candidate and
+  ``rl_prompts``' held-out side (documents hashed away from training): what the RL gate compares candidate and
   production on, and what training reports its held-out reward on.
 * ``rl_checkpoint``: GRPO (the training loop's ``grpo`` objective, ``core/training``) from the model in production
   on ``rl_prompts``' checkable train rows, rewarded by the verifiable rewards of the scale preset's ``rl.rewards``,
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.preference import PRODUCTION_MODEL, production_model
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
@@ -66,10 +66,10 @@ def rl_settings(scale: ScalePreset) -> RLSettings:
             "rl_eval_set_is_frozen_and_apart",
             asset="rl_eval_set",
             description="The frozen RL eval set re-read: its files match the manifest's hashes, and none of its "
-            "items is among rl_prompts' train rows (by item id, document, topic answer or prompt text).",
+            "items is among rl_prompts' train rows (by item id, document or prompt text).",
         )
     ],
-    description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, topics never "
+    description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, documents never "
     "trained on, decontaminated) as data/rl_eval_sets/v<N>/prompts.jsonl with a hashed manifest; written once per "
     "version (rl.eval_set_version), checked on every read.",
 )
@@ -84,7 +84,7 @@ def rl_eval_set(
     root = storage.path("rl_eval_sets")
     with io.open_read(rl_prompts.held_out_path) as f:
         items = [json.loads(line) for line in f]
-    # an even spread over the held-out topics: the items in the order of a hash of their id, the first `count`
+    # an even spread over the held-out documents: the items in the order of a hash of their id, the first `count`
     chosen = sorted(items, key=lambda i: hashlib.sha256(i["item_id"].encode()).hexdigest())[:count]
     try:
         manifest = freeze_rl_eval_set(chosen, root, version, {"held_out_prompts": count}, context.log.info)
@@ -223,9 +223,8 @@ def rl_checkpoint(
         record={"model_preset": scale.model_preset, "scale": scale.name, "stage": "rl", "parent": job.parent},
         figures=grpo_figures,
     )
-    return launch_and_record(
-        context, job, stage, gpu_cluster, storage, tracking, promotion_policy.policy().registered_model
-    )
+    publish = registered(context, tracking, promotion_policy.policy().registered_model)
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
 
 
 def grpo_objective(rl: RLSettings, rl_prompts: RLPrompts, rl_eval_set: RLEvalSet) -> GRPOObjective:

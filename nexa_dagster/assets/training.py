@@ -11,7 +11,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
@@ -162,25 +162,34 @@ def moe_checkpoint(
         parent=init.parent,
         init_requested=init_requested,
     )
-    stage = StageRecord(
+    stage = sft_record(job, scale, settings, sft_dataset)
+    publish = registered(context, tracking, promotion_policy.policy().registered_model)
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
+
+
+def sft_record(
+    job: TrainingJob, scale: ScalePreset, settings: TrainingSettings, data: SFTDataset
+) -> StageRecord:
+    """What is SFT's own in the launch-and-record path: its parameters, record fields and figures."""
+    return StageRecord(
         stage="training",
-        title=f"{checkpoint_id} ({scale.model_preset})",
+        title=f"{job.run_id} ({scale.model_preset})",
         curve_label="training loss",
-        launch_message=f"launching training of {checkpoint_id} ({scale.model_preset}, {settings.max_steps} "
-        f"steps, from {init.parent})",
+        launch_message=f"launching training of {job.run_id} ({scale.model_preset}, {settings.max_steps} "
+        f"steps, from {job.parent})",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
-            "parent": init.parent,
-            "dataset_run_hash": sft_dataset.run_hash,
+            "parent": job.parent,
+            "dataset_run_hash": data.run_hash,
             **settings.model_dump(),
         },
         record={
-            "dataset_validation_path": sft_dataset.validation_path,
+            "dataset_validation_path": data.validation_path,
             "model_preset": scale.model_preset,
             "scale": scale.name,
-            "parent": init.parent,
-            "init_requested": init_requested,
+            "parent": job.parent,
+            "init_requested": job.init_requested,
         },
         figures=lambda result: StageFigures(
             final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s},
@@ -191,9 +200,6 @@ def moe_checkpoint(
                 "parameters_active": result.parameters_active,
             },
         ),
-    )
-    return launch_and_record(
-        context, job, stage, gpu_cluster, storage, tracking, promotion_policy.policy().registered_model
     )
 
 

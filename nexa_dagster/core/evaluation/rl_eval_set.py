@@ -8,7 +8,7 @@ Like the eval set (``core.evaluation.eval_set``), a version ``v<N>`` is written 
 
 ``load_rl_eval_set`` checks the hashes with the eval set's own checks (a changed or missing file is an error naming
 it and what to do), so every RL candidate of a version is scored on exactly the same prompts. The items come from
-topics on the held-out side only (``core.rl.tasks.held_out``), already decontaminated against the eval set and the
+documents on the held-out side only (``core.rl.tasks.held_out``), already decontaminated against the eval set and the
 benchmark items, so no prompt of this set is ever trained on. Dagster-free.
 """
 
@@ -45,7 +45,7 @@ def freeze_rl_eval_set(
         return manifest
     if not items:
         raise ValueError(
-            f"RL eval set v{version}: no held-out item (no ingested document of a held-out topic); ingest more "
+            f"RL eval set v{version}: no held-out item (no ingested document on the held-out side); ingest more "
             "documents or raise rl.tasks.held_out_fraction"
         )
     ordered = sorted(items, key=lambda i: str(i["item_id"]))
