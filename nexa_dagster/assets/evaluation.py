@@ -190,48 +190,24 @@ def eval_report(
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
-    work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
-    bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
-    bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
-    job = EvaluationJob(
-        run_id=checkpoint_id,
-        models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
-        examples_path=eval_set["path"],
-        eval_set_version=version,
-        prompts=questions,
-        max_new_tokens=scale.rl.max_completion_tokens
-        if rl_rows is not None and scale.rl
-        else scale.evaluation.max_new_tokens,
-        accelerator=gpu_cluster.accelerator,
-        output_path=str(work_dir / "scores.json"),
-        benchmarks=bench if bench.tasks else None,
-        # production's benchmark scores cost a second harness run: only when the gate needs them
-        benchmark_roles=["candidate", "production"]
-        if policy.benchmark or ckpt.stage == "preference"
-        else ["candidate"],
+    max_new_tokens = scale.rl.max_completion_tokens if rl_rows is not None and scale.rl else None
+    scores = score_both(
+        context,
+        gpu_cluster,
+        storage,
+        scale,
+        policy,
+        ckpt,
+        eval_set,
+        questions,
+        production_path,
+        max_new_tokens,
     )
-    scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
     # 2. the judge scores the answers and compares them with production's, in both orders
-    rubric = JudgeRubric(
-        prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge
+    evaluation = judged(
+        context, judge_llm, prompts, sample_gate_config, policy, ckpt, version, scores, questions
     )
-    with no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"), judge_llm.get_client() as judge:
-        evaluation = compare(
-            checkpoint_id,
-            version,
-            ModelScores.from_json(scores["candidate"]),
-            ModelScores.from_json(scores["production"]) if "production" in scores else None,
-            questions,
-            judge,
-            rubric,
-            policy.confidence,
-            policy.bootstrap_resamples,
-            log=context.log.info,
-            interval_method=policy.interval_method,
-            judge_mode=policy.preference.judge_mode,
-            tie_epsilon=policy.preference.tie_epsilon,
-        )
 
     # 3. how much of the eval set (or of the gate's benchmark) its training data holds
     contamination, contaminated = training_data_contamination(
@@ -264,7 +240,88 @@ def eval_report(
     context.log.info(
         f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
     )
-    yield dg.AssetCheckResult(
+    yield gate_check(decision, evaluation, policy, version, report, reward_figures)
+
+
+def judged(
+    context: dg.AssetExecutionContext,
+    judge_llm: LLMResource,
+    prompts: PromptsResource,
+    sample_gate_config: SampleGateResource,
+    policy: PromotionPolicy,
+    ckpt: Checkpoint,
+    version: int,
+    scores: dict,
+    questions: list[str],
+) -> CheckpointEvaluation:
+    """Both models' scores with the judge's verdicts on their answers and the paired statistics."""
+    rubric = JudgeRubric(
+        prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge
+    )
+    with no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"), judge_llm.get_client() as judge:
+        return compare(
+            ckpt.checkpoint_id,
+            version,
+            ModelScores.from_json(scores["candidate"]),
+            ModelScores.from_json(scores["production"]) if "production" in scores else None,
+            questions,
+            judge,
+            rubric,
+            policy.confidence,
+            policy.bootstrap_resamples,
+            log=context.log.info,
+            interval_method=policy.interval_method,
+            judge_mode=policy.preference.judge_mode,
+            tie_epsilon=policy.preference.tie_epsilon,
+        )
+
+
+def score_both(
+    context: dg.AssetExecutionContext,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    scale: ScalePreset,
+    policy: PromotionPolicy,
+    ckpt: Checkpoint,
+    eval_set: dict,
+    questions: list[str],
+    production_path: str | None,
+    max_new_tokens: int | None,
+) -> dict:
+    """Both models' eval-set losses and greedy answers to ``questions`` (and benchmarks), from the evaluation
+    worker on the GPU cluster: ``{role: ModelScores JSON}``."""
+    checkpoint_id = ckpt.checkpoint_id
+    work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
+    bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
+    bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
+    job = EvaluationJob(
+        run_id=checkpoint_id,
+        models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
+        examples_path=eval_set["path"],
+        eval_set_version=eval_set["version"],
+        prompts=questions,
+        max_new_tokens=max_new_tokens or scale.evaluation.max_new_tokens,
+        accelerator=gpu_cluster.accelerator,
+        output_path=str(work_dir / "scores.json"),
+        benchmarks=bench if bench.tasks else None,
+        # production's benchmark scores cost a second harness run: only when the gate needs them
+        benchmark_roles=["candidate", "production"]
+        if policy.benchmark or ckpt.stage == "preference"
+        else ["candidate"],
+    )
+    return gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
+
+
+def gate_check(
+    decision: GateDecision,
+    evaluation: CheckpointEvaluation,
+    policy: PromotionPolicy,
+    version: int,
+    report: EvalReport,
+    reward_figures: dict | None,
+) -> dg.AssetCheckResult:
+    """The promotion gate as an asset check (a WARN when held back: a decision, not an outage)."""
+    return dg.AssetCheckResult(
         check_name="beats_production",
         passed=decision.passed,
         severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
