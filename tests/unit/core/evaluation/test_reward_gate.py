@@ -91,3 +91,33 @@ def test_a_worse_or_equal_candidate_is_rarely_promoted_on_skewed_rare_regression
     skewed = np.where(rare, -rng.uniform(0.4, 0.8, size=(400, 48)), gain)
     assert skewed.mean() < 0
     assert _false_promotions(skewed) <= 0.05
+
+
+def test_held_out_rewards_score_both_models_answers_with_the_training_reward() -> None:
+    from nexa_dagster.core.evaluation.reward_gate import held_out_rewards
+
+    rows = [
+        {
+            "item_id": "topic:a",
+            "prompt": "Which topic? ... Choices: assert, for",
+            "task": "topic",
+            "answer": "assert",
+            "reference": "assert",
+            "choices": ["assert", "for"],
+            "doc_id": "a",
+        },
+        {
+            "item_id": "topic:b",
+            "prompt": "Which topic? ... Choices: with, del",
+            "task": "topic",
+            "answer": "del",
+            "reference": "del",
+            "choices": ["with", "del"],
+            "doc_id": "b",
+        },
+    ]
+    candidate = held_out_rewards(rows, ["assert", "del."], [("exact_answer", 1.0)])
+    production = held_out_rewards(rows, ['The "x', "with, del"], [("exact_answer", 1.0)])
+    assert candidate == [1.0, 1.0] and production == [0.0, 0.0]
+    with pytest.raises(ValueError, match="1 answers for 2 held-out prompts"):
+        held_out_rewards(rows, ["assert"], [("exact_answer", 1.0)])
