@@ -374,12 +374,12 @@ def rl_prompts(
         storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
     )
     build = build_tasks(read_documents(documents), task_settings(scale), index)
-    if not build.train or not build.held_out:
-        raise dg.Failure(
+    if (
+        not build.train or not build.held_out
+    ):  # rl_checkpoint and rl_eval_set fail on an empty side, naming it
+        context.log.warning(
             f"rl_prompts: {len(build.train)} train and {len(build.held_out)} held-out task items from "
-            f"{len(documents)} raw_documents partitions (skipped: {build.skipped}); both sides need items: "
-            "ingest documents first, or change rl.tasks in the scale preset",
-            allow_retries=False,
+            f"{len(documents)} raw_documents partitions (skipped: {build.skipped}): the RL stage needs both"
         )
     tasks_hash, train_path, held_out_path = write_task_rows(build, storage.path("rl", "tasks"))
     context.log.info(

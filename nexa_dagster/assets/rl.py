@@ -187,6 +187,11 @@ def rl_checkpoint(
     scale = scale_preset.load()
     rl = config.settings(rl_settings(scale))
     production = production_model(storage)
+    if rl_prompts.task_records == 0:
+        raise dg.Failure(
+            f"rl_prompts {rl_prompts.tasks_run_hash} holds no checkable train rows: ingest documents first",
+            allow_retries=False,
+        )
     checkpoint_id = checkpoint_id_for(context, storage, prefix="rl")
     try:
         training = rl.settings(scale.training)
