@@ -40,3 +40,33 @@ def test_a_reward_ranked_pair_chooses_the_right_answer_without_heuristics() -> N
 def test_answers_the_reward_cannot_tell_apart_make_no_pair() -> None:
     candidates = [("policy:0", "lambda", 0.0, 1), ("policy:1", "for", 0.0, 1)]
     assert choose_pair(ROW.prompt, candidates, None, min_score_gap=0.5) == (None, "score gap below 0.5")
+
+
+def test_the_pairs_schema_takes_a_reward_scale_and_keeps_the_judges_1_to_5() -> None:
+    import pandas as pd
+    import pytest
+
+    from nexa_dagster.core.data import schemas
+
+    row = {
+        "pair_id": "p",
+        "sample_id": "topic:0123456789abcdef",
+        "day": "2026-11-20",
+        "prompt": [{"role": "user", "content": ROW.prompt}],
+        "chosen": [{"role": "assistant", "content": "assert"}],
+        "rejected": [{"role": "assistant", "content": "lambda"}],
+        "chosen_score": 1.0,
+        "rejected_score": 0.0,
+        "score_gap": 1.0,
+        "chosen_source": "teacher",
+        "rejected_source": "policy:0",
+        "chosen_length": 6,
+        "rejected_length": 6,
+        "judge_model": "reward:exact_answer",
+        "policy_model": "ckpt-1",
+    }
+    schemas.PreferencePairs.validate(pd.DataFrame([row]))
+    with pytest.raises(Exception, match="_scores_in_range"):  # a judge's score of 0 is no judge score
+        schemas.PreferencePairs.validate(pd.DataFrame([{**row, "judge_model": "tiny-judge"}]))
+    with pytest.raises(Exception, match="_scores_in_range"):
+        schemas.PreferencePairs.validate(pd.DataFrame([{**row, "chosen_score": float("inf")}]))
