@@ -95,6 +95,8 @@ def test_grpo_through_the_worker_raises_the_reward(tmp_path: Path, policy_dir: P
         result.held_out_reward,
     )
     assert result.rollout_s and result.update_s and result.rollout_tokens
+    assert result.frac_reward_zero_std is not None and 0 <= result.frac_reward_zero_std < 1
+    assert result.completion_length and 1 <= result.completion_length <= 6
     assert result.validation_loss is None and result.data_kind == "rl_prompts"
     rollouts = [
         json.loads(line) for line in Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()

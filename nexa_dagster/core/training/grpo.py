@@ -216,7 +216,8 @@ class GRPOLoss:
         )
         self.sampler: BatchedSampler | None = None
         self.reference: torch.nn.Module | None = None
-        self.history: dict[int, tuple[float, float]] = {}  # step -> (reward sum, completions), all ranks
+        # step -> (reward sum, completions, share of groups with no reward spread, mean completion tokens), all ranks
+        self.history: dict[int, tuple[float, ...]] = {}
         self.rollout_s = self.update_s = 0.0
         self.rollout_tokens = 0
         self._last_rollout_end: float | None = None
@@ -310,10 +311,16 @@ class GRPOLoss:
         """Advantages and the micro-batches of one rollout, with each group's metric sums attached."""
         k, device = self.config.num_generations, next(self.sampler.hf.parameters()).device  # type: ignore[union-attr]
         rewards = torch.tensor(totals, dtype=torch.float32)
-        count, total, squares = all_reduce_sum(
-            float(len(totals)), float(rewards.sum()), float((rewards**2).sum())
+        flat = torch.isclose(rewards.view(-1, k).std(1), torch.zeros(len(indices)))  # groups with no spread
+        count, total, squares, groups, flat_groups, tokens = all_reduce_sum(
+            float(len(totals)),
+            float(rewards.sum()),
+            float((rewards**2).sum()),
+            float(len(indices)),
+            float(flat.sum()),
+            float(sum(len(c) for c in completions)),
         )
-        self.history[step] = (total, count)
+        self.history[step] = (total, count, flat_groups / groups, tokens / count)
         batch_std = math.sqrt(max(squares - total**2 / count, 0.0) / max(count - 1, 1))
         advantages, std = group_advantages(rewards, k, self.config.scale_rewards, batch_std)
         batches = []
@@ -357,7 +364,7 @@ class GRPOLoss:
         """Refuse a resume that would skip or replay prompts (verl #7401, open-instruct #1523), else restore."""
         check_resume(state, self.resume_state(step), self.config.prompts_path, step)
         assert state is not None
-        self.history = {int(s): (float(v[0]), float(v[1])) for s, v in state["reward_history"].items()}
+        self.history = {int(s): tuple(float(x) for x in v) for s, v in state["reward_history"].items()}
 
     def evaluate(self, model: torch.nn.Module, device: torch.device, say: MessageFn) -> dict[str, Any]:
         if self._last_rollout_end is not None:
@@ -368,8 +375,11 @@ class GRPOLoss:
         return figures
 
     def training_figures(self) -> dict[str, Any]:
-        curve = [(s, total / count) for s, (total, count) in sorted(self.history.items())]
+        steps = sorted(self.history.items())
+        curve = [(s, v[0] / v[1]) for s, v in steps]
         return {
+            "frac_reward_zero_std": sum(v[2] for _, v in steps) / len(steps) if steps else None,
+            "completion_length": sum(v[3] for _, v in steps) / len(steps) if steps else None,
             "validation_loss": None,
             "reward_first": curve[0][1] if curve else None,
             "reward_final": curve[-1][1] if curve else None,

@@ -329,6 +329,13 @@ class TrainingResult(BaseModel):
         description="rl_prompts: each held-out prompt's reward, in the file's order (paired gates)",
     )
     held_out_prompts: int | None = Field(default=None, description="rl_prompts: held-out prompts scored")
+    frac_reward_zero_std: float | None = Field(
+        default=None,
+        description="rl_prompts: share of prompt groups whose K rewards were all equal (no signal), mean over steps",
+    )
+    completion_length: float | None = Field(
+        default=None, description="rl_prompts: mean completion tokens of the rollouts, mean over steps"
+    )
     rollout_s: float | None = Field(
         default=None, description="rl_prompts: seconds spent generating rollouts (this process)"
     )

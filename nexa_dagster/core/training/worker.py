@@ -135,6 +135,8 @@ RL_FIGURES = (  # rl_prompts runs: scalar figures of TrainingResult shown on the
     "reward_final",
     "held_out_reward",
     "held_out_prompts",
+    "frac_reward_zero_std",
+    "completion_length",
     "rollout_s",
     "update_s",
     "rollout_tokens",
