@@ -234,7 +234,9 @@ class PreferenceSettings(_Strict):
     rank_by: Literal["judge", "reward"] = Field(
         default="judge", description="judge: pointwise judge score; reward: `reward` on the checkable tasks"
     )
-    reward: str = Field(default="exact_answer", min_length=1, description="rank_by reward: a core.rl.rewards name")
+    reward: str = Field(
+        default="exact_answer", min_length=1, description="rank_by reward: a core.rl.rewards name"
+    )
     warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:

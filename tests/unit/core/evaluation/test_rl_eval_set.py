@@ -67,6 +67,4 @@ def test_a_held_out_item_among_the_train_rows_is_named(tmp_path) -> None:
     leaked = _item(2, "lambda")  # the same document and prompt as a held-out item
     train.write_text(train.read_text() + json.dumps(leaked) + "\n")
     problems = overlap_problems(HELD, str(train))
-    assert (
-        "item_id on both sides: topic:doc002" in problems and "doc_id on both sides: doc002" in problems
-    )
+    assert "item_id on both sides: topic:doc002" in problems and "doc_id on both sides: doc002" in problems

@@ -16,7 +16,6 @@ from nexa_dagster.core.rl.tasks import (
     TOPIC,
     build_tasks,
     normalise_words,
-    topic_of,
     write_task_rows,
 )
 
