@@ -339,7 +339,11 @@ def main() -> int:
             instance=instance, run_config=quiet, tags={LAUNCHER_TAG: launcher}, **kwargs
         )
         night = f" (night {len(nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
-        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night] = time.perf_counter() - t
+        subset = kwargs.get("asset_selection")  # a part of the job: named, so it is not the job's own line
+        part = f" ({', '.join(k.to_user_string() for k in subset)})" if subset else ""
+        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night + part] = (
+            time.perf_counter() - t
+        )
         return result
 
     # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
