@@ -272,6 +272,25 @@ def test_the_base_model_never_trained_on_eval_set_text(demo_world: tuple[Path, s
     assert not leaked, f"{base_id} trained on eval-set text: {leaked[:3]}"
 
 
+def train_and_evaluate(
+    root: Path, selection: str, checkpoint_asset: str, config: str, production: str
+) -> dict:
+    """A candidate trained from ``production`` with run config ``config`` (as an operator trains one), then evaluated
+    and gated in the same world: its eval_report's metadata."""
+    env = sandbox_env(root)
+    train = materialize_command(selection, None, "--config-json", config)
+    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    instance = dg.DagsterInstance.from_config(str(root / "home"))
+    trained = instance.get_latest_materialization_event(dg.AssetKey(checkpoint_asset)).asset_materialization
+    candidate = str(trained.metadata["checkpoint_id"].value)
+    assert str(trained.metadata["parent"].value) == f"production:{production}"
+    evaluate = materialize_command("eval_report,model_deployment", candidate)
+    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
+    assert evaluated.partition == candidate
+    return {k: v.value for k, v in evaluated.metadata.items()}
+
+
 @pytest.mark.xdist_group("demo")
 @pytest.mark.timeout(1800)
 def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_world: tuple[Path, str]) -> None:
@@ -282,20 +301,11 @@ def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_worl
     registry = ProductionRegistry(StorageResource(data_root=str(data)).production_pointer())
     # the negative control, in the same world: a candidate fine-tuned from production on the same days with every
     # answer's words shuffled (configs/blends/sft_negative_control.yaml), as an operator trains and evaluates one
-    env = sandbox_env(root)
     before = registry.current().checkpoint_id
     control = '{"ops": {"sft_dataset": {"config": {"blend": "blends/sft_negative_control.yaml"}}}}'
-    train = materialize_command("sft_dataset,eval_set,moe_checkpoint", None, "--config-json", control)
-    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    instance = dg.DagsterInstance.from_config(str(root / "home"))
-    worse = instance.get_latest_materialization_event(dg.AssetKey("moe_checkpoint")).asset_materialization
-    worse_id = str(worse.metadata["checkpoint_id"].value)
-    assert str(worse.metadata["parent"].value) == f"production:{before}"
-    evaluate = materialize_command("eval_report,model_deployment", worse_id)
-    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
-    assert evaluated.partition == worse_id
-    report = {k: v.value for k, v in evaluated.metadata.items()}
+    report = train_and_evaluate(
+        root, "sft_dataset,eval_set,moe_checkpoint", "moe_checkpoint", control, before
+    )
     low, high = report["eval_loss_difference_interval"]
     # held back on evidence: worse by the whole interval, on n >= 30 examples, by the loss rule (not contamination)
     assert report["gate_decision"] == "hold back" and report["gate_n"] >= 30, report
@@ -358,20 +368,11 @@ def test_an_rl_negative_control_is_held_back_in_the_same_world(demo_world: tuple
     root, _ = demo_world
     data = root / "data"
     registry = ProductionRegistry(StorageResource(data_root=str(data)).production_pointer())
-    env = sandbox_env(root)
     before = registry.current().checkpoint_id
     control = '{"ops": {"rl_checkpoint": {"config": {"rewards": ["exact_answer:-1"]}}}}'
-    train = materialize_command("rl_prompts,rl_eval_set,rl_checkpoint", None, "--config-json", control)
-    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    instance = dg.DagsterInstance.from_config(str(root / "home"))
-    worse = instance.get_latest_materialization_event(dg.AssetKey("rl_checkpoint")).asset_materialization
-    worse_id = str(worse.metadata["checkpoint_id"].value)
-    assert str(worse.metadata["parent"].value) == f"production:{before}"
-    evaluate = materialize_command("eval_report,model_deployment", worse_id)
-    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
-    assert evaluated.partition == worse_id
-    report = {k: v.value for k, v in evaluated.metadata.items()}
+    report = train_and_evaluate(
+        root, "rl_prompts,rl_eval_set,rl_checkpoint", "rl_checkpoint", control, before
+    )
     assert report["gate_decision"] in ("hold back", "insufficient evidence"), report
     assert report["gate_rule"].startswith("reward interval low > 0.0"), report
     assert registry.current().checkpoint_id == before
