@@ -23,6 +23,7 @@ from nexa_dagster.assets import (
     packaging,
     preference,
     pretraining,
+    rl,
     serving,
     training,
 )
@@ -58,6 +59,7 @@ ASSET_MODULES = [
     evaluation_set,
     training,
     preference,
+    rl,
     evaluation,
     base_evaluation,
     serving,

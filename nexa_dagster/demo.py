@@ -3,9 +3,12 @@
 The landed sample days run as nights, one after the other, as the schedule and sensors would run them: the day's
 data, a training from the pretrained base on the snapshot so far, its evaluation beside the production model on
 the same frozen eval set, and the promotion gate. Then the preference stage: the production model answers the days'
-prompts, the judge turns its answers into pairs, DPO trains from it, and the gate compares the result with it on
-the judge's win rate. The summary gives each night's two losses, their difference with its interval and the gate's
-decision, then the preference stage's pairs, held-out reward accuracy, win rate and decision.
+prompts, its answers are ranked into pairs (by the judge, or by a verifiable reward: ``preference.rank_by``), DPO
+trains from it, and the gate compares the result with it on the judge's win rate. Then the RL stage: GRPO from the
+model in production on checkable tasks built from the ingested documents (``core/rl/tasks.py``), gated on the
+paired held-out reward difference on prompts it never trained on. The summary gives each night's two losses, their
+difference with its interval and the gate's decision, the preference stage's pairs, held-out reward accuracy, win
+rate and decision, and the RL stage's rewards in training, held-out rewards of both models and decision.
 
 It runs the jobs the schedule and sensors run, in order, recording every run and materialization in
 the instance in ``$DAGSTER_HOME`` (``.dagster_home/`` by default), so ``make ui`` afterwards shows the lineage
@@ -176,7 +179,11 @@ def preference_lines(p: PreferenceRun) -> list[str]:
             f"evaluation failed (see the evaluation_job run in the UI){'; ' + p.outcome if p.outcome else ''}"
         )
         return lines
-    if r.win_rate_vs_production is not None and r.win_rate_interval:
+    if r.reward_gate:  # pairs ranked by a reward: the same reward decides, on the frozen held-out RL prompts
+        lines.append(reward_gate_line(r))
+        if r.eval_loss_difference is not None:
+            lines.append(f"eval-set loss (guard): difference {r.eval_loss_difference:+.4f} nats/token")
+    elif r.win_rate_vs_production is not None and r.win_rate_interval:
         low, high = r.win_rate_interval
         lc = (
             f", length-controlled {r.length_controlled_win_rate:.3f} (answers {r.mean_length_change:+.0f} chars)"
@@ -212,6 +219,78 @@ def preference_lines(p: PreferenceRun) -> list[str]:
     if guard_line(r):
         lines.append(f"  {guard_line(r)} (the judge's per-prompt scores)")
     return lines
+
+
+@dataclass(frozen=True)
+class RLRun:
+    """The RL stage of ``make run``: the GRPO checkpoint, its training's reward figures and what its gate decided."""
+
+    checkpoint_id: str
+    parent: str | None
+    training: dict[
+        str, float
+    ]  # Checkpoint.rl_metrics: reward_first/final, held_out_reward, rollout_s, update_s
+    report: Any = None  # the EvalReport (None: the evaluation failed)
+    outcome: str = ""
+
+
+def rl_lines(r: RLRun) -> list[str]:
+    """The RL stage's summary: the reward in training, then both models on the frozen held-out prompts, the paired
+    difference with its interval, n and rule, and what deployment did."""
+    t = r.training
+    lines = [
+        f"{r.checkpoint_id} (GRPO from {r.parent}): rollout reward {t.get('reward_first', float('nan')):.3f} at "
+        f"step 1 -> {t.get('reward_final', float('nan')):.3f} at the last step; rollouts "
+        f"{t.get('rollout_s', float('nan')):.1f} s, updates {t.get('update_s', float('nan')):.1f} s"
+    ]
+    report = r.report
+    if report is None or not report.reward_gate:
+        lines.append(
+            f"evaluation failed (see the evaluation_job run in the UI){'; ' + r.outcome if r.outcome else ''}"
+        )
+        return lines
+    lines.append(reward_gate_line(report))
+    if report.eval_loss_difference is not None:
+        lines.append(f"eval-set loss (guard): difference {report.eval_loss_difference:+.4f} nats/token")
+    outcome = f"; {r.outcome}" if r.outcome else ""
+    lines.append(f"-> {report.gate_decision} (rule: {report.gate_rule}){outcome}")
+    return lines
+
+
+def reward_gate_line(report: Any) -> str:
+    """Both models' mean held-out reward on the frozen held-out RL prompts, the paired difference with its interval,
+    n and method: what a reward gate decided on."""
+    g = report.reward_gate
+    low, high = g.get("interval_low"), g.get("interval_high")
+    interval = f"[{low:+.3f}, {high:+.3f}]" if low is not None and high is not None else "(none)"
+    production = g.get("production_reward")
+    return (
+        f"held-out reward ({', '.join(g['rewards'])}, greedy, RL eval set v{g.get('rl_eval_set_version')}): "
+        f"candidate {g['candidate_reward']:.3f}, production {report.production_checkpoint_id} "
+        f"{'none' if production is None else f'{production:.3f}'}; difference {(g.get('difference') or 0.0):+.3f} "
+        f"95% CI {interval}, n = {g.get('n')} prompts ({(report.gate_method or '').split(' (')[0]})"
+    )
+
+
+def run_rl(run: Any, storage: Any) -> RLRun | str:
+    """GRPO from the production model on the checkable tasks (rl_training_job), then its evaluation and gate
+    (evaluation_job) as the checkpoint sensor runs it; the figures, or why there are none."""
+    print(
+        "\n--- RL: GRPO from the production model on checkable tasks, gated on held-out prompts ---",
+        flush=True,
+    )
+    trained = run("rl_training_job", raise_on_error=False)
+    if not trained.success:
+        return "GRPO training failed: see the rl_training_job run in the UI"
+    ckpt = trained.output_for_node("rl_checkpoint")
+    evaluation = run("evaluation_job", partition_key=ckpt.checkpoint_id, raise_on_error=False)
+    return RLRun(
+        ckpt.checkpoint_id,
+        ckpt.parent,
+        ckpt.rl_metrics or {},
+        evaluation.output_for_node("eval_report") if evaluation.success else None,
+        describe(read_outcome(storage.deployment_dir(ckpt.checkpoint_id))),
+    )
 
 
 def fail_orphaned_runs(instance: Any) -> list[str]:
@@ -303,7 +382,11 @@ def main() -> int:
             instance=instance, run_config=quiet, tags={LAUNCHER_TAG: launcher}, **kwargs
         )
         night = f" (night {len(nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
-        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night] = time.perf_counter() - t
+        subset = kwargs.get("asset_selection")  # a part of the job: named, so it is not the job's own line
+        part = f" ({', '.join(k.to_user_string() for k in subset)})" if subset else ""
+        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night + part] = (
+            time.perf_counter() - t
+        )
         return result
 
     # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
@@ -340,6 +423,9 @@ def main() -> int:
         pairs = [
             run("preference_pairs_job", partition_key=day).output_for_node("preference_pairs") for day in days
         ]
+        if scale.rl is not None and scale.preference.rank_by == "reward":
+            # the reward gate of a DPO checkpoint trained on reward-ranked pairs scores the frozen held-out prompts
+            run("rl_training_job", asset_selection=[dg.AssetKey("rl_prompts"), dg.AssetKey("rl_eval_set")])
         trained = run("preference_training_job", raise_on_error=False)
         if trained.success:
             pref = trained.output_for_node("preference_checkpoint")
@@ -361,6 +447,12 @@ def main() -> int:
         else:
             preference_failed = "DPO training failed: see the preference_training_job run in the UI"
             print(preference_failed)
+    # SFT -> preference -> RL: GRPO from whatever is in production now, on checkable tasks
+    rl = (
+        run_rl(run, storage)
+        if scale.rl is not None and ProductionRegistry(storage.production_pointer()).current()
+        else None
+    )
     run("leaderboard_job")
 
     total = time.perf_counter() - t0
@@ -391,6 +483,14 @@ def main() -> int:
             print(f"    {line}")
     elif preference_failed:
         print(f"  preference        {preference_failed}")
+    if isinstance(rl, RLRun):
+        print(
+            "  rl                GRPO from the production model, gated on held-out prompts it never trained on"
+        )
+        for line in rl_lines(rl):
+            print(f"    {line}")
+    elif rl:
+        print(f"  rl                {rl}")
     production = ProductionRegistry(storage.production_pointer()).current()
     print(f"  production        {production.checkpoint_id if production else 'none'}")
     deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pandas as pd
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
@@ -28,6 +29,8 @@ from nexa_dagster.core.evaluation.benchmarks import (
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, eval_slices, load_eval_set
 from nexa_dagster.core.evaluation.guards import GuardReport
 from nexa_dagster.core.evaluation.promotion import (
+    GateDecision,
+    ProductionEntry,
     ProductionRegistry,
     PromotionPolicy,
     decide,
@@ -45,6 +48,8 @@ from nexa_dagster.core.evaluation.report import (
     report_figures,
     report_lineage,
 )
+from nexa_dagster.core.evaluation.reward_gate import decide_reward, held_out_rewards
+from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set, read_prompts
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.packaging.decontaminate import (
@@ -152,7 +157,7 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
     partitions_def=checkpoint_partitions,
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=["moe_checkpoint", "preference_checkpoint", "eval_set"],
+    deps=["moe_checkpoint", "preference_checkpoint", "rl_checkpoint", "eval_set", "rl_eval_set"],
     check_specs=[GATE],
     kinds={"pytorch", "markdown"},
     description="The checkpoint and the production model scored on the same frozen eval set (eval_set.version) "
@@ -180,37 +185,91 @@ def eval_report(
         checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id, storage.root
     )
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
-    questions = eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
+    # the prompts both models answer: the eval set's questions (for the judge), an RL checkpoint's frozen held-out
+    # RL prompts (for the reward gate, at training's completion length)
+    rewards = gate_rewards(ckpt, scale)
+    rl_rows = rl_held_out(storage, scale, checkpoint_id) if rewards else None
+    questions = (
+        [r["prompt"] for r in rl_rows]
+        if rl_rows is not None
+        else eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
+    )
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
-    work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
-    bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
-    bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
-    job = EvaluationJob(
-        run_id=checkpoint_id,
-        models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
-        examples_path=eval_set["path"],
-        eval_set_version=version,
-        prompts=questions,
-        max_new_tokens=scale.evaluation.max_new_tokens,
-        accelerator=gpu_cluster.accelerator,
-        output_path=str(work_dir / "scores.json"),
-        benchmarks=bench if bench.tasks else None,
-        # production's benchmark scores cost a second harness run: only when the gate needs them
-        benchmark_roles=["candidate", "production"]
-        if policy.benchmark or ckpt.stage == "preference"
-        else ["candidate"],
+    max_new_tokens = scale.rl.max_completion_tokens if rl_rows is not None and scale.rl else None
+    scores = score_both(
+        context,
+        gpu_cluster,
+        storage,
+        scale,
+        policy,
+        ckpt,
+        eval_set,
+        questions,
+        production_path,
+        max_new_tokens,
     )
-    scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
     # 2. the judge scores the answers and compares them with production's, in both orders
+    evaluation = judged(
+        context, judge_llm, prompts, sample_gate_config, policy, ckpt, version, scores, questions
+    )
+
+    # 3. how much of the eval set (or of the gate's benchmark) its training data holds
+    contamination, contaminated = training_data_contamination(
+        context, storage, tracking, ckpt, eval_sets, scale, prompts, packaging_config, policy
+    )
+
+    # 4. the promotion gate (the mean, and the guards on the examples that got worse), then one report from which
+    # the metadata, MLflow and the leaderboard row derive
+    guard = None if rewards else example_guards(policy, evaluation, eval_set, ckpt.stage)
+    decision, reward_figures = gate_decision(
+        ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
+    )
+    if reward_figures is not None and scale.rl is not None:
+        reward_figures["rl_eval_set_version"] = scale.rl.eval_set_version
+    report = build_eval_report(
+        ckpt,
+        evaluation,
+        decision,
+        production.checkpoint_id if production else None,
+        eval_set,
+        storage.report_dir(checkpoint_id),
+        context.run.run_id,
+        "reward" if rewards else {"preference": "win_rate"}.get(ckpt.stage, policy.metric),
+        contamination,
+        contaminated,
+    )
+    if reward_figures is not None:
+        report = report.model_copy(update={"reward_gate": reward_figures})
+    log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
+    yield dg.Output(report, metadata=report_metadata(report, ckpt))
+
+    context.log.info(
+        f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
+    )
+    yield gate_check(decision, evaluation, policy, version, report, reward_figures)
+
+
+def judged(
+    context: dg.AssetExecutionContext,
+    judge_llm: LLMResource,
+    prompts: PromptsResource,
+    sample_gate_config: SampleGateResource,
+    policy: PromotionPolicy,
+    ckpt: Checkpoint,
+    version: int,
+    scores: dict,
+    questions: list[str],
+) -> CheckpointEvaluation:
+    """Both models' scores with the judge's verdicts on their answers and the paired statistics."""
     rubric = JudgeRubric(
         prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge
     )
     with no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"), judge_llm.get_client() as judge:
-        evaluation = compare(
-            checkpoint_id,
+        return compare(
+            ckpt.checkpoint_id,
             version,
             ModelScores.from_json(scores["candidate"]),
             ModelScores.from_json(scores["production"]) if "production" in scores else None,
@@ -225,56 +284,53 @@ def eval_report(
             tie_epsilon=policy.preference.tie_epsilon,
         )
 
-    # 3. how much of the eval set (or of the gate's benchmark) its training data holds
-    contamination, contaminated = training_data_contamination(
-        context, storage, tracking, ckpt, eval_sets, scale, prompts, packaging_config, policy
-    )
 
-    # 4. the promotion gate (the mean, and the guards on the examples that got worse), then one report from which
-    # the metadata, MLflow and the leaderboard row derive
-    guard = example_guards(policy, evaluation, eval_set, ckpt.stage)
-    if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
-        decision = decide_preference(
-            checkpoint_id,
-            production,
-            policy,
-            evaluation.paired_loss,
-            evaluation.win_rate,
-            benchmark_guards(policy, evaluation),
-            contamination,
-            evaluation.length_controlled,
-            guard,
-        )
-    else:
-        decision = decide(
-            checkpoint_id,
-            production,
-            policy,
-            evaluation.paired_loss,
-            evaluation.win_rate,
-            benchmark_comparison(policy, evaluation),
-            contamination,
-            guard if policy.metric == "eval_loss" else None,
-        )
-    report = build_eval_report(
-        ckpt,
-        evaluation,
-        decision,
-        production.checkpoint_id if production else None,
-        eval_set,
-        storage.report_dir(checkpoint_id),
-        context.run.run_id,
-        "win_rate" if ckpt.stage == "preference" else policy.metric,
-        contamination,
-        contaminated,
+def score_both(
+    context: dg.AssetExecutionContext,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    scale: ScalePreset,
+    policy: PromotionPolicy,
+    ckpt: Checkpoint,
+    eval_set: dict,
+    questions: list[str],
+    production_path: str | None,
+    max_new_tokens: int | None,
+) -> dict:
+    """Both models' eval-set losses and greedy answers to ``questions`` (and benchmarks), from the evaluation
+    worker on the GPU cluster: ``{role: ModelScores JSON}``."""
+    checkpoint_id = ckpt.checkpoint_id
+    work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
+    bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
+    bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
+    job = EvaluationJob(
+        run_id=checkpoint_id,
+        models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
+        examples_path=eval_set["path"],
+        eval_set_version=eval_set["version"],
+        prompts=questions,
+        max_new_tokens=max_new_tokens or scale.evaluation.max_new_tokens,
+        accelerator=gpu_cluster.accelerator,
+        output_path=str(work_dir / "scores.json"),
+        benchmarks=bench if bench.tasks else None,
+        # production's benchmark scores cost a second harness run: only when the gate needs them
+        benchmark_roles=["candidate", "production"]
+        if policy.benchmark or ckpt.stage == "preference"
+        else ["candidate"],
     )
-    log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
-    yield dg.Output(report, metadata=report_metadata(report, ckpt))
+    return gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
-    context.log.info(
-        f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
-    )
-    yield dg.AssetCheckResult(
+
+def gate_check(
+    decision: GateDecision,
+    evaluation: CheckpointEvaluation,
+    policy: PromotionPolicy,
+    version: int,
+    report: EvalReport,
+    reward_figures: dict | None,
+) -> dg.AssetCheckResult:
+    """The promotion gate as an asset check (a WARN when held back: a decision, not an outage)."""
+    return dg.AssetCheckResult(
         check_name="beats_production",
         passed=decision.passed,
         severity=dg.AssetCheckSeverity.WARN,  # held back is a decision, not an outage
@@ -287,6 +343,11 @@ def eval_report(
                 "eval_set_version": version,
                 "production_checkpoint": report.production_checkpoint_id,
                 **gate_figures(decision, evaluation),
+                **{
+                    f"reward_gate/{k}": v
+                    for k, v in (reward_figures or {}).items()
+                    if not isinstance(v, dict)
+                },
             }
         ),
     )
@@ -313,6 +374,98 @@ def example_guards(
     return eval_loss_guard(
         evaluation.candidate.nll, evaluation.production.nll, evaluation.candidate.tokens, policy, slices
     )
+
+
+def gate_rewards(ckpt: Checkpoint, scale: ScalePreset) -> list[tuple[str, float]]:
+    """The rewards a checkpoint's gate decides on, or none: an RL checkpoint's (``rl.rewards``), and a preference
+    checkpoint's when its pairs were ranked by a reward (``preference.rank_by: reward``): a model trained to prefer
+    the right answer is judged on right answers to prompts it never saw, not on the judge's taste."""
+    if scale.rl is None:
+        return []
+    if ckpt.stage == "rl":
+        return [(r.name, r.weight) for r in scale.rl.rewards]
+    if ckpt.stage == "preference" and scale.preference is not None and scale.preference.rank_by == "reward":
+        return [(scale.preference.reward, 1.0)]
+    return []
+
+
+def gate_decision(
+    ckpt: Checkpoint,
+    production: ProductionEntry | None,
+    policy: PromotionPolicy,
+    evaluation: CheckpointEvaluation,
+    scores: dict,
+    contamination: float | None,
+    rewards: list[tuple[str, float]],
+    rl_rows: list[dict] | None,
+    guard: GuardReport | None = None,
+) -> tuple[GateDecision, dict | None]:
+    """The gate of the checkpoint's stage: on ``rewards`` (an RL checkpoint, a reward-ranked DPO one) the paired
+    held-out reward difference with the loss guard (``decide_reward``); a preference checkpoint on the judge's win
+    rate with guards (``decide_preference``); an SFT checkpoint on the configured metric (``decide``). With the
+    reward figures when a reward decided."""
+    if rewards and rl_rows is not None:
+        candidate = held_out_rewards(rl_rows, scores["candidate"]["answers"], rewards)
+        baseline = (
+            held_out_rewards(rl_rows, scores["production"]["answers"], rewards)
+            if "production" in scores
+            else []
+        )
+        differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
+        means = (float(np.mean(candidate)), float(np.mean(baseline))) if baseline else None
+        decision = decide_reward(
+            ckpt.checkpoint_id,
+            production,
+            policy,
+            differences,
+            evaluation.paired_loss,
+            means,
+            slices=[str(row.get("task", "")) for row in rl_rows] if baseline else None,
+        )
+        figures = {
+            "rewards": [name for name, _ in rewards],
+            "candidate_reward": float(np.mean(candidate)),
+            "production_reward": means[1] if means else None,
+            **{k: decision.metadata()[k] for k in ("difference", "interval_low", "interval_high", "n")},
+            "training": ckpt.rl_metrics or ckpt.preference_metrics or {},
+        }
+        return decision, figures
+    if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
+        return decide_preference(
+            ckpt.checkpoint_id,
+            production,
+            policy,
+            evaluation.paired_loss,
+            evaluation.win_rate,
+            benchmark_guards(policy, evaluation),
+            contamination,
+            evaluation.length_controlled,
+            guard,
+        ), None
+    return decide(
+        ckpt.checkpoint_id,
+        production,
+        policy,
+        evaluation.paired_loss,
+        evaluation.win_rate,
+        benchmark_comparison(policy, evaluation),
+        contamination,
+        guard if policy.metric == "eval_loss" else None,
+    ), None
+
+
+def rl_held_out(storage: StorageResource, scale: ScalePreset, checkpoint_id: str) -> list[dict]:
+    """The frozen held-out RL prompts an RL checkpoint is gated on; a clear failure when none was frozen."""
+    version = scale.rl.eval_set_version if scale.rl else 1
+    try:
+        return read_prompts(load_rl_eval_set(storage.path("rl_eval_sets"), version))
+    except FileNotFoundError:
+        raise dg.Failure(
+            f"no RL eval set v{version} to gate RL checkpoint {checkpoint_id} on: materialize rl_eval_set first",
+            allow_retries=False,
+        ) from None
+    except ValueError as error:
+        raise dg.Failure(str(error), allow_retries=False) from error
 
 
 def training_data_contamination(
@@ -342,6 +495,10 @@ def training_data_contamination(
     hit: set[int] = set()
     lineage = training_lineage(storage, tracking, policy, ckpt)
     for ancestor in lineage:
+        if (
+            ancestor.stage == "rl"
+        ):  # its task prompts were decontaminated against this index when rl_prompts built
+            continue  # them (rl_prompts' metadata: tasks_contaminated); its parent's data is checked next
         # all None: a stage whose data is not known here
         root, texts, id_field = kinds.get(ancestor.stage, (None, None, None))
         run_hash = ancestor.dataset_run_hash

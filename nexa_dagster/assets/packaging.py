@@ -10,15 +10,17 @@ so a blend change shows in lineage. The work is sharded, parallel across process
 the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import dagster as dg
 import pandas as pd
 from pydantic import Field
 
+from nexa_dagster.assets.common import preview
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
+from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import SFTDataset
-from nexa_dagster.core.common.config import ScalePreset
+from nexa_dagster.core.common.config import RLTaskSettings, ScalePreset
 from nexa_dagster.core.data.contamination import ContaminationIndex, load_or_build
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
 from nexa_dagster.core.evaluation.eval_set import load_eval_set
@@ -46,6 +48,7 @@ from nexa_dagster.core.packaging.sft_dataset import (
     drop_cross_day_duplicates,
 )
 from nexa_dagster.core.packaging.shards import Receipt, ShardRunner, ShardTask
+from nexa_dagster.core.rl.tasks import RLPrompts, TaskBuild, build_tasks, write_task_rows
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.io_manager import stored_partitions
@@ -343,10 +346,17 @@ def pretrain_corpus(
 @dg.asset(
     group_name="packaging",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
-    ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
+    ins={
+        "filtered_samples": dg.AssetIn(dagster_type=dg.Nothing),
+        "raw_documents": dg.AssetIn(dagster_type=dg.Nothing),  # the checkable tasks' source
+    },
+    deps=["eval_set"],  # frozen first: no task item that holds an eval example's text is written
     kinds={"python"},
-    description="Prompts with the teacher's accepted answer as reference, as JSONL for RL, through the transforms "
-    "of the RL blend.",
+    description="Prompts for RL as JSONL: the teacher's accepted answer as reference, through the transforms of the "
+    "RL blend (path), and checkable tasks built from the ingested documents (core/rl/tasks.py: which reference "
+    "topic a passage is from, its next words), decontaminated against the eval set and the benchmark items and "
+    "split by a hash of the document id into the train side (tasks_path, what GRPO trains on) and the held-out side "
+    "(held_out_path, what the frozen rl_eval_set is drawn from), under data/rl/.",
 )
 def rl_prompts(
     context: dg.AssetExecutionContext,
@@ -354,8 +364,89 @@ def rl_prompts(
     gpu_cluster: GPUClusterResource,
     packaging_config: PackagingResource,
     eval_sets: EvalSetsResource,
+    scale_preset: ScaleResource,
+    prompts: PromptsResource,
+) -> RLPrompts:
+    cfg, scale = packaging_config.config(), scale_preset.load()
+    reference = reference_rows(context, storage, gpu_cluster, cfg, eval_sets)
+    index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
+    documents = stored_partitions(
+        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
+    )
+    build = build_tasks(read_documents(documents), task_settings(scale), index)
+    if (
+        not build.train or not build.held_out
+    ):  # rl_checkpoint and rl_eval_set fail on an empty side, naming it
+        context.log.warning(
+            f"rl_prompts: {len(build.train)} train and {len(build.held_out)} held-out task items from "
+            f"{len(documents)} raw_documents partitions (skipped: {build.skipped}): the RL stage needs both"
+        )
+    tasks_hash, train_path, held_out_path = write_task_rows(build, storage.path("rl", "tasks"))
+    context.log.info(
+        f"{len(build.train)} train and {len(build.held_out)} held-out task items "
+        f"({len(build.contaminated)} left out as contaminated, index {index.key})"
+    )
+    context.add_output_metadata(
+        {
+            "run_hash": reference.run_hash,
+            "blend": reference.blend,
+            "blend_fingerprint": reference.blend_fingerprint,
+            "records": reference.records,
+            "quarantined_rows": reference.quarantined_rows,
+            "path": dg.MetadataValue.path(reference.path),
+            "tasks_run_hash": tasks_hash,
+            "task_items_train": len(build.train),
+            "task_items_held_out": len(build.held_out),
+            "task_counts": dg.MetadataValue.json(task_counts(build)),
+            "tasks_contaminated": len(build.contaminated),
+            "contaminated_examples": dg.MetadataValue.json(build.contaminated[:10]),
+            "documents_skipped": dg.MetadataValue.json(build.skipped),
+            "protected_items": len(index.items),
+            "tasks_path": dg.MetadataValue.path(train_path),
+            "task_preview": preview(pd.DataFrame(build.train[:5]), ["item_id", "task", "prompt", "answer"]),
+        }
+    )
+    return RLPrompts(
+        **reference.model_dump(exclude={"created_at"}),
+        tasks_run_hash=tasks_hash,
+        tasks_path=train_path,
+        held_out_path=held_out_path,
+        task_records=len(build.train),
+        held_out_records=len(build.held_out),
+        tasks_contaminated=len(build.contaminated),
+    )
+
+
+def task_settings(scale: ScalePreset) -> RLTaskSettings:
+    """The scale preset's ``rl.tasks`` (the defaults while the preset has no RL stage)."""
+    return scale.rl.tasks if scale.rl is not None else RLTaskSettings()
+
+
+def task_counts(build: TaskBuild) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for side, rows in (("train", build.train), ("held_out", build.held_out)):
+        for row in rows:
+            counts.setdefault(row["task"], {}).setdefault(side, 0)
+            counts[row["task"]][side] += 1
+    return counts
+
+
+def read_documents(partitions: list[tuple[str, str]]) -> Iterator[dict[str, object]]:
+    """Every ingested document of the partitions, a day at a time (bounded memory), checked against its schema."""
+    for _, path in partitions:
+        frame = io.read_parquet(path)
+        _valid_raw_documents(frame, path)
+        yield from frame[["doc_id", "title", "text"]].to_dict("records")
+
+
+def reference_rows(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    gpu_cluster: GPUClusterResource,
+    cfg: PackagingConfig,
+    eval_sets: EvalSetsResource,
 ) -> JsonlDataset:
-    cfg = packaging_config.config()
+    """The reference-answer rows: every filtered sample off the eval set's side, through the RL blend."""
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
     partitions = stored_partitions(
@@ -382,16 +473,6 @@ def rl_prompts(
         workers=cfg.worker_count(),
         log=context.log.info,
         runner=shard_runner(context, cfg, gpu_cluster, storage, "rl"),
-    )
-    context.add_output_metadata(
-        {
-            "run_hash": run.run_hash,
-            "blend": blend.name,
-            "blend_fingerprint": blend.fingerprint(),
-            "records": run.records,
-            "quarantined_rows": run.quarantined_rows,
-            "path": dg.MetadataValue.path(run.path),
-        }
     )
     return JsonlDataset(
         run_hash=run.run_hash,

@@ -10,20 +10,29 @@
   in memory). It is evaluated like any checkpoint; the gate decides on the judge's win rate against production.
 """
 
+import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 
 import dagster as dg
 import pandas as pd
 from pydantic import Field
 
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
     preview,
     progress_logger,
 )
-from nexa_dagster.assets.packaging import contamination_index, contamination_metadata, load_student_tokenizer
+from nexa_dagster.assets.packaging import (
+    contamination_index,
+    contamination_metadata,
+    load_student_tokenizer,
+    read_documents,
+    task_settings,
+)
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.assets.production import (  # noqa: F401 (production_model_asset: loaded with this module)
     PRODUCTION_MODEL,
@@ -31,20 +40,23 @@ from nexa_dagster.assets.production import (  # noqa: F401 (production_model_ass
     production_model_asset,
 )
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
-from nexa_dagster.assets.training_record import (
-    log_training_run,
-    publish_checkpoint,
-    training_metadata,
-    write_checkpoint_record,
-)
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
-from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset
+from nexa_dagster.core.common.config import PreferenceSettings, ScalePreset, TrainingSettings
 from nexa_dagster.core.data import schemas
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge import Judge
-from nexa_dagster.core.distill.pairs import gap_histogram, make_pairs, pair_problems
+from nexa_dagster.core.distill.pairs import (
+    AnswerScorer,
+    JudgeScorer,
+    PairStats,
+    RewardScorer,
+    gap_histogram,
+    make_pairs,
+    pair_problems,
+)
+from nexa_dagster.core.distill.sample_gate import GateConfig
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.core.llm.model_identity import model_fingerprint
@@ -57,6 +69,8 @@ from nexa_dagster.core.packaging.preference_dataset import (
     snapshot_problems,
 )
 from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
+from nexa_dagster.core.rl.rewards import reward_function
+from nexa_dagster.core.rl.tasks import build_tasks
 from nexa_dagster.core.training.init import read_config
 from nexa_dagster.core.training.job import DPOObjective, TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import (
@@ -105,7 +119,12 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
     group_name="preference",
     partitions_def=daily_partitions,
     retry_policy=MODEL_CALL_RETRY,
-    ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
+    ins={
+        "filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType),
+        "raw_documents": dg.AssetIn(
+            dagster_type=dg.Nothing
+        ),  # preference.rank_by reward: the checkable tasks
+    },
     deps=[PRODUCTION_MODEL],  # on-policy: the model in production answers
     check_specs=[
         dg.AssetCheckSpec(
@@ -119,9 +138,11 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
     ],
     dagster_type=PreferencePairsType,
     kinds={"python", "parquet"},
-    description="The day's training prompts answered K times by the production model (on-policy) and judged as "
-    "SampleGate judges the teacher; per prompt, the best answer passing the heuristics against the worst, when "
-    "their scores differ by min_score_gap: TRL's prompt/chosen/rejected with both scores, models, lengths, day.",
+    description="The day's training prompts answered K times by the production model (on-policy) and scored "
+    "(preference.rank_by: judge, as SampleGate judges the teacher, on the day's judged samples; reward, a "
+    "verifiable reward on the checkable tasks of the day's documents, core/rl/tasks.py, train side only); per "
+    "prompt, the best answer against the worst, when their scores differ by min_score_gap: TRL's "
+    "prompt/chosen/rejected with both scores, models, lengths, day.",
 )
 def preference_pairs(
     context: dg.AssetExecutionContext,
@@ -133,33 +154,34 @@ def preference_pairs(
     eval_sets: EvalSetsResource,
     sample_gate_config: SampleGateResource,
     prompts: PromptsResource,
+    packaging_config: PackagingResource,
 ) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
-    settings = preference_settings(scale_preset.load())
+    scale = scale_preset.load()
+    settings = preference_settings(scale)
     production = production_model(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
     sampling = settings.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed)
     gate = sample_gate_config.config()
     store_dir = io.local_dir(storage.path("generation_store", "preference_pairs"))
+    by_reward = settings.rank_by == "reward"
+    day = (
+        checkable_prompts(context, storage, scale, eval_sets, prompts, packaging_config)
+        if by_reward
+        else filtered_samples
+    )
     with (
         no_retry_on_permanent_llm_errors(f"policy {policy.where()} / judge {judge_llm.where()}"),
         policy.get_client(log=context.log) as answering,
-        judge_llm.get_client(log=context.log) as judging,
+        contextlib.nullcontext() if by_reward else judge_llm.get_client(log=context.log) as judging,
         GenerationStore(store_dir) as store,
         progress_logger(context, "policy answers") as progress,
     ):
-        judge = Judge(
-            judging,
-            prompts.text("judge"),
-            prompts.text("judge_verdict"),
-            gate.judge.max_tokens,
-            gate.judge.method,
-            gate.judge.retries,
-        )
+        scorer = answer_scorer(settings, judging, prompts, gate)
         pairs, stats = make_pairs(
-            filtered_samples,
+            day,
             answering,
-            judge,
+            scorer,
             gate,
             store,
             params,
@@ -173,10 +195,31 @@ def preference_pairs(
         f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
         f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
     )
-    metadata = {
+    metadata = pairs_metadata(pairs, stats, production, scorer.model_id)
+    yield dg.Output(pairs, metadata=metadata)
+    yield pairs_check(pairs, settings.min_score_gap, eval_sets.fraction)
+
+
+def pairs_check(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> dg.AssetCheckResult:
+    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it)."""
+    problems = pair_problems(pairs, min_score_gap, eval_fraction)
+    return dg.AssetCheckResult(
+        check_name="pairs_are_trainable",
+        passed=not problems,
+        description="; ".join(problems[:3]) or None,
+        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+    )
+
+
+def pairs_metadata(
+    pairs: pd.DataFrame, stats: PairStats, production: ProductionEntry, ranked_by: str
+) -> dict:
+    """What a person reads on the day's pairs: counts, why prompts gave no pair, the score gaps, a preview."""
+    return {
         "dagster/row_count": len(pairs),
         **production_metadata(production),  # the model that answered (also its input data version)
         "policy_checkpoint": production.checkpoint_id,
+        "ranked_by": ranked_by,
         "policy_model": answering_id(pairs, production),
         "prompts": stats.prompts,
         "held_out_prompts_skipped": stats.held_out_prompts,
@@ -196,18 +239,48 @@ def preference_pairs(
             ["pair_id", "chosen_text", "rejected_text", "score_gap"],
         ),
     }
-    yield dg.Output(pairs, metadata=metadata)
-    yield pairs_check(pairs, settings.min_score_gap, eval_sets.fraction)
 
 
-def pairs_check(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> dg.AssetCheckResult:
-    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it)."""
-    problems = pair_problems(pairs, min_score_gap, eval_fraction)
-    return dg.AssetCheckResult(
-        check_name="pairs_are_trainable",
-        passed=not problems,
-        description="; ".join(problems[:3]) or None,
-        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+def answer_scorer(
+    settings: PreferenceSettings, judging: object, prompts: PromptsResource, gate: GateConfig
+) -> AnswerScorer:
+    """What ranks the policy's answers (``preference.rank_by``): a verifiable reward, or the judge's pointwise
+    score as SampleGate judges the teacher."""
+    if settings.rank_by == "reward":
+        return RewardScorer(reward_function(settings.reward), settings.reward)
+    judge = Judge(
+        judging,
+        prompts.text("judge"),
+        prompts.text("judge_verdict"),
+        gate.judge.max_tokens,
+        gate.judge.method,
+        gate.judge.retries,
+    )
+    return JudgeScorer(judge)
+
+
+def checkable_prompts(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale: ScalePreset,
+    eval_sets: EvalSetsResource,
+    prompts: PromptsResource,
+    packaging_config: PackagingResource,
+) -> pd.DataFrame:
+    """The day's checkable task items (train side, decontaminated: the rows rl_prompts trains GRPO on) as the rows
+    make_pairs answers: the item id as sample id, the right answer as the reference answer."""
+    documents = stored_partitions(storage.data_root, "raw_documents", [context.partition_key])
+    index, _ = contamination_index(
+        storage, eval_sets, scale, prompts, packaging_config.config().contamination
+    )
+    build = build_tasks(read_documents(documents), task_settings(scale), index)
+    items = pd.DataFrame(build.train, columns=["item_id", "task", "prompt", "answer", "choices", "reference"])
+    return items.assign(
+        sample_id=items["item_id"],
+        day=context.partition_key,
+        system_prompt="",
+        response=items["answer"],
+        completion_tokens=items["answer"].str.split().str.len(),
     )
 
 
@@ -397,68 +470,64 @@ def preference_checkpoint(
             reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
         ),
     )
-    context.log.info(
-        f"launching DPO of {checkpoint_id} from production {production.checkpoint_id} "
-        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, "
-        f"{preference_dataset.train_pairs} pairs) on the {gpu_cluster.backend} cluster"
+    stage = dpo_record(job, scale, settings, training, preference_dataset, production.checkpoint_id)
+    stage = replace(
+        stage, metadata=production_metadata(production)
+    )  # where DPO started (its input data version)
+    publish = registered(context, tracking, promotion_policy.policy().registered_model)
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
+
+
+def dpo_record(
+    job: TrainingJob,
+    scale: ScalePreset,
+    settings: PreferenceSettings,
+    training: TrainingSettings,
+    data: PreferenceDataset,
+    production_id: str,
+) -> StageRecord:
+    """What is DPO's own in the launch-and-record path: its parameters, record fields and held-out figures."""
+    return StageRecord(
+        stage="preference",
+        title=f"{job.run_id} (DPO)",
+        curve_label="DPO loss",
+        launch_message=f"launching DPO of {job.run_id} from production {production_id} "
+        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, {data.train_pairs} pairs)",
+        params={
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "parent": job.parent,
+            "dataset_run_hash": data.run_hash,
+            "beta": settings.beta,
+            "loss": settings.loss,
+            **training.model_dump(),
+        },
+        record={
+            "dataset_validation_path": data.validation_path,
+            "model_preset": scale.model_preset,
+            "scale": scale.name,
+            "stage": "preference",
+            "parent": job.parent,
+        },
+        figures=dpo_figures,
     )
-    result, invocation = gpu_cluster.run_training(
-        context, job, io.local_dir(storage.path("runs", checkpoint_id))
-    )
+
+
+def dpo_figures(result: TrainingResult) -> StageFigures:
+    """DPO's held-out reward accuracy and margin with their n: MLflow's final metrics, the record's
+    ``preference_metrics`` (read by the evaluation) and the materialization's metadata."""
     heldout = {
         "reward_accuracy": result.reward_accuracy,
         "reward_margin": result.reward_margin,
         "pairs": float(result.validation_pairs or 0),
     }
-    png, mlflow_run_id = log_training_run(
-        context,
-        tracking,
-        result,
-        run_name=checkpoint_id,
-        stage="preference",
-        title=f"{checkpoint_id} (DPO)",
-        params={
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
-            "dataset_run_hash": preference_dataset.run_hash,
-            "beta": settings.beta,
-            "loss": settings.loss,
-            **training.model_dump(),
-        },
-        final_metrics={f"heldout_{k}": v for k, v in heldout.items() if v is not None},
-    )
-    checkpoint = write_checkpoint_record(
-        context,
-        result,
-        storage.root,
-        checkpoint_id=checkpoint_id,
-        mlflow_run_id=mlflow_run_id,
-        dataset_run_hash=preference_dataset.run_hash,
-        dataset_validation_path=preference_dataset.validation_path,
-        model_preset=scale.model_preset,
-        scale=scale.name,
-        stage="preference",
-        parent=job.parent,
-        preference_metrics={k: v for k, v in heldout.items() if v is not None},
-    )
-    # a model version in MLflow, and the partition evaluation_job runs on next
-    model_version = publish_checkpoint(
-        context, tracking, promotion_policy.policy().registered_model, checkpoint
-    )
-    return dg.Output(
-        checkpoint,
+    return StageFigures(
+        final_metrics={f"heldout_{k}": v for k, v in heldout.items()},
+        record={"preference_metrics": {k: v for k, v in heldout.items() if v is not None}},
         metadata={
-            **training_metadata(invocation, png, result, "DPO loss"),
-            "checkpoint_id": checkpoint_id,
-            "parent": job.parent,
-            **production_metadata(production),  # where DPO started (also its input data version)
             "heldout_reward_accuracy": result.reward_accuracy,
             "heldout_reward_margin": result.reward_margin,
             "heldout_pairs": result.validation_pairs,
-            "dataset_run_hash": preference_dataset.run_hash,
-            "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": model_version,
         },
     )
 

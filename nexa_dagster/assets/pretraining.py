@@ -10,18 +10,18 @@ eval-set version froze (``base_model_eval``), so base models trained on differen
 
 import dagster as dg
 
+from nexa_dagster.assets.checkpoint_launch import Publish, StageFigures, StageRecord, launch_and_record
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
-from nexa_dagster.assets.training_record import log_training_run, training_metadata, write_checkpoint_record
-from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
+from nexa_dagster.core.common.config import ScalePreset, TrainingSettings
 from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.evaluation.scoring import perplexity_of
 from nexa_dagster.core.packaging.decontaminate import decontaminate, document_texts, recorded_inputs
 from nexa_dagster.core.packaging.pretrain_corpus import PretrainCorpus, documents_holding_protected_text
-from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import EvalSetsResource, PackagingResource, PromptsResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
@@ -120,62 +120,69 @@ def base_model(
         eval_fraction=eval_sets.corpus_fraction,  # the eval set's documents: never trained on
         exclude_documents=excluded,
     )
-    context.log.info(
-        f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
-        f"corpus {pretrain_corpus.run_hash} ({pretrain_corpus.num_documents} documents, "
-        f"{pretrain_corpus.num_tokens} tokens) on the {gpu_cluster.backend} cluster"
+    stage = pretraining_record(
+        base_id, scale, settings, pretrain_corpus, excluded, found, eval_sets.corpus_fraction
     )
-    result, invocation = gpu_cluster.run_training(context, job, io.local_dir(storage.path("runs", base_id)))
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, as_base_model(context))
 
-    perplexity = perplexity_of(result.validation_loss)
-    png, mlflow_run_id = log_training_run(
-        context,
-        tracking,
-        result,
-        run_name=base_id,
+
+def as_base_model(context: dg.AssetExecutionContext) -> Publish:
+    """Publishing a base model: its ``base_models`` partition, which base_model_eval evaluates."""
+
+    def publish(checkpoint: Checkpoint) -> dict[str, object]:
+        context.instance.add_dynamic_partitions(base_model_partitions.name, [checkpoint.checkpoint_id])
+        return {}
+
+    return publish
+
+
+def pretraining_record(
+    base_id: str,
+    scale: ScalePreset,
+    settings: TrainingSettings,
+    corpus: PretrainCorpus,
+    excluded: list[str],
+    found: int,
+    eval_side_fraction: float,
+) -> StageRecord:
+    """What is pretraining's own in the launch-and-record path: its parameters, record fields (the documents it
+    never saw, so that its descendants' evaluation counts only the corpus it learned from) and held-out figures."""
+
+    def figures(result: TrainingResult) -> StageFigures:
+        perplexity = perplexity_of(result.validation_loss)
+        return StageFigures(
+            final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity},
+            metadata={
+                "scale": scale.name,
+                "corpus_run_hash": corpus.run_hash,
+                "heldout_loss": result.validation_loss,
+                "heldout_perplexity": perplexity,
+                "heldout_documents": result.validation_documents,
+                "contaminated_documents_found": found,
+                "contaminated_documents_excluded": len(excluded),
+            },
+        )
+
+    return StageRecord(
         stage="pretraining",
         title=f"{base_id} (pretraining)",
+        curve_label="pretraining loss",
+        launch_message=f"launching pretraining of {base_id} ({scale.model_preset}, {settings.max_steps} steps) on "
+        f"corpus {corpus.run_hash} ({corpus.num_documents} documents, {corpus.num_tokens} tokens)",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
-            "corpus_run_hash": pretrain_corpus.run_hash,
+            "corpus_run_hash": corpus.run_hash,
             **settings.model_dump(),
         },
-        final_metrics={"heldout_loss": result.validation_loss, "heldout_perplexity": perplexity},
-    )
-
-    checkpoint = write_checkpoint_record(
-        context,
-        result,
-        storage.root,
-        checkpoint_id=base_id,
-        mlflow_run_id=mlflow_run_id,
-        dataset_run_hash=pretrain_corpus.run_hash,
-        dataset_validation_path=pretrain_corpus.root,
-        model_preset=scale.model_preset,
-        scale=scale.name,
-        stage="pretrain",
-        parent="scratch",
-        # what it never saw, so that its descendants' evaluation counts only the corpus it learned from
-        excluded_documents=excluded,
-        eval_side_fraction=eval_sets.corpus_fraction,
-    )
-    context.instance.add_dynamic_partitions(
-        base_model_partitions.name, [base_id]
-    )  # base_model_eval's partition
-    return dg.Output(
-        checkpoint,
-        metadata={
-            **training_metadata(invocation, png, result, "pretraining loss"),
-            "checkpoint_id": base_id,
+        record={
+            "dataset_validation_path": corpus.root,
+            "model_preset": scale.model_preset,
             "scale": scale.name,
-            "corpus_run_hash": pretrain_corpus.run_hash,
+            "stage": "pretrain",
             "parent": "scratch",
-            "heldout_loss": result.validation_loss,
-            "heldout_perplexity": perplexity,
-            "heldout_documents": result.validation_documents,
-            "contaminated_documents_found": found,
-            "contaminated_documents_excluded": len(excluded),
-            "mlflow_run_id": mlflow_run_id,
+            "excluded_documents": excluded,
+            "eval_side_fraction": eval_side_fraction,
         },
+        figures=figures,
     )

@@ -11,13 +11,8 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.training_record import (
-    log_training_run,
-    publish_checkpoint,
-    training_metadata,
-    write_checkpoint_record,
-)
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
@@ -151,6 +146,7 @@ def moe_checkpoint(
     settings = config.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage)
     init, tokenizer_path = resolve_init(context, config, storage, sft_dataset, scale)
+    init_requested = config.init_from or scale.init_from
     job = TrainingJob(
         run_id=checkpoint_id,
         train_path=sft_dataset.train_path,
@@ -164,65 +160,46 @@ def moe_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=init.path,
         parent=init.parent,
-        init_requested=config.init_from or scale.init_from,
+        init_requested=init_requested,
     )
-    work_dir = io.local_dir(storage.path("runs", checkpoint_id))
-    context.log.info(
-        f"launching training of {checkpoint_id} ({scale.model_preset}, {settings.max_steps} "
-        f"steps, from {init.parent}) on the {gpu_cluster.backend} cluster"
-    )
-    result, invocation = gpu_cluster.run_training(context, job, work_dir)
+    stage = sft_record(job, scale, settings, sft_dataset)
+    publish = registered(context, tracking, promotion_policy.policy().registered_model)
+    return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
 
-    png, mlflow_run_id = log_training_run(
-        context,
-        tracking,
-        result,
-        run_name=checkpoint_id,
+
+def sft_record(
+    job: TrainingJob, scale: ScalePreset, settings: TrainingSettings, data: SFTDataset
+) -> StageRecord:
+    """What is SFT's own in the launch-and-record path: its parameters, record fields and figures."""
+    return StageRecord(
         stage="training",
-        title=f"{checkpoint_id} ({scale.model_preset})",
+        title=f"{job.run_id} ({scale.model_preset})",
+        curve_label="training loss",
+        launch_message=f"launching training of {job.run_id} ({scale.model_preset}, {settings.max_steps} "
+        f"steps, from {job.parent})",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
-            "parent": init.parent,
-            "dataset_run_hash": sft_dataset.run_hash,
+            "parent": job.parent,
+            "dataset_run_hash": data.run_hash,
             **settings.model_dump(),
         },
-        final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s},
-    )
-
-    # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
-    checkpoint = write_checkpoint_record(
-        context,
-        result,
-        storage.root,
-        checkpoint_id=checkpoint_id,
-        mlflow_run_id=mlflow_run_id,
-        dataset_run_hash=sft_dataset.run_hash,
-        dataset_validation_path=sft_dataset.validation_path,
-        model_preset=scale.model_preset,
-        scale=scale.name,
-        parent=init.parent,
-        init_requested=config.init_from or scale.init_from,
-    )
-    # a model version in MLflow, and the partition evaluation_job runs on next
-    model_version = publish_checkpoint(
-        context, tracking, promotion_policy.policy().registered_model, checkpoint
-    )
-
-    return dg.Output(
-        checkpoint,
-        metadata={
-            **training_metadata(invocation, png, result, "training loss"),
-            "checkpoint_id": checkpoint_id,
+        record={
+            "dataset_validation_path": data.validation_path,
+            "model_preset": scale.model_preset,
             "scale": scale.name,
-            "validation_loss": result.validation_loss,
-            "tokens_per_s": round(result.tokens_per_s, 1),
-            "parameters_active": result.parameters_active,
-            "dataset_run_hash": sft_dataset.run_hash,
-            "parent": init.parent,
-            "mlflow_run_id": mlflow_run_id,
-            "mlflow_model_version": model_version,
+            "parent": job.parent,
+            "init_requested": job.init_requested,
         },
+        figures=lambda result: StageFigures(
+            final_metrics={"validation_loss": result.validation_loss, "tokens_per_s": result.tokens_per_s},
+            metadata={
+                "scale": scale.name,
+                "validation_loss": result.validation_loss,
+                "tokens_per_s": round(result.tokens_per_s, 1),
+                "parameters_active": result.parameters_active,
+            },
+        ),
     )
 
 

@@ -80,6 +80,14 @@ preference_training_job = dg.define_asset_job(
     "(the checkpoint sensor then evaluates it like any checkpoint).",
 )
 
+rl_training_job = dg.define_asset_job(
+    "rl_training_job",
+    selection=dg.AssetSelection.assets("rl_prompts", "rl_eval_set", "rl_checkpoint"),
+    description="Build the checkable RL prompts from every ingested document, freeze the held-out RL prompts (once "
+    "per version) and train a GRPO checkpoint from the production model on them (evaluation_job then gates it "
+    "on the held-out reward like any checkpoint).",
+)
+
 
 def nightly_schedule(hour_utc: int) -> dg.ScheduleDefinition:
     """The nightly run at ``hour_utc`` (pipeline.yaml's ``schedule.nightly_retrain_hour_utc``)."""
@@ -126,6 +134,7 @@ leaderboard_job = dg.define_asset_job(
 JOBS = [
     preference_pairs_job,
     preference_training_job,
+    rl_training_job,
     ingest_job,
     daily_data_job,
     training_job,

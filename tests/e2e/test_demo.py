@@ -216,31 +216,17 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     )
     production_after_nights = promoted[-1].group(3)
     assert dpo and int(dpo.group(5)) >= 1 and dpo.group(2) == production_after_nights, summary
-    verdict = re.search(
-        r"(pointwise|pairwise) judge win rate vs (\S+) (\d\.\d+) 95% CI \[(\d\.\d+), (\d\.\d+)\], n = (\d+) "
-        r"(?:decisive|order-consistent) verdicts of (\d+) prompts \(([^)]*)\), headline (\d\.\d+) "
-        r"\((?:flips|ties) count half\), length-controlled (\d\.\d+) \(answers ([+-]\d+) chars\)\s+"
-        r"judge: (.*), (\d+) unreadable\s+-> (promote|hold back|insufficient evidence) \(rule: ([^)]*)\)",
-        summary,
+    # the tiny preset ranks the pairs by the verifiable reward (preference.rank_by: reward), so the same reward decides
+    # on the frozen held-out RL prompts (docs/stages/rl.md): both models' mean reward, the paired difference, its
+    # interval and n, and a decision that follows the rule
+    gate = RL_GATE.search(summary, dpo.end())
+    assert gate and gate.group(1) == "exact_answer" and int(gate.group(9)) >= 30, summary
+    low, high = float(gate.group(7)), float(gate.group(8))
+    decided = re.search(
+        r"-> (promote|hold back|insufficient evidence) \(rule: (reward interval low > [^)]*)\)",
+        summary[gate.end() :],
     )
-    assert verdict, summary
-    mode, rate, low, high, n = (
-        verdict.group(1),
-        float(verdict.group(3)),
-        float(verdict.group(4)),
-        float(verdict.group(5)),
-        int(verdict.group(6)),
-    )
-    assert low <= rate <= high and verdict.group(8) == "Wilson score interval", verdict.group(0)
-    # the demo's judge scores each answer alone (promotion.yaml preference.judge_mode: pointwise; pairwise, the tiny
-    # judge flips with the answers' order on nearly every prompt, which gives no verdict at all). A prompt both
-    # models answer alike is a tie, no verdict; DPO moves the production model far enough (tiny.yaml preference)
-    # that the decision rests on evidence: at least the rule's 20 usable verdicts, promote or hold back
-    assert mode == "pointwise" and int(verdict.group(7)) >= n >= 20, verdict.group(0)
-    # decided on evidence, or refused by a guard on the judge's per-prompt scores (which names its reason)
-    refused_by_guards = verdict.group(14) == "insufficient evidence" and "guards" in verdict.group(15)
-    assert verdict.group(14) in ("promote", "hold back") or refused_by_guards, verdict.group(0)
-    assert (verdict.group(14) == "promote") <= (low > 0.5), verdict.group(0)  # a guard may still hold back
+    assert decided and (decided.group(1) == "promote") <= (low > 0), summary
 
     # the base model, scored on the corpus documents the night-1 eval set froze (which it never trained on)
     base = re.search(
@@ -308,6 +294,25 @@ def test_the_base_model_never_trained_on_eval_set_text(demo_world: tuple[Path, s
     assert not leaked, f"{base_id} trained on eval-set text: {leaked[:3]}"
 
 
+def train_and_evaluate(
+    root: Path, selection: str, checkpoint_asset: str, config: str, production: str
+) -> dict:
+    """A candidate trained from ``production`` with run config ``config`` (as an operator trains one), then evaluated
+    and gated in the same world: its eval_report's metadata."""
+    env = sandbox_env(root)
+    train = materialize_command(selection, None, "--config-json", config)
+    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    instance = dg.DagsterInstance.from_config(str(root / "home"))
+    trained = instance.get_latest_materialization_event(dg.AssetKey(checkpoint_asset)).asset_materialization
+    candidate = str(trained.metadata["checkpoint_id"].value)
+    assert str(trained.metadata["parent"].value) == f"production:{production}"
+    evaluate = materialize_command("eval_report,model_deployment", candidate)
+    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
+    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
+    assert evaluated.partition == candidate
+    return {k: v.value for k, v in evaluated.metadata.items()}
+
+
 @pytest.mark.xdist_group("demo")
 @pytest.mark.timeout(1800)
 def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_world: tuple[Path, str]) -> None:
@@ -318,20 +323,11 @@ def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_worl
     registry = ProductionRegistry(StorageResource(data_root=str(data)).production_pointer())
     # the negative control, in the same world: a candidate fine-tuned from production on the same days with every
     # answer's words shuffled (configs/blends/sft_negative_control.yaml), as an operator trains and evaluates one
-    env = sandbox_env(root)
     before = registry.current().checkpoint_id
     control = '{"ops": {"sft_dataset": {"config": {"blend": "blends/sft_negative_control.yaml"}}}}'
-    train = materialize_command("sft_dataset,eval_set,moe_checkpoint", None, "--config-json", control)
-    subprocess.run(train, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    instance = dg.DagsterInstance.from_config(str(root / "home"))
-    worse = instance.get_latest_materialization_event(dg.AssetKey("moe_checkpoint")).asset_materialization
-    worse_id = str(worse.metadata["checkpoint_id"].value)
-    assert str(worse.metadata["parent"].value) == f"production:{before}"
-    evaluate = materialize_command("eval_report,model_deployment", worse_id)
-    subprocess.run(evaluate, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=900)
-    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization
-    assert evaluated.partition == worse_id
-    report = {k: v.value for k, v in evaluated.metadata.items()}
+    report = train_and_evaluate(
+        root, "sft_dataset,eval_set,moe_checkpoint", "moe_checkpoint", control, before
+    )
     low, high = report["eval_loss_difference_interval"]
     # held back on evidence: worse by the whole interval, on n >= 30 examples, by the loss rule (not contamination)
     assert report["gate_decision"] == "hold back" and report["gate_n"] >= 30, report
@@ -339,6 +335,69 @@ def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_worl
     assert report["contamination"] == 0.0 and report["gate_rule"] == "interval high < -0.0", report
     assert registry.current().checkpoint_id == before
     assert TrackingResource(data_root=str(data)).alias_version("nexa-moe", "production")[1] == before
+
+
+RL_GATE = re.compile(
+    r"held-out reward \(([^,]+), greedy, RL eval set v(\d+)\): candidate (\d\.\d+), production (\S+) "
+    r"(\d\.\d+); difference ([+-]\d\.\d+) 95% CI \[([+-]\d\.\d+), ([+-]\d\.\d+)\], n = (\d+) prompts"
+)
+
+
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(600)
+def test_make_run_post_trains_with_rl_and_gates_it_on_held_out_evidence(
+    demo_world: tuple[Path, str],
+) -> None:
+    """After SFT and preference, GRPO from production on the checkable tasks, and the gate compares both models'
+    greedy answers to the frozen held-out prompts with the same reward; the decision follows the rule (the interval
+    above zero on n >= 30 prompts), and a promoted candidate is deployed."""
+    root, summary = demo_world
+    trained = re.search(
+        r"(rl-\S+) \(GRPO from production:(\S+)\): rollout reward (\d\.\d+) at step 1 -> (\d\.\d+) at the last step",
+        summary,
+    )
+    assert trained, summary
+    # (whether its reward rises is what the demo shows, not what this test holds it to: on the tiny student, which
+    # never names a choice, every group has zero spread and GRPO has nothing to learn from; docs/stages/rl.md)
+    gate = RL_GATE.search(summary)
+    assert gate and gate.group(1) == "exact_answer" and int(gate.group(9)) >= 30, summary
+    candidate, production, difference = (float(gate.group(i)) for i in (3, 5, 6))
+    low, high = float(gate.group(7)), float(gate.group(8))
+    assert abs(difference - (candidate - production)) < 2e-3 and low <= difference <= high, gate.group(0)
+    decision = re.search(
+        r"-> (promote|hold back|insufficient evidence) \(rule: (reward interval low > 0\.0[^)]*)\)(?:; (.*))?",
+        summary[gate.end() :],
+    )
+    assert decision, summary
+    assert (decision.group(1) == "promote") <= (low > 0), decision.group(0)
+    if decision.group(1) == "promote":
+        assert decision.group(3) == "deployed", decision.group(0)
+        assert f"production        {trained.group(1)}" in summary
+    # the frozen held-out prompts were never trained on: no document or prompt on both sides
+    data = root / "data"
+    held = [json.loads(line) for line in next((data / "rl_eval_sets").glob("v*/prompts.jsonl")).open()]
+    train = [json.loads(line) for p in (data / "rl" / "tasks").glob("*/train.jsonl") for line in p.open()]
+    assert held and train
+    assert not {r["doc_id"] for r in held} & {r["doc_id"] for r in train}
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+
+
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(1200)
+def test_an_rl_negative_control_is_held_back_in_the_same_world(demo_world: tuple[Path, str]) -> None:
+    """The RL gate discriminates both ways on a real run: GRPO from production with the reward inverted (the right
+    answer punished, exact_answer:-1) is evaluated with the preset's reward and held back; production stays."""
+    root, _ = demo_world
+    data = root / "data"
+    registry = ProductionRegistry(StorageResource(data_root=str(data)).production_pointer())
+    before = registry.current().checkpoint_id
+    control = '{"ops": {"rl_checkpoint": {"config": {"rewards": ["exact_answer:-1"]}}}}'
+    report = train_and_evaluate(
+        root, "rl_prompts,rl_eval_set,rl_checkpoint", "rl_checkpoint", control, before
+    )
+    assert report["gate_decision"] in ("hold back", "insufficient evidence"), report
+    assert report["gate_rule"].startswith("reward interval low > 0.0"), report
+    assert registry.current().checkpoint_id == before
 
 
 @pytest.mark.xdist_group("demo")

@@ -21,6 +21,7 @@ STAGES = [
     "data",
     "distill",
     "packaging",
+    "rl",
     "training",
     "evaluation",
     "serving",

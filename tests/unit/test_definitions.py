@@ -68,12 +68,23 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
         for k in ("preference_pairs", "preference_dataset", "preference_checkpoint")
     )
     # the stage reads the model in production (the pointer model_deployment writes), not a fixed SFT checkpoint
-    assert pairs == {"filtered_samples", "production_model"}
+    # (preference.rank_by: reward asks about the day's documents: raw_documents)
+    assert pairs == {"filtered_samples", "raw_documents", "production_model"}
     assert dataset == {"preference_pairs", "eval_set", "production_model"}
     assert (
         dpo == {"preference_dataset", "production_model"}
         and "preference_checkpoint" in upstream["eval_report"]
     )
+    # SFT -> preference -> RL: checkable prompts from the documents (the eval set frozen first), a frozen held-out
+    # set drawn from them, GRPO from the production model; evaluated and gated like every checkpoint
+    prompts, held, rl = (
+        {p.to_user_string() for p in graph.get(dg.AssetKey(k)).parent_keys}
+        for k in ("rl_prompts", "rl_eval_set", "rl_checkpoint")
+    )
+    assert prompts == {"filtered_samples", "raw_documents", "eval_set"} and held == {"rl_prompts"}
+    assert rl == {"rl_prompts", "rl_eval_set", "production_model"}
+    assert {"rl_checkpoint", "rl_eval_set"} <= upstream["eval_report"]
+    assert graph.get(dg.AssetKey("rl_checkpoint")).assets_def.op.pool == "gpu"
 
 
 def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:

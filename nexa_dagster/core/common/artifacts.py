@@ -109,10 +109,12 @@ class Checkpoint(Artifact):
     parameters_total: int | None = None
     parameters_active: int | None = None
     stage: str = (
-        "sft"  # "sft" (moe_checkpoint), "pretrain" (base_model) or "preference" (preference_checkpoint)
+        "sft"  # "sft" (moe_checkpoint), "pretrain" (base_model), "preference" (preference_checkpoint), "rl"
     )
     # preference checkpoints: reward margin and accuracy on the held-out pairs, with their n, as training measured
     preference_metrics: dict[str, float] | None = None
+    # RL checkpoints: first and last rollout reward, held-out reward with its n, rollout and update seconds
+    rl_metrics: dict[str, float] | None = None
     parent: str | None = (
         None  # what its weights started from: scratch, base:<id>, production:<id>, path:<dir>
     )
@@ -202,6 +204,9 @@ class EvalReport(Artifact):
     # core.evaluation.guards' figures on the per-example differences (skewness, regressed share, slices), whatever
     # it decided; None: nothing per example was guarded (no production, pairwise verdicts, a benchmark gate)
     guard: dict[str, Any] | None = None
+    # RL checkpoints: the reward gate's figures (both models' mean held-out reward, the paired difference with its
+    # interval, n, the reward names, the RL eval set's version and hash) and training's rl_metrics
+    reward_gate: dict[str, Any] | None = None
     report_json: str
     report_markdown: str
     parent: str | None = None  # what the checkpoint's weights started from (Checkpoint.parent)

@@ -230,6 +230,13 @@ class PreferenceSettings(_Strict):
     learning_rate: float | None = Field(
         default=None, gt=0, description="default: training.learning_rate / 10"
     )
+    # (pipeline engineer) how the K answers are ranked into pairs: the judge's score, or a verifiable reward
+    rank_by: Literal["judge", "reward"] = Field(
+        default="judge", description="judge: pointwise judge score; reward: `reward` on the checkable tasks"
+    )
+    reward: str = Field(
+        default="exact_answer", min_length=1, description="rank_by reward: a core.rl.rewards name"
+    )
     warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:
@@ -237,6 +244,82 @@ class PreferenceSettings(_Strict):
         update: dict[str, Any] = {
             "max_steps": self.max_steps,
             "learning_rate": self.learning_rate or training.learning_rate / 10,
+        }
+        if self.warmup_steps is not None:
+            update["warmup_steps"] = self.warmup_steps
+        return training.model_copy(update=update)
+
+
+class RLReward(_Strict):
+    """One reward of the RL stage's sum: a name in ``core.rl.rewards.REWARDS`` and its weight."""
+
+    name: str = Field(min_length=1)
+    weight: float = 1.0
+
+
+class RLTaskSettings(_Strict):
+    """How ``rl_prompts`` builds the checkable tasks from the ingested documents (``core/rl/tasks.py``)."""
+
+    tasks: list[Literal["topic", "next_words"]] = Field(default_factory=lambda: ["topic"], min_length=1)
+    choices: int = Field(default=4, ge=2, le=10, description="topic: candidate topics listed in the prompt")
+    passage_words: int = Field(default=40, ge=8, description="words of the document shown")
+    next_words: int = Field(default=3, ge=1, le=10, description="next_words: words to continue with")
+    held_out_fraction: float = Field(
+        default=0.25, gt=0, lt=1, description="documents (by a hash of the id) held out for the RL gate"
+    )
+    seed: int = 0
+
+
+class RLSettings(_Strict):
+    """The RL stage of a scale preset: GRPO from the production model on verifiable rewards (``rl_checkpoint``).
+
+    The sampling and loss fields are ``GRPOObjective``'s (``core/training/job.py``, which says why each default is
+    what it is); the steps and learning rate override the preset's training settings, as DPO's do. One prompt's
+    group of ``num_generations`` completions is one micro-batch, so ``settings`` sets the micro-batch size to K and
+    the accumulation to the prompts per step over the ranks.
+    """
+
+    rewards: list[RLReward] = Field(
+        default_factory=lambda: [RLReward(name="exact_answer")],
+        min_length=1,
+        description="what a completion is rewarded for (exact_answer: a checkable task, the demo's choice)",
+    )
+    num_generations: int = Field(default=8, ge=2, description="K completions per prompt (TRL's default)")
+    prompts_per_step: int = Field(default=4, gt=0, description="B prompts per step: K x B rollouts per step")
+    max_completion_tokens: int = Field(default=32, gt=0, description="longest sampled completion, in tokens")
+    temperature: float = Field(default=1.0, gt=0, description="TRL's 1.0: sample the policy as it is")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="TRL's 1.0: no nucleus truncation")
+    beta: float = Field(default=0.0, ge=0, description="KL weight to the starting model (TRL's 0.0)")
+    epsilon: float = Field(default=0.2, gt=0, description="the surrogate's clip range (TRL's 0.2)")
+    loss_type: Literal["grpo", "dr_grpo"] = Field(
+        default="dr_grpo", description="dr_grpo: no per-completion length normalisation (no pull to length)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        default="group",
+        description="what the advantages are divided by: the group's std (TRL), the batch's, none",
+    )
+    max_steps: int = Field(default=20, gt=0, description="optimizer steps, each on K x B fresh rollouts")
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="default: training.learning_rate / 10 (post-training moves less)"
+    )
+    warmup_steps: int | None = Field(default=None, ge=0, description="default: training.warmup_steps")
+    # (pipeline engineer) the tasks, and the frozen held-out prompts the reward gate compares both models on
+    tasks: RLTaskSettings = Field(default_factory=RLTaskSettings)
+    held_out_prompts: int = Field(default=64, gt=0, description="prompts of the frozen RL eval set")
+    eval_set_version: int = Field(default=1, ge=1, description="the frozen RL eval set's version")
+
+    def settings(self, training: TrainingSettings) -> TrainingSettings:
+        """The SFT settings with RL's steps, learning rate and batch shape (K completions per micro-batch)."""
+        if self.prompts_per_step % training.num_procs:
+            raise ValueError(
+                f"rl.prompts_per_step {self.prompts_per_step} is not a multiple of training.num_procs "
+                f"{training.num_procs}: every rank rolls out the same number of prompts"
+            )
+        update: dict[str, Any] = {
+            "max_steps": self.max_steps,
+            "learning_rate": self.learning_rate or training.learning_rate / 10,
+            "micro_batch_size": self.num_generations,
+            "gradient_accumulation_steps": self.prompts_per_step // training.num_procs,
         }
         if self.warmup_steps is not None:
             update["warmup_steps"] = self.warmup_steps
@@ -270,6 +353,9 @@ class ScalePreset(_Strict):
     )
     preference: PreferenceSettings | None = Field(
         default=None, description="the preference stage: pairs and DPO (None: off)"
+    )
+    rl: RLSettings | None = Field(
+        default=None, description="the RL stage: GRPO on verifiable rewards (None: off)"
     )
 
 

@@ -6,6 +6,8 @@ that a bad frame fails at the boundary with a message naming the column and the 
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
@@ -82,15 +84,26 @@ class PreferencePairs(pa.DataFrameModel):
     prompt: Series[object]  # [{"role", "content"}, ...]: system (if any) and user
     chosen: Series[object]  # [{"role": "assistant", "content"}]
     rejected: Series[object]
-    chosen_score: Series[float] = pa.Field(ge=1, le=5)
-    rejected_score: Series[float] = pa.Field(ge=1, le=5)
+    chosen_score: Series[
+        float
+    ]  # the judge's 1-5, or a reward (judge_model "reward:<name>"): _scores_in_range
+    rejected_score: Series[float]
     score_gap: Series[float] = pa.Field(ge=0)
     chosen_source: Series[str]  # teacher | policy:<generation index>
     rejected_source: Series[str]
     chosen_length: Series[int] = pa.Field(ge=1)
     rejected_length: Series[int] = pa.Field(ge=0)
-    judge_model: Series[str] = pa.Field(str_length={"min_value": 1})
+    judge_model: Series[str] = pa.Field(str_length={"min_value": 1})  # the judge's model id, or reward:<name>
     policy_model: Series[str] = pa.Field(str_length={"min_value": 1})
+
+    @pa.dataframe_check
+    def _scores_in_range(cls, df: pd.DataFrame) -> pd.Series:
+        """Both scores finite; a judge's on its 1-5 scale (a reward's scale is its own: pairs ranked by a
+        verifiable reward, ``preference.rank_by: reward``)."""
+        scores = df[["chosen_score", "rejected_score"]].astype(float)
+        finite = scores.apply(lambda c: c.map(math.isfinite)).all(axis=1)
+        judged = ~df["judge_model"].astype(str).str.startswith("reward:")
+        return finite & (~judged | ((scores >= 1) & (scores <= 5)).all(axis=1))
 
     class Config:
         strict = True

@@ -1,6 +1,13 @@
-"""Preference pairs: the production model answers the day's training prompts K times, the judge scores every answer
-(and the teacher's, already scored by SampleGate), and the best answer that passes SampleGate's heuristics against
-the worst one becomes a pair when their scores differ by at least ``min_score_gap``.
+"""Preference pairs: the production model answers the day's training prompts K times, every answer is scored (and the
+reference answer: the teacher's, already scored by SampleGate, or a checkable item's right answer), and the best
+answer that passes SampleGate's heuristics against the worst one becomes a pair when their scores differ by at
+least ``min_score_gap``.
+
+What scores the answers is pluggable (``AnswerScorer``, the scale preset's ``preference.rank_by``): ``JudgeScorer``,
+the judge's pointwise score (as the stage always did); ``RewardScorer``, a verifiable reward of ``core.rl.rewards``
+on checkable prompts (``core.rl.tasks``), the same reward the RL stage maximises. The tiny judge's scores carry no
+information about quality, so pairs it ranks teach DPO noise; a pair ranked by a checkable answer says which answer
+is right. A verifier needs no heuristics (a one-word answer is a right answer), so ``RewardScorer`` turns them off.
 
 On-policy: the answers come from the model in production, so the pairs say what to change in the model users get.
 The answers go through the generation store like the teacher's (keyed by prompt, policy model identity, sampling
@@ -14,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import pandas as pd
 
@@ -61,6 +69,66 @@ class PairStats:
         return 1 - self.pairs / self.prompts if self.prompts else 0.0
 
 
+class AnswerScorer(Protocol):
+    """Scores answers to the day's prompts: ``model_id`` names it in the pairs' ``judge_model`` column."""
+
+    model_id: str
+    heuristics: bool  # whether SampleGate's heuristics must pass for an answer to be chosen
+
+    def score(self, rows: Sequence[Any], answers: Sequence[str]) -> list[float | None]:
+        """One score per (prompt row, answer), None where there is no verdict."""
+        ...
+
+    def reference_score(self, row: Any) -> float:
+        """The score of the row's reference answer (its ``response``)."""
+        ...
+
+
+@dataclass
+class JudgeScorer:
+    """The judge's pointwise score; the teacher's answer keeps the score SampleGate gave it."""
+
+    judge: Judge
+    heuristics: bool = True
+
+    @property
+    def model_id(self) -> str:
+        return self.judge.client.model_id
+
+    def score(self, rows: Sequence[Any], answers: Sequence[str]) -> list[float | None]:
+        verdicts = self.judge.judge_many([(r.prompt, a) for r, a in zip(rows, answers, strict=True)])
+        return [v.score for v in verdicts]
+
+    def reference_score(self, row: Any) -> float:
+        return float(row.judge_score)
+
+
+@dataclass
+class RewardScorer:
+    """A verifiable reward (``fn(completions, **columns)``, TRL's shape) on the rows' own columns (``answer``,
+    ``task``, ``choices``, ...): the right answer scores as the reward says, so does every policy answer."""
+
+    reward: Callable[..., list[float]]
+    name: str
+    columns: Sequence[str] = ("answer", "task", "choices", "reference")
+    heuristics: bool = False
+
+    @property
+    def model_id(self) -> str:
+        return f"reward:{self.name}"
+
+    def score(self, rows: Sequence[Any], answers: Sequence[str]) -> list[float | None]:
+        if not rows:
+            return []
+        cols = {c: [getattr(r, c, None) for r in rows] for c in self.columns}
+        cols = {c: v for c, v in cols.items() if any(x is not None for x in v)}
+        cols["prompts"] = [r.prompt for r in rows]
+        return [float(x) for x in self.reward(list(answers), **cols)]
+
+    def reference_score(self, row: Any) -> float:
+        return float(self.score([row], [row.response])[0] or 0.0)
+
+
 def training_prompts(samples: pd.DataFrame, eval_fraction: float) -> tuple[pd.DataFrame, int]:
     """The judged samples whose prompt may be trained on (never the eval set's held-out side), and how many were
     held out."""
@@ -83,7 +151,7 @@ def policy_requests(
 def make_pairs(
     samples: pd.DataFrame,
     policy: LLMClient,
-    judge: Judge,
+    scorer: AnswerScorer,
     gate: GateConfig,
     store: GenerationStore,
     params: SamplingParams,
@@ -93,16 +161,18 @@ def make_pairs(
     batch_size: int = 16,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[pd.DataFrame, PairStats]:
-    """The day's pairs from ``samples`` (``filtered_samples`` rows: prompt, system prompt, teacher answer and its
-    judge score) with K answers of ``policy`` each, judged by ``judge``."""
+    """The day's pairs from ``samples`` (rows with ``sample_id``, ``day``, ``prompt``, ``system_prompt``, the
+    reference answer ``response`` with its ``completion_tokens``, and whatever ``scorer`` reads) with K answers
+    of ``policy`` each, scored by ``scorer``."""
     usable, held_out = training_prompts(samples, eval_fraction)
     stats = PairStats(prompts=len(usable), held_out_prompts=held_out)
     specs = policy_requests(usable, policy.model_id, params, k)
     answers, generation = generate_teacher_samples(policy, specs, params, store, batch_size, progress)
     stats.generated, stats.reused, stats.failed = generation.generated, generation.reused, generation.failed
     ok = answers[answers["error"].isna()]
-    verdicts = judge.judge_many(list(zip(ok["prompt"], ok["response"], strict=True)))
-    scores = dict(zip(ok["sample_id"], (v.score for v in verdicts), strict=True))
+    by_id = {str(r.sample_id): r for r in usable.itertuples(index=False)}
+    rows_of = [by_id[str(d)] for d in ok["doc_id"]]  # an answer's doc_id is its prompt's sample id
+    scores = dict(zip(ok["sample_id"], scorer.score(rows_of, list(ok["response"])), strict=True))
     by_prompt: dict[str, list[tuple[str, str, float, int]]] = {}  # sample id -> (source, text, score, tokens)
     for row in ok.itertuples(index=False):
         if scores[row.sample_id] is not None:
@@ -116,35 +186,18 @@ def make_pairs(
             )
     rows = []
     for sample in usable.itertuples(index=False):
-        candidates = [("teacher", sample.response, float(sample.judge_score), int(sample.completion_tokens))]
-        candidates += by_prompt.get(str(sample.sample_id), [])
-        pair, why = choose_pair(sample.prompt, candidates, gate, min_score_gap)
+        reference = (
+            "teacher",
+            sample.response,
+            scorer.reference_score(sample),
+            int(sample.completion_tokens),
+        )
+        candidates = [reference, *by_prompt.get(str(sample.sample_id), [])]
+        pair, why = choose_pair(sample.prompt, candidates, gate if scorer.heuristics else None, min_score_gap)
         if pair is None:
             stats.no_pair[why] = stats.no_pair.get(why, 0) + 1
             continue
-        (c_src, c_text, c_score, _), (r_src, r_text, r_score, _) = pair
-        prompt = ([{"role": "system", "content": sample.system_prompt}] if sample.system_prompt else []) + [
-            {"role": "user", "content": sample.prompt}
-        ]
-        rows.append(
-            {
-                "pair_id": pair_id(str(sample.sample_id), c_text, r_text),
-                "sample_id": str(sample.sample_id),
-                "day": str(sample.day),
-                "prompt": prompt,
-                "chosen": [{"role": "assistant", "content": c_text}],
-                "rejected": [{"role": "assistant", "content": r_text}],
-                "chosen_score": c_score,
-                "rejected_score": r_score,
-                "score_gap": c_score - r_score,
-                "chosen_source": c_src,
-                "rejected_source": r_src,
-                "chosen_length": len(c_text),
-                "rejected_length": len(r_text),
-                "judge_model": judge.client.model_id,
-                "policy_model": policy.model_id,
-            }
-        )
+        rows.append(pair_row(sample, pair, scorer.model_id, policy.model_id))
     stats.pairs = len(rows)
     frame = (
         pd.DataFrame(rows, columns=PAIR_COLUMNS).sort_values("pair_id", kind="stable").reset_index(drop=True)
@@ -152,16 +205,42 @@ def make_pairs(
     return frame, stats
 
 
+def pair_row(sample: Any, pair: tuple, scorer_id: str, policy_id: str) -> dict[str, Any]:
+    """One row of the pairs table: TRL's conversational prompt/chosen/rejected, both scores, sources, lengths."""
+    (c_src, c_text, c_score, _), (r_src, r_text, r_score, _) = pair
+    prompt = ([{"role": "system", "content": sample.system_prompt}] if sample.system_prompt else []) + [
+        {"role": "user", "content": sample.prompt}
+    ]
+    return {
+        "pair_id": pair_id(str(sample.sample_id), c_text, r_text),
+        "sample_id": str(sample.sample_id),
+        "day": str(sample.day),
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": c_text}],
+        "rejected": [{"role": "assistant", "content": r_text}],
+        "chosen_score": c_score,
+        "rejected_score": r_score,
+        "score_gap": c_score - r_score,
+        "chosen_source": c_src,
+        "rejected_source": r_src,
+        "chosen_length": len(c_text),
+        "rejected_length": len(r_text),
+        "judge_model": scorer_id,
+        "policy_model": policy_id,
+    }
+
+
 def choose_pair(
     prompt: str,
     candidates: Sequence[tuple[str, str, float, int]],
-    gate: GateConfig,
+    gate: GateConfig | None,
     min_score_gap: float,
 ) -> tuple[tuple[tuple[str, str, float, int], tuple[str, str, float, int]] | None, str]:
     """(chosen, rejected) among ``(source, text, score, tokens)`` candidates: the best-scored one that passes the
-    heuristics against the worst-scored other one; or None with why (ties are broken by source, for determinism)."""
+    heuristics (``gate``; None: a verifier scored them, no heuristics) against the worst-scored other one; or None
+    with why (ties are broken by source, for determinism)."""
     ranked = sorted(candidates, key=lambda c: (-c[2], c[0]))
-    passing = [c for c in ranked if heuristic_reason(prompt, c[1], None, gate, c[3]) is None]
+    passing = [c for c in ranked if gate is None or heuristic_reason(prompt, c[1], None, gate, c[3]) is None]
     if not passing:
         return None, "no answer passes the heuristics"
     chosen = passing[0]

@@ -89,6 +89,29 @@ class PreferenceGate(BaseModel):
     )
 
 
+class RewardGate(BaseModel):
+    """``rl`` of promotion.yaml: an RL checkpoint is promoted on the paired per-prompt reward difference (candidate -
+    production, greedy answers to the frozen held-out RL prompts, the same reward) with the policy's interval
+    (``core.evaluation.reward_gate``); the eval-set loss only guards."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    margin: float = Field(default=0.0, ge=0, description="required mean reward gain per prompt")
+    min_prompts: int = Field(default=30, ge=2, description="fewer held-out prompts decide nothing")
+    max_eval_loss_regression: float = Field(
+        default=0.05,
+        ge=0,
+        description="held back when the eval-set loss is worse by more than this, its whole interval included",
+    )
+    regression_margin: float = Field(
+        default=0.5,
+        gt=0,
+        description="a held-out prompt whose reward fell by more than this counts as regressed (the guards' "
+        "regressed share): with the 0/1 exact-answer reward, a prompt that went from right to wrong; with a "
+        "similarity reward in [0, 1], one that lost half of it",
+    )
+
+
 class PromotionPolicy(BaseModel):
     """``configs/promotion.yaml``: what the gate compares, how sure it must be, and how much evidence it needs."""
 
@@ -149,6 +172,7 @@ class PromotionPolicy(BaseModel):
     registered_model: str = "nexa-moe"
     guards: GuardPolicy = Field(default_factory=GuardPolicy)
     preference: PreferenceGate = Field(default_factory=PreferenceGate)
+    rl: RewardGate = Field(default_factory=RewardGate)
 
     @field_validator("metric")
     @classmethod

@@ -69,7 +69,12 @@ def read_checkpoint(ckpt_dir: Path, checkpoint_id: str, data_root: str | None = 
 
 
 # what a training job's data kind makes of its checkpoint (``Checkpoint.stage``)
-_STAGE_OF_DATA = {"packed_sft": "sft", "preference": "preference", "pretrain_corpus": "pretrain"}
+_STAGE_OF_DATA = {
+    "packed_sft": "sft",
+    "preference": "preference",
+    "pretrain_corpus": "pretrain",
+    "rl_prompts": "rl",
+}
 
 
 def _dataset_path(stored: str | None, data_root: str | None) -> str | None:

@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from nexa_dagster.core.common.config import TrainingSettings
 
 Accelerator = Literal["cpu", "cuda"]
-DataKind = Literal["packed_sft", "pretrain_corpus", "preference"]
+DataKind = Literal["packed_sft", "pretrain_corpus", "preference", "rl_prompts"]
 DPOLossType = Literal["sigmoid", "sigmoid_norm"]
+GRPOLossType = Literal["grpo", "dr_grpo"]
+ScaleRewards = Literal["group", "batch", "none"]
 
 
 class LanguageModelObjective(BaseModel):
@@ -58,7 +60,111 @@ class DPOObjective(BaseModel):
     )
 
 
-Objective = Annotated[LanguageModelObjective | DPOObjective, Field(discriminator="kind")]
+class RewardSpec(BaseModel):
+    """One reward function of the sum a GRPO completion is scored by (``core/rl/rewards.py``'s registry)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(
+        min_length=1, description="a name in core.rl.rewards.REWARDS (checked before a model is built)"
+    )
+    weight: float = Field(
+        default=1.0,
+        description="its weight in the summed reward (TRL's reward_weights); 1.0: rewards count alike",
+    )
+
+
+class GRPOObjective(BaseModel):
+    """Online RL: GRPO on prompts, K completions sampled from the current weights every step (core/training/grpo.py).
+
+    The defaults are TRL ``GRPOConfig``'s wherever TRL has one, so a run here means what it means there; each field
+    says where it departs and why.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["grpo"] = "grpo"
+    prompts_path: str = Field(
+        min_length=1,
+        description=(
+            "training prompts, JSONL: each row a 'prompt' (a chat messages list, or a string: the user turn, with "
+            "the row's 'system_prompt' as system turn when it has one, as rl_prompts writes) and any other "
+            "columns, passed to the reward functions by name (reference, answer, task, ...)"
+        ),
+    )
+    held_out_path: str = Field(
+        default="",
+        description=(
+            "held-out prompts (same format, never trained on): the mean reward of greedy completions at the end "
+            "is TrainingResult.held_out_reward, with each prompt's reward for a paired comparison; empty: none"
+        ),
+    )
+    rewards: list[RewardSpec] = Field(
+        min_length=1, description="the reward functions summed (weighted) into each completion's reward"
+    )
+    num_generations: int = Field(
+        default=8,
+        ge=2,
+        description=(
+            "K completions per prompt: the group whose mean and spread the advantages are taken against (TRL's "
+            "default 8; at least 2, a group of one has no spread)"
+        ),
+    )
+    prompts_per_step: int = Field(
+        default=4,
+        gt=0,
+        description=(
+            "B prompts per optimizer step, so K x B completions are generated in one batched call; each prompt's "
+            "group of K is one micro-batch (micro_batch_size = K, gradient_accumulation_steps = B / ranks)"
+        ),
+    )
+    max_completion_tokens: int = Field(
+        default=256,
+        gt=0,
+        description="longest completion sampled, in tokens (TRL's max_completion_length); also dr_grpo's divisor",
+    )
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="sampling temperature of the rollouts (TRL's 1.0: the policy's own distribution, on-policy)",
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling of the rollouts (TRL's 1.0: no truncation, so log-probs are the policy's)",
+    )
+    beta: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "weight of the KL to the reference (the starting weights). TRL's default 0.0 (after Open-Reasoner-Zero "
+            "and DAPO): no reference model is kept; > 0 keeps a frozen copy of init_from to score each rollout"
+        ),
+    )
+    epsilon: float = Field(
+        default=0.2,
+        gt=0,
+        description="the clipped surrogate's range: the ratio is clipped to [1 - epsilon, 1 + epsilon] (TRL's 0.2)",
+    )
+    loss_type: GRPOLossType = Field(
+        default="dr_grpo",
+        description=(
+            "grpo: each completion's token mean, then the mean over completions; dr_grpo: the token sum over "
+            "completions x max_completion_tokens (TRL's definitions). dr_grpo by default (TRL's is dapo, not "
+            "offered here): grpo's per-completion mean gives a long wrong answer a smaller per-token penalty "
+            "than a short one, a pull towards length (Liu et al. 2025, 'Understanding R1-Zero-like training')"
+        ),
+    )
+    scale_rewards: ScaleRewards = Field(
+        default="group",
+        description=(
+            "advantage = reward - group mean, divided by the std of the group (group, TRL's default), of the "
+            "whole batch (batch) or not at all (none)"
+        ),
+    )
+
+
+Objective = Annotated[LanguageModelObjective | DPOObjective | GRPOObjective, Field(discriminator="kind")]
+OBJECTIVE_OF_DATA_KIND = {"preference": "dpo", "rl_prompts": "grpo"}  # every other kind: language_model
 
 
 class TrainingJob(BaseModel):
@@ -68,10 +174,14 @@ class TrainingJob(BaseModel):
 
     run_id: str = Field(min_length=1, description="unique per run; also the checkpoint's name")
     train_path: str = Field(
-        description="packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
-        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file"
+        default="",
+        description="(unused by grpo: its objective names its prompts) packed rows (input_ids, loss_mask, position_ids, attention_mask): a split "
+        "manifest <split>.shards.json (core/packed_split) or one packed Parquet file",
     )
-    validation_path: str = Field(description="packed Parquet with the same columns, for the validation loss")
+    validation_path: str = Field(
+        default="",
+        description="packed Parquet with the same columns, for the validation loss (unused by grpo)",
+    )
     tokenizer_path: str = Field(
         description="a Hugging Face directory whose tokenizer the model is trained for"
     )
@@ -89,7 +199,8 @@ class TrainingJob(BaseModel):
             "packed_sft: train/validation_path are packed Parquet; pretrain_corpus: train_path is a Megatron bin/idx "
             "corpus (megatron_blend.json or its directory), packed here into pack_size rows, its held-out documents "
             "are the validation set; preference: train/validation_path are packed preference pairs "
-            "(packed-preference-parquet/1), trained with DPO from init_from (core/training/preference.py)"
+            "(packed-preference-parquet/1), trained with DPO from init_from (core/training/preference.py); "
+            "rl_prompts: GRPO from init_from on the objective's prompts_path (core/training/grpo.py)"
         ),
     )
     pack_size: int = Field(default=0, ge=0, description="pretrain_corpus: tokens per packed row")
@@ -124,7 +235,8 @@ class TrainingJob(BaseModel):
         default=None,  # filled from data_kind by _objective_of_the_data_kind
         description=(
             "what the loop minimises, a typed section per objective (core/training/objectives.py): "
-            '{"kind": "language_model"} for packed_sft and pretrain_corpus, {"kind": "dpo", ...} for preference'
+            '{"kind": "language_model"} for packed_sft and pretrain_corpus, {"kind": "dpo", ...} for preference, '
+            '{"kind": "grpo", ...} for rl_prompts'
         ),
     )
 
@@ -133,23 +245,26 @@ class TrainingJob(BaseModel):
     def _objective_of_the_data_kind(cls, data: Any) -> Any:
         """A job without an ``objective`` section gets its data kind's default objective."""
         if isinstance(data, dict) and data.get("objective") is None:
-            kind = "dpo" if data.get("data_kind") == "preference" else "language_model"
+            kind = OBJECTIVE_OF_DATA_KIND.get(data.get("data_kind", ""), "language_model")
             data = {**data, "objective": {"kind": kind}}
         return data
 
     @model_validator(mode="after")
-    def _preference_starts_from_a_checkpoint(self) -> TrainingJob:
-        wanted = "dpo" if self.data_kind == "preference" else "language_model"
+    def _post_training_starts_from_a_checkpoint(self) -> TrainingJob:
+        wanted = OBJECTIVE_OF_DATA_KIND.get(self.data_kind, "language_model")
         if self.objective.kind != wanted:
             raise ValueError(
                 f"training job {self.run_id}: data_kind {self.data_kind} is trained with the {wanted} objective, "
                 f"not {self.objective.kind}"
             )
-        if self.data_kind == "preference" and not self.init_from:
+        if self.data_kind in OBJECTIVE_OF_DATA_KIND and not self.init_from:
             raise ValueError(
-                f"training job {self.run_id}: a preference (DPO) job needs init_from, the SFT checkpoint it "
+                f"training job {self.run_id}: a {self.data_kind} ({self.objective.kind.upper()}) job needs init_from, "
+                "the checkpoint it "
                 "starts from (and, by default, its reference model)"
             )
+        if self.objective.kind != "grpo" and not (self.train_path and self.validation_path):
+            raise ValueError(f"training job {self.run_id}: train_path and validation_path are required")
         return self
 
 
@@ -165,9 +280,9 @@ class TrainingResult(BaseModel):
     final_loss: float = Field(
         description="LM loss (preference: DPO loss), without the router aux loss, of the last step"
     )
-    validation_loss: float = Field(
+    validation_loss: float | None = Field(
         description="mean token NLL over the validation set's loss-mask tokens (preference: mean DPO loss of "
-        "the validation pairs)"
+        "the validation pairs; rl_prompts: None, its held-out figure is held_out_reward)"
     )
     tokens_seen: int = Field(description="real (non-padding) tokens trained on, all ranks")
     tokens_per_s: float = Field(description="tokens_seen over the training loop's wall time")
@@ -196,3 +311,38 @@ class TrainingResult(BaseModel):
         description="preference: mean of beta*(chosen log-ratio - rejected log-ratio) over the validation pairs",
     )
     validation_pairs: int | None = Field(default=None, description="preference: validation pairs scored")
+    reward_first: float | None = Field(
+        default=None, description="rl_prompts: mean summed reward of the rollouts of step 1"
+    )
+    reward_final: float | None = Field(
+        default=None, description="rl_prompts: mean summed reward of the rollouts of the last logged step"
+    )
+    reward_curve: list[tuple[int, float]] | None = Field(
+        default=None, description="rl_prompts: (step, mean rollout reward) at every logged step"
+    )
+    held_out_reward: float | None = Field(
+        default=None,
+        description="rl_prompts: mean summed reward of greedy completions of the held-out prompts, at the end",
+    )
+    held_out_rewards: list[float] | None = Field(
+        default=None,
+        description="rl_prompts: each held-out prompt's reward, in the file's order (paired gates)",
+    )
+    held_out_prompts: int | None = Field(default=None, description="rl_prompts: held-out prompts scored")
+    frac_reward_zero_std: float | None = Field(
+        default=None,
+        description="rl_prompts: share of prompt groups whose K rewards were all equal (no signal), mean over steps",
+    )
+    completion_length: float | None = Field(
+        default=None, description="rl_prompts: mean completion tokens of the rollouts, mean over steps"
+    )
+    rollout_s: float | None = Field(
+        default=None, description="rl_prompts: seconds spent generating rollouts (this process)"
+    )
+    update_s: float | None = Field(
+        default=None,
+        description="rl_prompts: seconds of the rest of the steps (scoring, backward, optimizer; this process)",
+    )
+    rollout_tokens: int | None = Field(
+        default=None, description="rl_prompts: completion tokens generated in rollouts (this process)"
+    )

@@ -23,10 +23,10 @@ from nexa_dagster.core.training.data import (
     micro_batches,
 )
 from nexa_dagster.core.training.job import TrainingJob
-from nexa_dagster.core.training.objective import MessageFn, MicroTerms
+from nexa_dagster.core.training.objective import MessageFn, MicroTerms, StepHooks
 
 
-class LanguageModelLoss:
+class LanguageModelLoss(StepHooks):
     """``objective: {kind: language_model}``: the packed rows of ``load_job_data``, the LM loss weighted by tokens."""
 
     metric_keys: tuple[str, ...] = ()

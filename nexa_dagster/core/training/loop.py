@@ -292,7 +292,7 @@ def optimizer_step(
     Raises ``StopRequested`` (before the step) when any rank was asked to stop. ``poison`` (tests) turns the loss
     into NaN.
     """
-    micro = [next(batches) for _ in range(accumulation)]
+    micro = objective.rollout(engine, [next(batches) for _ in range(accumulation)], step)  # GRPO: sample now
     global_units, stop = control.agree(sum(objective.units(b) for b in micro), STOP.is_set())
     if stop:
         raise StopRequested(step - 1)
@@ -404,7 +404,12 @@ def state_dir(job: TrainingJob) -> Path:
 
 
 def save_state(
-    engine: Any, job: TrainingJob, step: int, metrics_log: list[dict[str, float]], tokens_seen: int
+    engine: Any,
+    job: TrainingJob,
+    step: int,
+    metrics_log: list[dict[str, float]],
+    tokens_seen: int,
+    objective_state: dict[str, Any] | None = None,
 ) -> None:
     """DeepSpeed checkpoint of model, optimizer, scheduler (every rank writes its shard) + loop state.
 
@@ -417,6 +422,7 @@ def save_state(
         "metrics_log": metrics_log,
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "objective": objective_state or {},  # the objective's own position (GRPO's prompts consumed)
     }
     engine.save_checkpoint(str(state_dir(job)), tag=f"step{step:08d}", client_state=client_state)
 
@@ -436,6 +442,32 @@ def load_state(engine: Any, job: TrainingJob) -> dict[str, Any] | None:
     if client_state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(client_state["cuda_rng"])
     return client_state
+
+
+def resume_run(
+    engine: Any, job: TrainingJob, objective: Objective, say: MessageFn
+) -> tuple[int, list[dict[str, float]], int]:
+    """(step, metrics log, tokens seen) of the state an earlier attempt of this run saved, checked and restored
+    into the engine and the objective; (0, [], 0) when there is none."""
+    resumed = load_state(engine, job)
+    if resumed is None:
+        return 0, [], 0
+    start_step = resumed["step"]
+    check_steps_left(job, start_step)
+    objective.restore(resumed.get("objective"), start_step)
+    say(f"resumed from step {start_step} ({state_dir(job)})")
+    return start_step, resumed["metrics_log"], resumed["tokens_seen"]
+
+
+def check_steps_left(job: TrainingJob, start_step: int) -> None:
+    """A resume with no step left to train is an error, not a run that "completes" having trained nothing (the
+    state was saved by a run with more steps: max_steps was lowered, or the state belongs to another run)."""
+    if start_step >= job.settings.max_steps:
+        raise ValueError(
+            f"the saved state in {state_dir(job)} is at step {start_step} but max_steps is "
+            f"{job.settings.max_steps}: resuming would train zero steps; delete the state to start over or raise "
+            "max_steps"
+        )
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -502,12 +534,8 @@ def train(
     objective.prepare(engine, device, say)  # before any update and before resuming (DPO's reference values)
 
     # 3. resume from the last saved state of an earlier attempt of this run, if there is one
-    start_step, metrics_log, tokens_seen, tokens_before = 0, [], 0, 0
-    resumed = load_state(engine, job)
-    if resumed is not None:
-        start_step, metrics_log, tokens_seen = resumed["step"], resumed["metrics_log"], resumed["tokens_seen"]
-        tokens_before = tokens_seen
-        say(f"resumed from step {start_step} ({state_dir(job)})")
+    start_step, metrics_log, tokens_seen = resume_run(engine, job, objective, say)
+    tokens_before = tokens_seen
 
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
     accumulation = s.gradient_accumulation_steps
@@ -566,7 +594,9 @@ def train(
                 if stop.step > start_step:
                     if stop.step > window.last_step and last is not None:
                         log_line(stop.step, *last)
-                    save_state(engine, job, stop.step, metrics_log, tokens_seen)
+                    save_state(
+                        engine, job, stop.step, metrics_log, tokens_seen, objective.resume_state(stop.step)
+                    )
                     say(f"saved resumable state at step {stop.step}; stopping as asked (SIGTERM)")
                 raise
             last = (totals, lr)
@@ -579,7 +609,7 @@ def train(
             if step == 1 or step % s.log_every == 0 or step == s.max_steps:
                 log_line(step, *last)
             if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
-                save_state(engine, job, step, metrics_log, tokens_seen)
+                save_state(engine, job, step, metrics_log, tokens_seen, objective.resume_state(step))
                 say(f"saved resumable state at step {step}")
     train_s = time.perf_counter() - train_start
 

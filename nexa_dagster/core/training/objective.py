@@ -4,9 +4,14 @@ The loop owns everything a run does whatever it minimises: the engine, resume, t
 watchdog, stop on SIGTERM, the non-finite guard, metrics lines, resumable state and the export. An objective owns
 what differs: its data (loaded and checked before a model is built), the micro-batches it feeds the model, the
 forward pass and loss of one micro-batch, what a step's mean is taken over (loss tokens for the language-model
-loss, pairs for DPO) and the held-out figures at the end. Two exist: ``lm_objective.LanguageModelLoss``
-(pretraining, SFT) and ``preference.DPOLoss`` (the DPO family); ``objectives.build_objective`` picks one from the
-job's typed ``objective`` section.
+loss, pairs for DPO, completions for GRPO) and the held-out figures at the end. Three exist:
+``lm_objective.LanguageModelLoss`` (pretraining, SFT), ``preference.DPOLoss`` (the DPO family) and
+``grpo.GRPOLoss`` (online RL); ``objectives.build_objective`` picks one from the job's typed ``objective`` section.
+
+An objective whose batches depend on the weights (GRPO samples its completions from the current policy) makes them
+in ``rollout``, which the loop calls in the training thread at the start of each step with the step's micro-batches
+as the prefetching thread prepared them; ``resume_state``/``restore`` let it save and check its own position with
+the engine's state. ``StepHooks`` gives the objectives that need neither the identity.
 """
 
 from __future__ import annotations
@@ -72,3 +77,25 @@ class Objective(Protocol):
 
     def evaluate(self, model: torch.nn.Module, device: torch.device, say: MessageFn) -> dict[str, Any]:
         """Held-out figures for ``TrainingResult`` (``validation_loss`` always)."""
+
+    def rollout(self, engine: Any, micro: list[Batch], step: int) -> list[Batch]:
+        """The step's micro-batches made from what the loader gave, with the current weights (GRPO's samples)."""
+
+    def resume_state(self, step: int) -> dict[str, Any]:
+        """What the objective saves with the engine's state at ``step``."""
+
+    def restore(self, state: dict[str, Any] | None, step: int) -> None:
+        """Check (and take back) what ``resume_state`` saved, before resuming at ``step``; raise if it cannot."""
+
+
+class StepHooks:
+    """The step hooks of an objective whose batches do not depend on the weights: nothing to do."""
+
+    def rollout(self, engine: Any, micro: list[Batch], step: int) -> list[Batch]:
+        return micro
+
+    def resume_state(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any] | None, step: int) -> None:
+        """Its position is the step's: ``batches(start=...)`` alone restores it."""

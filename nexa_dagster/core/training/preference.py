@@ -35,7 +35,7 @@ from nexa_dagster.core.training.collectives import all_reduce_sum, barrier_if_di
 from nexa_dagster.core.training.data import Batch
 from nexa_dagster.core.training.init import load_mixtral_checkpoint, read_config
 from nexa_dagster.core.training.job import DPOObjective, TrainingJob
-from nexa_dagster.core.training.objective import MessageFn, MicroTerms
+from nexa_dagster.core.training.objective import MessageFn, MicroTerms, StepHooks
 from nexa_dagster.core.training.preference_data import (
     PAIR_COUNT,
     PAIR_HOST_KEYS,
@@ -62,7 +62,7 @@ STEP_METRICS = (
 )
 
 
-class DPOLoss:
+class DPOLoss(StepHooks):
     """``objective: {kind: dpo, ...}``: DPO on packed pairs against stored reference log-probabilities."""
 
     metric_keys = STEP_METRICS

@@ -106,7 +106,7 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
                 else ""
             )
             self.info(
-                f"step {step}/{max_steps} loss {m['loss']:.4f}{dpo} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
+                f"step {step}/{max_steps} loss {m['loss']:.4f}{dpo}{grpo_figures(m)} aux {m['aux_loss']:.4f} lr {m['lr']:.2e} "
                 f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:.0f}{mfu} "
                 f"step {m['step_s'] * 1000:.0f} ms data-wait {m['data_wait']:.1%} "
                 f"expert-balance {m['expert_balance']:.2f} mem {m['mem_gb']:.2f} GB"
@@ -130,13 +130,58 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
             self.pipes.__exit__(exc_type, exc, tb)
 
 
+RL_FIGURES = (  # rl_prompts runs: scalar figures of TrainingResult shown on the materialization
+    "reward_first",
+    "reward_final",
+    "held_out_reward",
+    "held_out_prompts",
+    "frac_reward_zero_std",
+    "completion_length",
+    "rollout_s",
+    "update_s",
+    "rollout_tokens",
+)
+
+
+def grpo_figures(m: dict[str, float]) -> str:
+    """A GRPO step's figures for the step line (empty for other objectives)."""
+    if "frac_reward_zero_std" not in m:
+        return ""
+    kl = f" kl {m['kl']:.4f}" if "kl" in m else ""
+    return (
+        f" reward {m['reward']:.3f} ± {m['reward_std']:.3f} zero-std groups {m['frac_reward_zero_std']:.2f} "
+        f"clipped {m['clip_ratio']:.3f}{kl} completion {m['completion_length']:.1f} tokens rollout "
+        f"{m['rollout_s'] * 1000:.0f} ms"
+    )
+
+
+def held_out_summary(result: TrainingResult) -> str:
+    """The run's held-out figures for its last line: validation loss, DPO's reward accuracy, GRPO's reward."""
+    parts = []
+    if result.validation_loss is not None:
+        parts.append(f"validation {result.validation_loss:.4f}")
+    if result.reward_accuracy is not None:
+        parts.append(
+            f"held-out reward accuracy {result.reward_accuracy:.3f} over {result.validation_pairs} pairs"
+        )
+    if result.reward_first is not None:
+        parts.append(f"rollout reward {result.reward_first:.3f} -> {result.reward_final:.3f}")
+    if result.held_out_reward is not None:
+        parts.append(f"held-out reward {result.held_out_reward:.3f} over {result.held_out_prompts} prompts")
+    return "".join(f", {p}" for p in parts)
+
+
 def materialization_metadata(result: TrainingResult) -> dict[str, Any]:
     """Pipes metadata: plain values are typed by Dagster; the path gets an explicit type so the UI links it."""
     return {
         "steps": result.steps,
         "first_loss": round(result.first_loss, 5),
         "final_loss": round(result.final_loss, 5),
-        "validation_loss": round(result.validation_loss, 5),
+        **(
+            {"validation_loss": round(result.validation_loss, 5)}
+            if result.validation_loss is not None
+            else {}
+        ),
         "tokens_seen": result.tokens_seen,
         "tokens_per_s": round(result.tokens_per_s, 1),
         "wall_s": round(result.wall_s, 1),
@@ -150,7 +195,7 @@ def materialization_metadata(result: TrainingResult) -> dict[str, Any]:
         "checkpoint_dir": {"raw_value": result.checkpoint_dir, "type": "path"},
         **{  # preference runs: the held-out rewards
             key: round(value, 5) if isinstance(value, float) else value
-            for key in ("reward_accuracy", "reward_margin", "validation_pairs")
+            for key in ("reward_accuracy", "reward_margin", "validation_pairs", *RL_FIGURES)
             if (value := getattr(result, key)) is not None
         },
     }
@@ -179,15 +224,9 @@ def run(job: TrainingJob, reporter: Reporter) -> TrainingResult:
         f"{settings.WORLD_SIZE.get()}, accelerator {job.accelerator}"
     )
     result = train(job, on_log=reporter.on_log(s.max_steps), on_message=reporter.info)
-    rewards = (
-        f", held-out reward accuracy {result.reward_accuracy:.3f} over {result.validation_pairs} pairs"
-        if result.reward_accuracy is not None
-        else ""
-    )
     reporter.info(
-        f"done {job.run_id}: loss {result.first_loss:.4f} -> {result.final_loss:.4f}, validation "
-        f"{result.validation_loss:.4f}{rewards}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, "
-        f"checkpoint {result.checkpoint_dir}"
+        f"done {job.run_id}: loss {result.first_loss:.4f} -> {result.final_loss:.4f}{held_out_summary(result)}, "
+        f"{result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s, checkpoint {result.checkpoint_dir}"
     )
     reporter.report_result(result)
     return result

@@ -321,6 +321,7 @@ class NexaMoEForCausalLM(nn.Module):
         return_logits: bool = False,
         attention_mask: torch.Tensor | None = None,
         per_token: bool = False,
+        temperature: float = 1.0,
     ) -> MoEOutput:
         """The LM loss of packed rows (SFT, pretraining); with ``per_token`` the log-probability of each labelled
         token instead (``token_logps``: what a preference objective sums per document), so that a DeepSpeed engine,
@@ -328,7 +329,7 @@ class NexaMoEForCausalLM(nn.Module):
         if per_token:
             if labels is None:
                 raise ValueError("per_token scoring needs labels (the tokens to score, -100 elsewhere)")
-            return self.token_logps(input_ids, labels, position_ids, attention_mask)
+            return self.token_logps(input_ids, labels, position_ids, attention_mask, temperature)
         cfg = self.config
         x, aux_loss, expert_load = self._trunk(input_ids, position_ids)
         logits = self.lm_head(x) if return_logits else None
@@ -352,6 +353,7 @@ class NexaMoEForCausalLM(nn.Module):
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> MoEOutput:
         """``[rows, seq]``: at each labelled token its log-probability, 0 elsewhere (summed per document by a
         preference objective).
@@ -361,9 +363,13 @@ class NexaMoEForCausalLM(nn.Module):
         A document's first token (position 0) is a prompt token and never labelled, so no document is scored from
         the one before it. ``attention_mask`` (1 for real tokens) leaves padding out of the router aux loss and
         the expert load, as Hugging Face's Mixtral does; attention stays within documents (``position_ids``).
-        Returns ``token_logps``, ``aux_loss`` and ``expert_load`` (no LM loss).
+        Returns ``token_logps``, ``aux_loss`` and ``expert_load`` (no LM loss). ``temperature``: the
+        log-probabilities of logits / temperature (what GRPO samples from; the LM head has no bias, so the hidden
+        state is divided instead of the vocabulary-wide logits).
         """
         x, aux_loss, expert_load = self._trunk(input_ids, position_ids, attention_mask)
+        if temperature != 1.0:
+            x = x / temperature
         per_token = self._token_logps(x, labels).view(input_ids.shape)  # [:, t]: the token at t + 1
         return MoEOutput(
             aux_loss=aux_loss,

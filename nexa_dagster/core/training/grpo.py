@@ -1,0 +1,467 @@
+"""GRPO as an objective of the one training loop (``loop.train``): prompts -> on-policy rollouts -> rewards -> loss.
+
+What this objective brings to the loop (``core/training/objective.py`` says what the loop owns):
+
+1. the prompts (``grpo_rollout.load_prompts``) and the reward functions (``core/rl/rewards.py``), checked before a
+   model is built; one prompt per micro-batch, so ``micro_batch_size`` is K (``num_generations``) and
+   ``gradient_accumulation_steps x ranks`` is B (``prompts_per_step``);
+2. the rollout phase, **on policy**: the loop's prefetching thread only prepares prompt *indices* (a pure function
+   of the seed and the position); at the start of every step, in the training thread, ``rollout`` samples the K
+   completions of each of the step's prompts from the weights of the last update, all K x B of this rank in one
+   batched ``generate`` call (``grpo_rollout.BatchedSampler``: transformers' Mixtral aliased onto the training
+   tensors; vLLM is not wired here), scores them, and turns each group into a micro-batch. Nothing sampled ahead of
+   an update is ever trained on, whatever the prefetch depth;
+3. advantages within each prompt's group: reward minus the group's mean, divided by the group's std (``group``),
+   the whole batch's std (``batch``) or nothing (``none``) — TRL's ``scale_rewards``, with its ``+ 1e-4``;
+4. the loss, TRL's ``GRPOTrainer._compute_loss``: per token ``-min(r A, clip(r, 1-eps, 1+eps) A) + beta KL`` with
+   ``r = exp(logp - logp_old)`` and TRL's estimator ``KL = (exp(ref - logp) - (ref - logp) - 1) r`` (times the
+   ratio: TRL 1.16's default ``use_bias_correction_kl``); ``grpo``: each
+   completion's token mean, then the mean over completions; ``dr_grpo``: the token sum over completions x
+   ``max_completion_tokens``. One update per rollout (TRL's ``num_iterations = 1``), so ``logp_old`` is the
+   detached ``logp`` of the same forward pass: the ratio is 1 and ``clip_ratio`` is 0 by construction, as in TRL;
+   token log-probabilities are those of the sampling distribution (logits / temperature), as TRL's;
+5. the reference for ``beta > 0``: the starting weights, kept as a frozen copy (eval mode, no gradients). DPO
+   stores its reference values once because its completions are fixed; GRPO's are new every step, so the
+   reference must score them every step and the copy cannot be avoided. ``beta = 0`` (the default) keeps none;
+6. the sampling RNG: each rollout's sampling is seeded by ``(seed, step, rank)`` inside a forked RNG, so a resumed
+   run samples what an uninterrupted one would have without state to save (a stateful generator saved in the
+   checkpoint would also work, but could be restored wrongly; a pure function of the position cannot). The
+   resumable state (``resume_state``) holds what must match for a resume not to skip or replay prompts;
+7. logged each step: the summed reward's mean and std, each reward's mean, ``frac_reward_zero_std``, ``clip_ratio``,
+   ``kl`` (beta > 0), the completions' mean length and the rollout's seconds (generation and rewards; the step's
+   update takes ``step_s - rollout_s``); at the end the held-out prompts' mean reward of greedy completions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nexa_dagster import settings
+from nexa_dagster.core.rl.rewards import check_columns, combined_reward
+from nexa_dagster.core.training.collectives import all_reduce_sum
+from nexa_dagster.core.training.data import Batch
+from nexa_dagster.core.training.grpo_rollout import (
+    PROMPT_INDEX,
+    BatchedSampler,
+    PromptSet,
+    load_prompts,
+    prompt_batches,
+    sampling_seed,
+)
+from nexa_dagster.core.training.init import load_mixtral_checkpoint, read_config
+from nexa_dagster.core.training.job import GRPOObjective, TrainingJob
+from nexa_dagster.core.training.objective import MessageFn, MicroTerms
+
+IGNORE_INDEX = -100
+COMPLETIONS, REAL_TOKENS = "completions", "real_tokens"  # host counts of a micro-batch
+ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "rollout_s")
+STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+# -- the loss -----------------------------------------------------------------------------------------------------
+def grpo_token_losses(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    beta: float,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-token loss, ratio, per-token KL or None): the clipped surrogate plus ``beta`` x KL, ``[rows, tokens]``."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
+    adv = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference log-probabilities")
+        # TRL's k3 estimator times the ratio (TRL 1.16's default use_bias_correction_kl, DeepSeek-V3.2): the ratio
+        # is 1 on policy, but its gradient makes the KL's the unbiased reverse-KL gradient
+        kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
+        per_token = per_token + beta * kl
+    return per_token, ratio, kl
+
+
+def grpo_loss_sum(
+    per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_tokens: int
+) -> torch.Tensor:
+    """The loss summed over the micro-batch's completions (the loop divides by all completions of the step):
+    ``grpo`` each completion's token mean, ``dr_grpo`` its token sum / ``max_completion_tokens``."""
+    summed = (per_token * mask).sum(-1)
+    if loss_type == "grpo":
+        return (summed / mask.sum(-1).clamp(min=1.0)).sum()
+    if loss_type == "dr_grpo":
+        return summed.sum() / max_completion_tokens
+    raise ValueError(f"unknown GRPO loss type {loss_type!r}; grpo or dr_grpo")
+
+
+def masked_row_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group: int, scale: str, batch_std: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, the std each was scaled by) of rewards in consecutive groups of ``group`` (TRL's
+    ``scale_rewards``; ``batch_std``: the whole global batch's, when it spans ranks)."""
+    grouped = rewards.view(-1, group)
+    mean = grouped.mean(1).repeat_interleave(group)
+    if scale in ("group", "none"):
+        std = grouped.std(1).repeat_interleave(group)  # unbiased, as TRL's nanstd
+    elif scale == "batch":
+        std = torch.full_like(rewards, rewards.std().item() if batch_std is None else batch_std)
+    else:
+        raise ValueError(f"unknown scale_rewards {scale!r}; group, batch or none")
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + STD_EPS)
+    return advantages, std
+
+
+def completion_batch(
+    prompt: list[int],
+    completions: list[list[int]],
+    advantages: torch.Tensor,
+    pad_id: int,
+    device: torch.device,
+) -> Batch:
+    """One prompt's group as a right-padded micro-batch: prompt + completion per row, only completions labelled."""
+    width = len(prompt) + max(len(c) for c in completions)
+    rows = len(completions)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    for row, completion in enumerate(completions):
+        end = len(prompt) + len(completion)
+        ids[row, :end] = torch.tensor(prompt + completion)
+        labels[row, len(prompt) : end] = torch.tensor(completion)
+        attention[row, :end] = 1
+    batch = {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": attention,
+        "position_ids": torch.arange(width).expand(rows, width).contiguous(),
+        "advantages": advantages.float(),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), attention.sum()
+    return batch
+
+
+def sequence_token_logps(model: Callable[..., Any], batch: Batch, temperature: float) -> Any:
+    """The model's output with ``token_logps`` of the batch's completion tokens (0 elsewhere) at ``temperature``."""
+    return model(
+        input_ids=batch["input_ids"],
+        labels=batch["labels"],
+        position_ids=batch["position_ids"],
+        attention_mask=batch["attention_mask"],
+        per_token=True,
+        temperature=temperature,
+    )
+
+
+def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> MicroTerms:
+    """Forward pass and GRPO loss of one micro-batch (a group of completions), with its step metrics' sums.
+
+    ``old_logps`` in the batch (the sampling policy's, for more than one update per rollout) is used when present,
+    else the detached log-probabilities of this pass (one update per rollout: ratio 1, TRL's shortcut).
+    """
+    out = sequence_token_logps(model, batch, c.temperature)
+    logps, mask = out.token_logps, batch["labels"].ne(IGNORE_INDEX).float()
+    old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    per_token, ratio, kl = grpo_token_losses(
+        logps, old, batch.get("ref_logps"), batch["advantages"], c.beta, c.epsilon
+    )
+    loss_sum = grpo_loss_sum(per_token, mask, c.loss_type, c.max_completion_tokens)
+    adv = batch["advantages"].unsqueeze(1)
+    clipped = ((ratio < 1 - c.epsilon) & (adv < 0)) | ((ratio > 1 + c.epsilon) & (adv > 0))
+    metrics = {k[2:]: v.to(logps.device) for k, v in batch.items() if k.startswith("m:")}
+    metrics["clip_ratio"] = masked_row_means(clipped.float(), mask).sum().detach()
+    if kl is not None:
+        metrics["kl"] = masked_row_means(kl, mask).sum().detach()
+    return MicroTerms(loss_sum, out.aux_loss, out.expert_load, metrics)
+
+
+class GRPOLoss:
+    """``objective: {kind: grpo, ...}``: GRPO on prompts with on-policy rollouts (see the module docstring)."""
+
+    host_keys = frozenset({PROMPT_INDEX, COMPLETIONS, REAL_TOKENS})
+
+    def __init__(self, job: TrainingJob, tokenizer: Any, say: MessageFn) -> None:
+        """Prompts, rewards and the batch shape, every input checked before a model is built."""
+        self.job, self.config, self.tokenizer = job, grpo_config(job), tokenizer
+        self.rank, self.world_size = int(settings.RANK.get()), int(settings.WORLD_SIZE.get())
+        check_batch_shape(job, self.config, self.world_size)
+        limit = int(read_config(job.init_from).get("max_position_embeddings", 0)) or 1 << 30
+        self.max_prompt = limit - self.config.max_completion_tokens
+        self.train = self._prompts(self.config.prompts_path)
+        self.held_out = self._prompts(self.config.held_out_path) if self.config.held_out_path else None
+        self.reward = combined_reward(self.config.rewards)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
+        extra = ("kl",) if self.config.beta else ()
+        self.metric_keys = (
+            *ROLLOUT_METRICS,
+            "clip_ratio",
+            *extra,
+            *(f"reward/{n}" for n in self.reward.functions),
+        )
+        self.sampler: BatchedSampler | None = None
+        self.reference: torch.nn.Module | None = None
+        # step -> (reward sum, completions, share of groups with no reward spread, mean completion tokens), all ranks
+        self.history: dict[int, tuple[float, ...]] = {}
+        self.rollout_s = self.update_s = 0.0
+        self.rollout_tokens = 0
+        self._last_rollout_end: float | None = None
+
+    def _prompts(self, path: str) -> PromptSet:
+        prompts = load_prompts(path, self.tokenizer, self.max_prompt)
+        check_columns([r.name for r in self.config.rewards], set(prompts.columns), path)
+        return prompts
+
+    def describe(self) -> str:
+        c = self.config
+        held = f", {len(self.held_out)} held-out" if self.held_out else ""
+        return (
+            f"{len(self.train)} prompts{held}, GRPO {c.loss_type}: K={c.num_generations} completions x "
+            f"B={c.prompts_per_step} prompts per step, up to {c.max_completion_tokens} tokens, beta {c.beta}, "
+            f"rewards {', '.join(f'{r.name} x{r.weight:g}' for r in c.rewards)}"
+        )
+
+    def prepare(self, engine: Any, device: torch.device, say: MessageFn) -> None:
+        """The sampler on the engine's weights and, for beta > 0, the frozen reference (the starting weights)."""
+        if engine.zero_optimization_stage() >= 3:
+            raise ValueError("GRPO rollouts need whole parameters on every rank: use ZeRO stage 0-2, not 3")
+        module = engine.module
+        self.sampler = BatchedSampler(module, self.pad_id, self.tokenizer.eos_token_id)
+        if self.config.beta:
+            dtype = next(module.parameters()).dtype
+            self.reference = load_mixtral_checkpoint(
+                self.job.init_from, attention=self.job.settings.attention
+            )
+            self.reference = self.reference.to(device, dtype).eval().requires_grad_(False)
+        c = self.config
+        say(
+            f"rollouts: batched HF generate on {device.type} ({c.num_generations * c.prompts_per_step // self.world_size} "
+            f"completions per call and rank; vLLM is not wired here)"
+            + (f"; reference for the KL: {self.job.init_from}" if self.reference is not None else "")
+        )
+
+    def batches(self, micro_batch: int, seed: int, rank: int, world_size: int, start: int) -> Iterator[Batch]:
+        return prompt_batches(len(self.train), seed, rank, world_size, start)
+
+    def units(self, batch: Batch) -> int:
+        return int(
+            batch[COMPLETIONS]
+        )  # every completion of the step weighs the same (grpo and dr_grpo alike)
+
+    def tokens(self, batch: Batch) -> int:
+        return int(batch[REAL_TOKENS])
+
+    # -- the rollout phase ----------------------------------------------------------------------------------------
+    def rollout(self, engine: Any, micro: list[Batch], step: int) -> list[Batch]:
+        """The step's completions from the current weights, scored, as micro-batches (called by the loop in the
+        training thread, after the previous update and before this step's first forward pass)."""
+        start = time.perf_counter()
+        if self._last_rollout_end is not None:
+            self.update_s += start - self._last_rollout_end
+        assert self.sampler is not None, "prepare() builds the sampler"
+        c, k = self.config, self.config.num_generations
+        indices = [int(b[PROMPT_INDEX].reshape(-1)[0]) for b in micro]
+        prompts = [self.train.token_ids[i] for i in indices for _ in range(k)]
+        seed = sampling_seed(self.job.settings.seed, step, self.rank)
+        completions = self.sampler.generate(prompts, c.max_completion_tokens, c.temperature, c.top_p, seed)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
+        totals, per_name = self.reward(texts, **self.train.rows(indices, k))
+        batches = self._score(indices, completions, totals, per_name, step)
+        if self.rank == 0:
+            if (
+                self._last_rollout_end is None
+            ):  # this process's first step: drop what a crashed attempt sampled
+                truncate_rollouts(rollouts_file(self.job), step - 1)  # after its state (sampled again now)
+            append_rollouts(
+                rollouts_file(self.job), step, [i for i in indices for _ in range(k)], texts, totals
+            )
+        self.rollout_tokens += sum(len(ids) for ids in completions)
+        elapsed = time.perf_counter() - start
+        self.rollout_s += elapsed
+        for batch in batches:
+            batch["m:rollout_s"] = torch.tensor(
+                elapsed * k
+            )  # a per-rank figure: x units averages it over ranks
+        self._last_rollout_end = time.perf_counter()
+        return batches
+
+    def _score(
+        self,
+        indices: list[int],
+        completions: list[list[int]],
+        totals: list[float],
+        per_name: dict[str, list[float]],
+        step: int,
+    ) -> list[Batch]:
+        """Advantages and the micro-batches of one rollout, with each group's metric sums attached."""
+        k, device = self.config.num_generations, next(self.sampler.hf.parameters()).device  # type: ignore[union-attr]
+        rewards = torch.tensor(totals, dtype=torch.float32)
+        flat = torch.isclose(rewards.view(-1, k).std(1), torch.zeros(len(indices)))  # groups with no spread
+        count, total, squares, groups, flat_groups, tokens = all_reduce_sum(
+            float(len(totals)),
+            float(rewards.sum()),
+            float((rewards**2).sum()),
+            float(len(indices)),
+            float(flat.sum()),
+            float(sum(len(c) for c in completions)),
+        )
+        self.history[step] = (total, count, flat_groups / groups, tokens / count)
+        batch_std = math.sqrt(max(squares - total**2 / count, 0.0) / max(count - 1, 1))
+        advantages, std = group_advantages(rewards, k, self.config.scale_rewards, batch_std)
+        batches = []
+        for g, index in enumerate(indices):
+            rows = slice(g * k, (g + 1) * k)
+            batch = completion_batch(
+                self.train.token_ids[index], completions[rows], advantages[rows], self.pad_id, device
+            )
+            batch["m:reward"] = rewards[rows].sum()
+            batch["m:reward_std"] = std[rows].sum()
+            batch["m:frac_reward_zero_std"] = torch.isclose(std[rows], torch.zeros(k)).float().sum()
+            batch["m:completion_length"] = torch.tensor(float(sum(len(c) for c in completions[rows])))
+            for name, values in per_name.items():
+                batch[f"m:reward/{name}"] = torch.tensor(float(sum(values[rows])))
+            if self.reference is not None:
+                with torch.no_grad():
+                    batch["ref_logps"] = sequence_token_logps(
+                        self.reference, batch, self.config.temperature
+                    ).token_logps
+            batches.append(batch)
+        return batches
+
+    # -- the loss of one micro-batch -----------------------------------------------------------------------------
+    def terms(self, model: Callable[..., Any], batch: Batch) -> MicroTerms:
+        return grpo_terms(model, batch, self.config)
+
+    # -- resume and the end -------------------------------------------------------------------------------------
+    def resume_state(self, step: int) -> dict[str, Any]:
+        """What a resume must find unchanged, and the reward history (saved with the engine state)."""
+        c = self.config
+        return {
+            "kind": "grpo",
+            "prompts_digest": self.train.digest,
+            "prompts_per_step": c.prompts_per_step,
+            "num_generations": c.num_generations,
+            "prompts_consumed": step * c.prompts_per_step,
+            "reward_history": {s: list(v) for s, v in self.history.items() if s <= step},
+        }
+
+    def restore(self, state: dict[str, Any] | None, step: int) -> None:
+        """Refuse a resume that would skip or replay prompts (verl #7401, open-instruct #1523), else restore."""
+        check_resume(state, self.resume_state(step), self.config.prompts_path, step)
+        assert state is not None
+        self.history = {int(s): tuple(float(x) for x in v) for s, v in state["reward_history"].items()}
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device, say: MessageFn) -> dict[str, Any]:
+        if self._last_rollout_end is not None:
+            self.update_s += time.perf_counter() - self._last_rollout_end
+        figures = self.training_figures()
+        if self.held_out is not None:
+            figures.update(self.held_out_figures(say))
+        return figures
+
+    def training_figures(self) -> dict[str, Any]:
+        steps = sorted(self.history.items())
+        curve = [(s, v[0] / v[1]) for s, v in steps]
+        return {
+            "frac_reward_zero_std": sum(v[2] for _, v in steps) / len(steps) if steps else None,
+            "completion_length": sum(v[3] for _, v in steps) / len(steps) if steps else None,
+            "validation_loss": None,
+            "reward_first": curve[0][1] if curve else None,
+            "reward_final": curve[-1][1] if curve else None,
+            "reward_curve": curve,
+            "rollout_s": self.rollout_s,
+            "update_s": self.update_s,
+            "rollout_tokens": self.rollout_tokens,
+        }
+
+    def held_out_figures(self, say: MessageFn) -> dict[str, Any]:
+        """Greedy completions of every held-out prompt (one batched call), scored by the same rewards."""
+        assert self.held_out is not None and self.sampler is not None
+        completions = self.sampler.generate(
+            self.held_out.token_ids, self.config.max_completion_tokens, 0.0, 1.0, 0
+        )
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
+        totals, _ = self.reward(texts, **self.held_out.rows(range(len(self.held_out))))
+        mean = sum(totals) / len(totals)
+        say(f"held-out: mean reward {mean:.4f} over {len(totals)} prompts (greedy completions)")
+        return {"held_out_reward": mean, "held_out_rewards": totals, "held_out_prompts": len(totals)}
+
+
+def grpo_config(job: TrainingJob) -> GRPOObjective:
+    if not isinstance(job.objective, GRPOObjective):
+        raise ValueError(f"training job {job.run_id}: objective {job.objective.kind} is not GRPO")
+    return job.objective
+
+
+def rollouts_file(job: TrainingJob) -> Path:
+    """Every rollout of the run, one JSON line per completion (step, prompt index, completion, reward), beside the
+    checkpoint: what the policy was rewarded for, to read when the reward rises (or is gamed)."""
+    out = Path(job.output_dir)
+    return out.with_name(out.name + ".rollouts.jsonl")
+
+
+def append_rollouts(
+    path: Path, step: int, prompts: list[int], texts: list[str], rewards: list[float]
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for prompt, text, reward in zip(prompts, texts, rewards, strict=True):
+            f.write(json.dumps({"step": step, "prompt": prompt, "completion": text, "reward": reward}) + "\n")
+
+
+def truncate_rollouts(path: Path, step: int) -> None:
+    """Keep the rollouts of steps up to ``step`` (a resumed run samples the later ones again)."""
+    if path.exists():
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step), encoding="utf-8")
+
+
+def check_batch_shape(job: TrainingJob, config: GRPOObjective, world_size: int) -> None:
+    """One prompt's group per micro-batch, B prompts per step over all ranks (``RLSettings.settings`` sets both)."""
+    s = job.settings
+    if s.micro_batch_size != config.num_generations:
+        raise ValueError(
+            f"training job {job.run_id}: GRPO's micro-batch is one prompt's group, so micro_batch_size "
+            f"({s.micro_batch_size}) must equal num_generations ({config.num_generations})"
+        )
+    if s.gradient_accumulation_steps * world_size != config.prompts_per_step:
+        raise ValueError(
+            f"training job {job.run_id}: gradient_accumulation_steps ({s.gradient_accumulation_steps}) x ranks "
+            f"({world_size}) must equal prompts_per_step ({config.prompts_per_step})"
+        )
+
+
+def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], path: str, step: int) -> None:
+    """A ValueError naming why resuming at ``step`` would skip or replay prompts; nothing when it would not."""
+    if not saved or saved.get("kind") != "grpo":
+        raise ValueError(f"the saved state at step {step} has no GRPO position: it cannot be resumed as GRPO")
+    if saved["prompts_digest"] != now["prompts_digest"]:
+        raise ValueError(
+            f"{path} changed since the state at step {step} was saved: resuming would skip or replay prompts"
+        )
+    for key in ("prompts_per_step", "num_generations"):
+        if saved[key] != now[key]:
+            raise ValueError(
+                f"{key} was {saved[key]} when the state at step {step} was saved and is {now[key]} now: resuming "
+                "would skip or replay prompts"
+            )
+    if saved["prompts_consumed"] != now["prompts_consumed"]:
+        raise ValueError(
+            f"the state at step {step} consumed {saved['prompts_consumed']} prompts, but resuming would start after "
+            f"{now['prompts_consumed']}: prompts would be skipped or replayed"
+        )

@@ -1,0 +1,123 @@
+"""The RL gate decides on the paired per-prompt reward difference with enough prompts, holds back a candidate that
+is no better, refuses too small an n, guards the eval-set loss, and rarely promotes a worse model on real-shaped
+(skewed, rare-regression) differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nexa_dagster.core.evaluation.paired import Interval, PairedLoss
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy
+from nexa_dagster.core.evaluation.reward_gate import decide_reward
+
+PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
+POLICY = PromotionPolicy()  # promotion.yaml's defaults: skew_t, 95 %, rl.min_prompts 30
+
+
+def exact_match_rewards(n: int, candidate_accuracy: float, production_accuracy: float, seed: int):
+    """Per-prompt exact-match rewards (0 or 1) of both models on the same prompts: what the topic task gives."""
+    rng = np.random.default_rng(seed)
+    difficulty = rng.uniform(0, 1, size=n)  # a hard prompt is hard for both: paired
+    return (
+        (difficulty < candidate_accuracy).astype(float),
+        (difficulty < production_accuracy).astype(float) * (rng.uniform(0, 1, size=n) < 0.9),
+    )
+
+
+def test_a_candidate_that_learned_the_task_is_promoted_with_n_method_and_rule_stated() -> None:
+    candidate, production = exact_match_rewards(48, 0.6, 0.1, seed=1)
+    decision = decide_reward(
+        "rl-1", PRODUCTION, POLICY, candidate - production, means=(candidate.mean(), production.mean())
+    )
+    assert decision.passed and decision.outcome == "promote" and decision.n == 48
+    assert decision.interval is not None and decision.interval[0] > 0
+    assert decision.method.startswith("skew-corrected t-interval")
+    assert decision.rule == "reward interval low > 0.0; guard eval_loss regression <= 0.05"
+    assert decision.metadata()["candidate"] == pytest.approx(candidate.mean())
+
+
+def test_a_candidate_no_better_than_production_is_held_back() -> None:
+    rng = np.random.default_rng(7)
+    candidate, production = (
+        (rng.uniform(0, 1, size=48) < 0.3).astype(float),
+        (rng.uniform(0, 1, size=48) < 0.3),
+    )
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production)
+    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.interval is not None and decision.interval[0] <= 0 < decision.interval[1]
+
+
+@pytest.mark.parametrize("n", [1, 10, 29])
+def test_too_few_held_out_prompts_decide_nothing_however_good_the_candidate_looks(n: int) -> None:
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, np.ones(n))
+    assert not decision.passed and decision.outcome in ("insufficient evidence", "hold back")
+    if n >= 2:
+        assert decision.outcome == "insufficient evidence" and decision.rule == "n >= 30"
+        assert f"insufficient evidence: n = {n} < 30" in decision.reason
+
+
+def test_a_reward_bought_with_a_worse_language_model_is_held_back_by_the_loss_guard() -> None:
+    candidate, production = exact_match_rewards(48, 0.6, 0.1, seed=1)
+    worse = PairedLoss(3.4, 3.0, Interval(0.4, 0.3, 0.5, 0.95), examples=47, tokens=2000)
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, worse)
+    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.guards and "eval_loss worse by +0.4000" in decision.reason
+    slightly = PairedLoss(3.02, 3.0, Interval(0.02, -0.01, 0.05, 0.95), examples=47, tokens=2000)
+    assert decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, slightly).passed
+
+
+def test_no_production_model_or_a_reevaluation_is_not_a_comparison() -> None:
+    assert decide_reward("rl-1", None, POLICY, []).rule == "first model"
+    same = ProductionEntry(checkpoint_id="rl-1", checkpoint_path="checkpoints/rl-1", metric="eval_loss")
+    assert decide_reward("rl-1", same, POLICY, []).rule == "already production"
+
+
+def _false_promotions(differences: np.ndarray) -> float:
+    return float(np.mean([decide_reward("rl", PRODUCTION, POLICY, d).passed for d in differences]))
+
+
+def test_a_worse_or_equal_candidate_is_rarely_promoted_on_skewed_rare_regression_differences() -> None:
+    """The error that hurts: a candidate no better than production promoted. Two realistic shapes, n = 48 (the
+    demo's held-out prompts), 400 simulated held-out sets each; the one-sided 95 % interval's nominal rate is
+    2.5 %: at most 5 % (the simulation's own noise at 400 sets is about 1 %)."""
+    rng = np.random.default_rng(2026)
+    # exact-match rewards, equal accuracy: differences -1/0/+1, mostly 0 (ties), symmetric
+    ties = rng.choice([-1.0, 0.0, 1.0], p=[0.15, 0.7, 0.15], size=(400, 48))
+    assert _false_promotions(ties) <= 0.05
+    # F1-like rewards: a small gain on 90 % of prompts, a large loss on a rare 10 % (mean -0.015: worse)
+    gain = rng.uniform(0.0, 0.1, size=(400, 48))
+    rare = rng.uniform(0, 1, size=(400, 48)) < 0.1
+    skewed = np.where(rare, -rng.uniform(0.4, 0.8, size=(400, 48)), gain)
+    assert skewed.mean() < 0
+    assert _false_promotions(skewed) <= 0.05
+
+
+def test_held_out_rewards_score_both_models_answers_with_the_training_reward() -> None:
+    from nexa_dagster.core.evaluation.reward_gate import held_out_rewards
+
+    rows = [
+        {
+            "item_id": "topic:a",
+            "prompt": "Which topic? ... Choices: assert, for",
+            "task": "topic",
+            "answer": "assert",
+            "reference": "assert",
+            "choices": ["assert", "for"],
+            "doc_id": "a",
+        },
+        {
+            "item_id": "topic:b",
+            "prompt": "Which topic? ... Choices: with, del",
+            "task": "topic",
+            "answer": "del",
+            "reference": "del",
+            "choices": ["with", "del"],
+            "doc_id": "b",
+        },
+    ]
+    candidate = held_out_rewards(rows, ["assert", "del."], [("exact_answer", 1.0)])
+    production = held_out_rewards(rows, ['The "x', "with, del"], [("exact_answer", 1.0)])
+    assert candidate == [1.0, 1.0] and production == [0.0, 0.0]
+    with pytest.raises(ValueError, match="1 answers for 2 held-out prompts"):
+        held_out_rewards(rows, ["assert"], [("exact_answer", 1.0)])
