@@ -93,6 +93,42 @@ def test_a_worse_or_equal_candidate_is_rarely_promoted_on_skewed_rare_regression
     assert _false_promotions(skewed) <= 0.05
 
 
+def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards() -> None:
+    """Issue 40's trap in a reward gate: the mean gain's interval is above zero (many prompts went from wrong to
+    right on one task), but an eighth of the prompts went from right to wrong, all on the other task. The mean
+    alone promotes; the guards (the regressed share's exact interval, the broken slice) hold it back by name."""
+    n_topic, n_next = 40, 24
+    differences = np.concatenate(
+        [np.r_[np.ones(30), np.zeros(n_topic - 30)], np.r_[-np.ones(8), np.zeros(n_next - 8)]]
+    )
+    tasks = ["topic"] * n_topic + ["next_words"] * n_next
+    mean_only = decide_reward(
+        "rl-1",
+        PRODUCTION,
+        POLICY.model_copy(
+            update={
+                "guards": POLICY.guards.model_copy(
+                    update={"max_regressed_share": 1.0, "slice_by": None, "skew_rule": False}
+                )
+            }
+        ),
+        differences,
+    )
+    assert mean_only.passed and mean_only.interval is not None and mean_only.interval[0] > 0
+    guarded = decide_reward("rl-1", PRODUCTION, POLICY, differences, slices=tasks)
+    assert not guarded.passed and guarded.outcome in ("hold back", "insufficient evidence")
+    assert guarded.guard is not None and guarded.guard.verdict == guarded.outcome
+    assert "next_words" in guarded.reason and "regressed" in guarded.reason, guarded.reason
+
+
+def test_a_reward_gain_without_regressions_passes_the_guards() -> None:
+    candidate, production = exact_match_rewards(64, 0.6, 0.1, seed=3)  # production right => candidate right
+    tasks = ["topic", "next_words"] * 32
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, slices=tasks)
+    assert decision.passed and decision.guard is not None and decision.guard.verdict is None
+    assert "guards pass" in decision.reason
+
+
 def test_held_out_rewards_score_both_models_answers_with_the_training_reward() -> None:
     from nexa_dagster.core.evaluation.reward_gate import held_out_rewards
 
