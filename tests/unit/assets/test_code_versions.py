@@ -113,6 +113,10 @@ def test_a_yaml_comment_does_not_count_and_a_value_does(loaded, baseline, tmp_pa
 
 
 def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline, tmp_path: Path) -> None:
+    """The preset's ``preference`` section counts for the assets whose code reads it: the preference group, and
+    ``eval_report``, which reads ``preference.rank_by`` and ``preference.reward`` (the reward that gates a
+    reward-ranked DPO checkpoint). Sections, not keys: a DPO learning rate marks the evaluation too (a false
+    "stale", never a missed one), and nothing upstream of the pairs."""
     defs, _, _ = loaded
     configs = tmp_path / "configs"
     shutil.copytree(config_dir(), configs)
@@ -127,7 +131,7 @@ def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline
         if s.group_name == "preference" and s.code_version is not None
     }
     assert (
-        _changed(loaded, baseline, configs=configs)
+        _changed(loaded, baseline, configs=configs) - {"eval_report"}
         == preference
         == {
             "preference_pairs",
@@ -135,6 +139,7 @@ def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline
             "preference_checkpoint",
         }
     )
+    assert "eval_report" in _changed(loaded, baseline, configs=configs)
 
 
 def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path) -> None:
