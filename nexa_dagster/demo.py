@@ -217,7 +217,8 @@ def preference_lines(p: PreferenceRun) -> list[str]:
     )
     lines.append(f"-> {r.gate_decision} (rule: {r.gate_rule}){why}{outcome}")
     if guard_line(r):
-        lines.append(f"  {guard_line(r)} (the judge's per-prompt scores)")
+        on = "per-prompt reward differences" if r.reward_gate else "judge's per-prompt scores"
+        lines.append(f"  {guard_line(r)} (the {on})")
     return lines
 
 
@@ -254,6 +255,8 @@ def rl_lines(r: RLRun) -> list[str]:
         lines.append(f"eval-set loss (guard): difference {report.eval_loss_difference:+.4f} nats/token")
     outcome = f"; {r.outcome}" if r.outcome else ""
     lines.append(f"-> {report.gate_decision} (rule: {report.gate_rule}){outcome}")
+    if guard_line(report):
+        lines.append(f"  {guard_line(report)} (the per-prompt reward differences)")
     return lines
 
 

@@ -68,7 +68,19 @@ def test_a_document_on_two_days_processed_at_once_is_packaged_once_from_the_earl
     world = make_sandbox(tmp_path / "world", [EARLIER])
     landed = (world / "landing" / EARLIER / "python_reference.jsonl").read_text().splitlines(keepends=True)
     (world / "landing" / LATER).mkdir()
-    (world / "landing" / LATER / "python_reference.jsonl").write_text("".join(landed[:4]))  # landed again
+    # four documents landed again, and one new one: a day that holds only documents ingested before is a
+    # re-delivered day, which raw_documents' blocking check refuses (tests/unit/assets/test_checks.py)
+    new = {
+        "title": "zipapp (part 1)",
+        "text": "The zipapp module provides tools to manage the creation of zip files containing Python code, "
+        "which can be executed directly by the Python interpreter. The module provides both a command-line "
+        "interface and a Python API. An archive is created from a directory holding a __main__.py file, and the "
+        "interpreter line, the compression and the target name can each be chosen when the archive is built.",
+        "url": "https://docs.python.org/3/library/zipapp",
+    }
+    (world / "landing" / LATER / "python_reference.jsonl").write_text(
+        "".join(landed[:4]) + json.dumps(new) + "\n"
+    )
 
     later = _materialize(world, DAILY, LATER, env)
     time.sleep(2)

@@ -453,6 +453,9 @@ def night_guards(summary: str) -> dict[str, str]:
             current = line.split()[3].rstrip(":")
         elif current and line.startswith("guards"):
             out[current] = line
+            current = None  # the line right under its night only (later sections print guards lines too)
+        else:
+            current = None
     return out
 
 
