@@ -571,10 +571,13 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
             assert result.success
             promoted = time.monotonic()
             load.key = new_key  # the client moves to the new key
-            meta = {
-                k: v.value
-                for k, v in result.asset_materializations_for_node("model_deployment")[0].metadata.items()
-            }
+            # the step also materializes production_model (the promotion's event): read model_deployment's own
+            (deployed,) = [
+                m
+                for m in result.asset_materializations_for_node("model_deployment")
+                if m.asset_key == dg.AssetKey("model_deployment")
+            ]
+            meta = {k: v.value for k, v in deployed.metadata.items()}
             assert meta["endpoint"] == endpoint.base_url and meta["checkpoint_served"] == "b"
             assert meta["previous_checkpoint"] == "a" and text_problem(meta["smoke_response"]) is None
             assert endpoint.registry.current().checkpoint_id == "b"
