@@ -197,8 +197,10 @@ SLURM_ARRAY_TASK_ID = _var(
 JOB_COMPLETION_INDEX = _var("JOB_COMPLETION_INDEX", "", "its index in a Kubernetes indexed Job", "worker")
 
 
-# secrets of the serving service and where they are: read by the service, never handed to a child (an engine,
-# HAProxy, a worker): a process's environment is readable in /proc/<pid>/environ by its user and outlives the read
+# secrets and where they are: read by the process that needs them (the serving service, the UI proxy, the Dagster
+# step whose openai backend reads NEXA_<ROLE>_API_KEY through dagster.EnvVar), never handed to a child (an engine,
+# HAProxy, a worker's probe): a process's environment is readable in /proc/<pid>/environ by its user, and outlives
+# the read
 SECRET_VARIABLES = (
     SERVING_API_KEY,
     SERVING_API_KEY_FILE,
@@ -206,12 +208,14 @@ SECRET_VARIABLES = (
     SERVING_CONTROL_TOKEN_FILE,
     UI_PASSWORD,
     UI_PASSWORD_FILE,
+    *(llm_variable(role, "API_KEY") for role in ("teacher", "judge", "policy")),
 )
 
 
 def environ() -> Mapping[str, str]:
     """The environment for a child process that inherits it (a server, a worker, a test's subprocess): the whole
-    environment less the serving secrets (``SECRET_VARIABLES``), which no child needs."""
+    environment less the secrets (``SECRET_VARIABLES``: the serving service's, the UI's, the LLM endpoints' keys),
+    which no child needs."""
     secret = {v.name for v in SECRET_VARIABLES}
     return {k: v for k, v in os.environ.items() if k not in secret}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import os
 import secrets
@@ -28,15 +29,18 @@ from pathlib import Path
 
 from nexa_dagster import settings
 
+log = logging.getLogger(__name__)
+
 TOKEN_FILE = "control-token"
 CONTROL_TOKEN_HEADER = "Authorization"
 MIN_SECRET_BITS = 128  # NIST SP 800-131A's floor for a symmetric key; also what `token_urlsafe(16)` gives
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-# the smallest of these alphabets that holds every character of a secret sets its bits per character
+# the smallest of these alphabets that holds every character of a part of a secret sets its bits per character
 _ALPHABETS = (
     string.digits,
     string.hexdigits.lower(),
     string.digits + "ABCDEF",
+    string.ascii_lowercase,
     string.ascii_lowercase + string.digits,
     string.ascii_letters + string.digits,
     string.ascii_letters + string.digits + "-_",  # base64url, what secrets.token_urlsafe writes
@@ -44,18 +48,86 @@ _ALPHABETS = (
     string.ascii_letters + string.digits + "-_+/=.~",
     "".join(chr(c) for c in range(33, 127)),  # any printable ASCII but the space
 )
+# what joins the parts of a key written by hand (`sk-lab-prod-...`): each costs 2 bits, its place being predictable
+_SEPARATORS = frozenset("-_.:/+=~,;@")
+_SEPARATOR_BITS = 2.0
+# a repeat of an earlier stretch, or a run (aaaa, abcd, 9876), of at least this many characters is a pattern; three
+# happen by chance in a random key often enough (about 1 in 4 of 32 hex digits) to refuse random keys at the floor
+_MIN_PATTERN = 4
+_WINDOW = 1024  # how far back a repeat is looked for (a long line stays quick to check)
 
 
 class SecretMissing(RuntimeError):
     """A secret the service needs is not configured, is too weak, or its file cannot be read."""
 
 
+def _alphabet_bits(part: str) -> float:
+    chars = set(part)
+    return math.log2(next((len(set(a)) for a in _ALPHABETS if chars <= set(a)), 256))
+
+
+def _literal_bits(secret: str) -> list[float]:
+    """Per character, what it costs when nothing before predicts it: a separator 2 bits; any other character
+    log2 of the smallest alphabet holding its part (the stretch between separators): `sk-lab-` is two words in
+    lower case, not 7 characters of base64url."""
+    costs, part = [], ""
+    for c in [*secret, None]:
+        if c is None or c in _SEPARATORS:
+            costs += [_alphabet_bits(part)] * len(part)
+            part = ""
+            if c is not None:
+                costs.append(_SEPARATOR_BITS)
+        else:
+            part += c
+    return costs
+
+
+def _pattern_at(secret: str, i: int) -> tuple[int, float]:
+    """The longest pattern starting at ``i`` (characters, bits to describe it): a run that goes on from the
+    character before with one step of -1, 0 or +1 (its step and length), or a repeat of an earlier stretch (where
+    it is and its length)."""
+    run = 0
+    if i > 0:
+        step = ord(secret[i]) - ord(secret[i - 1])
+        while (
+            abs(step) <= 1
+            and i + run < len(secret)
+            and ord(secret[i + run]) - ord(secret[i + run - 1]) == step
+        ):
+            run += 1
+    repeat = 0
+    for j in range(
+        max(0, i - _WINDOW), i
+    ):  # the earlier start that matches longest (may overlap: LZ77's copy)
+        n = 0
+        while i + n < len(secret) and secret[j + n] == secret[i + n]:
+            n += 1
+        repeat = max(repeat, n)
+    if run + 1 >= _MIN_PATTERN and run >= repeat:
+        return run, 2.0 + math.log2(run)
+    if repeat >= _MIN_PATTERN:
+        return repeat, math.log2(min(i, _WINDOW)) + math.log2(repeat)
+    return 0, 0.0
+
+
 def secret_bits(secret: str) -> float:
-    """An upper bound of the secret's entropy: its length times log2 of the smallest common alphabet that holds
-    it (a random string of that alphabet has exactly this; a chosen word has far less, hence the generous floor)."""
-    chars = set(secret)
-    size = next((len(set(a)) for a in _ALPHABETS if chars <= set(a)), 256)
-    return len(secret) * math.log2(size)
+    """An estimate of the secret's entropy from its own structure: the bits of a short description of it, read
+    left to right, where a character that nothing before predicts costs log2 of its part's alphabet
+    (``_literal_bits``) and a repeat or a run of 4 or more costs only its place and length (``_pattern_at``).
+
+    A random key gets close to its length times log2 of its alphabet (what it has), a key with a pattern far less:
+    `abcdefgh` * 4 is 17 bits, not 150. It is an estimate from one sample, so it can only credit what it sees: it
+    does not know words (`CorrectHorseBattery...` counts as random letters), and a random key exactly at the floor
+    (``token_hex(16)``) is refused when a run or a repeat happens to fall in it: keys of 256 bits (``MAKE_ONE``)
+    pass with a wide margin."""
+    literal, bits, i = _literal_bits(secret), 0.0, 0
+    while i < len(secret):
+        n, cost = _pattern_at(secret, i)
+        if n:
+            bits, i = bits + cost, i + n
+        else:
+            bits, i = bits + literal[i], i + 1
+    return bits
 
 
 def _check_strength(secret: str, where: str) -> None:
@@ -69,8 +141,9 @@ def _check_strength(secret: str, where: str) -> None:
     bits = secret_bits(secret)
     if bits < MIN_SECRET_BITS:
         raise SecretMissing(
-            f"{where} holds a secret of {len(secret)} characters (at most {bits:.0f} bits): at least "
-            f"{MIN_SECRET_BITS} bits are required; make one with {MAKE_ONE}"
+            f"{where} holds a secret of {len(secret)} characters (about {bits:.0f} bits, estimated from its "
+            f"alphabet, its repeats and runs, and its parts between separators): at least {MIN_SECRET_BITS} bits "
+            f"are required; make one with {MAKE_ONE}"
         )
 
 
@@ -83,6 +156,36 @@ def _refuse_value(value: settings.Variable, file: settings.Variable) -> None:
         )
 
 
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _check_mode(path: Path, file: settings.Variable) -> None:
+    """A secret file others may write is refused: whoever may write it may put in a key of their own. One that
+    users other than this one may read (any user, or a group other than this user's own) is used with a loud
+    warning, once: inside a container that is a common default (a compose secret taken from the environment is
+    0444) and only the container's user runs there; on a shared host it gives the key away."""
+    facts = path.stat()  # through links: a Kubernetes Secret's file is a link into ..data/
+    mode = facts.st_mode & 0o777
+    if mode & 0o022:
+        raise SecretMissing(
+            f"{file.name} names {path}, which other users may write (mode {mode:04o}): anyone who may write it "
+            f"may put a secret of their own in it; `chmod 600 {path}`"
+        )
+    others = mode & 0o004 or (mode & 0o040 and facts.st_gid != os.getgid())
+    if others and (str(path), mode) not in _WARNED:
+        _WARNED.add(
+            (str(path), mode)
+        )  # once per file and mode: the key proxy reads its file every few seconds
+        log.warning(
+            "WARNING: %s names %s, which other users may read (mode %04o): on a shared host they can read the "
+            "secret; `chmod 600 %s` (in a container whose only user is the service's, they are nobody)",
+            file.name,
+            path,
+            mode,
+            path,
+        )
+
+
 def read_secrets(value: settings.Variable, file: settings.Variable) -> list[str]:
     """The secrets, one a line, in the file ``file`` names (blank lines and ``#`` comments skipped), each of at
     least 128 bits; [] when ``file`` is unset. A secret given as a value (``value``) is refused."""
@@ -92,6 +195,7 @@ def read_secrets(value: settings.Variable, file: settings.Variable) -> list[str]
     path = Path(file.get())
     try:
         text = path.read_text()
+        _check_mode(path, file)
     except OSError as e:
         raise SecretMissing(f"{file.name} names {path}, which cannot be read: {e.strerror or e}") from None
     found = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]

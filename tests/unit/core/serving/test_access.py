@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.haproxy import render_config
 from nexa_dagster.core.serving.service import ServingService
 
-KEY = "sk-lab-7c1f9e22b0Qm4v-Zr8TkPa1xWn"  # 34 characters of base64url: 204 bits at most
+KEY = "FVuCwz5eEKyU2Q-p8gMJHa7XZ8UTFi4rLzKjpv0o0nE"  # secrets.token_urlsafe(32): 252 bits by the estimate
+NEW_KEY = "plg72KRSRarJr9eNWS_0cQGDyRZQF6AT4K77F9xSJn0"  # another, the key a rotation brings in
 
 
 def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,9 +43,8 @@ def test_a_secret_comes_from_the_file_it_names_and_never_from_a_value(
     secret_file.write_text(f"{KEY}\n")  # a secret file usually ends with a newline
     monkeypatch.setenv("NEXA_SERVING_API_KEY_FILE", str(secret_file))
     assert access.api_key() == KEY and access.api_keys() == [KEY]
-    new = "N3w-key-" + "x7Qp" * 6
-    secret_file.write_text(f"# rotating\n{KEY}\n\n{new}\n")  # two keys while one replaces the other
-    assert access.api_keys() == [KEY, new]
+    secret_file.write_text(f"# rotating\n{KEY}\n\n{NEW_KEY}\n")  # two keys while one replaces the other
+    assert access.api_keys() == [KEY, NEW_KEY]
     monkeypatch.setenv("NEXA_SERVING_API_KEY", KEY)  # a value, which every child would inherit: refused
     with pytest.raises(access.SecretMissing, match="NEXA_SERVING_API_KEY gives a secret as a value"):
         access.api_keys()
@@ -54,20 +56,23 @@ def test_a_secret_comes_from_the_file_it_names_and_never_from_a_value(
 @pytest.mark.parametrize(
     ("secret", "refused"),
     [
-        ("sk-lab-7c1f9e22b0", True),  # 17 characters of base64url: 102 bits
-        ("0123456789abcdef0123456789abcde", True),  # 31 hex digits: 124 bits
-        ("0123456789abcdef0123456789abcdef", False),  # 32 hex digits: 128 bits
-        ("12345678901234567890123456789012345678", True),  # 38 decimal digits: 126.2 bits
-        ("123456789012345678901234567890123456789", False),  # 39 decimal digits: 129.6 bits
+        ("sk-lab-7c1f9e22b0", True),  # short: 74 bits (two words, then 10 hex digits)
+        ("0123456789abcdef0123456789abcde", True),  # a run, then a repeat of it: 26 bits
+        ("0d0cc3b88a49368150c9a5ebb030bde13d2c7e73cdccdac9e1d1ed7125914c7f", False),  # token_hex(32): 256
+        ("12345678901234567890123456789012345678", True),  # a run, then repeats: 20 bits
         ("correct horse battery staple", True),  # a passphrase of words: far under its length's bits
-        ("Zm9vYmFy-_Zm9vYmFy-_Zm", False),  # 22 base64url characters: 132 bits (token_urlsafe(16))
+        ("password-password-pass", True),  # 132 bits by length x alphabet; a repeat: 47
+        ("abcdefgh" * 4, True),  # 150 bits by length x alphabet; a run, then repeats: 17
+        ("sk-lab-endpoint-5d0c93e1a7", True),  # 156 by length x alphabet; words and 10 hex digits: 107
+        ("Zm9vYmFy-_Zm9vYmFy-_Zm", True),  # 22 base64url characters, but a repeat: 58
+        ("plg72KRSRarJr9eNWS_0cQGDyRZQF6AT4K77F9xSJn0", False),  # token_urlsafe(32): 252
     ],
 )
 def test_a_secret_under_128_bits_is_refused_naming_its_file_and_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, secret: str, refused: bool
 ) -> None:
     _clear(monkeypatch)
-    (tmp_path / "key").write_text(f"{'Zm9vYmFy-_Zm9vYmFy-_Zm'}\n{secret}\n")
+    (tmp_path / "key").write_text(f"{KEY}\n{secret}\n")
     monkeypatch.setenv("NEXA_SERVING_API_KEY_FILE", str(tmp_path / "key"))
     if refused:
         with pytest.raises(
@@ -78,7 +83,47 @@ def test_a_secret_under_128_bits_is_refused_naming_its_file_and_line(
         assert access.api_keys()[1] == secret
 
 
+def test_the_estimate_reads_repeats_runs_and_parts_and_passes_every_random_256_bit_key() -> None:
+    """``secret_bits`` is the bits of a short description of the key: a random key keeps about its length times
+    log2 of its alphabet, a pattern costs only its place and length, a part between separators counts in its own
+    alphabet. Every fresh 256-bit key passes (1000 of each kind; the lowest of 20 000 measured: 220 bits)."""
+    assert access.secret_bits("abcdefgh" * 4) < 20  # a run (abcdefgh), then a repeat of 24 characters
+    assert access.secret_bits("password-password-pass") < 50  # "password", then a repeat of 13
+    assert 100 < access.secret_bits("sk-lab-endpoint-5d0c93e1a7") < 110  # sk, lab, endpoint, hex digits
+    assert access.secret_bits(KEY) > 230
+    assert access.secret_bits("a" * 1000 + KEY) < 300  # a long line stays quick, and a run costs little
+    for make in (secrets.token_urlsafe, secrets.token_hex):
+        lowest = min(access.secret_bits(make(32)) for _ in range(1000))
+        assert lowest > 190, (make.__name__, lowest)
+
+
+def test_a_secret_file_others_may_write_is_refused_and_one_they_may_read_warned_of(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _clear(monkeypatch)
+    key = tmp_path / "key"
+    key.write_text(f"{KEY}\n")
+    monkeypatch.setenv("NEXA_SERVING_API_KEY_FILE", str(key))
+    key.chmod(0o620)  # group-writable: whoever may write it may add a key of their own
+    with pytest.raises(access.SecretMissing, match=r"which other users may write \(mode 0620\)"):
+        access.api_keys()
+    key.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger=access.__name__):
+        assert access.api_keys() == [KEY]
+        assert caplog.records == []
+        key.chmod(0o644)
+        assert access.api_keys() == [KEY] and access.api_keys() == [KEY]
+    [warned] = [r.getMessage() for r in caplog.records]  # once, not at every read
+    assert f"{key}, which other users may read (mode 0644)" in warned and "chmod 600" in warned
+
+
 def test_no_child_process_inherits_a_serving_secret_or_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = {v.name for v in settings.SECRET_VARIABLES}
+    assert {
+        "NEXA_TEACHER_API_KEY",
+        "NEXA_JUDGE_API_KEY",
+        "NEXA_POLICY_API_KEY",
+    } <= names  # the LLM endpoints'
     for v in settings.SECRET_VARIABLES:
         monkeypatch.setenv(v.name, "x")
     monkeypatch.setenv("NEXA_DATA_ROOT", "/data")
