@@ -4,13 +4,15 @@ must be text, and is gone afterwards; `nexa-dagster rollback` with nothing to ro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 from support.services import child_processes_matching
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -21,8 +23,31 @@ from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_te
 def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """The engine has no key, so it has no TCP port either: a Unix socket in a folder of mode 700 (no other user
+    reaches it), listened on while it ran, gone afterwards with the engine."""
     before = {p.pid for p in child_processes_matching("serve")}  # a session fixture's server may run already
-    manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
+    seen: list[tuple[set[tuple[str, int]], int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # the engine's TCP listeners and its socket folder's mode, while it runs
+        while not stop.wait(0.2):
+            for p in child_processes_matching("serve"):
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        tcp = {
+                            (c.laddr.ip, c.laddr.port)
+                            for c in p.net_connections("inet")
+                            if c.status == "LISTEN"
+                        }
+                        seen.append((tcp, (tmp_path / "sockets").stat().st_mode & 0o777))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
+    finally:
+        stop.set()
+        watcher.join()
     stored = DeploymentManifest.model_validate(json.loads((tmp_path / "deployment.json").read_text()))
     assert stored == manifest
     assert manifest.engine == "transformers" and manifest.status == "ok" and manifest.error is None
@@ -30,14 +55,13 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     assert manifest.smoke_latency_s > 0 and manifest.ready_s > 0
     assert manifest.started_at <= manifest.stopped_at
     assert manifest.model_name == str(tiny_model_dir.resolve())
-    port = int(manifest.base_url.rsplit(":", 1)[1].split("/")[0])
-    with socket.socket() as s:  # nothing listens on the port any more
-        assert s.connect_ex(("127.0.0.1", port)) != 0
+    assert manifest.socket == str(tmp_path / "sockets" / "smoke.sock") and not Path(manifest.socket).exists()
+    assert seen and all(tcp == set() and mode == 0o700 for tcp, mode in seen), seen
     leftovers = [p for p in child_processes_matching("serve") if p.pid not in before]
     assert not leftovers, [p.cmdline() for p in leftovers]
     assert not list(tmp_path.glob(".*.tmp"))  # the manifest was written under a temporary name, then renamed
     log = Path(manifest.log_path)
-    assert log == tmp_path / f"transformers-serve-{port}.log" and "serve" in log.read_text()
+    assert log == tmp_path / "transformers-serve-smoke.log" and "serve" in log.read_text()
 
 
 def test_an_answer_of_replacement_characters_is_not_text() -> None:

@@ -2,7 +2,8 @@
 
 ``smoke_test_in_temporary_engine`` is the deployment check used when no serving service runs (a pipeline on a
 laptop, the tests of the pipeline): it starts an engine on the checkpoint, sends the smoke request, stops the
-engine and writes ``deployment.json``. With a serving service running, the service sends the same request to the
+engine and writes ``deployment.json``. That engine has no key (``transformers serve`` has none), so it gets no TCP
+port either: a Unix socket in a folder only this user may enter, as the service's engines (docs/security.md). With a serving service running, the service sends the same request to the
 new engine before it takes traffic (``service.ServingService.switch``).
 """
 
@@ -13,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -21,13 +23,14 @@ from nexa_dagster.core.llm.base import LLMError, SamplingParams
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 from nexa_dagster.core.serving.answer_check import text_problem
+from nexa_dagster.core.serving.haproxy import socket_dir
 
 SMOKE_PROMPT = "In one sentence, what does a Python list comprehension do?"
 MANIFEST_NAME = "deployment.json"
 
 
-def now_utc() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+def now_utc(timespec: str = "seconds") -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec=timespec)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class DeploymentManifest(BaseModel):
     engine: str
     base_url: str
     model_name: str
+    socket: str = Field("", description="the Unix socket the engine listened on (it had no TCP port)")
     started_at: str
     ready_s: float = Field(ge=0, description="seconds from process start to a healthy /health")
     smoke_prompt: str
@@ -84,6 +88,55 @@ class DeploymentManifest(BaseModel):
     status: str = Field(description="ok | not_text | failed")
     error: str | None = None
     log_path: str = ""
+
+
+def _ask_temporary_engine(
+    checkpoint_dir: str | Path,
+    work_dir: Path,
+    engine: str,
+    startup_timeout_s: float,
+    logger: logging.Logger | None,
+    prompt: str,
+    max_tokens: int,
+    request_timeout_s: float,
+) -> tuple[SmokeAnswer, str | None, dict[str, Any]]:
+    """The smoke request to an engine started for it on a Unix socket in a private folder (700), not a TCP port:
+    the engine has no key, and any local process could reach a port of it; then the engine is stopped."""
+    socket_path = socket_dir(work_dir) / "smoke.sock"
+    try:
+        with ManagedServer(
+            checkpoint_dir,
+            work_dir,
+            engine=engine,
+            startup_timeout_s=startup_timeout_s,
+            logger=logger,
+            socket_path=socket_path,
+        ) as server:
+            answer = smoke_request(
+                server.base_url,
+                server.model_name,
+                prompt,
+                max_tokens,
+                request_timeout_s,
+                uds=server.socket_path,
+            )
+            error = answer.problem
+            if error and not answer.text:
+                error = f"{error}; server log tail:\n{server.log_tail(15)}"
+            return (
+                answer,
+                error,
+                {
+                    "engine": server.engine,
+                    "base_url": server.base_url,
+                    "model_name": server.model_name,
+                    "socket": str(socket_path),
+                    "ready_s": server.ready_s,
+                    "log_path": str(server.log_path),
+                },
+            )
+    finally:
+        socket_path.unlink(missing_ok=True)
 
 
 def smoke_test_in_temporary_engine(
@@ -104,20 +157,9 @@ def smoke_test_in_temporary_engine(
     """
     work_dir = Path(work_dir)
     started = now_utc()
-    with ManagedServer(
-        checkpoint_dir, work_dir, engine=engine, startup_timeout_s=startup_timeout_s, logger=logger
-    ) as server:
-        answer = smoke_request(server.base_url, server.model_name, prompt, max_tokens, request_timeout_s)
-        error = answer.problem
-        if error and not answer.text:
-            error = f"{error}; server log tail:\n{server.log_tail(15)}"
-        facts = {
-            "engine": server.engine,
-            "base_url": server.base_url,
-            "model_name": server.model_name,
-            "ready_s": server.ready_s,
-            "log_path": str(server.log_path),
-        }
+    answer, error, facts = _ask_temporary_engine(
+        checkpoint_dir, work_dir, engine, startup_timeout_s, logger, prompt, max_tokens, request_timeout_s
+    )
     status = "ok" if answer.ok else ("not_text" if answer.text else "failed")
     manifest = DeploymentManifest(
         checkpoint_id=checkpoint_id,
