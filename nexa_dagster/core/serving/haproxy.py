@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.processes import stop_process_group
@@ -163,15 +164,14 @@ backend control
 """
 
 
-class HAProxyRouter:
-    """``router.start()`` then ``router.route_to("green")``: green takes new requests, blue drains, then is out."""
+class KeyedHAProxy:
+    """One HAProxy process whose frontend checks the API key, its valid keys changed at run time (``set_keys``):
+    the process, its runtime API and the key rotation, whatever the configuration (``render``) routes to."""
 
     def __init__(
         self,
         work_dir: str | Path,
         port: int,
-        engine_sockets: dict[str, Path],
-        public_socket: Path,
         host: str = "127.0.0.1",
         logger: logging.Logger | None = None,
         api_keys: list[str] | None = None,
@@ -180,12 +180,7 @@ class HAProxyRouter:
         # no keys: an open endpoint (loopback only, the caller checked); else a fresh salt for this configuration
         self.salt = access.new_salt() if api_keys else None
         self.api_keys = list(api_keys or [])
-        self.port, self.engine_sockets, self.public_socket, self.host = (
-            port,
-            engine_sockets,
-            public_socket,
-            host,
-        )
+        self.port, self.host = port, host
         self.admin_socket = admin_socket_path(self.work_dir)
         self.config_path = self.work_dir / "haproxy.cfg"
         self.digests_path = self.work_dir / "keys.acl"
@@ -193,12 +188,16 @@ class HAProxyRouter:
         self.process: subprocess.Popen[bytes] | None = None
         self.log = logger or log
 
+    def render(self) -> str:
+        """The whole configuration (written mode 600 at start)."""
+        raise NotImplementedError
+
     def _digests(self, keys: list[str]) -> list[str]:
         assert self.salt is not None
         return [access.bearer_digest(k, self.salt) for k in keys]
 
     # -- process -------------------------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 15.0) -> HAProxyRouter:
+    def start(self, timeout_s: float = 15.0) -> Self:
         exe = haproxy_binary()
         if exe is None:
             raise RouterError(f"haproxy is not installed: {INSTALL_HINT}")
@@ -208,18 +207,7 @@ class HAProxyRouter:
         access.write_private(
             self.digests_path, "".join(f"{d}\n" for d in self._digests(self.api_keys)) if self.salt else ""
         )
-        access.write_private(
-            self.config_path,
-            render_config(
-                self.port,
-                self.engine_sockets,
-                self.public_socket,
-                self.admin_socket,
-                self.host,
-                self.salt,
-                self.digests_path,
-            ),
-        )
+        access.write_private(self.config_path, self.render())
         # dies with the service, even when the service is killed with SIGKILL; inherits no secret
         cmd = with_parent_death_signal([exe, "-db", "-f", str(self.config_path)])
         with open(self.log_path, "ab") as logfile:
@@ -284,6 +272,34 @@ class HAProxyRouter:
             while chunk := s.recv(65536):
                 chunks.append(chunk)
         return b"".join(chunks).decode(errors="replace")
+
+
+class HAProxyRouter(KeyedHAProxy):
+    """``router.start()`` then ``router.route_to("green")``: green takes new requests, blue drains, then is out."""
+
+    def __init__(
+        self,
+        work_dir: str | Path,
+        port: int,
+        engine_sockets: dict[str, Path],
+        public_socket: Path,
+        host: str = "127.0.0.1",
+        logger: logging.Logger | None = None,
+        api_keys: list[str] | None = None,
+    ) -> None:
+        super().__init__(work_dir, port, host, logger, api_keys)
+        self.engine_sockets, self.public_socket = engine_sockets, public_socket
+
+    def render(self) -> str:
+        return render_config(
+            self.port,
+            self.engine_sockets,
+            self.public_socket,
+            self.admin_socket,
+            self.host,
+            self.salt,
+            self.digests_path,
+        )
 
     def set_state(self, colour: str, state: str) -> None:
         answer = self.command(f"set server {BACKEND}/{colour} state {state}").strip()

@@ -180,3 +180,79 @@ def test_compose_gives_every_secret_as_a_file_never_as_a_value() -> None:
         assert not values & set(service.get("environment", {})), name
     ignored = (REPO_ROOT / ".gitignore").read_text().splitlines()
     assert "/secrets/" in ignored  # the key file is never committed
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SECRET_NAMES = ("KEY", "TOKEN", "PASSWORD", "SECRET")
+
+
+def _is_engine(command: list[str]) -> bool:
+    """A model server's command line: `vllm serve`, `transformers serve`, vLLM's API server module."""
+    words = [str(w) for w in command]
+    joined = " ".join(words)
+    return ("serve" in words and any(w.endswith(("vllm", "transformers")) for w in words)) or (
+        "vllm.entrypoints" in joined
+    )
+
+
+def engine_exposure_problems(name: str, command: list[str], env: dict[str, object], ports: list) -> list[str]:
+    """Why a container that runs an engine is reachable around the key proxy: bound off loopback (vLLM and
+    `transformers serve` bind every address without --host), a port of its own, or a key in its environment
+    (`vllm serve --api-key` guards /v1 only, and an environment variable sits in /proc/<pid>/environ)."""
+    if not _is_engine(command):
+        return []
+    words = [str(w) for w in command]
+    problems = []
+    host = words[words.index("--host") + 1] if "--host" in words else "0.0.0.0"
+    if "--uds" not in words and host not in LOOPBACK:
+        problems.append(f"{name}: the engine binds {host}, not loopback or a Unix socket")
+    if ports:
+        problems.append(f"{name}: the engine opens a port of its own: {ports}")
+    secret = [k for k, v in env.items() if any(s in k for s in SECRET_NAMES) or isinstance(v, dict)]
+    if secret or any(w.startswith("--api-key") for w in words):
+        problems.append(f"{name}: the engine gets a key in its environment or command line: {secret}")
+    return problems
+
+
+def _k8s_engine_problems(docs: list[dict]) -> list[str]:
+    problems = []
+    for doc in docs:
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in pod.get("containers", []):
+            env = {e["name"]: e.get("valueFrom", e.get("value")) for e in c.get("env", [])}
+            problems += engine_exposure_problems(
+                f"{doc['metadata']['name']}/{c['name']}",
+                c.get("command", []) + c.get("args", []),
+                env,
+                c.get("ports", []),
+            )
+    return problems
+
+
+def test_no_engine_is_reachable_around_the_key_proxy_in_any_deployment_file() -> None:
+    """Every engine the deployment files start (Kubernetes manifests, compose services) listens on loopback or a
+    Unix socket, opens no port and holds no key: the one way in is the project's key check (HAProxy: `nexa-dagster
+    serve` in compose, `nexa-dagster key-proxy` in a pod). The check itself fails the manifest as it was (vLLM on
+    0.0.0.0 with VLLM_API_KEY from a Secret)."""
+    problems = []
+    for path in sorted((REPO_ROOT / "deploy").rglob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+        problems += _k8s_engine_problems([d for d in docs if "metadata" in d])
+    for name, service in yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())["services"].items():
+        command = service.get("command", [])
+        command = shlex.split(command) if isinstance(command, str) else command
+        problems += engine_exposure_problems(
+            name, command, service.get("environment", {}), service.get("ports", [])
+        )
+    assert problems == []
+    old = yaml.safe_load(
+        """
+metadata: {name: nexa-serving-blue}
+spec: {template: {spec: {containers: [{name: engine, command: [vllm, serve, m, --port, "8000"],
+  env: [{name: VLLM_API_KEY, valueFrom: {secretKeyRef: {name: nexa-serving, key: api-key}}}],
+  ports: [{containerPort: 8000}]}]}}}
+"""
+    )
+    found = _k8s_engine_problems([old])
+    said = ("binds 0.0.0.0, not loopback", "opens a port of its own", "gets a key in its environment")
+    assert len(found) == 3 and all(s in p for s, p in zip(said, found, strict=True)), found

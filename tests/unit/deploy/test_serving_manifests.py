@@ -1,8 +1,9 @@
 """deploy/k8s/serving.yaml: the blue/green serving shape on Kubernetes, checked as the Helm values are (no cluster
 here): one Deployment per colour that differ only in their colour (and the checkpoint and replica count a switch
-changes), a Service that selects exactly one colour, engines that serve the stable model name, become ready only
-when they answer, and leave the Service before they stop; and agreement with deploy/helm/values.yaml (image, volume,
-GPU pool) and configs/promotion.yaml (the model name)."""
+changes), a Service that selects exactly one colour, engines that serve the stable model name on the pod's loopback
+behind the project's key proxy (the pod's one port), become ready only when they answer, and leave the Service
+before they stop; the key a file mounted into the proxy alone; and agreement with deploy/helm/values.yaml (image,
+volume, GPU pool) and configs/promotion.yaml (the model name)."""
 
 from __future__ import annotations
 
@@ -81,25 +82,66 @@ def test_the_service_sends_traffic_to_exactly_one_running_colour() -> None:
     assert served_colours(switched) == list(COLOURS)
 
 
+def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def _option(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
 @pytest.mark.parametrize("colour", COLOURS)
-def test_the_engine_serves_the_stable_name_and_is_ready_only_when_it_answers(colour: str) -> None:
+def test_the_engine_serves_the_stable_name_on_loopback_behind_the_key_proxy(colour: str) -> None:
+    """vLLM binds the pod's loopback (only the pod's containers share it) and opens no port of the pod; the key
+    proxy, the pod's one port and the Service's target, forwards to it; both ready only when they answer."""
     docs = load()
     pod = deployments(docs)[colour]["spec"]["template"]["spec"]
-    [engine] = pod["containers"]
+    assert set(containers(pod)) == {"engine", "endpoint"} and not pod.get("hostNetwork")
+    engine, proxy = containers(pod)["engine"], containers(pod)["endpoint"]
     command = engine["command"]
     assert command[:2] == ["vllm", "serve"] and command[2] == "$(NEXA_CHECKPOINT)"
     assert "NEXA_CHECKPOINT" in {e["name"] for e in engine["env"]}  # $(VAR) is expanded by the kubelet
-    assert command[command.index("--served-model-name") + 1] == load_policy().registered_model
-    port = int(command[command.index("--port") + 1])
-    [named] = engine["ports"]
-    assert named["containerPort"] == port
-    assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": named["name"]}
-    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
-    sleep = engine["lifecycle"]["preStop"]["exec"]["command"]
-    assert sleep[0] == "sleep" and int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+    assert _option(command, "--served-model-name") == load_policy().registered_model
+    assert _option(command, "--host") == "127.0.0.1" and "ports" not in engine
+    upstream = f"127.0.0.1:{_option(command, '--port')}"
+    for probe in (engine["readinessProbe"], engine["livenessProbe"]):  # in the container: the pod's loopback
+        assert f"http://{upstream}/health" in probe["exec"]["command"][-1]
+    assert proxy["command"][:4] == ["python", "-m", "nexa_dagster.cli", "key-proxy"]
+    assert _option(proxy["command"], "--upstream") == upstream
+    [named] = proxy["ports"]
+    assert named["containerPort"] == int(_option(proxy["command"], "--port"))
+    assert proxy["readinessProbe"]["tcpSocket"] == {"port": named["name"]}
     [svc_port] = service(docs)["spec"]["ports"]
     assert svc_port["targetPort"] == named["name"]
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for c in (engine, proxy):  # both leave the Service's endpoints before SIGTERM
+        sleep = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep[0] == "sleep" and int(sleep[1]) < pod["terminationGracePeriodSeconds"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1 and "resources" not in proxy
+    from nexa_dagster.cli import main
+
+    with pytest.raises(SystemExit):  # the command the proxy runs exists with these options
+        main(["key-proxy", "--help"])
+
+
+@pytest.mark.parametrize("colour", COLOURS)
+def test_the_key_is_a_file_mounted_into_the_proxy_alone(colour: str) -> None:
+    """The key proxy reads the Secret as a file (NEXA_SERVING_API_KEY_FILE); no container gets a secret in its
+    environment (/proc/<pid>/environ), the engine mounts none, and no container gets a Kubernetes API token."""
+    pod = deployments(load())[colour]["spec"]["template"]["spec"]
+    engine, proxy = containers(pod)["engine"], containers(pod)["endpoint"]
+    for c in (engine, proxy):
+        assert not [e for e in c.get("env", []) if "valueFrom" in e], c["name"]
+    assert not [e for e in engine["env"] if "KEY" in e["name"] or "TOKEN" in e["name"]]
+    [key_file] = [e["value"] for e in proxy["env"] if e["name"] == "NEXA_SERVING_API_KEY_FILE"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [mount] = [m for m in proxy["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert mount["readOnly"] and key_file == f"{mount['mountPath']}/api-key"
+    secret = volumes[mount["name"]]["secret"]
+    assert secret["secretName"] == "nexa-serving" and secret["defaultMode"] & 0o077 == 0  # 0400
+    assert not [m for m in engine["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert pod["automountServiceAccountToken"] is False
+    context = pod["securityContext"]  # the image's user reads the file by fsGroup, as its own group
+    assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == 1000
 
 
 def test_the_manifests_agree_with_the_helm_values() -> None:
@@ -107,20 +149,8 @@ def test_the_manifests_agree_with_the_helm_values() -> None:
     cluster = values["nexaPipelineOverrides"]["gpu_cluster"]
     for d in deployments(load()).values():
         pod = d["spec"]["template"]["spec"]
-        assert pod["containers"][0]["image"] == cluster["k8s_image"]
+        assert {c["image"] for c in pod["containers"]} == {cluster["k8s_image"]}
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == cluster["k8s_data_pvc"]
-        assert pod["containers"][0]["volumeMounts"][0]["mountPath"] == cluster["k8s_data_mount"]
+        assert containers(pod)["engine"]["volumeMounts"][0]["mountPath"] == cluster["k8s_data_mount"]
         assert pod["nodeSelector"] == cluster["k8s_node_selector"]
         assert pod["tolerations"] == cluster["k8s_tolerations"]
-
-
-@pytest.mark.parametrize("colour", COLOURS)
-def test_the_engine_wants_an_api_key_from_a_secret(colour: str) -> None:
-    [engine] = deployments(load())[colour]["spec"]["template"]["spec"]["containers"]
-    [key] = [
-        e for e in engine["env"] if e["name"] == "VLLM_API_KEY"
-    ]  # what `vllm serve --api-key` defaults to
-    assert "value" not in key and key["valueFrom"]["secretKeyRef"] == {
-        "name": "nexa-serving",
-        "key": "api-key",
-    }
