@@ -128,7 +128,10 @@ class ServingService:
             control_token,
             reload_api_keys,
         )
-        self.keys_loaded_at, self._reload_requested = now_utc(), threading.Event()
+        # when the valid keys last changed (microseconds: two reloads in one second are told apart) and how many
+        # times they did: what a rotation script waits on (GET /status)
+        self.keys_loaded_at, self.keys_reloads = now_utc("microseconds"), 0
+        self._reload_requested = threading.Event()
         self.checkpoint_roots = list(checkpoint_roots) if checkpoint_roots is not None else None
         # an engine that loads while another serves: a lower CPU priority and fewer OpenMP threads until it passed
         # its smoke test (then its priority is raised to the normal one), so that the serving engine keeps its pace
@@ -248,7 +251,8 @@ class ServingService:
         except (access.SecretMissing, RouterError, OSError) as e:
             self.log.error("SIGHUP: the API keys were not changed, the ones before stay valid: %s", e)
             return False
-        self.api_keys, self.keys_loaded_at = keys, now_utc()
+        self.api_keys, self.keys_loaded_at = keys, now_utc("microseconds")
+        self.keys_reloads += 1
         self.log.info("SIGHUP: %d API key(s) valid now (%d added, %d removed)", len(keys), added, removed)
         return True
 
@@ -465,6 +469,7 @@ class ServingService:
             "service_pid": os.getpid(),
             "api_keys": len(self.api_keys),  # how many keys are valid (two during a rotation), never the keys
             "api_keys_loaded_at": self.keys_loaded_at,
+            "api_keys_reloads": self.keys_reloads,  # successful reloads since the start
         }
 
     def public_status(self) -> dict[str, Any]:

@@ -233,3 +233,27 @@ def test_the_service_will_not_listen_off_loopback_without_a_key_or_a_token(tmp_p
     assert ServingService(**common, host="0.0.0.0", api_keys=[KEY]).base_url == "http://127.0.0.1:8000/v1"
     assert ServingService(**common, host="127.0.0.2", api_keys=[KEY]).base_url == "http://127.0.0.2:8000/v1"
     assert ServingService(**common).api_key is None  # loopback: open, and the token is issued at start
+
+
+def test_two_key_reloads_within_one_second_are_told_apart(tmp_path: Path) -> None:
+    """What a rotation waits on (GET /status): a reload counter, and a time to the microsecond (with one-second
+    resolution, a second reload in the same second looked like none)."""
+
+    class Router:
+        def set_keys(self, keys: list[str]) -> tuple[int, int]:
+            return 1, 0
+
+    keys = [KEY]
+    service = ServingService(
+        tmp_path, str(tmp_path / "p.json"), 8000, api_keys=keys, reload_api_keys=lambda: list(keys)
+    )
+    service.router = Router()  # type: ignore[assignment]
+    seen = [service.status()]
+    for new in (NEW_KEY, KEY):
+        keys.append(new)
+        assert service.reload_keys()
+        seen.append(service.status())
+    assert [s["api_keys_reloads"] for s in seen] == [0, 1, 2]
+    assert [s["api_keys"] for s in seen] == [1, 2, 3]
+    stamps = [s["api_keys_loaded_at"] for s in seen]
+    assert stamps == sorted(set(stamps)), stamps  # three distinct times, in order, all within a second or so
