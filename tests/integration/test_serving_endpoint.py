@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -41,9 +42,14 @@ from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 pytestmark = pytest.mark.slow
 
 MODEL = "nexa-moe"
-API_KEY = (
-    "sk-lab-endpoint-5d0c93e1a7"  # what a lab hands its users (in the file NEXA_SERVING_API_KEY_FILE names)
-)
+# what a lab hands its users (in the file NEXA_SERVING_API_KEY_FILE names), made as docs/security.md says
+API_KEY = secrets.token_urlsafe(32)
+CONTROL_TOKEN = secrets.token_urlsafe(32)  # in the file NEXA_SERVING_CONTROL_TOKEN_FILE names
+# the LLM endpoints' keys, given to the service's environment as the pipeline's are: no engine may inherit them
+LLM_KEYS = {
+    "NEXA_TEACHER_API_KEY": secrets.token_urlsafe(32),
+    "NEXA_JUDGE_API_KEY": secrets.token_urlsafe(32),
+}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # the address the endpoint is published on (a lab's network, here a second loopback address): the control API stays
 # on 127.0.0.1, the engines on Unix sockets
@@ -136,15 +142,18 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
     root = tmp_path_factory.mktemp("endpoint")
     (root / "secrets").mkdir(mode=0o700)
-    key_file = root / "secrets" / "api-key"
-    key_file.write_text(f"{API_KEY}\n")
-    key_file.chmod(0o600)
+    key_file, token_file = root / "secrets" / "api-key", root / "secrets" / "control-token"
+    for path, secret in ((key_file, API_KEY), (token_file, CONTROL_TOKEN)):
+        path.write_text(f"{secret}\n")
+        path.chmod(0o600)
     env = {
         "NEXA_DATA_ROOT": str(root / "data"),
         "NEXA_RESULTS_ROOT": str(root / "results"),
         "NEXA_LANDING_ROOT": str(root / "landing"),
         "DAGSTER_HOME": str(root / "home"),
         "NEXA_SERVING_API_KEY_FILE": str(key_file),
+        "NEXA_SERVING_CONTROL_TOKEN_FILE": str(token_file),
+        **LLM_KEYS,
         # the tests' models and checkpoints live in pytest's folders, not in the data root's checkpoints/
         "NEXA_SERVING_CHECKPOINT_ROOTS": str(tmp_path_factory.getbasetemp()),
     }
@@ -157,9 +166,14 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     ep.registry.promote(
         ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir), metric="eval_loss", value=5.0)
     )
-    ep.start()
-    yield ep
-    ep.stop()
+    mp = pytest.MonkeyPatch()  # this process finds the service's control API with the configured token
+    mp.setenv("NEXA_SERVING_CONTROL_TOKEN_FILE", str(token_file))
+    try:
+        ep.start()
+        yield ep
+        ep.stop()
+    finally:
+        mp.undo()
     left = [p for p in child_processes_matching("haproxy", "serve") if p.pid not in before]
     assert not left, [p.cmdline() for p in left]
 
@@ -291,6 +305,60 @@ def _materialize_deployment(
         mp.undo()
 
 
+def test_serve_on_loopback_needs_no_key_says_so_and_still_guards_its_control_api(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The newcomer's `make serve`: no key file, no token file. It starts, says no API key is needed (this machine
+    only), answers 200 on the public port without a key; its control API still answers 401 without the token it
+    issued (in <serving dir>/control-token, mode 600), and 200 with it. (Before the shared service starts: file
+    order.)"""
+    if haproxy_binary() is None:
+        missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
+    serving = tmp_path / "data" / "serving"
+    serving.mkdir(parents=True)
+    ProductionRegistry(serving / "production.json").promote(
+        ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir), metric="eval_loss", value=5.0)
+    )
+    secret = {v for v in os.environ if v.startswith("NEXA_SERVING_") or v in LLM_KEYS}
+    env = {k: v for k, v in os.environ.items() if k not in secret}
+    env |= {"NEXA_DATA_ROOT": str(tmp_path / "data"), "NEXA_RESULTS_ROOT": str(tmp_path / "results")}
+    env["NEXA_SERVING_CHECKPOINT_ROOTS"] = str(tiny_model_dir.parent)
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nexa_dagster.cli", "serve", "--port", str(port)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops it." not in (said := log.read_text(errors="replace")):
+            assert proc.poll() is None and time.monotonic() < deadline, said[-3000:]
+            time.sleep(0.5)
+        assert f"serving 'nexa-moe' at http://127.0.0.1:{port}/v1" in said
+        assert "no API key needed: the endpoint listens on 127.0.0.1, this machine only" in said
+        with httpx.Client(timeout=60.0) as http:  # no key at all
+            assert http.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == MODEL
+            assert _chat(http, f"http://127.0.0.1:{port}/v1").status_code == 200
+        facts = json.loads((serving / "service.json").read_text())
+        issued = serving / "control-token"
+        assert issued.stat().st_mode & 0o777 == 0o600
+        token = {"Authorization": f"Bearer {issued.read_text().strip()}"}
+        for route in ("/status", "/v1/models", "/public/status"):
+            assert httpx.get(facts["control_url"] + route, timeout=60).status_code == 401, route
+        assert httpx.post(facts["control_url"] + "/switch", json={}, timeout=60).status_code == 401
+        assert (
+            httpx.get(facts["control_url"] + "/status", headers=token, timeout=60).json()["checkpoint_id"]
+            == "a"
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert not issued.exists()  # the issued token goes with the service
+
+
 def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(endpoint: Endpoint) -> None:
     import openai
 
@@ -407,45 +475,82 @@ def test_every_port_the_service_opens_answers_no_route_without_its_secret(endpoi
     )
     engines = _engines(endpoint)
     assert engines and _listening(engines) == set()
-    sockets = {Path(p) for e in engines for p in e.cmdline() if p.endswith(".sock")}
+    sockets = _engine_sockets(endpoint)
     assert sockets and all(s.parent.stat().st_mode & 0o777 == 0o700 for s in sockets), sockets
-    # another user (nobody) cannot reach an engine straight: its socket's folder is private (the project's venv
-    # may lie where nobody cannot enter: the system's Python runs this one line)
-    system_python = shutil.which("python3", path="/usr/bin:/bin")
-    if os.geteuid() == 0 and system_python:
-        reach = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])"
-        for sock in sockets:
-            other = subprocess.run(
-                [system_python, "-c", reach, str(sock)],
-                user=65534,
-                group=65534,
-                capture_output=True,
-                text=True,
-            )
-            assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
+
+
+def _engine_sockets(ep: Endpoint) -> set[Path]:
+    return {Path(p) for e in _engines(ep) for p in e.cmdline() if p.endswith(".sock")}
+
+
+def test_another_user_cannot_reach_an_engine_straight(endpoint: Endpoint) -> None:
+    """User nobody cannot open an engine's socket: its folder is private (mode 700). Running as nobody needs root
+    (setuid): as another user the test is skipped, saying so (the folder's mode is checked above either way)."""
+    system_python = shutil.which(
+        "python3", path="/usr/bin:/bin"
+    )  # the venv may lie where nobody cannot enter
+    if os.geteuid() != 0 or system_python is None:
+        pytest.skip("running a process as user nobody needs root (and a system python3)")
+    reach = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])"
+    sockets = _engine_sockets(endpoint)
+    assert sockets
+    for sock in sockets:
+        mine = subprocess.run([system_python, "-c", reach, str(sock)], capture_output=True, text=True)
+        assert mine.returncode == 0, mine.stderr  # the socket answers: the refusal below is nobody's
+        other = subprocess.run(
+            [system_python, "-c", reach, str(sock)], user=65534, group=65534, capture_output=True, text=True
+        )
+        assert other.returncode != 0 and "PermissionError" in other.stderr, other.stderr
+
+
+# what no process the service starts may hold: the secrets' values, and the variables that name or hold them
+def _secrets(token: str) -> dict[str, bytes]:
+    named = ("NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN", *LLM_KEYS)
+    return {
+        "the API key": API_KEY.encode(),
+        "the control token": token.encode(),
+        **{f"{k}'s value": v.encode() for k, v in LLM_KEYS.items()},
+        **{k: f"{k}".encode() for k in named},  # NEXA_SERVING_API_KEY_FILE and the rest by their prefix
+    }
+
+
+def _secrets_in(environ: bytes, token: str) -> list[str]:
+    return [what for what, secret in _secrets(token).items() if secret in environ]
 
 
 def test_no_engine_or_proxy_inherits_a_secret_and_what_holds_one_is_private(endpoint: Endpoint) -> None:
     """/proc/<pid>/environ of every process the service started (HAProxy, the engines and their wrappers) holds
-    neither the key, nor the control token, nor where they are; the files that hold one, or a digest, are 600."""
+    neither the key, nor the control token (configured, as a file: a value the service holds), nor the LLM
+    endpoints' keys, nor the variables naming any of them; the service itself holds them all, so the check can
+    fail (the incoming engine of a switch is read too: test_the_incoming_engine_loads_at_a_lower_priority...).
+    The files that hold a digest are 600."""
     client = endpoint.client()
     token = client._token
-    assert token and endpoint.process is not None
-    assert b"NEXA_SERVING_API_KEY_FILE" in Path(f"/proc/{endpoint.process.pid}/environ").read_bytes()
+    assert token == CONTROL_TOKEN and endpoint.process is not None
+    own = Path(f"/proc/{endpoint.process.pid}/environ").read_bytes()
+    assert set(_secrets_in(own, token)) == {
+        "NEXA_SERVING_API_KEY",
+        "NEXA_SERVING_CONTROL_TOKEN",
+        *LLM_KEYS,
+    } | {
+        f"{k}'s value" for k in LLM_KEYS
+    }  # the service's own: the files' names, and the LLM keys as the pipeline is given them
     children = _service_tree(endpoint)
     assert len(_engines(endpoint)) >= 1 and any("haproxy" in " ".join(p.cmdline()) for p in children)
     for proc in children:
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
-        for secret in (API_KEY, token, "NEXA_SERVING_API_KEY", "NEXA_SERVING_CONTROL_TOKEN"):
-            assert secret.encode() not in environ, (proc.cmdline()[:3], secret[:12])
+        assert _secrets_in(environ, token) == [], proc.cmdline()[:3]
     router = endpoint.serving_dir / "router"
-    for private in (router / "haproxy.cfg", router / "keys.acl", endpoint.serving_dir / "control-token"):
+    for private in (router / "haproxy.cfg", router / "keys.acl"):
         assert private.stat().st_mode & 0o777 == 0o600, private
+    assert not (endpoint.serving_dir / "control-token").exists()  # configured: none issued
 
 
-def _wait_keys(ep: Endpoint, n: int, since: str) -> None:
+def _wait_keys(ep: Endpoint, n: int, reloads: int) -> None:
+    """Until the service has reloaded its keys since ``reloads`` (its counter: two reloads in one second count
+    two) and ``n`` are valid."""
     deadline = time.monotonic() + 60
-    while (s := ep.client().status())["api_keys"] != n or s["api_keys_loaded_at"] <= since:
+    while (s := ep.client().status())["api_keys"] != n or s["api_keys_reloads"] <= reloads:
         assert time.monotonic() < deadline, ep.log_tail()
         time.sleep(0.1)
 
@@ -531,12 +636,14 @@ def test_the_incoming_engine_loads_at_a_lower_priority_until_it_is_promoted(endp
             incoming = next((p for p in started if p.pid != serving), None)
             time.sleep(0.05)
         environ = incoming.environ()
+        raw_environ = Path(f"/proc/{incoming.pid}/environ").read_bytes()  # while it loads, beside A
         while not switching.done():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 samples.append((_nice(incoming.pid), _nice(serving)))
             time.sleep(0.05)
         result = switching.result()
     assert result.checkpoint_id == "b" and client.status()["engine_pid"] == incoming.pid
+    assert _secrets_in(raw_environ, CONTROL_TOKEN) == []  # the incoming engine inherits no secret either
     assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert environ["OMP_NUM_THREADS"] == str(default_loading_threads())
     assert samples and samples[0][0] and set(samples[0][0]) == {10}, samples[:3]  # loading: every thread
@@ -560,7 +667,7 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
     key gets openai.AuthenticationError. A weak key written meanwhile is refused and changes nothing."""
     import openai
 
-    new_key = "sk-lab-rotated-" + "Q7vX2mPz9LwK4tRb"
+    new_key = secrets.token_urlsafe(32)
     client = endpoint.client()
     try:
         with NonStopClient(endpoint.base_url, API_KEY) as load:
@@ -621,23 +728,23 @@ def _answers_follow_the_switches(
 
 def _rotate(ep: Endpoint, *keys: str) -> None:
     """The key file holds ``keys`` (in place, as a lab edits a mounted secret), SIGHUP, until the service says so."""
-    since = ep.client().status()["api_keys_loaded_at"]
+    reloads = ep.client().status()["api_keys_reloads"]
     ep.set_keys(*keys)
-    _wait_keys(ep, len(keys), since)
+    _wait_keys(ep, len(keys), reloads)
 
 
 def _a_weak_key_changes_nothing(ep: Endpoint, valid: str) -> None:
     """A weak key in the file: refused with the reason in the log, the keys before stay the valid ones."""
     import openai
 
-    before = ep.client().status()["api_keys_loaded_at"]
+    before = {k: ep.client().status()[k] for k in ("api_keys_loaded_at", "api_keys_reloads")}
     ep.set_keys(valid, "short-key")
     deadline = time.monotonic() + 60
     while "the API keys were not changed" not in ep.log_tail():
         assert time.monotonic() < deadline, ep.log_tail()
         time.sleep(0.1)
     assert "at least 128 bits are required" in ep.log_tail()
-    assert ep.client().status()["api_keys_loaded_at"] == before
+    assert {k: ep.client().status()[k] for k in before} == before
     with pytest.raises(openai.AuthenticationError):
         _streamed_chat(openai.OpenAI(base_url=ep.base_url, api_key="short-key", max_retries=0))
 
