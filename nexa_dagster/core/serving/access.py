@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_FILE = "control-token"
 CONTROL_TOKEN_HEADER = "Authorization"
-MIN_SECRET_BITS = 128  # NIST SP 800-131A's floor for a symmetric key; also what `token_urlsafe(16)` gives
+MIN_SECRET_BITS = 128  # NIST SP 800-131A's floor for a symmetric key (MAKE_ONE makes 256: a margin over it)
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 # the smallest of these alphabets that holds every character of a part of a secret sets its bits per character
 _ALPHABETS = (
