@@ -9,6 +9,7 @@ new engine before it takes traffic (``service.ServingService.switch``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -137,6 +138,8 @@ def _ask_temporary_engine(
             )
     finally:
         socket_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the folder too, when nothing else is in it
+            socket_path.parent.rmdir()
 
 
 def smoke_test_in_temporary_engine(
