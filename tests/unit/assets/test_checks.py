@@ -4,19 +4,19 @@ folders: a day re-delivered under a new date fails it, and the teacher step down
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import dagster as dg
 import pandas as pd
+import pytest
+from support.packaging_inputs import teacher_rows
 from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.assets import checks
-from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.data.table_checks import redelivered_days
-from nexa_dagster.core.evaluation.eval_set import content_sha256, frozen_marker, version_dir
+from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, version_dir
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.resources.configs import EvalSetsResource
 from nexa_dagster.resources.io_manager import NexaIOManager
@@ -87,46 +87,35 @@ def test_a_day_with_one_new_document_passes() -> None:
     assert len(redelivered_days(both, {})) == 1
 
 
-def _samples(responses: list[str], errors: list[str | None]) -> pd.DataFrame:
-    return pd.DataFrame(
-        {"sample_id": [f"s{i}" for i in range(len(responses))], "response": responses, "error": errors}
-    )
+def test_no_gate_configuration_lets_a_blank_answer_through() -> None:
+    """Why filtered_samples has no answer check: SampleGate's heuristics refuse every generation error, and a filters
+    file that would let a blank answer through (min_response_chars below 1) is refused when it is read."""
+    import pydantic
+
+    from nexa_dagster.core.distill.sample_gate import GateConfig, heuristic_reason, load_gate_config
+
+    gate = load_gate_config("filters.yaml")
+    assert heuristic_reason("a question?", "   ", None, gate).startswith("too_short")
+    assert heuristic_reason("a question?", "an answer", "timeout", gate).startswith("teacher_error")
+    with pytest.raises(pydantic.ValidationError, match="min_response_chars"):
+        GateConfig.model_validate({**gate.model_dump(), "min_response_chars": 0})
 
 
-def test_filtered_samples_without_an_answer_fail() -> None:
-    good = checks.filtered_samples_have_answers(
-        filtered_samples=_samples(["an answer", "another"], [None, None])
-    )
-    assert good.passed
-    bad = checks.filtered_samples_have_answers(
-        filtered_samples=_samples(["ok", "  ", "x"], [None, None, "timeout"])
-    )
-    assert not bad.passed and bad.metadata["sample_ids"].value == ["s1", "s2"]
-
-
-def _freeze(root: Path, version: int = 1) -> Path:
-    """A frozen version as freeze_eval_set leaves it: files, a manifest of their SHA-256s, the frozen marker."""
-    directory = Path(version_dir(str(root), version))
-    directory.mkdir(parents=True)
-    pd.DataFrame({"prompt": ["q"], "answer": ["a"]}).to_parquet(directory / "examples.parquet")
-    files = {"examples.parquet": io.sha256_file(directory / "examples.parquet")}
-    content = content_sha256(files)
-    (directory / "manifest.json").write_text(
-        json.dumps({"version": version, "files": files, "content_sha256": content})
-    )
-    Path(frozen_marker(str(root), version)).write_text(content + "\n")
-    return directory
-
-
-def test_an_eval_set_changed_after_it_was_frozen_fails(tmp_path: Path) -> None:
+def test_a_frozen_eval_set_edited_after_it_was_frozen_fails(tmp_path: Path, tiny_tokenizer) -> None:
+    """A real eval set, frozen by freeze_eval_set (what the eval_set asset calls) from real teacher-template rows:
+    the check passes it, then fails once its examples file is rewritten, naming what changed; a version never
+    frozen fails too."""
     storage = StorageResource(data_root=str(tmp_path))
     eval_sets = EvalSetsResource(version=1)
     assert not checks.eval_set_matches_its_manifest(
         storage=storage, eval_sets=eval_sets
     ).passed  # none frozen
-    directory = _freeze(tmp_path / "eval_sets")
+    rows = teacher_rows([(f"held-{k}", k) for k in range(3)], DAY, lambda k: f"document {k} " * 20)
+    freeze_eval_set(rows, tiny_tokenizer, storage.path("eval_sets"), 1, 0.999999, 512, log=lambda _: None)
     assert checks.eval_set_matches_its_manifest(storage=storage, eval_sets=eval_sets).passed
-    pd.DataFrame({"prompt": ["q"], "answer": ["b"]}).to_parquet(directory / "examples.parquet")
+    examples = Path(version_dir(storage.path("eval_sets"), 1)) / "examples.parquet"
+    frame = pd.read_parquet(examples)
+    frame.iloc[:1].to_parquet(examples)  # an example dropped after freezing
     result = checks.eval_set_matches_its_manifest(storage=storage, eval_sets=eval_sets)
     assert not result.passed and "changed since it was frozen" in result.description
 
