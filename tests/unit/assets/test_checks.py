@@ -14,7 +14,7 @@ from support.packaging_inputs import teacher_rows
 from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.assets import checks
-from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, EvalReport
 from nexa_dagster.core.data.table_checks import redelivered_days
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, version_dir
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
@@ -120,31 +120,76 @@ def test_a_frozen_eval_set_edited_after_it_was_frozen_fails(tmp_path: Path, tiny
     assert not result.passed and "changed since it was frozen" in result.description
 
 
-def test_a_leaderboard_missing_an_evaluated_checkpoint_warns() -> None:
+def test_a_leaderboard_missing_an_evaluated_checkpoint_warns(tmp_path: Path) -> None:
+    """The real leaderboard asset and its check, on reports the IO manager stored for two evaluated checkpoints: it
+    lists both and the check passes; once one report's stored file is lost (a data root copied without it), the
+    instance still says that checkpoint was evaluated, the leaderboard built again has no row for it, and the check
+    warns naming it."""
+    from nexa_dagster.assets.evaluation import leaderboard
+    from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions
+
+    @dg.asset(key="eval_report", partitions_def=checkpoint_partitions, io_manager_key="io_manager")
+    def eval_report(context) -> EvalReport:  # noqa: ANN001 (Dagster reads the annotation as a string here)
+        ckpt = context.partition_key
+        return EvalReport(
+            checkpoint_id=ckpt,
+            checkpoint_path=str(tmp_path / ckpt),
+            eval_loss=3.9,
+            judge_score=3.0,
+            perplexity=50.0,
+            num_heldout_prompts=0,
+            report_json=str(tmp_path / f"{ckpt}.json"),
+            report_markdown=str(tmp_path / f"{ckpt}.md"),
+        )
+
+    resources = {
+        "io_manager": NexaIOManager(data_root=str(tmp_path / "data"), results_root=str(tmp_path)),
+        "storage": StorageResource(data_root=str(tmp_path / "data"), results_root=str(tmp_path)),
+    }
+    base_models = dg.SourceAsset("base_model_eval", partitions_def=base_model_partitions)  # none evaluated
+    board = [eval_report, base_models, leaderboard, checks.leaderboard_lists_every_evaluation]
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("checkpoints", ["ckpt-1", "ckpt-2"])
         for ckpt in ("ckpt-1", "ckpt-2"):
-            instance.report_runless_asset_event(dg.AssetMaterialization("eval_report", partition=ckpt))
-        context = dg.build_asset_check_context(instance=instance)
-        full = checks.leaderboard_lists_every_evaluation(
-            context, leaderboard=pd.DataFrame({"checkpoint_id": ["ckpt-1", "ckpt-2", "base-1"]})
-        )
-        short = checks.leaderboard_lists_every_evaluation(
-            context, leaderboard=pd.DataFrame({"checkpoint_id": ["ckpt-1"]})
-        )
-    assert full.passed
-    assert not short.passed and short.severity == dg.AssetCheckSeverity.WARN and "ckpt-2" in short.description
+            dg.materialize([eval_report], instance=instance, partition_key=ckpt, resources=resources)
+        full = dg.materialize(board, instance=instance, resources=resources, selection=[leaderboard.key])
+        [passed] = full.get_asset_check_evaluations()
+        assert passed.passed and set(full.output_for_node("leaderboard")["checkpoint_id"]) == {
+            "ckpt-1",
+            "ckpt-2",
+        }
+
+        lost = list((tmp_path / "data" / "assets" / "eval_report").glob("ckpt-2*"))
+        assert lost, "the IO manager stored no file for ckpt-2's report"
+        for path in lost:
+            path.unlink()
+        short = dg.materialize(board, instance=instance, resources=resources, selection=[leaderboard.key])
+        [warned] = short.get_asset_check_evaluations()
+    assert short.success  # a warning: the leaderboard is written, the light is yellow
+    assert not warned.passed and warned.severity == dg.AssetCheckSeverity.WARN
+    assert "ckpt-2" in (warned.description or "")
 
 
-def test_a_production_pointer_to_an_incomplete_checkpoint_fails(tmp_path: Path) -> None:
+def test_a_rollback_to_a_checkpoint_deleted_since_fails_the_production_check(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Two complete checkpoints (the tiny model saved, with training's _COMPLETE marker) promoted in turn: the
+    check passes. The older one's folder is then removed (a disk cleanup of old checkpoints) and production rolled
+    back to it, as ``nexa-dagster rollback`` does without a serving service (ProductionRegistry.rollback, which
+    does not look at the folder): the pointer names a checkpoint that is not there, and the check says so."""
     storage = StorageResource(data_root=str(tmp_path))
+    registry = ProductionRegistry(storage.production_pointer())
     assert checks.production_checkpoint_is_complete(storage=storage).passed  # nothing promoted yet
-    ckpt = tmp_path / "checkpoints" / "ckpt-1"
-    ckpt.mkdir(parents=True)
-    ProductionRegistry(storage.production_pointer()).promote(
-        ProductionEntry(checkpoint_id="ckpt-1", checkpoint_path=str(ckpt), metric="eval_loss")
-    )
-    result = checks.production_checkpoint_is_complete(storage=storage)
-    assert not result.passed and "not a complete checkpoint" in result.description
-    (ckpt / COMPLETION_MARKER).write_text("")
+    for checkpoint_id in ("ckpt-1", "ckpt-2"):
+        folder = tmp_path / "checkpoints" / checkpoint_id
+        shutil.copytree(tiny_model_dir, folder)
+        (folder / COMPLETION_MARKER).write_text("ok\n")
+        registry.promote(
+            ProductionEntry(checkpoint_id=checkpoint_id, checkpoint_path=str(folder), metric="eval_loss")
+        )
     assert checks.production_checkpoint_is_complete(storage=storage).passed
+    shutil.rmtree(tmp_path / "checkpoints" / "ckpt-1")
+    registry.rollback()
+    result = checks.production_checkpoint_is_complete(storage=storage)
+    assert not result.passed and "production ckpt-1" in result.description
+    assert "not a complete checkpoint" in result.description
