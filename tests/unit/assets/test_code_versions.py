@@ -168,6 +168,19 @@ def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path
     assert not changed & {"raw_documents", "sft_dataset", "moe_checkpoint", "preference_pairs"}, changed
 
 
+@pytest.mark.parametrize("library", ["torch", "transformers"])
+def test_a_training_library_upgrade_marks_the_trained_models(
+    loaded, baseline, monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    """torch and transformers decide a trained checkpoint's bytes (kernels, the saved format): an upgrade marks
+    the trained models, never the ingest or the judge's tables, which never import them."""
+    real = versions.library_version
+    monkeypatch.setattr(versions, "library_version", lambda name: "9.9.9" if name == library else real(name))
+    changed = _changed(loaded, baseline)
+    assert {"moe_checkpoint", "base_model", "preference_checkpoint", "rl_checkpoint"} <= changed, changed
+    assert not changed & {"raw_documents", "filtered_samples"}, changed
+
+
 def test_a_library_upgrade_marks_what_it_decides(loaded, baseline, monkeypatch: pytest.MonkeyPatch) -> None:
     real = versions.library_version
     monkeypatch.setattr(
