@@ -30,6 +30,8 @@ cd "$ROOT"
 VERSION=$("$VENV/bin/python" -c "import dagster; print(dagster.__version__)")
 test "$VERSION" = "$LOWER" || { echo "dagster $VERSION imported, not $LOWER" >&2; exit 1; }
 export DAGSTER_HOME=${DAGSTER_HOME:-$(mktemp -d)} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# the dev tools the tests call by name (hadolint, helm, ...) are in .venv/bin, not in this venv
+export PATH="$PATH:$ROOT/.venv/bin"
 "$VENV/bin/python" -m dagster definitions validate -m nexa_dagster.definitions
 # the asset tests, and every test that reaches into Dagster's private modules (pyproject.toml says which and why):
 # those are what a patch release can break
