@@ -33,7 +33,7 @@ KNOWN_PREVIEW_APIS: list[tuple[str, str, str]] = [
         "asset_check(partitions_def=...)",
         r"Specifying a partitions_def on an AssetCheckSpec is currently in preview",
         "a daily asset's check reads the run's days, not every day ever ingested (assets/checks.py: "
-        "raw_documents_are_new, filtered_samples_have_answers)",
+        "raw_documents_are_new)",
     ),
     (
         "PipesMessageReader.expected_writer_count (Dagster's own call)",

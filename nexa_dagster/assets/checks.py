@@ -4,9 +4,13 @@ not flow on, a blocking check that stops the run before the next stage reads it.
 * ``raw_documents``: the day brings documents not ingested on an earlier day (blocking: a landing folder
   re-delivered under a new date must not be answered and trained on twice). ``read_day`` already guarantees the
   day's rows are of that day, not empty and within the preset's cap, so no check says it again.
-* ``filtered_samples``: no sample the judge let through without an answer (blocking: packaging would train on it).
+* ``filtered_samples`` has none of its own here: SampleGate's heuristics turn away every generation error and blank
+  answer (``min_response_chars`` is at least 1), so a check for them could never fail; its pass-rate band check
+  lives beside it (``pass_rate_in_band``).
 * ``eval_set``: the frozen files match the SHA-256s of their manifest and the frozen marker (blocking: every report
-  compares checkpoints on the eval set's hash; a changed file makes the comparison meaningless).
+  compares checkpoints on the eval set's hash; a changed file makes the comparison meaningless). In a run,
+  ``eval_set`` itself refuses a damaged version before the check runs; the check is what a check-only run
+  (the asset page's "Execute" of its checks) answers about the files now, and what automation waits on.
 * ``leaderboard``: lists every checkpoint whose evaluation the instance recorded (a warning).
 * ``model_deployment``: the production pointer names a complete checkpoint directory (an error: serving would fail).
 
@@ -22,7 +26,7 @@ import pandas as pd
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
-from nexa_dagster.core.data.table_checks import redelivered_days, unanswered
+from nexa_dagster.core.data.table_checks import redelivered_days
 from nexa_dagster.core.evaluation.eval_set import EvalSetDamaged, load_eval_set
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.resources.configs import EvalSetsResource
@@ -50,24 +54,6 @@ def raw_documents_are_new(
         passed=not problems,
         description="; ".join(problems) or None,
         metadata={"earlier_days": len(earlier), "rows": len(raw_documents)},
-    )
-
-
-@dg.asset_check(
-    asset="filtered_samples",
-    blocking=True,
-    partitions_def=daily_partitions,
-    description="No sample that passed SampleGate has an empty answer or a generation error.",
-)
-def filtered_samples_have_answers(filtered_samples: pd.DataFrame) -> dg.AssetCheckResult:
-    bad = unanswered(filtered_samples)
-    return dg.AssetCheckResult(
-        passed=bad.empty,
-        description=None if bad.empty else f"{len(bad)} of {len(filtered_samples)} samples have no answer",
-        metadata={
-            "unanswered": len(bad),
-            "sample_ids": dg.MetadataValue.json(bad["sample_id"].head(20).tolist()),
-        },
     )
 
 

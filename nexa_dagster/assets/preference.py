@@ -68,7 +68,7 @@ from nexa_dagster.core.packaging.preference_dataset import (
     pairs_to_jsonl,
     snapshot_problems,
 )
-from nexa_dagster.core.packaging.sft_dataset import day_inputs_from_partitions
+from nexa_dagster.core.packaging.sft_dataset import DayInput, day_inputs_from_partitions
 from nexa_dagster.core.rl.rewards import reward_function
 from nexa_dagster.core.rl.tasks import build_tasks
 from nexa_dagster.core.training.init import read_config
@@ -89,6 +89,28 @@ from nexa_dagster.resources.tracking import TrackingResource
 
 # The model in production, as the stage reads it: the production pointer, and the asset whose events say
 # which checkpoint it names (assets/production.py: every promotion and rollback records one).
+
+
+PAIRS = dg.AssetKey("preference_pairs")
+PAIRS_PASSED = "pairs_are_trainable"  # the materialization's metadata: whether its blocking check passed
+
+
+def refused_days(instance: dg.DagsterInstance, days: list[str]) -> list[str]:
+    """The days among ``days`` whose latest ``preference_pairs`` materialization failed its blocking check (its
+    metadata says so): their file is on disk, and no DPO run, automated or launched by hand, trains on it. A day
+    whose materialization does not say (recorded by a version before this one) is not refused."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=PAIRS, asset_partitions=days), limit=max(len(days), 1) * 50
+    ).records  # newest first: the first of each day is its latest
+    verdicts: dict[str, bool] = {}
+    for record in records:
+        value = (
+            record.asset_materialization.metadata.get(PAIRS_PASSED) if record.asset_materialization else None
+        )
+        if record.partition_key not in verdicts and value is not None:
+            verdicts[str(record.partition_key)] = bool(value.value)
+        verdicts.setdefault(str(record.partition_key), True)
+    return sorted(day for day, passed in verdicts.items() if not passed)
 
 
 def preference_settings(scale: ScalePreset) -> PreferenceSettings:
@@ -131,9 +153,10 @@ def model_limits(production: ProductionEntry) -> ModelLimits:
             "pairs_are_trainable",
             asset="preference_pairs",
             blocking=True,  # a failing day fails its run; the DPO sensor does not train on it (sensors/preference)
-            description="Every pair of the day: its pair_id the hash of sample and answers and not repeated, "
-            "chosen and rejected different texts, the score gap at least min_score_gap and equal to chosen minus "
-            "rejected, no prompt on the eval set's held-out side.",
+            description="Every policy answer asked for arrived (a failed request leaves its prompt fewer "
+            "candidates: making the day again asks again), and every pair of the day: its pair_id the hash of "
+            "sample and answers and not repeated, chosen and rejected different texts, the score gap at least "
+            "min_score_gap and equal to chosen minus rejected, no prompt on the eval set's held-out side.",
         )
     ],
     dagster_type=PreferencePairsType,
@@ -195,19 +218,46 @@ def preference_pairs(
         f"{stats.pairs} pairs from {stats.prompts} prompts with production {production.checkpoint_id} "
         f"({stats.generated} answers generated, {stats.reused} reused); no pair: {stats.no_pair}"
     )
-    metadata = pairs_metadata(pairs, stats, production, scorer.model_id)
-    yield dg.Output(pairs, metadata=metadata)
-    yield pairs_check(pairs, settings.min_score_gap, eval_sets.fraction)
+    check = pairs_check(pairs, settings.min_score_gap, eval_sets.fraction, stats)
+    yield from pairs_outputs(pairs, pairs_metadata(pairs, stats, production, scorer.model_id), check)
 
 
-def pairs_check(pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float) -> dg.AssetCheckResult:
-    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it)."""
+def pairs_outputs(
+    pairs: pd.DataFrame, metadata: dict, check: dg.AssetCheckResult
+) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
+    """The day's pairs with the check's verdict in their metadata, then the check: the file is written before the
+    blocking check fails the run, and preference_dataset, which reads every stored day (a DPO run launched by
+    hand included), refuses a day whose latest pairs say they failed (``refused_days``)."""
+    yield dg.Output(pairs, metadata={**metadata, PAIRS_PASSED: check.passed})
+    yield check
+
+
+def pairs_check(
+    pairs: pd.DataFrame, min_score_gap: float, eval_fraction: float, stats: PairStats | None = None
+) -> dg.AssetCheckResult:
+    """``pairs_are_trainable`` on a day's pairs (blocking: a failure fails the run, and DPO does not train on it).
+
+    Beside the rules ``make_pairs`` keeps (re-checked here: a bug there must not reach DPO), the one it cannot:
+    every policy answer it asked for arrived. A request that failed after its retries leaves its prompt with fewer
+    candidates, so that day's pairs are not the ones the production model's answers make; failed answers are not
+    stored, so making the day again asks for them again, and passes once the endpoint answers."""
     problems = pair_problems(pairs, min_score_gap, eval_fraction)
+    if stats is not None and stats.failed:
+        asked = stats.generated + stats.reused + stats.failed
+        problems.insert(
+            0,
+            f"{stats.failed} of {asked} policy answers failed (first error: {stats.first_error}): their prompts "
+            "had fewer candidates; make the day's pairs again once the policy endpoint answers",
+        )
     return dg.AssetCheckResult(
         check_name="pairs_are_trainable",
         passed=not problems,
         description="; ".join(problems[:3]) or None,
-        metadata={"pairs": len(pairs), "problems": dg.MetadataValue.json(problems[:20])},
+        metadata={
+            "pairs": len(pairs),
+            "failed_requests": stats.failed if stats is not None else None,
+            "problems": dg.MetadataValue.json(problems[:20]),
+        },
     )
 
 
@@ -295,6 +345,31 @@ def _valid_pairs(frame: pd.DataFrame, path: str) -> None:
         raise ValueError(f"preference_pairs partition {path} does not match its schema: {e}") from e
 
 
+def pairs_to_pack(
+    context: dg.AssetExecutionContext, storage: StorageResource, out_root: str
+) -> tuple[list[DayInput], list[str]]:
+    """Every stored day of pairs but those whose latest pairs failed their blocking check (``refused_days``, named
+    in the log and the failure), as the days to pack; and the refused days."""
+    keys = list(context.asset_partition_keys_for_input("preference_pairs"))
+    refused = refused_days(context.instance, keys)
+    if refused:
+        context.log.warning(
+            f"preference_dataset: not packing the pairs of {', '.join(refused)}: their latest pairs failed the "
+            "blocking check pairs_are_trainable (make those days' pairs again)"
+        )
+    partitions = stored_partitions(
+        storage.data_root, "preference_pairs", [k for k in keys if k not in refused]
+    )
+    days = day_inputs_from_partitions(partitions, out_root, validate=_valid_pairs, to_jsonl=pairs_to_jsonl)
+    if not days:
+        raise dg.Failure(
+            "preference_dataset: no pairs yet (materialize preference_pairs first)"
+            + (f"; refused (failed pairs_are_trainable): {', '.join(refused)}" if refused else ""),
+            allow_retries=False,
+        )
+    return days, refused
+
+
 @dg.asset(
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
@@ -318,16 +393,7 @@ def preference_dataset(
     settings = preference_settings(scale)
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
     out_root = storage.path("preference")
-    partitions = stored_partitions(
-        storage.data_root,
-        "preference_pairs",
-        list(context.asset_partition_keys_for_input("preference_pairs")),
-    )
-    days = day_inputs_from_partitions(partitions, out_root, validate=_valid_pairs, to_jsonl=pairs_to_jsonl)
-    if not days:
-        raise dg.Failure(
-            "preference_dataset: no pairs yet (materialize preference_pairs first)", allow_retries=False
-        )
+    days, refused = pairs_to_pack(context, storage, out_root)
     index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
     days, contamination = decontaminate(
         days,
@@ -368,6 +434,7 @@ def preference_dataset(
             "validation_pairs": dataset.validation_pairs,
             "days": dg.MetadataValue.json(dataset.days),
             "days_reused": dataset.shards_reused,
+            "days_refused": dg.MetadataValue.json(refused),
             "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
             "train_path": dg.MetadataValue.path(dataset.train_path),
             **production_metadata(production),

@@ -214,12 +214,21 @@ def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCh
 
 def loads_with_transformers(path: str, **extra: Any) -> dg.AssetCheckResult:
     """Passed when the checkpoint at ``path`` loads with plain transformers and gives finite logits (and every
-    ``extra`` condition, a name and whether it holds, is true): the check of every trained checkpoint."""
+    ``extra`` condition, a name and whether it holds, is true): the check of every trained checkpoint. A checkpoint
+    that does not load (a truncated or damaged weights file, a missing config) fails the check naming the error,
+    rather than erroring the check: what serving and evaluation would meet is the check's answer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except Exception as e:  # safetensors, OSError, ValueError...: any reason it does not load is the answer
+        return dg.AssetCheckResult(
+            passed=False,
+            description=f"{path} does not load with transformers: {type(e).__name__}: {str(e)[:300]}",
+            metadata={"loads": False, **{k: bool(v) for k, v in extra.items()}},
+        )
     ids = tokenizer("def f(x): return x", return_tensors="pt")
     with torch.no_grad():
         logits = model(**ids).logits
@@ -227,6 +236,7 @@ def loads_with_transformers(path: str, **extra: Any) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         passed=finite and all(bool(v) for v in extra.values()),
         metadata={
+            "loads": True,
             "architecture": model.config.architectures[0],
             "num_experts": model.config.num_local_experts,
             "logits_finite": finite,

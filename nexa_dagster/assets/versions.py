@@ -14,8 +14,10 @@ code location loads (``with_code_versions`` in ``build_defs``), so an asset adde
   calls still counts (a false "stale", never a missed one: ``GPUClusterResource`` launches both workers, so a
   training-loop edit also marks the packaging and evaluation assets that are given it).
 * **The configuration it reads**: of the scale preset (``NEXA_SCALE``'s ``configs/scales/<name>.yaml``) only the
-  top-level **sections** its definitions read (an attribute of ``scale``, ``scale_preset`` or
-  ``scale_preset.load()`` named like a section: ``scale.preference``), with the file a section names
+  parts its definitions read (an attribute of ``scale``, ``scale_preset`` or ``scale_preset.load()`` named like a
+  section): a **field** of a section where the code reads only that field (``scale.preference.rank_by``), whether
+  a section is set where it only tests that (``scale.preference is None``), else the whole **section**
+  (``settings = scale.preference``: what the code does with it is not followed), with the file a section names
   (``model_preset`` -> ``models/<name>.yaml``, ``deepspeed_config`` -> ``deepspeed/<file>``); of the configuration
   resources (``config_resources()``: promotion policy, packaging, sample gate, prompts, ingest, eval sets) those the
   asset requires: their field values, a value naming a file under ``configs/`` counted as that file (and the files
@@ -45,7 +47,7 @@ import dagster as dg
 import yaml
 
 from nexa_dagster import settings
-from nexa_dagster.core.common.config import config_dir
+from nexa_dagster.core.common.config import ScalePreset, config_dir
 
 PACKAGE = "nexa_dagster"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding nexa_dagster/
@@ -245,8 +247,37 @@ def _libraries(module: Module, nodes: list[ast.AST]) -> set[str]:
 
 
 def _scale_reads(nodes: list[ast.AST]) -> set[str]:
-    """The attributes a statement (``nodes``: walked) reads on the scale preset: the sections it reads."""
-    return {n.attr for n in nodes if isinstance(n, ast.Attribute) and _reads_the_preset(n.value)}
+    """What a statement (``nodes``: walked) reads of the scale preset: ``section.field`` where it reads a section
+    only for a field of it (``scale.preference.rank_by``), ``section?`` where only for whether it is set
+    (``scale.preference is None``), ``section`` where it takes the section whole (passed on, assigned, iterated:
+    then every field counts). Fields, so a DPO learning rate does not mark an asset that reads only the
+    preference stage's ranking; whole where the code's use cannot be followed (a false "stale", never a missed
+    one)."""
+    parents = {id(child): node for node in nodes for child in ast.iter_child_nodes(node)}
+    reads = set()
+    for node in nodes:
+        if not (isinstance(node, ast.Attribute) and _reads_the_preset(node.value)):
+            continue
+        parent = parents.get(id(node))
+        if isinstance(parent, ast.Call) and parent.func is node and node.attr == "load":
+            continue  # scale_preset.load(): what is read is read on its result
+        if isinstance(parent, ast.Attribute) and parent.value is node:
+            reads.add(f"{node.attr}.{parent.attr}")
+        elif _is_none_test(parent, node):
+            reads.add(f"{node.attr}?")
+        else:
+            reads.add(node.attr)
+    return reads
+
+
+def _is_none_test(parent: ast.AST | None, node: ast.expr) -> bool:
+    """``node is None`` or ``node is not None``: a read of whether a section is set, not of its values."""
+    return (
+        isinstance(parent, ast.Compare)
+        and parent.left is node
+        and all(isinstance(op, ast.Is | ast.IsNot) for op in parent.ops)
+        and all(isinstance(c, ast.Constant) and c.value is None for c in parent.comparators)
+    )
 
 
 def _reads_the_preset(node: ast.expr) -> bool:
@@ -286,12 +317,23 @@ class ConfigReader:
         return yaml.safe_load((self.root / "scales" / f"{name}.yaml").read_text()) or {}
 
     def scale_sections(self, reads: Iterable[str]) -> list[tuple[str, bytes]]:
-        """The preset's sections among ``reads`` (attribute names read on the preset), and the files they name."""
+        """What of the preset ``reads`` names (``_scale_reads``: a section whole, one field of it, or whether it
+        is set), with the files a whole section names; a field or presence read of a section also read whole is
+        in the whole. A section or field the file does not set counts as absent (its default is in the source)."""
+        reads = {_as_read(r) for r in reads}
         out = []
-        for section in sorted(set(reads) & set(self.scale)):
+        for read in sorted(reads):
+            section, _, key = read.rstrip("?").partition(".")
+            if section not in self.scale or (read != section and section in reads):
+                continue
             value = self.scale[section]
-            out.append((f"scale.{section}", json.dumps(value, sort_keys=True, default=str).encode()))
-            if section in NAMED_FILES:
+            if read.endswith("?"):
+                out.append((f"scale.{read}", b"set"))
+                continue
+            if key:
+                value = value.get(key)
+            out.append((f"scale.{read}", json.dumps(value, sort_keys=True, default=str).encode()))
+            if not key and section in NAMED_FILES:
                 out += self.files(NAMED_FILES[section].format(value))
         return out
 
@@ -317,6 +359,22 @@ class ConfigReader:
             for value in _strings(yaml.safe_load(path.read_text()) or {}):
                 out += self.files(value, depth - 1)
         return out
+
+
+def _as_read(read: str) -> str:
+    """``section.name`` when ``name`` is a field of the section's settings model, else the whole section: a method
+    or property (``scale.pretraining.settings(...)``) or an attribute of a plain value (``scale.name.upper()``)
+    may read any field."""
+    section, _, key = read.partition(".")
+    if not key:
+        return read
+    field_info = ScalePreset.model_fields.get(section)
+    models = [getattr(field_info, "annotation", None)]
+    models += list(getattr(models[0], "__args__", ()))  # Optional[Settings]
+    fields = next(
+        (set(m.model_fields) for m in models if isinstance(getattr(m, "model_fields", None), dict)), set()
+    )
+    return read if key in fields else section
 
 
 def _content(path: Path) -> bytes:

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 
 import dagster as dg
-from dagster._core.event_api import RunStatusChangeRecordsFilter
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, WILL_RETRY_TAG
 
 from nexa_dagster.automation import sensor_default_status
@@ -61,7 +60,7 @@ def missed_retries(instance: dg.DagsterInstance, now: float | None = None) -> li
         return []
     since = (now if now is not None else time.time()) - LOOKBACK_S
     failures = instance.fetch_run_status_changes(
-        RunStatusChangeRecordsFilter(
+        dg.RunStatusChangeRecordsFilter(
             event_type=dg.DagsterEventType.RUN_FAILURE, after_timestamp=since, before_storage_id=cursor + 1
         ),
         limit=100,

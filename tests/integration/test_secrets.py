@@ -11,7 +11,6 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._serdes import serialize_value
 from support.sandbox import SAMPLE_LANDING
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -62,7 +61,7 @@ def test_the_api_key_is_in_no_event_metadata_log_or_file(
             events = instance.all_logs(result.run_id)
             assert len(events) > 20
             for event in events:
-                assert SECRET not in serialize_value(event), event.dagster_event_type
+                assert SECRET not in dg.serialize_value(event), event.dagster_event_type
         finally:
             instance.dispose()
 

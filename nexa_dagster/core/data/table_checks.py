@@ -25,10 +25,3 @@ def redelivered_days(documents: pd.DataFrame, earlier: Mapping[str, set[str]]) -
             )
         seen[day] = ids
     return problems
-
-
-def unanswered(samples: pd.DataFrame) -> pd.DataFrame:
-    """Samples the judge let through with no answer: an empty or blank ``response``, or a generation ``error``."""
-    blank = samples["response"].fillna("").str.strip() == ""
-    errored = samples["error"].notna() & (samples["error"].fillna("") != "")
-    return samples[blank | errored]

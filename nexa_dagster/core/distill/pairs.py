@@ -61,6 +61,7 @@ class PairStats:
     generated: int = 0
     reused: int = 0
     failed: int = 0
+    first_error: str | None = None  # of the failed requests (the endpoint's answer, for the pairs check)
     pairs: int = 0
     no_pair: dict[str, int] = field(default_factory=dict)  # reason -> prompts
 
@@ -169,6 +170,8 @@ def make_pairs(
     specs = policy_requests(usable, policy.model_id, params, k)
     answers, generation = generate_teacher_samples(policy, specs, params, store, batch_size, progress)
     stats.generated, stats.reused, stats.failed = generation.generated, generation.reused, generation.failed
+    errors = answers["error"].dropna()
+    stats.first_error = str(errors.iloc[0])[:200] if len(errors) else None
     ok = answers[answers["error"].isna()]
     by_id = {str(r.sample_id): r for r in usable.itertuples(index=False)}
     rows_of = [by_id[str(d)] for d in ok["doc_id"]]  # an answer's doc_id is its prompt's sample id

@@ -70,7 +70,9 @@ class DedupConfig(_Strict):
 
 
 class GateConfig(_Strict):
-    min_response_chars: int = Field(ge=0)
+    # at least 1: a blank answer never passes the heuristics (nor does an errored one, teacher_error), so no
+    # sample SampleGate keeps is without an answer and no check downstream needs to say it again
+    min_response_chars: int = Field(ge=1)
     max_response_chars: int = Field(gt=0)
     min_response_tokens: int = Field(default=0, ge=0)
     max_response_tokens: int = Field(default=1_000_000, gt=0)

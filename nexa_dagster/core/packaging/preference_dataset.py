@@ -338,7 +338,14 @@ def snapshot_problems(train_path: str, validation_path: str, expected: dict[str,
     problems: list[str] = []
     seen: dict[str, str] = {}
     for split, manifest in (("train", train_path), ("validation", validation_path)):
-        frame = read_packed_frame(manifest)
+        try:
+            frame = read_packed_frame(manifest)
+        except (
+            OSError,
+            ValueError,
+        ) as e:  # a shard gone from the store or replaced: DPO could not read it either
+            problems.append(f"{split} ({manifest}) cannot be read: {type(e).__name__}: {str(e)[:300]}")
+            continue
         missing = [
             c
             for c in ("pair_id", "prompt_input_ids", "chosen_input_ids", "rejected_input_ids")

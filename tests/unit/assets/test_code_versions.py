@@ -113,10 +113,10 @@ def test_a_yaml_comment_does_not_count_and_a_value_does(loaded, baseline, tmp_pa
 
 
 def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline, tmp_path: Path) -> None:
-    """The preset's ``preference`` section counts for the assets whose code reads it: the preference group, and
-    ``eval_report``, which reads ``preference.rank_by`` and ``preference.reward`` (the reward that gates a
-    reward-ranked DPO checkpoint). Sections, not keys: a DPO learning rate marks the evaluation too (a false
-    "stale", never a missed one), and nothing upstream of the pairs."""
+    """The preset counts field by field where the code reads a field: ``eval_report`` reads
+    ``preference.rank_by`` and ``preference.reward`` (the reward that gates a reward-ranked DPO checkpoint), not
+    the DPO learning rate, so the learning rate marks exactly the preference group, and nothing upstream of the
+    pairs; the ranking field marks ``eval_report`` too."""
     defs, _, _ = loaded
     configs = tmp_path / "configs"
     shutil.copytree(config_dir(), configs)
@@ -130,16 +130,34 @@ def test_the_dpo_learning_rate_marks_only_the_preference_assets(loaded, baseline
         for s in defs.resolve_all_asset_specs()
         if s.group_name == "preference" and s.code_version is not None
     }
-    assert (
-        _changed(loaded, baseline, configs=configs) - {"eval_report"}
-        == preference
-        == {
-            "preference_pairs",
-            "preference_dataset",
-            "preference_checkpoint",
-        }
-    )
+    assert preference == {"preference_pairs", "preference_dataset", "preference_checkpoint"}
+    assert _changed(loaded, baseline, configs=configs) == preference
+
+    preset.write_text(text.replace("\n  rank_by: reward", "\n  rank_by: judge", 1))
+    assert preset.read_text() != text, "tiny.yaml's preference.rank_by is no longer reward"
     assert "eval_report" in _changed(loaded, baseline, configs=configs)
+
+
+def test_a_field_read_counts_the_field_and_a_section_used_whole_counts_whole() -> None:
+    """What the preset's hashing keys on, read from code: a field read is that field; a test against None is the
+    section's presence; a section passed on, or a method or property of it (which may read any field), is the
+    whole section."""
+    import ast
+
+    code = (
+        "a = scale.preference.rank_by\n"
+        "b = scale.rl is None\n"
+        "c = f(scale.training)\n"
+        "d = scale_preset.load().pretraining.settings(x)\n"
+    )
+    reads = versions._scale_reads(list(ast.walk(ast.parse(code))))
+    assert reads == {"preference.rank_by", "rl?", "training", "pretraining.settings"}
+    assert [versions._as_read(r) for r in sorted(reads)] == [
+        "preference.rank_by",
+        "pretraining",
+        "rl?",
+        "training",
+    ]
 
 
 def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path) -> None:
@@ -148,6 +166,19 @@ def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path
     changed = _changed(loaded, baseline, package)
     assert "eval_report" in changed, changed
     assert not changed & {"raw_documents", "sft_dataset", "moe_checkpoint", "preference_pairs"}, changed
+
+
+@pytest.mark.parametrize("library", ["torch", "transformers"])
+def test_a_training_library_upgrade_marks_the_trained_models(
+    loaded, baseline, monkeypatch: pytest.MonkeyPatch, library: str
+) -> None:
+    """torch and transformers decide a trained checkpoint's bytes (kernels, the saved format): an upgrade marks
+    the trained models, never the ingest or the judge's tables, which never import them."""
+    real = versions.library_version
+    monkeypatch.setattr(versions, "library_version", lambda name: "9.9.9" if name == library else real(name))
+    changed = _changed(loaded, baseline)
+    assert {"moe_checkpoint", "base_model", "preference_checkpoint", "rl_checkpoint"} <= changed, changed
+    assert not changed & {"raw_documents", "filtered_samples"}, changed
 
 
 def test_a_library_upgrade_marks_what_it_decides(loaded, baseline, monkeypatch: pytest.MonkeyPatch) -> None:

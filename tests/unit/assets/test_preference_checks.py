@@ -80,6 +80,41 @@ def test_the_snapshot_check_passes_a_built_snapshot_and_catches_a_repeated_or_mi
     )
 
 
+def test_the_splits_check_fails_a_stored_snapshot_whose_shard_is_gone(tiny_tokenizer, tmp_path: Path) -> None:
+    """The check as preference_dataset's materialization meets it, on a snapshot build_preference_dataset stored:
+    it passes, then fails naming the split once a shard file the snapshot lists is gone from the store (a cleanup
+    or a copy that left it out), where the DPO run would fail to read it."""
+    from nexa_dagster.assets.preference import preference_splits_are_well_formed
+    from nexa_dagster.core.common.artifacts import PreferenceDataset
+    from nexa_dagster.core.packaging.formats.packed_split import split_files
+
+    root = tmp_path / "preference"
+    frame = day_pairs(12)
+    snapshot = build_preference_dataset(
+        [DayInput(("2026-01-01",), pairs_to_jsonl(frame, str(root)), 12)],
+        tiny_tokenizer,
+        "tok",
+        str(root),
+        0.25,
+        EVAL_FRACTION,
+    )
+    dataset = PreferenceDataset(
+        run_hash=snapshot.run_hash,
+        root=snapshot.root,
+        train_path=snapshot.train_path,
+        validation_path=snapshot.validation_path,
+        train_pairs=snapshot.pairs["train"],
+        validation_pairs=snapshot.pairs["validation"],
+        days=["2026-01-01"],
+        tokenizer_path="tok",
+    )
+    assert preference_splits_are_well_formed(dataset).passed
+    Path(split_files(snapshot.train_path)[0]).unlink()
+    result = preference_splits_are_well_formed(dataset)
+    [problem] = result.metadata["problems"].value
+    assert not result.passed and problem.startswith(f"train ({snapshot.train_path}) cannot be read")
+
+
 @pytest.mark.parametrize(("accuracy", "passed"), [(0.75, True), (math.nan, False), (None, False)])
 def test_the_checkpoint_check_needs_a_loadable_model_and_measured_held_out_rewards(
     tiny_model_dir: Path, tmp_path: Path, accuracy: float | None, passed: bool
