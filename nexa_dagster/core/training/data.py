@@ -8,6 +8,7 @@ for each one, so the run can report the share of step time lost to input.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -184,8 +185,16 @@ class Prefetcher:
         self.wait_s += time.perf_counter() - start
         return batch
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the loader thread and wait for it: a daemon thread still inside a torch call when the process
+        exits is unwound by the interpreter's teardown through C++ frames, which can abort the process."""
         self._stop.set()
+        if self._thread is None:
+            return
+        with contextlib.suppress(queue.Empty):  # a put() blocked on a full queue (the end marker) can go on
+            while True:
+                self._queue.get_nowait()
+        self._thread.join(timeout=timeout_s)
 
 
 def load_job_data(job: TrainingJob, tokenizer: Any) -> tuple[Batch, Batch, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
@@ -281,5 +282,21 @@ def _shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """Leave the process at once with ``code``, after flushing what it printed.
+
+    By the time ``main`` returns, everything the run produced is on disk (checkpoint, summary, completion
+    marker) and reported (Pipes, stderr), and the process group is left. Interpreter teardown would then only run
+    the destructors of native libraries' thread pools (gloo, OpenMP, the rendezvous store's event loop), in an
+    order that now and then aborts the process with "terminate called without an active exception" (SIGABRT,
+    seen in CI on a GRPO relaunch that had saved its checkpoint): a finished run reported as a failed one.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
