@@ -96,6 +96,29 @@ def test_the_regressed_share_holds_back_or_asks_for_more_examples_with_its_exact
     assert [required_examples(p) for p in (0.10, 0.05)] == [36, 72]
 
 
+def test_a_sample_too_small_to_hold_the_rarest_regressions_the_lab_names_is_insufficient_evidence() -> None:
+    """The detectable-share rule: a sample of n holds none of a share p with probability (1 - p)^n; above the gate's
+    one-sided error (2.5 %) the decision is insufficient evidence, naming that probability and the n needed, the
+    smallest n with (1 - p)^n < 0.025, which is the regressed-share guard's n for p with none regressed."""
+    for p in (0.10, 0.05, 0.03, 0.02):
+        n = required_examples(p)
+        assert unseen_probability(p, n) < 0.025 <= unseen_probability(p, n - 1)
+        assert n == int(np.floor(np.log(0.025) / np.log(1 - p))) + 1
+    policy = GuardPolicy(max_regressed_share=None, skew_rule=False, slice_by=None)  # the rule alone
+    (reason,) = paired_guards(np.full(71, -0.2), higher_is_better=False, policy=policy).reasons
+    assert "n = 71 holds none of a 5% share" in reason and "0.95^71 = 2.6% > 2.5%" in reason
+    assert "n >= 72 needed" in reason
+    assert paired_guards(np.full(72, -0.2), higher_is_better=False, policy=policy).verdict is None
+    off = policy.model_copy(update={"min_detectable_regressed_share": None})
+    assert paired_guards(np.full(40, -0.2), higher_is_better=False, policy=off).verdict is None
+    # a lab that waives insufficient evidence waives this too, with a WARN naming it
+    cand, prod, tokens = _losses(np.full(50, -0.2) + np.random.default_rng(8).normal(0, 0.01, 50))
+    waiving = PromotionPolicy(on_insufficient_evidence="promote")
+    guard = eval_loss_guard(cand, prod, tokens, waiving)
+    waived = decide("cand", PRODUCTION, waiving, paired_loss_difference(cand, prod, tokens), guard=guard)
+    assert waived.passed and "WARN insufficient evidence: a sample of n = 50" in waived.reason
+
+
 def test_one_broken_slice_holds_back_a_candidate_better_on_most_examples() -> None:
     rng = np.random.default_rng(3)
     days = [f"2026-11-2{d}" for d in range(4) for _ in range(30)]
