@@ -10,12 +10,16 @@ and the true difference is the population's token-weighted mean ``E[delta]`` (``
 length): the estimand of ``paired_loss_difference``, a ratio of sums. The intervals are computed by
 ``paired.ratio_bounds``, the code ``paired_loss_difference`` runs.
 
-    .venv/bin/python -m nexa_dagster.core.evaluation.interval_coverage [--draws 20000] [--seed 20261126]
+    .venv/bin/python -m nexa_dagster.core.evaluation.interval_coverage [--draws 20000] [--seed 20261126] \
+        [--gate-only] [--min-detectable-share none]
 
 prints the coverage table (population, n, coverage of each method), then the false-promotion table of the gate
-with ``configs/promotion.yaml`` on the populations of issue 40 (``GATE_POPULATIONS``: per-token losses gamma,
-token counts log-normal, the candidate truly worse by +0.01 nats per token, token-weighted), and, last, one JSON
-object.
+with ``configs/promotion.yaml`` (or with ``guards.min_detectable_regressed_share`` overridden) on the populations
+of issue 40 and the audit after it (``GATE_POPULATIONS``: per-token losses gamma, token counts log-normal, the
+candidate truly worse by +0.01 nats per token, token-weighted, its damage spread in several ways), and, last, one
+JSON object. The gate's decisions are ``promotion.decide``'s own (``decisions``: the figures of all eval sets at
+once by the vectorised statistics the gate runs, then ``decide`` once per eval set), and the RL reward gate's
+``reward_gate.reward_decision``'s (``reward_decisions``): one copy of each rule.
 
     .venv/bin/python -m nexa_dagster.core.evaluation.interval_coverage --differences diffs.csv \
         [--column difference] [--weights tokens] [--worse-by 0.01]
@@ -42,9 +46,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexa_dagster.core.evaluation.guards import regressed_bounds, required_examples, skew_refuses, skewness
-from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, ratio_bounds
-from nexa_dagster.core.evaluation.promotion import PromotionPolicy, load_policy
+from nexa_dagster.core.evaluation.guards import guard_report, required_examples, skewness
+from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, PairedLoss, ratio_bounds
+from nexa_dagster.core.evaluation.promotion import (
+    GateDecision,
+    ProductionEntry,
+    PromotionPolicy,
+    decide,
+    load_policy,
+)
 
 Draw = tuple[np.ndarray, np.ndarray]  # summed loss differences and token counts, shape (draws, n)
 
@@ -92,7 +102,9 @@ class Population:
     description: str
     truth: float  # the token-weighted mean difference, nats per token
     draw: Callable[[np.random.Generator, int, int], Draw]
-    guaranteed: bool  # the default method is required (and tested) to cover >= 93 % at n >= 30
+    # POPULATIONS: the default method is required (and tested) to cover >= 93 % at n >= 30; GATE_POPULATIONS: the
+    # gate with configs/promotion.yaml is required (and tested) to promote in <= 2.5 % of eval sets at n >= 100
+    guaranteed: bool
 
 
 POPULATIONS = (
@@ -196,6 +208,38 @@ def _two_point(
 
 
 WORSE_BY = 0.01  # issue 40: every gate population's candidate is truly worse by this, nats per token
+
+
+def _lognormal_regressions(
+    share: float, median: float, sigma: float
+) -> Callable[[np.random.Generator, tuple[int, int]], np.ndarray]:
+    """``share`` of the examples regress by a log-normal amount (median ``median`` nats per token: some below the
+    regression margin, a few far above it), the rest improve by what makes the mean +``WORSE_BY``."""
+    common = (WORSE_BY - share * median * float(np.exp(sigma**2 / 2))) / (1 - share)
+
+    def effect(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        regressed = rng.random(shape) < share
+        size = median * rng.lognormal(0.0, sigma, size=shape)
+        return np.where(regressed, size, common + rng.normal(0.0, 0.05, size=shape))
+
+    return effect
+
+
+def _drawn_share(a: float, b: float, worse: float) -> Callable[[np.random.Generator, int, int], Draw]:
+    """Each eval set comes from a fine-tune of its own: its regressed share p ~ Beta(a, b), its regressed examples
+    ``worse`` nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every
+    eval set's candidate is truly worse by the same amount, however its damage is spread)."""
+
+    def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
+        tokens = _lognormal_tokens(rng, (draws, n))
+        p = rng.beta(a, b, size=(draws, 1))
+        common = (WORSE_BY - p * worse) / (1 - p)
+        effect = np.where(rng.random((draws, n)) < p, worse, common) + rng.normal(0.0, 0.05, size=(draws, n))
+        return effect * tokens + _gamma_noise(rng, tokens), tokens
+
+    return draw
+
+
 GATE_POPULATIONS = (
     Population(
         "normal_worse",
@@ -220,9 +264,34 @@ GATE_POPULATIONS = (
     ),
     Population(
         "rarer_regressions",
-        "5% of examples 2.0 nats/token worse, 95% 0.0947 better (mean +0.01): rarer than max_regressed_share",
+        "5% of examples 2.0 nats/token worse, 95% 0.0947 better (mean +0.01): rarer than max_regressed_share, "
+        "as rare as min_detectable_regressed_share",
         0.05 * 2.0 + 0.95 * -(0.09 / 0.95),
         _effects(_two_point(0.05, 2.0, -(0.09 / 0.95))),
+        True,
+    ),
+    Population(
+        "lognormal_regressions",
+        "8% of examples regress by 0.6 LogNormal(0, 1) nats/token (median 0.6, mean 0.99: ~4.6% of examples past "
+        "the 0.5 margin), the rest 0.075 better (mean +0.01)",
+        WORSE_BY,
+        _effects(_lognormal_regressions(0.08, 0.6, 1.0)),
+        True,
+    ),
+    Population(
+        "sparse_regressions",
+        "3% of examples 3.0 nats/token worse, 97% 0.0825 better (mean +0.01): rarer than "
+        "min_detectable_regressed_share (a limit: the sample cannot hold them)",
+        0.03 * 3.0 + 0.97 * -(0.08 / 0.97),
+        _effects(_two_point(0.03, 3.0, -(0.08 / 0.97))),
+        False,
+    ),
+    Population(
+        "drawn_share",
+        "each eval set's fine-tune regresses its own share p ~ Beta(2, 38) (mean 5%, 18% of fine-tunes below 2%) "
+        "of examples by 2.0 nats/token, the rest better (mean +0.01): partly below min_detectable_regressed_share",
+        WORSE_BY,
+        _drawn_share(2.0, 38.0, 2.0),
         False,
     ),
     Population(
@@ -240,38 +309,97 @@ GATE_POPULATIONS = (
         False,
     ),
 )
-GATE_SIZES = (30, 47, 100, 200)
+GATE_SIZES = (30, 47, 72, 100, 200)
+
+
+SIMULATED_PRODUCTION = ProductionEntry(
+    checkpoint_id="production", checkpoint_path="simulated", metric="eval_loss"
+)
+
+
+def decisions(
+    differences: np.ndarray, tokens: np.ndarray, policy: PromotionPolicy | None = None
+) -> list[GateDecision]:
+    """The eval_loss gate's own decision (``promotion.decide`` with ``policy``, default ``configs/promotion.yaml``)
+    on each simulated eval set (rows of summed loss differences and token counts). The figures are computed for
+    all rows at once by the vectorised functions ``paired_loss_difference`` and ``paired_guards`` run
+    (``paired.ratio_bounds``, ``guards.skewness``, the regressed count), and each row's ``PairedLoss`` and
+    ``GuardReport`` (``guards.guard_report``: the guards' own findings) go through ``decide``: one copy of the
+    rules, so the simulation cannot drift from the gate (``test_guards`` checks the figures against the per-row
+    path on hundreds of draws). Slices are not simulated (the populations have none)."""
+    policy = policy or load_policy()
+    if policy.metric != "eval_loss" or policy.interval_method == "bootstrap":
+        raise ValueError("the simulation runs the eval_loss gate with a t or skew_t interval")
+    n = differences.shape[-1]
+    estimate, low, high = ratio_bounds(differences, tokens, policy.confidence, policy.interval_method)
+    per_token = differences / tokens
+    g1 = skewness(per_token, tokens)
+    regressed = np.sum(per_token > policy.guards.regression_margin, axis=-1)
+    total = tokens.sum(axis=-1)
+    out = []
+    for i in range(differences.shape[0]):
+        paired = PairedLoss(
+            float(estimate[i]),
+            0.0,
+            Interval(float(estimate[i]), float(low[i]), float(high[i]), policy.confidence),
+            n,
+            int(total[i]),
+            policy.interval_method,
+        )
+        guard = guard_report(
+            n, float(g1[i]), int(regressed[i]), policy.guards, policy.confidence, unit="nats/token"
+        )
+        out.append(decide("candidate", SIMULATED_PRODUCTION, policy, paired, guard=guard))
+    return out
 
 
 def promotes(
     differences: np.ndarray, tokens: np.ndarray, policy: PromotionPolicy | None = None
 ) -> np.ndarray:
-    """Whether the eval_loss gate with ``policy`` (default ``configs/promotion.yaml``) promotes, per simulated eval
-    set (rows of summed loss differences and token counts): the interval's high end below -margin on at least
-    ``min_examples`` examples, and no guard against it (``guards.skew_refuses``, ``guards.regressed_bounds``),
-    the code ``decide`` and ``paired_guards`` run. Slices are not simulated (the populations have none)."""
+    """Whether the gate promotes, per simulated eval set: ``decisions``' outcomes."""
+    return np.array([d.passed for d in decisions(differences, tokens, policy)], dtype=bool)
+
+
+def reward_decisions(differences: np.ndarray, policy: PromotionPolicy | None = None) -> list[GateDecision]:
+    """The RL reward gate's own decision (``reward_gate.reward_decision``, what ``decide_reward`` runs) on each
+    simulated held-out set (rows of per-prompt reward differences, candidate - production, every prompt weighing
+    one): the figures for all rows at once by the vectorised statistics ``decide_reward`` runs, the rule once per
+    row. No eval-set loss is simulated (its guard is the loss gate's)."""
+    from nexa_dagster.core.evaluation.reward_gate import reward_decision, reward_guard_policy
+
     policy = policy or load_policy()
-    n = differences.shape[-1]
-    _, _, high = ratio_bounds(differences, tokens, policy.confidence, policy.interval_method)
-    passed = (high < -policy.margin) & (n >= policy.min_examples)
-    g = policy.guards
-    if g.skew_rule:
-        passed &= ~skew_refuses(skewness(differences / tokens, tokens), n)
-    if g.max_regressed_share is not None:
-        regressed = np.sum(differences / tokens > g.regression_margin, axis=-1)
-        passed &= regressed_bounds(regressed, n, policy.confidence)[1] < g.max_regressed_share
-    return passed
+    if policy.interval_method == "bootstrap":
+        raise ValueError("the simulation runs the reward gate with a t or skew_t interval")
+    n, guards = differences.shape[-1], reward_guard_policy(policy)
+    ones = np.ones_like(differences)
+    estimate, low, high = ratio_bounds(differences, ones, policy.confidence, policy.interval_method)
+    g1 = skewness(-differences, ones)  # oriented toward worse: a reward is better higher
+    regressed = np.sum(-differences > guards.regression_margin, axis=-1)
+    wins, losses = np.sum(differences > 0, axis=-1), np.sum(differences < 0, axis=-1)
+    out = []
+    for i in range(differences.shape[0]):
+        d = Interval(float(estimate[i]), float(low[i]), float(high[i]), policy.confidence)
+        guard = guard_report(n, float(g1[i]), int(regressed[i]), guards, policy.confidence, unit="reward")
+        out.append(reward_decision(policy, d, (n, int(wins[i]), int(losses[i])), guard))
+    return out
 
 
-def gate_rates(pop: Population, n: int, draws: int = 10_000, seed: int = 20261126) -> dict[str, float]:
-    """The share of ``draws`` simulated eval sets of ``n`` examples on which the gate promotes, with the mean rule
-    alone (``interval``) and with the guards (``gate``), and the interval's coverage of ``pop.truth``."""
-    policy = load_policy()
-    differences, tokens = pop.draw(np.random.default_rng(seed), draws, n)
-    _, low, high = ratio_bounds(differences, tokens, policy.confidence, policy.interval_method)
+def gate_rates(
+    pop: Population,
+    n: int,
+    draws: int = 10_000,
+    seed: int = 20261126,
+    policy: PromotionPolicy | None = None,
+) -> dict[str, float]:
+    """The share of ``draws`` simulated eval sets of ``n`` examples on which the gate (``policy``, default
+    ``configs/promotion.yaml``) promotes, with the mean rule alone (``interval``) and with the guards (``gate``),
+    and the interval's coverage of ``pop.truth``."""
+    policy = policy or load_policy()
+    made = decisions(*pop.draw(np.random.default_rng(seed), draws, n), policy)
+    low, high = (np.array([d.interval[i] for d in made]) for i in (0, 1))
     return {
         "interval_alone": float(np.mean(high < -policy.margin)),
-        "gate": float(np.mean(promotes(differences, tokens, policy))),
+        "gate": float(np.mean([d.passed for d in made])),
         "coverage": float(np.mean((low <= pop.truth) & (pop.truth <= high))),
     }
 
@@ -280,14 +408,18 @@ def size_table(
     shares: tuple[float, ...] = (0.20, 0.10, 0.05, 0.02), draws: int = 4000, seed: int = 20261126
 ) -> list[dict]:
     """How big an eval set a lab needs for the regressions it wants to catch: for each share ``p`` (the gate's
-    ``max_regressed_share`` set to it), the smallest n on which a candidate with no regressed example can pass
-    (exact), and at that n and twice it, the gate's promotion rate on two simulated candidates: one truly worse
-    (``p`` of examples 1.0 nats/token worse, the rest better, mean +0.01: false promotions) and one truly better
-    (``p / 4`` of examples 1.0 worse, the rest 0.1 better: how often the gate lets a good model through)."""
+    ``max_regressed_share`` and ``min_detectable_regressed_share`` both set to it), the smallest n on which a
+    candidate with no regressed example can pass (exact: ``required_examples``, the same n for both rules), and at
+    that n and twice it, the gate's promotion rate on two simulated candidates: one truly worse (``p`` of examples
+    1.0 nats/token worse, the rest better, mean +0.01: false promotions) and one truly better (``p / 4`` of
+    examples 1.0 worse, the rest 0.1 better: how often the gate lets a good model through)."""
     base = load_policy()
     rows = []
     for p in shares:
-        policy = base.model_copy(update={"guards": base.guards.model_copy(update={"max_regressed_share": p})})
+        guards = base.guards.model_copy(
+            update={"max_regressed_share": p, "min_detectable_regressed_share": p}
+        )
+        policy = base.model_copy(update={"guards": guards})
         n_min = required_examples(p, policy.confidence)
         worse = _effects(_two_point(p, 1.0, (WORSE_BY - p) / (1 - p)))
         better = _effects(_two_point(p / 4, 1.0, -0.1))
@@ -333,18 +465,66 @@ def _read_differences(path: str, column: str, weights: str | None) -> tuple[np.n
     return d, w
 
 
-def _gate_table(pops: tuple[Population, ...], sizes: tuple[int, ...], draws: int, seed: int) -> list[dict]:
+def _gate_table(
+    pops: tuple[Population, ...],
+    sizes: tuple[int, ...],
+    draws: int,
+    seed: int,
+    policy: PromotionPolicy | None = None,
+) -> list[dict]:
+    policy = policy or load_policy()
     rows = []
-    print(f"\nthe gate (configs/promotion.yaml) on {draws} simulated eval sets per cell: share promoted")
-    print(f"{'population':<20}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
+    share = policy.guards.min_detectable_regressed_share
+    print(
+        f"\nthe gate (configs/promotion.yaml, min_detectable_regressed_share {share}) on {draws} simulated eval sets "
+        "per cell: share promoted"
+    )
+    print(f"{'population':<22}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
     for pop in pops:
         for n in sizes:
-            cells = gate_rates(pop, n, draws, seed)
+            cells = gate_rates(pop, n, draws, seed, policy)
             rows.append({"population": pop.name, "n": n, "truth": pop.truth, **cells})
             print(
-                f"{pop.name:<20}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
+                f"{pop.name:<22}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
             )
     return rows
+
+
+def _size_rows(draws: int, seed: int) -> list[dict]:
+    rows = size_table(draws=draws, seed=seed)
+    print(f"{'share to catch':>15}{'smallest n':>12}{'n':>6}{'false promotions':>18}{'good promoted':>15}")
+    for r in rows:
+        print(
+            f"{r['max_regressed_share']:>15.2f}{r['smallest_n']:>12}{r['n']:>6}"
+            f"{r['false_promotions']:>18.4f}{r['good_promoted']:>15.3f}"
+        )
+    return rows
+
+
+def _coverage_rows(draws: int, seed: int) -> list[dict]:
+    rows = []
+    print(f"coverage of the 95% interval, {draws} simulated eval sets per cell (seed {seed})")
+    print(f"{'population':<16}{'n':>5}" + "".join(f"{m:>10}" for m in METHODS) + "  required >= 0.93")
+    for pop in POPULATIONS:
+        for n in SIZES:
+            cells = {m: coverage(pop, n, m, draws, seed) for m in METHODS}
+            rows.append({"population": pop.name, "n": n, **cells, "guaranteed": pop.guaranteed})
+            print(
+                f"{pop.name:<16}{n:>5}"
+                + "".join(f"{cells[m]:>10.3f}" for m in METHODS)
+                + ("  yes" if pop.guaranteed else "  no (a limit, see docs/stages/evaluation.md)")
+            )
+    return rows
+
+
+def _policy(share: str | None) -> PromotionPolicy:
+    """configs/promotion.yaml, with ``--min-detectable-share`` (a share, or ``none``) when given."""
+    policy = load_policy()
+    if share is None:
+        return policy
+    value = None if share.lower() in ("none", "null") else float(share)
+    guards = policy.guards.model_copy(update={"min_detectable_regressed_share": value})
+    return policy.model_copy(update={"guards": guards})
 
 
 def main() -> None:
@@ -358,37 +538,29 @@ def main() -> None:
     parser.add_argument(
         "--sizes", action="store_true", help="the eval-set size table (docs/stages/evaluation.md)"
     )
+    parser.add_argument(
+        "--min-detectable-share",
+        default=None,
+        help="the gate tables with guards.min_detectable_regressed_share set to this share, or 'none' (the rule off)",
+    )
+    parser.add_argument(
+        "--gate-only", action="store_true", help="the gate table alone, not the coverage table"
+    )
     args = parser.parse_args()
-    start = time.perf_counter()
+    start, policy = time.perf_counter(), _policy(args.min_detectable_share)
     if args.sizes:
-        rows = size_table(draws=args.draws, seed=args.seed)
-        print(
-            f"{'max_regressed_share':>20}{'smallest n':>12}{'n':>6}{'false promotions':>18}{'good promoted':>15}"
-        )
-        for r in rows:
-            print(
-                f"{r['max_regressed_share']:>20.2f}{r['smallest_n']:>12}{r['n']:>6}"
-                f"{r['false_promotions']:>18.4f}{r['good_promoted']:>15.3f}"
-            )
-        result = {"sizes": rows}
+        result = {"sizes": _size_rows(args.draws, args.seed)}
     elif args.differences:
         d, w = _read_differences(args.differences, args.column, args.weights)
         sizes = tuple(sorted({30, 47, 100, len(d)}))
-        result = {"gate": _gate_table((resampled(d, w, args.worse_by),), sizes, args.draws, args.seed)}
+        pops = (resampled(d, w, args.worse_by),)
+        result = {"gate": _gate_table(pops, sizes, args.draws, args.seed, policy)}
     else:
-        rows = []
-        print(f"coverage of the 95% interval, {args.draws} simulated eval sets per cell (seed {args.seed})")
-        print(f"{'population':<16}{'n':>5}" + "".join(f"{m:>10}" for m in METHODS) + "  required >= 0.93")
-        for pop in POPULATIONS:
-            for n in SIZES:
-                cells = {m: coverage(pop, n, m, args.draws, args.seed) for m in METHODS}
-                rows.append({"population": pop.name, "n": n, **cells, "guaranteed": pop.guaranteed})
-                print(
-                    f"{pop.name:<16}{n:>5}"
-                    + "".join(f"{cells[m]:>10.3f}" for m in METHODS)
-                    + ("  yes" if pop.guaranteed else "  no (a limit, see docs/stages/evaluation.md)")
-                )
-        result = {"rows": rows, "gate": _gate_table(GATE_POPULATIONS, GATE_SIZES, args.draws, args.seed)}
+        rows = [] if args.gate_only else _coverage_rows(args.draws, args.seed)
+        result = {
+            "rows": rows,
+            "gate": _gate_table(GATE_POPULATIONS, GATE_SIZES, args.draws, args.seed, policy),
+        }
     print(
         json.dumps(
             {
@@ -396,6 +568,7 @@ def main() -> None:
                 "draws": args.draws,
                 "seed": args.seed,
                 "default_method": DEFAULT_INTERVAL_METHOD,
+                "min_detectable_regressed_share": policy.guards.min_detectable_regressed_share,
                 **result,
                 "seconds": round(time.perf_counter() - start, 2),
                 "numpy": np.__version__,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from nexa_dagster.core.evaluation.guards import GuardReport, paired_guards
+from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, paired_guards
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, Interval, PairedLoss, paired_loss_difference
 from nexa_dagster.core.evaluation.promotion import (
     GateDecision,
@@ -59,15 +59,33 @@ def decide_reward(
         return GateDecision(
             True, f"{checkpoint_id} is production", decision="promote", rule="already production"
         )
-    gate, n = policy.rl, len(differences)
+    n = len(differences)
     if n < 2:
         return GateDecision(False, f"{n} held-out prompts scored: nothing to compare", n=n, rule="n >= 2")
     d = mean_difference_interval(
         differences, policy.confidence, policy.interval_method, policy.bootstrap_resamples
     )
+    diffs = np.asarray(differences, dtype=np.float64)
+    counts = (n, int(np.sum(diffs > 0)), int(np.sum(diffs < 0)))
+    guard = reward_guards(differences, policy, slices) if n >= policy.rl.min_prompts else None
+    return reward_decision(policy, d, counts, guard, paired_loss, means)
+
+
+def reward_decision(
+    policy: PromotionPolicy,
+    d: Interval,
+    counts: tuple[int, int, int],
+    guard: GuardReport | None,
+    paired_loss: PairedLoss | None = None,
+    means: tuple[float, float] | None = None,
+) -> GateDecision:
+    """The reward gate's rule on a comparison's figures: the interval ``d`` of the mean reward difference,
+    ``counts`` (n prompts, how many better, how many worse) and the guards' report. ``decide_reward`` computes them
+    from one set of differences; ``interval_coverage.reward_decisions`` for thousands of simulated sets at once
+    (the same vectorised statistics), so the simulation decides with this one copy of the rule."""
+    gate, (n, wins, losses) = policy.rl, counts
     cand, prod = means if means is not None else (None, None)
     passed = d.low > gate.margin
-    wins, losses = int(np.sum(np.asarray(differences) > 0)), int(np.sum(np.asarray(differences) < 0))
     decision = GateDecision(
         passed,
         f"mean held-out reward difference {d.estimate:+.4f}, {policy.confidence:.0%} interval "
@@ -95,7 +113,12 @@ def decide_reward(
             rule=f"n >= {gate.min_prompts}",
         )
     guarded = loss_guard(decision, paired_loss, gate.max_eval_loss_regression)
-    return apply_guards(guarded, reward_guards(differences, policy, slices))
+    return apply_guards(guarded, guard)
+
+
+def reward_guard_policy(policy: PromotionPolicy) -> GuardPolicy:
+    """The guards of ``promotion.yaml`` with the reward gate's own margin (``rl.regression_margin``, reward units)."""
+    return policy.guards.model_copy(update={"regression_margin": policy.rl.regression_margin})
 
 
 def reward_guards(
@@ -108,7 +131,7 @@ def reward_guards(
     return paired_guards(
         differences,
         higher_is_better=True,
-        policy=policy.guards.model_copy(update={"regression_margin": policy.rl.regression_margin}),
+        policy=reward_guard_policy(policy),
         slices=slices,
         confidence=policy.confidence,
         unit="reward",

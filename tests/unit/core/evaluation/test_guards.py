@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from scipy.stats import beta
+from scipy.stats import t as t_dist
 
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.evaluation import interval_coverage as sim
@@ -19,6 +20,7 @@ from nexa_dagster.core.evaluation.guards import (
     paired_guards,
     regressed_bounds,
     required_examples,
+    unseen_probability,
 )
 from nexa_dagster.core.evaluation.paired import paired_loss_difference, pointwise_win_rate
 from nexa_dagster.core.evaluation.promotion import (
@@ -28,6 +30,7 @@ from nexa_dagster.core.evaluation.promotion import (
     decide_preference,
     eval_loss_guard,
     judge_score_guard,
+    load_policy,
 )
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
@@ -60,7 +63,8 @@ def test_a_sample_skewed_toward_rare_regressions_is_insufficient_evidence_not_a_
 def test_skew_toward_rare_gains_and_plain_noise_are_not_refused() -> None:
     rng = np.random.default_rng(2)
     gains = np.r_[np.full(45, 0.02), [-1.0, -1.2]] + rng.normal(0, 0.01, size=47)  # rare large gains
-    policy = GuardPolicy(max_regressed_share=None, slice_by=None)
+    # the skewness rule alone (the detectable-share rule would refuse n = 47 and 30 on their size alone)
+    policy = GuardPolicy(max_regressed_share=None, min_detectable_regressed_share=None, slice_by=None)
     report = paired_guards(gains, higher_is_better=False, policy=policy)
     assert report.skewness < 0 and report.verdict is None
     refused = [
@@ -71,7 +75,9 @@ def test_skew_toward_rare_gains_and_plain_noise_are_not_refused() -> None:
 
 
 def test_the_regressed_share_holds_back_or_asks_for_more_examples_with_its_exact_interval() -> None:
-    policy = GuardPolicy(slice_by=None, skew_rule=False)
+    policy = GuardPolicy(
+        slice_by=None, skew_rule=False, min_detectable_regressed_share=None
+    )  # this guard alone
     many = np.r_[np.full(80, -0.2), np.full(20, 1.0)]  # 20% regressed by 1 nat/token
     report = paired_guards(many, higher_is_better=False, policy=policy)
     assert report.regressed == 20 and report.regressed_interval[0] > 0.10
@@ -88,6 +94,29 @@ def test_the_regressed_share_holds_back_or_asks_for_more_examples_with_its_exact
         beta.ppf(0.975, 11, 40)
     )
     assert [required_examples(p) for p in (0.10, 0.05)] == [36, 72]
+
+
+def test_a_sample_too_small_to_hold_the_rarest_regressions_the_lab_names_is_insufficient_evidence() -> None:
+    """The detectable-share rule: a sample of n holds none of a share p with probability (1 - p)^n; above the gate's
+    one-sided error (2.5 %) the decision is insufficient evidence, naming that probability and the n needed, the
+    smallest n with (1 - p)^n < 0.025, which is the regressed-share guard's n for p with none regressed."""
+    for p in (0.10, 0.05, 0.03, 0.02):
+        n = required_examples(p)
+        assert unseen_probability(p, n) < 0.025 <= unseen_probability(p, n - 1)
+        assert n == int(np.floor(np.log(0.025) / np.log(1 - p))) + 1
+    policy = GuardPolicy(max_regressed_share=None, skew_rule=False, slice_by=None)  # the rule alone
+    (reason,) = paired_guards(np.full(71, -0.2), higher_is_better=False, policy=policy).reasons
+    assert "n = 71 holds none of a 5% share" in reason and "0.95^71 = 2.6% > 2.5%" in reason
+    assert "n >= 72 needed" in reason
+    assert paired_guards(np.full(72, -0.2), higher_is_better=False, policy=policy).verdict is None
+    off = policy.model_copy(update={"min_detectable_regressed_share": None})
+    assert paired_guards(np.full(40, -0.2), higher_is_better=False, policy=off).verdict is None
+    # a lab that waives insufficient evidence waives this too, with a WARN naming it
+    cand, prod, tokens = _losses(np.full(50, -0.2) + np.random.default_rng(8).normal(0, 0.01, 50))
+    waiving = PromotionPolicy(on_insufficient_evidence="promote")
+    guard = eval_loss_guard(cand, prod, tokens, waiving)
+    waived = decide("cand", PRODUCTION, waiving, paired_loss_difference(cand, prod, tokens), guard=guard)
+    assert waived.passed and "WARN insufficient evidence: a sample of n = 50" in waived.reason
 
 
 def test_one_broken_slice_holds_back_a_candidate_better_on_most_examples() -> None:
@@ -113,25 +142,46 @@ def test_one_broken_slice_holds_back_a_candidate_better_on_most_examples() -> No
     assert kept.outcome == "promote" and "guards pass" in kept.reason
 
 
+def _slice_with_p_value(p: float, n: int, sd: float = 0.1) -> np.ndarray:
+    """n differences whose one-sided t-test for "worse" has p-value ``p`` exactly: a fixed standardized pattern
+    (mean 0, sample standard deviation 1) scaled by ``sd`` around the mean that t quantile gives."""
+    z = np.linspace(-1.0, 1.0, n)
+    z = (z - z.mean()) / z.std(ddof=1)
+    return float(t_dist.ppf(1 - p, n - 1)) * sd / np.sqrt(n) + sd * z
+
+
 def test_holm_rejects_what_bonferroni_would_not_and_nothing_without_an_effect() -> None:
-    rng = np.random.default_rng(4)
-    policy = GuardPolicy(max_regressed_share=None, skew_rule=False, min_slice_examples=10)
-    # three slices each mildly worse: Holm's step-down rejects all three where Bonferroni (x3) rejects fewer
-    labels = [s for s in "abc" for _ in range(40)]
-    worse = np.r_[rng.normal(0.05, 0.1, 40), rng.normal(0.045, 0.1, 40), rng.normal(0.04, 0.1, 40)]
+    policy = GuardPolicy(
+        max_regressed_share=None, min_detectable_regressed_share=None, skew_rule=False, min_slice_examples=10
+    )
+    # three slices, each a little worse, with one-sided p-values 0.012, 0.02 and 0.03: Bonferroni (each p against
+    # 0.05 / 3 = 0.0167) rejects only the first; Holm's step-down (0.012 <= 0.05/3, 0.02 <= 0.05/2, 0.03 <= 0.05)
+    # rejects all three, and the gate names all three slices
+    targets = {"a": 0.012, "b": 0.02, "c": 0.03}
+    worse = np.concatenate([_slice_with_p_value(p, 40) for p in targets.values()])
+    labels = [s for s in targets for _ in range(40)]
     report = paired_guards(worse, higher_is_better=False, policy=policy, slices=labels)
-    p = sorted(s.p_value for s in report.slices)
-    holm = [s.adjusted_p for s in sorted(report.slices, key=lambda s: s.p_value)]
-    assert holm == pytest.approx([max(3 * p[0], 0), max(3 * p[0], 2 * p[1]), max(3 * p[0], 2 * p[1], p[2])])
-    # twenty slices of pure noise: the family-wise level holds (held back in at most about 5% of evaluations)
+    by = {s.label: s for s in report.slices}
+    assert {k: by[k].p_value for k in targets} == pytest.approx(targets, rel=1e-6)
+    bonferroni = [k for k in targets if by[k].p_value * len(targets) <= 0.05]
+    assert bonferroni == ["a"]
+    assert all(by[k].significant for k in targets) and [s.adjusted_p for s in report.slices] == pytest.approx(
+        [0.036, 0.04, 0.04]
+    )  # Holm's adjusted p: max(3 * 0.012), max(0.036, 2 * 0.02), max(0.04, 1 * 0.03)
+    assert report.verdict == "hold back" and sum(r.startswith("slice day=") for r in report.reasons) == 3
+    # twenty slices of pure noise: Holm holds the family-wise error at 5 % (under independence exactly
+    # 1 - (1 - 0.05/20)^20 = 4.9 % of good candidates held back). 2,000 evaluations: the Monte-Carlo error of a
+    # rate of 5 % is 0.49 %, so the bound is 5 % plus 2.33 of them (a one-sided 99 % allowance for the simulation's
+    # own noise, not for the test)
+    reps = 2000
     held = 0
-    for seed in range(200):
-        noise = np.random.default_rng(seed).normal(0, 0.1, 400)
-        labels20 = [str(i % 20) for i in range(400)]
+    labels20 = [str(i % 20) for i in range(200)]
+    for seed in range(reps):
+        noise = np.random.default_rng(seed).normal(0, 0.1, 200)
         held += (
             paired_guards(noise, higher_is_better=False, policy=policy, slices=labels20).verdict is not None
         )
-    assert held / 200 <= 0.08
+    assert held / reps <= 0.05 + 2.33 * np.sqrt(0.05 * 0.95 / reps), held / reps
 
 
 def test_a_win_rate_built_from_many_small_wins_and_a_few_large_losses_is_not_promoted() -> None:
@@ -145,30 +195,138 @@ def test_a_win_rate_built_from_many_small_wins_and_a_few_large_losses_is_not_pro
     decision = decide_preference("pref", PRODUCTION, policy, None, win, [], guard=guard)
     assert decision.outcome in ("hold back", "insufficient evidence") and not decision.passed
     assert any("worse by > 1 judge points" in g for g in decision.guards), decision.guards
-    fair = judge_score_guard([4.0] * 48, [3.5] * 48, policy)
+    # a fair win passes; on 80 prompts, since 48 cannot see a 5 % share of regressed prompts (n >= 72:
+    # guards.min_detectable_regressed_share)
+    fair = judge_score_guard([4.0] * 80, [3.5] * 80, policy)
     assert decide_preference(
-        "pref", PRODUCTION, policy, None, pointwise_win_rate([4.0] * 48, [3.5] * 48), [], guard=fair
+        "pref", PRODUCTION, policy, None, pointwise_win_rate([4.0] * 80, [3.5] * 80), [], guard=fair
     ).passed
 
 
-ISSUE_POPULATIONS = ("normal_worse", "student_t2.5_worse", "rare_regressions")
+POPS = {p.name: p for p in sim.GATE_POPULATIONS}
+GUARANTEED = [p.name for p in sim.GATE_POPULATIONS if p.guaranteed]
+# 4,000 eval sets a cell: the Monte-Carlo error of a rate of 2.5 % is 0.25 %, so a gate truly at 3.25 % (three
+# errors above the bound) passes it by chance in about 0.4 % of seeds; the cells measured near the bound use 10,000
+DRAWS = 4000
+NEAR = 10_000
 
 
-@pytest.mark.parametrize("n", [30, 47, 100])
+def _mc_error(rate: float, draws: int = DRAWS) -> float:
+    return float(np.sqrt(rate * (1 - rate) / draws))
+
+
+def _without_detectable_rule(policy: PromotionPolicy) -> PromotionPolicy:
+    return policy.model_copy(
+        update={"guards": policy.guards.model_copy(update={"min_detectable_regressed_share": None})}
+    )
+
+
+@pytest.mark.parametrize("n", [30, 47])
+def test_below_the_n_its_rules_need_the_gate_refuses_every_eval_set_whatever_it_holds(n: int) -> None:
+    """Structural, not a measured rate: below n = 36 (``required_examples(0.10)``) no sample can show that fewer
+    than a tenth of examples regressed (0 of 30 has the exact interval [0, 11.6 %]), and below n = 72
+    (``required_examples(0.05)``, guards.min_detectable_regressed_share) a sample holds none of a 5 % share too
+    often (0.95^47 = 9.0 %). So at n = 30 and 47 the gate promotes nothing, however good the candidate: the
+    refusal is asserted with its reasons, on every population, broad real gain included."""
+    policy = load_policy()
+    assert required_examples(policy.guards.max_regressed_share) == 36
+    assert required_examples(policy.guards.min_detectable_regressed_share) == 72
+    for pop in sim.GATE_POPULATIONS:
+        for d in sim.decisions(*pop.draw(np.random.default_rng(7), 300, n), policy):
+            assert not d.passed and d.outcome in ("insufficient evidence", "hold back"), (pop.name, d.reason)
+            assert any("min_detectable_regressed_share" in g and "n >= 72 needed" in g for g in d.guards)
+            if n < 36:  # the regressed-share guard refuses too, whatever the sample holds
+                assert any("max_regressed_share" in g for g in d.guards), d.guards
+
+
+@pytest.mark.parametrize("n", [100, 200])
 def test_the_gate_promotes_a_truly_worse_model_at_most_2_5_percent_of_the_time(n: int) -> None:
-    """issue 40's populations (log-normal lengths, gamma per-token noise, truly worse by +0.01 nats/token): the
-    whole gate with configs/promotion.yaml promotes in <= 2.5% of 3,000 simulated eval sets; the interval alone does
-    not on rare regressions at n = 30 (the failing case the guards exist for)."""
-    pops = {p.name: p for p in sim.GATE_POPULATIONS}
-    for name in ISSUE_POPULATIONS:
-        rates = sim.gate_rates(pops[name], n, draws=3000)
+    """The populations the gate must hold (all truly worse by +0.01 nats/token: issue 40's three, 5 % of examples
+    2.0 worse, 8 % regressed by log-normal amounts), at n the config lets it promote: the whole gate with
+    configs/promotion.yaml (``decide``) promotes in <= 2.5 % of 4,000 simulated eval sets (measured 0-1.8 %). The failing case that
+    shows the bound can fail: the interval alone promotes the log-normal regressions 7.5 % of the time at n = 100.
+    Beside it, the rare-gain mirror's coverage, and a real gain still promoted once the eval set can show it."""
+    for name in GUARANTEED:
+        rates = sim.gate_rates(POPS[name], n, draws=DRAWS)
         assert rates["gate"] <= 0.025, (name, n, rates)
-    if n == 30:
-        assert sim.gate_rates(pops["rare_regressions"], n, draws=3000)["interval_alone"] > 0.04
-    # beside it, the rare-gain mirror's coverage, and a real gain still promoted once the eval set can show it
-    assert sim.gate_rates(pops["rare_gains"], n, draws=3000)["coverage"] >= 0.9
     if n == 100:
-        assert sim.gate_rates(pops["broad_gain"], n, draws=3000)["gate"] >= 0.5
+        assert sim.gate_rates(POPS["lognormal_regressions"], n, draws=DRAWS)["interval_alone"] > 0.05
+        assert sim.gate_rates(POPS["broad_gain"], n, draws=3000)["gate"] >= 0.5
+    assert sim.gate_rates(POPS["rare_gains"], n, draws=3000)["coverage"] >= 0.9
+
+
+def test_a_lab_that_turns_the_detectable_share_rule_off_decides_at_n_47_and_pays_on_rarer_regressions() -> (
+    None
+):
+    """n = 47 with the rule off (``min_detectable_regressed_share: null``), where the other guards let the gate
+    promote (a real gain in about a fifth of eval sets): issue 40's three populations stay <= 2.5 % (the real test
+    at 47), and 5 % of examples 2.0 worse is promoted in about 8 % (the measured limit the rule exists for), nearly
+    all of it eval sets that hold none of the regressed examples (0.95^47 = 9.0 % of them)."""
+    policy = _without_detectable_rule(load_policy())
+
+    def rate(name: str) -> float:
+        return sim.gate_rates(POPS[name], 47, DRAWS, policy=policy)["gate"]
+
+    for name in ("normal_worse", "student_t2.5_worse", "rare_regressions"):
+        assert rate(name) <= 0.025, name
+    assert rate("broad_gain") >= 0.1
+    rarer = rate("rarer_regressions")
+    assert 0.025 + 3 * _mc_error(0.025) < rarer <= unseen_probability(0.05, 47) + 3 * _mc_error(0.09), rarer
+
+
+def test_where_the_gate_exceeds_2_5_percent_at_an_n_it_allows_the_limit_is_measured_and_stated() -> None:
+    """The known limits with configs/promotion.yaml (docs/stages/evaluation.md states them):
+
+    * regressions rarer than min_detectable_regressed_share: 3 % of examples 3.0 worse is promoted in about 4.5 % of
+      eval sets of 100 (0.97^100 = 4.8 % of them hold none) and <= 2.5 % at 200;
+    * a regressed share drawn per fine-tune, p ~ Beta(2, 38) (18 % of fine-tunes below 2 %): about 4 % at 100,
+      <= 2.5 % at 200 (at most the share of eval sets holding none: E[(1 - p)^n] = 38 * 39 / (138 * 139) = 7.7 %);
+    * at the rule's own n, 72, where a sample holds none of a 5 % share in 2.49 % of draws by construction, the
+      gate sits at that level plus what the samples holding one or two let through: about 2.7 % (5 % x 2.0) and
+      3.4 % (log-normal regressions), below 2.5 % by n = 100 (the test above): asserted under 4 %, the figure
+      the docs state, on 10,000 eval sets (Monte-Carlo error 0.18 %).
+    """
+    policy = load_policy()
+    sparse100 = sim.gate_rates(POPS["sparse_regressions"], 100, DRAWS)["gate"]
+    assert 0.025 < sparse100 <= unseen_probability(0.03, 100) + 3 * _mc_error(0.048), sparse100
+    assert sim.gate_rates(POPS["sparse_regressions"], 200, DRAWS)["gate"] <= 0.025
+    drawn100 = sim.gate_rates(POPS["drawn_share"], 100, DRAWS)["gate"]
+    assert 0.025 < drawn100 <= 38 * 39 / (138 * 139), drawn100
+    assert sim.gate_rates(POPS["drawn_share"], 200, DRAWS)["gate"] <= 0.025
+    assert unseen_probability(policy.guards.min_detectable_regressed_share, 72) <= 0.025
+    for name in ("rarer_regressions", "lognormal_regressions"):
+        at72 = sim.gate_rates(POPS[name], 72, NEAR)["gate"]
+        assert unseen_probability(0.05, 72) - 3 * _mc_error(0.025, NEAR) < at72 < 0.04, (name, at72)
+
+
+def test_the_simulation_decides_with_the_gates_own_code_row_by_row() -> None:
+    """``interval_coverage.decisions`` computes the figures of many eval sets at once and calls ``decide``; the
+    per-row path a real evaluation runs (``paired_loss_difference``, ``eval_loss_guard``, ``decide``) gives the same
+    decision, rule, guard findings and interval on 1,000 eval sets of varied shape and size (promoted, held back
+    and refused ones among them)."""
+    policy = _without_detectable_rule(load_policy())  # so that n = 47 can promote too
+    outcomes = set()
+    for name, n in [
+        ("broad_gain", 47),
+        ("broad_gain", 100),
+        ("rare_regressions", 60),
+        ("rarer_regressions", 100),
+    ]:
+        d, t = POPS[name].draw(np.random.default_rng(11), 250, n)
+        for row, fast in zip(range(250), sim.decisions(d, t, policy), strict=True):
+            zeros = np.zeros(n)
+            paired = paired_loss_difference(
+                d[row], zeros, t[row], policy.confidence, method=policy.interval_method
+            )
+            guard = eval_loss_guard(d[row], zeros, t[row], policy)
+            slow = decide("candidate", sim.SIMULATED_PRODUCTION, policy, paired, guard=guard)
+            assert (slow.outcome, slow.rule, slow.guards) == (fast.outcome, fast.rule, fast.guards), (
+                name,
+                row,
+            )
+            assert slow.interval == pytest.approx(fast.interval, rel=1e-9, abs=1e-12)
+            outcomes.add(slow.outcome)
+    assert outcomes == {"promote", "hold back", "insufficient evidence"}
 
 
 def test_a_lab_runs_the_simulation_on_its_own_eval_sets_differences(tmp_path) -> None:

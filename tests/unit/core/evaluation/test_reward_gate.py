@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nexa_dagster.core.evaluation import interval_coverage as sim
 from nexa_dagster.core.evaluation.paired import Interval, PairedLoss
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy
 from nexa_dagster.core.evaluation.reward_gate import decide_reward
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
 POLICY = PromotionPolicy()  # promotion.yaml's defaults: skew_t, 95 %, rl.min_prompts 30
+# a gate that promotes needs n >= 72 prompts: fewer cannot see a 5 % share of regressed prompts
+# (guards.min_detectable_regressed_share; the demo's 48 held-out prompts are "insufficient evidence")
+PROMPTS = 80
 
 
 def exact_match_rewards(n: int, candidate_accuracy: float, production_accuracy: float, seed: int):
@@ -26,11 +30,11 @@ def exact_match_rewards(n: int, candidate_accuracy: float, production_accuracy: 
 
 
 def test_a_candidate_that_learned_the_task_is_promoted_with_n_method_and_rule_stated() -> None:
-    candidate, production = exact_match_rewards(48, 0.6, 0.1, seed=1)
+    candidate, production = exact_match_rewards(PROMPTS, 0.6, 0.1, seed=1)
     decision = decide_reward(
         "rl-1", PRODUCTION, POLICY, candidate - production, means=(candidate.mean(), production.mean())
     )
-    assert decision.passed and decision.outcome == "promote" and decision.n == 48
+    assert decision.passed and decision.outcome == "promote" and decision.n == PROMPTS
     assert decision.interval is not None and decision.interval[0] > 0
     assert decision.method.startswith("skew-corrected t-interval")
     assert decision.rule == "reward interval low > 0.0; guard eval_loss regression <= 0.05"
@@ -58,7 +62,7 @@ def test_too_few_held_out_prompts_decide_nothing_however_good_the_candidate_look
 
 
 def test_a_reward_bought_with_a_worse_language_model_is_held_back_by_the_loss_guard() -> None:
-    candidate, production = exact_match_rewards(48, 0.6, 0.1, seed=1)
+    candidate, production = exact_match_rewards(PROMPTS, 0.6, 0.1, seed=1)
     worse = PairedLoss(3.4, 3.0, Interval(0.4, 0.3, 0.5, 0.95), examples=47, tokens=2000)
     decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, worse)
     assert not decision.passed and decision.outcome == "hold back"
@@ -73,24 +77,67 @@ def test_no_production_model_or_a_reevaluation_is_not_a_comparison() -> None:
     assert decide_reward("rl-1", same, POLICY, []).rule == "already production"
 
 
-def _false_promotions(differences: np.ndarray) -> float:
-    return float(np.mean([decide_reward("rl", PRODUCTION, POLICY, d).passed for d in differences]))
+def _rate(differences: np.ndarray, policy: PromotionPolicy = POLICY) -> float:
+    """The share of simulated held-out sets (rows) the reward gate promotes: its own rule
+    (``reward_gate.reward_decision``) on figures computed for all rows at once (``interval_coverage``)."""
+    return float(np.mean([d.passed for d in sim.reward_decisions(differences, policy)]))
 
 
-def test_a_worse_or_equal_candidate_is_rarely_promoted_on_skewed_rare_regression_differences() -> None:
-    """The error that hurts: a candidate no better than production promoted. Two realistic shapes, n = 48 (the
-    demo's held-out prompts), 400 simulated held-out sets each; the one-sided 95 % interval's nominal rate is
-    2.5 %: at most 5 % (the simulation's own noise at 400 sets is about 1 %)."""
+def _worse_or_equal(rng: np.random.Generator, sets: int, n: int) -> dict[str, np.ndarray]:
+    """Three realistic shapes of a candidate no better than production (per-prompt reward differences; the
+    populations' means are 0, 0 and -0.015)."""
+    gain = rng.uniform(0.0, 0.1, size=(sets, n))
+    rare = rng.uniform(0, 1, size=(sets, n)) < 0.1
+    return {
+        # exact-match rewards, equal accuracy: differences -1/0/+1, mostly 0 (ties), symmetric; 15 % of prompts
+        # went from right to wrong, which the regressed-share guard sees
+        "ties": rng.choice([-1.0, 0.0, 1.0], p=[0.15, 0.7, 0.15], size=(sets, n)),
+        # equal accuracy with few flips (4 % each way): below max_regressed_share, so the interval decides
+        "few_flips": rng.choice([-1.0, 0.0, 1.0], p=[0.04, 0.92, 0.04], size=(sets, n)),
+        # F1-like rewards: a small gain on 90 % of prompts, a large loss on a rare 10 % (mean -0.015: worse)
+        "skewed": np.where(rare, -rng.uniform(0.4, 0.8, size=(sets, n)), gain),
+    }
+
+
+def test_a_worse_or_equal_candidate_is_promoted_at_most_2_5_percent_of_the_time() -> None:
+    """The error that hurts: a candidate no better than production promoted. The one-sided 95 % interval's level
+    is 2.5 %, and the bound is that, on 10,000 simulated held-out sets where the rate is near it (the Monte-Carlo
+    error of a rate of 2.5 % is 0.16 %: a gate truly at 3 % passes the bound by chance in about 0.2 % of seeds) and 4,000
+    where it is far below (0 - 0.7 %; error 0.25 %). At n = 100 with promotion.yaml;
+    at the demo's n = 48 with the detectable-share rule off (which would refuse every set of 48), so that the
+    interval and the other guards carry the test there. The few-flips shape sits near the level (about 2 % at
+    n = 100): there the bound is the interval's own calibration, not a guard's margin."""
     rng = np.random.default_rng(2026)
-    # exact-match rewards, equal accuracy: differences -1/0/+1, mostly 0 (ties), symmetric
-    ties = rng.choice([-1.0, 0.0, 1.0], p=[0.15, 0.7, 0.15], size=(400, 48))
-    assert _false_promotions(ties) <= 0.05
-    # F1-like rewards: a small gain on 90 % of prompts, a large loss on a rare 10 % (mean -0.015: worse)
-    gain = rng.uniform(0.0, 0.1, size=(400, 48))
-    rare = rng.uniform(0, 1, size=(400, 48)) < 0.1
-    skewed = np.where(rare, -rng.uniform(0.4, 0.8, size=(400, 48)), gain)
-    assert skewed.mean() < 0
-    assert _false_promotions(skewed) <= 0.05
+    off = POLICY.model_copy(
+        update={"guards": POLICY.guards.model_copy(update={"min_detectable_regressed_share": None})}
+    )
+    for n, policy in ((100, POLICY), (48, off)):
+        for name, differences in _worse_or_equal(rng, 10_000, n).items():
+            sets = 10_000 if name == "few_flips" else 4000  # far below the level (< 0.7 %): 4,000 are enough
+            assert _rate(differences[:sets], policy) <= 0.025, (name, n)
+    # the rule is what refuses at 48: every set, whatever it shows
+    assert _rate(_worse_or_equal(rng, 500, 48)["few_flips"]) == 0
+
+
+def test_the_reward_simulation_decides_exactly_as_decide_reward() -> None:
+    """``interval_coverage.reward_decisions`` (vectorised figures, the gate's rule once per set) gives
+    ``decide_reward``'s decision, rule, findings and reason on 600 sets of varied shape and size."""
+    rng = np.random.default_rng(9)
+    outcomes = set()
+    for n in (48, 100):
+        candidate, production = exact_match_rewards(n, 0.6, 0.1, seed=n)
+        shapes = {**_worse_or_equal(rng, 100, n), "gain": (candidate - production) + np.zeros((100, 1))}
+        for differences in shapes.values():
+            for row, fast in zip(differences, sim.reward_decisions(differences, POLICY), strict=True):
+                slow = decide_reward("rl", PRODUCTION, POLICY, row)
+                assert (slow.outcome, slow.rule, slow.guards, slow.reason) == (
+                    fast.outcome,
+                    fast.rule,
+                    fast.guards,
+                    fast.reason,
+                )
+                outcomes.add(slow.outcome)
+    assert outcomes == {"promote", "hold back", "insufficient evidence"}
 
 
 def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards() -> None:
@@ -108,7 +155,12 @@ def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards()
         POLICY.model_copy(
             update={
                 "guards": POLICY.guards.model_copy(
-                    update={"max_regressed_share": 1.0, "slice_by": None, "skew_rule": False}
+                    update={
+                        "max_regressed_share": 1.0,
+                        "min_detectable_regressed_share": None,
+                        "slice_by": None,
+                        "skew_rule": False,
+                    }
                 )
             }
         ),
@@ -122,8 +174,8 @@ def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards()
 
 
 def test_a_reward_gain_without_regressions_passes_the_guards() -> None:
-    candidate, production = exact_match_rewards(64, 0.6, 0.1, seed=3)  # production right => candidate right
-    tasks = ["topic", "next_words"] * 32
+    candidate, production = exact_match_rewards(96, 0.6, 0.1, seed=3)  # production right => candidate right
+    tasks = ["topic", "next_words"] * 48
     decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, slices=tasks)
     assert decision.passed and decision.guard is not None and decision.guard.verdict is None
     assert "guards pass" in decision.reason
