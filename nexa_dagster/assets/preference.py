@@ -471,6 +471,11 @@ class PreferenceRunConfig(dg.Config):
     )
     beta: float | None = Field(default=None, gt=0, description="DPO's beta; empty: preference.beta")
     loss: str | None = Field(default=None, description="sigmoid or sigmoid_norm; empty: preference.loss")
+    sft_weight: float | None = Field(
+        default=None,
+        ge=0,
+        description="weight of the chosen answers' NLL (TRL's sft loss); empty: the preset's",
+    )
 
     def settings(self, preset: PreferenceSettings) -> PreferenceSettings:
         """The preset's preference settings with this run's overrides, validated as the preset is (a loss that is
@@ -480,6 +485,7 @@ class PreferenceRunConfig(dg.Config):
             "learning_rate": self.learning_rate,
             "beta": self.beta,
             "loss": self.loss,
+            "sft_weight": self.sft_weight,
         }
         try:
             return PreferenceSettings.model_validate(
@@ -533,6 +539,7 @@ def preference_checkpoint(
         objective=DPOObjective(
             beta=settings.beta,
             loss=settings.loss,
+            sft_weight=settings.sft_weight,
             reference_path=production.checkpoint_path,
             reference_logps_path=io.join(preference_dataset.root, f"ref_logps-{reference}.parquet"),
         ),
@@ -559,7 +566,8 @@ def dpo_record(
         title=f"{job.run_id} (DPO)",
         curve_label="DPO loss",
         launch_message=f"launching DPO of {job.run_id} from production {production_id} "
-        f"({settings.loss}, beta {settings.beta}, {training.max_steps} steps, {data.train_pairs} pairs)",
+        f"({settings.loss}, beta {settings.beta}, sft weight {settings.sft_weight}, {training.max_steps} steps, "
+        f"{data.train_pairs} pairs)",
         params={
             "model_preset": scale.model_preset,
             "scale": scale.name,
@@ -567,6 +575,7 @@ def dpo_record(
             "dataset_run_hash": data.run_hash,
             "beta": settings.beta,
             "loss": settings.loss,
+            "sft_weight": settings.sft_weight,
             **training.model_dump(),
         },
         record={

@@ -63,8 +63,8 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
 
     from nexa_dagster.core.training.init import load_mixtral_checkpoint
     from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM
-    from nexa_dagster.core.training.objective import MicroTerms, micro_objective
-    from nexa_dagster.core.training.preference import preference_terms, score_pairs
+    from nexa_dagster.core.training.objective import micro_objective
+    from nexa_dagster.core.training.preference import dpo_micro_terms, preference_terms, score_pairs
     from nexa_dagster.core.training.preference_data import (
         PairLayout,
         collate_packed,
@@ -104,11 +104,12 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
         }
     )
 
-    def trl_trainer(loss_type: str, aux_coef: float, precompute: bool = False) -> Any:
+    def trl_trainer(loss_type: str, aux_coef: float, precompute: bool = False, sft: float = 0.0) -> Any:
         args = DPOConfig(
             output_dir=str(tmp_path / "trl"),
             beta=BETA,
-            loss_type=[loss_type],
+            loss_type=[loss_type, "sft"] if sft else [loss_type],
+            loss_weights=[1.0, sft] if sft else None,
             precompute_ref_log_probs=precompute,
             router_aux_loss_coef=aux_coef,
             per_device_train_batch_size=8,
@@ -146,8 +147,9 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
         )
     assert ref_chosen.min() < -50, "log-probabilities of whole completions: the test scores real sequences"
 
-    for loss_type, aux_coef in (("sigmoid", 0.0), ("sigmoid_norm", 0.0), ("sigmoid", 0.02)):
-        trainer = trl_trainer(loss_type, aux_coef)
+    cases = (("sigmoid", 0.0, 0.0), ("sigmoid_norm", 0.0, 0.0), ("sigmoid", 0.02, 0.0), ("sigmoid", 0.0, 1.0))
+    for loss_type, aux_coef, sft in cases:  # the last: DPO + TRL's sft loss (RPO), preference.sft_weight 1
+        trainer = trl_trainer(loss_type, aux_coef, sft=sft)
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
         trainer.precompute_ref_logps = True  # the reference values come with the batch, as in our worker
         batch["ref_chosen_logps"], batch["ref_rejected_logps"] = pairs.ref_chosen, pairs.ref_rejected
@@ -171,11 +173,11 @@ def test_dpo_loss_and_every_gradient_equal_trl_dpotrainer(
                     document = ours_batch["input_ids"][ours_batch["segments"] == slot]
                     assert torch.equal(document, batch["input_ids"][row][batch["attention_mask"][row].bool()])
             terms = preference_terms(ours, ours_batch, BETA, loss_type)
-            micro = MicroTerms(terms.losses.sum(), terms.aux_loss, terms.expert_load, terms.metric_sums())
+            micro = dpo_micro_terms(terms, sft)
             _, loss = micro_objective(micro, weight=1 / 8, aux_coef=aux_coef, accumulation=1)
             loss.backward()
 
-            case = f"{loss_type}, aux coef {aux_coef}, layout {name}"
+            case = f"{loss_type}, aux coef {aux_coef}, sft {sft}, layout {name}"
             assert abs(loss.item() - trl_loss.item()) < 1e-5, (case, loss.item(), trl_loss.item())
             sums = {k: float(v) / 8 for k, v in micro.metric_sums.items()}
             for key, trl_key in (

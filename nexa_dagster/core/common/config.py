@@ -226,6 +226,11 @@ class PreferenceSettings(_Strict):
     loss: Literal["sigmoid", "sigmoid_norm"] = Field(
         default="sigmoid", description="sigmoid: DPO; sigmoid_norm: DPO on length-normalised log-ratios"
     )
+    sft_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="weight of the chosen answers' NLL beside DPO's loss (TRL's `sft` loss type; RPO's alpha)",
+    )
     max_steps: int = Field(default=24, gt=0)
     learning_rate: float | None = Field(
         default=None, gt=0, description="default: training.learning_rate / 10"

@@ -39,6 +39,15 @@ class DPOObjective(BaseModel):
         default="sigmoid",
         description="sigmoid (DPO) or sigmoid_norm (each log-ratio divided by its completion's token count)",
     )
+    sft_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "weight of TRL's `sft` loss beside DPO's (TRL: loss_type [sigmoid, sft], loss_weights [1, w]): the "
+            "chosen completions' mean token NLL of each micro-batch. 0: DPO alone. RPO (Pang et al. 2024) uses 1: "
+            "without it DPO can lower the chosen answers' likelihood with the rejected ones'"
+        ),
+    )
     reference_path: str = Field(
         default="",
         description="the reference checkpoint directory (empty: init_from, the weights before training)",

@@ -59,6 +59,7 @@ STEP_METRICS = (
     "reward_accuracy",
     "logps_chosen",
     "logps_rejected",
+    "sft_loss",  # the chosen answers' mean token NLL (TRL's `sft` loss), trained on when sft_weight > 0
 )
 
 
@@ -89,6 +90,7 @@ class DPOLoss(StepHooks):
             f"{len(self.train)} training pairs, {len(self.validation)} validation pairs packed into "
             f"{self.layout.rows} rows of {self.layout.length} tokens per micro-batch, DPO {self.config.loss} "
             f"beta {self.config.beta}"
+            + (f" + sft x{self.config.sft_weight}" if self.config.sft_weight else "")
         )
 
     def prepare(self, engine: Any, device: torch.device, say: MessageFn) -> None:
@@ -121,7 +123,7 @@ class DPOLoss(StepHooks):
 
     def terms(self, model: Callable[..., Any], batch: Batch) -> MicroTerms:
         terms = preference_terms(model, batch, self.config.beta, self.config.loss)
-        return MicroTerms(terms.losses.sum(), terms.aux_loss, terms.expert_load, terms.metric_sums())
+        return dpo_micro_terms(terms, self.config.sft_weight)
 
     def evaluate(self, model: torch.nn.Module, device: torch.device, say: MessageFn) -> dict[str, Any]:
         held_out = held_out_rewards(
@@ -156,6 +158,9 @@ class DPOTerms:
     rejected_rewards: torch.Tensor
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
+    chosen_nll: (
+        torch.Tensor
+    )  # the chosen completions' mean token NLL over the micro-batch (TRL's `sft` loss), with grad
     aux_loss: torch.Tensor  # the router's load-balancing loss over the micro-batch's real tokens
     expert_load: torch.Tensor
 
@@ -169,6 +174,16 @@ class DPOTerms:
             "logps_chosen": self.chosen_logps.sum(),
             "logps_rejected": self.rejected_logps.sum(),
         }
+
+
+def dpo_micro_terms(terms: DPOTerms, sft_weight: float) -> MicroTerms:
+    """What the loop sums for one micro-batch: the pairs' DPO losses, plus ``sft_weight`` times the chosen answers'
+    mean token NLL counted once per pair (the loop divides by the pairs: one micro-batch then gives TRL's
+    ``loss_type=["sigmoid", "sft"]``, ``loss_weights=[1, sft_weight]``)."""
+    pairs = terms.losses.shape[0]
+    loss_sum = terms.losses.sum() + (sft_weight * pairs * terms.chosen_nll if sft_weight else 0.0)
+    metrics = {**terms.metric_sums(), "sft_loss": terms.chosen_nll.detach() * pairs}
+    return MicroTerms(loss_sum, terms.aux_loss, terms.expert_load, metrics)
 
 
 def dpo_losses(
@@ -237,6 +252,7 @@ def preference_terms(model: Callable[..., Any], batch: Batch, beta: float, loss_
         rejected_rewards=beta * (rejected - batch["ref_rejected"]).detach(),
         chosen_logps=chosen.detach(),
         rejected_logps=rejected.detach(),
+        chosen_nll=-chosen.sum() / tokens[:pairs].sum().clamp(min=1),
         aux_loss=out.aux_loss,
         expert_load=out.expert_load,
     )
