@@ -50,9 +50,9 @@ for spec in sys.argv[1:]:
         ),
         "metadata": {  # each materialization's plain values (numbers, flags, short text: no images, tables)
             e.asset_key.to_user_string(): {
-                k: v.value
+                k: getattr(v, "value", None)
                 for k, v in e.step_materialization_data.materialization.metadata.items()
-                if isinstance(v.value, (int, float, bool)) or (isinstance(v.value, str) and len(v.value) < 300)
+                if isinstance(getattr(v, "value", None), (int, float, bool, str)) and len(str(v.value)) < 300
             }
             for e in result.get_asset_materialization_events()
         },
