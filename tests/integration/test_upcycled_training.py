@@ -93,8 +93,9 @@ def test_training_from_smollm2_needs_data_tokenized_with_smollm2s_tokenizer(
     it): data packed with the tiny tokenizer is refused (its ids are not SmolLM2's words), SmolLM2's own is
     accepted and the training then uses the checkpoint's tokenizer.
 
-    The training itself is shown on the tiny dense Llama above: on a loaded 2-core CPU one step of the upcycled
-    SmolLM2 (214M parameters) takes 50-60 s, too long for the suite; docs/bring-your-own-model.md has the run."""
+    The training itself: on the tiny dense Llama above, and on SmolLM2 through ``training_job`` on a day of its
+    own answers packaged with its tokenizer in ``tests/e2e/test_real_teacher_day.py`` (a step of the upcycled 214M
+    MoE takes 8-50 s on the 2-core CPU, by load)."""
     from transformers import AutoTokenizer
 
     from nexa_dagster.core.training.init import check_init_checkpoint

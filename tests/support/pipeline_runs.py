@@ -48,6 +48,14 @@ for spec in sys.argv[1:]:
         "materialized": sorted(
             e.asset_key.to_user_string() for e in result.get_asset_materialization_events()
         ),
+        "metadata": {  # each materialization's plain values (numbers, flags, short text: no images, tables)
+            e.asset_key.to_user_string(): {
+                k: getattr(v, "value", None)
+                for k, v in e.step_materialization_data.materialization.metadata.items()
+                if isinstance(getattr(v, "value", None), (int, float, bool, str)) and len(str(v.value)) < 300
+            }
+            for e in result.get_asset_materialization_events()
+        },
         "checks": {
             c.check_name: {"passed": c.passed, **{k: getattr(v, "value", None) for k, v in c.metadata.items()}}
             for c in result.get_asset_check_evaluations()
@@ -72,7 +80,8 @@ def run_jobs(root: Path, *specs: str, timeout_s: float = 1800, **env: str) -> li
     """Run ``specs`` in one process against the sandbox ``root``: ``job`` or ``job:partition`` (``@trained``: the
     checkpoint the last training_job trained), ``job[asset,...]`` for some of a job's assets, or
     ``add_partition:<checkpoint id>``. Returns one record per job (success, the assets materialized, the asset
-    checks' results with their metadata, failure messages; a training's checkpoint id, path and parent)."""
+    checks' results with their metadata, failure messages; a training's checkpoint id, path and parent; each
+    materialization's plain metadata values, by asset)."""
     proc = subprocess.run(
         [sys.executable, "-c", DRIVER, *specs],
         cwd=REPO_ROOT,

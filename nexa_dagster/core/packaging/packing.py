@@ -200,6 +200,56 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 _SENTINEL = "NEXA7SENTINEL7CONTENT"
 _LOADED: dict[str, Any] = {}
+_OPENER: list[ChatMessage] = [{"role": "system", "content": "Be brief."}]
+_PROBE: list[ChatMessage] = [
+    *_OPENER,
+    {"role": "user", "content": "Why?"},
+    {"role": "assistant", "content": "Because."},
+    {"role": "user", "content": "And?"},
+    {"role": "assistant", "content": "Done."},
+]
+_NOT_PER_MESSAGE = (
+    "the chat template is not per-message (a conversation renders differently from its messages rendered one "
+    "by one, after the template's preamble); this packer needs a per-message template"
+)
+
+
+def template_affixes(tokenizer: Any) -> tuple[dict[str, str], dict[str, str], str]:
+    """Each role's text before and after its content, and the *preamble*: what the template writes before a
+    conversation that does not open with a system message ('' for most; SmolLM2's, like Qwen's, is a default
+    system message). Raises unless the two shapes ``conversation`` builds, with and without a system message
+    first, render as the preamble (when there is no system message) then each message's head, content and tail.
+
+    A role other than system is rendered after a system message, so a template's once-per-conversation text
+    (a default system prompt, a BOS token) lands in the preamble or the system head, not in every message."""
+
+    def render(messages: list[ChatMessage]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    opened = render(_OPENER)
+    heads: dict[str, str] = {}
+    tails: dict[str, str] = {}
+    for role in ("system", "user", "assistant"):
+        message: list[ChatMessage] = [{"role": role, "content": _SENTINEL}]
+        rendered = render(message) if role == "system" else render(_OPENER + message)
+        if role != "system":
+            if not rendered.startswith(opened):
+                raise ValueError(_NOT_PER_MESSAGE)
+            rendered = rendered[len(opened) :]
+        if rendered.count(_SENTINEL) != 1:
+            raise ValueError(
+                f"chat template renders a {role} message's content {rendered.count(_SENTINEL)} times"
+            )
+        heads[role], _, tails[role] = rendered.partition(_SENTINEL)
+    lone, user = render([{"role": "user", "content": _SENTINEL}]), heads["user"] + _SENTINEL + tails["user"]
+    if not lone.endswith(user):
+        raise ValueError(_NOT_PER_MESSAGE)
+    preamble = lone[: -len(user)]
+    for probe, before in ((_PROBE, ""), (_PROBE[1:], preamble)):
+        parts = "".join(heads[m["role"]] + m["content"] + tails[m["role"]] for m in probe)
+        if render(probe) != before + parts:
+            raise ValueError(_NOT_PER_MESSAGE)
+    return heads, tails, preamble
 
 
 @dataclass(frozen=True)
@@ -209,9 +259,9 @@ class ChatTokenizer:
     The template is rendered once per role around a sentinel, which gives each role's head and tail (for the
     project's template: ``<|im_start|>assistant\n`` and ``<|im_end|>\n``), tokenized once. A conversation is then
     the concatenation of head, content and tail tokens per message, with the contents of a whole batch tokenized
-    in one call to the Rust tokenizer. ``from_hf`` checks that the template really is per-message (rendering a
-    conversation equals concatenating its messages' renderings) and refuses it otherwise, so the fast path never
-    gives different tokens from rendering the whole conversation.
+    in one call to the Rust tokenizer, after the template's preamble when it does not open with a system message
+    (``template_affixes``). ``from_hf`` checks that the template really renders that way and refuses it
+    otherwise, so the fast path never gives different tokens from rendering the whole conversation.
     """
 
     tokenizer_file: str
@@ -221,35 +271,16 @@ class ChatTokenizer:
     pad_id: int
     eos_id: int | None
     vocab_size: int
+    preamble: tuple[int, ...] = ()  # before a conversation without a system message first (not learned)
 
     @classmethod
     def from_hf(cls, tokenizer: Any, tokenizer_file: str) -> ChatTokenizer:
         """Build from a Hugging Face tokenizer; its ``tokenizer.json`` is written to ``tokenizer_file`` for workers."""
-        heads: dict[str, tuple[int, ...]] = {}
-        tails: dict[str, tuple[int, ...]] = {}
-        for role in ("system", "user", "assistant"):
-            rendered = tokenizer.apply_chat_template([{"role": role, "content": _SENTINEL}], tokenize=False)
-            if rendered.count(_SENTINEL) != 1:
-                raise ValueError(
-                    f"chat template renders a {role} message's content {rendered.count(_SENTINEL)} times"
-                )
-            head, _, tail = rendered.partition(_SENTINEL)
-            heads[role] = tuple(tokenizer.encode(head, add_special_tokens=False))
-            tails[role] = tuple(tokenizer.encode(tail, add_special_tokens=False))
-        probe = [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Why?"},
-            {"role": "assistant", "content": "Because."},
-            {"role": "user", "content": "And?"},
-            {"role": "assistant", "content": "Done."},
-        ]
-        whole = tokenizer.apply_chat_template(probe, tokenize=False)
-        parts = "".join(tokenizer.apply_chat_template([m], tokenize=False) for m in probe)
-        if whole != parts:
-            raise ValueError(
-                "the chat template is not per-message (a conversation renders differently from its "
-                "messages rendered one by one); this packer needs a per-message template"
-            )
+        heads, tails, preamble = template_affixes(tokenizer)
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
         fingerprint = tokenizer_fingerprint(tokenizer)
         if not storage.exists(tokenizer_file):
             storage.write_text(tokenizer.backend_tokenizer.to_str(), tokenizer_file)
@@ -257,7 +288,14 @@ class ChatTokenizer:
         if pad is None:
             raise ValueError("the tokenizer has neither a pad nor an eos token to pad packed sequences with")
         return cls(
-            tokenizer_file, fingerprint, heads, tails, int(pad), tokenizer.eos_token_id, len(tokenizer)
+            tokenizer_file,
+            fingerprint,
+            {role: encode(text) for role, text in heads.items()},
+            {role: encode(text) for role, text in tails.items()},
+            int(pad),
+            tokenizer.eos_token_id,
+            len(tokenizer),
+            encode(preamble),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -267,6 +305,7 @@ class ChatTokenizer:
             "heads": {k: list(v) for k, v in sorted(self.heads.items())},
             "tails": {k: list(v) for k, v in sorted(self.tails.items())},
             "pad_id": self.pad_id,
+            **({"preamble": list(self.preamble)} if self.preamble else {}),  # absent: the hashes of before
         }
 
     def _backend(self) -> Any:
@@ -293,8 +332,8 @@ class ChatTokenizer:
         out = []
         k = 0
         for conv in conversations:
-            ids: list[int] = []
-            mask: list[int] = []
+            ids: list[int] = [] if conv and conv[0]["role"] == "system" else list(self.preamble)
+            mask: list[int] = [0] * len(ids)
             for m in conv:
                 head, tail, body = self.heads[m["role"]], self.tails[m["role"]], bodies[k]
                 k += 1

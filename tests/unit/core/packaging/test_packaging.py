@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -83,6 +84,49 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer, tmp_path:
     hf = tiny_tokenizer.apply_chat_template(msgs, return_assistant_tokens_mask=True, return_dict=True)
     assert list(hf["input_ids"]) == ids.tolist()
     assert list(hf["assistant_masks"]) == mask.tolist()
+
+
+# SmolLM2-135M-Instruct's chat template (its chat_template.jinja): a default system message when a conversation
+# opens without one, as Qwen's templates write too
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_with_a_default_system_message_packs_what_it_renders(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
+    """SmolLM2's template (a dense checkpoint the training upcycles) writes a default system message before a
+    conversation without one: the packer puts it first, unlearned, and gives the rendered template's tokens with
+    a system message and without; the project's own template has no preamble and keeps its run hash's inputs."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = DEFAULT_SYSTEM_TEMPLATE
+    chat = ChatTokenizer.from_hf(tokenizer, str(tmp_path / "tok.json"))
+    assert tokenizer.decode(list(chat.preamble)).startswith("<|im_start|>system\nYou are a helpful AI")
+    answer = {"role": "assistant", "content": "An immutable sequence."}
+    for msgs in (
+        [{"role": "user", "content": "What is a tuple?"}, answer],
+        [
+            {"role": "system", "content": "Answer in one line."},
+            {"role": "user", "content": "A tuple?"},
+            answer,
+        ],
+    ):
+        ((ids, mask),) = chat.encode_conversations([msgs])
+        rendered = tokenizer.apply_chat_template(msgs, tokenize=False)
+        assert ids.tolist() == tokenizer.encode(rendered, add_special_tokens=False)
+        assert tokenizer.decode(ids[mask == 1].tolist()) == "An immutable sequence.<|im_end|>"
+    assert "preamble" in chat.describe()
+    own = ChatTokenizer.from_hf(tiny_tokenizer, str(tmp_path / "own.json"))
+    assert own.preamble == () and "preamble" not in own.describe()
+    tokenizer.chat_template = DEFAULT_SYSTEM_TEMPLATE.replace(
+        "message['content']", "message['content'] + (loop.index | string)"
+    )  # numbers its messages: no per-message rendering exists
+    with pytest.raises(ValueError, match="not per-message"):
+        ChatTokenizer.from_hf(tokenizer, str(tmp_path / "numbered.json"))
 
 
 def test_labels_column_is_the_loss_mask_in_the_hugging_face_convention(

@@ -1,5 +1,6 @@
 """Sparse upcycling on a random tiny Llama: the MoE built from the dense checkpoint computes its logits at
-initialisation (top-1 and top-2 routing), and Drop-Upcycling's re-initialisation makes the experts differ."""
+initialisation (top-1 and top-2 routing), Drop-Upcycling's re-initialisation makes the experts differ, and a
+model preset's ``upcycling`` block is what the training builds the MoE with."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from nexa_dagster.core.common.config import REPO_ROOT, ConfigError, load_model_preset
 from nexa_dagster.core.training.init import check_init_checkpoint, load_mixtral_checkpoint
 from nexa_dagster.core.training.upcycle import UpcyclingSpec, upcycle_dense_checkpoint
 
@@ -112,3 +115,52 @@ class ThousandTokens:
 
     def __len__(self) -> int:
         return 1000
+
+
+def preset_with_upcycling(configs: Path, name: str, upcycling: dict[str, object] | None) -> str:
+    """``configs/models/<name>.yaml``: the tiny preset's experts (4, top-2) with this ``upcycling`` block."""
+    data = yaml.safe_load((REPO_ROOT / "configs" / "models" / "tiny.yaml").read_text())
+    (configs / "models").mkdir(parents=True, exist_ok=True)
+    (configs / "models" / f"{name}.yaml").write_text(yaml.safe_dump({**data, "upcycling": upcycling}))
+    return name
+
+
+def test_a_presets_upcycling_block_reaches_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``upcycling`` block of a model preset is what the training's loader builds the MoE with: a nonzero
+    ``expert_drop_ratio`` moves the logits away from the dense model's, zero keeps them equal, and
+    ``router_init_std`` is the new router's spread. Loaded through ``load_mixtral_checkpoint`` (the worker's
+    entry point), so the preset file, its validation and ``UpcyclingSpec.from_preset`` are all on the path."""
+    path = tiny_llama(tmp_path / "llama")
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(tmp_path / "configs"))
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dense = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+    logits, routers = {}, {}
+    for name, block in {
+        "exact": {"router_init_std": 0.2, "expert_drop_ratio": 0.0},
+        "dropped": {"expert_drop_ratio": 0.5},
+    }.items():
+        model = load_mixtral_checkpoint(
+            str(path), "causal", preset_with_upcycling(tmp_path / "configs", name, block)
+        )
+        with torch.no_grad():
+            logits[name] = model.eval()(ids, return_logits=True).logits
+        routers[name] = model.model.layers[0].mlp.gate.weight.std().item()
+    assert (dense - logits["exact"]).abs().max().item() < TOLERANCE
+    assert (dense - logits["dropped"]).abs().max().item() > 100 * TOLERANCE
+    assert 0.15 < routers["exact"] < 0.25 and 0.01 < routers["dropped"] < 0.03  # set, and the default 0.02
+
+
+def test_the_upcycling_block_is_checked_and_the_shipped_preset_reaches_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``smollm2-upcycled``'s block as written becomes the spec (exact copies, 2 experts top-1); a misspelt or
+    out-of-range key is refused with the file named, not trained with silently."""
+    spec = UpcyclingSpec.from_preset(load_model_preset("smollm2-upcycled"))
+    assert (spec.num_local_experts, spec.num_experts_per_tok) == (2, 1)
+    assert (spec.router_init_std, spec.expert_drop_ratio, spec.router_aux_loss_coef) == (0.02, 0.0, 0.02)
+    monkeypatch.setenv("NEXA_CONFIG_DIR", str(tmp_path / "configs"))
+    for name, block in {"typo": {"expert_drop_rate": 0.5}, "range": {"expert_drop_ratio": 1.5}}.items():
+        preset_with_upcycling(tmp_path / "configs", name, block)
+        with pytest.raises(ConfigError, match=f"models/{name}.yaml"):
+            load_model_preset(name)
