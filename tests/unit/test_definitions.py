@@ -142,8 +142,8 @@ CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error mu
     ),
     "eval_set resource": (
         "pipeline.yaml",
-        "  fraction: 0.3",
-        "  fractoin: 0.3",
+        "  fraction: 0.4",
+        "  fractoin: 0.4",
         "pipeline.yaml: eval_set.fractoin: unknown key",
     ),
     "ingest resource": (

@@ -1,8 +1,8 @@
 """The sample corpus the project ships for the demo: CPython's documentation topics, three days of arrivals.
 
-Each topic is cut into sections of about one teacher prompt (``SECTION_CHARS``, at paragraph ends), so a day holds
-a few hundred documents: enough that the first night's frozen eval set has the examples a promotion decision needs
-(the gate's ``min_examples``; tests/e2e check it). Each day lands in a different format so that the demo exercises
+Each topic is cut into sections of about one teacher prompt (``SECTION_CHARS``, at paragraph ends), and the
+first day holds most of them (``DAY_SHARES``): enough that the first night's frozen eval set has the examples a
+promotion decision needs (about 100; tests/e2e check it). Each day lands in a different format so that the demo exercises
 every reader of the ingest stage:
 JSONL on day one, Parquet plus a plain-text file on day two, a Hugging Face ``datasets`` directory on day three.
 ``python -m nexa_dagster.core.data.sample_corpus sample_data/landing`` regenerates ``sample_data/`` byte for byte
@@ -19,6 +19,11 @@ SAMPLE_DAYS = ("2026-11-20", "2026-11-21", "2026-11-22")
 _DOCS_URL = "https://docs.python.org/3/reference/"
 
 
+# The share of the sections that lands on each day. The first day lands most of them: the eval set is frozen on the
+# first night from the first day's judged samples (eval_set.fraction of them), and the promotion gate needs about
+# 100 examples to see regressions a tenth of the examples hold (docs/stages/evaluation.md, the size table), so the
+# first day must carry ~600 documents; the later days land the rest, the new data each later night adds.
+DAY_SHARES = (0.75, 0.125, 0.125)
 SECTION_CHARS = 650  # about the tiny scale's max_chars_per_doc (600): one section, one teacher prompt
 MIN_SECTION_CHARS = 200  # shorter tails join the section before them
 
@@ -83,8 +88,9 @@ def write_sample_landing(root: str | Path, docs_per_day: int | None = None) -> l
 
     root = Path(root)
     topics = _topics()
-    per_day = len(topics) // 3
-    chunks = [topics[i * per_day : (i + 1) * per_day][:docs_per_day] for i in range(3)]
+    ends = [round(len(topics) * sum(DAY_SHARES[: i + 1]) / sum(DAY_SHARES)) for i in range(3)]
+    starts = [0, *ends[:-1]]
+    chunks = [topics[a:b][:docs_per_day] for a, b in zip(starts, ends, strict=True)]
     written: list[Path] = []
 
     d1 = root / SAMPLE_DAYS[0]
