@@ -136,6 +136,30 @@ def shard_runner(
     return run
 
 
+CHECKABLE_TASKS = (
+    "checkable_tasks"  # the SFT blend's name for the train side of the RL stage's checkable tasks
+)
+
+
+def blend_tasks(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale: ScalePreset,
+    index: ContaminationIndex | None,
+    blend: DataBlend,
+) -> dict[str, list[str]]:
+    """The inputs beyond the judged samples that the SFT blend names: ``asset:checkable_tasks``, the train side of
+    the checkable tasks (never a held-out item: those are the RL gate's), built from the documents so far."""
+    if not any(s.path == f"asset:{CHECKABLE_TASKS}" for s in blend.sources):
+        return {}
+    build, tasks_hash, train_path, _, _ = checkable_tasks(context, storage, scale, index)
+    context.log.info(
+        f"sft_dataset: {len(build.train)} train-side checkable task items (tasks {tasks_hash}) for the blend's "
+        f"{CHECKABLE_TASKS} source; the {len(build.held_out)} held-out ones stay out"
+    )
+    return {CHECKABLE_TASKS: [train_path]}
+
+
 class SFTDatasetConfig(dg.Config):
     """Run configuration of ``sft_dataset`` (the Launchpad's ``ops: sft_dataset: config``)."""
 
@@ -149,7 +173,11 @@ class SFTDatasetConfig(dg.Config):
 @dg.asset(
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
-    ins={"filtered_samples": dg.AssetIn(dagster_type=dg.Nothing)},
+    ins={
+        "filtered_samples": dg.AssetIn(dagster_type=dg.Nothing),
+        # the checkable tasks' documents, read when the blend names asset:checkable_tasks (blends/sft.yaml)
+        "raw_documents": dg.AssetIn(dagster_type=dg.Nothing),
+    },
     deps=["eval_set"],  # frozen first: no sample that holds an eval example's text is packed
     kinds={"python", "parquet"},
     description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
@@ -191,6 +219,7 @@ def sft_dataset(
         "sample_id",
         context.log.info,
     )
+    extra = blend_tasks(context, storage, scale, index, blend)
     dataset, stats = build_sft_dataset_from_days(
         days,
         tokenizer,
@@ -207,6 +236,7 @@ def sft_dataset(
         eval_fraction=eval_sets.fraction,
         runner=shard_runner(context, cfg, gpu_cluster, storage),
         keep_snapshots=cfg.keep_snapshots,
+        assets=extra,
     )
     context.add_output_metadata(
         {
@@ -370,18 +400,14 @@ def rl_prompts(
     cfg, scale = packaging_config.config(), scale_preset.load()
     reference = reference_rows(context, storage, gpu_cluster, cfg, eval_sets)
     index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
-    documents = stored_partitions(
-        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
-    )
-    build = build_tasks(read_documents(documents), task_settings(scale), index)
+    build, tasks_hash, train_path, held_out_path, days = checkable_tasks(context, storage, scale, index)
     if (
         not build.train or not build.held_out
     ):  # rl_checkpoint and rl_eval_set fail on an empty side, naming it
         context.log.warning(
             f"rl_prompts: {len(build.train)} train and {len(build.held_out)} held-out task items from "
-            f"{len(documents)} raw_documents partitions (skipped: {build.skipped}): the RL stage needs both"
+            f"{days} raw_documents partitions (skipped: {build.skipped}): the RL stage needs both"
         )
-    tasks_hash, train_path, held_out_path = write_task_rows(build, storage.path("rl", "tasks"))
     context.log.info(
         f"{len(build.train)} train and {len(build.held_out)} held-out task items "
         f"({len(build.contaminated)} left out as contaminated, index {index.key})"
@@ -415,6 +441,24 @@ def rl_prompts(
         held_out_records=len(build.held_out),
         tasks_contaminated=len(build.contaminated),
     )
+
+
+def checkable_tasks(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    scale: ScalePreset,
+    index: ContaminationIndex | None,
+) -> tuple[TaskBuild, str, str, str, int]:
+    """The checkable tasks of every ingested document so far, decontaminated against ``index`` and written
+    content-addressed under ``data/rl/tasks/<hash>/``: (build, hash, train path, held-out path, days read). One
+    build for both readers: ``rl_prompts`` (GRPO's prompts, the frozen held-out side) and ``sft_dataset`` (the
+    train side as supervised rows, when its blend names ``asset:checkable_tasks``), so both see the same items."""
+    documents = stored_partitions(
+        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
+    )
+    build = build_tasks(read_documents(documents), task_settings(scale), index)
+    tasks_hash, train_path, held_out_path = write_task_rows(build, storage.path("rl", "tasks"))
+    return build, tasks_hash, train_path, held_out_path, len(documents)
 
 
 def task_settings(scale: ScalePreset) -> RLTaskSettings:

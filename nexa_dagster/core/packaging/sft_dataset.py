@@ -579,6 +579,7 @@ def build_sft_dataset_from_days(
     incremental: bool = True,
     runner: sh.ShardRunner | None = None,
     keep_snapshots: int = 0,
+    assets: dict[str, list[str]] | None = None,
 ) -> tuple[SFTDataset, dict[str, PackingStats]]:
     """Package the judged samples (plus whatever else the blend names) and return the ``SFTDataset`` artifact.
 
@@ -586,7 +587,8 @@ def build_sft_dataset_from_days(
     two days, so with the shard store a new day adds shards and reuses every earlier one. Records whose id is on
     the eval set's held-out side (``eval_fraction``, see ``core.eval_set``) enter neither split, whatever source
     they come from; the train/validation split is a hash of each id, so both are per row and compose with days.
-    ``runner`` runs the shards to pack on a cluster (a Slurm array...) instead of ``workers`` local processes."""
+    ``runner`` runs the shards to pack on a cluster (a Slurm array...) instead of ``workers`` local processes.
+    ``assets`` gives the files of the blend's other ``asset:`` sources (``checkable_tasks``)."""
     if not inputs:
         raise ValueError(
             "no filtered samples to package: every sample was rejected, or no day was materialized"
@@ -619,7 +621,12 @@ def build_sft_dataset_from_days(
         keep_snapshots=keep_snapshots,
     )
     run = package_sft(
-        blend, tokenizer, out_root, settings, assets={"filtered_samples": [d.path for d in inputs]}, log=log
+        blend,
+        tokenizer,
+        out_root,
+        settings,
+        assets={**(assets or {}), "filtered_samples": [d.path for d in inputs]},
+        log=log,
     )
     for split in SPLITS:
         if run.stats[split].sequences == 0:
