@@ -268,7 +268,8 @@ def reward_gate_line(report: Any) -> str:
     interval = f"[{low:+.3f}, {high:+.3f}]" if low is not None and high is not None else "(none)"
     production = g.get("production_reward")
     return (
-        f"held-out reward ({', '.join(g['rewards'])}, greedy, RL eval set v{g.get('rl_eval_set_version')}): "
+        f"held-out reward ({', '.join(g['rewards'])}, {g.get('answers', 'greedy')}, RL eval set "
+        f"v{g.get('rl_eval_set_version')}): "
         f"candidate {g['candidate_reward']:.3f}, production {report.production_checkpoint_id} "
         f"{'none' if production is None else f'{production:.3f}'}; difference {(g.get('difference') or 0.0):+.3f} "
         f"95% CI {interval}, n = {g.get('n')} prompts ({(report.gate_method or '').split(' (')[0]})"

@@ -7,6 +7,7 @@ confidence interval whether it is served.
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import numpy as np
@@ -48,7 +49,7 @@ from nexa_dagster.core.evaluation.report import (
     report_figures,
     report_lineage,
 )
-from nexa_dagster.core.evaluation.reward_gate import decide_reward, held_out_rewards
+from nexa_dagster.core.evaluation.reward_gate import decide_reward, prompt_rewards
 from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set, read_prompts
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
@@ -229,6 +230,7 @@ def eval_report(
     )
     if reward_figures is not None and scale.rl is not None:
         reward_figures["rl_eval_set_version"] = scale.rl.eval_set_version
+        reward_figures["answers"] = answers_label(scale)
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -317,8 +319,30 @@ def score_both(
         benchmark_roles=["candidate", "production"]
         if policy.benchmark or ckpt.stage == "preference"
         else ["candidate"],
+        **answer_sampling(scale, sampled=max_new_tokens is not None),
     )
     return gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
+
+
+def answers_label(scale: ScalePreset) -> str:
+    """How the reward gate's answers were drawn, as the summary and the UI say it."""
+    rl = scale.rl
+    if rl is None or not rl.eval_samples:
+        return "greedy"
+    return f"pass@1 of {rl.eval_samples} samples at temperature {rl.temperature:g}"
+
+
+def answer_sampling(scale: ScalePreset, sampled: bool) -> dict[str, Any]:
+    """The evaluation job's sampled answers for a reward gate (``rl.eval_samples`` at the rollouts' temperature,
+    seeded by the scale's training seed: the same draws for both models), or none."""
+    if not sampled or scale.rl is None or not scale.rl.eval_samples:
+        return {}
+    return {
+        "answer_samples": scale.rl.eval_samples,
+        "answer_temperature": scale.rl.temperature,
+        "answer_top_p": scale.rl.top_p,
+        "answer_seed": scale.training.seed,
+    }
 
 
 def gate_check(
@@ -405,12 +429,8 @@ def gate_decision(
     rate with guards (``decide_preference``); an SFT checkpoint on the configured metric (``decide``). With the
     reward figures when a reward decided."""
     if rewards and rl_rows is not None:
-        candidate = held_out_rewards(rl_rows, scores["candidate"]["answers"], rewards)
-        baseline = (
-            held_out_rewards(rl_rows, scores["production"]["answers"], rewards)
-            if "production" in scores
-            else []
-        )
+        candidate = prompt_rewards(rl_rows, scores["candidate"], rewards)
+        baseline = prompt_rewards(rl_rows, scores["production"], rewards) if "production" in scores else []
         differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
         means = (float(np.mean(candidate)), float(np.mean(baseline))) if baseline else None
         decision = decide_reward(

@@ -156,6 +156,21 @@ def loss_guard(decision: GateDecision, paired_loss: PairedLoss | None, limit: fl
     )
 
 
+def prompt_rewards(
+    rows: Sequence[dict[str, Any]], scores: dict[str, Any], rewards: Sequence[tuple[str, float]]
+) -> list[float]:
+    """Each held-out prompt's reward for one model's ``ModelScores`` JSON: the mean over its sampled answers when
+    the evaluation sampled some (pass@1 from k samples), else its greedy answer's."""
+    sampled = scores.get("sampled_answers")
+    if not sampled:
+        return held_out_rewards(rows, scores["answers"], rewards)
+    k = len(sampled[0])
+    if len(sampled) != len(rows) or any(len(s) != k for s in sampled):
+        raise ValueError(f"sampled answers of {len(sampled)} prompts for {len(rows)} held-out prompts")
+    per_draw = [held_out_rewards(rows, [s[j] for s in sampled], rewards) for j in range(k)]
+    return [float(np.mean(column)) for column in zip(*per_draw, strict=True)]
+
+
 def held_out_rewards(
     rows: Sequence[dict[str, Any]], answers: Sequence[str], rewards: Sequence[tuple[str, float]]
 ) -> list[float]:

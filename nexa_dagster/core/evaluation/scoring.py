@@ -64,6 +64,8 @@ class ModelScores:
     tokens: list[int]
     answers: list[str]
     benchmarks: dict[str, Any] | None = None  # core.benchmarks.run_benchmarks: lm-evaluation-harness scores
+    # k sampled answers per prompt (``AnswerSampling``), for a reward estimated as pass@1 from k samples
+    sampled_answers: list[list[str]] | None = None
 
     @property
     def loss(self) -> HeldoutLoss:
@@ -77,6 +79,7 @@ class ModelScores:
             "tokens": self.tokens,
             "answers": self.answers,
             "benchmarks": self.benchmarks,
+            "sampled_answers": self.sampled_answers,
         }
 
     @classmethod
@@ -86,6 +89,7 @@ class ModelScores:
             [int(v) for v in data["tokens"]],
             list(data["answers"]),
             data.get("benchmarks"),
+            data.get("sampled_answers"),
         )
 
 
@@ -138,6 +142,44 @@ def example_losses(
     return nll_out, tok_out
 
 
+@dataclass(frozen=True)
+class AnswerSampling:
+    """k answers per prompt sampled at ``temperature`` (nucleus ``top_p``) with a fixed ``seed``, the same for every
+    model scored: the reward of a prompt is then the mean over its k answers, pass@1 estimated from k samples (Chen
+    et al. 2021; DeepSeek-R1 reports pass@1 so, at temperature 0.6, rather than greedy answers)."""
+
+    samples: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 64  # answers per generate call (whole prompts' groups; at least one group)
+
+
+def sample_answers(
+    client: LocalTransformersClient, prompts: Sequence[str], max_new_tokens: int, sampling: AnswerSampling
+) -> list[list[str]]:
+    """``sampling.samples`` answers to each prompt, grouped by prompt. A prompt's k answers are rows of one
+    ``generate`` call, and each call is seeded ``seed + its index``: a seed set once per batch would give two
+    calls the same random draws, so one prompt split over two calls would repeat its own answers."""
+    k = sampling.samples
+    per_call = max(1, sampling.batch_size // k)  # prompts per generate call
+    batch_size = client.batch_size
+    out: list[list[str]] = []
+    try:
+        for call, start in enumerate(range(0, len(prompts), per_call)):
+            chunk = prompts[start : start + per_call]
+            client.batch_size = k * len(chunk)
+            params = SamplingParams(
+                max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed + call
+            )
+            conversations = [[{"role": "user", "content": p}] for p in chunk for _ in range(k)]
+            texts = [c.text for c in client.chat_many(conversations, params)]
+            out += [texts[i * k : (i + 1) * k] for i in range(len(chunk))]
+    finally:
+        client.batch_size = batch_size
+    return out
+
+
 def score_model(
     model_dir: str | Path,
     examples_path: str,
@@ -147,8 +189,10 @@ def score_model(
     batch_size: int = 8,
     log: Callable[[str], None] = print,
     label: str = "model",
+    sampling: AnswerSampling | None = None,
 ) -> ModelScores:
-    """Per-example eval-set losses and greedy answers to ``prompts`` of one model (loaded once)."""
+    """Per-example eval-set losses, greedy answers to ``prompts`` and, with ``sampling``, k sampled answers to each
+    of one model (loaded once)."""
 
     with LocalTransformersClient(model_dir, batch_size=batch_size, device=device) as client:
         with Progress(log, f"{label}: eval-set examples scored") as progress:
@@ -157,7 +201,8 @@ def score_model(
         answers = [
             c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)
         ]
-    scores = ModelScores(nll, tokens, answers)
+        sampled = sample_answers(client, prompts, max_new_tokens, sampling) if sampling else None
+    scores = ModelScores(nll, tokens, answers, sampled_answers=sampled)
     log(
         f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "
         f"{scores.loss.tokens} tokens of {len(tokens)} examples"

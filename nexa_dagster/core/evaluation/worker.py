@@ -26,7 +26,7 @@ from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import BenchmarkSettings
 from nexa_dagster.core.common.workers import exit_with_launcher, is_permanent, write_failure
 from nexa_dagster.core.evaluation.benchmarks import resolve_tasks, run_benchmarks
-from nexa_dagster.core.evaluation.scoring import score_model
+from nexa_dagster.core.evaluation.scoring import AnswerSampling, score_model
 
 
 class EvaluationJob(BaseModel):
@@ -47,6 +47,12 @@ class EvaluationJob(BaseModel):
         default=None,
         description=("lm-evaluation-harness tasks run after the eval-set scores (None or no tasks: none)"),
     )
+    answer_samples: int = Field(
+        default=0, ge=0, description="k answers sampled per prompt beside the greedy one (0: greedy only)"
+    )
+    answer_temperature: float = Field(default=1.0, gt=0, description="the sampled answers' temperature")
+    answer_top_p: float = Field(default=1.0, gt=0, le=1, description="the sampled answers' nucleus")
+    answer_seed: int = Field(default=0, description="the sampled answers' seed, the same for every model")
     benchmark_roles: list[str] = Field(
         default=["candidate"],
         description=(
@@ -74,6 +80,11 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
             batch_size=job.batch_size,
             log=log,
             label=f"{job.run_id} {role}",
+            sampling=AnswerSampling(
+                job.answer_samples, job.answer_temperature, job.answer_top_p, job.answer_seed
+            )
+            if job.answer_samples
+            else None,
         )
         if tasks is not None and job.benchmarks is not None and role in job.benchmark_roles:
             scores.benchmarks = run_benchmarks(

@@ -209,3 +209,26 @@ def test_held_out_rewards_score_both_models_answers_with_the_training_reward() -
     assert candidate == [1.0, 1.0] and production == [0.0, 0.0]
     with pytest.raises(ValueError, match="1 answers for 2 held-out prompts"):
         held_out_rewards(rows, ["assert"], [("exact_answer", 1.0)])
+
+
+def test_a_prompts_reward_is_the_mean_over_its_sampled_answers_when_the_evaluation_sampled() -> None:
+    """rl.eval_samples > 0: each held-out prompt scores the mean reward of its k sampled answers (pass@1 from k
+    samples), not its greedy answer; without samples the greedy answer decides; a ragged sample set is an error."""
+    from nexa_dagster.core.evaluation.reward_gate import prompt_rewards
+
+    rows = [
+        {"prompt": "Which topic? Choices: assert, for", "answer": "assert", "choices": ["assert", "for"]},
+        {"prompt": "Which topic? Choices: with, del", "answer": "del", "choices": ["with", "del"]},
+    ]
+    exact = [("exact_answer", 1.0)]
+    greedy_right = {"answers": ["assert", "del"]}
+    assert prompt_rewards(rows, greedy_right, exact) == [1.0, 1.0]
+    sampled = {
+        "answers": ["assert", "del"],  # the greedy answers are right, 3 of 4 and 1 of 4 samples are
+        "sampled_answers": [["assert", "for", "assert", "assert."], ["with", "del", "The x", "with, del"]],
+    }
+    assert prompt_rewards(rows, sampled, exact) == [0.75, 0.25]
+    with pytest.raises(ValueError, match="sampled answers of 1 prompts for 2 held-out prompts"):
+        prompt_rewards(rows, {"answers": [], "sampled_answers": [["assert"]]}, exact)
+    with pytest.raises(ValueError, match="sampled answers"):
+        prompt_rewards(rows, {"answers": [], "sampled_answers": [["assert", "for"], ["del"]]}, exact)
