@@ -25,7 +25,7 @@ from nexa_dagster.assets.preference import PRODUCTION_MODEL, production_model
 from nexa_dagster.assets.production import production_metadata
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.core.common import storage as io
-from nexa_dagster.core.common.artifacts import Artifact, Checkpoint
+from nexa_dagster.core.common.artifacts import Artifact, Checkpoint, SFTDataset
 from nexa_dagster.core.common.config import RLSettings, ScalePreset
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
 from nexa_dagster.core.evaluation.rl_eval_set import (
@@ -127,6 +127,9 @@ class RLRunConfig(dg.Config):
     beta: float | None = Field(
         default=None, ge=0, description="KL weight to the starting model; empty: rl.beta"
     )
+    ptx_coef: float | None = Field(
+        default=None, ge=0, description="PPO-ptx's gamma (the SFT rows' LM loss per step); empty: rl.ptx_coef"
+    )
     loss_type: str | None = Field(default=None, description="grpo or dr_grpo; empty: rl.loss_type")
     rewards: list[str] | None = Field(
         default=None,
@@ -141,6 +144,7 @@ class RLRunConfig(dg.Config):
             "learning_rate": self.learning_rate,
             "num_generations": self.num_generations,
             "beta": self.beta,
+            "ptx_coef": self.ptx_coef,
             "loss_type": self.loss_type,
             "rewards": [reward_spec(r) for r in self.rewards] if self.rewards else None,
         }
@@ -179,6 +183,7 @@ def rl_checkpoint(
     config: RLRunConfig,
     rl_prompts: RLPrompts,
     rl_eval_set: RLEvalSet,
+    sft_dataset: SFTDataset,
     gpu_cluster: GPUClusterResource,
     storage: StorageResource,
     tracking: TrackingResource,
@@ -210,7 +215,7 @@ def rl_checkpoint(
         accelerator=gpu_cluster.accelerator,
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
-        objective=grpo_objective(rl, rl_prompts, rl_eval_set),
+        objective=grpo_objective(rl, rl_prompts, rl_eval_set, sft_dataset),
     )
     stage = StageRecord(
         stage="rl",
@@ -234,10 +239,16 @@ def rl_checkpoint(
     return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, publish)
 
 
-def grpo_objective(rl: RLSettings, rl_prompts: RLPrompts, rl_eval_set: RLEvalSet) -> GRPOObjective:
+def grpo_objective(
+    rl: RLSettings, rl_prompts: RLPrompts, rl_eval_set: RLEvalSet, sft_dataset: SFTDataset | None = None
+) -> GRPOObjective:
     """The preset's RL section as the training loop's GRPO objective, on the checkable train rows, its held-out
-    reward on the frozen RL eval set."""
+    reward on the frozen RL eval set; with ``rl.ptx_coef``, the SFT dataset's train rows as PPO-ptx's."""
+    if rl.ptx_coef and sft_dataset is None:
+        raise dg.Failure("rl.ptx_coef > 0 needs the SFT dataset's rows: no sft_dataset", allow_retries=False)
     return GRPOObjective(
+        ptx_coef=rl.ptx_coef,
+        ptx_path=sft_dataset.train_path if rl.ptx_coef and sft_dataset is not None else "",
         prompts_path=rl_prompts.tasks_path,
         held_out_path=rl_eval_set.prompts_path,
         rewards=[RewardSpec(name=r.name, weight=r.weight) for r in rl.rewards],

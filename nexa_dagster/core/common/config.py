@@ -295,6 +295,12 @@ class RLSettings(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="TRL's 1.0: sample the policy as it is")
     top_p: float = Field(default=1.0, gt=0, le=1, description="TRL's 1.0: no nucleus truncation")
     beta: float = Field(default=0.0, ge=0, description="KL weight to the starting model (TRL's 0.0)")
+    ptx_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="PPO-ptx's gamma: the SFT rows' LM loss mixed into every step (the latest sft_dataset's "
+        "train split); 0: none, as TRL",
+    )
     epsilon: float = Field(default=0.2, gt=0, description="the surrogate's clip range (TRL's 0.2)")
     loss_type: Literal["grpo", "dr_grpo"] = Field(
         default="dr_grpo", description="dr_grpo: no per-completion length normalisation (no pull to length)"
@@ -311,6 +317,12 @@ class RLSettings(_Strict):
     # (pipeline engineer) the tasks, and the frozen held-out prompts the reward gate compares both models on
     tasks: RLTaskSettings = Field(default_factory=RLTaskSettings)
     held_out_prompts: int = Field(default=64, gt=0, description="prompts of the frozen RL eval set")
+    eval_samples: int = Field(
+        default=0,
+        ge=0,
+        description="the reward gate's answers per held-out prompt, sampled at the rollouts' temperature and top_p "
+        "(a prompt's reward: their mean, pass@1 from k samples); 0: one greedy answer",
+    )
     eval_set_version: int = Field(default=1, ge=1, description="the frozen RL eval set's version")
 
     def settings(self, training: TrainingSettings) -> TrainingSettings:

@@ -38,6 +38,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from nexa_dagster.core.training.grpo_rollout import (
 from nexa_dagster.core.training.init import load_mixtral_checkpoint, read_config
 from nexa_dagster.core.training.job import GRPOObjective, TrainingJob
 from nexa_dagster.core.training.objective import MessageFn, MicroTerms
+from nexa_dagster.core.training.ptx import PtxRows, ptx_loss_sum
 
 IGNORE_INDEX = -100
 COMPLETIONS, REAL_TOKENS = "completions", "real_tokens"  # host counts of a micro-batch
@@ -207,7 +209,10 @@ class GRPOLoss:
         self.reward = combined_reward(self.config.rewards)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
-        extra = ("kl",) if self.config.beta else ()
+        self.ptx = (
+            PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
+        )
+        extra = (*(("kl",) if self.config.beta else ()), *(("ptx_loss",) if self.ptx else ()))
         self.metric_keys = (
             *ROLLOUT_METRICS,
             "clip_ratio",
@@ -234,6 +239,7 @@ class GRPOLoss:
             f"{len(self.train)} prompts{held}, GRPO {c.loss_type}: K={c.num_generations} completions x "
             f"B={c.prompts_per_step} prompts per step, up to {c.max_completion_tokens} tokens, beta {c.beta}, "
             f"rewards {', '.join(f'{r.name} x{r.weight:g}' for r in c.rewards)}"
+            + (f", ptx {c.ptx_coef:g} x the LM loss of {self.ptx.count} SFT rows" if self.ptx else "")
         )
 
     def prepare(self, engine: Any, device: torch.device, say: MessageFn) -> None:
@@ -293,6 +299,11 @@ class GRPOLoss:
         self.rollout_tokens += sum(len(ids) for ids in completions)
         elapsed = time.perf_counter() - start
         self.rollout_s += elapsed
+        if self.ptx is not None:  # one SFT row per micro-batch, by position: the same on a resumed run
+            local = len(batches)
+            for j, batch in enumerate(batches):
+                position = (step - 1) * c.prompts_per_step + self.rank * local + j
+                self.ptx.attach(batch, position, batch["input_ids"].device)
         for batch in batches:
             batch["m:rollout_s"] = torch.tensor(
                 elapsed * k
@@ -345,7 +356,12 @@ class GRPOLoss:
 
     # -- the loss of one micro-batch -----------------------------------------------------------------------------
     def terms(self, model: Callable[..., Any], batch: Batch) -> MicroTerms:
-        return grpo_terms(model, batch, self.config)
+        terms = grpo_terms(model, batch, self.config)
+        if self.ptx is None:
+            return terms
+        added, metric = ptx_loss_sum(model, batch, self.config.ptx_coef, int(batch[COMPLETIONS]))
+        terms.metric_sums["ptx_loss"] = metric
+        return replace(terms, loss_sum=terms.loss_sum + added)
 
     # -- resume and the end -------------------------------------------------------------------------------------
     def resume_state(self, step: int) -> dict[str, Any]:

@@ -130,6 +130,18 @@ class GRPOObjective(BaseModel):
         gt=0,
         description="longest completion sampled, in tokens (TRL's max_completion_length); also dr_grpo's divisor",
     )
+    ptx_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "gamma of InstructGPT's PPO-ptx: the next-token loss of one packed SFT row (ptx_path) per micro-batch "
+            "added to every step, so RL on one task does not cost the language model (core/training/ptx.py); 0: "
+            "none (TRL has no such term)"
+        ),
+    )
+    ptx_path: str = Field(
+        default="", description="the packed SFT split (manifest or Parquet) the ptx rows come from"
+    )
     temperature: float = Field(
         default=1.0,
         gt=0,
@@ -170,6 +182,12 @@ class GRPOObjective(BaseModel):
             "whole batch (batch) or not at all (none)"
         ),
     )
+
+    @model_validator(mode="after")
+    def _ptx_has_rows(self) -> GRPOObjective:
+        if self.ptx_coef and not self.ptx_path:
+            raise ValueError("ptx_coef > 0 needs ptx_path (the packed SFT split its rows come from)")
+        return self
 
 
 Objective = Annotated[LanguageModelObjective | DPOObjective | GRPOObjective, Field(discriminator="kind")]
