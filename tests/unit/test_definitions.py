@@ -48,7 +48,8 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     assert upstream["teacher_samples"] == {"raw_documents"}
     assert upstream["filtered_samples"] == {"teacher_samples"}
     # the eval set is frozen before packaging, which leaves out every row that quotes it (decontamination)
-    assert upstream["sft_dataset"] == {"filtered_samples", "eval_set"}
+    # raw_documents: the checkable tasks the SFT blend packs beside the judged samples (blends/sft.yaml)
+    assert upstream["sft_dataset"] == {"filtered_samples", "raw_documents", "eval_set"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
     assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {
         "pretrain_corpus",
@@ -82,7 +83,8 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
         for k in ("rl_prompts", "rl_eval_set", "rl_checkpoint")
     )
     assert prompts == {"filtered_samples", "raw_documents", "eval_set"} and held == {"rl_prompts"}
-    assert rl == {"rl_prompts", "rl_eval_set", "production_model"}
+    # sft_dataset: the rows PPO-ptx mixes into every GRPO step (rl.ptx_coef)
+    assert rl == {"rl_prompts", "rl_eval_set", "production_model", "sft_dataset"}
     assert {"rl_checkpoint", "rl_eval_set"} <= upstream["eval_report"]
     assert graph.get(dg.AssetKey("rl_checkpoint")).assets_def.op.pool == "gpu"
 

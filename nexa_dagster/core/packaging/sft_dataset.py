@@ -59,7 +59,12 @@ from nexa_dagster.core.packaging.store_cleanup import clean_store, packaging_in_
 FORMAT = "packed-sft-parquet/3"  # 3: a labels column (the Hugging Face -100 convention)
 SNAPSHOT_FORMAT = "nexa-sft-snapshot/1"
 SPLITS = ("train", "validation")
-DEFAULT_BLEND = "blends/sft.yaml"
+# the blend of a caller that names none: the judged samples alone (the sft_dataset asset passes the configured
+# blends/sft.yaml, whose other sources, such as checkable_tasks, it builds and hands over itself)
+JUDGED_SAMPLES_BLEND = DataBlend(
+    name="sft-judged-samples",
+    sources=[BlendSource(name="filtered_samples", path="asset:filtered_samples", transform="openai_chat")],
+)
 ENCODE_BATCH = 512  # conversations tokenized per call to the Rust tokenizer
 
 
@@ -518,7 +523,7 @@ def streamed_side_overrides(
 
 
 def default_blend() -> DataBlend:
-    return DataBlend.load(DEFAULT_BLEND)
+    return JUDGED_SAMPLES_BLEND
 
 
 def build_sft_dataset(
