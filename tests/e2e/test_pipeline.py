@@ -866,3 +866,25 @@ def test_base_models_are_measured_on_the_corpus_documents_the_eval_set_froze(lif
     bases = board[board["stage"] == "base"]
     assert bases["checkpoint_id"].tolist() == [base_id, "base-later"]  # best first, one eval-set version
     assert set(bases["eval_set_version"]) == {1}
+
+
+def test_the_sft_dataset_holds_the_train_side_of_the_checkable_tasks_and_none_held_out(lifecycle) -> None:
+    """blends/sft.yaml's checkable_tasks source: the packed training rows hold the RL stage's checkable questions
+    with their answers (what SFT teaches before RL), from the train side only: no held-out item's passage is
+    ever trained on, so the RL gate's held-out prompts stay unseen."""
+    from transformers import AutoTokenizer
+
+    from nexa_dagster.core.training.data import load_packed
+
+    _, instance, env, checkpoint, _ = lifecycle
+    meta = _metadata(instance, "sft_dataset")
+    assert "checkable_tasks" in {s["name"] for s in meta["blend_sources"]}, meta["blend_sources"]
+    text = AutoTokenizer.from_pretrained(checkpoint.path).decode(
+        load_packed(meta["train_path"])["input_ids"].flatten().tolist()
+    )
+    assert text.count("Which Python reference topic is this passage from?") >= 3
+    tasks = sorted((Path(env["NEXA_DATA_ROOT"]) / "rl" / "tasks").glob("*/held_out.jsonl"))
+    held = [json.loads(line) for line in tasks[-1].read_text().splitlines()]
+    assert held, "the suite's days give held-out items to check against"
+    leaked = [r["item_id"] for r in held if r["prompt"].split("\n\n")[1] in text]
+    assert leaked == [], leaked
