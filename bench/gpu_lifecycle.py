@@ -4,13 +4,15 @@
     python bench/gpu_lifecycle.py --data-root data --device cpu    # the same stages, tiny preset (the suite runs it)
 
 `make run` on any CPU machine leaves, under ``<data root>/runs/``, the job file of every worker it launched: the base
-model's pretraining, each night's SFT, the DPO training and each evaluation. This script takes the first night's
+model's pretraining, each night's SFT, the DPO and GRPO trainings and each evaluation. This script takes the first night's
 (paths rewritten from the root they were written under to ``--data-root``, so the data root can be copied to a GPU
 host), points them at the device and runs each stage as its own process under its own timeout:
 
 1. ``pretrain``: the training worker pretrains the preset from random weights on the corpus (bin/idx);
 2. ``sft``: from that base, on the first night's packed SFT data (state saved every few steps, loss at every step);
 3. ``dpo``: from that SFT model, on the preference pairs, its reference log-probabilities computed anew;
+   ``grpo``: from that SFT model, GRPO on the RL prompts (rollouts generated on the device, the rewards, the update
+   with the PPO-ptx rows), its held-out reward at the end;
 4. ``evaluate``: the evaluation worker scores the SFT model and the base on eval set v1 and answers its prompts;
 5. ``generate``: ``transformers`` reloads the SFT checkpoint and generates 16 tokens greedily;
 6. ``resume``: the SFT run again, stalled after a saved state and SIGKILLed, then relaunched: its loss must equal the
@@ -85,12 +87,13 @@ PLANS = {
         "zero1_bf16.json",
         8,
         True,
-        {"pretrain": 60, "sft": 40, "dpo": 30, "fp16": 40},
+        {"pretrain": 60, "sft": 40, "dpo": 30, "grpo": 20, "fp16": 40},
         20,
         {
             "pretrain": 150,
             "sft": 90,
             "dpo": 120,
+            "grpo": 150,
             "evaluate": 90,
             "generate": 60,
             "resume": 180,
@@ -104,12 +107,13 @@ PLANS = {
         None,
         None,
         False,
-        {"pretrain": 6, "sft": 6, "dpo": 3, "fp16": 0},
+        {"pretrain": 6, "sft": 6, "dpo": 3, "grpo": 3, "fp16": 0},
         3,
         {
             "pretrain": 240,
             "sft": 240,
             "dpo": 240,
+            "grpo": 240,
             "evaluate": 240,
             "generate": 120,
             "resume": 360,
@@ -155,6 +159,7 @@ def first_night_jobs(data_root: Path) -> dict[str, dict[str, Any]]:
         "pretrain": pick("base-*/job.json"),
         "sft": sft,
         "dpo": pick("pref-*/job.json"),
+        "grpo": pick("rl-*/job.json"),
         "evaluate": pick(f"eval-{sft['run_id']}/eval_job.json"),
     }
 
@@ -247,7 +252,17 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
         "wall_s",
     )
     out = {k: summary[k] for k in keys if k in summary}
-    for k in ("reward_accuracy", "reward_margin", "validation_pairs", "resumed_from_step"):
+    for k in (
+        "reward_accuracy",
+        "reward_margin",
+        "validation_pairs",
+        "resumed_from_step",
+        "reward_first",
+        "reward_final",
+        "held_out_reward",
+        "rollout_s",
+        "update_s",
+    ):
         if summary.get(k) is not None:
             out[k] = summary[k]
     return out
@@ -410,11 +425,15 @@ def main() -> int:
         ),
         out / "reference_logps.parquet",
     )
+    # GRPO from the SFT model: its rollouts, rewards and update on the device (the prompts and ptx rows make run's)
+    jobs["grpo"] = training_job(
+        plan, jobs["grpo"], "grpo", out, settings={"max_steps": steps["grpo"]}, **starts_from(out, "sft")
+    )
     jobs["fp16"] = {
         **training_job(plan, jobs["sft"], "fp16", out, settings={"max_steps": steps["fp16"]}),
         "deepspeed_config": json.loads((REPO / "configs/deepspeed/zero2_fp16.json").read_text()),
     }
-    for name in ("pretrain", "sft", "dpo"):
+    for name in ("pretrain", "sft", "dpo", "grpo"):
         stage(name, lambda t, name=name: trained(name, jobs[name], t))
     stage(
         "evaluate",

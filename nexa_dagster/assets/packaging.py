@@ -11,6 +11,7 @@ the logic lives in the Dagster-free ``nexa_dagster.core`` modules.
 """
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import dagster as dg
 import pandas as pd
@@ -238,36 +239,46 @@ def sft_dataset(
         keep_snapshots=cfg.keep_snapshots,
         assets=extra,
     )
-    context.add_output_metadata(
-        {
-            "run_hash": dataset.run_hash,
-            "blend": dataset.blend,
-            "blend_fingerprint": dataset.blend_fingerprint,
-            "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
-            "num_shards": dataset.num_shards,
-            "shards_reused": dataset.shards_reused,  # from data/sft/store: only the new days' shards were packed
-            "num_samples": dataset.num_samples,
-            "days": dg.MetadataValue.json(dataset.days),
-            "train_sequences": dataset.num_train_sequences,
-            "validation_sequences": dataset.num_validation_sequences,
-            "pack_size": dataset.pack_size,
-            "scale": scale.name,
-            "real_tokens": dataset.num_real_tokens,
-            "loss_tokens": dataset.num_loss_tokens,
-            "packing_efficiency": round(dataset.packing_efficiency, 4),
-            "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
-            "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
-            "quarantined_rows": dataset.quarantined_rows,
-            "held_out_for_eval_set": dataset.held_out_samples,
-            # a sample on two days (two days processed at once, a document landed again): the earliest day keeps it
-            "cross_day_duplicates_dropped": dataset.cross_day_duplicates_dropped,
-            "train_path": dg.MetadataValue.path(dataset.train_path),
-            "validation_path": dg.MetadataValue.path(dataset.validation_path),
-            **contamination_metadata(contamination, index),
-        }
-    )
+    context.add_output_metadata(sft_metadata(dataset, blend, stats, scale.name, contamination, index))
     record_inputs(dataset.root, storage.path("sft"), days, contamination, index)
     return dataset
+
+
+def sft_metadata(
+    dataset: SFTDataset,
+    blend: DataBlend,
+    stats: dict[str, Any],
+    scale: str,
+    contamination: DecontaminationReport,
+    index: ContaminationIndex,
+) -> dict[str, Any]:
+    """What a person reads on an ``sft_dataset`` materialization: the blend, sizes, packing and contamination."""
+    return {
+        "run_hash": dataset.run_hash,
+        "blend": dataset.blend,
+        "blend_fingerprint": dataset.blend_fingerprint,
+        "blend_sources": dg.MetadataValue.json([s.model_dump() for s in blend.sources]),
+        "num_shards": dataset.num_shards,
+        "shards_reused": dataset.shards_reused,  # from data/sft/store: only the new days' shards were packed
+        "num_samples": dataset.num_samples,
+        "days": dg.MetadataValue.json(dataset.days),
+        "train_sequences": dataset.num_train_sequences,
+        "validation_sequences": dataset.num_validation_sequences,
+        "pack_size": dataset.pack_size,
+        "scale": scale,
+        "real_tokens": dataset.num_real_tokens,
+        "loss_tokens": dataset.num_loss_tokens,
+        "packing_efficiency": round(dataset.packing_efficiency, 4),
+        "truncated_conversations": sum(s.truncated_documents for s in stats.values()),
+        "dropped_conversations": sum(s.dropped_documents for s in stats.values()),
+        "quarantined_rows": dataset.quarantined_rows,
+        "held_out_for_eval_set": dataset.held_out_samples,
+        # a sample on two days (two days processed at once, a document landed again): the earliest day keeps it
+        "cross_day_duplicates_dropped": dataset.cross_day_duplicates_dropped,
+        "train_path": dg.MetadataValue.path(dataset.train_path),
+        "validation_path": dg.MetadataValue.path(dataset.validation_path),
+        **contamination_metadata(contamination, index),
+    }
 
 
 @dg.asset_check(

@@ -437,6 +437,8 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
     }
     assert stages["pretrain"]["steps"] == 6 and stages["sft"]["final_loss"] < stages["sft"]["first_loss"]
     assert stages["dpo"]["reward_accuracy"] is not None and stages["dpo"]["validation_pairs"] > 0
+    assert stages["grpo"]["steps"] == 3 and stages["grpo"]["rollout_s"] > 0, stages["grpo"]
+    assert stages["grpo"]["held_out_reward"] is not None and stages["grpo"]["update_s"] > 0, stages["grpo"]
     assert stages["evaluate"]["candidate"]["examples"] == stages["evaluate"]["production"]["examples"] >= 30
     assert stages["generate"]["tokens_generated"] == 16
     assert stages["resume"] == {

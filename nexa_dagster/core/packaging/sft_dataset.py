@@ -633,6 +633,14 @@ def build_sft_dataset_from_days(
         assets={**(assets or {}), "filtered_samples": [d.path for d in inputs]},
         log=log,
     )
+    check_both_splits(run, pack_size)
+    artifact = sft_artifact(run, inputs, tokenizer_path, pack_size, cross_day)
+    storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
+    return artifact, run.stats
+
+
+def check_both_splits(run: SftRun, pack_size: int) -> None:
+    """A packed dataset has a train and a validation sequence, or the error says why not."""
     for split in SPLITS:
         if run.stats[split].sequences == 0:
             if sum(s.documents for s in run.stats.values()) < 2:
@@ -643,8 +651,14 @@ def build_sft_dataset_from_days(
                 f"{split}: no packed sequence (no {split} sample, or every conversation is longer "
                 f"than pack_size={pack_size} with no answer left); raise pack_size or add data"
             )
+
+
+def sft_artifact(
+    run: SftRun, inputs: Sequence[DayInput], tokenizer_path: str, pack_size: int, cross_day: int
+) -> SFTDataset:
+    """The ``SFTDataset`` a finished packaging run describes."""
     real = sum(s.real_tokens for s in run.stats.values())
-    artifact = SFTDataset(
+    return SFTDataset(
         run_hash=run.run_hash,
         root=run.root,
         train_path=run.paths["train"],
@@ -669,5 +683,3 @@ def build_sft_dataset_from_days(
         quarantine_path=run.paths.get("quarantine"),
         cross_day_duplicates_dropped=cross_day,
     )
-    storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
-    return artifact, run.stats
