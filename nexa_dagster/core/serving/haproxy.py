@@ -134,19 +134,8 @@ def render_config(
     socket of their own: the control API's TCP port wants its token on every route)."""
     servers = "\n".join(f"    server {c} unix@{engine_sockets[c]} disabled" for c in COLOURS)
     rules = api_key_rules(salt, digests_file or admin_socket.with_name("keys.acl"))
-    return f"""# written by nexa_dagster.core.serving.haproxy; traffic is steered at run time through {admin_socket}
-global
-    stats socket {admin_socket} mode 600 level admin
-    stats timeout 30s
-
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 600s
-    timeout server 600s
-    timeout http-keep-alive 10s
-    retries 3
-    option redispatch 1
+    written = f"haproxy; traffic is steered at run time through {admin_socket}"
+    return f"""{preamble(written, admin_socket)}    option redispatch 1
 
 frontend endpoint
     bind {host}:{port}
@@ -161,6 +150,24 @@ backend {BACKEND}
 
 backend control
     server control unix@{public_socket}
+"""
+
+
+def preamble(written_by: str, admin_socket: Path) -> str:
+    """The head of every configuration the project writes: who wrote it, the runtime API on a private socket (the
+    key rotation and the colour switches go through it), HTTP mode and the timeouts a streamed answer needs."""
+    return f"""# written by nexa_dagster.core.serving.{written_by}
+global
+    stats socket {admin_socket} mode 600 level admin
+    stats timeout 30s
+
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 600s
+    timeout server 600s
+    timeout http-keep-alive 10s
+    retries 3
 """
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nexa_dagster.core.serving import access
-from nexa_dagster.core.serving.haproxy import KeyedHAProxy, RouterError, api_key_rules
+from nexa_dagster.core.serving.haproxy import KeyedHAProxy, RouterError, api_key_rules, preamble
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,7 @@ def render_key_proxy_config(
 ) -> str:
     """One frontend that refuses every request without a valid key (HAProxy answers the 401: the engine never sees
     it) and drops the header; one backend, the engine (``host:port`` or ``unix@<path>``)."""
-    return f"""# written by nexa_dagster.core.serving.key_proxy: every route behind the API key (docs/security.md)
-global
-    stats socket {admin_socket} mode 600 level admin
-    stats timeout 30s
-
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 600s
-    timeout server 600s
-    timeout http-keep-alive 10s
-    retries 3
-
+    return f"""{preamble("key_proxy: every route behind the API key (docs/security.md)", admin_socket)}
 frontend endpoint
     bind {host}:{port}
 {api_key_rules(salt, digests_file)}    default_backend engine
