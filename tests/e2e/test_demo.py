@@ -432,7 +432,9 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
     assert proc.returncode == 0 and result["failed"] == [], proc.stdout[-4000:] + proc.stderr[-3000:]
     stages = result["stages"]
     assert {k: v["status"] for k, v in stages.items()} == {
-        **dict.fromkeys(["pretrain", "sft", "dpo", "evaluate", "generate", "resume", "throughput"], "ok"),
+        **dict.fromkeys(
+            ["pretrain", "sft", "dpo", "grpo", "evaluate", "generate", "resume", "throughput"], "ok"
+        ),
         "fp16": "skipped",
     }
     assert stages["pretrain"]["steps"] == 6 and stages["sft"]["final_loss"] < stages["sft"]["first_loss"]

@@ -355,6 +355,12 @@ def test_sft_dataset_sends_its_shards_to_the_slurm_backend_when_packaging_says_c
                 "rows_per_shard: 5000", "rows_per_shard: 25"
             )
         )
+        # the judged samples alone: this test is about where the shards run, not the checkable tasks (whose
+        # documents it does not land)
+        (configs / "blends" / "sft.yaml").write_text(
+            "name: sft-judged-samples\nsources:\n  - {name: filtered_samples, path: 'asset:filtered_samples', "
+            "transform: openai_chat}\n"
+        )
         monkeypatch.setenv("NEXA_CONFIG_DIR", str(configs))
         shutil.copytree(tiny_model_dir, root / "models" / "tiny-teacher")
         for day, n in (("2026-11-02", 30), ("2026-11-03", 20)):
