@@ -66,8 +66,9 @@ def rl_settings(scale: ScalePreset) -> RLSettings:
         dg.AssetCheckSpec(
             "rl_eval_set_is_frozen_and_apart",
             asset="rl_eval_set",
-            description="The frozen RL eval set re-read: its files match the manifest's hashes, and none of its "
-            "items is among rl_prompts' train rows (by item id, document or prompt text).",
+            description="The frozen RL eval set re-read: none of its items is among rl_prompts' train rows (by "
+            "item id, document or prompt text). A version whose files no longer match the manifest's hashes fails "
+            "the asset itself, before this check.",
         )
     ],
     description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, documents never "

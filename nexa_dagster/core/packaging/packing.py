@@ -356,13 +356,22 @@ def check_packed_file(path: str, pack_size: int, label: str = "") -> list[str]:
     """Problems with a packed split as training will read it (empty list: fine).
 
     ``path`` is a split manifest (``core/packed_split``) or a packed Parquet file; the shard files are checked one
-    at a time, and rows are numbered across the whole split, in the order training reads them.
+    at a time, and rows are numbered across the whole split, in the order training reads them. A split that
+    cannot be read (a shard gone from the store, cut short, or no longer Parquet) is a problem naming it, as
+    training would fail on it: the asset check fails instead of erroring.
     """
     where = label or path
     problems: list[str] = []
     offset = loss_tokens = 0
-    for _, table in iter_packed_tables(path):
-        frame = table.to_pandas()
+    tables = iter_packed_tables(path)
+    while True:
+        try:
+            shard = next(tables, None)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            return [*problems, f"{where} ({path}) cannot be read: {type(e).__name__}: {str(e)[:300]}"]
+        if shard is None:
+            break
+        frame = shard[1].to_pandas()
         frame.index += offset
         offset += len(frame)
         problems += _frame_problems(frame, pack_size, where, PackedSequences)

@@ -3,7 +3,15 @@
 version as its input (Dagster's own lineage), so a promotion leaves it behind (stale) and the history lists every
 change. A rollback from the command line, outside any run, records its event on the instance DAGSTER_HOME names.
 
-Only public Dagster API: the instance's event records and their tags (the ones the UI's staleness compares)."""
+Only public Dagster API. Dagster 1.13 has no public in-process call that returns an asset's stale status: the
+resolver the UI's "Unsynced" comes from (``CachingStaleStatusResolver``) lives in ``dagster._core``, and the public
+``staleStatus``/``staleCauses`` fields are the webserver's GraphQL (read in the browser by
+``tests/integration/test_ui.py``; executing that schema in-process needs ``dagster._core.workspace``). So the
+staleness test makes Dagster's own comparison from Dagster's public pieces, with no tag of ours read: a stale
+dependency is one whose data version recorded in the materialization's provenance (``dg.DataProvenance.from_tags``,
+the tags Dagster wrote when the pairs were made) differs from the dependency's current data version; and the
+current data version is what Dagster records as the input of a materialization made now (its step reads the same
+latest materialization, the same way, as the resolver)."""
 
 from __future__ import annotations
 
@@ -23,8 +31,9 @@ from nexa_dagster.assets.production import (
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 
-INPUT_TAG = f"dagster/input_data_version/{PRODUCTION_MODEL}"  # what a materialization recorded of its input
-DAY = "2026-11-20"
+PRODUCTION = dg.AssetKey(PRODUCTION_MODEL)
+PAIRS = dg.AssetKey("preference_pairs")
+DAY, NEXT, LATER = "2026-11-20", "2026-11-21", "2026-11-22"
 
 
 def _entry(checkpoint_id: str, root: Path) -> ProductionEntry:
@@ -47,29 +56,41 @@ def _pairs_stand_in() -> dg.AssetsDefinition:
     return pairs
 
 
-def _production_now(instance: dg.DagsterInstance) -> str:
-    event = instance.get_latest_materialization_event(dg.AssetKey(PRODUCTION_MODEL))
-    return event.asset_materialization.tags[DATA_VERSION_TAG]
+def _made_from(instance: dg.DagsterInstance, day: str) -> dg.DataVersion:
+    """The data version of production_model that Dagster recorded as the input of the latest pairs of ``day``."""
+    [record] = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=PAIRS, asset_partitions=[day]), limit=1
+    ).records
+    provenance = dg.DataProvenance.from_tags(record.asset_materialization.tags)
+    assert provenance is not None and provenance.has_input_asset(PRODUCTION)
+    return provenance.input_data_versions[PRODUCTION]
+
+
+def _make_pairs(instance: dg.DagsterInstance, pairs: dg.AssetsDefinition, day: str) -> dg.DataVersion:
+    """Pairs of ``day`` made now; the data version of production Dagster read for them (production's current one)."""
+    assert dg.materialize([production_model_asset, pairs], instance=instance, partition_key=day).success
+    return _made_from(instance, day)
 
 
 def test_a_promotion_leaves_the_pairs_made_from_the_old_production_behind(tmp_path: Path) -> None:
     pairs = _pairs_stand_in()
     with dg.instance_for_test() as instance:
         report_production_change(instance, _entry("ckpt-a", tmp_path), "promotion", None)
-        assert dg.materialize([production_model_asset, pairs], instance=instance, partition_key=DAY).success
-        made = instance.get_latest_materialization_event(dg.AssetKey("preference_pairs"))
-        recorded = made.asset_materialization.tags[INPUT_TAG]
-        assert recorded == "ckpt-a" == _production_now(instance)  # fresh: made from what is production
+        recorded = _make_pairs(instance, pairs, DAY)
+        assert recorded == dg.DataVersion("ckpt-a")
 
         report_production_change(instance, _entry("ckpt-b", tmp_path), "promotion", "ckpt-a")
-        assert _production_now(instance) == "ckpt-b" != recorded  # stale: "has a new dependency data version"
+        # what Dagster now takes as production's data version; DAY, made from ckpt-a, is stale ("has a new
+        # dependency data version"), NEXT, made after the promotion, is not
+        current = _make_pairs(instance, pairs, NEXT)
+        assert current == dg.DataVersion("ckpt-b") != _made_from(instance, DAY)
 
         report_production_change(instance, _entry("ckpt-a", tmp_path), "rollback", "ckpt-b")
-        assert _production_now(instance) == recorded  # rolled back to what it was made from: fresh again
+        # rolled back: DAY is fresh again, NEXT (made from ckpt-b) is stale
+        current = _make_pairs(instance, pairs, LATER)
+        assert current == _made_from(instance, DAY) != _made_from(instance, NEXT)
 
-        history = instance.fetch_materializations(
-            dg.AssetKey(PRODUCTION_MODEL), limit=10, ascending=True
-        ).records
+        history = instance.fetch_materializations(PRODUCTION, limit=10, ascending=True).records
         assert [
             (
                 r.asset_materialization.metadata["change"].value,
