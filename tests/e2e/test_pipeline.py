@@ -632,7 +632,12 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
         params = client.get_run(str(metadata["mlflow_run_id"])).data.params
         knobbed = bool(run.dagster_run.run_config.get("ops"))
         trained[knobbed] = (metadata["steps"], float(params["learning_rate"]), metadata["scale"])
-    assert trained == {False: (24, 0.003, "tiny"), True: (6, 0.002, "tiny")}, trained
+    from nexa_dagster.core.common.config import load_scale
+
+    preset = load_scale("tiny").training  # the first run trains the preset's steps and rate
+    assert trained == {False: (preset.max_steps, preset.learning_rate, "tiny"), True: (6, 0.002, "tiny")}, (
+        trained
+    )
     spans = []
     for run in runs:
         events = instance.all_logs(run.dagster_run.run_id)
