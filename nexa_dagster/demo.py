@@ -345,6 +345,102 @@ def days_dagster_knows(
     return known, lines
 
 
+class Demo:
+    """The jobs of ``make run`` executed in this process against the instance in ``$DAGSTER_HOME``, each run tagged
+    with this process (so a killed ``make run`` leaves no run that looks alive) and timed for the summary."""
+
+    def __init__(self, defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
+        self.defs, self.instance = defs, instance
+        self.storage = defs.resources["storage"]
+        self.launcher = process_token()
+        self.timings: dict[str, float] = {}
+        self.nights: list[Night] = []
+
+    def run(self, job_name: str, **kwargs: Any) -> dg.ExecuteInProcessResult:
+        """One job, in process; its time recorded under the job, partition, night and asset subset it ran."""
+        t = time.perf_counter()
+        print(f"==> {job_name} {kwargs.get('partition_key', '')}".rstrip(), flush=True)
+        quiet = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # DEBUG events stay in the UI
+        kwargs.setdefault("raise_on_error", True)
+        result = self.defs.resolve_job_def(job_name).execute_in_process(
+            instance=self.instance, run_config=quiet, tags={LAUNCHER_TAG: self.launcher}, **kwargs
+        )
+        night = f" (night {len(self.nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
+        subset = kwargs.get("asset_selection")  # a part of the job: named, so it is not the job's own line
+        part = f" ({', '.join(k.to_user_string() for k in subset)})" if subset else ""
+        label = f"{job_name} {kwargs.get('partition_key', '')}".strip() + night + part
+        self.timings[label] = time.perf_counter() - t
+        return result
+
+    def production_id(self) -> str | None:
+        current = ProductionRegistry(self.storage.production_pointer()).current()
+        return current.checkpoint_id if current else None
+
+    def outcome(self, checkpoint_id: str) -> str:
+        """What deployment did with a checkpoint: deployed, held back: ..., failed: ..."""
+        return describe(read_outcome(self.storage.deployment_dir(checkpoint_id)))
+
+    def run_nights(self, days: list[str]) -> tuple[Any, Any]:
+        """Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far,
+        its evaluation beside production on the same frozen eval set, and the gate. The base is pretrained once,
+        on the first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen
+        answers teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the
+        deployment's smoke test rightly refuses as no text). (the base model, its evaluation or None)"""
+        base = base_eval = None
+        for number, day in enumerate(days, start=1):
+            print(f"\n--- night {number}: {day} ---", flush=True)
+            self.run("daily_data_job", partition_key=day)
+            if base is None:
+                base = self.run("pretraining_job").output_for_node("base_model")
+            checkpoint = self.run("training_job").output_for_node("moe_checkpoint")
+            if (
+                number == 1
+            ):  # the eval set frozen by this training holds the corpus documents the base is scored on
+                scored = self.run(
+                    "base_evaluation_job", partition_key=base.checkpoint_id, raise_on_error=False
+                )
+                base_eval = scored.output_for_node("base_model_eval") if scored.success else None
+            evaluation = self.run(
+                "evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False
+            )
+            outcome = self.outcome(checkpoint.checkpoint_id)
+            self.nights.append(night_of(number, day, checkpoint, evaluation, self.production_id(), outcome))
+        return base, base_eval
+
+    def run_preference(self, days: list[str], scale: Any) -> PreferenceRun | str:
+        """pretrain -> SFT -> preference: the production model answers every day's prompts, its answers are
+        ranked into pairs, DPO trains from it, and the gate compares the result with it (as the sensors run it)."""
+        print("\n--- preference: the production model's answers judged into pairs, then DPO ---", flush=True)
+        pairs = [
+            self.run("preference_pairs_job", partition_key=day).output_for_node("preference_pairs")
+            for day in days
+        ]
+        if scale.rl is not None and scale.preference.rank_by == "reward":
+            # the reward gate of a DPO checkpoint trained on reward-ranked pairs scores the frozen held-out prompts
+            self.run(
+                "rl_training_job", asset_selection=[dg.AssetKey("rl_prompts"), dg.AssetKey("rl_eval_set")]
+            )
+        trained = self.run("preference_training_job", raise_on_error=False)
+        if not trained.success:
+            return "DPO training failed: see the preference_training_job run in the UI"
+        pref = trained.output_for_node("preference_checkpoint")
+        evaluation = self.run("evaluation_job", partition_key=pref.checkpoint_id, raise_on_error=False)
+        gaps = [g for frame in pairs for g in frame["score_gap"]]
+        metrics = pref.preference_metrics or {}
+        return PreferenceRun(
+            sum(len(f) for f in pairs),
+            len(days),
+            sum(gaps) / len(gaps) if gaps else None,
+            pref.checkpoint_id,
+            pref.parent,
+            metrics.get("reward_accuracy"),
+            metrics.get("reward_margin"),
+            int(metrics["pairs"]) if "pairs" in metrics else None,
+            evaluation.output_for_node("eval_report") if evaluation.success else None,
+            self.outcome(pref.checkpoint_id),
+        )
+
+
 def main() -> int:
     settings.export_default(settings.DAGSTER_HOME, str(REPO_ROOT / ".dagster_home"))
     settings.export_default(settings.HF_HUB_OFFLINE)
@@ -362,8 +458,8 @@ def main() -> int:
         print(
             f"{len(orphans)} run(s) left STARTED by a killed `make run` marked failed: {', '.join(orphans)}"
         )
-    storage = defs.resources["storage"]
-    landing_root = resolve_path(storage.landing_root)
+    demo = Demo(defs, instance)
+    landing_root = resolve_path(demo.storage.landing_root)
     days, unknown = days_dagster_knows(landed_days(landing_root), landing_root)
     for line in unknown:  # one line each, and the other days still run
         print(line, file=sys.stderr)
@@ -372,121 +468,50 @@ def main() -> int:
         return 1
     scale = load_scale()
     print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={settings.DAGSTER_HOME.get()}")
-    timings: dict[str, float] = {}
-    launcher = process_token()
 
-    nights: list[Night] = []
-
-    def run(job_name: str, **kwargs: object) -> dg.ExecuteInProcessResult:
-        t = time.perf_counter()
-        print(f"==> {job_name} {kwargs.get('partition_key', '')}".rstrip(), flush=True)
-        quiet = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # DEBUG events stay in the UI
-        kwargs.setdefault("raise_on_error", True)
-        result = defs.resolve_job_def(job_name).execute_in_process(
-            instance=instance, run_config=quiet, tags={LAUNCHER_TAG: launcher}, **kwargs
-        )
-        night = f" (night {len(nights) + 1})" if job_name in ("pretraining_job", "training_job") else ""
-        subset = kwargs.get("asset_selection")  # a part of the job: named, so it is not the job's own line
-        part = f" ({', '.join(k.to_user_string() for k in subset)})" if subset else ""
-        timings[f"{job_name} {kwargs.get('partition_key', '')}".strip() + night + part] = (
-            time.perf_counter() - t
-        )
-        return result
-
-    # Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far, its
-    # evaluation beside production on the same frozen eval set, and the gate. The base is pretrained once, on the
-    # first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen answers
-    # teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the deployment's smoke
-    # test rightly refuses as no text).
-    base = base_eval = None
-    for number, day in enumerate(days, start=1):
-        print(f"\n--- night {number}: {day} ---", flush=True)
-        run("daily_data_job", partition_key=day)
-        if base is None:
-            base = run("pretraining_job").output_for_node("base_model")
-        checkpoint = run("training_job").output_for_node("moe_checkpoint")
-        if (
-            number == 1
-        ):  # the eval set frozen by this training run holds the corpus documents the base is scored on
-            scored = run("base_evaluation_job", partition_key=base.checkpoint_id, raise_on_error=False)
-            base_eval = scored.output_for_node("base_model_eval") if scored.success else None
-        evaluation = run("evaluation_job", partition_key=checkpoint.checkpoint_id, raise_on_error=False)
-        current = ProductionRegistry(storage.production_pointer()).current()
-        outcome = describe(read_outcome(storage.deployment_dir(checkpoint.checkpoint_id)))
-        nights.append(
-            night_of(number, day, checkpoint, evaluation, current.checkpoint_id if current else None, outcome)
-        )
-    preference, preference_failed = None, ""
-    if (
-        scale.preference is not None
-        and ProductionRegistry(storage.production_pointer()).current() is not None
-    ):
-        # pretrain -> SFT -> preference: the production model answers every day's prompts, the judge turns its
-        # answers into pairs, DPO trains from it, and the gate compares the result with it (as the sensors run it)
-        print("\n--- preference: the production model's answers judged into pairs, then DPO ---", flush=True)
-        pairs = [
-            run("preference_pairs_job", partition_key=day).output_for_node("preference_pairs") for day in days
-        ]
-        if scale.rl is not None and scale.preference.rank_by == "reward":
-            # the reward gate of a DPO checkpoint trained on reward-ranked pairs scores the frozen held-out prompts
-            run("rl_training_job", asset_selection=[dg.AssetKey("rl_prompts"), dg.AssetKey("rl_eval_set")])
-        trained = run("preference_training_job", raise_on_error=False)
-        if trained.success:
-            pref = trained.output_for_node("preference_checkpoint")
-            evaluation = run("evaluation_job", partition_key=pref.checkpoint_id, raise_on_error=False)
-            gaps = [g for frame in pairs for g in frame["score_gap"]]
-            metrics = pref.preference_metrics or {}
-            preference = PreferenceRun(
-                sum(len(f) for f in pairs),
-                len(days),
-                sum(gaps) / len(gaps) if gaps else None,
-                pref.checkpoint_id,
-                pref.parent,
-                metrics.get("reward_accuracy"),
-                metrics.get("reward_margin"),
-                int(metrics["pairs"]) if "pairs" in metrics else None,
-                evaluation.output_for_node("eval_report") if evaluation.success else None,
-                describe(read_outcome(storage.deployment_dir(pref.checkpoint_id))),
-            )
-        else:
-            preference_failed = "DPO training failed: see the preference_training_job run in the UI"
-            print(preference_failed)
-    # SFT -> preference -> RL: GRPO from whatever is in production now, on checkable tasks
-    rl = (
-        run_rl(run, storage)
-        if scale.rl is not None and ProductionRegistry(storage.production_pointer()).current()
+    base, base_eval = demo.run_nights(days)
+    preference = (
+        demo.run_preference(days, scale)
+        if scale.preference is not None and demo.production_id() is not None
         else None
     )
-    run("leaderboard_job")
+    if isinstance(preference, str):
+        print(preference)
+    # SFT -> preference -> RL: GRPO from whatever is in production now, on checkable tasks
+    rl = run_rl(demo.run, demo.storage) if scale.rl is not None and demo.production_id() else None
+    demo.run("leaderboard_job")
+    print_summary(demo, time.perf_counter() - t0, base, base_eval, preference, rl)
+    return 0
 
-    total = time.perf_counter() - t0
-    data_root = storage.root  # NEXA_DATA_ROOT / NEXA_RESULTS_ROOT honoured: where this run really wrote
+
+def print_summary(
+    demo: Demo,
+    total_s: float,
+    base: Any,
+    base_eval: Any,
+    preference: PreferenceRun | str | None,
+    rl: RLRun | str | None,
+) -> None:
+    """What ``make run`` made: each job's time, the base model, every night's decision, the preference and RL
+    stages, what is in production and served, and where everything is."""
     print("\n" + "=" * 78)
-    print(f"nexa-dagster tiny pipeline finished in {total:.0f} s ({len(nights)} nights)")
-    for name, seconds in timings.items():
+    print(f"nexa-dagster tiny pipeline finished in {total_s:.0f} s ({len(demo.nights)} nights)")
+    for name, seconds in demo.timings.items():
         print(f"  {name:<40} {seconds:6.1f} s")
-    print(f"  base model        {base.path}  (pretrained on pretrain_corpus)" if base else "")
-    if base is not None and base_eval is None:
-        print("                    its evaluation failed: see the base_evaluation_job run in the UI")
-    if base_eval:
-        low, high = base_eval.loss_interval
-        print(
-            f"                    eval set v{base_eval.eval_set_version}: loss {base_eval.loss:.4f} 95% CI "
-            f"[{low:.4f}, {high:.4f}] (perplexity {base_eval.perplexity:.1f}) on {base_eval.documents} frozen "
-            "corpus documents no base model trains on"
-        )
+    for line in base_lines(base, base_eval):
+        print(line)
     print(
         "  nights            candidate vs production on the same frozen eval set (mean loss per token, "
         "lower is better)"
     )
-    for line in summary_lines(nights):
+    for line in summary_lines(demo.nights):
         print(f"    {line}")
-    if preference is not None:
+    if isinstance(preference, PreferenceRun):
         print("  preference        DPO from the production model, judged against it on the same prompts")
         for line in preference_lines(preference):
             print(f"    {line}")
-    elif preference_failed:
-        print(f"  preference        {preference_failed}")
+    elif preference:
+        print(f"  preference        {preference}")
     if isinstance(rl, RLRun):
         print(
             "  rl                GRPO from the production model, gated on held-out prompts it never trained on"
@@ -495,30 +520,53 @@ def main() -> int:
             print(f"    {line}")
     elif rl:
         print(f"  rl                {rl}")
-    production = ProductionRegistry(storage.production_pointer()).current()
-    print(f"  production        {production.checkpoint_id if production else 'none'}")
-    deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))
-    dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
-    if dm:
-        endpoint = dm.get("endpoint") if str(dm.get("endpoint", "")).startswith("http") else None
-        where = (
-            f"served at {endpoint}"
-            if endpoint
-            else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
-        )
-        print(
-            f"  serving           {dm.get('checkpoint_served')}: {dm.get('engine')} smoke "
-            f"request {dm.get('smoke_latency_s')} s; {where}"
-        )
+    print(f"  production        {demo.production_id() or 'none'}")
+    serving = serving_line(demo.instance)
+    if serving:
+        print(serving)
+    storage = demo.storage
+    data_root = storage.root  # NEXA_DATA_ROOT / NEXA_RESULTS_ROOT honoured: where this run really wrote
     print(f"  leaderboard       {storage.results_path('evaluation', 'leaderboard.csv')}")
     print(
         f"  data              {data_root}/  (tables under {data_root}/assets, MLflow at "
-        f"{defs.resources['tracking'].uri()})"
+        f"{demo.defs.resources['tracking'].uri()})"
     )
     print(
         "Open the UI to see the lineage graph with every asset materialized:  make ui  (http://127.0.0.1:3000)"
     )
-    return 0
+
+
+def base_lines(base: Any, base_eval: Any) -> list[str]:
+    """The base model's summary: where it is and its loss on the frozen corpus documents no base trains on."""
+    if base is None:
+        return [""]
+    lines = [f"  base model        {base.path}  (pretrained on pretrain_corpus)"]
+    if base_eval is None:
+        lines.append("                    its evaluation failed: see the base_evaluation_job run in the UI")
+        return lines
+    low, high = base_eval.loss_interval
+    lines.append(
+        f"                    eval set v{base_eval.eval_set_version}: loss {base_eval.loss:.4f} 95% CI "
+        f"[{low:.4f}, {high:.4f}] (perplexity {base_eval.perplexity:.1f}) on {base_eval.documents} frozen "
+        "corpus documents no base model trains on"
+    )
+    return lines
+
+
+def serving_line(instance: dg.DagsterInstance) -> str:
+    """What the latest model_deployment materialization served, and where ("" when nothing was deployed)."""
+    deployment = instance.get_latest_materialization_event(dg.AssetKey("model_deployment"))
+    dm = {k: v.value for k, v in deployment.asset_materialization.metadata.items()} if deployment else {}
+    if not dm:
+        return ""
+    endpoint = dm.get("endpoint") if str(dm.get("endpoint", "")).startswith("http") else None
+    where = (
+        f"served at {endpoint}" if endpoint else f"smoke-tested -> {dm.get('endpoint') or 'deployment.json'}"
+    )
+    return (
+        f"  serving           {dm.get('checkpoint_served')}: {dm.get('engine')} smoke "
+        f"request {dm.get('smoke_latency_s')} s; {where}"
+    )
 
 
 if __name__ == "__main__":

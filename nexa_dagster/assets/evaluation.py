@@ -186,19 +186,11 @@ def eval_report(
         checkpoint_dir(storage, tracking, policy.registered_model, checkpoint_id), checkpoint_id, storage.root
     )
     eval_set = frozen_eval_set(storage, version, checkpoint_id)
-    # the prompts both models answer: the eval set's questions (for the judge), an RL checkpoint's frozen held-out
-    # RL prompts (for the reward gate, at training's completion length)
     rewards = gate_rewards(ckpt, scale)
-    rl_rows = rl_held_out(storage, scale, checkpoint_id) if rewards else None
-    questions = (
-        [r["prompt"] for r in rl_rows]
-        if rl_rows is not None
-        else eval_prompts(eval_set, scale.evaluation.num_heldout_prompts)
-    )
+    rl_rows, questions, max_new_tokens = prompts_to_answer(storage, scale, checkpoint_id, eval_set, rewards)
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
-    max_new_tokens = scale.rl.max_completion_tokens if rl_rows is not None and scale.rl else None
     scores = score_both(
         context,
         gpu_cluster,
@@ -228,9 +220,6 @@ def eval_report(
     decision, reward_figures = gate_decision(
         ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
     )
-    if reward_figures is not None and scale.rl is not None:
-        reward_figures["rl_eval_set_version"] = scale.rl.eval_set_version
-        reward_figures["answers"] = answers_label(scale)
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -244,7 +233,7 @@ def eval_report(
         contaminated,
     )
     if reward_figures is not None:
-        report = report.model_copy(update={"reward_gate": reward_figures})
+        report = report.model_copy(update={"reward_gate": with_rl_eval_set(reward_figures, scale)})
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
@@ -252,6 +241,35 @@ def eval_report(
         f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
     )
     yield gate_check(decision, evaluation, policy, version, report, reward_figures)
+
+
+def prompts_to_answer(
+    storage: StorageResource,
+    scale: ScalePreset,
+    checkpoint_id: str,
+    eval_set: dict,
+    rewards: list[tuple[str, float]],
+) -> tuple[list[dict] | None, list[str], int | None]:
+    """The prompts both models answer, and at what length: an RL-gated checkpoint's frozen held-out RL prompts (for
+    the reward gate, at training's completion length), else the eval set's questions (for the judge, at the
+    evaluation's own length). (the RL rows or None, the prompts, the max new tokens or None)"""
+    if not rewards:
+        return None, eval_prompts(eval_set, scale.evaluation.num_heldout_prompts), None
+    rl_rows = rl_held_out(storage, scale, checkpoint_id)
+    max_new_tokens = scale.rl.max_completion_tokens if scale.rl else None
+    return rl_rows, [r["prompt"] for r in rl_rows], max_new_tokens
+
+
+def with_rl_eval_set(reward_figures: dict[str, Any], scale: ScalePreset) -> dict[str, Any]:
+    """The reward gate's figures with the RL eval set's version and how the answers were drawn (the summary's and
+    the UI's "on what")."""
+    if scale.rl is None:
+        return reward_figures
+    return {
+        **reward_figures,
+        "rl_eval_set_version": scale.rl.eval_set_version,
+        "answers": answers_label(scale),
+    }
 
 
 def judged(

@@ -301,6 +301,15 @@ def decide(
     measured = _measure(checkpoint_id, production, policy, paired_loss, win_rate, benchmark)
     if measured.n is None:  # nothing was compared: the reason says why
         return measured
+    refused = _refused(measured, policy, contamination, win_rate) or _too_little_evidence(measured, policy)
+    return refused or _guarded(measured, policy, guard)
+
+
+def _refused(
+    measured: GateDecision, policy: PromotionPolicy, contamination: float | None, win_rate: WinRate | None
+) -> GateDecision | None:
+    """Held back whatever the figures say: training data holding too much of the eval set, or a pairwise judge
+    whose verdicts flip with the answer order too often; None when neither."""
     if contamination is not None and contamination > policy.max_contamination:
         return replace(
             measured,
@@ -319,32 +328,43 @@ def decide(
             reason=f"{unreliable}; {measured.reason}",
             rule=f"flipped share <= {policy.preference.max_inconsistent_share}",
         )
+    return None
+
+
+def _too_little_evidence(measured: GateDecision, policy: PromotionPolicy) -> GateDecision | None:
+    """Below the policy's minimum n: "insufficient evidence" (held back), or promoted with a warning where the
+    policy waives it (``on_insufficient_evidence: promote``); None when n is enough."""
     need = policy.minimum_evidence()
-    if measured.n < need:
-        shortfall = f"insufficient evidence: n = {measured.n} < {need} ({_evidence_name(policy)})"
-        if policy.on_insufficient_evidence == "promote":
-            return replace(
-                measured,
-                passed=True,
-                decision="promote",
-                reason=f"WARN {shortfall}, promoted because "
-                f"on_insufficient_evidence: promote; {measured.reason}",
-                rule=f"n >= {need} (waived)",
-            )
+    if measured.n is None or measured.n >= need:
+        return None
+    shortfall = f"insufficient evidence: n = {measured.n} < {need} ({_evidence_name(policy)})"
+    if policy.on_insufficient_evidence == "promote":
         return replace(
             measured,
-            passed=False,
-            decision="insufficient evidence",
-            reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
-            rule=f"n >= {need}",
+            passed=True,
+            decision="promote",
+            reason=f"WARN {shortfall}, promoted because on_insufficient_evidence: promote; {measured.reason}",
+            rule=f"n >= {need} (waived)",
         )
+    return replace(
+        measured,
+        passed=False,
+        decision="insufficient evidence",
+        reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
+        rule=f"n >= {need}",
+    )
+
+
+def _guarded(measured: GateDecision, policy: PromotionPolicy, guard: GuardReport | None) -> GateDecision:
+    """The decision with the guards applied; where they only say the sample cannot tell, the lab's waiver of
+    too little evidence (``on_insufficient_evidence: promote``) covers that too."""
     guarded = apply_guards(measured, guard)
     if (
         measured.passed
         and guarded.outcome == "insufficient evidence"
         and policy.on_insufficient_evidence == "promote"
     ):
-        return replace(  # the guards only said the sample cannot tell: the lab's waiver covers that too
+        return replace(
             guarded,
             passed=True,
             decision="promote",
@@ -508,66 +528,94 @@ def _measure(
     benchmark: BenchmarkComparison | None,
 ) -> GateDecision:
     """The configured metric's comparison against the margin, with its n (None when nothing was compared)."""
-    need = "interval" if policy.require_interval else "point estimate"
-    level = f"{policy.confidence:.0%}"
     if policy.benchmark:
-        if benchmark is None:
-            return GateDecision(
-                False,
-                f"{policy.metric} was not measured on both {checkpoint_id} and production "
-                f"{production.checkpoint_id}: nothing to compare with",
-            )
-        b = benchmark
-        worst = b.low if policy.require_interval else b.difference  # better is positive
-        passed = worst > policy.margin
-        rule = f"{'interval low' if policy.require_interval else 'gain'} > {policy.margin}"
-        reason = (
-            f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
-            f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
-            f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors, n = {b.samples}); the {need} "
-            f"{'is' if passed else 'is not'} above {policy.margin}"
-        )
-        return GateDecision(
-            passed,
-            reason,
-            b.candidate,
-            b.production,
-            b.difference,
-            (b.low, b.high),
-            n=b.samples,
-            method="normal interval from the harness's standard errors",
-            rule=rule,
-        )
+        return _benchmark_decision(checkpoint_id, production, policy, benchmark)
     if policy.metric == "eval_loss":
-        if paired_loss is None:
-            return GateDecision(
-                False,
-                f"production {production.checkpoint_id} was not scored on the same eval set "
-                "(its checkpoint is not readable here): nothing to compare with",
-            )
-        d = paired_loss.difference
-        worst = (
-            d.high if policy.require_interval else d.estimate
-        )  # candidate - production: negative is better
-        passed = worst < -policy.margin
-        rule = f"{'interval high' if policy.require_interval else 'difference'} < -{policy.margin}"
-        reason = (
-            f"eval_loss {paired_loss.candidate:.4f} vs production {production.checkpoint_id} "
-            f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} {paired_loss.method}-interval "
-            f"[{d.low:+.4f}, {d.high:+.4f}] over n = {paired_loss.examples} examples; the {need} "
-            f"{'is' if passed else 'is not'} below -{policy.margin}"
-        )
+        return _loss_decision(production, policy, paired_loss)
+    return _win_rate_decision(checkpoint_id, production, policy, win_rate)
+
+
+def _need_and_level(policy: PromotionPolicy) -> tuple[str, str]:
+    """What the rule compares (the interval's bound or the point estimate) and the interval's level, as words."""
+    return ("interval" if policy.require_interval else "point estimate"), f"{policy.confidence:.0%}"
+
+
+def _benchmark_decision(
+    checkpoint_id: str,
+    production: ProductionEntry,
+    policy: PromotionPolicy,
+    benchmark: BenchmarkComparison | None,
+) -> GateDecision:
+    """A benchmark metric (higher or lower is better, the harness's standard errors) against the margin."""
+    need, level = _need_and_level(policy)
+    if benchmark is None:
         return GateDecision(
-            passed,
-            reason,
-            paired_loss.candidate,
-            paired_loss.production,
-            d.estimate,
-            (d.low, d.high),
-            n=paired_loss.examples,
-            method=INTERVAL_METHODS[paired_loss.method],
-            rule=rule,
+            False,
+            f"{policy.metric} was not measured on both {checkpoint_id} and production "
+            f"{production.checkpoint_id}: nothing to compare with",
         )
+    b = benchmark
+    worst = b.low if policy.require_interval else b.difference  # better is positive
+    passed = worst > policy.margin
+    rule = f"{'interval low' if policy.require_interval else 'gain'} > {policy.margin}"
+    reason = (
+        f"{b.metric} {b.candidate:.4f} vs production {production.checkpoint_id} {b.production:.4f}: "
+        f"{'gain' if b.higher_is_better else 'reduction'} {b.difference:+.4f}, {level} interval "
+        f"[{b.low:+.4f}, {b.high:+.4f}] (the harness's standard errors, n = {b.samples}); the {need} "
+        f"{'is' if passed else 'is not'} above {policy.margin}"
+    )
+    return GateDecision(
+        passed,
+        reason,
+        b.candidate,
+        b.production,
+        b.difference,
+        (b.low, b.high),
+        n=b.samples,
+        method="normal interval from the harness's standard errors",
+        rule=rule,
+    )
+
+
+def _loss_decision(
+    production: ProductionEntry, policy: PromotionPolicy, paired_loss: PairedLoss | None
+) -> GateDecision:
+    """The paired eval-set loss difference (candidate - production, negative is better) against the margin."""
+    need, level = _need_and_level(policy)
+    if paired_loss is None:
+        return GateDecision(
+            False,
+            f"production {production.checkpoint_id} was not scored on the same eval set "
+            "(its checkpoint is not readable here): nothing to compare with",
+        )
+    d = paired_loss.difference
+    worst = d.high if policy.require_interval else d.estimate  # candidate - production: negative is better
+    passed = worst < -policy.margin
+    rule = f"{'interval high' if policy.require_interval else 'difference'} < -{policy.margin}"
+    reason = (
+        f"eval_loss {paired_loss.candidate:.4f} vs production {production.checkpoint_id} "
+        f"{paired_loss.production:.4f}: difference {d.estimate:+.4f}, {level} {paired_loss.method}-interval "
+        f"[{d.low:+.4f}, {d.high:+.4f}] over n = {paired_loss.examples} examples; the {need} "
+        f"{'is' if passed else 'is not'} below -{policy.margin}"
+    )
+    return GateDecision(
+        passed,
+        reason,
+        paired_loss.candidate,
+        paired_loss.production,
+        d.estimate,
+        (d.low, d.high),
+        n=paired_loss.examples,
+        method=INTERVAL_METHODS[paired_loss.method],
+        rule=rule,
+    )
+
+
+def _win_rate_decision(
+    checkpoint_id: str, production: ProductionEntry, policy: PromotionPolicy, win_rate: WinRate | None
+) -> GateDecision:
+    """The judge's win rate over production (Wilson interval) against 0.5 + the margin."""
+    need, level = _need_and_level(policy)
     if win_rate is None:
         return GateDecision(
             False,

@@ -509,14 +509,53 @@ def train(
     ``on_message`` gets human-readable progress lines.
     """
     t_start = time.perf_counter()
-    s = job.settings
-    rank, world_size, say, output_dir = open_run(job, on_message)
+    rank, world_size, say, _ = open_run(job, on_message)
 
     # 1. tokenizer and the objective's data: every input checked before a model is built
     tokenizer = load_tokenizer(job)
     objective = build_objective(job, tokenizer, rank, world_size, say)
 
-    # 2. model and engine
+    # 2. model and engine, then the objective's own preparation (DPO's reference values) before any update
+    run = start_engine(job, tokenizer, objective, world_size, say)
+    objective.prepare(run.engine, run.device, say)
+
+    # 3. resume from the last saved state of an earlier attempt of this run, if there is one
+    start_step, metrics_log, tokens_seen = resume_run(run.engine, job, objective, say)
+
+    # 4. the loop: one optimizer step per iteration, gradient accumulation inside
+    steps = StepLoop(job, run, objective, rank, world_size, say, on_log, metrics_log, tokens_seen)
+    train_s = steps.run(start_step)
+
+    # 5. the objective's held-out figures, then save (rank 0)
+    figures = objective.evaluate(run.engine.module, run.device, say)
+    totals = RunTotals(
+        start_step,
+        steps.tokens_seen,
+        tokens_seen,
+        train_s,
+        t_start,
+        run.parameters_total,
+        run.parameters_active,
+    )
+    return finish_run(job, run.engine, tokenizer, metrics_log, totals, say, **figures)
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """The DeepSpeed engine a run trains, where it runs, and what its metrics lines divide by (MFU)."""
+
+    engine: Any
+    device: torch.device
+    parameters_total: int
+    parameters_active: int
+    per_token_flops: float
+    peak_flops: float | None
+
+
+def start_engine(
+    job: TrainingJob, tokenizer: Any, objective: Objective, world_size: int, say: MessageFn
+) -> EngineRun:
+    """The model (from ``init_from`` or fresh) wrapped by the DeepSpeed engine, with the figures MFU needs."""
     model = build_model(job, len(tokenizer), tokenizer)
     if job.init_from:
         say(f"weights from {job.parent} ({job.init_from})")
@@ -526,104 +565,146 @@ def train(
     per_token_flops = monitor.flops_per_token(
         active_params, model.config.num_hidden_layers, model.config.hidden_size, objective.seq_len
     )
-    peak = monitor.peak_flops(device)
     say(
         f"engine ready: {total_params:,} parameters ({active_params:,} active), ZeRO stage "
         f"{engine.zero_optimization_stage()}, {objective.describe()}, world size {world_size}, device {device}"
     )
-    objective.prepare(engine, device, say)  # before any update and before resuming (DPO's reference values)
+    return EngineRun(engine, device, total_params, active_params, per_token_flops, monitor.peak_flops(device))
 
-    # 3. resume from the last saved state of an earlier attempt of this run, if there is one
-    start_step, metrics_log, tokens_seen = resume_run(engine, job, objective, say)
-    tokens_before = tokens_seen
 
-    # 4. the loop: one optimizer step per iteration, gradient accumulation inside
-    accumulation = s.gradient_accumulation_steps
-    batches = Prefetcher(
-        objective.batches(s.micro_batch_size, s.seed, rank, world_size, start=start_step * accumulation),
-        device,
-        depth=s.prefetch,
-        host_keys=objective.host_keys,
-    )
-    step = start_step
-    watchdog = monitor.StallWatchdog(s.stall_timeout_s, lambda: f"rank {rank}, last completed step {step}")
-    control = Control(world_size)
-    guard = NonFiniteGuard(engine, device, control.group)
-    window = MetricsWindow(batches, world_size, per_token_flops, peak, device, last_step=start_step)
-    train_start = time.perf_counter()
-    # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
-    # only (no collective), so a slow step or a large log_every never leaves the run log silent
-    with contextlib.ExitStack() as running:  # leaving it, however: stop the watchdog and the loader
-        running.callback(watchdog.stop)
-        running.callback(batches.close)
-        progress = running.enter_context(Progress(say, "training steps", every_s=s.progress_every_s))
-        progress(start_step, s.max_steps)
+class StepLoop:
+    """The optimizer steps of one run, from where it resumed to ``max_steps``: batches prefetched, a watchdog on
+    stalls, the non-finite guard, a metrics line every ``log_every`` steps, resumable state every
+    ``checkpoint_every`` steps and on a stop request (SIGTERM), when every rank saves at the same step.
 
-        def log_line(step: int, totals: StepTotals, lr: float) -> None:
-            nonlocal tokens_seen
-            guard.check(step)  # the one host read of the on-device non-finite flag, at log steps only
-            metrics = window.close(
-                step,
-                totals.loss,
-                totals.aux_loss,
-                lr,
-                engine.get_global_grad_norm(),
-                totals.expert_load,
-                extra=totals.metrics,
-            )
-            metrics_log.append(metrics)
-            tokens_seen += int(metrics["tokens"])
-            if on_log and rank == 0:
-                on_log(step, {k: v for k, v in metrics.items() if k != "step"})
+    ``metrics_log`` (the resumed one) grows in place; ``tokens_seen`` counts on from the resumed figure.
+    """
 
-        last: tuple[StepTotals, float] | None = None
-        for step in range(start_step + 1, s.max_steps + 1):
-            lr = engine.get_lr()[0]  # the rate this step's update uses
-            try:
-                totals = optimizer_step(
-                    engine,
-                    batches,
-                    accumulation,
-                    control,
-                    guard,
-                    step,
-                    objective,
-                    poison=fault_point(NAN_AT_STEP, step=step),
-                )
-            except StopRequested as stop:  # every rank is here, at the same step: save together, then leave
-                if stop.step > start_step:
-                    if stop.step > window.last_step and last is not None:
-                        log_line(stop.step, *last)
-                    save_state(
-                        engine, job, stop.step, metrics_log, tokens_seen, objective.resume_state(stop.step)
+    def __init__(
+        self,
+        job: TrainingJob,
+        run: EngineRun,
+        objective: Objective,
+        rank: int,
+        world_size: int,
+        say: MessageFn,
+        on_log: LogFn | None,
+        metrics_log: list[dict[str, float]],
+        tokens_seen: int,
+    ) -> None:
+        self.job, self.engine_run, self.objective = job, run, objective
+        self.rank, self.world_size, self.say, self.on_log = rank, world_size, say, on_log
+        self.metrics_log, self.tokens_seen = metrics_log, tokens_seen
+        self.step = 0  # the step in progress: what the stall watchdog names
+        self.guard: NonFiniteGuard  # both built by run(), with the run's batches and process group
+        self.window: MetricsWindow
+
+    def run(self, start_step: int) -> float:
+        """Train steps ``start_step + 1 .. max_steps``; the seconds they took."""
+        s, engine = self.job.settings, self.engine_run.engine
+        accumulation = s.gradient_accumulation_steps
+        batches = Prefetcher(
+            self.objective.batches(
+                s.micro_batch_size, s.seed, self.rank, self.world_size, start=start_step * accumulation
+            ),
+            self.engine_run.device,
+            depth=s.prefetch,
+            host_keys=self.objective.host_keys,
+        )
+        self.step = start_step
+        watchdog = monitor.StallWatchdog(
+            s.stall_timeout_s, lambda: f"rank {self.rank}, last completed step {self.step}"
+        )
+        control = Control(self.world_size)
+        self.guard = NonFiniteGuard(engine, self.engine_run.device, control.group)
+        self.window = MetricsWindow(
+            batches,
+            self.world_size,
+            self.engine_run.per_token_flops,
+            self.engine_run.peak_flops,
+            self.engine_run.device,
+            last_step=start_step,
+        )
+        train_start = time.perf_counter()
+        # "step n/N" in the run log every progress_every_s seconds, whatever log_every is: clock-driven and rank 0
+        # only (no collective), so a slow step or a large log_every never leaves the run log silent
+        with contextlib.ExitStack() as running:  # leaving it, however: stop the watchdog and the loader
+            running.callback(watchdog.stop)
+            running.callback(batches.close)
+            progress = running.enter_context(Progress(self.say, "training steps", every_s=s.progress_every_s))
+            progress(start_step, s.max_steps)
+            last: tuple[StepTotals, float] | None = None
+            for self.step in range(start_step + 1, s.max_steps + 1):
+                lr = engine.get_lr()[0]  # the rate this step's update uses
+                try:
+                    totals = optimizer_step(
+                        engine,
+                        batches,
+                        accumulation,
+                        control,
+                        self.guard,
+                        self.step,
+                        self.objective,
+                        poison=fault_point(NAN_AT_STEP, step=self.step),
                     )
-                    say(f"saved resumable state at step {stop.step}; stopping as asked (SIGTERM)")
-                raise
-            last = (totals, lr)
-            window.add(totals.tokens)
-            watchdog.beat()
-            progress(step, s.max_steps)
-            fault_point(
-                STALL_AT_STEP, step=step, stall_s=10 * s.stall_timeout_s
-            )  # test-only: common/faults.py
-            if step == 1 or step % s.log_every == 0 or step == s.max_steps:
-                log_line(step, *last)
-            if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
-                save_state(engine, job, step, metrics_log, tokens_seen, objective.resume_state(step))
-                say(f"saved resumable state at step {step}")
-    train_s = time.perf_counter() - train_start
+                except (
+                    StopRequested
+                ) as stop:  # every rank is here, at the same step: save together, then leave
+                    self.save_on_stop(stop.step, start_step, last)
+                    raise
+                last = (totals, lr)
+                self.window.add(totals.tokens)
+                watchdog.beat()
+                progress(self.step, s.max_steps)
+                fault_point(STALL_AT_STEP, step=self.step, stall_s=10 * s.stall_timeout_s)  # test-only
+                self.after_step(self.step, *last)
+        return time.perf_counter() - train_start
 
-    # 5. the objective's held-out figures, then save (rank 0)
-    figures = objective.evaluate(engine.module, device, say)
-    return finish_run(
-        job,
-        engine,
-        tokenizer,
-        metrics_log,
-        RunTotals(start_step, tokens_seen, tokens_before, train_s, t_start, total_params, active_params),
-        say,
-        **figures,
-    )
+    def after_step(self, step: int, totals: StepTotals, lr: float) -> None:
+        """The metrics line and the resumable state a completed step is due."""
+        s = self.job.settings
+        if step == 1 or step % s.log_every == 0 or step == s.max_steps:
+            self.log_line(step, totals, lr)
+        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
+            self.save(step)
+            self.say(f"saved resumable state at step {step}")
+
+    def save_on_stop(self, step: int, start_step: int, last: tuple[StepTotals, float] | None) -> None:
+        """On a stop request at ``step``: its metrics line if one is pending, then the state (nothing when no
+        step was trained since the resume: the state on disk already is that step's)."""
+        if step <= start_step:
+            return
+        if step > self.window.last_step and last is not None:
+            self.log_line(step, *last)
+        self.save(step)
+        self.say(f"saved resumable state at step {step}; stopping as asked (SIGTERM)")
+
+    def save(self, step: int) -> None:
+        save_state(
+            self.engine_run.engine,
+            self.job,
+            step,
+            self.metrics_log,
+            self.tokens_seen,
+            self.objective.resume_state(step),
+        )
+
+    def log_line(self, step: int, totals: StepTotals, lr: float) -> None:
+        """One metrics line (a collective: every rank calls it at the same steps), reported by rank 0."""
+        self.guard.check(step)  # the one host read of the on-device non-finite flag, at log steps only
+        metrics = self.window.close(
+            step,
+            totals.loss,
+            totals.aux_loss,
+            lr,
+            self.engine_run.engine.get_global_grad_norm(),
+            totals.expert_load,
+            extra=totals.metrics,
+        )
+        self.metrics_log.append(metrics)
+        self.tokens_seen += int(metrics["tokens"])
+        if self.on_log and self.rank == 0:
+            self.on_log(step, {k: v for k, v in metrics.items() if k != "step"})
 
 
 @dataclass(frozen=True)
