@@ -220,6 +220,8 @@ def eval_report(
     decision, reward_figures = gate_decision(
         ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
     )
+    if reward_figures is not None:  # the report and the check both say on what the reward gate decided
+        reward_figures = with_rl_eval_set(reward_figures, scale)
     report = build_eval_report(
         ckpt,
         evaluation,
@@ -233,7 +235,7 @@ def eval_report(
         contaminated,
     )
     if reward_figures is not None:
-        report = report.model_copy(update={"reward_gate": with_rl_eval_set(reward_figures, scale)})
+        report = report.model_copy(update={"reward_gate": reward_figures})
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
