@@ -276,27 +276,6 @@ def reward_gate_line(report: Any) -> str:
     )
 
 
-def run_rl(run: Any, storage: Any) -> RLRun | str:
-    """GRPO from the production model on the checkable tasks (rl_training_job), then its evaluation and gate
-    (evaluation_job) as the checkpoint sensor runs it; the figures, or why there are none."""
-    print(
-        "\n--- RL: GRPO from the production model on checkable tasks, gated on held-out prompts ---",
-        flush=True,
-    )
-    trained = run("rl_training_job", raise_on_error=False)
-    if not trained.success:
-        return "GRPO training failed: see the rl_training_job run in the UI"
-    ckpt = trained.output_for_node("rl_checkpoint")
-    evaluation = run("evaluation_job", partition_key=ckpt.checkpoint_id, raise_on_error=False)
-    return RLRun(
-        ckpt.checkpoint_id,
-        ckpt.parent,
-        ckpt.rl_metrics or {},
-        evaluation.output_for_node("eval_report") if evaluation.success else None,
-        describe(read_outcome(storage.deployment_dir(ckpt.checkpoint_id))),
-    )
-
-
 def fail_orphaned_runs(instance: Any) -> list[str]:
     """Mark failed the runs a killed ``make run`` left STARTED (its process is gone); return their ids.
 
@@ -440,6 +419,26 @@ class Demo:
             self.outcome(pref.checkpoint_id),
         )
 
+    def run_rl(self) -> RLRun | str:
+        """GRPO from the production model on the checkable tasks (rl_training_job), then its evaluation and gate
+        (evaluation_job) as the checkpoint sensor runs it; the figures, or why there are none."""
+        print(
+            "\n--- RL: GRPO from the production model on checkable tasks, gated on held-out prompts ---",
+            flush=True,
+        )
+        trained = self.run("rl_training_job", raise_on_error=False)
+        if not trained.success:
+            return "GRPO training failed: see the rl_training_job run in the UI"
+        ckpt = trained.output_for_node("rl_checkpoint")
+        evaluation = self.run("evaluation_job", partition_key=ckpt.checkpoint_id, raise_on_error=False)
+        return RLRun(
+            ckpt.checkpoint_id,
+            ckpt.parent,
+            ckpt.rl_metrics or {},
+            evaluation.output_for_node("eval_report") if evaluation.success else None,
+            self.outcome(ckpt.checkpoint_id),
+        )
+
 
 def main() -> int:
     settings.export_default(settings.DAGSTER_HOME, str(REPO_ROOT / ".dagster_home"))
@@ -478,7 +477,7 @@ def main() -> int:
     if isinstance(preference, str):
         print(preference)
     # SFT -> preference -> RL: GRPO from whatever is in production now, on checkable tasks
-    rl = run_rl(demo.run, demo.storage) if scale.rl is not None and demo.production_id() else None
+    rl = demo.run_rl() if scale.rl is not None and demo.production_id() else None
     demo.run("leaderboard_job")
     print_summary(demo, time.perf_counter() - t0, base, base_eval, preference, rl)
     return 0

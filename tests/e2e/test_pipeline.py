@@ -23,7 +23,7 @@ from support.checkpoint_files import corrupted_model
 from support.pipeline_runs import configs_with
 from support.sandbox import SAMPLE_LANDING
 
-from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.config import REPO_ROOT, load_scale
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.tiny.install import install_tiny_models
@@ -632,8 +632,6 @@ def test_gpu_pool_runs_one_training_at_a_time(lifecycle, tmp_path: Path) -> None
         params = client.get_run(str(metadata["mlflow_run_id"])).data.params
         knobbed = bool(run.dagster_run.run_config.get("ops"))
         trained[knobbed] = (metadata["steps"], float(params["learning_rate"]), metadata["scale"])
-    from nexa_dagster.core.common.config import load_scale
-
     preset = load_scale("tiny").training  # the first run trains the preset's steps and rate
     assert trained == {False: (preset.max_steps, preset.learning_rate, "tiny"), True: (6, 0.002, "tiny")}, (
         trained
