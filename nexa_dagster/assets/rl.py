@@ -66,9 +66,12 @@ def rl_settings(scale: ScalePreset) -> RLSettings:
         dg.AssetCheckSpec(
             "rl_eval_set_is_frozen_and_apart",
             asset="rl_eval_set",
+            # blocking: a held-out prompt that GRPO trains on makes the RL gate's evidence worthless, so nothing
+            # downstream (rl_checkpoint, and the trainings that leave the frozen prompts out) runs on such a set
+            blocking=True,
             description="The frozen RL eval set re-read: none of its items is among rl_prompts' train rows (by "
             "item id, document or prompt text). A version whose files no longer match the manifest's hashes fails "
-            "the asset itself, before this check.",
+            "the asset itself, before this check. Blocking: no step after it runs on a set that fails.",
         )
     ],
     description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, documents never "

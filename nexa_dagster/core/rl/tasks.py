@@ -17,8 +17,8 @@ no training prompt shows. The topics (the labels) are shared by both sides, as a
 held-out question is whether the policy names the topic of a passage it never saw, not whether it can copy a name it
 was never rewarded for (which a tiny model cannot learn). A prompt text that occurs on both sides, or with two
 answers (pydoc repeats some passages word for word), is left out whole. No item that shares text with a protected
-item (the frozen eval set, the lm-eval benchmark tasks: ``core.data.contamination``'s 13-gram index, the one
-packaging uses) is kept: ``decontaminated`` drops them and says which. Every row carries ``prompt``, ``task``, ``answer``, ``reference`` (the answer as text, for the
+item (the frozen eval set, the frozen RL eval set, the lm-eval benchmark tasks: ``core.data.contamination``'s
+13-gram index, the one packaging uses; a held-out item is not checked against the RL eval set drawn from it) is kept: ``decontaminated`` drops them and says which. Every row carries ``prompt``, ``task``, ``answer``, ``reference`` (the answer as text, for the
 reference-F1 reward), ``choices``, ``item_id`` and ``doc_id``. Dagster-free.
 """
 
@@ -40,6 +40,9 @@ TOPIC = "topic"
 NEXT_WORDS = "next_words"
 _PART = re.compile(r"^(?P<topic>.+?)(?: \(part \d+\)|-part-\d+)$")  # "x (part 2)"; a file's "x-part-29"
 _SALT = "nexa-rl-held-out"
+# the protected-item source of a frozen RL eval set's items (``core.evaluation.protected.rl_eval_set_items``): what
+# the held-out side is drawn from, so a held-out item is never left out for holding one of them
+RL_EVAL_SET_SOURCE = "rl_eval_set"
 
 
 @dataclass
@@ -93,6 +96,15 @@ def topic_prompt(passage: str, choices: Sequence[str]) -> str:
 
 def next_words_prompt(passage: str, k: int) -> str:
     return f"Continue this passage with its next {k} words.\n\n{passage}"
+
+
+def document_text(item: dict[str, Any]) -> str:
+    """The words of the document an item shows, as the document has them: its passage (the prompt's block between
+    the question and the choices; a passage is words joined by spaces, so it holds no blank line), followed by the
+    answer for ``next_words`` (the held-out answer is the document's next words). The rest of a prompt is the
+    template's, shared by every item: no evidence that a text quotes this one."""
+    passage = item["prompt"].split("\n\n")[1]
+    return f"{passage} {item['answer']}" if item["task"] == NEXT_WORDS else passage
 
 
 def _row(
@@ -171,10 +183,14 @@ def decontaminated(
     items: Iterable[dict[str, Any]], index: ContaminationIndex | None, build: TaskBuild
 ) -> list[dict[str, Any]]:
     """The items that share no n-gram with a protected item (their prompt and answer both checked, the index's
-    n and min_words); the others are recorded in ``build.contaminated`` with the item and the shared words."""
+    n and min_words); the others are recorded in ``build.contaminated`` with the item and the shared words. A
+    held-out item is not checked against the frozen RL eval set's items: the set is drawn from the held-out side
+    (its items are held-out items), and only what is trained on must not hold them."""
     kept = []
     for item in items:
         hit, example = index.hits([item["prompt"], item["answer"]]) if index is not None else ([], "")
+        if hit and index is not None and item["side"] == "held_out":
+            hit = [i for i in hit if not index.items[i][0].startswith(RL_EVAL_SET_SOURCE)]
         if hit:
             build.contaminated.append(
                 {"item_id": item["item_id"], "protected": index.describe(hit[0]), "shared": example}
