@@ -407,13 +407,13 @@ def pretrain_corpus(
         "filtered_samples": dg.AssetIn(dagster_type=dg.Nothing),
         "raw_documents": dg.AssetIn(dagster_type=dg.Nothing),  # the checkable tasks' source
     },
-    deps=["eval_set"],  # frozen first: no task item that holds an eval example's text is written
+    deps=["eval_set"],  # frozen first: no train item that holds an eval example's text is written
     kinds={"python"},
     description="Prompts for RL as JSONL: the teacher's accepted answer as reference, through the transforms of the "
     "RL blend (path), and checkable tasks built from the ingested documents (core/rl/tasks.py: which reference "
-    "topic a passage is from, its next words), decontaminated against the eval set and the benchmark items and "
-    "split by a hash of the document id into the train side (tasks_path, what GRPO trains on) and the held-out side "
-    "(held_out_path, what the frozen rl_eval_set is drawn from), under data/rl/.",
+    "topic a passage is from, its next words), split by a hash of the document id into the train side (tasks_path, "
+    "what GRPO trains on; decontaminated against the eval set, the frozen RL eval set and the benchmark items) and "
+    "the held-out side (held_out_path, never trained on: what the frozen rl_eval_set is drawn from), under data/rl/.",
 )
 def rl_prompts(
     context: dg.AssetExecutionContext,

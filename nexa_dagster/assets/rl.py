@@ -1,6 +1,6 @@
 """RL stage: GRPO from the production model on checkable prompts, judged on prompts it never trained on.
 
-* ``rl_eval_set``: the frozen held-out RL prompts (versioned, manifest hashed, decontaminated), drawn once from
+* ``rl_eval_set``: the frozen held-out RL prompts (versioned, manifest hashed, protected items), drawn once from
   ``rl_prompts``' held-out side (documents hashed away from training): what the RL gate compares candidate and
   production on, and what training reports its held-out reward on.
 * ``rl_checkpoint``: GRPO (the training loop's ``grpo`` objective, ``core/training``) from the model in production
@@ -75,7 +75,7 @@ def rl_settings(scale: ScalePreset) -> RLSettings:
         )
     ],
     description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, documents never "
-    "trained on, decontaminated) as data/rl_eval_sets/v<N>/prompts.jsonl with a hashed manifest; written once per "
+    "trained on; once frozen, every training input is checked against them) as data/rl_eval_sets/v<N>/prompts.jsonl with a hashed manifest; written once per "
     "version (rl.eval_set_version), checked on every read.",
 )
 def rl_eval_set(

@@ -24,7 +24,11 @@ from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
 from nexa_dagster.core.data.contamination import ProtectedItem
 from nexa_dagster.core.evaluation.rl_eval_set import read_prompts
-from nexa_dagster.core.rl.tasks import RL_EVAL_SET_SOURCE, document_text
+from nexa_dagster.core.rl.tasks import document_text
+
+RL_EVAL_SET_SOURCE = (
+    "rl_eval_set"  # a frozen RL eval set's items are "rl_eval_set v<N>" (the eval set's "eval_set v<N>")
+)
 
 
 def eval_set_items(

@@ -120,9 +120,10 @@ def test_a_held_out_passage_in_a_pretraining_document_and_a_teacher_answer_is_le
 def test_checkable_tasks_keep_the_frozen_prompts_held_out_and_leave_out_a_train_item_quoting_one(
     frozen: tuple[Path, list[dict[str, object]]],
 ) -> None:
-    """The SFT blend's checkable_tasks source and GRPO's prompts are built with the same index: the held-out side
-    (what the set was drawn from) keeps every frozen prompt, and a train-side document quoting a held-out passage
-    (pydoc repeats passages; here shifted by two words so it is not the same prompt) gives no train item."""
+    """The SFT blend's checkable_tasks source and GRPO's prompts are built with the same index: a train-side
+    document quoting a held-out passage (pydoc repeats passages; here behind two words of its own, so it is not the
+    same prompt) gives no train item and is named, while the held-out side (never trained on, what the set was drawn
+    from) keeps every frozen prompt."""
     data, prompts = frozen
     settings = tiny_task_settings()
     passage = document_text(prompts[0])
