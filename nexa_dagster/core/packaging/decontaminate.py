@@ -51,6 +51,19 @@ class DecontaminationReport:
             for source in {index.items[i][0] for i in hit["items"]}:
                 self.rows_by_source[source] = self.rows_by_source.get(source, 0) + 1
 
+    def summary(self) -> str:
+        """One log line: how many rows hold protected text, per source, and the first example."""
+        if not self.contaminated_rows:
+            return (
+                f"contamination check (index {self.index_key}): none of {self.rows_checked} rows holds eval-set, "
+                f"RL eval-set or benchmark text ({self.rows_checked_now} checked now)"
+            )
+        return (
+            f"contamination check (index {self.index_key}): {self.contaminated_rows} of {self.rows_checked} rows "
+            f"hold protected text ({self.removed_rows} removed; by source {self.rows_by_source}); first: "
+            f"{self.examples[0]}"
+        )
+
     def metadata(self, index: ContaminationIndex) -> dict[str, Any]:
         return {
             "contamination_index": self.index_key,
@@ -173,17 +186,7 @@ def decontaminate(
                 storage.write_json({**receipt, "without_hits": clean.rsplit("/", 1)[-1]}, receipt_path)
             if day.rows - len(receipt["hits"]):
                 kept.append(replace(day, path=clean, rows=day.rows - len(receipt["hits"])))
-    if report.contaminated_rows:
-        log(
-            f"contamination check (index {index.key}): {report.contaminated_rows} of {report.rows_checked} rows "
-            f"hold protected text ({report.removed_rows} removed; by source {report.rows_by_source}); first: "
-            f"{report.examples[0]}"
-        )
-    else:
-        log(
-            f"contamination check (index {index.key}): none of {report.rows_checked} rows holds eval-set, RL "
-            f"eval-set or benchmark text ({report.rows_checked_now} checked now)"
-        )
+    log(report.summary())
     return kept, report
 
 
