@@ -1,8 +1,8 @@
 """The frozen held-out RL prompts are protected items across the lineage, as the eval set's examples are: once
 ``rl_eval_set`` froze a version, the index every training input is checked against (``contamination_index``, the
 one ``pretrain_corpus``, ``base_model``, ``sft_dataset``, its ``checkable_tasks`` source and
-``preference_dataset`` use) holds their passages, so a pretraining document and a day's teacher answer that quote a
-held-out passage are left out before packing and named (the protected item, the row's id, the count per source).
+``preference_dataset`` use) holds their passages, so a pretraining document, a day's teacher answer and a preference
+pair that quote a held-out passage are left out before packing and named (the protected item, the row's id, the count per source).
 
 The frozen set is what ``rl_eval_set`` writes (``freeze_rl_eval_set``) from the held-out side that ``build_tasks``
 makes of the small landing days' documents; the index is the assets' own, built from the tiny preset's resources
@@ -21,6 +21,7 @@ from support.packaging_inputs import TEACHER_TEMPLATE, teacher_rows
 
 from nexa_dagster.assets.packaging import contamination_index
 from nexa_dagster.core.data.contamination import ContaminationIndex
+from nexa_dagster.core.distill.teacher import render
 from nexa_dagster.core.evaluation.rl_eval_set import freeze_rl_eval_set
 from nexa_dagster.core.packaging.blend import ContaminationConfig
 from nexa_dagster.core.packaging.decontaminate import (
@@ -29,6 +30,7 @@ from nexa_dagster.core.packaging.decontaminate import (
     document_texts,
     template_segments,
 )
+from nexa_dagster.core.packaging.preference_dataset import pair_texts, pairs_to_jsonl
 from nexa_dagster.core.packaging.pretrain_corpus import documents_to_jsonl
 from nexa_dagster.core.packaging.sft_dataset import DayInput, samples_to_jsonl
 from nexa_dagster.core.rl.tasks import build_tasks, document_text, held_out
@@ -64,7 +66,7 @@ def frozen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[st
     return data, prompts
 
 
-def test_a_held_out_passage_in_a_pretraining_document_and_a_teacher_answer_is_left_out_and_named(
+def test_a_held_out_passage_in_a_pretraining_document_a_teacher_answer_and_a_pair_is_left_out_and_named(
     frozen: tuple[Path, list[dict[str, object]]], tmp_path: Path
 ) -> None:
     data, prompts = frozen
@@ -115,6 +117,29 @@ def test_a_held_out_passage_in_a_pretraining_document_and_a_teacher_answer_is_le
     assert report.metadata(index)["contaminated_rows_by_source"] == {source: 1}
     assert report.examples[0]["id"] == "quoting-answer"
     assert report.examples[0]["matches"] == f"{source} {planted['item_id']}"
+
+    # a day's preference pairs: one asks about the held-out document (the teacher template around its passage)
+    pairs = pd.DataFrame(
+        [
+            {
+                "pair_id": pid,
+                "sample_id": f"s-{pid}",
+                "day": DAY,
+                "prompt": [{"role": "user", "content": render(TEACHER_TEMPLATE, title="t", text=text)}],
+                "chosen": [{"role": "assistant", "content": "a short answer"}],
+                "rejected": [{"role": "assistant", "content": "no"}],
+            }
+            for pid, text in (("clean-pair", "a page about the garbage collector"), ("quoting-pair", passage))
+        ]
+    )
+    out = str(tmp_path / "preference")
+    pair_day = DayInput((DAY,), pairs_to_jsonl(pairs, out), 2)
+    texts_of = pair_texts(template_segments(TEACHER_TEMPLATE))
+    kept, report = decontaminate([pair_day], index, out, "remove", texts_of, "pair_id", lambda _: None)
+    assert [json.loads(line)["pair_id"] for line in Path(kept[0].path).read_text().splitlines()] == [
+        "clean-pair"
+    ]
+    assert report.rows_by_source == {source: 1} and report.examples[0]["id"] == "quoting-pair"
 
 
 def test_checkable_tasks_keep_the_frozen_prompts_held_out_and_leave_out_a_train_item_quoting_one(
