@@ -5,10 +5,9 @@ They are listed for ``core.data.contamination.ContaminationIndex``: an eval exam
 text (the document it quotes, without the teacher template's words) and its answer; a held-out RL prompt by the
 words of its document it shows, with its answer for ``next_words`` (``core.rl.tasks.document_text``: the RL gate
 asks about passages no model in its lineage was trained on, so no pretraining document, SFT row or preference pair
-may hold one); a benchmark
-item by the string fields of its data row (a task's YAML under the benchmarks' ``include_path`` names its data
-file; ``id`` fields are not text). A task given by a name the local YAMLs do not define (one of the harness's own,
-downloaded on a GPU host) has no local items to protect and is listed as such.
+may hold one); a benchmark item by the string fields of its data row (a task's YAML under the benchmarks'
+``include_path`` names its data file; ``id`` fields are not text). A task given by a name the local YAMLs do not
+define (one of the harness's own, downloaded on a GPU host) has no local items to protect and is listed as such.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ from nexa_dagster.core.data.contamination import ProtectedItem
 from nexa_dagster.core.evaluation.rl_eval_set import read_prompts
 from nexa_dagster.core.rl.tasks import document_text
 
-RL_EVAL_SET_SOURCE = (
-    "rl_eval_set"  # a frozen RL eval set's items are "rl_eval_set v<N>" (the eval set's "eval_set v<N>")
-)
+# a frozen RL eval set's items are from "rl_eval_set v<N>", as the eval set's are from "eval_set v<N>"
+RL_EVAL_SET_SOURCE = "rl_eval_set"
 
 
 def eval_set_items(
