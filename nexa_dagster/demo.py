@@ -359,18 +359,19 @@ class Demo:
         """What deployment did with a checkpoint: deployed, held back: ..., failed: ..."""
         return describe(read_outcome(self.storage.deployment_dir(checkpoint_id)))
 
-    def run_nights(self, days: list[str]) -> tuple[Any, Any]:
+    def run_nights(self, days: list[str], with_rl: bool = False) -> tuple[Any, Any]:
         """Night by night, as the schedule and sensors run it: the day's data, a training on the snapshot so far,
         its evaluation beside production on the same frozen eval set, and the gate. The base is pretrained once,
         on the first night's corpus (corpus -> base -> SFT, init_from: base): from scratch, 24 steps on a dozen
         answers teach the tiny student nothing (its greedy answer is an immediate <|im_end|>, which the
-        deployment's smoke test rightly refuses as no text). (the base model, its evaluation or None)"""
+        deployment's smoke test rightly refuses as no text). With an RL stage (``with_rl``) the held-out RL prompts
+        are frozen before the base trains (``pretrain``). (the base model, its evaluation or None)"""
         base = base_eval = None
         for number, day in enumerate(days, start=1):
             print(f"\n--- night {number}: {day} ---", flush=True)
             self.run("daily_data_job", partition_key=day)
             if base is None:
-                base = self.run("pretraining_job").output_for_node("base_model")
+                base = self.pretrain(with_rl)
             checkpoint = self.run("training_job").output_for_node("moe_checkpoint")
             if (
                 number == 1
@@ -385,6 +386,20 @@ class Demo:
             outcome = self.outcome(checkpoint.checkpoint_id)
             self.nights.append(night_of(number, day, checkpoint, evaluation, self.production_id(), outcome))
         return base, base_eval
+
+    def pretrain(self, with_rl: bool) -> Any:
+        """pretraining_job; with an RL stage, the held-out RL prompts frozen between the corpus and eval set and the
+        base model (rl_prompts follows the eval set, base_model follows rl_eval_set): no base, and so no model the RL
+        gate compares, trains on a passage the gate asks about. The frozen prompts are drawn from the documents so
+        far (the first night's), which the corpus holds: base_model leaves those documents out, as it leaves out the
+        eval set's."""
+        if not with_rl:
+            return self.run("pretraining_job").output_for_node("base_model")
+        self.run("pretraining_job", asset_selection=[dg.AssetKey("pretrain_corpus"), dg.AssetKey("eval_set")])
+        self.run("rl_training_job", asset_selection=[dg.AssetKey("rl_prompts"), dg.AssetKey("rl_eval_set")])
+        return self.run("pretraining_job", asset_selection=[dg.AssetKey("base_model")]).output_for_node(
+            "base_model"
+        )
 
     def run_preference(self, days: list[str], scale: Any) -> PreferenceRun | str:
         """pretrain -> SFT -> preference: the production model answers every day's prompts, its answers are
@@ -468,7 +483,7 @@ def main() -> int:
     scale = load_scale()
     print(f"nexa-dagster demo: scale={scale.name}, days={days}, DAGSTER_HOME={settings.DAGSTER_HOME.get()}")
 
-    base, base_eval = demo.run_nights(days)
+    base, base_eval = demo.run_nights(days, with_rl=scale.rl is not None)
     preference = (
         demo.run_preference(days, scale)
         if scale.preference is not None and demo.production_id() is not None

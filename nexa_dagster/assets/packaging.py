@@ -22,10 +22,11 @@ from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import SFTDataset
 from nexa_dagster.core.common.config import RLTaskSettings, ScalePreset
-from nexa_dagster.core.data.contamination import ContaminationIndex, load_or_build
+from nexa_dagster.core.data.contamination import ContaminationIndex, ProtectedItem, load_or_build
 from nexa_dagster.core.data.schemas import FilteredSamples, RawDocuments
 from nexa_dagster.core.evaluation.eval_set import load_eval_set
-from nexa_dagster.core.evaluation.protected import benchmark_items, eval_set_items
+from nexa_dagster.core.evaluation.protected import benchmark_items, eval_set_items, rl_eval_set_items
+from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set
 from nexa_dagster.core.packaging.blend import ContaminationConfig, DataBlend, PackagingConfig
 from nexa_dagster.core.packaging.decontaminate import (
     DecontaminationReport,
@@ -72,23 +73,37 @@ def contamination_index(
     prompts: PromptsResource,
     cfg: ContaminationConfig,
 ) -> tuple[ContaminationIndex, list[str]]:
-    """What training must not contain now: the current eval-set version's examples (once frozen) and the items of
-    the scale's benchmark tasks, as an n-gram index built once per such set; with the tasks that have no local
-    data to protect."""
+    """What training must not contain now: the current eval-set version's examples and the scale's RL eval-set
+    version's held-out prompts (each once frozen) and the items of the scale's benchmark tasks, as an n-gram index
+    built once per such set; with the tasks that have no local data to protect."""
     items = []
     try:
         manifest = load_eval_set(storage.path("eval_sets"), eval_sets.version)
         items += eval_set_items(manifest, template_segments(prompts.text("teacher")))
     except FileNotFoundError:
         pass  # not frozen yet (the first pretraining of a data root): the benchmarks only
+    items += frozen_rl_items(storage, scale)
     benchmark, unchecked = benchmark_items(scale.evaluation.benchmarks)
     index = load_or_build(storage.path("decontamination", "indexes"), items + benchmark, cfg.n, cfg.min_words)
     return index, unchecked
 
 
+def frozen_rl_items(storage: StorageResource, scale: ScalePreset) -> list[ProtectedItem]:
+    """The held-out RL prompts of the scale's ``rl.eval_set_version``, once ``rl_eval_set`` froze it (none before,
+    nor for a scale with no RL stage): the RL gate's evidence is only evidence if no training in the candidate's
+    lineage held their passages."""
+    if scale.rl is None:
+        return []
+    try:
+        return rl_eval_set_items(load_rl_eval_set(storage.path("rl_eval_sets"), scale.rl.eval_set_version))
+    except FileNotFoundError:
+        return []  # not frozen yet: rl_eval_set runs before the trainings (pretraining_job, training_job)
+
+
 def contamination_metadata(report: DecontaminationReport, index: ContaminationIndex) -> dict[str, object]:
     meta = report.metadata(index)
     meta["contamination_examples"] = dg.MetadataValue.json(meta["contamination_examples"])
+    meta["contaminated_rows_by_source"] = dg.MetadataValue.json(meta["contaminated_rows_by_source"])
     meta["protected_items"] = len(index.items)
     return meta
 
@@ -179,7 +194,8 @@ class SFTDatasetConfig(dg.Config):
         # the checkable tasks' documents, read when the blend names asset:checkable_tasks (blends/sft.yaml)
         "raw_documents": dg.AssetIn(dagster_type=dg.Nothing),
     },
-    deps=["eval_set"],  # frozen first: no sample that holds an eval example's text is packed
+    # frozen first: no sample that holds an eval example's or a held-out RL prompt's text is packed
+    deps=["eval_set", "rl_eval_set"],
     kinds={"python", "parquet"},
     description="Every filtered sample up to now (plus the other sources of the SFT blend), rendered with the "
     "student's chat template, tokenized, packed best-fit-decreasing into fixed-length sequences with "
@@ -391,13 +407,13 @@ def pretrain_corpus(
         "filtered_samples": dg.AssetIn(dagster_type=dg.Nothing),
         "raw_documents": dg.AssetIn(dagster_type=dg.Nothing),  # the checkable tasks' source
     },
-    deps=["eval_set"],  # frozen first: no task item that holds an eval example's text is written
+    deps=["eval_set"],  # frozen first: no train item that holds an eval example's text is written
     kinds={"python"},
     description="Prompts for RL as JSONL: the teacher's accepted answer as reference, through the transforms of the "
     "RL blend (path), and checkable tasks built from the ingested documents (core/rl/tasks.py: which reference "
-    "topic a passage is from, its next words), decontaminated against the eval set and the benchmark items and "
-    "split by a hash of the document id into the train side (tasks_path, what GRPO trains on) and the held-out side "
-    "(held_out_path, what the frozen rl_eval_set is drawn from), under data/rl/.",
+    "topic a passage is from, its next words), split by a hash of the document id into the train side (tasks_path, "
+    "what GRPO trains on; decontaminated against the eval set, the frozen RL eval set and the benchmark items) and "
+    "the held-out side (held_out_path, never trained on: what the frozen rl_eval_set is drawn from), under data/rl/.",
 )
 def rl_prompts(
     context: dg.AssetExecutionContext,

@@ -374,8 +374,9 @@ def pairs_to_pack(
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
     ins={"preference_pairs": dg.AssetIn(dagster_type=dg.Nothing)},
-    # the eval set frozen first (no pair holding an eval example's text is packed); the production model's limits
-    deps=["eval_set", PRODUCTION_MODEL],
+    # the eval set and the held-out RL prompts frozen first (no pair holding their text is packed); the production
+    # model's limits
+    deps=["eval_set", "rl_eval_set", PRODUCTION_MODEL],
     kinds={"python", "parquet"},
     description="Every day's pairs so far, checked for contamination, tokenized with the student's chat template "
     "as TRL's DPOTrainer tokenizes them (loss on the answer tokens only), split by pair id, stored day by day under "

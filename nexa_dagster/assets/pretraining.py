@@ -35,37 +35,40 @@ def contaminated_documents(
     corpus: PretrainCorpus,
     index: ContaminationIndex,
     tokenizer: object,
-) -> tuple[list[str], int]:
-    """(the corpus ids of its documents that hold protected text, how many were found) from the corpus's recorded
-    day inputs, each checked once per index (the receipts of ``core/packaging/decontaminate.py``)."""
+) -> tuple[list[str], int, dict[str, int]]:
+    """(the corpus ids of its documents that hold protected text, how many were found, how many per protected
+    source: ``eval_set v<N>``, ``rl_eval_set v<N>``, ``benchmark:<task>``) from the corpus's recorded day inputs, each
+    checked once per index (the receipts of ``core/packaging/decontaminate.py``)."""
     out_root = storage.path("pretrain")
     files = recorded_inputs(corpus.root, out_root)
     if files is None:  # a corpus packed before its inputs were recorded: nothing to go on
         context.log.warning(
             f"corpus {corpus.run_hash} records no inputs: not checked for contamination again"
         )
-        return [], 0
+        return [], 0, {}
     # report mode: the corpus stays as packed; the training leaves these documents out by their id
     _, report = decontaminate(files, index, out_root, "report", document_texts, "doc_id", lambda _: None)
-    found = report.contaminated_rows
-    if found:
+    if report.contaminated_rows:
         context.log.info(
-            f"contamination check (index {index.key}): {found} of {report.rows_checked} corpus documents "
-            f"hold eval-set or benchmark text; first: {report.examples[0]}"
+            f"contamination check (index {index.key}): {report.contaminated_rows} of {report.rows_checked} "
+            f"corpus documents hold protected text (by source {report.rows_by_source}); first: "
+            f"{report.examples[0]}"
         )
     else:
         context.log.info(
             f"contamination check (index {index.key}): none of {report.rows_checked} corpus documents holds "
-            "eval-set or benchmark text"
+            "eval-set, RL eval-set or benchmark text"
         )
-    return sorted(documents_holding_protected_text(report, tokenizer, out_root)), found
+    found = sorted(documents_holding_protected_text(report, tokenizer, out_root))
+    return found, report.contaminated_rows, report.rows_by_source
 
 
 @dg.asset(
     group_name="training",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
-    deps=["eval_set"],  # frozen first: the base never trains on a document the eval set quotes
+    # frozen first: the base never trains on a document the eval set or the held-out RL prompts quote
+    deps=["eval_set", "rl_eval_set"],
     kinds={"deepspeed", "pytorch"},
     description="The MoE preset pretrained with the DeepSpeed engine on pretrain_corpus (documents concatenated "
     "into pack_size rows, attention within documents, loss on every token), saved as a Hugging Face "
@@ -91,11 +94,11 @@ def base_model(
     settings = scale.pretraining.settings(scale.training)
     base_id = checkpoint_id_for(context, storage, prefix="base", store=storage.path("base_models"))
     tokenizer, tokenizer_path = load_student_tokenizer(storage)
-    # the corpus was checked when it was packed; the eval set may have been frozen since: check again, and leave out
-    # what holds eval-set or benchmark text (with on_overlap: remove)
+    # the corpus was checked when it was packed; the eval set and the RL eval set may have been frozen since: check
+    # again, and leave out what holds their text or a benchmark's (with on_overlap: remove)
     contamination = packaging_config.config().contamination
     index, _ = contamination_index(storage, eval_sets, scale, prompts, contamination)
-    excluded, found = contaminated_documents(context, storage, pretrain_corpus, index, tokenizer)
+    excluded, found, by_source = contaminated_documents(context, storage, pretrain_corpus, index, tokenizer)
     if contamination.on_overlap == "report":
         excluded = []
     context.log.info(
@@ -121,7 +124,7 @@ def base_model(
         exclude_documents=excluded,
     )
     stage = pretraining_record(
-        base_id, scale, settings, pretrain_corpus, excluded, found, eval_sets.corpus_fraction
+        base_id, scale, settings, pretrain_corpus, excluded, (found, by_source), eval_sets.corpus_fraction
     )
     return launch_and_record(context, job, stage, gpu_cluster, storage, tracking, as_base_model(context))
 
@@ -142,7 +145,7 @@ def pretraining_record(
     settings: TrainingSettings,
     corpus: PretrainCorpus,
     excluded: list[str],
-    found: int,
+    found: tuple[int, dict[str, int]],
     eval_side_fraction: float,
 ) -> StageRecord:
     """What is pretraining's own in the launch-and-record path: its parameters, record fields (the documents it
@@ -158,7 +161,9 @@ def pretraining_record(
                 "heldout_loss": result.validation_loss,
                 "heldout_perplexity": perplexity,
                 "heldout_documents": result.validation_documents,
-                "contaminated_documents_found": found,
+                "contaminated_documents_found": found[0],
+                # which protected items they hold: a document holding two sources' items counts in both
+                "contaminated_documents_by_source": dg.MetadataValue.json(found[1]),
                 "contaminated_documents_excluded": len(excluded),
             },
         )

@@ -1,6 +1,6 @@
 """RL stage: GRPO from the production model on checkable prompts, judged on prompts it never trained on.
 
-* ``rl_eval_set``: the frozen held-out RL prompts (versioned, manifest hashed, decontaminated), drawn once from
+* ``rl_eval_set``: the frozen held-out RL prompts (versioned, manifest hashed, protected items), drawn once from
   ``rl_prompts``' held-out side (documents hashed away from training): what the RL gate compares candidate and
   production on, and what training reports its held-out reward on.
 * ``rl_checkpoint``: GRPO (the training loop's ``grpo`` objective, ``core/training``) from the model in production
@@ -66,13 +66,16 @@ def rl_settings(scale: ScalePreset) -> RLSettings:
         dg.AssetCheckSpec(
             "rl_eval_set_is_frozen_and_apart",
             asset="rl_eval_set",
+            # blocking: a held-out prompt that GRPO trains on makes the RL gate's evidence worthless, so nothing
+            # downstream (rl_checkpoint, and the trainings that leave the frozen prompts out) runs on such a set
+            blocking=True,
             description="The frozen RL eval set re-read: none of its items is among rl_prompts' train rows (by "
             "item id, document or prompt text). A version whose files no longer match the manifest's hashes fails "
-            "the asset itself, before this check.",
+            "the asset itself, before this check. Blocking: no step after it runs on a set that fails.",
         )
     ],
     description="The frozen held-out RL prompts (rl.held_out_prompts of rl_prompts' held-out side, documents never "
-    "trained on, decontaminated) as data/rl_eval_sets/v<N>/prompts.jsonl with a hashed manifest; written once per "
+    "trained on; once frozen, every training input is checked against them) as data/rl_eval_sets/v<N>/prompts.jsonl with a hashed manifest; written once per "
     "version (rl.eval_set_version), checked on every read.",
 )
 def rl_eval_set(

@@ -53,7 +53,9 @@ corpus_job = dg.define_asset_job(
 pretraining_job = dg.define_asset_job(
     "pretraining_job",
     # the eval set is frozen between the corpus (whose eval-side documents it holds) and the base model (which never
-    # trains on what the eval set holds: core/packaging/decontaminate.py)
+    # trains on what the eval set holds: core/packaging/decontaminate.py). With an RL stage the held-out RL prompts
+    # are frozen there too (rl_training_job's rl_prompts and rl_eval_set, as make run does: nexa_dagster/demo.py);
+    # they are not in this job because a scale with no RL stage has no rl_eval_set to freeze
     selection=dg.AssetSelection.assets("pretrain_corpus", "eval_set", "base_model"),
     description="Tokenize every ingested document into the bin/idx corpus and pretrain the base model on it "
     "(the model moe_checkpoint starts from with init_from: base).",

@@ -47,13 +47,14 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     upstream = {k: {p.to_user_string() for p in graph.get(dg.AssetKey(k)).parent_keys} for k in STAGE_KEYS}
     assert upstream["teacher_samples"] == {"raw_documents"}
     assert upstream["filtered_samples"] == {"teacher_samples"}
-    # the eval set is frozen before packaging, which leaves out every row that quotes it (decontamination)
-    # raw_documents: the checkable tasks the SFT blend packs beside the judged samples (blends/sft.yaml)
-    assert upstream["sft_dataset"] == {"filtered_samples", "raw_documents", "eval_set"}
+    # the eval set and the held-out RL prompts are frozen before packaging, which leaves out every row that quotes
+    # them (decontamination); raw_documents: the checkable tasks the SFT blend packs beside the judged samples
+    assert upstream["sft_dataset"] == {"filtered_samples", "raw_documents", "eval_set", "rl_eval_set"}
     assert upstream["moe_checkpoint"] == {"sft_dataset", "base_model"}  # corpus -> base -> SFT lineage
     assert {p.to_user_string() for p in graph.get(dg.AssetKey("base_model")).parent_keys} == {
         "pretrain_corpus",
         "eval_set",  # no base model trains on a corpus document that quotes the eval set
+        "rl_eval_set",  # nor on one that holds a held-out RL prompt's passage (the RL gate's evidence)
     }
     assert {"moe_checkpoint", "eval_set"} <= upstream["eval_report"]
     # the eval set freezes held-out samples and held-out corpus documents; base models are scored on the latter
@@ -71,7 +72,7 @@ def test_lineage_graph_has_every_stage_in_order() -> None:
     # the stage reads the model in production (the pointer model_deployment writes), not a fixed SFT checkpoint
     # (preference.rank_by: reward asks about the day's documents: raw_documents)
     assert pairs == {"filtered_samples", "raw_documents", "production_model"}
-    assert dataset == {"preference_pairs", "eval_set", "production_model"}
+    assert dataset == {"preference_pairs", "eval_set", "rl_eval_set", "production_model"}
     assert (
         dpo == {"preference_dataset", "production_model"}
         and "preference_checkpoint" in upstream["eval_report"]

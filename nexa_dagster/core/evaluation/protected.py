@@ -1,10 +1,13 @@
-"""What training data must not contain: the frozen eval set's examples and the configured benchmark tasks' items.
+"""What training data must not contain: the frozen eval set's examples, the frozen held-out RL prompts and the
+configured benchmark tasks' items.
 
-``protected_items`` lists them for ``core.data.contamination.ContaminationIndex``: an eval example is protected by
-its prompt's own text (the document it quotes, without the teacher template's words) and its answer; a benchmark
-item by the string fields of its data row (a task's YAML under the benchmarks' ``include_path`` names its data
-file; ``id`` fields are not text). A task given by a name the local YAMLs do not define (one of the harness's own,
-downloaded on a GPU host) has no local items to protect and is listed as such.
+They are listed for ``core.data.contamination.ContaminationIndex``: an eval example is protected by its prompt's own
+text (the document it quotes, without the teacher template's words) and its answer; a held-out RL prompt by the
+words of its document it shows, with its answer for ``next_words`` (``core.rl.tasks.document_text``: the RL gate
+asks about passages no model in its lineage was trained on, so no pretraining document, SFT row or preference pair
+may hold one); a benchmark item by the string fields of its data row (a task's YAML under the benchmarks'
+``include_path`` names its data file; ``id`` fields are not text). A task given by a name the local YAMLs do not
+define (one of the harness's own, downloaded on a GPU host) has no local items to protect and is listed as such.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import yaml
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
 from nexa_dagster.core.data.contamination import ProtectedItem
+from nexa_dagster.core.evaluation.rl_eval_set import read_prompts
+from nexa_dagster.core.rl.tasks import document_text
+
+# a frozen RL eval set's items are from "rl_eval_set v<N>", as the eval set's are from "eval_set v<N>"
+RL_EVAL_SET_SOURCE = "rl_eval_set"
 
 
 def eval_set_items(
@@ -37,6 +45,12 @@ def eval_set_items(
                     texts.append(message["content"])
             items.append(ProtectedItem(f"eval_set v{manifest['version']}", record["sample_id"], tuple(texts)))
     return items
+
+
+def rl_eval_set_items(manifest: dict[str, Any]) -> list[ProtectedItem]:
+    """The frozen RL eval set's prompts (``core.evaluation.rl_eval_set``), each by the document words it shows."""
+    source = f"{RL_EVAL_SET_SOURCE} v{manifest['version']}"
+    return [ProtectedItem(source, str(i["item_id"]), (document_text(i),)) for i in read_prompts(manifest)]
 
 
 def benchmark_items(settings: BenchmarkSettings) -> tuple[list[ProtectedItem], list[str]]:

@@ -8,8 +8,9 @@ Like the eval set (``core.evaluation.eval_set``), a version ``v<N>`` is written 
 
 ``load_rl_eval_set`` checks the hashes with the eval set's own checks (a changed or missing file is an error naming
 it and what to do), so every RL candidate of a version is scored on exactly the same prompts. The items come from
-documents on the held-out side only (``core.rl.tasks.held_out``), already decontaminated against the eval set and the
-benchmark items, so no prompt of this set is ever trained on. Dagster-free.
+documents on the held-out side only (``core.rl.tasks.held_out``), which no training reads, and once frozen they are
+protected items (``core.evaluation.protected.rl_eval_set_items``): no training row of the lineage may hold their
+passages, so no prompt of this set is ever trained on. Dagster-free.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Training inputs checked against the protected items (frozen eval set, benchmark items) before they are packed.
+"""Training inputs checked against the protected items (frozen eval set, frozen RL eval set, benchmark items) before
+they are packed.
 
 A night checks only its new day: each day's input file (content-addressed JSONL, ``sft_dataset``'s or
 ``pretrain_corpus``'s) gets a receipt per index (``<out_root>/decontamination/<index key>/<file>.json``) listing
@@ -6,7 +7,7 @@ its contaminated rows, which items they hold and an example of the shared words;
 this index costs one read of its receipt. With ``on_overlap: remove`` a day with contaminated rows is replaced by a
 content-addressed copy without them (the shards downstream follow the bytes, as for any changed input); with
 ``report`` the rows stay and are counted. The report says how many rows were checked and removed, which protected
-items training data contains, and a few examples of what matched.
+items training data contains, how many rows hold each source's items, and a few examples of what matched.
 """
 
 from __future__ import annotations
@@ -41,6 +42,27 @@ class DecontaminationReport:
     rows_hit: dict[str, list[int]] = field(default_factory=dict)
     items_by_row: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # file -> kept row -> items
     examples: list[dict[str, Any]] = field(default_factory=list)
+    # contaminated rows (kept or removed) per protected source ("eval_set v1", "rl_eval_set v1", "benchmark:<task>"):
+    # a row is counted once for each source whose items it holds
+    rows_by_source: dict[str, int] = field(default_factory=dict)
+
+    def count_sources(self, hits: Sequence[dict[str, Any]], index: ContaminationIndex) -> None:
+        for hit in hits:
+            for source in {index.items[i][0] for i in hit["items"]}:
+                self.rows_by_source[source] = self.rows_by_source.get(source, 0) + 1
+
+    def summary(self) -> str:
+        """One log line: how many rows hold protected text, per source, and the first example."""
+        if not self.contaminated_rows:
+            return (
+                f"contamination check (index {self.index_key}): none of {self.rows_checked} rows holds eval-set, "
+                f"RL eval-set or benchmark text ({self.rows_checked_now} checked now)"
+            )
+        return (
+            f"contamination check (index {self.index_key}): {self.contaminated_rows} of {self.rows_checked} rows "
+            f"hold protected text ({self.removed_rows} removed; by source {self.rows_by_source}); first: "
+            f"{self.examples[0]}"
+        )
 
     def metadata(self, index: ContaminationIndex) -> dict[str, Any]:
         return {
@@ -51,6 +73,7 @@ class DecontaminationReport:
             "contaminated_rows": self.contaminated_rows,
             "contaminated_rows_removed": self.removed_rows,
             "protected_items_in_training_data": len(self.items_hit),
+            "contaminated_rows_by_source": dict(sorted(self.rows_by_source.items())),
             "contamination_examples": self.examples,
         }
 
@@ -133,6 +156,7 @@ def decontaminate(
             report.rows_checked_now += receipt["rows"]
         report.rows_checked += receipt["rows"]
         report.contaminated_rows += len(receipt["hits"])
+        report.count_sources(receipt["hits"], index)
         for hit in receipt["hits"][: max(0, EXAMPLES_KEPT - len(report.examples))]:
             report.examples.append(
                 {
@@ -162,16 +186,7 @@ def decontaminate(
                 storage.write_json({**receipt, "without_hits": clean.rsplit("/", 1)[-1]}, receipt_path)
             if day.rows - len(receipt["hits"]):
                 kept.append(replace(day, path=clean, rows=day.rows - len(receipt["hits"])))
-    if report.contaminated_rows:
-        log(
-            f"contamination check (index {index.key}): {report.contaminated_rows} of {report.rows_checked} rows "
-            f"hold eval-set or benchmark text ({report.removed_rows} removed); first: {report.examples[0]}"
-        )
-    else:
-        log(
-            f"contamination check (index {index.key}): none of {report.rows_checked} rows holds eval-set or "
-            f"benchmark text ({report.rows_checked_now} checked now)"
-        )
+    log(report.summary())
     return kept, report
 
 

@@ -16,10 +16,12 @@ Train and held-out items are kept apart by a hash of the document id (``held_out
 no training prompt shows. The topics (the labels) are shared by both sides, as a classifier's labels are: the
 held-out question is whether the policy names the topic of a passage it never saw, not whether it can copy a name it
 was never rewarded for (which a tiny model cannot learn). A prompt text that occurs on both sides, or with two
-answers (pydoc repeats some passages word for word), is left out whole. No item that shares text with a protected
-item (the frozen eval set, the lm-eval benchmark tasks: ``core.data.contamination``'s 13-gram index, the one
-packaging uses) is kept: ``decontaminated`` drops them and says which. Every row carries ``prompt``, ``task``, ``answer``, ``reference`` (the answer as text, for the
-reference-F1 reward), ``choices``, ``item_id`` and ``doc_id``. Dagster-free.
+answers (pydoc repeats some passages word for word), is left out whole. No train item that shares text with a
+protected item (the frozen eval set, the frozen RL eval set, the lm-eval benchmark tasks:
+``core.data.contamination``'s 13-gram index, the one packaging uses) is kept: ``decontaminated`` drops them and
+says which; a held-out item is never trained on and is not checked. Every row carries ``prompt``, ``task``,
+``answer``, ``reference`` (the answer as text, for the reference-F1 reward), ``choices``, ``item_id`` and
+``doc_id``. Dagster-free.
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ def topic_prompt(passage: str, choices: Sequence[str]) -> str:
 
 def next_words_prompt(passage: str, k: int) -> str:
     return f"Continue this passage with its next {k} words.\n\n{passage}"
+
+
+def document_text(item: dict[str, Any]) -> str:
+    """The words of the document an item shows, as the document has them: its passage (the prompt's block between
+    the question and the choices; a passage is words joined by spaces, so it holds no blank line), followed by the
+    answer for ``next_words`` (the held-out answer is the document's next words). The rest of a prompt is the
+    template's, shared by every item: no evidence that a text quotes this one."""
+    passage = item["prompt"].split("\n\n")[1]
+    return f"{passage} {item['answer']}" if item["task"] == NEXT_WORDS else passage
 
 
 def _row(
@@ -170,11 +181,18 @@ def unambiguous(items: list[dict[str, Any]], build: TaskBuild) -> list[dict[str,
 def decontaminated(
     items: Iterable[dict[str, Any]], index: ContaminationIndex | None, build: TaskBuild
 ) -> list[dict[str, Any]]:
-    """The items that share no n-gram with a protected item (their prompt and answer both checked, the index's
-    n and min_words); the others are recorded in ``build.contaminated`` with the item and the shared words."""
+    """The train items that share no n-gram with a protected item (their prompt and answer both checked, the index's
+    n and min_words), and every held-out item; the train items left out are recorded in ``build.contaminated`` with
+    the item and the shared words. A held-out item is never trained on (it is the RL gate's evidence, and once
+    frozen a protected item itself), so it is not checked: quoting the eval set or a benchmark harms nothing there,
+    and leaving it out would only shrink the gate's n (the RL eval set is frozen from the first night's documents:
+    on ``make run``'s, 93 held-out items remained of 125 when they were checked too)."""
     kept = []
     for item in items:
-        hit, example = index.hits([item["prompt"], item["answer"]]) if index is not None else ([], "")
+        on_train_side = item["side"] == "train"
+        hit, example = (
+            index.hits([item["prompt"], item["answer"]]) if index is not None and on_train_side else ([], "")
+        )
         if hit:
             build.contaminated.append(
                 {"item_id": item["item_id"], "protected": index.describe(hit[0]), "shared": example}

@@ -5,8 +5,9 @@ decontamination index, which this check does not read). Then:
 
 * the preset's ``rl.tasks.held_out_fraction`` is lowered without a new ``rl.eval_set_version``: ``rl_prompts`` made
   again puts documents of frozen v1 on the train side, and the check fails naming the shared items and documents
-  (GRPO would train on prompts the RL gate scores it on). An error, not blocking: the frozen set itself is intact;
-  the train side is what moved.
+  (GRPO would train on prompts the RL gate scores it on). Blocking: the step fails and nothing downstream of the
+  set (``trained_on_it`` here, as ``rl_checkpoint`` and the trainings that leave the frozen prompts out) runs; the
+  frozen set itself is intact (v1, not frozen again): the train side is what moved.
 * a frozen prompts file edited after freezing: the asset itself refuses the version (the run fails naming the
   file) before its check is evaluated, so no check result is recorded: the "files match the manifest" half of the
   check is the asset's refusal, and a damaged version is never used.
@@ -50,12 +51,17 @@ def rl_prompts(config: TasksRun, storage: StorageResource) -> RLPrompts:
     )
 
 
+@dg.asset(deps=["rl_eval_set"])
+def trained_on_it() -> None:
+    """A stand-in for what runs after the frozen set (rl_checkpoint, base_model, sft_dataset)."""
+
+
 def _make(
     tmp_path: Path, instance: dg.DagsterInstance, held_out_fraction: float
 ) -> dg.ExecuteInProcessResult:
     data = str(tmp_path / "data")
     return dg.materialize(
-        [rl_prompts, rl_eval_set],
+        [rl_prompts, rl_eval_set, trained_on_it],
         instance=instance,
         resources={
             "io_manager": NexaIOManager(data_root=data, results_root=str(tmp_path / "results")),
@@ -78,8 +84,13 @@ def test_train_rows_that_moved_onto_the_frozen_set_fail_the_check(tmp_path: Path
 
         moved = _make(tmp_path, instance, shipped / 3)  # fewer documents held out, the same eval_set_version
         [failed] = moved.get_asset_check_evaluations()
-    assert moved.success  # not blocking: the frozen set itself is intact
-    assert moved.output_for_node("rl_eval_set").content_sha256 == v1.content_sha256  # v1, not frozen again
+    assert frozen.asset_materializations_for_node("trained_on_it")
+    # blocking: the step fails on the check, and what follows the set does not run on it
+    assert not moved.success and not moved.asset_materializations_for_node("trained_on_it")
+    [failure] = moved.get_step_failure_events()
+    assert failure.step_key == "rl_eval_set" and CHECK in failure.step_failure_data.error.message
+    [v1_again] = moved.asset_materializations_for_node("rl_eval_set")  # v1, not frozen again
+    assert v1_again.metadata["content_sha256"].value == v1.content_sha256
     problems = failed.metadata["problems"].value
     assert not failed.passed and problems
     frozen_items = {json.loads(line)["item_id"] for line in Path(v1.prompts_path).read_text().splitlines()}
