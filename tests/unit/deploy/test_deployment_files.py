@@ -110,6 +110,11 @@ def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_c
     assert env["NEXA_SERVING_URL"] == f"http://serving:{port}/v1"
     installs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     assert "haproxy" in installs.split("apt-get install", 2)[2]  # the runtime stage's packages
+    # the containers the lab's network reaches run no Dagster process: the database's password is not theirs (the
+    # serving engines and HAProxy would inherit it)
+    for public in ("serving", "ui"):
+        assert "DAGSTER_PG_URL" not in services[public].get("environment", {}), public
+    assert serving["environment"]["NEXA_DATA_ROOT"] == services["user_code"]["environment"]["NEXA_DATA_ROOT"]
     assert port in next(args for op, args in dockerfile_instructions() if op == "EXPOSE").split()
 
 
