@@ -149,11 +149,17 @@ def test_cancelling_the_dagster_run_cancels_the_slurm_job(
     assert slurm_state(job_id) == "RUNNING"
     assert leaked(environ_of(launcher.pid)) == sorted(PLANTED)  # the check can fail
     in_job = _job_processes(job_id)  # the batch shell, srun, the worker
-    assert any("nexa_dagster.core.training.worker" in " ".join(p.cmdline()) for p in in_job), in_job
+    started = [
+        p for p in in_job if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
+    ]  # srun, worker
+    assert len(started) >= 2, [p.cmdline() for p in in_job]
     for process in in_job:
         job_env = environ_of(process.pid)
         assert leaked(job_env) == [], process.cmdline()
-        assert "DAGSTER_PIPES_CONTEXT" in job_env and "PATH" in job_env
+        assert "PATH" in job_env and "HOME" in job_env, process.cmdline()
+    # the script's exports (Pipes' bootstrap) reach what it starts (the batch shell's own /proc/<pid>/environ is
+    # what it was started with, before it ran its export lines)
+    assert all("DAGSTER_PIPES_CONTEXT" in environ_of(p.pid) for p in started)
 
     launcher.send_signal(signal.SIGINT)  # what a cancelled run's worker receives
     assert launcher.wait(timeout=60) is not None
