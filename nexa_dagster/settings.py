@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,13 @@ PG_URL = _var(
     "to a child the project starts",
     "process",
 )
+PG_PASSWORD_FILE = _var(
+    "DAGSTER_PG_PASSWORD_FILE",
+    "",
+    "a file holding the database's password (a Docker or Kubernetes secret): `nexa-dagster exec <program>` puts it "
+    "into DAGSTER_PG_URL (given without one) for the Dagster process it becomes",
+    "process",
+)
 LLM_API_KEY_FILES = tuple(
     _var(
         f"NEXA_{role.upper()}_API_KEY_FILE",
@@ -231,6 +239,7 @@ SECRET_VARIABLES = (
     *(llm_variable(role, "API_KEY") for role in ("teacher", "judge", "policy")),
     *LLM_API_KEY_FILES,
     PG_URL,
+    PG_PASSWORD_FILE,
 )
 
 # What a child may inherit beside the project's own variables (VARIABLES less SECRET_VARIABLES): an allow-list, so
@@ -341,6 +350,24 @@ def model_cache_root() -> Path:
     except OSError:  # no writable home (a locked-down container)
         base = Path(tempfile.gettempdir()) / "nexa-dagster-models"
     return base
+
+
+def pg_url() -> str:
+    """``DAGSTER_PG_URL`` with the password of ``DAGSTER_PG_PASSWORD_FILE``'s file put in (URL-quoted), or as it is
+    when that variable is unset. A URL that holds a password already, or none, beside the file is an error: which
+    one counts would be a guess."""
+    url = PG_URL.get()
+    if not PG_PASSWORD_FILE.is_set():
+        return url
+    password = secret_from_file(PG_PASSWORD_FILE)
+    parts = urllib.parse.urlsplit(url)
+    if not parts.username or parts.password is not None:
+        raise SecretUnreadable(
+            f"{PG_PASSWORD_FILE.name} is set: {PG_URL.name} must name a user and no password "
+            "(postgresql+psycopg2://USER@HOST:PORT/DB)"
+        )
+    netloc = f"{parts.username}:{urllib.parse.quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 _SECRET_NAMES = frozenset(v.name for v in SECRET_VARIABLES)
