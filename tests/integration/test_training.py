@@ -23,6 +23,7 @@ import pandas as pd
 import psutil
 import pytest
 from support.checkpoint_files import assert_portable_checkpoint
+from support.planted_secrets import PLANTED, environ_of, leaked
 from support.services import descendants_matching
 from support.training_jobs import end_process_group, launch_training_in_dagster, make_job
 
@@ -800,10 +801,10 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
 
 # -- stopping ---------------------------------------------------------------------------------------------------
 def _launch_long_training(
-    tmp_path: Path, teacher_dir: Path
+    tmp_path: Path, teacher_dir: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], psutil.Process, Path]:
     """Materialize a training asset in a separate Dagster process; return it and its worker once training runs."""
-    launcher, log = launch_training_in_dagster(tmp_path, teacher_dir)
+    launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, env=env)
     workers = descendants_matching(launcher.pid, "nexa_dagster.core.training.worker")
     assert len(workers) == 1
     return launcher, workers[0], log
@@ -811,8 +812,16 @@ def _launch_long_training(
 
 @pytest.mark.slow
 def test_cancelling_the_dagster_run_stops_the_worker(tmp_path: Path, teacher_dir: Path) -> None:
-    """A cancelled run gets SIGINT (what Dagster's run worker receives on cancel): the worker must go with it."""
-    launcher, worker, log = _launch_long_training(tmp_path, teacher_dir)
+    """A cancelled run gets SIGINT (what Dagster's run worker receives on cancel): the worker must go with it.
+
+    Also, while it trains: the worker's /proc/<pid>/environ holds none of the secrets planted in the Dagster
+    process's environment (the project's secret variables, the database URL, and names the project never heard
+    of), which the Dagster process does hold; and it has what it runs with (Dagster Pipes' bootstrap, PATH)."""
+    launcher, worker, log = _launch_long_training(tmp_path, teacher_dir, env=PLANTED)
+    assert leaked(environ_of(launcher.pid)) == sorted(PLANTED)  # the check can fail
+    worker_env = environ_of(worker.pid)
+    assert leaked(worker_env) == [], worker.cmdline()
+    assert {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES", "PATH", "HOME"} <= set(worker_env)
     launcher.send_signal(signal.SIGINT)
     worker.wait(timeout=30)  # psutil.TimeoutExpired here means an orphaned training process
     assert launcher.wait(timeout=60) is not None

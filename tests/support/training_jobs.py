@@ -4,6 +4,7 @@ training, Slurm and pretraining tests start the real worker with."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -126,10 +127,15 @@ print("RUN SUCCESS" if result.success else "RUN FAILED", flush=True)
 
 
 def launch_training_in_dagster(
-    tmp_path: Path, teacher_dir: Path, cluster: dict[str, object] | None = None, timeout_s: float = 120
+    tmp_path: Path,
+    teacher_dir: Path,
+    cluster: dict[str, object] | None = None,
+    timeout_s: float = 120,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """Materialize a long training asset in a separate Dagster process (``gpu_cluster_from_settings(cluster)``);
-    return the process and its log once the worker reports its first step."""
+    """Materialize a long training asset in a separate Dagster process (``gpu_cluster_from_settings(cluster)``,
+    ``env`` added to this process's environment); return the process and its log once the worker reports its
+    first step."""
     job = make_job(tmp_path, teacher_dir, steps=100_000, log_every=1)
     (tmp_path / "job.json").write_text(job.model_dump_json())
     (tmp_path / "launch.py").write_text(textwrap.dedent(LAUNCH_SCRIPT))
@@ -145,6 +151,7 @@ def launch_training_in_dagster(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
     deadline = time.monotonic() + timeout_s
     while "step 1/" not in log.read_text(errors="replace"):

@@ -384,7 +384,26 @@ LLM_MISTAKES = {  # case: (environment, pipeline.yaml addition, what the error m
     "a key in the file": (
         {},
         "teacher_llm:\n  backend: openai\n  base_url: http://x/v1\n  api_key: sk-1\n",
-        "pipeline.yaml: teacher_llm.api_key: never a key in a file: set NEXA_TEACHER_API_KEY",
+        "pipeline.yaml: teacher_llm.api_key: never a key in a configuration file: set NEXA_TEACHER_API_KEY_FILE",
+    ),
+    "a key file that cannot be read": (
+        {
+            "NEXA_TEACHER_BACKEND": "openai",
+            "NEXA_TEACHER_URL": "http://x/v1",
+            "NEXA_TEACHER_API_KEY_FILE": "/nonexistent/teacher-key",
+        },
+        "",
+        "NEXA_TEACHER_API_KEY_FILE=/nonexistent/teacher-key: the file cannot be read ([Errno 2]",
+    ),
+    "a key both as a file and as a value": (
+        {
+            "NEXA_JUDGE_BACKEND": "openai",
+            "NEXA_JUDGE_URL": "http://x/v1",
+            "NEXA_JUDGE_API_KEY": "sk-1",
+            "NEXA_JUDGE_API_KEY_FILE": "/run/secrets/judge",
+        },
+        "",
+        "NEXA_JUDGE_API_KEY and NEXA_JUDGE_API_KEY_FILE are both set: keep one (the file)",
     ),
     "a bad value": (
         {"NEXA_TEACHER_BACKEND": "managed"},
@@ -450,3 +469,13 @@ def test_each_llm_backend_gets_its_own_resource_class(tmp_path, monkeypatch) -> 
     assert type(teacher) is OpenAILLM and teacher.max_concurrency == 3 and teacher.model == ""
     assert isinstance(teacher.api_key, dg.EnvVar) and teacher.api_key.env_var_name == "NEXA_TEACHER_API_KEY"
     assert "sk-not-in-metadata" not in str(teacher.describe())
+
+    # the key as a file (a Docker or Kubernetes secret): its path is the config, the key is read when a client opens
+    monkeypatch.delenv("NEXA_TEACHER_API_KEY")
+    key_file = tmp_path / "teacher-key"
+    key_file.write_text("sk-from-a-file\n")
+    monkeypatch.setenv("NEXA_TEACHER_API_KEY_FILE", str(key_file))
+    teacher = build_defs().resources["teacher_llm"]
+    assert type(teacher) is OpenAILLM and teacher.api_key == "" and teacher.api_key_file == str(key_file)
+    assert teacher.key() == "sk-from-a-file" and teacher.describe()["api_key_set"] is True
+    assert "sk-from-a-file" not in str(teacher.describe())

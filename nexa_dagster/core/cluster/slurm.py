@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nexa_dagster import settings
 from nexa_dagster.core.cluster.commands import shard_task_argv
 from nexa_dagster.core.cluster.shard_task import (
     TASK_ENV,
@@ -85,8 +86,9 @@ def sbatch_script(
     ``--kill-on-bad-exit`` ends every node when one rank fails. ``--signal=TERM@<stop_warning_s>`` (no ``B:``:
     Slurm signals the job step's tasks, i.e. ``torchrun`` or the worker, not the batch shell) reaches the worker
     before the time limit; ``torchrun`` forwards SIGTERM to its ranks, which finish the step, save their resumable
-    state and exit, so the relaunch resumes there. The environment (Dagster Pipes' bootstrap variables among them) is
-    exported by the script itself, so nothing depends on what the submitting shell had.
+    state and exit, so the relaunch resumes there. The job's environment is ``submit_and_wait``'s ``sbatch``'s,
+    ``settings.environ()`` (no secret of the step process), under the variables the script exports (``env``:
+    Dagster Pipes' bootstrap variables among them).
     """
     directives = [
         f"--job-name={job_name}",
@@ -172,7 +174,9 @@ def sbatch_array_script(
 def scontrol_records(job_id: str) -> list[dict[str, str]]:
     """``scontrol show job -o``: one ``key -> value`` dict per line (one per array element, pending elements
     grouped); empty if the controller does not know the job."""
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=settings.environ()
+    )
     if proc.returncode != 0:
         return []
     return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in proc.stdout.splitlines()]
@@ -189,7 +193,10 @@ def job_states(job_id: str) -> dict[str, str]:
     if states:
         return states
     proc = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"], capture_output=True, text=True
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"],
+        capture_output=True,
+        text=True,
+        env=settings.environ(),
     )
     for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
         job, _, state = line.partition("|")
@@ -258,18 +265,28 @@ def submit_and_wait(script: Path, poll_interval_s: float, log: Callable[[str], N
     """Submit ``script`` (``sbatch --parsable``), log the job id, poll until it ends; return (job id, final state).
 
     If the caller stops while it waits (a cancelled run, an interrupt), the job is ``scancel``-ed before the
-    exception goes on, so no Slurm job outlives the step that owns it."""
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    exception goes on, so no Slurm job outlives the step that owns it.
+
+    Slurm gives a job the environment of the ``sbatch`` that submitted it (``--export=ALL``, its default, said
+    here so a cluster's ``SBATCH_EXPORT`` does not change it): ``sbatch`` runs with ``settings.environ()``, so the
+    job holds no secret of this process (an LLM key, the database URL) and has what the worker needs (``PATH``,
+    ``HOME``, the libraries' settings, ``SLURM_CONF``)."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--export=ALL", str(script)],
+        capture_output=True,
+        text=True,
+        env=settings.environ(),
+    )
     if proc.returncode != 0:
         raise SlurmCommandFailed(
-            f"sbatch --parsable {script} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}"
+            f"sbatch --parsable --export=ALL {script} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout}"
         )
     job_id = proc.stdout.split(";")[0].strip()
     log(f"submitted Slurm job {job_id} ({script})")
     try:
         state = wait_for_slurm_job(job_id, poll_interval_s, log)
     except BaseException:
-        subprocess.run(["scancel", job_id], check=False)
+        subprocess.run(["scancel", job_id], check=False, env=settings.environ())
         log(f"cancelled Slurm job {job_id}")
         raise
     return job_id, state

@@ -40,7 +40,7 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (
     IsADirectoryError,
     ImportError,  # ModuleNotFoundError included: an installation that lacks a module lacks it on every relaunch
 )
-INTERRUPT_GRACE_S = 10.0  # below PipesSubprocessClient's 20 s wait, so Dagster never leaves us running
+INTERRUPT_GRACE_S = 10.0  # below the local backend's 20 s wait, so Dagster never leaves us running
 
 
 def exit_if_interrupt_hangs(grace_s: float = INTERRUPT_GRACE_S) -> None:

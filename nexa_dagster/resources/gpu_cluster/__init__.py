@@ -3,7 +3,7 @@
 One typed class per backend, each with only its own fields, under the abstract ``GPUClusterResource`` that
 assets ask for (the shape of Dagster's ``project_ml`` example):
 
-* ``LocalGPUCluster``: this machine's GPUs (or CPU ranks), through ``PipesSubprocessClient``;
+* ``LocalGPUCluster``: this machine's GPUs (or CPU ranks), a child process in a Dagster Pipes session;
 * ``SlurmGPUCluster``: an ``sbatch`` script per worker, polled, ``scancel``-ed when the Dagster run is cancelled;
 * ``KubernetesGPUCluster``: a pod per worker through Dagster's ``PipesK8sClient``.
 

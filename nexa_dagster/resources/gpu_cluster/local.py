@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import dagster as dg
 
 from nexa_dagster import settings
-from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerLaunch
+from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
+
+# how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
+# worker's INTERRUPT_GRACE_S (core/common/workers.py), so the worker's hard exit comes first
+TERMINATION_WAIT_S = 20.0
 
 
 class LocalGPUCluster(GPUClusterResource):
-    """Runs the worker here through ``PipesSubprocessClient`` (``torchrun`` for more than one rank).
+    """Runs the worker here in a Dagster Pipes session (``torchrun`` for more than one rank).
 
-    Cancelling the Dagster run sends SIGINT to the worker (or to ``torchrun``); the worker also exits by itself
-    when the launching step process disappears (a killed run worker), so no orphan keeps a GPU busy."""
+    The worker gets ``settings.environ()`` (never a secret of the step process), the launch's variables and Pipes'
+    bootstrap ones: ``PipesSubprocessClient`` would hand it the step's whole ``os.environ``, which holds the LLM
+    keys and the database URL. Cancelling the Dagster run sends SIGINT to the worker (or to ``torchrun``), as that
+    client does; the worker also exits by itself when the launching step process disappears (a killed run
+    worker), so no orphan keeps a GPU busy."""
 
     backend = "local"
 
@@ -28,11 +37,28 @@ class LocalGPUCluster(GPUClusterResource):
     ) -> dg.PipesClientCompletedInvocation:
         command = launch.argv(self.python(), self.num_procs)
         context.log.info(f"launching {' '.join(command)}")
-        # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
-        # show every line twice)
-        return dg.PipesSubprocessClient().run(
+        with dg.open_pipes_session(
             context=context,
-            command=command,
-            cwd=str(launch.work_dir),
-            env={**launch.env, settings.LAUNCHER_PID.name: str(os.getpid()), settings.WORKER_ECHO.name: "0"},
-        )
+            context_injector=dg.PipesTempFileContextInjector(),
+            message_reader=dg.PipesTempFileMessageReader(),
+        ) as session:
+            # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
+            # show every line twice)
+            env = {
+                **settings.environ(),
+                **launch.env,
+                settings.LAUNCHER_PID.name: str(os.getpid()),
+                settings.WORKER_ECHO.name: "0",
+                **session.get_bootstrap_env_vars(),
+            }
+            process = subprocess.Popen(command, cwd=str(launch.work_dir), env=env)
+            try:
+                code = process.wait()
+            except dg.DagsterExecutionInterruptedError:
+                context.log.info("execution interrupted, sending SIGINT to subprocess (the worker)")
+                process.send_signal(signal.SIGINT)
+                process.wait(timeout=TERMINATION_WAIT_S)
+                raise
+            if code != 0:
+                raise WorkerFailed(f"the worker exited with code {code}")
+        return dg.PipesClientCompletedInvocation(session)

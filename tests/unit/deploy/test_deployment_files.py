@@ -5,11 +5,13 @@ run is a program the image installs, that the services agree with each other (gR
 the Postgres URL the instance config reads), and that the image does not run as root.
 """
 
+import os
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -90,8 +92,20 @@ def test_compose_services_agree_with_each_other_and_the_image(tmp_path: Path) ->
     shutil.copy(REPO_ROOT / "configs/dagster/production.yaml", tmp_path / "dagster.yaml")
     config = dagster_instance_config(str(tmp_path))[0]
     assert config["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
-    user = services["postgres"]["environment"]["POSTGRES_USER"]
-    assert f"//{user}:" in services["daemon"]["environment"]["DAGSTER_PG_URL"]
+    # the password is a file (a compose secret), the same for PostgreSQL and for the Dagster processes, whose
+    # entrypoint (`nexa-dagster exec`) puts it into the URL
+    postgres = services["postgres"]
+    assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/pg_password"
+    assert "POSTGRES_PASSWORD" not in postgres["environment"] and "pg_password" in postgres["secrets"]
+    for name in ("user_code", "webserver", "daemon"):
+        env, url = services[name]["environment"], urlsplit(services[name]["environment"]["DAGSTER_PG_URL"])
+        assert url.username == postgres["environment"]["POSTGRES_USER"] and url.password is None, name
+        assert (
+            env["DAGSTER_PG_PASSWORD_FILE"] == "/run/secrets/pg_password"
+            and "pg_password" in services[name]["secrets"]
+        ), name
+    entrypoint = next(args for op, args in dockerfile_instructions() if op == "ENTRYPOINT")
+    assert yaml.safe_load(entrypoint) == ["python", "-m", "nexa_dagster.cli", "exec"]
 
 
 def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_can_reach_it() -> None:
@@ -110,6 +124,11 @@ def test_compose_runs_the_serving_service_with_a_restart_policy_and_the_others_c
     assert env["NEXA_SERVING_URL"] == f"http://serving:{port}/v1"
     installs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     assert "haproxy" in installs.split("apt-get install", 2)[2]  # the runtime stage's packages
+    # the containers the lab's network reaches run no Dagster process: the database's password is not theirs (the
+    # serving engines and HAProxy would inherit it)
+    for public in ("serving", "ui"):
+        assert "DAGSTER_PG_URL" not in services[public].get("environment", {}), public
+    assert serving["environment"]["NEXA_DATA_ROOT"] == services["user_code"]["environment"]["NEXA_DATA_ROOT"]
     assert port in next(args for op, args in dockerfile_instructions() if op == "EXPOSE").split()
 
 
@@ -169,6 +188,7 @@ def test_compose_gives_every_secret_as_a_file_never_as_a_value() -> None:
         "serving_api_key": {"file": "./secrets/serving_api_key"},  # edited in place to rotate the key
         "serving_control_token": {"environment": "NEXA_SERVING_CONTROL_TOKEN"},
         "ui_password": {"environment": "NEXA_UI_PASSWORD"},
+        "pg_password": {"environment": "DAGSTER_PG_PASSWORD"},
     }
     serving = services["serving"]
     assert serving["environment"]["NEXA_SERVING_API_KEY_FILE"] == "/run/secrets/serving_api_key"
@@ -256,3 +276,37 @@ spec: {template: {spec: {containers: [{name: engine, command: [vllm, serve, m, -
     found = _k8s_engine_problems([old])
     said = ("binds 0.0.0.0, not loopback", "opens a port of its own", "gets a key in its environment")
     assert len(found) == 3 and all(s in p for s, p in zip(said, found, strict=True)), found
+
+
+def test_the_entrypoint_puts_the_database_password_file_into_the_url(tmp_path: Path) -> None:
+    """`nexa-dagster exec` (the image's entrypoint) becomes the command with DAGSTER_PG_URL holding the password of
+    DAGSTER_PG_PASSWORD_FILE's file (URL-quoted); an unreadable file stops it, naming the variable and the path;
+    without the variable it changes nothing (the serving and UI containers have no database)."""
+    password = tmp_path / "pg_password"
+    password.write_text("p@ss/w:rd\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "DAGSTER_PG_URL": "postgresql+psycopg2://dagster@postgres:5432/dagster",
+        "DAGSTER_PG_PASSWORD_FILE": str(password),
+    }
+    show = [sys.executable, "-c", "import os; print(os.environ.get('DAGSTER_PG_URL'))"]
+    run = [sys.executable, "-m", "nexa_dagster.cli", "exec", *show]
+    done = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "postgresql+psycopg2://dagster:p%40ss%2Fw%3Ard@postgres:5432/dagster"
+    from sqlalchemy.engine import make_url
+
+    assert make_url(done.stdout.strip()).password == "p@ss/w:rd"  # what dagster-postgres hands psycopg2
+    missing = subprocess.run(
+        run, env={**env, "DAGSTER_PG_PASSWORD_FILE": str(tmp_path / "absent")}, capture_output=True, text=True
+    )
+    assert missing.returncode == 1 and not missing.stdout
+    assert f"DAGSTER_PG_PASSWORD_FILE={tmp_path / 'absent'}: the file cannot be read" in missing.stderr
+    twice = subprocess.run(
+        run,
+        env={**env, "DAGSTER_PG_URL": "postgresql+psycopg2://dagster:x@db/d"},
+        capture_output=True,
+        text=True,
+    )
+    assert twice.returncode == 1 and "must name a user and no password" in twice.stderr
+    plain = subprocess.run(run, env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True)
+    assert plain.stdout.strip() == "None"
