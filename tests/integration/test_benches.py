@@ -82,7 +82,7 @@ BENCHES: dict[str, Bench] = {
         slow=True,
     ),
     "serving_switch.py": Bench(
-        ("--switches", "2", "--before-s", "1", "--clients", "1", "--max-tokens", "2"),
+        ("--switches", "1", "--before-s", "1", "--clients", "1", "--max-tokens", "2"),
         frozenset({"restrained", "switches", "clients"}),
         timeout_s=600,
         slow=True,

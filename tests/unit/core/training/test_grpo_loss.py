@@ -232,7 +232,11 @@ def test_grpo_loss_and_every_gradient_equal_trls_grpotrainer(tmp_path: Path, tea
         if case["beta"]:
             assert trl_metrics["kl"] > 1e-3, "a KL far from 0: the comparison below means something"
             assert abs(logged["kl"] - trl_metrics["kl"]) < 1e-5, (case, logged, trl_metrics["kl"])
-        print(f"{case}: |loss - TRL| {abs(loss - trl_loss.item()):.2e}, max |grad - TRL| {worst:.2e}")
+        print(
+            f"{case}: |loss - TRL| {abs(loss - trl_loss.item()):.2e}, max |grad - TRL| {worst:.2e}, |clip ratio - "
+            f"TRL| {abs(logged['clip_ratio'] - trl_metrics['clip_ratio/region_mean']):.2e}, |kl - TRL| "
+            f"{abs(logged['kl'] - trl_metrics.get('kl', 0.0)):.2e}"
+        )
 
 
 def test_group_advantages_follow_trls_scale_rewards() -> None:
