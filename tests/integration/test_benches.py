@@ -72,7 +72,8 @@ BENCHES: dict[str, Bench] = {
             *("--steps", "1", "--warmup", "0"),
         ),
         frozenset({"tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_same_micro_batch", "mfu"}),
-        timeout_s=400,
+        timeout_s=500,
+        slow=True,
     ),
     "preference.py": Bench(
         (
@@ -98,7 +99,7 @@ BENCHES: dict[str, Bench] = {
     "executor_overhead.py": Bench(
         ("--runs", "1"),
         frozenset({"multiprocess", "forkserver", "in_process", "orchestration_cpu_s_saved_per_run"}),
-        timeout_s=900,
+        timeout_s=1500,
         slow=True,
     ),
     "gpu_lifecycle.py": Bench(
