@@ -130,10 +130,12 @@ def load_average() -> list[float]:
 
 
 def _key_file(root: Path) -> Path:
-    """The endpoint's key in a file of mode 600: a secret is a file, never a value (docs/security.md)."""
+    """The endpoint's key in a file of mode 600 under ``root`` (made here: it is each configuration's own folder,
+    which nothing has created yet): a secret is a file, never a value (docs/security.md)."""
+    root.mkdir(parents=True, exist_ok=True)
     path = root / "api-key"
+    path.touch(mode=0o600)  # 600 before the key is in it, not after
     path.write_text(API_KEY + "\n")
-    path.chmod(0o600)
     return path
 
 

@@ -81,10 +81,18 @@ def host_counts_marked(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, 
         yield batch
 
 
-def run_worker(job: TrainingJob, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def run_worker(
+    job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    return subprocess.run([*WORKER, "--job", str(job_file)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [*WORKER, "--job", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def summary_of(job: TrainingJob) -> TrainingResult:
@@ -505,6 +513,32 @@ def as_split_manifest(path: str, root: Path, sizes: list[int]) -> str:
 def _losses(job: TrainingJob) -> list[tuple[int, float]]:
     lines = (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
+
+
+def test_a_run_resumed_from_a_state_saved_between_metrics_lines_counts_every_steps_tokens(
+    tmp_path: Path, teacher_dir: Path
+) -> None:
+    """A metrics line every 2 steps, the state every 3: the state of step 3 lies between the lines of steps 2 and
+    4. A run that fails at step 4 (its loss made NaN, caught before the update) and is launched again resumes from
+    step 3 and counts the tokens of all 6 steps, as the same run uninterrupted does (the summary's tokens_seen, and
+    the resumed run's tokens/s that is computed from it); step 3's tokens were lost when the state held only the
+    metrics lines' total."""
+    base = make_job(tmp_path, teacher_dir, steps=6, log_every=2, checkpoint_every=3)
+    straight, resumed = (
+        base.model_copy(update={"run_id": name, "output_dir": str(tmp_path / "ckpt" / name)})
+        for name in ("straight", "resumed")
+    )
+    proc = run_worker(straight, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    proc = run_worker(resumed, tmp_path, env={"NEXA_FAULT_NAN_AT_STEP": "4"})
+    assert proc.returncode != 0 and "non-finite loss at step 4" in proc.stdout + proc.stderr
+    assert (tmp_path / "ckpt" / "resumed.state" / "latest").read_text().strip() == "step00000003"
+    proc = run_worker(resumed, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from step 3" in proc.stdout
+    assert summary_of(resumed).resumed_from_step == 3
+    assert summary_of(resumed).tokens_seen == summary_of(straight).tokens_seen > 0
 
 
 @pytest.mark.slow

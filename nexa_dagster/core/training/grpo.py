@@ -15,7 +15,8 @@ What this objective brings to the loop (``core/training/objective.py`` says what
    the whole batch's std (``batch``) or nothing (``none``) — TRL's ``scale_rewards``, with its ``+ 1e-4``;
 4. the loss, TRL's ``GRPOTrainer._compute_loss``: per token ``-min(r A, clip(r, 1-eps, 1+eps) A) + beta KL`` with
    ``r = exp(logp - logp_old)`` and TRL's estimator ``KL = (exp(ref - logp) - (ref - logp) - 1) r`` (times the
-   ratio: TRL 1.16's default ``use_bias_correction_kl``); ``grpo``: each
+   ratio: TRL 1.16's default, ``GRPOConfig.use_bias_correction_kl = True``; the oracle test checks that default
+   and equals TRL's loss and gradients with it); ``grpo``: each
    completion's token mean, then the mean over completions; ``dr_grpo``: the token sum over completions x
    ``max_completion_tokens``. One update per rollout (TRL's ``num_iterations = 1``), so ``logp_old`` is the
    detached ``logp`` of the same forward pass: the ratio is 1 and ``clip_ratio`` is 0 by construction, as in TRL;
@@ -27,8 +28,8 @@ What this objective brings to the loop (``core/training/objective.py`` says what
    run samples what an uninterrupted one would have without state to save (a stateful generator saved in the
    checkpoint would also work, but could be restored wrongly; a pure function of the position cannot). The
    resumable state (``resume_state``) holds what must match for a resume not to skip or replay prompts;
-7. logged each step: the summed reward's mean and std, each reward's mean, ``frac_reward_zero_std``, ``clip_ratio``,
-   ``kl`` (beta > 0), the completions' mean length and the rollout's seconds (generation and rewards; the step's
+7. logged each step: the summed reward's mean and std, each reward's mean, ``frac_reward_zero_std``, ``clip_ratio``
+   and ``kl`` (beta > 0) as TRL logs them (``clip_ratio/region_mean``, ``kl``: token means per micro-batch, averaged), the completions' mean length and the rollout's seconds (generation and rewards; the step's
    update takes ``step_s - rollout_s``); at the end the held-out prompts' mean reward of greedy completions.
 """
 
@@ -85,8 +86,9 @@ def grpo_token_losses(
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
-        # TRL's k3 estimator times the ratio (TRL 1.16's default use_bias_correction_kl, DeepSeek-V3.2): the ratio
-        # is 1 on policy, but its gradient makes the KL's the unbiased reverse-KL gradient
+        # TRL's k3 estimator times the ratio: TRL 1.16's default (GRPOConfig.use_bias_correction_kl = True in
+        # trl/trainer/grpo_config.py; DeepSeek-V3.2), not an option here. The ratio is 1 on policy, but its
+        # gradient makes the KL's the unbiased reverse-KL gradient
         kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         per_token = per_token + beta * kl
     return per_token, ratio, kl
@@ -105,8 +107,13 @@ def grpo_loss_sum(
     raise ValueError(f"unknown GRPO loss type {loss_type!r}; grpo or dr_grpo")
 
 
-def masked_row_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+def token_mean_metric(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of a step metric that is a token mean, as TRL logs ``kl`` and
+    ``clip_ratio/region_mean`` (``global_masked_mean``: the mean over the micro-batch's completion tokens, averaged
+    over micro-batches). The loop divides a metric's sum by the step's completions, and every micro-batch holds one
+    group of K, so the token mean is multiplied by the micro-batch's completions: the step logs the mean of its
+    micro-batches' token means, TRL's figure."""
+    return ((values * mask).sum() / mask.sum().clamp(min=1.0) * mask.shape[0]).detach()
 
 
 def group_advantages(
@@ -186,9 +193,9 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     adv = batch["advantages"].unsqueeze(1)
     clipped = ((ratio < 1 - c.epsilon) & (adv < 0)) | ((ratio > 1 + c.epsilon) & (adv > 0))
     metrics = {k[2:]: v.to(logps.device) for k, v in batch.items() if k.startswith("m:")}
-    metrics["clip_ratio"] = masked_row_means(clipped.float(), mask).sum().detach()
+    metrics["clip_ratio"] = token_mean_metric(clipped.float(), mask)
     if kl is not None:
-        metrics["kl"] = masked_row_means(kl, mask).sum().detach()
+        metrics["kl"] = token_mean_metric(kl, mask)
     return MicroTerms(loss_sum, out.aux_loss, out.expert_load, metrics)
 
 

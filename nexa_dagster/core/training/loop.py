@@ -357,6 +357,11 @@ class MetricsWindow:
     def add(self, tokens: int) -> None:
         self.tokens += tokens
 
+    def pending_tokens(self) -> int:
+        """All ranks' tokens of the steps since the last metrics line (a collective, like ``close``): what a state
+        saved between two lines must count on top of the lines' total, or a resume from it loses them."""
+        return int(all_reduce_sum(self.tokens)[0])
+
     def close(
         self,
         step: int,
@@ -680,12 +685,15 @@ class StepLoop:
         self.say(f"saved resumable state at step {step}; stopping as asked (SIGTERM)")
 
     def save(self, step: int) -> None:
+        """The resumable state of ``step`` (every rank at the same step). Its token count is every step's up to
+        ``step``: the metrics lines' total plus the steps since the last line (``checkpoint_every`` need not be a
+        multiple of ``log_every``)."""
         save_state(
             self.engine_run.engine,
             self.job,
             step,
             self.metrics_log,
-            self.tokens_seen,
+            self.tokens_seen + self.window.pending_tokens(),
             self.objective.resume_state(step),
         )
 

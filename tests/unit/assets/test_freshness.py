@@ -10,6 +10,9 @@ from datetime import UTC, datetime
 
 import dagster as dg
 import pytest
+
+# private: in Dagster 1.13 only the daemon evaluates freshness; no public API evaluates a policy, names its
+# states or freezes Dagster's clock (public DagsterInstance.get_freshness_state_records reads what the daemon stored)
 from dagster._core.definitions.freshness import FreshnessState
 from dagster._core.definitions.freshness_evaluator import (
     CronFreshnessPolicyEvaluator,

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
+# private: the only check of a dagster.yaml against Dagster's schema that does not connect to its PostgreSQL
 from dagster._core.instance.config import dagster_instance_config
 
 from nexa_dagster.core.common.config import REPO_ROOT

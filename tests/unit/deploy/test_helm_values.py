@@ -33,6 +33,8 @@ import dagster as dg
 import jsonschema
 import pytest
 import yaml
+
+# private: the only check of a dagster.yaml against Dagster's schema that does not connect to its PostgreSQL
 from dagster._core.instance.config import dagster_instance_config
 from dagster_postgres.utils import pg_url_from_config
 from referencing import Registry, Resource
@@ -200,7 +202,7 @@ def chart_instance_sections(values: dict[str, Any]) -> dict[str, Any]:
             for kind, module, cls in storages
         },
         "run_coordinator": {
-            "module": "dagster._core.run_coordinator",
+            "module": "dagster._core.run_coordinator",  # a string the chart writes, not an import
             "class": "QueuedRunCoordinator",
             **({"config": queue} if queue else {}),
         },

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import dagster as dg
 import pytest
+
+# private on purpose: the test exists to notice Dagster renaming the retry daemon's cursor key the sensor moves
 from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_cursor_key
 
 from nexa_dagster.sensors.missed_retries import (
