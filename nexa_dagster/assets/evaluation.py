@@ -229,8 +229,8 @@ def eval_report(
     decision, reward_figures = gate_decision(
         ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
     )
-    if attempt is not None:
-        decision = replace(decision, reason=f"{decision.reason}; {attempt.describe()}")
+    if attempt is not None:  # the check, the report and the UI say which attempt it was and at what level
+        decision = replace(decision, attempt=attempt, reason=f"{decision.reason}; {attempt.describe()}")
     if reward_figures is not None:  # the report and the check both say on what the reward gate decided
         reward_figures = with_rl_eval_set(reward_figures, scale)
     report = build_eval_report(
@@ -248,13 +248,12 @@ def eval_report(
     if reward_figures is not None:
         report = report.model_copy(update={"reward_gate": reward_figures})
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
-    counted = attempt.metadata() if attempt else {}
-    yield dg.Output(report, metadata={**report_metadata(report, ckpt), **counted})
+    yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
     context.log.info(
         f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
     )
-    yield gate_check(decision, evaluation, policy, version, report, reward_figures, attempt)
+    yield gate_check(decision, evaluation, policy, version, report, reward_figures)
 
 
 def prompts_to_answer(
@@ -406,7 +405,6 @@ def gate_check(
     version: int,
     report: EvalReport,
     reward_figures: dict | None,
-    attempt: Attempt | None = None,
 ) -> dg.AssetCheckResult:
     """The promotion gate as an asset check (a WARN when held back: a decision, not an outage), with the decision's
     attempt in its family and the confidence it decided at (``core.evaluation.attempts``)."""
@@ -422,7 +420,6 @@ def gate_check(
                 "confidence": policy.confidence,
                 "eval_set_version": version,
                 "production_checkpoint": report.production_checkpoint_id,
-                **(attempt.metadata() if attempt else {}),
                 **gate_figures(decision, evaluation),
                 **{
                     f"reward_gate/{k}": v

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.config import load_yaml, validated
-from nexa_dagster.core.evaluation.attempts import attempt_confidence
+from nexa_dagster.core.evaluation.attempts import Attempt, attempt_confidence
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
 from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, Verdict, paired_guards
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, LengthControlled, PairedLoss, WinRate
@@ -281,6 +281,9 @@ class GateDecision:
     guards: tuple[str, ...] = ()  # the guards that held it back: non-regression, skew, regressions, slices
     guard: GuardReport | None = None  # what core.evaluation.guards found, whatever it decided
     worse: bool = False  # the whole interval on the worse side of no difference: the waiver never promotes it
+    attempt: Attempt | None = (
+        None  # its place among the decisions on its eval set against its production model
+    )
 
     @property
     def outcome(self) -> Decision:
@@ -300,6 +303,7 @@ class GateDecision:
             "method": self.method,
             "rule": self.rule,
             **(self.guard.metadata() if self.guard else {}),
+            **(self.attempt.metadata() if self.attempt else {}),
         }
 
 

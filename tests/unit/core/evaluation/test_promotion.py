@@ -166,7 +166,11 @@ def test_a_pointwise_judge_decides_on_its_decisive_verdicts_and_refuses_too_few(
     assert "pointwise judge: win_rate 0.833" in decision.reason and "6 ties; 2 unreadable" in decision.reason
     few = pointwise_win_rate(candidate[:19] + [3.0] * 13, production)  # 19 wins, 13 ties
     short = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, few, [])
-    assert short.outcome == "insufficient evidence" and short.n == 19 and short.rule.startswith("n >= 20; guards")
+    assert (
+        short.outcome == "insufficient evidence"
+        and short.n == 19
+        and short.rule.startswith("n >= 20; guards")
+    )
     assert (
         "insufficient evidence: n = 19 < 20 (usable judge verdicts, min_consistent_verdicts)" in short.reason
     )
