@@ -85,3 +85,21 @@ def test_a_candidate_that_passes_at_the_first_attempt_fails_at_a_later_one(
     assert outcomes[1].passed, outcomes[1].reason
     assert not outcomes[attempt].passed and outcomes[attempt].outcome == "hold back", outcomes[attempt].reason
     assert outcomes[attempt].interval is not None and outcomes[attempt].interval[1] >= 0
+
+
+def test_the_decisions_metadata_shows_its_attempt_and_level(tmp_path: Path) -> None:
+    """What the asset check and the materialization show in the UI (``GateDecision.metadata``, which the check's
+    metadata and the report carry): the attempt, its family and the confidence it decided at."""
+    from dataclasses import replace
+
+    ledger, key = GateAttempts.under(str(tmp_path)), family("rl_eval_set", 1, "prod")
+    ledger.reserve(key, "pref-1", 0.95)
+    second = ledger.reserve(key, "rl-1", 0.95)
+    cand, prod, tokens = _marginal_candidate()
+    decision = replace(
+        decide("rl-1", PRODUCTION, PromotionPolicy(), paired_loss_difference(cand, prod, tokens)),
+        attempt=second,
+    )
+    meta = decision.metadata()
+    assert (meta["gate_attempt"], meta["gate_attempt_family"]) == (2, "rl_eval_set v1 vs prod")
+    assert meta["gate_confidence"] == pytest.approx(0.975) and ledger.count(key) == 2
