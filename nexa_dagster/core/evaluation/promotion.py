@@ -10,12 +10,15 @@ root as it is now (``core.common.roots``). Entries handed out carry the checkpoi
 
 Besides the mean, every gate looks at the examples that got worse through ONE generic function over per-example
 paired differences, ``core.evaluation.guards.paired_guards`` (skewness by Cochran's rule, the regressed share
-against ``guards.max_regressed_share``, slices with Holm's correction); ``decide`` and ``decide_preference`` take
-its ``GuardReport`` (``guard=``) and fold it in with ``apply_guards``. The adapters here build it for the two
-gates of this module: ``eval_loss_guard`` (per-example loss differences, token-weighted) and
-``judge_score_guard`` (the pointwise judge's per-prompt scores). A reward gate calls ``paired_guards`` on its
-per-prompt reward differences (``higher_is_better=True``, its own ``regression_margin`` in reward units) and
-``apply_guards`` on its decision.
+against ``guards.max_regressed_share``, slices with Holm's correction). Every gate (``decide``,
+``decide_preference``, ``reward_gate.decide_reward``) ends in ONE function, ``conclude``, with what it measured and
+its ``Evidence``: the contamination refusal, the evidence minimum, that ``GuardReport`` (``apply_guards``), the
+non-inferiority guards (``non_regression_findings``: eval-set loss, benchmarks, length control) and the lab's waiver
+of too little evidence, which never promotes a candidate the evidence shows worse. The adapters here build the
+report for the two gates of this module: ``eval_loss_guard`` (per-example loss differences, token-weighted) and
+``judge_score_guard`` (the pointwise judge's per-prompt scores); a reward gate's is ``reward_gate.reward_guards``.
+A later attempt on the same eval set against the same production model decides at a stricter confidence
+(``PromotionPolicy.for_attempt``, ``core.evaluation.attempts``).
 """
 
 from __future__ import annotations
@@ -377,8 +380,8 @@ class Evidence:
 def non_regression_findings(evidence: Evidence) -> list[tuple[Verdict, str]]:
     """The non-inferiority guards: the eval-set loss and every benchmark must be shown no worse than their margin
     (the interval's worse end within it: the standard non-inferiority test, so a small or noisy eval set cannot
-    pass for harmless), and the win must survive controlling for the answers' length. Each finding with its
-    verdict; none when all hold."""
+    pass for harmless), and a win with longer answers must survive controlling for the answers' length. Each
+    finding with its verdict; none when all hold."""
     found: list[tuple[Verdict, str]] = []
     limit = evidence.loss_limit
     if limit is not None and evidence.paired_loss is None:
@@ -405,7 +408,9 @@ def non_regression_findings(evidence: Evidence) -> list[tuple[Verdict, str]]:
                 )
             )
     lc, limit = evidence.length_controlled, evidence.length_limit
-    if limit is not None and lc is not None and lc.win_rate <= limit:
+    # one-sided, as the guard is meant: a win that longer answers explain; a candidate whose answers got shorter
+    # (a right answer is often a short one) is not talking its way to a win, whatever the fit reads at zero
+    if limit is not None and lc is not None and lc.win_rate <= limit and lc.mean_length_change > 0:
         found.append(
             (
                 "hold back",

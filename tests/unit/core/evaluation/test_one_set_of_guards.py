@@ -102,19 +102,31 @@ def test_the_reward_gate_holds_back_a_candidate_not_shown_within_a_benchmark_mar
 
 
 def test_the_reward_gate_holds_back_a_reward_won_by_longer_answers() -> None:
-    """40 prompts won with answers 100 characters longer, 20 lost at the same length, 20 equal: the reward's mean
-    gain is real, but at an unchanged length the candidate loses, so the length control holds it back."""
-    candidate = np.r_[np.ones(40), np.zeros(20), np.full(20, 0.5)]
-    production = np.r_[np.zeros(40), np.ones(20), np.full(20, 0.5)]
+    """40 prompts won (+0.4 reward, a similarity reward) with answers 100 characters longer, 20 lost (-0.4, under
+    the regression margin: no other guard objects) at the same length, 20 equal: the reward's mean gain is real, but
+    at an unchanged length the candidate loses, so the length control holds it back, and only it."""
+    candidate = np.r_[np.full(40, 0.9), np.full(20, 0.1), np.full(20, 0.5)]
+    production = np.full(80, 0.5)
     lengths = np.r_[np.full(40, 140.0), np.full(40, 40.0)]
     lc = reward_length_control(candidate, production, lengths, np.full(80, 40.0))
     assert lc.win_rate < 0.5 and lc.verdicts == 60 and lc.mean_length_change == pytest.approx(50.0)
     held = decide_reward(
         "rl-1", PRODUCTION, PromotionPolicy(), candidate - production, UNCHANGED, length_controlled=lc
     )
-    assert held.outcome == "hold back" and "length-controlled win rate" in held.reason
+    assert held.outcome == "hold back" and held.guard is not None and held.guard.verdict is None
+    assert held.guards == (held.guards[0],) and held.guards[0].startswith("length-controlled win rate")
+    assert decide_reward("rl-1", PRODUCTION, PromotionPolicy(), candidate - production, UNCHANGED).passed
     fair = reward_length_control(candidate, production, np.full(80, 40.0), np.full(80, 40.0))
     assert fair.win_rate == pytest.approx(40 / 60, abs=0.02)
+    # the guard is one-sided: wins that came with *shorter* answers (a right answer is often a short one) are not
+    # a length bias, whatever the fit reads at a zero length difference
+    terse = reward_length_control(
+        candidate, production, np.r_[np.full(40, 10.0), np.full(40, 40.0)], np.full(80, 40.0)
+    )
+    assert terse.win_rate < 0.5 and terse.mean_length_change < 0
+    assert decide_reward(
+        "rl-1", PRODUCTION, PromotionPolicy(), candidate - production, UNCHANGED, length_controlled=terse
+    ).passed
 
 
 def test_the_reward_gate_names_the_guards_it_ran_in_its_rule() -> None:
