@@ -284,9 +284,8 @@ class GateDecision:
     guards: tuple[str, ...] = ()  # the guards that held it back: non-regression, skew, regressions, slices
     guard: GuardReport | None = None  # what core.evaluation.guards found, whatever it decided
     worse: bool = False  # the whole interval on the worse side of no difference: the waiver never promotes it
-    attempt: Attempt | None = (
-        None  # its place among the decisions on its eval set against its production model
-    )
+    # its place among the decisions on its eval set against its production model (core.evaluation.attempts)
+    attempt: Attempt | None = None
 
     @property
     def outcome(self) -> Decision:
