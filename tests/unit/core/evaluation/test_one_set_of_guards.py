@@ -170,3 +170,100 @@ def test_a_length_guard_hold_back_is_not_waived() -> None:
     verbose = LengthControlled(win_rate=0.46, length_coefficient=3.1, mean_length_change=240.0, verdicts=12)
     decision = decide_preference("pref", PRODUCTION, WAIVING, UNCHANGED, _win_rate(11, 1), [], None, verbose)
     assert decision.outcome == "hold back" and "length-controlled win rate 0.460" in decision.reason
+
+
+# --- the boundaries and the worse side each gate's waiver looks at (mutation testing found them unasserted) ---
+
+
+def _loss(low: float, high: float) -> PairedLoss:
+    return PairedLoss(3.0 + (low + high) / 2, 3.0, Interval((low + high) / 2, low, high, 0.95), 107, 4000)
+
+
+def test_the_non_inferiority_margins_are_inclusive_and_each_guard_names_its_own_finding() -> None:
+    """The loss's high end exactly at the margin and a benchmark's low end exactly at minus it are shown within it
+    (promoted); a hair past either is held back by that guard alone."""
+    policy, better = PromotionPolicy(), _better_rewards()
+    assert decide_reward("rl-1", PRODUCTION, policy, better, _loss(0.0, 0.05)).passed
+    past = decide_reward("rl-1", PRODUCTION, policy, better, _loss(0.0, 0.0501))
+    assert past.outcome == "hold back" and past.guards == (
+        "eval_loss worse by +0.0250 nats/token, interval high +0.0501 > 0.05",
+    )
+    at = BenchmarkComparison("t/acc", 0.5, 0.5, 0.0, -0.05, 0.05, 0.95, True, 4000)
+    assert decide_reward("rl-1", PRODUCTION, policy, better, UNCHANGED, benchmarks=[at]).passed
+    below = BenchmarkComparison("t/acc", 0.5, 0.5, 0.0, -0.0501, 0.05, 0.95, True, 4000)
+    held = decide_reward("rl-1", PRODUCTION, policy, better, UNCHANGED, benchmarks=[below])
+    assert held.guards == ("t/acc lower by -0.0000, interval low -0.0501 < -0.05",)
+
+
+def test_the_length_guard_holds_back_at_its_limit_and_only_with_longer_answers() -> None:
+    policy, better = PromotionPolicy(), _better_rewards()
+    at = LengthControlled(win_rate=0.5, length_coefficient=1.0, mean_length_change=1.0, verdicts=40)
+    assert (
+        decide_reward("rl-1", PRODUCTION, policy, better, UNCHANGED, length_controlled=at).outcome
+        == "hold back"
+    )
+    above = LengthControlled(win_rate=0.5001, length_coefficient=1.0, mean_length_change=1.0, verdicts=40)
+    assert decide_reward("rl-1", PRODUCTION, policy, better, UNCHANGED, length_controlled=above).passed
+    same_length = LengthControlled(win_rate=0.2, length_coefficient=1.0, mean_length_change=0.0, verdicts=40)
+    assert decide_reward("rl-1", PRODUCTION, policy, better, UNCHANGED, length_controlled=same_length).passed
+    off = policy.model_copy(
+        update={"rl": policy.rl.model_copy(update={"min_length_controlled_win_rate": None})}
+    )
+    lenient = decide_reward("rl-1", PRODUCTION, off, better, UNCHANGED, length_controlled=at)
+    assert lenient.passed and "length-controlled" not in lenient.rule
+
+
+@pytest.mark.parametrize(
+    ("high", "promoted"),
+    [(-0.0001, False), (0.0, True)],  # wholly below zero: shown worse; touching it: not
+)
+def test_the_reward_waiver_looks_at_the_interval_high_end(high: float, promoted: bool) -> None:
+    from nexa_dagster.core.evaluation.promotion import Evidence
+    from nexa_dagster.core.evaluation.reward_gate import reward_decision
+
+    d = Interval(high - 0.5, high - 1.0, high, 0.95)
+    decision = reward_decision(
+        WAIVING, d, (20, 0, 20), Evidence(paired_loss=UNCHANGED, **WAIVING.rl.limits())
+    )
+    assert decision.passed is promoted and decision.outcome == (
+        "promote" if promoted else "insufficient evidence"
+    )
+
+
+def test_the_win_rate_waiver_and_rule_look_at_the_right_ends_and_the_margin() -> None:
+    """Below min_consistent_verdicts a win rate wholly under 0.5 is never waived, one touching it is; the rule
+    clears 0.5 + margin, strictly, on the interval (or on the estimate without require_interval)."""
+    from nexa_dagster.core.evaluation.paired import WinRate
+
+    def rate(low: float, estimate: float, high: float, n: int = 30) -> WinRate:
+        return WinRate(wins=n, losses=0, inconsistent=0, rate=Interval(estimate, low, high, 0.95))
+
+    win = PromotionPolicy(metric="win_rate")
+    waiving = win.model_copy(update={"on_insufficient_evidence": "promote"})
+    assert not decide("c", PRODUCTION, waiving, win_rate=rate(0.1, 0.3, 0.4999, n=5)).passed
+    assert decide("c", PRODUCTION, waiving, win_rate=rate(0.1, 0.3, 0.5, n=5)).passed
+    assert not decide("c", PRODUCTION, win, win_rate=rate(0.5, 0.7, 0.9)).passed  # strictly above 0.5
+    assert decide("c", PRODUCTION, win, win_rate=rate(0.5001, 0.7, 0.9)).passed
+    margin = win.model_copy(update={"margin": 0.1})
+    held = decide("c", PRODUCTION, margin, win_rate=rate(0.55, 0.7, 0.9))
+    assert not held.passed and held.rule == "interval low > 0.6"
+    point = win.model_copy(update={"require_interval": False})
+    on_estimate = decide("c", PRODUCTION, point, win_rate=rate(0.4, 0.55, 0.7))
+    assert on_estimate.passed and on_estimate.rule == "win rate > 0.5"
+    m = on_estimate.metadata()
+    assert (m["candidate"], m["production"], m["difference"]) == pytest.approx((0.55, 0.45, 0.05))
+
+
+def test_the_loss_and_benchmark_waivers_look_at_the_worse_end() -> None:
+    waiving = PromotionPolicy(on_insufficient_evidence="promote")
+    assert not decide(
+        "c", PRODUCTION, waiving, PairedLoss(3.1, 3.0, Interval(0.1, 0.0001, 0.2, 0.95), 5, 200)
+    ).passed
+    assert decide(
+        "c", PRODUCTION, waiving, PairedLoss(3.1, 3.0, Interval(0.1, 0.0, 0.2, 0.95), 5, 200)
+    ).passed
+    bench = waiving.model_copy(update={"metric": "benchmark:t/acc"})
+    worse = BenchmarkComparison("t/acc", 0.4, 0.5, -0.1, -0.2, -0.0001, 0.95, True, 5)
+    touching = BenchmarkComparison("t/acc", 0.4, 0.5, -0.1, -0.2, 0.0, 0.95, True, 5)
+    assert not decide("c", PRODUCTION, bench, benchmark=worse).passed
+    assert decide("c", PRODUCTION, bench, benchmark=touching).passed
