@@ -267,3 +267,39 @@ def test_the_loss_and_benchmark_waivers_look_at_the_worse_end() -> None:
     touching = BenchmarkComparison("t/acc", 0.4, 0.5, -0.1, -0.2, 0.0, 0.95, True, 5)
     assert not decide("c", PRODUCTION, bench, benchmark=worse).passed
     assert decide("c", PRODUCTION, bench, benchmark=touching).passed
+
+
+def test_the_reward_gates_comparisons_of_nothing_and_its_smallest_n() -> None:
+    first = decide_reward("rl-1", None, PromotionPolicy(), [])
+    assert (first.passed, first.outcome, first.rule, first.reason) == (
+        True,
+        "promote",
+        "first model",
+        "no production model yet",
+    )
+    same = ProductionEntry(checkpoint_id="rl-1", checkpoint_path="checkpoints/rl-1", metric="eval_loss")
+    again = decide_reward("rl-1", same, PromotionPolicy(), [])
+    assert (again.passed, again.outcome, again.reason) == (True, "promote", "rl-1 is production")
+    one = decide_reward("rl-1", PRODUCTION, PromotionPolicy(), [1.0], UNCHANGED)
+    assert (one.passed, one.n, one.rule) == (False, 1, "n >= 2") and "nothing to compare" in one.reason
+    two = decide_reward("rl-1", PRODUCTION, PromotionPolicy(), [1.0, 0.0], UNCHANGED)
+    assert two.n == 2 and two.outcome == "insufficient evidence" and two.rule.startswith("n >= 30")
+
+
+def test_the_reward_gate_runs_its_guards_from_the_minimum_n_on() -> None:
+    at_minimum = decide_reward("rl-1", PRODUCTION, PromotionPolicy(), _better_rewards(30), UNCHANGED)
+    assert at_minimum.guard is not None and at_minimum.guard.n == 30
+    assert decide_reward("rl-1", PRODUCTION, PromotionPolicy(), _better_rewards(29), UNCHANGED).guard is None
+
+
+def test_the_reward_gates_bootstrap_interval_is_the_paired_statistics_own() -> None:
+    """``interval_method: bootstrap``: the reward gate's interval is ``paired_loss_difference``'s on the same
+    differences with every prompt weighing one, the policy's resamples and seed 0 (reproducible)."""
+    from nexa_dagster.core.evaluation.reward_gate import mean_difference_interval
+
+    d = np.random.default_rng(4).normal(0.1, 1.0, size=50)
+    ours = mean_difference_interval(d, 0.95, "bootstrap", 300)
+    theirs = paired_loss_difference(d, np.zeros(50), np.ones(50), 0.95, 300, 0, "bootstrap").difference
+    assert (ours.low, ours.high) == (theirs.low, theirs.high)
+    other = mean_difference_interval(d, 0.95, "bootstrap", 301)
+    assert (ours.low, ours.high) != (other.low, other.high)
