@@ -482,11 +482,9 @@ def _with_findings(decision: GateDecision, findings: list[tuple[Verdict, str]]) 
 
 
 def _worst(outcomes: list[Decision]) -> Decision:
-    """The most severe of several outcomes: hold back, then insufficient evidence, then promote."""
-    for kind in ("hold back", "insufficient evidence"):
-        if kind in outcomes:
-            return kind  # type: ignore[return-value]
-    return "promote"
+    """The more severe of the outcomes of a decision held back (each caller passes at least one that is not
+    "promote"): "hold back" when any is, else "insufficient evidence"."""
+    return "hold back" if "hold back" in outcomes else "insufficient evidence"
 
 
 def _waived(decision: GateDecision, measured: GateDecision, policy: PromotionPolicy) -> GateDecision:
@@ -540,7 +538,7 @@ def apply_guards(decision: GateDecision, guard: GuardReport | None) -> GateDecis
     "insufficient evidence" when a guard only says the sample cannot tell), each reason named; one already held
     back names the guards' findings too, and a guard's "hold back" makes its "insufficient evidence" a "hold back"
     (the lab's waiver must not promote what a guard found worse). The figures go with it either way."""
-    if guard is None or decision.rule in ("first model", "already production"):
+    if guard is None:  # (a comparison of nothing, no production yet, never reaches the guards: conclude)
         return decision
     if guard.verdict is None:
         return replace(decision, guard=guard, reason=f"{decision.reason}; guards pass: {guard.summary()}")

@@ -134,6 +134,9 @@ def test_the_reward_gate_names_the_guards_it_ran_in_its_rule() -> None:
         "rl-1", PRODUCTION, PromotionPolicy(), _better_rewards(), UNCHANGED, length_controlled=None
     )
     assert decision.passed
+    d = _better_rewards()
+    m = decide_reward("rl-1", PRODUCTION, PromotionPolicy(), d, UNCHANGED, means=(0.7, 0.2)).metadata()
+    assert (m["candidate"], m["production"], m["difference"]) == pytest.approx((0.7, 0.2, d.mean()))
     assert decision.rule == (
         "reward interval low > 0.0; guards eval_loss regression <= 0.05, benchmarks regression <= 0.05, "
         "length-controlled win rate > 0.5"
