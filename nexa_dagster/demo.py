@@ -62,6 +62,8 @@ class Night:
     rule: str = ""
     outcome: str = ""  # what deployment did: deployed, held back: ..., failed: ...
     guards: str = ""  # what the guards on the examples that got worse found (core/evaluation/guards.py)
+    attempt: int | None = None  # its place among the decisions on its eval set against its production model
+    confidence: float | None = None  # the two-sided confidence it decided at (stricter on a later attempt)
 
 
 def guard_line(report: Any) -> str:
@@ -103,6 +105,25 @@ def night_of(
         report.gate_rule or "",
         outcome,
         guard_line(report),
+        report.gate_attempt,
+        report.gate_confidence,
+    )
+
+
+def ci_label(confidence: float | None) -> str:
+    """The interval's level as the summary prints it: "95% CI" at the gate's own level, "97.5% CI" on a second
+    attempt against the same production model on the same eval set (``core.evaluation.attempts``)."""
+    return f"{100 * (confidence or 0.95):.4g}% CI"
+
+
+def attempt_line(attempt: int | None, confidence: float | None) -> str:
+    """Why a decision ran at a stricter level: the earlier decisions on the same evidence against the same production
+    model ("" for a first attempt, which runs at the gate's own level)."""
+    if not attempt or attempt < 2:
+        return ""
+    return (
+        f"attempt {attempt} against this production model on this eval set: every interval at {ci_label(confidence)}"
+        f" (one-sided error halved for each of the {attempt - 1} earlier decision{'s' if attempt > 2 else ''})"
     )
 
 
@@ -139,12 +160,14 @@ def summary_lines(nights: list[Night]) -> list[str]:
         compared = (
             f"{evidence}: candidate {n.candidate_loss:.4f}, production "
             f"{n.production_loss:.4f} ({n.production_id}), difference {n.difference:+.4f} "
-            f"95% CI [{low:+.4f}, {high:+.4f}] ({n.method.split(' (')[0] or 'interval'}), "
+            f"{ci_label(n.confidence)} [{low:+.4f}, {high:+.4f}] ({n.method.split(' (')[0] or 'interval'}), "
             f"{change(n.candidate_loss, n.production_loss)}"
         )
         lines.append(f"{head} {compared} -> {n.decision} (rule: {n.rule}){outcome}")
         if n.guards:
             lines.append(f"  {n.guards}")
+        if attempt_line(n.attempt, n.confidence):
+            lines.append(f"  {attempt_line(n.attempt, n.confidence)}")
     return lines
 
 
@@ -181,8 +204,8 @@ def preference_lines(p: PreferenceRun) -> list[str]:
         return lines
     if r.reward_gate:  # pairs ranked by a reward: the same reward decides, on the frozen held-out RL prompts
         lines.append(reward_gate_line(r))
-        if r.eval_loss_difference is not None:
-            lines.append(f"eval-set loss (guard): difference {r.eval_loss_difference:+.4f} nats/token")
+        if loss_guard_line(r):
+            lines.append(loss_guard_line(r))
     elif r.win_rate_vs_production is not None and r.win_rate_interval:
         low, high = r.win_rate_interval
         lc = (
@@ -251,13 +274,25 @@ def rl_lines(r: RLRun) -> list[str]:
         )
         return lines
     lines.append(reward_gate_line(report))
-    if report.eval_loss_difference is not None:
-        lines.append(f"eval-set loss (guard): difference {report.eval_loss_difference:+.4f} nats/token")
+    if loss_guard_line(report):
+        lines.append(loss_guard_line(report))
     outcome = f"; {r.outcome}" if r.outcome else ""
     lines.append(f"-> {report.gate_decision} (rule: {report.gate_rule}){outcome}")
     if guard_line(report):
         lines.append(f"  {guard_line(report)} (the per-prompt reward differences)")
     return lines
+
+
+def loss_guard_line(report: Any) -> str:
+    """The eval-set loss of a post-trained candidate against production with its interval: the non-inferiority
+    guard promotes only when the interval's high end is within its margin (the rule names the margin)."""
+    if report.eval_loss_difference is None:
+        return ""
+    low, high = report.eval_loss_difference_interval or (float("nan"), float("nan"))
+    return (
+        f"eval-set loss (non-inferiority guard): difference {report.eval_loss_difference:+.4f} nats/token "
+        f"{ci_label(report.gate_confidence)} [{low:+.4f}, {high:+.4f}]"
+    )
 
 
 def reward_gate_line(report: Any) -> str:
@@ -272,7 +307,13 @@ def reward_gate_line(report: Any) -> str:
         f"v{g.get('rl_eval_set_version')}): "
         f"candidate {g['candidate_reward']:.3f}, production {report.production_checkpoint_id} "
         f"{'none' if production is None else f'{production:.3f}'}; difference {(g.get('difference') or 0.0):+.3f} "
-        f"95% CI {interval}, n = {g.get('n')} prompts ({(report.gate_method or '').split(' (')[0]})"
+        f"{ci_label(report.gate_confidence)} {interval}, n = {g.get('n')} prompts "
+        f"({(report.gate_method or '').split(' (')[0]})"
+        + (
+            f"; {attempt_line(report.gate_attempt, report.gate_confidence)}"
+            if (report.gate_attempt or 0) > 1
+            else ""
+        )
     )
 
 

@@ -5,7 +5,7 @@ model_deployment follows (held back is a recorded warning, not a failure), decid
 confidence interval whether it is served.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.common.config import ScalePreset, resolve_path
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.evaluation.attempts import Attempt, GateAttempts, family
 from nexa_dagster.core.evaluation.benchmarks import (
     BenchmarkComparison,
     BenchmarkError,
@@ -49,7 +50,12 @@ from nexa_dagster.core.evaluation.report import (
     report_figures,
     report_lineage,
 )
-from nexa_dagster.core.evaluation.reward_gate import decide_reward, prompt_rewards
+from nexa_dagster.core.evaluation.reward_gate import (
+    answer_lengths,
+    decide_reward,
+    prompt_rewards,
+    reward_length_control,
+)
 from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set, read_prompts
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
@@ -189,6 +195,9 @@ def eval_report(
     rewards = gate_rewards(ckpt, scale)
     rl_rows, questions, max_new_tokens = prompts_to_answer(storage, scale, checkpoint_id, eval_set, rewards)
     production, production_path = production_to_compare(storage, checkpoint_id, context.log.warning)
+    # retries pay: this decision's place among those on the same evidence against the same production model
+    attempt = gate_attempt(storage, scale, version, checkpoint_id, production, rewards, policy)
+    policy = policy.for_attempt(attempt.number) if attempt else policy
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
     scores = score_both(
@@ -220,6 +229,8 @@ def eval_report(
     decision, reward_figures = gate_decision(
         ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
     )
+    if attempt is not None:  # the check, the report and the UI say which attempt it was and at what level
+        decision = replace(decision, attempt=attempt, reason=f"{decision.reason}; {attempt.describe()}")
     if reward_figures is not None:  # the report and the check both say on what the reward gate decided
         reward_figures = with_rl_eval_set(reward_figures, scale)
     report = build_eval_report(
@@ -260,6 +271,28 @@ def prompts_to_answer(
     rl_rows = rl_held_out(storage, scale, checkpoint_id)
     max_new_tokens = scale.rl.max_completion_tokens if scale.rl else None
     return rl_rows, [r["prompt"] for r in rl_rows], max_new_tokens
+
+
+def gate_attempt(
+    storage: StorageResource,
+    scale: ScalePreset,
+    version: int,
+    checkpoint_id: str,
+    production: ProductionEntry | None,
+    rewards: list[tuple[str, float]],
+    policy: PromotionPolicy,
+) -> Attempt | None:
+    """This gate decision's attempt in its family (``core.evaluation.attempts``): the evidence it decides on (the
+    frozen RL eval set for a reward gate, else the eval set) at its version, against the production model it is
+    compared with; counted under the data root beside the production pointer. None when nothing is compared (no
+    production model yet, or this checkpoint is production)."""
+    if production is None or production.checkpoint_id == checkpoint_id:
+        return None
+    if rewards:
+        key = family("rl_eval_set", scale.rl.eval_set_version if scale.rl else 1, production.checkpoint_id)
+    else:
+        key = family("eval_set", version, production.checkpoint_id)
+    return GateAttempts.under(storage.root).reserve(key, checkpoint_id, policy.confidence)
 
 
 def with_rl_eval_set(reward_figures: dict[str, Any], scale: ScalePreset) -> dict[str, Any]:
@@ -373,7 +406,8 @@ def gate_check(
     report: EvalReport,
     reward_figures: dict | None,
 ) -> dg.AssetCheckResult:
-    """The promotion gate as an asset check (a WARN when held back: a decision, not an outage)."""
+    """The promotion gate as an asset check (a WARN when held back: a decision, not an outage), with the decision's
+    attempt in its family and the confidence it decided at (``core.evaluation.attempts``)."""
     return dg.AssetCheckResult(
         check_name="beats_production",
         passed=decision.passed,
@@ -445,31 +479,15 @@ def gate_decision(
     guard: GuardReport | None = None,
 ) -> tuple[GateDecision, dict | None]:
     """The gate of the checkpoint's stage: on ``rewards`` (an RL checkpoint, a reward-ranked DPO one) the paired
-    held-out reward difference with the loss guard (``decide_reward``); a preference checkpoint on the judge's win
-    rate with guards (``decide_preference``); an SFT checkpoint on the configured metric (``decide``). With the
-    reward figures when a reward decided."""
+    held-out reward difference (``decide_reward``); a preference checkpoint on the judge's win rate
+    (``decide_preference``); an SFT checkpoint on the configured metric (``decide``). All three end in
+    ``promotion.conclude``: the same contamination refusal, non-inferiority guards (eval-set loss, benchmarks, the
+    length control, each where the gate has it) and per-example guards. With the reward figures when a reward
+    decided."""
     if rewards and rl_rows is not None:
-        candidate = prompt_rewards(rl_rows, scores["candidate"], rewards)
-        baseline = prompt_rewards(rl_rows, scores["production"], rewards) if "production" in scores else []
-        differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
-        means = (float(np.mean(candidate)), float(np.mean(baseline))) if baseline else None
-        decision = decide_reward(
-            ckpt.checkpoint_id,
-            production,
-            policy,
-            differences,
-            evaluation.paired_loss,
-            means,
-            slices=[str(row.get("task", "")) for row in rl_rows] if baseline else None,
+        return reward_gate_decision(
+            ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows
         )
-        figures = {
-            "rewards": [name for name, _ in rewards],
-            "candidate_reward": float(np.mean(candidate)),
-            "production_reward": means[1] if means else None,
-            **{k: decision.metadata()[k] for k in ("difference", "interval_low", "interval_high", "n")},
-            "training": ckpt.rl_metrics or ckpt.preference_metrics or {},
-        }
-        return decision, figures
     if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
         return decide_preference(
             ckpt.checkpoint_id,
@@ -492,6 +510,56 @@ def gate_decision(
         contamination,
         guard if policy.metric == "eval_loss" else None,
     ), None
+
+
+def reward_gate_decision(
+    ckpt: Checkpoint,
+    production: ProductionEntry | None,
+    policy: PromotionPolicy,
+    evaluation: CheckpointEvaluation,
+    scores: dict,
+    contamination: float | None,
+    rewards: list[tuple[str, float]],
+    rl_rows: list[dict],
+) -> tuple[GateDecision, dict]:
+    """A reward gate's decision (``decide_reward``) on both models' per-prompt held-out rewards, with every guard
+    the other gates run (contamination, eval-set loss, benchmarks, the length control of the reward verdicts), and
+    its figures for the report and the check."""
+    candidate = prompt_rewards(rl_rows, scores["candidate"], rewards)
+    baseline = prompt_rewards(rl_rows, scores["production"], rewards) if "production" in scores else []
+    differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
+    means = (float(np.mean(candidate)), float(np.mean(baseline))) if baseline else None
+    lengths = (
+        reward_length_control(
+            candidate,
+            baseline,
+            answer_lengths(scores["candidate"]),
+            answer_lengths(scores["production"]),
+        )
+        if baseline
+        else None
+    )
+    decision = decide_reward(
+        ckpt.checkpoint_id,
+        production,
+        policy,
+        differences,
+        evaluation.paired_loss,
+        means,
+        slices=[str(row.get("task", "")) for row in rl_rows] if baseline else None,
+        benchmarks=benchmark_guards(policy, evaluation),
+        length_controlled=lengths,
+        contamination=contamination,
+    )
+    figures = {
+        "rewards": [name for name, _ in rewards],
+        "candidate_reward": float(np.mean(candidate)),
+        "production_reward": means[1] if means else None,
+        **{k: decision.metadata()[k] for k in ("difference", "interval_low", "interval_high", "n")},
+        "training": ckpt.rl_metrics or ckpt.preference_metrics or {},
+        **({"length_controlled_win_rate": lengths.win_rate} if lengths else {}),
+    }
+    return decision, figures
 
 
 def rl_held_out(storage: StorageResource, scale: ScalePreset, checkpoint_id: str) -> list[dict]:

@@ -115,7 +115,9 @@ NIGHT = re.compile(
     r"(.*) -> (promote|hold back|insufficient evidence) \(([^)]*(?:\([^)]*\))?[^)]*)\)(?:; (.*))?$"
 )
 COMPARED = re.compile(
-    r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) 95% CI "
+    # the interval's level: 95% on a first attempt against a production model on an eval set, stricter on a later
+    # one (core/evaluation/attempts.py: a held-back night's successor is the second attempt against the same model)
+    r"production (\d+\.\d+) \((\S+)\), difference ([+-]\d+\.\d+) (?:95|97\.5|98\.75|99\.38)% CI "
     r"\[([+-]\d+\.\d+), ([+-]\d+\.\d+)\] \((skew-corrected|studentized) t-interval\), (\d+\.\d)% (lower|higher) loss "
     r"\(perplexity (\d+\.\d) -> (\d+\.\d)\)$"
 )
@@ -345,7 +347,9 @@ def test_a_negative_control_is_held_back_on_evidence_in_the_same_world(demo_worl
 RL_GATE = re.compile(
     r"held-out reward \(([^,]+), (?:greedy|pass@1 of \d+ samples at temperature [\d.]+), RL eval set v(\d+)\): "
     r"candidate (\d\.\d+), production (\S+) "
-    r"(\d\.\d+); difference ([+-]\d\.\d+) 95% CI \[([+-]\d\.\d+), ([+-]\d\.\d+)\], n = (\d+) prompts"
+    # 95% on a first attempt; 97.5% when the RL candidate is the second decision on the RL eval set against the same
+    # production model, as after a DPO candidate held back by the loss guard (core/evaluation/attempts.py)
+    r"(\d\.\d+); difference ([+-]\d\.\d+) (?:95|97\.5|98\.75)% CI \[([+-]\d\.\d+), ([+-]\d\.\d+)\], n = (\d+) prompts"
 )
 
 

@@ -192,6 +192,10 @@ class EvalReport(Artifact):
     gate_n: int | None = None  # the evidence it rested on: examples, consistent verdicts or benchmark samples
     gate_method: str | None = None  # how its interval was computed
     gate_rule: str | None = None  # the rule that decided, e.g. "interval high < -0.0", "n >= 30"
+    # its place among the gate decisions on its eval-set version against its production model, and the two-sided
+    # confidence of every interval it computed (core.evaluation.attempts: each earlier decision halves the error)
+    gate_attempt: int | None = None
+    gate_confidence: float | None = None
     # the share of the eval set (or of the gate's benchmark items) whose n-grams occur in the candidate's training
     # data (None: unknown, e.g. a checkpoint copied in without its dataset), and which items
     contamination: float | None = None

@@ -49,6 +49,7 @@ import numpy as np
 from nexa_dagster.core.evaluation.guards import guard_report, required_examples, skewness
 from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, PairedLoss, ratio_bounds
 from nexa_dagster.core.evaluation.promotion import (
+    Evidence,
     GateDecision,
     ProductionEntry,
     PromotionPolicy,
@@ -312,6 +313,9 @@ GATE_POPULATIONS = (
 GATE_SIZES = (30, 47, 72, 100, 200)
 
 
+# the reward gate's simulated candidates: eval-set loss exactly production's (its guard is the loss gate's, simulated
+# above), measured, so the non-inferiority guard neither refuses (not measured) nor holds back
+UNCHANGED_LOSS = PairedLoss(0.0, 0.0, Interval(0.0, 0.0, 0.0, 0.95), 100, 100)
 SIMULATED_PRODUCTION = ProductionEntry(
     checkpoint_id="production", checkpoint_path="simulated", metric="eval_loss"
 )
@@ -364,7 +368,8 @@ def reward_decisions(differences: np.ndarray, policy: PromotionPolicy | None = N
     """The RL reward gate's own decision (``reward_gate.reward_decision``, what ``decide_reward`` runs) on each
     simulated held-out set (rows of per-prompt reward differences, candidate - production, every prompt weighing
     one): the figures for all rows at once by the vectorised statistics ``decide_reward`` runs, the rule once per
-    row. No eval-set loss is simulated (its guard is the loss gate's)."""
+    row. No eval-set loss is simulated: each candidate's equals production's (``UNCHANGED_LOSS``), so its
+    non-inferiority guard passes and the reward's own rule is what is measured."""
     from nexa_dagster.core.evaluation.reward_gate import reward_decision, reward_guard_policy
 
     policy = policy or load_policy()
@@ -380,7 +385,8 @@ def reward_decisions(differences: np.ndarray, policy: PromotionPolicy | None = N
     for i in range(differences.shape[0]):
         d = Interval(float(estimate[i]), float(low[i]), float(high[i]), policy.confidence)
         guard = guard_report(n, float(g1[i]), int(regressed[i]), guards, policy.confidence, unit="reward")
-        out.append(reward_decision(policy, d, (n, int(wins[i]), int(losses[i])), guard))
+        evidence = Evidence(guard=guard, **policy.rl.limits(), paired_loss=UNCHANGED_LOSS)
+        out.append(reward_decision(policy, d, (n, int(wins[i]), int(losses[i])), evidence))
     return out
 
 

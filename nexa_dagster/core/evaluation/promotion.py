@@ -10,12 +10,15 @@ root as it is now (``core.common.roots``). Entries handed out carry the checkpoi
 
 Besides the mean, every gate looks at the examples that got worse through ONE generic function over per-example
 paired differences, ``core.evaluation.guards.paired_guards`` (skewness by Cochran's rule, the regressed share
-against ``guards.max_regressed_share``, slices with Holm's correction); ``decide`` and ``decide_preference`` take
-its ``GuardReport`` (``guard=``) and fold it in with ``apply_guards``. The adapters here build it for the two
-gates of this module: ``eval_loss_guard`` (per-example loss differences, token-weighted) and
-``judge_score_guard`` (the pointwise judge's per-prompt scores). A reward gate calls ``paired_guards`` on its
-per-prompt reward differences (``higher_is_better=True``, its own ``regression_margin`` in reward units) and
-``apply_guards`` on its decision.
+against ``guards.max_regressed_share``, slices with Holm's correction). Every gate (``decide``,
+``decide_preference``, ``reward_gate.decide_reward``) ends in ONE function, ``conclude``, with what it measured and
+its ``Evidence``: the contamination refusal, the evidence minimum, that ``GuardReport`` (``apply_guards``), the
+non-inferiority guards (``non_regression_findings``: eval-set loss, benchmarks, length control) and the lab's waiver
+of too little evidence, which never promotes a candidate the evidence shows worse. The adapters here build the
+report for the two gates of this module: ``eval_loss_guard`` (per-example loss differences, token-weighted) and
+``judge_score_guard`` (the pointwise judge's per-prompt scores); a reward gate's is ``reward_gate.reward_guards``.
+A later attempt on the same eval set against the same production model decides at a stricter confidence
+(``PromotionPolicy.for_attempt``, ``core.evaluation.attempts``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.common.config import load_yaml, validated
+from nexa_dagster.core.evaluation.attempts import Attempt, attempt_confidence
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
-from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, paired_guards
+from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, Verdict, paired_guards
 from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, LengthControlled, PairedLoss, WinRate
 
 
@@ -64,14 +68,14 @@ class PreferenceGate(BaseModel):
     max_eval_loss_regression: float = Field(
         default=0.05,
         ge=0,
-        description="held back when the eval-set loss is worse by more than this (nats per "
-        "token), its whole interval included",
+        description="non-inferiority margin: held back unless the eval-set loss's interval shows it worse by no "
+        "more than this (nats per token; the interval's high end within it)",
     )
     max_benchmark_regression: float = Field(
         default=0.05,
         ge=0,
-        description="held back when a benchmark score is lower by more than this, its whole "
-        "interval included",
+        description="non-inferiority margin: held back unless each benchmark's interval shows it lower by no "
+        "more than this (the interval's low end within it)",
     )
     score_regression_margin: float = Field(
         default=1.0,
@@ -88,6 +92,14 @@ class PreferenceGate(BaseModel):
         "win; null turns the guard off",
     )
 
+    def limits(self) -> dict[str, float | None]:
+        """The non-inferiority guards' margins (``Evidence``'s limits)."""
+        return {
+            "loss_limit": self.max_eval_loss_regression,
+            "benchmark_limit": self.max_benchmark_regression,
+            "length_limit": self.min_length_controlled_win_rate,
+        }
+
 
 class RewardGate(BaseModel):
     """``rl`` of promotion.yaml: an RL checkpoint is promoted on the paired per-prompt reward difference (candidate -
@@ -101,7 +113,21 @@ class RewardGate(BaseModel):
     max_eval_loss_regression: float = Field(
         default=0.05,
         ge=0,
-        description="held back when the eval-set loss is worse by more than this, its whole interval included",
+        description="non-inferiority margin: held back unless the eval-set loss's interval shows it worse by no "
+        "more than this (nats per token; the interval's high end within it); not measured: insufficient evidence",
+    )
+    max_benchmark_regression: float = Field(
+        default=0.05,
+        ge=0,
+        description="non-inferiority margin of each benchmark both models were scored on, as preference's",
+    )
+    min_length_controlled_win_rate: float | None = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="held back when the prompts' reward verdicts (candidate's reward higher, lower) with the "
+        "answers' length difference regressed out win at most this often: a reward gained by longer answers "
+        "alone is no gain (as preference's judge win rate); null turns the guard off",
     )
     regression_margin: float = Field(
         default=0.5,
@@ -110,6 +136,14 @@ class RewardGate(BaseModel):
         "regressed share): with the 0/1 exact-answer reward, a prompt that went from right to wrong; with a "
         "similarity reward in [0, 1], one that lost half of it",
     )
+
+    def limits(self) -> dict[str, float | None]:
+        """The non-inferiority guards' margins (``Evidence``'s limits): the same guards as preference's."""
+        return {
+            "loss_limit": self.max_eval_loss_regression,
+            "benchmark_limit": self.max_benchmark_regression,
+            "length_limit": self.min_length_controlled_win_rate,
+        }
 
 
 class PromotionPolicy(BaseModel):
@@ -190,6 +224,11 @@ class PromotionPolicy(BaseModel):
     def benchmark(self) -> bool:
         return self.metric.startswith(BENCHMARK_METRIC_PREFIX)
 
+    def for_attempt(self, number: int) -> PromotionPolicy:
+        """This policy as attempt ``number`` of its family decides (``core.evaluation.attempts``): every interval
+        and guard at the confidence whose one-sided error is halved for each earlier attempt."""
+        return self.model_copy(update={"confidence": attempt_confidence(self.confidence, number)})
+
     def for_preference(self) -> PromotionPolicy:
         """This policy as the preference stage's gate: the win rate decides, with the preference margin."""
         return self.model_copy(update={"metric": "win_rate", "margin": self.preference.margin})
@@ -244,6 +283,9 @@ class GateDecision:
     rule: str = ""
     guards: tuple[str, ...] = ()  # the guards that held it back: non-regression, skew, regressions, slices
     guard: GuardReport | None = None  # what core.evaluation.guards found, whatever it decided
+    worse: bool = False  # the whole interval on the worse side of no difference: the waiver never promotes it
+    # its place among the decisions on its eval set against its production model (core.evaluation.attempts)
+    attempt: Attempt | None = None
 
     @property
     def outcome(self) -> Decision:
@@ -263,12 +305,27 @@ class GateDecision:
             "method": self.method,
             "rule": self.rule,
             **(self.guard.metadata() if self.guard else {}),
+            **(self.attempt.metadata() if self.attempt else {}),
         }
 
 
 def _finite(value: float | None) -> float | None:
     """JSON and the leaderboard have no infinity: an unbounded interval end is written as null."""
     return value if value is None or math.isfinite(value) else None
+
+
+def _not_a_comparison(checkpoint_id: str, production: ProductionEntry | None) -> GateDecision | None:
+    """The decisions that compare nothing: no production model yet, or this checkpoint is production."""
+    if production is None:
+        return GateDecision(True, "no production model yet", decision="promote", rule="first model")
+    if production.checkpoint_id == checkpoint_id:
+        return GateDecision(
+            True,
+            f"{checkpoint_id} is the production model (re-evaluation)",
+            decision="promote",
+            rule="already production",
+        )
+    return None
 
 
 def decide(
@@ -284,25 +341,170 @@ def decide(
     """Promote iff there is no production model, or the candidate beats it on the same eval set by the margin
     with enough evidence; with ``require_interval`` the whole confidence interval must clear the margin (a tie,
     or an improvement smaller than the noise of the eval set, is held back). Below the policy's minimum n the
-    decision is "insufficient evidence" (held back; promoted with a warning only where the policy says so); a
-    candidate whose training data holds more of the eval set than ``max_contamination`` is held back, naming it,
-    and so is one judged by a pairwise judge whose verdicts flip with the answer order too often
-    (``unreliable_judge``). ``guard`` (``paired_guards`` on the same per-example differences) can only hold a
-    candidate back: ``apply_guards``."""
-    if production is None:
-        return GateDecision(True, "no production model yet", decision="promote", rule="first model")
-    if production.checkpoint_id == checkpoint_id:
-        return GateDecision(
-            True,
-            f"{checkpoint_id} is the production model (re-evaluation)",
-            decision="promote",
-            rule="already production",
-        )
+    decision is "insufficient evidence" (held back; promoted with a warning only where the policy says so and
+    nothing shows the candidate worse); a candidate whose training data holds more of the eval set than
+    ``max_contamination`` is held back, naming it, and so is one judged by a pairwise judge whose verdicts flip
+    with the answer order too often (``unreliable_judge``). ``guard`` (``paired_guards`` on the same per-example
+    differences) can only hold a candidate back. Every gate ends in ``conclude``: one set of guards."""
+    early = _not_a_comparison(checkpoint_id, production)
+    if early is not None:
+        return early
+    assert production is not None
     measured = _measure(checkpoint_id, production, policy, paired_loss, win_rate, benchmark)
     if measured.n is None:  # nothing was compared: the reason says why
         return measured
-    refused = _refused(measured, policy, contamination, win_rate) or _too_little_evidence(measured, policy)
-    return refused or _guarded(measured, policy, guard)
+    evidence = Evidence(contamination=contamination, win_rate=win_rate, guard=guard)
+    return conclude(measured, policy, (policy.minimum_evidence(), _evidence_name(policy)), evidence)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What every gate's guards look at beside the statistic it decides on (``conclude``: one set of guards for the
+    eval-loss, judge and reward gates). A limit left None is a guard that gate has no use for (the eval-loss gate
+    has no eval-loss guard: the loss is what it decides on); a measurement left None under a limit is a guard that
+    could not look, which is "insufficient evidence" for the loss (it is measured whenever production was scored)
+    and nothing for a benchmark (a scale runs benchmarks only where it says so) or the length control."""
+
+    contamination: float | None = None  # the share of the eval set its training data holds
+    win_rate: WinRate | None = None  # the judge's, for the unreliable-judge refusal
+    guard: GuardReport | None = None  # paired_guards on the per-example differences the gate decides on
+    paired_loss: PairedLoss | None = None
+    loss_limit: float | None = None  # non-inferiority margin of the eval-set loss, nats per token
+    benchmarks: tuple[BenchmarkComparison, ...] = ()
+    benchmark_limit: float | None = None  # non-inferiority margin of each benchmark, the metric's unit
+    length_controlled: LengthControlled | None = None
+    length_limit: float | None = None  # the length-controlled win rate must be above this
+
+
+def non_regression_findings(evidence: Evidence) -> list[tuple[Verdict, str]]:
+    """The non-inferiority guards: the eval-set loss and every benchmark must be shown no worse than their margin
+    (the interval's worse end within it: the standard non-inferiority test, so a small or noisy eval set cannot
+    pass for harmless), and a win with longer answers must survive controlling for the answers' length. Each
+    finding with its verdict; none when all hold."""
+    found: list[tuple[Verdict, str]] = []
+    limit = evidence.loss_limit
+    if limit is not None and evidence.paired_loss is None:
+        found.append(("insufficient evidence", f"eval_loss not measured: cannot show it worse by <= {limit}"))
+    elif (
+        limit is not None
+        and evidence.paired_loss is not None
+        and evidence.paired_loss.difference.high > limit
+    ):
+        d = evidence.paired_loss.difference
+        found.append(
+            (
+                "hold back",
+                f"eval_loss worse by {d.estimate:+.4f} nats/token, interval high {d.high:+.4f} > {limit}",
+            )
+        )
+    limit = evidence.benchmark_limit
+    for b in evidence.benchmarks if limit is not None else ():
+        if b.low < -limit:
+            found.append(
+                (
+                    "hold back",
+                    f"{b.metric} lower by {-b.difference:.4f}, interval low {b.low:+.4f} < -{limit}",
+                )
+            )
+    lc, limit = evidence.length_controlled, evidence.length_limit
+    # one-sided, as the guard is meant: a win that longer answers explain; a candidate whose answers got shorter
+    # (a right answer is often a short one) is not talking its way to a win, whatever the fit reads at zero
+    if limit is not None and lc is not None and lc.win_rate <= limit and lc.mean_length_change > 0:
+        found.append(
+            (
+                "hold back",
+                f"length-controlled win rate {lc.win_rate:.3f} <= {limit} (answers longer by "
+                f"{lc.mean_length_change:+.0f} characters on average; logistic fit on {lc.verdicts} verdicts)",
+            )
+        )
+    return found
+
+
+def _guard_names(evidence: Evidence) -> str:
+    """The non-inferiority guards a gate runs, as its rule names them ("" when none)."""
+    names = [
+        f"eval_loss regression <= {evidence.loss_limit}" if evidence.loss_limit is not None else "",
+        f"benchmarks regression <= {evidence.benchmark_limit}"
+        if evidence.benchmark_limit is not None
+        else "",
+        f"length-controlled win rate > {evidence.length_limit}" if evidence.length_limit is not None else "",
+    ]
+    named = ", ".join(n for n in names if n)
+    return f"; guards {named}" if named else ""
+
+
+def conclude(
+    measured: GateDecision, policy: PromotionPolicy, need: tuple[int, str], evidence: Evidence
+) -> GateDecision:
+    """Every gate's decision from its measured comparison (``measured``: the interval against the margin, its n),
+    the evidence it needs (``need``: the minimum n and what it counts) and its ``evidence``: refused when
+    contaminated or judged by an unreliable judge; "insufficient evidence" below the minimum n; then the guards on
+    the examples that got worse and the non-inferiority guards, each of which can only hold a candidate back; and
+    last the lab's waiver (``on_insufficient_evidence: promote``), which turns "insufficient evidence" into a
+    warned promotion only when nothing shows the candidate worse (``_waived``)."""
+    refused = _refused(measured, policy, evidence.contamination, evidence.win_rate)
+    if refused is not None:
+        return refused
+    decision = apply_guards(_short_of_evidence(measured, need), evidence.guard)
+    findings = non_regression_findings(evidence)
+    decision = _with_findings(replace(decision, rule=decision.rule + _guard_names(evidence)), findings)
+    return _waived(decision, measured, policy)
+
+
+def _short_of_evidence(measured: GateDecision, need: tuple[int, str]) -> GateDecision:
+    """Below the minimum n: "insufficient evidence" (held back whatever the interval says); else ``measured``."""
+    minimum, what = need
+    if measured.n is None or measured.n >= minimum:
+        return measured
+    return replace(
+        measured,
+        passed=False,
+        decision="insufficient evidence",
+        reason=f"insufficient evidence: n = {measured.n} < {minimum} ({what}); {measured.reason}",
+        rule=f"n >= {minimum}",
+    )
+
+
+def _with_findings(decision: GateDecision, findings: list[tuple[Verdict, str]]) -> GateDecision:
+    """``decision`` held back by the non-inferiority guards' findings, each named: a "hold back" finding makes any
+    decision "hold back"; an "insufficient evidence" one turns a promotion into "insufficient evidence"."""
+    if not findings:
+        return decision
+    texts = tuple(text for _, text in findings)
+    worst = _worst([decision.outcome, *(kind for kind, _ in findings)])
+    return replace(
+        decision,
+        passed=False,
+        decision=worst,
+        guards=decision.guards + texts,
+        reason=f"non-regression guard: {'; '.join(texts)}; {decision.reason}",
+    )
+
+
+def _worst(outcomes: list[Decision]) -> Decision:
+    """The more severe of the outcomes of a decision held back (each caller passes at least one that is not
+    "promote"): "hold back" when any is, else "insufficient evidence"."""
+    return "hold back" if "hold back" in outcomes else "insufficient evidence"
+
+
+def _waived(decision: GateDecision, measured: GateDecision, policy: PromotionPolicy) -> GateDecision:
+    """The lab's waiver (``on_insufficient_evidence: promote``): "insufficient evidence" becomes a promotion with a
+    WARN naming the shortfall, and only that: not when the interval lies wholly on the worse side of no difference
+    (``measured.worse``), not when any guard held the candidate back (the decision is then "hold back")."""
+    if (
+        policy.on_insufficient_evidence != "promote"
+        or decision.outcome != "insufficient evidence"
+        or measured.worse
+    ):
+        return decision
+    return replace(
+        decision,
+        passed=True,
+        decision="promote",
+        reason=f"WARN {decision.reason}; promoted because on_insufficient_evidence: promote (nothing shows it "
+        "worse)",
+        rule=f"{decision.rule} (waived)",
+    )
 
 
 def _refused(
@@ -331,54 +533,12 @@ def _refused(
     return None
 
 
-def _too_little_evidence(measured: GateDecision, policy: PromotionPolicy) -> GateDecision | None:
-    """Below the policy's minimum n: "insufficient evidence" (held back), or promoted with a warning where the
-    policy waives it (``on_insufficient_evidence: promote``); None when n is enough."""
-    need = policy.minimum_evidence()
-    if measured.n is None or measured.n >= need:
-        return None
-    shortfall = f"insufficient evidence: n = {measured.n} < {need} ({_evidence_name(policy)})"
-    if policy.on_insufficient_evidence == "promote":
-        return replace(
-            measured,
-            passed=True,
-            decision="promote",
-            reason=f"WARN {shortfall}, promoted because on_insufficient_evidence: promote; {measured.reason}",
-            rule=f"n >= {need} (waived)",
-        )
-    return replace(
-        measured,
-        passed=False,
-        decision="insufficient evidence",
-        reason=f"{shortfall}; held back whatever the interval says; {measured.reason}",
-        rule=f"n >= {need}",
-    )
-
-
-def _guarded(measured: GateDecision, policy: PromotionPolicy, guard: GuardReport | None) -> GateDecision:
-    """The decision with the guards applied; where they only say the sample cannot tell, the lab's waiver of
-    too little evidence (``on_insufficient_evidence: promote``) covers that too."""
-    guarded = apply_guards(measured, guard)
-    if (
-        measured.passed
-        and guarded.outcome == "insufficient evidence"
-        and policy.on_insufficient_evidence == "promote"
-    ):
-        return replace(
-            guarded,
-            passed=True,
-            decision="promote",
-            reason=f"WARN {guarded.reason}; promoted because on_insufficient_evidence: promote",
-            rule=f"{guarded.rule} (waived)",
-        )
-    return guarded
-
-
 def apply_guards(decision: GateDecision, guard: GuardReport | None) -> GateDecision:
     """``decision`` with what the guards found: a candidate the mean would promote is held back ("hold back", or
     "insufficient evidence" when a guard only says the sample cannot tell), each reason named; one already held
-    back keeps its decision and names the guards' findings too. The figures go with it either way."""
-    if guard is None or decision.rule in ("first model", "already production"):
+    back names the guards' findings too, and a guard's "hold back" makes its "insufficient evidence" a "hold back"
+    (the lab's waiver must not promote what a guard found worse). The figures go with it either way."""
+    if guard is None:  # (a comparison of nothing, no production yet, never reaches the guards: conclude)
         return decision
     if guard.verdict is None:
         return replace(decision, guard=guard, reason=f"{decision.reason}; guards pass: {guard.summary()}")
@@ -387,6 +547,7 @@ def apply_guards(decision: GateDecision, guard: GuardReport | None) -> GateDecis
         return replace(
             decision,
             guard=guard,
+            decision=_worst([decision.outcome, guard.verdict]),
             guards=decision.guards + tuple(guard.reasons),
             reason=f"{decision.reason}; guards: {findings}",
         )
@@ -457,42 +618,28 @@ def decide_preference(
     guard: GuardReport | None = None,
 ) -> GateDecision:
     """A preference checkpoint's gate: the judge's order-consistent win rate against production decides (its
-    interval must clear 0.5 + the preference margin, on enough verdicts); a candidate clearly worse on the eval set
-    or a benchmark (the whole interval past ``max_*_regression``), or one whose win vanishes once the answers'
-    length is controlled for, is held back, naming the guard; so is one the guards find worse on the judge's
-    per-prompt scores (``judge_score_guard``: skewed toward losses, too many prompts scored much lower, a slice)."""
-    decision = decide(
-        checkpoint_id, production, policy.for_preference(), paired_loss, win_rate, None, contamination, guard
+    interval must clear 0.5 + the preference margin, on enough verdicts); the non-inferiority guards
+    (``non_regression_findings``: the eval-set loss and every benchmark shown no worse than ``max_*_regression``,
+    the win surviving the length control) and the guards on the judge's per-prompt scores (``judge_score_guard``)
+    can each hold it back, naming the guard."""
+    early = _not_a_comparison(checkpoint_id, production)
+    if early is not None:
+        return early
+    assert production is not None
+    gate = policy.for_preference()
+    measured = _measure(checkpoint_id, production, gate, paired_loss, win_rate, None)
+    if measured.n is None:
+        return measured
+    evidence = Evidence(
+        contamination,
+        win_rate,
+        guard,
+        **policy.preference.limits(),
+        paired_loss=paired_loss,
+        benchmarks=tuple(benchmarks),
+        length_controlled=length_controlled,
     )
-    if not decision.passed or decision.rule in ("first model", "already production"):
-        return decision
-    guards = []
-    limit = policy.preference.max_eval_loss_regression
-    if paired_loss is not None and paired_loss.difference.low > limit:
-        d = paired_loss.difference
-        guards.append(f"eval_loss worse by {d.estimate:+.4f} nats/token, interval low {d.low:+.4f} > {limit}")
-    limit = policy.preference.max_benchmark_regression
-    for b in benchmarks:
-        if b.high < -limit:
-            guards.append(f"{b.metric} lower by {-b.difference:.4f}, interval high {b.high:+.4f} < -{limit}")
-    limit = policy.preference.min_length_controlled_win_rate
-    if limit is not None and length_controlled is not None and length_controlled.win_rate <= limit:
-        lc = length_controlled
-        guards.append(
-            f"length-controlled win rate {lc.win_rate:.3f} <= {limit} (answers longer by "
-            f"{lc.mean_length_change:+.0f} characters on average; logistic fit on {lc.verdicts} verdicts)"
-        )
-    names = "eval_loss, benchmarks" + (", length-controlled win rate" if limit is not None else "")
-    if not guards:
-        return replace(decision, rule=f"{decision.rule}; guards {names}")
-    return replace(
-        decision,
-        passed=False,
-        decision="hold back",
-        guards=tuple(guards),
-        reason=f"non-regression guard: {'; '.join(guards)}; {decision.reason}",
-        rule=f"{decision.rule}; guards {names}",
-    )
+    return conclude(measured, gate, (gate.minimum_evidence(), _evidence_name(gate)), evidence)
 
 
 def unreliable_judge(policy: PromotionPolicy, win_rate: WinRate | None) -> str | None:
@@ -574,6 +721,7 @@ def _benchmark_decision(
         n=b.samples,
         method="normal interval from the harness's standard errors",
         rule=rule,
+        worse=b.high < 0,
     )
 
 
@@ -608,6 +756,7 @@ def _loss_decision(
         n=paired_loss.examples,
         method=INTERVAL_METHODS[paired_loss.method],
         rule=rule,
+        worse=d.low > 0,
     )
 
 
@@ -650,6 +799,7 @@ def _win_rate_decision(
         n=w.consistent,
         method=w.method,
         rule=rule,
+        worse=r.high < 0.5,
     )
 
 

@@ -5,26 +5,36 @@ the same verifiable reward scores both answers: ``d_i = reward(candidate_i) - re
 Pairing removes the prompts' own difficulty (a hard prompt is hard for both). The decision is in ONE function,
 ``decide_reward``, that takes those differences, so a later guard (rare regressions, a skewness refusal) slots in
 there. Its interval is the project's (``promotion.yaml``'s ``interval_method``: Hall's skew-corrected t by default,
-``core.evaluation.paired``) of the mean difference; its minimum n is ``rl.min_prompts``; the eval-set loss guards
-(a candidate whose loss is worse than production's by more than ``rl.max_eval_loss_regression``, the whole
-interval included, is held back: RL must not buy its reward with the language model). Dagster-free.
+``core.evaluation.paired``) of the mean difference; its minimum n is ``rl.min_prompts``; then the guards every gate
+shares (``promotion.conclude``): the eval-set loss must be shown no worse than ``rl.max_eval_loss_regression`` (a
+non-inferiority test: RL must not buy its reward with the language model), the benchmarks likewise, the reward
+must survive the length control, the training data must not hold the eval set. Dagster-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison
 from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, paired_guards
-from nexa_dagster.core.evaluation.paired import INTERVAL_METHODS, Interval, PairedLoss, paired_loss_difference
+from nexa_dagster.core.evaluation.paired import (
+    INTERVAL_METHODS,
+    Interval,
+    LengthControlled,
+    PairedLoss,
+    length_controlled_win_rate,
+    paired_loss_difference,
+    pointwise_verdicts,
+)
 from nexa_dagster.core.evaluation.promotion import (
+    Evidence,
     GateDecision,
     ProductionEntry,
     PromotionPolicy,
-    apply_guards,
+    conclude,
 )
 
 
@@ -48,11 +58,19 @@ def decide_reward(
     paired_loss: PairedLoss | None = None,
     means: tuple[float, float] | None = None,
     slices: Sequence[str] | None = None,
+    *,
+    benchmarks: Sequence[BenchmarkComparison] = (),
+    length_controlled: LengthControlled | None = None,
+    contamination: float | None = None,
 ) -> GateDecision:
     """Promote iff the interval of the mean reward difference (candidate - production) lies above
-    ``rl.margin`` on at least ``rl.min_prompts`` prompts and the eval-set loss guard holds. ``means``: both
-    models' mean rewards, for the figures. Fewer prompts: "insufficient evidence", held back whatever the
-    interval says (promoted with a warning only where ``on_insufficient_evidence`` says so)."""
+    ``rl.margin`` on at least ``rl.min_prompts`` prompts and every gate's guards hold (``promotion.conclude``): the
+    eval-set loss shown no worse than ``rl.max_eval_loss_regression`` (not measured: insufficient evidence), each
+    benchmark no worse than ``rl.max_benchmark_regression``, the reward verdicts' length-controlled win rate
+    (``reward_length_control``) above ``rl.min_length_controlled_win_rate``, the training data no more
+    contaminated than ``max_contamination``, and the guards on the per-prompt differences. ``means``: both
+    models' mean rewards, for the figures. Fewer prompts: "insufficient evidence" (promoted with a warning only
+    where ``on_insufficient_evidence`` says so and nothing shows the candidate worse)."""
     if production is None:
         return GateDecision(True, "no production model yet", decision="promote", rule="first model")
     if production.checkpoint_id == checkpoint_id:
@@ -68,25 +86,34 @@ def decide_reward(
     diffs = np.asarray(differences, dtype=np.float64)
     counts = (n, int(np.sum(diffs > 0)), int(np.sum(diffs < 0)))
     guard = reward_guards(differences, policy, slices) if n >= policy.rl.min_prompts else None
-    return reward_decision(policy, d, counts, guard, paired_loss, means)
+    evidence = Evidence(
+        contamination,
+        None,
+        guard,
+        **policy.rl.limits(),
+        paired_loss=paired_loss,
+        benchmarks=tuple(benchmarks),
+        length_controlled=length_controlled,
+    )
+    return reward_decision(policy, d, counts, evidence, means)
 
 
 def reward_decision(
     policy: PromotionPolicy,
     d: Interval,
     counts: tuple[int, int, int],
-    guard: GuardReport | None,
-    paired_loss: PairedLoss | None = None,
+    evidence: Evidence,
     means: tuple[float, float] | None = None,
 ) -> GateDecision:
     """The reward gate's rule on a comparison's figures: the interval ``d`` of the mean reward difference,
-    ``counts`` (n prompts, how many better, how many worse) and the guards' report. ``decide_reward`` computes them
-    from one set of differences; ``interval_coverage.reward_decisions`` for thousands of simulated sets at once
-    (the same vectorised statistics), so the simulation decides with this one copy of the rule."""
+    ``counts`` (n prompts, how many better, how many worse) and what the guards look at (``evidence``).
+    ``decide_reward`` computes them from one set of differences; ``interval_coverage.reward_decisions`` for
+    thousands of simulated sets at once (the same vectorised statistics), so the simulation decides with this one
+    copy of the rule, and ``promotion.conclude`` applies the guards every gate shares."""
     gate, (n, wins, losses) = policy.rl, counts
     cand, prod = means if means is not None else (None, None)
     passed = d.low > gate.margin
-    decision = GateDecision(
+    measured = GateDecision(
         passed,
         f"mean held-out reward difference {d.estimate:+.4f}, {policy.confidence:.0%} interval "
         f"[{d.low:+.4f}, {d.high:+.4f}] over n = {n} prompts ({wins} better, {losses} worse, {n - wins - losses} "
@@ -98,22 +125,9 @@ def reward_decision(
         n=n,
         method=f"{INTERVAL_METHODS[policy.interval_method]} over per-prompt reward differences",
         rule=f"reward interval low > {gate.margin}",
+        worse=d.high < 0,
     )
-    if n < gate.min_prompts:
-        shortfall = f"insufficient evidence: n = {n} < {gate.min_prompts} held-out prompts"
-        if policy.on_insufficient_evidence == "promote":
-            return replace(
-                decision, passed=True, decision="promote", reason=f"WARN {shortfall}; {decision.reason}"
-            )
-        return replace(
-            decision,
-            passed=False,
-            decision="insufficient evidence",
-            reason=f"{shortfall}; held back whatever the interval says; {decision.reason}",
-            rule=f"n >= {gate.min_prompts}",
-        )
-    guarded = loss_guard(decision, paired_loss, gate.max_eval_loss_regression)
-    return apply_guards(guarded, guard)
+    return conclude(measured, policy, (gate.min_prompts, "held-out prompts, rl.min_prompts"), evidence)
 
 
 def reward_guard_policy(policy: PromotionPolicy) -> GuardPolicy:
@@ -138,22 +152,28 @@ def reward_guards(
     )
 
 
-def loss_guard(decision: GateDecision, paired_loss: PairedLoss | None, limit: float) -> GateDecision:
-    """A passed decision held back when the eval-set loss got worse by more than ``limit``, the whole interval
-    included (the candidate's loss minus production's, low end above the limit)."""
-    rule = f"{decision.rule}; guard eval_loss regression <= {limit}"
-    if not decision.passed or paired_loss is None or paired_loss.difference.low <= limit:
-        return replace(decision, rule=rule)
-    loss = paired_loss.difference
-    guard = f"eval_loss worse by {loss.estimate:+.4f} nats/token, interval low {loss.low:+.4f} > {limit}"
-    return replace(
-        decision,
-        passed=False,
-        decision="hold back",
-        guards=(guard,),
-        reason=f"non-regression guard: {guard}; {decision.reason}",
-        rule=rule,
-    )
+def reward_length_control(
+    candidate: Sequence[float],
+    production: Sequence[float],
+    candidate_lengths: Sequence[float],
+    production_lengths: Sequence[float],
+) -> LengthControlled:
+    """The length guard of a reward gate: each prompt's verdict from the two rewards (the higher wins, equal is a
+    tie and counts for neither, as the pointwise judge's scores), fitted on the answers' length difference as the
+    judge's verdicts are (``paired.length_controlled_win_rate``, AlpacaEval's control): a reward that rises only
+    because the answers got longer (a similarity reward that longer answers overlap more) wins at most half the
+    prompts once the length is controlled for."""
+    verdicts = [v if v != "tie" else None for v in pointwise_verdicts(list(candidate), list(production))]
+    return length_controlled_win_rate(verdicts, verdicts, list(candidate_lengths), list(production_lengths))
+
+
+def answer_lengths(scores: dict[str, Any]) -> list[float]:
+    """Each held-out prompt's answer length in characters for one model's ``ModelScores`` JSON: the mean over its
+    sampled answers when the evaluation sampled some (as ``prompt_rewards`` scores them), else its greedy answer's."""
+    sampled = scores.get("sampled_answers")
+    if sampled:
+        return [float(np.mean([len(a) for a in answers])) for answers in sampled]
+    return [float(len(a)) for a in scores["answers"]]
 
 
 def prompt_rewards(

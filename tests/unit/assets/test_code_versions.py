@@ -162,7 +162,7 @@ def test_a_field_read_counts_the_field_and_a_section_used_whole_counts_whole() -
 
 def test_a_promotion_gate_edit_marks_eval_report(loaded, baseline, package: Path) -> None:
     promotion = package / "nexa_dagster" / "core" / "evaluation" / "promotion.py"
-    _edit(promotion, "measured.n >= need:", "measured.n > need:")  # the gate's evidence rule
+    _edit(promotion, "measured.n >= minimum:", "measured.n > minimum:")  # the gate's evidence rule
     changed = _changed(loaded, baseline, package)
     assert "eval_report" in changed, changed
     assert not changed & {"raw_documents", "sft_dataset", "moe_checkpoint", "preference_pairs"}, changed

@@ -192,14 +192,20 @@ def test_a_win_rate_built_from_many_small_wins_and_a_few_large_losses_is_not_pro
     win = pointwise_win_rate(ours, theirs)
     assert win.rate.low > 0.5  # the win rate alone promotes
     guard = judge_score_guard(ours, theirs, policy)
-    decision = decide_preference("pref", PRODUCTION, policy, None, win, [], guard=guard)
+    decision = decide_preference("pref", PRODUCTION, policy, sim.UNCHANGED_LOSS, win, [], guard=guard)
     assert decision.outcome in ("hold back", "insufficient evidence") and not decision.passed
     assert any("worse by > 1 judge points" in g for g in decision.guards), decision.guards
     # a fair win passes; on 80 prompts, since 48 cannot see a 5 % share of regressed prompts (n >= 72:
     # guards.min_detectable_regressed_share)
     fair = judge_score_guard([4.0] * 80, [3.5] * 80, policy)
     assert decide_preference(
-        "pref", PRODUCTION, policy, None, pointwise_win_rate([4.0] * 80, [3.5] * 80), [], guard=fair
+        "pref",
+        PRODUCTION,
+        policy,
+        sim.UNCHANGED_LOSS,
+        pointwise_win_rate([4.0] * 80, [3.5] * 80),
+        [],
+        guard=fair,
     ).passed
 
 

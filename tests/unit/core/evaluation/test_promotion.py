@@ -16,6 +16,8 @@ from nexa_dagster.core.evaluation.paired import (
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide, decide_preference
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
+# a preference candidate's eval-set loss, measured and unchanged: its non-inferiority guard holds
+UNCHANGED = PairedLoss(3.0, 3.0, Interval(0.0, -0.01, 0.01, 0.95), examples=107, tokens=4000)
 
 
 def _clearly_better(n: int):
@@ -85,10 +87,12 @@ def _win_rate(wins: int, losses: int):
 
 
 def test_a_preference_checkpoint_is_promoted_on_its_win_rate_with_the_guards_named() -> None:
-    decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [])
+    decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, _win_rate(30, 6), [])
     assert decision.passed and decision.n == 36
-    assert decision.rule.endswith("guards eval_loss, benchmarks, length-controlled win rate")
-    too_few = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, _win_rate(10, 1), [])
+    assert decision.rule.endswith(
+        "guards eval_loss regression <= 0.05, benchmarks regression <= 0.05, length-controlled win rate > 0.5"
+    )
+    too_few = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, _win_rate(10, 1), [])
     assert too_few.outcome == "insufficient evidence"
 
 
@@ -109,13 +113,13 @@ def test_a_preference_checkpoint_much_worse_on_the_eval_set_is_held_back() -> No
 def test_a_win_bought_with_longer_answers_is_held_back() -> None:
     verbose = LengthControlled(win_rate=0.46, length_coefficient=3.1, mean_length_change=240.0, verdicts=36)
     decision = decide_preference(
-        "pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [], None, verbose
+        "pref", PRODUCTION, PromotionPolicy(), UNCHANGED, _win_rate(30, 6), [], None, verbose
     )
     assert not decision.passed and "length-controlled win rate 0.460 <= 0.5" in decision.reason
     assert "+240 characters" in decision.reason
     honest = LengthControlled(win_rate=0.8, length_coefficient=0.1, mean_length_change=3.0, verdicts=36)
     assert decide_preference(
-        "pref", PRODUCTION, PromotionPolicy(), None, _win_rate(30, 6), [], None, honest
+        "pref", PRODUCTION, PromotionPolicy(), UNCHANGED, _win_rate(30, 6), [], None, honest
     ).passed
 
 
@@ -129,7 +133,7 @@ def test_a_judge_whose_verdicts_follow_the_answer_order_is_called_unreliable_and
     second = ["candidate"] * 22 + ["production"] * 8 + ["candidate"] * 5
     rate = order_consistent_win_rate(first, second)
     policy = PromotionPolicy(preference={"judge_mode": "pairwise", "max_inconsistent_share": 0.2})
-    decision = decide_preference("pref", PRODUCTION, policy, None, rate, [])
+    decision = decide_preference("pref", PRODUCTION, policy, UNCHANGED, rate, [])
     assert not decision.passed and decision.outcome == "hold back" and decision.n == 22
     assert decision.reason.startswith(
         "judge unreliable: 8 of 30 judged prompts (27%) flipped their verdict when the answers swapped places "
@@ -138,11 +142,11 @@ def test_a_judge_whose_verdicts_follow_the_answer_order_is_called_unreliable_and
     assert decision.rule == "flipped share <= 0.2" and "pairwise judge" in decision.reason
     # the same verdicts under a looser bound promote, stating the mode, n and method
     loose = PromotionPolicy(preference={"judge_mode": "pairwise", "max_inconsistent_share": 0.3})
-    passed = decide_preference("pref", PRODUCTION, loose, None, rate, [])
+    passed = decide_preference("pref", PRODUCTION, loose, UNCHANGED, rate, [])
     assert passed.passed and passed.n == 22 and passed.method.startswith("Wilson score interval over order-")
     # a judge flipping on nearly every prompt (the tiny demo judge) is unreliable before it is short of verdicts
     tiny = order_consistent_win_rate(["candidate"] * 47, ["production"] * 46 + ["candidate"])
-    held = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, tiny, [])
+    held = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, tiny, [])
     assert held.outcome == "hold back" and held.reason.startswith("judge unreliable: 46 of 47")
 
 
@@ -152,7 +156,7 @@ def test_a_pointwise_judge_decides_on_its_decisive_verdicts_and_refuses_too_few(
     candidate = [4.0] * 20 + [2.0] * 4 + [3.0] * 6 + [None] * 2
     production = [3.0] * 20 + [3.0] * 4 + [3.0] * 6 + [3.0] * 2
     decision = decide_preference(
-        "pref", PRODUCTION, PromotionPolicy(), None, pointwise_win_rate(candidate, production), []
+        "pref", PRODUCTION, PromotionPolicy(), UNCHANGED, pointwise_win_rate(candidate, production), []
     )
     assert (
         decision.passed
@@ -161,8 +165,12 @@ def test_a_pointwise_judge_decides_on_its_decisive_verdicts_and_refuses_too_few(
     )
     assert "pointwise judge: win_rate 0.833" in decision.reason and "6 ties; 2 unreadable" in decision.reason
     few = pointwise_win_rate(candidate[:19] + [3.0] * 13, production)  # 19 wins, 13 ties
-    short = decide_preference("pref", PRODUCTION, PromotionPolicy(), None, few, [])
-    assert short.outcome == "insufficient evidence" and short.n == 19 and short.rule == "n >= 20"
+    short = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, few, [])
+    assert (
+        short.outcome == "insufficient evidence"
+        and short.n == 19
+        and short.rule.startswith("n >= 20; guards")
+    )
     assert (
         "insufficient evidence: n = 19 < 20 (usable judge verdicts, min_consistent_verdicts)" in short.reason
     )

@@ -17,6 +17,7 @@ POLICY = PromotionPolicy()  # promotion.yaml's defaults: skew_t, 95 %, rl.min_pr
 # a gate that promotes needs n >= 72 prompts: fewer cannot see a 5 % share of regressed prompts
 # (guards.min_detectable_regressed_share; the demo's 48 held-out prompts are "insufficient evidence")
 PROMPTS = 80
+SAME = sim.UNCHANGED_LOSS  # the eval-set loss measured and unchanged: its non-inferiority guard holds
 
 
 def exact_match_rewards(n: int, candidate_accuracy: float, production_accuracy: float, seed: int):
@@ -32,12 +33,15 @@ def exact_match_rewards(n: int, candidate_accuracy: float, production_accuracy: 
 def test_a_candidate_that_learned_the_task_is_promoted_with_n_method_and_rule_stated() -> None:
     candidate, production = exact_match_rewards(PROMPTS, 0.6, 0.1, seed=1)
     decision = decide_reward(
-        "rl-1", PRODUCTION, POLICY, candidate - production, means=(candidate.mean(), production.mean())
+        "rl-1", PRODUCTION, POLICY, candidate - production, SAME, means=(candidate.mean(), production.mean())
     )
     assert decision.passed and decision.outcome == "promote" and decision.n == PROMPTS
     assert decision.interval is not None and decision.interval[0] > 0
     assert decision.method.startswith("skew-corrected t-interval")
-    assert decision.rule == "reward interval low > 0.0; guard eval_loss regression <= 0.05"
+    assert decision.rule == (
+        "reward interval low > 0.0; guards eval_loss regression <= 0.05, benchmarks regression <= 0.05, "
+        "length-controlled win rate > 0.5"
+    )
     assert decision.metadata()["candidate"] == pytest.approx(candidate.mean())
 
 
@@ -47,17 +51,17 @@ def test_a_candidate_no_better_than_production_is_held_back() -> None:
         (rng.uniform(0, 1, size=48) < 0.3).astype(float),
         (rng.uniform(0, 1, size=48) < 0.3),
     )
-    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production)
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, SAME)
     assert not decision.passed and decision.outcome == "hold back"
     assert decision.interval is not None and decision.interval[0] <= 0 < decision.interval[1]
 
 
 @pytest.mark.parametrize("n", [1, 10, 29])
 def test_too_few_held_out_prompts_decide_nothing_however_good_the_candidate_looks(n: int) -> None:
-    decision = decide_reward("rl-1", PRODUCTION, POLICY, np.ones(n))
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, np.ones(n), SAME)
     assert not decision.passed and decision.outcome in ("insufficient evidence", "hold back")
     if n >= 2:
-        assert decision.outcome == "insufficient evidence" and decision.rule == "n >= 30"
+        assert decision.outcome == "insufficient evidence" and decision.rule.startswith("n >= 30; guards")
         assert f"insufficient evidence: n = {n} < 30" in decision.reason
 
 
@@ -67,7 +71,7 @@ def test_a_reward_bought_with_a_worse_language_model_is_held_back_by_the_loss_gu
     decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, worse)
     assert not decision.passed and decision.outcome == "hold back"
     assert decision.guards and "eval_loss worse by +0.4000" in decision.reason
-    slightly = PairedLoss(3.02, 3.0, Interval(0.02, -0.01, 0.05, 0.95), examples=47, tokens=2000)
+    slightly = PairedLoss(3.02, 3.0, Interval(0.02, -0.01, 0.045, 0.95), examples=47, tokens=2000)
     assert decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, slightly).passed
 
 
@@ -129,7 +133,7 @@ def test_the_reward_simulation_decides_exactly_as_decide_reward() -> None:
         shapes = {**_worse_or_equal(rng, 100, n), "gain": (candidate - production) + np.zeros((100, 1))}
         for differences in shapes.values():
             for row, fast in zip(differences, sim.reward_decisions(differences, POLICY), strict=True):
-                slow = decide_reward("rl", PRODUCTION, POLICY, row)
+                slow = decide_reward("rl", PRODUCTION, POLICY, row, SAME)
                 assert (slow.outcome, slow.rule, slow.guards, slow.reason) == (
                     fast.outcome,
                     fast.rule,
@@ -165,9 +169,10 @@ def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards()
             }
         ),
         differences,
+        SAME,
     )
     assert mean_only.passed and mean_only.interval is not None and mean_only.interval[0] > 0
-    guarded = decide_reward("rl-1", PRODUCTION, POLICY, differences, slices=tasks)
+    guarded = decide_reward("rl-1", PRODUCTION, POLICY, differences, SAME, slices=tasks)
     assert not guarded.passed and guarded.outcome in ("hold back", "insufficient evidence")
     assert guarded.guard is not None and guarded.guard.verdict == guarded.outcome
     assert "next_words" in guarded.reason and "regressed" in guarded.reason, guarded.reason
@@ -176,7 +181,7 @@ def test_a_reward_gain_that_breaks_one_kind_of_task_is_held_back_by_the_guards()
 def test_a_reward_gain_without_regressions_passes_the_guards() -> None:
     candidate, production = exact_match_rewards(96, 0.6, 0.1, seed=3)  # production right => candidate right
     tasks = ["topic", "next_words"] * 48
-    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, slices=tasks)
+    decision = decide_reward("rl-1", PRODUCTION, POLICY, candidate - production, SAME, slices=tasks)
     assert decision.passed and decision.guard is not None and decision.guard.verdict is None
     assert "guards pass" in decision.reason
 
