@@ -309,7 +309,78 @@ GATE_POPULATIONS = (
         False,
     ),
 )
-GATE_SIZES = (30, 47, 72, 100, 200)
+GATE_SIZES = (30, 47, 72, 100, 107, 128, 200)  # 107: make run's eval set; 128: the RL gate's held-out prompts
+
+
+PASS_AT = 16  # answers per held-out prompt: the RL eval's pass@1 (configs/scales/tiny.yaml rl.eval_samples)
+
+
+def _pass_at_1(share: float, drop: float, common: float) -> Callable[[np.random.Generator, int, int], Draw]:
+    """Per-prompt reward differences (candidate - production) of the RL gate: each prompt's reward is its pass@1
+    from ``PASS_AT`` sampled answers of 0/1 reward. ``share`` of the prompts regress: production answers them right
+    with probability 0.9 and the candidate with ``0.9 - drop``; on the rest production's probability is uniform in
+    [0.1, 0.9] and the candidate's ``common`` higher (no clipping: both stay in [0, 1]). The true mean difference is
+    ``common (1 - share) - drop share``; the prompts weigh one each (the tokens of the draw are ones)."""
+
+    def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
+        regressed = rng.random((draws, n)) < share
+        production = np.where(regressed, 0.9, rng.uniform(0.1, 0.9, size=(draws, n)))
+        candidate = production + np.where(regressed, -drop, common)
+        d = (rng.binomial(PASS_AT, candidate) - rng.binomial(PASS_AT, production)) / PASS_AT
+        return d, np.ones_like(d)
+
+    return draw
+
+
+def _reward_population(name: str, description: str, share: float, drop: float, truth: float, guaranteed: bool):
+    """A reward population whose mean difference is ``truth`` (the common prompts' change solves for it)."""
+    common = (truth + drop * share) / (1 - share)
+    return Population(name, description, truth, _pass_at_1(share, drop, common), guaranteed)
+
+
+REWARD_WORSE_BY = 0.01  # every "worse" reward population's candidate is truly worse by this, reward per prompt
+REWARD_POPULATIONS = (
+    _reward_population(
+        "reward_equal", "no prompt changes its chance (true difference 0: no better)", 0.0, 0.0, 0.0, True
+    ),
+    _reward_population(
+        "reward_broad_worse", "every prompt 0.01 less likely right", 0.0, 0.0, -REWARD_WORSE_BY, True
+    ),
+    _reward_population(
+        "reward_rare_regressions",
+        "10% of prompts from right (0.9) to wrong (0.1), the rest 0.078 more likely right (mean -0.01)",
+        0.10,
+        0.8,
+        -REWARD_WORSE_BY,
+        True,
+    ),
+    _reward_population(
+        "reward_rarer_regressions",
+        "5% of prompts from 0.9 to 0.1 right, the rest 0.032 more likely right (mean -0.01): as rare as "
+        "min_detectable_regressed_share",
+        0.05,
+        0.8,
+        -REWARD_WORSE_BY,
+        True,
+    ),
+    _reward_population(
+        "reward_sparse_regressions",
+        "3% of prompts from 0.9 to 0.0 right, the rest 0.018 more likely right (mean -0.01): rarer than "
+        "min_detectable_regressed_share (the residual)",
+        0.03,
+        0.9,
+        -REWARD_WORSE_BY,
+        False,
+    ),
+    _reward_population(
+        "reward_gain",
+        "every prompt 0.05 more likely right: a real gain (how often the gate promotes it)",
+        0.0,
+        0.0,
+        0.05,
+        False,
+    ),
+)
 
 
 SIMULATED_PRODUCTION = ProductionEntry(
@@ -404,6 +475,26 @@ def gate_rates(
     }
 
 
+def reward_rates(
+    pop: Population,
+    n: int,
+    draws: int = 10_000,
+    seed: int = 20261126,
+    policy: PromotionPolicy | None = None,
+) -> dict[str, float]:
+    """The share of ``draws`` simulated held-out sets of ``n`` prompts (``REWARD_POPULATIONS``) on which the RL
+    reward gate (``reward_decisions``) promotes, with the interval alone, and the interval's coverage."""
+    policy = policy or load_policy()
+    differences, _ = pop.draw(np.random.default_rng(seed), draws, n)
+    made = reward_decisions(differences, policy)
+    low, high = (np.array([d.interval[i] for d in made]) for i in (0, 1))
+    return {
+        "interval_alone": float(np.mean(low > policy.rl.margin)),
+        "gate": float(np.mean([d.passed for d in made])),
+        "coverage": float(np.mean((low <= pop.truth) & (pop.truth <= high))),
+    }
+
+
 def size_table(
     shares: tuple[float, ...] = (0.20, 0.10, 0.05, 0.02), draws: int = 4000, seed: int = 20261126
 ) -> list[dict]:
@@ -471,21 +562,25 @@ def _gate_table(
     draws: int,
     seed: int,
     policy: PromotionPolicy | None = None,
+    rates: Callable[..., dict[str, float]] = gate_rates,
 ) -> list[dict]:
+    """The false-promotion table (``rates``: ``gate_rates``, the eval-loss gate; ``reward_rates``, the RL gate) of
+    ``pops`` at ``sizes``; a population not ``guaranteed`` is a real gain or the stated residual."""
     policy = policy or load_policy()
     rows = []
     share = policy.guards.min_detectable_regressed_share
+    gate = "RL reward gate" if rates is reward_rates else "gate"
     print(
-        f"\nthe gate (configs/promotion.yaml, min_detectable_regressed_share {share}) on {draws} simulated eval sets "
-        "per cell: share promoted"
+        f"\nthe {gate} (configs/promotion.yaml, min_detectable_regressed_share {share}) on {draws} simulated sets "
+        f"per cell (seed {seed}): share promoted"
     )
-    print(f"{'population':<22}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
+    print(f"{'population':<26}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
     for pop in pops:
         for n in sizes:
-            cells = gate_rates(pop, n, draws, seed, policy)
+            cells = rates(pop, n, draws, seed, policy)
             rows.append({"population": pop.name, "n": n, "truth": pop.truth, **cells})
             print(
-                f"{pop.name:<22}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
+                f"{pop.name:<26}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
             )
     return rows
 
@@ -560,6 +655,9 @@ def main() -> None:
         result = {
             "rows": rows,
             "gate": _gate_table(GATE_POPULATIONS, GATE_SIZES, args.draws, args.seed, policy),
+            "reward_gate": _gate_table(
+                REWARD_POPULATIONS, GATE_SIZES, args.draws, args.seed, policy, reward_rates
+            ),
         }
     print(
         json.dumps(
