@@ -102,8 +102,9 @@ class Population:
     description: str
     truth: float  # the token-weighted mean difference, nats per token
     draw: Callable[[np.random.Generator, int, int], Draw]
-    # POPULATIONS: the default method is required (and tested) to cover >= 93 % at n >= 30; GATE_POPULATIONS: the
-    # gate with configs/promotion.yaml is required (and tested) to promote in <= 2.5 % of eval sets at n >= 100
+    # POPULATIONS: the default method is required (and tested) to cover >= 93 % at n >= 30; GATE_POPULATIONS and
+    # REWARD_POPULATIONS: the gate with configs/promotion.yaml is required (and tested) to promote in <= 2.5 % of
+    # sets at every n where it decides (else it refuses); the others are real gains or the stated residual
     guaranteed: bool
 
 
@@ -208,6 +209,10 @@ def _two_point(
 
 
 WORSE_BY = 0.01  # issue 40: every gate population's candidate is truly worse by this, nats per token
+# promotion.yaml's guards.min_detectable_regressed_share: the populations whose regressed share (examples worse by
+# more than the 0.5 margin) is at least this are ``guaranteed`` (<= 2.5 % wherever the gate decides); rarer ones are
+# the stated residual (test_guards checks that this and the config agree)
+DETECTABLE_SHARE = 0.05
 
 
 def _lognormal_regressions(
@@ -225,14 +230,20 @@ def _lognormal_regressions(
     return effect
 
 
-def _drawn_share(a: float, b: float, worse: float) -> Callable[[np.random.Generator, int, int], Draw]:
-    """Each eval set comes from a fine-tune of its own: its regressed share p ~ Beta(a, b), its regressed examples
-    ``worse`` nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every
-    eval set's candidate is truly worse by the same amount, however its damage is spread)."""
+def _drawn_share(
+    a: float, b: float, worse: float, at_least: float = 0.0
+) -> Callable[[np.random.Generator, int, int], Draw]:
+    """Each eval set comes from a fine-tune of its own: its regressed share p ~ Beta(a, b) (restricted to
+    ``p >= at_least``: the Beta's quantiles of a uniform above ``at_least``'s), its regressed examples ``worse``
+    nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every eval set's
+    candidate is truly worse by the same amount, however its damage is spread)."""
+    from scipy.special import betainc, betaincinv  # the Beta's CDF and quantile (~1 s to import)
+
+    floor = float(betainc(a, b, at_least))
 
     def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
         tokens = _lognormal_tokens(rng, (draws, n))
-        p = rng.beta(a, b, size=(draws, 1))
+        p = betaincinv(a, b, rng.uniform(floor, 1.0, size=(draws, 1)))
         common = (WORSE_BY - p * worse) / (1 - p)
         effect = np.where(rng.random((draws, n)) < p, worse, common) + rng.normal(0.0, 0.05, size=(draws, n))
         return effect * tokens + _gamma_noise(rng, tokens), tokens
@@ -295,6 +306,14 @@ GATE_POPULATIONS = (
         False,
     ),
     Population(
+        "drawn_share_detectable",
+        "drawn_share's fine-tunes whose share is at least min_detectable_regressed_share: p ~ Beta(2, 38) given "
+        "p >= 0.05 (41% of them), 2.0 nats/token worse, the rest better (mean +0.01)",
+        WORSE_BY,
+        _drawn_share(2.0, 38.0, 2.0, at_least=DETECTABLE_SHARE),
+        True,
+    ),
+    Population(
         "rare_gains",
         "10% of examples 1.0 nats/token better, 90% 0.1 worse (mean -0.01): the mirror, truly better",
         0.1 * -1.0 + 0.9 * 0.1,
@@ -332,13 +351,17 @@ def _pass_at_1(share: float, drop: float, common: float) -> Callable[[np.random.
     return draw
 
 
-def _reward_population(name: str, description: str, share: float, drop: float, truth: float, guaranteed: bool):
+def _reward_population(
+    name: str, description: str, share: float, drop: float, truth: float, guaranteed: bool
+):
     """A reward population whose mean difference is ``truth`` (the common prompts' change solves for it)."""
     common = (truth + drop * share) / (1 - share)
     return Population(name, description, truth, _pass_at_1(share, drop, common), guaranteed)
 
 
-REWARD_WORSE_BY = 0.01  # every "worse" reward population's candidate is truly worse by this, reward per prompt
+REWARD_WORSE_BY = (
+    0.01  # every "worse" reward population's candidate is truly worse by this, reward per prompt
+)
 REWARD_POPULATIONS = (
     _reward_population(
         "reward_equal", "no prompt changes its chance (true difference 0: no better)", 0.0, 0.0, 0.0, True
