@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexa_dagster.core.evaluation.guards import guard_report, required_examples, skewness
+from nexa_dagster.core.evaluation.guards import detectable_examples, guard_report, skewness
 from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, PairedLoss, ratio_bounds
 from nexa_dagster.core.evaluation.promotion import (
     GateDecision,
@@ -237,13 +237,13 @@ def _drawn_share(
     ``p >= at_least``: the Beta's quantiles of a uniform above ``at_least``'s), its regressed examples ``worse``
     nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every eval set's
     candidate is truly worse by the same amount, however its damage is spread)."""
-    from scipy.special import betainc, betaincinv  # the Beta's CDF and quantile (~1 s to import)
-
-    floor = float(betainc(a, b, at_least))
 
     def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
+        # the Beta's CDF and quantile; scipy takes ~1 s to import, so only when a simulation draws
+        from scipy.special import betainc, betaincinv
+
         tokens = _lognormal_tokens(rng, (draws, n))
-        p = betaincinv(a, b, rng.uniform(floor, 1.0, size=(draws, 1)))
+        p = betaincinv(a, b, rng.uniform(float(betainc(a, b, at_least)), 1.0, size=(draws, 1)))
         common = (WORSE_BY - p * worse) / (1 - p)
         effect = np.where(rng.random((draws, n)) < p, worse, common) + rng.normal(0.0, 0.05, size=(draws, n))
         return effect * tokens + _gamma_noise(rng, tokens), tokens
@@ -523,7 +523,8 @@ def size_table(
 ) -> list[dict]:
     """How big an eval set a lab needs for the regressions it wants to catch: for each share ``p`` (the gate's
     ``max_regressed_share`` and ``min_detectable_regressed_share`` both set to it), the smallest n on which a
-    candidate with no regressed example can pass (exact: ``required_examples``, the same n for both rules), and at
+    candidate with no regressed example can pass (exact: ``detectable_examples``, the larger of the two rules' n),
+    and at
     that n and twice it, the gate's promotion rate on two simulated candidates: one truly worse (``p`` of examples
     1.0 nats/token worse, the rest better, mean +0.01: false promotions) and one truly better (``p / 4`` of
     examples 1.0 worse, the rest 0.1 better: how often the gate lets a good model through)."""
@@ -534,7 +535,7 @@ def size_table(
             update={"max_regressed_share": p, "min_detectable_regressed_share": p}
         )
         policy = base.model_copy(update={"guards": guards})
-        n_min = required_examples(p, policy.confidence)
+        n_min = detectable_examples(p, policy.confidence)
         worse = _effects(_two_point(p, 1.0, (WORSE_BY - p) / (1 - p)))
         better = _effects(_two_point(p / 4, 1.0, -0.1))
         for n in (n_min, 2 * n_min):
