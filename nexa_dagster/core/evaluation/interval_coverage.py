@@ -16,8 +16,10 @@ length): the estimand of ``paired_loss_difference``, a ratio of sums. The interv
 prints the coverage table (population, n, coverage of each method), then the false-promotion table of the gate
 with ``configs/promotion.yaml`` (or with ``guards.min_detectable_regressed_share`` overridden) on the populations
 of issue 40 and the audit after it (``GATE_POPULATIONS``: per-token losses gamma, token counts log-normal, the
-candidate truly worse by +0.01 nats per token, token-weighted, its damage spread in several ways), and, last, one
-JSON object. The gate's decisions are ``promotion.decide``'s own (``decisions``: the figures of all eval sets at
+candidate truly worse by +0.01 nats per token, token-weighted, its damage spread in several ways), then the RL
+reward gate's on ``REWARD_POPULATIONS`` (per-prompt pass@1 differences), and, last, one JSON object. A population
+``guaranteed`` is one the gate must hold at <= 2.5 % wherever it decides (issue 47); the others are real gains
+(the power) or the residual, regressions rarer than ``min_detectable_regressed_share`` (docs/stages/evaluation.md). The gate's decisions are ``promotion.decide``'s own (``decisions``: the figures of all eval sets at
 once by the vectorised statistics the gate runs, then ``decide`` once per eval set), and the RL reward gate's
 ``reward_gate.reward_decision``'s (``reward_decisions``): one copy of each rule.
 
