@@ -441,3 +441,143 @@ def test_a_lab_that_waives_the_evidence_minimum_waives_the_guards_insufficiency_
         guard=eval_loss_guard(cand, prod, tokens, policy),
     )
     assert held.outcome == "hold back" and held.guards[0].startswith("regressed: 20 of 60")
+
+
+def _holm(p_values: dict[str, float]) -> dict[str, float]:
+    """Holm's adjusted p-values, written out from the definition: sorted ascending, (m - rank) p, running max,
+    capped at 1."""
+    adjusted, running = {}, 0.0
+    for rank, (label, p) in enumerate(sorted(p_values.items(), key=lambda kv: kv[1])):
+        running = max(running, min(1.0, (len(p_values) - rank) * p))
+        adjusted[label] = running
+    return adjusted
+
+
+def test_each_slice_gets_its_weighted_one_sided_t_and_holm_exactly_and_a_small_one_is_only_listed() -> None:
+    """The slice guard's figures, recomputed from their definitions: per slice the token-weighted mean change
+    toward worse, the one-sided t p-value on n - 1 degrees of freedom of the delta-method residuals, Holm's adjusted
+    p over the tested slices; a slice with fewer than ``min_slice_examples`` is listed with its n and mean, untested;
+    one with exactly that many is tested; a slice with no spread is worse for sure (p = 0), better for sure (p = 1)
+    or unchanged (p = 0.5). Significant: rejected by Holm's step-down at 5 % and worse."""
+    rng = np.random.default_rng(3)
+    parts = {
+        "a": rng.normal(0.02, 0.3, 12),  # a little worse, far from significant
+        "b": rng.normal(-0.1, 0.2, 10),  # better, exactly min_slice_examples: tested
+        "c": rng.normal(0.5, 0.1, 9),  # much worse but one short of min_slice_examples: listed only
+        "d": np.full(10, 0.2),  # worse on every example alike
+        "e": np.full(10, -0.2),  # better on every example alike
+        "f": np.zeros(10),  # unchanged
+        "g": rng.normal(0.4, 0.2, 11),  # worse, significant
+    }
+    labels = [label for label, d in parts.items() for _ in d]
+    worse = np.concatenate(list(parts.values()))
+    w = rng.integers(5, 50, len(worse)).astype(float)
+    policy = GuardPolicy(max_regressed_share=None, min_detectable_regressed_share=None, skew_rule=False)
+    report = paired_guards(worse, higher_is_better=False, policy=policy, weights=w, slices=labels)
+    by = {s.label: s for s in report.slices}
+    assert [s.label for s in report.slices] == sorted(parts)
+    expected_p = {}
+    for label, d in parts.items():
+        mask = np.asarray(labels) == label
+        mean = float(np.average(worse[mask], weights=w[mask]))
+        assert by[label].n == len(d) and by[label].worse_by == pytest.approx(mean, rel=1e-12, abs=1e-15)
+        z = w[mask] * (worse[mask] - mean) / w[mask].mean()
+        se = float(np.sqrt(np.sum(z**2) / (len(d) - 1) / len(d)))
+        if label != "c" and se > 1e-12:
+            expected_p[label] = float(t_dist.sf(mean / se, len(d) - 1))
+    assert by["c"].p_value is None and by["c"].adjusted_p is None and not by["c"].significant
+    expected_p.update({"d": 0.0, "e": 1.0, "f": 0.5})
+    assert {k: s.p_value for k, s in by.items() if k != "c"} == pytest.approx(expected_p, rel=1e-9)
+    holm = _holm(expected_p)
+    assert {k: s.adjusted_p for k, s in by.items() if k != "c"} == pytest.approx(holm, rel=1e-9)
+    assert max(holm.values()) == 1.0  # capped
+    assert {k for k, s in by.items() if s.significant} == {"d", "g"}
+    assert report.verdict == "hold back" and sum("slice day=" in r for r in report.reasons) == 2
+    assert "over 6 slices" in next(r for r in report.reasons if "slice day=d" in r)
+    with pytest.raises(ValueError, match="need one slice label per example, got 3 labels for 72 examples"):
+        paired_guards(worse, higher_is_better=False, policy=policy, weights=w, slices=labels[:3])
+
+
+def test_a_slice_worse_on_every_example_is_rejected_even_at_a_family_wise_error_of_zero() -> None:
+    """Holm's step-down rejects while the adjusted p is at most the family-wise error, the bound included: a slice
+    worse on every example (p = 0) is significant at confidence 1 (error 0), a noisy worse one is not."""
+    worse = np.concatenate([np.full(10, 0.3), np.random.default_rng(1).normal(0.3, 0.2, 10)])
+    policy = GuardPolicy(max_regressed_share=None, min_detectable_regressed_share=None, skew_rule=False)
+    report = paired_guards(
+        worse, higher_is_better=False, policy=policy, slices=["x"] * 10 + ["y"] * 10, confidence=1.0
+    )
+    assert [(s.label, s.significant) for s in report.slices] == [("x", True), ("y", False)]
+
+
+def test_the_guard_report_names_every_figure_in_its_metadata_summary_and_json() -> None:
+    """What the UI, the report and make run's summary read (``guard_*`` metadata, ``summary()``, ``to_json()``):
+    every figure under its name, on a report with slices and a skew toward worse, and on one skewed toward better."""
+    worse = np.array([0.0] * 18 + [0.6, 2.0])
+    policy = GuardPolicy(min_detectable_regressed_share=None, min_slice_examples=10)
+    labels = ["d1"] * 10 + ["d2"] * 10
+    report = paired_guards(worse, higher_is_better=False, policy=policy, slices=labels)
+    low, high = report.regressed_interval
+    meta = report.metadata()
+    assert meta == {
+        "guard_verdict": report.verdict,
+        "guard_reasons": report.reasons,
+        "guard_skewness": report.skewness,
+        "guard_skew_needs_n": report.skew_needs,
+        "guard_regressed": 2,
+        "guard_regressed_share": 0.1,
+        "guard_regressed_interval": [low, high],
+        "guard_regression_margin": 0.5,
+        "guard_max_regressed_share": 0.1,
+        "guard_min_detectable_share": None,
+        "guard_slices": [
+            {
+                "label": s.label,
+                "n": 10,
+                "worse_by": s.worse_by,
+                "p_value": s.p_value,
+                "adjusted_p": s.adjusted_p,
+                "significant": s.significant,
+            }
+            for s in report.slices
+        ],
+    }
+    assert report.verdict == "insufficient evidence" and report.skewness > 0 and report.skew_needs > 20
+    worst = report.slices[1]
+    assert report.summary() == (
+        f"skewness toward worse {report.skewness:+.2f} (Cochran's rule needs n >= {report.skew_needs}, n = 20); "
+        f"2 of 20 examples worse by > 0.5 (10.0%, 95% CI [{low:.1%}, {high:.1%}]); 2 slices tested (Holm), "
+        f"worst d2 worse by {worst.worse_by:+.4f}"
+    )
+    assert report.to_json() == {**meta, "n": 20, "summary": report.summary()}
+    better = paired_guards(
+        -worse, higher_is_better=False, policy=policy.model_copy(update={"max_regressed_share": None})
+    )
+    assert better.metadata()["guard_verdict"] == "pass" and better.skew_needs == 0
+    assert better.summary().startswith(
+        f"skewness toward worse {better.skewness:+.2f} (toward better: no limit, n = 20); "
+    )
+    assert better.summary().endswith("CI [0.0%, 16.8%])")
+
+
+def test_the_guards_refuse_input_that_is_not_one_finite_difference_per_example() -> None:
+    """Each malformed input is refused naming what is wrong, before any figure is computed; integer differences
+    are taken as numbers (unsigned bytes are not negated into 255)."""
+    policy = GuardPolicy(slice_by=None, min_detectable_regressed_share=None)
+    bad = {
+        "need a finite difference per example, got shape (2, 2)": np.zeros((2, 2)),
+        "need a finite difference per example, got shape (0,)": np.zeros(0),
+        "need a finite difference per example, got shape (3,)": np.array([0.1, np.nan, 0.2]),
+    }
+    for message, d in bad.items():
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            paired_guards(d, higher_is_better=False, policy=policy)
+    with pytest.raises(ValueError, match=r"need one weight per difference, got \(2,\) weights for \(3,\)"):
+        paired_guards(np.zeros(3), higher_is_better=False, policy=policy, weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="example 2 has a weight <= 0"):
+        paired_guards(np.zeros(4), higher_is_better=False, policy=policy, weights=[1.0, 2.0, 0.0, 1.0])
+    scores = paired_guards(np.ones(40, dtype=np.uint8), higher_is_better=True, policy=policy)
+    assert scores.regressed == 0 and scores.verdict is None
+    counts = paired_guards(
+        np.ones(40), higher_is_better=False, policy=policy, weights=np.full(40, 3, np.uint8)
+    )
+    assert counts.regressed == 40 and counts.verdict == "hold back"
