@@ -22,6 +22,8 @@ from nexa_dagster.core.evaluation.guards import (
     paired_guards,
     regressed_bounds,
     required_examples,
+    skew_refuses,
+    skewness,
     unseen_probability,
 )
 from nexa_dagster.core.evaluation.paired import paired_loss_difference, pointwise_win_rate
@@ -581,3 +583,31 @@ def test_the_guards_refuse_input_that_is_not_one_finite_difference_per_example()
         np.ones(40), higher_is_better=False, policy=policy, weights=np.full(40, 3, np.uint8)
     )
     assert counts.regressed == 40 and counts.verdict == "hold back"
+
+
+def _weighted_g1(d: np.ndarray, w: np.ndarray) -> float:
+    """The adjusted skewness of the weighted mean's delta-method residuals, from its definition."""
+    z = w * (d - np.sum(w * d) / np.sum(w)) / np.mean(w)
+    n, m2, m3 = len(d), np.mean(z**2), np.mean(z**3)
+    return float(m3 / m2**1.5 * np.sqrt(n * (n - 1)) / (n - 2))
+
+
+def test_the_skewness_cochrans_rule_and_the_exact_interval_match_their_definitions_at_their_bounds() -> None:
+    """``skewness`` row by row on unequal weights (each row its own weights and mean), 0 with fewer than three
+    examples or no spread; Cochran's rule refusing at n = 25 G1^2 itself and only toward worse; the Clopper-Pearson
+    bounds 0 with none regressed and 1 with all, the beta quantiles between."""
+    rng = np.random.default_rng(12)
+    d, w = rng.gamma(1.0, 1.0, (3, 9)), rng.integers(1, 40, (3, 9)).astype(float)
+    w[1] *= 10.0
+    assert skewness(d, w) == pytest.approx([_weighted_g1(d[i], w[i]) for i in range(3)], rel=1e-9)
+    assert skewness(d[0, :3], w[0, :3]) == pytest.approx(_weighted_g1(d[0, :3], w[0, :3]), rel=1e-9)
+    assert skewness(d[0, :2], w[0, :2]) == 0.0 and skewness(np.full(5, 0.3), np.ones(5)) == 0.0
+    assert bool(skew_refuses(np.array(2.0), 100)) and not bool(skew_refuses(np.array(2.0), 101))
+    assert bool(skew_refuses(np.array(0.9), 20)) and not bool(skew_refuses(np.array(2.0), 150))
+    assert not bool(skew_refuses(np.array(-3.0), 10)) and not bool(skew_refuses(np.array(0.0), 1))
+    low, high = regressed_bounds(np.array([0, 1, 20]), 20, 0.95)
+    assert (low[0], high[2]) == (0.0, 1.0)
+    assert low[1] == pytest.approx(beta.ppf(0.025, 1, 20)) and low[2] == pytest.approx(beta.ppf(0.025, 20, 1))
+    assert high[0] == pytest.approx(beta.ppf(0.975, 1, 20)) and high[1] == pytest.approx(
+        beta.ppf(0.975, 2, 19)
+    )
