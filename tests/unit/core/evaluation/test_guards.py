@@ -466,8 +466,8 @@ def test_each_slice_gets_its_weighted_one_sided_t_and_holm_exactly_and_a_small_o
         "a": rng.normal(0.02, 0.3, 12),  # a little worse, far from significant
         "b": rng.normal(-0.1, 0.2, 10),  # better, exactly min_slice_examples: tested
         "c": rng.normal(0.5, 0.1, 9),  # much worse but one short of min_slice_examples: listed only
-        "d": np.full(10, 0.2),  # worse on every example alike
-        "e": np.full(10, -0.2),  # better on every example alike
+        "d": np.full(10, 0.25),  # worse on every example alike (exactly: no spread at all)
+        "e": np.full(10, -0.25),  # better on every example alike
         "f": np.zeros(10),  # unchanged
         "g": rng.normal(0.4, 0.2, 11),  # worse, significant
     }

@@ -11,6 +11,7 @@ from nexa_dagster.core.evaluation.paired import (
     PairedLoss,
     bootstrap_mean_loss,
     length_controlled_win_rate,
+    mean_loss,
     mean_loss_interval,
     order_consistent_win_rate,
     paired_loss_difference,
@@ -220,6 +221,9 @@ def test_one_models_mean_loss_interval_is_the_ratio_interval_or_its_percentile_b
     nll = tokens * rng.gamma(2.0, 1.5, 40)
     assert mean_loss_interval(nll, tokens) == ratio_interval(nll, tokens, 0.95, DEFAULT_INTERVAL_METHOD)
     assert mean_loss_interval(nll, tokens, 0.9, "t") == ratio_interval(nll, tokens, 0.9, "t")
+    assert ratio_interval(nll, tokens, 0.9, "t") == Interval(
+        *map(float, ratio_bounds(nll, tokens, 0.9, "t")), 0.9
+    )
 
     def percentile(resamples: int, seed: int, confidence: float) -> Interval:
         idx = np.random.default_rng(seed).integers(0, 40, size=(resamples, 40))
@@ -235,8 +239,10 @@ def test_one_models_mean_loss_interval_is_the_ratio_interval_or_its_percentile_b
     assert bootstrap_mean_loss(nll, tokens) == pytest.approx(default, rel=1e-12)
     with pytest.raises(ValueError, match="bootstrap needs at least 100 resamples, got 99"):
         bootstrap_mean_loss(nll, tokens, resamples=99)
-    with pytest.raises(ValueError, match=r"confidence must be in \(0, 1\), got 1.0"):
-        bootstrap_mean_loss(nll, tokens, confidence=1.0)
+    for confidence in (0.0, 1.0):
+        with pytest.raises(ValueError, match=rf"confidence must be in \(0, 1\), got {confidence}"):
+            bootstrap_mean_loss(nll, tokens, confidence=confidence)
+    assert bootstrap_mean_loss(nll, tokens, resamples=100).low < mean_loss(nll, tokens)  # 100 is enough
     interval = Interval(0.1, -0.2, 0.3, 0.95)
     assert not interval.excludes(-0.2) and not interval.excludes(0.3)
     assert interval.excludes(-0.2001) and interval.excludes(0.3001)
@@ -249,3 +255,23 @@ def test_one_models_mean_loss_interval_is_the_ratio_interval_or_its_percentile_b
         "tokens": 1400,
         "method": "t",
     }
+
+
+def test_a_loss_comparison_refuses_input_that_is_not_one_finite_loss_and_token_count_per_example() -> None:
+    """Each malformed input is refused naming what is wrong (and which example) before any figure is computed."""
+    cases = {
+        r"need one NLL sum and one token count per example, got \(2, 2\) and \(2, 2\)": (
+            np.ones((2, 2)),
+            np.ones((2, 2)),
+        ),
+        r"need one NLL sum and one token count per example, got \(3,\) and \(2,\)": (np.ones(3), np.ones(2)),
+        "^no examples to compare$": (np.ones(0), np.ones(0)),
+        "^example 2 has no scored tokens$": (np.ones(3), np.array([5.0, 1.0, 0.0])),
+        "^example 1 has a non-finite loss$": (np.array([1.0, np.nan, 2.0]), np.ones(3)),
+    }
+    for message, (nll, tokens) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            mean_loss_interval(nll, tokens, method="t")
+    with pytest.raises(ValueError, match="^no scored tokens$"):
+        mean_loss([1.0, 2.0], [0, 0])
+    assert mean_loss([1.0, 2.0], [1, 0]) == 3.0  # one token in all is enough
