@@ -159,7 +159,7 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     assert len({m.group(3) for m in nights}) == 3, "each night trains a checkpoint of its own"
     assert len({m.group(4) for m in nights}) == 1, "every night is measured on the same eval-set version"
     # the first night's frozen eval set is large enough for the gate's guards to see rare regressions (issue 40:
-    # n >= 100; the guards refuse below 72, promotion.yaml min_detectable_regressed_share)
+    # n >= 100; the guards refuse below 86, promotion.yaml min_detectable_regressed_share, guards.detectable_examples)
     assert all(int(m.group(5)) >= 100 for m in nights), summary
     first = nights[0]
     assert first.group(7) == "no production model yet" and first.group(8) == "promote", summary

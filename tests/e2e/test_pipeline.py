@@ -68,7 +68,7 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     # the tests' small landing (12 documents a day) freezes an eval set of about a dozen examples: below the
     # gate's default evidence minimum (30), which would hold every candidate back. The gate's rule is what these
     # tests check, so this copy of configs/ lowers the minimum to what the small eval set holds; and the guards on
-    # the examples that got worse, which need n >= 36 to rule out a tenth of them regressing and n >= 72 to see a
+    # the examples that got worse, which need n >= 36 to rule out a tenth of them regressing and n >= 86 to see a
     # 5% share of regressed examples, are off here (tests/unit/core/evaluation/test_guards.py and
     # tests/integration/test_gate_guards.py are theirs).
     small = {

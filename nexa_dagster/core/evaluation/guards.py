@@ -48,10 +48,13 @@ every gate (eval-set loss, the judge's pointwise scores, an RL reward gate) hand
    it: with 5 % of examples 2.0 nats/token worse, the gate promoted 13 % of eval sets of 36 and 8 % of 47, close to
    the 16 % and 9 % of samples that hold none of them. The lab names the rarest regressions the gate must see,
    ``min_detectable_regressed_share`` p, and below the n at which a sample holds none of p with probability
-   (1 - p)^n at most the interval's one-sided error (1 - confidence) / 2 the decision is "insufficient evidence"
-   (``required_examples(p)``: 72 for 5 % at 95 %). It depends on n alone, not on what the sample shows, which is
-   the point: the samples that fool the gate are the ones that show nothing. Regressions rarer than p remain a
-   limit (measured in ``interval_coverage``, docs/stages/evaluation.md).
+   (1 - p)^n at most HALF the interval's one-sided error, (1 - confidence) / 4, the decision is "insufficient
+   evidence" (``detectable_examples(p)``: 86 for 5 % at 95 %; the other half is the interval's own error on the
+   samples that hold some: Bonferroni, so that a candidate regressing p of examples passes in at most the one-sided
+   error in all; at 72, where the first alone spends it all, the gate promoted such candidates in up to 3 %). It
+   depends on n alone, not on what the sample shows, which is the point: the samples that fool the gate are the
+   ones that show nothing. Regressions rarer than p are the stated residual: a share q < p is missed by
+   (1 - q)^n of samples, which the gate promotes as clean gains (``interval_coverage``, docs/stages/evaluation.md).
 
 Everything is numpy over a leading axis too (``skew_refuses``, ``regressed_bounds``), so the simulation in
 ``interval_coverage`` runs the very code a gate runs on thousands of eval sets at once.
@@ -99,8 +102,8 @@ class GuardPolicy(BaseModel):
         gt=0,
         lt=1,
         description="the smallest share of regressed examples the gate must be able to see: insufficient "
-        "evidence while a sample of n holds none of that share with probability (1 - share)^n above the gate's "
-        "one-sided error (1 - confidence) / 2 (n >= 72 for 0.05 at 95%); null turns the rule off",
+        "evidence while a sample of n holds none of that share with probability (1 - share)^n above half the "
+        "gate's one-sided error, (1 - confidence) / 4 (n >= 86 for 0.05 at 95%); null turns the rule off",
     )
     slice_by: str | None = Field(
         default="day",
@@ -241,10 +244,30 @@ def required_examples(max_regressed_share: float, confidence: float = 0.95, regr
     """The smallest eval set on which a candidate with ``regressed`` regressed examples can pass the
     regressed-share guard (its Clopper-Pearson high end below ``max_regressed_share``). With none regressed that
     high end is ``1 - alpha^(1/n)`` (``alpha = (1 - confidence) / 2``), below a share p exactly when
-    ``(1 - p)^n < alpha``: so it is also the smallest sample that holds at least one example of a share p but in
-    ``alpha`` of draws (``unseen_probability``), the n the detectable-share rule asks for."""
+    ``(1 - p)^n < alpha``: the smallest sample that holds at least one example of a share p but in ``alpha`` of
+    draws (``unseen_probability``). The detectable-share rule asks for more, ``detectable_examples``: that bound at
+    half of ``alpha``, the other half being the interval's."""
     n = regressed + 1
     while regressed_bounds(np.array(regressed), n, confidence)[1] >= max_regressed_share:
+        n += 1
+    return n
+
+
+@lru_cache(maxsize=256)
+def detectable_examples(share: float, confidence: float = 0.95) -> int:
+    """The smallest n the detectable-share rule decides at: a sample of n holds none of a ``share`` of the
+    population with probability ``(1 - share)^n`` at most HALF the gate's one-sided error, ``(1 - confidence) / 4``
+    (1.25 % at 95 %: n = 86 for 5 %). Why half: a candidate whose regressions make up ``share`` passes the gate in
+    two ways, the sample holding none of them (every statistic then sees a clean gain: probability
+    ``unseen_probability``, known exactly) or the sample holding some that the interval and the other guards still
+    let through (the interval's own one-sided error on such a sample). Bonferroni's bound splits the one-sided error
+    between the two, equally for want of a reason to favour either, so that together they stay within it; at the
+    n where the first alone uses the whole error (72 for 5 %: 0.95^72 = 2.49 %) the second comes on top (the gate
+    promoted 2.65 % and 3.40 % of two such populations there, issue 47). ``interval_coverage`` measures the whole
+    gate at every n on every population (docs/stages/evaluation.md)."""
+    budget = (1 - confidence) / 4
+    n = max(1, math.ceil(math.log(budget) / math.log1p(-share)))
+    while unseen_probability(share, n) > budget:  # float rounding of the logarithms
         n += 1
     return n
 
@@ -368,15 +391,16 @@ def _regressed_interval(regressed: int, n: int, confidence: float) -> tuple[floa
 def _detectable_finding(n: int, share: float | None, confidence: float) -> list[tuple[Verdict, str]]:
     """The detectable-share rule: "insufficient evidence" while a sample of ``n`` holds none of ``share`` more often
     than the gate's one-sided error (the regressions the lab said it must catch would go unseen)."""
-    if share is None or n >= required_examples(share, confidence):
+    if share is None or n >= detectable_examples(share, confidence):
         return []
     return [
         (
             "insufficient evidence",
             f"insufficient evidence: a sample of n = {n} holds none of a {share:.0%} share of regressed examples "
-            f"with probability {1 - share:g}^{n} = {unseen_probability(share, n):.1%} > {(1 - confidence) / 2:.1%} "
-            f"and then looks like a clean gain: it cannot see the regressions min_detectable_regressed_share says "
-            f"the gate must catch (n >= {required_examples(share, confidence)} needed)",
+            f"with probability {1 - share:g}^{n} = {unseen_probability(share, n):.2%} > {(1 - confidence) / 4:.2%} "
+            f"(half the one-sided error; the other half is the interval's on samples that hold some) and then "
+            f"looks like a clean gain: it cannot see the regressions min_detectable_regressed_share says the gate "
+            f"must catch (n >= {detectable_examples(share, confidence)} needed)",
         )
     ]
 

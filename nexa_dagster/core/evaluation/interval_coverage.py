@@ -16,8 +16,10 @@ length): the estimand of ``paired_loss_difference``, a ratio of sums. The interv
 prints the coverage table (population, n, coverage of each method), then the false-promotion table of the gate
 with ``configs/promotion.yaml`` (or with ``guards.min_detectable_regressed_share`` overridden) on the populations
 of issue 40 and the audit after it (``GATE_POPULATIONS``: per-token losses gamma, token counts log-normal, the
-candidate truly worse by +0.01 nats per token, token-weighted, its damage spread in several ways), and, last, one
-JSON object. The gate's decisions are ``promotion.decide``'s own (``decisions``: the figures of all eval sets at
+candidate truly worse by +0.01 nats per token, token-weighted, its damage spread in several ways), then the RL
+reward gate's on ``REWARD_POPULATIONS`` (per-prompt pass@1 differences), and, last, one JSON object. A population
+``guaranteed`` is one the gate must hold at <= 2.5 % wherever it decides (issue 47); the others are real gains
+(the power) or the residual, regressions rarer than ``min_detectable_regressed_share`` (docs/stages/evaluation.md). The gate's decisions are ``promotion.decide``'s own (``decisions``: the figures of all eval sets at
 once by the vectorised statistics the gate runs, then ``decide`` once per eval set), and the RL reward gate's
 ``reward_gate.reward_decision``'s (``reward_decisions``): one copy of each rule.
 
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nexa_dagster.core.evaluation.guards import guard_report, required_examples, skewness
+from nexa_dagster.core.evaluation.guards import detectable_examples, guard_report, skewness
 from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, PairedLoss, ratio_bounds
 from nexa_dagster.core.evaluation.promotion import (
     Evidence,
@@ -103,8 +105,9 @@ class Population:
     description: str
     truth: float  # the token-weighted mean difference, nats per token
     draw: Callable[[np.random.Generator, int, int], Draw]
-    # POPULATIONS: the default method is required (and tested) to cover >= 93 % at n >= 30; GATE_POPULATIONS: the
-    # gate with configs/promotion.yaml is required (and tested) to promote in <= 2.5 % of eval sets at n >= 100
+    # POPULATIONS: the default method is required (and tested) to cover >= 93 % at n >= 30; GATE_POPULATIONS and
+    # REWARD_POPULATIONS: the gate with configs/promotion.yaml is required (and tested) to promote in <= 2.5 % of
+    # sets at every n where it decides (else it refuses); the others are real gains or the stated residual
     guaranteed: bool
 
 
@@ -209,6 +212,10 @@ def _two_point(
 
 
 WORSE_BY = 0.01  # issue 40: every gate population's candidate is truly worse by this, nats per token
+# promotion.yaml's guards.min_detectable_regressed_share: the populations whose regressed share (examples worse by
+# more than the 0.5 margin) is at least this are ``guaranteed`` (<= 2.5 % wherever the gate decides); rarer ones are
+# the stated residual (test_guards checks that this and the config agree)
+DETECTABLE_SHARE = 0.05
 
 
 def _lognormal_regressions(
@@ -226,14 +233,20 @@ def _lognormal_regressions(
     return effect
 
 
-def _drawn_share(a: float, b: float, worse: float) -> Callable[[np.random.Generator, int, int], Draw]:
-    """Each eval set comes from a fine-tune of its own: its regressed share p ~ Beta(a, b), its regressed examples
-    ``worse`` nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every
-    eval set's candidate is truly worse by the same amount, however its damage is spread)."""
+def _drawn_share(
+    a: float, b: float, worse: float, at_least: float = 0.0
+) -> Callable[[np.random.Generator, int, int], Draw]:
+    """Each eval set comes from a fine-tune of its own: its regressed share p ~ Beta(a, b) (restricted to
+    ``p >= at_least``: the Beta's quantiles of a uniform above ``at_least``'s), its regressed examples ``worse``
+    nats per token worse, the rest better by what makes that fine-tune's mean +``WORSE_BY`` (so every eval set's
+    candidate is truly worse by the same amount, however its damage is spread)."""
 
     def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
+        # the Beta's CDF and quantile; scipy takes ~1 s to import, so only when a simulation draws
+        from scipy.special import betainc, betaincinv
+
         tokens = _lognormal_tokens(rng, (draws, n))
-        p = rng.beta(a, b, size=(draws, 1))
+        p = betaincinv(a, b, rng.uniform(float(betainc(a, b, at_least)), 1.0, size=(draws, 1)))
         common = (WORSE_BY - p * worse) / (1 - p)
         effect = np.where(rng.random((draws, n)) < p, worse, common) + rng.normal(0.0, 0.05, size=(draws, n))
         return effect * tokens + _gamma_noise(rng, tokens), tokens
@@ -296,6 +309,14 @@ GATE_POPULATIONS = (
         False,
     ),
     Population(
+        "drawn_share_detectable",
+        "drawn_share's fine-tunes whose share is at least min_detectable_regressed_share: p ~ Beta(2, 38) given "
+        "p >= 0.05 (41% of them), 2.0 nats/token worse, the rest better (mean +0.01)",
+        WORSE_BY,
+        _drawn_share(2.0, 38.0, 2.0, at_least=DETECTABLE_SHARE),
+        True,
+    ),
+    Population(
         "rare_gains",
         "10% of examples 1.0 nats/token better, 90% 0.1 worse (mean -0.01): the mirror, truly better",
         0.1 * -1.0 + 0.9 * 0.1,
@@ -310,7 +331,82 @@ GATE_POPULATIONS = (
         False,
     ),
 )
-GATE_SIZES = (30, 47, 72, 100, 200)
+GATE_SIZES = (30, 47, 72, 100, 107, 128, 200)  # 107: make run's eval set; 128: the RL gate's held-out prompts
+
+
+PASS_AT = 16  # answers per held-out prompt: the RL eval's pass@1 (configs/scales/tiny.yaml rl.eval_samples)
+
+
+def _pass_at_1(share: float, drop: float, common: float) -> Callable[[np.random.Generator, int, int], Draw]:
+    """Per-prompt reward differences (candidate - production) of the RL gate: each prompt's reward is its pass@1
+    from ``PASS_AT`` sampled answers of 0/1 reward. ``share`` of the prompts regress: production answers them right
+    with probability 0.9 and the candidate with ``0.9 - drop``; on the rest production's probability is uniform in
+    [0.1, 0.9] and the candidate's ``common`` higher (no clipping: both stay in [0, 1]). The true mean difference is
+    ``common (1 - share) - drop share``; the prompts weigh one each (the tokens of the draw are ones)."""
+
+    def draw(rng: np.random.Generator, draws: int, n: int) -> Draw:
+        regressed = rng.random((draws, n)) < share
+        production = np.where(regressed, 0.9, rng.uniform(0.1, 0.9, size=(draws, n)))
+        candidate = production + np.where(regressed, -drop, common)
+        d = (rng.binomial(PASS_AT, candidate) - rng.binomial(PASS_AT, production)) / PASS_AT
+        return d, np.ones_like(d)
+
+    return draw
+
+
+def _reward_population(
+    name: str, description: str, share: float, drop: float, truth: float, guaranteed: bool
+):
+    """A reward population whose mean difference is ``truth`` (the common prompts' change solves for it)."""
+    common = (truth + drop * share) / (1 - share)
+    return Population(name, description, truth, _pass_at_1(share, drop, common), guaranteed)
+
+
+REWARD_WORSE_BY = (
+    0.01  # every "worse" reward population's candidate is truly worse by this, reward per prompt
+)
+REWARD_POPULATIONS = (
+    _reward_population(
+        "reward_equal", "no prompt changes its chance (true difference 0: no better)", 0.0, 0.0, 0.0, True
+    ),
+    _reward_population(
+        "reward_broad_worse", "every prompt 0.01 less likely right", 0.0, 0.0, -REWARD_WORSE_BY, True
+    ),
+    _reward_population(
+        "reward_rare_regressions",
+        "10% of prompts from right (0.9) to wrong (0.1), the rest 0.078 more likely right (mean -0.01)",
+        0.10,
+        0.8,
+        -REWARD_WORSE_BY,
+        True,
+    ),
+    _reward_population(
+        "reward_rarer_regressions",
+        "5% of prompts from 0.9 to 0.1 right, the rest 0.032 more likely right (mean -0.01): as rare as "
+        "min_detectable_regressed_share",
+        0.05,
+        0.8,
+        -REWARD_WORSE_BY,
+        True,
+    ),
+    _reward_population(
+        "reward_sparse_regressions",
+        "3% of prompts from 0.9 to 0.0 right, the rest 0.018 more likely right (mean -0.01): rarer than "
+        "min_detectable_regressed_share (the residual)",
+        0.03,
+        0.9,
+        -REWARD_WORSE_BY,
+        False,
+    ),
+    _reward_population(
+        "reward_gain",
+        "every prompt 0.05 more likely right: a real gain (how often the gate promotes it)",
+        0.0,
+        0.0,
+        0.05,
+        False,
+    ),
+)
 
 
 # the reward gate's simulated candidates: eval-set loss exactly production's (its guard is the loss gate's, simulated
@@ -410,12 +506,33 @@ def gate_rates(
     }
 
 
+def reward_rates(
+    pop: Population,
+    n: int,
+    draws: int = 10_000,
+    seed: int = 20261126,
+    policy: PromotionPolicy | None = None,
+) -> dict[str, float]:
+    """The share of ``draws`` simulated held-out sets of ``n`` prompts (``REWARD_POPULATIONS``) on which the RL
+    reward gate (``reward_decisions``) promotes, with the interval alone, and the interval's coverage."""
+    policy = policy or load_policy()
+    differences, _ = pop.draw(np.random.default_rng(seed), draws, n)
+    made = reward_decisions(differences, policy)
+    low, high = (np.array([d.interval[i] for d in made]) for i in (0, 1))
+    return {
+        "interval_alone": float(np.mean(low > policy.rl.margin)),
+        "gate": float(np.mean([d.passed for d in made])),
+        "coverage": float(np.mean((low <= pop.truth) & (pop.truth <= high))),
+    }
+
+
 def size_table(
     shares: tuple[float, ...] = (0.20, 0.10, 0.05, 0.02), draws: int = 4000, seed: int = 20261126
 ) -> list[dict]:
     """How big an eval set a lab needs for the regressions it wants to catch: for each share ``p`` (the gate's
     ``max_regressed_share`` and ``min_detectable_regressed_share`` both set to it), the smallest n on which a
-    candidate with no regressed example can pass (exact: ``required_examples``, the same n for both rules), and at
+    candidate with no regressed example can pass (exact: ``detectable_examples``, the larger of the two rules' n),
+    and at
     that n and twice it, the gate's promotion rate on two simulated candidates: one truly worse (``p`` of examples
     1.0 nats/token worse, the rest better, mean +0.01: false promotions) and one truly better (``p / 4`` of
     examples 1.0 worse, the rest 0.1 better: how often the gate lets a good model through)."""
@@ -426,7 +543,7 @@ def size_table(
             update={"max_regressed_share": p, "min_detectable_regressed_share": p}
         )
         policy = base.model_copy(update={"guards": guards})
-        n_min = required_examples(p, policy.confidence)
+        n_min = detectable_examples(p, policy.confidence)
         worse = _effects(_two_point(p, 1.0, (WORSE_BY - p) / (1 - p)))
         better = _effects(_two_point(p / 4, 1.0, -0.1))
         for n in (n_min, 2 * n_min):
@@ -477,21 +594,25 @@ def _gate_table(
     draws: int,
     seed: int,
     policy: PromotionPolicy | None = None,
+    rates: Callable[..., dict[str, float]] = gate_rates,
 ) -> list[dict]:
+    """The false-promotion table (``rates``: ``gate_rates``, the eval-loss gate; ``reward_rates``, the RL gate) of
+    ``pops`` at ``sizes``; a population not ``guaranteed`` is a real gain or the stated residual."""
     policy = policy or load_policy()
     rows = []
     share = policy.guards.min_detectable_regressed_share
+    gate = "RL reward gate" if rates is reward_rates else "gate"
     print(
-        f"\nthe gate (configs/promotion.yaml, min_detectable_regressed_share {share}) on {draws} simulated eval sets "
-        "per cell: share promoted"
+        f"\nthe {gate} (configs/promotion.yaml, min_detectable_regressed_share {share}) on {draws} simulated sets "
+        f"per cell (seed {seed}): share promoted"
     )
-    print(f"{'population':<22}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
+    print(f"{'population':<26}{'n':>5}{'interval alone':>16}{'gate':>8}{'coverage':>10}")
     for pop in pops:
         for n in sizes:
-            cells = gate_rates(pop, n, draws, seed, policy)
+            cells = rates(pop, n, draws, seed, policy)
             rows.append({"population": pop.name, "n": n, "truth": pop.truth, **cells})
             print(
-                f"{pop.name:<22}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
+                f"{pop.name:<26}{n:>5}{cells['interval_alone']:>16.4f}{cells['gate']:>8.4f}{cells['coverage']:>10.3f}"
             )
     return rows
 
@@ -566,6 +687,9 @@ def main() -> None:
         result = {
             "rows": rows,
             "gate": _gate_table(GATE_POPULATIONS, GATE_SIZES, args.draws, args.seed, policy),
+            "reward_gate": _gate_table(
+                REWARD_POPULATIONS, GATE_SIZES, args.draws, args.seed, policy, reward_rates
+            ),
         }
     print(
         json.dumps(

@@ -20,7 +20,7 @@ from nexa_dagster.resources.storage import StorageResource
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
 EXACT = [("exact_answer", 1.0)]
-N = 80  # held-out prompts: above the 72 the guards need to see a 5 % share of regressed prompts
+N = 100  # held-out prompts: above the 86 the guards need to see a 5 % share of regressed prompts
 
 
 def _rows() -> list[dict]:

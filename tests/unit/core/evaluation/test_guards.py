@@ -1,6 +1,7 @@
 """The guards on the examples that got worse hold back a model the mean alone would promote: skewed toward rare
-regressions, too many regressed examples, one slice broken; the whole gate's false promotions stay at or below
-2.5% on issue 40's populations at every n >= 30 (simulated with the code the gate runs)."""
+regressions, too many regressed examples, one slice broken; wherever the whole gate decides, its false promotions
+stay at or below 2.5% on every guaranteed population of its simulation, the loss gate's and the RL reward gate's
+(simulated with the code the gate runs), and the residual is what docs/stages/evaluation.md states."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.evaluation import interval_coverage as sim
 from nexa_dagster.core.evaluation.guards import (
     GuardPolicy,
+    detectable_examples,
     paired_guards,
     regressed_bounds,
     required_examples,
+    skew_refuses,
+    skewness,
     unseen_probability,
 )
 from nexa_dagster.core.evaluation.paired import paired_loss_difference, pointwise_win_rate
@@ -97,18 +101,20 @@ def test_the_regressed_share_holds_back_or_asks_for_more_examples_with_its_exact
 
 
 def test_a_sample_too_small_to_hold_the_rarest_regressions_the_lab_names_is_insufficient_evidence() -> None:
-    """The detectable-share rule: a sample of n holds none of a share p with probability (1 - p)^n; above the gate's
-    one-sided error (2.5 %) the decision is insufficient evidence, naming that probability and the n needed, the
-    smallest n with (1 - p)^n < 0.025, which is the regressed-share guard's n for p with none regressed."""
+    """The detectable-share rule: a sample of n holds none of a share p with probability (1 - p)^n; above half the
+    gate's one-sided error (1.25 %: the other half is the interval's own) the decision is insufficient evidence,
+    naming that probability and the n needed, the smallest n with (1 - p)^n <= 0.0125 (``detectable_examples``);
+    the regressed-share guard's n for p with none regressed (``required_examples``) spends the whole 2.5 %."""
     for p in (0.10, 0.05, 0.03, 0.02):
-        n = required_examples(p)
-        assert unseen_probability(p, n) < 0.025 <= unseen_probability(p, n - 1)
-        assert n == int(np.floor(np.log(0.025) / np.log(1 - p))) + 1
+        n, whole = detectable_examples(p), required_examples(p)
+        assert unseen_probability(p, n) <= 0.0125 < unseen_probability(p, n - 1)
+        assert unseen_probability(p, whole) < 0.025 <= unseen_probability(p, whole - 1) and whole < n
+    assert [detectable_examples(p) for p in (0.10, 0.05, 0.03)] == [42, 86, 144]
     policy = GuardPolicy(max_regressed_share=None, skew_rule=False, slice_by=None)  # the rule alone
-    (reason,) = paired_guards(np.full(71, -0.2), higher_is_better=False, policy=policy).reasons
-    assert "n = 71 holds none of a 5% share" in reason and "0.95^71 = 2.6% > 2.5%" in reason
-    assert "n >= 72 needed" in reason
-    assert paired_guards(np.full(72, -0.2), higher_is_better=False, policy=policy).verdict is None
+    (reason,) = paired_guards(np.full(85, -0.2), higher_is_better=False, policy=policy).reasons
+    assert "n = 85 holds none of a 5% share" in reason and "0.95^85 = 1.28% > 1.25%" in reason
+    assert "n >= 86 needed" in reason
+    assert paired_guards(np.full(86, -0.2), higher_is_better=False, policy=policy).verdict is None
     off = policy.model_copy(update={"min_detectable_regressed_share": None})
     assert paired_guards(np.full(40, -0.2), higher_is_better=False, policy=off).verdict is None
     # a lab that waives insufficient evidence waives this too, with a WARN naming it
@@ -195,30 +201,38 @@ def test_a_win_rate_built_from_many_small_wins_and_a_few_large_losses_is_not_pro
     decision = decide_preference("pref", PRODUCTION, policy, sim.UNCHANGED_LOSS, win, [], guard=guard)
     assert decision.outcome in ("hold back", "insufficient evidence") and not decision.passed
     assert any("worse by > 1 judge points" in g for g in decision.guards), decision.guards
-    # a fair win passes; on 80 prompts, since 48 cannot see a 5 % share of regressed prompts (n >= 72:
+    # a fair win passes; on 100 prompts, since 48 cannot see a 5 % share of regressed prompts (n >= 86:
     # guards.min_detectable_regressed_share)
-    fair = judge_score_guard([4.0] * 80, [3.5] * 80, policy)
+    fair = judge_score_guard([4.0] * 100, [3.5] * 100, policy)
     assert decide_preference(
         "pref",
         PRODUCTION,
         policy,
         sim.UNCHANGED_LOSS,
-        pointwise_win_rate([4.0] * 80, [3.5] * 80),
+        pointwise_win_rate([4.0] * 100, [3.5] * 100),
         [],
         guard=fair,
     ).passed
 
 
-POPS = {p.name: p for p in sim.GATE_POPULATIONS}
-GUARANTEED = [p.name for p in sim.GATE_POPULATIONS if p.guaranteed]
-# 4,000 eval sets a cell: the Monte-Carlo error of a rate of 2.5 % is 0.25 %, so a gate truly at 3.25 % (three
-# errors above the bound) passes it by chance in about 0.4 % of seeds; the cells measured near the bound use 10,000
-DRAWS = 4000
-NEAR = 10_000
+POPS = {p.name: p for p in sim.GATE_POPULATIONS + sim.REWARD_POPULATIONS}
+# every population of the simulation the gate must hold: the eval-loss gate's and the RL reward gate's
+GUARANTEED = [p for p in sim.GATE_POPULATIONS + sim.REWARD_POPULATIONS if p.guaranteed]
+LEVEL = 0.025  # the gate's one-sided level, (1 - confidence) / 2 at promotion.yaml's confidence 0.95
+# 2,000 sets a cell, seed 20261126 (the module's): the Monte-Carlo error of a rate of 2.5 % is 0.35 %. Fixed seed, so
+# the test is deterministic; its margin is stated where a cell is close (test docstrings)
+DRAWS = 2000
 
 
 def _mc_error(rate: float, draws: int = DRAWS) -> float:
     return float(np.sqrt(rate * (1 - rate) / draws))
+
+
+def _rates(name: str, n: int, draws: int = DRAWS, policy: PromotionPolicy | None = None) -> dict[str, float]:
+    """The simulated gate on a population: the RL reward gate's for ``REWARD_POPULATIONS``, else the loss gate's."""
+    pop = POPS[name]
+    rates = sim.reward_rates if pop in sim.REWARD_POPULATIONS else sim.gate_rates
+    return rates(pop, n, draws, policy=policy)
 
 
 def _without_detectable_rule(policy: PromotionPolicy) -> PromotionPolicy:
@@ -227,38 +241,68 @@ def _without_detectable_rule(policy: PromotionPolicy) -> PromotionPolicy:
     )
 
 
-@pytest.mark.parametrize("n", [30, 47])
+@pytest.mark.parametrize("n", [30, 47, 72])
 def test_below_the_n_its_rules_need_the_gate_refuses_every_eval_set_whatever_it_holds(n: int) -> None:
     """Structural, not a measured rate: below n = 36 (``required_examples(0.10)``) no sample can show that fewer
-    than a tenth of examples regressed (0 of 30 has the exact interval [0, 11.6 %]), and below n = 72
-    (``required_examples(0.05)``, guards.min_detectable_regressed_share) a sample holds none of a 5 % share too
-    often (0.95^47 = 9.0 %). So at n = 30 and 47 the gate promotes nothing, however good the candidate: the
-    refusal is asserted with its reasons, on every population, broad real gain included."""
+    than a tenth of examples regressed (0 of 30 has the exact interval [0, 11.6 %]), and below n = 86
+    (``detectable_examples(0.05)``, guards.min_detectable_regressed_share) a sample holds none of a 5 % share too
+    often (0.95^72 = 2.5 %, more than half the one-sided error). So at n = 30, 47 and 72 the gate promotes nothing,
+    however good the candidate: the refusal is asserted with its reasons, on every population, gains included."""
     policy = load_policy()
     assert required_examples(policy.guards.max_regressed_share) == 36
-    assert required_examples(policy.guards.min_detectable_regressed_share) == 72
+    assert detectable_examples(policy.guards.min_detectable_regressed_share) == 86
     for pop in sim.GATE_POPULATIONS:
         for d in sim.decisions(*pop.draw(np.random.default_rng(7), 300, n), policy):
             assert not d.passed and d.outcome in ("insufficient evidence", "hold back"), (pop.name, d.reason)
-            assert any("min_detectable_regressed_share" in g and "n >= 72 needed" in g for g in d.guards)
+            assert any("min_detectable_regressed_share" in g and "n >= 86 needed" in g for g in d.guards)
             if n < 36:  # the regressed-share guard refuses too, whatever the sample holds
                 assert any("max_regressed_share" in g for g in d.guards), d.guards
 
 
-@pytest.mark.parametrize("n", [100, 200])
-def test_the_gate_promotes_a_truly_worse_model_at_most_2_5_percent_of_the_time(n: int) -> None:
-    """The populations the gate must hold (all truly worse by +0.01 nats/token: issue 40's three, 5 % of examples
-    2.0 worse, 8 % regressed by log-normal amounts), at n the config lets it promote: the whole gate with
-    configs/promotion.yaml (``decide``) promotes in <= 2.5 % of 4,000 simulated eval sets (measured 0-1.8 %). The failing case that
-    shows the bound can fail: the interval alone promotes the log-normal regressions 7.5 % of the time at n = 100.
-    Beside it, the rare-gain mirror's coverage, and a real gain still promoted once the eval set can show it."""
-    for name in GUARANTEED:
-        rates = sim.gate_rates(POPS[name], n, draws=DRAWS)
-        assert rates["gate"] <= 0.025, (name, n, rates)
-    if n == 100:
-        assert sim.gate_rates(POPS["lognormal_regressions"], n, draws=DRAWS)["interval_alone"] > 0.05
-        assert sim.gate_rates(POPS["broad_gain"], n, draws=3000)["gate"] >= 0.5
-    assert sim.gate_rates(POPS["rare_gains"], n, draws=3000)["coverage"] >= 0.9
+def test_wherever_the_gate_decides_a_sample_misses_the_stated_share_in_at_most_half_its_level() -> None:
+    """The rule that makes the simulated bound below hold (issue 47): the gate decides on a clean gain from n = 86
+    on, and at every such n a sample holds none of min_detectable_regressed_share with probability at most half the
+    one-sided level (the other half is the interval's own error on the samples that hold a few). Before, it decided
+    from n = 72, where that probability alone is 2.49 % and the interval's misses came on top (3.0 % promoted)."""
+    policy = load_policy()
+    share = policy.guards.min_detectable_regressed_share
+    assert share == sim.DETECTABLE_SHARE  # the simulation's guaranteed/residual split is the config's share
+    clean = {
+        n: paired_guards(np.full(n, -0.2), higher_is_better=False, policy=policy.guards)
+        for n in range(30, 201)
+    }
+    deciding = [n for n, report in clean.items() if report.verdict is None]
+    assert deciding == list(range(86, 201))
+    assert all(unseen_probability(share, n) <= LEVEL / 2 for n in deciding)
+
+
+@pytest.mark.parametrize("n", [72, 86, 107, 128])
+def test_wherever_the_gate_decides_it_promotes_a_truly_worse_model_at_most_2_5_percent_of_the_time(
+    n: int,
+) -> None:
+    """Every guaranteed population of the simulation (``guaranteed``: the loss gate's, all truly worse by +0.01
+    nats/token, and the RL reward gate's, no better or worse by 0.01 reward), at 72 (where the gate decided before
+    issue 47), 86 (the first n it decides at now), 107 (make run's eval set) and 128 (the RL gate's held-out
+    prompts): the gate with configs/promotion.yaml either refuses every set or promotes in <= 2.5 % of 2,000.
+    Failed before at 72: log-normal regressions 3.0 %. The closest cell is that population at 86: 2.31 % on
+    10,000 sets (Monte-Carlo error 0.15 %), 2.0 % on the 2,000 here. ``reward_equal`` is the boundary (a candidate
+    exactly as good): a calibrated interval promotes it in 2.5 % by construction (2.37-2.43 % on 10,000 sets), so
+    its bound adds three Monte-Carlo errors (0.35 % each). Beside them the power (a real gain promoted) at make
+    run's and the RL gate's n, and the failing case the guards exist for: the interval alone above 5 %."""
+    share, measured = load_policy().guards.min_detectable_regressed_share, {}
+    for pop in GUARANTEED:
+        measured[pop.name] = _rates(pop.name, n)
+        rate = measured[pop.name]["gate"]
+        if n < detectable_examples(share):
+            assert rate == 0, (pop.name, n, rate)
+            continue
+        slack = 3 * _mc_error(LEVEL) if pop.name == "reward_equal" else 0.0
+        assert rate <= LEVEL + slack, (pop.name, n, rate)
+    if n in (107, 128):
+        assert _rates("broad_gain", n)["gate"] >= 0.6
+        assert _rates("reward_gain", n)["gate"] >= 0.85
+        assert measured["lognormal_regressions"]["interval_alone"] > 0.05
+        assert _rates("rare_gains", n)["coverage"] >= 0.9
 
 
 def test_a_lab_that_turns_the_detectable_share_rule_off_decides_at_n_47_and_pays_on_rarer_regressions() -> (
@@ -271,38 +315,37 @@ def test_a_lab_that_turns_the_detectable_share_rule_off_decides_at_n_47_and_pays
     policy = _without_detectable_rule(load_policy())
 
     def rate(name: str) -> float:
-        return sim.gate_rates(POPS[name], 47, DRAWS, policy=policy)["gate"]
+        return _rates(name, 47, 4000, policy=policy)["gate"]
 
     for name in ("normal_worse", "student_t2.5_worse", "rare_regressions"):
-        assert rate(name) <= 0.025, name
+        assert rate(name) <= LEVEL, name
     assert rate("broad_gain") >= 0.1
     rarer = rate("rarer_regressions")
-    assert 0.025 + 3 * _mc_error(0.025) < rarer <= unseen_probability(0.05, 47) + 3 * _mc_error(0.09), rarer
+    assert (
+        LEVEL + 3 * _mc_error(LEVEL, 4000) < rarer <= unseen_probability(0.05, 47) + 3 * _mc_error(0.09, 4000)
+    )
 
 
-def test_where_the_gate_exceeds_2_5_percent_at_an_n_it_allows_the_limit_is_measured_and_stated() -> None:
-    """The known limits with configs/promotion.yaml (docs/stages/evaluation.md states them):
-
-    * regressions rarer than min_detectable_regressed_share: 3 % of examples 3.0 worse is promoted in about 4.5 % of
-      eval sets of 100 (0.97^100 = 4.8 % of them hold none) and <= 2.5 % at 200;
-    * a regressed share drawn per fine-tune, p ~ Beta(2, 38) (18 % of fine-tunes below 2 %): about 4 % at 100,
-      <= 2.5 % at 200 (at most the share of eval sets holding none: E[(1 - p)^n] = 38 * 39 / (138 * 139) = 7.7 %);
-    * at the rule's own n, 72, where a sample holds none of a 5 % share in 2.49 % of draws by construction, the
-      gate sits at that level plus what the samples holding one or two let through: about 2.7 % (5 % x 2.0) and
-      3.4 % (log-normal regressions), below 2.5 % by n = 100 (the test above): asserted under 4 %, the figure
-      the docs state, on 10,000 eval sets (Monte-Carlo error 0.18 %).
-    """
-    policy = load_policy()
-    sparse100 = sim.gate_rates(POPS["sparse_regressions"], 100, DRAWS)["gate"]
-    assert 0.025 < sparse100 <= unseen_probability(0.03, 100) + 3 * _mc_error(0.048), sparse100
-    assert sim.gate_rates(POPS["sparse_regressions"], 200, DRAWS)["gate"] <= 0.025
-    drawn100 = sim.gate_rates(POPS["drawn_share"], 100, DRAWS)["gate"]
-    assert 0.025 < drawn100 <= 38 * 39 / (138 * 139), drawn100
-    assert sim.gate_rates(POPS["drawn_share"], 200, DRAWS)["gate"] <= 0.025
-    assert unseen_probability(policy.guards.min_detectable_regressed_share, 72) <= 0.025
-    for name in ("rarer_regressions", "lognormal_regressions"):
-        at72 = sim.gate_rates(POPS[name], 72, NEAR)["gate"]
-        assert unseen_probability(0.05, 72) - 3 * _mc_error(0.025, NEAR) < at72 < 0.04, (name, at72)
+@pytest.mark.parametrize("n", [107, 128])
+def test_the_residual_regressions_rarer_than_the_stated_share_are_promoted_at_the_stated_rate(n: int) -> None:
+    """The residual docs/stages/evaluation.md states: regressions rarer than min_detectable_regressed_share. A
+    sample that holds none of them is distributed exactly as a sample of the clean gain around them, so no rule
+    that promotes that gain can refuse it: 3 % of examples 3.0 worse is promoted in about the share of samples
+    holding none, 0.97^107 = 3.8 % (0.97^128 = 2.0 %), and a share drawn per fine-tune, Beta(2, 38) (59 % of
+    fine-tunes under 5 %), at most E[(1 - p)^n] = 38 * 39 / ((38 + n)(39 + n)) (7.0 %, 5.3 %) plus the interval's
+    half of the level. Its fine-tunes at or above the share (``drawn_share_detectable``) are held above. Measured
+    at 2,000 sets: 3.65 % / 4.05 % at 107, 2.1 % / 3.25 % at 128; at make run's n they exceed 2.5 %, which is
+    why they are stated, not hidden: a lab that must catch 3 % sets that share (n >= 144)."""
+    sparse = _rates("sparse_regressions", n)["gate"]
+    assert sparse <= unseen_probability(0.03, n) + LEVEL / 2, sparse
+    drawn = _rates("drawn_share", n)["gate"]
+    assert LEVEL < drawn <= 38 * 39 / ((38 + n) * (39 + n)) + LEVEL / 2, drawn
+    if n == 107:
+        assert sparse > LEVEL, sparse
+    assert detectable_examples(0.03) == 144
+    # the RL reward gate's residual stays under the level: a pass@1 moves by at most 1, so 3 % of prompts from
+    # right to wrong cannot hide behind the mean as 3-nats/token examples do (1.03 % / 0.98 % on 10,000 sets)
+    assert _rates("reward_sparse_regressions", n)["gate"] <= LEVEL
 
 
 def test_the_simulation_decides_with_the_gates_own_code_row_by_row() -> None:
@@ -406,3 +449,171 @@ def test_a_lab_that_waives_the_evidence_minimum_waives_the_guards_insufficiency_
         guard=eval_loss_guard(cand, prod, tokens, policy),
     )
     assert held.outcome == "hold back" and held.guards[0].startswith("regressed: 20 of 60")
+
+
+def _holm(p_values: dict[str, float]) -> dict[str, float]:
+    """Holm's adjusted p-values, written out from the definition: sorted ascending, (m - rank) p, running max,
+    capped at 1."""
+    adjusted, running = {}, 0.0
+    for rank, (label, p) in enumerate(sorted(p_values.items(), key=lambda kv: kv[1])):
+        running = max(running, min(1.0, (len(p_values) - rank) * p))
+        adjusted[label] = running
+    return adjusted
+
+
+def test_each_slice_gets_its_weighted_one_sided_t_and_holm_exactly_and_a_small_one_is_only_listed() -> None:
+    """The slice guard's figures, recomputed from their definitions: per slice the token-weighted mean change
+    toward worse, the one-sided t p-value on n - 1 degrees of freedom of the delta-method residuals, Holm's adjusted
+    p over the tested slices; a slice with fewer than ``min_slice_examples`` is listed with its n and mean, untested;
+    one with exactly that many is tested; a slice with no spread is worse for sure (p = 0), better for sure (p = 1)
+    or unchanged (p = 0.5). Significant: rejected by Holm's step-down at 5 % and worse."""
+    rng = np.random.default_rng(3)
+    parts = {
+        "a": rng.normal(0.02, 0.3, 12),  # a little worse, far from significant
+        "b": rng.normal(-0.1, 0.2, 10),  # better, exactly min_slice_examples: tested
+        "c": rng.normal(0.5, 0.1, 9),  # much worse but one short of min_slice_examples: listed only
+        "d": np.full(10, 0.25),  # worse on every example alike (exactly: no spread at all)
+        "e": np.full(10, -0.25),  # better on every example alike
+        "f": np.zeros(10),  # unchanged
+        "g": rng.normal(0.4, 0.2, 11),  # worse, significant
+    }
+    labels = [label for label, d in parts.items() for _ in d]
+    worse = np.concatenate(list(parts.values()))
+    w = rng.integers(5, 50, len(worse)).astype(float)
+    policy = GuardPolicy(max_regressed_share=None, min_detectable_regressed_share=None, skew_rule=False)
+    report = paired_guards(worse, higher_is_better=False, policy=policy, weights=w, slices=labels)
+    by = {s.label: s for s in report.slices}
+    assert [s.label for s in report.slices] == sorted(parts)
+    expected_p = {}
+    for label, d in parts.items():
+        mask = np.asarray(labels) == label
+        mean = float(np.average(worse[mask], weights=w[mask]))
+        assert by[label].n == len(d) and by[label].worse_by == pytest.approx(mean, rel=1e-12, abs=1e-15)
+        z = w[mask] * (worse[mask] - mean) / w[mask].mean()
+        se = float(np.sqrt(np.sum(z**2) / (len(d) - 1) / len(d)))
+        if label != "c" and se > 1e-12:
+            expected_p[label] = float(t_dist.sf(mean / se, len(d) - 1))
+    assert by["c"].p_value is None and by["c"].adjusted_p is None and not by["c"].significant
+    expected_p.update({"d": 0.0, "e": 1.0, "f": 0.5})
+    assert {k: s.p_value for k, s in by.items() if k != "c"} == pytest.approx(expected_p, rel=1e-9)
+    holm = _holm(expected_p)
+    assert {k: s.adjusted_p for k, s in by.items() if k != "c"} == pytest.approx(holm, rel=1e-9)
+    assert max(holm.values()) == 1.0  # capped
+    assert {k for k, s in by.items() if s.significant} == {"d", "g"}
+    assert report.verdict == "hold back" and sum("slice day=" in r for r in report.reasons) == 2
+    assert "over 6 slices" in next(r for r in report.reasons if "slice day=d" in r)
+    with pytest.raises(ValueError, match="need one slice label per example, got 3 labels for 72 examples"):
+        paired_guards(worse, higher_is_better=False, policy=policy, weights=w, slices=labels[:3])
+
+
+def test_a_slice_worse_on_every_example_is_rejected_even_at_a_family_wise_error_of_zero() -> None:
+    """Holm's step-down rejects while the adjusted p is at most the family-wise error, the bound included: a slice
+    worse on every example (p = 0) is significant at confidence 1 (error 0), a noisy worse one is not."""
+    worse = np.concatenate([np.full(10, 0.3), np.random.default_rng(1).normal(0.3, 0.2, 10)])
+    policy = GuardPolicy(max_regressed_share=None, min_detectable_regressed_share=None, skew_rule=False)
+    report = paired_guards(
+        worse, higher_is_better=False, policy=policy, slices=["x"] * 10 + ["y"] * 10, confidence=1.0
+    )
+    assert [(s.label, s.significant) for s in report.slices] == [("x", True), ("y", False)]
+
+
+def test_the_guard_report_names_every_figure_in_its_metadata_summary_and_json() -> None:
+    """What the UI, the report and make run's summary read (``guard_*`` metadata, ``summary()``, ``to_json()``):
+    every figure under its name, on a report with slices and a skew toward worse, and on one skewed toward better."""
+    worse = np.array([0.0] * 18 + [0.6, 2.0])
+    policy = GuardPolicy(min_detectable_regressed_share=None, min_slice_examples=10)
+    labels = ["d1"] * 10 + ["d2"] * 10
+    report = paired_guards(worse, higher_is_better=False, policy=policy, slices=labels)
+    low, high = report.regressed_interval
+    meta = report.metadata()
+    assert meta == {
+        "guard_verdict": report.verdict,
+        "guard_reasons": report.reasons,
+        "guard_skewness": report.skewness,
+        "guard_skew_needs_n": report.skew_needs,
+        "guard_regressed": 2,
+        "guard_regressed_share": 0.1,
+        "guard_regressed_interval": [low, high],
+        "guard_regression_margin": 0.5,
+        "guard_max_regressed_share": 0.1,
+        "guard_min_detectable_share": None,
+        "guard_slices": [
+            {
+                "label": s.label,
+                "n": 10,
+                "worse_by": s.worse_by,
+                "p_value": s.p_value,
+                "adjusted_p": s.adjusted_p,
+                "significant": s.significant,
+            }
+            for s in report.slices
+        ],
+    }
+    assert report.verdict == "insufficient evidence" and report.skewness > 0 and report.skew_needs > 20
+    worst = report.slices[1]
+    assert report.summary() == (
+        f"skewness toward worse {report.skewness:+.2f} (Cochran's rule needs n >= {report.skew_needs}, n = 20); "
+        f"2 of 20 examples worse by > 0.5 (10.0%, 95% CI [{low:.1%}, {high:.1%}]); 2 slices tested (Holm), "
+        f"worst d2 worse by {worst.worse_by:+.4f}"
+    )
+    assert report.to_json() == {**meta, "n": 20, "summary": report.summary()}
+    better = paired_guards(
+        -worse, higher_is_better=False, policy=policy.model_copy(update={"max_regressed_share": None})
+    )
+    assert better.metadata()["guard_verdict"] == "pass" and better.skew_needs == 0
+    assert better.summary().startswith(
+        f"skewness toward worse {better.skewness:+.2f} (toward better: no limit, n = 20); "
+    )
+    assert better.summary().endswith("CI [0.0%, 16.8%])")
+
+
+def test_the_guards_refuse_input_that_is_not_one_finite_difference_per_example() -> None:
+    """Each malformed input is refused naming what is wrong, before any figure is computed; integer differences
+    are taken as numbers (unsigned bytes are not negated into 255)."""
+    policy = GuardPolicy(slice_by=None, min_detectable_regressed_share=None)
+    bad = {
+        "need a finite difference per example, got shape (2, 2)": np.zeros((2, 2)),
+        "need a finite difference per example, got shape (0,)": np.zeros(0),
+        "need a finite difference per example, got shape (3,)": np.array([0.1, np.nan, 0.2]),
+    }
+    for message, d in bad.items():
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            paired_guards(d, higher_is_better=False, policy=policy)
+    with pytest.raises(ValueError, match=r"need one weight per difference, got \(2,\) weights for \(3,\)"):
+        paired_guards(np.zeros(3), higher_is_better=False, policy=policy, weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="example 2 has a weight <= 0"):
+        paired_guards(np.zeros(4), higher_is_better=False, policy=policy, weights=[1.0, 2.0, 0.0, 1.0])
+    scores = paired_guards(np.ones(40, dtype=np.uint8), higher_is_better=True, policy=policy)
+    assert scores.regressed == 0 and scores.verdict is None
+    counts = paired_guards(
+        np.ones(40), higher_is_better=False, policy=policy, weights=np.full(40, 3, np.uint8)
+    )
+    assert counts.regressed == 40 and counts.verdict == "hold back"
+
+
+def _weighted_g1(d: np.ndarray, w: np.ndarray) -> float:
+    """The adjusted skewness of the weighted mean's delta-method residuals, from its definition."""
+    z = w * (d - np.sum(w * d) / np.sum(w)) / np.mean(w)
+    n, m2, m3 = len(d), np.mean(z**2), np.mean(z**3)
+    return float(m3 / m2**1.5 * np.sqrt(n * (n - 1)) / (n - 2))
+
+
+def test_the_skewness_cochrans_rule_and_the_exact_interval_match_their_definitions_at_their_bounds() -> None:
+    """``skewness`` row by row on unequal weights (each row its own weights and mean), 0 with fewer than three
+    examples or no spread; Cochran's rule refusing at n = 25 G1^2 itself and only toward worse; the Clopper-Pearson
+    bounds 0 with none regressed and 1 with all, the beta quantiles between."""
+    rng = np.random.default_rng(12)
+    d, w = rng.gamma(1.0, 1.0, (3, 9)), rng.integers(1, 40, (3, 9)).astype(float)
+    w[1] *= 10.0
+    assert skewness(d, w) == pytest.approx([_weighted_g1(d[i], w[i]) for i in range(3)], rel=1e-9)
+    assert skewness(d[0, :3], w[0, :3]) == pytest.approx(_weighted_g1(d[0, :3], w[0, :3]), rel=1e-9)
+    assert skewness(d[0, :2], w[0, :2]) == 0.0 and skewness(np.full(5, 0.3), np.ones(5)) == 0.0
+    assert bool(skew_refuses(np.array(2.0), 100)) and not bool(skew_refuses(np.array(2.0), 101))
+    assert bool(skew_refuses(np.array(0.9), 20)) and not bool(skew_refuses(np.array(2.0), 150))
+    assert not bool(skew_refuses(np.array(-3.0), 10)) and not bool(skew_refuses(np.array(0.0), 1))
+    low, high = regressed_bounds(np.array([0, 1, 20]), 20, 0.95)
+    assert (low[0], high[2]) == (0.0, 1.0)
+    assert low[1] == pytest.approx(beta.ppf(0.025, 1, 20)) and low[2] == pytest.approx(beta.ppf(0.025, 20, 1))
+    assert high[0] == pytest.approx(beta.ppf(0.975, 1, 20)) and high[1] == pytest.approx(
+        beta.ppf(0.975, 2, 19)
+    )

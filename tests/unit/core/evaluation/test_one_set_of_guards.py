@@ -26,7 +26,7 @@ UNCHANGED = PairedLoss(3.0, 3.0, Interval(0.0, -0.01, 0.01, 0.95), examples=107,
 DEMO_DPO_LOSS = PairedLoss(3.573, 3.530, Interval(0.043, 0.033, 0.053, 0.95), examples=107, tokens=4000)
 
 
-def _better_rewards(n: int = 80, seed: int = 1) -> np.ndarray:
+def _better_rewards(n: int = 100, seed: int = 1) -> np.ndarray:
     """Per-prompt exact-match reward differences of a candidate that learned the task (never worse on a prompt)."""
     rng = np.random.default_rng(seed)
     return (rng.uniform(0, 1, size=n) < 0.5).astype(float)
@@ -102,26 +102,26 @@ def test_the_reward_gate_holds_back_a_candidate_not_shown_within_a_benchmark_mar
 
 
 def test_the_reward_gate_holds_back_a_reward_won_by_longer_answers() -> None:
-    """40 prompts won (+0.4 reward, a similarity reward) with answers 100 characters longer, 20 lost (-0.4, under
-    the regression margin: no other guard objects) at the same length, 20 equal: the reward's mean gain is real, but
+    """50 prompts won (+0.4 reward, a similarity reward) with answers 100 characters longer, 25 lost (-0.4, under
+    the regression margin: no other guard objects) at the same length, 25 equal: the reward's mean gain is real, but
     at an unchanged length the candidate loses, so the length control holds it back, and only it."""
-    candidate = np.r_[np.full(40, 0.9), np.full(20, 0.1), np.full(20, 0.5)]
-    production = np.full(80, 0.5)
-    lengths = np.r_[np.full(40, 140.0), np.full(40, 40.0)]
-    lc = reward_length_control(candidate, production, lengths, np.full(80, 40.0))
-    assert lc.win_rate < 0.5 and lc.verdicts == 60 and lc.mean_length_change == pytest.approx(50.0)
+    candidate = np.r_[np.full(50, 0.9), np.full(25, 0.1), np.full(25, 0.5)]
+    production = np.full(100, 0.5)
+    lengths = np.r_[np.full(50, 140.0), np.full(50, 40.0)]
+    lc = reward_length_control(candidate, production, lengths, np.full(100, 40.0))
+    assert lc.win_rate < 0.5 and lc.verdicts == 75 and lc.mean_length_change == pytest.approx(50.0)
     held = decide_reward(
         "rl-1", PRODUCTION, PromotionPolicy(), candidate - production, UNCHANGED, length_controlled=lc
     )
     assert held.outcome == "hold back" and held.guard is not None and held.guard.verdict is None
     assert held.guards == (held.guards[0],) and held.guards[0].startswith("length-controlled win rate")
     assert decide_reward("rl-1", PRODUCTION, PromotionPolicy(), candidate - production, UNCHANGED).passed
-    fair = reward_length_control(candidate, production, np.full(80, 40.0), np.full(80, 40.0))
-    assert fair.win_rate == pytest.approx(40 / 60, abs=0.02)
+    fair = reward_length_control(candidate, production, np.full(100, 40.0), np.full(100, 40.0))
+    assert fair.win_rate == pytest.approx(50 / 75, abs=0.02)
     # the guard is one-sided: wins that came with *shorter* answers (a right answer is often a short one) are not
     # a length bias, whatever the fit reads at a zero length difference
     terse = reward_length_control(
-        candidate, production, np.r_[np.full(40, 10.0), np.full(40, 40.0)], np.full(80, 40.0)
+        candidate, production, np.r_[np.full(50, 10.0), np.full(50, 40.0)], np.full(100, 40.0)
     )
     assert terse.win_rate < 0.5 and terse.mean_length_change < 0
     assert decide_reward(

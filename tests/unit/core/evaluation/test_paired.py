@@ -6,12 +6,18 @@ import pytest
 
 from nexa_dagster.core.evaluation.interval_coverage import POPULATIONS, coverage, population
 from nexa_dagster.core.evaluation.paired import (
+    DEFAULT_INTERVAL_METHOD,
+    Interval,
+    PairedLoss,
     bootstrap_mean_loss,
     length_controlled_win_rate,
+    mean_loss,
+    mean_loss_interval,
     order_consistent_win_rate,
     paired_loss_difference,
     pointwise_win_rate,
     ratio_bounds,
+    ratio_interval,
     wilson_interval,
 )
 
@@ -203,3 +209,69 @@ def test_length_controlled_win_rate_keeps_a_win_that_does_not_depend_on_length()
     # an order-inconsistent verdict is not counted
     flipped = ["production" if i == 1 else v for i, v in enumerate(verdicts)]
     assert length_controlled_win_rate(verdicts, flipped, cand_len, prod_len).verdicts == 59
+
+
+def test_one_models_mean_loss_interval_is_the_ratio_interval_or_its_percentile_bootstrap() -> None:
+    """``mean_loss_interval`` (one model's token-weighted mean loss, as the eval report shows it): the project's
+    interval by default (95 %, ``DEFAULT_INTERVAL_METHOD``), the method asked for, or a percentile bootstrap of
+    2,000 resamples from seed 0 unless told otherwise, each written out here; too few resamples and a confidence
+    outside (0, 1) are refused. An interval holds its own bounds."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(10, 60, 40).astype(float)
+    nll = tokens * rng.gamma(2.0, 1.5, 40)
+    assert mean_loss_interval(nll, tokens) == ratio_interval(nll, tokens, 0.95, DEFAULT_INTERVAL_METHOD)
+    assert mean_loss_interval(nll, tokens, 0.9, "t") == ratio_interval(nll, tokens, 0.9, "t")
+    assert ratio_interval(nll, tokens, 0.9, "t") == Interval(
+        *map(float, ratio_bounds(nll, tokens, 0.9, "t")), 0.9
+    )
+
+    def percentile(resamples: int, seed: int, confidence: float) -> Interval:
+        idx = np.random.default_rng(seed).integers(0, 40, size=(resamples, 40))
+        stats = nll[idx].sum(axis=1) / tokens[idx].sum(axis=1)
+        alpha = (1 - confidence) / 2
+        low, high = np.quantile(stats, [alpha, 1 - alpha])
+        return Interval(float(nll.sum() / tokens.sum()), float(low), float(high), confidence)
+
+    told = mean_loss_interval(nll, tokens, 0.9, "bootstrap", resamples=500, seed=3)
+    assert told == pytest.approx(percentile(500, 3, 0.9), rel=1e-12)
+    default = percentile(2000, 0, 0.95)
+    assert mean_loss_interval(nll, tokens, method="bootstrap") == pytest.approx(default, rel=1e-12)
+    assert bootstrap_mean_loss(nll, tokens) == pytest.approx(default, rel=1e-12)
+    with pytest.raises(ValueError, match="bootstrap needs at least 100 resamples, got 99"):
+        bootstrap_mean_loss(nll, tokens, resamples=99)
+    for confidence in (0.0, 1.0):
+        with pytest.raises(ValueError, match=rf"confidence must be in \(0, 1\), got {confidence}"):
+            bootstrap_mean_loss(nll, tokens, confidence=confidence)
+    assert bootstrap_mean_loss(nll, tokens, resamples=100).low < mean_loss(nll, tokens)  # 100 is enough
+    interval = Interval(0.1, -0.2, 0.3, 0.95)
+    assert not interval.excludes(-0.2) and not interval.excludes(0.3)
+    assert interval.excludes(-0.2001) and interval.excludes(0.3001)
+    paired = PairedLoss(3.1, 3.0, Interval(0.1, 0.05, 0.15, 0.95), examples=40, tokens=1400, method="t")
+    assert paired.to_json() == {
+        "candidate": 3.1,
+        "production": 3.0,
+        "difference": {"estimate": 0.1, "low": 0.05, "high": 0.15, "confidence": 0.95},
+        "examples": 40,
+        "tokens": 1400,
+        "method": "t",
+    }
+
+
+def test_a_loss_comparison_refuses_input_that_is_not_one_finite_loss_and_token_count_per_example() -> None:
+    """Each malformed input is refused naming what is wrong (and which example) before any figure is computed."""
+    cases = {
+        r"need one NLL sum and one token count per example, got \(2, 2\) and \(2, 2\)": (
+            np.ones((2, 2)),
+            np.ones((2, 2)),
+        ),
+        r"need one NLL sum and one token count per example, got \(3,\) and \(2,\)": (np.ones(3), np.ones(2)),
+        "^no examples to compare$": (np.ones(0), np.ones(0)),
+        "^example 2 has no scored tokens$": (np.ones(3), np.array([5.0, 1.0, 0.0])),
+        "^example 1 has a non-finite loss$": (np.array([1.0, np.nan, 2.0]), np.ones(3)),
+    }
+    for message, (nll, tokens) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            mean_loss_interval(nll, tokens, method="t")
+    with pytest.raises(ValueError, match="^no scored tokens$"):
+        mean_loss([1.0, 2.0], [0, 0])
+    assert mean_loss([1.0, 2.0], [1, 0]) == 3.0  # one token in all is enough

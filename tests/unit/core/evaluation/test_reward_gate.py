@@ -14,9 +14,9 @@ from nexa_dagster.core.evaluation.reward_gate import decide_reward
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
 POLICY = PromotionPolicy()  # promotion.yaml's defaults: skew_t, 95 %, rl.min_prompts 30
-# a gate that promotes needs n >= 72 prompts: fewer cannot see a 5 % share of regressed prompts
-# (guards.min_detectable_regressed_share; the demo's 48 held-out prompts are "insufficient evidence")
-PROMPTS = 80
+# a gate that promotes needs n >= 86 prompts: fewer cannot see a 5 % share of regressed prompts often enough
+# (guards.min_detectable_regressed_share, guards.detectable_examples; 48 held-out prompts are "insufficient evidence")
+PROMPTS = 100
 SAME = sim.UNCHANGED_LOSS  # the eval-set loss measured and unchanged: its non-inferiority guard holds
 
 
