@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models
+.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,15 @@ test: install
 # the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
 test-fast: install
 	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10
+
+# mutation testing of the code that decides a promotion and a code version ([tool.mutmut] in pyproject.toml names the
+# files and their unit tests; docs/testing.md, "Mutation testing", has the score and every survivor). Not in .ci/run:
+# its time. MUTANTS narrows it to mutant names (MUTANTS='nexa_dagster.assets.versions.*'); the mutated copy of the
+# tree is mutants/ (git-ignored; mutmut reuses its results, rm -rf mutants to start over).
+MUTATION_CHILDREN ?= 2
+mutation: install
+	nice $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTANTS)
+	$(BIN)/mutmut results
 
 # the UI and the daemon (`dg dev`, the successor of `dagster dev`), run from DAGSTER_HOME (Dagster warns about a
 # dagster.yaml in another current folder).
