@@ -25,9 +25,14 @@ PACKAGE = {
     "core/base.py": '''
         """Backends."""
 
+        import nexa_dagster.core.pkg.leaf
+        import nexa_dagster.core.pkg.leaf as leaf_module
         import torch
+        from os import path
+        from torch.nn import Module
 
         from nexa_dagster.core import helpers
+        from nexa_dagster.core.pkg.leaf import *
 
         LIMIT = 3
         CHOSEN, REJECTED = 0, 1
@@ -57,6 +62,12 @@ PACKAGE = {
 
         def uses_alias() -> str:
             return OTHER_ALIAS
+
+
+        def uses_libraries() -> str:
+            from torch.nn import functional
+
+            return path.join(Module, functional)
         ''',
     "core/local.py": """
         from nexa_dagster.core.base import Backend
@@ -92,13 +103,19 @@ PACKAGE = {
         """,
     "core/pkg/leaf.py": "LEAF = 1\nUNUSED = 2\n",
     "core/pkg/sibling.py": """
+        from . import leaf
+
+
         def nearby() -> int:
             from .leaf import UNUSED
 
             return UNUSED
         """,
+    "core/cyc_a.py": "from nexa_dagster.core.cyc_b import X\n\n\ndef f():\n    return X\n",
+    "core/cyc_b.py": "from nexa_dagster.core.cyc_a import X\n",
     "core/worker.py": "import sys\n\nSTEPS = 4\n\n\ndef main() -> int:\n    return STEPS\n\n\nprint(main())\n",
     "assets_mod.py": """
+        import nexa_dagster.core.helpers as helpers_module
         from nexa_dagster.core import pkg
         from nexa_dagster.core.base import Backend, uses_helpers
 
@@ -121,7 +138,25 @@ PACKAGE = {
 
         def scale_asset(scale_preset) -> int:
             scale = scale_preset.load()
-            return scale.preference.rank_by, scale.rl is None, len(scale_preset.load().max_docs_per_day)
+            return scale.preference.rank_by, scale.rl is None, len(scale_preset.load().max_docs_per_day), reads(scale)
+
+
+        def reads(scale) -> int:
+            return scale.training.max_steps
+
+
+        def aliased_module_asset() -> int:
+            return helpers_module.slow()
+
+
+        def whole_import_asset() -> int:
+            import nexa_dagster.core.helpers as imported
+
+            return imported
+
+
+        def submodule_asset() -> int:
+            return pkg.leaf.UNUSED
 
 
         def local_import_asset() -> int:
@@ -184,6 +219,22 @@ def _reached(root: Path, module: str, name: str) -> set[str]:
             "local_import_asset",
             {"assets_mod:local_import_asset", "core.pkg.sibling:nearby", "core.pkg.leaf:UNUSED"},
         ),
+        # a module imported under another name: the attribute read of it; imported in a function: whole
+        ("assets_mod", "aliased_module_asset", {"assets_mod:aliased_module_asset", "core.helpers:slow"}),
+        (
+            "assets_mod",
+            "whole_import_asset",
+            {"assets_mod:whole_import_asset", "core.helpers:*", "core.helpers:fast", "core.helpers:slow"},
+        ),
+        # a submodule read as an attribute of its package, not imported itself
+        (
+            "assets_mod",
+            "submodule_asset",
+            {"assets_mod:submodule_asset", "core.pkg.leaf:*", "core.pkg.leaf:LEAF", "core.pkg.leaf:UNUSED"},
+        ),
+        # a library name, and a cycle of re-exports, reach nothing (and end)
+        ("core.base", "uses_libraries", {"core.base:uses_libraries"}),
+        ("core.cyc_a", "f", {"core.cyc_a:f"}),
         # a re-export is followed to the definition
         ("core.pkg", "outer", {"core.pkg:outer", "core.pkg.leaf:LEAF"}),
         # tuple, starred, chained and annotated assignments define each name they bind
@@ -212,11 +263,24 @@ def test_the_libraries_that_decide_bytes_are_those_reached(package: Path) -> Non
     assert _reach(package, "assets_mod", "local_import_asset").libraries == {"transformers"}
     assert _reach(package, "core.base", "uses_helpers").libraries == set()  # torch is imported, not used here
     assert _reach(package, "assets_mod", "worker_asset").libraries == set()  # sys: not byte-deciding
+    assert _reach(package, "core.base", "uses_libraries").libraries == {
+        "torch"
+    }  # torch.nn, top-level or inside
+    _write(
+        package,
+        {"core/inside.py": "def g():\n    from torch.nn import functional\n\n    return functional\n"},
+    )
+    assert _reach(package, "core.inside", "g").libraries == {"torch"}
 
 
 def test_the_scale_reads_are_collected_along_the_reach(package: Path) -> None:
     reads = _reach(package, "assets_mod", "scale_asset").scale_reads
-    assert reads == {"preference.rank_by", "rl?", "max_docs_per_day"}
+    assert reads == {
+        "preference.rank_by",
+        "rl?",
+        "max_docs_per_day",
+        "training.max_steps",
+    }  # and what it calls
 
 
 def test_a_subclass_is_recorded_once_per_base(package: Path) -> None:
@@ -236,12 +300,22 @@ def test_the_module_table(package: Path) -> None:
     assert tree.modules["nexa_dagster"].package == "nexa_dagster"
     assert set(base.definitions) == {
         "LIMIT", "CHOSEN", "REJECTED", "FIRST", "OTHERS", "ALIAS", "OTHER_ALIAS", "WIDTH", "SLOT",
-        "Backend", "uses_helpers", "uses_tuple", "uses_alias",
+        "Backend", "uses_helpers", "uses_tuple", "uses_alias", "uses_libraries",
     }  # fmt: skip
     assert base.definitions["CHOSEN"] is base.definitions["REJECTED"] or (
         base.definitions["CHOSEN"] == base.definitions["REJECTED"]
     )
-    assert base.imports == {"torch": ("torch", None), "helpers": ("nexa_dagster.core", "helpers")}
+    assert base.imports == {
+        "nexa_dagster": ("nexa_dagster", None),  # import a.b binds a
+        "leaf_module": ("nexa_dagster.core.pkg.leaf", None),  # import a.b as c binds c to a.b
+        "torch": ("torch", None),
+        "path": ("os", "path"),
+        "Module": ("torch.nn", "Module"),
+        "helpers": ("nexa_dagster.core", "helpers"),
+    }  # a star import binds nothing it names
+    assert tree.modules["nexa_dagster.core.pkg.sibling"].imports == {
+        "leaf": ("nexa_dagster.core.pkg", "leaf")
+    }
     assert [ast.unparse(s) for s in base.rest] == [
         "SLOT['key'] = 1",
         "print('a statement that defines nothing')",
@@ -299,6 +373,8 @@ class Policy(BaseModel):
     file: str = "promotion.yaml"
     level: float = 0.05
     missing: str = "no-such-file.yaml"
+    weights: dict[str, float] = {"b": 1.0, "a": 2.0}
+    where: Path = Path("/x")
 
 
 @pytest.fixture
@@ -309,7 +385,7 @@ def configs(tmp_path: Path) -> Path:
     (root / "blends").mkdir()
     (root / "scales" / "small.yaml").write_text(
         "preference:\n  rank_by: reward\n  learning_rate: 0.001\nrl:\n  steps: 2\nmodel_preset: tiny\n"
-        "max_docs_per_day: 5\n"
+        "max_docs_per_day: 5\nteacher:\n  since: 2026-01-02\n"
     )
     (root / "models" / "tiny.yaml").write_text("# a comment\nlayers: 2\nmerges: blends/merges.txt\n")
     (root / "blends" / "merges.txt").write_text("a b\n")
@@ -325,10 +401,12 @@ def _json(value: object) -> bytes:
 
 def test_a_field_read_counts_the_field_and_a_presence_read_counts_whether_it_is_set(configs: Path) -> None:
     reader = versions.ConfigReader(configs, {"scale_preset": Named(name="small")})
-    assert reader.scale_sections({"preference.rank_by", "rl?", "absent", "absent?"}) == [
+    assert reader.scale_sections({"preference.rank_by", "rl?", "absent", "absent?", "model_preset?"}) == [
+        ("scale.model_preset?", b"set"),
         ("scale.preference.rank_by", _json("reward")),
         ("scale.rl?", b"set"),
     ]
+    assert reader.scale_sections({"teacher"}) == [("scale.teacher", b'{"since": "2026-01-02"}')]  # a date
 
 
 def test_a_section_read_whole_counts_whole_with_the_file_it_names(configs: Path) -> None:
@@ -358,6 +436,11 @@ def test_a_resource_counts_its_values_and_the_files_they_name(configs: Path) -> 
         ("blends/sft.yaml", _json({"weights": "blends/deeper.yaml"})),  # one level of files named, no deeper
         ("policy.level", _json(0.05)),
         ("policy.missing", _json("no-such-file.yaml")),
+        (
+            "policy.weights",
+            b'{"a": 2.0, "b": 1.0}',
+        ),  # keys sorted: the order they were written in does not count
+        ("policy.where", b'"/x"'),
     ]
 
 
@@ -384,6 +467,9 @@ def test_a_yaml_comment_does_not_count_and_another_file_counts_as_bytes(configs:
     other = configs / "blends" / "merges.txt"
     other.write_text("a b\n# c\n")
     assert versions._content(other) == b"a b\n# c\n"
+    short = configs / "short.yml"
+    short.write_text("# a comment\nwhen: 2026-01-02\n")
+    assert versions._content(short) == b'{"when": "2026-01-02"}'  # .yml too; a date as its text
 
 
 def test_the_strings_a_yaml_value_names() -> None:
@@ -413,6 +499,7 @@ def test_what_a_code_version_is_made_of(package: Path, configs: Path) -> None:
     version = versions.code_version_of(asset, tree, reader, parts)
     assert len(version) == 16 and int(version, 16) >= 0
     assert parts == [
+        "source nexa_dagster.assets_mod:reads",
         "source nexa_dagster.assets_mod:scale_asset",
         "scale.max_docs_per_day",
         "scale.preference.rank_by",
@@ -421,6 +508,8 @@ def test_what_a_code_version_is_made_of(package: Path, configs: Path) -> None:
         "blends/sft.yaml",
         "policy.level",
         "policy.missing",
+        "policy.weights",
+        "policy.where",
     ]
     parts.clear()
     versions.code_version_of(_asset("local_import_asset", set()), tree, reader, parts)
@@ -509,3 +598,11 @@ def test_the_code_location_gives_each_computed_asset_its_version_and_leaves_an_e
     expected = versions.code_versions([raw_documents], resources)["raw_documents"]
     assert [s.code_version for s in out[0].specs] == [expected]
     assert [s.code_version for s in out[1].specs] == [None]
+
+
+def test_what_a_preset_read_is_for_sections_of_every_shape() -> None:
+    assert versions._as_read("training.max_steps") == "training.max_steps"  # a section that is always set
+    assert versions._as_read("max_docs_per_day.real") == "max_docs_per_day"  # a plain value's attribute
+    assert versions._as_read("no_such_section.field") == "no_such_section"
+    code = "a = scale.rl is False\nb = scale_preset.load\n"
+    assert versions._scale_reads(list(ast.walk(ast.parse(code)))) == {"rl", "load"}  # not None: the value
