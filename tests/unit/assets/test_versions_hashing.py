@@ -271,6 +271,8 @@ def test_the_libraries_that_decide_bytes_are_those_reached(package: Path) -> Non
         {"core/inside.py": "def g():\n    from torch.nn import functional\n\n    return functional\n"},
     )
     assert _reach(package, "core.inside", "g").libraries == {"torch"}
+    _write(package, {"core/top.py": "from torch.nn import Module\n\n\ndef h():\n    return Module\n"})
+    assert _reach(package, "core.top", "h").libraries == {"torch"}  # a name bound at the top to torch.nn's
 
 
 def test_the_scale_reads_are_collected_along_the_reach(package: Path) -> None:
