@@ -93,9 +93,11 @@ WHOLE = "*"
 @dataclass
 class Module:
     """One parsed package module: its top-level definitions (name -> statements), what its top-level imports bind
-    (local name -> (module, attribute or None)), and its other top-level statements."""
+    (local name -> (module, attribute or None)), and its other top-level statements. ``package``: what its
+    relative imports are relative to (the module itself for an ``__init__.py``, else its parent)."""
 
     name: str
+    package: str
     definitions: dict[str, list[ast.stmt]]
     imports: dict[str, tuple[str, str | None]]
     rest: list[ast.stmt]
@@ -134,7 +136,7 @@ class SourceTree:
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = _without_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-        module = Module(name, {}, {}, [])
+        module = Module(name, package, {}, {}, [])
         for statement in tree.body:
             targets = _defined_names(statement)
             for target in targets:
@@ -164,6 +166,7 @@ class SourceTree:
 
     def _names(self, module: Module, nodes: Iterable[ast.AST]) -> list[Symbol]:
         """The package definitions ``nodes`` (a statement's, walked) name, read in ``module``."""
+        nodes = list(nodes)  # read twice below: a generator (``ast.walk``) would be spent by the first loop
         out, module_attributes = [], set()
         for sub in nodes:
             if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
@@ -176,7 +179,7 @@ class SourceTree:
             if isinstance(sub, ast.Name) and id(sub) not in module_attributes:
                 out.append(self._resolve(module.name, sub.id))
             if isinstance(sub, ast.Import | ast.ImportFrom):  # an import inside a function
-                for target, attribute in _bindings(sub, module.name.rpartition(".")[0]).values():
+                for target, attribute in _bindings(sub, module.package).values():
                     out.append(self._resolve(target, attribute) if attribute else (target, WHOLE))
             elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and sub.value in self.modules:
                 # a worker command: ``python -m nexa_dagster.core.training.worker``
@@ -218,10 +221,21 @@ class SourceTree:
 def _defined_names(statement: ast.stmt) -> list[str]:
     if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
         return [statement.name]
-    if isinstance(statement, ast.Assign):
-        return [t.id for t in statement.targets if isinstance(t, ast.Name)]
+    if isinstance(statement, ast.Assign):  # ``a = b = 1`` and ``CHOSEN, REJECTED = 0, 1`` alike
+        return [name for target in statement.targets for name in _target_names(target)]
     if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
         return [statement.target.id]
+    return []
+
+
+def _target_names(target: ast.expr) -> list[str]:
+    """The names an assignment target binds: ``a``, each of ``a, (b, *c)``; none for ``x.y`` or ``x[0]``."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    if isinstance(target, ast.Tuple | ast.List):
+        return [name for element in target.elts for name in _target_names(element)]
     return []
 
 

@@ -173,12 +173,13 @@ def test_a_training_library_upgrade_marks_the_trained_models(
     loaded, baseline, monkeypatch: pytest.MonkeyPatch, library: str
 ) -> None:
     """torch and transformers decide a trained checkpoint's bytes (kernels, the saved format): an upgrade marks
-    the trained models, never the ingest or the judge's tables, which never import them."""
+    the trained models, never the ingest, which never imports them. (The judge's tables are marked too: the judge
+    samples through the LLM backends, the local one a transformers model.)"""
     real = versions.library_version
     monkeypatch.setattr(versions, "library_version", lambda name: "9.9.9" if name == library else real(name))
     changed = _changed(loaded, baseline)
     assert {"moe_checkpoint", "base_model", "preference_checkpoint", "rl_checkpoint"} <= changed, changed
-    assert not changed & {"raw_documents", "filtered_samples"}, changed
+    assert "filtered_samples" in changed and "raw_documents" not in changed, changed
 
 
 def test_a_library_upgrade_marks_what_it_decides(loaded, baseline, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,3 +209,68 @@ def test_a_new_code_version_is_what_a_materialization_recorded_no_more(loaded, p
     loop = package / "nexa_dagster" / "core" / "training" / "loop.py"
     _edit(loop, "floor: float = 0.1", "floor: float = 0.2")
     assert versions.code_versions(assets, resources, package)["moe_checkpoint"] != recorded
+
+
+def test_a_sampling_edit_in_the_local_backend_marks_the_teacher_samples(
+    loaded, baseline, package: Path
+) -> None:
+    """``teacher_samples`` is given the abstract LLM resource; the backend that samples is a subclass of it, so
+    an edit of how the local backend samples (here: top-k) changes what the teacher writes and marks it. Assets
+    that never ask an LLM (ingest, the eval sets' freezing, the pairs' split) keep their versions."""
+    local = package / "nexa_dagster" / "core" / "llm" / "local.py"
+    _edit(local, "top_p=params.top_p, top_k=0", "top_p=params.top_p, top_k=50")
+    changed = _changed(loaded, baseline, package)
+    # the teacher, the judge and the policy sampling pairs all sample through the backend
+    assert {"teacher_samples", "filtered_samples", "preference_pairs"} <= changed, changed
+    assert not changed & {"raw_documents", "eval_set", "rl_eval_set", "preference_dataset"}, changed
+
+
+def test_a_local_cluster_edit_marks_the_rl_checkpoint(loaded, baseline, package: Path) -> None:
+    """The RL policy is trained by the backend the ``gpu_cluster`` resource is (a subclass of the abstract
+    ``GPUClusterResource`` the asset names): an edit of how the local backend launches a worker marks it, and not
+    the assets that are never given a cluster."""
+    local = package / "nexa_dagster" / "resources" / "gpu_cluster" / "local.py"
+    _edit(local, 'settings.WORKER_ECHO.name: "0"', 'settings.WORKER_ECHO.name: "1"')
+    changed = _changed(loaded, baseline, package)
+    assert {"moe_checkpoint"} | ({"rl_checkpoint"} & baseline.keys()) <= changed, changed
+    assert not changed & {
+        "raw_documents",
+        "teacher_samples",
+        "filtered_samples",
+        "preference_pairs",
+        "eval_set",
+    }
+
+
+def test_a_tuple_assigned_constant_counts(loaded, baseline, package: Path) -> None:
+    """``CHOSEN, REJECTED = 0, 1`` decides which side of a pair a packed document is: swapping them changes the
+    DPO checkpoint, and nothing that never launches the training worker that packs pairs (the worker is one
+    module for every kind of training, so the other trained models count it too)."""
+    pairs = package / "nexa_dagster" / "core" / "training" / "preference_data.py"
+    _edit(pairs, "CHOSEN, REJECTED = 0, 1", "CHOSEN, REJECTED = 1, 0")
+    changed = _changed(loaded, baseline, package)
+    assert "preference_checkpoint" in changed, changed
+    assert not changed & {"raw_documents", "teacher_samples", "preference_pairs", "preference_dataset"}, (
+        changed
+    )
+
+
+def test_a_relative_import_inside_a_package_init_function_is_followed(loaded, package: Path) -> None:
+    """``from .loop import ...`` inside a function of ``core/training/__init__.py`` is ``core.training.loop`` (the
+    package the ``__init__`` is), not ``core.loop``: an asset reaching that function follows the loop's edits."""
+    training = package / "nexa_dagster" / "core" / "training" / "__init__.py"
+    training.write_text(
+        training.read_text()
+        + "\n\ndef schedule():\n    from .loop import warmup_cosine\n\n    return warmup_cosine\n"
+    )
+    ingest = package / "nexa_dagster" / "assets" / "ingest.py"
+    anchor = "    scale = scale_preset.load()\n    frames, quarantined"
+    _edit(ingest, anchor, "    from nexa_dagster.core.training import schedule\n\n    schedule()\n" + anchor)
+    _, assets, resources = loaded
+    before = versions.code_versions(assets, resources, package)
+    _edit(
+        package / "nexa_dagster" / "core" / "training" / "loop.py", "floor: float = 0.1", "floor: float = 0.2"
+    )
+    after = versions.code_versions(assets, resources, package)
+    assert after["raw_documents"] != before["raw_documents"]
+    assert after["teacher_samples"] == before["teacher_samples"]  # still reaches neither function
