@@ -118,3 +118,25 @@ def test_the_reason_names_the_attempt_its_level_and_how_many_earlier_decisions_h
         "attempt 3 on eval_set v1 vs prod: 0.9875 interval, one-sided error 0.00625 "
         "(halved for each of 2 earlier decisions)"
     )
+
+
+def test_each_counted_attempt_records_when_it_was_counted_in_utc(tmp_path: Path) -> None:
+    """``gate_attempts.json`` says when each decision was counted (``{"checkpoint_id", "at"}``, UTC), whatever the
+    machine's time zone."""
+    import datetime as dt
+
+    before = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    GateAttempts.under(str(tmp_path)).reserve(family("eval_set", 1, "prod"), "ckpt-1", 0.95)
+    stored = json.loads((tmp_path / "serving" / "gate_attempts.json").read_text())
+    (entry,) = stored["families"]["eval_set v1 vs prod"]
+    at = dt.datetime.fromisoformat(entry["at"])
+    assert at.utcoffset() == dt.timedelta(0) and before <= at <= dt.datetime.now(dt.UTC)
+
+
+def test_an_attempts_file_without_families_counts_none(tmp_path: Path) -> None:
+    path = tmp_path / "serving" / "gate_attempts.json"
+    path.parent.mkdir()
+    path.write_text("{}")
+    ledger, key = GateAttempts(path), family("eval_set", 1, "prod")
+    assert ledger.families() == {} and ledger.count(key) == 0
+    assert ledger.reserve(key, "ckpt-1", 0.95).number == 1
