@@ -274,3 +274,11 @@ def test_the_metadata_of_a_decision_without_an_interval_or_with_an_unbounded_end
     assert (unbounded["interval_low"], unbounded["interval_high"]) == (None, 0.2)
     unbounded = GateDecision(False, "r", interval=(0.1, float("inf"))).metadata()
     assert (unbounded["interval_low"], unbounded["interval_high"]) == (0.1, None)
+
+
+def test_the_loss_gate_needs_min_examples_not_the_benchmark_minimum() -> None:
+    lenient = PromotionPolicy(min_examples=10, min_benchmark_samples=50)
+    assert decide("cand", PRODUCTION, lenient, _clearly_better(12)).outcome == "promote"
+    strict = PromotionPolicy(min_examples=40, min_benchmark_samples=5)
+    held = decide("cand", PRODUCTION, strict, _clearly_better(30))
+    assert held.outcome == "insufficient evidence" and held.rule == "n >= 40"
