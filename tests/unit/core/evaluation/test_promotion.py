@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nexa_dagster.core.evaluation.guards import GuardReport
 from nexa_dagster.core.evaluation.paired import (
     Interval,
     LengthControlled,
@@ -248,7 +249,7 @@ def test_the_preference_gate_promotes_the_first_model_and_re_evaluates_productio
     first = decide_preference("pref", None, PromotionPolicy(), None, None, [])
     assert first.passed and first.rule == "first model" and first.reason == "no production model yet"
     again = decide_preference("prod", PRODUCTION, PromotionPolicy(), None, None, [])
-    assert again.passed and again.rule == "already production"
+    assert again.passed and again.outcome == "promote" and again.rule == "already production"
     assert again.reason == "prod is the production model (re-evaluation)"
 
 
@@ -282,3 +283,20 @@ def test_the_loss_gate_needs_min_examples_not_the_benchmark_minimum() -> None:
     strict = PromotionPolicy(min_examples=40, min_benchmark_samples=5)
     held = decide("cand", PRODUCTION, strict, _clearly_better(30))
     assert held.outcome == "insufficient evidence" and held.rule == "n >= 40"
+
+
+def test_re_evaluating_the_production_model_promotes_it_again_without_a_comparison() -> None:
+    again = decide("prod", PRODUCTION, PromotionPolicy(), _clearly_better(2))
+    assert again.passed and again.outcome == "promote" and again.rule == "already production"
+    assert again.reason == "prod is the production model (re-evaluation)"
+
+
+def test_the_win_rate_gate_refuses_an_unreliable_judge_and_applies_the_guards() -> None:
+    tiny = order_consistent_win_rate(["candidate"] * 47, ["production"] * 46 + ["candidate"])
+    held = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate"), win_rate=tiny)
+    assert held.outcome == "hold back" and held.reason.startswith("judge unreliable: 46 of 47")
+    found = GuardReport(
+        30, 0.0, 0, 3, 0.1, (0.02, 0.27), 0.1, 0.05, findings=(("hold back", "3 of 30 worse"),)
+    )
+    guarded = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30), guard=found)
+    assert guarded.outcome == "hold back" and guarded.reason.startswith("3 of 30 worse; eval_loss")
