@@ -59,6 +59,9 @@ def test_promoting_on_too_little_evidence_happens_only_where_the_policy_says_so_
         decision.passed and decision.outcome == "promote" and decision.reason.startswith("WARN insufficient")
     )
     assert decision.rule == "n >= 30 (waived)"
+    assert decision.reason.endswith(
+        "; promoted because on_insufficient_evidence: promote (nothing shows it worse)"
+    )
 
 
 def test_the_first_model_is_promoted_without_a_comparison() -> None:
@@ -113,7 +116,7 @@ def test_a_preference_checkpoint_much_worse_on_the_eval_set_is_held_back() -> No
         worse.tokens,
     )
     decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), worse, _win_rate(30, 6), [])
-    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.passed is False and decision.outcome == "hold back"
     assert decision.guards and decision.guards[0].startswith("eval_loss worse by +0.5")
 
 
@@ -300,3 +303,30 @@ def test_the_win_rate_gate_refuses_an_unreliable_judge_and_applies_the_guards() 
     )
     guarded = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30), guard=found)
     assert guarded.outcome == "hold back" and guarded.reason.startswith("3 of 30 worse; eval_loss")
+
+
+def test_every_non_regression_finding_is_named_in_the_reason() -> None:
+    worse = PairedLoss(3.5, 3.0, Interval(0.5, 0.4, 0.6, 0.95), examples=107, tokens=4000)
+    verbose = LengthControlled(win_rate=0.46, length_coefficient=3.1, mean_length_change=240.0, verdicts=36)
+    decision = decide_preference(
+        "pref", PRODUCTION, PromotionPolicy(), worse, _win_rate(30, 6), [], None, verbose
+    )
+    assert decision.reason.startswith(
+        "non-regression guard: eval_loss worse by +0.5000 nats/token, interval high +0.6000 > 0.05; "
+        "length-controlled win rate 0.460 <= 0.5 (answers longer by +240 characters on average; logistic fit "
+        "on 36 verdicts); pairwise judge:"
+    )
+
+
+def test_a_benchmark_is_a_guard_only_where_the_gate_has_a_margin_for_it() -> None:
+    from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison
+    from nexa_dagster.core.evaluation.promotion import Evidence, non_regression_findings
+
+    lower = BenchmarkComparison("arc/acc", 0.4, 0.5, -0.1, -0.2, 0.0, 0.95, True, 200)
+    assert non_regression_findings(Evidence(benchmarks=(lower,))) == []
+    assert non_regression_findings(Evidence(benchmarks=(lower,), benchmark_limit=0.05)) == [
+        ("hold back", "arc/acc lower by 0.1000, interval low -0.2000 < -0.05")
+    ]
+    assert non_regression_findings(Evidence(loss_limit=0.05)) == [
+        ("insufficient evidence", "eval_loss not measured: cannot show it worse by <= 0.05")
+    ]
