@@ -260,7 +260,7 @@ def test_a_contaminated_preference_checkpoint_is_held_back() -> None:
     policy = PromotionPolicy(max_contamination=0.02)
     rate = _win_rate(30, 6)
     decision = decide_preference("pref", PRODUCTION, policy, UNCHANGED, rate, [], contamination=0.1)
-    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.passed is False and decision.outcome == "hold back"
     assert decision.reason.startswith("contaminated: 10.0% of the eval set occurs in its training data")
     assert decide_preference("pref", PRODUCTION, policy, UNCHANGED, rate, [], contamination=0.0).passed
 
@@ -297,7 +297,11 @@ def test_re_evaluating_the_production_model_promotes_it_again_without_a_comparis
 def test_the_win_rate_gate_refuses_an_unreliable_judge_and_applies_the_guards() -> None:
     tiny = order_consistent_win_rate(["candidate"] * 47, ["production"] * 46 + ["candidate"])
     held = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate"), win_rate=tiny)
-    assert held.outcome == "hold back" and held.reason.startswith("judge unreliable: 46 of 47")
+    assert (
+        held.passed is False
+        and held.outcome == "hold back"
+        and held.reason.startswith("judge unreliable: 46 of 47")
+    )
     found = GuardReport(
         30, 0.0, 0, 3, 0.1, (0.02, 0.27), 0.1, 0.05, findings=(("hold back", "3 of 30 worse"),)
     )
