@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nexa_dagster.core.evaluation.attempts import GateAttempts, attempt_confidence, family
+from nexa_dagster.core.evaluation.attempts import Attempt, GateAttempts, attempt_confidence, family
 from nexa_dagster.core.evaluation.paired import paired_loss_difference
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide, eval_loss_guard
 
@@ -103,3 +103,40 @@ def test_the_decisions_metadata_shows_its_attempt_and_level(tmp_path: Path) -> N
     meta = decision.metadata()
     assert (meta["gate_attempt"], meta["gate_attempt_family"]) == (2, "rl_eval_set v1 vs prod")
     assert meta["gate_confidence"] == pytest.approx(0.975) and ledger.count(key) == 2
+
+
+def test_the_reason_names_the_attempt_its_level_and_how_many_earlier_decisions_halved_it() -> None:
+    def describe(number: int) -> str:
+        return Attempt("eval_set v1 vs prod", number, attempt_confidence(0.95, number)).describe()
+
+    assert describe(1) == "attempt 1 on eval_set v1 vs prod: 0.95 interval, one-sided error 0.025"
+    assert describe(2) == (
+        "attempt 2 on eval_set v1 vs prod: 0.975 interval, one-sided error 0.0125 "
+        "(halved for each of 1 earlier decision)"
+    )
+    assert describe(3) == (
+        "attempt 3 on eval_set v1 vs prod: 0.9875 interval, one-sided error 0.00625 "
+        "(halved for each of 2 earlier decisions)"
+    )
+
+
+def test_each_counted_attempt_records_when_it_was_counted_in_utc(tmp_path: Path) -> None:
+    """``gate_attempts.json`` says when each decision was counted (``{"checkpoint_id", "at"}``, UTC), whatever the
+    machine's time zone."""
+    import datetime as dt
+
+    before = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    GateAttempts.under(str(tmp_path)).reserve(family("eval_set", 1, "prod"), "ckpt-1", 0.95)
+    stored = json.loads((tmp_path / "serving" / "gate_attempts.json").read_text())
+    (entry,) = stored["families"]["eval_set v1 vs prod"]
+    at = dt.datetime.fromisoformat(entry["at"])
+    assert at.utcoffset() == dt.timedelta(0) and before <= at <= dt.datetime.now(dt.UTC)
+
+
+def test_an_attempts_file_without_families_counts_none(tmp_path: Path) -> None:
+    path = tmp_path / "serving" / "gate_attempts.json"
+    path.parent.mkdir()
+    path.write_text("{}")
+    ledger, key = GateAttempts(path), family("eval_set", 1, "prod")
+    assert ledger.families() == {} and ledger.count(key) == 0
+    assert ledger.reserve(key, "ckpt-1", 0.95).number == 1

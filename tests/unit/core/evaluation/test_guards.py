@@ -617,3 +617,20 @@ def test_the_skewness_cochrans_rule_and_the_exact_interval_match_their_definitio
     assert high[0] == pytest.approx(beta.ppf(0.975, 1, 20)) and high[1] == pytest.approx(
         beta.ppf(0.975, 2, 19)
     )
+
+
+def test_the_judge_score_guard_leaves_out_prompts_missing_a_score_with_their_slice_and_keeps_the_level() -> (
+    None
+):
+    """A prompt either answer of which has no finite score is left out (and its slice label with it); two scored
+    prompts are enough to guard, one is not; the guards decide at the policy's confidence."""
+    ours = [4.0, None, float("nan"), 4.0, 4.0, 3.0]
+    theirs = [3.0, 3.0, 3.0, None, float("nan"), 3.0]
+    policy = PromotionPolicy(confidence=0.9)
+    guard = judge_score_guard(ours, theirs, policy, slices=["a", "b", "c", "d", "e", "f"])
+    assert guard is not None and guard.n == 2
+    assert [s.label for s in guard.slices] == ["a", "f"] and guard.confidence == 0.9
+    assert "90% CI" in guard.reasons[0]
+    assert judge_score_guard(ours[:5], theirs[:5], policy) is None  # one scored prompt: nothing to guard
+    with pytest.raises(ValueError):  # scores of different prompt lists are never paired silently
+        judge_score_guard([4.0, 4.0, 4.0], [3.0, 3.0], policy)

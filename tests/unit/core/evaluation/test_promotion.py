@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nexa_dagster.core.evaluation.guards import GuardReport
 from nexa_dagster.core.evaluation.paired import (
     Interval,
     LengthControlled,
@@ -13,7 +14,13 @@ from nexa_dagster.core.evaluation.paired import (
     paired_loss_difference,
     pointwise_win_rate,
 )
-from nexa_dagster.core.evaluation.promotion import ProductionEntry, PromotionPolicy, decide, decide_preference
+from nexa_dagster.core.evaluation.promotion import (
+    GateDecision,
+    ProductionEntry,
+    PromotionPolicy,
+    decide,
+    decide_preference,
+)
 
 PRODUCTION = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
 # a preference candidate's eval-set loss, measured and unchanged: its non-inferiority guard holds
@@ -52,6 +59,9 @@ def test_promoting_on_too_little_evidence_happens_only_where_the_policy_says_so_
         decision.passed and decision.outcome == "promote" and decision.reason.startswith("WARN insufficient")
     )
     assert decision.rule == "n >= 30 (waived)"
+    assert decision.reason.endswith(
+        "; promoted because on_insufficient_evidence: promote (nothing shows it worse)"
+    )
 
 
 def test_the_first_model_is_promoted_without_a_comparison() -> None:
@@ -106,7 +116,7 @@ def test_a_preference_checkpoint_much_worse_on_the_eval_set_is_held_back() -> No
         worse.tokens,
     )
     decision = decide_preference("pref", PRODUCTION, PromotionPolicy(), worse, _win_rate(30, 6), [])
-    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.passed is False and decision.outcome == "hold back"
     assert decision.guards and decision.guards[0].startswith("eval_loss worse by +0.5")
 
 
@@ -176,3 +186,151 @@ def test_a_pointwise_judge_decides_on_its_decisive_verdicts_and_refuses_too_few(
     )
     # a pointwise judge is never called unreliable for flips: it has no answer order
     assert "unreliable" not in short.reason
+
+
+def _pairwise_with_flips():
+    """39 prompts: 30 wins and 6 losses that survive the swap, 2 verdicts that flip, 1 unreadable reply."""
+    first = ["candidate"] * 30 + ["production"] * 6 + ["candidate"] * 2 + [None]
+    second = ["candidate"] * 30 + ["production"] * 6 + ["production"] * 2 + ["candidate"]
+    return order_consistent_win_rate(first, second)
+
+
+def test_a_pairwise_win_rate_decision_states_the_counts_the_interval_and_the_margin_it_cleared() -> None:
+    rate = _pairwise_with_flips()
+    decision = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate", margin=0.05), win_rate=rate)
+    assert decision.passed and decision.rule == "interval low > 0.55"
+    assert decision.reason == (
+        "pairwise judge: win_rate 0.833 over production prod (30 wins, 6 losses; 2 flipped with the answer "
+        "order, order consistency 95%; 1 unreadable; headline 0.816 with those as ties), 95% Wilson interval "
+        "[0.681, 0.921] over n = 36 order-consistent verdicts of 39 prompts; the interval is above 0.55"
+    )
+    meta = decision.metadata()
+    assert (meta["interval_low"], meta["interval_high"]) == (rate.rate.low, rate.rate.high)
+    held = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate", margin=0.2), win_rate=rate)
+    assert not held.passed and held.reason.endswith("; the interval is not above 0.7")
+
+
+def test_a_pointwise_win_rate_decision_states_its_ties_and_decisive_verdicts() -> None:
+    rate = pointwise_win_rate([4.0] * 28 + [2.0] * 4 + [3.0] * 3 + [None], [3.0] * 36)
+    decision = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate", margin=0.05), win_rate=rate)
+    assert decision.passed and decision.reason == (
+        "pointwise judge: win_rate 0.875 over production prod (28 wins, 4 losses; 3 ties; 1 unreadable; "
+        "headline 0.843 with those as ties), 95% Wilson interval [0.719, 0.950] over n = 32 decisive pointwise "
+        "verdicts of 36 prompts; the interval is above 0.55"
+    )
+
+
+def test_a_pairwise_judge_with_no_readable_verdict_states_no_order_consistency() -> None:
+    unreadable = order_consistent_win_rate([None] * 5, [None] * 5)
+    decision = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate"), win_rate=unreadable)
+    assert decision.outcome == "insufficient evidence" and decision.n == 0
+    assert "(0 wins, 0 losses; 0 flipped with the answer order, order consistency n/a; 5 unreadable;" in (
+        decision.reason
+    )
+
+
+def test_no_judge_comparison_is_held_back_saying_so() -> None:
+    decision = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate"))
+    assert decision.passed is False and decision.outcome == "hold back" and decision.n is None
+    assert decision.reason == "the judge did not compare cand with production prod: nothing to compare with"
+    preference = decide_preference("pref", PRODUCTION, PromotionPolicy(), UNCHANGED, None, [])
+    assert preference.passed is False and preference.reason == (
+        "the judge did not compare pref with production prod: nothing to compare with"
+    )
+
+
+def test_the_preference_gate_clears_the_preference_margin_not_the_loss_gates() -> None:
+    policy = PromotionPolicy(margin=0.0, preference={"margin": 0.2})
+    decision = decide_preference("pref", PRODUCTION, policy, UNCHANGED, _pairwise_with_flips(), [])
+    assert not decision.passed and decision.outcome == "hold back"
+    assert decision.rule.startswith("interval low > 0.7;")
+
+
+def test_the_preference_gate_promotes_the_first_model_and_re_evaluates_production_without_a_comparison() -> (
+    None
+):
+    first = decide_preference("pref", None, PromotionPolicy(), None, None, [])
+    assert first.passed and first.rule == "first model" and first.reason == "no production model yet"
+    again = decide_preference("prod", PRODUCTION, PromotionPolicy(), None, None, [])
+    assert again.passed and again.outcome == "promote" and again.rule == "already production"
+    assert again.reason == "prod is the production model (re-evaluation)"
+
+
+def test_a_contaminated_preference_checkpoint_is_held_back() -> None:
+    policy = PromotionPolicy(max_contamination=0.02)
+    rate = _win_rate(30, 6)
+    decision = decide_preference("pref", PRODUCTION, policy, UNCHANGED, rate, [], contamination=0.1)
+    assert decision.passed is False and decision.outcome == "hold back"
+    assert decision.reason.startswith("contaminated: 10.0% of the eval set occurs in its training data")
+    assert decide_preference("pref", PRODUCTION, policy, UNCHANGED, rate, [], contamination=0.0).passed
+
+
+def test_the_metadata_of_a_decision_without_an_interval_or_with_an_unbounded_end_holds_no_infinity() -> None:
+    """JSON and the leaderboard have no infinity: an interval end that is not finite is written as null."""
+    first = decide("cand", None, PromotionPolicy()).metadata()
+    assert (first["decision"], first["rule"], first["reason"]) == (
+        "promote",
+        "first model",
+        "no production model yet",
+    )
+    assert (first["interval_low"], first["interval_high"], first["n"]) == (None, None, None)
+    unbounded = GateDecision(False, "r", interval=(float("-inf"), 0.2)).metadata()
+    assert (unbounded["interval_low"], unbounded["interval_high"]) == (None, 0.2)
+    unbounded = GateDecision(False, "r", interval=(0.1, float("inf"))).metadata()
+    assert (unbounded["interval_low"], unbounded["interval_high"]) == (0.1, None)
+
+
+def test_the_loss_gate_needs_min_examples_not_the_benchmark_minimum() -> None:
+    lenient = PromotionPolicy(min_examples=10, min_benchmark_samples=50)
+    assert decide("cand", PRODUCTION, lenient, _clearly_better(12)).outcome == "promote"
+    strict = PromotionPolicy(min_examples=40, min_benchmark_samples=5)
+    held = decide("cand", PRODUCTION, strict, _clearly_better(30))
+    assert held.outcome == "insufficient evidence" and held.rule == "n >= 40"
+
+
+def test_re_evaluating_the_production_model_promotes_it_again_without_a_comparison() -> None:
+    again = decide("prod", PRODUCTION, PromotionPolicy(), _clearly_better(2))
+    assert again.passed and again.outcome == "promote" and again.rule == "already production"
+    assert again.reason == "prod is the production model (re-evaluation)"
+
+
+def test_the_win_rate_gate_refuses_an_unreliable_judge_and_applies_the_guards() -> None:
+    tiny = order_consistent_win_rate(["candidate"] * 47, ["production"] * 46 + ["candidate"])
+    held = decide("cand", PRODUCTION, PromotionPolicy(metric="win_rate"), win_rate=tiny)
+    assert (
+        held.passed is False
+        and held.outcome == "hold back"
+        and held.reason.startswith("judge unreliable: 46 of 47")
+    )
+    found = GuardReport(
+        30, 0.0, 0, 3, 0.1, (0.02, 0.27), 0.1, 0.05, findings=(("hold back", "3 of 30 worse"),)
+    )
+    guarded = decide("cand", PRODUCTION, PromotionPolicy(), _clearly_better(30), guard=found)
+    assert guarded.outcome == "hold back" and guarded.reason.startswith("3 of 30 worse; eval_loss")
+
+
+def test_every_non_regression_finding_is_named_in_the_reason() -> None:
+    worse = PairedLoss(3.5, 3.0, Interval(0.5, 0.4, 0.6, 0.95), examples=107, tokens=4000)
+    verbose = LengthControlled(win_rate=0.46, length_coefficient=3.1, mean_length_change=240.0, verdicts=36)
+    decision = decide_preference(
+        "pref", PRODUCTION, PromotionPolicy(), worse, _win_rate(30, 6), [], None, verbose
+    )
+    assert decision.reason.startswith(
+        "non-regression guard: eval_loss worse by +0.5000 nats/token, interval high +0.6000 > 0.05; "
+        "length-controlled win rate 0.460 <= 0.5 (answers longer by +240 characters on average; logistic fit "
+        "on 36 verdicts); pairwise judge:"
+    )
+
+
+def test_a_benchmark_is_a_guard_only_where_the_gate_has_a_margin_for_it() -> None:
+    from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison
+    from nexa_dagster.core.evaluation.promotion import Evidence, non_regression_findings
+
+    lower = BenchmarkComparison("arc/acc", 0.4, 0.5, -0.1, -0.2, 0.0, 0.95, True, 200)
+    assert non_regression_findings(Evidence(benchmarks=(lower,))) == []
+    assert non_regression_findings(Evidence(benchmarks=(lower,), benchmark_limit=0.05)) == [
+        ("hold back", "arc/acc lower by 0.1000, interval low -0.2000 < -0.05")
+    ]
+    assert non_regression_findings(Evidence(loss_limit=0.05)) == [
+        ("insufficient evidence", "eval_loss not measured: cannot show it worse by <= 0.05")
+    ]
