@@ -1,6 +1,8 @@
 """The paired statistics of the promotion gate (core/evaluation/paired.py): pairing, the bootstrap interval, and the judge's
 order-consistent win rate. Pure numerics on constructed examples whose answer is known."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -275,3 +277,47 @@ def test_a_loss_comparison_refuses_input_that_is_not_one_finite_loss_and_token_c
     with pytest.raises(ValueError, match="^no scored tokens$"):
         mean_loss([1.0, 2.0], [0, 0])
     assert mean_loss([1.0, 2.0], [1, 0]) == 3.0  # one token in all is enough
+
+
+def test_the_win_rates_json_carries_the_figures_the_report_shows() -> None:
+    """``report.json``'s ``win_rate``: the counts, the conditional rate with its Wilson interval at the gate's own
+    confidence (not 95 % whatever the policy says), its n (``usable``), the prompts asked, the order consistency
+    and the headline rate, each under the name the report reads."""
+    # 6 consistent wins, 2 consistent losses, 2 flips, 1 unreadable reply; at 90 %
+    first = ["candidate"] * 6 + ["production"] * 2 + ["candidate"] * 2 + [None]
+    second = ["candidate"] * 6 + ["production"] * 2 + ["production"] * 2 + ["candidate"]
+    out = order_consistent_win_rate(first, second, confidence=0.9).to_json()
+    z, p, n = 1.6448536269514722, 6 / 8, 8  # the 95th percentile of the normal: a two-sided 90 % interval
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert out == {  # exactly these keys: the report holds nothing else under win_rate
+        "wins": 6,
+        "losses": 2,
+        "inconsistent": 2,
+        "unreadable": 1,
+        "ties": 0,
+        "mode": "pairwise",
+        "method": "Wilson score interval over order-consistent pairwise verdicts (both answer orders)",
+        "rate": pytest.approx(
+            {"estimate": 0.75, "low": centre - half, "high": centre + half, "confidence": 0.9}
+        ),
+        "usable": 8,
+        "prompts": 11,
+        "order_consistency": pytest.approx(8 / 10),
+        "headline": pytest.approx(7 / 10),
+    }
+    with pytest.raises(
+        ValueError, match="both answer orders must be judged on the same prompts: 2 vs 1 verdicts"
+    ):
+        order_consistent_win_rate(["candidate", "candidate"], ["candidate"])
+
+
+def test_the_length_controlled_win_rates_json_names_its_figures() -> None:
+    verdicts = ["candidate", "candidate", "production"]
+    lc = length_controlled_win_rate(verdicts, verdicts, [120, 90, 100], [100, 100, 100])
+    assert lc.to_json() == {
+        "win_rate": lc.win_rate,
+        "length_coefficient": lc.length_coefficient,
+        "mean_length_change": pytest.approx(10 / 3),
+        "verdicts": 3,
+    }
