@@ -617,3 +617,16 @@ def test_the_skewness_cochrans_rule_and_the_exact_interval_match_their_definitio
     assert high[0] == pytest.approx(beta.ppf(0.975, 1, 20)) and high[1] == pytest.approx(
         beta.ppf(0.975, 2, 19)
     )
+
+
+def test_an_unchanged_slice_is_never_worse_even_at_a_lenient_confidence() -> None:
+    """promotion.yaml allows any confidence in (0, 1): at 0.5 the family-wise level is 0.5, and a slice whose
+    examples did not change at all (p = 0.5) reaches it, but a slice that got no worse cannot hold a candidate back."""
+    policy = GuardPolicy(min_detectable_regressed_share=None, max_regressed_share=None)
+    report = paired_guards(
+        np.zeros(10), higher_is_better=False, policy=policy, slices=["x"] * 10, confidence=0.5
+    )
+    assert [(s.label, s.worse_by, s.p_value, s.significant) for s in report.slices] == [
+        ("x", 0.0, 0.5, False)
+    ]
+    assert report.verdict is None
