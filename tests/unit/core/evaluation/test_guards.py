@@ -630,3 +630,13 @@ def test_an_unchanged_slice_is_never_worse_even_at_a_lenient_confidence() -> Non
         ("x", 0.0, 0.5, False)
     ]
     assert report.verdict is None
+
+
+def test_the_regressed_share_finding_states_the_share_it_decided_on() -> None:
+    policy = GuardPolicy(skew_rule=False, min_detectable_regressed_share=None, slice_by=None)
+    report = paired_guards(np.r_[np.full(20, 1.0), np.full(80, -0.2)], higher_is_better=False, policy=policy)
+    low, high = report.regressed_interval
+    assert report.reasons == [
+        f"regressed: 20 of 100 examples worse by > 0.5 (20.0%, 95% CI [{low:.1%}, {high:.1%}]), above "
+        "max_regressed_share 10%"
+    ]
