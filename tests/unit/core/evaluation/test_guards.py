@@ -634,3 +634,26 @@ def test_the_judge_score_guard_leaves_out_prompts_missing_a_score_with_their_sli
     assert judge_score_guard(ours[:5], theirs[:5], policy) is None  # one scored prompt: nothing to guard
     with pytest.raises(ValueError):  # scores of different prompt lists are never paired silently
         judge_score_guard([4.0, 4.0, 4.0], [3.0, 3.0], policy)
+
+
+def test_an_unchanged_slice_is_never_worse_even_at_a_lenient_confidence() -> None:
+    """promotion.yaml allows any confidence in (0, 1): at 0.5 the family-wise level is 0.5, and a slice whose
+    examples did not change at all (p = 0.5) reaches it, but a slice that got no worse cannot hold a candidate back."""
+    policy = GuardPolicy(min_detectable_regressed_share=None, max_regressed_share=None)
+    report = paired_guards(
+        np.zeros(10), higher_is_better=False, policy=policy, slices=["x"] * 10, confidence=0.5
+    )
+    assert [(s.label, s.worse_by, s.p_value, s.significant) for s in report.slices] == [
+        ("x", 0.0, 0.5, False)
+    ]
+    assert report.verdict is None
+
+
+def test_the_regressed_share_finding_states_the_share_it_decided_on() -> None:
+    policy = GuardPolicy(skew_rule=False, min_detectable_regressed_share=None, slice_by=None)
+    report = paired_guards(np.r_[np.full(20, 1.0), np.full(80, -0.2)], higher_is_better=False, policy=policy)
+    low, high = report.regressed_interval
+    assert report.reasons == [
+        f"regressed: 20 of 100 examples worse by > 0.5 (20.0%, 95% CI [{low:.1%}, {high:.1%}]), above "
+        "max_regressed_share 10%"
+    ]

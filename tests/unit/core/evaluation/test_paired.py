@@ -1,6 +1,8 @@
 """The paired statistics of the promotion gate (core/evaluation/paired.py): pairing, the bootstrap interval, and the judge's
 order-consistent win rate. Pure numerics on constructed examples whose answer is known."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -8,6 +10,7 @@ from nexa_dagster.core.evaluation.interval_coverage import POPULATIONS, coverage
 from nexa_dagster.core.evaluation.paired import (
     DEFAULT_INTERVAL_METHOD,
     Interval,
+    LengthControlled,
     PairedLoss,
     bootstrap_mean_loss,
     length_controlled_win_rate,
@@ -275,3 +278,100 @@ def test_a_loss_comparison_refuses_input_that_is_not_one_finite_loss_and_token_c
     with pytest.raises(ValueError, match="^no scored tokens$"):
         mean_loss([1.0, 2.0], [0, 0])
     assert mean_loss([1.0, 2.0], [1, 0]) == 3.0  # one token in all is enough
+
+
+def test_the_win_rates_json_carries_the_figures_the_report_shows() -> None:
+    """``report.json``'s ``win_rate``: the counts, the conditional rate with its Wilson interval at the gate's own
+    confidence (not 95 % whatever the policy says), its n (``usable``), the prompts asked, the order consistency
+    and the headline rate, each under the name the report reads."""
+    # 6 consistent wins, 2 consistent losses, 2 flips, 1 unreadable reply; at 90 %
+    first = ["candidate"] * 6 + ["production"] * 2 + ["candidate"] * 2 + [None]
+    second = ["candidate"] * 6 + ["production"] * 2 + ["production"] * 2 + ["candidate"]
+    out = order_consistent_win_rate(first, second, confidence=0.9).to_json()
+    z, p, n = 1.6448536269514722, 6 / 8, 8  # the 95th percentile of the normal: a two-sided 90 % interval
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert out == {  # exactly these keys: the report holds nothing else under win_rate
+        "wins": 6,
+        "losses": 2,
+        "inconsistent": 2,
+        "unreadable": 1,
+        "ties": 0,
+        "mode": "pairwise",
+        "method": "Wilson score interval over order-consistent pairwise verdicts (both answer orders)",
+        "rate": pytest.approx(
+            {"estimate": 0.75, "low": centre - half, "high": centre + half, "confidence": 0.9}
+        ),
+        "usable": 8,
+        "prompts": 11,
+        "order_consistency": pytest.approx(8 / 10),
+        "headline": pytest.approx(7 / 10),
+    }
+    with pytest.raises(
+        ValueError, match="both answer orders must be judged on the same prompts: 2 vs 1 verdicts"
+    ):
+        order_consistent_win_rate(["candidate", "candidate"], ["candidate"])
+
+
+def test_the_length_controlled_win_rates_json_names_its_figures() -> None:
+    verdicts = ["candidate", "candidate", "production"]
+    lc = length_controlled_win_rate(verdicts, verdicts, [120, 90, 100], [100, 100, 100])
+    assert lc.to_json() == {
+        "win_rate": lc.win_rate,
+        "length_coefficient": lc.length_coefficient,
+        "mean_length_change": pytest.approx(10 / 3),
+        "verdicts": 3,
+    }
+
+
+def test_a_proportions_interval_never_reaches_past_0_or_1() -> None:
+    """Clamped to [0, 1]: at k = n float rounding lands the Wilson high end at 1 + 2e-16 (n = 9, 26, 30, ...)."""
+    bounds = [wilson_interval(k, n) for n in range(1, 100) for k in range(n + 1)]
+    assert all(0.0 <= low <= high <= 1.0 for low, high in bounds)
+
+
+def test_pointwise_verdicts_refuse_a_negative_epsilon_and_count_a_non_finite_score_unreadable() -> None:
+    from nexa_dagster.core.evaluation.paired import pointwise_verdicts
+
+    nan, inf = float("nan"), float("inf")
+    assert pointwise_verdicts([nan, 4.0, 3.0], [3.0, inf, 2.0]) == [None, None, "candidate"]
+    with pytest.raises(ValueError, match="tie_epsilon must be >= 0, got -0.1"):
+        pointwise_verdicts([1.0], [2.0], tie_epsilon=-0.1)
+
+
+def test_the_length_controlled_win_rate_is_the_ridge_penalised_logistic_fit() -> None:
+    """``sigmoid(a)`` of the maximiser of the log-likelihood of ``P(win) = sigmoid(a + b tanh(d / sd(d)))`` less
+    the ridge ``(1e-3 a^2 + 0.1 b^2) / 2``, here found by a general-purpose optimiser; with no verdict 0.5 and no
+    length change; lengths for a different number of prompts are an error, not a fit on the first ones."""
+    from scipy.optimize import minimize
+
+    verdicts = [
+        "candidate",
+        "candidate",
+        "production",
+        "candidate",
+        "production",
+        "candidate",
+        None,
+        "candidate",
+    ]
+    cand = [130, 90, 100, 180, 60, 100, 50, 140]
+    prod = [100, 100, 120, 100, 100, 90, 50, 100]
+    lc = length_controlled_win_rate(verdicts, verdicts, cand, prod)
+    y = np.array([1.0, 1, 0, 1, 0, 1, 1])
+    d = np.array([c - p for c, p, v in zip(cand, prod, verdicts, strict=True) if v], dtype=float)
+    x = np.tanh(d / d.std())
+
+    def loss(beta: np.ndarray) -> float:
+        eta = beta[0] + beta[1] * x
+        return float(np.sum(np.logaddexp(0, eta) - y * eta) + (1e-3 * beta[0] ** 2 + 0.1 * beta[1] ** 2) / 2)
+
+    a, b = minimize(loss, np.zeros(2), method="BFGS", options={"gtol": 1e-12}).x
+    assert lc.win_rate == pytest.approx(1 / (1 + math.exp(-a)), abs=1e-7)
+    assert lc.length_coefficient == pytest.approx(b, abs=1e-6)
+    assert lc.verdicts == 7 and lc.mean_length_change == pytest.approx(np.mean(np.subtract(cand, prod)))
+    assert length_controlled_win_rate([], [], [], []) == LengthControlled(0.5, 0.0, 0.0, 0)
+    flips = length_controlled_win_rate(["candidate"], ["production"], [120], [100])
+    assert flips == LengthControlled(0.5, 0.0, 20.0, 0)
+    with pytest.raises(ValueError):
+        length_controlled_win_rate(verdicts[:3], verdicts[:3], [120], [100])

@@ -237,3 +237,47 @@ def test_a_prompts_reward_is_the_mean_over_its_sampled_answers_when_the_evaluati
         prompt_rewards(rows, {"answers": [], "sampled_answers": [["assert"]]}, exact)
     with pytest.raises(ValueError, match="sampled answers"):
         prompt_rewards(rows, {"answers": [], "sampled_answers": [["assert", "for"], ["del"]]}, exact)
+
+
+def test_held_out_rewards_hand_each_reward_the_columns_training_hands_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reward functions see the held-out rows as GRPO training's see its prompts file
+    (``grpo_rollout.load_prompts``, TRL's shape): each row's prompt as ``prompts``, every other field under its own
+    name (None where a row lacks it), no ``prompt``; a reward missing its column names the columns there are."""
+    from nexa_dagster.core.evaluation.reward_gate import held_out_rewards
+    from nexa_dagster.core.rl import rewards
+
+    seen: dict = {}
+
+    def names_a_choice(completions: list[str], **columns) -> list[float]:
+        seen.update(columns)
+        return [float(c in p) for c, p in zip(completions, columns["prompts"], strict=True)]
+
+    monkeypatch.setitem(rewards.REWARDS, "names_a_choice", lambda **deps: names_a_choice)
+    rows = [
+        {"prompt": "Which topic? Choices: assert, for", "answer": "assert"},
+        {"prompt": "Which topic? Choices: with, del", "answer": "del", "task": "topic"},
+    ]
+    assert held_out_rewards(rows, ["for", "assert"], [("names_a_choice", 1.0)]) == [1.0, 0.0]
+    assert seen == {
+        "prompts": [r["prompt"] for r in rows],
+        "answer": ["assert", "del"],
+        "task": [None, "topic"],
+    }
+    with pytest.raises(ValueError, match=r"the rows have \['answer', 'prompts', 'task'\]"):
+        held_out_rewards(rows, ["for", "assert"], [("reference_f1", 1.0)])
+
+
+def test_answer_lengths_are_what_the_length_control_compares() -> None:
+    """Each prompt's answer length in characters: the greedy answer's, or the mean over the sampled answers when
+    the evaluation sampled (the answers ``prompt_rewards`` scored)."""
+    from nexa_dagster.core.evaluation.reward_gate import answer_lengths
+
+    assert answer_lengths({"answers": ["assert", "del"]}) == [6.0, 3.0]
+    sampled = {
+        "answers": ["assert", "del"],
+        "sampled_answers": [["for", "assert."], ["with", "del", "The x"]],
+    }
+    assert answer_lengths(sampled) == [5.0, 4.0]
+    assert answer_lengths({"answers": ["assert", "del"], "sampled_answers": []}) == [6.0, 3.0]
