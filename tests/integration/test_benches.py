@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,14 +157,20 @@ def test_a_bench_at_its_smallest_size_ends_with_one_json_object_of_its_figures(
 ) -> None:
     bench = BENCHES[name]
     args = [a.replace(WORK, str(tmp_path / "work")) for a in bench.args]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / name), *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=bench.timeout_s,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path), **bench.env},
-    )
+    # the bench's temporary files in a folder of its own under a short path: pytest's tmp_path is too long for
+    # the Unix sockets the serving benches bind there (a socket path has 107 bytes at most: "AF_UNIX path too long")
+    scratch = Path(tempfile.mkdtemp(prefix="nexa-bench-"))
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / name), *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=bench.timeout_s,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(scratch), **bench.env},
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     figures = last_json_line(proc.stdout)
     assert bench.figures <= figures.keys(), (sorted(bench.figures - figures.keys()), figures)
