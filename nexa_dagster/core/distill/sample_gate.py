@@ -251,72 +251,118 @@ def apply_sample_gate(
     done, total = 0, len(samples)
     for day in days:
         part = samples[samples["day"] == day].reset_index(drop=True)
-        reasons: list[str | None] = []
-        signatures: dict[int, tuple[str, object]] = {}
-        within = DedupIndex(settings)
-        for i, row in enumerate(part.itertuples(index=False)):
-            error = row.error if isinstance(row.error, str) else None
-            reason = heuristic_reason(row.prompt, row.response, error, config, int(row.completion_tokens))
-            if reason is None and config.dedup.enabled:
-                exact, mh = history.signature(row.response)
-                dup = history.find(exact, mh) or within.find(exact, mh)
-                if dup is not None:
-                    reason = dup.reason()
-                else:
-                    within.add(row.sample_id, day, exact, mh)
-                    signatures[i] = (exact, mh)
-            reasons.append(reason)
-        to_judge = [i for i, r in enumerate(reasons) if r is None]
-
-        def tick(n: int, _: int, offset: int = done) -> None:
-            if progress:
-                progress(offset + n, total)
-
-        verdicts = gate_judge.judge_many(
-            [(part.at[i, "prompt"], part.at[i, "response"]) for i in to_judge], tick
+        tick = _progress_from(progress, done, total)
+        judged_frames.append(
+            _gate_partition(part, day, config, gate_judge, history, result, tick, dedup_root)
         )
-        result.judged += len(to_judge)
-        result.judge_attempts += sum(v.attempts for v in verdicts)
-        by_row: dict[int, Verdict] = dict(zip(to_judge, verdicts, strict=True))
-        columns: dict[str, list[object]] = {c: [] for c in GATE_COLUMNS}
-        for i in range(len(part)):
-            v = by_row.get(i)
-            columns["judge_score"].append(v.score if v else None)
-            columns["judge_method"].append(v.method if v else None)
-            columns["judge_rationale"].append(v.rationale if v else None)
-            columns["judge_confidence"].append(v.confidence if v else None)
-            if v is not None:
-                if v.error is not None or v.score is None:
-                    reasons[i] = f"judge_error: {v.error}"
-                elif v.score < config.judge.min_score:
-                    reasons[i] = f"judge_low_score: {v.score:.2f} < {config.judge.min_score}"
-        judged = part.assign(**columns, reason=reasons)
-        judged["judge_score"] = judged["judge_score"].astype("float64")
-        judged["judge_confidence"] = judged["judge_confidence"].astype("float64")
-        kept = [i for i, r in enumerate(reasons) if r is None]
-        if config.dedup.enabled:
-            for i in kept:
-                history.add(part.at[i, "sample_id"], day, *signatures[i])
-            if dedup_root:
-                exact = {part.at[i, "sample_id"]: signatures[i][0] for i in kept}
-                save_partition(history, dedup_root, day, [part.at[i, "sample_id"] for i in kept], exact)
-        judged_frames.append(judged)
         done += len(part)
         # rows the heuristics or dedup decided never reach the judge: the day is done all the same
         if progress:
             progress(done, total)
+    result.filtered, result.rejected = _filtered_and_rejected(samples, judged_frames)
+    return result
+
+
+def _progress_from(
+    progress: Callable[[int, int], None] | None, offset: int, total: int
+) -> Callable[[int, int], None]:
+    """The judge's progress callback for one partition: its judged rows counted after the ``offset`` before it."""
+
+    def tick(n: int, _: int) -> None:
+        if progress:
+            progress(offset + n, total)
+
+    return tick
+
+
+def _gate_partition(
+    part: pd.DataFrame,
+    day: str,
+    config: GateConfig,
+    gate_judge: Judge,
+    history: DedupIndex,
+    result: GateResult,
+    tick: Callable[[int, int], None],
+    dedup_root: str | None,
+) -> pd.DataFrame:
+    """One partition's rows with the judge's columns and ``reason`` (None: kept); its kept rows join ``history``.
+
+    Only the rows the heuristics and dedup let through are judged; ``result`` counts them and the judge's attempts.
+    """
+    reasons, signatures = _screen_partition(part, day, config, history)
+    to_judge = [i for i, r in enumerate(reasons) if r is None]
+    verdicts = gate_judge.judge_many([(part.at[i, "prompt"], part.at[i, "response"]) for i in to_judge], tick)
+    result.judged += len(to_judge)
+    result.judge_attempts += sum(v.attempts for v in verdicts)
+    by_row: dict[int, Verdict] = dict(zip(to_judge, verdicts, strict=True))
+    for i, v in by_row.items():
+        if v.error is not None or v.score is None:
+            reasons[i] = f"judge_error: {v.error}"
+        elif v.score < config.judge.min_score:
+            reasons[i] = f"judge_low_score: {v.score:.2f} < {config.judge.min_score}"
+    judged = part.assign(**_verdict_columns(len(part), by_row), reason=reasons)
+    judged["judge_score"] = judged["judge_score"].astype("float64")
+    judged["judge_confidence"] = judged["judge_confidence"].astype("float64")
+    if config.dedup.enabled:
+        kept = [i for i, r in enumerate(reasons) if r is None]
+        for i in kept:
+            history.add(part.at[i, "sample_id"], day, *signatures[i])
+        if dedup_root:
+            exact = {part.at[i, "sample_id"]: signatures[i][0] for i in kept}
+            save_partition(history, dedup_root, day, [part.at[i, "sample_id"] for i in kept], exact)
+    return judged
+
+
+def _screen_partition(
+    part: pd.DataFrame, day: str, config: GateConfig, history: DedupIndex
+) -> tuple[list[str | None], dict[int, tuple[str, object]]]:
+    """The cheap checks before the judge: each row's heuristic or duplicate reason (None: passed both), and the
+    dedup signatures of the rows that passed (by row), duplicates found in ``history`` or earlier in ``part``."""
+    reasons: list[str | None] = []
+    signatures: dict[int, tuple[str, object]] = {}
+    within = DedupIndex(history.settings)
+    for i, row in enumerate(part.itertuples(index=False)):
+        error = row.error if isinstance(row.error, str) else None
+        reason = heuristic_reason(row.prompt, row.response, error, config, int(row.completion_tokens))
+        if reason is None and config.dedup.enabled:
+            exact, mh = history.signature(row.response)
+            dup = history.find(exact, mh) or within.find(exact, mh)
+            if dup is not None:
+                reason = dup.reason()
+            else:
+                within.add(row.sample_id, day, exact, mh)
+                signatures[i] = (exact, mh)
+        reasons.append(reason)
+    return reasons, signatures
+
+
+def _verdict_columns(rows: int, by_row: dict[int, Verdict]) -> dict[str, list[object]]:
+    """The judge's columns (``GATE_COLUMNS``) for ``rows`` rows: a verdict's values, None where none was asked."""
+    columns: dict[str, list[object]] = {c: [] for c in GATE_COLUMNS}
+    for i in range(rows):
+        v = by_row.get(i)
+        columns["judge_score"].append(v.score if v else None)
+        columns["judge_method"].append(v.method if v else None)
+        columns["judge_rationale"].append(v.rationale if v else None)
+        columns["judge_confidence"].append(v.confidence if v else None)
+    return columns
+
+
+def _filtered_and_rejected(
+    samples: pd.DataFrame, judged_frames: list[pd.DataFrame]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The gated partitions split into kept rows (without ``reason``) and rejected ones; with no partition, both
+    empty with the gate's columns typed as a gated frame has them."""
     if judged_frames:
         judged = pd.concat(judged_frames, ignore_index=True)
         keep = judged["reason"].isna()
-        result.filtered = judged[keep].drop(columns=["reason"]).reset_index(drop=True)
-        result.rejected = judged[~keep].reset_index(drop=True)
-    else:
-        empty = samples.assign(
-            **{
-                c: pd.Series(dtype="float64" if c in ("judge_score", "judge_confidence") else "object")
-                for c in GATE_COLUMNS
-            }
+        return judged[keep].drop(columns=["reason"]).reset_index(drop=True), judged[~keep].reset_index(
+            drop=True
         )
-        result.filtered = empty.reset_index(drop=True)
-        result.rejected = empty.assign(reason=pd.Series(dtype="object")).reset_index(drop=True)
-    return result
+    empty = samples.assign(
+        **{
+            c: pd.Series(dtype="float64" if c in ("judge_score", "judge_confidence") else "object")
+            for c in GATE_COLUMNS
+        }
+    )
+    return empty.reset_index(drop=True), empty.assign(reason=pd.Series(dtype="object")).reset_index(drop=True)

@@ -200,30 +200,10 @@ def build_preference_dataset(
     with packaging_in_flight(out_root):  # no clean-up removes a shard this run may still pick up
         fingerprint = tokenizer_fingerprint(tokenizer)
         store = storage.join(out_root, "store")
-        shards: dict[str, list[tuple[str, int, str, int]]] = {s: [] for s in SPLITS}
-        reused = 0
-        day_paths = []
-        for day in days:  # every day tokenized and checked before any manifest is written
-            name = day.path.rsplit("/", 1)[-1].removesuffix(".jsonl")
-            paths = {s: storage.join(store, f"{name}-{fingerprint}.{s}.parquet") for s in SPLITS}
-            if all(storage.exists(p) for p in paths.values()):
-                reused += 1
-                for path in paths.values() if limits is not None else ():
-                    for row in _read_rows(path):
-                        check_limits(row, path.rsplit("/", 1)[-1], limits)
-            else:
-                _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed, limits)
-            day_paths.append(paths)
-        seen: dict[str, str] = {}  # pair_id -> the shard (earlier day) it is kept from
-        dropped = 0
-        for paths in day_paths:
-            for split, path in list(paths.items()):
-                paths[split], repeated = _without_earlier_pairs(path, seen, log)
-                dropped += repeated
-            for split, path in paths.items():
-                with storage.open_read(path) as f:
-                    rows = pq.ParquetFile(f).metadata.num_rows
-                shards[split].append((path, storage.size(path), storage.sha256_file(path), rows))
+        day_paths, reused = _stored_days(
+            days, tokenizer, store, fingerprint, validation_fraction, eval_fraction, seed, limits
+        )
+        shards, dropped = _shards_without_repeats(day_paths, log)
         config = {
             "format": FORMAT,
             "tokenizer": fingerprint,
@@ -240,17 +220,7 @@ def build_preference_dataset(
                 f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs; "
                 "both sides need at least one (more pairs, or another validation_fraction)"
             )
-        for split in SPLITS:
-            write_split_manifest(
-                split_manifest_path(root, split),
-                split,
-                run_hash,
-                out_root,
-                [
-                    (p.removeprefix(out_root.rstrip("/") + "/"), size, digest, rows)
-                    for p, size, digest, rows in shards[split]
-                ],
-            )
+        _write_manifests(root, run_hash, out_root, shards)
         storage.write_json(
             {**config, "run_hash": run_hash, "pairs": counts, "tokenizer_path": tokenizer_path},
             storage.join(root, "snapshot.json"),
@@ -259,18 +229,84 @@ def build_preference_dataset(
             f"preference dataset {run_hash}: {counts['train']} training and {counts['validation']} validation pairs "
             f"from {len(days)} days ({reused} days' shards reused)"
         )
-        snapshot = PreferenceSnapshot(
-            run_hash,
-            root,
-            split_manifest_path(root, "train"),
-            split_manifest_path(root, "validation"),
-            counts,
-            reused,
-            tokenizer_path,
-            dropped,
-        )
     clean_store(out_root, keep_snapshots, log, SplitManifestStore())
-    return snapshot
+    return PreferenceSnapshot(
+        run_hash,
+        root,
+        split_manifest_path(root, "train"),
+        split_manifest_path(root, "validation"),
+        counts,
+        reused,
+        tokenizer_path,
+        dropped,
+    )
+
+
+ShardEntry = tuple[str, int, str, int]  # a split's shard in a manifest: path, bytes, SHA-256, pairs
+
+
+def _stored_days(
+    days: Sequence[Any],
+    tokenizer: Any,
+    store: str,
+    fingerprint: str,
+    validation_fraction: float,
+    eval_fraction: float,
+    seed: int,
+    limits: ModelLimits | None,
+) -> tuple[list[dict[str, str]], int]:
+    """Each day's shard per split in the store (``split -> path``, in day order) and how many days were reused.
+
+    A day whose shards are all there is reused (its rows checked against ``limits``, which may be new); any other
+    is tokenized now. Every day is tokenized and checked before any manifest is written."""
+    day_paths = []
+    reused = 0
+    for day in days:
+        name = day.path.rsplit("/", 1)[-1].removesuffix(".jsonl")
+        paths = {s: storage.join(store, f"{name}-{fingerprint}.{s}.parquet") for s in SPLITS}
+        if all(storage.exists(p) for p in paths.values()):
+            reused += 1
+            for path in paths.values() if limits is not None else ():
+                for row in _read_rows(path):
+                    check_limits(row, path.rsplit("/", 1)[-1], limits)
+        else:
+            _tokenize_day(day.path, tokenizer, paths, validation_fraction, eval_fraction, seed, limits)
+        day_paths.append(paths)
+    return day_paths, reused
+
+
+def _shards_without_repeats(
+    day_paths: list[dict[str, str]], log: Callable[[str], None]
+) -> tuple[dict[str, list[ShardEntry]], int]:
+    """Each split's shards in day order, a shard replaced by its derived copy where an earlier day already holds
+    some of its pairs (``_without_earlier_pairs``), and how many pairs were left out so."""
+    shards: dict[str, list[ShardEntry]] = {s: [] for s in SPLITS}
+    seen: dict[str, str] = {}  # pair_id -> the shard (earlier day) it is kept from
+    dropped = 0
+    for paths in day_paths:
+        for split, path in list(paths.items()):
+            paths[split], repeated = _without_earlier_pairs(path, seen, log)
+            dropped += repeated
+        for split, path in paths.items():
+            with storage.open_read(path) as f:
+                rows = pq.ParquetFile(f).metadata.num_rows
+            shards[split].append((path, storage.size(path), storage.sha256_file(path), rows))
+    return shards, dropped
+
+
+def _write_manifests(root: str, run_hash: str, out_root: str, shards: dict[str, list[ShardEntry]]) -> None:
+    """Each split's manifest in the snapshot folder ``root``, naming its shards relative to ``out_root``."""
+    for split in SPLITS:
+        write_split_manifest(
+            split_manifest_path(root, split),
+            split,
+            run_hash,
+            out_root,
+            [
+                (p.removeprefix(out_root.rstrip("/") + "/"), size, digest, rows)
+                for p, size, digest, rows in shards[split]
+            ],
+        )
 
 
 def _tokenize_day(
