@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,33 +173,17 @@ def freeze_eval_set(
     chat = ChatTokenizer.from_hf(
         tokenizer, storage.join(root, "tokenizers", f"{tokenizer_fingerprint(tokenizer)}.json")
     )
-    conversations = [conversation(r.system_prompt, r.prompt, r.response) for r in held.itertuples()]
-    encoded = chat.encode_conversations(conversations) if conversations else []
-    rows, lines, dropped = [], [], 0
-    for r, messages, (all_ids, all_mask) in zip(held.itertuples(), conversations, encoded, strict=True):
-        ids, mask = all_ids[:max_tokens].tolist(), all_mask[:max_tokens].tolist()
-        if sum(mask[1:]) == 0:  # the first token is never predicted
-            dropped += 1
-            continue
-        rows.append({"sample_id": str(r.sample_id), "input_ids": ids, "loss_mask": mask})
-        lines.append(dumps({"sample_id": str(r.sample_id), "day": str(r.day), "messages": messages}))
+    rows, lines, dropped = _encoded_examples(held, chat, max_tokens)
     if not rows:
         raise ValueError(
             f"eval set v{version}: none of the {len(samples)} samples hashes to the held-out side "
             f"(eval_set.fraction={fraction}, {dropped} too long to keep an answer token); "
             "raise the fraction or wait for more data"
         )
-    table = pa.table(
-        {
-            "sample_id": pa.array([r["sample_id"] for r in rows]),
-            "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
-            "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8())),
-        }
-    )
 
     def write(directory: str) -> dict[str, Any]:
         """Every file of the version into ``directory``, the manifest last; returns the manifest."""
-        storage.write_parquet(table.to_pandas(), storage.join(directory, "examples.parquet"))
+        storage.write_parquet(_examples_table(rows).to_pandas(), storage.join(directory, "examples.parquet"))
         with storage.atomic_writer(storage.join(directory, "samples.jsonl")) as f:
             f.write(b"".join(lines))
         frozen_corpus = _write_corpus(
@@ -220,10 +205,45 @@ def freeze_eval_set(
             storage.publish_directory(out, lambda tmp: written.update(write(str(tmp))))
             manifest = written
     storage.write_text(manifest["content_sha256"] + "\n", frozen_marker(root, version))
+    log(_frozen_message(version, directory, manifest))
+    return {**manifest, **_paths(directory, manifest)}
+
+
+def _encoded_examples(
+    held: pd.DataFrame, chat: ChatTokenizer, max_tokens: int
+) -> tuple[list[dict[str, Any]], list[bytes], int]:
+    """The held-out samples as examples (sample_id, input_ids, loss_mask: cut to ``max_tokens``) and their
+    ``samples.jsonl`` lines, in ``held``'s order, and how many were dropped with no answer token left."""
+    conversations = [conversation(r.system_prompt, r.prompt, r.response) for r in held.itertuples()]
+    encoded = chat.encode_conversations(conversations) if conversations else []
+    rows, lines, dropped = [], [], 0
+    for r, messages, (all_ids, all_mask) in zip(held.itertuples(), conversations, encoded, strict=True):
+        ids, mask = all_ids[:max_tokens].tolist(), all_mask[:max_tokens].tolist()
+        if sum(mask[1:]) == 0:  # the first token is never predicted
+            dropped += 1
+            continue
+        rows.append({"sample_id": str(r.sample_id), "input_ids": ids, "loss_mask": mask})
+        lines.append(dumps({"sample_id": str(r.sample_id), "day": str(r.day), "messages": messages}))
+    return rows, lines, dropped
+
+
+def _examples_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """``examples.parquet``'s table: int32 token ids and an int8 loss mask per example."""
+    return pa.table(
+        {
+            "sample_id": pa.array([r["sample_id"] for r in rows]),
+            "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
+            "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8())),
+        }
+    )
+
+
+def _frozen_message(version: int, directory: str, manifest: dict[str, Any]) -> str:
+    """The log line of a freeze: examples and scored tokens, the corpus documents if any, the content hash."""
     frozen_corpus = manifest["corpus"]
-    log(
-        f"froze eval set v{version}: {len(rows)} held-out examples ({manifest['tokens']} scored tokens) in "
-        f"{directory}"
+    return (
+        f"froze eval set v{version}: {manifest['examples']} held-out examples ({manifest['tokens']} scored tokens) "
+        f"in {directory}"
         + (
             f", and {frozen_corpus['documents']} corpus documents ({frozen_corpus['tokens']} scored "
             f"tokens) of corpus {frozen_corpus['run_hash']} for base models"
@@ -232,7 +252,6 @@ def freeze_eval_set(
         )
         + f"; content SHA-256 {manifest['content_sha256'][:16]}"
     )
-    return {**manifest, **_paths(directory, manifest)}
 
 
 def _already_frozen(root: str, version: int, tokenizer: Any, log: Callable[[str], None]) -> dict[str, Any]:
@@ -359,8 +378,6 @@ def load_eval_set(root: str, version: int) -> dict[str, Any]:
 def eval_slices(manifest: dict[str, Any], field: str | None) -> list[str] | None:
     """Each example's value of ``field`` in ``samples.jsonl`` (in the examples' order), the promotion guards'
     slices; None when ``field`` is None. A field an example does not carry is an error naming the file and row."""
-    import json
-
     if field is None:
         return None
     labels: list[str] = []
@@ -378,8 +395,6 @@ def eval_slices(manifest: dict[str, Any], field: str | None) -> list[str] | None
 
 def eval_prompts(manifest: dict[str, Any], limit: int) -> list[str]:
     """The user turns of the first ``limit`` eval-set examples: the questions both models answer for the judge."""
-    import json
-
     prompts: list[str] = []
     with storage.open_read(manifest["samples_path"]) as f:
         for line in f:
