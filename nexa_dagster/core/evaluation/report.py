@@ -129,7 +129,6 @@ def build_eval_report(
 ) -> EvalReport:
     """Write ``report.json`` and ``report.md`` under ``report_dir`` and return the record they describe."""
     result, paired, win = evaluation.result, evaluation.paired_loss, evaluation.win_rate
-    gate = decision.metadata()
     json_path, md_path = write_report(
         result,
         {
@@ -159,39 +158,13 @@ def build_eval_report(
         judge_method=answers[0].method if answers else None,
         num_heldout_prompts=len(answers),
         dataset_run_hash=ckpt.dataset_run_hash,
-        win_rate_vs_production=win.rate.estimate if win else None,
         production_checkpoint_id=production_id,
-        production_eval_loss=paired.production if paired else None,
-        eval_loss_difference=paired.difference.estimate if paired else None,
-        eval_loss_difference_interval=_bounded(paired.difference) if paired else None,
-        win_rate_interval=(win.rate.low, win.rate.high) if win else None,
-        win_rate_verdicts=win.prompts if win else None,
-        judge_mode=win.mode if win else None,
-        win_rate_headline=win.headline if win else None,
-        judge_order_consistency=win.order_consistency if win else None,
-        judge_flips=win.inconsistent if win else None,
-        judge_ties=win.ties if win else None,
-        judge_unreadable=win.unreadable if win else None,
-        gate_decision=gate["decision"],
-        gate_reason=decision.reason,
-        gate_metric=metric,
-        gate_n=decision.n,
-        gate_method=decision.method or None,
-        gate_rule=decision.rule or None,
-        gate_attempt=decision.attempt.number if decision.attempt else None,
-        gate_confidence=decision.attempt.confidence if decision.attempt else None,
+        **_comparison_fields(evaluation),
+        **_gate_fields(decision, metric),
         contamination=contamination,
         contaminated_items=contaminated_items or [],
         stage=ckpt.stage,
-        length_controlled_win_rate=evaluation.length_controlled.win_rate
-        if evaluation.length_controlled
-        else None,
-        mean_length_change=evaluation.length_controlled.mean_length_change
-        if evaluation.length_controlled
-        else None,
         preference_metrics=ckpt.preference_metrics,
-        guards=list(decision.guards),
-        guard=decision.guard.to_json() if decision.guard else None,
         report_json=json_path,
         report_markdown=md_path,
         parent=ckpt.parent,
@@ -199,6 +172,44 @@ def build_eval_report(
         benchmarks=result.benchmarks,
         production_benchmarks=result.production_benchmarks,
     )
+
+
+def _comparison_fields(evaluation: CheckpointEvaluation) -> dict[str, Any]:
+    """The report's fields that compare the candidate with production: the paired loss, the judge's win rate and
+    its length control (None each where that comparison was not made)."""
+    paired, win, lc = evaluation.paired_loss, evaluation.win_rate, evaluation.length_controlled
+    return {
+        "win_rate_vs_production": win.rate.estimate if win else None,
+        "production_eval_loss": paired.production if paired else None,
+        "eval_loss_difference": paired.difference.estimate if paired else None,
+        "eval_loss_difference_interval": _bounded(paired.difference) if paired else None,
+        "win_rate_interval": (win.rate.low, win.rate.high) if win else None,
+        "win_rate_verdicts": win.prompts if win else None,
+        "judge_mode": win.mode if win else None,
+        "win_rate_headline": win.headline if win else None,
+        "judge_order_consistency": win.order_consistency if win else None,
+        "judge_flips": win.inconsistent if win else None,
+        "judge_ties": win.ties if win else None,
+        "judge_unreadable": win.unreadable if win else None,
+        "length_controlled_win_rate": lc.win_rate if lc else None,
+        "mean_length_change": lc.mean_length_change if lc else None,
+    }
+
+
+def _gate_fields(decision: GateDecision, metric: str) -> dict[str, Any]:
+    """The report's fields of the promotion gate's decision: what it decided on which metric, how, and its guards."""
+    return {
+        "gate_decision": decision.metadata()["decision"],
+        "gate_reason": decision.reason,
+        "gate_metric": metric,
+        "gate_n": decision.n,
+        "gate_method": decision.method or None,
+        "gate_rule": decision.rule or None,
+        "gate_attempt": decision.attempt.number if decision.attempt else None,
+        "gate_confidence": decision.attempt.confidence if decision.attempt else None,
+        "guards": list(decision.guards),
+        "guard": decision.guard.to_json() if decision.guard else None,
+    }
 
 
 def _bounded(interval: Any) -> tuple[float, float] | None:
