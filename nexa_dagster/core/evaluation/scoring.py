@@ -451,33 +451,57 @@ def compare(
         resamples=resamples,
         method=interval_method,
     )
-    d = evaluation.paired_loss.difference
-    log(
-        f"{checkpoint_id}: eval-set loss {evaluation.paired_loss.candidate:.4f} vs production "
-        f"{evaluation.paired_loss.production:.4f}: difference {d.estimate:+.4f} "
-        f"[{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%} {evaluation.paired_loss.method}-interval, "
-        f"n = {evaluation.paired_loss.examples})"
+    log(f"{checkpoint_id}: {_describe_paired_loss(evaluation.paired_loss, confidence)}")
+    first, second = _judge_both_models(
+        evaluation, production, judge, prompts, rubric, method, judge_mode, tie_epsilon, confidence, log
     )
-    if judge_mode == "pointwise":
-        with Progress(log, "production: held-out answers judged") as progress:
-            theirs = judge_answers(
-                judge, prompts, production.answers, rubric, log=log, progress=progress, method=method
-            )
-        ours_scores, their_scores = [a.score for a in answers], [a.score for a in theirs]
-        evaluation.win_rate = pointwise_win_rate(ours_scores, their_scores, tie_epsilon, confidence)
-        evaluation.judge_scores = (ours_scores, their_scores)
-        verdicts = [
-            v if v != "tie" else None for v in pointwise_verdicts(ours_scores, their_scores, tie_epsilon)
-        ]
-        first, second = verdicts, verdicts  # one verdict per prompt: no order to be consistent across
-    else:
-        first, second = pairwise_verdicts(judge, prompts, candidate.answers, production.answers)
-        evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
     evaluation.length_controlled = length_controlled_win_rate(
         first, second, [len(a) for a in candidate.answers], [len(a) for a in production.answers]
     )
     log(f"{checkpoint_id}: {describe_win_rate(evaluation.win_rate)}")
     return evaluation
+
+
+def _describe_paired_loss(paired: PairedLoss, confidence: float) -> str:
+    """Both models' eval-set loss and the difference with its interval, in one line."""
+    d = paired.difference
+    return (
+        f"eval-set loss {paired.candidate:.4f} vs production {paired.production:.4f}: difference "
+        f"{d.estimate:+.4f} [{d.low:+.4f}, {d.high:+.4f}] ({confidence:.0%} {paired.method}-interval, "
+        f"n = {paired.examples})"
+    )
+
+
+def _judge_both_models(
+    evaluation: CheckpointEvaluation,
+    production: ModelScores,
+    judge: LLMClient,
+    prompts: Sequence[str],
+    rubric: JudgeRubric,
+    method: str | None,
+    judge_mode: str,
+    tie_epsilon: float,
+    confidence: float,
+    log: Callable[[str], None],
+) -> tuple[list[Verdict], list[Verdict]]:
+    """Set ``evaluation.win_rate`` (and, pointwise, ``judge_scores``: production's answers judged too) and return
+    the verdicts in both answer orders, which the length control reads; pointwise, one verdict per prompt (a tie:
+    None) serves as both, having no order to be consistent across."""
+    if judge_mode != "pointwise":
+        first, second = pairwise_verdicts(judge, prompts, evaluation.candidate.answers, production.answers)
+        evaluation.win_rate = order_consistent_win_rate(first, second, confidence)
+        return first, second
+    with Progress(log, "production: held-out answers judged") as progress:
+        theirs = judge_answers(
+            judge, prompts, production.answers, rubric, log=log, progress=progress, method=method
+        )
+    ours_scores, their_scores = [a.score for a in evaluation.result.answers], [a.score for a in theirs]
+    evaluation.win_rate = pointwise_win_rate(ours_scores, their_scores, tie_epsilon, confidence)
+    evaluation.judge_scores = (ours_scores, their_scores)
+    verdicts: list[Verdict] = [
+        v if v != "tie" else None for v in pointwise_verdicts(ours_scores, their_scores, tie_epsilon)
+    ]
+    return verdicts, verdicts
 
 
 def describe_win_rate(w: WinRate) -> str:
