@@ -322,40 +322,10 @@ def finalize_sft(
     for receipt in report.receipts:
         for split in SPLITS:
             stats[split].add(PackingStats.from_json(receipt.stats[split]))
-    paths: dict[str, str] = {}
-    base = root.rsplit("/", 1)[0]  # the SFT root: holds the snapshot folders and the store
-    in_base = store[len(base) + 1 :]  # "store", or "<run_hash>" when the snapshot keeps its shards to itself
-    for split in SPLITS:
-        paths[split] = packed_split.split_manifest_path(root, split)
-        files = []
-        for r in report.receipts:
-            rel = f"shards/{r.shard_id}.{split}.parquet"
-            out = r.outputs[rel]
-            files.append(
-                (f"{in_base}/{rel}", int(out["bytes"]), str(out["sha256"]), int(r.stats[split]["sequences"]))
-            )
-        packed_split.write_split_manifest(paths[split], split, rh, base, files)
-        if settings.write_jsonl:
-            paths[f"{split}_jsonl"] = packed_split.split_manifest_path(root, f"{split}.jsonl")
-            lines = []
-            for r in report.receipts:
-                rel = f"shards/{r.shard_id}.{split}.jsonl"
-                lines.append(
-                    (f"{in_base}/{rel}", int(r.outputs[rel]["bytes"]), str(r.outputs[rel]["sha256"]), None)
-                )
-            packed_split.write_split_manifest(paths[f"{split}_jsonl"], split, rh, base, lines)
+    paths = _write_split_manifests(root, rh, report.receipts, store, settings.write_jsonl)
     quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
     if quarantined:
-        paths["quarantine"] = storage.join(root, "quarantine.jsonl")
-        sh.concat_files(
-            [
-                storage.join(store, o)
-                for r in report.receipts
-                for o in r.outputs
-                if o.endswith(".quarantine.jsonl")
-            ],
-            paths["quarantine"],
-        )
+        paths["quarantine"] = _gather_quarantine(root, store, report.receipts)
         log(f"{quarantined} bad input rows quarantined in {paths['quarantine']}")
     if settings.incremental:
         paths["manifest"] = storage.join(root, "snapshot.json")
@@ -383,6 +353,46 @@ def finalize_sft(
             "dropped as longer than a pack with no answer left)"
         )
     return run
+
+
+def _write_split_manifests(
+    root: str, rh: str, receipts: Sequence[sh.Receipt], store: str, write_jsonl: bool
+) -> dict[str, str]:
+    """Each split's manifest of its packed shard files in plan order (and of its JSONL shards, ``write_jsonl``),
+    the files named relative to the SFT root above the snapshot folder ``root``; ``name -> manifest path``."""
+    paths: dict[str, str] = {}
+    base = root.rsplit("/", 1)[0]  # the SFT root: holds the snapshot folders and the store
+    in_base = store[len(base) + 1 :]  # "store", or "<run_hash>" when the snapshot keeps its shards to itself
+    for split in SPLITS:
+        paths[split] = packed_split.split_manifest_path(root, split)
+        files = []
+        for r in receipts:
+            rel = f"shards/{r.shard_id}.{split}.parquet"
+            out = r.outputs[rel]
+            files.append(
+                (f"{in_base}/{rel}", int(out["bytes"]), str(out["sha256"]), int(r.stats[split]["sequences"]))
+            )
+        packed_split.write_split_manifest(paths[split], split, rh, base, files)
+        if write_jsonl:
+            paths[f"{split}_jsonl"] = packed_split.split_manifest_path(root, f"{split}.jsonl")
+            lines = []
+            for r in receipts:
+                rel = f"shards/{r.shard_id}.{split}.jsonl"
+                lines.append(
+                    (f"{in_base}/{rel}", int(r.outputs[rel]["bytes"]), str(r.outputs[rel]["sha256"]), None)
+                )
+            packed_split.write_split_manifest(paths[f"{split}_jsonl"], split, rh, base, lines)
+    return paths
+
+
+def _gather_quarantine(root: str, store: str, receipts: Sequence[sh.Receipt]) -> str:
+    """The shards' quarantined rows in one ``quarantine.jsonl`` in the snapshot folder ``root``; its path."""
+    path = storage.join(root, "quarantine.jsonl")
+    sh.concat_files(
+        [storage.join(store, o) for r in receipts for o in r.outputs if o.endswith(".quarantine.jsonl")],
+        path,
+    )
+    return path
 
 
 def samples_to_jsonl(samples: pd.DataFrame, out_root: str) -> str:
@@ -527,43 +537,16 @@ def default_blend() -> DataBlend:
 
 
 def build_sft_dataset(
-    samples: pd.DataFrame,
-    tokenizer: Any,
-    tokenizer_path: str,
-    out_root: str,
-    pack_size: int,
-    validation_fraction: float,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    blend: DataBlend | None = None,
-    on_error: OnError = "raise",
-    rows_per_shard: int = 5000,
-    workers: int = 1,
-    eval_fraction: float = 0.0,
-    incremental: bool = True,
-    keep_snapshots: int = 0,
+    samples: pd.DataFrame, tokenizer: Any, tokenizer_path: str, out_root: str, *args: Any, **kwargs: Any
 ) -> tuple[SFTDataset, dict[str, PackingStats]]:
-    """``build_sft_dataset_from_days`` for samples already in memory (tests, small tools)."""
+    """``build_sft_dataset_from_days`` for samples already in memory (tests, small tools): the frame written as one
+    JSONL file per day (``day_inputs_from_frame``), every other argument passed on as it is."""
     if samples.empty:
         raise ValueError(
             "no filtered samples to package: every sample was rejected, or no day was materialized"
         )
     return build_sft_dataset_from_days(
-        day_inputs_from_frame(samples, out_root),
-        tokenizer,
-        tokenizer_path,
-        out_root,
-        pack_size,
-        validation_fraction,
-        seed,
-        log,
-        blend,
-        on_error,
-        rows_per_shard,
-        workers,
-        eval_fraction,
-        incremental,
-        keep_snapshots=keep_snapshots,
+        day_inputs_from_frame(samples, out_root), tokenizer, tokenizer_path, out_root, *args, **kwargs
     )
 
 
@@ -602,16 +585,6 @@ def build_sft_dataset_from_days(
     # and kept on the earliest day only (two days processed at once both keep a repeated document upstream)
     inputs, cross_day = drop_cross_day_duplicates(inputs, out_root, log)
     blend = blend or default_blend()
-    # a small dataset must still get both splits: move a sample if the hash split left one empty (keyed by
-    # sample_id, which is how the shards identify the judged samples unless the blend says otherwise)
-    keyed_by_sample_id = any(
-        s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources
-    )
-    moved = (
-        streamed_side_overrides(inputs, validation_fraction, seed, eval_fraction)
-        if keyed_by_sample_id
-        else {}
-    )
     settings = PackagingSettings(
         pack_size,
         validation_fraction,
@@ -619,7 +592,7 @@ def build_sft_dataset_from_days(
         on_error,
         rows_per_shard,
         workers,
-        side_overrides=moved,
+        side_overrides=_both_splits_overrides(inputs, blend, validation_fraction, seed, eval_fraction),
         eval_fraction=eval_fraction,
         incremental=incremental,
         runner=runner,
@@ -637,6 +610,20 @@ def build_sft_dataset_from_days(
     artifact = sft_artifact(run, inputs, tokenizer_path, pack_size, cross_day)
     storage.write_json(artifact.model_dump(), storage.join(run.root, "dataset.json"))
     return artifact, run.stats
+
+
+def _both_splits_overrides(
+    inputs: Sequence[DayInput], blend: DataBlend, validation_fraction: float, seed: int, eval_fraction: float
+) -> dict[str, str]:
+    """A small dataset must still get both splits: the sample to move when the hash split left one empty
+    (``streamed_side_overrides``). Only where the blend keys the judged samples by ``sample_id``, which is how the
+    shards identify them unless the blend says otherwise; else none."""
+    keyed_by_sample_id = any(
+        s.path == "asset:filtered_samples" and s.id_field == "sample_id" for s in blend.sources
+    )
+    if not keyed_by_sample_id:
+        return {}
+    return streamed_side_overrides(inputs, validation_fraction, seed, eval_fraction)
 
 
 def check_both_splits(run: SftRun, pack_size: int) -> None:
