@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.artifacts import Artifact
@@ -146,29 +147,13 @@ def package_pretrain(
     (``day_inputs_from_partitions``), shards never span two days and the corpus after day N+1 tokenizes only day
     N+1; ``megatron_blend.json`` lists the store's prefixes in plan order, the same list a build from nothing gives.
     """
-    import pyarrow
-
     inputs = blend.resolve(assets)
     shards = sh.plan_shards([(s.name, files) for s, files in inputs], settings.rows_per_shard)
     if not shards:
         raise ValueError(f"blend {blend.name!r}: every input file is empty")
     fp = tokenizer_fingerprint(tokenizer)
     chat = ChatTokenizer.from_hf(tokenizer, storage.join(out_root, "tokenizers", f"{fp}.json"))
-    config = {
-        "format": FORMAT,
-        "blend": blend.name,
-        "blend_fingerprint": blend.fingerprint(),
-        "sources": {s.name: s.model_dump() for s in blend.sources},
-        "tokenizer": fp,
-        "eos_id": chat.eos_id,
-        "text_field": settings.text_field,
-        "append_eos": settings.append_eos,
-        "on_error": settings.on_error,
-        "rows_per_shard": settings.rows_per_shard,
-        "seed": seed,
-        "numpy": np.__version__,
-        "pyarrow": pyarrow.__version__,
-    }
+    config = _plan_config(blend, fp, chat, settings, seed)
     rh = sh.run_hash(shards, config)
     root = storage.join(out_root, rh)
     storage.write_json(
@@ -192,28 +177,48 @@ def package_pretrain(
     )
     prefixes = [storage.join(store, f"shards/{r.shard_id}") for r in report.receipts]
     tokens = [int(r.stats["tokens"]) for r in report.receipts]
+    blend_path = _write_megatron_blend(root, rh, blend.name, prefixes, tokens)
+    documents = sum(int(r.stats["documents"]) for r in report.receipts)
+    quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
+    log(
+        f"pretraining corpus {rh}: {documents} documents, "
+        f"{sum(tokens)} tokens in {len(prefixes)} bin/idx shards ({len(report.processed)} tokenized now, "
+        f"{len(report.skipped)} reused; {quarantined} rows quarantined)"
+    )
+    return PretrainRun(rh, root, prefixes, blend_path, documents, sum(tokens), quarantined, report)
+
+
+def _plan_config(
+    blend: DataBlend, fingerprint: str, chat: ChatTokenizer, settings: PretrainSettings, seed: int
+) -> dict[str, Any]:
+    """Everything the corpus's bytes depend on besides the input bytes (hashed into the run hash)."""
+    return {
+        "format": FORMAT,
+        "blend": blend.name,
+        "blend_fingerprint": blend.fingerprint(),
+        "sources": {s.name: s.model_dump() for s in blend.sources},
+        "tokenizer": fingerprint,
+        "eos_id": chat.eos_id,
+        "text_field": settings.text_field,
+        "append_eos": settings.append_eos,
+        "on_error": settings.on_error,
+        "rows_per_shard": settings.rows_per_shard,
+        "seed": seed,
+        "numpy": np.__version__,
+        "pyarrow": pyarrow.__version__,
+    }
+
+
+def _write_megatron_blend(root: str, rh: str, blend: str, prefixes: list[str], tokens: list[int]) -> str:
+    """``megatron_blend.json``: Megatron's ``--data-path`` list, each non-empty prefix weighted by its tokens; its
+    path."""
     data_paths: list[Any] = []
     for n, prefix in zip(tokens, prefixes, strict=True):
         if n:
             data_paths += [n, prefix]
     blend_path = storage.join(root, "megatron_blend.json")
-    storage.write_json({"data_paths": data_paths, "run_hash": rh, "blend": blend.name}, blend_path)
-    quarantined = sum(int(r.stats["quarantined"]) for r in report.receipts)
-    log(
-        f"pretraining corpus {rh}: {sum(int(r.stats['documents']) for r in report.receipts)} documents, "
-        f"{sum(tokens)} tokens in {len(prefixes)} bin/idx shards ({len(report.processed)} tokenized now, "
-        f"{len(report.skipped)} reused; {quarantined} rows quarantined)"
-    )
-    return PretrainRun(
-        rh,
-        root,
-        prefixes,
-        blend_path,
-        sum(int(r.stats["documents"]) for r in report.receipts),
-        sum(tokens),
-        quarantined,
-        report,
-    )
+    storage.write_json({"data_paths": data_paths, "run_hash": rh, "blend": blend}, blend_path)
+    return blend_path
 
 
 def documents_to_jsonl(documents: pd.DataFrame, out_root: str) -> str:
