@@ -34,6 +34,7 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from nexa_dagster.core.common import stat_cache, storage
 from nexa_dagster.core.common.artifacts import SFTDataset
@@ -173,8 +174,6 @@ def process_sft_shard(task: sh.ShardTask) -> sh.Receipt:
 
 
 def _write_parquet(table: pa.Table, path: str) -> None:
-    import pyarrow.parquet as pq
-
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd", write_statistics=False)
     with storage.atomic_writer(path) as f:
@@ -185,8 +184,6 @@ def plan_config(
     blend: DataBlend, chat: ChatTokenizer, template: str, settings: PackagingSettings
 ) -> dict[str, Any]:
     """Everything the output bytes depend on besides the input bytes (hashed into the run hash)."""
-    import pyarrow
-
     return {
         "format": FORMAT,
         "blend": blend.name,
@@ -202,7 +199,7 @@ def plan_config(
         "on_error": settings.on_error,
         "rows_per_shard": settings.rows_per_shard,
         "write_jsonl": settings.write_jsonl,
-        "pyarrow": pyarrow.__version__,
+        "pyarrow": pa.__version__,
     }
 
 

@@ -23,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import pyarrow.parquet as pq
+
 from nexa_dagster.core.common import stat_cache, storage
 from nexa_dagster.core.common.progress import Progress
 
@@ -274,6 +276,39 @@ def run_shards(
     caller's concatenation after stay here, so the bytes are the same whatever ran the shards.
     """
     keyer = _keyer(config, config_for)
+    tasks, done, skipped, redone = _tasks_to_do(shards, root, keyer, runtime, log, store)
+    if skipped:
+        log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
+    with Progress(log, "shards done") as progress:
+        progress(len(done), len(shards))
+
+        def finished(shard_id: str, receipt: Receipt) -> None:
+            done[shard_id] = receipt
+            progress(len(done), len(shards))
+
+        if runner is not None and tasks:
+            for task, receipt in zip(tasks, runner(tasks, work, log), strict=True):
+                done[task.shard.shard_id] = receipt
+            progress(len(done), len(shards))
+        elif workers <= 1 or len(tasks) <= 1:
+            for task in tasks:
+                finished(task.shard.shard_id, run_task(work, task))
+        else:
+            _run_in_processes(tasks, work, workers, finished)
+    ordered = [done[s.shard_id] for s in shards]
+    return RunReport(ordered, [t.shard.shard_id for t in tasks], skipped, redone)
+
+
+def _tasks_to_do(
+    shards: Sequence[Shard],
+    root: str,
+    keyer: Callable[[Shard], tuple[dict[str, Any], str]],
+    runtime: dict[str, Any] | None,
+    log: Callable[[str], None],
+    store: bool,
+) -> tuple[list[ShardTask], dict[str, Receipt], list[str], dict[str, str]]:
+    """The shards without a valid receipt as tasks, and for the others: their receipts by shard id, their ids (the
+    skipped shards), and the reason each redone shard's receipt was not valid (absent receipts are no reason)."""
     tasks: list[ShardTask] = []
     done: dict[str, Receipt] = {}
     skipped: list[str] = []
@@ -290,32 +325,27 @@ def run_shards(
             redone[shard.shard_id] = why
             log(f"shard {shard.shard_id}: redoing ({why})")
         tasks.append(ShardTask(shard, root, key, own, dict(runtime or {}), out_id if store else ""))
-    if skipped:
-        log(f"{len(skipped)} of {len(shards)} shards already done (valid receipts), {len(tasks)} to do")
-    with Progress(log, "shards done") as progress:
-        progress(len(done), len(shards))
-        if runner is not None and tasks:
-            for task, receipt in zip(tasks, runner(tasks, work, log), strict=True):
-                done[task.shard.shard_id] = receipt
-            progress(len(done), len(shards))
-        elif workers <= 1 or len(tasks) <= 1:
-            for task in tasks:
-                done[task.shard.shard_id] = run_task(work, task)
-                progress(len(done), len(shards))
-        else:
-            ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
-            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-                futures = {pool.submit(run_task, work, t): t.shard.shard_id for t in tasks}
-                try:
-                    for fut in as_completed(futures):
-                        done[futures[fut]] = fut.result()
-                        progress(len(done), len(shards))
-                except BaseException:
-                    for other in futures:
-                        other.cancel()
-                    raise
-    ordered = [done[s.shard_id] for s in shards]
-    return RunReport(ordered, [t.shard.shard_id for t in tasks], skipped, redone)
+    return tasks, done, skipped, redone
+
+
+def _run_in_processes(
+    tasks: Sequence[ShardTask],
+    work: Callable[[ShardTask], Receipt],
+    workers: int,
+    finished: Callable[[str, Receipt], None],
+) -> None:
+    """``tasks`` in a pool of up to ``workers`` spawned processes, ``finished(shard_id, receipt)`` as each ends; the
+    first failure cancels the tasks not yet started and is raised."""
+    ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+        futures = {pool.submit(run_task, work, t): t.shard.shard_id for t in tasks}
+        try:
+            for fut in as_completed(futures):
+                finished(futures[fut], fut.result())
+        except BaseException:
+            for other in futures:
+                other.cancel()
+            raise
 
 
 def run_task(work: Callable[[ShardTask], Receipt], task: ShardTask) -> Receipt:
@@ -357,8 +387,6 @@ def concat_parquet(parts: Sequence[str], out: str, schema: Any) -> int:
 
     Each shard becomes one row group, so the output's bytes depend only on the shards' contents and order.
     """
-    import pyarrow.parquet as pq
-
     rows = 0
     with storage.atomic_writer(out) as dst:
         writer = pq.ParquetWriter(dst, schema, compression="zstd", write_statistics=False)
