@@ -136,6 +136,41 @@ def pack_table(
     NumPy matrices and handed to Arrow without per-token Python objects.
     """
     stats = stats or PackingStats()
+    kept = _cut_to_pack_size(docs, pack_size, stats)
+    bins = best_fit_decreasing([len(d[0]) for d in kept], pack_size)
+    n = len(bins)
+    input_ids, loss_mask, position_ids, attention_mask, cu_seqlens, num_tokens = _filled_rows(
+        kept, bins, pack_size, pad_id
+    )
+    num_loss = loss_mask.sum(axis=1, dtype=np.int64)
+    labels = labels_of(input_ids, loss_mask, attention_mask, position_ids)
+    table = pa.Table.from_arrays(
+        [
+            _list_column(input_ids, pa.int32()),
+            _list_column(loss_mask, pa.int8()),
+            _list_column(position_ids, pa.int32()),
+            _list_column(attention_mask, pa.int8()),
+            pa.array(cu_seqlens, pa.list_(pa.int32())),
+            pa.array([len(b) for b in bins], pa.int64()),
+            pa.array(num_tokens, pa.int64()),
+            pa.array(num_loss, pa.int64()),
+            _list_column(labels, pa.int32()),
+        ],
+        schema=PACKED_SCHEMA,
+    )
+    stats.sequences += n
+    stats.documents += len(kept)
+    stats.real_tokens += int(num_tokens.sum())
+    stats.loss_tokens += int(num_loss.sum())
+    stats.slots += n * pack_size
+    return table, stats
+
+
+def _cut_to_pack_size(
+    docs: Sequence[tuple[np.ndarray, np.ndarray]], pack_size: int, stats: PackingStats
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The non-empty documents, each cut to ``pack_size`` tokens; a cut one with no assistant token left is dropped.
+    ``stats`` counts the truncated and the dropped ones."""
     kept: list[tuple[np.ndarray, np.ndarray]] = []
     for ids, mask in docs:
         if len(ids) > pack_size:
@@ -146,7 +181,15 @@ def pack_table(
             stats.truncated_documents += 1
         if len(ids):
             kept.append((ids, mask))
-    bins = best_fit_decreasing([len(d[0]) for d in kept], pack_size)
+    return kept
+
+
+def _filled_rows(
+    kept: Sequence[tuple[np.ndarray, np.ndarray]], bins: list[list[int]], pack_size: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[list[int]], np.ndarray]:
+    """One packed row per bin, its documents side by side then padding: the ``input_ids``, ``loss_mask``,
+    ``position_ids`` (from 0 at every document, and in the padding) and ``attention_mask`` matrices, each row's
+    document starts and end (``cu_seqlens``) and its real tokens."""
     n = len(bins)
     input_ids = np.full((n, pack_size), pad_id, dtype=np.int32)
     loss_mask = np.zeros((n, pack_size), dtype=np.int8)
@@ -170,28 +213,7 @@ def pack_table(
         attention_mask[r, :at] = 1
         num_tokens[r] = at
         cu_seqlens.append(cu)
-    num_loss = loss_mask.sum(axis=1, dtype=np.int64)
-    labels = labels_of(input_ids, loss_mask, attention_mask, position_ids)
-    table = pa.Table.from_arrays(
-        [
-            _list_column(input_ids, pa.int32()),
-            _list_column(loss_mask, pa.int8()),
-            _list_column(position_ids, pa.int32()),
-            _list_column(attention_mask, pa.int8()),
-            pa.array(cu_seqlens, pa.list_(pa.int32())),
-            pa.array([len(b) for b in bins], pa.int64()),
-            pa.array(num_tokens, pa.int64()),
-            pa.array(num_loss, pa.int64()),
-            _list_column(labels, pa.int32()),
-        ],
-        schema=PACKED_SCHEMA,
-    )
-    stats.sequences += n
-    stats.documents += len(kept)
-    stats.real_tokens += int(num_tokens.sum())
-    stats.loss_tokens += int(num_loss.sum())
-    stats.slots += n * pack_size
-    return table, stats
+    return input_ids, loss_mask, position_ids, attention_mask, cu_seqlens, num_tokens
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
