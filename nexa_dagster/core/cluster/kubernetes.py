@@ -51,13 +51,24 @@ def k8s_pod_spec(
         "volumeMounts": mounts,
     }
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes}
+    return _placed(spec, node_selector, tolerations, service_account)
+
+
+def _placed(
+    pod: dict[str, Any],
+    node_selector: Mapping[str, str] | None,
+    tolerations: Sequence[Mapping[str, Any]],
+    service_account: str,
+) -> dict[str, Any]:
+    """``pod`` with where it may run and as whom: the node selector, tolerations and service account given (none
+    given: the cluster's defaults)."""
     if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
+        pod["nodeSelector"] = dict(node_selector)
     if tolerations:
-        spec["tolerations"] = [dict(t) for t in tolerations]
+        pod["tolerations"] = [dict(t) for t in tolerations]
     if service_account:
-        spec["serviceAccountName"] = service_account
-    return spec
+        pod["serviceAccountName"] = service_account
+    return pod
 
 
 def k8s_indexed_job(
@@ -100,12 +111,7 @@ def k8s_indexed_job(
     if data_pvc:
         pod["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": data_pvc}}]
         container["volumeMounts"] = [{"name": "data", "mountPath": data_mount}]
-    if node_selector:
-        pod["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        pod["tolerations"] = [dict(t) for t in tolerations]
-    if service_account:
-        pod["serviceAccountName"] = service_account
+    _placed(pod, node_selector, tolerations, service_account)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -171,7 +177,7 @@ class KubernetesIndexedJobRunner:
     def __call__(
         self, tasks: Sequence[sh.ShardTask], work: Work, log: Callable[[str], None]
     ) -> list[sh.Receipt]:
-        try:
+        try:  # optional (dagster-k8s brings it): only packaging on Kubernetes needs it
             from kubernetes import client, config
         except ImportError:
             raise RuntimeError(
