@@ -97,38 +97,51 @@ def load_pairs(path: str, tokenizer: Any, max_length: int) -> Pairs:
         for name in ("prompt", "chosen", "rejected")
     }
     vocab, special = len(tokenizer), set(tokenizer.all_special_ids)
-
-    def where(row: int) -> str:
-        return f"preference pairs {path}, row {row} (pair_id {pair_ids[row]!r})"
-
     for row in range(len(frame)):
-        prompt, chosen, rejected = (columns[n][row] for n in ("prompt", "chosen", "rejected"))
-        if prompt.size == 0:
-            raise ValueError(f"{where(row)}: empty prompt")
-        # an empty *rejected* answer is a preference worth learning (a policy that stops at once), so only an
-        # empty chosen answer is refused; the rejected one needs at least its end-of-turn token
-        content = [int(t) for t in chosen if int(t) not in special]
-        if not content or not tokenizer.decode(content).strip():
-            raise ValueError(f"{where(row)}: empty chosen answer ({chosen.size} tokens, none of them text)")
-        if rejected.size == 0:
-            raise ValueError(
-                f"{where(row)}: the rejected completion has no tokens (not even its end-of-turn)"
-            )
-        if np.array_equal(chosen, rejected):
-            raise ValueError(f"{where(row)}: chosen and rejected are the same tokens: there is no preference")
-        for name, ids in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(
-                    f"{where(row)}: {name} has token id {int(ids.max() if ids.max() >= vocab else ids.min())} "
-                    f"outside the tokenizer's {vocab} ids: tokenized with a different tokenizer"
-                )
-        longest = prompt.size + max(chosen.size, rejected.size)
-        if longest > max_length:
-            raise ValueError(
-                f"{where(row)}: prompt and completion are {longest} tokens, more than the model's {max_length} "
-                "positions"
-            )
+        _check_pair(
+            f"preference pairs {path}, row {row} (pair_id {pair_ids[row]!r})",
+            *(columns[n][row] for n in ("prompt", "chosen", "rejected")),
+            tokenizer,
+            vocab,
+            special,
+            max_length,
+        )
     return Pairs(path, pair_ids, columns["prompt"], columns["chosen"], columns["rejected"])
+
+
+def _check_pair(
+    where: str,
+    prompt: np.ndarray,
+    chosen: np.ndarray,
+    rejected: np.ndarray,
+    tokenizer: Any,
+    vocab: int,
+    special: set[int],
+    max_length: int,
+) -> None:
+    """One pair DPO can learn from (``load_pairs`` lists the rules), or a ``ValueError`` naming ``where`` and why."""
+    if prompt.size == 0:
+        raise ValueError(f"{where}: empty prompt")
+    # an empty *rejected* answer is a preference worth learning (a policy that stops at once), so only an
+    # empty chosen answer is refused; the rejected one needs at least its end-of-turn token
+    content = [int(t) for t in chosen if int(t) not in special]
+    if not content or not tokenizer.decode(content).strip():
+        raise ValueError(f"{where}: empty chosen answer ({chosen.size} tokens, none of them text)")
+    if rejected.size == 0:
+        raise ValueError(f"{where}: the rejected completion has no tokens (not even its end-of-turn)")
+    if np.array_equal(chosen, rejected):
+        raise ValueError(f"{where}: chosen and rejected are the same tokens: there is no preference")
+    for name, ids in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(
+                f"{where}: {name} has token id {int(ids.max() if ids.max() >= vocab else ids.min())} "
+                f"outside the tokenizer's {vocab} ids: tokenized with a different tokenizer"
+            )
+    longest = prompt.size + max(chosen.size, rejected.size)
+    if longest > max_length:
+        raise ValueError(
+            f"{where}: prompt and completion are {longest} tokens, more than the model's {max_length} positions"
+        )
 
 
 def check_disjoint(train: Pairs, validation: Pairs) -> None:
