@@ -10,7 +10,7 @@ from collections.abc import Sequence
 def loss_curve_png(
     curve: Sequence[tuple[int, float]], title: str, validation_loss: float | None = None
 ) -> bytes:
-    import matplotlib
+    import matplotlib  # seconds to import, only when a curve is drawn: not at the code location's load
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt

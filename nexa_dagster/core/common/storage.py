@@ -207,8 +207,6 @@ def open_read(path: str | os.PathLike[str]) -> Any:
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     """Checksum of a file read in chunks (constant memory whatever its size)."""
-    import hashlib
-
     h = hashlib.sha256()
     with open_read(path) as f:
         while block := f.read(chunk):

@@ -175,6 +175,7 @@ def _read_file(
             raise IngestError(
                 str(path), "a folder that is not a Hugging Face dataset saved with save_to_disk"
             )
+        # seconds to import, only for a dataset folder: not at the code location's load
         from datasets import load_from_disk
 
         ds = load_from_disk(str(path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 SAMPLE_DAYS = ("2026-11-20", "2026-11-21", "2026-11-22")
 _DOCS_URL = "https://docs.python.org/3/reference/"
@@ -31,8 +32,6 @@ MIN_SECTION_CHARS = 200  # shorter tails join the section before them
 def _topics() -> list[tuple[str, str]]:
     """Every documentation topic cut into sections: ``("<topic>", text)`` for a short topic, else
     ``("<topic> (part k)", text)``, in topic order."""
-    from pydoc_data.topics import topics
-
     out = []
     for name in sorted(topics):
         parts = _sections(topics[name])
@@ -84,7 +83,7 @@ def _sections(text: str) -> list[str]:
 def write_sample_landing(root: str | Path, docs_per_day: int | None = None) -> list[Path]:
     """The three sample days under ``root``; ``docs_per_day`` keeps only each day's first documents (the test
     suite's small landing, ``tests/data/landing``: the same formats, a dozen documents a day)."""
-    import pandas as pd
+    import pandas as pd  # seconds to import: SAMPLE_DAYS's readers (the demo, its tests) do not write days
 
     root = Path(root)
     topics = _topics()
@@ -111,7 +110,7 @@ def write_sample_landing(root: str | Path, docs_per_day: int | None = None) -> l
     (d2 / f"{slug}.txt").write_text(text, encoding="utf-8")
     written += [d2 / "python_reference.parquet", d2 / f"{slug}.txt"]
 
-    from datasets import Dataset
+    from datasets import Dataset  # seconds to import, as pandas above
 
     d3 = root / SAMPLE_DAYS[2] / "python_reference_hf"
     Dataset.from_list([{"topic": n, "body": t} for n, t in chunks[2]]).save_to_disk(str(d3))

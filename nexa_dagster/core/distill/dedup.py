@@ -70,6 +70,7 @@ class DedupIndex:
     """Exact hashes and an LSH index of MinHash signatures of the samples seen so far."""
 
     def __init__(self, settings: DedupSettings) -> None:
+        # seconds to import (scipy), only when samples are gated: not at the code location's load
         from datasketch import MinHashLSH
 
         self.settings = settings
@@ -82,7 +83,7 @@ class DedupIndex:
         return len(self._partition)
 
     def signature(self, text: str) -> tuple[str, object]:
-        from datasketch import MinHash
+        from datasketch import MinHash  # as in __init__ (imported once, then a lookup)
 
         mh = MinHash(num_perm=self.settings.num_perm)
         mh.update_batch(list(shingles(text, self.settings.shingle)))
@@ -128,7 +129,7 @@ class DedupIndex:
 
     def load_frame(self, frame: pd.DataFrame, source: str) -> int:
         """Add persisted signatures; rows made with other MinHash settings keep only their exact hash."""
-        from datasketch import MinHash
+        from datasketch import MinHash  # as in __init__
 
         scheme = MinHash(num_perm=1).scheme  # what this datasketch makes; older signatures are not comparable
 

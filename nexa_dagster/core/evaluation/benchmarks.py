@@ -83,6 +83,7 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
     The harness's own tasks (~15k YAMLs, half a minute to index on a busy 2-core machine) are indexed only when a
     name is not among ``include_path``'s."""
     _offline_env()
+    # seconds to import, only when benchmarks run: not at the code location's load
     from lm_eval.tasks import TaskManager
 
     paths = [resolve_path(p) for p in settings.include_path]
@@ -112,7 +113,7 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         specs.append(local if local is not None else name)
     if settings.backend == "vllm":
         try:
-            import vllm  # noqa: F401
+            import vllm  # noqa: F401 - optional: only a GPU host's evaluation worker has it
         except ImportError:
             raise BenchmarkError(
                 "benchmarks backend 'vllm' needs vLLM installed in the evaluation worker's "
@@ -143,7 +144,7 @@ def run_benchmarks(
     """Run the resolved tasks on one checkpoint directory; ``{"tasks": {task: {metric: {value, stderr,
     higher_is_better}}}, "samples": {task: n}, "lm_eval_version": ...}``."""
     _offline_env()
-    import lm_eval
+    import lm_eval  # as in resolve_tasks
 
     log(
         f"{label}: benchmarks {', '.join(tasks.names)} (lm-evaluation-harness {lm_eval.__version__}, "

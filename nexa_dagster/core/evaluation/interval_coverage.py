@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from nexa_dagster.core.evaluation.guards import detectable_examples, guard_report, skewness
 from nexa_dagster.core.evaluation.paired import DEFAULT_INTERVAL_METHOD, Interval, PairedLoss, ratio_bounds
@@ -58,6 +59,7 @@ from nexa_dagster.core.evaluation.promotion import (
     decide,
     load_policy,
 )
+from nexa_dagster.core.evaluation.reward_gate import reward_decision, reward_guard_policy
 
 Draw = tuple[np.ndarray, np.ndarray]  # summed loss differences and token counts, shape (draws, n)
 
@@ -466,8 +468,6 @@ def reward_decisions(differences: np.ndarray, policy: PromotionPolicy | None = N
     one): the figures for all rows at once by the vectorised statistics ``decide_reward`` runs, the rule once per
     row. No eval-set loss is simulated: each candidate's equals production's (``UNCHANGED_LOSS``), so its
     non-inferiority guard passes and the reward's own rule is what is measured."""
-    from nexa_dagster.core.evaluation.reward_gate import reward_decision, reward_guard_policy
-
     policy = policy or load_policy()
     if policy.interval_method == "bootstrap":
         raise ValueError("the simulation runs the reward gate with a t or skew_t interval")
@@ -575,8 +575,6 @@ def resampled(differences: np.ndarray, weights: np.ndarray, worse_by: float) -> 
 
 
 def _read_differences(path: str, column: str, weights: str | None) -> tuple[np.ndarray, np.ndarray]:
-    import pandas as pd
-
     frame = pd.read_json(path, lines=True) if path.endswith((".jsonl", ".json")) else pd.read_csv(path)
     for name in (column, weights):
         if name is not None and name not in frame.columns:

@@ -24,6 +24,8 @@ TASK = "text-generation"
 
 def pip_requirements() -> list[str]:
     """What ``mlflow models serve`` installs to serve the model: the versions it was logged with."""
+    # accelerate, torch and transformers take seconds to import, only when a model is registered: not at the
+    # code location's load
     import accelerate
     import torch
     import transformers
@@ -37,6 +39,7 @@ def pip_requirements() -> list[str]:
 
 def save_checkpoint_model(checkpoint_dir: str | Path, out_dir: str | Path) -> None:
     """Write the checkpoint at ``checkpoint_dir`` as an MLflow ``transformers`` model in ``out_dir`` (new)."""
+    # mlflow's transformers flavour and transformers take seconds to import: not at the code location's load
     import mlflow.transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -105,6 +105,7 @@ def example_losses(
     Examples are right-padded per batch (a causal mask keeps padding from touching earlier positions) and scored
     in length order, so a batch pads little. ``progress(done, total)`` follows the examples.
     """
+    # seconds to import, only where a model is scored (the worker): not at the code location's load
     import torch
 
     frame = storage.read_parquet(examples_path)

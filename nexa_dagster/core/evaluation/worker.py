@@ -92,7 +92,7 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
             )
         out["scores"][role] = scores.to_json()
         if device == "cuda":
-            import torch
+            import torch  # loaded by the scoring by now; the code location loads this module without it
 
             torch.cuda.empty_cache()
     storage.write_json(out, job.output_path)
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_launcher()
     pipes: Any = None
     if settings.PIPES_CONTEXT.is_set():
+        # only under a Pipes launch: a worker run by hand has none
         from dagster_pipes import open_dagster_pipes
 
         pipes = open_dagster_pipes()

@@ -8,6 +8,7 @@ judge needs for a well-formed verdict from a weak model.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,9 +30,7 @@ from nexa_dagster.core.llm.model_identity import model_fingerprint
 def unreadable_file(path: Path) -> str:
     """The first file of a model directory that does not parse (JSON configs, safetensors weights), or ``""``:
     transformers' own errors often name neither (a truncated safetensors file says only "invalid header")."""
-    import json
-
-    from safetensors import safe_open
+    from safetensors import safe_open  # only to name a bad file: the code location's load need not pay for it
 
     for file in sorted(path.glob("*.json")):
         try:
@@ -61,6 +60,7 @@ class LocalTransformersClient(LLMClient):
     def __init__(
         self, model_path: str | Path, batch_size: int = 16, device: str = "cpu", threads: int | None = None
     ) -> None:
+        # torch and transformers (seconds to import) only when a model is loaded: not at the code location's load
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,7 +109,7 @@ class LocalTransformersClient(LLMClient):
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
         """torch's CPU threads set to ``self.threads`` while this client computes, and given back after."""
-        import torch
+        import torch  # as in __init__ (imported once, then a lookup)
 
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -177,7 +177,7 @@ class LocalTransformersClient(LLMClient):
         return kwargs
 
     def _generate_batch(self, prompts: Sequence[str], params: SamplingParams) -> list[Completion]:
-        import torch
+        import torch  # as in __init__ (imported once, then a lookup)
 
         model = self._model()
         kwargs = self._generation_kwargs(params)
@@ -222,7 +222,7 @@ class LocalTransformersClient(LLMClient):
         choices go through the model in one right-padded forward pass (right padding cannot affect earlier
         positions under a causal mask).
         """
-        import torch
+        import torch  # as in __init__ (imported once, then a lookup)
 
         if not choices:
             raise ValueError("choice_logprobs needs at least one choice")

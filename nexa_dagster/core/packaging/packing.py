@@ -333,7 +333,7 @@ class ChatTokenizer:
     def _backend(self) -> Any:
         tok = _LOADED.get(self.fingerprint)
         if tok is None:
-            from tokenizers import Tokenizer
+            from tokenizers import Tokenizer  # only when text is tokenized: not at the code location's load
 
             with storage.open_read(self.tokenizer_file) as f:
                 tok = Tokenizer.from_str(f.read().decode("utf-8"))

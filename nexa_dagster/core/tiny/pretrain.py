@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import random
 import shutil
 import tempfile
@@ -315,8 +316,6 @@ def ship(recipe: TinyPretrainRecipe | None = None) -> Path:
 
 def _kernels() -> dict[str, str]:
     """What decided the float results of a build: PyTorch's version and the CPU kernels it picked."""
-    import platform
-
     return {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -140,6 +140,7 @@ class BatchedSampler:
     """Batched ``generate`` with the training model's current weights (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int | list[int]) -> None:
+        # transformers' Mixtral code (seconds), only for RL rollouts
         from transformers import MixtralForCausalLM
 
         config = copy.deepcopy(model.config)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nexa_dagster.core.common.config import load_model_preset
 from nexa_dagster.core.packaging.packing import tokenizer_fingerprint
 
 DENSE_MODEL_TYPES = ("llama",)  # decoders upcycle.py turns into the MoE (Llama's: RoPE, RMSNorm, SwiGLU)
@@ -113,6 +114,7 @@ def check_init_checkpoint(path: str, data_tokenizer: Any, data_label: str) -> st
         raise ValueError(f"init_from {path}: no weights (*.safetensors or *.bin) in the directory")
     vocab = int(config.get("vocab_size", 0))
     if (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer_config.json").is_file():
+        # seconds to import, only for a checkpoint with a tokenizer: not at the code location's load
         from transformers import AutoTokenizer
 
         own = AutoTokenizer.from_pretrained(path)
@@ -159,7 +161,7 @@ def load_mixtral_checkpoint(path: str, attention: str = "auto", model_preset: st
 
 def _upcycled(path: str, attention: str, model_preset: str | None) -> Any:
     """The MoE sparse-upcycled from the dense checkpoint at ``path``, with the preset's experts and routing."""
-    from nexa_dagster.core.common.config import load_model_preset
+    # torch (seconds to import) comes with the upcycling module: only for a dense checkpoint
     from nexa_dagster.core.training.upcycle import UpcyclingSpec, upcycle_dense_checkpoint
 
     if not model_preset:

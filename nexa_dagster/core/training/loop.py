@@ -152,6 +152,8 @@ def pending_comm_op_build(accelerator: str, world_size: int) -> str:
     """
     if accelerator != "cpu":
         return ""
+    # DeepSpeed (many seconds to import) only on the way to an engine: the Dagster process imports this module
+    # for fill_deepspeed_config, which needs none of it
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
@@ -199,7 +201,7 @@ def build_engine(
     model: NexaMoEForCausalLM, job: TrainingJob, world_size: int, say: MessageFn | None = None
 ) -> Any:
     """Model + optimizer + warmup/cosine schedule wrapped by the DeepSpeed engine (ZeRO stage from the JSON)."""
-    import deepspeed
+    import deepspeed  # as in pending_comm_op_build
 
     build_dir = pending_comm_op_build(job.accelerator, world_size)
     if build_dir and say is not None:
@@ -496,7 +498,7 @@ def open_run(job: TrainingJob, on_message: MessageFn | None) -> tuple[int, int, 
 
 def load_tokenizer(job: TrainingJob) -> Any:
     """The job's tokenizer, with a clear error when its local directory is missing."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import: not for fill_deepspeed_config's importers
 
     if "://" not in job.tokenizer_path and not Path(job.tokenizer_path).is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {job.tokenizer_path}")
@@ -784,7 +786,7 @@ def export_checkpoint(
 ) -> None:
     """Rank 0 writes the Hugging Face checkpoint; under ZeRO-3 every rank first helps gather the weights."""
     if engine.zero_optimization_stage() >= 3:
-        import deepspeed
+        import deepspeed  # as in pending_comm_op_build (loaded by now: an engine exists)
 
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             if rank == 0:
@@ -811,7 +813,7 @@ def save_checkpoint(
     hf_model.config.output_router_logits = False  # inference must not compute the aux loss
     base_generation = Path(job.tokenizer_path) / "generation_config.json"
     if base_generation.exists():  # the generation settings of the model whose tokenizer it is trained for
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # as in load_tokenizer
 
         hf_model.generation_config = GenerationConfig.from_pretrained(job.tokenizer_path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # same filesystem: rename is atomic

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import psutil
 import torch
 
 # Dense bf16 tensor-core peak (no sparsity), FLOP/s, by device-name substring.
@@ -41,12 +42,7 @@ def mfu(tokens_per_s: float, per_token_flops: float, peak: float | None) -> floa
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss / 2**30
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return float("nan")
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def expert_balance(expert_load: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from nexa_dagster.core.common import storage
@@ -398,8 +399,6 @@ def write_reference_logps(
     rejected: Sequence[float],
 ) -> None:
     """Write the values (atomically), then the sidecar (atomically): the sidecar's presence marks a whole file."""
-    import pandas as pd
-
     frame = pd.DataFrame(
         {
             "pair_id": list(pair_ids),

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM, moe_with_weights
+from nexa_dagster.core.training.model.moe import NexaMoEForCausalLM, moe_with_weights, rope_theta
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,8 @@ def check_dense_config(dense: Any, path: str) -> None:
 
 def upcycled_config(dense: Any, spec: UpcyclingSpec) -> Any:
     """The Mixtral config of the MoE: the dense model's shape, the spec's experts and routing."""
+    # transformers' Mixtral code (seconds): only when a model is upcycled
     from transformers import MixtralConfig
-
-    from nexa_dagster.core.training.model.moe import rope_theta
 
     return MixtralConfig(
         vocab_size=dense.vocab_size,
@@ -165,7 +164,7 @@ def perturbed(
 
 def load_dense(path: str) -> Any:
     """The dense checkpoint in fp32 through transformers (every layout it reads)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # as MixtralConfig above: only when a model is upcycled
 
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
 
+import torch.distributed as dist
+
 from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.common.workers import (
@@ -81,6 +83,7 @@ class Reporter(contextlib.AbstractContextManager["Reporter"]):
         self.pipes: Any = None
         self._lock = threading.Lock()
         if rank == 0 and settings.PIPES_CONTEXT.is_set():
+            # only under a Pipes launch: a worker run by hand has none
             from dagster_pipes import open_dagster_pipes
 
             self.pipes = open_dagster_pipes()
@@ -276,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _shutdown_distributed() -> None:
     """Leave the process group cleanly, so torch does not warn and gloo does not hold the port."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

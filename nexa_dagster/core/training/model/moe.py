@@ -104,6 +104,7 @@ class DocumentMask:
         self.flex = None
         self.dense = None
         if use_flex:
+            # optional: torch >= 2.5 only (pyproject allows 2.4), and only the FlexAttention path needs it
             from torch.nn.attention.flex_attention import create_block_mask
 
             def same_document_causal(b, h, q, kv):  # noqa: ANN001 - FlexAttention's mask_mod signature
@@ -124,6 +125,7 @@ _flex_attention = None
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: object) -> torch.Tensor:
     global _flex_attention
     if _flex_attention is None:
+        # as in the block mask: torch >= 2.5
         from torch.nn.attention.flex_attention import flex_attention as fa
 
         _flex_attention = torch.compile(fa, dynamic=False)
@@ -484,7 +486,7 @@ def moe_with_weights(
 
 def to_hf(model: NexaMoEForCausalLM) -> torch.nn.Module:
     """The same weights as a ``transformers.MixtralForCausalLM`` (for saving, serving and evaluation)."""
-    from transformers import MixtralForCausalLM
+    from transformers import MixtralForCausalLM  # transformers' Mixtral code (seconds): only for a conversion
 
     hf = MixtralForCausalLM(model.config)
     state = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
