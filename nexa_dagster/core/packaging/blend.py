@@ -98,6 +98,15 @@ class DataBlend(BaseModel):
         """A hash of what the blend says (not of its formatting or comments)."""
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def plan_fields(self) -> dict[str, Any]:
+        """The blend as a packaging plan's configuration records it (in the run hash): its name, its fingerprint
+        and each source's settings."""
+        return {
+            "blend": self.name,
+            "blend_fingerprint": self.fingerprint(),
+            "sources": {s.name: s.model_dump() for s in self.sources},
+        }
+
     def resolve(
         self, assets: dict[str, str | list[str]] | None = None
     ) -> list[tuple[BlendSource, list[str]]]:

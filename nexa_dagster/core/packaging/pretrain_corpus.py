@@ -194,9 +194,7 @@ def _plan_config(
     """Everything the corpus's bytes depend on besides the input bytes (hashed into the run hash)."""
     return {
         "format": FORMAT,
-        "blend": blend.name,
-        "blend_fingerprint": blend.fingerprint(),
-        "sources": {s.name: s.model_dump() for s in blend.sources},
+        **blend.plan_fields(),
         "tokenizer": fingerprint,
         "eos_id": chat.eos_id,
         "text_field": settings.text_field,

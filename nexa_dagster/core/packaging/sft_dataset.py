@@ -186,9 +186,7 @@ def plan_config(
     """Everything the output bytes depend on besides the input bytes (hashed into the run hash)."""
     return {
         "format": FORMAT,
-        "blend": blend.name,
-        "blend_fingerprint": blend.fingerprint(),
-        "sources": {s.name: s.model_dump() for s in blend.sources},
+        **blend.plan_fields(),
         "tokenizer": chat.describe(),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "pack_size": settings.pack_size,
