@@ -119,8 +119,9 @@ def preference_settings(scale: ScalePreset) -> PreferenceSettings:
     return scale.preference
 
 
-def production_model(storage: StorageResource) -> ProductionEntry:
-    """The model in production, which the preference stage starts from; none yet is a failure that says why."""
+def require_production(storage: StorageResource) -> ProductionEntry:
+    """The production pointer's entry, which the preference and RL stages answer with and train from; none yet is
+    a failure that says why. (Not the ``production_model`` asset: that is the pointer's history of events.)"""
     production = ProductionRegistry(storage.production_pointer()).current()
     if production is None:
         raise dg.Failure(
@@ -181,7 +182,7 @@ def preference_pairs(
 ) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
     scale = scale_preset.load()
     settings = preference_settings(scale)
-    production = production_model(storage)
+    production = require_production(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
     sampling = settings.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed)
@@ -414,7 +415,7 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
-        limits=model_limits(production := production_model(storage)),  # the model DPO will train
+        limits=model_limits(production := require_production(storage)),  # the model DPO will train
         keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
@@ -519,7 +520,7 @@ def preference_checkpoint(
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     settings = config.settings(preference_settings(scale))
-    production = production_model(storage)
+    production = require_production(storage)
     training = settings.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage, prefix="pref")
     reference = model_fingerprint(production.checkpoint_path).removeprefix("sha256:")[:16]

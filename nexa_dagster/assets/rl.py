@@ -21,7 +21,7 @@ from pydantic import Field
 
 from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.preference import PRODUCTION_MODEL, production_model
+from nexa_dagster.assets.preference import PRODUCTION_MODEL, require_production
 from nexa_dagster.assets.production import production_metadata
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
 from nexa_dagster.core.common import storage as io
@@ -196,7 +196,7 @@ def rl_checkpoint(
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     rl = config.settings(rl_settings(scale))
-    production = production_model(storage)
+    production = require_production(storage)
     if rl_prompts.task_records == 0:
         raise dg.Failure(
             f"rl_prompts {rl_prompts.tasks_run_hash} holds no checkable train rows: ingest documents first",
