@@ -96,7 +96,7 @@ def resolve_init(
     ``base`` is the preset's default; while no base_model exists (a fresh data root) it trains from scratch and
     says so. Asked for in the run config, a missing base model is an error.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # 3.5 s to import: not on every load of the code location
 
     requested = config.init_from or scale.init_from
     production = ProductionRegistry(storage.production_pointer()).current()
@@ -217,6 +217,7 @@ def loads_with_transformers(path: str, **extra: Any) -> dg.AssetCheckResult:
     ``extra`` condition, a name and whether it holds, is true): the check of every trained checkpoint. A checkpoint
     that does not load (a truncated or damaged weights file, a missing config) fails the check naming the error,
     rather than erroring the check: what serving and evaluation would meet is the check's answer."""
+    # torch and transformers: seconds to import, paid by the check that loads a model, not at every load
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
