@@ -19,7 +19,14 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
+from nexa_dagster.assets.checkpoint_launch import (
+    StageFigures,
+    StageRecord,
+    launch_and_record,
+    origin,
+    preset_on_cluster,
+    registered,
+)
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
@@ -39,7 +46,7 @@ from nexa_dagster.assets.production import (  # noqa: F401 (production_model_ass
     production_metadata,
     production_model_asset,
 )
-from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
+from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers, training_summary
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
@@ -538,12 +545,10 @@ def preference_checkpoint(
         train_path=preference_dataset.train_path,
         validation_path=preference_dataset.validation_path,
         tokenizer_path=preference_dataset.tokenizer_path,
-        model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(),
         settings=training,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)),
         dataset_run_hash=preference_dataset.run_hash,
-        accelerator=gpu_cluster.accelerator,
+        **preset_on_cluster(scale, scale_preset, gpu_cluster),
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
         objective=DPOObjective(
@@ -579,22 +584,14 @@ def dpo_record(
         f"({settings.loss}, beta {settings.beta}, sft weight {settings.sft_weight}, {training.max_steps} steps, "
         f"{data.train_pairs} pairs)",
         params={
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
+            **origin(scale, job),
             "dataset_run_hash": data.run_hash,
             "beta": settings.beta,
             "loss": settings.loss,
             "sft_weight": settings.sft_weight,
             **training.model_dump(),
         },
-        record={
-            "dataset_validation_path": data.validation_path,
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "stage": "preference",
-            "parent": job.parent,
-        },
+        record={"dataset_validation_path": data.validation_path, **origin(scale, job), "stage": "preference"},
         figures=dpo_figures,
     )
 
@@ -624,9 +621,7 @@ def dpo_figures(result: TrainingResult) -> StageFigures:
     "reward accuracy and margin were measured on at least one validation pair and are finite.",
 )
 def preference_checkpoint_loads_and_was_scored(preference_checkpoint: Checkpoint) -> dg.AssetCheckResult:
-    summary = TrainingResult.model_validate(
-        io.read_json(io.join(preference_checkpoint.path, "training_summary.json"))
-    )
+    summary = training_summary(preference_checkpoint)
     scored = [summary.reward_accuracy, summary.reward_margin]
     return loads_with_transformers(
         preference_checkpoint.path,
