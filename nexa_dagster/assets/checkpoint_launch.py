@@ -26,8 +26,10 @@ from nexa_dagster.assets.training_record import (
 )
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
+from nexa_dagster.core.common.config import ScalePreset
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
+from nexa_dagster.resources.scale import ScaleResource
 from nexa_dagster.resources.storage import StorageResource
 from nexa_dagster.resources.tracking import TrackingResource
 
@@ -60,6 +62,24 @@ class StageRecord:
 
 
 Publish = Callable[[Checkpoint], dict[str, Any]]
+
+
+def preset_on_cluster(
+    scale: ScalePreset, scale_preset: ScaleResource, gpu_cluster: GPUClusterResource
+) -> dict[str, Any]:
+    """The ``TrainingJob`` fields every stage's training shares: the scale's model preset, trained with the scale's
+    DeepSpeed configuration on the GPU cluster's accelerator."""
+    return {
+        "model_preset": scale.model_preset,
+        "deepspeed_config": scale_preset.deepspeed_config(),
+        "accelerator": gpu_cluster.accelerator,
+    }
+
+
+def origin(scale: ScalePreset, job: TrainingJob) -> dict[str, str]:
+    """What the MLflow parameters and the record of every post-trained checkpoint say of where it came from: the
+    model preset, the scale preset, and the parent it started from."""
+    return {"model_preset": scale.model_preset, "scale": scale.name, "parent": job.parent}
 
 
 def registered(

@@ -34,7 +34,7 @@ from nexa_dagster.assets.types import (
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge_validity import JudgeValidity, judge_validity
 from nexa_dagster.core.distill.sample_gate import GateResult, apply_sample_gate, configured_judge
-from nexa_dagster.core.distill.teacher import build_prompts, generate_teacher_samples
+from nexa_dagster.core.distill.teacher import GenerationStats, build_prompts, generate_teacher_samples
 from nexa_dagster.core.llm.base import SamplingParams
 from nexa_dagster.resources.configs import PromptsResource, SampleGateResource
 from nexa_dagster.resources.llm import LLMResource
@@ -105,10 +105,24 @@ def teacher_samples(
         f"{stats.reused} answers reused from the store, {stats.generated} generated, "
         f"{stats.failed} failed ({stats.tokens_per_s:.1f} generated tokens/s)"
     )
+    context.add_output_metadata(teacher_metadata(samples, stats, teacher_llm, scale.name, params, store_dir))
+    return samples
+
+
+def teacher_metadata(
+    samples: pd.DataFrame,
+    stats: GenerationStats,
+    teacher_llm: LLMResource,
+    scale: str,
+    params: SamplingParams,
+    store_dir: Path,
+) -> dict[str, object]:
+    """What a person reads on the day's teacher samples: the teacher, what was reused, generated or failed, tokens,
+    speed and latency, the sampling, an estimated cost when the teacher has a price, a preview."""
     metadata: dict[str, object] = {
         "dagster/row_count": len(samples),
         "teacher": dg.MetadataValue.json(teacher_llm.describe()),
-        "scale": scale.name,
+        "scale": scale,
         "reused": stats.reused,
         "generated": stats.generated,
         "failed_requests": stats.failed,
@@ -126,8 +140,7 @@ def teacher_samples(
     }
     if (prices := teacher_llm.price_per_1m_tokens()) is not None:
         metadata["estimated_cost_usd"] = round(stats.cost(*prices), 6)
-    context.add_output_metadata(metadata)
-    return samples
+    return metadata
 
 
 @dg.multi_asset(

@@ -21,6 +21,7 @@ from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.common.config import ScalePreset, resolve_path
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.evaluation.attempts import Attempt, GateAttempts, family
 from nexa_dagster.core.evaluation.benchmarks import (
     BenchmarkComparison,
@@ -60,6 +61,8 @@ from nexa_dagster.core.evaluation.rl_eval_set import load_rl_eval_set, read_prom
 from nexa_dagster.core.evaluation.scoring import CheckpointEvaluation, JudgeRubric, ModelScores, compare
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.core.packaging.decontaminate import (
+    InputFile,
+    TextsOf,
     chat_texts,
     decontaminate,
     document_texts,
@@ -200,53 +203,21 @@ def eval_report(
     policy = policy.for_attempt(attempt.number) if attempt else policy
 
     # 1. both models scored on the same frozen eval set, in the evaluation worker on the GPU cluster
-    scores = score_both(
-        context,
-        gpu_cluster,
-        storage,
-        scale,
-        policy,
-        ckpt,
-        eval_set,
-        questions,
-        production_path,
-        max_new_tokens,
-    )
-
+    answers = Answers(questions, production_path, max_new_tokens)
+    scores = score_both(context, gpu_cluster, storage, scale, policy, ckpt, eval_set, answers)
     # 2. the judge scores the answers and compares them with production's, in both orders
     evaluation = judged(
         context, judge_llm, prompts, sample_gate_config, policy, ckpt, version, scores, questions
     )
-
     # 3. how much of the eval set (or of the gate's benchmark) its training data holds
     contamination, contaminated = training_data_contamination(
         context, storage, tracking, ckpt, eval_sets, scale, prompts, packaging_config, policy
     )
-
     # 4. the promotion gate (the mean, and the guards on the examples that got worse), then one report from which
     # the metadata, MLflow and the leaderboard row derive
-    guard = None if rewards else example_guards(policy, evaluation, eval_set, ckpt.stage)
-    decision, reward_figures = gate_decision(
-        ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows, guard
-    )
-    if attempt is not None:  # the check, the report and the UI say which attempt it was and at what level
-        decision = replace(decision, attempt=attempt, reason=f"{decision.reason}; {attempt.describe()}")
-    if reward_figures is not None:  # the report and the check both say on what the reward gate decided
-        reward_figures = with_rl_eval_set(reward_figures, scale)
-    report = build_eval_report(
-        ckpt,
-        evaluation,
-        decision,
-        production.checkpoint_id if production else None,
-        eval_set,
-        storage.report_dir(checkpoint_id),
-        context.run.run_id,
-        "reward" if rewards else {"preference": "win_rate"}.get(ckpt.stage, policy.metric),
-        contamination,
-        contaminated,
-    )
-    if reward_figures is not None:
-        report = report.model_copy(update={"reward_gate": reward_figures})
+    evidence = GateEvidence(ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows)
+    decision, reward_figures = promotion_gate(evidence, eval_set, scale, attempt)
+    report = written_report(context, storage, evidence, decision, reward_figures, eval_set, contaminated)
     log_to_mlflow(tracking, report, report_lineage(ckpt, evaluation, eval_set, context.run.run_id))
     yield dg.Output(report, metadata=report_metadata(report, ckpt))
 
@@ -254,6 +225,84 @@ def eval_report(
         f"promotion gate for {checkpoint_id}: {'pass' if decision.passed else 'fail'} ({decision.reason})"
     )
     yield gate_check(decision, evaluation, policy, version, report, reward_figures)
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What both models answer in the evaluation worker: the prompts, the production model's directory (None: the
+    candidate alone), and the answers' length (None: the evaluation's own, ``evaluation.max_new_tokens``)."""
+
+    questions: list[str]
+    production_path: str | None
+    max_new_tokens: int | None
+
+
+@dataclass(frozen=True)
+class GateEvidence:
+    """What the promotion gate decides on: the checkpoint and the production model it is compared with (None: none
+    yet), the policy at this attempt, both models' scores with the judge's verdicts, the share of the protected
+    items its training data holds (None: unknown), and for a reward gate its rewards and the held-out RL prompts
+    they are measured on (``rl_rows``; None: not a reward gate)."""
+
+    ckpt: Checkpoint
+    production: ProductionEntry | None
+    policy: PromotionPolicy
+    evaluation: CheckpointEvaluation
+    scores: dict
+    contamination: float | None
+    rewards: list[tuple[str, float]]
+    rl_rows: list[dict] | None
+
+    def metric(self) -> str:
+        """What the gate decided on, as the report names it."""
+        if self.rewards:
+            return "reward"
+        return {"preference": "win_rate"}.get(self.ckpt.stage, self.policy.metric)
+
+
+def promotion_gate(
+    evidence: GateEvidence, eval_set: dict, scale: ScalePreset, attempt: Attempt | None
+) -> tuple[GateDecision, dict | None]:
+    """The gate's decision on ``evidence`` (the mean, and the guards on the examples that got worse), saying which
+    attempt it was and at what level; with the reward gate's figures and on what they were measured."""
+    stage = evidence.ckpt.stage
+    guard = (
+        None if evidence.rewards else example_guards(evidence.policy, evidence.evaluation, eval_set, stage)
+    )
+    decision, reward_figures = gate_decision(evidence, guard)
+    if attempt is not None:  # the check, the report and the UI say which attempt it was and at what level
+        decision = replace(decision, attempt=attempt, reason=f"{decision.reason}; {attempt.describe()}")
+    if reward_figures is not None:  # the report and the check both say on what the reward gate decided
+        reward_figures = with_rl_eval_set(reward_figures, scale)
+    return decision, reward_figures
+
+
+def written_report(
+    context: dg.AssetExecutionContext,
+    storage: StorageResource,
+    evidence: GateEvidence,
+    decision: GateDecision,
+    reward_figures: dict | None,
+    eval_set: dict,
+    contaminated: list[str],
+) -> EvalReport:
+    """The report (JSON and Markdown under the checkpoint's report folder) from which the metadata, MLflow and the
+    leaderboard row derive."""
+    report = build_eval_report(
+        evidence.ckpt,
+        evidence.evaluation,
+        decision,
+        evidence.production.checkpoint_id if evidence.production else None,
+        eval_set,
+        storage.report_dir(evidence.ckpt.checkpoint_id),
+        context.run.run_id,
+        evidence.metric(),
+        evidence.contamination,
+        contaminated,
+    )
+    if reward_figures is not None:
+        report = report.model_copy(update={"reward_gate": reward_figures})
+    return report
 
 
 def prompts_to_answer(
@@ -348,13 +397,11 @@ def score_both(
     policy: PromotionPolicy,
     ckpt: Checkpoint,
     eval_set: dict,
-    questions: list[str],
-    production_path: str | None,
-    max_new_tokens: int | None,
+    answers: Answers,
 ) -> dict:
-    """Both models' eval-set losses and greedy answers to ``questions`` (and benchmarks), from the evaluation
+    """Both models' eval-set losses and answers to ``answers.questions`` (and benchmarks), from the evaluation
     worker on the GPU cluster: ``{role: ModelScores JSON}``."""
-    checkpoint_id = ckpt.checkpoint_id
+    checkpoint_id, production_path = ckpt.checkpoint_id, answers.production_path
     work_dir = io.local_dir(storage.path("runs", f"eval-{checkpoint_id}"))
     bench = scale.evaluation.benchmarks  # the worker runs in work_dir: its task folders must be absolute
     bench = bench.model_copy(update={"include_path": [str(resolve_path(p)) for p in bench.include_path]})
@@ -363,8 +410,8 @@ def score_both(
         models={"candidate": ckpt.path, **({"production": production_path} if production_path else {})},
         examples_path=eval_set["path"],
         eval_set_version=eval_set["version"],
-        prompts=questions,
-        max_new_tokens=max_new_tokens or scale.evaluation.max_new_tokens,
+        prompts=answers.questions,
+        max_new_tokens=answers.max_new_tokens or scale.evaluation.max_new_tokens,
         accelerator=gpu_cluster.accelerator,
         output_path=str(work_dir / "scores.json"),
         benchmarks=bench if bench.tasks else None,
@@ -372,7 +419,7 @@ def score_both(
         benchmark_roles=["candidate", "production"]
         if policy.benchmark or ckpt.stage == "preference"
         else ["candidate"],
-        **answer_sampling(scale, sampled=max_new_tokens is not None),
+        **answer_sampling(scale, sampled=answers.max_new_tokens is not None),
     )
     return gpu_cluster.run_evaluation(context, job, work_dir)["scores"]
 
@@ -468,15 +515,7 @@ def gate_rewards(ckpt: Checkpoint, scale: ScalePreset) -> list[tuple[str, float]
 
 
 def gate_decision(
-    ckpt: Checkpoint,
-    production: ProductionEntry | None,
-    policy: PromotionPolicy,
-    evaluation: CheckpointEvaluation,
-    scores: dict,
-    contamination: float | None,
-    rewards: list[tuple[str, float]],
-    rl_rows: list[dict] | None,
-    guard: GuardReport | None = None,
+    evidence: GateEvidence, guard: GuardReport | None = None
 ) -> tuple[GateDecision, dict | None]:
     """The gate of the checkpoint's stage: on ``rewards`` (an RL checkpoint, a reward-ranked DPO one) the paired
     held-out reward difference (``decide_reward``); a preference checkpoint on the judge's win rate
@@ -484,47 +523,38 @@ def gate_decision(
     ``promotion.conclude``: the same contamination refusal, non-inferiority guards (eval-set loss, benchmarks, the
     length control, each where the gate has it) and per-example guards. With the reward figures when a reward
     decided."""
-    if rewards and rl_rows is not None:
-        return reward_gate_decision(
-            ckpt, production, policy, evaluation, scores, contamination, rewards, rl_rows
-        )
+    ckpt, policy, evaluation = evidence.ckpt, evidence.policy, evidence.evaluation
+    if evidence.rewards and evidence.rl_rows is not None:
+        return reward_gate_decision(evidence, evidence.rl_rows)
     if ckpt.stage == "preference":  # the win rate decides; eval-set loss and benchmarks guard
         return decide_preference(
             ckpt.checkpoint_id,
-            production,
+            evidence.production,
             policy,
             evaluation.paired_loss,
             evaluation.win_rate,
             benchmark_guards(policy, evaluation),
-            contamination,
+            evidence.contamination,
             evaluation.length_controlled,
             guard,
         ), None
     return decide(
         ckpt.checkpoint_id,
-        production,
+        evidence.production,
         policy,
         evaluation.paired_loss,
         evaluation.win_rate,
         benchmark_comparison(policy, evaluation),
-        contamination,
+        evidence.contamination,
         guard if policy.metric == "eval_loss" else None,
     ), None
 
 
-def reward_gate_decision(
-    ckpt: Checkpoint,
-    production: ProductionEntry | None,
-    policy: PromotionPolicy,
-    evaluation: CheckpointEvaluation,
-    scores: dict,
-    contamination: float | None,
-    rewards: list[tuple[str, float]],
-    rl_rows: list[dict],
-) -> tuple[GateDecision, dict]:
-    """A reward gate's decision (``decide_reward``) on both models' per-prompt held-out rewards, with every guard
-    the other gates run (contamination, eval-set loss, benchmarks, the length control of the reward verdicts), and
-    its figures for the report and the check."""
+def reward_gate_decision(evidence: GateEvidence, rl_rows: list[dict]) -> tuple[GateDecision, dict]:
+    """A reward gate's decision (``decide_reward``) on both models' per-prompt held-out rewards (of ``rl_rows``),
+    with every guard the other gates run (contamination, eval-set loss, benchmarks, the length control of the reward
+    verdicts), and its figures for the report and the check."""
+    scores, rewards, ckpt = evidence.scores, evidence.rewards, evidence.ckpt
     candidate = prompt_rewards(rl_rows, scores["candidate"], rewards)
     baseline = prompt_rewards(rl_rows, scores["production"], rewards) if "production" in scores else []
     differences = [c - p for c, p in zip(candidate, baseline, strict=True)] if baseline else []
@@ -541,15 +571,15 @@ def reward_gate_decision(
     )
     decision = decide_reward(
         ckpt.checkpoint_id,
-        production,
-        policy,
+        evidence.production,
+        evidence.policy,
         differences,
-        evaluation.paired_loss,
+        evidence.evaluation.paired_loss,
         means,
         slices=[str(row.get("task", "")) for row in rl_rows] if baseline else None,
-        benchmarks=benchmark_guards(policy, evaluation),
+        benchmarks=benchmark_guards(evidence.policy, evidence.evaluation),
         length_controlled=lengths,
-        contamination=contamination,
+        contamination=evidence.contamination,
     )
     figures = {
         "rewards": [name for name, _ in rewards],
@@ -592,48 +622,21 @@ def training_data_contamination(
     (``core/packaging/decontaminate.py``'s receipts). A checkpoint learned from its own data and from everything
     its ancestors learned from (the production models it continued from, the base model's corpus), so its whole
     lineage is followed (``training_lineage``). None: unknown (a dataset of that lineage is not in this data root)."""
-    segments = template_segments(prompts.text("teacher"))
-    # stage -> (its datasets' root, the texts of one record, the record's id field)
-    kinds = {
-        "sft": (storage.path("sft"), chat_texts(segments), "sample_id"),
-        "preference": (storage.path("preference"), pair_texts(segments), "pair_id"),
-        "pretrain": (storage.path("pretrain"), document_texts, "doc_id"),
-    }
-    index = None
-    hit: set[int] = set()
     lineage = training_lineage(storage, tracking, policy, ckpt)
-    for ancestor in lineage:
-        if (
-            ancestor.stage == "rl"
-        ):  # its task prompts were decontaminated against this index when rl_prompts built
-            continue  # them (rl_prompts' metadata: tasks_contaminated); its parent's data is checked next
-        # all None: a stage whose data is not known here
-        root, texts, id_field = kinds.get(ancestor.stage, (None, None, None))
-        run_hash = ancestor.dataset_run_hash
-        files = recorded_inputs(io.join(root, run_hash), root) if root and run_hash else None
-        unknown = (
-            f"the {ancestor.stage} data of {ancestor.checkpoint_id} is not in this data root"
-            if files is None
-            else f"base model {ancestor.checkpoint_id} records no documents it left out (trained before its record "
-            "held them)"
-            if ancestor.stage == "pretrain" and ancestor.excluded_documents is None
-            else ""
-        )
-        if unknown:
-            context.log.warning(f"{ckpt.checkpoint_id}: {unknown}: contamination unknown")
-            return None, []
-        if index is None:
-            index, _ = contamination_index(
-                storage, eval_sets, scale, prompts, packaging_config.config().contamination
-            )
-        _, report = decontaminate(files, index, root, "report", texts, id_field, lambda _: None)
-        if ancestor.stage == "pretrain":  # only the documents the base model did not leave out
-            tokenizer, _ = load_student_tokenizer(storage)
-            left_out = frozenset(ancestor.excluded_documents or ())
-            hit |= items_trained_on(report, tokenizer, root, left_out, ancestor.eval_side_fraction)
-        else:
-            hit |= set(report.items_hit)
-    assert index is not None  # the lineage holds the checkpoint itself
+    datasets = stage_datasets(storage, prompts)
+    # an RL ancestor's task prompts were decontaminated against this index when rl_prompts built them (rl_prompts'
+    # metadata: tasks_contaminated); its parent's data is checked next
+    trained = [a for a in lineage if a.stage != "rl"]
+    unknown = next(filter(None, (data_unknown(a, datasets) for a in trained)), "")
+    if unknown:
+        context.log.warning(f"{ckpt.checkpoint_id}: {unknown}: contamination unknown")
+        return None, []
+    index, _ = contamination_index(
+        storage, eval_sets, scale, prompts, packaging_config.config().contamination
+    )
+    hit: set[int] = set()
+    for ancestor in trained:
+        hit |= items_trained_on_by(storage, ancestor, datasets[ancestor.stage], index)
     source = f"benchmark:{parse_metric(policy.metric)[0]}" if policy.benchmark else "eval_set"
     items = sorted(index.describe(i) for i in hit if index.items[i][0].startswith(source))
     context.log.info(
@@ -691,6 +694,58 @@ def training_lineage(
             ckpt = read_checkpoint(parent_dir, parent, storage.root)
         except ValueError:  # its stage is unknown too: an SFT, base or preference checkpoint
             return [*lineage, Ancestor("training", None, parent)]
+
+
+@dataclass(frozen=True)
+class StageData:
+    """Where one stage's datasets lie, how a record of them reads as texts, and the record's id field."""
+
+    root: str
+    texts: TextsOf
+    id_field: str
+
+    def files(self, run_hash: str | None) -> list[InputFile] | None:
+        """The day files the dataset ``run_hash`` was packed from (None: not in this data root)."""
+        return recorded_inputs(io.join(self.root, run_hash), self.root) if run_hash else None
+
+
+def stage_datasets(storage: StorageResource, prompts: PromptsResource) -> dict[str, StageData]:
+    """The stages whose training data this data root holds, by the stage a checkpoint records."""
+    segments = template_segments(prompts.text("teacher"))
+    return {
+        "sft": StageData(storage.path("sft"), chat_texts(segments), "sample_id"),
+        "preference": StageData(storage.path("preference"), pair_texts(segments), "pair_id"),
+        "pretrain": StageData(storage.path("pretrain"), document_texts, "doc_id"),
+    }
+
+
+def data_unknown(ancestor: Ancestor, datasets: dict[str, StageData]) -> str:
+    """Why what ``ancestor`` trained on is not known here, or "": a stage whose data is not known here, a dataset
+    not in this data root, a base model whose record does not say which documents it left out."""
+    data = datasets.get(ancestor.stage)
+    if data is None or data.files(ancestor.dataset_run_hash) is None:
+        return f"the {ancestor.stage} data of {ancestor.checkpoint_id} is not in this data root"
+    if ancestor.stage == "pretrain" and ancestor.excluded_documents is None:
+        return (
+            f"base model {ancestor.checkpoint_id} records no documents it left out (trained before its record "
+            "held them)"
+        )
+    return ""
+
+
+def items_trained_on_by(
+    storage: StorageResource, ancestor: Ancestor, data: StageData, index: ContaminationIndex
+) -> set[int]:
+    """The protected items of ``index`` that what ``ancestor`` trained on holds, from the day files its dataset was
+    packed from (each checked once per index: ``core/packaging/decontaminate.py``'s receipts); of a base model's
+    corpus, only the documents it did not leave out."""
+    files = data.files(ancestor.dataset_run_hash)
+    _, report = decontaminate(files, index, data.root, "report", data.texts, data.id_field, lambda _: None)
+    if ancestor.stage != "pretrain":
+        return set(report.items_hit)
+    tokenizer, _ = load_student_tokenizer(storage)
+    left_out = frozenset(ancestor.excluded_documents or ())
+    return items_trained_on(report, tokenizer, data.root, left_out, ancestor.eval_side_fraction)
 
 
 def checkpoint_dir(

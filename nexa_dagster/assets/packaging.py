@@ -45,6 +45,7 @@ from nexa_dagster.core.packaging.pretrain_corpus import (
     package_pretrain,
 )
 from nexa_dagster.core.packaging.sft_dataset import (
+    DayInput,
     build_sft_dataset_from_days,
     day_inputs_from_partitions,
     drop_cross_day_duplicates,
@@ -106,6 +107,14 @@ def contamination_metadata(report: DecontaminationReport, index: ContaminationIn
     meta["contaminated_rows_by_source"] = dg.MetadataValue.json(meta["contaminated_rows_by_source"])
     meta["protected_items"] = len(index.items)
     return meta
+
+
+def input_partitions(
+    context: dg.AssetExecutionContext, storage: StorageResource, asset: str
+) -> list[tuple[str, str]]:
+    """(partition key, stored file) of every partition of ``asset`` this step reads: the assets that stream their
+    input a day at a time (bounded memory) rather than have the IO manager load it whole."""
+    return stored_partitions(storage.data_root, asset, list(context.asset_partition_keys_for_input(asset)))
 
 
 def _valid_filtered_samples(frame: pd.DataFrame, path: str) -> None:
@@ -219,11 +228,7 @@ def sft_dataset(
         blend = DataBlend.load(config.blend or cfg.sft_blend)
     except (FileNotFoundError, ValueError) as e:  # a run config naming no valid blend: retrying cannot help
         raise dg.Failure(f"sft_dataset blend: {e}", allow_retries=False) from e
-    partitions = stored_partitions(
-        storage.data_root,
-        "filtered_samples",
-        list(context.asset_partition_keys_for_input("filtered_samples")),
-    )
+    partitions = input_partitions(context, storage, "filtered_samples")
     days = day_inputs_from_partitions(partitions, storage.path("sft"), validate=_valid_filtered_samples)
     # before packing: no sample that holds eval-set or benchmark text (a night checks only its new day)
     index, _ = contamination_index(storage, eval_sets, scale, prompts, cfg.contamination)
@@ -341,17 +346,7 @@ def pretrain_corpus(
     tokenizer, _ = load_student_tokenizer(storage)
     blend = DataBlend.load(cfg.pretrain_blend)
     out_root = storage.path("pretrain")
-    partitions = stored_partitions(
-        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
-    )
-    days = day_inputs_from_partitions(
-        partitions, out_root, validate=_valid_raw_documents, to_jsonl=documents_to_jsonl
-    )
-    if not days:
-        raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
-    # each day is schema-checked alone: a doc_id on two days is found by the on-disk index of every day's ids and
-    # kept on the earliest day only
-    days, repeated = drop_cross_day_duplicates(days, out_root, context.log.info, "doc_id", "raw_documents")
+    days, repeated = document_days(context, storage, out_root)
     # before packing: no document that holds eval-set or benchmark text known now (base_model checks again, against
     # the eval set frozen since, and keeps those out of its training)
     index, _ = contamination_index(storage, eval_sets, scale_preset.load(), prompts, cfg.contamination)
@@ -383,21 +378,41 @@ def pretrain_corpus(
         quarantined_rows=run.quarantined_rows,
         cross_day_duplicates_dropped=repeated,
     )
-    context.add_output_metadata(
-        {
-            "run_hash": run.run_hash,
-            "blend": blend.name,
-            "blend_fingerprint": blend.fingerprint(),
-            "documents": run.num_documents,
-            "cross_day_duplicates_dropped": repeated,
-            "tokens": run.num_tokens,
-            "shards": len(run.prefixes),
-            "megatron_blend": dg.MetadataValue.path(run.blend_path),
-            **contamination_metadata(contamination, index),
-        }
-    )
+    context.add_output_metadata(corpus_metadata(corpus, contamination, index))
     record_inputs(run.root, out_root, days, contamination, index)
     return corpus
+
+
+def document_days(
+    context: dg.AssetExecutionContext, storage: StorageResource, out_root: str
+) -> tuple[list[DayInput], int]:
+    """Every ingested day's documents as the days to pack, each schema-checked alone, and how many documents stood
+    on two days: a doc_id on two days is found by the on-disk index of every day's ids and kept on the earliest
+    day only."""
+    partitions = input_partitions(context, storage, "raw_documents")
+    days = day_inputs_from_partitions(
+        partitions, out_root, validate=_valid_raw_documents, to_jsonl=documents_to_jsonl
+    )
+    if not days:
+        raise ValueError("pretrain_corpus: no ingested documents (no raw_documents partition materialized)")
+    return drop_cross_day_duplicates(days, out_root, context.log.info, "doc_id", "raw_documents")
+
+
+def corpus_metadata(
+    corpus: PretrainCorpus, contamination: DecontaminationReport, index: ContaminationIndex
+) -> dict[str, object]:
+    """What a person reads on a ``pretrain_corpus`` materialization: the blend, sizes and contamination."""
+    return {
+        "run_hash": corpus.run_hash,
+        "blend": corpus.blend,
+        "blend_fingerprint": corpus.blend_fingerprint,
+        "documents": corpus.num_documents,
+        "cross_day_duplicates_dropped": corpus.cross_day_duplicates_dropped,
+        "tokens": corpus.num_tokens,
+        "shards": len(corpus.prefixes),
+        "megatron_blend": dg.MetadataValue.path(corpus.megatron_blend_path),
+        **contamination_metadata(contamination, index),
+    }
 
 
 @dg.asset(
@@ -480,9 +495,7 @@ def checkable_tasks(
     content-addressed under ``data/rl/tasks/<hash>/``: (build, hash, train path, held-out path, days read). One
     build for both readers: ``rl_prompts`` (GRPO's prompts, the frozen held-out side) and ``sft_dataset`` (the
     train side as supervised rows, when its blend names ``asset:checkable_tasks``), so both see the same items."""
-    documents = stored_partitions(
-        storage.data_root, "raw_documents", list(context.asset_partition_keys_for_input("raw_documents"))
-    )
+    documents = input_partitions(context, storage, "raw_documents")
     build = build_tasks(read_documents(documents), task_settings(scale), index)
     tasks_hash, train_path, held_out_path = write_task_rows(build, storage.path("rl", "tasks"))
     return build, tasks_hash, train_path, held_out_path, len(documents)
@@ -520,11 +533,7 @@ def reference_rows(
     """The reference-answer rows: every filtered sample off the eval set's side, through the RL blend."""
     blend = DataBlend.load(cfg.rl_blend)
     out_root = storage.path("rl")
-    partitions = stored_partitions(
-        storage.data_root,
-        "filtered_samples",
-        list(context.asset_partition_keys_for_input("filtered_samples")),
-    )
+    partitions = input_partitions(context, storage, "filtered_samples")
     # the eval set's side is never trained on
     files = partitions_to_flat_jsonl(
         partitions, out_root, eval_sets.fraction, validate=_valid_filtered_samples

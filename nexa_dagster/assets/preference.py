@@ -19,7 +19,14 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
+from nexa_dagster.assets.checkpoint_launch import (
+    StageFigures,
+    StageRecord,
+    launch_and_record,
+    origin,
+    preset_on_cluster,
+    registered,
+)
 from nexa_dagster.assets.common import (
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
@@ -39,7 +46,7 @@ from nexa_dagster.assets.production import (  # noqa: F401 (production_model_ass
     production_metadata,
     production_model_asset,
 )
-from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
+from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers, training_summary
 from nexa_dagster.assets.types import FilteredSamplesType, PreferencePairsType
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint, PreferenceDataset
@@ -119,8 +126,9 @@ def preference_settings(scale: ScalePreset) -> PreferenceSettings:
     return scale.preference
 
 
-def production_model(storage: StorageResource) -> ProductionEntry:
-    """The model in production, which the preference stage starts from; none yet is a failure that says why."""
+def require_production(storage: StorageResource) -> ProductionEntry:
+    """The production pointer's entry, which the preference and RL stages answer with and train from; none yet is
+    a failure that says why. (Not the ``production_model`` asset: that is the pointer's history of events.)"""
     production = ProductionRegistry(storage.production_pointer()).current()
     if production is None:
         raise dg.Failure(
@@ -181,7 +189,7 @@ def preference_pairs(
 ) -> Iterator[dg.Output[pd.DataFrame] | dg.AssetCheckResult]:
     scale = scale_preset.load()
     settings = preference_settings(scale)
-    production = production_model(storage)
+    production = require_production(storage)
     policy = policy_llm.for_model(production.checkpoint_path)
     sampling = settings.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed)
@@ -414,7 +422,7 @@ def preference_dataset(
         eval_sets.fraction,
         seed=scale.training.seed,
         log=context.log.info,
-        limits=model_limits(production := production_model(storage)),  # the model DPO will train
+        limits=model_limits(production := require_production(storage)),  # the model DPO will train
         keep_snapshots=cfg.keep_snapshots,  # as sft_dataset: the store does not grow with every night
     )
     dataset = PreferenceDataset(
@@ -430,14 +438,7 @@ def preference_dataset(
     )
     context.add_output_metadata(
         {
-            "run_hash": dataset.run_hash,
-            "train_pairs": dataset.train_pairs,
-            "validation_pairs": dataset.validation_pairs,
-            "days": dg.MetadataValue.json(dataset.days),
-            "days_reused": dataset.shards_reused,
-            "days_refused": dg.MetadataValue.json(refused),
-            "cross_day_duplicates_dropped": snapshot.cross_day_duplicates_dropped,
-            "train_path": dg.MetadataValue.path(dataset.train_path),
+            **dataset_metadata(dataset, refused, snapshot.cross_day_duplicates_dropped),
             **production_metadata(production),
             **contamination_metadata(contamination, index),
         }
@@ -445,6 +446,21 @@ def preference_dataset(
     # the pair files it was packed from: the evaluation of a checkpoint trained on it says what they hold
     record_inputs(dataset.root, out_root, days, contamination, index)
     return dataset
+
+
+def dataset_metadata(dataset: PreferenceDataset, refused: list[str], repeated: int) -> dict[str, object]:
+    """What a person reads on a ``preference_dataset`` materialization: sizes, the days packed, reused and refused,
+    the pairs another day also held (``repeated``)."""
+    return {
+        "run_hash": dataset.run_hash,
+        "train_pairs": dataset.train_pairs,
+        "validation_pairs": dataset.validation_pairs,
+        "days": dg.MetadataValue.json(dataset.days),
+        "days_reused": dataset.shards_reused,
+        "days_refused": dg.MetadataValue.json(refused),
+        "cross_day_duplicates_dropped": repeated,
+        "train_path": dg.MetadataValue.path(dataset.train_path),
+    }
 
 
 @dg.asset_check(
@@ -519,7 +535,7 @@ def preference_checkpoint(
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     settings = config.settings(preference_settings(scale))
-    production = production_model(storage)
+    production = require_production(storage)
     training = settings.settings(scale.training)
     checkpoint_id = checkpoint_id_for(context, storage, prefix="pref")
     reference = model_fingerprint(production.checkpoint_path).removeprefix("sha256:")[:16]
@@ -529,12 +545,10 @@ def preference_checkpoint(
         train_path=preference_dataset.train_path,
         validation_path=preference_dataset.validation_path,
         tokenizer_path=preference_dataset.tokenizer_path,
-        model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(),
         settings=training,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)),
         dataset_run_hash=preference_dataset.run_hash,
-        accelerator=gpu_cluster.accelerator,
+        **preset_on_cluster(scale, scale_preset, gpu_cluster),
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
         objective=DPOObjective(
@@ -570,22 +584,14 @@ def dpo_record(
         f"({settings.loss}, beta {settings.beta}, sft weight {settings.sft_weight}, {training.max_steps} steps, "
         f"{data.train_pairs} pairs)",
         params={
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
+            **origin(scale, job),
             "dataset_run_hash": data.run_hash,
             "beta": settings.beta,
             "loss": settings.loss,
             "sft_weight": settings.sft_weight,
             **training.model_dump(),
         },
-        record={
-            "dataset_validation_path": data.validation_path,
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "stage": "preference",
-            "parent": job.parent,
-        },
+        record={"dataset_validation_path": data.validation_path, **origin(scale, job), "stage": "preference"},
         figures=dpo_figures,
     )
 
@@ -615,9 +621,7 @@ def dpo_figures(result: TrainingResult) -> StageFigures:
     "reward accuracy and margin were measured on at least one validation pair and are finite.",
 )
 def preference_checkpoint_loads_and_was_scored(preference_checkpoint: Checkpoint) -> dg.AssetCheckResult:
-    summary = TrainingResult.model_validate(
-        io.read_json(io.join(preference_checkpoint.path, "training_summary.json"))
-    )
+    summary = training_summary(preference_checkpoint)
     scored = [summary.reward_accuracy, summary.reward_margin]
     return loads_with_transformers(
         preference_checkpoint.path,

@@ -10,7 +10,13 @@ eval-set version froze (``base_model_eval``), so base models trained on differen
 
 import dagster as dg
 
-from nexa_dagster.assets.checkpoint_launch import Publish, StageFigures, StageRecord, launch_and_record
+from nexa_dagster.assets.checkpoint_launch import (
+    Publish,
+    StageFigures,
+    StageRecord,
+    launch_and_record,
+    preset_on_cluster,
+)
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
@@ -110,12 +116,10 @@ def base_model(
         train_path=pretrain_corpus.root,
         validation_path=pretrain_corpus.root,
         tokenizer_path=tokenizer_path,
-        model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(),
         settings=settings,
         output_dir=storage.path("base_models", base_id),
         dataset_run_hash=pretrain_corpus.run_hash,
-        accelerator=gpu_cluster.accelerator,
+        **preset_on_cluster(scale, scale_preset, gpu_cluster),
         data_kind="pretrain_corpus",
         pack_size=scale.pack_size,
         heldout_fraction=scale.pretraining.heldout_fraction,

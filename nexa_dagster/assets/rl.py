@@ -19,11 +19,18 @@ from collections.abc import Iterator
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
+from nexa_dagster.assets.checkpoint_launch import (
+    StageFigures,
+    StageRecord,
+    launch_and_record,
+    origin,
+    preset_on_cluster,
+    registered,
+)
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
-from nexa_dagster.assets.preference import PRODUCTION_MODEL, production_model
+from nexa_dagster.assets.preference import PRODUCTION_MODEL, require_production
 from nexa_dagster.assets.production import production_metadata
-from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers
+from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers, training_summary
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Artifact, Checkpoint, SFTDataset
 from nexa_dagster.core.common.config import RLSettings, ScalePreset
@@ -196,7 +203,7 @@ def rl_checkpoint(
 ) -> dg.Output[Checkpoint]:
     scale = scale_preset.load()
     rl = config.settings(rl_settings(scale))
-    production = production_model(storage)
+    production = require_production(storage)
     if rl_prompts.task_records == 0:
         raise dg.Failure(
             f"rl_prompts {rl_prompts.tasks_run_hash} holds no checkable train rows: ingest documents first",
@@ -211,12 +218,10 @@ def rl_checkpoint(
         run_id=checkpoint_id,
         data_kind="rl_prompts",
         tokenizer_path=production.checkpoint_path,
-        model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(),
         settings=training,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)),
         dataset_run_hash=rl_prompts.tasks_run_hash,
-        accelerator=gpu_cluster.accelerator,
+        **preset_on_cluster(scale, scale_preset, gpu_cluster),
         init_from=production.checkpoint_path,
         parent=f"production:{production.checkpoint_id}",
         objective=grpo_objective(rl, rl_prompts, rl_eval_set, sft_dataset),
@@ -228,14 +233,8 @@ def rl_checkpoint(
         launch_message=f"launching GRPO of {checkpoint_id} from production {production.checkpoint_id} "
         f"({rl.loss_type}, K {rl.num_generations} x B {rl.prompts_per_step}, {rl.max_steps} steps, rewards "
         f"{[r.name for r in rl.rewards]}, {rl_prompts.task_records} prompts)",
-        params={
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
-            "rl_eval_set": f"v{rl_eval_set.version}",
-            **rl.model_dump(mode="json"),
-        },
-        record={"model_preset": scale.model_preset, "scale": scale.name, "stage": "rl", "parent": job.parent},
+        params={**origin(scale, job), "rl_eval_set": f"v{rl_eval_set.version}", **rl.model_dump(mode="json")},
+        record={**origin(scale, job), "stage": "rl"},
         figures=grpo_figures,
         metadata=production_metadata(production),  # where GRPO started (also its input data version)
     )
@@ -299,9 +298,7 @@ def grpo_figures(result: TrainingResult) -> StageFigures:
     "finite reward at the first and last step, and its held-out reward was measured on at least one prompt.",
 )
 def rl_checkpoint_loads_and_was_rewarded(rl_checkpoint: Checkpoint) -> dg.AssetCheckResult:
-    summary = TrainingResult.model_validate(
-        io.read_json(io.join(rl_checkpoint.path, "training_summary.json"))
-    )
+    summary = training_summary(rl_checkpoint)
     rewards = [summary.reward_first, summary.reward_final, summary.held_out_reward]
     return loads_with_transformers(
         rl_checkpoint.path,

@@ -74,22 +74,15 @@ def model_deployment(
     registry = ProductionRegistry(storage.production_pointer())
     production = registry.current()
     outcome_dir = storage.deployment_dir(checkpoint_id)
+    previous = production.checkpoint_id if production else None
     held_back = held_back_because(checkpoint_id, eval_report, production)
-    if held_back:
+    if held_back:  # a decision, not a failure: recorded, and nothing is materialized
         context.log.info(
-            f"{checkpoint_id} held back: {held_back}; "
-            f"{production.checkpoint_id if production else 'nothing'} stays in production"
+            f"{checkpoint_id} held back: {held_back}; {previous or 'nothing'} stays in production"
         )
-        record_outcome(
-            outcome_dir,
-            checkpoint_id,
-            "held back",
-            held_back,
-            production.checkpoint_id if production else None,
-        )
+        record_outcome(outcome_dir, checkpoint_id, "held back", held_back, previous)
         return
 
-    previous = production.checkpoint_id if production else None
     context.log.info(
         f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)"
     )
@@ -109,21 +102,31 @@ def model_deployment(
     )
     yield dg.Output(
         result,
-        metadata={
-            "endpoint": result.endpoint or "none (no serving service runs; `make serve` serves production)",
-            "checkpoint_served": checkpoint_id,
-            "previous_checkpoint": result.previous_checkpoint_id,
-            "switched_at": result.switched_at,
-            "switch_s": round(result.switch_s, 2),
-            "engine": result.engine,
-            "smoke_response": result.smoke_response[:500],
-            "smoke_latency_s": round(result.smoke_latency_s, 3),
-            "eval_loss": round(eval_report.eval_loss, 4) if eval_report.eval_loss is not None else None,
-            "eval_set_version": eval_report.eval_set_version,
-            "eval_loss_difference": eval_report.eval_loss_difference,
-            "mlflow_model_version": f"{policy.registered_model}/{version}",
-        },
+        metadata=deployment_metadata(
+            checkpoint_id, result, eval_report, f"{policy.registered_model}/{version}"
+        ),
     )
+
+
+def deployment_metadata(
+    checkpoint_id: str, result: SwitchResult, eval_report: EvalReport, mlflow_version: str
+) -> dict[str, object]:
+    """What a person reads on a deployment: where it is served, what it replaced, the smoke test, the evaluation it
+    passed, the model version."""
+    return {
+        "endpoint": result.endpoint or "none (no serving service runs; `make serve` serves production)",
+        "checkpoint_served": checkpoint_id,
+        "previous_checkpoint": result.previous_checkpoint_id,
+        "switched_at": result.switched_at,
+        "switch_s": round(result.switch_s, 2),
+        "engine": result.engine,
+        "smoke_response": result.smoke_response[:500],
+        "smoke_latency_s": round(result.smoke_latency_s, 3),
+        "eval_loss": round(eval_report.eval_loss, 4) if eval_report.eval_loss is not None else None,
+        "eval_set_version": eval_report.eval_set_version,
+        "eval_loss_difference": eval_report.eval_loss_difference,
+        "mlflow_model_version": mlflow_version,
+    }
 
 
 def production_event(

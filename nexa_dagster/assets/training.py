@@ -11,7 +11,14 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from nexa_dagster.assets.checkpoint_launch import StageFigures, StageRecord, launch_and_record, registered
+from nexa_dagster.assets.checkpoint_launch import (
+    StageFigures,
+    StageRecord,
+    launch_and_record,
+    origin,
+    preset_on_cluster,
+    registered,
+)
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
@@ -19,7 +26,7 @@ from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SF
 from nexa_dagster.core.common.config import ScalePreset, TrainingSettings
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.training.init import InitSource, check_init_checkpoint, resolve
-from nexa_dagster.core.training.job import TrainingJob
+from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.configs import PromotionResource
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
@@ -96,7 +103,7 @@ def resolve_init(
     ``base`` is the preset's default; while no base_model exists (a fresh data root) it trains from scratch and
     says so. Asked for in the run config, a missing base model is an error.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # 3.5 s to import: not on every load of the code location
 
     requested = config.init_from or scale.init_from
     production = ProductionRegistry(storage.production_pointer()).current()
@@ -152,12 +159,10 @@ def moe_checkpoint(
         train_path=sft_dataset.train_path,
         validation_path=sft_dataset.validation_path,
         tokenizer_path=tokenizer_path,
-        model_preset=scale.model_preset,
-        deepspeed_config=scale_preset.deepspeed_config(),
         settings=settings,
         output_dir=str(storage.checkpoint_dir(checkpoint_id)),
         dataset_run_hash=sft_dataset.run_hash,
-        accelerator=gpu_cluster.accelerator,
+        **preset_on_cluster(scale, scale_preset, gpu_cluster),
         init_from=init.path,
         parent=init.parent,
         init_requested=init_requested,
@@ -177,18 +182,10 @@ def sft_record(
         curve_label="training loss",
         launch_message=f"launching training of {job.run_id} ({scale.model_preset}, {settings.max_steps} "
         f"steps, from {job.parent})",
-        params={
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
-            "dataset_run_hash": data.run_hash,
-            **settings.model_dump(),
-        },
+        params={**origin(scale, job), "dataset_run_hash": data.run_hash, **settings.model_dump()},
         record={
             "dataset_validation_path": data.validation_path,
-            "model_preset": scale.model_preset,
-            "scale": scale.name,
-            "parent": job.parent,
+            **origin(scale, job),
             "init_requested": job.init_requested,
         },
         figures=lambda result: StageFigures(
@@ -212,11 +209,18 @@ def checkpoint_loads_with_transformers(moe_checkpoint: Checkpoint) -> dg.AssetCh
     return loads_with_transformers(moe_checkpoint.path)
 
 
+def training_summary(checkpoint: Checkpoint) -> TrainingResult:
+    """What the worker reported of the checkpoint's training (``training_summary.json`` beside its weights): what
+    the checks of a trained checkpoint read its figures from."""
+    return TrainingResult.model_validate(io.read_json(io.join(checkpoint.path, "training_summary.json")))
+
+
 def loads_with_transformers(path: str, **extra: Any) -> dg.AssetCheckResult:
     """Passed when the checkpoint at ``path`` loads with plain transformers and gives finite logits (and every
     ``extra`` condition, a name and whether it holds, is true): the check of every trained checkpoint. A checkpoint
     that does not load (a truncated or damaged weights file, a missing config) fails the check naming the error,
     rather than erroring the check: what serving and evaluation would meet is the check's answer."""
+    # torch and transformers: seconds to import, paid by the check that loads a model, not at every load
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import dagster as dg
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError
 
 from nexa_dagster import settings as env_settings
 from nexa_dagster.core.common.artifacts import require_model_dir
@@ -270,8 +270,6 @@ def llm_resource(
     under the environment's ``NEXA_<ROLE>_BACKEND`` / ``_MODEL`` / ``_URL``; ``openai`` reads its key through
     ``dagster.EnvVar("NEXA_<ROLE>_API_KEY")``. Checked here, when the code location loads: an unknown backend or a
     field the chosen backend does not have is a ``ConfigError`` naming the variable or key it came from."""
-    from pydantic import ValidationError
-
     env = env_settings.environ() if env is None else env
     prefix = f"NEXA_{role.upper()}_"
     origin = {key: f"{where}.{key}" for key in settings}

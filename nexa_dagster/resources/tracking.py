@@ -128,7 +128,7 @@ class TrackingResource(dg.ConfigurableResource):
 
     @contextmanager
     def start_run(self, run_name: str, tags: Mapping[str, str] | None = None) -> Iterator[MLflowRun]:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # MLflow: seconds to import, not at the code location's load
 
         client = MlflowClient(tracking_uri=self.uri())
         exp = client.get_experiment_by_name(self.experiment)
@@ -150,7 +150,7 @@ class TrackingResource(dg.ConfigurableResource):
 
     # -- model registry ---------------------------------------------------------------------------------------
     def _client(self) -> Any:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # MLflow: seconds to import, not at the code location's load
 
         return MlflowClient(tracking_uri=self.uri())
 
@@ -161,7 +161,7 @@ class TrackingResource(dg.ConfigurableResource):
         The version's source is ``runs:/<run>/model`` (the model itself, loadable by any client of the tracking
         server); the directory it came from is kept in the ``checkpoint_path`` tag for this host's stages.
         """
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # MLflow: seconds, not at the code location's load
 
         client = self._client()
         if run_id is None:
@@ -196,7 +196,7 @@ class TrackingResource(dg.ConfigurableResource):
     def registered_checkpoints(self, model_name: str) -> dict[str, str]:
         """{checkpoint_id: checkpoint directory} of every registered version of ``model_name`` (empty if none):
         the ``checkpoint_path`` tag, or the source of a version registered elsewhere from a plain path."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # MLflow: seconds, not at the code location's load
 
         try:
             versions = self._client().search_model_versions(f"name='{model_name}'")
@@ -216,7 +216,7 @@ class TrackingResource(dg.ConfigurableResource):
 
     def alias_version(self, model_name: str, alias: str) -> tuple[str, str] | None:
         """(version, checkpoint_id) behind an alias, or None."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # MLflow: seconds, not at the code location's load
 
         try:
             v = self._client().get_model_version_by_alias(model_name, alias)

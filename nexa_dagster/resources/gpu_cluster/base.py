@@ -251,7 +251,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             fill_deepspeed_config(job, self.world_size())
             build_model_config(job.model_preset, vocab_size=32)
             if job.init_from:  # a wrong architecture or vocabulary fails here, not after the model is loaded
-                from transformers import AutoTokenizer
+                from transformers import AutoTokenizer  # as above: at a launch, not at every load
 
                 check_init_checkpoint(
                     job.init_from, AutoTokenizer.from_pretrained(job.tokenizer_path), f"{job.train_path}"

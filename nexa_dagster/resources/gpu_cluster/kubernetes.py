@@ -86,7 +86,7 @@ class KubernetesGPUCluster(GPUClusterResource):
         self, context: dg.AssetExecutionContext, launch: WorkerLaunch
     ) -> dg.PipesClientCompletedInvocation:
         try:
-            from dagster_k8s import PipesK8sClient
+            from dagster_k8s import PipesK8sClient  # optional: only the kubernetes backend needs it
         except ImportError:
             raise dg.Failure(
                 "backend 'kubernetes' needs the dagster-k8s package (pip install dagster-k8s)",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nexa_dagster.assets.evaluation import gate_attempt, gate_decision
+from nexa_dagster.assets.evaluation import GateEvidence, gate_attempt, gate_decision
 from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.common.config import load_scale
 from nexa_dagster.core.evaluation.paired import paired_loss_difference
@@ -66,7 +66,7 @@ def _decide(
     ckpt: Checkpoint, evaluation: CheckpointEvaluation, scores: dict, contamination: float | None = 0.0
 ):
     return gate_decision(
-        ckpt, PRODUCTION, PromotionPolicy(), evaluation, scores, contamination, EXACT, _rows()
+        GateEvidence(ckpt, PRODUCTION, PromotionPolicy(), evaluation, scores, contamination, EXACT, _rows())
     )
 
 
