@@ -1,5 +1,6 @@
 """The package's shape, checked on its source: core is Dagster-free and layered by stage, no import cycles, every
-environment variable read in the settings module.
+environment variable read in the settings module, no function over a screen (60 lines), and a function-level import
+only with its reason beside it (an optional dependency, or a start-up cost the caller's path does not pay).
 
 Each rule is a function of a source tree, so the tests also run it on a small tree that breaks the rule: a check
 that could never fail would prove nothing.
@@ -29,6 +30,8 @@ STAGES = [
     "tiny",
 ]
 ENVIRONMENT_MODULES = {"nexa_dagster.settings", "nexa_dagster.core.common.faults"}
+# a screen: past it, a function's story is no longer read at once (issue 49, "a house that stays small")
+MAX_FUNCTION_LINES = 60
 
 
 def modules(root: Path) -> dict[str, ast.Module]:
@@ -143,6 +146,48 @@ def environment_reads(mods: dict[str, ast.Module]) -> list[str]:
     return problems
 
 
+def long_functions(mods: dict[str, ast.Module], limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions (and methods) longer than ``limit`` lines, from ``def`` to their last line."""
+    return [
+        f"{name}:{node.lineno} {node.name} has {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in mods.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def _is_import(line: str) -> bool:
+    return line.lstrip().startswith(("import ", "from ")) and " import " in f" {line.strip()} "
+
+
+def unexplained_function_imports(root: Path) -> list[str]:
+    """Imports inside functions with no reason beside them: a comment on one of the imports of its block (the
+    contiguous import lines around it) or on the line just above that block (a ``try:`` saying why, say)."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        nested = {
+            sub.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for sub in ast.walk(node)
+            if isinstance(sub, ast.Import | ast.ImportFrom)
+        }
+        for line in sorted(nested):
+            lo = hi = line - 1
+            while lo > 0 and (_is_import(lines[lo - 1]) or not lines[lo - 1].strip()):
+                lo -= 1
+            while hi + 1 < len(lines) and (_is_import(lines[hi + 1]) or not lines[hi + 1].strip()):
+                hi += 1
+            block = [text for text in lines[lo : hi + 1] if _is_import(text)]
+            above = lines[lo - 1].strip() if lo > 0 else ""
+            if not any(" #" in text for text in block) and not (above.startswith("#") or " # " in above):
+                problems.append(f"{path.relative_to(root.parent)}:{line} {lines[line - 1].strip()}")
+    return problems
+
+
 @pytest.fixture(scope="module")
 def package() -> dict[str, ast.Module]:
     return modules(PACKAGE)
@@ -158,6 +203,14 @@ def test_the_package_has_no_import_cycle(package) -> None:
 
 def test_only_the_settings_module_reads_the_environment(package) -> None:
     assert environment_reads(package) == []
+
+
+def test_no_function_is_longer_than_a_screen(package) -> None:
+    assert long_functions(package) == []
+
+
+def test_every_function_level_import_says_why_it_is_there() -> None:
+    assert unexplained_function_imports(PACKAGE) == []
 
 
 def test_core_holds_only_stage_folders() -> None:
@@ -177,6 +230,9 @@ def test_each_rule_catches_a_tree_that_breaks_it(tmp_path: Path) -> None:
         "core/training/__init__.py": "",
         "core/training/loop.py": "import os\nfrom nexa_dagster.core.training import data\nHOME = os.getenv('HOME')\n",
         "core/training/data.py": "def f():\n    from nexa_dagster.core.training import loop\n",
+        "core/training/lazy.py": "def g():\n    import torch  # seconds to import: only g needs it\n"
+        + "def h():\n    x = 1\n"
+        + "    x += 1\n" * (MAX_FUNCTION_LINES - 1),
     }
     for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -193,3 +249,7 @@ def test_each_rule_catches_a_tree_that_breaks_it(tmp_path: Path) -> None:
         ["nexa_dagster.core.training.data", "nexa_dagster.core.training.loop"]
     ]
     assert environment_reads(mods) == ["nexa_dagster.core.training.loop:3 reads os.getenv"]
+    assert long_functions(mods) == [f"nexa_dagster.core.training.lazy:3 h has {MAX_FUNCTION_LINES + 1} lines"]
+    assert unexplained_function_imports(pkg) == [
+        "nexa_dagster/core/training/data.py:2 from nexa_dagster.core.training import loop"
+    ]

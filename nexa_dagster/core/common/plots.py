@@ -13,7 +13,7 @@ def loss_curve_png(
     import matplotlib  # seconds to import, only when a curve is drawn: not at the code location's load
 
     matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes the backend chosen before it loads
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     steps = [s for s, _ in curve]

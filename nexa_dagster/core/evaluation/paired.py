@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -368,8 +369,6 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
 
 
 def _normal_quantile(q: float) -> float:
-    from statistics import NormalDist
-
     return NormalDist().inv_cdf(q)
 
 

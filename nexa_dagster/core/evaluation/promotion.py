@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import roots, storage
@@ -567,8 +568,6 @@ def eval_loss_guard(
 ) -> GuardReport:
     """``paired_guards`` on the eval set's per-example loss differences (nats per token, weighted by the
     example's tokens: the gate's token-weighted mean), with the eval set's ``slices`` (one label an example)."""
-    import numpy as np
-
     t = np.asarray(tokens, dtype=np.float64)
     d = (np.asarray(candidate_nll, dtype=np.float64) - np.asarray(production_nll, dtype=np.float64)) / t
     return paired_guards(

@@ -36,6 +36,7 @@ from nexa_dagster.core.evaluation.promotion import (
     PromotionPolicy,
     conclude,
 )
+from nexa_dagster.core.rl.rewards import combined_reward
 
 
 def mean_difference_interval(
@@ -196,8 +197,6 @@ def held_out_rewards(
 ) -> list[float]:
     """Each held-out row's summed reward for its answer, by the same reward functions (``core.rl.rewards``,
     TRL's shape: completions plus the rows' columns by name) that training maximised."""
-    from nexa_dagster.core.rl.rewards import combined_reward
-
     if len(rows) != len(answers):
         raise ValueError(f"{len(answers)} answers for {len(rows)} held-out prompts")
     columns: dict[str, list[Any]] = {"prompts": [r["prompt"] for r in rows]}

@@ -27,6 +27,7 @@ def main() -> None:
             super().__init__(app, uds=socket_path, **kwargs)
 
     uvicorn.Config = OnSocket  # type: ignore[misc]
+    # after the patch above: the CLI binds uvicorn.Config when it loads
     from transformers.cli.transformers import main as transformers_cli
 
     sys.argv = ["transformers", *argv]
