@@ -378,6 +378,21 @@ def pairs_to_pack(
     return days, refused
 
 
+def dataset_metadata(dataset: PreferenceDataset, refused: list[str], repeated: int) -> dict[str, object]:
+    """What a person reads on a ``preference_dataset`` materialization: sizes, the days packed, reused and refused,
+    the pairs another day also held (``repeated``)."""
+    return {
+        "run_hash": dataset.run_hash,
+        "train_pairs": dataset.train_pairs,
+        "validation_pairs": dataset.validation_pairs,
+        "days": dg.MetadataValue.json(dataset.days),
+        "days_reused": dataset.shards_reused,
+        "days_refused": dg.MetadataValue.json(refused),
+        "cross_day_duplicates_dropped": repeated,
+        "train_path": dg.MetadataValue.path(dataset.train_path),
+    }
+
+
 @dg.asset(
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
@@ -446,21 +461,6 @@ def preference_dataset(
     # the pair files it was packed from: the evaluation of a checkpoint trained on it says what they hold
     record_inputs(dataset.root, out_root, days, contamination, index)
     return dataset
-
-
-def dataset_metadata(dataset: PreferenceDataset, refused: list[str], repeated: int) -> dict[str, object]:
-    """What a person reads on a ``preference_dataset`` materialization: sizes, the days packed, reused and refused,
-    the pairs another day also held (``repeated``)."""
-    return {
-        "run_hash": dataset.run_hash,
-        "train_pairs": dataset.train_pairs,
-        "validation_pairs": dataset.validation_pairs,
-        "days": dg.MetadataValue.json(dataset.days),
-        "days_reused": dataset.shards_reused,
-        "days_refused": dg.MetadataValue.json(refused),
-        "cross_day_duplicates_dropped": repeated,
-        "train_path": dg.MetadataValue.path(dataset.train_path),
-    }
 
 
 @dg.asset_check(
