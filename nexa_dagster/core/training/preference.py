@@ -126,7 +126,7 @@ class DPOLoss(StepHooks):
         return dpo_micro_terms(terms, self.config.sft_weight)
 
     def evaluate(self, model: torch.nn.Module, device: torch.device, say: MessageFn) -> dict[str, Any]:
-        held_out = held_out_rewards(
+        held_out = validation_pair_figures(
             model, self.validation, self.config.beta, self.config.loss, self.layout, self.pad_id, device
         )
         say(
@@ -296,7 +296,7 @@ class HeldOut:
     pairs: int
 
 
-def held_out_rewards(
+def validation_pair_figures(
     model: torch.nn.Module,
     pairs: Pairs,
     beta: float,
