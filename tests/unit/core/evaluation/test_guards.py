@@ -276,6 +276,7 @@ def test_wherever_the_gate_decides_a_sample_misses_the_stated_share_in_at_most_h
     assert all(unseen_probability(share, n) <= LEVEL / 2 for n in deciding)
 
 
+@pytest.mark.simulation  # thousands of simulated eval sets: left out of make mutation
 @pytest.mark.parametrize("n", [72, 86, 107, 128])
 def test_wherever_the_gate_decides_it_promotes_a_truly_worse_model_at_most_2_5_percent_of_the_time(
     n: int,
@@ -305,6 +306,7 @@ def test_wherever_the_gate_decides_it_promotes_a_truly_worse_model_at_most_2_5_p
         assert _rates("rare_gains", n)["coverage"] >= 0.9
 
 
+@pytest.mark.simulation  # thousands of simulated eval sets: left out of make mutation
 def test_a_lab_that_turns_the_detectable_share_rule_off_decides_at_n_47_and_pays_on_rarer_regressions() -> (
     None
 ):
@@ -326,6 +328,7 @@ def test_a_lab_that_turns_the_detectable_share_rule_off_decides_at_n_47_and_pays
     )
 
 
+@pytest.mark.simulation  # thousands of simulated eval sets: left out of make mutation
 @pytest.mark.parametrize("n", [107, 128])
 def test_the_residual_regressions_rarer_than_the_stated_share_are_promoted_at_the_stated_rate(n: int) -> None:
     """The residual docs/stages/evaluation.md states: regressions rarer than min_detectable_regressed_share. A
@@ -378,6 +381,7 @@ def test_the_simulation_decides_with_the_gates_own_code_row_by_row() -> None:
     assert outcomes == {"promote", "hold back", "insufficient evidence"}
 
 
+@pytest.mark.simulation  # thousands of simulated eval sets: left out of make mutation
 def test_a_lab_runs_the_simulation_on_its_own_eval_sets_differences(tmp_path) -> None:
     rng = np.random.default_rng(5)
     tokens = rng.integers(10, 90, size=120)

@@ -103,6 +103,7 @@ def _worse_or_equal(rng: np.random.Generator, sets: int, n: int) -> dict[str, np
     }
 
 
+@pytest.mark.simulation  # thousands of simulated eval sets: left out of make mutation
 def test_a_worse_or_equal_candidate_is_promoted_at_most_2_5_percent_of_the_time() -> None:
     """The error that hurts: a candidate no better than production promoted. The one-sided 95 % interval's level
     is 2.5 %, and the bound is that, on 10,000 simulated held-out sets where the rate is near it (the Monte-Carlo
