@@ -23,7 +23,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from nexa_dagster.core.common import stat_cache, storage
+from nexa_dagster import settings
+from nexa_dagster.core.common import stat_cache, storage, threads
 from nexa_dagster.core.common.progress import Progress
 
 PLAN_FORMAT = 1
@@ -304,7 +305,11 @@ def run_shards(
                 progress(len(done), len(shards))
         else:
             ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
-            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+            pool_size = min(workers, len(tasks))
+            policy = settings.thread_policy("shards", alongside=pool_size)  # the cores split among the pool
+            with ProcessPoolExecutor(
+                max_workers=pool_size, mp_context=ctx, initializer=threads.use, initargs=(policy,)
+            ) as pool:
                 futures = {pool.submit(run_task, work, t): t.shard.shard_id for t in tasks}
                 try:
                     for fut in as_completed(futures):

@@ -43,9 +43,10 @@ class LocalGPUCluster(GPUClusterResource):
             message_reader=dg.PipesTempFileMessageReader(),
         ) as session:
             # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
-            # show every line twice)
+            # show every line twice); its threads are its kind's share, the ranks' split among them
+            ranks = self.num_procs if launch.distributed else 1
             env = {
-                **settings.environ(),
+                **settings.child_environ(launch.kind, alongside=ranks),
                 **launch.env,
                 settings.LAUNCHER_PID.name: str(os.getpid()),
                 settings.WORKER_ECHO.name: "0",
