@@ -356,6 +356,7 @@ class ProcessKind:
 
     name: str
     processes: str
+    share: str  # its threads, by default
     why: str
 
 
@@ -365,31 +366,36 @@ PROCESS_KINDS = {
         ProcessKind(
             "step",
             "Dagster's code server, run and step processes, `make run`'s process, a test worker",
+            "cores / side by side",
             "it computes (the local teacher and judge, scoring, tables) while its workers and engines wait, and "
-            "waits while they compute: the whole share (a small model takes one thread of it: "
-            "core/llm/local.py)",
+            "waits while they compute; a small model takes one thread of it (core/llm/local.py)",
         ),
         ProcessKind(
             "training",
             "a training worker: one per rank (DeepSpeed under torchrun), GRPO's rollouts inside it",
-            "a node's ranks compute at once: the share over the ranks on the node (LOCAL_WORLD_SIZE)",
+            "cores / (ranks on the node x side by side)",
+            "a node's ranks compute at once (LOCAL_WORLD_SIZE; the worker sets it again on its own node, which "
+            "may not be its launcher's)",
         ),
         ProcessKind(
             "evaluation",
             "an evaluation worker: the eval set's scores, the benchmarks",
-            "one process, while the step that started it waits: the whole share",
+            "cores / side by side",
+            "one process, while the step that started it waits",
         ),
         ProcessKind(
             "engine",
             "`transformers serve`: the managed teacher and judge, the smoke request's engine, the serving "
             "service's engines",
-            "it computes while its client waits: the whole share (an engine loading beside one that serves: the "
-            "serving service's loading_threads)",
+            "cores / side by side",
+            "it computes while its client waits; an engine loading beside one that serves gets the serving "
+            "service's loading_threads instead",
         ),
         ProcessKind(
             "shards",
             "a packaging shard pool's worker process",
-            "the pool's workers run at once: the share over them",
+            "cores / (pool workers x side by side)",
+            "the pool's workers run at once",
         ),
     )
 }
@@ -553,6 +559,18 @@ def pg_url() -> str:
 
 _SECRET_NAMES = frozenset(v.name for v in SECRET_VARIABLES)
 _OWN_NAMES = frozenset(v.name for v in VARIABLES) - _SECRET_NAMES
+
+
+def thread_policy_table() -> str:
+    """The table of process kinds docs/configuration.md carries (checked by a test)."""
+    lines = [
+        "| kind | processes | threads (default, at least 1) | idle threads (default) | why |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in PROCESS_KINDS.values():
+        wait = f"{WAIT_POLICY.default}: they sleep"
+        lines.append(f"| `{kind.name}` | {kind.processes} | {kind.share} | {wait} | {kind.why} |")
+    return "\n".join(lines)
 
 
 def markdown_table() -> str:

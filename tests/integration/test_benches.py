@@ -104,6 +104,19 @@ BENCHES: dict[str, Bench] = {
         timeout_s=1500,
         slow=True,
     ),
+    "threads.py": Bench(
+        ("--prompts", "2", "--max-new-tokens", "2", "--batch", "2", "--rounds", "1"),
+        frozenset(
+            {
+                *(f"{s}_speedup" for s in ("alone", "pair", "busy")),
+                *(f"{s}_cpu_ratio" for s in ("alone", "pair", "busy")),
+                "pair_policy_threads",
+                "pair_default_threads",
+            }
+        ),
+        timeout_s=480,
+        slow=True,
+    ),
     "gpu_lifecycle.py": Bench(
         (),
         frozenset(),

@@ -35,7 +35,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -411,8 +411,9 @@ class ServingService:
         env: dict[str, str] = {}
         if serving is None:
             return {"extra_env": env, "own_session": False}
-        if self.loading_threads > 0:
-            env[settings.OMP_NUM_THREADS.name] = str(self.loading_threads)
+        if self.loading_threads > 0:  # OpenMP's, MKL's and OpenBLAS's counts, the engine's wait policy
+            engine = settings.thread_policy("engine")
+            env.update(replace(engine, threads=self.loading_threads).env())
         # in the service's session: with autogroups the engines yield to each other, not to every other session
         return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice), "own_session": False}
 
