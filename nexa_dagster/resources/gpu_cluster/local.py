@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import dagster as dg
 
 from nexa_dagster import settings
+from nexa_dagster.core.common.spans import span_line
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
 # how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
@@ -52,9 +54,13 @@ class LocalGPUCluster(GPUClusterResource):
                 settings.WORKER_ECHO.name: "0",
                 **session.get_bootstrap_env_vars(),
             }
+            started = time.perf_counter()
             process = subprocess.Popen(command, cwd=str(launch.work_dir), env=env)
             try:
                 code = process.wait()
+                context.log.info(
+                    span_line("fixed", f"{launch.kind}_worker_process", time.perf_counter() - started)
+                )
             except dg.DagsterExecutionInterruptedError:
                 context.log.info("execution interrupted, sending SIGINT to subprocess (the worker)")
                 process.send_signal(signal.SIGINT)
