@@ -13,7 +13,8 @@ work and their fixed costs (``nexa_dagster/core/common/spans.py``: ``span work/t
 * worker start-up: a worker process's time less the spans it logged itself (interpreter, imports, teardown);
 * every ``fixed/`` span (model and DeepSpeed start-up, model loads, the judge's start, checkpoint writes, MLflow)
   and every ``work/`` span (training steps, scoring, judging, generation: the teacher's ``generation_wall_s``);
-* unattributed: a step's time outside any span (its tables, IO manager, the work of a stage with no span yet).
+* unattributed/<step>: a step's time outside any span (its tables, IO manager, a model load or the work of a
+  stage with no span yet): where a span is still missing.
 
 Printed as a table; the last line is one JSON object: per job its seconds in each part, and the totals with
 ``fixed_share`` (fixed costs over the pipeline's time, the issue-49 goal: at most 0.30) and ``work_share``.
@@ -135,7 +136,7 @@ def profile_run(instance: dg.DagsterInstance, record: Any) -> JobProfile:
                 job.parts[f"fixed/{STARTUP}"] += max(0.0, s.seconds - sum(n.seconds for n in nested))
             else:
                 job.parts[f"{s.kind}/{s.name}"] += s.seconds
-        job.parts[UNATTRIBUTED] += max(0.0, seconds - sum(s.seconds for s in top))
+        job.parts[f"{UNATTRIBUTED}/{step}"] += max(0.0, seconds - sum(s.seconds for s in top))
     return job
 
 
@@ -150,7 +151,7 @@ def report(jobs: list[JobProfile]) -> dict[str, Any]:
     totals: dict[str, float] = defaultdict(float)
     out_jobs = []
     for job in jobs:
-        work, fixed, other = job.of("work"), job.of("fixed"), job.parts.get(UNATTRIBUTED, 0.0)
+        work, fixed, other = job.of("work"), job.of("fixed"), job.of(UNATTRIBUTED)
         largest = sorted(((s, k) for k, s in job.parts.items() if k.startswith("fixed/")), reverse=True)[:3]
         costs = ", ".join(f"{k.removeprefix('fixed/')} {s:.1f}" for s, k in largest if s >= 0.05)
         print(f"{job.label[:58]:<58} {job.total_s:8.1f} {work:7.1f} {fixed:8.1f} {other:8.1f}  {costs}")
@@ -161,14 +162,15 @@ def report(jobs: list[JobProfile]) -> dict[str, Any]:
     total = sum(j.total_s for j in jobs)
     work = sum(v for k, v in totals.items() if k.startswith("work/"))
     fixed = sum(v for k, v in totals.items() if k.startswith("fixed/"))
-    print(f"{'all runs':<58} {total:8.1f} {work:7.1f} {fixed:8.1f} {totals[UNATTRIBUTED]:8.1f}")
+    other = sum(v for k, v in totals.items() if k.startswith(UNATTRIBUTED + "/"))
+    print(f"{'all runs':<58} {total:8.1f} {work:7.1f} {fixed:8.1f} {other:8.1f}")
     print("by part: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
     return {
         "runs": len(jobs),
         "total_s": round(total, 2),
         "work_s": round(work, 2),
         "fixed_s": round(fixed, 2),
-        "unattributed_s": round(totals[UNATTRIBUTED], 2),
+        "unattributed_s": round(other, 2),
         "work_share": round(work / total, 3) if total else None,
         "fixed_share": round(fixed / total, 3) if total else None,
         "parts": {k: round(v, 2) for k, v in sorted(totals.items())},
