@@ -125,6 +125,15 @@ BENCHES: dict[str, Bench] = {
         "test_the_gpu_lifecycle_check_runs_its_stages_on_cpu runs it with --device cpu on its make run world",
         run_by="tests/e2e/test_demo.py",
     ),
+    "pipeline_profile.py": Bench(
+        (),
+        frozenset(),
+        timeout_s=0,
+        skip="profiles the runs of a `make run` instance: tests/e2e/test_demo.py::"
+        "test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_costs runs it on its make run "
+        "world (its --part data takes a daily_data_job: minutes)",
+        run_by="tests/e2e/test_demo.py",
+    ),
     "dagster_lower_bound.py": Bench(
         (),
         frozenset(),
