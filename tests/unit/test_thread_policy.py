@@ -173,3 +173,11 @@ def test_the_configuration_page_has_the_policy_of_every_kind_as_the_settings_mod
         "docs/configuration.md's table of process kinds differs from nexa_dagster/settings.py: paste "
         "`python -c 'from nexa_dagster import settings; print(settings.thread_policy_table())'` there"
     )
+
+
+def test_the_suites_own_worker_computes_with_its_share() -> None:
+    """tests/conftest.py applied the step policy before torch loaded: a test worker of `make test` (two xdist
+    workers on two cores) computes with one thread, whose idle time is spent asleep, and passes both on."""
+    policy = settings.thread_policy("step")
+    assert torch.get_num_threads() == policy.threads
+    assert threads_of(settings.environ()) == (policy.threads, "PASSIVE")

@@ -1,6 +1,6 @@
 """Spans: how long a stage's own work and its fixed costs took, one log line each.
 
-A stage says ``span work/train_steps: 11.204 s`` or ``span fixed/model_load: 2.310 s`` through the log it already
+A stage says ``span work/training_steps: 11.204 s`` or ``span fixed/model_load: 2.310 s`` through the log it already
 has (a step's ``context.log``, a worker's Pipes log): the line lands in the Dagster run's event log, where
 ``bench/pipeline_profile.py`` reads it back beside the steps' own start and end times, to split each job's time
 into the stage's work (training steps, scoring, judging, generation) and what it pays around it (process starts,
