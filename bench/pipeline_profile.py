@@ -40,10 +40,11 @@ import dagster as dg  # noqa: E402
 
 from nexa_dagster import settings  # noqa: E402
 from nexa_dagster.core.common.config import REPO_ROOT  # noqa: E402
-from nexa_dagster.core.common.spans import PATTERN  # noqa: E402
+from nexa_dagster.core.common.spans import PATTERN, WORKER_PROCESS  # noqa: E402
 
 WORK_METADATA = {"generation_wall_s": "generation"}  # a span a stage records as metadata: its name as a span
 LAUNCH, DAGSTER, STARTUP, UNATTRIBUTED = "launch", "dagster", "worker_startup", "unattributed"
+WORKER_SUFFIX = WORKER_PROCESS.format(kind="")
 
 
 @dataclass
@@ -53,14 +54,21 @@ class Span:
     seconds: float
     end: float  # the time it was logged (its end)
     step: str | None
+    order: int  # its place in the run's log
 
     @property
     def start(self) -> float:
         return self.end - self.seconds
 
-    def inside(self, other: Span) -> bool:
-        """Logged within ``other`` (a worker's spans within its process); a little slack for log latency."""
-        return self is not other and other.start - 0.5 <= self.start and self.end <= other.end + 0.5
+    def holds(self, other: Span) -> bool:
+        """A worker process's span holds the spans its worker sent: logged before it (the launcher logs it once
+        the worker's messages are all read), begun after the process started."""
+        return (
+            self.name.endswith(WORKER_SUFFIX)
+            and other.step == self.step
+            and other.order < self.order
+            and other.start >= self.start
+        )
 
 
 @dataclass
@@ -84,19 +92,18 @@ def run_label(run: Any) -> str:
 def spans_of(entries: list[Any]) -> list[Span]:
     """The spans a run's log holds, and the work its materializations record as metadata."""
     out = []
-    for entry in entries:
+    for order, entry in enumerate(entries):
         match = PATTERN.match(entry.user_message or "") if entry.dagster_event is None else None
         if match:
-            out.append(
-                Span(match["kind"], match["name"], float(match["seconds"]), entry.timestamp, entry.step_key)
-            )
+            seconds = float(match["seconds"])
+            out.append(Span(match["kind"], match["name"], seconds, entry.timestamp, entry.step_key, order))
         event = entry.dagster_event
         if event is not None and event.event_type_value == "ASSET_MATERIALIZATION":
             metadata = event.event_specific_data.materialization.metadata
             for key, name in WORK_METADATA.items():
                 if key in metadata:
                     seconds = float(metadata[key].value)
-                    out.append(Span("work", name, seconds, entry.timestamp, entry.step_key))
+                    out.append(Span("work", name, seconds, entry.timestamp, entry.step_key, order))
     return out
 
 
@@ -127,9 +134,9 @@ def profile_run(instance: dg.DagsterInstance, record: Any) -> JobProfile:
     spans = spans_of(entries)
     for step, seconds in steps.items():
         own = [s for s in spans if s.step == step]
-        top = [s for s in own if not any(s.inside(o) for o in own)]
+        top = [s for s in own if not any(o.holds(s) for o in own)]
         for s in top:
-            nested = [n for n in own if n.inside(s)]
+            nested = [n for n in own if s.holds(n)]
             for n in nested:
                 job.parts[f"{n.kind}/{n.name}"] += n.seconds
             if nested:  # a worker process: what it spent outside its own spans is its start-up and teardown

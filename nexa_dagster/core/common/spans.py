@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 Kind = Literal["work", "fixed"]
+# a worker process's whole time, launched to exited and its messages read: logged after the spans the worker sent,
+# which it holds (what it spent outside them is its start-up: the interpreter, imports, teardown)
+WORKER_PROCESS = "{kind}_worker_process"
 PATTERN = re.compile(r"^span (?P<kind>work|fixed)/(?P<name>[\w.-]+): (?P<seconds>\d+(?:\.\d+)?) s$")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import dagster as dg
 
 from nexa_dagster import settings
-from nexa_dagster.core.common.spans import span_line
+from nexa_dagster.core.common.spans import WORKER_PROCESS, span_line
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
 # how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
@@ -58,9 +58,6 @@ class LocalGPUCluster(GPUClusterResource):
             process = subprocess.Popen(command, cwd=str(launch.work_dir), env=env)
             try:
                 code = process.wait()
-                context.log.info(
-                    span_line("fixed", f"{launch.kind}_worker_process", time.perf_counter() - started)
-                )
             except dg.DagsterExecutionInterruptedError:
                 context.log.info("execution interrupted, sending SIGINT to subprocess (the worker)")
                 process.send_signal(signal.SIGINT)
@@ -68,4 +65,8 @@ class LocalGPUCluster(GPUClusterResource):
                 raise
             if code != 0:
                 raise WorkerFailed(f"the worker exited with code {code}")
+        # once the session is closed, every span the worker sent is in the log before this one, which holds them
+        context.log.info(
+            span_line("fixed", WORKER_PROCESS.format(kind=launch.kind), time.perf_counter() - started)
+        )
         return dg.PipesClientCompletedInvocation(session)
