@@ -196,6 +196,7 @@ def run_part(part: str, work: Path) -> None:
     settings.export(settings.DATA_ROOT, str(data))
     settings.export(settings.RESULTS_ROOT, str(work / "results"))
     settings.export_default(settings.HF_HUB_OFFLINE)
+    # imported here, after the environment points at ``work``: the code location builds its resources on import
     from nexa_dagster.core.common.config import resolve_path
     from nexa_dagster.core.data.ingest import landed_days
     from nexa_dagster.core.tiny.install import install_tiny_models
