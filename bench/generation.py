@@ -92,10 +92,9 @@ def measure(args: argparse.Namespace, model_arg: str | None) -> dict[str, object
             from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            # idle OpenMP threads sleep instead of spinning, as the test suite's (tests/conftest.py): with the
-            # default, a 2-thread SmolLM2 engine on a shared 2-core host slowed from 1.4 s to 20-60 s a request
-            # once other work took the cores (docs/measurements.md), and the warm-up timed out
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # the engine's idle OpenMP threads sleep instead of spinning (ManagedServer gives it the engine's thread
+            # policy, settings.thread_policy): with the default, a 2-thread SmolLM2 engine on a shared 2-core host
+            # slowed from 1.4 s to 20-60 s a request once other work took the cores (docs/measurements.md)
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nexa-bench-")))
             model_dir = (
                 Path(model_arg)

@@ -32,6 +32,7 @@ from nexa_dagster.assets.freshness import with_freshness
 from nexa_dagster.assets.production import production_model_asset
 from nexa_dagster.assets.versions import with_code_versions
 from nexa_dagster.config_check import check_configs
+from nexa_dagster.core.common import threads
 from nexa_dagster.core.common.config import config_dir, pipeline_config
 from nexa_dagster.jobs import JOBS, nightly_schedule
 from nexa_dagster.resources.configs import (
@@ -168,4 +169,7 @@ def build_defs() -> dg.Definitions:
     )
 
 
+# Every Dagster process loads this module before it computes (the code server, a run, each step forked after it;
+# `make run`): its share of the cores and sleeping idle threads, set before torch loads (settings.thread_policy)
+threads.use(settings.thread_policy("step"))
 defs = build_defs()

@@ -169,13 +169,52 @@ HF_HUB_CACHE = _var(
 OMP_WAIT_POLICY = _var(
     "OMP_WAIT_POLICY",
     "PASSIVE",
-    "how idle OpenMP threads wait (set for serving engines: they sleep)",
+    "how idle OpenMP threads wait: written for every process the project starts by the thread policy (set "
+    "NEXA_OMP_WAIT_POLICY, not this)",
     "process",
 )
 OMP_NUM_THREADS = _var(
     "OMP_NUM_THREADS",
     "",
-    "an engine's OpenMP threads (set for a serving engine that loads beside one serving)",
+    "OpenMP's threads (torch's intra-op threads): written for every process the project starts by the thread "
+    "policy (set NEXA_THREADS, not this)",
+    "process",
+)
+MKL_NUM_THREADS = _var(
+    "MKL_NUM_THREADS", "", "MKL's threads: written by the thread policy, as OMP_NUM_THREADS", "process"
+)
+OPENBLAS_NUM_THREADS = _var(
+    "OPENBLAS_NUM_THREADS",
+    "",
+    "numpy's OpenBLAS threads: written by the thread policy, as OMP_NUM_THREADS",
+    "process",
+)
+THREADS = _var(
+    "NEXA_THREADS",
+    "",
+    "torch's intra-op (OpenMP) threads per process: a number for every kind, and/or `kind=N` pairs separated by "
+    "commas (kinds: step, training, evaluation, engine, shards; `4,engine=2`); default: the cores this process "
+    "may use over the processes computing side by side (docs/configuration.md, Threads)",
+    "process",
+)
+WAIT_POLICY = _var(
+    "NEXA_OMP_WAIT_POLICY",
+    "PASSIVE",
+    "how idle OpenMP threads wait, for every kind and/or `kind=POLICY` pairs: PASSIVE (they sleep) or ACTIVE "
+    "(they spin: faster only on cores no other process wants)",
+    "process",
+)
+SIDE_BY_SIDE = _var(
+    "NEXA_SIDE_BY_SIDE",
+    "",
+    "how many processes compute at once on this machine's cores, each given its share (default 1; the test "
+    "suite's workers set their number)",
+    "process",
+)
+XDIST_WORKER_COUNT = _var(
+    "PYTEST_XDIST_WORKER_COUNT",
+    "",
+    "set by pytest-xdist in each test worker: the workers side by side (tests/conftest.py's NEXA_SIDE_BY_SIDE)",
     "process",
 )
 DS_ACCELERATOR = _var(
@@ -190,6 +229,7 @@ PIPES_CONTEXT = _var(
 )
 RANK = _var("RANK", "0", "torch.distributed rank (torchrun sets it)", "worker")
 LOCAL_RANK = _var("LOCAL_RANK", "0", "the rank on this node", "worker")
+LOCAL_WORLD_SIZE = _var("LOCAL_WORLD_SIZE", "1", "ranks on this node (torchrun sets it)", "worker")
 WORLD_SIZE = _var("WORLD_SIZE", "1", "ranks in all", "worker")
 MASTER_ADDR = _var("MASTER_ADDR", "127.0.0.1", "the rendezvous host", "worker")
 MASTER_PORT = _var("MASTER_PORT", "", "the rendezvous port (a free one for a single process)", "worker")
@@ -300,6 +340,153 @@ def environ(extra_prefixes: tuple[str, ...] = ()) -> Mapping[str, str]:
     return {k: v for k, v in os.environ.items() if inherited(k, extra_prefixes)}
 
 
+# -- threads: how many each process computes with, and how its idle ones wait ------------------------------------
+# torch starts one OpenMP thread per core, and libgomp's idle threads spin. Processes that share cores (the suite's
+# two workers and every torch process each starts, a step beside another, an engine beside a worker) then spin
+# against each other: transformers' generate ran 9-28x slower than with one thread or with sleeping threads on the
+# loaded 2-core machine (issue 49; docs/measurements.md, "Threads"; bench/threads.py). So every process the project
+# starts gets its kind's share of the cores and threads that sleep when idle: ``child_environ(kind)`` for a child,
+# ``core/common/threads.use`` inside a process. A lab overrides it with NEXA_THREADS and NEXA_OMP_WAIT_POLICY.
+WAIT_POLICIES = ("PASSIVE", "ACTIVE")
+
+
+@dataclass(frozen=True)
+class ProcessKind:
+    """A kind of process the project starts: which processes it is, and why its share is what it is."""
+
+    name: str
+    processes: str
+    share: str  # its threads, by default
+    why: str
+
+
+PROCESS_KINDS = {
+    kind.name: kind
+    for kind in (
+        ProcessKind(
+            "step",
+            "Dagster's code server, run and step processes, `make run`'s process, a test worker",
+            "cores / side by side",
+            "it computes (the local teacher and judge, scoring, tables) while its workers and engines wait, and "
+            "waits while they compute; a small model takes one thread of it (core/llm/local.py)",
+        ),
+        ProcessKind(
+            "training",
+            "a training worker: one per rank (DeepSpeed under torchrun), GRPO's rollouts inside it",
+            "cores / (ranks on the node x side by side)",
+            "a node's ranks compute at once (LOCAL_WORLD_SIZE; the worker sets it again on its own node, which "
+            "may not be its launcher's)",
+        ),
+        ProcessKind(
+            "evaluation",
+            "an evaluation worker: the eval set's scores, the benchmarks",
+            "cores / side by side",
+            "one process, while the step that started it waits",
+        ),
+        ProcessKind(
+            "engine",
+            "`transformers serve`: the managed teacher and judge, the smoke request's engine, the serving "
+            "service's engines",
+            "cores / side by side",
+            "it computes while its client waits; an engine loading beside one that serves gets the serving "
+            "service's loading_threads instead",
+        ),
+        ProcessKind(
+            "shards",
+            "a packaging shard pool's worker process",
+            "cores / (pool workers x side by side)",
+            "the pool's workers run at once",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """What one process computes with: ``threads`` OpenMP/MKL/OpenBLAS threads (torch's intra-op threads) and
+    the OpenMP wait policy of its idle threads."""
+
+    kind: str
+    threads: int
+    wait_policy: str
+
+    def variables(self) -> dict[Variable, str]:
+        """The variables that carry it: read by the libraries when they load (libgomp's wait policy only then)."""
+        n = str(self.threads)
+        counts = (OMP_NUM_THREADS, MKL_NUM_THREADS, OPENBLAS_NUM_THREADS)
+        return {**{v: n for v in counts}, OMP_WAIT_POLICY: self.wait_policy}
+
+    def env(self) -> dict[str, str]:
+        return {v.name: value for v, value in self.variables().items()}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a taskset or a Slurm allocation), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
+
+
+def side_by_side() -> int:
+    """How many processes compute at once on these cores: NEXA_SIDE_BY_SIDE, else the test suite's xdist workers
+    (inherited by every process a test starts), else 1."""
+    for variable in (SIDE_BY_SIDE, XDIST_WORKER_COUNT):
+        if variable.is_set():
+            return _positive(variable.name, variable.get())
+    return 1
+
+
+def thread_policy(kind: str, alongside: int = 1, cores: int | None = None) -> ThreadPolicy:
+    """The policy of a ``kind`` process (``PROCESS_KINDS``) started with ``alongside - 1`` others of its launch
+    (ranks, pool workers): ``NEXA_THREADS``'s number for it if a lab set one, else ``cores`` (default: this
+    process's) over everything computing at once, at least 1; ``NEXA_OMP_WAIT_POLICY``'s wait policy."""
+    if kind not in PROCESS_KINDS:
+        raise ValueError(f"unknown process kind {kind!r}: one of {', '.join(PROCESS_KINDS)}")
+    chosen = _per_kind(THREADS, kind)
+    if chosen:
+        threads = _positive(THREADS.name, chosen)
+    else:
+        threads = max(1, (cores or usable_cores()) // (max(1, alongside) * side_by_side()))
+    wait = _per_kind(WAIT_POLICY, kind).upper() or WAIT_POLICY.default
+    if wait not in WAIT_POLICIES:
+        raise ValueError(f"{WAIT_POLICY.name}={WAIT_POLICY.get()!r}: a wait policy is one of {WAIT_POLICIES}")
+    return ThreadPolicy(kind, threads, wait)
+
+
+def child_environ(kind: str, alongside: int = 1) -> dict[str, str]:
+    """``environ()`` for a ``kind`` child, with its thread policy written over the thread variables this process
+    runs with (a step's share is not a training rank's)."""
+    return {**environ(), **thread_policy(kind, alongside).env()}
+
+
+def _per_kind(variable: Variable, kind: str) -> str:
+    """``variable``'s value for ``kind``: its ``kind=VALUE`` entry, else its bare ``VALUE``, else ``""``."""
+    bare = own = ""
+    for entry in filter(None, (e.strip() for e in variable.get().split(","))):
+        name, sep, value = (part.strip() for part in entry.rpartition("="))
+        if sep and name not in PROCESS_KINDS:
+            raise ValueError(
+                f"{variable.name}={variable.get()!r}: unknown process kind {name!r} (one of "
+                f"{', '.join(PROCESS_KINDS)})"
+            )
+        if not sep:
+            bare = value
+        elif name == kind:
+            own = value
+    return own or bare
+
+
+def _positive(name: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: a whole number of at least 1")
+    return number
+
+
 class SecretUnreadable(ValueError):
     """A ``*_FILE`` variable names a file that cannot be read, or an empty one: the message names both."""
 
@@ -372,6 +559,18 @@ def pg_url() -> str:
 
 _SECRET_NAMES = frozenset(v.name for v in SECRET_VARIABLES)
 _OWN_NAMES = frozenset(v.name for v in VARIABLES) - _SECRET_NAMES
+
+
+def thread_policy_table() -> str:
+    """The table of process kinds docs/configuration.md carries (checked by a test)."""
+    lines = [
+        "| kind | processes | threads (default, at least 1) | idle threads (default) | why |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in PROCESS_KINDS.values():
+        wait = f"{WAIT_POLICY.default}: they sleep"
+        lines.append(f"| `{kind.name}` | {kind.processes} | {kind.share} | {wait} | {kind.why} |")
+    return "\n".join(lines)
 
 
 def markdown_table() -> str:

@@ -15,12 +15,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# OpenMP threads that wait sleep instead of spinning. Two xdist workers share two cores, and each starts torch
-# processes (training ranks, evaluation workers, model servers) with an OpenMP thread per core: their idle threads
-# spun at every parallel region's end on the cores the other worker needed, about doubling each process's CPU time
-# on the loaded machine (docs/measurements.md, "OpenMP wait policy"). Scheduling only: threads and numerics are
-# unchanged. Inherited by every process a test starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from nexa_dagster import settings  # noqa: E402
+from nexa_dagster.core.common import threads  # noqa: E402
+
+# The thread policy (settings.thread_policy), before anything loads torch: each xdist worker is a step-like process
+# with its share of the cores (PYTEST_XDIST_WORKER_COUNT workers side by side: one thread each on two cores) and
+# OpenMP threads that sleep when idle. Every process a test starts inherits the worker count, and the project's
+# launchers give each child its kind's share of it: two workers' torch processes with a thread per core each spun
+# against each other on the cores the other needed (docs/measurements.md, "OpenMP wait policy" and "Threads").
+threads.use(settings.thread_policy("step"))
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

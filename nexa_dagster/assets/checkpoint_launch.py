@@ -27,6 +27,7 @@ from nexa_dagster.assets.training_record import (
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import Checkpoint
 from nexa_dagster.core.common.config import ScalePreset
+from nexa_dagster.core.common.spans import span
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource
 from nexa_dagster.resources.scale import ScaleResource
@@ -110,16 +111,17 @@ def launch_and_record(
         context, job, io.local_dir(storage.path("runs", job.run_id))
     )
     figures = stage.figures(result)
-    png, mlflow_run_id = log_training_run(
-        context,
-        tracking,
-        result,
-        run_name=job.run_id,
-        stage=stage.stage,
-        title=stage.title,
-        params=stage.params,
-        final_metrics={k: v for k, v in figures.final_metrics.items() if v is not None},
-    )
+    with span(context.log.info, "fixed", "mlflow"):
+        png, mlflow_run_id = log_training_run(
+            context,
+            tracking,
+            result,
+            run_name=job.run_id,
+            stage=stage.stage,
+            title=stage.title,
+            params=stage.params,
+            final_metrics={k: v for k, v in figures.final_metrics.items() if v is not None},
+        )
     # the checkpoint's own record: what it is and what it came from (read by evaluation, also for hand copies)
     checkpoint = write_checkpoint_record(
         context,
@@ -131,7 +133,8 @@ def launch_and_record(
         **stage.record,
         **figures.record,
     )
-    published = publish(checkpoint)
+    with span(context.log.info, "fixed", "mlflow_register"):
+        published = publish(checkpoint)
     return dg.Output(
         checkpoint,
         metadata={

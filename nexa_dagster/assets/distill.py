@@ -31,6 +31,7 @@ from nexa_dagster.assets.types import (
     RejectedSamplesType,
     TeacherSamplesType,
 )
+from nexa_dagster.core.common.spans import span
 from nexa_dagster.core.distill.generation_store import GenerationStore
 from nexa_dagster.core.distill.judge_validity import JudgeValidity, judge_validity
 from nexa_dagster.core.distill.sample_gate import GateResult, apply_sample_gate, configured_judge
@@ -192,6 +193,7 @@ def sample_gate(
         no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"),
         judge_llm.get_client(log=context.log) as judge,
         progress_logger(context, "gated") as progress,
+        span(context.log.info, "work", "judging"),  # the gate's verdicts and the judge's validity check
     ):
         result = apply_sample_gate(
             teacher_samples,

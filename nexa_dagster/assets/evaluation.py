@@ -5,6 +5,7 @@ model_deployment follows (held back is a recorded warning, not a failure), decid
 confidence interval whether it is served.
 """
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import BaseModelEval, Checkpoint, EvalReport
 from nexa_dagster.core.common.config import ScalePreset, resolve_path
 from nexa_dagster.core.common.plots import loss_curve_png, markdown_image
+from nexa_dagster.core.common.spans import span, span_line
 from nexa_dagster.core.data.contamination import ContaminationIndex
 from nexa_dagster.core.evaluation.attempts import Attempt, GateAttempts, family
 from nexa_dagster.core.evaluation.benchmarks import (
@@ -371,22 +373,25 @@ def judged(
     rubric = JudgeRubric(
         prompts.text("judge"), prompts.text("judge_verdict"), sample_gate_config.config().judge
     )
+    opening = time.perf_counter()
     with no_retry_on_permanent_llm_errors(f"judge {judge_llm.where()}"), judge_llm.get_client() as judge:
-        return compare(
-            ckpt.checkpoint_id,
-            version,
-            ModelScores.from_json(scores["candidate"]),
-            ModelScores.from_json(scores["production"]) if "production" in scores else None,
-            questions,
-            judge,
-            rubric,
-            policy.confidence,
-            policy.bootstrap_resamples,
-            log=context.log.info,
-            interval_method=policy.interval_method,
-            judge_mode=policy.preference.judge_mode,
-            tie_epsilon=policy.preference.tie_epsilon,
-        )
+        context.log.info(span_line("fixed", "judge_start", time.perf_counter() - opening))
+        with span(context.log.info, "work", "judging"):
+            return compare(
+                ckpt.checkpoint_id,
+                version,
+                ModelScores.from_json(scores["candidate"]),
+                ModelScores.from_json(scores["production"]) if "production" in scores else None,
+                questions,
+                judge,
+                rubric,
+                policy.confidence,
+                policy.bootstrap_resamples,
+                log=context.log.info,
+                interval_method=policy.interval_method,
+                judge_mode=policy.preference.judge_mode,
+                tie_epsilon=policy.preference.tie_epsilon,
+            )
 
 
 def score_both(

@@ -465,6 +465,41 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
     assert result["versions"]["torch"] and result["versions"]["deepspeed"] != "absent"
 
 
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(600)
+def test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_costs(
+    demo_world: tuple[Path, str],
+) -> None:
+    """`bench/pipeline_profile.py` on the instance `make run` recorded: each job's time is its launch, Dagster's
+    share, the spans the stages logged and what no span covers, adding up to the job's time; the training and
+    evaluation jobs show their own work (training steps, scoring, judging) beside their fixed costs (the worker
+    process's start-up, model and DeepSpeed start-up, model loads, checkpoint writes)."""
+    root, _ = demo_world
+    proc = subprocess.run(
+        [sys.executable, "bench/pipeline_profile.py"],
+        cwd=REPO_ROOT,
+        env=sandbox_env(root),
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    profile = json.loads(proc.stdout.strip().splitlines()[-1])
+    jobs = profile["jobs"]
+    for job in jobs:  # an account, not an estimate: the parts are the job's time
+        assert sum(job["parts"].values()) == pytest.approx(job["total_s"], rel=0.01, abs=0.05), job
+    parts = {name for job in jobs for name in job["parts"]}
+    expected = {
+        *("work/training_steps", "work/scoring", "work/judging", "work/generation"),
+        *("fixed/model_and_deepspeed", "fixed/model_load", "fixed/checkpoint_write", "fixed/worker_startup"),
+        *("fixed/launch", "fixed/dagster", "fixed/mlflow"),
+    }
+    assert expected <= parts, sorted(expected - parts)
+    trainings = [j for j in jobs if j["job"].startswith("training_job")]
+    assert len(trainings) >= 3 and all(j["parts"]["work/training_steps"] > 0 for j in trainings), trainings
+    assert profile["fixed_share"] is not None and 0 < profile["fixed_share"] < 1
+
+
 def night_guards(summary: str) -> dict[str, str]:
     """Each compared night's checkpoint id -> the guards line printed under it (``demo.summary_lines``)."""
     out, current = {}, None

@@ -104,12 +104,34 @@ BENCHES: dict[str, Bench] = {
         timeout_s=1500,
         slow=True,
     ),
+    "threads.py": Bench(
+        ("--prompts", "2", "--max-new-tokens", "2", "--batch", "2", "--rounds", "1"),
+        frozenset(
+            {
+                *(f"{s}_speedup" for s in ("alone", "pair", "busy")),
+                *(f"{s}_cpu_ratio" for s in ("alone", "pair", "busy")),
+                "pair_policy_threads",
+                "pair_default_threads",
+            }
+        ),
+        timeout_s=480,
+        slow=True,
+    ),
     "gpu_lifecycle.py": Bench(
         (),
         frozenset(),
         timeout_s=0,
         skip="needs the job files of a `make run` data root: tests/e2e/test_demo.py::"
         "test_the_gpu_lifecycle_check_runs_its_stages_on_cpu runs it with --device cpu on its make run world",
+        run_by="tests/e2e/test_demo.py",
+    ),
+    "pipeline_profile.py": Bench(
+        (),
+        frozenset(),
+        timeout_s=0,
+        skip="profiles the runs of a `make run` instance: tests/e2e/test_demo.py::"
+        "test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_costs runs it on its make run "
+        "world (its --part data takes a daily_data_job: minutes)",
         run_by="tests/e2e/test_demo.py",
     ),
     "dagster_lower_bound.py": Bench(

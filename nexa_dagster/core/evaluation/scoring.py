@@ -10,6 +10,7 @@ judge, any endpoint, then scores the answers in the Dagster process (``judge_ans
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import read_text
 from nexa_dagster.core.common.progress import Progress
+from nexa_dagster.core.common.spans import span, span_line
 from nexa_dagster.core.distill.judge import Judge
 from nexa_dagster.core.distill.sample_gate import JudgeConfig, load_gate_config
 from nexa_dagster.core.evaluation.benchmarks import markdown_table
@@ -195,14 +197,17 @@ def score_model(
     """Per-example eval-set losses, greedy answers to ``prompts`` and, with ``sampling``, k sampled answers to each
     of one model (loaded once)."""
 
+    loading = time.perf_counter()
     with LocalTransformersClient(model_dir, batch_size=batch_size, device=device) as client:
-        with Progress(log, f"{label}: eval-set examples scored") as progress:
-            nll, tokens = example_losses(client.model, examples_path, batch_size, device, progress)
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-        answers = [
-            c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)
-        ]
-        sampled = sample_answers(client, prompts, max_new_tokens, sampling) if sampling else None
+        log(span_line("fixed", "model_load", time.perf_counter() - loading))
+        with span(log, "work", "scoring"):
+            with Progress(log, f"{label}: eval-set examples scored") as progress:
+                nll, tokens = example_losses(client.model, examples_path, batch_size, device, progress)
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+            answers = [
+                c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)
+            ]
+            sampled = sample_answers(client, prompts, max_new_tokens, sampling) if sampling else None
     scores = ModelScores(nll, tokens, answers, sampled_answers=sampled)
     log(
         f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "

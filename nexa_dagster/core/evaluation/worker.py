@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nexa_dagster import settings
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import storage, threads
 from nexa_dagster.core.common.config import BenchmarkSettings
 from nexa_dagster.core.common.workers import exit_with_launcher, is_permanent, write_failure
 from nexa_dagster.core.evaluation.benchmarks import resolve_tasks, run_benchmarks
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unusable evaluation job {args.job}: {e}", file=sys.stderr, flush=True)
         return 2
     exit_with_launcher()
+    threads.use(settings.thread_policy("evaluation"))  # this machine's share (its launcher's may be another)
     pipes: Any = None
     if settings.PIPES_CONTEXT.is_set():
         # only under a Pipes launch: a worker run by hand has none

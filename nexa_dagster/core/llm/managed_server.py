@@ -384,7 +384,9 @@ class ManagedServer:
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
         env = {
-            **settings.environ(),
+            **settings.child_environ(
+                "engine"
+            ),  # its share of the cores, idle threads asleep between requests
             "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(),
             "HF_HUB_CACHE": str(cache),
             "PYTHONUNBUFFERED": "1",

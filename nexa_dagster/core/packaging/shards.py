@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import pyarrow.parquet as pq
 
-from nexa_dagster.core.common import stat_cache, storage
+from nexa_dagster import settings
+from nexa_dagster.core.common import stat_cache, storage, threads
 from nexa_dagster.core.common.progress import Progress
 
 PLAN_FORMAT = 1
@@ -337,7 +338,11 @@ def _run_in_processes(
     """``tasks`` in a pool of up to ``workers`` spawned processes, ``finished(shard_id, receipt)`` as each ends; the
     first failure cancels the tasks not yet started and is raised."""
     ctx = multiprocessing.get_context("spawn")  # no inherited threads or locks; the same in any host
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+    pool_size = min(workers, len(tasks))
+    policy = settings.thread_policy("shards", alongside=pool_size)  # the cores split among the pool
+    with ProcessPoolExecutor(
+        max_workers=pool_size, mp_context=ctx, initializer=threads.use, initargs=(policy,)
+    ) as pool:
         futures = {pool.submit(run_task, work, t): t.shard.shard_id for t in tasks}
         try:
             for fut in as_completed(futures):

@@ -35,7 +35,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -402,16 +402,18 @@ class ServingService:
         return engine.start(attempts=1)
 
     def _engine_resources(self, serving: ManagedServer | None) -> dict[str, Any]:
-        """What an engine starts with: idle OpenMP threads that sleep rather than spin (they would take the CPU
-        from the other engine, and from the HTTP threads of their own), and, while ``serving`` serves, a priority
-        ``loading_nice`` below it and ``loading_threads`` OpenMP threads (an OpenMP pool is sized when the engine
-        starts). Below it, not below the service: an engine whose priority could not be raised back (no
-        ``CAP_SYS_NICE``) still serves ahead of the next one loading."""
-        env = {settings.OMP_WAIT_POLICY.name: settings.OMP_WAIT_POLICY.default}
+        """What an engine starts with beyond the engine's thread policy (``settings.thread_policy("engine")``:
+        idle OpenMP threads that sleep rather than spin, which would take the CPU from the other engine and from
+        the HTTP threads of their own): while ``serving`` serves, a priority ``loading_nice`` below it and
+        ``loading_threads`` OpenMP threads (an OpenMP pool is sized when the engine starts). Below it, not below
+        the service: an engine whose priority could not be raised back (no ``CAP_SYS_NICE``) still serves ahead
+        of the next one loading."""
+        env: dict[str, str] = {}
         if serving is None:
             return {"extra_env": env, "own_session": False}
-        if self.loading_threads > 0:
-            env[settings.OMP_NUM_THREADS.name] = str(self.loading_threads)
+        if self.loading_threads > 0:  # OpenMP's, MKL's and OpenBLAS's counts, the engine's wait policy
+            engine = settings.thread_policy("engine")
+            env.update(replace(engine, threads=self.loading_threads).env())
         # in the service's session: with autogroups the engines yield to each other, not to every other session
         return {"extra_env": env, "nice": min(19, serving.nice + self.loading_nice), "own_session": False}
 

@@ -37,6 +37,7 @@ from nexa_dagster import settings
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_point
 from nexa_dagster.core.common.progress import Progress
+from nexa_dagster.core.common.spans import span, span_line
 from nexa_dagster.core.training import monitor
 from nexa_dagster.core.training.collectives import all_reduce_sum
 from nexa_dagster.core.training.data import Batch, Prefetcher
@@ -519,12 +520,15 @@ def train(
     rank, world_size, say, _ = open_run(job, on_message)
 
     # 1. tokenizer and the objective's data: every input checked before a model is built
-    tokenizer = load_tokenizer(job)
-    objective = build_objective(job, tokenizer, rank, world_size, say)
+    with span(say, "fixed", "training_data"):
+        tokenizer = load_tokenizer(job)
+        objective = build_objective(job, tokenizer, rank, world_size, say)
 
     # 2. model and engine, then the objective's own preparation (DPO's reference values) before any update
-    run = start_engine(job, tokenizer, objective, world_size, say)
-    objective.prepare(run.engine, run.device, say)
+    with span(say, "fixed", "model_and_deepspeed"):
+        run = start_engine(job, tokenizer, objective, world_size, say)
+    with span(say, "work", "objective_prepare"):
+        objective.prepare(run.engine, run.device, say)
 
     # 3. resume from the last saved state of an earlier attempt of this run, if there is one
     start_step, metrics_log, tokens_seen = resume_run(run.engine, job, objective, say)
@@ -532,9 +536,11 @@ def train(
     # 4. the loop: one optimizer step per iteration, gradient accumulation inside
     steps = StepLoop(job, run, objective, rank, world_size, say, on_log, metrics_log, tokens_seen)
     train_s = steps.run(start_step)
+    say(span_line("work", "training_steps", train_s))
 
     # 5. the objective's held-out figures, then save (rank 0)
-    figures = objective.evaluate(run.engine.module, run.device, say)
+    with span(say, "work", "held_out_figures"):
+        figures = objective.evaluate(run.engine.module, run.device, say)
     totals = RunTotals(
         start_step,
         steps.tokens_seen,
@@ -544,7 +550,8 @@ def train(
         run.parameters_total,
         run.parameters_active,
     )
-    return finish_run(job, run.engine, tokenizer, metrics_log, totals, say, **figures)
+    with span(say, "fixed", "checkpoint_write"):
+        return finish_run(job, run.engine, tokenizer, metrics_log, totals, say, **figures)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from nexa_dagster import settings
+from nexa_dagster.core.common import threads
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.common.workers import (
     EXIT_STOPPED,
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         write_failure(args.log_dir, int(settings.RANK.get()), None, "unusable job file", retryable=False)
         raise e
     configure_environment(job)
+    # this node's share (its launcher may run on another machine: Slurm, Kubernetes), among its ranks
+    threads.use(settings.thread_policy("training", alongside=int(settings.LOCAL_WORLD_SIZE.get())))
     exit_if_interrupt_hangs()
     exit_with_launcher()
     exit_with_parent()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import dagster as dg
 
 from nexa_dagster import settings
+from nexa_dagster.core.common.spans import WORKER_PROCESS, span_line
 from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
 # how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
@@ -43,14 +45,16 @@ class LocalGPUCluster(GPUClusterResource):
             message_reader=dg.PipesTempFileMessageReader(),
         ) as session:
             # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
-            # show every line twice)
+            # show every line twice); its threads are its kind's share, the ranks' split among them
+            ranks = self.num_procs if launch.distributed else 1
             env = {
-                **settings.environ(),
+                **settings.child_environ(launch.kind, alongside=ranks),
                 **launch.env,
                 settings.LAUNCHER_PID.name: str(os.getpid()),
                 settings.WORKER_ECHO.name: "0",
                 **session.get_bootstrap_env_vars(),
             }
+            started = time.perf_counter()
             process = subprocess.Popen(command, cwd=str(launch.work_dir), env=env)
             try:
                 code = process.wait()
@@ -61,4 +65,8 @@ class LocalGPUCluster(GPUClusterResource):
                 raise
             if code != 0:
                 raise WorkerFailed(f"the worker exited with code {code}")
+        # once the session is closed, every span the worker sent is in the log before this one, which holds them
+        context.log.info(
+            span_line("fixed", WORKER_PROCESS.format(kind=launch.kind), time.perf_counter() - started)
+        )
         return dg.PipesClientCompletedInvocation(session)
