@@ -154,6 +154,13 @@ class ManagedLLM(_HTTPLLM):
         "None: on only on a GPU",
     )
 
+    startup_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long the engine may take to answer /health (a vLLM engine on a 2-core CPU shared with a "
+        "test suite took over 180 s; 40 s on an idle one)",
+    )
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
@@ -180,6 +187,7 @@ class ManagedLLM(_HTTPLLM):
             logger=logger,
             device=device,
             continuous_batching=self.continuous_batching,
+            startup_timeout_s=self.startup_timeout_s,
             socket_path=Path(log_dir) / "engine.sock" if engine == "vllm" else None,
         )
 

@@ -190,9 +190,7 @@ def server_command(
     if engine == "vllm":
         where = ["--uds", str(socket_path)] if socket_path else ["--host", "127.0.0.1", "--port", str(port)]
         return [
-            *vllm_env.vllm_cli(),
-            "serve",
-            model_dir,
+            *vllm_env.serve_head(model_dir, "cuda" if device.startswith("cuda") else "cpu"),
             *where,
             "--served-model-name",
             served_model_name or Path(model_dir).name,

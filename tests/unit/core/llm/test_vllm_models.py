@@ -107,9 +107,14 @@ def test_auto_takes_vllm_where_it_is_installed_and_runs_the_model(tmp_path: Path
     assert smol.engine == "vllm" and smol.device == "cpu"
     assert ManagedServer(_tiny_like(tmp_path), tmp_path / "logs").engine == "transformers"
     cmd = server_command(smol.model_dir, 9001, "vllm", "cpu")
-    assert cmd[:3] == [str(installed / "bin" / "vllm"), "serve", smol.model_dir]
+    assert cmd[:3] == [str(installed / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert (
+        cmd[cmd.index("--model") + 1] == smol.model_dir
+    )  # the CPU build's `vllm` CLI cannot start (vllm_env)
     assert "--enforce-eager" in cmd and cmd[cmd.index("--dtype") + 1] == "float32"
-    assert "--enforce-eager" not in server_command(smol.model_dir, 9001, "vllm", "cuda")
+    on_gpu = server_command(smol.model_dir, 9001, "vllm", "cuda")
+    assert on_gpu[:3] == [str(installed / "bin" / "vllm"), "serve", smol.model_dir]
+    assert "--enforce-eager" not in on_gpu
 
 
 def test_an_environment_stamped_for_another_device_is_not_vllm_for_this_one(
