@@ -158,7 +158,7 @@ class ManagedLLM(_HTTPLLM):
         default=600.0,
         gt=0,
         description="how long the engine may take to answer /health (a vLLM engine on a 2-core CPU shared with a "
-        "test suite took over 180 s; 40 s on an idle one)",
+        "test suite took 174-269 s at load 10-14; about 40 s at load 3)",
     )
 
     def describe(self) -> dict[str, Any]:

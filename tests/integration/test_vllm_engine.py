@@ -4,7 +4,8 @@ teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens
 ``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy tokens that equal
 transformers' own on the same prompts.
 
-One engine per model for the module (a start takes about 40 s on an idle 2-core machine, 3 min at load 10):
+One engine per model for the module (a start takes about 40 s on the 2-core machine at load 3, 3-4.5 min at load
+10-14):
 every test here only reads from it.
 """
 
