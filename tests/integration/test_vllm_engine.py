@@ -1,12 +1,10 @@
 """A real vLLM engine (``vllm serve`` from its own environment, ``make vllm``) on the real model and on an MoE
-checkpoint as the project writes them (head size 32), through the
-teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens' log-probabilities, which
-``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy tokens that equal
-transformers' own on the same prompts.
+checkpoint as the project writes them (head size 32), through the teacher's and judge's resource (``ManagedLLM``):
+``n`` samples with their tokens' log-probabilities, which ``transformers serve`` ignores, the judge's score read
+from log-probabilities, and greedy tokens that equal transformers' own on the same prompts.
 
-One engine per model for the module (a start takes about 40 s on the 2-core machine at load 3, 3-4.5 min at load
-10-14):
-every test here only reads from it.
+One engine per model for the module, which every test here only reads from: a start takes about 40 s on the
+2-core machine at load 3, 3 to 4.5 minutes at load 10-14.
 """
 
 from __future__ import annotations
