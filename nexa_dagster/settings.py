@@ -69,6 +69,11 @@ MODEL_CACHE = _var(
     "",
     "where a tiny model the repository does not ship is built (default: <cache>/models)",
 )
+VLLM_ENV = _var(
+    "NEXA_VLLM_ENV",
+    "",
+    "the virtual environment vLLM runs from (`make vllm` installs it; default: <cache>/vllm-<release>-<cpu|cuda>)",
+)
 XDG_CACHE_HOME = _var("XDG_CACHE_HOME", "", "the base of the default caches (freedesktop convention)")
 
 # -- what runs and where ----------------------------------------------------------------------------------------
@@ -215,6 +220,12 @@ XDIST_WORKER_COUNT = _var(
     "PYTEST_XDIST_WORKER_COUNT",
     "",
     "set by pytest-xdist in each test worker: the workers side by side (tests/conftest.py's NEXA_SIDE_BY_SIDE)",
+    "process",
+)
+VLLM_CPU_KVCACHE_SPACE = _var(
+    "VLLM_CPU_KVCACHE_SPACE",
+    "1",
+    "the KV cache, in GiB, of a vLLM engine on a CPU host (set for the engines the project starts)",
     "process",
 )
 DS_ACCELERATOR = _var(

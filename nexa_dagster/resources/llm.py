@@ -17,7 +17,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import dagster as dg
 from pydantic import ConfigDict, Field, ValidationError
@@ -27,7 +27,7 @@ from nexa_dagster.core.common.artifacts import require_model_dir
 from nexa_dagster.core.common.config import ConfigError, explain, resolve_path
 from nexa_dagster.core.llm.base import LLMClient
 from nexa_dagster.core.llm.local import LocalTransformersClient
-from nexa_dagster.core.llm.managed_server import ManagedServer
+from nexa_dagster.core.llm.managed_server import ManagedServer, choose_engine
 from nexa_dagster.core.llm.model_identity import model_fingerprint
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 
@@ -134,10 +134,18 @@ class _HTTPLLM(LLMResource, abc.ABC):
 
 
 class ManagedLLM(_HTTPLLM):
-    """``vllm serve`` (vLLM and a GPU present) or ``transformers serve`` started on a local directory for the
-    step, reached over HTTP, and stopped (the whole process group) when the step ends."""
+    """``vllm serve`` (vLLM installed for this host, ``make vllm``, and able to run the model) or ``transformers
+    serve`` started on a local directory for the step, reached over HTTP (vLLM: on a Unix socket of the step's own,
+    no TCP port), and stopped (the whole process group) when the step ends. On vLLM the client's ``sample`` gives
+    ``n`` answers with their tokens' log-probabilities, and the judge reads its score from log-probabilities."""
 
     backend: ClassVar[str] = "managed"
+
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto",
+        description="auto: vLLM where it is installed and runs the model (not the tiny preset's head size 16 on "
+        "a CPU), else transformers serve; vllm: vLLM or an error saying why not",
+    )
 
     continuous_batching: bool | None = Field(
         default=True,
@@ -146,12 +154,20 @@ class ManagedLLM(_HTTPLLM):
         "None: on only on a GPU",
     )
 
+    startup_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long the engine may take to answer /health (a vLLM engine on a 2-core CPU shared with a "
+        "test suite took 174-269 s at load 10-14; about 40 s at load 3)",
+    )
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
             "model": self.model,
             **self._http(),
             "continuous_batching": self.continuous_batching,
+            "engine": self.engine,
         }
 
     def managed_server(
@@ -162,9 +178,17 @@ class ManagedLLM(_HTTPLLM):
         device: str = "auto",
     ) -> ManagedServer:
         """The (not yet started) server: ``continuous_batching`` is passed as it is, so ``False`` stays off even
-        on a GPU, where ``None`` (auto) would turn it on."""
+        on a GPU, where ``None`` (auto) would turn it on. A vLLM engine listens on ``<log_dir>/engine.sock``."""
+        engine = choose_engine(model_dir, self.engine)
         return ManagedServer(
-            model_dir, log_dir, logger=logger, device=device, continuous_batching=self.continuous_batching
+            model_dir,
+            log_dir,
+            engine=engine,
+            logger=logger,
+            device=device,
+            continuous_batching=self.continuous_batching,
+            startup_timeout_s=self.startup_timeout_s,
+            socket_path=Path(log_dir) / "engine.sock" if engine == "vllm" else None,
         )
 
     @contextmanager
@@ -180,7 +204,13 @@ class ManagedLLM(_HTTPLLM):
                 f"healthy after {server.ready_s:.1f} s"
             )
             with OpenAICompatibleClient(
-                server.base_url, server.model_name, "", self.max_concurrency, self.timeout_s, self.max_retries
+                server.base_url,
+                server.model_name,
+                "",
+                self.max_concurrency,
+                self.timeout_s,
+                self.max_retries,
+                uds=server.socket_path,
             ) as client:
                 # served under its directory's name, which says where it lies, not what it is
                 client.identity_override = model_fingerprint(path)

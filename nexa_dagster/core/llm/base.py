@@ -68,6 +68,19 @@ class Completion:
 
 
 @dataclass
+class Sample:
+    """One of the ``n`` answers to a prompt, with each generated token and its log-probability under the engine
+    (what pass@k, best-of-n and a policy-gradient step read; ``transformers serve`` returns neither ``n`` nor them).
+
+    ``tokens`` are the engine's token strings, or ``token_id:<id>`` where the engine was asked for ids."""
+
+    text: str
+    tokens: list[str]
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+@dataclass
 class Capabilities:
     """What the engine behind a client honours; the judge picks its scoring method from this."""
 

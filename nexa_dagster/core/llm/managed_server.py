@@ -1,6 +1,7 @@
 """Start an OpenAI-compatible server on a local model for the duration of a block, and always stop it.
 
-``vllm serve`` when vLLM is installed and a CUDA GPU is present, else ``transformers serve``. The server runs in
+``vllm serve`` when vLLM is installed for this host (its own environment, ``vllm_env``: ``make vllm``) and can run
+the model (``vllm_models``: not the tiny preset's head size on a CPU), else ``transformers serve``. The server runs in
 its own process group so that stopping it (SIGTERM, then SIGKILL after a grace period) also stops any workers it
 spawned: no orphan processes after success, failure or cancellation (KeyboardInterrupt, Dagster's run
 termination). An ``atexit`` hook covers a server started without ``with``, and on Linux the server is also
@@ -14,7 +15,6 @@ import atexit
 import contextlib
 import functools
 import http.client
-import importlib.util
 import inspect
 import logging
 import os
@@ -32,7 +32,9 @@ from types import TracebackType
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.llm import vllm_env
 from nexa_dagster.core.llm.base import LLMError
+from nexa_dagster.core.llm.vllm_models import refuse_unless_vllm_runs, why_vllm_cannot_run
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,28 @@ def cuda_available() -> bool:
 
 
 def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None and cuda_available()
+    """vLLM is installed for this host's device (its own environment, ``vllm_env``; a GPU or a CPU build)."""
+    return vllm_env.vllm_python() is not None
+
+
+def choose_engine(model_dir: str | Path, engine: str) -> str:
+    """The engine that serves ``model_dir``: ``engine`` as asked, ``auto`` = vLLM where it is installed and can
+    run the model, else ``transformers``. Asked for ``vllm``, a host without it or a model it cannot run is an
+    ``LLMError`` now (how to install it; why not and which engine can), not an engine that dies after its start."""
+    if engine not in ("vllm", "transformers", "auto"):
+        raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
+    if engine == "transformers":
+        return engine
+    device = vllm_env.device_kind()
+    if engine == "auto":
+        installed = vllm_available()
+        runs = (
+            installed and why_vllm_cannot_run(model_dir, device, vllm_env.supported_architectures()) is None
+        )
+        return "vllm" if runs else "transformers"
+    vllm_env.require_vllm()
+    refuse_unless_vllm_runs(model_dir, device, vllm_env.supported_architectures())
+    return engine
 
 
 @functools.cache
@@ -141,6 +164,12 @@ def _venv_cli(name: str) -> str | None:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
 
 
+def vllm_device_args(device: str) -> list[str]:
+    """What vLLM needs on a CPU host: eager mode (its torch.compile path wants triton-cpu, absent here) and
+    float32 (the checkpoints' own dtype; bf16 kernels need AVX-512). A GPU keeps vLLM's defaults."""
+    return [] if device.startswith("cuda") else ["--enforce-eager", "--dtype", "float32"]
+
+
 def server_command(
     model_dir: str,
     port: int,
@@ -158,18 +187,13 @@ def server_command(
     name, pass that name as ``model_dir`` and run the command where a link of that name points at the model.
     """
     if engine == "vllm":
-        exe = _venv_cli("vllm")
-        head = (
-            [exe, "serve", model_dir]
-            if exe
-            else [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-        )
         where = ["--uds", str(socket_path)] if socket_path else ["--host", "127.0.0.1", "--port", str(port)]
         return [
-            *head,
+            *vllm_env.serve_head(model_dir, "cuda" if device.startswith("cuda") else "cpu"),
             *where,
             "--served-model-name",
             served_model_name or Path(model_dir).name,
+            *vllm_device_args(device),
             *extra_args,
         ]
     if engine != "transformers":
@@ -244,10 +268,12 @@ class ManagedServer:
             raise LLMError(
                 f"cannot serve {self.model_dir}: no config.json (not a Hugging Face model directory)"
             )
-        self.engine = ("vllm" if vllm_available() else "transformers") if engine == "auto" else engine
-        if self.engine not in ("vllm", "transformers"):
-            raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
-        self.device = ("cuda" if cuda_available() else "cpu") if device == "auto" else device
+        self.engine = choose_engine(self.model_dir, engine)
+        if device == "auto":  # vLLM's build follows the host (nvidia-smi); transformers follows its torch
+            device = (
+                vllm_env.device_kind() if self.engine == "vllm" else "cuda" if cuda_available() else "cpu"
+            )
+        self.device = device
         supported = "continuous_batching" in transformers_serve_options()
         if continuous_batching is None:
             continuous_batching = (
@@ -391,6 +417,7 @@ class ManagedServer:
             "HF_HUB_CACHE": str(cache),
             "PYTHONUNBUFFERED": "1",
             "TQDM_DISABLE": "1",
+            **self._vllm_env(),
             **self.extra_env,
         }
         with open(self.log_path, "wb") as logfile:
@@ -408,6 +435,12 @@ class ManagedServer:
                 cwd=self.log_dir,
             )  # own process group: clean stop
         atexit.register(self.stop)
+
+    def _vllm_env(self) -> dict[str, str]:
+        """vLLM on a CPU: its KV cache's size in GiB (its default, 4 GiB, is a sixth of a 24 GiB CI machine)."""
+        if self.engine != "vllm" or self.device.startswith("cuda"):
+            return {}
+        return {settings.VLLM_CPU_KVCACHE_SPACE.name: settings.VLLM_CPU_KVCACHE_SPACE.get()}
 
     def _wait_healthy(self) -> None:
         started = time.monotonic()

