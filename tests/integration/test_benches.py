@@ -99,7 +99,7 @@ BENCHES: dict[str, Bench] = {
         slow=True,
     ),
     "executor_overhead.py": Bench(
-        ("--runs", "1"),
+        ("--runs", "1", "--warmup", "0"),
         frozenset({"multiprocess", "forkserver", "in_process", "orchestration_cpu_s_saved_per_run"}),
         timeout_s=1500,
         slow=True,
