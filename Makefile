@@ -57,13 +57,16 @@ run: install $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m nexa_dagster.demo   # installs the tiny models it configures first (nexa-dagster tiny-models)
 
 # everything (what .ci/run calls and what must pass): two xdist workers (tests wait on servers, daemons and ranks as
-# much as they compute), tests sharing a Slurm cluster or a PostgreSQL server kept on one worker
+# much as they compute), tests sharing a Slurm cluster or a PostgreSQL server kept on one worker; handed out in
+# collection order (e2e, the longest, first: the `make run` world's group starts at once, not after the groups with
+# more tests), not pytest-xdist's default of the groups with most tests first
 test: install
-	$(BIN)/pytest -n 2 --dist loadgroup --durations=25
+	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 # the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
 test-fast: install
-	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10
+	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --no-loadscope-reorder \
+		--durations=10
 
 # mutation testing of the code that decides a promotion and a code version ([tool.mutmut] in pyproject.toml names the
 # files and their unit tests; docs/testing.md, "Mutation testing", has the score and every survivor). Not in .ci/run:

@@ -5,8 +5,9 @@ Run (from the repo root)::
 
     .venv/bin/python bench/executor_overhead.py --runs 2
 
-In a sandbox (landing day copied from ``sample_data/``, its own Dagster home and data root), the job runs once to
-warm the caches (the teacher's answers are stored, so later runs of the same day do the same work), then ``--runs``
+In a sandbox (the tests' landing day, ``tests/data/landing``, its own Dagster home and data root), the job runs once to
+warm the caches (the teacher's answers are stored, so later runs of the same day do the same work; ``--warmup 0``
+leaves that run out, for a check that the bench still runs, as the suite's: figures not comparable), then ``--runs``
 times with each executor, alternating, each as ``dagster job execute`` in a fresh process. For each run: wall time,
 and the CPU time (user + system) of the whole process tree, from ``RUSAGE_CHILDREN``. The work inside the steps is
 the same with every executor, so the difference is the orchestration: one process start, Python import of the code
@@ -93,11 +94,20 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="0: no warm-up run (the first executor's run then pays for the teacher's answers: its figures are "
+        "not comparable; for a check that the bench runs, as the suite's)",
+    )
     args = parser.parse_args()
     from support.sandbox import make_sandbox
 
     root = make_sandbox(Path(tempfile.mkdtemp(prefix="nexa-executor-")) / "sandbox", [DAY])
-    print(f"warm-up: {run_job(root, 'multiprocess')}", flush=True)
+    if args.warmup:
+        print(f"warm-up: {run_job(root, 'multiprocess')}", flush=True)
     results: dict[str, list[dict[str, float]]] = {"multiprocess": [], "forkserver": [], "in_process": []}
     for _ in range(args.runs):
         for executor in results:

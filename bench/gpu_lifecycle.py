@@ -352,8 +352,9 @@ def throughput(plan: Plan, out: Path, timeout: float) -> dict[str, Any]:
     argv = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--device", plan.device]
     if plan.device == "cuda":
         argv += ["--preset", plan.preset or "nexa-moe-mini"]
-    else:
-        argv += ["--steps", "2", "--warmup", "1"]
+    else:  # its smallest run, the suite's one run of it (tests/e2e/test_demo.py); --seq 64: its shortest document
+        argv += ["--seq", "64", "--micro-batch", "1", "--baseline-micro-batch", "1"]
+        argv += ["--steps", "1", "--warmup", "0"]
     finish(launch(argv, log), timeout, log)
     return json.loads(log.read_text().strip().splitlines()[-1])
 

@@ -137,11 +137,26 @@ def local_model_dirs(resources: dict[str, Any]) -> list[str]:
     return dirs + [m for role in ("teacher_llm", "judge_llm") if (m := getattr(resources[role], "model", ""))]
 
 
+def _forked_steps(config: dict[str, Any]) -> dict[str, Any]:
+    """The multiprocess executor's configuration: steps forked from a forkserver, retries as the run asks."""
+    return {"start_method": {"forkserver": {}}, "retries": config["retries"]}
+
+
 # Every step in a process of its own (a step killed by the OOM killer or a lost node fails alone, and is retried
 # alone), forked from a server that imported the code location once per run: Dagster's default `spawn` start
 # imports it again for every step, about 3.5 s of CPU each on a 2-core host (docs/operations.md, "Step processes").
+# A run may still turn its steps' retry policies off, as Dagster's own executor lets it (run config `execution:
+# {config: {retries: {disabled: {}}}}`): the kill tests do, where each retry would be killed at the same point.
 STEP_EXECUTOR = dg.multiprocess_executor.configured(
-    {"start_method": {"forkserver": {}}}, name="multiprocess_forkserver"
+    _forked_steps,
+    config_schema={
+        "retries": dg.Field(
+            dg.Selector({"enabled": {}, "disabled": {}}),
+            default_value={"enabled": {}},
+            description="`disabled`: a failed step is not retried, whatever its retry policy",
+        )
+    },
+    name="multiprocess_forkserver",
 )
 
 

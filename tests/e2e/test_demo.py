@@ -421,7 +421,9 @@ def test_an_rl_negative_control_is_held_back_in_the_same_world(demo_world: tuple
 def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, str], tmp_path: Path) -> None:
     """`bench/gpu_lifecycle.py --device cpu` on the job files `make run` wrote: every stage the GPU check runs
     (pretraining, SFT, DPO, evaluation, reload and generation, kill-and-resume, throughput) passes on the tiny
-    preset, so the command works the day a GPU is there."""
+    preset, so the command works the day a GPU is there. Its throughput stage is `bench/train_throughput.py` at
+    that bench's smallest size (its CPU path, both DeepSpeed sides): the suite's one run of that bench
+    (tests/integration/test_benches.py leaves it to this test), so every figure it promises is checked here."""
     root, _ = demo_world
     proc = subprocess.run(
         [
@@ -462,6 +464,8 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
         "steps_compared": 6,
     }
     assert stages["throughput"]["tokens_per_s"] > 0 and stages["throughput"]["baseline_tokens_per_s"] > 0
+    promised = {"tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_same_micro_batch", "mfu"}
+    assert promised <= stages["throughput"].keys(), stages["throughput"]
     assert result["versions"]["torch"] and result["versions"]["deepspeed"] != "absent"
 
 

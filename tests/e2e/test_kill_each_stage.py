@@ -4,8 +4,16 @@ stage ends with the same outputs as an uninterrupted run.
 
 Runs are `dagster asset materialize` processes, as from a shell or a run worker; the kill is a real SIGKILL from
 the fault point in `core/storage.atomic_writer` (`NEXA_FAULT_KILL_BEFORE_RENAME`).
+
+One kill per stage: a killed run turns its steps' retries off (`execution.config.retries: disabled`). With them
+on, the teacher's and the gate's retry policy (3 retries, back-off 2-8 s) ran the killed step three more times,
+and the fault, armed in every step process of the run, killed each retry at the same point, after the same work:
+the same kill proved three more times, about 45% of the test's time (821 s at load 6-9 on the 2-core machine,
+of which 290 s the six retries). What a retry would read after a kill (the teacher's generation store, the
+gate's dedup store, the hidden temporary files) the rerun reads, and is checked below.
 """
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -20,11 +28,14 @@ ASSETS = "raw_documents,teacher_samples,filtered_samples,rejected_samples"
 STAGES = ["raw_documents", "teacher_samples", "filtered_samples"]  # ingest, teacher, gate
 
 
+NO_RETRIES = json.dumps({"execution": {"config": {"retries": {"disabled": {}}}}})
+
+
 def _materialize(root: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     if not (root / "landing").exists():
         make_sandbox(root, [DAY])
     return subprocess.run(
-        materialize_command(ASSETS, DAY),
+        materialize_command(ASSETS, DAY, *(("--config-json", NO_RETRIES) if fault else ())),
         env=sandbox_env(root, fault),
         cwd=REPO_ROOT,
         capture_output=True,
@@ -37,9 +48,9 @@ def _output(root: Path, asset: str) -> Path:
     return root / "data" / "assets" / asset / f"{DAY}.parquet"
 
 
-# seven materializations of a day on the tiny models (one straight, a kill and a rerun per stage): past the default
-# 600 s on the 2-core machine when the other worker's demo world and a `make run` shared it (2026-12-01, load ~4);
-# the limit is there to catch a hang, not to time the test (each process has its own 600 s limit)
+# five materializations of a day on the tiny models (one straight, a kill per stage, a rerun): 821 s before the
+# retries were turned off (load 6-9); the limit is there to catch a hang, not to time the test (each process has
+# its own 600 s limit)
 @pytest.mark.timeout(1800)
 def test_killing_each_stage_then_rerunning_gives_the_uninterrupted_outputs(tmp_path: Path) -> None:
     straight = _materialize(tmp_path / "straight")
@@ -77,7 +88,6 @@ def test_killing_each_stage_then_rerunning_gives_the_uninterrupted_outputs(tmp_p
         assert sorted([*gated[run]["sample_id"], *rejected[run]["sample_id"]]) == sorted(
             teacher[run]["sample_id"]
         )
-    # the killed writes (the gate and teacher steps were retried by their retry policy, and killed again) leave
-    # their temporary files: hidden names beside the target, which no reader opens
+    # the killed writes leave their temporary files: hidden names beside the target, which no reader opens
     leftovers = [p for p in (killed / "data").rglob("*") if p.is_file() and ".tmp" in p.name]
     assert leftovers and all(p.name.startswith(".") and p.name.endswith(".tmp") for p in leftovers), leftovers

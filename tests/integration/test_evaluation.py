@@ -80,6 +80,9 @@ def eval_setup(tiny_model_dir: Path, tiny_tokenizer, tmp_path_factory: pytest.Te
     return manifest, tiny_model_dir, trained
 
 
+# the two tests of the module-scoped eval_setup (a tiny model trained 40 steps) on one worker: it is built once, not
+# once per xdist worker
+@pytest.mark.xdist_group("eval_setup")
 def test_a_checkpoint_is_evaluated_against_itself(eval_setup) -> None:
     """Identical models: equal losses on every example, a difference of exactly 0 with the interval [0, 0], and
     the gate holds the copy back (a tie is no improvement)."""
@@ -115,6 +118,7 @@ def test_a_checkpoint_is_evaluated_against_itself(eval_setup) -> None:
     assert any(line.startswith("ckpt-test: held-out answers judged: 2/2 ") for line in lines), lines
 
 
+@pytest.mark.xdist_group("eval_setup")
 def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_same_eval_set(
     eval_setup, tmp_path: Path
 ) -> None:

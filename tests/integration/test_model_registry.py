@@ -101,6 +101,7 @@ def test_local_store_holds_the_model_not_a_path(checkpoint: Path, tmp_path: Path
 
 
 @pytest.mark.slow  # an `mlflow server` process: left out of make test-fast
+@pytest.mark.xdist_group("mlflow_server")  # both server tests on one worker: one server, not one per worker
 def test_a_tracking_server_holds_and_serves_the_model(
     server, checkpoint: Path, tmp_path: Path, client_of
 ) -> None:
@@ -133,6 +134,7 @@ def test_a_tracking_server_holds_and_serves_the_model(
 
 
 @pytest.mark.slow  # an `mlflow server` process: left out of make test-fast
+@pytest.mark.xdist_group("mlflow_server")  # both server tests on one worker: one server, not one per worker
 def test_an_evaluation_run_holds_its_report(server, tmp_path: Path) -> None:
     """What the eval_report asset logs: report.json / report.md, read from the project's storage, become artifacts
     of the evaluation run on the server."""

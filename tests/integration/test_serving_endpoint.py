@@ -38,8 +38,9 @@ from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
-# HAProxy and model servers switched and killed: left out of make test-fast
-pytestmark = pytest.mark.slow
+# HAProxy and model servers switched and killed: left out of make test-fast; one worker runs the module, so the
+# module's endpoint (HAProxy and an engine) starts once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serving_endpoint")]
 
 MODEL = "nexa-moe"
 # what a lab hands its users (in the file NEXA_SERVING_API_KEY_FILE names), made as docs/security.md says

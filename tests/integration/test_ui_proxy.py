@@ -26,8 +26,9 @@ from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.processes import stop_process_group
 from nexa_dagster.core.serving.haproxy import haproxy_binary
 
-# a Dagster webserver and HAProxy started for real: left out of make test-fast
-pytestmark = pytest.mark.slow
+# a Dagster webserver and HAProxy started for real: left out of make test-fast; one worker runs the module, so the
+# stack starts once, not once per xdist worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui_proxy")]
 
 PUBLISHED, STACK = "127.0.0.2", "127.0.0.1"
 LAUNCH = '{"query": "mutation { launchRun(executionParams: {}) { __typename } }"}'

@@ -109,6 +109,21 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
     assert graph.get(dg.AssetKey("base_model")).assets_def.op.pool == "gpu"
 
 
+def test_steps_are_forked_and_retried_unless_a_run_turns_retries_off() -> None:
+    """Every job's steps start from a forkserver and retry by their policies; a run can turn the retries off
+    (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the start method is fixed."""
+    from nexa_dagster.definitions import defs
+
+    job = defs.resolve_job_def("training_job")
+    default = dg.validate_run_config(job, {})["execution"]["multiprocess_forkserver"]
+    assert default["start_method"] == {"forkserver": {}} and default["retries"] == {"enabled": {}}
+    off = {"execution": {"config": {"retries": {"disabled": {}}}}}
+    chosen = dg.validate_run_config(job, off)["execution"]["multiprocess_forkserver"]
+    assert chosen["start_method"] == {"forkserver": {}} and chosen["retries"] == {"disabled": {}}
+    with pytest.raises(dg.DagsterInvalidConfigError):
+        dg.validate_run_config(job, {"execution": {"config": {"start_method": {"spawn": {}}}}})
+
+
 # -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------
 CONFIG_TYPOS = {  # file: (text in the shipped file, the typo, what the error must say)
     "gpu_cluster accelerator": (
