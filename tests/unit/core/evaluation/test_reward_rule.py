@@ -1,0 +1,40 @@
+"""The RL reward gate's own rule on given figures: the interval's low end strictly above the margin, the reason
+stating n and how many prompts got better, worse and equal, and too few prompts named with the setting."""
+
+from __future__ import annotations
+
+from nexa_dagster.core.evaluation.paired import Interval, PairedLoss
+from nexa_dagster.core.evaluation.promotion import Evidence, PromotionPolicy
+from nexa_dagster.core.evaluation.reward_gate import reward_decision
+
+# the candidate's eval-set loss, measured and unchanged: its non-inferiority guard holds
+UNCHANGED = PairedLoss(3.0, 3.0, Interval(0.0, -0.01, 0.01, 0.95), examples=125, tokens=4000)
+POLICY = PromotionPolicy()
+
+
+def _decide(low: float, counts: tuple[int, int, int] = (125, 30, 10)):
+    d = Interval(low + 0.03, low, low + 0.06, 0.95)
+    return reward_decision(POLICY, d, counts, Evidence(paired_loss=UNCHANGED, **POLICY.rl.limits()))
+
+
+def test_a_reward_gain_whose_interval_clears_the_margin_is_promoted_with_its_counts_stated() -> None:
+    margin = POLICY.rl.margin
+    decision = _decide(margin + 0.02)
+    assert decision.passed and decision.outcome == "promote"
+    assert decision.reason.startswith(
+        f"mean held-out reward difference {margin + 0.05:+.4f}, 95% interval [{margin + 0.02:+.4f}, "
+        f"{margin + 0.08:+.4f}] over n = 125 prompts (30 better, 10 worse, 85 equal); the interval is above {margin}"
+    )
+
+
+def test_an_interval_starting_exactly_at_the_margin_does_not_clear_it() -> None:
+    decision = _decide(POLICY.rl.margin)
+    assert decision.passed is False
+    assert f"the interval is not above {POLICY.rl.margin}" in decision.reason
+
+
+def test_too_few_prompts_are_insufficient_evidence_naming_the_setting() -> None:
+    few = POLICY.rl.min_prompts - 1
+    decision = _decide(POLICY.rl.margin + 0.02, (few, 5, 1))
+    assert decision.outcome == "insufficient evidence"
+    assert f"n = {few} < {POLICY.rl.min_prompts} (held-out prompts, rl.min_prompts)" in decision.reason
