@@ -90,3 +90,12 @@ def test_the_policy_is_the_shipped_file_checked_and_a_bad_key_names_its_file(tmp
     monkeypatch.setenv("NEXA_CONFIG_DIR", str(tmp_path))
     with pytest.raises(Exception, match=r"strict\.yaml[\s\S]*min_exampels"):
         load_policy("strict.yaml")
+
+
+def test_a_decision_short_of_evidence_stays_so_when_the_guards_only_cannot_tell_either() -> None:
+    out = apply_guards(_decision(False, "insufficient evidence"), _guard(FINDINGS[1:]))
+    assert out.passed is False and out.outcome == "insufficient evidence"
+
+
+def test_a_candidate_held_back_by_a_guard_is_not_passed() -> None:
+    assert apply_guards(_decision(True), _guard()).passed is False

@@ -38,3 +38,16 @@ def test_too_few_prompts_are_insufficient_evidence_naming_the_setting() -> None:
     decision = _decide(POLICY.rl.margin + 0.02, (few, 5, 1))
     assert decision.outcome == "insufficient evidence"
     assert f"n = {few} < {POLICY.rl.min_prompts} (held-out prompts, rl.min_prompts)" in decision.reason
+
+
+def test_the_reward_guards_measure_regressions_against_the_rl_margin_not_the_loss_gates() -> None:
+    from nexa_dagster.core.evaluation.reward_gate import reward_guard_policy
+
+    policy = PromotionPolicy.model_validate(
+        {"guards": {"regression_margin": 0.1}, "rl": {"regression_margin": 0.5}}
+    )
+    guards = reward_guard_policy(policy)
+    assert guards.regression_margin == 0.5
+    assert guards.model_dump(exclude={"regression_margin"}) == policy.guards.model_dump(
+        exclude={"regression_margin"}
+    )
