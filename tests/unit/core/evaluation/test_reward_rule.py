@@ -51,3 +51,24 @@ def test_the_reward_guards_measure_regressions_against_the_rl_margin_not_the_los
     assert guards.model_dump(exclude={"regression_margin"}) == policy.guards.model_dump(
         exclude={"regression_margin"}
     )
+
+
+def test_a_bootstrap_reward_interval_uses_the_policys_resamples() -> None:
+    """``interval_method: bootstrap`` with the lab's ``bootstrap_resamples`` (seeded): the gate's interval is the one
+    those resamples give, not the default count's."""
+    import numpy as np
+
+    from nexa_dagster.core.evaluation.promotion import ProductionEntry
+    from nexa_dagster.core.evaluation.reward_gate import decide_reward, mean_difference_interval
+
+    rng = np.random.default_rng(7)
+    differences = list(
+        rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0, 1.0], size=125)
+    )  # skewed, ties: a reward's shape
+    policy = PromotionPolicy(interval_method="bootstrap", bootstrap_resamples=300)
+    production = ProductionEntry(checkpoint_id="prod", checkpoint_path="checkpoints/prod", metric="eval_loss")
+    decision = decide_reward("rl-1", production, policy, differences, UNCHANGED)
+    ours = mean_difference_interval(differences, 0.95, "bootstrap", 300)
+    default = mean_difference_interval(differences, 0.95, "bootstrap")
+    assert (ours.low, ours.high) != (default.low, default.high)  # else this test could not tell them apart
+    assert decision.interval == (ours.low, ours.high)
