@@ -5,9 +5,11 @@ go with it either way (the UI and the summary show them)."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
+from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.evaluation.guards import GuardReport
-from nexa_dagster.core.evaluation.promotion import GateDecision, apply_guards
+from nexa_dagster.core.evaluation.promotion import GateDecision, PromotionPolicy, apply_guards, load_policy
 
 FINDINGS = (
     ("hold back", "regressed share 0.12 > 0.05 (13 of 107 examples worse by > 0.1)"),
@@ -79,11 +81,6 @@ def test_guards_that_find_nothing_leave_the_decision_and_state_their_figures() -
 
 
 def test_the_policy_is_the_shipped_file_checked_and_a_bad_key_names_its_file(tmp_path, monkeypatch) -> None:
-    import yaml
-
-    from nexa_dagster.core.common.config import REPO_ROOT
-    from nexa_dagster.core.evaluation.promotion import PromotionPolicy, load_policy
-
     shipped = yaml.safe_load((REPO_ROOT / "configs" / "promotion.yaml").read_text())
     assert load_policy() == PromotionPolicy.model_validate(shipped)
     (tmp_path / "strict.yaml").write_text(yaml.safe_dump({**shipped, "min_exampels": 5}))

@@ -3,9 +3,16 @@ stating n and how many prompts got better, worse and equal, and too few prompts 
 
 from __future__ import annotations
 
+import numpy as np
+
 from nexa_dagster.core.evaluation.paired import Interval, PairedLoss
-from nexa_dagster.core.evaluation.promotion import Evidence, PromotionPolicy
-from nexa_dagster.core.evaluation.reward_gate import reward_decision
+from nexa_dagster.core.evaluation.promotion import Evidence, ProductionEntry, PromotionPolicy
+from nexa_dagster.core.evaluation.reward_gate import (
+    decide_reward,
+    mean_difference_interval,
+    reward_decision,
+    reward_guard_policy,
+)
 
 # the candidate's eval-set loss, measured and unchanged: its non-inferiority guard holds
 UNCHANGED = PairedLoss(3.0, 3.0, Interval(0.0, -0.01, 0.01, 0.95), examples=125, tokens=4000)
@@ -41,8 +48,6 @@ def test_too_few_prompts_are_insufficient_evidence_naming_the_setting() -> None:
 
 
 def test_the_reward_guards_measure_regressions_against_the_rl_margin_not_the_loss_gates() -> None:
-    from nexa_dagster.core.evaluation.reward_gate import reward_guard_policy
-
     policy = PromotionPolicy.model_validate(
         {"guards": {"regression_margin": 0.1}, "rl": {"regression_margin": 0.5}}
     )
@@ -56,11 +61,6 @@ def test_the_reward_guards_measure_regressions_against_the_rl_margin_not_the_los
 def test_a_bootstrap_reward_interval_uses_the_policys_resamples() -> None:
     """``interval_method: bootstrap`` with the lab's ``bootstrap_resamples`` (seeded): the gate's interval is the one
     those resamples give, not the default count's."""
-    import numpy as np
-
-    from nexa_dagster.core.evaluation.promotion import ProductionEntry
-    from nexa_dagster.core.evaluation.reward_gate import decide_reward, mean_difference_interval
-
     rng = np.random.default_rng(7)
     differences = list(
         rng.choice([-1.0, 0.0, 0.0, 0.0, 1.0, 1.0], size=125)
