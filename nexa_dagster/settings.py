@@ -61,7 +61,7 @@ MLFLOW_TRACKING_URI = _var(
 CACHE_DIR = _var(
     "NEXA_CACHE_DIR",
     "",
-    "this machine's cache of model fingerprints and file facts (default: "
+    "this machine's cache of model fingerprints, file facts and code versions (default: "
     "$XDG_CACHE_HOME/nexa-dagster, else ~/.cache/nexa-dagster)",
 )
 MODEL_CACHE = _var(

@@ -26,6 +26,14 @@ code location loads (``with_code_versions`` in ``build_defs``), so an asset adde
 * **The versions of the libraries that decide its bytes** (``BYTE_DECIDING``: tokenizers, torch, transformers,
   deepspeed) that its definitions use.
 
+The versions are a pure function of those inputs, and deriving them parses every module of the package (seconds
+of CPU), which every process that loads the code location would pay: the code server, each run worker and each
+step's subprocess. ``with_code_versions`` therefore remembers them in this machine's cache
+(``cached_code_versions``), under a digest of every input the derivation reads: each ``.py`` file of the package
+(this file included, so a change of the rules is a new digest), each file under ``configs/``, the byte-deciding
+libraries' versions, the scale preset's name, the configuration resources' values and the assets' keys, functions
+and resources. An edit of any of them is a new entry; a missing or unreadable entry is derived again.
+
 Dagster then shows the asset stale ("has a new code version") until it is materialized again; what it feeds goes
 stale once that materialization gives a new data version. A run launched with another scale preset or another
 configuration file in its run config is not what the code version describes.
@@ -34,6 +42,7 @@ configuration file in its run config is not what the code version describes.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -47,6 +56,7 @@ import dagster as dg
 import yaml
 
 from nexa_dagster import settings
+from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import ScalePreset, config_dir
 
 PACKAGE = "nexa_dagster"
@@ -460,10 +470,85 @@ def code_versions(
     return out
 
 
-def with_code_versions(assets: Iterable[Any], resources: Mapping[str, Any]) -> list[Any]:
-    """The assets, each spec given its derived ``code_version`` (``resources``: the configuration resources)."""
+CACHE_ENTRIES_KEPT = 64  # one entry per edited state of the sources: enough for a day of edits, a few KB each
+
+
+def inputs_digest(
+    assets: Iterable[Any],
+    resources: Mapping[str, Any],
+    source_root: Path = SOURCE_ROOT,
+    configs: Path | None = None,
+) -> str:
+    """A SHA-256 of everything ``code_versions`` reads (the module docstring lists it): equal digests, equal
+    versions. Reading the bytes of ~170 sources and ~40 configuration files takes milliseconds."""
+    digest = hashlib.sha256()
+
+    def add(name: str, data: bytes) -> None:
+        digest.update(f"{name}:{len(data)}\n".encode())
+        digest.update(data)
+
+    for path in sorted((source_root / PACKAGE).rglob("*.py")):
+        add(f"source {path.relative_to(source_root).as_posix()}", path.read_bytes())
+    configs = configs or config_dir()
+    for path in sorted(p for p in configs.rglob("*") if p.is_file()):
+        add(f"config {path.relative_to(configs).as_posix()}", path.read_bytes())
+    for library in sorted(BYTE_DECIDING):
+        add(f"library {library}", library_version(library).encode())
+    add("scale", settings.SCALE.get().encode())
+    for key in sorted(resources):
+        resource = resources[key]
+        values = {name: getattr(resource, name) for name in sorted(type(resource).model_fields)}
+        add(f"resource {key}", json.dumps(values, sort_keys=True, default=str).encode())
+    for asset in assets:
+        if isinstance(asset, dg.AssetsDefinition) and asset.is_executable:
+            keys = sorted(k.to_user_string() for k in asset.keys)
+            shape = [keys, list(asset_function(asset)), sorted(asset.required_resource_keys)]
+            add("asset", json.dumps(shape).encode())
+    return digest.hexdigest()
+
+
+def cached_code_versions(
+    assets: Iterable[Any],
+    resources: Mapping[str, Any],
+    cache_dir: Path | None = None,
+    source_root: Path = SOURCE_ROOT,
+    configs: Path | None = None,
+) -> dict[str, str]:
+    """``code_versions(assets, resources, source_root, configs)``, remembered under ``inputs_digest`` in
+    ``cache_dir`` (default this machine's cache, ``<NEXA_CACHE_DIR>/code-versions``). An entry is written only when
+    the inputs did not change while the versions were derived; an unwritable cache only costs the derivation."""
     assets = list(assets)
-    versions = code_versions(assets, resources)
+    folder = cache_dir or settings.cache_root() / "code-versions"
+    digest = inputs_digest(assets, resources, source_root, configs)
+    entry = folder / f"{digest[:32]}.json"
+    with contextlib.suppress(OSError, ValueError):
+        remembered = json.loads(entry.read_text())
+        if isinstance(remembered, dict) and all(isinstance(v, str) for v in remembered.values()):
+            return remembered
+    versions = code_versions(assets, resources, source_root, configs)
+    if (
+        inputs_digest(assets, resources, source_root, configs) == digest
+    ):  # no edit while deriving: the versions are the digest's
+        with contextlib.suppress(OSError):
+            storage.write_json(versions, entry)
+            _prune(folder)
+    return versions
+
+
+def _prune(folder: Path) -> None:
+    """Keep the ``CACHE_ENTRIES_KEPT`` newest entries: each edit of the sources leaves one behind."""
+    entries = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in entries[CACHE_ENTRIES_KEPT:]:
+        stale.unlink(missing_ok=True)
+
+
+def with_code_versions(
+    assets: Iterable[Any], resources: Mapping[str, Any], cache_dir: Path | None = None
+) -> list[Any]:
+    """The assets, each spec given its derived ``code_version`` (``resources``: the configuration resources;
+    ``cache_dir``: where derived versions are remembered, default this machine's cache)."""
+    assets = list(assets)
+    versions = cached_code_versions(assets, resources, cache_dir)
 
     def versioned(spec: dg.AssetSpec) -> dg.AssetSpec:
         version = versions.get(spec.key.to_user_string())

@@ -80,7 +80,9 @@ KILLED_DAY = "2026-11-20"  # generated landing folder, big enough that raw_docum
 STUCK_DAY = "2026-11-21"  # the sample landing folder, cheap
 MISSING_DAY = "2026-11-23"  # no landing folder: its run fails at once
 NUM_DOCS = 30_000
-START_TIMEOUT_S = 30  # a healthy worker took up to 13 s to start on a loaded 2-core machine
+# a healthy worker took up to 13 s to start on a loaded 2-core machine, and more than 30 s in CI on 2 December 2026
+# (the suite's two workers and their subprocesses beside it; then every process derived the code versions)
+START_TIMEOUT_S = 75
 POLL_INTERVAL_S = 2
 BIN = Path(sys.executable).parent
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from textwrap import dedent
 
@@ -589,13 +591,15 @@ def test_relative_import_names() -> None:
     assert versions._absolute("", 2, "a.b") == "a"
 
 
-def test_the_code_location_gives_each_computed_asset_its_version_and_leaves_an_external_one() -> None:
+def test_the_code_location_gives_each_computed_asset_its_version_and_leaves_an_external_one(
+    tmp_path: Path,
+) -> None:
     """``with_code_versions`` (what ``build_defs`` calls) on the real package: the computed asset's spec carries
     the version ``code_versions`` derives, the external one none, and a non-asset passes through."""
     resources = config_resources()
     external = dg.AssetsDefinition(specs=[dg.AssetSpec("production_model")])
     spec = dg.AssetSpec("a_spec")
-    out = versions.with_code_versions([raw_documents, external, spec], resources)
+    out = versions.with_code_versions([raw_documents, external, spec], resources, tmp_path)
     assert out[2] is spec and len(out) == 3
     expected = versions.code_versions([raw_documents], resources)["raw_documents"]
     assert [s.code_version for s in out[0].specs] == [expected]
@@ -608,3 +612,91 @@ def test_what_a_preset_read_is_for_sections_of_every_shape() -> None:
     assert versions._as_read("no_such_section.field") == "no_such_section"
     code = "a = scale.rl is False\nb = scale_preset.load\n"
     assert versions._scale_reads(list(ast.walk(ast.parse(code)))) == {"rl", "load"}  # not None: the value
+
+
+# -- the versions remembered -----------------------------------------------------------------------------------------
+def test_derived_versions_are_remembered_and_derived_again_after_any_edit_of_what_they_read(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every process that loads the code location asks for the versions; they are derived once per state of the
+    sources, the configuration, the libraries and the resources, and an edit of any of those derives them again."""
+    cache, assets = tmp_path / "cache", [_asset("scale_asset", {"scale_preset", "policy"})]
+    derived: list[int] = []
+    derive = versions.code_versions
+
+    def counted(*args: object) -> dict[str, str]:
+        derived.append(1)
+        return derive(*args)
+
+    monkeypatch.setattr(versions, "code_versions", counted)
+
+    def cached(resources: dict = RESOURCES, assets: list = assets) -> dict[str, str]:
+        return versions.cached_code_versions(assets, resources, cache, package, configs)
+
+    first = cached()
+    assert first == derive(assets, RESOURCES, package, configs) and len(derived) == 1
+    assert cached() == first and len(derived) == 1, "the same inputs derived twice"
+    assert len(list(cache.glob("*.json"))) == 1
+
+    def edited(what: str, edit: Callable[[], object], **inputs: object) -> None:
+        before = len(derived)
+        edit()
+        cached(**inputs)
+        assert len(derived) == before + 1, f"{what}: the remembered versions were used"
+
+    leaf = package / "nexa_dagster" / "core" / "pkg" / "leaf.py"
+    edited("a source's comment", lambda: leaf.write_text(leaf.read_text() + "# a comment\n"))
+    edited("a new module", lambda: (package / "nexa_dagster" / "core" / "new.py").write_text("X = 1\n"))
+    edited("a template", lambda: (configs / "blends" / "merges.txt").write_text("a c\n"))
+    edited("a new config file", lambda: (configs / "extra.yaml").write_text("x: 2\n"))
+    monkeypatch.setitem(versions.BYTE_DECIDING, "zz_lib", "no-such-distribution-here")
+    edited("a byte-deciding library", lambda: None)
+    monkeypatch.setenv("NEXA_SCALE", "some-other-preset")
+    edited("the scale preset's name", lambda: None)
+    other = {**RESOURCES, "policy": Policy(level=0.01)}
+    edited("a resource's value", lambda: None, resources=other)
+    more = [*assets, _asset("another", set())]
+    edited("another asset", lambda: None, resources=other, assets=more)
+    assert cached(resources=other, assets=more) == derive(more, other, package, configs)
+
+
+def test_an_unreadable_entry_is_derived_again_and_a_changing_tree_is_not_remembered(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, assets = tmp_path / "cache", [_asset("scale_asset", {"scale_preset", "policy"})]
+    truth = versions.code_versions(assets, RESOURCES, package, configs)
+    versions.cached_code_versions(assets, RESOURCES, cache, package, configs)
+    (entry,) = cache.glob("*.json")
+    for bad in ("{not json", '{"scale_asset": 3}', "[]"):
+        entry.write_text(bad)
+        assert versions.cached_code_versions(assets, RESOURCES, cache, package, configs) == truth, bad
+        assert json.loads(entry.read_text()) == truth, f"{bad!r} left in the cache"
+
+    # an edit while the versions are derived: they may describe either state, so they are not remembered
+    entry.unlink()
+    derive = versions.code_versions
+    leaf = package / "nexa_dagster" / "core" / "pkg" / "leaf.py"
+
+    def racing(*args: object) -> dict[str, str]:
+        out = derive(*args)
+        leaf.write_text(leaf.read_text() + "X_RACE = 1\n")
+        return out
+
+    monkeypatch.setattr(versions, "code_versions", racing)
+    versions.cached_code_versions(assets, RESOURCES, cache, package, configs)
+    assert list(cache.glob("*.json")) == []
+
+
+def test_the_cache_keeps_its_newest_entries(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, assets = tmp_path / "cache", [_asset("scale_asset", {"scale_preset", "policy"})]
+    monkeypatch.setattr(versions, "CACHE_ENTRIES_KEPT", 2)
+    written = []
+    for level in (0.1, 0.2, 0.3):
+        resources = {**RESOURCES, "policy": Policy(level=level)}
+        versions.cached_code_versions(assets, resources, cache, package, configs)
+        (newest,) = set(cache.glob("*.json")) - set(written)
+        written.append(newest)
+        os.utime(newest, (1_000_000 + level * 10, 1_000_000 + level * 10))  # mtimes apart on any clock
+    assert sorted(cache.glob("*.json")) == sorted(written[1:])
