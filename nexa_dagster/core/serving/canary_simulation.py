@@ -62,8 +62,9 @@ class Backend:
 
 
 STABLE = Backend()
+DEFAULTS = CanaryPolicy()  # the "at the limit" populations sit exactly at its limits
 # the slow threshold the canary derives from the stable's warm-up (slow_factor x its median), here its exact value
-SLOW_S = CanaryPolicy().slow_factor * STABLE.median_latency_s
+SLOW_S = DEFAULTS.slow_factor * STABLE.median_latency_s
 
 
 def _median_for_slow_share(share: float) -> float:
@@ -71,19 +72,25 @@ def _median_for_slow_share(share: float) -> float:
     return SLOW_S / math.exp(LATENCY_SIGMA * NormalDist().inv_cdf(1 - share))
 
 
-_AT_SLOW_LIMIT = _median_for_slow_share(STABLE.slow_share(SLOW_S) + CanaryPolicy().max_slow_increase)
+_AT_SLOW_LIMIT = _median_for_slow_share(STABLE.slow_share(SLOW_S) + DEFAULTS.max_slow_increase)
 POPULATIONS: dict[str, tuple[Backend, str | None]] = {
     # name: (the canary, the figure on which a promotion is an error; None: a roll-back is the error)
     "equal": (STABLE, None),
-    "failed at the limit (+2 points)": (replace(STABLE, failure_rate=0.03), "failed"),
+    "failed at the limit (+2 points)": (
+        replace(STABLE, failure_rate=0.01 + DEFAULTS.max_failure_increase),
+        "failed",
+    ),
     f"slow at the limit (+10 points, median {_AT_SLOW_LIMIT:.2f} s)": (
         replace(STABLE, median_latency_s=_AT_SLOW_LIMIT),
         "slow",
     ),
-    "quality at the limit (-0.05)": (replace(STABLE, reward=0.65), "quality"),
+    "quality at the limit (-0.1)": (
+        replace(STABLE, reward=STABLE.reward - DEFAULTS.max_quality_drop),
+        "quality",
+    ),
     "5xx on a fifth of requests": (replace(STABLE, failure_rate=0.2), "failed"),
     "3x slower": (replace(STABLE, median_latency_s=3 * STABLE.median_latency_s), "slow"),
-    "worse answers (-0.2)": (replace(STABLE, reward=0.5), "quality"),
+    "worse answers (-0.3)": (replace(STABLE, reward=STABLE.reward - 0.3), "quality"),
 }
 
 

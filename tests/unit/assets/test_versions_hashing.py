@@ -700,3 +700,104 @@ def test_the_cache_keeps_its_newest_entries(
         written.append(newest)
         os.utime(newest, (1_000_000 + level * 10, 1_000_000 + level * 10))  # mtimes apart on any clock
     assert sorted(cache.glob("*.json")) == sorted(written[1:])
+
+
+def _same_function_as(name: str) -> dg.AssetsDefinition:
+    """An asset named ``name`` computed by one shared function (a factory's assets: only the key differs)."""
+
+    def shared(context):  # noqa: ARG001
+        return None
+
+    shared.__module__ = "nexa_dagster.assets_mod"
+    return dg.asset(name=name, required_resource_keys={"policy"})(shared)
+
+
+def test_remembered_versions_are_those_of_the_same_assets(
+    package: Path, configs: Path, tmp_path: Path
+) -> None:
+    """A renamed asset (a factory's, its function unchanged) or another set of assets is another entry: the
+    versions asked for are the ones given back."""
+    cache = tmp_path / "cache"
+    one = versions.cached_code_versions([_same_function_as("one")], RESOURCES, cache, package, configs)
+    two = versions.cached_code_versions([_same_function_as("two")], RESOURCES, cache, package, configs)
+    assert set(one) == {"one"} and set(two) == {"two"}
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_renamed_file_or_library_swap_is_another_state_of_the_inputs(
+    package: Path, configs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest frames each part with its name: the same bytes under another file name, or two libraries'
+    versions exchanged, are other inputs (a moved module is imported by another name)."""
+
+    def digest() -> str:
+        return versions.inputs_digest([], RESOURCES, package, configs)
+
+    module, config = package / "nexa_dagster" / "core" / "moved_a.py", configs / "moved_a.yaml"
+    module.write_text("X = 1\n")
+    config.write_text("x: 1\n")
+    before = digest()
+    module.rename(module.with_name("moved_b.py"))
+    after_module = digest()
+    config.rename(config.with_name("moved_b.yaml"))
+    assert len({before, after_module, digest()}) == 3
+
+    monkeypatch.setattr(versions, "BYTE_DECIDING", {"lib_a": "a", "lib_b": "b"})
+    monkeypatch.setattr(versions, "library_version", {"lib_a": "1.0", "lib_b": "2.0"}.__getitem__)
+    first = digest()
+    monkeypatch.setattr(versions, "library_version", {"lib_a": "2.0", "lib_b": "1.0"}.__getitem__)
+    assert digest() != first
+
+
+def test_a_resource_value_given_in_another_key_order_is_the_same_entry(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, assets = tmp_path / "cache", [_asset("scale_asset", {"scale_preset", "policy"})]
+    derived: list[int] = []
+    derive = versions.code_versions
+    monkeypatch.setattr(versions, "code_versions", lambda *a: derived.append(1) or derive(*a))
+    reordered = {**RESOURCES, "policy": Policy(weights={"a": 2.0, "b": 1.0})}
+    first = versions.cached_code_versions(assets, RESOURCES, cache, package, configs)
+    assert versions.cached_code_versions(assets, reordered, cache, package, configs) == first
+    assert len(derived) == 1
+
+
+def test_by_default_the_versions_are_remembered_in_the_machines_cache(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEXA_CACHE_DIR", str(tmp_path / "machine-cache"))
+    assets = [_asset("scale_asset", {"scale_preset", "policy"})]
+    versions.cached_code_versions(assets, RESOURCES, None, package, configs)
+    assert len(list((tmp_path / "machine-cache" / "code-versions").glob("*.json"))) == 1
+
+    given: list[object] = []
+    monkeypatch.setattr(
+        versions, "cached_code_versions", lambda a, r, cache_dir: given.append(cache_dir) or {}
+    )
+    versions.with_code_versions(assets, RESOURCES, cache_dir=tmp_path / "elsewhere")
+    assert given == [tmp_path / "elsewhere"]
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_derivation(
+    package: Path, configs: Path, tmp_path: Path
+) -> None:
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("a file where the cache folder would be\n")
+    assets = [_asset("scale_asset", {"scale_preset", "policy"})]
+    got = versions.cached_code_versions(assets, RESOURCES, not_a_folder, package, configs)
+    assert got == versions.code_versions(assets, RESOURCES, package, configs)
+
+
+def test_the_oldest_entries_go_whatever_their_names(
+    package: Path, configs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, assets = tmp_path / "cache", [_asset("scale_asset", {"scale_preset", "policy"})]
+    cache.mkdir()
+    monkeypatch.setattr(versions, "CACHE_ENTRIES_KEPT", 2)
+    newer, older = cache / "00000000.json", cache / "ffffffff.json"
+    for entry, mtime in ((newer, 2_000_000), (older, 1_000_000)):
+        entry.write_text("{}")
+        os.utime(entry, (mtime, mtime))
+    versions.cached_code_versions(assets, RESOURCES, cache, package, configs)
+    kept = {p.name for p in cache.glob("*.json")}
+    assert newer.name in kept and older.name not in kept and len(kept) == 2
