@@ -60,7 +60,16 @@ run: install $(DAGSTER_HOME)/dagster.yaml
 # much as they compute), tests sharing a Slurm cluster or a PostgreSQL server kept on one worker; handed out in
 # collection order (e2e, the longest, first: the `make run` world's group starts at once, not after the groups with
 # more tests), not pytest-xdist's default of the groups with most tests first
+#
+# vLLM's own environment (`make vllm`) installs beside the suite, in the background: its minutes are mostly downloads
+# (2 min from nothing on the idle 2-core machine; nothing to do when the machine's cache has it), and the tests of
+# the real engine wait for it (tests/support/vllm_install.py), failing with its log if it failed. Tried twice: a
+# registry's hiccup is transient, a wrong requirement fails both times.
 test: install
+	@rm -f .vllm-install.rc
+	@( rc=0; ( $(BIN)/python -m nexa_dagster.core.llm.vllm_env install \
+		|| $(BIN)/python -m nexa_dagster.core.llm.vllm_env install ) > .vllm-install.log 2>&1 || rc=$$?; \
+		echo $$rc > .vllm-install.rc ) </dev/null >/dev/null 2>&1 & echo $$! > .vllm-install.pid
 	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 # the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)

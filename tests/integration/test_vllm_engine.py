@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.vllm_install import require_vllm
 
 from nexa_dagster.core.llm.base import SamplingParams
-from nexa_dagster.core.llm.managed_server import vllm_available
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-from nexa_dagster.core.llm.vllm_env import INSTALL_HINT, env_dir
 from nexa_dagster.resources.llm import ManagedLLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-engine")]
@@ -51,9 +50,7 @@ def _moe_of_head_size_32(tiny_model_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="module", params=["smollm2", "moe-head-32"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model, then an MoE checkpoint: one engine at a time (pytest orders the tests by this param)."""
-    if not vllm_available():
-        # not a CI failure: `make test` does not install vLLM (minutes and 3.5 GB, docs/stages/serving.md)
-        pytest.skip(f"vLLM is not installed for this host at {env_dir()}: {INSTALL_HINT}")
+    require_vllm()  # make test installs it beside the suite: wait for it (a failed install fails here)
     if request.param == "smollm2":  # after the check: a skip converts nothing
         return request.getfixturevalue("smollm2_dir")
     tiny = request.getfixturevalue("tiny_model_dir")
