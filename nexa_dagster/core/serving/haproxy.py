@@ -33,6 +33,7 @@ from nexa_dagster import settings
 from nexa_dagster.core.common.processes import stop_process_group
 from nexa_dagster.core.llm.managed_server import with_parent_death_signal
 from nexa_dagster.core.serving import access
+from nexa_dagster.core.serving.request_log import LOG_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +129,23 @@ def render_config(
     host: str = "127.0.0.1",
     salt: bytes | None = None,
     digests_file: Path | None = None,
+    request_log: Path | None = None,
 ) -> str:
     """The whole configuration: one frontend (the API key checked first), the engines backend (both colours out at
     first, each reached on its Unix socket: no engine has a TCP port), the control API's public routes (on a Unix
-    socket of their own: the control API's TCP port wants its token on every route)."""
+    socket of their own: the control API's TCP port wants its token on every route). With ``request_log``, one
+    line per request in ``request_log.LOG_FORMAT`` to that Unix datagram socket (what a canary watches)."""
     servers = "\n".join(f"    server {c} unix@{engine_sockets[c]} disabled" for c in COLOURS)
     rules = api_key_rules(salt, digests_file or admin_socket.with_name("keys.acl"))
     written = f"haproxy; traffic is steered at run time through {admin_socket}"
+    logging_ = (
+        f'    log {request_log} format raw local0\n    log-format "{LOG_FORMAT}"\n' if request_log else ""
+    )
     return f"""{preamble(written, admin_socket)}    option redispatch 1
 
 frontend endpoint
     bind {host}:{port}
-{rules}    http-request set-path {PUBLIC_STATUS} if {{ path /status }}
+{logging_}{rules}    http-request set-path {PUBLIC_STATUS} if {{ path /status }}
     use_backend control if {{ path /v1/models {PUBLIC_STATUS} }} || {{ path_beg /v1/models/ }}
     default_backend {BACKEND}
 
@@ -293,9 +299,10 @@ class HAProxyRouter(KeyedHAProxy):
         host: str = "127.0.0.1",
         logger: logging.Logger | None = None,
         api_keys: list[str] | None = None,
+        request_log: Path | None = None,
     ) -> None:
         super().__init__(work_dir, port, host, logger, api_keys)
-        self.engine_sockets, self.public_socket = engine_sockets, public_socket
+        self.engine_sockets, self.public_socket, self.request_log = engine_sockets, public_socket, request_log
 
     def render(self) -> str:
         return render_config(
@@ -306,7 +313,24 @@ class HAProxyRouter(KeyedHAProxy):
             self.host,
             self.salt,
             self.digests_path,
+            self.request_log,
         )
+
+    def split(self, canary: str, share: float) -> tuple[int, int]:
+        """Both colours take new requests, ``canary`` about ``share`` of them (HAProxy's weights, 0-256, round
+        robin): a canary beside the stable colour. ``route_to`` ends it either way (promote: to the canary; roll
+        back: to the stable colour, the canary's requests in flight finishing). Returns (stable, canary) weights."""
+        if not 0 < share < 1:
+            raise RouterError(f"a canary's share must be in (0, 1), got {share}")
+        stable = next(c for c in COLOURS if c != canary)
+        weights = {canary: min(max(round(256 * share), 1), 255)}
+        weights[stable] = 256 - weights[canary]
+        for colour in (stable, canary):
+            answer = self.command(f"set weight {BACKEND}/{colour} {weights[colour]}").strip()
+            if answer:
+                raise RouterError(f"haproxy refused `set weight {BACKEND}/{colour}`: {answer}")
+            self.set_state(colour, "ready")
+        return weights[stable], weights[canary]
 
     def set_state(self, colour: str, state: str) -> None:
         answer = self.command(f"set server {BACKEND}/{colour} state {state}").strip()
