@@ -7,67 +7,20 @@ and is slower): what is under test is the routing, the log and the decision, not
 
 from __future__ import annotations
 
-import socketserver
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
 import pytest
 from support.services import missing
+from support.stand_in_engines import stand_in_engine
 
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState, decide
 from nexa_dagster.core.serving.haproxy import HAProxyRouter, RouterError, haproxy_binary, socket_dir
 from nexa_dagster.core.serving.request_log import RequestLogReceiver, RequestOutcome
-
-
-class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-@contextmanager
-def _engine(path: Path, colour: str, fail_every: int = 0, delay_s: float = 0.0) -> Iterator[None]:
-    """An engine stand-in on ``path``: answers 200 naming its colour; 500 to every ``fail_every``-th request."""
-    count = Counter()
-    lock = threading.Lock()
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def address_string(self) -> str:  # a Unix socket's peer has no address
-            return colour
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-            pass
-
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            with lock:
-                count["n"] += 1
-                n = count["n"]
-            time.sleep(delay_s)
-            status = 500 if fail_every and n % fail_every == 0 else 200
-            body = f'{{"engine": "{colour}"}}'.encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    path.unlink(missing_ok=True)
-    server = _UnixHTTPServer(str(path), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
@@ -80,8 +33,8 @@ def router(tmp_path: Path) -> Iterator[tuple[HAProxyRouter, list[RequestOutcome]
     receiver = RequestLogReceiver(sockets / "requests.sock", seen.append)
     with (
         receiver,
-        _engine(engines["blue"], "blue", delay_s=0.002),
-        _engine(engines["green"], "green", fail_every=5, delay_s=0.01),
+        stand_in_engine(engines["blue"], "blue", delay_s=0.002),
+        stand_in_engine(engines["green"], "green", fail_every=5, delay_s=0.01),
     ):
         proxy = HAProxyRouter(
             tmp_path / "router", free_port(), engines, sockets / "public.sock", request_log=receiver.path

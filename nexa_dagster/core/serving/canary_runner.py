@@ -1,0 +1,123 @@
+"""Runs one canary on a router: split the traffic, record each request HAProxy logs, decide every few seconds, and
+end it by routing every request to the canary (promote) or back to the stable colour (roll back, the canary's
+requests in flight finishing).
+
+The state is saved after every check (``canary_store``), so a runner killed at any point and started again
+(``resume``) goes on from the last check with the same policy and sums: a canary is ended only by a saved verdict,
+and the verdict is saved only after the traffic follows it. Killed between the two, the resumed runner finds the
+canary still running, splits again and decides again, on the same evidence plus what came since: never a canary left
+with half the traffic and no one deciding. (Moving the production pointer and the registry's alias after a promote
+is the caller's, once ``verdict`` says so.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from nexa_dagster.core.serving.canary import CanaryDecision, decide
+from nexa_dagster.core.serving.canary_store import Canary, begin, load, save
+from nexa_dagster.core.serving.haproxy import HAProxyRouter
+from nexa_dagster.core.serving.request_log import RequestLogReceiver, RequestOutcome
+
+log = logging.getLogger(__name__)
+
+
+class CanaryRunner:
+    """``CanaryRunner(router, folder, log_socket).start(canary)``, then ``wait()`` for its decision."""
+
+    def __init__(
+        self,
+        router: HAProxyRouter,
+        folder: Path,
+        log_socket: Path,
+        check_every_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.router, self.folder, self.check_every_s, self.clock = router, folder, check_every_s, clock
+        self.receiver = RequestLogReceiver(log_socket, self._record)
+        self.canary: Canary | None = None
+        self.decision: CanaryDecision | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, canary: Canary) -> CanaryRunner:
+        """Begin a new canary (refused while another runs, before anything changes) and split the traffic."""
+        begin(canary, self.folder)
+        return self._run(canary)
+
+    def resume(self) -> CanaryRunner | None:
+        """Go on with the canary the folder holds, if one is running (after a restart); None if none is."""
+        canary = load(self.folder)
+        if canary is None or not canary.running:
+            return None
+        return self._run(canary)
+
+    def _run(self, canary: Canary) -> CanaryRunner:
+        self.canary = canary
+        self.receiver.start()
+        weights = self.router.split(canary.canary_colour, canary.policy.share)
+        log.info(
+            "canary %s on %s beside %s on %s: weights %s",
+            canary.state.canary_id,
+            canary.canary_colour,
+            canary.state.stable_id,
+            canary.stable_colour,
+            weights,
+        )
+        self._thread = threading.Thread(target=self._loop, name="canary", daemon=True)
+        self._thread.start()
+        return self
+
+    def _record(self, outcome: RequestOutcome) -> None:
+        canary = self.canary
+        if canary is None or outcome.colour not in (canary.stable_colour, canary.canary_colour):
+            return
+        arm = "canary" if outcome.colour == canary.canary_colour else "stable"
+        with self._lock:
+            canary.state.record(arm, canary.policy, failed=outcome.failed, latency_s=outcome.total_s)
+
+    def check(self) -> CanaryDecision:
+        """Decide now and save the state; on a verdict, route the traffic first, then save the verdict."""
+        canary = self.canary
+        assert canary is not None, "start() or resume() first"
+        with self._lock:
+            decision = decide(canary.state, canary.policy, self.clock())
+            save(canary, self.folder)
+        if decision.verdict != "continue":
+            to = canary.canary_colour if decision.verdict == "promote" else canary.stable_colour
+            drained_s = self.router.route_to(to)
+            with self._lock:
+                canary.conclude(decision)
+                save(canary, self.folder)
+            log.info(
+                "canary %s: %s (%s); drained in %.1f s",
+                canary.state.canary_id,
+                decision.verdict,
+                decision.reason,
+                drained_s,
+            )
+        self.decision = decision
+        return decision
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.check_every_s):
+            if self.check().verdict != "continue":
+                break
+        self.receiver.stop()
+
+    def wait(self, timeout_s: float) -> CanaryDecision | None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self.decision
+
+    def stop(self) -> None:
+        """Stop checking (the state stays as last saved: ``resume`` goes on from it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.receiver.stop()
