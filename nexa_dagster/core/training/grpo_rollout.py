@@ -10,9 +10,9 @@
   these indices; completions are sampled in the training thread at the start of each step (``GRPOLoss.rollout``).
 * ``BatchedSampler``: Hugging Face ``generate`` on a ``transformers`` Mixtral whose parameters *are* the training
   model's tensors (aliased, not copied: no second copy of the weights, and every rollout sees the weights of the
-  last update). The K x B completions of a step are one left-padded ``generate`` call. The same code runs on a GPU;
-  vLLM (colocated, as TRL's ``vllm_mode="colocate"``) is not wired here: it cannot be installed on the project's
-  machines, so there is no honest way to test it.
+  last update). The K x B completions of a step are one left-padded ``generate`` call. The same code runs on a GPU.
+  Rollouts on a vLLM engine (its own environment, ``core/llm/vllm_env.py``, which ``make test`` installs) with the
+  trainer's weights synced to it each step are not wired yet: issue 48's open part, not a limit of the machines.
 """
 
 from __future__ import annotations
