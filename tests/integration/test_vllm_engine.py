@@ -1,7 +1,8 @@
-"""A real vLLM engine (``vllm serve`` from its own environment, ``make vllm``) on the real model and on an MoE
-checkpoint as the project writes them (head size 32), through the teacher's and judge's resource (``ManagedLLM``):
-``n`` samples with their tokens' log-probabilities, which ``transformers serve`` ignores, the judge's score read
-from log-probabilities, and greedy tokens that equal transformers' own on the same prompts.
+"""A real vLLM engine (``vllm serve`` from its own environment, which ``make test`` installs) on the real model, on
+an MoE checkpoint as the project writes them (head size 32), and on SmolLM2 upcycled into the MoE and written as a
+training writes it, through the teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens'
+log-probabilities, which ``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy
+tokens that equal transformers' own on the same prompts.
 
 One engine per model for the module, which every test here only reads from: a start takes about 40 s on the
 2-core machine at load 3, 3 to 4.5 minutes at load 10-14.
@@ -47,12 +48,36 @@ def _moe_of_head_size_32(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2", "moe-head-32"])
+def _upcycled_smollm2(smollm2_dir: Path, out: Path) -> Path:
+    """SmolLM2 upcycled into the project's MoE (2 experts, top-1: each expert SmolLM2's MLP) and written as the
+    training worker writes a checkpoint: ``to_hf`` (a ``MixtralForCausalLM``), its tokenizer, the portable
+    configs."""
+    from transformers import AutoTokenizer
+
+    from nexa_dagster.core.training.hf_checkpoint import write_portable_configs
+    from nexa_dagster.core.training.model.moe import to_hf
+    from nexa_dagster.core.training.upcycle import UpcyclingSpec, upcycle_dense_checkpoint
+
+    spec = UpcyclingSpec(num_local_experts=2, num_experts_per_tok=1)
+    moe = upcycle_dense_checkpoint(str(smollm2_dir), spec, attention="causal")
+    hf = to_hf(moe)
+    hf.config.output_router_logits = False
+    hf.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
+    write_portable_configs(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["smollm2", "moe-head-32", "smollm2-upcycled"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real model, then an MoE checkpoint: one engine at a time (pytest orders the tests by this param)."""
+    """The real model, an MoE checkpoint of head size 32, SmolLM2 upcycled into the MoE as a training writes it:
+    one engine at a time (pytest orders the tests by this param)."""
     require_vllm()  # make test installs it beside the suite: wait for it (a failed install fails here)
     if request.param == "smollm2":  # after the check: a skip converts nothing
         return request.getfixturevalue("smollm2_dir")
+    if request.param == "smollm2-upcycled":
+        smollm2 = request.getfixturevalue("smollm2_dir")
+        return _upcycled_smollm2(smollm2, tmp_path_factory.mktemp("upcycled") / "smollm2-moe")
     tiny = request.getfixturevalue("tiny_model_dir")
     return _moe_of_head_size_32(tiny, tmp_path_factory.mktemp("moe") / "moe-head-32")
 
