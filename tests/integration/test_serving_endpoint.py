@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -808,6 +809,82 @@ def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoi
     ):
         endpoint.client().switch(str(garbage), "garbage")
     assert endpoint.client().status()["checkpoint_id"] == "a"
+
+
+def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it(endpoint: Endpoint) -> None:
+    """B as a canary beside A on half of the live requests (the API key's, through the endpoint): its state in the
+    control API's status while it runs, decided by the runner on HAProxy's request log, promoted with the production
+    pointer moved to it and not one failed request; a share out of range and a second canary while one runs are
+    refused before anything changes. Then back to A (the module's next tests expect A)."""
+    client = endpoint.client()
+    with pytest.raises(SwitchFailed, match="share"):
+        client.canary(str(endpoint.b), "b", policy={"share": 1.5})
+    # failures watched with a wide limit: the tiny engines answer every request, so a few hundred requests decide
+    policy = {"share": 0.5, "max_failure_increase": 0.2, "max_slow_increase": None, "max_quality_drop": None}
+    entry = ProductionEntry(
+        checkpoint_id="b", checkpoint_path=str(endpoint.b), metric="eval_loss", value=4.0
+    ).model_dump()
+    statuses: Counter = Counter()
+    engines: Counter = Counter()
+    stop = threading.Event()
+
+    def live_traffic() -> None:
+        with httpx.Client(timeout=60.0, headers=AUTH) as http:
+            while not stop.is_set():
+                r = _chat(http, endpoint.base_url, max_tokens=1)
+                statuses[r.status_code] += 1
+                engines[r.headers.get("x-nexa-engine")] += 1
+
+    started = client.canary(str(endpoint.b), "b", policy=policy, entry=entry)
+    assert (started["stable"], started["canary"], started["share"]) == ("a", "b", 0.5)
+    with pytest.raises(SwitchFailed, match="a canary of b runs"):
+        client.canary(str(endpoint.b), "b", policy=policy)
+    running = client.status()["canary"]
+    assert running["checkpoint_id"] == "b" and running["share"] == 0.5
+    thread = threading.Thread(target=live_traffic, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            status = client.status()
+            if status["canary"] is None and status["last_canary"]:
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert status["last_canary"]["verdict"] == "promote", status
+    assert status["checkpoint_id"] == "b" and endpoint.registry.current().checkpoint_id == "b"
+    assert set(statuses) == {200} and set(engines) == {"blue", "green"}, (statuses, engines)
+    print(f"canary promoted after {sum(statuses.values())} live requests: {dict(engines)}")
+    endpoint.registry.rollback()
+    endpoint.wait_serving("a")
+
+
+def test_a_service_killed_mid_canary_restarts_serving_production_with_the_canary_rolled_back(
+    endpoint: Endpoint,
+) -> None:
+    """kill -9 of the service while B is a canary beside A: the canary's engine dies with it; started again, the
+    service serves the production pointer's A, and the canary's state says it was rolled back and why (a canary
+    never left half-promoted, nor running with no engine)."""
+    from nexa_dagster.core.serving.canary_store import load as load_canary
+
+    policy = {"share": 0.5, "max_failure_increase": 0.01, "max_slow_increase": None, "max_quality_drop": None}
+    endpoint.client().canary(str(endpoint.b), "b", policy=policy)  # a tight limit: undecided for a while
+    assert load_canary(endpoint.serving_dir).running
+    assert endpoint.process is not None
+    endpoint.process.kill()
+    endpoint.process.wait(timeout=30)
+    endpoint.start()  # waits until it serves the pointer's checkpoint, a
+    canary = load_canary(endpoint.serving_dir)
+    assert canary.verdict == "roll back" and "restarted while the canary ran" in canary.reason
+    assert endpoint.registry.current().checkpoint_id == "a"
+    status = endpoint.client().status()
+    assert status["checkpoint_id"] == "a" and status["canary"] is None
+    with httpx.Client(timeout=60.0, headers=AUTH) as http:
+        assert {_chat(http, endpoint.base_url).headers["x-nexa-engine"] for _ in range(6)} == {
+            status["colour"]
+        }
 
 
 def test_kill_9_of_the_engine_restarts_it(endpoint: Endpoint) -> None:

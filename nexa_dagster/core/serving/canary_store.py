@@ -40,6 +40,9 @@ class Canary:
     state: CanaryState
     verdict: str | None = None  # "promote" or "roll back" once decided
     reason: str | None = None
+    entry: dict[str, Any] | None = (
+        None  # the production pointer's entry a promotion writes (None: the caller's)
+    )
 
     @property
     def running(self) -> bool:
@@ -58,6 +61,7 @@ class Canary:
             "state": self.state.to_dict(),
             "verdict": self.verdict,
             "reason": self.reason,
+            "entry": self.entry,
         }
 
 

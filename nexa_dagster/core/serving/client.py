@@ -114,3 +114,28 @@ class ServingServiceClient:
         if code != 200:
             raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
         return SwitchResult.model_validate(answer)
+
+    def canary(
+        self,
+        checkpoint_path: str,
+        checkpoint_id: str,
+        policy: dict[str, Any] | None = None,
+        entry: dict[str, Any] | None = None,
+        timeout_s: float = 900.0,
+    ) -> dict[str, Any]:
+        """Start ``checkpoint_path`` as a canary beside what is served (``policy``: ``CanaryPolicy``'s fields;
+        ``entry``: the production pointer's entry if it is promoted); returns once it takes its share."""
+        code, answer = self._call(
+            "POST",
+            "/canary",
+            {
+                "checkpoint_path": checkpoint_path,
+                "checkpoint_id": checkpoint_id,
+                "policy": policy,
+                "entry": entry,
+            },
+            timeout_s=timeout_s,
+        )
+        if code != 200:
+            raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
+        return answer

@@ -42,10 +42,15 @@ from typing import Any
 
 from nexa_dagster import settings
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.evaluation.promotion import ProductionRegistry
+from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.serving import access
+from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
+from nexa_dagster.core.serving.canary_runner import CanaryRunner
+from nexa_dagster.core.serving.canary_store import Canary, CanaryStateError
+from nexa_dagster.core.serving.canary_store import load as load_canary
+from nexa_dagster.core.serving.canary_store import save as save_canary
 from nexa_dagster.core.serving.client import SERVICE_FILE, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.haproxy import (
     COLOURS,
@@ -57,6 +62,9 @@ from nexa_dagster.core.serving.haproxy import (
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request
 
 log = logging.getLogger(__name__)
+REQUEST_LOG = (
+    "requests.sock"  # HAProxy's request lines, in the engines' private socket folder (a canary reads it)
+)
 
 
 @dataclass
@@ -117,6 +125,7 @@ class ServingService:
         checkpoint_roots: Sequence[Path] | None = None,
         loading_nice: int = 10,
         loading_threads: int | None = None,
+        canary_check_s: float = 2.0,
     ) -> None:
         self.dir = Path(serving_dir)
         # who gets in (access.py): the endpoint's keys (none: open, loopback only; SIGHUP asks reload_api_keys for
@@ -154,6 +163,11 @@ class ServingService:
         self._seen_pointer: str | None = None
         self.router: HAProxyRouter | None = None
         self._http: ThreadingHTTPServer | None = None
+        # a canary beside the served model (core/serving/canary_runner.py): its runner, its engine, the last outcome
+        self.canary_check_s = canary_check_s
+        self.canary_runner: CanaryRunner | None = None
+        self.canary_engine: ServedEngine | None = None
+        self.last_canary: dict[str, Any] | None = None
 
     @property
     def api_key(self) -> str | None:
@@ -194,9 +208,11 @@ class ServingService:
                 host=self.host,
                 logger=self.log,
                 api_keys=self.api_keys,
+                request_log=sockets / REQUEST_LOG,
             ).start()
             stack.callback(self.router.stop)
             stack.callback(self._stop_engine)
+            self._settle_canary()  # one recorded as running lost its engine with the last service
             self._follow_pointer()  # serve what is in production now
             control_host = "127.0.0.1" if self.control_host in ("0.0.0.0", "::", "") else self.control_host
             storage.write_json(
@@ -224,6 +240,7 @@ class ServingService:
                     self._reload_requested.clear()
                     self.reload_keys()
                 self._supervise()
+                self._follow_canary()
                 self._follow_pointer()
 
     def stop(self) -> None:
@@ -306,6 +323,10 @@ class ServingService:
             self.log.error(self.last_error)
 
     def _stop_engine(self) -> None:
+        if self.canary_runner is not None:
+            self.canary_runner.stop()  # its state stays saved: the next start settles it
+        if self.canary_engine is not None:
+            self.canary_engine.engine.stop()
         if self.active is not None:
             self.active.engine.stop()
 
@@ -341,30 +362,10 @@ class ServingService:
             refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
         ):
             return self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
+        if self.canary_runner is not None:
+            return self._failed(checkpoint_id, f"{checkpoint_id} refused: {self._canary_running()}")
         colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
-        try:
-            engine = self._start_engine(colour, checkpoint_path, old.engine if old is not None else None)
-        except (LLMError, ValueError, OSError) as e:
-            return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
-        smoke = smoke_request(
-            engine.base_url, engine.model_name, timeout_s=60.0, max_retries=1, uds=engine.socket_path
-        )
-        if not smoke.ok:
-            tail = engine.log_tail(10)
-            engine.stop()
-            return self._failed(
-                checkpoint_id,
-                f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
-                f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text else ""),
-            )
-        # it passed: it takes the traffic at the normal priority
-        if engine.nice and (problems := engine.renice(0)):
-            self.log.warning(
-                "the %s engine keeps part of its loading priority (nice +%d): %s",
-                colour,
-                engine.nice,
-                "; ".join(problems[:3]),
-            )
+        engine, smoke = self._ready_engine(colour, checkpoint_path, checkpoint_id)
         assert self.router is not None
         drain_s = self.router.route_to(colour, self.drain_timeout_s)
         self.active = ServedEngine(colour, checkpoint_id, checkpoint_path, engine)
@@ -384,6 +385,149 @@ class ServingService:
             result.switch_s,
         )
         return result
+
+    def _ready_engine(
+        self, colour: str, checkpoint_path: str, checkpoint_id: str
+    ) -> tuple[ManagedServer, Any]:
+        """``checkpoint_path`` started on ``colour`` beside the served engine, smoke-tested, at the normal priority:
+        what a switch and a canary both route to. Raises ``SwitchFailed`` (the served model keeps serving)."""
+        serving = self.active.engine if self.active is not None else None
+        try:
+            engine = self._start_engine(colour, checkpoint_path, serving)
+        except (LLMError, ValueError, OSError) as e:
+            return self._failed(checkpoint_id, f"{checkpoint_id} did not start, {self._still_serving()}: {e}")
+        smoke = smoke_request(
+            engine.base_url, engine.model_name, timeout_s=60.0, max_retries=1, uds=engine.socket_path
+        )
+        if not smoke.ok:
+            tail = engine.log_tail(10)
+            engine.stop()
+            return self._failed(
+                checkpoint_id,
+                f"{checkpoint_id} failed its smoke test, {self._still_serving()}: "
+                f"{smoke.problem}" + (f"\nengine log tail:\n{tail}" if not smoke.text else ""),
+            )
+        # it passed: it takes traffic at the normal priority
+        if engine.nice and (problems := engine.renice(0)):
+            self.log.warning(
+                "the %s engine keeps part of its loading priority (nice +%d): %s",
+                colour,
+                engine.nice,
+                "; ".join(problems[:3]),
+            )
+        return engine, smoke
+
+    # -- a canary ------------------------------------------------------------------------------------------------
+    def start_canary(
+        self,
+        checkpoint_path: str,
+        checkpoint_id: str,
+        policy: CanaryPolicy,
+        entry: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """``checkpoint_path`` on the idle colour beside the served model, taking ``policy.share`` of the requests
+        until its runner decides (``_follow_canary`` then ends it). ``entry``: the production pointer's entry to
+        write if it is promoted. Main thread only; raises ``SwitchFailed`` before anything changes when no model
+        is served, a canary already runs, or the checkpoint does not start or pass its smoke test."""
+        if self.active is None:
+            self._failed(
+                checkpoint_id, f"{checkpoint_id}: no canary without a served model to compare it with"
+            )
+        assert self.active is not None and self.router is not None
+        if self.canary_runner is not None:
+            self._failed(checkpoint_id, f"{checkpoint_id} refused: {self._canary_running()}")
+        if self.checkpoint_roots is not None and (
+            refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
+        ):
+            self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
+        colour = next(c for c in COLOURS if c != self.active.colour)
+        engine, _ = self._ready_engine(colour, checkpoint_path, checkpoint_id)
+        state = CanaryState.start(self.active.checkpoint_id, checkpoint_id, policy, time.time())
+        canary = Canary(self.active.colour, colour, policy, state, entry=entry)
+        try:
+            runner = CanaryRunner(
+                self.router, self.dir, socket_dir(self.dir) / REQUEST_LOG, self.canary_check_s
+            ).start(canary)
+        except (CanaryStateError, RouterError) as e:
+            engine.stop()
+            self._failed(checkpoint_id, f"{checkpoint_id}: no canary, {self._still_serving()}: {e}")
+        self.canary_runner = runner
+        self.canary_engine = ServedEngine(colour, checkpoint_id, checkpoint_path, engine)
+        self.log.info(
+            "canary %s on %s: %.0f%% of requests beside %s",
+            checkpoint_id,
+            colour,
+            100 * policy.share,
+            self.active.checkpoint_id,
+        )
+        return {
+            "canary": checkpoint_id,
+            "colour": colour,
+            "stable": self.active.checkpoint_id,
+            "share": policy.share,
+        }
+
+    def _canary_running(self) -> str:
+        canary = self.canary_runner.canary if self.canary_runner is not None else None
+        return f"a canary of {canary.state.canary_id if canary else '?'} runs: wait for its decision"
+
+    def _follow_canary(self) -> None:
+        """A decided canary ends here, on the main thread: promoted, its engine is the served one (the old one
+        stops) and the production pointer names it; rolled back, its engine stops."""
+        runner, engine = self.canary_runner, self.canary_engine
+        decision = runner.decision if runner is not None else None
+        if runner is None or engine is None or decision is None or decision.verdict == "continue":
+            return
+        canary = runner.canary
+        assert canary is not None
+        if decision.verdict == "promote":
+            old, self.active = self.active, engine
+            self.previous_checkpoint_id = old.checkpoint_id if old else None
+            if old is not None:
+                old.engine.stop()
+            self._promote_pointer(canary)
+        else:
+            engine.engine.stop()
+        self.last_canary = {
+            "checkpoint_id": engine.checkpoint_id,
+            "verdict": decision.verdict,
+            "reason": decision.reason,
+            "decided_at": now_utc(),
+        }
+        self.canary_runner = self.canary_engine = None
+        self.log.info("canary %s: %s: %s", engine.checkpoint_id, decision.verdict, decision.reason)
+
+    def _promote_pointer(self, canary: Canary) -> None:
+        """The production pointer names a promoted canary (when the canary was given the pointer's entry)."""
+        if canary.entry is None:
+            return
+        entry = ProductionEntry.model_validate(canary.entry)
+        registry = ProductionRegistry(self.pointer)
+        current = registry.current()
+        if current is None or current.checkpoint_id != entry.checkpoint_id:
+            registry.promote(entry)
+
+    def _settle_canary(self) -> None:
+        """At start: a canary recorded as running lost its engine with the last service, so it is recorded as
+        rolled back (the stable model serves, as the pointer says); one recorded as promoted whose pointer move was
+        cut short gets it now. An unreadable state file is logged by name and changes nothing."""
+        try:
+            canary = load_canary(self.dir)
+        except CanaryStateError as e:
+            self.log.error("%s; serving the production pointer's model", e)
+            return
+        if canary is None:
+            return
+        if canary.running:
+            canary.verdict = "roll back"
+            canary.reason = (
+                "the serving service restarted while the canary ran: its engine stopped with the service; "
+                "the production pointer's model serves"
+            )
+            save_canary(canary, self.dir)
+            self.log.warning("canary %s: %s", canary.state.canary_id, canary.reason)
+        elif canary.verdict == "promote":
+            self._promote_pointer(canary)
 
     def _start_engine(
         self, colour: str, checkpoint_path: str, serving: ManagedServer | None
@@ -468,10 +612,27 @@ class ServingService:
             "engine_restarts": self.engine_restarts,
             "last_switch": self.last_switch,
             "last_error": self.last_error,
+            "canary": self._canary_status(),
+            "last_canary": self.last_canary,
             "service_pid": os.getpid(),
             "api_keys": len(self.api_keys),  # how many keys are valid (two during a rotation), never the keys
             "api_keys_loaded_at": self.keys_loaded_at,
             "api_keys_reloads": self.keys_reloads,  # successful reloads since the start
+        }
+
+    def _canary_status(self) -> dict[str, Any] | None:
+        """The running canary: what serves beside what, its share and its figures so far (the last check's)."""
+        runner, engine = self.canary_runner, self.canary_engine
+        if runner is None or engine is None or runner.canary is None:
+            return None
+        decision = runner.decision
+        return {
+            "checkpoint_id": engine.checkpoint_id,
+            "colour": engine.colour,
+            "share": runner.canary.policy.share,
+            "since": engine.since,
+            "last_check": decision.reason if decision else None,
+            **(decision.metadata() if decision else {}),
         }
 
     def public_status(self) -> dict[str, Any]:
@@ -571,10 +732,39 @@ class _ControlAPI(BaseHTTPRequestHandler):
             self._send(404, {"error": f"no route {self.path}"})
         elif not self._authorized():
             return
-        elif self.path != "/switch":
-            self._send(404, {"error": f"no route {self.path}"})
-        else:
+        elif self.path == "/switch":
             self._switch()
+        elif self.path == "/canary":
+            self._canary()
+        else:
+            self._send(404, {"error": f"no route {self.path}"})
+
+    def _canary(self) -> None:
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
+            policy = CanaryPolicy.model_validate(body.get("policy") or {})
+            entry = body.get("entry")
+            if entry is not None:
+                ProductionEntry.model_validate(entry)
+        except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
+            self._send(
+                400,
+                {"error": f"POST /canary wants JSON with checkpoint_path, checkpoint_id, policy, entry: {e}"},
+            )
+            return
+        service = self.service
+        try:
+            started = service.submit(
+                lambda: service.start_canary(path, checkpoint_id, policy, entry)
+            ).result()
+        except SwitchFailed as e:
+            self._send(409, {"error": str(e)})
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
+        self._send(200, started)
 
     def _switch(self) -> None:
         try:
