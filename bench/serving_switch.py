@@ -1,7 +1,7 @@
 """The serving endpoint through repeated blue/green switches: throughput, latency and failures before vs during.
 
 Run: .venv/bin/python bench/serving_switch.py [--switches 10] [--before-s 6] [--clients 2] [--max-tokens 8]
-     [--compare]
+     [--compare] [--canaries 2]
 
 Builds two tiny models (other seeds, other answers), puts the first in production and starts the serving service
 (`nexa-dagster serve`: HAProxy in front of `transformers serve`, with an API key every request sends) on a temporary
@@ -18,6 +18,12 @@ the windows' summed length), latency p50 and p99 (nearest rank over the n latenc
 >= 0.7x the requests/s before, p99 during <= 2x before, 0 failed, decided only on >= 300 requests during.
 ``--compare`` runs the same cycles first with the loading engine unrestrained (`--loading-nice 0 --loading-threads
 0`: the behaviour before the change), then restrained (the defaults), on one machine, one after the other.
+
+``--canaries N`` (issue 50): after the switches, the same service runs N canaries in turn (b beside a, then a beside
+b ...; ``POST /canary`` with ``--canary-share``, failures and slow requests watched at their default limits), each
+until its runner decides, under the same clients. Per canary: its verdict, how many requests it counted (stable and
+canary) and took in seconds; over all canaries the same window figures as a switch's (``canary``), against the
+same run's ``before`` baseline: what a canary costs the endpoint, and how many requests a healthy one needs here.
 
 The load average (``os.getloadavg``, what `uptime` says) is read at each configuration's start and end: the
 machine is shared. Last line: one JSON object with the figures.
@@ -188,6 +194,41 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
                 durings.append((t1, t2))
                 switch_s.append(round(result.switch_s, 2))
                 print(f"  switch {i + 1}: to {checkpoint_id} in {result.switch_s:.2f} s", flush=True)
+            served = "b" if args.switches % 2 else "a"
+            canaries, canary_spans = [], []
+            for j in range(args.canaries):
+                target, checkpoint_id = (a, "a") if served == "b" else (b, "b")
+                entry = ProductionEntry(
+                    checkpoint_id=checkpoint_id, checkpoint_path=str(target), metric="eval_loss"
+                )
+                t1 = time.monotonic()
+                # failures and slow requests (quality is not scored on live requests yet); undecided after
+                # --canary-max-s: "not enough traffic", rolled back
+                policy = {
+                    "share": args.canary_share,
+                    "max_quality_drop": None,
+                    "max_duration_s": args.canary_max_s,
+                }
+                client.canary(str(target), checkpoint_id, policy, entry.model_dump())
+                while (status := client.status())["canary"] is not None or not status["last_canary"]:
+                    time.sleep(0.5)
+                t2 = time.monotonic()
+                state = json.loads((serving_dir / "canary.json").read_text())["state"]["sequences"]
+                counted = {arm: state[arm]["failed"]["n"] for arm in ("stable", "canary")}
+                verdict_ = status["last_canary"]["verdict"]
+                canaries.append(
+                    {
+                        "verdict": verdict_,
+                        "requests": counted,
+                        "seconds": round(t2 - t1, 1),
+                        "reason": status["last_canary"]["reason"],
+                    }
+                )
+                canary_spans.append((t1, t2))
+                served = checkpoint_id if verdict_ == "promote" else served
+                print(
+                    f"  canary {j + 1}: {checkpoint_id} {verdict_} after {counted} requests in {t2 - t1:.1f} s"
+                )
         before, during = load.windows(befores), load.windows(durings)
         return {
             "serve_args": extra,
@@ -198,6 +239,8 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
             "during_requests_per_s_each": [load.windows([w])["requests_per_s"] for w in durings],
             "switch_s": switch_s,
             "failed_requests_total": sum(1 for r in load.records if not r[2]),
+            "canaries": canaries,
+            "canary": load.windows(canary_spans) if canary_spans else None,
             "load_average_start": load_at_start,
             "load_average_end": load_average(),
             **verdict(before, during),
@@ -214,6 +257,11 @@ def main() -> dict[str, object]:
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--compare", action="store_true", help="first with the loading engine unrestrained")
+    ap.add_argument("--canaries", type=int, default=0, help="canaries after the switches, each until decided")
+    ap.add_argument("--canary-share", type=float, default=0.5, help="the share of requests a canary serves")
+    ap.add_argument(
+        "--canary-max-s", type=float, default=300.0, help="a canary's time limit (max_duration_s)"
+    )
     args = ap.parse_args()
     configurations = {"restrained": []}
     if args.compare:
@@ -223,6 +271,7 @@ def main() -> dict[str, object]:
         "clients": args.clients,
         "max_tokens": args.max_tokens,
         "before_s": args.before_s,
+        "canaries_asked": args.canaries,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
     }
@@ -247,6 +296,13 @@ def main() -> dict[str, object]:
             f"  during/before: throughput {f['throughput_during_over_before']}x, p99 {f['p99_during_over_before']}x, "
             f"failed {f['failed']}; goal met: {f['goal_met']}; switches {min(f['switch_s'])}-{max(f['switch_s'])} s"
         )
+        if f["canary"]:
+            w = f["canary"]
+            print(
+                f"  canary: {w['requests']:5d} requests in {w['seconds']:7.1f} s, {w['requests_per_s']}/s, "
+                f"p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms, failed {w['failed']}; "
+                + "; ".join(f"{c['verdict']} after {sum(c['requests'].values())}" for c in f["canaries"])
+            )
     return figures
 
 

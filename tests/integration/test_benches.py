@@ -87,8 +87,8 @@ BENCHES: dict[str, Bench] = {
         slow=True,
     ),
     "serving_switch.py": Bench(
-        ("--switches", "1", "--before-s", "1", "--clients", "1", "--max-tokens", "2"),
-        frozenset({"restrained", "switches", "clients"}),
+        ("--switches", "1", "--before-s", "1", "--clients", "1", "--max-tokens", "2", "--canaries", "1"),
+        frozenset({"restrained", "switches", "clients", "canaries_asked"}),
         timeout_s=480,
         slow=True,
     ),

@@ -819,6 +819,8 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     client = endpoint.client()
     with pytest.raises(SwitchFailed, match="share"):
         client.canary(str(endpoint.b), "b", policy={"share": 1.5})
+    with pytest.raises(SwitchFailed, match="does not score live answers yet"):  # could never be promoted
+        client.canary(str(endpoint.b), "b", policy={"share": 0.5})
     # failures watched with a wide limit: the tiny engines answer every request, so a few hundred requests decide
     policy = {"share": 0.5, "max_failure_increase": 0.2, "max_slow_increase": None, "max_quality_drop": None}
     entry = ProductionEntry(

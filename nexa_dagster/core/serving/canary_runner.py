@@ -79,7 +79,13 @@ class CanaryRunner:
             return
         arm = "canary" if outcome.colour == canary.canary_colour else "stable"
         with self._lock:
-            canary.state.record(arm, canary.policy, failed=outcome.failed, latency_s=outcome.total_s)
+            canary.state.record(
+                arm,
+                canary.policy,
+                failed=outcome.failed,
+                latency_s=outcome.total_s,
+                first_token_s=outcome.first_byte_s,  # the response's headers: with a stream, its first chunk
+            )
 
     def check(self) -> CanaryDecision:
         """Decide now and save the state; on a verdict, route the traffic first, then save the verdict."""

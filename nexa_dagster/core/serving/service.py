@@ -440,6 +440,12 @@ class ServingService:
             refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
         ):
             self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
+        if "quality" in policy.figures():  # refused before an engine starts: it could never be promoted
+            self._failed(
+                checkpoint_id,
+                f"{checkpoint_id}: the serving service does not score live answers yet (issue 50): "
+                "give the canary max_quality_drop: null",
+            )
         colour = next(c for c in COLOURS if c != self.active.colour)
         engine, _ = self._ready_engine(colour, checkpoint_path, checkpoint_id)
         state = CanaryState.start(self.active.checkpoint_id, checkpoint_id, policy, time.time())
