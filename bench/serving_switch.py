@@ -227,7 +227,9 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
                 canary_spans.append((t1, t2))
                 served = checkpoint_id if verdict_ == "promote" else served
                 print(
-                    f"  canary {j + 1}: {checkpoint_id} {verdict_} after {counted} requests in {t2 - t1:.1f} s"
+                    f"  canary {j + 1}: {checkpoint_id} {verdict_} after {counted} requests in {t2 - t1:.1f} s: "
+                    + status["last_canary"]["reason"],
+                    flush=True,
                 )
         before, during = load.windows(befores), load.windows(durings)
         return {
