@@ -105,6 +105,11 @@ def _refuse_open_listeners(
 class ServingService:
     """``ServingService(serving_dir, pointer, port=8000).run()`` serves until SIGTERM/SIGINT."""
 
+    # a canary beside the served model (core/serving/canary_runner.py): its runner, its engine, the last outcome
+    canary_runner: CanaryRunner | None = None
+    canary_engine: ServedEngine | None = None
+    last_canary: dict[str, Any] | None = None
+
     def __init__(
         self,
         serving_dir: str | Path,
@@ -163,11 +168,7 @@ class ServingService:
         self._seen_pointer: str | None = None
         self.router: HAProxyRouter | None = None
         self._http: ThreadingHTTPServer | None = None
-        # a canary beside the served model (core/serving/canary_runner.py): its runner, its engine, the last outcome
-        self.canary_check_s = canary_check_s
-        self.canary_runner: CanaryRunner | None = None
-        self.canary_engine: ServedEngine | None = None
-        self.last_canary: dict[str, Any] | None = None
+        self.canary_check_s = canary_check_s  # how often a canary's runner decides
 
     @property
     def api_key(self) -> str | None:
@@ -239,12 +240,16 @@ class ServingService:
                 if self._reload_requested.is_set():
                     self._reload_requested.clear()
                     self.reload_keys()
-                self._supervise()
-                self._follow_canary()
-                self._follow_pointer()
+                self._tick()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def _tick(self) -> None:
+        """Between tasks: an engine that died restarted, a decided canary ended, a moved pointer followed."""
+        self._supervise()
+        self._follow_canary()
+        self._follow_pointer()
 
     @staticmethod
     def _serve_http(server: socketserver.BaseServer, stack: contextlib.ExitStack) -> Any:
