@@ -811,7 +811,9 @@ def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoi
     assert endpoint.client().status()["checkpoint_id"] == "a"
 
 
-def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it(endpoint: Endpoint) -> None:
+def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
     """B as a canary beside A on half of the live requests (the API key's, through the endpoint): its state in the
     control API's status while it runs, decided by the runner on HAProxy's request log, promoted with the production
     pointer moved to it and not one failed request; a share out of range and a second canary while one runs are
@@ -823,6 +825,11 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
         client.canary(str(endpoint.b), "b", policy={"share": 0.5})
     # failures watched with a wide limit: the tiny engines answer every request, so a few hundred requests decide
     policy = {"share": 0.5, "max_failure_increase": 0.2, "max_slow_increase": None, "max_quality_drop": None}
+    # a canary whose engine answers garbage never takes a request: refused with the smoke test's reason
+    garbage = _garbage_model(endpoint.a, tmp_path / "garbage")
+    with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving"):
+        client.canary(str(garbage), "garbage", policy=policy)
+    assert client.status()["canary"] is None and client.status()["checkpoint_id"] == "a"
     entry = ProductionEntry(
         checkpoint_id="b", checkpoint_path=str(endpoint.b), metric="eval_loss", value=4.0
     ).model_dump()
