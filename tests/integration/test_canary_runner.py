@@ -26,7 +26,7 @@ from support.services import missing
 from support.stand_in_engines import stand_in_engine
 
 from nexa_dagster.core.common.net import free_port
-from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
+from nexa_dagster.core.serving.canary import CanaryDecision, CanaryPolicy, CanaryState
 from nexa_dagster.core.serving.canary_runner import CanaryRunner
 from nexa_dagster.core.serving.canary_store import Canary, load
 from nexa_dagster.core.serving.haproxy import HAProxyRouter, haproxy_binary, socket_dir
@@ -101,37 +101,38 @@ def _canary() -> Canary:
     )
 
 
+def _decided_under_load(
+    proxy: HAProxyRouter, log_socket: Path, folder: Path
+) -> tuple[CanaryDecision | None, Load]:
+    """A canary run by a runner until it decides, clients sending requests all along and a second after."""
+    with Load(proxy.port) as load_:
+        runner = CanaryRunner(proxy, folder, log_socket, check_every_s=0.5).start(_canary())
+        decision = runner.wait(timeout_s=90)
+        load_.mark()
+        time.sleep(1.0)
+    return decision, load_
+
+
 @pytest.mark.parametrize("endpoint", [0], indirect=True)
 def test_a_healthy_canary_is_promoted_on_live_traffic_without_a_failed_request(
     endpoint, tmp_path: Path
 ) -> None:
-    proxy, log_socket = endpoint
-    with Load(proxy.port) as load_:
-        runner = CanaryRunner(proxy, tmp_path / "serving", log_socket, check_every_s=0.5).start(_canary())
-        decision = runner.wait(timeout_s=90)
-        load_.mark()
-        time.sleep(1.0)
+    decision, load_ = _decided_under_load(*endpoint, tmp_path / "serving")
     assert decision is not None and decision.verdict == "promote", decision
     saved = load(tmp_path / "serving")
     assert saved.verdict == "promote" and saved.reason == decision.reason
     n = {r.figure: (r.n_stable, r.n_canary) for r in decision.figures}["failed"]
     print(f"promoted after {sum(n)} requests ({n[1]} on the canary)")
     assert load_.errors == [] and all(status == 200 for _, status in load_.answers)
-    assert load_.after and set(load_.after) == {
-        ("green", 200)
-    }  # every request after the decision to the canary
+    # every request after the decision to the canary
+    assert load_.after and set(load_.after) == {("green", 200)}
 
 
 @pytest.mark.parametrize("endpoint", [5], indirect=True)
 def test_a_failing_canary_is_rolled_back_and_the_stable_colour_takes_every_request(
     endpoint, tmp_path
 ) -> None:
-    proxy, log_socket = endpoint
-    with Load(proxy.port) as load_:
-        runner = CanaryRunner(proxy, tmp_path / "serving", log_socket, check_every_s=0.5).start(_canary())
-        decision = runner.wait(timeout_s=90)
-        load_.mark()
-        time.sleep(1.0)
+    decision, load_ = _decided_under_load(*endpoint, tmp_path / "serving")
     assert decision is not None and decision.verdict == "roll back", decision
     assert decision.reason.startswith("canary worse: failed: ")
     assert load(tmp_path / "serving").verdict == "roll back"

@@ -80,8 +80,6 @@ class SequenceState:
     bets: float = 0.0  # sum lambda
     weighted: float = 0.0  # sum lambda x
     penalty: float = 0.0  # sum v psi(lambda)
-    low: float = 0.0
-    high: float = 1.0
 
     def update(self, x: float) -> None:
         if not 0 <= x <= 1:
@@ -97,9 +95,21 @@ class SequenceState:
         self.bets += lam
         self.weighted += lam * x
         self.penalty += 4 * (x - mu_prev) ** 2 * (-math.log1p(-lam) - lam) / 4
-        center, width = self.weighted / self.bets, (log_term + self.penalty) / self.bets
-        self.low = min(max(center - width, 0.0), 1.0)
-        self.high = min(max(center + width, 0.0), 1.0)
+
+    def _interval(self) -> tuple[float, float]:
+        """(low, high) from the sums: [0, 1] before any observation."""
+        if self.n == 0:
+            return 0.0, 1.0
+        center, width = self.weighted / self.bets, (math.log(2 / self.alpha) + self.penalty) / self.bets
+        return min(max(center - width, 0.0), 1.0), min(max(center + width, 0.0), 1.0)
+
+    @property
+    def low(self) -> float:
+        return self._interval()[0]
+
+    @property
+    def high(self) -> float:
+        return self._interval()[1]
 
     @property
     def mean(self) -> float | None:

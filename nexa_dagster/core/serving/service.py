@@ -62,9 +62,8 @@ from nexa_dagster.core.serving.haproxy import (
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request
 
 log = logging.getLogger(__name__)
-REQUEST_LOG = (
-    "requests.sock"  # HAProxy's request lines, in the engines' private socket folder (a canary reads it)
-)
+# HAProxy's request lines, in the engines' private socket folder (a canary reads it)
+REQUEST_LOG = "requests.sock"
 
 
 @dataclass
@@ -363,10 +362,6 @@ class ServingService:
         old = self.active
         if old is not None and old.checkpoint_path == checkpoint_path and old.checkpoint_id == checkpoint_id:
             return self._result(old, old.checkpoint_id, t0, 0.0, "", 0.0)  # already serving it
-        if self.checkpoint_roots is not None and (
-            refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
-        ):
-            return self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
         if self.canary_runner is not None:
             return self._failed(checkpoint_id, f"{checkpoint_id} refused: {self._canary_running()}")
         colour = COLOURS[0] if old is None or old.colour == COLOURS[1] else COLOURS[1]
@@ -395,7 +390,12 @@ class ServingService:
         self, colour: str, checkpoint_path: str, checkpoint_id: str
     ) -> tuple[ManagedServer, Any]:
         """``checkpoint_path`` started on ``colour`` beside the served engine, smoke-tested, at the normal priority:
-        what a switch and a canary both route to. Raises ``SwitchFailed`` (the served model keeps serving)."""
+        what a switch and a canary both route to, from the allowed folders only. Raises ``SwitchFailed`` (the served
+        model keeps serving)."""
+        if self.checkpoint_roots is not None and (
+            refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
+        ):
+            return self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
         serving = self.active.engine if self.active is not None else None
         try:
             engine = self._start_engine(colour, checkpoint_path, serving)
@@ -441,10 +441,6 @@ class ServingService:
         assert self.active is not None and self.router is not None
         if self.canary_runner is not None:
             self._failed(checkpoint_id, f"{checkpoint_id} refused: {self._canary_running()}")
-        if self.checkpoint_roots is not None and (
-            refused := access.outside_roots(checkpoint_path, self.checkpoint_roots)
-        ):
-            self._failed(checkpoint_id, f"{checkpoint_id} refused, {self._still_serving()}: {refused}")
         if "quality" in policy.figures():  # refused before an engine starts: it could never be promoted
             self._failed(
                 checkpoint_id,
@@ -750,9 +746,26 @@ class _ControlAPI(BaseHTTPRequestHandler):
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
+    def _json_body(self) -> dict[str, Any]:
+        return json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+
+    def _on_main_thread(self, task: Callable[[], dict[str, Any]]) -> None:
+        """``task`` on the service's main thread (it owns the engines); its answer, 409 with the reason when it was
+        refused (the served model keeps serving), 500 for anything else."""
+        service = self.service
+        try:
+            answer = service.submit(task).result()
+        except SwitchFailed as e:
+            self._send(409, {"error": str(e)})
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
+            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
+        self._send(200, answer)
+
     def _canary(self) -> None:
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            body = self._json_body()
             path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
             policy = CanaryPolicy.model_validate(body.get("policy") or {})
             entry = body.get("entry")
@@ -765,32 +778,14 @@ class _ControlAPI(BaseHTTPRequestHandler):
             )
             return
         service = self.service
-        try:
-            started = service.submit(
-                lambda: service.start_canary(path, checkpoint_id, policy, entry)
-            ).result()
-        except SwitchFailed as e:
-            self._send(409, {"error": str(e)})
-            return
-        except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
-            return
-        self._send(200, started)
+        self._on_main_thread(lambda: service.start_canary(path, checkpoint_id, policy, entry))
 
     def _switch(self) -> None:
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            body = self._json_body()
             path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
         except (ValueError, KeyError) as e:
             self._send(400, {"error": f"POST /switch wants JSON with checkpoint_path and checkpoint_id: {e}"})
             return
         service = self.service
-        try:
-            result = service.submit(lambda: service.switch(path, checkpoint_id)).result()
-        except SwitchFailed as e:
-            self._send(409, {"error": str(e)})
-            return
-        except Exception as e:  # noqa: BLE001 - reported to the caller, the service keeps serving
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
-            return
-        self._send(200, result.model_dump())
+        self._on_main_thread(lambda: service.switch(path, checkpoint_id).model_dump())
