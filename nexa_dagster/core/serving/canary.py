@@ -139,8 +139,14 @@ def worse_bounds(figure: str, stable: tuple[Any, Any], canary: tuple[Any, Any]) 
     return c_low - s_high, c_high - s_low
 
 
+def shown(low: Any, high: Any, limit: float) -> tuple[Any, Any]:
+    """(worse, no worse): the rule on a figure's bounds, for floats or arrays of them (the simulation's streams)."""
+    return low > limit, high < limit
+
+
 def status(low: float, high: float, limit: float) -> Status:
-    return "worse" if low > limit else ("no worse" if high < limit else "undecided")
+    worse, no_worse = shown(low, high, limit)
+    return "worse" if worse else ("no worse" if no_worse else "undecided")
 
 
 @dataclass(frozen=True)

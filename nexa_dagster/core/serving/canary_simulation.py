@@ -1,5 +1,5 @@
 """The canary's error rates under continuous monitoring, simulated: the canary's own rule (``canary.worse_bounds``,
-``canary.status`` at ``CanaryPolicy.sequence_alpha``) on thousands of simulated streams of live requests, with each
+``canary.shown``, the rule ``canary.status`` reads, at ``CanaryPolicy.sequence_alpha``) on thousands of simulated streams of live requests, with each
 backend's bounds from the confidence sequence it runs (``confidence_sequence.bounds``) or, beside it on the same
 streams, from a fixed-n (Wald) interval at the same level recomputed at every look: what a dashboard re-checked
 every few seconds does. The second inflates its errors with every look; the first keeps them within
@@ -25,7 +25,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from nexa_dagster.core.serving.canary import CanaryPolicy, worse_bounds
+from nexa_dagster.core.serving.canary import CanaryPolicy, shown, worse_bounds
 from nexa_dagster.core.serving.confidence_sequence import bounds
 
 WALD_MIN_N = 30  # the fixed-n interval is not used below 30 observations (the usual rule of thumb)
@@ -153,7 +153,7 @@ def simulate(
                 np.where(n_arm > 0, np.take_along_axis(high, pos, axis=1), 1.0),
             )
         low, high = worse_bounds(figure, got["stable"], got["canary"])
-        per_look[figure] = (np.nan_to_num(low, nan=-np.inf) > limit, np.nan_to_num(high, nan=np.inf) < limit)
+        per_look[figure] = shown(low, high, limit)
     worse = np.any([w for w, _ in per_look.values()], axis=0)
     fine = np.all([f for _, f in per_look.values()], axis=0)
     decided = worse | fine
