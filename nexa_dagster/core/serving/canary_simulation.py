@@ -1,8 +1,8 @@
 """The canary's error rates under continuous monitoring, simulated: the canary's own rule (``canary.worse_bounds``,
 ``canary.shown``, which ``canary.status`` reads, at ``CanaryPolicy.sequence_alpha``) on thousands of simulated
-streams of live requests, with each backend's bounds from the confidence sequence it runs (``confidence_sequence.bounds``) or, beside it on the same
-streams, from a fixed-n (Wald) interval at the same level recomputed at every look: what a dashboard re-checked
-every few seconds does. The second inflates its errors with every look; the first keeps them within
+streams of live requests, with each backend's bounds from the confidence sequence it runs
+(``confidence_sequence.bounds``) or, beside it on the same streams, from a fixed-n (Wald) interval at the same level
+recomputed at every look: what a dashboard re-checked every few seconds does. The second inflates its errors with every look; the first keeps them within
 ``1 - confidence`` however often it looks.
 
     python -m nexa_dagster.core.serving.canary_simulation --streams 1000 --requests 6000 --look-every 20
