@@ -8,9 +8,12 @@ What this objective brings to the loop (``core/training/objective.py`` says what
 2. the rollout phase, **on policy**: the loop's prefetching thread only prepares prompt *indices* (a pure function
    of the seed and the position); at the start of every step, in the training thread, ``rollout`` samples the K
    completions of each of the step's prompts from the weights of the last update, all K x B of this rank in one
-   batched ``generate`` call (``grpo_rollout.BatchedSampler``: transformers' Mixtral aliased onto the training
-   tensors; vLLM is not wired here), scores them, and turns each group into a micro-batch. Nothing sampled ahead of
-   an update is ever trained on, whatever the prefetch depth;
+   batched call (``rollout_engine``: ``transformers``, ``grpo_rollout.BatchedSampler``, transformers' Mixtral
+   aliased onto the training tensors; or ``vllm``, ``vllm_sampler.VLLMSampler``, a vLLM engine the weights are
+   synced to before each rollout), scores them, and turns each group into a micro-batch. Nothing sampled ahead of
+   an update is ever trained on, whatever the prefetch depth. On vLLM, each completion's loss is weighted by the
+   ratio of the trainer's probability of it to the engine's (``sampling_correction``, TRL's
+   ``vllm_importance_sampling_correction``: the kernels differ, so the two disagree slightly);
 3. advantages within each prompt's group: reward minus the group's mean, divided by the group's std (``group``),
    the whole batch's std (``batch``) or nothing (``none``) — TRL's ``scale_rewards``, with its ``+ 1e-4``;
 4. the loss, TRL's ``GRPOTrainer._compute_loss``: per token ``-min(r A, clip(r, 1-eps, 1+eps) A) + beta KL`` with
@@ -41,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,6 +65,9 @@ from nexa_dagster.core.training.job import GRPOObjective, TrainingJob
 from nexa_dagster.core.training.objective import MessageFn, MicroTerms
 from nexa_dagster.core.training.ptx import PtxRows, ptx_loss_sum
 
+if TYPE_CHECKING:
+    from nexa_dagster.core.training.vllm_sampler import VLLMSampler
+
 IGNORE_INDEX = -100
 COMPLETIONS, REAL_TOKENS = "completions", "real_tokens"  # host counts of a micro-batch
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "rollout_s")
@@ -76,12 +82,16 @@ def grpo_token_losses(
     advantages: torch.Tensor,
     beta: float,
     epsilon: float,
+    sampling_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(per-token loss, ratio, per-token KL or None): the clipped surrogate plus ``beta`` x KL, ``[rows, tokens]``."""
+    """(per-token loss, ratio, per-token KL or None): the clipped surrogate (times ``sampling_weights``, the
+    engine/trainer correction, when the rollouts came from another engine) plus ``beta`` x KL, ``[rows, tokens]``."""
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
     adv = advantages.unsqueeze(1)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if sampling_weights is not None:  # before the KL, as TRL's _compute_loss
+        per_token = per_token * sampling_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -92,6 +102,27 @@ def grpo_token_losses(
         kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
         per_token = per_token + beta * kl
     return per_token, ratio, kl
+
+
+def sampling_correction(
+    trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str, clip_max: float
+) -> torch.Tensor:
+    """The weights of the loss for completions sampled by another engine: TRL 1.16's
+    ``vllm_importance_sampling_correction`` (``GRPOTrainer._generate_and_score_completions``), with its modes and
+    ``clip_min`` unset. The ratio of the trainer's probability to the engine's, per token (``token_*``, ``[rows,
+    tokens]``) or per completion (``sequence_*``, the product over its tokens, ``[rows, 1]``); above ``clip_max``
+    truncated to it (``*_truncate``) or zeroed (``*_mask``: the completion, or the token, is not trained on)."""
+    diff = (trainer_logps - sampling_logps) * mask
+    if mode.startswith("sequence_"):
+        diff = diff.sum(-1, keepdim=True)
+    elif not mode.startswith("token_"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        return ratio.clamp(max=clip_max)
+    if mode.endswith("_mask"):
+        return ratio.masked_fill(ratio > clip_max, 0.0)
+    raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
 
 
 def grpo_loss_sum(
@@ -141,8 +172,10 @@ def completion_batch(
     advantages: torch.Tensor,
     pad_id: int,
     device: torch.device,
+    sampling_logps: list[list[float]] | None = None,
 ) -> Batch:
-    """One prompt's group as a right-padded micro-batch: prompt + completion per row, only completions labelled."""
+    """One prompt's group as a right-padded micro-batch: prompt + completion per row, only completions labelled;
+    with the engine's log-probability of each completion token where another engine sampled them."""
     width = len(prompt) + max(len(c) for c in completions)
     rows = len(completions)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -160,6 +193,11 @@ def completion_batch(
         "position_ids": torch.arange(width).expand(rows, width).contiguous(),
         "advantages": advantages.float(),
     }
+    if sampling_logps is not None:
+        sampled = torch.zeros((rows, width), dtype=torch.float32)
+        for row, values in enumerate(sampling_logps):
+            sampled[row, len(prompt) : len(prompt) + len(values)] = torch.tensor(values)
+        batch["sampling_logps"] = sampled
     batch = {k: v.to(device) for k, v in batch.items()}
     batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), attention.sum()
     return batch
@@ -186,8 +224,17 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     out = sequence_token_logps(model, batch, c.temperature)
     logps, mask = out.token_logps, batch["labels"].ne(IGNORE_INDEX).float()
     old = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    weights = None
+    if "sampling_logps" in batch:  # another engine sampled them: TRL's correction, from this pass's log-probs
+        weights = sampling_correction(
+            logps.detach(),
+            batch["sampling_logps"],
+            mask,
+            c.vllm_importance_sampling_mode,
+            c.vllm_importance_sampling_clip_max,
+        )
     per_token, ratio, kl = grpo_token_losses(
-        logps, old, batch.get("ref_logps"), batch["advantages"], c.beta, c.epsilon
+        logps, old, batch.get("ref_logps"), batch["advantages"], c.beta, c.epsilon, weights
     )
     loss_sum = grpo_loss_sum(per_token, mask, c.loss_type, c.max_completion_tokens)
     adv = batch["advantages"].unsqueeze(1)
@@ -196,6 +243,11 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     metrics["clip_ratio"] = token_mean_metric(clipped.float(), mask)
     if kl is not None:
         metrics["kl"] = token_mean_metric(kl, mask)
+    if weights is not None:  # TRL's sampling/ figures: how far the engine's log-probs are from the trainer's
+        metrics["sampling_logp_diff"] = token_mean_metric(
+            (logps.detach() - batch["sampling_logps"]).abs(), mask
+        )
+        metrics["is_ratio"] = token_mean_metric(weights.expand_as(mask), mask)
     return MicroTerms(loss_sum, out.aux_loss, out.expert_load, metrics)
 
 
@@ -219,14 +271,18 @@ class GRPOLoss:
         self.ptx = (
             PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
         )
-        extra = (*(("kl",) if self.config.beta else ()), *(("ptx_loss",) if self.ptx else ()))
+        extra = (
+            *(("kl",) if self.config.beta else ()),
+            *(("ptx_loss",) if self.ptx else ()),
+            *(("sampling_logp_diff", "is_ratio") if self.config.rollout_engine == "vllm" else ()),
+        )
         self.metric_keys = (
             *ROLLOUT_METRICS,
             "clip_ratio",
             *extra,
             *(f"reward/{n}" for n in self.reward.functions),
         )
-        self.sampler: BatchedSampler | None = None
+        self.sampler: BatchedSampler | VLLMSampler | None = None
         self.reference: torch.nn.Module | None = None
         # step -> (reward sum, completions, share of groups with no reward spread, mean completion tokens), all ranks
         self.history: dict[int, tuple[float, ...]] = {}
@@ -254,7 +310,7 @@ class GRPOLoss:
         if engine.zero_optimization_stage() >= 3:
             raise ValueError("GRPO rollouts need whole parameters on every rank: use ZeRO stage 0-2, not 3")
         module = engine.module
-        self.sampler = BatchedSampler(module, self.pad_id, self.tokenizer.eos_token_id)
+        self.sampler = self._sampler(module)
         if self.config.beta:
             dtype = next(module.parameters()).dtype
             self.reference = load_mixtral_checkpoint(
@@ -263,10 +319,20 @@ class GRPOLoss:
             self.reference = self.reference.to(device, dtype).eval().requires_grad_(False)
         c = self.config
         say(
-            f"rollouts: batched HF generate on {device.type} ({c.num_generations * c.prompts_per_step // self.world_size} "
-            f"completions per call and rank; vLLM is not wired here)"
+            f"rollouts ({c.rollout_engine}): {self.sampler.describe()}, "
+            f"{c.num_generations * c.prompts_per_step // self.world_size} completions per call and rank"
             + (f"; reference for the KL: {self.job.init_from}" if self.reference is not None else "")
         )
+
+    def _sampler(self, module: torch.nn.Module) -> BatchedSampler | VLLMSampler:
+        """The rollout engine ``rollout_engine`` names; never another one in its place."""
+        eos = self.tokenizer.eos_token_id
+        if self.config.rollout_engine == "transformers":
+            return BatchedSampler(module, self.pad_id, eos)
+        # the engine's pipe, its process and its weight files: only for vLLM rollouts
+        from nexa_dagster.core.training.vllm_sampler import VLLMSampler
+
+        return VLLMSampler(module, self.job.init_from, Path(self.job.output_dir), eos, self.seq_len)
 
     def batches(self, micro_batch: int, seed: int, rank: int, world_size: int, start: int) -> Iterator[Batch]:
         return prompt_batches(len(self.train), seed, rank, world_size, start)
@@ -294,7 +360,7 @@ class GRPOLoss:
         completions = self.sampler.generate(prompts, c.max_completion_tokens, c.temperature, c.top_p, seed)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
         totals, per_name = self.reward(texts, **self.train.rows(indices, k))
-        batches = self._score(indices, completions, totals, per_name, step)
+        batches = self._score(indices, completions, totals, per_name, step, self.sampler.last_logprobs)
         if self.rank == 0:
             if (
                 self._last_rollout_end is None
@@ -325,9 +391,11 @@ class GRPOLoss:
         totals: list[float],
         per_name: dict[str, list[float]],
         step: int,
+        sampling_logps: list[list[float]] | None = None,
     ) -> list[Batch]:
         """Advantages and the micro-batches of one rollout, with each group's metric sums attached."""
-        k, device = self.config.num_generations, next(self.sampler.hf.parameters()).device  # type: ignore[union-attr]
+        assert self.sampler is not None
+        k, device = self.config.num_generations, self.sampler.device
         rewards = torch.tensor(totals, dtype=torch.float32)
         flat = torch.isclose(rewards.view(-1, k).std(1), torch.zeros(len(indices)))  # groups with no spread
         count, total, squares, groups, flat_groups, tokens = all_reduce_sum(
@@ -345,7 +413,12 @@ class GRPOLoss:
         for g, index in enumerate(indices):
             rows = slice(g * k, (g + 1) * k)
             batch = completion_batch(
-                self.train.token_ids[index], completions[rows], advantages[rows], self.pad_id, device
+                self.train.token_ids[index],
+                completions[rows],
+                advantages[rows],
+                self.pad_id,
+                device,
+                sampling_logps[rows] if sampling_logps is not None else None,
             )
             batch["m:reward"] = rewards[rows].sum()
             batch["m:reward_std"] = std[rows].sum()
@@ -395,6 +468,9 @@ class GRPOLoss:
         figures = self.training_figures()
         if self.held_out is not None:
             figures.update(self.held_out_figures(say))
+        if self.sampler is not None:
+            figures.update(rollout_engine=self.sampler.engine, weight_sync_s=self.sampler.sync_s)
+            self.sampler.close()
         return figures
 
     def training_figures(self) -> dict[str, Any]:

@@ -11,8 +11,7 @@
 * ``BatchedSampler``: Hugging Face ``generate`` on a ``transformers`` Mixtral whose parameters *are* the training
   model's tensors (aliased, not copied: no second copy of the weights, and every rollout sees the weights of the
   last update). The K x B completions of a step are one left-padded ``generate`` call. The same code runs on a GPU.
-  Rollouts on a vLLM engine (its own environment, ``core/llm/vllm_env.py``, which ``make test`` installs) with the
-  trainer's weights synced to it each step are not wired yet: issue 48's open part, not a limit of the machines.
+  ``rollout_engine: vllm`` samples on a vLLM engine instead (``vllm_sampler.VLLMSampler``), the same interface.
 """
 
 from __future__ import annotations
@@ -136,21 +135,19 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class BatchedSampler:
-    """Batched ``generate`` with the training model's current weights (see the module docstring)."""
+class AliasedMixtral:
+    """transformers' Mixtral whose parameters *are* the training model's tensors (storage shared, no copy): what
+    ``BatchedSampler`` generates with and what ``VLLMSampler`` writes to the engine (``save_pretrained``)."""
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int | list[int]) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         # transformers' Mixtral code (seconds), only for RL rollouts
         from transformers import MixtralForCausalLM
 
         config = copy.deepcopy(model.config)
         config.output_router_logits = False  # a training-time setting; breaks padded generation
         config.use_cache = True
-        self.model, self.pad_id = model, pad_id
-        self.eos_ids = set(eos_id) if isinstance(eos_id, list) else {eos_id}
-        self.eos_id = eos_id
+        self.model = model
         self.hf = MixtralForCausalLM(config).to(next(model.parameters()).device).eval()
-        self.hf.generation_config.pad_token_id = pad_id
         self._alias()
 
     def _alias(self) -> None:
@@ -175,13 +172,43 @@ class BatchedSampler:
         if self._training_pointers() != self._pointers:
             self._alias()
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+
+class BatchedSampler:
+    """Batched ``generate`` with the training model's current weights (see the module docstring)."""
+
+    engine = "transformers"
+    last_logprobs: list[list[float]] | None = (
+        None  # the sampling log-probabilities: the trainer's own, not kept
+    )
+    sync_s = None  # nothing to sync: the generator is the training tensors
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int | list[int]) -> None:
+        self.view = AliasedMixtral(model)
+        self.hf, self.pad_id, self.eos_id = self.view.hf, pad_id, eos_id
+        self.eos_ids = set(eos_id) if isinstance(eos_id, list) else {eos_id}
+        self.hf.generation_config.pad_token_id = pad_id
+
+    @property
+    def device(self) -> torch.device:
+        return self.view.device
+
+    def describe(self) -> str:
+        return f"batched HF generate on {self.device.type}"
+
+    def close(self) -> None:
+        """Nothing to stop: the generator is the training model's tensors."""
+
     @torch.no_grad()
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> list[list[int]]:
         """Each prompt's completion token ids (up to and with the first end of turn), one ``generate`` call;
         ``temperature`` 0: greedy. Sampling draws from a generator seeded with ``seed``, the caller's RNG kept."""
-        self.sync()
+        self.view.sync()
         device = next(self.hf.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)

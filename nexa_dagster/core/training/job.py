@@ -183,6 +183,31 @@ class GRPOObjective(BaseModel):
         ),
     )
 
+    rollout_engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description=(
+            "what samples the rollouts: transformers (batched generate on the training tensors themselves, no copy) "
+            "or vllm (an engine from the vLLM environment, the weights synced to it through the filesystem before "
+            "every rollout; its sampling log-probabilities correct the engine/trainer mismatch, below). vLLM's CPU "
+            "build cannot run the tiny preset's head size 16: it is refused before a step with the reason"
+        ),
+    )
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field(
+        default="sequence_mask",
+        description=(
+            "rollout_engine vllm: how the ratio of the trainer's to the engine's probability of each sampled "
+            "token weights the loss (TRL 1.16's vllm_importance_sampling_mode and its default: a completion "
+            "whose whole-sequence ratio leaves [0, clip_max] is masked out)"
+        ),
+    )
+    vllm_importance_sampling_clip_max: float = Field(
+        default=3.0,
+        gt=1,
+        description="the ratio's upper bound, truncated or masked above (TRL 1.16's default 3.0)",
+    )
+
     @model_validator(mode="after")
     def _ptx_has_rows(self) -> GRPOObjective:
         if self.ptx_coef and not self.ptx_path:
@@ -372,4 +397,11 @@ class TrainingResult(BaseModel):
     )
     rollout_tokens: int | None = Field(
         default=None, description="rl_prompts: completion tokens generated in rollouts (this process)"
+    )
+    rollout_engine: str | None = Field(
+        default=None, description="rl_prompts: what sampled the rollouts (transformers or vllm)"
+    )
+    weight_sync_s: float | None = Field(
+        default=None,
+        description="rl_prompts, vllm: seconds of the weight syncs (write and load), part of rollout_s",
     )

@@ -145,6 +145,7 @@ RL_FIGURES = (  # rl_prompts runs: scalar figures of TrainingResult shown on the
     "rollout_s",
     "update_s",
     "rollout_tokens",
+    "weight_sync_s",
 )
 
 
@@ -153,6 +154,8 @@ def grpo_figures(m: dict[str, float]) -> str:
     if "frac_reward_zero_std" not in m:
         return ""
     kl = f" kl {m['kl']:.4f}" if "kl" in m else ""
+    if "is_ratio" in m:  # another engine sampled: how far its log-probs were from the trainer's
+        kl += f" engine/trainer logp diff {m['sampling_logp_diff']:.2e} IS weight {m['is_ratio']:.3f}"
     return (
         f" reward {m['reward']:.3f} ± {m['reward_std']:.3f} zero-std groups {m['frac_reward_zero_std']:.2f} "
         f"clipped {m['clip_ratio']:.3f}{kl} completion {m['completion_length']:.1f} tokens rollout "
