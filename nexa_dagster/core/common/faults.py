@@ -9,6 +9,8 @@ lookup, done once per process: the variables are read when this module is first 
                                       written and not yet renamed into place (``storage.atomic_writer``)
 ``NEXA_FAULT_STALL_AT_STEP``          a step: the training loop hangs after it (the stall watchdog test)
 ``NEXA_FAULT_NAN_AT_STEP``            a step: that step's loss is NaN (the non-finite guard test)
+``NEXA_FAULT_KILL_AFTER_ROLLOUT``     a step: SIGKILL the training process once that step's GRPO rollouts
+                                      are sampled (on vLLM: after the weight sync), before its update
 ====================================  ==================================================================
 """
 
@@ -22,7 +24,8 @@ import time
 KILL_BEFORE_RENAME = "NEXA_FAULT_KILL_BEFORE_RENAME"
 STALL_AT_STEP = "NEXA_FAULT_STALL_AT_STEP"
 NAN_AT_STEP = "NEXA_FAULT_NAN_AT_STEP"
-FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP)
+KILL_AFTER_ROLLOUT = "NEXA_FAULT_KILL_AFTER_ROLLOUT"
+FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP, KILL_AFTER_ROLLOUT)
 
 _armed: dict[str, str] = {name: os.environ[name] for name in FAULTS if os.environ.get(name)}
 
@@ -31,6 +34,7 @@ def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.
     """Strike the fault ``name`` if a test armed it for this moment.
 
     ``KILL_BEFORE_RENAME``: kills this process when ``path`` matches the armed glob (does not return).
+    ``KILL_AFTER_ROLLOUT``: kills this process at the armed step (does not return).
     ``STALL_AT_STEP``: sleeps ``stall_s`` at the armed step. ``NAN_AT_STEP``: returns True at the armed step (the
     caller poisons its loss). Anything else, or nothing armed: returns False at once.
     """
@@ -43,6 +47,8 @@ def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.
         return False
     if int(armed) != step:
         return False
+    if name == KILL_AFTER_ROLLOUT:
+        os.kill(os.getpid(), signal.SIGKILL)
     if name == STALL_AT_STEP:
         time.sleep(stall_s)
     return True

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="float32", help="the trainer's dtype: the same logits on both sides"
     )
+    parser.add_argument("--run", default="", help="the training run it samples for (shown by ps; not used)")
     args = parser.parse_args(argv)
 
     channel = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's stdout ...

@@ -32,7 +32,9 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 def positions(head_dim: int, wide: int) -> torch.Tensor:
     """Where each of a head's ``head_dim`` dimensions goes in a head of ``wide`` (see the module docstring)."""
     if wide % head_dim or wide <= head_dim or head_dim % 2:
-        raise ValueError(f"cannot widen heads of {head_dim} to {wide}: it must be a larger multiple of an even size")
+        raise ValueError(
+            f"cannot widen heads of {head_dim} to {wide}: it must be a larger multiple of an even size"
+        )
     m, half = wide // head_dim, head_dim // 2
     first = torch.arange(half) * m
     return torch.cat([first, first + wide // 2])

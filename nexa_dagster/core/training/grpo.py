@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nexa_dagster import settings
+from nexa_dagster.core.common.faults import KILL_AFTER_ROLLOUT, fault_point
 from nexa_dagster.core.rl.rewards import check_columns, combined_reward
 from nexa_dagster.core.training.collectives import all_reduce_sum
 from nexa_dagster.core.training.data import Batch
@@ -358,6 +359,9 @@ class GRPOLoss:
         prompts = [self.train.token_ids[i] for i in indices for _ in range(k)]
         seed = sampling_seed(self.job.settings.seed, step, self.rank)
         completions = self.sampler.generate(prompts, c.max_completion_tokens, c.temperature, c.top_p, seed)
+        fault_point(
+            KILL_AFTER_ROLLOUT, step=step
+        )  # the fault tests' kill between a weight sync and its update
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
         totals, per_name = self.reward(texts, **self.train.rows(indices, k))
         batches = self._score(indices, completions, totals, per_name, step, self.sampler.last_logprobs)

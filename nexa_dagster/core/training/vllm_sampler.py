@@ -90,6 +90,7 @@ class VLLMSampler:
         self.weights_root.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [str(python), str(WORKER), "--model", init_from, "--max-model-len", str(max_model_len)]
+        cmd += ["--run", str(self.log_path.with_name(self.log_path.name.removesuffix(".vllm-rollout.log")))]
         cmd += ["--dtype", str(next(self.view.hf.parameters()).dtype).removeprefix("torch.")]
         env = {
             **settings.child_environ("engine"),
