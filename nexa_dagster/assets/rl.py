@@ -264,6 +264,7 @@ def grpo_objective(
         epsilon=rl.epsilon,
         loss_type=rl.loss_type,
         scale_rewards=rl.scale_rewards,
+        rollout_engine=rl.rollout_engine,
     )
 
 
@@ -282,6 +283,9 @@ def grpo_figures(result: TrainingResult) -> StageFigures:
     metadata: dict[str, object] = {
         k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()
     }
+    metadata["rollout_engine"] = result.rollout_engine
+    if result.weight_sync_s is not None:
+        metadata["weight_sync_s"] = round(result.weight_sync_s, 2)
     if result.reward_curve:
         png = loss_curve_png(list(result.reward_curve), "mean rollout reward per step", None)
         metadata["reward_curve"] = dg.MetadataValue.md(markdown_image(png, "rollout reward"))

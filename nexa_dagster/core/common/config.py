@@ -309,6 +309,13 @@ class RLSettings(_Strict):
         default="group",
         description="what the advantages are divided by: the group's std (TRL), the batch's, none",
     )
+    rollout_engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description=(
+            "what samples the rollouts: transformers (on the training tensors) or vllm (an engine from `make vllm`, "
+            "weights synced each step; not the tiny preset's head size 16 on a CPU, refused before a step)"
+        ),
+    )
     max_steps: int = Field(default=20, gt=0, description="optimizer steps, each on K x B fresh rollouts")
     learning_rate: float | None = Field(
         default=None, gt=0, description="default: training.learning_rate / 10 (post-training moves less)"

@@ -75,11 +75,14 @@ def why_vllm_cannot_run(
     return None
 
 
-def refuse_unless_vllm_runs(model_dir: str | Path, device: str, architectures: frozenset[str] | None) -> None:
-    """Raise ``UnsupportedByVLLM`` (the reason and the engine that can run it) when vLLM cannot run the model."""
+SERVE_INSTEAD = "serve it with engine='transformers' (transformers serve), which runs it"
+
+
+def refuse_unless_vllm_runs(
+    model_dir: str | Path, device: str, architectures: frozenset[str] | None, instead: str = SERVE_INSTEAD
+) -> None:
+    """Raise ``UnsupportedByVLLM`` (the reason and, ``instead``, the engine that can run it) when vLLM cannot run
+    the model."""
     reason = why_vllm_cannot_run(model_dir, device, architectures)
     if reason is not None:
-        raise UnsupportedByVLLM(
-            f"vLLM cannot run {model_dir}: {reason}; serve it with engine='transformers' "
-            "(transformers serve), which runs it"
-        )
+        raise UnsupportedByVLLM(f"vLLM cannot run {model_dir}: {reason}; {instead}")

@@ -48,7 +48,7 @@ class WeightSync:
         packed tensors *unpacked* (it skips ``fused_experts.process_weights_after_loading``, the CPU prepack, when
         the kernel exists; measured: the experts' bytes change and the greedy tokens leave transformers'). On a
         GPU that step is a no-op for the unquantized experts, so it is left alone there."""
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # the vLLM environment's (see the module docstring)
 
         self.reload_weights(weights_path=path)  # type: ignore[attr-defined]
         if not current_platform.is_cpu():

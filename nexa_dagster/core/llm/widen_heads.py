@@ -20,6 +20,7 @@ greedy tokens in vLLM. The cost: the attention projections are ``m`` times wider
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -98,3 +99,19 @@ def widen_checkpoint(model_dir: str | Path, out_dir: str | Path, wide: int) -> P
     save_file(state, out / shards[0].name, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**config, "head_dim": wide}, indent=2) + "\n")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", help="a Hugging Face checkpoint directory (one model.safetensors)")
+    parser.add_argument("out_dir", help="where the widened checkpoint is written")
+    parser.add_argument(
+        "--head-dim", type=int, default=32, help="the new head size (vLLM's CPU attention: 32+)"
+    )
+    args = parser.parse_args(argv)
+    print(widen_checkpoint(args.model_dir, args.out_dir, args.head_dim))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

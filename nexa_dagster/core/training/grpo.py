@@ -226,9 +226,11 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     logps, mask = out.token_logps, batch["labels"].ne(IGNORE_INDEX).float()
     old = batch["old_logps"] if "old_logps" in batch else logps.detach()
     weights = None
-    if "sampling_logps" in batch:  # another engine sampled them: TRL's correction, from this pass's log-probs
+    if (
+        "sampling_logps" in batch
+    ):  # another engine sampled them: TRL's correction, against the trainer's old_logps
         weights = sampling_correction(
-            logps.detach(),
+            old,
             batch["sampling_logps"],
             mask,
             c.vllm_importance_sampling_mode,
@@ -245,9 +247,7 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     if kl is not None:
         metrics["kl"] = token_mean_metric(kl, mask)
     if weights is not None:  # TRL's sampling/ figures: how far the engine's log-probs are from the trainer's
-        metrics["sampling_logp_diff"] = token_mean_metric(
-            (logps.detach() - batch["sampling_logps"]).abs(), mask
-        )
+        metrics["sampling_logp_diff"] = token_mean_metric((old - batch["sampling_logps"]).abs(), mask)
         metrics["is_ratio"] = token_mean_metric(weights.expand_as(mask), mask)
     return MicroTerms(loss_sum, out.aux_loss, out.expert_load, metrics)
 
@@ -264,6 +264,11 @@ class GRPOLoss:
         check_batch_shape(job, self.config, self.world_size)
         limit = int(read_config(job.init_from).get("max_position_embeddings", 0)) or 1 << 30
         self.max_prompt = limit - self.config.max_completion_tokens
+        if self.config.rollout_engine == "vllm":  # refused now, not after the model and engine are built
+            # the engine's pipe and process: only for vLLM rollouts
+            from nexa_dagster.core.training.vllm_sampler import check_vllm_can_sample
+
+            check_vllm_can_sample(job.init_from)
         self.train = self._prompts(self.config.prompts_path)
         self.held_out = self._prompts(self.config.held_out_path) if self.config.held_out_path else None
         self.reward = combined_reward(self.config.rewards)

@@ -54,6 +54,22 @@ START_TIMEOUT_S = 900.0  # an engine start: ~56 s on the 2-core machine idle, 3-
 CALL_TIMEOUT_S = 900.0  # one rollout or weight load; an engine silent for longer is taken for hung
 
 
+ROLLOUT_INSTEAD = (
+    "sample its rollouts with rl.rollout_engine: transformers, which runs it (or widen its attention heads to a "
+    "size vLLM takes: python -m nexa_dagster.core.llm.widen_heads)"
+)
+
+
+def check_vllm_can_sample(init_from: str) -> Path:
+    """The vLLM interpreter, after refusing what will fail: no vLLM for this host (one line saying how to install
+    it), or a model it cannot run (the reason and the engine that can). Cheap: a stamp and a config read."""
+    python = vllm_env.require_vllm()
+    refuse_unless_vllm_runs(
+        init_from, vllm_env.device_kind(), vllm_env.supported_architectures(), instead=ROLLOUT_INSTEAD
+    )
+    return python
+
+
 def row_seed(seed: int, row: int) -> int:
     """The sampling seed of one completion of a rollout: a pure function of the rollout's seed and the row."""
     digest = hashlib.sha256(f"vllm-row:{seed}:{row}".encode()).digest()
@@ -73,8 +89,7 @@ class VLLMSampler:
         eos_id: int | list[int],
         max_model_len: int,
     ) -> None:
-        python = vllm_env.require_vllm()  # one line saying how to install it, before anything starts
-        refuse_unless_vllm_runs(init_from, vllm_env.device_kind(), vllm_env.supported_architectures())
+        python = check_vllm_can_sample(init_from)
         self.view = AliasedMixtral(model)
         self.stop_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         self.weights_root = run_dir.with_name(run_dir.name + ".vllm-weights")

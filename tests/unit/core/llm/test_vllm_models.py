@@ -124,3 +124,28 @@ def test_an_environment_stamped_for_another_device_is_not_vllm_for_this_one(
     assert vllm_env.vllm_python("cuda") is None  # a CPU build on a GPU host: install the GPU one
     (installed / vllm_env.STAMP).unlink()  # an install that did not finish
     assert vllm_env.vllm_python("cpu") is None
+
+
+def test_vllm_rollouts_on_a_model_vllm_cannot_run_are_refused_before_a_step(
+    tmp_path: Path, installed: Path
+) -> None:
+    """``rl.rollout_engine: vllm`` on the tiny preset (head size 16): refused with the reason and the two ways out
+    (transformers rollouts, or widened heads); a model vLLM runs passes and gets the interpreter."""
+    from nexa_dagster.core.training.vllm_sampler import check_vllm_can_sample
+
+    with pytest.raises(UnsupportedByVLLM) as e:
+        check_vllm_can_sample(str(_tiny_like(tmp_path)))
+    assert "head size is 16" in str(e.value) and "rl.rollout_engine: transformers" in str(e.value)
+    assert "widen_heads" in str(e.value) and e.value.permanent
+    assert check_vllm_can_sample(str(_smollm2_like(tmp_path))) == installed / "bin" / "python"
+
+
+def test_vllm_rollouts_without_vllm_are_one_line_saying_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nexa_dagster.core.training.vllm_sampler import check_vllm_can_sample
+
+    monkeypatch.setenv("NEXA_VLLM_ENV", str(tmp_path / "nothing-here"))
+    with pytest.raises(LLMError) as e:
+        check_vllm_can_sample(str(_smollm2_like(tmp_path)))
+    assert "\n" not in str(e.value) and "make vllm" in str(e.value)

@@ -8,6 +8,7 @@ test-only dependency) built around a copy of the same weights, whose ``_compute_
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ def our_loss(
     ref: list[torch.Tensor],
     pad: int,
     case: dict[str, Any],
+    sampling: list[torch.Tensor] | None = None,
 ) -> tuple[Any, float, dict[str, float]]:
     """(our model with its gradients, the loss, the step's logged clip ratio and KL) of the batch, one micro-batch
     per group as the loop runs it: each group's summed loss and metrics weighted by 1 / completions, plus the router
@@ -145,12 +147,15 @@ def our_loss(
         loss_type=case["loss_type"],
         beta=case["beta"],
         temperature=case["temperature"],
+        **({"vllm_importance_sampling_mode": case["sampling"]} if "sampling" in case else {}),
     )
     loss, logged = 0.0, {"clip_ratio": 0.0, "kl": 0.0}
     for g in range(GROUPS):
         rows = slice(g * K, (g + 1) * K)
         batch = completion_batch(prompts[g], completions[rows], advantages[rows], pad, torch.device("cpu"))
         batch["old_logps"], batch["ref_logps"] = ours_layout(old, batch, rows), ours_layout(ref, batch, rows)
+        if sampling is not None:  # sampled by another engine (vLLM): its log-probabilities
+            batch["sampling_logps"] = ours_layout(sampling, batch, rows)
         terms = grpo_terms(ours, batch, config)
         _, total = micro_objective(terms, weight=1 / (K * GROUPS), aux_coef=case["aux"], accumulation=GROUPS)
         total.backward()
@@ -168,15 +173,33 @@ CASES = [
     {"loss_type": "grpo", "beta": 0.0, "temperature": 0.7, "aux": 0.0},
     {"loss_type": "grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.0},
     {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.02},
+    # sampled by vLLM: TRL's importance-sampling correction, its default mode and a token-level one
+    {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.0, "sampling": "sequence_mask"},
+    {"loss_type": "grpo", "beta": 0.0, "temperature": 1.0, "aux": 0.0, "sampling": "token_truncate"},
 ]
+
+
+def trl_importance_sampling_ratio(
+    old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str, clip_max: float = 3.0
+) -> torch.Tensor:
+    """TRL 1.16's ratio, transcribed from ``GRPOTrainer._generate_and_score_completions`` (``clip_min`` None),
+    which computes it inline where no test can call it; ``_compute_loss``, called below, applies it."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ["sequence_mask", "sequence_truncate"]:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return torch.clamp(ratio, min=None, max=clip_max)
+    return ratio.masked_fill((ratio < -math.inf) | (ratio > clip_max), value=0.0)
 
 
 def test_grpo_loss_and_every_gradient_equal_trls_grpotrainer(tmp_path: Path, teacher_dir: Path) -> None:
     """Same tiny Mixtral weights (the policy: teacher_dir's moved by seeded noise), 2 prompts x 3 fixed completions
     of 2-12 tokens, fixed advantages, old log-probabilities (the policy's, moved by noise, so the ratio leaves the
     clip range both ways) and reference log-probabilities: for grpo and dr_grpo, without and with the KL term, at
-    temperature 1 and 0.7, and with the router's aux loss, our loss and every parameter's gradient equal those of
-    TRL's ``GRPOTrainer._compute_loss`` within 1e-5, and so do the clip ratio and the KL the step logs against what
+    temperature 1 and 0.7, with the router's aux loss, and on completions another engine sampled (TRL's vLLM
+    importance-sampling correction, two modes, some completions masked), our loss and every parameter's gradient
+    equal those of TRL's ``GRPOTrainer._compute_loss`` within 1e-5, and so do the clip ratio and the KL the step logs against what
     TRL logs for the same micro-batches (``clip_ratio/region_mean`` and ``kl``: token means per micro-batch, averaged
     over the step's micro-batches), with TRL's default bias-corrected KL (k3 times the ratio)."""
     from transformers import AutoTokenizer, MixtralForCausalLM
@@ -192,23 +215,47 @@ def test_grpo_loss_and_every_gradient_equal_trls_grpotrainer(tmp_path: Path, tea
     advantages = torch.tensor([1.2, -0.4, -0.8, 0.9, 0.1, -1.0])
     old = [-7.0 + 0.5 * torch.randn(len(c), generator=generator) for c in completions]
     ref = [o - 0.3 * torch.rand(len(o), generator=generator) for o in old]
+    sampling = [o + 0.4 * torch.randn(len(o), generator=generator) for o in old]  # the engine's log-probs
     pad = tokenizer.pad_token_id
     for case in CASES:
         trainer = trl_trainer(tmp_path, policy, tokenizer, case)
         assert trainer.args.use_bias_correction_kl, "compared with TRL's default KL estimator (k3 x ratio)"
         values = {"old_per_token_logps": old, "ref_per_token_logps": ref}
-        trl_loss = torch.zeros(())
+        if "sampling" in case:  # _compute_loss applies the ratio when the rollouts came from vLLM
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+            values["sampling_per_token_logps"] = sampling
+        trl_loss, masked = torch.zeros(()), 0
         for g in range(GROUPS):  # TRL's gradient accumulation over micro-batches of one group, as ours
             rows = slice(g * K, (g + 1) * K)
             group_values = {key: v[rows] for key, v in values.items()}
             inputs = trl_inputs(prompts[g : g + 1], completions[rows], group_values, pad)
+            if "sampling" in case:
+                inputs["importance_sampling_ratio"] = trl_importance_sampling_ratio(
+                    inputs["old_per_token_logps"],
+                    inputs.pop("sampling_per_token_logps"),
+                    inputs["completion_mask"],
+                    case["sampling"],
+                )
+                masked += int((inputs["importance_sampling_ratio"] == 0).all(-1).sum())
             micro_loss = trainer._compute_loss(trainer.model, inputs | {"advantages": advantages[rows]})
             micro_loss.backward()
             trl_loss = trl_loss + micro_loss.detach()
         trl_metrics = {k: sum(v[-GROUPS:]) / GROUPS for k, v in trainer._metrics["train"].items()}
 
-        ours, loss, logged = our_loss(policy, prompts, completions, advantages, old, ref, pad, case)
+        ours, loss, logged = our_loss(
+            policy,
+            prompts,
+            completions,
+            advantages,
+            old,
+            ref,
+            pad,
+            case,
+            sampling if "sampling" in case else None,
+        )
         assert abs(loss - trl_loss.item()) < 1e-5, (case, loss, trl_loss.item())
+        if case.get("sampling") == "sequence_mask":
+            assert 0 < masked < K * GROUPS, ("some completions masked, some kept: the mask is tested", masked)
         assert 0 < trl_metrics["clip_ratio/region_mean"] < 1, (
             "the ratio leaves the clip range: clipping is tested"
         )
@@ -292,3 +339,26 @@ def test_a_resume_that_would_skip_or_replay_prompts_is_refused() -> None:
         check_resume(now | {"prompts_per_step": 2}, now, "p.jsonl", 3)
     with pytest.raises(ValueError, match="consumed 8 prompts, but resuming would start after 12"):
         check_resume(now | {"prompts_consumed": 8}, now, "p.jsonl", 3)
+
+
+def test_the_sampling_correction_masks_or_truncates_as_trl_modes_say() -> None:
+    """Two completions of two tokens and a pad (whose values must not count): trainer minus engine log-probs
+    [1.0, 0.5] and [0.0, -2.0]. Per completion the ratios are e^1.5 = 4.48 (above the cap 3) and e^-2 = 0.135:
+    ``sequence_mask`` drops the first, ``sequence_truncate`` caps it at 3; per token e^1.2 = 3.32 is above the cap."""
+    from nexa_dagster.core.training.grpo import sampling_correction
+
+    old = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -3.0, 0.0]])
+    engine = torch.tensor([[-2.0, -1.5, 9.0], [-1.0, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    e = math.exp
+    masked = sampling_correction(old, engine, mask, "sequence_mask", 3.0)
+    assert torch.allclose(masked, torch.tensor([[0.0], [e(-2.0)]]))
+    truncated = sampling_correction(old, engine, mask, "sequence_truncate", 3.0)
+    assert torch.allclose(truncated, torch.tensor([[3.0], [e(-2.0)]]))
+    old_token = torch.tensor([[-0.8, -1.0, 0.0], [-1.0, -3.0, 0.0]])  # first token's difference 1.2
+    token_masked = sampling_correction(old_token, engine, mask, "token_mask", 3.0)
+    assert torch.allclose(token_masked[:, :2], torch.tensor([[0.0, e(0.5)], [1.0, e(-2.0)]]))
+    token_truncated = sampling_correction(old_token, engine, mask, "token_truncate", 3.0)
+    assert torch.allclose(token_truncated[:, :2], torch.tensor([[3.0, e(0.5)], [1.0, e(-2.0)]]))
+    with pytest.raises(ValueError, match="unknown vllm_importance_sampling_mode"):
+        sampling_correction(old, engine, mask, "sequence", 3.0)
