@@ -19,6 +19,13 @@ prompts of an RL stage: a passage of a standard-library module's docstring (a re
    from the same weights, stepped in turn so that both see the same machine load; the median over the timed steps
    (the first ``--warmup`` left out). Tokens: real (non-padding) tokens.
 
+3. Rollout engines (``--vllm auto``, the default: when ``make vllm`` installed it): the same K x B rollout sampled by
+   GRPO's two engines on the same weights, in turn, three rounds each, the median: ``BatchedSampler`` (transformers
+   on the training tensors) and ``VLLMSampler`` (a vLLM engine, the weights synced to it before every rollout, as
+   in training). The policy is the tiny model with its heads widened to 32 (``core/llm/widen_heads``: the same
+   function; vLLM's CPU attention has no head size 16), on both sides. Wall-clock seconds here, whatever
+   ``--clock`` says: the engine runs in other processes. vLLM's figure is given with and without the weight sync.
+
 Seconds are this process's CPU seconds by default (``--clock cpu``; ``--clock wall`` for wall-clock): on the shared
 2-core machine wall time swung 3x between identical passes at a load average of 12, CPU time by under 5%.
 
@@ -136,6 +143,54 @@ def rollout_bench(
         "speedup_vs_per_prompt": round(rate["batched"] / rate["per_prompt"], 2),
         "speedup_vs_one_by_one": round(rate["batched"] / rate["one_by_one"], 2),
         "last_completions": completions,
+    }
+
+
+def engine_bench(
+    work: Path, objective: Any, token_ids: list[list[int]], k: int, max_new: int, rounds: int = 3
+) -> dict[str, Any]:
+    """GRPO's rollout on transformers and on vLLM, same weights, same prompts (see the module docstring)."""
+    from nexa_dagster.core.llm.widen_heads import widen_checkpoint
+    from nexa_dagster.core.training.grpo_rollout import BatchedSampler
+    from nexa_dagster.core.training.init import load_mixtral_checkpoint
+    from nexa_dagster.core.training.vllm_sampler import VLLMSampler
+
+    wide = widen_checkpoint(objective.job.init_from, work / "tiny-policy-h32", 32)
+    model = load_mixtral_checkpoint(str(wide)).eval()
+    eos = objective.tokenizer.eos_token_id
+    engines = {"transformers": BatchedSampler(model, objective.pad_id, eos)}
+    started = time.perf_counter()
+    engines["vllm"] = VLLMSampler(model, str(wide), work / "engine-bench", eos, objective.seq_len)
+    start_s = time.perf_counter() - started
+    prompts = [p for p in token_ids for _ in range(k)]
+    rates: dict[str, list[float]] = {"transformers": [], "vllm": [], "vllm_with_sync": []}
+    sync_s = []
+    try:
+        for r in range(rounds):
+            for name, sampler in engines.items():
+                synced = getattr(sampler, "sync_s", None) or 0.0
+                begin = time.perf_counter()
+                completions = sampler.generate(prompts, max_new, 1.0, 1.0, seed=r)
+                elapsed = time.perf_counter() - begin
+                tokens = sum(len(c) for c in completions)
+                if name == "vllm":
+                    sync = engines["vllm"].sync_s - synced
+                    sync_s.append(sync)
+                    rates["vllm_with_sync"].append(tokens / elapsed)
+                    elapsed -= sync
+                rates[name].append(tokens / elapsed)
+    finally:
+        engines["vllm"].close()
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    return {
+        "model": wide.name,
+        "completions_per_call": len(prompts),
+        "tokens_per_s": {name: round(v, 1) for name, v in median.items()},
+        "vllm_vs_transformers": round(median["vllm"] / median["transformers"], 2),
+        "vllm_with_sync_vs_transformers": round(median["vllm_with_sync"] / median["transformers"], 2),
+        "weight_sync_s": round(statistics.median(sync_s), 3),
+        "vllm_start_s": round(start_s, 1),
+        "vllm": engines["vllm"].version,
     }
 
 
@@ -264,6 +319,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    parser.add_argument(
+        "--vllm",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="compare the rollout engines (auto: if installed)",
+    )
     args = parser.parse_args()
     CLOCK["name"] = args.clock
     import torch
@@ -283,6 +344,12 @@ def main() -> None:
     grpo, sft = training_batches(objective, objective.train.token_ids, completions, args.k)
     training = train_bench(job, objective, grpo, sft, args.steps, args.warmup)
     print(f"training: {json.dumps(training)}", flush=True)
+    from nexa_dagster.core.llm.vllm_env import vllm_python
+
+    engines = None
+    if args.vllm == "yes" or (args.vllm == "auto" and vllm_python() is not None):
+        engines = engine_bench(work, objective, objective.train.token_ids, args.k, args.max_new)
+        print(f"engines: {json.dumps(engines)}", flush=True)
     print(
         json.dumps(
             {
@@ -294,6 +361,7 @@ def main() -> None:
                 "max_new_tokens": args.max_new,
                 "rollout": rollout,
                 "training": training,
+                "engines": engines,
                 "load_average": os.getloadavg(),
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,

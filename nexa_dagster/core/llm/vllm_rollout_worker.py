@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
     channel = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's stdout ...
     os.dup2(2, 1)  # ... and everything vLLM prints goes to stderr
+    # The engine core and its worker in this process: with them in processes of their own, the worker's reader of
+    # the engine's shared-memory queue spins a core for a second after every call (vLLM 0.32's ``SpinCondition``,
+    # ``busy_loop_s=1``; measured: 96-99 % of a core, the trainer's next second at a third of its speed on 2 cores)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm  # the vLLM environment's (see the module docstring)
 
     llm = vllm.LLM(
@@ -119,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         logprobs_mode="processed_logprobs",  # the sampling distribution's (TRL's setting for its IS correction)
         enable_prefix_caching=False,  # every step's weights differ: nothing cached would be reused
+        # vLLM 0.32 on a CPU: a request whose prompt is prefilled in chunks has its seeded generator rewound
+        # (``set_offset``), which a CPU generator refuses and the engine dies ("CPU Generator does not use
+        # offset", measured with 64 prompts of 20-140 tokens). Whole prefills only, within one step's token budget
+        enable_chunked_prefill=False,
+        distributed_executor_backend="uni",  # (the spinning above)
+        max_num_batched_tokens=max(args.max_model_len, 8192),
         seed=0,
         worker_extension_cls=f"{Path(__file__).stem}.WeightSync",  # this file, on the workers' path (PYTHONPATH)
     )
@@ -141,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                 _reply(channel, ok=True, seconds=time.perf_counter() - started)
             else:
                 raise ValueError(f"unknown op {op!r}; generate, load or stop")
-        except Exception as e:  # the trainer gets the reason and decides; the engine stays up
+        except Exception as e:  # the trainer gets the reason and decides
             _reply(channel, ok=False, error=f"{type(e).__name__}: {e}")
+            if type(e).__name__ == "EngineDeadError":  # nothing more can be served: exit, the log says why
+                return 1
     return 0
 
 

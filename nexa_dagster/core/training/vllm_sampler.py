@@ -149,7 +149,7 @@ class VLLMSampler:
             raise LLMError(f"the vLLM rollout engine exited with code {code} during {what}; {self._tail()}")
         reply = json.loads(line)
         if not reply.get("ok"):
-            raise LLMError(f"the vLLM rollout engine refused {what}: {reply.get('error')}")
+            raise LLMError(f"the vLLM rollout engine refused {what}: {reply.get('error')}; {self._tail()}")
         return reply
 
     def _call(self, what: str, **request: Any) -> dict[str, Any]:
