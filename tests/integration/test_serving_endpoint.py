@@ -138,11 +138,11 @@ class Endpoint:
             self.process.wait(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+def serving_endpoint(root: Path, a: Path, b: Path, checkpoint_roots: Path) -> Iterator[Endpoint]:
+    """A service started on checkpoint ``a`` (``b``: the other one the tests switch to) under ``root``, with its
+    key and control token in private files; stopped at the end, leaving no HAProxy or engine behind."""
     if haproxy_binary() is None:
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
-    root = tmp_path_factory.mktemp("endpoint")
     (root / "secrets").mkdir(mode=0o700)
     key_file, token_file = root / "secrets" / "api-key", root / "secrets" / "control-token"
     for path, secret in ((key_file, API_KEY), (token_file, CONTROL_TOKEN)):
@@ -157,16 +157,13 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "NEXA_SERVING_CONTROL_TOKEN_FILE": str(token_file),
         **LLM_KEYS,
         # the tests' models and checkpoints live in pytest's folders, not in the data root's checkpoints/
-        "NEXA_SERVING_CHECKPOINT_ROOTS": str(tmp_path_factory.getbasetemp()),
+        "NEXA_SERVING_CHECKPOINT_ROOTS": str(checkpoint_roots),
     }
-    b = build_tiny_causal_lm(
-        root / "checkpoints" / "tiny-b", seed=1
-    )  # same shape, other weights: other answers
     before = {p.pid for p in child_processes_matching("haproxy", "serve")}  # the shared teacher's server, say
-    ep = Endpoint(root, env, free_port(), tiny_model_dir, b)
+    ep = Endpoint(root, env, free_port(), a, b)
     ep.serving_dir.mkdir(parents=True)
     ep.registry.promote(
-        ProductionEntry(checkpoint_id="a", checkpoint_path=str(tiny_model_dir), metric="eval_loss", value=5.0)
+        ProductionEntry(checkpoint_id="a", checkpoint_path=str(a), metric="eval_loss", value=5.0)
     )
     mp = pytest.MonkeyPatch()  # this process finds the service's control API with the configured token
     mp.setenv("NEXA_SERVING_CONTROL_TOKEN_FILE", str(token_file))
@@ -178,6 +175,15 @@ def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         mp.undo()
     left = [p for p in child_processes_matching("haproxy", "serve") if p.pid not in before]
     assert not left, [p.cmdline() for p in left]
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    root = tmp_path_factory.mktemp("endpoint")
+    b = build_tiny_causal_lm(
+        root / "checkpoints" / "tiny-b", seed=1
+    )  # same shape, other weights: other answers
+    yield from serving_endpoint(root, tiny_model_dir, b, tmp_path_factory.getbasetemp())
 
 
 def _chat(http: httpx.Client, base_url: str, max_tokens: int = 4) -> httpx.Response:
