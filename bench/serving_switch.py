@@ -1,7 +1,7 @@
 """The serving endpoint through repeated blue/green switches: throughput, latency and failures before vs during.
 
 Run: .venv/bin/python bench/serving_switch.py [--switches 10] [--before-s 6] [--clients 2] [--max-tokens 8]
-     [--compare] [--canaries 2]
+     [--compare] [--canaries 2] [--engines transformers,vllm]
 
 Builds two tiny models (other seeds, other answers), puts the first in production and starts the serving service
 (`nexa-dagster serve`: HAProxy in front of `transformers serve`, with an API key every request sends) on a temporary
@@ -24,6 +24,11 @@ b ...; ``POST /canary`` with ``--canary-share``, failures and slow requests watc
 until its runner decides, under the same clients. Per canary: its verdict, how many requests it counted (stable and
 canary) and took in seconds; over all canaries the same window figures as a switch's (``canary``), against the
 same run's ``before`` baseline: what a canary costs the endpoint, and how many requests a healthy one needs here.
+
+``--engines transformers,vllm`` (issue 48) runs the same cycles once per serving engine, one after the other, on the
+same two models: the tiny models with their heads widened 16 -> 32 (``core/llm/widen_heads``, the same function;
+vLLM's CPU attention has no 16), served with ``nexa-dagster serve --engine <name>``. The default,
+``transformers``, serves the tiny models as they are.
 
 The load average (``os.getloadavg``, what `uptime` says) is read at each configuration's start and end: the
 machine is shared. Last line: one JSON object with the figures.
@@ -234,6 +239,7 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
         before, during = load.windows(befores), load.windows(durings)
         return {
             "serve_args": extra,
+            "engine": client.status()["engine"],  # what served, as the service says
             "before": before,
             "during": during,
             # per switch, to see a drift (the machine is shared) apart from the switches' own effect
@@ -264,16 +270,29 @@ def main() -> dict[str, object]:
     ap.add_argument(
         "--canary-max-s", type=float, default=300.0, help="a canary's time limit (max_duration_s)"
     )
+    ap.add_argument(
+        "--engines", default="transformers", help="serving engines, comma-separated: transformers, vllm"
+    )
     args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if set(engines) - {"transformers", "vllm"}:
+        ap.error(f"--engines: transformers and/or vllm, not {args.engines}")
     configurations = {"restrained": []}
     if args.compare:
         configurations = {"unrestrained": ["--loading-nice", "0", "--loading-threads", "0"], **configurations}
+    if engines != ["transformers"]:  # one configuration per engine, each engine's name first
+        configurations = {
+            f"{engine}" + (f"/{name}" if len(configurations) > 1 else ""): [*extra, "--engine", engine]
+            for engine in engines
+            for name, extra in configurations.items()
+        }
     figures: dict[str, object] = {
         "switches": args.switches,
         "clients": args.clients,
         "max_tokens": args.max_tokens,
         "before_s": args.before_s,
         "canaries_asked": args.canaries,
+        "engines": engines,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
     }
@@ -281,13 +300,17 @@ def main() -> dict[str, object]:
         models = Path(tmp) / "models"
         a = build_tiny_causal_lm(models / "tiny-a", seed=0)
         b = build_tiny_causal_lm(models / "tiny-b", seed=1)
+        if engines != ["transformers"]:  # heads vLLM's CPU attention takes, on both engines alike
+            from nexa_dagster.core.llm.widen_heads import widen_checkpoint
+
+            a, b = (widen_checkpoint(m, models / f"{m.name}-h32", 32) for m in (a, b))
         for name, extra in configurations.items():
             print(f"{name}: nexa-dagster serve {' '.join(extra)}", flush=True)
             figures[name] = run_configuration(args, Path(tmp) / name, a, b, extra)
     for name in configurations:
         f = figures[name]
         assert isinstance(f, dict)
-        print(f"{name} (load average {f['load_average_start']} -> {f['load_average_end']}):")
+        print(f"{name} on {f['engine']} (load average {f['load_average_start']} -> {f['load_average_end']}):")
         for window in ("before", "during"):
             w = f[window]
             print(

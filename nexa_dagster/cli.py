@@ -260,6 +260,7 @@ def serve(
     loading_nice: int = 10,
     loading_threads: int | None = None,
     control_host: str = "127.0.0.1",
+    engine: str = "auto",
 ) -> int:
     """The serving service in the foreground until Ctrl-C / SIGTERM (what `make serve` and docker compose run)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -284,6 +285,7 @@ def serve(
             checkpoint_roots=access.checkpoint_roots(storage.checkpoints_dir()),
             loading_nice=loading_nice,
             loading_threads=loading_threads,
+            engine=engine,
         )
     except access.SecretMissing as e:
         print(f"cannot serve: {e}", file=sys.stderr)
@@ -387,6 +389,13 @@ def _add_serve_parser(sub: Any) -> None:
         default=default_loading_threads(),
         help="the OpenMP threads of an engine loading while another serves (0: the library's default, all cores)",
     )
+    p_serve.add_argument(
+        "--engine",
+        choices=["auto", "vllm", "transformers"],
+        default="auto",
+        help="what serves each checkpoint: auto, vLLM where `make vllm` installed it and it can run the model, "
+        "else transformers serve; vllm or transformers: that one, or a refusal with the reason before a switch",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -470,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             args.loading_nice,
             args.loading_threads,
             args.control_host,
+            args.engine,
         )
     if args.command == "tiny-models":
         return tiny_models()
