@@ -447,6 +447,7 @@ def answer_sampling(scale: ScalePreset, sampled: bool) -> dict[str, Any]:
         "answer_temperature": scale.rl.temperature,
         "answer_top_p": scale.rl.top_p,
         "answer_seed": scale.training.seed,
+        "answer_engine": scale.rl.rollout_engine,  # what samples the RL stage's answers, rollouts and gate alike
     }
 
 

@@ -156,6 +156,8 @@ class AnswerSampling:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 64  # answers per generate call (whole prompts' groups; at least one group)
+    engine: str = "transformers"  # or "vllm": a vLLM engine on the same checkpoint (sample_answers_on_vllm)
+    log_dir: str = ""  # where a vLLM engine's log goes (the evaluation's output folder)
 
 
 def sample_answers(
@@ -183,6 +185,52 @@ def sample_answers(
     return out
 
 
+def sample_answers_on_vllm(
+    model_dir: str | Path,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    sampling: AnswerSampling,
+    label: str = "model",
+) -> list[list[str]]:
+    """``sample_answers`` on a vLLM engine started on ``model_dir`` for the call: the prompts rendered with the
+    chat template and tokenized as the transformers client does, k rows per prompt in one batch, each row seeded
+    by its position (``row_seed``: the same draws for every model scored with the same seed), decoded alike."""
+    # the engine's pipe and process: only where answers are sampled on vLLM
+    from nexa_dagster.core.llm.vllm_engine import VLLMEngine
+
+    k = sampling.samples
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in rendered]
+    rows = [p for p in ids for _ in range(k)]
+    log_dir = Path(sampling.log_dir or Path(model_dir).parent)
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in label)
+    engine = VLLMEngine(
+        model_dir,
+        log_dir / f"{safe}.vllm-answers.log",
+        max(len(r) for r in rows) + max_new_tokens,
+        label=label,
+    )
+    try:
+        completions, _ = engine.generate(
+            rows,
+            max_new_tokens,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.seed,
+            [tokenizer.eos_token_id],
+        )
+    finally:
+        engine.close()
+    texts = [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions]
+    return [texts[i * k : (i + 1) * k] for i in range(len(prompts))]
+
+
 def score_model(
     model_dir: str | Path,
     examples_path: str,
@@ -207,7 +255,13 @@ def score_model(
             answers = [
                 c.text for c in client.chat_many([[{"role": "user", "content": p}] for p in prompts], params)
             ]
-            sampled = sample_answers(client, prompts, max_new_tokens, sampling) if sampling else None
+            sampled = None
+            if sampling is not None and sampling.engine != "vllm":
+                sampled = sample_answers(client, prompts, max_new_tokens, sampling)
+            tokenizer = client.tokenizer
+    if sampling is not None and sampling.engine == "vllm":  # the scoring's model released first
+        with span(log, "work", "sampled_answers_vllm"):
+            sampled = sample_answers_on_vllm(model_dir, tokenizer, prompts, max_new_tokens, sampling, label)
     scores = ModelScores(nll, tokens, answers, sampled_answers=sampled)
     log(
         f"{label}: eval-set loss {scores.loss.loss:.4f} (ppl {scores.loss.perplexity:.1f}) over "

@@ -53,6 +53,10 @@ class EvaluationJob(BaseModel):
     answer_temperature: float = Field(default=1.0, gt=0, description="the sampled answers' temperature")
     answer_top_p: float = Field(default=1.0, gt=0, le=1, description="the sampled answers' nucleus")
     answer_seed: int = Field(default=0, description="the sampled answers' seed, the same for every model")
+    answer_engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="what samples the k answers: transformers (the scoring's own model) or a vLLM engine",
+    )
     benchmark_roles: list[str] = Field(
         default=["candidate"],
         description=(
@@ -81,7 +85,12 @@ def run(job: EvaluationJob, log: Any = print) -> dict[str, Any]:
             log=log,
             label=f"{job.run_id} {role}",
             sampling=AnswerSampling(
-                job.answer_samples, job.answer_temperature, job.answer_top_p, job.answer_seed
+                job.answer_samples,
+                job.answer_temperature,
+                job.answer_top_p,
+                job.answer_seed,
+                engine=job.answer_engine,
+                log_dir=str(Path(job.output_path).parent),
             )
             if job.answer_samples
             else None,
