@@ -27,10 +27,11 @@ SIGKILLed worker leaves no engine behind.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -48,6 +49,20 @@ def check_vllm_can_sample(init_from: str) -> Path:
     """Refuse, before a model is built, rollouts vLLM cannot sample (not installed here, or a model it cannot
     run), with the reason and the ways out; the vLLM interpreter otherwise."""
     return check_vllm_can_run(init_from, ROLLOUT_INSTEAD)
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off for the block, as they were after it."""
+    from transformers.utils import logging  # loaded by the sampler's Mixtral already
+
+    was_off = not logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not was_off:
+            logging.enable_progress_bar()
 
 
 class VLLMSampler:
@@ -99,7 +114,8 @@ class VLLMSampler:
         started = time.perf_counter()
         self.view.sync()
         fresh = Path(tempfile.mkdtemp(prefix="step-", dir=self.weights_root))
-        self.view.hf.save_pretrained(fresh, safe_serialization=True)
+        with _quiet_progress():  # a bar per step in the run's log says nothing
+            self.view.hf.save_pretrained(fresh, safe_serialization=True)
         self.engine_process.load(fresh)
         if self._weights is not None:
             shutil.rmtree(self._weights, ignore_errors=True)
