@@ -111,14 +111,41 @@ def _engines_alive(marker: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
+def _loads_in_vllm_with_transformers_greedy_tokens(checkpoint: Path, tmp_path: Path) -> None:
+    """The checkpoint a training wrote (``to_hf``, its tokenizer, the portable configs) in a fresh vLLM engine: its
+    greedy tokens equal transformers' on the same chat prompts."""
+    from nexa_dagster.core.llm.base import SamplingParams
+    from nexa_dagster.core.llm.local import LocalTransformersClient
+    from nexa_dagster.core.llm.vllm_engine import VLLMEngine
+
+    conversations = [[{"role": "user", "content": f"Rate item {i} of the json module."}] for i in range(6)]
+    with LocalTransformersClient(checkpoint, batch_size=8) as client:
+        expected = [c.text for c in client.chat_many(conversations, SamplingParams(8, 0.0))]
+        tokenizer = client.tokenizer
+    ids = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for c in conversations
+    ]
+    engine = VLLMEngine(checkpoint, tmp_path / "trained.vllm.log", 256)
+    try:
+        completions, _ = engine.generate(ids, 8, 0.0, 1.0, 0, [tokenizer.eos_token_id])
+    finally:
+        engine.close()
+    assert [tokenizer.decode(c, skip_special_tokens=True).strip() for c in completions] == expected
+
+
 def test_grpo_on_vllm_learns_and_a_run_killed_after_a_sync_resumes_with_the_same_rollouts(
     wide_policy: Path, tmp_path: Path
 ) -> None:
     """Eight steps of 2 prompts x 8 completions sampled by vLLM: every step line names the engine/trainer log-prob
-    gap and the correction's weight, the rollouts' reward rises over the run, and the summary says vLLM sampled
-    them. A second run of the same job, SIGKILLed in step 5 after its rollouts were sampled on the synced weights
-    and before the update (its state saved at step 4), leaves no engine behind and, relaunched, samples the
-    uninterrupted run's completions and rewards at every step."""
+    gap and the correction's weight, the rollouts' reward rises over the run, the summary says vLLM sampled them,
+    and the checkpoint it wrote loads in vLLM with transformers' greedy tokens. A second run of the same job,
+    SIGKILLed in step 5 after its rollouts were sampled on the synced weights and before the update (its state
+    saved at step 4), leaves no engine behind and, relaunched, samples the uninterrupted run's completions and
+    rewards at every step."""
     prompts = write_prompts(tmp_path / "train.jsonl", 24)
     base = grpo_job(tmp_path, wide_policy, prompts, steps=8, checkpoint_every=2, rollout_engine="vllm")
     straight = base.model_copy(
@@ -148,6 +175,8 @@ def test_grpo_on_vllm_learns_and_a_run_killed_after_a_sync_resumes_with_the_same
     assert summary.rollout_engine == "vllm" and summary.weight_sync_s and summary.weight_sync_s > 0
     curve = [reward for _, reward in summary.reward_curve]
     assert sum(curve[-3:]) / 3 > sum(curve[:2]) / 2, curve
+
+    _loads_in_vllm_with_transformers_greedy_tokens(Path(straight.output_dir), tmp_path)
 
     proc = _worker(killed, tmp_path)
     out, _ = proc.communicate(timeout=900)
