@@ -2,7 +2,9 @@
 Dagster's daemon, so a canary is resumed where it was, and never two at once, nor one left half-promoted.
 
 The file holds the policy the canary runs under, its ``CanaryState`` (running sums only: a few hundred bytes
-whatever the traffic), the colours, and, once decided, the verdict with its reason. (The request log is a socket:
+whatever the traffic), the colours, the production pointer's entry a promotion writes (its checkpoint path relative
+to the data root, the file's folder's parent, as ``production.json`` stores it), and, once decided, the verdict
+with its reason. (The request log is a socket:
 requests served while nothing read it, during a restart, are not counted, and none is counted twice.) Written whole to a
 temporary file and renamed (``storage.write_json``): a reader sees the old state or the new one.
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nexa_dagster.core.common import storage
+from nexa_dagster.core.common import roots, storage
 from nexa_dagster.core.serving.canary import CanaryDecision, CanaryPolicy, CanaryState
 
 CANARY_FILE = "canary.json"
@@ -67,7 +69,15 @@ class Canary:
 
 def save(canary: Canary, folder: Path) -> Path:
     path = folder / CANARY_FILE
-    storage.write_json(canary.to_dict(), path)
+    data = canary.to_dict()
+    if (
+        canary.entry is not None and "checkpoint_path" in canary.entry
+    ):  # relative to the data root when under it
+        data["entry"] = {
+            **canary.entry,
+            "checkpoint_path": roots.relative_to(str(canary.entry["checkpoint_path"]), str(folder.parent)),
+        }
+    storage.write_json(data, path)
     return path
 
 
@@ -90,8 +100,20 @@ def load(folder: Path) -> Canary | None:
         state = CanaryState.from_dict(data["state"])
     except (ValidationError, KeyError, TypeError) as e:
         raise CanaryStateError(f"the canary's state {path} holds a bad policy or state: {e}") from e
+    entry = data.get(
+        "entry"
+    )  # absent in a file written before it was kept: a promotion then moves no pointer
+    if entry is not None and not isinstance(entry, dict):
+        raise CanaryStateError(
+            f"the canary's state {path}: entry must be an object, got {type(entry).__name__}"
+        )
+    if entry is not None and "checkpoint_path" in entry:
+        entry = {
+            **entry,
+            "checkpoint_path": roots.resolve_under(str(entry["checkpoint_path"]), str(folder.parent)),
+        }
     return Canary(
-        data["stable_colour"], data["canary_colour"], policy, state, data["verdict"], data["reason"]
+        data["stable_colour"], data["canary_colour"], policy, state, data["verdict"], data["reason"], entry
     )
 
 

@@ -32,6 +32,43 @@ def test_a_canary_is_resumed_from_its_file_as_it_was(tmp_path: Path) -> None:
     assert load(tmp_path / "never") is None
 
 
+def test_the_pointer_entry_a_promotion_writes_survives_a_restart_relative_to_the_data_root(
+    tmp_path: Path,
+) -> None:
+    """A promoted canary whose pointer move a restart cut short gets it then (``_settle_canary``): that needs the
+    entry back from the file. Stored relative to the data root (the folder's parent), as production.json does, so
+    a moved data root still finds the checkpoint; a path outside it stays as it was."""
+    data_root = tmp_path / "data"
+    folder = data_root / "serving"
+    checkpoint = data_root / "checkpoints" / "ckpt-new"
+    checkpoint.mkdir(parents=True)
+    entry = {
+        "checkpoint_id": "ckpt-new",
+        "checkpoint_path": str(checkpoint),
+        "metric": "eval_loss",
+        "value": 1.0,
+    }
+    canary = _canary()
+    canary.entry = entry
+    canary.conclude(CanaryDecision("promote", "non-inferior on every figure", ()))
+    save(canary, folder)
+    stored = json.loads((folder / CANARY_FILE).read_text())["entry"]
+    assert stored["checkpoint_path"] == "checkpoints/ckpt-new"
+    again = load(folder)
+    assert again is not None and again.entry == entry and again.verdict == "promote"
+    moved = tmp_path / "moved"
+    data_root.rename(moved)
+    assert load(moved / "serving").entry["checkpoint_path"] == str(moved / "checkpoints" / "ckpt-new")
+    outside = {**entry, "checkpoint_path": "/elsewhere/ckpt-new"}
+    canary.entry = outside
+    save(canary, moved / "serving")
+    assert load(moved / "serving").entry == outside
+    raw = json.loads((moved / "serving" / CANARY_FILE).read_text())
+    (moved / "serving" / CANARY_FILE).write_text(json.dumps({**raw, "entry": [1]}))
+    with pytest.raises(CanaryStateError, match="entry must be an object"):
+        load(moved / "serving")
+
+
 def test_a_second_canary_is_refused_while_one_runs_and_allowed_once_it_is_decided(tmp_path: Path) -> None:
     begin(_canary(), tmp_path)
     before = (tmp_path / CANARY_FILE).read_text()
