@@ -73,6 +73,11 @@ class VLLMEngine:
             "PYTHONPATH": str(WORKER.parent),  # the engine imports the weight-sync extension from it
             "HF_HUB_OFFLINE": "1",
             settings.VLLM_CPU_KVCACHE_SPACE.name: settings.VLLM_CPU_KVCACHE_SPACE.get(),
+            # The engine core and its worker in the engine's one process: in processes of their own, the worker's
+            # reader of the engine's shared-memory queue spins a core for a second after every call (vLLM 0.32's
+            # SpinCondition, busy_loop_s=1; measured: 96-99 % of a core, the trainer's next second at a third of its
+            # speed on 2 cores)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())

