@@ -4,7 +4,9 @@ The tasks are named in the scale preset (``evaluation.benchmarks``, ``config.Ben
 from local files: the harness's own ``dataset_path: json`` with ``dataset_kwargs.data_files`` (a relative data file
 is relative to its task YAML's folder: the worker runs in a scratch folder, so ``resolve_tasks`` makes it absolute),
 or a Hugging Face dataset already in the local cache with ``HF_DATASETS_OFFLINE=1``. The model is loaded by the
-harness itself: its ``hf`` backend on the checkpoint directory (in the worker process), or ``vllm`` on GPU hosts.
+harness itself: its ``hf`` backend on the checkpoint directory (in the worker process), or its ``vllm`` backend in
+the vLLM environment (``make vllm`` installs the same harness there; ``lm_eval_on_vllm.py`` runs it, on a CPU host
+or a GPU host alike).
 
 ``resolve_tasks`` runs before any model is loaded, so a misspelt task or a missing data file fails in seconds,
 naming the task and the file, not after minutes of loading. Scores keep the harness's standard errors;
@@ -15,9 +17,12 @@ promotion gate can use (``promotion.decide`` with ``metric: benchmark:<task>/<me
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import subprocess
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -39,6 +44,10 @@ class ResolvedTasks:
     manager: Any  # lm_eval.tasks.TaskManager
     specs: list[str | dict[str, Any]]
     names: list[str]
+    include_path: list[str] = field(
+        default_factory=list
+    )  # what the manager was built with (the vllm backend's
+    include_defaults: bool = False  # process builds its own from these)
 
 
 def _offline_env() -> None:
@@ -91,7 +100,8 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         if not path.is_dir():
             raise BenchmarkError(f"benchmarks include_path {path} is not a folder")
     manager = TaskManager(include_path=[str(p) for p in paths], include_defaults=False) if paths else None
-    if manager is None or any(name not in manager.all_tasks for name in settings.tasks):
+    include_defaults = manager is None or any(name not in manager.all_tasks for name in settings.tasks)
+    if include_defaults:
         log("indexing lm-evaluation-harness's own tasks")
         manager = TaskManager(include_path=[str(p) for p in paths] or None)
     unknown = [name for name in settings.tasks if name not in manager.all_tasks]
@@ -112,19 +122,29 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         )
         specs.append(local if local is not None else name)
     if settings.backend == "vllm":
-        try:
-            import vllm  # noqa: F401 - optional: only a GPU host's evaluation worker has it
-        except ImportError:
-            raise BenchmarkError(
-                "benchmarks backend 'vllm' needs vLLM installed in the evaluation worker's "
-                "environment (a GPU host); use backend: hf here"
-            ) from None
-    return ResolvedTasks(manager, specs, list(settings.tasks))
+        _harness_in_vllm_env()  # one line saying how to install it, before any model loads
+    return ResolvedTasks(manager, specs, list(settings.tasks), [str(p) for p in paths], include_defaults)
+
+
+def _harness_in_vllm_env() -> Path:
+    """The vLLM environment's interpreter, where the harness is installed beside vLLM, or a ``BenchmarkError``."""
+    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
+
+    python = vllm_env.vllm_python()
+    if python is None or not (vllm_env.installed_versions() or {}).get("lm_eval"):
+        raise BenchmarkError(
+            f"benchmarks backend 'vllm' needs vLLM and lm-evaluation-harness in the vLLM environment "
+            f"{vllm_env.env_dir()}: {vllm_env.INSTALL_HINT}; or use backend: hf"
+        )
+    return python
 
 
 def _model_args(settings: BenchmarkSettings, model_dir: str, device: str) -> dict[str, Any]:
-    if settings.backend == "vllm":
-        return {"pretrained": model_dir, "dtype": "auto", **settings.model_args}
+    if (
+        settings.backend == "vllm"
+    ):  # on a CPU: float32 (the checkpoints' dtype) and eager mode, as serving runs it
+        cpu = {} if device == "cuda" else {"dtype": "float32", "enforce_eager": True}
+        return {"pretrained": model_dir, "dtype": "auto", "seed": 0, **cpu, **settings.model_args}
     return {
         "pretrained": model_dir,
         "device": device,
@@ -150,17 +170,20 @@ def run_benchmarks(
         f"{label}: benchmarks {', '.join(tasks.names)} (lm-evaluation-harness {lm_eval.__version__}, "
         f"{settings.backend} backend)"
     )
-    out = lm_eval.simple_evaluate(
-        model=settings.backend,
-        model_args=_model_args(settings, model_dir, device),
-        tasks=tasks.specs,
-        task_manager=tasks.manager,
-        num_fewshot=settings.num_fewshot,
-        limit=settings.limit,
-        batch_size=settings.batch_size,
-        log_samples=False,
-        bootstrap_iters=settings.bootstrap_iters,
-    )
+    if settings.backend == "vllm":
+        out = _evaluate_on_vllm(model_dir, settings, tasks, device, label)
+    else:
+        out = lm_eval.simple_evaluate(
+            model=settings.backend,
+            model_args=_model_args(settings, model_dir, device),
+            tasks=tasks.specs,
+            task_manager=tasks.manager,
+            num_fewshot=settings.num_fewshot,
+            limit=settings.limit,
+            batch_size=settings.batch_size,
+            log_samples=False,
+            bootstrap_iters=settings.bootstrap_iters,
+        )
     if out is None:  # only on a non-zero rank of a multi-process run
         raise BenchmarkError("lm-evaluation-harness returned no results")
     scores = parse_results(out)
@@ -181,6 +204,69 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None  # the harness writes "N/A" for a stderr it could not compute
     return number if math.isfinite(number) else None
+
+
+def _evaluate_on_vllm(
+    model_dir: str, bench: BenchmarkSettings, tasks: ResolvedTasks, device: str, label: str
+) -> dict[str, Any]:
+    """The harness's vllm backend in the vLLM environment (``lm_eval_on_vllm.py``) on one request file; the last
+    lines of its output quoted when it fails."""
+    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
+
+    python = _harness_in_vllm_env()
+    request = {
+        "specs": tasks.specs,
+        "include_path": tasks.include_path,
+        "include_defaults": tasks.include_defaults,
+        "model_args": _model_args(bench, model_dir, device),
+        "num_fewshot": bench.num_fewshot,
+        "limit": bench.limit,
+        "batch_size": bench.batch_size,
+        "bootstrap_iters": bench.bootstrap_iters,
+    }
+    try:
+        body = json.dumps(request)
+    except TypeError as e:  # a task config holding a Python function (YAML's !function)
+        raise BenchmarkError(
+            f"benchmarks backend 'vllm' passes task configs as JSON, and one of {tasks.names} holds what JSON "
+            f"cannot ({e}): name the task instead, or use backend: hf"
+        ) from None
+    with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as tmp:
+        request_path, result_path, log_path = (
+            Path(tmp) / n for n in ("request.json", "result.json", "log.txt")
+        )
+        request_path.write_text(body, encoding="utf-8")
+        script = Path(__file__).with_name("lm_eval_on_vllm.py")
+        env = _harness_environ(device)
+        with open(log_path, "wb") as log:
+            code = subprocess.run(
+                [str(python), str(script), str(request_path), str(result_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                check=False,
+            ).returncode
+        if code != 0 or not result_path.exists():
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+            raise BenchmarkError(
+                f"{label}: lm-evaluation-harness on vLLM {vllm_env.VLLM_RELEASE} exited with code {code}; "
+                f"its last lines:\n{tail}"
+            )
+        return json.loads(result_path.read_text(encoding="utf-8"))
+
+
+def _harness_environ(device: str) -> dict[str, str]:
+    """The environment of the harness's process in the vLLM environment."""
+    return {
+        **settings.child_environ("engine"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: see core/llm/vllm_engine.py
+        # the CPU build is told it is one: vLLM finds it from version("vllm") naming "cpu", which the harness's
+        # stand-in for the CPU build's version does not (lm_eval_on_vllm.py)
+        **({} if device == "cuda" else {"VLLM_TARGET_DEVICE": "cpu"}),
+        settings.VLLM_CPU_KVCACHE_SPACE.name: settings.VLLM_CPU_KVCACHE_SPACE.get(),
+    }
 
 
 def parse_results(out: dict[str, Any]) -> dict[str, Any]:

@@ -165,6 +165,11 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
     return python
 
 
+def installed_versions() -> dict[str, str] | None:
+    """What the install recorded for this host's device (vllm, transformers, torch, lm_eval), or None."""
+    return _stamp(env_dir()) if vllm_python() is not None else None
+
+
 def supported_architectures() -> frozenset[str] | None:
     """The architectures the installed vLLM implements (its registry, recorded at install), if recorded."""
     archs = (_stamp(env_dir()) or {}).get("architectures")

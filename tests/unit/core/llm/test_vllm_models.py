@@ -149,3 +149,33 @@ def test_vllm_rollouts_without_vllm_are_one_line_saying_how_to_install(
     with pytest.raises(LLMError) as e:
         check_vllm_can_sample(str(_smollm2_like(tmp_path)))
     assert "\n" not in str(e.value) and "make vllm" in str(e.value)
+
+
+def test_the_harness_vllm_backend_without_the_harness_in_the_vllm_environment_is_one_line(
+    tmp_path: Path, installed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evaluation.benchmarks.backend: vllm`` needs the harness beside vLLM (the install puts it there): an
+    environment stamped without it, and none at all, are one line naming ``make vllm``; stamped with it, the
+    environment's interpreter runs the harness. (``resolve_tasks`` asks this before any model loads.)"""
+    from nexa_dagster.core.evaluation.benchmarks import BenchmarkError, _harness_in_vllm_env
+
+    with pytest.raises(BenchmarkError) as e:
+        _harness_in_vllm_env()
+    assert "\n" not in str(e.value) and "make vllm" in str(e.value) and "backend: hf" in str(e.value)
+    stamp = json.loads((installed / vllm_env.STAMP).read_text())
+    (installed / vllm_env.STAMP).write_text(json.dumps({**stamp, "lm_eval": "0.4.13"}))
+    assert _harness_in_vllm_env() == installed / "bin" / "python"
+    monkeypatch.setenv("NEXA_VLLM_ENV", str(tmp_path / "nothing-here"))
+    with pytest.raises(BenchmarkError, match="make vllm"):
+        _harness_in_vllm_env()
+
+
+def test_the_vllm_environment_holds_the_projects_harness_release() -> None:
+    """The harness on the vllm backend is the release the hf backend runs (pyproject.toml's pin): the same tasks'
+    code on both sides of a comparison."""
+    import tomllib
+
+    from nexa_dagster.core.common.config import REPO_ROOT
+
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert vllm_env.LM_EVAL_REQUIREMENT in deps
