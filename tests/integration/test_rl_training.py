@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from support.grpo_jobs import grpo_job, write_prompts
+from support.grpo_jobs import grpo_job, rollouts, start_worker, write_prompts
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -29,19 +27,6 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from nexa_dagster.core.tiny.pretrain import build_pretrained_tiny_lm
 
     return build_pretrained_tiny_lm(tmp_path_factory.mktemp("rl") / "tiny-policy")
-
-
-def _worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    job_file = tmp_path / f"{job.run_id}.json"
-    job_file.write_text(job.model_dump_json())
-    return subprocess.Popen(
-        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _summary(job: TrainingJob) -> TrainingResult:
@@ -74,7 +59,7 @@ def test_grpo_through_the_worker_raises_the_reward(tmp_path: Path, policy_dir: P
     prompts = write_prompts(tmp_path / "train.jsonl", 24)
     held_out = write_prompts(tmp_path / "held_out.jsonl", 12, offset=100)
     job = grpo_job(tmp_path, policy_dir, prompts, held_out, steps=8)
-    proc = _worker(job, tmp_path)
+    proc = start_worker(job, tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert "rollouts (transformers): batched HF generate on cpu, 16 completions per call and rank" in out
@@ -95,10 +80,8 @@ def test_grpo_through_the_worker_raises_the_reward(tmp_path: Path, policy_dir: P
     assert result.frac_reward_zero_std is not None and 0 <= result.frac_reward_zero_std < 1
     assert result.completion_length and 1 <= result.completion_length <= 6
     assert result.validation_loss is None and result.data_kind == "rl_prompts"
-    rollouts = [
-        json.loads(line) for line in Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()
-    ]
-    assert len(rollouts) == 8 * 16 and {r["step"] for r in rollouts} == set(range(1, 9))
+    rows = [json.loads(line) for line in Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 * 16 and {r["step"] for r in rows} == set(range(1, 9))
     print(
         f"rollout reward per step {rewards}; held-out greedy reward {before:.3f} -> {result.held_out_reward:.3f}"
     )
@@ -108,11 +91,6 @@ def _steps(job: TrainingJob) -> list[tuple[float, ...]]:
     keys = ("step", "loss", "reward", "reward_std", "completion_length", "grad_norm", "frac_reward_zero_std")
     lines = (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()
     return [tuple(json.loads(line)[k] for k in keys) for line in lines]
-
-
-def _rollouts(job: TrainingJob) -> list[tuple[int, int, str, float]]:
-    lines = Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()
-    return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, lines)]
 
 
 @pytest.mark.slow  # two runs, one killed and relaunched: left out of make test-fast
@@ -128,8 +106,8 @@ def test_a_killed_grpo_run_resumes_with_the_same_completions_rewards_and_loss(
         update={"run_id": "straight", "output_dir": str(tmp_path / "ckpt" / "straight")}
     )
     killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed")})
-    uninterrupted = _worker(straight, tmp_path)
-    proc = _worker(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "5"})
+    uninterrupted = start_worker(straight, tmp_path)
+    proc = start_worker(killed, tmp_path, env={"NEXA_FAULT_STALL_AT_STEP": "5"})
     latest = tmp_path / "ckpt" / "killed.state" / "latest"
     deadline = time.monotonic() + 300
     while not (latest.exists() and latest.read_text().strip() == "step00000004"):
@@ -144,24 +122,24 @@ def test_a_killed_grpo_run_resumes_with_the_same_completions_rewards_and_loss(
 
     # refused: fewer steps than the saved state, and prompts that changed since it was saved
     fewer = killed.model_copy(update={"settings": killed.settings.model_copy(update={"max_steps": 4})})
-    out, _ = _worker(fewer, tmp_path).communicate(timeout=300)
+    out, _ = start_worker(fewer, tmp_path).communicate(timeout=300)
     assert "resuming would train zero steps" in out, out[-2000:]
     original = Path(prompts).read_bytes()
     write_prompts(tmp_path / "train.jsonl", 16, offset=1)
-    out, _ = _worker(killed, tmp_path).communicate(timeout=300)
+    out, _ = start_worker(killed, tmp_path).communicate(timeout=300)
     assert "changed since the state at step 4 was saved: resuming would skip or replay prompts" in out, out[
         -2000:
     ]
     Path(prompts).write_bytes(original)
 
-    proc = _worker(killed, tmp_path)
+    proc = start_worker(killed, tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from step 4" in out
     assert [s[0] for s in _steps(killed)] == list(range(1, 7))
     assert _steps(killed) == _steps(straight)
-    assert _rollouts(killed) == _rollouts(straight) and len(_rollouts(straight)) == 6 * 2 * 4
-    assert len({r[2] for r in _rollouts(straight)}) > 1, (
+    assert rollouts(killed) == rollouts(straight) and len(rollouts(straight)) == 6 * 2 * 4
+    assert len({r[2] for r in rollouts(straight)}) > 1, (
         "sampled completions differ: the comparison means something"
     )
     summary = _summary(killed)
@@ -179,7 +157,7 @@ def test_grpo_with_ptx_trains_on_an_sft_row_beside_every_group(tmp_path: Path, p
     rows = write_packed(tmp_path / "sft.parquet", 6, len(tokenizer), tokenizer.pad_token_id)
     prompts = write_prompts(tmp_path / "train.jsonl", 8)
     job = grpo_job(tmp_path, policy_dir, prompts, steps=3, num_generations=4, ptx_coef=0.3, ptx_path=rows)
-    out, _ = _worker(job, tmp_path).communicate(timeout=600)
+    out, _ = start_worker(job, tmp_path).communicate(timeout=600)
     assert "ptx 0.3 x the LM loss of 6 SFT rows" in out, out[-3000:]
     steps = [json.loads(line) for line in (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]

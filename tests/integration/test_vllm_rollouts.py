@@ -10,21 +10,20 @@ DeepSpeed engine on CPU, vLLM's engine in its own environment, the exact-answer 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from support.grpo_jobs import grpo_job, write_prompts
+from support.grpo_jobs import grpo_job, rollouts, start_worker, write_prompts
 from support.vllm_install import require_vllm
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.faults import KILL_AFTER_ROLLOUT, fault_env
-from nexa_dagster.core.training.job import TrainingJob, TrainingResult
+from nexa_dagster.core.llm.base import LLMError
+from nexa_dagster.core.training.job import TrainingResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-engine")]
 
@@ -43,7 +42,8 @@ def wide_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_after_every_sync_the_engine_samples_the_trainers_weights(wide_policy: Path, tmp_path: Path) -> None:
     """``VLLMSampler`` on the training model: its greedy completions equal transformers' on the same tensors, and
     after the tensors change (an update) and a sync they equal transformers' on the new ones, not the old ones;
-    each sampled token comes with the engine's log-probability, which the trainer's recomputation matches."""
+    each sampled token comes with the engine's log-probability; an engine killed outright fails the next rollout
+    with the path of its log and its last lines, never a fall-back to transformers."""
     from transformers import AutoTokenizer
 
     from nexa_dagster.core.training.grpo_rollout import BatchedSampler
@@ -82,27 +82,14 @@ def test_after_every_sync_the_engine_samples_the_trainers_weights(wide_policy: P
         sampled = engine.generate(prompts, 8, 1.0, 1.0, seed=7)  # sampled: each row its own seed
         assert sampled == engine.generate(prompts, 8, 1.0, 1.0, seed=7)
         assert sampled != engine.generate(prompts, 8, 1.0, 1.0, seed=8)
+
+        engine.engine_process.process.kill()  # an engine that dies: the next rollout fails, saying where to look
+        engine.engine_process.process.wait(timeout=30)
+        with pytest.raises(LLMError, match=r"(?s)vLLM engine .*last lines of .*run\.vllm-rollout\.log"):
+            engine.generate(prompts, 8, 1.0, 1.0, seed=9)
     finally:
         engine.close()
     assert not engine.weights_root.exists() and engine.engine_process.process.poll() is not None
-
-
-def _worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    job_file = tmp_path / f"{job.run_id}.json"
-    job_file.write_text(job.model_dump_json())
-    return subprocess.Popen(
-        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def _rollouts(job: TrainingJob) -> list[tuple[int, int, str, float]]:
-    lines = Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()
-    return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, lines)]
 
 
 def _engines_alive(marker: str) -> list[str]:
@@ -153,8 +140,8 @@ def test_grpo_on_vllm_learns_and_a_run_killed_after_a_sync_resumes_with_the_same
     )
     killed = base.model_copy(update={"run_id": "killed", "output_dir": str(tmp_path / "ckpt" / "killed")})
 
-    uninterrupted = _worker(straight, tmp_path)
-    proc = _worker(killed, tmp_path, env=fault_env(KILL_AFTER_ROLLOUT, 5))
+    uninterrupted = start_worker(straight, tmp_path)
+    proc = start_worker(killed, tmp_path, env=fault_env(KILL_AFTER_ROLLOUT, 5))
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     assert "step 4/8" in out and "step 5/8" not in out
@@ -178,12 +165,12 @@ def test_grpo_on_vllm_learns_and_a_run_killed_after_a_sync_resumes_with_the_same
 
     _loads_in_vllm_with_transformers_greedy_tokens(Path(straight.output_dir), tmp_path)
 
-    proc = _worker(killed, tmp_path)
+    proc = start_worker(killed, tmp_path)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from step 4" in out
-    assert _rollouts(killed) == _rollouts(straight) and len(_rollouts(straight)) == 8 * 2 * 8
-    assert len({r[3] for r in _rollouts(straight)}) > 1, "rewards differ: the comparison means something"
+    assert rollouts(killed) == rollouts(straight) and len(rollouts(straight)) == 8 * 2 * 8
+    assert len({r[3] for r in rollouts(straight)}) > 1, "rewards differ: the comparison means something"
 
 
 def test_the_gates_sampled_answers_on_vllm_match_transformers(wide_policy: Path, tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ reward can visibly rise in a few steps; nothing else about the task is easy for 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,25 @@ def grpo_job(
         parent="production:test",
         objective=GRPOObjective(**objective),
     )
+
+
+def start_worker(
+    job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """The training worker on ``job`` as a process of its own session (a test kills its group), output piped."""
+    job_file = tmp_path / f"{job.run_id}.json"
+    job_file.write_text(job.model_dump_json())
+    return subprocess.Popen(
+        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def rollouts(job: TrainingJob) -> list[tuple[int, int, str, float]]:
+    """Every rollout of a run: (step, prompt index, completion, reward), from its rollouts file."""
+    lines = Path(job.output_dir + ".rollouts.jsonl").read_text().splitlines()
+    return [(r["step"], r["prompt"], r["completion"], r["reward"]) for r in map(json.loads, lines)]
