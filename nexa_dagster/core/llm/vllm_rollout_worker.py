@@ -1,4 +1,5 @@
-"""A vLLM engine for RL rollouts, run by the vLLM environment's interpreter and driven over its stdin and stdout.
+"""A vLLM engine for RL rollouts (and the reward gate's sampled answers), run by the vLLM environment's interpreter
+and driven over its stdin and stdout by ``vllm_engine.VLLMEngine``.
 
 Why a process of its own and not ``vllm serve``: the trainer wants exact token ids in and out (the prompt already
 rendered and tokenized, the completion's ids and each sampled token's log-probability, the distribution it was
