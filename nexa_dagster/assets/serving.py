@@ -1,12 +1,17 @@
 """Serving stage: a checkpoint that passed the promotion gate becomes production. With the serving service
 running (``make serve``, docker compose), the service switches its endpoint to the checkpoint (blue/green) and
-this asset waits for it; without one, the checkpoint is smoke-tested in a temporary engine. Then the pointer file
+this asset waits for it, or, with a ``canary`` in ``configs/promotion.yaml``, runs it as a canary on a share of the
+live requests and follows it until the service's always-valid test decides (promoted: the pointer moved by the
+service; rolled back: nothing is materialized, as for a held-back checkpoint); without a service, the checkpoint
+is smoke-tested in a temporary engine. Then the pointer file
 and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree, and a materialization of
 ``production_model`` records the change (assets/production.py)."""
 
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
+from pydantic import ValidationError
 
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
@@ -17,6 +22,7 @@ from nexa_dagster.core.evaluation.promotion import (
     ProductionRegistry,
     held_back_because,
 )
+from nexa_dagster.core.serving.canary import CanaryPolicy
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.outcomes import record_outcome
 from nexa_dagster.core.serving.smoke import now_utc, smoke_test_in_temporary_engine
@@ -86,14 +92,24 @@ def model_deployment(
     context.log.info(
         f"deploying {checkpoint_id} from {eval_report.checkpoint_path} (the promotion gate passed)"
     )
+    canary = canary_policy(policy.canary)  # a bad canary setting fails here, before anything changes
     try:
-        result, service, version = _deploy(
-            context, eval_report, storage, tracking, policy.registered_model, registry, production
+        deployed = _deploy(
+            context, eval_report, storage, tracking, policy.registered_model, registry, production, canary
         )
     except Exception as error:
         # a failed smoke test or switch: recorded as what happened, then the step fails
         record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
+    if isinstance(
+        deployed, str
+    ):  # the canary was rolled back on live traffic: a decision, like a held-back one
+        context.log.info(
+            f"{checkpoint_id} rolled back by its canary: {deployed}; {previous} stays in production"
+        )
+        record_outcome(outcome_dir, checkpoint_id, "rolled back", deployed, previous)
+        return
+    result, service, version = deployed
     record_outcome(outcome_dir, checkpoint_id, "deployed", "the promotion gate passed", checkpoint_id)
     context.log_event(production_event(registry, checkpoint_id, previous))
     context.log.info(
@@ -106,6 +122,63 @@ def model_deployment(
             checkpoint_id, result, eval_report, f"{policy.registered_model}/{version}"
         ),
     )
+
+
+def _deploy_as_canary(
+    context: dg.AssetExecutionContext,
+    eval_report: EvalReport,
+    service: ServingServiceClient,
+    tracking: TrackingResource,
+    registered_model: str,
+    production: ProductionEntry | None,
+    canary: CanaryPolicy,
+) -> tuple[SwitchResult, ServingServiceClient, str] | str:
+    """The checkpoint as a canary beside production, followed until the service decides; promoted, the service has
+    moved the pointer (the entry given to it) and the MLflow alias follows here. A run retried after its canary
+    was promoted (production is this checkpoint) only moves the alias."""
+    checkpoint_id, path = context.partition_key, eval_report.checkpoint_path
+    previous = production.checkpoint_id if production else None
+    version = tracking.version_of(registered_model, checkpoint_id) or tracking.register_checkpoint(
+        registered_model, checkpoint_id, path, None
+    )  # a model version, not yet the production alias
+    decided_at = now_utc()
+    if previous != checkpoint_id:
+        entry = ProductionEntry(
+            checkpoint_id=checkpoint_id,
+            checkpoint_path=path,
+            metric="eval_loss",
+            value=eval_report.eval_loss,
+            eval_set_version=eval_report.eval_set_version,
+            mlflow_version=version,
+        )
+        try:
+            started = service.canary(
+                path, checkpoint_id, policy=canary.model_dump(), entry=entry.model_dump()
+            )
+        except SwitchFailed as e:
+            raise dg.Failure(f"the serving service did not start {checkpoint_id} as a canary: {e}") from e
+        context.log.info(
+            f"{checkpoint_id} is a canary on {canary.share:.0%} of {service.base_url}'s requests beside "
+            f"{started['stable']}: it takes all traffic once shown non-inferior on every watched figure"
+        )
+        decision = service.wait_canary(checkpoint_id, context.log.info, canary.max_duration_s + 600.0)
+        if decision["verdict"] != "promote":
+            return str(decision["reason"])
+        decided_at = str(decision.get("decided_at") or decided_at)
+        context.log.info(f"canary {checkpoint_id} promoted: {decision['reason']}")
+    tracking.set_alias(registered_model, "production", version)
+    status = service.status()
+    result = SwitchResult(
+        checkpoint_id=checkpoint_id,
+        checkpoint_path=path,
+        previous_checkpoint_id=previous,
+        endpoint=service.base_url,
+        model_name=str(status.get("model")),
+        colour=status.get("colour"),
+        switched_at=decided_at,
+        engine=str(status.get("engine") or ""),
+    )
+    return result, service, version
 
 
 def deployment_metadata(
@@ -142,6 +215,17 @@ def production_event(
     return production_change(promoted, "promotion", previous)
 
 
+def canary_policy(setting: dict[str, Any] | None) -> CanaryPolicy | None:
+    """``configs/promotion.yaml``'s ``canary``, checked (a share outside (0, 1), a margin or a confidence out of
+    range: a failure naming the file and the field, before anything changes)."""
+    if setting is None:
+        return None
+    try:
+        return CanaryPolicy.model_validate(setting)
+    except ValidationError as e:
+        raise dg.Failure(f"configs/promotion.yaml: canary: {e}", allow_retries=False) from None
+
+
 def _deploy(
     context: dg.AssetExecutionContext,
     eval_report: EvalReport,
@@ -150,14 +234,23 @@ def _deploy(
     registered_model: str,
     registry: ProductionRegistry,
     production: ProductionEntry | None,
-) -> tuple[SwitchResult, ServingServiceClient | None, str]:
-    """Serve the checkpoint (the service switches, or a temporary engine smoke-tests it), then move the MLflow alias
-    and the production pointer; if those fail, traffic goes back to what the pointer says."""
+    canary: CanaryPolicy | None = None,
+) -> tuple[SwitchResult, ServingServiceClient | None, str] | str:
+    """Serve the checkpoint (the service switches, or runs it as a canary, or a temporary engine smoke-tests it),
+    then move the MLflow alias and the production pointer; if those fail, traffic goes back to what the pointer
+    says. A canary rolled back: its reason."""
     checkpoint_id = context.partition_key
     previous = production.checkpoint_id if production else None
     service = ServingServiceClient.find(storage.serving_dir())
+    if service is not None and canary is not None:
+        return _deploy_as_canary(
+            context, eval_report, service, tracking, registered_model, production, canary
+        )
     if service is None:
-        context.log.info(f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine")
+        context.log.info(
+            f"no serving service runs: smoke-testing {checkpoint_id} in a temporary engine"
+            + (" (a canary needs live traffic: none without the service)" if canary is not None else "")
+        )
         result = _smoke_test_without_service(context, eval_report, storage, previous)
     else:
         context.log.info(f"asking the serving service at {service.base_url} to switch to {checkpoint_id}")

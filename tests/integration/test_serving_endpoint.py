@@ -263,10 +263,10 @@ class NonStopClient:
 
 
 def _materialize_deployment(
-    ep: Endpoint, checkpoint_id: str, path: Path, decision: str
+    ep: Endpoint, checkpoint_id: str, path: Path, decision: str, policy_file: Path | None = None
 ) -> dg.ExecuteInProcessResult:
     """``model_deployment`` for one checkpoint in a real Dagster run; ``eval_report`` is given (its value), with the
-    gate's ``decision`` made against production "a"."""
+    gate's ``decision`` made against production "a"; ``policy_file``: another promotion policy than the repo's."""
     from nexa_dagster.assets.partitions import checkpoint_partitions
     from nexa_dagster.assets.serving import model_deployment
     from nexa_dagster.definitions import build_resources
@@ -302,6 +302,10 @@ def _materialize_deployment(
             for k, v in build_resources().items()
             if k in ("io_manager", "storage", "tracking", "promotion_policy")
         }
+        if policy_file is not None:
+            from nexa_dagster.resources.configs import PromotionResource
+
+            resources["promotion_policy"] = PromotionResource(file=str(policy_file))
         return dg.materialize(
             [given_eval_report, model_deployment],
             partition_key=checkpoint_id,
@@ -820,10 +824,14 @@ def test_a_checkpoint_that_answers_garbage_fails_its_smoke_test(endpoint: Endpoi
 def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it(
     endpoint: Endpoint, tmp_path: Path
 ) -> None:
-    """B as a canary beside A on half of the live requests (the API key's, through the endpoint): its state in the
-    control API's status while it runs, decided by the runner on HAProxy's request log, promoted with the production
-    pointer moved to it and not one failed request; a share out of range and a second canary while one runs are
-    refused before anything changes. Then back to A (the module's next tests expect A)."""
+    """``model_deployment`` with a ``canary`` in the promotion policy (a real Dagster run): B serves half of the live
+    requests beside A (the API key's, through the endpoint), its state in the control API's status while it runs,
+    decided by the service's runner on HAProxy's request log, promoted with the production pointer and the MLflow
+    alias moved to it and not one failed request; a share out of range, a canary that could never be promoted, a
+    canary that answers garbage and a second canary while one runs are refused before anything changes. Then back
+    to A (the module's next tests expect A)."""
+    import yaml
+
     client = endpoint.client()
     with pytest.raises(SwitchFailed, match="share"):
         client.canary(str(endpoint.b), "b", policy={"share": 1.5})
@@ -836,9 +844,9 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving"):
         client.canary(str(garbage), "garbage", policy=policy)
     assert client.status()["canary"] is None and client.status()["checkpoint_id"] == "a"
-    entry = ProductionEntry(
-        checkpoint_id="b", checkpoint_path=str(endpoint.b), metric="eval_loss", value=4.0
-    ).model_dump()
+    policy_file = tmp_path / "promotion.yaml"
+    repo_policy = yaml.safe_load((REPO_ROOT / "configs" / "promotion.yaml").read_text())
+    policy_file.write_text(yaml.safe_dump({**repo_policy, "canary": policy}))
     statuses: Counter = Counter()
     engines: Counter = Counter()
     stop = threading.Event()
@@ -850,28 +858,39 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
                 statuses[r.status_code] += 1
                 engines[r.headers.get("x-nexa-engine")] += 1
 
-    started = client.canary(str(endpoint.b), "b", policy=policy, entry=entry)
-    assert (started["stable"], started["canary"], started["share"]) == ("a", "b", 0.5)
-    with pytest.raises(SwitchFailed, match="a canary of b runs"):
-        client.canary(str(endpoint.b), "b", policy=policy)
-    running = client.status()["canary"]
-    assert running["checkpoint_id"] == "b" and running["share"] == 0.5
-    thread = threading.Thread(target=live_traffic, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            status = client.status()
-            if status["canary"] is None and status["last_canary"]:
-                break
-            time.sleep(0.5)
-    finally:
-        stop.set()
-        thread.join(timeout=60)
+    traffic = threading.Thread(target=live_traffic, daemon=True)
+    traffic.start()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        deploying = pool.submit(_materialize_deployment, endpoint, "b", endpoint.b, "promote", policy_file)
+        try:
+            deadline = time.monotonic() + 300
+            while (running := client.status()["canary"]) is None and not deploying.done():
+                assert time.monotonic() < deadline, endpoint.log_tail()
+                time.sleep(0.2)
+            assert running is not None, deploying.result()
+            assert running["checkpoint_id"] == "b" and running["share"] == 0.5
+            with pytest.raises(SwitchFailed, match="a canary of b runs"):
+                client.canary(str(endpoint.b), "b", policy=policy)
+            result = deploying.result(timeout=600)
+        finally:
+            stop.set()
+            traffic.join(timeout=60)
+    assert result.success
+    status = client.status()
     assert status["last_canary"]["verdict"] == "promote", status
     assert status["checkpoint_id"] == "b" and endpoint.registry.current().checkpoint_id == "b"
+    (deployed,) = [
+        m
+        for m in result.asset_materializations_for_node("model_deployment")
+        if m.asset_key == dg.AssetKey("model_deployment")
+    ]
+    meta = {k: v.value for k, v in deployed.metadata.items()}
+    assert (meta["checkpoint_served"], meta["previous_checkpoint"]) == ("b", "a")
+    assert endpoint.registry.current().mlflow_version == meta["mlflow_model_version"].split("/")[-1]
     assert set(statuses) == {200} and set(engines) == {"blue", "green"}, (statuses, engines)
-    print(f"canary promoted after {sum(statuses.values())} live requests: {dict(engines)}")
+    print(
+        f"canary promoted through model_deployment after {sum(statuses.values())} live requests: {dict(engines)}"
+    )
     endpoint.registry.rollback()
     endpoint.wait_serving("a")
 

@@ -205,6 +205,12 @@ class PromotionPolicy(BaseModel):
         "data above which the gate holds it back",
     )
     registered_model: str = "nexa-moe"
+    canary: dict[str, Any] | None = Field(
+        default=None,
+        description="deploy a promoted checkpoint as a canary first (core/serving/canary.py CanaryPolicy's fields: "
+        "share, margins, confidence, max_duration_s): it takes the endpoint only once shown non-inferior on live "
+        "traffic; none: switch at once",
+    )
     guards: GuardPolicy = Field(default_factory=GuardPolicy)
     preference: PreferenceGate = Field(default_factory=PreferenceGate)
     rl: RewardGate = Field(default_factory=RewardGate)

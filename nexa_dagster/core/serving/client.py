@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,27 @@ class ServingServiceClient:
         if code != 200:
             raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
         return SwitchResult.model_validate(answer)
+
+    def wait_canary(
+        self, checkpoint_id: str, say: Callable[[str], None], timeout_s: float, poll_s: float = 2.0
+    ) -> dict[str, Any]:
+        """Follow the running canary of ``checkpoint_id`` until the service's runner decides it; each new check
+        said once (its figures so far). Returns the decision (``last_canary``: verdict, reason, decided_at)."""
+        deadline, said = time.monotonic() + timeout_s, None
+        while True:
+            status = self.status()
+            running = status.get("canary")
+            if running is None:
+                decided = status.get("last_canary") or {}
+                if decided.get("checkpoint_id") != checkpoint_id:
+                    raise SwitchFailed(f"the canary of {checkpoint_id} ended without a decision: {status}")
+                return decided
+            if running.get("last_check") and running["last_check"] != said:
+                said = running["last_check"]
+                say(f"canary {checkpoint_id} on {running['share']:.0%} of the requests: {said}")
+            if time.monotonic() > deadline:
+                raise SwitchFailed(f"the canary of {checkpoint_id} was not decided in {timeout_s:.0f} s")
+            time.sleep(poll_s)
 
     def canary(
         self,
