@@ -830,8 +830,6 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     alias moved to it and not one failed request; a share out of range, a canary that could never be promoted, a
     canary that answers garbage and a second canary while one runs are refused before anything changes. Then back
     to A (the module's next tests expect A)."""
-    import yaml
-
     client = endpoint.client()
     with pytest.raises(SwitchFailed, match="share"):
         client.canary(str(endpoint.b), "b", policy={"share": 1.5})
@@ -844,9 +842,7 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving"):
         client.canary(str(garbage), "garbage", policy=policy)
     assert client.status()["canary"] is None and client.status()["checkpoint_id"] == "a"
-    policy_file = tmp_path / "promotion.yaml"
-    repo_policy = yaml.safe_load((REPO_ROOT / "configs" / "promotion.yaml").read_text())
-    policy_file.write_text(yaml.safe_dump({**repo_policy, "canary": policy}))
+    policy_file = _policy_with_canary(tmp_path, policy)
     statuses: Counter = Counter()
     engines: Counter = Counter()
     stop = threading.Event()
@@ -893,6 +889,42 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     )
     endpoint.registry.rollback()
     endpoint.wait_serving("a")
+
+
+def _policy_with_canary(tmp_path: Path, canary: dict) -> Path:
+    """The repo's promotion policy with ``canary`` set, as a file of the test's."""
+    import yaml
+
+    path = tmp_path / "promotion.yaml"
+    repo_policy = yaml.safe_load((REPO_ROOT / "configs" / "promotion.yaml").read_text())
+    path.write_text(yaml.safe_dump({**repo_policy, "canary": canary}))
+    return path
+
+
+def test_a_canary_undecided_at_its_time_limit_is_rolled_back_and_nothing_is_deployed(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
+    """``model_deployment`` with a canary and no traffic: the service's runner rolls it back at its time limit ("not
+    enough traffic"), and the deployment is a recorded decision, not a failure: the run succeeds, nothing is
+    materialized, its outcome says rolled back with the reason, A still serves and the pointer names A."""
+    from nexa_dagster.core.serving.outcomes import read_outcome
+
+    policy = {"share": 0.5, "max_failure_increase": 0.2, "max_slow_increase": None, "max_quality_drop": None}
+    result = _materialize_deployment(
+        endpoint, "b", endpoint.b, "promote", _policy_with_canary(tmp_path, {**policy, "max_duration_s": 5})
+    )
+    assert result.success
+    assert not [
+        m
+        for m in result.asset_materializations_for_node("model_deployment")
+        if m.asset_key == dg.AssetKey("model_deployment")
+    ]
+    status = endpoint.client().status()
+    assert status["last_canary"]["verdict"] == "roll back", status
+    assert status["checkpoint_id"] == "a" and endpoint.registry.current().checkpoint_id == "a"
+    outcome = read_outcome(Path(endpoint.env["NEXA_RESULTS_ROOT"]) / "deployments" / "b")
+    assert outcome is not None and outcome["outcome"] == "rolled back", outcome
+    assert outcome["reason"] == status["last_canary"]["reason"] and outcome["production_after"] == "a"
 
 
 def test_a_service_killed_mid_canary_restarts_serving_production_with_the_canary_rolled_back(

@@ -15,7 +15,9 @@ from typing import Any, Literal
 from nexa_dagster.core.common import storage
 
 OUTCOME_FILE = "outcome.json"
-Outcome = Literal["deployed", "held back", "failed"]
+Outcome = Literal[
+    "deployed", "held back", "failed", "rolled back"
+]  # rolled back: by its canary, on live traffic
 
 
 def record_outcome(
