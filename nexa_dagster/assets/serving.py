@@ -101,9 +101,8 @@ def model_deployment(
         # a failed smoke test or switch: recorded as what happened, then the step fails
         record_outcome(outcome_dir, checkpoint_id, "failed", str(error).splitlines()[0], previous)
         raise
-    if isinstance(
-        deployed, str
-    ):  # the canary was rolled back on live traffic: a decision, like a held-back one
+    # the canary was rolled back on live traffic: a decision, like a held-back one
+    if isinstance(deployed, str):
         context.log.info(
             f"{checkpoint_id} rolled back by its canary: {deployed}; {previous} stays in production"
         )
@@ -138,9 +137,7 @@ def _deploy_as_canary(
     was promoted (production is this checkpoint) only moves the alias."""
     checkpoint_id, path = context.partition_key, eval_report.checkpoint_path
     previous = production.checkpoint_id if production else None
-    version = tracking.version_of(registered_model, checkpoint_id) or tracking.register_checkpoint(
-        registered_model, checkpoint_id, path, None
-    )  # a model version, not yet the production alias
+    version = model_version(tracking, registered_model, checkpoint_id, path)  # not yet the production alias
     decided_at = now_utc()
     if previous != checkpoint_id:
         entry = ProductionEntry(
@@ -215,6 +212,13 @@ def production_event(
     return production_change(promoted, "promotion", previous)
 
 
+def model_version(tracking: TrackingResource, registered_model: str, checkpoint_id: str, path: str) -> str:
+    """The checkpoint's version of the registered model, registered now if it has none."""
+    return tracking.version_of(registered_model, checkpoint_id) or tracking.register_checkpoint(
+        registered_model, checkpoint_id, path, None
+    )
+
+
 def canary_policy(setting: dict[str, Any] | None) -> CanaryPolicy | None:
     """``configs/promotion.yaml``'s ``canary``, checked (a share outside (0, 1), a margin or a confidence out of
     range: a failure naming the file and the field, before anything changes)."""
@@ -262,9 +266,7 @@ def _deploy(
             ) from e
 
     try:
-        version = tracking.version_of(registered_model, checkpoint_id) or tracking.register_checkpoint(
-            registered_model, checkpoint_id, eval_report.checkpoint_path, None
-        )
+        version = model_version(tracking, registered_model, checkpoint_id, eval_report.checkpoint_path)
         tracking.set_alias(registered_model, "production", version)
         registry.promote(
             ProductionEntry(

@@ -215,6 +215,7 @@ def sample_answers_on_vllm(
         log_dir / f"{safe}.vllm-answers.log",
         max(len(r) for r in rows) + max_new_tokens,
         label=label,
+        instead="sample the gate's answers with rl.rollout_engine: transformers, which runs it",
     )
     try:
         completions, _ = engine.generate(

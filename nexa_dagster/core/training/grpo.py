@@ -226,9 +226,8 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     logps, mask = out.token_logps, batch["labels"].ne(IGNORE_INDEX).float()
     old = batch["old_logps"] if "old_logps" in batch else logps.detach()
     weights = None
-    if (
-        "sampling_logps" in batch
-    ):  # another engine sampled them: TRL's correction, against the trainer's old_logps
+    # another engine sampled them: TRL's correction, against the trainer's old_logps
+    if "sampling_logps" in batch:
         weights = sampling_correction(
             old,
             batch["sampling_logps"],
@@ -364,9 +363,8 @@ class GRPOLoss:
         prompts = [self.train.token_ids[i] for i in indices for _ in range(k)]
         seed = sampling_seed(self.job.settings.seed, step, self.rank)
         completions = self.sampler.generate(prompts, c.max_completion_tokens, c.temperature, c.top_p, seed)
-        fault_point(
-            KILL_AFTER_ROLLOUT, step=step
-        )  # the fault tests' kill between a weight sync and its update
+        # the fault tests' kill between a weight sync and its update
+        fault_point(KILL_AFTER_ROLLOUT, step=step)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
         totals, per_name = self.reward(texts, **self.train.rows(indices, k))
         batches = self._score(indices, completions, totals, per_name, step, self.sampler.last_logprobs)
