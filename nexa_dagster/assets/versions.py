@@ -58,6 +58,7 @@ import yaml
 from nexa_dagster import settings
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import ScalePreset, config_dir
+from nexa_dagster.core.common.python_source import parse_python
 
 PACKAGE = "nexa_dagster"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding nexa_dagster/
@@ -145,7 +146,7 @@ class SourceTree:
         parts = path.relative_to(self.root).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        tree = _without_docstrings(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        tree = _without_docstrings(parse_python(path.read_text(encoding="utf-8"), str(path)))
         module = Module(name, package, {}, {}, [])
         for statement in tree.body:
             targets = _defined_names(statement)
