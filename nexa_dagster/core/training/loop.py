@@ -173,7 +173,7 @@ def pending_comm_op_build(accelerator: str, world_size: int) -> str:
     """
     if accelerator != "cpu":
         return ""
-    import_deepspeed()
+    import_deepspeed()  # the package first, without MLflow; then its parts, here only (as import_deepspeed says)
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
