@@ -158,7 +158,7 @@ def import_deepspeed() -> ModuleType:
     if hide:
         sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
     try:
-        import deepspeed
+        import deepspeed  # here, not at the top: the Dagster process imports this module and never trains
     finally:
         if hide:
             del sys.modules["mlflow"]
