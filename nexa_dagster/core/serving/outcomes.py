@@ -15,9 +15,8 @@ from typing import Any, Literal
 from nexa_dagster.core.common import storage
 
 OUTCOME_FILE = "outcome.json"
-Outcome = Literal[
-    "deployed", "held back", "failed", "rolled back"
-]  # rolled back: by its canary, on live traffic
+# rolled back: by its canary, on live traffic
+Outcome = Literal["deployed", "held back", "failed", "rolled back"]
 
 
 def record_outcome(

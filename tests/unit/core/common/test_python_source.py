@@ -17,9 +17,8 @@ import pytest
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.python_source import parse_python
 
-SOURCE = (
-    REPO_ROOT / "nexa_dagster" / "core" / "serving" / "service.py"
-).read_text()  # the module CI failed on
+# the module CI failed on
+SOURCE = (REPO_ROOT / "nexa_dagster" / "core" / "serving" / "service.py").read_text()
 RACE_FIXED = sys.version_info >= (3, 11, 8)
 
 

@@ -21,7 +21,7 @@ print(int(hasattr(mlflow, "start_run")))
 
 
 def _probe(before: str = "") -> list[str]:
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", PROBE.format(before=before)],
         cwd=REPO_ROOT,
         capture_output=True,
@@ -29,7 +29,6 @@ def _probe(before: str = "") -> list[str]:
         check=True,
         env={"PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"},
     ).stdout.split()
-    return out
 
 
 def test_deepspeed_comes_without_mlflow_which_stays_importable() -> None:
