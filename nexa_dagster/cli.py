@@ -31,6 +31,7 @@ from nexa_dagster.core.serving import access
 from nexa_dagster.core.serving.client import ControlRefused, ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import RouterError
 from nexa_dagster.core.serving.key_proxy import KeyProxy, run_key_proxy
+from nexa_dagster.core.serving.live_quality import EndpointJudge
 from nexa_dagster.core.serving.service import (
     ServiceAlreadyRunning,
     ServingService,
@@ -253,6 +254,21 @@ def _say_serving(s: ServingService) -> None:
     print("Ctrl-C stops it.", flush=True)
 
 
+def live_answer_judge() -> EndpointJudge | None:
+    """The judge that scores a canary's live answers no answer book checks: the judge endpoint ``NEXA_JUDGE_URL``
+    names (its key from ``NEXA_JUDGE_API_KEY_FILE`` or ``NEXA_JUDGE_API_KEY``), else none (checkable answers only)."""
+    url = settings.llm_variable("judge", "URL").get()
+    if not url:
+        return None
+    key_file = settings.llm_variable("judge", "API_KEY_FILE")
+    key = (
+        settings.secret_from_file(key_file)
+        if key_file.is_set()
+        else settings.llm_variable("judge", "API_KEY").get()
+    )
+    return EndpointJudge(url, settings.llm_variable("judge", "MODEL").get(), key)
+
+
 def serve(
     port: int,
     host: str = "127.0.0.1",
@@ -286,8 +302,9 @@ def serve(
             loading_nice=loading_nice,
             loading_threads=loading_threads,
             engine=engine,
+            judge=live_answer_judge(),
         )
-    except access.SecretMissing as e:
+    except (access.SecretMissing, settings.SecretUnreadable) as e:
         print(f"cannot serve: {e}", file=sys.stderr)
         return 1
 

@@ -13,17 +13,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import pytest
 from support.services import missing
-from support.stand_in_engines import stand_in_engine
+from support.stand_in_engines import Load, stand_in_engine
 
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.serving.canary import CanaryDecision, CanaryPolicy, CanaryState
@@ -33,45 +30,6 @@ from nexa_dagster.core.serving.haproxy import HAProxyRouter, haproxy_binary, soc
 
 # failures only: quality needs scored answers and the stand-ins' latency is flat
 POLICY = CanaryPolicy(share=0.5, max_slow_increase=None, max_quality_drop=None, max_duration_s=120)
-
-
-class Load:
-    """A client sending requests one after another until stopped (bounded: at most ``limit`` requests), counting
-    (engine, status) and transport errors."""
-
-    def __init__(self, port: int, limit: int = 20000) -> None:
-        self.port, self.limit = port, limit
-        self.answers: Counter = Counter()
-        self.errors: list[str] = []
-        self.after: Counter = Counter()  # answers after mark()
-        self._marked = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10) as client:
-            for _ in range(self.limit):
-                if self._stop.is_set():
-                    return
-                try:
-                    r = client.post("/v1/chat/completions", json={"messages": []})
-                    key = (r.headers.get("x-nexa-engine"), r.status_code)
-                    self.answers[key] += 1
-                    if self._marked:
-                        self.after[key] += 1
-                except httpx.HTTPError as e:
-                    self.errors.append(repr(e))
-
-    def mark(self) -> None:
-        self._marked = True
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=20)
 
 
 @pytest.fixture

@@ -4,14 +4,18 @@ the engines (HAProxy's split, its request log, a canary's decision), where a mod
 
 from __future__ import annotations
 
+import json
 import socketserver
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -19,8 +23,15 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
 
 
 @contextmanager
-def stand_in_engine(path: Path, colour: str, fail_every: int = 0, delay_s: float = 0.0) -> Iterator[None]:
-    """An engine stand-in on ``path``: answers 200 naming its colour; 500 to every ``fail_every``-th request."""
+def stand_in_engine(
+    path: Path,
+    colour: str,
+    fail_every: int = 0,
+    delay_s: float = 0.0,
+    answer: Callable[[dict[str, Any]], str] | None = None,
+) -> Iterator[None]:
+    """An engine stand-in on ``path``: answers 200 naming its colour (with ``answer``: a chat completion whose text
+    is ``answer(request)``); 500 to every ``fail_every``-th request."""
     count = Counter()
     lock = threading.Lock()
 
@@ -34,13 +45,19 @@ def stand_in_engine(path: Path, colour: str, fail_every: int = 0, delay_s: float
             pass
 
         def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("content-length", 0)))
+            request = self.rfile.read(int(self.headers.get("content-length", 0)))
             with lock:
                 count["n"] += 1
                 n = count["n"]
             time.sleep(delay_s)
             status = 500 if fail_every and n % fail_every == 0 else 200
-            body = f'{{"engine": "{colour}"}}'.encode()
+            body = (
+                f'{{"engine": "{colour}"}}'.encode()
+                if answer is None
+                else json.dumps(
+                    {"choices": [{"message": {"role": "assistant", "content": answer(json.loads(request))}}]}
+                ).encode()
+            )
             self.send_response(status)
             self.send_header("content-type", "application/json")
             self.send_header("content-length", str(len(body)))
@@ -56,3 +73,45 @@ def stand_in_engine(path: Path, colour: str, fail_every: int = 0, delay_s: float
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Load:
+    """A client sending requests one after another until stopped (bounded: at most ``limit`` requests), counting
+    (engine, status) and transport errors. ``body(i)``: the i-th request's JSON (default: an empty chat)."""
+
+    def __init__(
+        self, port: int, limit: int = 20000, body: Callable[[int], dict[str, Any]] | None = None
+    ) -> None:
+        self.port, self.limit = port, limit
+        self.body = body or (lambda i: {"messages": []})
+        self.answers: Counter = Counter()
+        self.errors: list[str] = []
+        self.after: Counter = Counter()  # answers after mark()
+        self._marked = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10) as client:
+            for i in range(self.limit):
+                if self._stop.is_set():
+                    return
+                try:
+                    r = client.post("/v1/chat/completions", json=self.body(i))
+                    key = (r.headers.get("x-nexa-engine"), r.status_code)
+                    self.answers[key] += 1
+                    if self._marked:
+                        self.after[key] += 1
+                except httpx.HTTPError as e:
+                    self.errors.append(repr(e))
+
+    def mark(self) -> None:
+        self._marked = True
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=20)

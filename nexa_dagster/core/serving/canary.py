@@ -104,6 +104,14 @@ class CanaryPolicy(BaseModel):
         "what it cannot see (live prompts, a broken chat template), and a 0.05 margin on 0/1 rewards of a quarter "
         "of the requests needs tens of thousands of requests (docs/stages/serving.md, Canary)",
     )
+    quality_sample_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="the share of requests whose answers are kept and scored for the quality figure (both "
+        "backends at this rate). 0.25, the share the simulation assumes: the verifiable reward costs nothing, the "
+        "judge costs a model call per answer; raise it where traffic is thin",
+    )
     max_duration_s: float = Field(
         default=1800.0, gt=0, description="undecided after this long: 'not enough traffic', rolled back"
     )
@@ -266,6 +274,13 @@ class CanaryState:
                     self.thresholds[figure] = policy.slow_factor * statistics.median(self.warmup[figure])
         if "quality" in seqs and quality is not None:
             seqs["quality"].update(quality)
+
+    def record_quality(self, arm: Arm, score: float) -> None:
+        """One sampled answer's score on ``arm`` (scored after its request was recorded, on the scorer's thread)."""
+        if not 0 <= score <= 1:
+            raise ValueError(f"a quality score must be in [0, 1], got {score}")
+        if "quality" in self.sequences[arm]:
+            self.sequences[arm]["quality"].update(score)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -12,15 +12,18 @@ is the caller's, once ``verdict`` says so.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nexa_dagster.core.serving.canary import CanaryDecision, decide
-from nexa_dagster.core.serving.canary_store import Canary, begin, load, save
-from nexa_dagster.core.serving.haproxy import HAProxyRouter
+from nexa_dagster.core.serving.canary_store import Canary, CanaryStateError, begin, load, save
+from nexa_dagster.core.serving.haproxy import HAProxyRouter, RouterError
+from nexa_dagster.core.serving.live_quality import AnswerBook, LiveQualityScorer, LiveScore
 from nexa_dagster.core.serving.request_log import RequestLogReceiver, RequestOutcome
 
 log = logging.getLogger(__name__)
@@ -36,9 +39,13 @@ class CanaryRunner:
         log_socket: Path,
         check_every_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        answer_book: AnswerBook | None = None,
+        judge: Any = None,
     ) -> None:
         self.router, self.folder, self.check_every_s, self.clock = router, folder, check_every_s, clock
         self.receiver = RequestLogReceiver(log_socket, self._record)
+        self.answer_book, self.judge = answer_book, judge
+        self.scorer: LiveQualityScorer | None = None  # while a canary watches quality
         self.canary: Canary | None = None
         self.decision: CanaryDecision | None = None
         self._lock = threading.Lock()
@@ -46,7 +53,13 @@ class CanaryRunner:
         self._thread: threading.Thread | None = None
 
     def start(self, canary: Canary) -> CanaryRunner:
-        """Begin a new canary (refused while another runs, before anything changes) and split the traffic."""
+        """Begin a new canary (refused while another runs, or when it watches quality with nothing to score
+        answers with, before anything changes) and split the traffic."""
+        if "quality" in canary.policy.figures() and self.answer_book is None and self.judge is None:
+            raise CanaryStateError(
+                "the canary watches quality (max_quality_drop) but has nothing to score live answers with: give "
+                "it an answer book (checkable prompts) or a judge, or max_quality_drop: null"
+            )
         begin(canary, self.folder)
         return self._run(canary)
 
@@ -59,6 +72,9 @@ class CanaryRunner:
 
     def _run(self, canary: Canary) -> CanaryRunner:
         self.canary = canary
+        if "quality" in canary.policy.figures():
+            self.scorer = LiveQualityScorer(self._record_quality, self.answer_book, self.judge).start()
+            self.router.sample_answers(canary.policy.quality_sample_share)
         self.receiver.start()
         weights = self.router.split(canary.canary_colour, canary.policy.share)
         log.info(
@@ -86,6 +102,14 @@ class CanaryRunner:
                 latency_s=outcome.total_s,
                 first_token_s=outcome.first_byte_s,  # the response's headers: with a stream, its first chunk
             )
+        if self.scorer is not None and outcome.exchange is not None:
+            self.scorer.submit(arm, outcome.exchange)
+
+    def _record_quality(self, arm: str, score: LiveScore) -> None:
+        canary = self.canary
+        if canary is not None and canary.running:
+            with self._lock:
+                canary.state.record_quality("canary" if arm == "canary" else "stable", score.value)
 
     def check(self) -> CanaryDecision:
         """Decide now and save the state; on a verdict, route the traffic first, then save the verdict."""
@@ -97,6 +121,7 @@ class CanaryRunner:
         if decision.verdict != "continue":
             to = canary.canary_colour if decision.verdict == "promote" else canary.stable_colour
             drained_s = self.router.route_to(to)
+            self._stop_scoring()
             with self._lock:
                 canary.conclude(decision)
                 save(canary, self.folder)
@@ -121,9 +146,42 @@ class CanaryRunner:
             self._thread.join(timeout_s)
         return self.decision
 
+    def _stop_scoring(self) -> None:
+        scorer, self.scorer = self.scorer, None
+        if scorer is not None:
+            self.router.sample_answers(0)
+            scorer.stop()
+
     def stop(self) -> None:
         """Stop checking (the state stays as last saved: ``resume`` goes on from it)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.receiver.stop()
+        with contextlib.suppress(RouterError, OSError):  # a router already stopped keeps no answers either
+            self._stop_scoring()
+
+    def stop_canary(self, reason: str) -> CanaryDecision:
+        """A person ends the canary now (issue 50): "roll back", reason ``stopped by a person: <reason>``, with the
+        figures so far. As ``check`` does: the checks stop, every new request goes back to the stable colour (the
+        canary's in flight finish), then the verdict is saved. A verdict the runner reached before the stop stands
+        and is returned as it is (its traffic already follows it)."""
+        canary = self.canary
+        assert canary is not None, "start() or resume() first"
+        self._stop.set()  # no check after this one: the loop ends after the one it may be in
+        if self._thread is not None:
+            self._thread.join()
+        if self.decision is not None and self.decision.verdict != "continue":
+            return self.decision
+        with self._lock:
+            figures = decide(canary.state, canary.policy, self.clock()).figures
+        decision = CanaryDecision("roll back", f"stopped by a person: {reason}", figures)
+        drained_s = self.router.route_to(canary.stable_colour)
+        self._stop_scoring()  # as check() does after a verdict's route
+        with self._lock:
+            canary.conclude(decision)
+            save(canary, self.folder)
+        self.receiver.stop()
+        log.info("canary %s: %s; drained in %.1f s", canary.state.canary_id, decision.reason, drained_s)
+        self.decision = decision
+        return decision

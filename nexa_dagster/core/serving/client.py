@@ -145,9 +145,11 @@ class ServingServiceClient:
         policy: dict[str, Any] | None = None,
         entry: dict[str, Any] | None = None,
         timeout_s: float = 900.0,
+        answer_book: str | None = None,
     ) -> dict[str, Any]:
         """Start ``checkpoint_path`` as a canary beside what is served (``policy``: ``CanaryPolicy``'s fields;
-        ``entry``: the production pointer's entry if it is promoted); returns once it takes its share."""
+        ``entry``: the production pointer's entry if it is promoted; ``answer_book``: the checkable prompts its
+        live answers are scored on, ``live_quality``); returns once it takes its share."""
         code, answer = self._call(
             "POST",
             "/canary",
@@ -156,9 +158,21 @@ class ServingServiceClient:
                 "checkpoint_id": checkpoint_id,
                 "policy": policy,
                 "entry": entry,
+                "answer_book": answer_book,
             },
             timeout_s=timeout_s,
         )
+        if code != 200:
+            raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
+        return answer
+
+    def stop_canary(self, reason: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Roll the running canary back now (a person's call, ``reason`` recorded as "stopped by a person: <reason>"):
+        returns once every new request goes to the stable model and the canary's engine stopped, with the decision
+        (``last_canary``). ``SwitchFailed`` when no canary runs, or when it was decided before the stop."""
+        code, answer = self._call("POST", "/canary/stop", {"reason": reason}, timeout_s=timeout_s)
+        if code == 401:
+            raise ControlRefused(f"the serving service at {self.control_url} refused: {answer.get('error')}")
         if code != 200:
             raise SwitchFailed(answer.get("error") or f"the serving service answered HTTP {code}: {answer}")
         return answer

@@ -47,6 +47,9 @@ INSTALL_HINT = "install it with scripts/install_services.sh (Debian: apt-get ins
 # HAProxy refuses a UNIX socket path longer than this ("socket path ... too long (max 97)", the NUL included); the
 # kernel's own limit (sun_path) is 107
 MAX_SOCKET_PATH = 96
+SAMPLE_MAP = "sample.map"  # the request log's sampling rate of answers to score, changed at run time
+SAMPLE_SCALE = 10_000  # the rate's unit: 1/10,000 of the requests
+MAX_LOG_LINE = 65_535  # HAProxy's longest log line: two bodies of up to its 16 KiB buffer, in base64
 
 
 def admin_socket_path(work_dir: Path) -> Path:
@@ -130,6 +133,7 @@ def render_config(
     salt: bytes | None = None,
     digests_file: Path | None = None,
     request_log: Path | None = None,
+    sample_map: Path | None = None,
 ) -> str:
     """The whole configuration: one frontend (the API key checked first), the engines backend (both colours out at
     first, each reached on its Unix socket: no engine has a TCP port), the control API's public routes (on a Unix
@@ -139,7 +143,7 @@ def render_config(
     rules = api_key_rules(salt, digests_file or admin_socket.with_name("keys.acl"))
     written = f"haproxy; traffic is steered at run time through {admin_socket}"
     logging_ = (
-        f'    log {request_log} format raw local0\n    log-format "{LOG_FORMAT}"\n' if request_log else ""
+        request_logging(request_log, sample_map or admin_socket.with_name(SAMPLE_MAP)) if request_log else ""
     )
     return f"""{preamble(written, admin_socket)}    option redispatch 1
 
@@ -152,10 +156,34 @@ frontend endpoint
 backend {BACKEND}
     balance roundrobin
     http-response set-header X-Nexa-Engine %s
-{servers}
+{RESPONSE_SAMPLING if request_log else ""}{servers}
 
 backend control
     server control unix@{public_socket}
+"""
+
+
+def request_logging(request_log: Path, sample_map: Path) -> str:
+    """The frontend's request log (``request_log.LOG_FORMAT``, one datagram a request) and its sample of answers to
+    score: a request drawn at the rate the map file holds (``quality``, in 1/``SAMPLE_SCALE``; 0 until a canary
+    that watches quality sets it at run time, ``HAProxyRouter.sample_answers``) has its body kept (it waits for the
+    body, a small JSON, before it goes on), and its answer's body too (``RESPONSE_SAMPLING``); both go in its log
+    line in base64. Nothing is written to disk: the line goes to the service's private socket and is read there."""
+    return f"""    log {request_log} len {MAX_LOG_LINE} format raw local0
+    log-format "{LOG_FORMAT}"
+    http-request set-var(txn.rate) str(quality),map_str_int({sample_map},0)
+    http-request set-var(txn.draw) rand({SAMPLE_SCALE})
+    acl sampled var(txn.draw),sub(txn.rate) lt 0
+    acl scorable path /v1/chat/completions /v1/completions
+    http-request wait-for-body time 1s if sampled scorable METH_POST
+    http-request set-var(txn.qreq) req.body,base64 if sampled scorable METH_POST
+"""
+
+
+# a kept request's answer, unless it streams (its events would hold the first chunk back from the caller)
+_KEEP_ANSWER = "if { var(txn.qreq) -m found } !{ res.hdr(content-type) -m beg text/event-stream }"
+RESPONSE_SAMPLING = f"""    http-response wait-for-body time 5s {_KEEP_ANSWER}
+    http-response set-var(txn.qres) res.body,base64 {_KEEP_ANSWER}
 """
 
 
@@ -303,6 +331,7 @@ class HAProxyRouter(KeyedHAProxy):
     ) -> None:
         super().__init__(work_dir, port, host, logger, api_keys)
         self.engine_sockets, self.public_socket, self.request_log = engine_sockets, public_socket, request_log
+        self.sample_map = self.work_dir / SAMPLE_MAP
 
     def render(self) -> str:
         return render_config(
@@ -314,7 +343,27 @@ class HAProxyRouter(KeyedHAProxy):
             self.salt,
             self.digests_path,
             self.request_log,
+            self.sample_map,
         )
+
+    def start(self, timeout_s: float = 15.0) -> Self:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        access.write_private(self.sample_map, "quality 0\n")  # no answer kept until a canary asks
+        return super().start(timeout_s)
+
+    def sample_answers(self, share: float) -> int:
+        """Keep the bodies of about ``share`` of the requests (and of their answers) in the request log, for a
+        canary that scores answers; 0 stops it. Changed at run time (``set map``), no reload. Returns the rate in
+        1/``SAMPLE_SCALE``."""
+        if not 0 <= share <= 1:
+            raise RouterError(f"the share of answers to score must be in [0, 1], got {share}")
+        if self.request_log is None:
+            raise RouterError("this router logs no requests (request_log): no answers can be kept")
+        rate = round(share * SAMPLE_SCALE)
+        answer = self.command(f"set map {self.sample_map} quality {rate}").strip()
+        if answer:
+            raise RouterError(f"haproxy refused `set map {self.sample_map}`: {answer}")
+        return rate
 
     def split(self, canary: str, share: float) -> tuple[int, int]:
         """Both colours take new requests, ``canary`` about ``share`` of them (HAProxy's weights, 0-256, round

@@ -11,11 +11,14 @@ status, the time to the response's headers and the whole request's time (millise
 - *not counted* when the client ended it (``C``: the caller went away, not the engine's doing) or no engine
   served it (``<NOSRV>``: refused at the door, e.g. a wrong API key);
 - else *served*, with its seconds to the response's headers (for a streamed answer, about the time to its first
-  token: the engines send headers with the first chunk) and in all.
+  token: the engines send headers with the first chunk) and in all; and, where HAProxy kept it to be scored (a
+  sample, while a canary watches quality), the request's body and its answer's (``Exchange``).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import socket
 import threading
@@ -25,9 +28,13 @@ from pathlib import Path
 
 TAG = "nexa-request"
 # the frontend's log format (HAProxy's log-format variables: %s server, %ST status, %Tr response time, %Ta active
-# time, %tsc termination state with cookie flags)
-LOG_FORMAT = f"{TAG} %s %ST %Tr %Ta %tsc"
-_LINE = re.compile(rf"{TAG} (?P<server>\S+) (?P<status>-?\d+) (?P<tr>-?\d+) (?P<ta>-?\d+) (?P<tsc>\S+)")
+# time, %tsc termination state with cookie flags; then a kept request's body and its answer's, in base64, "-" when
+# not kept: haproxy.request_logging)
+LOG_FORMAT = f"{TAG} %s %ST %Tr %Ta %tsc %[var(txn.qreq)] %[var(txn.qres)]"
+_LINE = re.compile(
+    rf"{TAG} (?P<server>\S+) (?P<status>-?\d+) (?P<tr>-?\d+) (?P<ta>-?\d+) (?P<tsc>\S+)"
+    r"(?: (?P<request>\S+) (?P<answer>\S+))?"
+)
 SERVER_SIDE_ENDS = frozenset("SPRIDK")  # termination codes of a session the client did not end
 
 
@@ -38,6 +45,25 @@ class RequestOutcome:
     failed: bool
     first_byte_s: float | None  # None: no answer, or failed
     total_s: float | None
+    exchange: Exchange | None = None  # the request and its answer, where HAProxy kept them to be scored
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A kept request's body and its answer's (bytes as sent; either may be cut at HAProxy's buffer)."""
+
+    request: bytes
+    answer: bytes
+
+
+def _exchange(request: str | None, answer: str | None) -> Exchange | None:
+    """The bodies of a kept request, or None when not kept (``-``) or not readable as base64."""
+    if not request or not answer or request == "-" or answer == "-":
+        return None
+    try:
+        return Exchange(base64.b64decode(request, validate=True), base64.b64decode(answer, validate=True))
+    except binascii.Error:
+        return None
 
 
 def parse(line: str) -> RequestOutcome | None:
@@ -53,7 +79,12 @@ def parse(line: str) -> RequestOutcome | None:
     if failed:
         return RequestOutcome(m["server"], status, True, None, None)
     return RequestOutcome(
-        m["server"], status, False, tr / 1000 if tr >= 0 else None, ta / 1000 if ta >= 0 else None
+        m["server"],
+        status,
+        False,
+        tr / 1000 if tr >= 0 else None,
+        ta / 1000 if ta >= 0 else None,
+        _exchange(m["request"], m["answer"]),
     )
 
 

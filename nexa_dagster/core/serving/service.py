@@ -59,6 +59,7 @@ from nexa_dagster.core.serving.haproxy import (
     RouterError,
     socket_dir,
 )
+from nexa_dagster.core.serving.live_quality import AnswerBook, AnswerBookError
 from nexa_dagster.core.serving.smoke import now_utc, smoke_request
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class ServingService:
         loading_nice: int = 10,
         loading_threads: int | None = None,
         canary_check_s: float = 2.0,
+        judge: Any = None,
     ) -> None:
         self.dir = Path(serving_dir)
         # who gets in (access.py): the endpoint's keys (none: open, loopback only; SIGHUP asks reload_api_keys for
@@ -168,6 +170,7 @@ class ServingService:
         self.router: HAProxyRouter | None = None
         self._http: ThreadingHTTPServer | None = None
         self.canary_check_s = canary_check_s  # how often a canary's runner decides
+        self.judge = judge  # core.distill.judge.Judge: scores a canary's live answers no answer book checks
 
     @property
     def api_key(self) -> str | None:
@@ -429,11 +432,14 @@ class ServingService:
         checkpoint_id: str,
         policy: CanaryPolicy,
         entry: dict[str, Any] | None = None,
+        answer_book: str | None = None,
     ) -> dict[str, Any]:
         """``checkpoint_path`` on the idle colour beside the served model, taking ``policy.share`` of the requests
         until its runner decides (``_follow_canary`` then ends it). ``entry``: the production pointer's entry to
-        write if it is promoted. Main thread only; raises ``SwitchFailed`` before anything changes when no model
-        is served, a canary already runs, or the checkpoint does not start or pass its smoke test."""
+        write if it is promoted; ``answer_book``: the checkable prompts whose live answers the verifiable reward
+        scores (``live_quality``; others go to the service's judge, if it has one). Main thread only; raises
+        ``SwitchFailed`` before anything changes when no model is served, a canary already runs, it watches
+        quality with nothing to score answers with, or the checkpoint does not start or pass its smoke test."""
         if self.active is None:
             self._failed(
                 checkpoint_id, f"{checkpoint_id}: no canary without a served model to compare it with"
@@ -441,19 +447,19 @@ class ServingService:
         assert self.active is not None and self.router is not None
         if self.canary_runner is not None:
             self._failed(checkpoint_id, f"{checkpoint_id} refused: {self._canary_running()}")
-        if "quality" in policy.figures():  # refused before an engine starts: it could never be promoted
-            self._failed(
-                checkpoint_id,
-                f"{checkpoint_id}: the serving service does not score live answers yet (issue 50): "
-                "give the canary max_quality_drop: null",
-            )
+        book = self._answer_book(checkpoint_id, policy, answer_book)  # refused before an engine starts
         colour = next(c for c in COLOURS if c != self.active.colour)
         engine, _ = self._ready_engine(colour, checkpoint_path, checkpoint_id)
         state = CanaryState.start(self.active.checkpoint_id, checkpoint_id, policy, time.time())
         canary = Canary(self.active.colour, colour, policy, state, entry=entry)
         try:
             runner = CanaryRunner(
-                self.router, self.dir, socket_dir(self.dir) / REQUEST_LOG, self.canary_check_s
+                self.router,
+                self.dir,
+                socket_dir(self.dir) / REQUEST_LOG,
+                self.canary_check_s,
+                answer_book=book,
+                judge=self.judge,
             ).start(canary)
         except (CanaryStateError, RouterError) as e:
             engine.stop()
@@ -473,6 +479,25 @@ class ServingService:
             "stable": self.active.checkpoint_id,
             "share": policy.share,
         }
+
+    def _answer_book(self, checkpoint_id: str, policy: CanaryPolicy, path: str | None) -> AnswerBook | None:
+        """The answer book a canary that watches quality scores checkable answers with; refused (``SwitchFailed``)
+        when it cannot be read, or when there is neither a book nor a judge: such a canary could never be
+        promoted."""
+        if "quality" not in policy.figures():
+            return None
+        try:
+            book = AnswerBook.load(path) if path else None
+        except AnswerBookError as e:
+            self._failed(checkpoint_id, f"{checkpoint_id}: no canary: {e}")
+        if book is None and self.judge is None:
+            self._failed(
+                checkpoint_id,
+                f"{checkpoint_id}: the canary watches quality (max_quality_drop) but nothing can score live "
+                "answers: give it an answer book (the frozen RL eval set's prompts.jsonl) or serve with a judge "
+                "(NEXA_JUDGE_URL), or max_quality_drop: null",
+            )
+        return book
 
     def _canary_running(self) -> str:
         canary = self.canary_runner.canary if self.canary_runner is not None else None
@@ -503,6 +528,25 @@ class ServingService:
         }
         self.canary_runner = self.canary_engine = None
         self.log.info("canary %s: %s: %s", engine.checkpoint_id, decision.verdict, decision.reason)
+
+    def stop_canary(self, reason: str) -> dict[str, Any]:
+        """A person stops the running canary (``POST /canary/stop``): its runner routes every new request back to
+        the stable colour and saves "roll back" with the reason "stopped by a person: <reason>", then it ends here
+        as any rolled-back canary (its engine stops). Returns ``last_canary``. Main thread only; raises
+        ``SwitchFailed`` when no canary runs, or when its runner decided before the stop (that verdict stands and
+        the canary is ended by it)."""
+        runner, engine = self.canary_runner, self.canary_engine
+        if runner is None or engine is None:
+            raise SwitchFailed("no canary runs: nothing to stop")
+        decision = runner.stop_canary(reason)
+        self._follow_canary()
+        if decision.reason != f"stopped by a person: {reason}":
+            raise SwitchFailed(
+                f"the canary of {engine.checkpoint_id} was decided before the stop: {decision.verdict}: "
+                f"{decision.reason}"
+            )
+        assert self.last_canary is not None
+        return dict(self.last_canary)
 
     def _promote_pointer(self, canary: Canary) -> None:
         """The production pointer names a promoted canary (when the canary was given the pointer's entry)."""
@@ -639,6 +683,8 @@ class ServingService:
             "share": runner.canary.policy.share,
             "since": engine.since,
             "last_check": decision.reason if decision else None,
+            # every kept answer: scored by the reward or the judge per arm, unscored, dropped (scorer behind)
+            "answers": dict(runner.scorer.counts) if runner.scorer is not None else None,
             **(decision.metadata() if decision else {}),
         }
 
@@ -743,8 +789,25 @@ class _ControlAPI(BaseHTTPRequestHandler):
             self._switch()
         elif self.path == "/canary":
             self._canary()
+        elif self.path == "/canary/stop":
+            self._canary_stop()
         else:
             self._send(404, {"error": f"no route {self.path}"})
+
+    def _canary_stop(self) -> None:
+        """``POST /canary/stop``, ``{"reason": "..."}``: a person rolls the running canary back; 409 when none runs."""
+        try:
+            body = self._json_body()
+            reason = str(body.get("reason") or "").strip() if isinstance(body, dict) else ""
+        except ValueError:  # not JSON
+            reason = ""
+        if not reason:
+            self._send(
+                400, {"error": 'POST /canary/stop wants JSON with a non-empty reason: {"reason": "..."}'}
+            )
+            return
+        service = self.service
+        self._on_main_thread(lambda: service.stop_canary(reason))
 
     def _json_body(self) -> dict[str, Any]:
         return json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
@@ -768,7 +831,7 @@ class _ControlAPI(BaseHTTPRequestHandler):
             body = self._json_body()
             path, checkpoint_id = str(body["checkpoint_path"]), str(body["checkpoint_id"])
             policy = CanaryPolicy.model_validate(body.get("policy") or {})
-            entry = body.get("entry")
+            entry, answer_book = body.get("entry"), body.get("answer_book")
             if entry is not None:
                 ProductionEntry.model_validate(entry)
         except (ValueError, KeyError) as e:  # pydantic's ValidationError is a ValueError
@@ -778,7 +841,7 @@ class _ControlAPI(BaseHTTPRequestHandler):
             )
             return
         service = self.service
-        self._on_main_thread(lambda: service.start_canary(path, checkpoint_id, policy, entry))
+        self._on_main_thread(lambda: service.start_canary(path, checkpoint_id, policy, entry, answer_book))
 
     def _switch(self) -> None:
         try:
