@@ -169,8 +169,7 @@ class ServingService:
         self._seen_pointer: str | None = None
         self.router: HAProxyRouter | None = None
         self._http: ThreadingHTTPServer | None = None
-        self.canary_check_s = canary_check_s  # how often a canary's runner decides
-        self.judge = judge  # core.distill.judge.Judge: scores a canary's live answers no answer book checks
+        self.canary_check_s, self.judge = canary_check_s, judge  # a canary's check period; its answers' judge
 
     @property
     def api_key(self) -> str | None:
