@@ -22,6 +22,7 @@ from nexa_dagster.core.evaluation.promotion import (
     ProductionRegistry,
     held_back_because,
 )
+from nexa_dagster.core.evaluation.rl_eval_set import newest_prompts_path
 from nexa_dagster.core.serving.canary import CanaryPolicy
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed, SwitchResult
 from nexa_dagster.core.serving.outcomes import record_outcome
@@ -127,6 +128,7 @@ def _deploy_as_canary(
     context: dg.AssetExecutionContext,
     eval_report: EvalReport,
     service: ServingServiceClient,
+    storage: StorageResource,
     tracking: TrackingResource,
     registered_model: str,
     production: ProductionEntry | None,
@@ -148,9 +150,12 @@ def _deploy_as_canary(
             eval_set_version=eval_report.eval_set_version,
             mlflow_version=version,
         )
+        book = newest_prompts_path(storage.path("rl_eval_sets")) if "quality" in canary.figures() else None
+        if book:
+            context.log.info(f"live answers to checkable prompts are scored against {book}")
         try:
             started = service.canary(
-                path, checkpoint_id, policy=canary.model_dump(), entry=entry.model_dump()
+                path, checkpoint_id, policy=canary.model_dump(), entry=entry.model_dump(), answer_book=book
             )
         except SwitchFailed as e:
             raise dg.Failure(f"the serving service did not start {checkpoint_id} as a canary: {e}") from e
@@ -248,7 +253,7 @@ def _deploy(
     service = ServingServiceClient.find(storage.serving_dir())
     if service is not None and canary is not None:
         return _deploy_as_canary(
-            context, eval_report, service, tracking, registered_model, production, canary
+            context, eval_report, service, storage, tracking, registered_model, production, canary
         )
     if service is None:
         context.log.info(

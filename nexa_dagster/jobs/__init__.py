@@ -5,6 +5,7 @@ Dagster runs one partitions definition per job, so the lifecycle is three jobs t
 snapshot) and ``evaluation_job`` (evaluation + serving of one checkpoint). The nightly schedule starts the first;
 sensors start the other two (see ``nexa_dagster.sensors``). ``ingest_job`` re-ingests days alone (no teacher
 calls), e.g. a backfill after a landing folder was corrected.
+``stop_canary_job`` (``jobs/canary.py``) stops the serving service's running canary from the Launchpad.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dagster as dg
 from nexa_dagster.assets.partitions import base_model_partitions, checkpoint_partitions, daily_partitions
 from nexa_dagster.automation import schedule_default_status
 from nexa_dagster.core.data.ingest import has_landed
+from nexa_dagster.jobs.canary import stop_canary_job
 from nexa_dagster.resources.storage import StorageResource
 
 DATA_ASSETS = ["raw_documents", "teacher_samples", "filtered_samples", "rejected_samples"]
@@ -145,4 +147,5 @@ JOBS = [
     evaluation_job,
     base_evaluation_job,
     leaderboard_job,
+    stop_canary_job,
 ]

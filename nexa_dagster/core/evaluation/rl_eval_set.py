@@ -92,6 +92,15 @@ def load_rl_eval_set(root: str, version: int) -> dict[str, Any]:
     return {**manifest, "prompts_path": storage.join(root, f"v{version}", PROMPTS)}
 
 
+def newest_prompts_path(root: str) -> str | None:
+    """The prompts file of the newest frozen version (v1, v2, ... up to the first never frozen), hashes checked;
+    None when none was frozen. What a canary's live answers are checked against (``core.serving.live_quality``)."""
+    version = 0
+    while version_exists(root, version + 1):
+        version += 1
+    return load_rl_eval_set(root, version)["prompts_path"] if version else None
+
+
 def read_prompts(manifest: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
     """The frozen items, in their order; the first ``limit`` (the scale's ``rl.held_out_prompts``) when given."""
     with storage.open_read(manifest["prompts_path"]) as f:

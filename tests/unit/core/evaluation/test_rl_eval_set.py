@@ -11,9 +11,11 @@ from nexa_dagster.core.evaluation.eval_set import EvalSetDamaged
 from nexa_dagster.core.evaluation.rl_eval_set import (
     freeze_rl_eval_set,
     load_rl_eval_set,
+    newest_prompts_path,
     overlap_problems,
     read_prompts,
 )
+from nexa_dagster.core.serving.live_quality import AnswerBook
 
 
 def _item(i: int, topic: str) -> dict:
@@ -68,3 +70,18 @@ def test_a_held_out_item_among_the_train_rows_is_named(tmp_path) -> None:
     train.write_text(train.read_text() + json.dumps(leaked) + "\n")
     problems = overlap_problems(HELD, str(train))
     assert "item_id on both sides: topic:doc002" in problems and "doc_id on both sides: doc002" in problems
+
+
+def test_the_newest_frozen_version_is_the_answer_book_of_a_canary(tmp_path) -> None:
+    root = str(tmp_path / "rl_eval_sets")
+    assert newest_prompts_path(root) is None  # nothing frozen: no checkable prompts
+    freeze_rl_eval_set(HELD, root, 1, {}, log=lambda _: None)
+    freeze_rl_eval_set(HELD + [_item(9, "yield")], root, 2, {}, log=lambda _: None)
+    path = newest_prompts_path(root)
+    assert path is not None and path.endswith("v2/prompts.jsonl")
+    book = AnswerBook.load(path)
+    assert len(book) == 6 and book.answer_for(_item(9, "yield")["prompt"]) == "yield"
+    with open(path, "a") as f:  # a changed file is refused, not scored against
+        f.write("{}\n")
+    with pytest.raises(EvalSetDamaged):
+        newest_prompts_path(root)
