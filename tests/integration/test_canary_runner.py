@@ -34,7 +34,9 @@ POLICY = CanaryPolicy(share=0.5, max_slow_increase=None, max_quality_drop=None, 
 
 @pytest.fixture
 def endpoint(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[HAProxyRouter, Path]]:
-    """HAProxy with blue serving and green loaded beside it (``request.param``: green's fail_every)."""
+    """HAProxy with blue serving and green loaded beside it (``request.param``: green's fail_every, or a pair of
+    fail_every and green's delay in seconds, blue's being 1 ms)."""
+    fail_every, green_delay_s = request.param if isinstance(request.param, tuple) else (request.param, 0.001)
     if haproxy_binary() is None:
         missing("haproxy", "scripts/install_services.sh, or: apt-get install haproxy")
     sockets = socket_dir(tmp_path)
@@ -43,7 +45,7 @@ def endpoint(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[H
     with ExitStack() as stack:
         stack.enter_context(stand_in_engine(engines["blue"], "blue", delay_s=0.001))
         stack.enter_context(
-            stand_in_engine(engines["green"], "green", fail_every=request.param, delay_s=0.001)
+            stand_in_engine(engines["green"], "green", fail_every=fail_every, delay_s=green_delay_s)
         )
         proxy = HAProxyRouter(
             tmp_path / "router", free_port(), engines, sockets / "public.sock", request_log=log_socket
@@ -53,18 +55,18 @@ def endpoint(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[H
         yield proxy, log_socket
 
 
-def _canary() -> Canary:
+def _canary(policy: CanaryPolicy = POLICY) -> Canary:
     return Canary(
-        "blue", "green", POLICY, CanaryState.start("ckpt-blue", "ckpt-green", POLICY, now=time.time())
+        "blue", "green", policy, CanaryState.start("ckpt-blue", "ckpt-green", policy, now=time.time())
     )
 
 
 def _decided_under_load(
-    proxy: HAProxyRouter, log_socket: Path, folder: Path
+    proxy: HAProxyRouter, log_socket: Path, folder: Path, policy: CanaryPolicy = POLICY
 ) -> tuple[CanaryDecision | None, Load]:
     """A canary run by a runner until it decides, clients sending requests all along and a second after."""
     with Load(proxy.port) as load_:
-        runner = CanaryRunner(proxy, folder, log_socket, check_every_s=0.5).start(_canary())
+        runner = CanaryRunner(proxy, folder, log_socket, check_every_s=0.5).start(_canary(policy))
         decision = runner.wait(timeout_s=90)
         load_.mark()
         time.sleep(1.0)
@@ -96,6 +98,24 @@ def test_a_failing_canary_is_rolled_back_and_the_stable_colour_takes_every_reque
     assert load(tmp_path / "serving").verdict == "roll back"
     assert load_.errors == []  # the switch back dropped nothing: only the canary's own 500s failed
     assert {engine for (engine, status) in load_.answers if status != 200} == {"green"}
+    assert load_.after and set(load_.after) == {("blue", 200)}
+
+
+@pytest.mark.parametrize("endpoint", [(0, 0.005)], indirect=True)
+def test_a_canary_three_times_slower_is_rolled_back_on_its_slow_requests(endpoint, tmp_path) -> None:
+    """Blue does 1 ms of work, green 5 ms: through HAProxy about 2 ms against 6 ms a request, three times slower.
+    The threshold is derived from the stable's warm-up (twice its median): most green requests are slow, few
+    blue ones."""
+    policy = CanaryPolicy(share=0.5, max_failure_increase=None, max_quality_drop=None, max_duration_s=120)
+    decision, load_ = _decided_under_load(*endpoint, tmp_path / "serving", policy)
+    assert decision is not None and decision.verdict == "roll back", decision
+    assert decision.reason.startswith("canary worse: slow: "), decision.reason
+    slow = {r.figure: r for r in decision.figures}["slow"]
+    print(
+        f"rolled back after {slow.n_stable + slow.n_canary} timed requests; threshold {slow.threshold_s:.3f} s"
+    )
+    assert slow.canary_mean > slow.stable_mean + 0.1 and slow.threshold_s is not None
+    assert load_.errors == [] and all(status == 200 for _, status in load_.answers)
     assert load_.after and set(load_.after) == {("blue", 200)}
 
 
