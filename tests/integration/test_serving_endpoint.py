@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,6 +35,7 @@ from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRegistry
+from nexa_dagster.core.evaluation.rl_eval_set import freeze_rl_eval_set
 from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.client import ServingServiceClient, SwitchFailed
 from nexa_dagster.core.serving.haproxy import haproxy_binary
@@ -833,14 +835,24 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     client = endpoint.client()
     with pytest.raises(SwitchFailed, match="share"):
         client.canary(str(endpoint.b), "b", policy={"share": 1.5})
-    with pytest.raises(SwitchFailed, match="does not score live answers yet"):  # could never be promoted
+    # quality watched (the default) with neither an answer book nor a judge: it could never be promoted
+    with pytest.raises(SwitchFailed, match="nothing can score live answers"):
         client.canary(str(endpoint.b), "b", policy={"share": 0.5})
-    # failures watched with a wide limit: the tiny engines answer every request, so a few hundred requests decide
-    policy = {"share": 0.5, "max_failure_increase": 0.2, "max_slow_increase": None, "max_quality_drop": None}
+    # failures and the quality of every answer watched with wide limits: the tiny engines answer every request and
+    # no checkable prompt right (both score 0), so a few hundred requests decide; the answer book is the frozen RL
+    # eval set of the service's data root, which model_deployment hands the service, holding the live prompt
+    policy = {
+        "share": 0.5,
+        "max_failure_increase": 0.2,
+        "max_slow_increase": None,
+        "max_quality_drop": 0.5,
+        "quality_sample_share": 1.0,
+    }
+    book = _freeze_answer_book(Path(endpoint.env["NEXA_DATA_ROOT"]) / "rl_eval_sets")
     # a canary whose engine answers garbage never takes a request: refused with the smoke test's reason
     garbage = _garbage_model(endpoint.a, tmp_path / "garbage")
     with pytest.raises(SwitchFailed, match="garbage failed its smoke test, a keeps serving"):
-        client.canary(str(garbage), "garbage", policy=policy)
+        client.canary(str(garbage), "garbage", policy=policy, answer_book=book)
     assert client.status()["canary"] is None and client.status()["checkpoint_id"] == "a"
     policy_file = _policy_with_canary(tmp_path, policy)
     statuses: Counter = Counter()
@@ -884,11 +896,33 @@ def test_a_canary_decided_on_live_traffic_is_promoted_and_the_pointer_follows_it
     assert (meta["checkpoint_served"], meta["previous_checkpoint"]) == ("b", "a")
     assert endpoint.registry.current().mlflow_version == meta["mlflow_model_version"].split("/")[-1]
     assert set(statuses) == {200} and set(engines) == {"blue", "green"}, (statuses, engines)
+    # the engines' real answers were kept by HAProxy, read and scored by the reward on both backends
+    quality = re.search(r"quality: .*?n = (\d+) stable, (\d+) canary", status["last_canary"]["reason"])
+    assert quality is not None and min(map(int, quality.groups())) > 0, status["last_canary"]
     print(
-        f"canary promoted through model_deployment after {sum(statuses.values())} live requests: {dict(engines)}"
+        f"canary promoted through model_deployment after {sum(statuses.values())} live requests: {dict(engines)}; "
+        f"{status['last_canary']['reason']}"
     )
     endpoint.registry.rollback()
     endpoint.wait_serving("a")
+
+
+def _freeze_answer_book(root: Path) -> str:
+    """An RL eval set whose prompts include the live traffic's (``_chat``'s), with answers the tiny models never
+    give: both backends' answers are checkable and score 0."""
+    items = [
+        {
+            "item_id": f"topic:doc{i}",
+            "doc_id": f"doc{i}",
+            "task": "topic",
+            "prompt": prompt,
+            "answer": "sequence",
+            "reference": "sequence",
+            "choices": ["sequence", "mapping"],
+        }
+        for i, prompt in enumerate(["What is a list?", "What is a dict?"])
+    ]
+    return freeze_rl_eval_set(items, str(root), 1, {}, log=lambda _: None)["prompts_path"]
 
 
 def _policy_with_canary(tmp_path: Path, canary: dict) -> Path:
