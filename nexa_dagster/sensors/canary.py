@@ -51,9 +51,8 @@ def canary_sensor(
         context.log.error(f"{unreadable}; the serving service keeps the stable model")
     seen = watch(status, recorded, cursor)
     alias = None
-    if (
-        seen.promoted is not None
-    ):  # raises when MLflow fails: the tick fails, its cursor is not kept, tried again
+    # follow_promotion raises when MLflow fails: the tick fails, its cursor is not kept, and it is tried again
+    if seen.promoted is not None:
         pointer = ProductionRegistry(storage.production_pointer()).current()
         registered = promotion_policy.policy().registered_model
         alias = follow_promotion(tracking, registered, seen.promoted, pointer)

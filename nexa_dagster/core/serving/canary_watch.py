@@ -4,7 +4,7 @@ cursor, the running canary's new figures and each decision once; and, after a pr
 
 The cursor (JSON, persisted by Dagster between ticks, so a restarted daemon goes on from it) holds a digest of the
 last check reported (a check whose figures did not change is not reported again: no traffic, no new observation)
-and the keys of the decisions reported (``checkpoint|verdict|reason``, the last ``KEEP`` of them). A decision is
+and the keys of the decisions reported (``checkpoint|verdict|reason|started_at``, the last ``KEEP`` of them). A decision is
 read from the status's ``last_canary``, or, when the service restarted since (its ``last_canary`` is gone), from
 the canary's state file, which holds the same verdict and reason: the same key, never reported twice.
 
@@ -112,7 +112,12 @@ def running_report(status: dict[str, Any], running: dict[str, Any]) -> Report:
 
 
 def decision_key(decided: dict[str, Any]) -> str:
-    return f"{decided.get('checkpoint_id')}|{decided.get('verdict')}|{decided.get('reason')}"
+    """One decision's key: two canaries of one checkpoint ended alike (two stops with one reason) differ by their
+    start time."""
+    return (
+        f"{decided.get('checkpoint_id')}|{decided.get('verdict')}|{decided.get('reason')}|"
+        f"{decided.get('started_at')}"
+    )
 
 
 def decision_report(decided: dict[str, Any], source: str) -> Report:
@@ -168,7 +173,12 @@ def recorded_decision(serving_dir: Path) -> tuple[dict[str, Any] | None, str | N
         return None, str(e)
     if canary is None or canary.running:
         return None, None
-    return {"checkpoint_id": canary.state.canary_id, "verdict": canary.verdict, "reason": canary.reason}, None
+    return {
+        "checkpoint_id": canary.state.canary_id,
+        "verdict": canary.verdict,
+        "reason": canary.reason,
+        "started_at": canary.state.started_at,
+    }, None
 
 
 class ModelRegistry(Protocol):

@@ -524,6 +524,7 @@ class ServingService:
             "verdict": decision.verdict,
             "reason": decision.reason,
             "decided_at": now_utc(),
+            "started_at": canary.state.started_at,  # tells two canaries of one checkpoint apart
         }
         self.canary_runner = self.canary_engine = None
         self.log.info("canary %s: %s: %s", engine.checkpoint_id, decision.verdict, decision.reason)

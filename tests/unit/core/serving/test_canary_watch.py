@@ -68,6 +68,7 @@ def decided_status(
             "verdict": verdict,
             "reason": reason,
             "decided_at": "2026-12-03T09:01:00Z",
+            "started_at": 1000.0,
         },
     }
 
@@ -105,6 +106,13 @@ def test_a_decision_seen_twice_is_reported_once_and_a_promotion_asks_for_the_ali
     again = watch(decided_status(), None, decided.cursor)
     assert again.reports == [] and again.promoted is None
     assert again.summary == "no canary runs; the last, b: promote"
+    # a second canary of b, stopped with the same reason as the first: another decision (its own start), reported
+    stop = "stopped by a person: wrong tokenizer"
+    first = watch(decided_status("roll back", stop), None, again.cursor)
+    second_status = decided_status("roll back", stop)
+    second_status["last_canary"]["started_at"] = 2000.0
+    second = watch(second_status, None, first.cursor)
+    assert len(first.reports) == 1 and len(second.reports) == 1
 
 
 def test_a_decision_read_from_the_state_file_after_a_service_restart_is_not_reported_again() -> None:
@@ -112,7 +120,12 @@ def test_a_decision_read_from_the_state_file_after_a_service_restart_is_not_repo
     reason): the same key, no second report, no second alias move."""
     seen = watch(decided_status(), None, WatchCursor()).cursor
     restarted = {"checkpoint_id": "b", "canary": None, "last_canary": None}
-    recorded = {"checkpoint_id": "b", "verdict": "promote", "reason": "canary no worse on every figure"}
+    recorded = {
+        "checkpoint_id": "b",
+        "verdict": "promote",
+        "reason": "canary no worse on every figure",
+        "started_at": 1000.0,
+    }
     after = watch(restarted, recorded, seen)
     assert after.reports == [] and after.promoted is None
     # a decision the sensor never saw (made and settled while the daemon was down) comes from the file, once
@@ -204,7 +217,7 @@ def test_the_recorded_decision_is_read_from_the_state_file_and_a_bad_file_is_nam
     assert recorded_decision(tmp_path) == (None, None)  # running: not a decision
     save(canary("promote"), tmp_path)
     assert recorded_decision(tmp_path) == (
-        {"checkpoint_id": "b", "verdict": "promote", "reason": "why"},
+        {"checkpoint_id": "b", "verdict": "promote", "reason": "why", "started_at": 1000.0},
         None,
     )
     (tmp_path / CANARY_FILE).write_text("{not json")
