@@ -5,7 +5,8 @@ A request is scored by what can check it, blind to which backend answered:
 
 * a *checkable* request, one whose prompt is in the answer book (the frozen held-out RL prompt set,
   ``core.evaluation.rl_eval_set``, or any JSONL of ``prompt`` and ``answer`` rows), gets the verifiable reward the
-  RL stage trains and gates on (``exact_answer``: 1 for the right answer, else 0);
+  RL stage trains and gates on (``exact_answer``: 1 for the right answer, else 0), or, for a row that says
+  ``reward: reference_f1``, the word-bigram F1 against its ``reference`` (an open question);
 * any other gets the pointwise judge's score mapped to [0, 1] (``judge_score``, the RL reward of that name: an
   empty answer or an echo of the prompt scores 0 without asking), when a judge is given;
 * none, when the answer cannot be read (not JSON, cut at HAProxy's buffer, no choice), or no judge is given for an
@@ -32,7 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from nexa_dagster.core.common.config import read_text
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
-from nexa_dagster.core.rl.rewards import exact_answer_score, make_judge_score, normalize_answer, prompt_text
+from nexa_dagster.core.rl.rewards import (
+    bigram_f1,
+    exact_answer_score,
+    make_judge_score,
+    normalize_answer,
+    prompt_text,
+)
 from nexa_dagster.core.serving.request_log import Exchange
 
 if TYPE_CHECKING:
@@ -53,44 +60,72 @@ class LiveScore:
     source: Source
 
 
-class AnswerBook:
-    """Checkable prompts and their answers, found by the prompt's text (the user turns, normalised as answers are:
-    case, spacing and edge punctuation do not make a prompt another one)."""
+@dataclass(frozen=True)
+class Check:
+    """How one checkable prompt is scored: ``exact_answer`` against its answer (the RL stage's reward and gate), or
+    ``reference_f1`` (word-bigram F1, the RL reward of that name) against a reference answer, for open questions
+    whose right answer a sentence can phrase many ways."""
 
-    def __init__(self, answers: dict[str, str], path: str = "") -> None:
-        self.answers, self.path = answers, path
+    reward: Literal["exact_answer", "reference_f1"]
+    expected: str
+
+    def score(self, text: str) -> float:
+        if self.reward == "exact_answer":
+            return exact_answer_score(text, self.expected)
+        return bigram_f1(text, self.expected)
+
+
+class AnswerBook:
+    """Checkable prompts and how each is checked, found by the prompt's text (the user turns, normalised as answers
+    are: case, spacing and edge punctuation do not make a prompt another one)."""
+
+    def __init__(self, checks: dict[str, Check], path: str = "") -> None:
+        self.checks, self.path = checks, path
 
     @classmethod
     def load(cls, path: str | Path) -> AnswerBook:
-        """``prompt`` (text or chat messages) and ``answer`` per JSONL line; a bad line is an error naming it."""
-        answers: dict[str, str] = {}
+        """Per JSONL line ``prompt`` (text or chat messages) and ``answer`` (checked exactly), or ``reward:
+        reference_f1`` and ``reference``; a bad line is an error naming it. The frozen RL eval set's rows qualify."""
+        checks: dict[str, Check] = {}
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError as e:
             raise AnswerBookError(f"answer book {path}: cannot be read: {e}") from e
         for n, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt, answer = row["prompt"], row["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise AnswerBookError(
-                    f"answer book {path} line {n}: not a JSON object with 'prompt' and 'answer' ({e})"
-                ) from None
-            key = normalize_answer(prompt_text(prompt))
-            if not key or not str(answer).strip():
-                raise AnswerBookError(f"answer book {path} line {n}: an empty prompt or answer")
-            answers[key] = str(answer)
-        if not answers:
+            if line.strip():
+                key, check = _row(line, f"answer book {path} line {n}")
+                checks[key] = check
+        if not checks:
             raise AnswerBookError(f"answer book {path}: no rows")
-        return cls(answers, str(path))
+        return cls(checks, str(path))
+
+    def check_for(self, prompt: str) -> Check | None:
+        return self.checks.get(normalize_answer(prompt))
 
     def answer_for(self, prompt: str) -> str | None:
-        return self.answers.get(normalize_answer(prompt))
+        check = self.check_for(prompt)
+        return check.expected if check is not None else None
 
     def __len__(self) -> int:
-        return len(self.answers)
+        return len(self.checks)
+
+
+def _row(line: str, where: str) -> tuple[str, Check]:
+    """One answer book line's prompt key and check (``AnswerBookError`` naming ``where``)."""
+    try:
+        row = json.loads(line)
+        reward = row.get("reward", "exact_answer")
+        field = {"exact_answer": "answer", "reference_f1": "reference"}[reward]
+        prompt, expected = row["prompt"], str(row[field])
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise AnswerBookError(
+            f"{where}: not a JSON object with 'prompt' and 'answer' (or reward 'reference_f1' and 'reference'): "
+            f"{type(e).__name__} {e}"
+        ) from None
+    key = normalize_answer(prompt_text(prompt))
+    if not key or not expected.strip():
+        raise AnswerBookError(f"{where}: an empty prompt or answer")
+    return key, Check(reward, expected)
 
 
 def read_exchange(exchange: Exchange) -> tuple[Any, str] | None:
@@ -114,9 +149,9 @@ def score_exchange(exchange: Exchange, book: AnswerBook | None, judge: Any = Non
     if read is None:
         return None
     prompt, text = read
-    expected = book.answer_for(prompt_text(prompt)) if book is not None else None
-    if expected is not None:
-        return LiveScore(exact_answer_score(text, expected), "reward")
+    check = book.check_for(prompt_text(prompt)) if book is not None else None
+    if check is not None:
+        return LiveScore(check.score(text), "reward")
     if judge is None:
         return None
     return LiveScore(make_judge_score(judge)([text], prompts=[prompt])[0], "judge")

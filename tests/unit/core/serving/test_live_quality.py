@@ -102,6 +102,19 @@ def test_an_exchange_that_cannot_be_read_is_not_scored(exchange: Exchange, book:
     assert score_exchange(exchange, book, RecordingJudge()) is None
 
 
+def test_an_open_question_of_the_book_is_scored_by_reference_f1(tmp_path: Path) -> None:
+    path = tmp_path / "open.jsonl"
+    row = {"prompt": "What is the capital of France?", "reward": "reference_f1", "reference": "It is Paris."}
+    path.write_text(json.dumps(row) + "\n")
+    book = AnswerBook.load(path)
+    assert score_exchange(chat(row["prompt"], "It is Paris."), book) == LiveScore(1.0, "reward")
+    partly = score_exchange(chat(row["prompt"], "The answer is: Paris"), book)
+    assert partly is not None and 0 < partly.value < 1  # word bigrams: order counts, a bag of words would not
+    path.write_text(json.dumps({**row, "reward": "bleu"}) + "\n")
+    with pytest.raises(AnswerBookError, match=r"line 1: .*KeyError 'bleu'"):
+        AnswerBook.load(path)
+
+
 def test_a_completions_request_is_read_too(book: AnswerBook) -> None:
     exchange = Exchange(json.dumps({"prompt": PROMPT}).encode(), b'{"choices": [{"text": " os.path"}]}')
     assert score_exchange(exchange, book) == LiveScore(1.0, "reward")
