@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,10 @@ from nexa_dagster.core.common import stat_cache, storage, threads
 from nexa_dagster.core.common.progress import Progress
 
 PLAN_FORMAT = 1
+# the wall seconds a pool of two spawned processes takes before its first shard is done: each imports the work's
+# module (the packaging formats, the tokenizer's library). Measured 1.1-2.0 s for the three formats (sft 1.7-2.0,
+# pretrain 1.3-1.8, jsonl 1.1-1.3; three pools each, the 2-core AMD EPYC, load 1.3), so 1.5 s
+POOL_START_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,15 @@ def run_shards(
             for task in tasks:
                 finished(task.shard.shard_id, run_task(work, task))
         else:
-            _run_in_processes(tasks, work, workers, finished)
+            # the first shard here, timed: the rest go to a pool only where its start pays (pool_pays)
+            t0 = time.perf_counter()
+            finished(tasks[0].shard.shard_id, run_task(work, tasks[0]))
+            first_s, rest = time.perf_counter() - t0, tasks[1:]
+            if pool_pays(first_s / max(tasks[0].shard.rows, 1), rest, workers):
+                _run_in_processes(rest, work, workers, finished)
+            else:
+                for task in rest:
+                    finished(task.shard.shard_id, run_task(work, task))
     ordered = [done[s.shard_id] for s in shards]
     return RunReport(ordered, [t.shard.shard_id for t in tasks], skipped, redone)
 
@@ -327,6 +340,18 @@ def _tasks_to_do(
             log(f"shard {shard.shard_id}: redoing ({why})")
         tasks.append(ShardTask(shard, root, key, own, dict(runtime or {}), out_id if store else ""))
     return tasks, done, skipped, redone
+
+
+def pool_pays(seconds_per_row: float, rest: Sequence[ShardTask], workers: int) -> bool:
+    """Whether ``rest`` is worth a pool of spawned processes, given the first shard's seconds per row (done in this
+    process, its imports and loads included, so the estimate errs towards the pool): ``workers`` processes cut the
+    rest's estimated seconds to a ``1 / workers`` share at best and cost ``POOL_START_S`` before their first shard,
+    so a pool pays when ``estimate * (1 - 1 / workers)`` exceeds it. At the demo's scale a day's shards take tenths
+    of a second: the pool would cost more than the whole work."""
+    if not rest:
+        return False
+    estimate = seconds_per_row * sum(t.shard.rows for t in rest)
+    return estimate * (1 - 1 / min(workers, len(rest))) > POOL_START_S
 
 
 def _run_in_processes(

@@ -320,7 +320,16 @@ def _rows(path: str) -> dict[str, list]:
     return {column: tensor.tolist() for column, tensor in load_packed(path).items()}
 
 
-def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path: Path) -> None:
+def test_byte_identical_whatever_the_workers_and_rerun(
+    tiny_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a pool however small the work (at this scale the size rule would run every shard here: see the next test)
+    monkeypatch.setattr(sh, "POOL_START_S", 0.0)
+    pools: list[int] = []
+    real_pool = sh._run_in_processes
+    monkeypatch.setattr(
+        sh, "_run_in_processes", lambda tasks, *a: pools.append(len(tasks)) or real_pool(tasks, *a)
+    )
     path = write_jsonl(tmp_path / "chat.jsonl", chat_records(200))
     one = package_sft(
         one_source_blend(path), tiny_tokenizer, str(tmp_path / "a"), packaging_settings(workers=1), log=quiet
@@ -329,6 +338,7 @@ def test_byte_identical_whatever_the_workers_and_rerun(tiny_tokenizer, tmp_path:
         one_source_blend(path), tiny_tokenizer, str(tmp_path / "b"), packaging_settings(workers=2), log=quiet
     )
     assert one.num_shards == 5 and one.run_hash == two.run_hash
+    assert pools == [4]  # the first shard here (timed), the other four in the pool
     assert _bytes(one.root) == _bytes(two.root)
     again = package_sft(
         one_source_blend(path), tiny_tokenizer, str(tmp_path / "a"), packaging_settings(workers=2), log=quiet
@@ -754,6 +764,32 @@ def test_kill_and_resume_gives_the_uninterrupted_bytes(
         one_source_blend(path), tiny_tokenizer, str(tmp_path / "clean"), packaging_settings(), log=quiet
     )
     assert clean.run_hash == resumed.run_hash and _bytes(clean.root) == _bytes(resumed.root)
+
+
+def test_a_pool_is_started_only_where_the_shards_work_outweighs_its_start(
+    tiny_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the demo's scale (5 shards of 40 chats, tenths of a second in all) two spawned processes would cost more
+    than the whole work: every shard runs here. The rule on its own: a pool pays when the rest's estimated seconds
+    times (1 - 1/workers) exceed its start."""
+    pools: list[int] = []
+    monkeypatch.setattr(sh, "_run_in_processes", lambda tasks, *a: pools.append(len(tasks)))
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_records(200))
+    run = package_sft(
+        one_source_blend(path), tiny_tokenizer, str(tmp_path / "a"), packaging_settings(workers=2), log=quiet
+    )
+    assert pools == [] and len(run.report.processed) == 5
+    shard = sh.Shard(1, "chat", "x.jsonl", 0, 1, 0, 100, "0" * 64)
+    rest = [sh.ShardTask(shard, "root", "key", {}, {}, "")] * 3  # 300 rows to do
+    start = sh.POOL_START_S
+    # two processes save at most half the rest's seconds: a pool pays beyond twice its start
+    assert not sh.pool_pays(1.9 * start / 300, rest, workers=2)
+    assert sh.pool_pays(2.1 * start / 300, rest, workers=2)
+    # four workers, three shards left: three processes save two thirds, so beyond 1.5 times the start
+    assert not sh.pool_pays(1.4 * start / 300, rest, workers=4) and sh.pool_pays(
+        1.6 * start / 300, rest, workers=4
+    )
+    assert not sh.pool_pays(1.0, [], workers=2)  # nothing left
 
 
 def test_a_clean_up_removes_a_killed_writers_temporary_file_and_not_a_live_ones(tmp_path: Path) -> None:
