@@ -2,6 +2,10 @@
 end it by routing every request to the canary (promote) or back to the stable colour (roll back, the canary's
 requests in flight finishing).
 
+While the canary watches quality, a share of the requests' answers is kept by HAProxy and scored on a thread of
+its own (``live_quality``: the answer book's reward, or the judge), each score credited to the backend that
+answered.
+
 The state is saved after every check (``canary_store``), so a runner killed at any point and started again
 (``resume``) goes on from the last check with the same policy and sums: a canary is ended only by a saved verdict,
 and the verdict is saved only after the traffic follows it. Killed between the two, the resumed runner finds the
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core.serving.canary import CanaryDecision, decide
+from nexa_dagster.core.serving.canary import Arm, CanaryDecision, decide
 from nexa_dagster.core.serving.canary_store import Canary, CanaryStateError, begin, load, save
 from nexa_dagster.core.serving.haproxy import HAProxyRouter, RouterError
 from nexa_dagster.core.serving.live_quality import AnswerBook, LiveQualityScorer, LiveScore
@@ -55,19 +59,23 @@ class CanaryRunner:
     def start(self, canary: Canary) -> CanaryRunner:
         """Begin a new canary (refused while another runs, or when it watches quality with nothing to score
         answers with, before anything changes) and split the traffic."""
+        self._can_score(canary)
+        begin(canary, self.folder)
+        return self._run(canary)
+
+    def _can_score(self, canary: Canary) -> None:
         if "quality" in canary.policy.figures() and self.answer_book is None and self.judge is None:
             raise CanaryStateError(
                 "the canary watches quality (max_quality_drop) but has nothing to score live answers with: give "
                 "it an answer book (checkable prompts) or a judge, or max_quality_drop: null"
             )
-        begin(canary, self.folder)
-        return self._run(canary)
 
     def resume(self) -> CanaryRunner | None:
         """Go on with the canary the folder holds, if one is running (after a restart); None if none is."""
         canary = load(self.folder)
         if canary is None or not canary.running:
             return None
+        self._can_score(canary)  # a runner resuming a canary that watches quality needs its answer book too
         return self._run(canary)
 
     def _run(self, canary: Canary) -> CanaryRunner:
@@ -93,7 +101,7 @@ class CanaryRunner:
         canary = self.canary
         if canary is None or outcome.colour not in (canary.stable_colour, canary.canary_colour):
             return
-        arm = "canary" if outcome.colour == canary.canary_colour else "stable"
+        arm: Arm = "canary" if outcome.colour == canary.canary_colour else "stable"
         with self._lock:
             canary.state.record(
                 arm,
@@ -105,11 +113,12 @@ class CanaryRunner:
         if self.scorer is not None and outcome.exchange is not None:
             self.scorer.submit(arm, outcome.exchange)
 
-    def _record_quality(self, arm: str, score: LiveScore) -> None:
+    def _record_quality(self, arm: Arm, score: LiveScore) -> None:
+        """A kept answer's score, on the scorer's thread, credited to the backend that answered it."""
         canary = self.canary
         if canary is not None and canary.running:
             with self._lock:
-                canary.state.record_quality("canary" if arm == "canary" else "stable", score.value)
+                canary.state.record_quality(arm, score.value)
 
     def check(self) -> CanaryDecision:
         """Decide now and save the state; on a verdict, route the traffic first, then save the verdict."""

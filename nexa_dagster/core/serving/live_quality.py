@@ -184,7 +184,7 @@ class LiveQualityScorer:
 
     def __init__(
         self,
-        on_score: Callable[[str, LiveScore], None],
+        on_score: Callable[[Any, LiveScore], None],
         book: AnswerBook | None = None,
         judge: Any = None,
         max_pending: int = 256,

@@ -15,7 +15,7 @@ import pytest
 from nexa_dagster.core.evaluation.promotion import ProductionEntry
 from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
 from nexa_dagster.core.serving.canary_runner import CanaryRunner
-from nexa_dagster.core.serving.canary_store import CANARY_FILE, Canary, load, save
+from nexa_dagster.core.serving.canary_store import CANARY_FILE, Canary, CanaryStateError, load, save
 from nexa_dagster.core.serving.canary_watch import (
     KEEP,
     WatchCursor,
@@ -275,3 +275,18 @@ def test_watch_does_not_change_the_status_it_is_given() -> None:
     before = copy.deepcopy(status)
     watch(status, None, WatchCursor())
     assert status == before
+
+
+def test_a_canary_that_watches_quality_is_neither_started_nor_resumed_with_nothing_to_score_answers(
+    tmp_path: Path,
+) -> None:
+    watched = CanaryPolicy(share=0.5, max_slow_increase=None)  # quality watched, as by default
+    quality = Canary("blue", "green", watched, CanaryState.start("a", "b", watched, 1000.0))
+    runner = CanaryRunner(FakeRouter(tmp_path), tmp_path, tmp_path / "log.sock")  # type: ignore[arg-type]
+    with pytest.raises(CanaryStateError, match="nothing to score live answers with"):
+        runner.start(quality)
+    assert load(tmp_path) is None  # refused before anything changed
+    save(quality, tmp_path)  # a running canary's state, as a killed runner leaves it
+    with pytest.raises(CanaryStateError, match="nothing to score live answers with"):
+        CanaryRunner(FakeRouter(tmp_path), tmp_path, tmp_path / "log.sock").resume()  # type: ignore[arg-type]
+    assert load(tmp_path).running  # still running: the runner that has the answer book resumes it
