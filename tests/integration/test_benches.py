@@ -63,6 +63,11 @@ BENCHES: dict[str, Bench] = {
         frozenset({"tokens_per_s", "baseline_tokens_per_s", "speedup", "packing_efficiency"}),
         timeout_s=300,
     ),
+    "shard_pool.py": Bench(
+        ("--sizes", "120", "--repeats", "1"),
+        frozenset({"workers", "pool_start_s", "sizes"}),
+        timeout_s=240,
+    ),
     "rl.py": Bench(
         # --vllm no: the rollout engines are compared by hand (docs/measurements.md); test_vllm_rollouts runs vLLM's
         (

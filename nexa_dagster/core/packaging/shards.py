@@ -32,8 +32,9 @@ from nexa_dagster.core.common.progress import Progress
 
 PLAN_FORMAT = 1
 # the wall seconds a pool of two spawned processes takes before its first shard is done: each imports the work's
-# module (the packaging formats, the tokenizer's library). Measured 1.1-2.0 s for the three formats (sft 1.7-2.0,
-# pretrain 1.3-1.8, jsonl 1.1-1.3; three pools each, the 2-core AMD EPYC, load 1.3), so 1.5 s
+# module (the packaging formats, the tokenizer's library) and the launcher's main module. Measured 1.1-2.0 s for the
+# three formats with a bare main module (sft 1.7-2.0, pretrain 1.3-1.8, jsonl 1.1-1.3; the 2-core AMD EPYC), about
+# 6.4 s under bench/shard_pool.py (docs/measurements.md): 1.5 s, the low end, errs towards the pool (the old way)
 POOL_START_S = 1.5
 
 
