@@ -67,6 +67,7 @@ BENCHES: dict[str, Bench] = {
         ("--sizes", "120", "--repeats", "1"),
         frozenset({"workers", "pool_start_s", "sizes"}),
         timeout_s=240,
+        slow=True,  # a pool's start (about 6 s) and the tiny model's build: in make test, not in test-fast
     ),
     "rl.py": Bench(
         # --vllm no: the rollout engines are compared by hand (docs/measurements.md); test_vllm_rollouts runs vLLM's
