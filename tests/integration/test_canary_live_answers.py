@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 from support.services import missing
-from support.stand_in_engines import Load
+from support.stand_in_engines import Load, router_on_blue
 
-from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
 from nexa_dagster.core.serving.canary_runner import CanaryRunner
@@ -86,16 +85,7 @@ def endpoint(smollm2_dir: Path, tmp_path: Path) -> Iterator[tuple[HAProxyRouter,
                 startup_timeout_s=300,
             ).start(attempts=1)
             stack.callback(server.stop)
-        proxy = HAProxyRouter(
-            tmp_path / "router",
-            free_port(),
-            engines,
-            sockets / "public.sock",
-            request_log=sockets / "requests.sock",
-        ).start()
-        stack.callback(proxy.stop)
-        proxy.route_to("blue")
-        yield proxy, sockets / "requests.sock"
+        yield router_on_blue(stack, tmp_path, engines)
 
 
 @pytest.mark.slow  # two SmolLM2 engines answering about 200 requests: 2 minutes on the idle 2-core machine

@@ -21,9 +21,8 @@ import httpx
 import pytest
 from support.openai_stub import json_judge, stub_server
 from support.services import missing
-from support.stand_in_engines import Load, stand_in_engine
+from support.stand_in_engines import Load, router_on_blue, stand_in_engine
 
-from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
 from nexa_dagster.core.serving.canary_runner import CanaryRunner
 from nexa_dagster.core.serving.canary_store import Canary
@@ -77,16 +76,7 @@ def endpoint(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[H
     with ExitStack() as stack:
         stack.enter_context(stand_in_engine(engines["blue"], "blue", answer=right))
         stack.enter_context(stand_in_engine(engines["green"], "green", answer=request.param))
-        proxy = HAProxyRouter(
-            tmp_path / "router",
-            free_port(),
-            engines,
-            sockets / "public.sock",
-            request_log=sockets / "requests.sock",
-        ).start()
-        stack.callback(proxy.stop)
-        proxy.route_to("blue")
-        yield proxy, sockets / "requests.sock"
+        yield router_on_blue(stack, tmp_path, engines)
 
 
 def _book(tmp_path: Path) -> AnswerBook:
@@ -147,9 +137,8 @@ def test_a_canary_answering_as_well_is_promoted_with_the_judge_scoring_the_promp
     print(f"promoted: {dict(counts)}")
     assert min(counts["stable reward"], counts["canary reward"]) > 0
     assert min(counts["stable judge"], counts["canary judge"]) > 0
-    assert (
-        len(judged) >= counts["stable judge"] + counts["canary judge"]
-    )  # each judged answer asked the judge
+    # each judged answer asked the judge
+    assert len(judged) >= counts["stable judge"] + counts["canary judge"]
     # the judge saw the answer, never which backend gave it
     assert not any("green" in json.dumps(c) or "blue" in json.dumps(c) for c in judged)
     assert load_.errors == [] and load_.after and set(load_.after) == {("green", 200)}

@@ -10,12 +10,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from nexa_dagster.core.common.net import free_port
+from nexa_dagster.core.serving.haproxy import HAProxyRouter
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -115,3 +118,19 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=20)
+
+
+def router_on_blue(stack: ExitStack, tmp_path: Path, engines: dict[str, Path]) -> tuple[HAProxyRouter, Path]:
+    """HAProxy in front of the colours' sockets with its request log on, every request to blue, stopped with
+    ``stack``: the router and its log socket (beside the engines' sockets)."""
+    sockets = next(iter(engines.values())).parent
+    proxy = HAProxyRouter(
+        tmp_path / "router",
+        free_port(),
+        engines,
+        sockets / "public.sock",
+        request_log=sockets / "requests.sock",
+    ).start()
+    stack.callback(proxy.stop)
+    proxy.route_to("blue")
+    return proxy, sockets / "requests.sock"
