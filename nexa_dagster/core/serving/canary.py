@@ -47,6 +47,7 @@ Arm = Literal["stable", "canary"]
 Verdict = Literal["promote", "roll back", "continue"]
 Status = Literal["worse", "no worse", "undecided"]
 FIGURES = ("failed", "slow", "slow_first_token", "quality")
+STOPPED = "stopped by a person: "  # a stopped canary's reason starts so (POST /canary/stop, stop_canary_job)
 LATENCY_FIGURES = {"slow": "latency_s", "slow_first_token": "first_token_s"}  # figure: the request's seconds
 
 

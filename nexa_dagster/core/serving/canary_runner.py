@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nexa_dagster.core.serving.canary import Arm, CanaryDecision, decide
+from nexa_dagster.core.serving.canary import STOPPED, Arm, CanaryDecision, decide
 from nexa_dagster.core.serving.canary_store import Canary, CanaryStateError, begin, load, save
 from nexa_dagster.core.serving.haproxy import HAProxyRouter, RouterError
 from nexa_dagster.core.serving.live_quality import AnswerBook, LiveQualityScorer, LiveScore
@@ -184,7 +184,7 @@ class CanaryRunner:
             return self.decision
         with self._lock:
             figures = decide(canary.state, canary.policy, self.clock()).figures
-        decision = CanaryDecision("roll back", f"stopped by a person: {reason}", figures)
+        decision = CanaryDecision("roll back", f"{STOPPED}{reason}", figures)
         drained_s = self.router.route_to(canary.stable_colour)
         self._stop_scoring()  # as check() does after a verdict's route
         with self._lock:

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nexa_dagster.core.evaluation.promotion import ProductionEntry
+from nexa_dagster.core.serving.canary import STOPPED
 from nexa_dagster.core.serving.canary_store import CanaryStateError, load
 
 KEEP = 50  # decisions remembered: far more than can happen between two ticks
-STOPPED = "stopped by a person: "  # the reason's start when a person stopped the canary (POST /canary/stop)
 
 
 @dataclass

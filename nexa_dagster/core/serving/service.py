@@ -46,7 +46,7 @@ from nexa_dagster.core.evaluation.promotion import ProductionEntry, ProductionRe
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.serving import access
-from nexa_dagster.core.serving.canary import CanaryPolicy, CanaryState
+from nexa_dagster.core.serving.canary import STOPPED, CanaryPolicy, CanaryState
 from nexa_dagster.core.serving.canary_runner import CanaryRunner
 from nexa_dagster.core.serving.canary_store import Canary, CanaryStateError
 from nexa_dagster.core.serving.canary_store import load as load_canary
@@ -540,7 +540,7 @@ class ServingService:
             raise SwitchFailed("no canary runs: nothing to stop")
         decision = runner.stop_canary(reason)
         self._follow_canary()
-        if decision.reason != f"stopped by a person: {reason}":
+        if decision.reason != f"{STOPPED}{reason}":
             raise SwitchFailed(
                 f"the canary of {engine.checkpoint_id} was decided before the stop: {decision.verdict}: "
                 f"{decision.reason}"
