@@ -45,6 +45,7 @@ from nexa_dagster.resources.configs import (
     from_section,
 )
 from nexa_dagster.resources.gpu_cluster import GPUClusterResource, gpu_cluster_from_settings
+from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
 from nexa_dagster.resources.io_manager import NexaIOManager
 from nexa_dagster.resources.llm import llm_resource
 from nexa_dagster.resources.scale import ScaleResource
@@ -67,19 +68,23 @@ ASSET_MODULES = [
 ]
 
 
-def gpu_cluster_resource(section: dict[str, Any], where: str) -> GPUClusterResource:
+def gpu_cluster_resource(
+    section: dict[str, Any], where: str, warm_workers: bool = False
+) -> GPUClusterResource:
     """``gpu_cluster`` of pipeline.yaml as its backend's typed class; ``NEXA_CLUSTER_BACKEND`` and
     ``NEXA_ACCELERATOR`` override the file's ``backend`` and ``accelerator``. An unknown backend, an unknown key or
-    a field of another backend fails the load naming the file and the key."""
+    a field of another backend fails the load naming the file and the key. ``warm_workers``: the local backend
+    forks its workers from a warm Python (``LocalGPUCluster.warm_start``) unless the file says otherwise."""
     overrides = {
         key: v.get()
         for key, v in (("backend", settings.CLUSTER_BACKEND), ("accelerator", settings.ACCELERATOR))
         if v.is_set()
     }
+    fields = {**section, **overrides}
+    if warm_workers and fields.get("backend", LocalGPUCluster.backend) == LocalGPUCluster.backend:
+        fields.setdefault("warm_start", True)  # the file's own value wins
     return gpu_cluster_from_settings(
-        {**section, **overrides},
-        where,
-        backend_from=settings.CLUSTER_BACKEND.name if "backend" in overrides else "",
+        fields, where, backend_from=settings.CLUSTER_BACKEND.name if "backend" in overrides else ""
     )
 
 
@@ -100,8 +105,9 @@ def config_resources() -> dict[str, Any]:
     }
 
 
-def build_resources() -> dict[str, Any]:
-    """Every resource, from configs/pipeline.yaml under the environment's overrides."""
+def build_resources(warm_workers: bool = False) -> dict[str, Any]:
+    """Every resource, from configs/pipeline.yaml under the environment's overrides (``warm_workers``:
+    ``gpu_cluster_resource``)."""
     cfg, where = pipeline_config(), config_dir() / "pipeline.yaml"
     landing_root = cfg.ingest.get("landing_root", "sample_data/landing")
     storage = StorageResource(
@@ -121,7 +127,7 @@ def build_resources() -> dict[str, Any]:
         ),
         # no model of its own: the production checkpoint when preference_pairs runs (LLMResource.for_model)
         "policy_llm": llm_resource("policy", cfg.policy_llm, f"{where}: policy_llm", ""),
-        "gpu_cluster": gpu_cluster_resource(cfg.gpu_cluster, f"{where}: gpu_cluster"),
+        "gpu_cluster": gpu_cluster_resource(cfg.gpu_cluster, f"{where}: gpu_cluster", warm_workers),
         "tracking": TrackingResource(
             tracking_uri=settings.MLFLOW_TRACKING_URI.get(), data_root=storage.data_root
         ),
@@ -160,9 +166,10 @@ STEP_EXECUTOR = dg.multiprocess_executor.configured(
 )
 
 
-def build_defs() -> dg.Definitions:
+def build_defs(warm_workers: bool = False) -> dg.Definitions:
     """The code location. Every file under ``configs/`` is checked first: a bad key fails the load (``make
-    validate``, the UI) naming the file and the key, not a run hours later."""
+    validate``, the UI) naming the file and the key, not a run hours later. ``warm_workers``: for a process that
+    runs many jobs itself (``make run``), workers forked from a warm Python (``gpu_cluster_resource``)."""
     check_configs(extra=[build_resources])
     schedule = pipeline_config().schedule
     # production_model, an external asset (an AssetSpec: load_assets_from_modules collects only definitions, and
@@ -180,7 +187,7 @@ def build_defs() -> dg.Definitions:
         jobs=JOBS,
         schedules=[nightly_schedule(schedule.nightly_retrain_hour_utc)],
         sensors=SENSORS,
-        resources=build_resources(),
+        resources=build_resources(warm_workers),
     )
 
 

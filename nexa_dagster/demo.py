@@ -500,7 +500,10 @@ def main() -> int:
     settings.export_default(settings.DAGSTER_HOME, str(REPO_ROOT / ".dagster_home"))
     settings.export_default(settings.HF_HUB_OFFLINE)
     Path(settings.DAGSTER_HOME.get()).mkdir(parents=True, exist_ok=True)
-    defs = build_defs()
+    # one process runs every job: its workers fork from a warm Python that imports torch, transformers and
+    # DeepSpeed once (core/cluster/warm_python.py), started now, beside the first day's data
+    defs = build_defs(warm_workers=True)
+    defs.resources["gpu_cluster"].prestart_warm()
     for path in install_tiny_models(
         local_model_dirs(defs.resources)
     ):  # the demo's own teacher, judge, tokenizer

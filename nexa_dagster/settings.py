@@ -525,6 +525,19 @@ def export(variable: Variable, value: str) -> None:
     os.environ[variable.name] = value
 
 
+def whole_environ() -> dict[str, str]:
+    """Every variable of this process, secrets included: for the warm Python (``core/cluster/warm_python.py``) to
+    tell its launcher what its imports set, never for a child's environment (that is ``environ()``)."""
+    return dict(os.environ)
+
+
+def replace_environ(env: Mapping[str, str]) -> None:
+    """This process's whole environment becomes ``env``: a worker forked from the warm Python takes the one its
+    launcher built for it, as a fresh process would get it."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def export_default(variable: Variable, value: str | None = None) -> None:
     """Set a variable unless it is set already (``value`` defaults to the variable's own default)."""
     os.environ.setdefault(variable.name, variable.default if value is None else value)

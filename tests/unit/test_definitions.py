@@ -275,6 +275,46 @@ def test_the_backend_picks_a_typed_cluster_class_and_the_environment_overrides_i
         build_defs()
 
 
+def test_make_run_forks_its_workers_from_a_warm_python_unless_the_file_says_not_to(
+    tmp_path, monkeypatch
+) -> None:
+    """``build_defs(warm_workers=True)`` (``make run``) turns the local backend's ``warm_start`` on, and the
+    resource Dagster builds for a step has it; a ``dagster`` run's code location (the default) and a file that
+    says ``warm_start: false`` keep it off; another backend is left as it is."""
+    from nexa_dagster.definitions import build_defs
+    from nexa_dagster.resources.gpu_cluster import LocalGPUCluster, SlurmGPUCluster
+
+    monkeypatch.delenv("NEXA_ACCELERATOR", raising=False)
+    monkeypatch.delenv("NEXA_CLUSTER_BACKEND", raising=False)
+
+    def cluster(defs: dg.Definitions) -> object:
+        # what a step's context gets: the resource Dagster builds from the definition, not the object passed in
+        with dg.build_resources({"gpu_cluster": defs.resources["gpu_cluster"]}) as built:
+            return built.gpu_cluster
+
+    assert cluster(build_defs(warm_workers=True)).warm_start is True
+    assert cluster(build_defs()).warm_start is False
+    monkeypatch.setenv(
+        "NEXA_CONFIG_DIR",
+        str(
+            _configs_with(
+                tmp_path / "off",
+                "pipeline.yaml",
+                "  backend: local ",
+                "  backend: local\n  warm_start: false ",
+            )
+        ),
+    )
+    off = cluster(build_defs(warm_workers=True))
+    assert type(off) is LocalGPUCluster and off.warm_start is False
+    monkeypatch.delenv("NEXA_CONFIG_DIR")  # the next copy is of the shipped files
+    monkeypatch.setenv(
+        "NEXA_CONFIG_DIR",
+        str(_configs_with(tmp_path / "slurm", "pipeline.yaml", "  backend: local ", "  backend: slurm ")),
+    )
+    assert type(cluster(build_defs(warm_workers=True))) is SlurmGPUCluster
+
+
 def test_dagster_definitions_validate_fails_on_a_typo_in_an_unselected_scale(tmp_path) -> None:
     """`make validate` used to pass a typo in any scale but the one NEXA_SCALE selects (tiny)."""
     configs = _configs_with(tmp_path, "scales/full.yaml", "  learning_rate:", "  lerning_rate:")

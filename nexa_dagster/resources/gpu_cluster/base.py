@@ -107,6 +107,9 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         logs under ``work_dir``."""
         return None
 
+    def prestart_warm(self) -> None:
+        """Start what makes later workers start faster (the local backend's warm Python); nothing elsewhere."""
+
     def world_size(self) -> int:
         """Ranks of one training (nodes × ranks per node)."""
         return self.num_procs

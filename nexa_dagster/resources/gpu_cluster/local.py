@@ -9,10 +9,17 @@ import time
 from pathlib import Path
 
 import dagster as dg
+from pydantic import Field
 
 from nexa_dagster import settings
+from nexa_dagster.core.cluster import warm_python
 from nexa_dagster.core.common.spans import WORKER_PROCESS, span_line
-from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
+from nexa_dagster.resources.gpu_cluster.base import (
+    WORKER_ENV,
+    GPUClusterResource,
+    WorkerFailed,
+    WorkerLaunch,
+)
 
 # how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
 # worker's INTERRUPT_GRACE_S (core/common/workers.py), so the worker's hard exit comes first
@@ -29,6 +36,43 @@ class LocalGPUCluster(GPUClusterResource):
     worker), so no orphan keeps a GPU busy."""
 
     backend = "local"
+
+    warm_start: bool = Field(
+        default=False,
+        description="fork each single-rank worker from a warm Python that imported torch, transformers and "
+        "DeepSpeed once (core/cluster/warm_python.py): for a process that launches many workers (make run "
+        "turns it on); off, every worker is a fresh interpreter",
+    )
+
+    def prestart_warm(self) -> None:
+        """Start the warm Python importing now, beside other work, so the first worker need not wait for it."""
+        if self.warm_start:
+            warm_python.shared(
+                self.python(), {**settings.child_environ("training"), **WORKER_ENV, **self.env}
+            )
+
+    def _start(
+        self, context: dg.AssetExecutionContext, command: list[str], cwd: Path, env: dict[str, str]
+    ) -> subprocess.Popen[bytes] | warm_python.WarmChild:
+        """The worker, forked from the warm Python where it is on and the worker's environment allows (what a
+        library reads while importing must be what the warm Python imported under), else a fresh process."""
+        target = warm_python.module_of(command, self.python()) if self.warm_start else None
+        if target is not None:
+            warm = warm_python.shared(self.python(), env)
+            if not warm.ready():
+                context.log.warning("the warm Python did not start; starting the worker cold")
+            elif differs := warm.differs(env):
+                context.log.info(
+                    f"starting the worker cold: its {', '.join(differs[:4])} differ from the warm Python's"
+                )
+            else:
+                try:
+                    child = warm.spawn(*target, cwd, env)
+                    context.log.info(f"worker forked from the warm Python (pid {child.pid})")
+                    return child
+                except OSError as e:
+                    context.log.warning(f"{e}; starting the worker cold")
+        return subprocess.Popen(command, cwd=str(cwd), env=env)
 
     def worker_command(self, job_file: Path, log_dir: Path) -> list[str]:
         """The training worker's command line: ``python -m ...worker``, under ``torchrun`` for more than one rank."""
@@ -55,7 +99,7 @@ class LocalGPUCluster(GPUClusterResource):
                 **session.get_bootstrap_env_vars(),
             }
             started = time.perf_counter()
-            process = subprocess.Popen(command, cwd=str(launch.work_dir), env=env)
+            process = self._start(context, command, launch.work_dir, env)
             try:
                 code = process.wait()
             except dg.DagsterExecutionInterruptedError:

@@ -1,0 +1,189 @@
+"""Workers forked from a warm Python (core/cluster/warm_python.py) against fresh interpreters: real processes,
+real signals. What a launcher relies on: the module runs as ``python -m`` would run it (arguments, working
+directory, environment, exit code, a signal's code), with the preloaded libraries already imported; a worker whose
+import-time environment differs is started cold; the warm Python ends with its launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import pytest
+
+from nexa_dagster.core.cluster import warm_python
+from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, random, sys, time
+    out = {"cwd": os.getcwd(), "argv": sys.argv[1:], "probe": os.environ.get("PROBE"), "name": __name__,
+           "torch_loaded_before_me": "torch" in sys.modules, "random": random.random(), "pid": os.getpid()}
+    print(json.dumps(out), flush=True)
+    if sys.argv[1:2] == ["sleep"]:
+        time.sleep(120)
+    sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """An environment whose PYTHONPATH holds ``probe.py`` (PYTHONPATH is read when an interpreter starts: the
+    warm Python must have been started with it)."""
+    folder = tmp_path_factory.mktemp("probe")
+    (folder / "probe.py").write_text(PROBE)
+    (folder / "draw.py").write_text(
+        "import random, sys\nopen(sys.argv[1], 'w').write(repr(random.random()))\n"
+    )
+    return {**os.environ, "PYTHONPATH": str(folder)}
+
+
+@pytest.fixture(scope="module")
+def warm(probe_env: dict[str, str]) -> Iterator[warm_python.WarmPython]:
+    started = warm_python.WarmPython(
+        sys.executable, warm_python.import_time_environment(probe_env), ("torch",)
+    )
+    started.start()
+    assert started.ready(), "the warm Python did not start"
+    yield started
+    started.close()
+
+
+def test_a_forked_worker_runs_the_module_as_python_dash_m_with_torch_already_imported(
+    warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    cold = subprocess.run(
+        [sys.executable, "-m", "probe", "3", "x"],
+        cwd=tmp_path,
+        env={**probe_env, "PROBE": "p"},
+        capture_output=True,
+        text=True,
+    )
+    forked = subprocess.run(  # through a launcher process, so its stdout (the child's) can be read
+        [
+            sys.executable,
+            "-c",
+            "import sys, os; from nexa_dagster.core.cluster import warm_python as w;"
+            "h = w.WarmPython(sys.executable, w.import_time_environment(os.environ), ('torch',)).start();"
+            "assert h.ready(); c = h.spawn('probe', ['3', 'x'], sys.argv[1], {**os.environ, 'PROBE': 'p'});"
+            "code = c.wait(); h.close(); sys.exit(code)",
+            str(tmp_path),
+        ],
+        env=probe_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    a, b = json.loads(cold.stdout), json.loads(forked.stdout)
+    assert cold.returncode == forked.returncode == 3, forked.stderr[-2000:]
+    for key in ("cwd", "argv", "probe", "name"):
+        assert a[key] == b[key], (key, a, b)
+    assert b["argv"] == ["3", "x"] and b["name"] == "__main__" and b["cwd"] == str(tmp_path)
+    assert not a["torch_loaded_before_me"] and b["torch_loaded_before_me"]  # the point: imported once, before
+
+
+def test_exit_codes_and_signals_read_as_a_fresh_process_s(
+    warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    assert warm.spawn("probe", ["0"], tmp_path, probe_env).wait(timeout=60) == 0
+    assert warm.spawn("probe", ["75"], tmp_path, probe_env).wait(timeout=60) == 75
+    missing = warm.spawn("no_such_module_here", [], tmp_path, probe_env)
+    assert missing.wait(timeout=60) == 1  # as `python -m no_such_module_here`
+    for sig in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM):
+        cold = subprocess.Popen([sys.executable, "-m", "probe", "sleep"], cwd=tmp_path, env=probe_env)
+        forked = warm.spawn("probe", ["sleep"], tmp_path, probe_env)
+        with pytest.raises(subprocess.TimeoutExpired):
+            forked.wait(timeout=0.5)
+        assert forked.poll() is None
+        time.sleep(1.0)  # both inside the sleep (an import interrupted would say so in its own way)
+        cold.send_signal(sig)
+        forked.send_signal(sig)
+        assert forked.wait(timeout=30) == cold.wait(timeout=30) == -sig, sig
+
+
+def test_two_workers_do_not_share_the_warm_python_s_random_state(
+    warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Python's generator is re-seeded in each child, as each fresh interpreter seeds its own: two forked
+    workers draw differently (a fork alone would hand both the warm Python's state)."""
+    draws = []
+    for i in range(2):
+        out = tmp_path / f"{i}.txt"
+        assert warm.spawn("draw", [str(out)], tmp_path, probe_env).wait(timeout=60) == 0
+        draws.append(out.read_text())
+    assert draws[0] != draws[1], draws
+
+
+def test_a_worker_whose_import_time_environment_differs_starts_cold(
+    warm: warm_python.WarmPython, probe_env: dict[str, str]
+) -> None:
+    base = warm.env
+    runtime = {**base, "OMP_NUM_THREADS": "7", "NEXA_LAUNCHER_PID": "1", "DAGSTER_PIPES_CONTEXT": "x"}
+    assert warm_python.environment_difference(base, runtime) == []
+    policy = {**base, "OMP_WAIT_POLICY": "ACTIVE"}
+    assert warm_python.environment_difference(base, policy) == ["OMP_WAIT_POLICY"]
+    moved = {k: v for k, v in base.items() if k != "PYTHONPATH"}
+    assert warm_python.environment_difference(base, moved) == ["PYTHONPATH"]
+    # what an import sets itself (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK=1 if unset) is no difference, whether
+    # the worker's launcher imported it already or not; another value is one
+    nvml = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    base = {k: v for k, v in base.items() if k != nvml}
+    for wanted, differs in (({nvml: "1"}, []), ({}, []), ({nvml: "0"}, [nvml])):
+        assert warm_python.environment_difference(base, {**base, **wanted}, {nvml: "1"}) == differs
+
+
+def test_the_local_backend_forks_a_worker_only_where_its_environment_allows(
+    probe_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LocalGPUCluster(warm_start=True)`` hands a ``python -m`` worker to the warm Python, and starts one
+    that wants another wait policy (or runs under torchrun) as a fresh process; off, every worker is fresh."""
+    for key, value in probe_env.items():
+        monkeypatch.setenv(key, value)
+    context = dg.build_asset_context()
+    cluster = LocalGPUCluster(warm_start=True)
+    command = [sys.executable, "-m", "probe", "0"]
+    try:
+        forked = cluster._start(context, command, tmp_path, dict(probe_env))
+        assert isinstance(forked, warm_python.WarmChild) and forked.wait(timeout=120) == 0
+        other = cluster._start(context, command, tmp_path, {**probe_env, "OMP_WAIT_POLICY": "ACTIVE"})
+        assert isinstance(other, subprocess.Popen) and other.wait(timeout=120) == 0
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--help"]
+        assert warm_python.module_of(torchrun, sys.executable) == ("torch.distributed.run", ["--help"])
+        assert warm_python.module_of(["/bin/true"], sys.executable) is None
+    finally:
+        warm_python.shared(sys.executable, probe_env).close()
+    off = LocalGPUCluster()._start(context, command, tmp_path, dict(probe_env))
+    assert isinstance(off, subprocess.Popen) and off.wait(timeout=120) == 0
+
+
+def test_the_warm_python_ends_with_its_launcher(probe_env: dict[str, str]) -> None:
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, os, time; from nexa_dagster.core.cluster import warm_python as w;"
+            "h = w.WarmPython(sys.executable, w.import_time_environment(os.environ), ('json',)).start();"
+            "assert h.ready(); print(h.process.pid, flush=True); time.sleep(300)",
+        ],
+        env=probe_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert launcher.stdout is not None
+    warm_pid = int(launcher.stdout.readline())
+    assert psutil.pid_exists(warm_pid)
+    launcher.kill()  # no atexit, no close: the warm Python must notice on its own
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(warm_pid) and psutil.Process(warm_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the warm Python outlived its launcher"
+        time.sleep(0.1)
