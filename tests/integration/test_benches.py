@@ -69,6 +69,12 @@ BENCHES: dict[str, Bench] = {
         timeout_s=240,
         slow=True,  # a pool's start (about 6 s) and the tiny model's build: in make test, not in test-fast
     ),
+    "warm_workers.py": Bench(
+        ("--rounds", "1"),
+        frozenset({"cold_s", "warm_s", "speedup", "warm_python_start_s", "workers_to_pay_back"}),
+        timeout_s=240,
+        slow=True,  # three interpreters importing torch, transformers and DeepSpeed: in make test, not test-fast
+    ),
     "rl.py": Bench(
         # --vllm no: the rollout engines are compared by hand (docs/measurements.md); test_vllm_rollouts runs vLLM's
         (

@@ -60,6 +60,9 @@ PRELOAD = (
     "transformers.models.mixtral.modeling_mixtral",
     "nexa_dagster.core.training.worker",
     "nexa_dagster.core.evaluation.worker",
+    # DeepSpeed's ZeRO-1/2 imports it at a rank's first backward to ask whether the optimizer is Muon; its
+    # torch.compile decorator imports torch's inductor: 0.8 s idle, several under load, in every training worker
+    "deepspeed.runtime.zero.muon.muon_optimizer",
 )
 # read at run time, not while the preloaded modules import: a child's own value is used as it is
 RUNTIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -297,7 +300,10 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
             from nexa_dagster.core.training.loop import import_deepspeed  # its DeepSpeed, without MLflow
 
             import_deepspeed()
-        __import__(name)
+        try:
+            __import__(name)
+        except ImportError as e:  # a library that moved a module: the workers import it themselves, as cold
+            print(f"warm Python: not preloading {name}: {e}", file=sys.stderr, flush=True)
     after = import_time_environment(
         settings.whole_environ()
     )  # with what the imports set themselves (WarmPython.ready)

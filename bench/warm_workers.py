@@ -1,0 +1,113 @@
+"""A worker's start from a fresh interpreter against one forked from the warm Python (``core/cluster/warm_python.py``,
+``LocalGPUCluster.warm_start``, what ``make run`` does), on the same work in the same run.
+
+Run (from the repo root)::
+
+    HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu .venv/bin/python bench/warm_workers.py
+
+Each launch runs a probe module as ``python -m`` runs a worker: it imports the training and the evaluation worker's
+modules (and with them torch, transformers, DeepSpeed's loop), loads the shipped-recipe tiny model with the
+evaluation worker's client and scores one batch, then exits: what every worker does before its first line of its
+own work. ``--rounds`` launches each way, in turn (cold, warm, cold, ...), with the same environment and folder; the
+figures are wall seconds from launch to exit (medians), the warm Python's own start once (a launcher pays it once,
+beside other work), and after how many workers it has paid for itself. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# run as a script, bench/ is sys.path[0] and bench/packaging.py would shadow the installed `packaging`
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from nexa_dagster import settings  # noqa: E402
+from nexa_dagster.core.cluster import warm_python  # noqa: E402
+from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
+
+PROBE = """
+import sys
+import nexa_dagster.core.training.worker
+import nexa_dagster.core.evaluation.worker
+from nexa_dagster.core.llm.local import LocalTransformersClient
+from nexa_dagster.core.llm.base import SamplingParams
+
+with LocalTransformersClient(sys.argv[1], batch_size=4, device="cpu") as client:
+    client.chat_many([[{"role": "user", "content": "What does a list do?"}]] * 4, SamplingParams(max_tokens=4))
+"""
+
+
+def cold(python: str, folder: Path, checkpoint: Path, env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    subprocess.run([python, "-m", "warm_probe", str(checkpoint)], cwd=folder, env=env, check=True)
+    return time.perf_counter() - started
+
+
+def warm(pool: warm_python.WarmPython, folder: Path, checkpoint: Path, env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    code = pool.spawn("warm_probe", [str(checkpoint)], folder, env).wait()
+    if code != 0:
+        raise SystemExit(f"the forked probe exited with {code}")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="warm-bench-") as tmp:
+        folder = Path(tmp)
+        (folder / "warm_probe.py").write_text(PROBE)
+        checkpoint = build_tiny_causal_lm(folder / "tiny", seed=0)
+        # what the local backend hands a worker (its kind's threads), the probe's folder on the path of both sides
+        env = {**settings.child_environ("evaluation"), "PYTHONPATH": str(folder), "PYTHONUNBUFFERED": "1"}
+        python = sys.executable
+        started = time.perf_counter()
+        pool = warm_python.WarmPython(python, warm_python.import_time_environment(env)).start()
+        if not pool.ready():
+            raise SystemExit("the warm Python did not start")
+        warm_start_s = time.perf_counter() - started
+        try:
+            if pool.differs(env):
+                raise SystemExit(
+                    f"the probe's environment differs from the warm Python's: {pool.differs(env)}"
+                )
+            times: dict[str, list[float]] = {"cold": [], "warm": []}
+            for i in range(args.rounds):
+                times["cold"].append(cold(python, folder, checkpoint, env))
+                times["warm"].append(warm(pool, folder, checkpoint, env))
+                print(
+                    f"round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
+                    flush=True,
+                )
+        finally:
+            pool.close()
+    cold_s, warm_s = statistics.median(times["cold"]), statistics.median(times["warm"])
+    saved = cold_s - warm_s
+    result = {
+        "rounds": args.rounds,
+        "cold_s": round(cold_s, 3),
+        "warm_s": round(warm_s, 3),
+        "speedup": round(cold_s / warm_s, 2),
+        "warm_python_start_s": round(warm_start_s, 3),
+        # the warm Python's start is paid once; each forked worker saves cold - warm
+        "workers_to_pay_back": round(warm_start_s / saved, 2) if saved > 0 else None,
+        "cpus": os.cpu_count(),
+        "load_after": round(os.getloadavg()[0], 2),
+    }
+    print(
+        f"median of {args.rounds}: cold {cold_s:.2f} s, warm {warm_s:.2f} s ({result['speedup']}x); the warm "
+        f"Python's own start {warm_start_s:.2f} s, paid back after {result['workers_to_pay_back']} workers"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
