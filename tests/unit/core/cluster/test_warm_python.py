@@ -141,6 +141,7 @@ def test_a_worker_whose_import_time_environment_differs_starts_cold(
         assert warm_python.environment_difference(base, {**base, **wanted}, {nvml: "1"}) == differs
 
 
+@pytest.mark.slow  # the full preload (torch, transformers, DeepSpeed): make test; make test-fast keeps the rest
 def test_the_local_backend_forks_a_worker_only_where_its_environment_allows(
     probe_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
