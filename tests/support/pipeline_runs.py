@@ -25,7 +25,7 @@ import json, sys
 import dagster as dg
 from nexa_dagster.definitions import build_defs
 
-defs = build_defs()
+defs = build_defs(warm_workers=True)  # one process runs every job, as make run: workers fork from a warm Python
 instance = dg.DagsterInstance.get()
 trained = None
 for spec in sys.argv[1:]:
