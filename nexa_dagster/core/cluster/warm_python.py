@@ -164,7 +164,9 @@ class WarmPython:
     python: str
     env: dict[str, str]  # the environment it imported under (thread counts at 1: it computes nothing)
     preload: tuple[str, ...] = PRELOAD
-    set_by_imports: dict[str, str] = field(default_factory=dict)  # what its imports added to its environment
+    set_by_imports: dict[str, str] | None = (
+        None  # what its imports added to its environment (known once ready)
+    )
     process: subprocess.Popen[bytes] | None = None
     socket_path: Path = field(default_factory=Path)
     _dir: tempfile.TemporaryDirectory[str] | None = None
@@ -189,7 +191,7 @@ class WarmPython:
         deadline = time.monotonic() + timeout_s
         while self.process is not None and self.process.poll() is None:
             if self.socket_path.exists():
-                if not self.set_by_imports:
+                if self.set_by_imports is None:
                     after = json.loads(self.socket_path.with_suffix(".env.json").read_text())
                     self.set_by_imports = {k: v for k, v in after.items() if k not in self.env}
                 return True

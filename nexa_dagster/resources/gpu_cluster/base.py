@@ -107,6 +107,11 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
         logs under ``work_dir``."""
         return None
 
+    def launch_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The variables every worker launch sets over the machine's environment: ``WORKER_ENV``, the resource's
+        ``env``, then the launch's own."""
+        return {**WORKER_ENV, **self.env, **(env or {})}
+
     def prestart_warm(self) -> None:
         """Start what makes later workers start faster (the local backend's warm Python); nothing elsewhere."""
 
@@ -120,9 +125,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
     def training_launch(
         self, job: TrainingJob, work_dir: Path, env: dict[str, str] | None = None
     ) -> WorkerLaunch:
-        return WorkerLaunch(
-            "training", job.run_id, work_dir / "job.json", work_dir, {**WORKER_ENV, **self.env, **(env or {})}
-        )
+        return WorkerLaunch("training", job.run_id, work_dir / "job.json", work_dir, self.launch_env(env))
 
     def evaluation_launch(
         self, job: EvaluationJob, work_dir: Path, env: dict[str, str] | None = None
@@ -132,7 +135,7 @@ class GPUClusterResource(dg.ConfigurableResource, ABC):
             job.run_id,
             work_dir / "eval_job.json",
             work_dir,
-            {**WORKER_ENV, **self.env, **(env or {})},
+            self.launch_env(env),
         )
 
     def run_training(

@@ -14,12 +14,7 @@ from pydantic import Field
 from nexa_dagster import settings
 from nexa_dagster.core.cluster import warm_python
 from nexa_dagster.core.common.spans import WORKER_PROCESS, span_line
-from nexa_dagster.resources.gpu_cluster.base import (
-    WORKER_ENV,
-    GPUClusterResource,
-    WorkerFailed,
-    WorkerLaunch,
-)
+from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFailed, WorkerLaunch
 
 # how long a cancelled worker (or torchrun) has to exit after SIGINT: PipesSubprocessClient's own wait, above the
 # worker's INTERRUPT_GRACE_S (core/common/workers.py), so the worker's hard exit comes first
@@ -47,9 +42,18 @@ class LocalGPUCluster(GPUClusterResource):
     def prestart_warm(self) -> None:
         """Start the warm Python importing now, beside other work, so the first worker need not wait for it."""
         if self.warm_start:
-            warm_python.shared(
-                self.python(), {**settings.child_environ("training"), **WORKER_ENV, **self.env}
-            )
+            warm_python.shared(self.python(), self.worker_env("training", self.launch_env()))
+
+    def worker_env(self, kind: str, launch_env: dict[str, str], ranks: int = 1) -> dict[str, str]:
+        """A worker's whole environment (before Dagster Pipes' variables): its kind's thread share, the ranks'
+        split among them, over ``settings.environ()``; the launch's variables; this process as the launcher it
+        watches (LAUNCHER_PID), and its lines through Pipes only (the step's stdout would show each twice)."""
+        return {
+            **settings.child_environ(kind, alongside=ranks),
+            **launch_env,
+            settings.LAUNCHER_PID.name: str(os.getpid()),
+            settings.WORKER_ECHO.name: "0",
+        }
 
     def _start(
         self, context: dg.AssetExecutionContext, command: list[str], cwd: Path, env: dict[str, str]
@@ -88,16 +92,8 @@ class LocalGPUCluster(GPUClusterResource):
             context_injector=dg.PipesTempFileContextInjector(),
             message_reader=dg.PipesTempFileMessageReader(),
         ) as session:
-            # the worker watches LAUNCHER_PID (this process) and logs through Pipes only (the step's stdout would
-            # show every line twice); its threads are its kind's share, the ranks' split among them
             ranks = self.num_procs if launch.distributed else 1
-            env = {
-                **settings.child_environ(launch.kind, alongside=ranks),
-                **launch.env,
-                settings.LAUNCHER_PID.name: str(os.getpid()),
-                settings.WORKER_ECHO.name: "0",
-                **session.get_bootstrap_env_vars(),
-            }
+            env = {**self.worker_env(launch.kind, launch.env, ranks), **session.get_bootstrap_env_vars()}
             started = time.perf_counter()
             process = self._start(context, command, launch.work_dir, env)
             try:

@@ -5,6 +5,7 @@ import-time environment differs is started cold; the warm Python ends with its l
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -42,15 +43,17 @@ def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("probe")
     (folder / "probe.py").write_text(PROBE)
     (folder / "draw.py").write_text(
-        "import random, sys\nopen(sys.argv[1], 'w').write(repr(random.random()))\n"
+        "import random, sys, numpy\n"
+        "open(sys.argv[1], 'w').write(repr((random.random(), numpy.random.random())))\n"
     )
     return {**os.environ, "PYTHONPATH": str(folder)}
 
 
 @pytest.fixture(scope="module")
 def warm(probe_env: dict[str, str]) -> Iterator[warm_python.WarmPython]:
+    # numpy.random too (numpy imports it lazily): its global generator must be re-seeded in each child
     started = warm_python.WarmPython(
-        sys.executable, warm_python.import_time_environment(probe_env), ("torch",)
+        sys.executable, warm_python.import_time_environment(probe_env), ("torch", "numpy.random")
     )
     started.start()
     assert started.ready(), "the warm Python did not start"
@@ -113,14 +116,15 @@ def test_exit_codes_and_signals_read_as_a_fresh_process_s(
 def test_two_workers_do_not_share_the_warm_python_s_random_state(
     warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Python's generator is re-seeded in each child, as each fresh interpreter seeds its own: two forked
-    workers draw differently (a fork alone would hand both the warm Python's state)."""
+    """Python's and NumPy's generators are re-seeded in each child, as each fresh interpreter seeds its own: two
+    forked workers draw differently (a fork alone would hand both the warm Python's state)."""
     draws = []
     for i in range(2):
         out = tmp_path / f"{i}.txt"
         assert warm.spawn("draw", [str(out)], tmp_path, probe_env).wait(timeout=60) == 0
         draws.append(out.read_text())
-    assert draws[0] != draws[1], draws
+    (random_a, numpy_a), (random_b, numpy_b) = (ast.literal_eval(d) for d in draws)
+    assert random_a != random_b and numpy_a != numpy_b, draws
 
 
 def test_a_worker_whose_import_time_environment_differs_starts_cold(
