@@ -504,6 +504,26 @@ def test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_c
     assert profile["fixed_share"] is not None and 0 < profile["fixed_share"] < 1
 
 
+@pytest.mark.xdist_group("demo")
+@pytest.mark.timeout(600)
+def test_make_run_forks_every_worker_from_its_warm_python(demo_world: tuple[Path, str]) -> None:
+    """`make run` starts one warm Python and forks every training and evaluation worker from it (its fixed costs,
+    docs/measurements.md): a worker started cold, because an environment variable read at import time differed or
+    the warm Python did not start, is said in the run's log, and would be a silent return of the seconds saved."""
+    root, _ = demo_world
+    instance = dg.DagsterInstance.from_config(str(root / "home"))
+    messages = [
+        entry.user_message or ""
+        for record in instance.get_run_records()
+        for entry in instance.all_logs(record.dagster_run.run_id)
+    ]
+    forked = [m for m in messages if m.startswith("worker forked from the warm Python")]
+    cold = [m for m in messages if "starting the worker cold" in m or "warm Python did not start" in m]
+    # make run's workers: the base's pretraining and evaluation, three nights' training and evaluation, DPO and
+    # GRPO and their evaluations
+    assert len(forked) >= 12 and not cold, (len(forked), cold)
+
+
 def night_guards(summary: str) -> dict[str, str]:
     """Each compared night's checkpoint id -> the guards line printed under it (``demo.summary_lines``)."""
     out, current = {}, None
