@@ -29,12 +29,16 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
 from nexa_dagster.core.llm import vllm_env
 from nexa_dagster.core.llm.base import LLMError
 from nexa_dagster.core.llm.vllm_models import refuse_unless_vllm_runs, why_vllm_cannot_run
+
+if TYPE_CHECKING:
+    import psutil
 
 log = logging.getLogger(__name__)
 
@@ -547,6 +551,7 @@ class ManagedServer:
                     child.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)  # reap: no zombie left in the process table
+            _wait_until_exited(descendants, timeout_s=5.0)
 
     def __enter__(self) -> ManagedServer:
         return self.start()
@@ -565,7 +570,7 @@ def _threads(pid: int) -> list[int]:
         return [pid]
 
 
-def _descendants(pid: int) -> list[object]:
+def _descendants(pid: int) -> list[psutil.Process]:
     try:
         import psutil  # only when a server is stopped: not at the code location's load
     except ImportError:
@@ -574,3 +579,27 @@ def _descendants(pid: int) -> list[object]:
         return list(psutil.Process(pid).children(recursive=True))
     except psutil.Error:
         return []
+
+
+def _wait_until_exited(processes: Sequence[psutil.Process], timeout_s: float) -> None:
+    """Return once every process in ``processes`` has exited, or after ``timeout_s``.
+
+    A SIGKILL is delivered asynchronously, so ``stop`` waits for it to take effect: a caller that looks right after
+    ``stop`` finds no worker running. A worker orphaned by the server's death that has exited stays a zombie until
+    PID 1 reaps it, which some container inits do only every few seconds (measured: 1-5 s here); it has exited all
+    the same, so a zombie counts as exited.
+    """
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while time.monotonic() < deadline and process_running(process):
+            time.sleep(0.02)
+
+
+def process_running(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs: False once it has exited, also while it waits as a zombie to be reaped."""
+    import psutil  # only when a server is stopped: not at the code location's load
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
