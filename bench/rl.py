@@ -15,9 +15,11 @@ prompts of an RL stage: a passage of a standard-library module's docstring (a re
    turn; the median.
 2. Training tokens/s: ``loop.optimizer_step`` with the GRPO objective (the micro-batches of that rollout, one
    prompt's group each, with advantages from the reference-F1 reward) against the same step with SFT's
-   language-model objective on the same rows (same tokens, same padding, loss on the completions). Two engines
-   from the same weights, stepped in turn so that both see the same machine load; the median over the timed steps
-   (the first ``--warmup`` left out). Tokens: real (non-padding) tokens.
+   language-model objective on the same rows (same tokens, same padding, loss on the completions), and against
+   the same GRPO step with the LM head run on every position (``head_on_learned_only = False``: the model before
+   issue 49 ran the head and its softmax on prompt and padding positions too; ``learned_only_speedup``). Three
+   engines from the same weights, stepped in turn so that all see the same machine load; the median over the
+   timed steps (the first ``--warmup`` left out). Tokens: real (non-padding) tokens.
 
 3. Rollout engines (``--vllm auto``, the default: when ``make vllm`` installed it): the same K x B rollout sampled by
    GRPO's two engines on the same weights, in turn, three rounds each, the median: ``BatchedSampler`` (transformers
@@ -235,11 +237,14 @@ def train_bench(job: Any, objective: Any, grpo: list, sft: list, steps: int, war
 
     lm = LanguageModelLoss(sft[0], sft[0], micro_batch=len(sft[0]["input_ids"]))
     tokens = sum(int(b["real_tokens"]) for b in grpo)
-    sides = {"grpo": (objective, grpo), "sft": (lm, sft)}
+    sides = {"grpo": (objective, grpo), "sft": (lm, sft), "grpo_head_everywhere": (objective, grpo)}
     engines = {
         name: build_engine(build_model(job, len(objective.tokenizer), objective.tokenizer), job, 1)
         for name in sides
     }
+    engines[
+        "grpo_head_everywhere"
+    ].module.head_on_learned_only = False  # the LM head as before issue 49's cut
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for step in range(1, steps + 1):
         for name, (obj, batches) in sides.items():
@@ -258,6 +263,7 @@ def train_bench(job: Any, objective: Any, grpo: list, sft: list, steps: int, war
         "timed_steps": steps - warmup,
         "tokens_per_s": {name: round(v, 1) for name, v in median.items()},
         "grpo_over_sft": round(median["grpo"] / median["sft"], 3),
+        "learned_only_speedup": round(median["grpo"] / median["grpo_head_everywhere"], 2),
     }
 
 

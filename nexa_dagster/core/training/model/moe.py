@@ -19,6 +19,7 @@ The parameter names and shapes are exactly those of ``transformers``' Mixtral (5
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -297,6 +298,7 @@ class NexaMoEForCausalLM(nn.Module):
         )
         self.activation_checkpointing = False
         self.loss_chunk_tokens = 8192
+        self.head_on_learned_only = True  # False: every position through the LM head (bench/rl.py's before)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -312,8 +314,9 @@ class NexaMoEForCausalLM(nn.Module):
         """Compile each decoder layer on its own: short compile times, one graph reused by every layer."""
         for i, layer in enumerate(self.model.layers):
             self.model.layers[i] = torch.compile(layer, dynamic=False)
-        self._loss = torch.compile(self._loss, dynamic=False)
-        self._token_logps = torch.compile(self._token_logps, dynamic=False)
+        # the LM head runs on the labelled positions only, a number that changes with every micro-batch
+        self._chunk_loss = torch.compile(self._chunk_loss, dynamic=True)
+        self._chunk_logps = torch.compile(self._chunk_logps, dynamic=True)
 
     def forward(
         self,
@@ -421,52 +424,74 @@ class NexaMoEForCausalLM(nn.Module):
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy summed over learned tokens, computed in chunks of ``loss_chunk_tokens``.
 
-        Under autograd each chunk is checkpointed: the backward pass recomputes that chunk's logits (one more
-        ``lm_head`` matmul per chunk) rather than autograd saving an fp32 ``chunk x vocab`` softmax for every chunk,
-        which together would be the ``tokens x vocab`` fp32 tensor the chunking is meant to avoid.
+        Only the positions that predict a labelled token go through the LM head (see ``_labelled``). Under autograd
+        each chunk is checkpointed: the backward pass recomputes that chunk's logits (one more ``lm_head`` matmul
+        per chunk) rather than autograd saving an fp32 ``chunk x vocab`` softmax for every chunk, which together
+        would be the ``tokens x vocab`` fp32 tensor the chunking is meant to avoid.
         """
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        hidden, targets, _ = _labelled(hidden, labels, self.head_on_learned_only)
         total = hidden.new_zeros((), dtype=torch.float32)
-        checkpointed = torch.is_grad_enabled() and hidden.requires_grad
-        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
-            chunk = (
-                hidden[start : start + self.loss_chunk_tokens],
-                targets[start : start + self.loss_chunk_tokens],
-            )
-            total = total + (
-                torch.utils.checkpoint.checkpoint(self._chunk_loss, *chunk, use_reentrant=False)
-                if checkpointed
-                else self._chunk_loss(*chunk)
-            )
+        for chunk in self._chunks(hidden, targets, self._chunk_loss):
+            total = total + chunk
         return total
-
-    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def _token_logps(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``[tokens]`` log-probability of each labelled next token (0 elsewhere), chunked and checkpointed like
         ``_loss``: the same logits, kept per token instead of summed."""
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
+        tokens = hidden.shape[0] * hidden.shape[1]
+        hidden, targets, where = _labelled(hidden, labels, self.head_on_learned_only)
+        scored = list(self._chunks(hidden, targets, self._chunk_logps))
+        values = torch.cat(scored) if scored else hidden.new_zeros(0, dtype=torch.float32)
+        return values.new_zeros(tokens).index_copy(0, where, values)
+
+    def _chunks(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> Iterator[torch.Tensor]:
+        """``head`` over ``loss_chunk_tokens`` positions at a time, each chunk checkpointed under autograd."""
         checkpointed = torch.is_grad_enabled() and hidden.requires_grad
-        parts = []
         for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
             chunk = (
                 hidden[start : start + self.loss_chunk_tokens],
                 targets[start : start + self.loss_chunk_tokens],
             )
-            parts.append(
-                torch.utils.checkpoint.checkpoint(self._chunk_logps, *chunk, use_reentrant=False)
+            yield (
+                torch.utils.checkpoint.checkpoint(head, *chunk, use_reentrant=False)
                 if checkpointed
-                else self._chunk_logps(*chunk)
+                else head(*chunk)
             )
-        return torch.cat(parts)
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        return F.cross_entropy(logits, targets, reduction="sum")
 
     def _chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+        return -F.cross_entropy(logits, targets, reduction="none")
+
+
+def _labelled(
+    hidden: torch.Tensor, labels: torch.Tensor, learned_only: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final hidden states that predict a labelled token, those tokens, and the flat positions they are at.
+
+    The LM head and the vocabulary-wide softmax are most of a small model's compute (the tiny model: 64 x 2,048
+    = 131K multiply-adds per token and 2,048 exponentials, against ~125K in its two layers), and a position whose
+    next token is not learned
+    (a prompt, padding, a document's last token) gives nothing to the loss or its gradient: GRPO learns 8
+    completion tokens of rows of ~140, SFT the assistant turns only. Selecting them first gives the same sum and
+    the same gradients for the labelled tokens. (On a GPU the selection's ``nonzero`` waits for the device once
+    per micro-batch.)
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    if learned_only:
+        where = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
+    else:  # every position (cross_entropy's default ignore_index, -100, gives the others 0)
+        where = torch.arange(targets.numel(), device=targets.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat.index_select(0, where), targets.index_select(0, where), where
 
 
 def moe_with_weights(

@@ -179,3 +179,31 @@ def test_chunked_loss_keeps_no_fp32_logits_for_backward() -> None:
     full.lm_loss.backward()
     for a, p in zip(chunked, model.parameters(), strict=True):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_token_logps_and_their_gradients_are_those_of_the_full_logits_where_few_tokens_are_learned() -> None:
+    """The LM head runs only where the next token is learned (GRPO: a completion after a long prompt, then
+    padding): the labelled tokens' log-probabilities, zeros elsewhere, and the gradients equal those read from
+    the logits of every position, across chunk boundaries."""
+    torch.manual_seed(7)
+    model = NexaMoEForCausalLM(small_config(vocab_size=500))
+    model.loss_chunk_tokens = 3  # 2 rows x 5 learned tokens: four chunks
+    ids = torch.randint(0, 500, (2, 40))
+    labels = torch.full_like(ids, -100)
+    labels[0, 30:35] = ids[0, 30:35]  # a 30-token prompt, 5 completion tokens, then padding
+    labels[1, 12:17] = ids[1, 12:17]
+    weights = torch.randn(ids.shape)
+
+    scored = model(ids, labels=labels, per_token=True, temperature=0.7).token_logps
+    (scored * weights).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    logits = model(ids, return_logits=True).logits / 0.7
+    every = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    expected = torch.nn.functional.pad(every, (1, 0)) * labels.ne(-100)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(scored, expected, rtol=1e-5, atol=1e-6)
+    assert int(scored.ne(0).sum()) == 10
+    for ours, full in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-6)
