@@ -179,6 +179,8 @@ class LocalTransformersClient(LLMClient):
     def _generate_batch(self, prompts: Sequence[str], params: SamplingParams) -> list[Completion]:
         import torch  # as in __init__ (imported once, then a lookup)
 
+        from nexa_dagster.core.llm.shared_prefill import generate_sharing_prompts  # imports torch: as above
+
         model = self._model()
         kwargs = self._generation_kwargs(params)
         eos = self.tokenizer.eos_token_id
@@ -190,7 +192,7 @@ class LocalTransformersClient(LLMClient):
             ).to(self.device)
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            generated = model.generate(**enc, **kwargs)
+            generated = generate_sharing_prompts(model, enc["input_ids"], enc["attention_mask"], **kwargs)
             latency = time.perf_counter() - t0  # every request in the batch waited for the whole batch
         new = generated[:, enc["input_ids"].shape[1] :]
         completions = []

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nexa_dagster.core.llm.shared_prefill import generate_sharing_prompts
 from nexa_dagster.core.training.data import Batch, index_stream
 
 PROMPT_INDEX = "prompt_index"  # host key: which prompt of the file a micro-batch rolls out
@@ -185,6 +186,9 @@ class BatchedSampler:
         None  # the sampling log-probabilities: the trainer's own, not kept
     )
     sync_s = None  # nothing to sync: the generator is the training tensors
+    share_prefill = (
+        True  # a group's prompt prefilled once (core/llm/shared_prefill); False: bench/rl.py's before
+    )
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_id: int | list[int]) -> None:
         self.view = AliasedMixtral(model)
@@ -223,9 +227,11 @@ class BatchedSampler:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             torch.manual_seed(seed)
-            out = self.hf.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
+            out = generate_sharing_prompts(
+                self.hf,
+                ids.to(device),
+                mask.to(device),
+                share=self.share_prefill,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
