@@ -123,6 +123,35 @@ def test_local_scores_from_logprobs(local: LocalTransformersClient) -> None:
     assert verdict.method == "logprobs" and verdict.score is not None and 1.0 <= verdict.score <= 5.0
 
 
+def test_local_one_token_choices_are_read_from_one_pass_over_the_prompt(
+    local: LocalTransformersClient,
+) -> None:
+    """A judge's scores ("1".."5", one token each): the prompt goes through the model once, one row, and each
+    score's log-probability is the one an unpadded pass over prompt + score gives it."""
+    import torch
+
+    msgs = [{"role": "user", "content": "Rate this answer from 1 to 5: a list holds items in order."}]
+    tok = local.tokenizer
+    prompt_ids = tok.encode(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )
+    rows: list[int] = []
+    hook = local.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        scored = local.choice_logprobs(msgs, SCORE_CHOICES)
+    finally:
+        hook.remove()
+    assert rows == [1]
+    for choice in SCORE_CHOICES:
+        (token,) = tok.encode(choice, add_special_tokens=False)
+        with torch.no_grad():
+            logits = local.model(input_ids=torch.tensor([[*prompt_ids, token]])).logits.float()
+        expected = float(torch.log_softmax(logits[0, len(prompt_ids) - 1], dim=-1)[token])
+        assert scored[choice] == pytest.approx(expected, abs=1e-4)
+
+
 def test_local_multi_token_choice_is_the_sum_of_its_tokens(local: LocalTransformersClient) -> None:
     import torch
 

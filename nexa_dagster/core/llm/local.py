@@ -222,7 +222,7 @@ class LocalTransformersClient(LLMClient):
         Each choice is tokenized on its own and appended to the rendered prompt; its log-probability is the sum of
         the log-probabilities of its tokens, each conditioned on the prompt and the choice's earlier tokens. All
         choices go through the model in one right-padded forward pass (right padding cannot affect earlier
-        positions under a causal mask).
+        positions under a causal mask); choices of one token each need only the prompt, once.
         """
         import torch  # as in __init__ (imported once, then a lookup)
 
@@ -235,6 +235,8 @@ class LocalTransformersClient(LLMClient):
         empty = [c for c, ids in zip(choices, choice_ids, strict=True) if not ids]
         if empty:
             raise ValueError(f"choices {empty!r} encode to no tokens")
+        if all(len(ids) == 1 for ids in choice_ids):
+            return self._next_token_logprobs(prompt_ids, dict(zip(choices, choice_ids, strict=True)))
         rows = [prompt_ids + ids for ids in choice_ids]
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
@@ -249,6 +251,17 @@ class LocalTransformersClient(LLMClient):
             # the token at position p is predicted by the logits at position p - 1
             out[choice] = float(sum(logp[k, p - 1, row[p]] for p in range(start, len(row))))
         return out
+
+    def _next_token_logprobs(self, prompt_ids: list[int], choices: dict[str, list[int]]) -> dict[str, float]:
+        """Choices of one token each (a judge's scores "1".."5"): their log-probabilities are all read at the
+        prompt's last position, so the prompt goes through the model once, not once per choice."""
+        import torch  # as in __init__ (imported once, then a lookup)
+
+        ids = torch.tensor([prompt_ids], device=self.device)
+        with self._lock, self._threads(), torch.no_grad():
+            logits = self._model()(input_ids=ids, logits_to_keep=1).logits
+            logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
+        return {choice: float(logp[token[0]]) for choice, token in choices.items()}
 
     def close(self) -> None:
         """Drop the model so its memory can be freed; later calls raise ``LLMError``."""
