@@ -1,6 +1,5 @@
 """Each distinct prompt prefilled once: the same tokens as the plain ``generate``, and the prefill really shared."""
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,13 +50,19 @@ def test_a_shared_prefill_gives_the_tokens_of_the_plain_generate(
 ) -> None:
     model, tokenizer = model_and_tokenizer
     enc = _groups(tokenizer, answers_per_prompt=16)
-    kwargs = {"max_new_tokens": 8, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    kwargs = {
+        "max_new_tokens": 8,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     with torch.no_grad():
         for seed in (0, 1, 2):
             torch.manual_seed(seed)
             plain = model.generate(**enc, **kwargs, **sampling)
             torch.manual_seed(seed)
-            shared = generate_sharing_prompts(model, enc["input_ids"], enc["attention_mask"], **kwargs, **sampling)
+            shared = generate_sharing_prompts(
+                model, enc["input_ids"], enc["attention_mask"], **kwargs, **sampling
+            )
             assert torch.equal(shared, plain)
     if sampling["do_sample"]:
         assert len({tuple(r) for r in plain[:16].tolist()}) > 1  # the group's answers differ: real sampling
@@ -73,11 +78,16 @@ def test_the_prefill_reads_each_distinct_prompt_once_and_unrepeated_rows_as_they
     with torch.no_grad():
         assert _first_forward_rows(model, lambda: generate_sharing_prompts(model, ids, mask, **kwargs)) == 3
         assert (
-            _first_forward_rows(model, lambda: generate_sharing_prompts(model, ids, mask, share=False, **kwargs))
+            _first_forward_rows(
+                model, lambda: generate_sharing_prompts(model, ids, mask, share=False, **kwargs)
+            )
             == 24
         )
         distinct = _groups(tokenizer, answers_per_prompt=1)
         rows = _first_forward_rows(
-            model, lambda: generate_sharing_prompts(model, distinct["input_ids"], distinct["attention_mask"], **kwargs)
+            model,
+            lambda: generate_sharing_prompts(
+                model, distinct["input_ids"], distinct["attention_mask"], **kwargs
+            ),
         )
         assert rows == 3
