@@ -45,16 +45,23 @@ def _first_forward_rows(model: object, call: object) -> int:
     [{"do_sample": False}, {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}],
     ids=["greedy", "sampled"],
 )
-def test_a_shared_prefill_gives_the_tokens_of_the_plain_generate(
+def test_a_shared_prefill_gives_the_distributions_and_tokens_of_the_plain_generate(
     model_and_tokenizer: tuple, sampling: dict
 ) -> None:
+    """Every row samples from the distribution the plain ``generate`` gives it, step by step (logits to 1e-4: the
+    prefill runs in a batch of another size, so the last bits may differ), and so draws the same tokens under one
+    seed. Greedy: every row the same. Sampled: a draw that falls within rounding of a boundary between two tokens
+    could flip on another CPU's kernels, so two of the 48 rows may differ; none did on the AVX-512 machine."""
     model, tokenizer = model_and_tokenizer
     enc = _groups(tokenizer, answers_per_prompt=16)
     kwargs = {
         "max_new_tokens": 8,
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
+        "output_logits": True,
+        "return_dict_in_generate": True,
     }
+    width = enc["input_ids"].shape[1]
     with torch.no_grad():
         for seed in (0, 1, 2):
             torch.manual_seed(seed)
@@ -63,9 +70,18 @@ def test_a_shared_prefill_gives_the_tokens_of_the_plain_generate(
             shared = generate_sharing_prompts(
                 model, enc["input_ids"], enc["attention_mask"], **kwargs, **sampling
             )
-            assert torch.equal(shared, plain)
+            same = (shared.sequences == plain.sequences).all(dim=1)
+            assert int(same.sum()) >= (48 if not sampling["do_sample"] else 46), seed
+            for step, (ours, theirs) in enumerate(zip(shared.logits, plain.logits, strict=True)):
+                # rows whose tokens so far agree were asked for the same next-token distribution
+                agree = (
+                    shared.sequences[:, width : width + step] == plain.sequences[:, width : width + step]
+                ).all(1)
+                torch.testing.assert_close(ours[agree], theirs[agree], rtol=0, atol=1e-4)
     if sampling["do_sample"]:
-        assert len({tuple(r) for r in plain[:16].tolist()}) > 1  # the group's answers differ: real sampling
+        assert (
+            len({tuple(r) for r in plain.sequences[:16].tolist()}) > 1
+        )  # the group's answers differ: sampled
 
 
 def test_the_prefill_reads_each_distinct_prompt_once_and_unrepeated_rows_as_they_are(
