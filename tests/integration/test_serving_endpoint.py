@@ -1101,6 +1101,12 @@ def test_a_person_stops_a_canary_and_the_sensor_in_a_real_daemon_shows_it_across
                     status["colour"]
                 }
             wait("the decision is observed", lambda: len(observed()) == 2)
+            # as above: the tick's events are stored before its cursor; kill after the cursor (the clean-clone
+            # suite once killed in between, and the decision's key was not in the cursor yet)
+            wait(
+                "the tick's cursor keeps the decision",
+                lambda: any("a test stops it" in key for key in kept_cursor().get("decided", [])),
+            )
         finally:
             os.killpg(second.pid, signal.SIGKILL)
             second.wait(timeout=30)
