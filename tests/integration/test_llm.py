@@ -208,7 +208,7 @@ def test_managed_backend_of_the_resource_starts_and_stops_a_server(tiny_model_di
         base_url = client.base_url
         started = [p for p in child_processes_matching("serve") if p.pid not in before]
         assert started
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+    assert not any(process_running(p) for p in started)
     with pytest.raises(LLMError, match="cannot reach"):
         OpenAICompatibleClient(base_url, model="m", max_retries=0, timeout_s=2).chat(
             [{"role": "user", "content": "hi"}], GREEDY

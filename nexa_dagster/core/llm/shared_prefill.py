@@ -6,8 +6,9 @@ every row, so a group's identical prompt is read K times; with prompts of ~100-2
 prefill is most of the call. Here the distinct rows are prefilled once into a key/value cache, the cache rows are
 copied to every row that repeats them, and ``generate`` continues from the cache: it reads only each row's last
 prompt token, then samples as before. The attention mask and the positions are the ones ``generate`` would have
-used (a left-padded row counts its positions from its first real token), so the tokens are the same: a test holds
-both ways to equal tokens, greedy and sampled under one seed.
+used (a left-padded row counts its positions from its first real token), so each row samples from the same
+distribution and, under one seed, draws the same tokens: a test holds every step's logits to 1e-4 and the tokens
+equal (a prefill in a batch of another size may round its last bits differently on another CPU's kernels).
 
 Measured on the tiny model by ``bench/rl.py`` (its rollout part, against ``share=False``): docs/measurements.md.
 """
@@ -33,10 +34,11 @@ def generate_sharing_prompts(
     prefill before it), where the caller brings a cache of its own, or with ``share=False`` (a bench's baseline).
     """
     cache_arg = _cache_argument(model)
+    if not share or input_ids.shape[1] < 2 or cache_arg in generate_kwargs:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
     distinct, copy_of = torch.unique(rows, dim=0, return_inverse=True)
-    repeats = distinct.shape[0] < rows.shape[0]
-    if not (share and repeats) or input_ids.shape[1] < 2 or cache_arg in generate_kwargs:
+    if distinct.shape[0] == rows.shape[0]:  # nothing repeats
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
     from transformers import DynamicCache  # transformers is imported by whoever holds a model already
 

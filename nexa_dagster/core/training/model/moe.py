@@ -465,11 +465,11 @@ class NexaMoEForCausalLM(nn.Module):
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        return F.cross_entropy(logits, targets, reduction="sum")
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def _chunk_logps(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        return -F.cross_entropy(logits, targets, reduction="none")
+        return -F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def _labelled(
@@ -479,16 +479,15 @@ def _labelled(
 
     The LM head and the vocabulary-wide softmax are most of a small model's compute (the tiny model: 64 x 2,048
     = 131K multiply-adds per token and 2,048 exponentials, against ~125K in its two layers), and a position whose
-    next token is not learned
-    (a prompt, padding, a document's last token) gives nothing to the loss or its gradient: GRPO learns 8
-    completion tokens of rows of ~140, SFT the assistant turns only. Selecting them first gives the same sum and
+    next token is not learned (a prompt, padding, a document's last token) gives nothing to the loss or its
+    gradient: GRPO learns 8 completion tokens of rows of ~140, SFT the assistant turns only. Selecting them first gives the same sum and
     the same gradients for the labelled tokens. (On a GPU the selection's ``nonzero`` waits for the device once
     per micro-batch.)
     """
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     if learned_only:
         where = targets.ne(IGNORE_INDEX).nonzero().squeeze(1)
-    else:  # every position (cross_entropy's default ignore_index, -100, gives the others 0)
+    else:  # every position, as before (the head's ignore_index gives the unlearned ones 0)
         where = torch.arange(targets.numel(), device=targets.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     return flat.index_select(0, where), targets.index_select(0, where), where
