@@ -252,9 +252,8 @@ def train_bench(job: Any, objective: Any, grpo: list, sft: list, steps: int, war
         name: build_engine(build_model(job, len(objective.tokenizer), objective.tokenizer), job, 1)
         for name in sides
     }
-    engines[
-        "grpo_head_everywhere"
-    ].module.head_on_learned_only = False  # the LM head as before issue 49's cut
+    # the LM head on every position, as before issue 49's cut
+    engines["grpo_head_everywhere"].module.head_on_learned_only = False
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for step in range(1, steps + 1):
         for name, (obj, batches) in sides.items():
