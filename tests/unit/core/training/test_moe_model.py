@@ -207,3 +207,52 @@ def test_token_logps_and_their_gradients_are_those_of_the_full_logits_where_few_
     assert int(scored.ne(0).sum()) == 10
     for ours, full in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-6)
+
+
+
+@pytest.mark.gpu
+def test_compiled_head_on_learned_positions_matches_eager_as_their_count_changes() -> None:
+    """On CUDA with ``compile_layers``: the loss, the per-token log-probabilities and the gradients of micro-batches
+    whose count of learned positions differs (as every GRPO and SFT micro-batch's does) equal the eager model's,
+    and the head is compiled once for a dynamic count, not once per count (a recompile per micro-batch would stall
+    training, then fall back to eager at the recompile limit without saying so)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    compiled_head_matches_eager("cuda")
+
+
+def compiled_head_matches_eager(device: str) -> None:
+    """The GPU test's body, on any device where ``torch.compile`` runs (a CPU with a C++ compiler rehearses it)."""
+    import torch._dynamo
+
+    torch.manual_seed(11)
+    eager = NexaMoEForCausalLM(small_config(vocab_size=500, hidden_size=128)).to(device)
+    compiled = NexaMoEForCausalLM(small_config(vocab_size=500, hidden_size=128)).to(device)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        model.loss_chunk_tokens = 64
+    compiled.compile_layers()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    ids = torch.randint(0, 500, (4, 96), device=device)
+    graphs = []
+    for learned in (5, 37, 70, 91, 13, 52, 88):  # learned tokens per row: a count new at every micro-batch
+        labels = torch.full_like(ids, -100)
+        labels[:, -learned:] = ids[:, -learned:]
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            out = model(ids, labels=labels)
+            out.loss.backward()
+            logps = model(ids, labels=labels, per_token=True).token_logps.detach()
+            results.append((out.lm_loss_sum.detach(), logps, [p.grad.clone() for p in model.parameters()]))
+        (loss_e, logps_e, grads_e), (loss_c, logps_c, grads_c) = results
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(logps_c, logps_e, rtol=1e-4, atol=1e-4)
+        for ours, theirs in zip(grads_c, grads_e, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    # Each head function compiles twice at most: once for a lone chunk (the view is its whole base) and once for a
+    # chunk of several (dynamo guards on the view's base size); then never again, whatever the count.
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[-1] == graphs[1] <= 4, f"graphs compiled after each micro-batch: {graphs} (a recompile per count)"
