@@ -73,6 +73,13 @@ IGNORE_INDEX = -100
 COMPLETIONS, REAL_TOKENS = "completions", "real_tokens"  # host counts of a micro-batch
 ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "rollout_s")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+# Compiled layers (``settings.compile``, CUDA) are traced per row width: a group's width is its prompt plus its
+# longest completion, new at nearly every micro-batch, and on an H200 every new width recompiled the layers until
+# torch's recompile limit (8 graphs), then FlexAttention on every step after (2-5 s a step for 50 ms of work,
+# 100 s for the first). So compiled widths are rounded up to one of WIDTH_BUCKETS lengths in whole FlexAttention
+# blocks: 4, because each may be traced with and without autograd (old-policy passes), 8 graphs at most.
+FLEX_BLOCK = 128
+WIDTH_BUCKETS = 4
 
 
 # -- the loss -----------------------------------------------------------------------------------------------------
@@ -174,10 +181,15 @@ def completion_batch(
     pad_id: int,
     device: torch.device,
     sampling_logps: list[list[float]] | None = None,
+    longest: int = 0,
 ) -> Batch:
     """One prompt's group as a right-padded micro-batch: prompt + completion per row, only completions labelled;
-    with the engine's log-probability of each completion token where another engine sampled them."""
+    with the engine's log-probability of each completion token where another engine sampled them. With
+    ``longest`` (a run's longest row, for compiled layers) the width is rounded up to its ``bucket_width``: more
+    padding, unlabelled and unattended, so the same loss and gradients."""
     width = len(prompt) + max(len(c) for c in completions)
+    if longest:
+        width = bucket_width(width, longest)
     rows = len(completions)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
@@ -202,6 +214,13 @@ def completion_batch(
     batch = {k: v.to(device) for k, v in batch.items()}
     batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), attention.sum()
     return batch
+
+
+def bucket_width(width: int, longest: int, buckets: int = WIDTH_BUCKETS, block: int = FLEX_BLOCK) -> int:
+    """``width`` rounded up to a multiple of a step of whole ``block``s chosen so that at most ``buckets`` widths
+    cover every width up to ``longest`` (a run's longest prompt plus its completion limit)."""
+    step = block * max(1, math.ceil(longest / (buckets * block)))
+    return step * math.ceil(width / step)
 
 
 def sequence_token_logps(model: Callable[..., Any], batch: Batch, temperature: float) -> Any:
@@ -273,6 +292,7 @@ class GRPOLoss:
         self.reward = combined_reward(self.config.rewards)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
+        self.bucketed = job.settings.compile and job.accelerator == "cuda"  # when the layers are compiled
         self.ptx = (
             PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
         )
@@ -426,6 +446,7 @@ class GRPOLoss:
                 self.pad_id,
                 device,
                 sampling_logps[rows] if sampling_logps is not None else None,
+                longest=self.seq_len if self.bucketed else 0,
             )
             batch["m:reward"] = rewards[rows].sum()
             batch["m:reward_std"] = std[rows].sum()

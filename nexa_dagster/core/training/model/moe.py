@@ -314,7 +314,11 @@ class NexaMoEForCausalLM(nn.Module):
         """Compile each decoder layer on its own: short compile times, one graph reused by every layer."""
         for i, layer in enumerate(self.model.layers):
             self.model.layers[i] = torch.compile(layer, dynamic=False)
-        # the LM head runs on the labelled positions only, a number that changes with every micro-batch
+        self.compile_head()
+
+    def compile_head(self) -> None:
+        """Compile the LM head and its loss for any count of positions: it runs on the labelled positions only,
+        a count that changes with every micro-batch (a static compile would recompile at each)."""
         self._chunk_loss = torch.compile(self._chunk_loss, dynamic=True)
         self._chunk_logps = torch.compile(self._chunk_logps, dynamic=True)
 

@@ -17,6 +17,7 @@ import torch
 
 from nexa_dagster.core.training.grpo import (
     IGNORE_INDEX,
+    bucket_width,
     check_resume,
     completion_batch,
     group_advantages,
@@ -152,7 +153,16 @@ def our_loss(
     loss, logged = 0.0, {"clip_ratio": 0.0, "kl": 0.0}
     for g in range(GROUPS):
         rows = slice(g * K, (g + 1) * K)
-        batch = completion_batch(prompts[g], completions[rows], advantages[rows], pad, torch.device("cpu"))
+        batch = completion_batch(
+            prompts[g],
+            completions[rows],
+            advantages[rows],
+            pad,
+            torch.device("cpu"),
+            longest=case.get("longest", 0),
+        )
+        if case.get("longest"):
+            assert batch["input_ids"].shape[1] == 128, "the rows are padded to their bucket"
         batch["old_logps"], batch["ref_logps"] = ours_layout(old, batch, rows), ours_layout(ref, batch, rows)
         if sampling is not None:  # sampled by another engine (vLLM): its log-probabilities
             batch["sampling_logps"] = ours_layout(sampling, batch, rows)
@@ -176,6 +186,8 @@ CASES = [
     # sampled by vLLM: TRL's importance-sampling correction, its default mode and a token-level one
     {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.0, "sampling": "sequence_mask"},
     {"loss_type": "grpo", "beta": 0.0, "temperature": 1.0, "aux": 0.0, "sampling": "token_truncate"},
+    # rows padded to a compiled layer's bucket (128 tokens for rows of ~40): the padding changes nothing
+    {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.02, "longest": 300},
 ]
 
 
@@ -362,3 +374,17 @@ def test_the_sampling_correction_masks_or_truncates_as_trl_modes_say() -> None:
     assert torch.allclose(token_truncated[:, :2], torch.tensor([[3.0, e(0.5)], [1.0, e(-2.0)]]))
     with pytest.raises(ValueError, match="unknown vllm_importance_sampling_mode"):
         sampling_correction(old, engine, mask, "sequence", 3.0)
+
+
+@pytest.mark.parametrize("longest", [40, 128, 300, 1000, 4096, 4100])
+def test_compiled_widths_fall_into_a_few_buckets_of_whole_attention_blocks(longest: int) -> None:
+    """Every width up to a run's longest row rounds up to one of at most 4 widths, each in whole 128-token
+    FlexAttention blocks and never below the row: compiled layers trace a handful of shapes, not one per group."""
+    widths = {bucket_width(w, longest) for w in range(1, longest + 1)}
+    assert len(widths) <= 4, sorted(widths)
+    assert all(b % 128 == 0 for b in widths)
+    assert all(bucket_width(w, longest) >= w for w in range(1, longest + 1))
+    assert (
+        min(widths) == bucket_width(1, longest)
+        and bucket_width(longest, longest) - longest < max(widths) / 2 + 128
+    )
