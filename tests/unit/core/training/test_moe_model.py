@@ -209,7 +209,6 @@ def test_token_logps_and_their_gradients_are_those_of_the_full_logits_where_few_
         torch.testing.assert_close(ours, full, rtol=1e-4, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_head_on_learned_positions_matches_eager_as_their_count_changes(device: str) -> None:
     """The compiled LM head (``compile_head``, part of ``compile_layers``): the loss, the per-token
@@ -251,4 +250,6 @@ def test_compiled_head_on_learned_positions_matches_eager_as_their_count_changes
     # Each head function compiles twice at most: once for a lone chunk (the view is its whole base) and once for a
     # chunk of several (dynamo guards on the view's base size); then never again, whatever the count.
     assert graphs[0] > 0, "nothing was compiled"
-    assert graphs[-1] == graphs[1] <= 4, f"graphs compiled after each micro-batch: {graphs} (a recompile per count)"
+    assert graphs[-1] == graphs[1] <= 4, (
+        f"graphs compiled after each micro-batch: {graphs} (a recompile per count)"
+    )
