@@ -20,7 +20,8 @@ the windows' summed length), latency p50 and p99 (nearest rank over the n latenc
 0`: the behaviour before the change), then restrained (the defaults), on one machine, one after the other.
 
 ``--canaries N`` (issue 50): after the switches, the same service runs N canaries in turn (b beside a, then a beside
-b ...; ``POST /canary`` with ``--canary-share``, failures and slow requests watched at their default limits), each
+b ...; ``POST /canary`` with ``--canary-share``, failures and slow requests watched at their default limits, or
+both at ``--canary-limits``: the suite's smallest run, which only checks the bench), each
 until its runner decides, under the same clients. Per canary: its verdict, how many requests it counted (stable and
 canary) and took in seconds; over all canaries the same window figures as a switch's (``canary``), against the
 same run's ``before`` baseline: what a canary costs the endpoint, and how many requests a healthy one needs here.
@@ -213,6 +214,11 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
                     "share": args.canary_share,
                     "max_quality_drop": None,
                     "max_duration_s": args.canary_max_s,
+                    **(
+                        {"max_failure_increase": args.canary_limits, "max_slow_increase": args.canary_limits}
+                        if args.canary_limits
+                        else {}
+                    ),
                 }
                 client.canary(str(target), checkpoint_id, policy, entry.model_dump())
                 while (status := client.status())["canary"] is not None or not status["last_canary"]:
@@ -269,6 +275,14 @@ def main() -> dict[str, object]:
     ap.add_argument("--canary-share", type=float, default=0.5, help="the share of requests a canary serves")
     ap.add_argument(
         "--canary-max-s", type=float, default=300.0, help="a canary's time limit (max_duration_s)"
+    )
+    ap.add_argument(
+        "--canary-limits",
+        type=float,
+        default=None,
+        help="the canaries' failure and slow-request limits (default: serving.yaml's, 0.02 and 0.1, which a healthy "
+        "canary meets after ~540 requests a side); wider ones decide in tens of requests: a run that checks the "
+        "bench, not what a canary costs",
     )
     ap.add_argument(
         "--engines", default="transformers", help="serving engines, comma-separated: transformers, vllm"

@@ -115,7 +115,12 @@ BENCHES: dict[str, Bench] = {
         slow=True,
     ),
     "serving_switch.py": Bench(
-        ("--switches", "1", "--before-s", "1", "--clients", "1", "--max-tokens", "2", "--canaries", "1"),
+        # the canary held to 0.25 limits: decided in tens of requests rather than the defaults' ~1,070; what the
+        # default limits cost is measured (docs/measurements.md), not checked here
+        (
+            *("--switches", "1", "--before-s", "1", "--clients", "1", "--max-tokens", "2", "--canaries", "1"),
+            *("--canary-limits", "0.25"),
+        ),
         frozenset({"restrained", "switches", "clients", "canaries_asked"}),
         timeout_s=480,
         slow=True,
