@@ -18,8 +18,6 @@ from test_serving_endpoint import (
     API_KEY,
     Endpoint,
     NonStopClient,
-    _answers_follow_the_switches,
-    _cli,
     _materialize_deployment,
     serving_endpoint,
 )
@@ -43,11 +41,15 @@ def vllm_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint
     yield from serving_endpoint(root, a, b, tmp_path_factory.getbasetemp())
 
 
-def test_a_promotion_and_a_rollback_between_vllm_engines_fail_no_request(vllm_endpoint: Endpoint) -> None:
+def test_a_promotion_between_vllm_engines_fails_no_request(vllm_endpoint: Endpoint) -> None:
     """The service serves A on vLLM; ``model_deployment`` (a real Dagster run) promotes B, which loads in a second
-    vLLM engine while A serves, and ``nexa-dagster rollback`` goes back to A, while the official OpenAI SDK
-    streams chats through the endpoint's key without pause: no request fails, every answer after a switch is the
-    new model's, and the status names vLLM each time."""
+    vLLM engine while A serves, while the official OpenAI SDK streams chats through the endpoint's key without
+    pause: no request fails, every answer before is A's and after is B's, and the status names vLLM.
+
+    A rollback is not repeated here: ``nexa-dagster rollback`` switches the service through the same
+    ``ServingService.switch`` as the promotion (the engine is the service's, whichever way the switch goes), and
+    test_serving_endpoint.py rolls back under the same streaming load; a third vLLM start was a third of this
+    module's time (318 s on the Xeon kind, 2026-12-04) and exercised nothing new."""
     ep = vllm_endpoint
     client = ep.client()
     assert client.status()["engine"] == "vllm", client.status()
@@ -57,18 +59,11 @@ def test_a_promotion_and_a_rollback_between_vllm_engines_fail_no_request(vllm_en
         result = _materialize_deployment(ep, "b", ep.b, "promote")
         assert result.success, ep.log_tail()
         promoted = time.monotonic()
-        status = client.status()
-        assert (status["checkpoint_id"], status["engine"]) == ("b", "vllm"), status
         time.sleep(2)
-        rolling_back = time.monotonic()
-        proc = _cli(ep, "rollback", timeout_s=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        rolled_back = time.monotonic()
-        time.sleep(2)
-    print(
-        f"two switches between vLLM engines: {len(load.records)} streamed chats, {len(load.failures())} failed"
-    )
+    print(f"a switch between vLLM engines: {len(load.records)} streamed chats, {len(load.failures())} failed")
     assert load.failures() == [], load.failures()[:5]
-    _answers_follow_the_switches(load, deploying, promoted, rolling_back, rolled_back)
+    answers_a = {r[2] for r in load.records if r[0] < deploying}
+    answers_b = {r[2] for r in load.records if r[0] > promoted}
+    assert len(answers_a) == 1 and len(answers_b) == 1 and answers_a != answers_b, (answers_a, answers_b)
     status = client.status()
-    assert (status["checkpoint_id"], status["engine"]) == ("a", "vllm"), status
+    assert (status["checkpoint_id"], status["engine"]) == ("b", "vllm"), status
