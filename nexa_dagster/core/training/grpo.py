@@ -292,7 +292,7 @@ class GRPOLoss:
         self.reward = combined_reward(self.config.rewards)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
-        self.bucketed = job.settings.compile and job.accelerator == "cuda"  # when the layers are compiled
+        self.bucketed = job.compiles_layers  # rows padded to a few widths (bucket_width)
         self.ptx = (
             PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
         )

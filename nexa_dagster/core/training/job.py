@@ -292,6 +292,12 @@ class TrainingJob(BaseModel):
         ),
     )
 
+    @property
+    def compiles_layers(self) -> bool:
+        """Whether the loop compiles the model's layers (``settings.compile`` on CUDA; on CPU nothing is compiled):
+        then every new input shape is a recompile, which a rollout's varying widths must avoid."""
+        return self.settings.compile and self.accelerator == "cuda"
+
     @model_validator(mode="before")
     @classmethod
     def _objective_of_the_data_kind(cls, data: Any) -> Any:

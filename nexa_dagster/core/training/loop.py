@@ -235,7 +235,7 @@ def build_engine(
         # ZeRO-3 partitions parameters; an MoE block's experts must be gathered as one unit, not hooked per
         # parameter, or ranks routing to different experts would wait on each other forever.
         deepspeed.utils.set_z3_leaf_modules(model, [MoEBlock])
-    if s.compile and job.accelerator == "cuda":
+    if job.compiles_layers:
         model.compile_layers()
     optimizer = build_optimizer(
         model, s.optimizer, s.learning_rate, s.weight_decay, fused=job.accelerator == "cuda"
