@@ -216,7 +216,7 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
                     "max_duration_s": args.canary_max_s,
                     **(
                         {"max_failure_increase": args.canary_limits, "max_slow_increase": args.canary_limits}
-                        if args.canary_limits
+                        if args.canary_limits is not None
                         else {}
                     ),
                 }

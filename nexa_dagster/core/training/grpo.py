@@ -77,7 +77,8 @@ STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 # longest completion, new at nearly every micro-batch, and on an H200 every new width recompiled the layers until
 # torch's recompile limit (8 graphs), then FlexAttention on every step after (2-5 s a step for 50 ms of work,
 # 100 s for the first). So compiled widths are rounded up to one of WIDTH_BUCKETS lengths in whole FlexAttention
-# blocks: 4, because each may be traced with and without autograd (old-policy passes), 8 graphs at most.
+# blocks: 4, half of torch's limit of 8 graphs, leaving room for the other guards a trace may fail on (a pass
+# without autograd, a view's base size) before the limit sends a layer back to eager.
 FLEX_BLOCK = 128
 WIDTH_BUCKETS = 4
 
@@ -292,7 +293,8 @@ class GRPOLoss:
         self.reward = combined_reward(self.config.rewards)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
-        self.bucketed = job.compiles_layers  # rows padded to a few widths (bucket_width)
+        # compiled layers: rows padded to a few widths up to the longest (bucket_width); 0: each group's own width
+        self.bucket_longest = self.seq_len if job.compiles_layers else 0
         self.ptx = (
             PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
         )
@@ -446,7 +448,7 @@ class GRPOLoss:
                 self.pad_id,
                 device,
                 sampling_logps[rows] if sampling_logps is not None else None,
-                longest=self.seq_len if self.bucketed else 0,
+                longest=self.bucket_longest,
             )
             batch["m:reward"] = rewards[rows].sum()
             batch["m:reward_std"] = std[rows].sum()
