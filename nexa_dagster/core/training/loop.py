@@ -165,69 +165,30 @@ def import_deepspeed() -> ModuleType:
     return deepspeed
 
 
-def pending_comm_op_build(accelerator: str, world_size: int) -> str:
-    """Where DeepSpeed is about to compile its CPU shared-memory communication op, or "" if it will not.
+def skip_inference_comm_op(accelerator: str) -> None:
+    """Switch DeepSpeed's CPU shared-memory communication op off before ``deepspeed.initialize`` would compile it.
 
-    ``deepspeed.initialize`` builds it the first time on a machine, for minutes and without a word; one rank has
-    nothing to communicate, so there the build is switched off instead.
+    DeepSpeed compiles that C++ op the first time any CPU engine starts on a machine (45 CPU seconds; minutes on a
+    loaded 2-core machine, without a word, and a process killed meanwhile left torch's bare lock file for every
+    later run to wait on), yet calls it only from ``inference_all_reduce``, the collective of its tensor-parallel
+    inference kernels. A training's all-reduce, all-gather and reduce-scatter go through ``torch.distributed``
+    (gloo), at every world size, so a training never needs it.
     """
     if accelerator != "cpu":
-        return ""
+        return
     import_deepspeed()  # the package first, without MLflow; then its parts, here only (as import_deepspeed says)
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return ""
-    if world_size == 1:
-        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # build_shm_op() then returns None
-        return ""
-    directory = Path(_get_build_directory(builder.name, verbose=False))
-    remove_stale_build_lock(directory / "lock")
-    building = (
-        directory / "lock"
-    ).exists()  # another process compiles it now (torch's file lock): we wait too
-    return str(directory) if building or not any(directory.glob(f"{builder.name}*.so")) else ""
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # deepspeed.comm's build_shm_op() returns None
 
 
-STALE_BUILD_LOCK_S = 20 * 60  # a build takes seconds idle, about 5 minutes on a loaded 2-core machine
-
-
-def remove_stale_build_lock(lock: Path, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
-    """Remove torch's extension build lock when it is older than any build; True if it was removed.
-
-    torch's lock is a bare file (no pid): a process killed while it compiled the op leaves it behind, and every
-    later run on the machine then waits on it forever before its first step (no step, so the stall watchdog,
-    which starts with the loop, never fires).
-    """
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    print(
-        f"removing a stale DeepSpeed build lock {lock} ({age / 60:.0f} min old; its builder is gone)",
-        file=sys.stderr,
-        flush=True,
-    )
-    lock.unlink(missing_ok=True)
-    return True
-
-
-def build_engine(
-    model: NexaMoEForCausalLM, job: TrainingJob, world_size: int, say: MessageFn | None = None
-) -> Any:
+def build_engine(model: NexaMoEForCausalLM, job: TrainingJob, world_size: int) -> Any:
     """Model + optimizer + warmup/cosine schedule wrapped by the DeepSpeed engine (ZeRO stage from the JSON)."""
     deepspeed = import_deepspeed()
-    build_dir = pending_comm_op_build(job.accelerator, world_size)
-    if build_dir and say is not None:
-        say(
-            f"DeepSpeed is compiling its CPU communication op into {build_dir} (or waiting for another process "
-            "that does): once per machine and installation, a few minutes with no output"
-        )
+    skip_inference_comm_op(job.accelerator)
 
     s = job.settings
     ds_config = fill_deepspeed_config(job, world_size)
@@ -592,7 +553,7 @@ def start_engine(
     if job.init_from:
         say(f"weights from {job.parent} ({job.init_from})")
     total_params, active_params = count_parameters(model)
-    engine = build_engine(model, job, world_size, say)
+    engine = build_engine(model, job, world_size)
     device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
     per_token_flops = monitor.flops_per_token(
         active_params, model.config.num_hidden_layers, model.config.hidden_size, objective.seq_len
