@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", default="float32", help="the trainer's dtype: the same logits on both sides"
     )
     parser.add_argument("--run", default="", help="the training run it samples for (shown by ps; not used)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile (a CPU host: the compile costs more than it saves; vllm_engine.VLLMEngine says why)",
+    )
     args = parser.parse_args(argv)
 
     channel = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's stdout ...
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed_executor_backend="uni",  # one process (VLLMEngine sets VLLM_ENABLE_V1_MULTIPROCESSING=0: why there)
         max_num_batched_tokens=max(args.max_model_len, 8192),
         seed=0,
+        enforce_eager=args.enforce_eager,
         worker_extension_cls=f"{Path(__file__).stem}.WeightSync",  # this file, on the workers' path (PYTHONPATH)
     )
     _reply(channel, ok=True, ready=True, vllm=vllm.__version__)
