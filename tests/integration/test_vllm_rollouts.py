@@ -78,6 +78,8 @@ def test_after_every_sync_the_engine_samples_the_trainers_weights(wide_policy: P
         assert after == reference.generate(prompts, 8, 0.0, 1.0, seed=0)
         assert after != before, "the update changed the greedy completions: the comparison means something"
         assert engine.syncs == 2 and [len(lp) for lp in engine.last_logprobs] == [len(c) for c in after]
+        # eager on a CPU host, by vLLM's own account of its configuration (a compiled start is ~5x slower)
+        assert "'mode': <CompilationMode.NONE: 0>" in (tmp_path / "run.vllm-rollout.log").read_text()
 
         sampled = engine.generate(prompts, 8, 1.0, 1.0, seed=7)  # sampled: each row its own seed
         assert sampled == engine.generate(prompts, 8, 1.0, 1.0, seed=7)
