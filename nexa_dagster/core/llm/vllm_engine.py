@@ -31,7 +31,9 @@ from nexa_dagster.core.llm.managed_server import with_parent_death_signal
 from nexa_dagster.core.llm.vllm_models import SERVE_INSTEAD, refuse_unless_vllm_runs
 
 WORKER = Path(__file__).with_name("vllm_rollout_worker.py")
-START_TIMEOUT_S = 900.0  # an engine start: 12-56 s on the 2-core machines idle (eager), 3-4.5 min at load 10-14
+START_TIMEOUT_S = (
+    900.0  # an engine start: 12-56 s on the 2-core machines idle (eager), 3-4.5 min at load 10-14
+)
 CALL_TIMEOUT_S = 900.0  # one batch or weight load; an engine silent for longer is taken for hung
 
 
