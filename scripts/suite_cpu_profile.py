@@ -1,0 +1,144 @@
+"""Where a command's CPU goes, by kind of process and by the test that started it: ``python
+scripts/suite_cpu_profile.py -- make test``.
+
+Why: the suite is CPU-bound on 2 cores (issue 49), and pytest's ``--durations`` gives wall seconds, which on a loaded
+machine say little about cost: a test that waits on a timer and one that compiles C++ can take the same time. This
+samples every process started after the command, once a ``--interval`` (1 s): its CPU seconds (user + system, the
+last value seen is its total, short of the last interval), its command line, and the test that started it (the
+``PYTEST_CURRENT_TEST`` its environment inherited). Processes are matched by start time, not by ancestry, so the
+ones that daemonize or are re-parented to init (forked workers, engines' children) are counted too; a process that
+lives less than an interval is missed. The machine's idle share comes from ``/proc/stat`` over the same run.
+
+It prints a table of process kinds, the 25 tests whose processes cost the most, and one JSON object last. The
+command's exit code is this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# (kind, pattern on the command line): the first match names a process
+KINDS = [
+    ("pytest worker", r"pytest-xdist|/pytest |-m pytest"),
+    ("compiler (C++)", r"cc1plus|/g\+\+ |/c\+\+ |ninja"),
+    ("vLLM engine", r"vllm|VLLM::"),
+    ("transformers serve", r"transformers serve|serve_on_unix_socket"),
+    ("training worker", r"core\.training\.worker|torch\.distributed\.run"),
+    ("evaluation worker", r"core\.evaluation\.worker"),
+    ("dagster / dg CLI or daemon", r"dagster|/dg |nexa_dagster\.cli"),
+    ("multiprocessing child", r"spawn_main|forkserver"),
+    ("services (PostgreSQL, Slurm, HAProxy, Chromium)", r"postgres|slurm|haproxy|chromium"),
+]
+
+
+def kind_of(argv: list[str]) -> str:
+    """The first kind whose pattern the command line matches; else "other python" for a Python program itself
+    (not a shell whose command mentions one), else "other"."""
+    cmdline = " ".join(argv)
+    found = next((kind for kind, pattern in KINDS if re.search(pattern, cmdline)), None)
+    if found is not None:
+        return found
+    return "other python" if argv and Path(argv[0]).name.startswith("python") else "other"
+
+
+def idle_ticks() -> tuple[int, int]:
+    """(idle + iowait, all) jiffies of the whole machine since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def test_of(process: psutil.Process) -> str:
+    """The test whose process tree started ``process`` (its inherited environment), or ""."""
+    try:
+        current = process.environ().get("PYTEST_CURRENT_TEST", "")
+    except (psutil.Error, OSError):
+        return ""
+    return current.rsplit(" ", 1)[0]  # "path::name (call)" -> "path::name"
+
+
+def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]]) -> None:
+    for p in psutil.process_iter(["pid", "create_time", "cmdline", "name", "cpu_times"]):
+        info = p.info
+        if info["pid"] == me or info["create_time"] is None or info["create_time"] < since:
+            continue
+        if info["cpu_times"] is None:
+            continue
+        key = (info["pid"], info["create_time"])
+        entry = seen.get(key)
+        if entry is None:
+            argv = info["cmdline"] or [info["name"] or ""]
+            entry = seen[key] = {"cmdline": " ".join(argv)[:300], "kind": kind_of(argv), "test": test_of(p)}
+        entry["cpu"] = info["cpu_times"].user + info["cpu_times"].system
+
+
+def summarize(
+    seen: dict[tuple[int, float], dict[str, Any]], wall_s: float, idle_share: float
+) -> dict[str, Any]:
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    tests: dict[str, float] = defaultdict(float)
+    for entry in seen.values():
+        kinds[entry["kind"]][0] += 1
+        kinds[entry["kind"]][1] += entry.get("cpu", 0.0)
+        if entry["test"] and entry["kind"] != "pytest worker":  # a worker's CPU is every test's it ran
+            tests[entry["test"]] += entry.get("cpu", 0.0)
+    total = sum(cpu for _, cpu in kinds.values())
+    return {
+        "wall_s": round(wall_s, 1),
+        "cores": psutil.cpu_count(),
+        "idle_share": round(idle_share, 3),
+        "processes": len(seen),
+        "cpu_s": round(total, 1),
+        "kinds": {
+            k: {"processes": int(n), "cpu_s": round(c, 1), "share": round(c / total, 3) if total else 0.0}
+            for k, (n, c) in sorted(kinds.items(), key=lambda kv: -kv[1][1])
+        },
+        "tests": {t: round(c, 1) for t, c in sorted(tests.items(), key=lambda kv: -kv[1])[:25]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between two samples")
+    parser.add_argument("--out", type=Path, help="also write the JSON summary there")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command: python scripts/suite_cpu_profile.py -- make test")
+    seen: dict[tuple[int, float], dict[str, Any]] = {}
+    since, (idle0, all0) = time.time() - 1.0, idle_ticks()
+    started = time.monotonic()
+    proc, me = subprocess.Popen(command), psutil.Process().pid
+    while proc.poll() is None:
+        sample(since, me, seen)
+        time.sleep(args.interval)
+    idle1, all1 = idle_ticks()
+    summary = summarize(seen, time.monotonic() - started, (idle1 - idle0) / max(1, all1 - all0))
+    print(
+        f"\n{' '.join(command)}: {summary['wall_s']} s wall, {summary['cpu_s']} CPU-s in {summary['processes']} "
+        f"processes started by it, the machine {summary['idle_share']:.0%} idle"
+    )
+    print(f"{'CPU-s':>9} {'share':>6} {'procs':>6}  kind")
+    for kind, row in summary["kinds"].items():
+        print(f"{row['cpu_s']:9.1f} {row['share']:6.1%} {row['processes']:6d}  {kind}")
+    print(f"\n{'CPU-s':>9}  the processes a test started (its pytest worker's own CPU not counted)")
+    for test, cpu in summary["tests"].items():
+        print(f"{cpu:9.1f}  {test}")
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

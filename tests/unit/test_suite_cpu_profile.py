@@ -1,0 +1,35 @@
+"""scripts/suite_cpu_profile.py: the CPU of the processes a command starts, by kind and by the test that started
+them, and the command's exit code as its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from nexa_dagster.core.common.config import REPO_ROOT
+
+BURN = "import time; t = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+
+
+def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_passes_through() -> None:
+    # a shell (not profiled as python) starts a child that burns 1.5 CPU-s and one that sleeps, then exits 3
+    command = (
+        f"{sys.executable} -c '{BURN}' & {sys.executable} -c 'import time; time.sleep(1.5)'; wait; exit 3"
+    )
+    proc = subprocess.run(
+        [sys.executable, "scripts/suite_cpu_profile.py", "--interval", "0.2", "--", "sh", "-c", command],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTEST_CURRENT_TEST": "tests/x.py::test_y (call)"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    python = summary["kinds"]["other python"]
+    assert python["processes"] == 2 and 1.2 <= python["cpu_s"] <= 3.0, summary  # the burner's, short of 0.2 s
+    assert 1.2 <= summary["tests"]["tests/x.py::test_y"] <= 3.0, summary
+    assert 0.0 <= summary["idle_share"] <= 1.0 and summary["wall_s"] >= 1.5
+    assert "other python" in proc.stdout and "tests/x.py::test_y" in proc.stdout  # the tables a person reads
