@@ -96,7 +96,8 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {"completions": completions, "logprobs": logprobs}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The engine's command line (``VLLMEngine`` writes it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", required=True, help="the Hugging Face checkpoint directory the engine starts on"
@@ -111,9 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no torch.compile (a CPU host: the compile costs more than it saves; vllm_engine.VLLMEngine says why)",
+        help="no torch.compile (a CPU host: what it costs at a start, vllm_engine.VLLMEngine says)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     channel = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's stdout ...
     os.dup2(2, 1)  # ... and everything vLLM prints goes to stderr
