@@ -632,46 +632,58 @@ def _nice(pid: int) -> list[int]:
     return values
 
 
-def test_the_incoming_engine_loads_at_a_lower_priority_until_it_is_promoted(endpoint: Endpoint) -> None:
-    """While B loads beside A (which serves), B's every thread runs at nice 10 with fewer OpenMP threads that
-    sleep when idle, A's at 0; once B passed its smoke test and takes the traffic, its threads are back at 0."""
-    from nexa_dagster.core.serving.service import default_loading_threads
+class _IncomingEngine(threading.Thread):
+    """A switch watched from outside: the engine the service starts beside the serving one (once its wrapper has
+    exec'd `transformers serve`), its environment read while it loads, and both engines' thread nice values sampled
+    every 50 ms until ``done`` (a sample is dropped once either engine is gone)."""
 
-    assert endpoint.process is not None
-    client = endpoint.client()
-    serving = client.status()["engine_pid"]
-    samples: list[tuple[list[int], list[int]]] = []  # (the incoming engine's threads, the serving one's)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        switching = pool.submit(client.switch, str(endpoint.b), "b")
-        deadline = time.monotonic() + 300
-        incoming = None
-        while incoming is None:  # the incoming engine, once its wrapper has exec'd `transformers serve`
-            assert not switching.done() and time.monotonic() < deadline, endpoint.log_tail()
-            started = descendants_matching(endpoint.process.pid, "serve", excluding=("haproxy", " -c "))
-            incoming = next((p for p in started if p.pid != serving), None)
+    def __init__(self, ep: Endpoint) -> None:
+        super().__init__(daemon=True)
+        assert ep.process is not None
+        self.service_pid, self.serving = ep.process.pid, ep.client().status()["engine_pid"]
+        self.process: psutil.Process | None = None
+        self.environ: dict[str, str] = {}
+        self.raw_environ = b""
+        self.samples: list[
+            tuple[list[int], list[int]]
+        ] = []  # (the incoming engine's threads, the serving one's)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while self.process is None and not self.done.is_set():
+            started = descendants_matching(self.service_pid, "serve", excluding=("haproxy", " -c "))
+            self.process = next((p for p in started if p.pid != self.serving), None)
             time.sleep(0.05)
-        environ = incoming.environ()
-        raw_environ = Path(f"/proc/{incoming.pid}/environ").read_bytes()  # while it loads, beside A
-        while not switching.done():
+        if self.process is None:
+            return
+        with contextlib.suppress(psutil.Error, FileNotFoundError):  # gone already: the assertions say so
+            self.environ = self.process.environ()
+            self.raw_environ = Path(f"/proc/{self.process.pid}/environ").read_bytes()  # while it loads
+        while not self.done.is_set():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                samples.append((_nice(incoming.pid), _nice(serving)))
+                self.samples.append((_nice(self.process.pid), _nice(self.serving)))
             time.sleep(0.05)
-        result = switching.result()
-    assert result.checkpoint_id == "b" and client.status()["engine_pid"] == incoming.pid
-    assert _secrets_in(raw_environ, CONTROL_TOKEN) == []  # the incoming engine inherits no secret either
-    assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert environ["OMP_NUM_THREADS"] == str(default_loading_threads())
-    assert samples and samples[0][0] and set(samples[0][0]) == {10}, samples[:3]  # loading: every thread
-    assert all(set(s[1]) <= {0} for s in samples), samples  # the serving engine keeps its priority
-    levels = [set(s[0]) for s in samples if s[0]]
-    raised = next((i for i, lv in enumerate(levels) if lv != {10}), len(levels))
-    assert all(lv == {10} for lv in levels[:raised]) and all(lv == {0} for lv in levels[raised:]), levels
-    assert set(_nice(incoming.pid)) == {0}  # promoted: the normal priority, every thread
-    autogroup = Path(f"/proc/{incoming.pid}/autogroup")
-    if autogroup.exists():  # the kernel's autogroups: the engines share the service's, so nice ranks them
-        assert autogroup.read_text() == Path(f"/proc/{endpoint.process.pid}/autogroup").read_text()
-    client.switch(str(endpoint.a), "a")  # as the other tests expect it (the pointer never moved)
-    assert endpoint.registry.current().checkpoint_id == "a"
+
+    def assert_loaded_at_a_lower_priority_until_promoted(self, ep: Endpoint) -> None:
+        """While it loaded beside the serving engine, its every thread ran at nice 10 with fewer OpenMP threads
+        that sleep when idle, the serving one's at 0; once it passed its smoke test and took the traffic, its
+        threads are back at 0. It inherited no secret."""
+        from nexa_dagster.core.serving.service import default_loading_threads
+
+        assert self.process is not None and ep.client().status()["engine_pid"] == self.process.pid
+        assert _secrets_in(self.raw_environ, CONTROL_TOKEN) == []
+        assert self.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert self.environ["OMP_NUM_THREADS"] == str(default_loading_threads())
+        samples = self.samples
+        assert samples and samples[0][0] and set(samples[0][0]) == {10}, samples[:3]  # loading: every thread
+        assert all(set(s[1]) <= {0} for s in samples), samples  # the serving engine keeps its priority
+        levels = [set(s[0]) for s in samples if s[0]]
+        raised = next((i for i, lv in enumerate(levels) if lv != {10}), len(levels))
+        assert all(lv == {10} for lv in levels[:raised]) and all(lv == {0} for lv in levels[raised:]), levels
+        assert set(_nice(self.process.pid)) == {0}  # promoted: the normal priority, every thread
+        autogroup = Path(f"/proc/{self.process.pid}/autogroup")
+        if autogroup.exists():  # the kernel's autogroups: the engines share the service's, so nice ranks them
+            assert autogroup.read_text() == Path(f"/proc/{self.service_pid}/autogroup").read_text()
 
 
 def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: Endpoint) -> None:
@@ -679,7 +691,9 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
     client (the official OpenAI SDK, streaming) sends chats without pause, and the lab rotates the key meanwhile:
     the key file gets the new key beside the old one (SIGHUP: both valid), the client moves to the new key, the old
     line goes (SIGHUP). No request fails, after each switch every answer is the new one's, and afterwards the old
-    key gets openai.AuthenticationError. A weak key written meanwhile is refused and changes nothing."""
+    key gets openai.AuthenticationError. A weak key written meanwhile is refused and changes nothing. B loads at a
+    lower priority than A until it is promoted (``_IncomingEngine``: one switch watched for both, since the
+    priority is the switch's own)."""
     import openai
 
     new_key = secrets.token_urlsafe(32)
@@ -689,9 +703,16 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
             time.sleep(2)
             deploying = time.monotonic()
             _rotate(endpoint, API_KEY, new_key)  # both valid from here
-            result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
+            incoming = _IncomingEngine(endpoint)
+            incoming.start()
+            try:
+                result = _materialize_deployment(endpoint, "b", endpoint.b, "promote")
+            finally:
+                incoming.done.set()
+                incoming.join(timeout=30)
             assert result.success
             promoted = time.monotonic()
+            incoming.assert_loaded_at_a_lower_priority_until_promoted(endpoint)
             load.key = new_key  # the client moves to the new key
             # the step also materializes production_model (the promotion's event): read model_deployment's own
             (deployed,) = [
