@@ -167,6 +167,14 @@ BENCHES: dict[str, Bench] = {
         "world (its --part data takes a daily_data_job: minutes)",
         run_by="tests/e2e/test_demo.py",
     ),
+    "vllm_compile.py": Bench(
+        (),
+        frozenset(),
+        timeout_s=0,
+        skip="starts vLLM compiled twice (60-80 s each on 2 cores) for a measurement: the decision it informs, an "
+        "eager engine on a CPU host, is tested by tests/integration/test_vllm_rollouts.py (vLLM's own account of "
+        "its configuration in the engine's log)",
+    ),
     "dagster_lower_bound.py": Bench(
         (),
         frozenset(),

@@ -71,11 +71,11 @@ class VLLMEngine:
         cmd = [str(python), str(WORKER), "--model", str(model_dir), "--max-model-len", str(max_model_len)]
         cmd += ["--dtype", dtype, "--run", label or str(log_path)]
         if vllm_env.device_kind() == "cpu":
-            # Eager on a CPU, as the served engines are (managed_server.vllm_device_args). vLLM 0.32's torch.compile
-            # took an engine start from 12 s to 61 s (82 s with empty caches; SmolLM2-135M, the 2-core Xeon, idle)
-            # for generation 18 % faster (32 prompts x 32 tokens: 0.58 s against 0.71 s): ~380,000 generated tokens
-            # to repay it, paid again at every start (each resume, each evaluation's sampling). On a GPU the
-            # compile and its CUDA graphs stay.
+            # Eager on a CPU, as the served engines are (managed_server.vllm_device_args). bench/vllm_compile.py on
+            # the 2-core Xeon (SmolLM2-135M, 32 prompts of 10-122 words x 32 tokens): ready in 21 s eager, 61 s
+            # compiled (82 s with empty caches), generation 1.12x eager's: repaid after ~86,000 generated tokens,
+            # and paid again at every start (each resume, each evaluation's sampling). Tests and short runs lose
+            # 40-60 s a start; a CPU GRPO run of many steps would gain (docs/stages/rl.md). On a GPU vLLM compiles.
             cmd.append("--enforce-eager")
         env = {
             **settings.child_environ("engine"),
