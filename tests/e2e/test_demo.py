@@ -497,6 +497,8 @@ def test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_c
         *("work/training_steps", "work/scoring", "work/judging", "work/generation"),
         *("fixed/model_and_deepspeed", "fixed/model_load", "fixed/checkpoint_write", "fixed/worker_startup"),
         *("fixed/launch", "fixed/dagster", "fixed/mlflow"),
+        # make run deploys with no serving service: each deployment's temporary engine, split from its request
+        *("fixed/smoke_engine_start", "work/smoke_request", "fixed/smoke_engine_stop"),
     }
     assert expected <= parts, sorted(expected - parts)
     trainings = [j for j in jobs if j["job"].startswith("training_job")]

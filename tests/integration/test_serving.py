@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import psutil
 from support.services import child_processes_matching
 
 from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.spans import PATTERN
 from nexa_dagster.core.serving.answer_check import text_problem
 from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_temporary_engine
 
@@ -24,8 +26,15 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The engine has no key, so it has no TCP port either: a Unix socket in a folder of mode 700 (no other user
-    reaches it), listened on while it ran, gone afterwards with the engine."""
+    reaches it), listened on while it ran, gone afterwards with the engine. Its log says what the engine cost
+    apart from the request (the spans bench/pipeline_profile.py splits a deployment by)."""
     before = {p.pid for p in child_processes_matching("serve")}  # a session fixture's server may run already
+    lines: list[str] = []
+    logger = logging.getLogger("test-smoke-spans")
+    logger.setLevel(logging.INFO)
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
     seen: list[tuple[set[tuple[str, int]], int]] = []
     stop = threading.Event()
 
@@ -44,10 +53,24 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        manifest = smoke_test_in_temporary_engine(tiny_model_dir, "tiny", tmp_path, max_tokens=16)
+        manifest = smoke_test_in_temporary_engine(
+            tiny_model_dir, "tiny", tmp_path, max_tokens=16, logger=logger
+        )
     finally:
         stop.set()
         watcher.join()
+        logger.removeHandler(handler)
+    spans = {m["kind"] + "/" + m["name"]: float(m["seconds"]) for m in map(PATTERN.match, lines) if m}
+    assert spans.keys() == {"fixed/smoke_engine_start", "work/smoke_request", "fixed/smoke_engine_stop"}, (
+        lines
+    )
+    # the start span holds the engine's whole start to healthy, the request's span the request (a span line has
+    # three decimals)
+    assert spans["fixed/smoke_engine_start"] + 1e-3 >= manifest.ready_s > 0, (spans, manifest.ready_s)
+    assert spans["work/smoke_request"] + 1e-3 >= manifest.smoke_latency_s > 0, (
+        spans,
+        manifest.smoke_latency_s,
+    )
     stored = DeploymentManifest.model_validate(json.loads((tmp_path / "deployment.json").read_text()))
     assert stored == manifest
     assert manifest.engine == "transformers" and manifest.status == "ok" and manifest.error is None

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from nexa_dagster.core.common import storage
+from nexa_dagster.core.common.spans import span
 from nexa_dagster.core.llm.base import LLMError, SamplingParams
 from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
@@ -102,44 +103,57 @@ def _ask_temporary_engine(
     request_timeout_s: float,
 ) -> tuple[SmokeAnswer, str | None, dict[str, Any]]:
     """The smoke request to an engine started for it on a Unix socket in a private folder (700), not a TCP port:
-    the engine has no key, and any local process could reach a port of it; then the engine is stopped."""
+    the engine has no key, and any local process could reach a port of it; then the engine is stopped.
+
+    Its spans (``core/common/spans.py``) split what the deployment pays for the engine, its start to healthy and
+    its stop (fixed costs: ~10 s for the tiny model, most of a deployment without a serving service), from the
+    request itself (work), for ``bench/pipeline_profile.py``."""
+    say = logger.info if logger is not None else _silent
     socket_path = socket_dir(work_dir) / "smoke.sock"
+    server = ManagedServer(
+        checkpoint_dir,
+        work_dir,
+        engine=engine,
+        startup_timeout_s=startup_timeout_s,
+        logger=logger,
+        socket_path=socket_path,
+    )
     try:
-        with ManagedServer(
-            checkpoint_dir,
-            work_dir,
-            engine=engine,
-            startup_timeout_s=startup_timeout_s,
-            logger=logger,
-            socket_path=socket_path,
-        ) as server:
-            answer = smoke_request(
-                server.base_url,
-                server.model_name,
-                prompt,
-                max_tokens,
-                request_timeout_s,
-                uds=server.socket_path,
-            )
+        with span(say, "fixed", "smoke_engine_start"):
+            server.start()  # stops what it started when it fails
+        try:
+            with span(say, "work", "smoke_request"):
+                answer = smoke_request(
+                    server.base_url,
+                    server.model_name,
+                    prompt,
+                    max_tokens,
+                    request_timeout_s,
+                    uds=server.socket_path,
+                )
             error = answer.problem
             if error and not answer.text:
                 error = f"{error}; server log tail:\n{server.log_tail(15)}"
-            return (
-                answer,
-                error,
-                {
-                    "engine": server.engine,
-                    "base_url": server.base_url,
-                    "model_name": server.model_name,
-                    "socket": str(socket_path),
-                    "ready_s": server.ready_s,
-                    "log_path": str(server.log_path),
-                },
-            )
+            facts = {
+                "engine": server.engine,
+                "base_url": server.base_url,
+                "model_name": server.model_name,
+                "socket": str(socket_path),
+                "ready_s": server.ready_s,
+                "log_path": str(server.log_path),
+            }
+        finally:
+            with span(say, "fixed", "smoke_engine_stop"):
+                server.stop()
+        return answer, error, facts
     finally:
         socket_path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # the folder too, when nothing else is in it
             socket_path.parent.rmdir()
+
+
+def _silent(_line: str) -> None:
+    """Where the spans go when the caller gave no logger."""
 
 
 def smoke_test_in_temporary_engine(
