@@ -52,6 +52,7 @@ BENCHES: dict[str, Bench] = {
         ("--requests", "2", "--max-tokens", "2", "--rounds", "1"),
         frozenset({"speedup_c1", "speedup_c8", "speedup_c32", "sequential_tokens_per_s"}),
         timeout_s=400,
+        slow=True,  # a `transformers serve` engine (17-25 s): in make test, not test-fast, as the table in docs said
     ),
     "nightly_cost.py": Bench(
         ("--days", "2", "--samples-per-day", "20", "--repeat", "1", "--workdir", WORK),
