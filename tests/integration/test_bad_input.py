@@ -9,6 +9,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 
+from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.distill import teacher_samples
 from nexa_dagster.assets.ingest import raw_documents
 from nexa_dagster.definitions import config_resources
@@ -112,6 +113,10 @@ def test_unreachable_teacher_endpoint_names_the_url(tmp_path: Path) -> None:
     )
     assert "127.0.0.1:9" in text
     assert "sk-secret-do-not-log" not in text
+    # an endpoint down may be one restarting: the asset's retry policy (MODEL_CALL_RETRY) asks again three times,
+    # 2, 4 and 8 s apart (most of this test's time), before the run fails
+    retries = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
+    assert len(retries) == MODEL_CALL_RETRY.max_retries == 3, len(retries)
 
 
 @pytest.mark.parametrize("bad_day", ["2026-11-19"])
