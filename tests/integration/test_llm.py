@@ -241,7 +241,7 @@ if os.path.basename(sys.argv[0]) == "transformers":
     "interrupt", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "ctrl-c"]
 )
 def test_server_is_stopped_when_the_block_fails(
-    tiny_model_dir: Path, tmp_path: Path, interrupt: BaseException
+    tiny_model_dir: Path, tmp_path: Path, interrupt: BaseException, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server and its workers stop: here two workers it starts at its import (a ``sitecustomize``), one in its
     process group that ignores SIGTERM and one that moved to a session of its own, as an engine's workers may, and
@@ -254,21 +254,17 @@ def test_server_is_stopped_when_the_block_fails(
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SERVER_WITH_WORKERS)
-    records: list[logging.LogRecord] = []
-    logger = logging.getLogger(f"test-server-block-{type(interrupt).__name__}")
-    logger.setLevel(logging.INFO)
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
+    logger = logging.getLogger("test-server-block-fails")
+    caplog.set_level(logging.INFO, logger=logger.name)
     server = ManagedServer(
         tiny_model_dir, tmp_path, extra_env={"PYTHONPATH": str(site)}, logger=logger, progress_every_s=0.5
     )
     with pytest.raises(type(interrupt)), server:
-        logger.removeHandler(handler)
         assert server.ready_s > 0.5, server.ready_s  # slow enough for a progress line at 0.5 s
-        waiting = [r.getMessage() for r in records if "not healthy yet" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records if r.name == logger.name]
+        waiting = [m for m in said if "not healthy yet" in m]
         assert waiting and all(str(Path(tiny_model_dir).resolve()) in m for m in waiting), waiting
-        assert any("healthy at" in r.getMessage() for r in records)
+        assert any("healthy at" in m for m in said)
         pid = server.pid
         assert pid is not None and _alive(pid)
         children = psutil.Process(pid).children(recursive=True)

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import psutil
+import pytest
 from support.services import child_processes_matching
 
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -23,18 +24,14 @@ from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_te
 
 
 def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engine has no key, so it has no TCP port either: a Unix socket in a folder of mode 700 (no other user
     reaches it), listened on while it ran, gone afterwards with the engine. Its log says what the engine cost
     apart from the request (the spans bench/pipeline_profile.py splits a deployment by)."""
     before = {p.pid for p in child_processes_matching("serve")}  # a session fixture's server may run already
-    lines: list[str] = []
     logger = logging.getLogger("test-smoke-spans")
-    logger.setLevel(logging.INFO)
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger.addHandler(handler)
+    caplog.set_level(logging.INFO, logger=logger.name)
     seen: list[tuple[set[tuple[str, int]], int]] = []
     stop = threading.Event()
 
@@ -59,7 +56,7 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     finally:
         stop.set()
         watcher.join()
-        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == logger.name]
     spans = {m["kind"] + "/" + m["name"]: float(m["seconds"]) for m in map(PATTERN.match, lines) if m}
     assert spans.keys() == {"fixed/smoke_engine_start", "work/smoke_request", "fixed/smoke_engine_stop"}, (
         lines

@@ -644,9 +644,8 @@ class _IncomingEngine(threading.Thread):
         self.process: psutil.Process | None = None
         self.environ: dict[str, str] = {}
         self.raw_environ = b""
-        self.samples: list[
-            tuple[list[int], list[int]]
-        ] = []  # (the incoming engine's threads, the serving one's)
+        # the nice values of (the incoming engine's threads, the serving one's)
+        self.samples: list[tuple[list[int], list[int]]] = []
         self.done = threading.Event()
 
     def run(self) -> None:

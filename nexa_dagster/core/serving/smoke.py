@@ -108,7 +108,6 @@ def _ask_temporary_engine(
     Its spans (``core/common/spans.py``) split what the deployment pays for the engine, its start to healthy and
     its stop (fixed costs: ~10 s for the tiny model, most of a deployment without a serving service), from the
     request itself (work), for ``bench/pipeline_profile.py``."""
-    say = logger.info if logger is not None else _silent
     socket_path = socket_dir(work_dir) / "smoke.sock"
     server = ManagedServer(
         checkpoint_dir,
@@ -118,6 +117,7 @@ def _ask_temporary_engine(
         logger=logger,
         socket_path=socket_path,
     )
+    say = server.log.info  # the caller's logger, else the engine module's
     try:
         with span(say, "fixed", "smoke_engine_start"):
             server.start()  # stops what it started when it fails
@@ -150,10 +150,6 @@ def _ask_temporary_engine(
         socket_path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # the folder too, when nothing else is in it
             socket_path.parent.rmdir()
-
-
-def _silent(_line: str) -> None:
-    """Where the spans go when the caller gave no logger."""
 
 
 def smoke_test_in_temporary_engine(
