@@ -10,13 +10,20 @@ modules (and with them torch, transformers, DeepSpeed's loop), loads the shipped
 evaluation worker's client and scores one batch, then exits: what every worker does before its first line of its
 own work. ``--rounds`` launches each way, in turn (cold, warm, cold, ...), with the same environment and folder; the
 figures are wall seconds from launch to exit (medians), the warm Python's own start once (a launcher pays it once,
-beside other work), and after how many workers it has paid for itself. The last line is one JSON object.
+beside other work), and after how many workers it has paid for itself.
+
+``--engine-rounds`` then does the same for a deployment's smoke engine (``smoke_test_in_temporary_engine``, what
+``model_deployment`` runs without a serving service): a ``transformers serve`` of the tiny model on a Unix socket,
+started cold and forked from the same warm Python, in turn; the figure is its start to healthy (``ready_s``, the
+span ``fixed/smoke_engine_start`` of the pipeline profile), medians. Both sides run under the environment
+``make run``'s local backend gives its workers (``LocalGPUCluster.worker_env``). The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -28,9 +35,10 @@ from pathlib import Path
 # run as a script, bench/ is sys.path[0] and bench/packaging.py would shadow the installed `packaging`
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from nexa_dagster import settings  # noqa: E402
 from nexa_dagster.core.cluster import warm_python  # noqa: E402
+from nexa_dagster.core.serving.smoke import smoke_test_in_temporary_engine  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
+from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster  # noqa: E402
 
 PROBE = """
 import sys
@@ -58,16 +66,66 @@ def warm(pool: warm_python.WarmPython, folder: Path, checkpoint: Path, env: dict
     return time.perf_counter() - started
 
 
+class Said(logging.Handler):
+    """What the smoke test's engine said in the log (whether it forked, or why it started cold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def engine_ready_s(folder: Path, checkpoint: Path, pool: warm_python.WarmPython | None, i: int) -> float:
+    """One smoke test in a temporary engine (forked from ``pool``, or cold): its start to healthy, in seconds."""
+    said, logger = Said(), logging.getLogger(f"warm-bench-engine-{i}")
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    manifest = smoke_test_in_temporary_engine(
+        checkpoint, "bench", folder / f"engine-{i}", max_tokens=4, logger=logger, warm=pool
+    )
+    if manifest.status != "ok":
+        raise SystemExit(f"the smoke engine failed: {manifest.error}")
+    forked = any("engine forked from the warm Python" in line for line in said.lines)
+    if forked != (pool is not None):
+        raise SystemExit(f"the engine was to fork: {pool is not None}; it said: {said.lines}")
+    return manifest.ready_s
+
+
+def engine_rounds(
+    folder: Path, checkpoint: Path, pool: warm_python.WarmPython, rounds: int
+) -> dict[str, float]:
+    times: dict[str, list[float]] = {"cold": [], "warm": []}
+    for i in range(rounds):
+        times["cold"].append(engine_ready_s(folder, checkpoint, None, 2 * i))
+        times["warm"].append(engine_ready_s(folder, checkpoint, pool, 2 * i + 1))
+        print(
+            f"engine round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
+            flush=True,
+        )
+    cold_s, warm_s = statistics.median(times["cold"]), statistics.median(times["warm"])
+    return {
+        "engine_cold_s": round(cold_s, 3),
+        "engine_warm_s": round(warm_s, 3),
+        "engine_speedup": round(cold_s / warm_s, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engine-rounds", type=int, default=3, help="smoke engines each way (0: none)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="warm-bench-") as tmp:
         folder = Path(tmp)
         (folder / "warm_probe.py").write_text(PROBE)
         checkpoint = build_tiny_causal_lm(folder / "tiny", seed=0)
-        # what the local backend hands a worker (its kind's threads), the probe's folder on the path of both sides
-        env = {**settings.child_environ("evaluation"), "PYTHONPATH": str(folder), "PYTHONUNBUFFERED": "1"}
+        # what the local backend hands a worker (its kind's threads, WORKER_ENV), the probe's folder on the path of
+        # every side (set here, so the engine's environment, which the settings build, has it too)
+        os.environ["PYTHONPATH"] = str(folder)
+        cluster = LocalGPUCluster()
+        env = cluster.worker_env("evaluation", cluster.launch_env())
         python = sys.executable
         started = time.perf_counter()
         pool = warm_python.WarmPython(python, warm_python.import_time_environment(env)).start()
@@ -87,6 +145,9 @@ def main() -> None:
                     f"round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
                     flush=True,
                 )
+            engines = (
+                engine_rounds(folder, checkpoint, pool, args.engine_rounds) if args.engine_rounds else {}
+            )
         finally:
             pool.close()
     cold_s, warm_s = statistics.median(times["cold"]), statistics.median(times["warm"])
@@ -99,6 +160,8 @@ def main() -> None:
         "warm_python_start_s": round(warm_start_s, 3),
         # the warm Python's start is paid once; each forked worker saves cold - warm
         "workers_to_pay_back": round(warm_start_s / saved, 2) if saved > 0 else None,
+        "engine_rounds": args.engine_rounds,
+        **engines,
         "cpus": os.cpu_count(),
         "load_after": round(os.getloadavg()[0], 2),
     }
@@ -106,6 +169,11 @@ def main() -> None:
         f"median of {args.rounds}: cold {cold_s:.2f} s, warm {warm_s:.2f} s ({result['speedup']}x); the warm "
         f"Python's own start {warm_start_s:.2f} s, paid back after {result['workers_to_pay_back']} workers"
     )
+    if engines:
+        print(
+            f"smoke engine to healthy, median of {args.engine_rounds}: cold {engines['engine_cold_s']:.2f} s, "
+            f"forked {engines['engine_warm_s']:.2f} s ({engines['engine_speedup']}x)"
+        )
     print(json.dumps(result))
 
 

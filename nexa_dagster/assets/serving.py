@@ -7,6 +7,7 @@ is smoke-tested in a temporary engine. Then the pointer file
 and the MLflow registry alias ``production`` follow, so that pointer, alias and traffic agree, and a materialization of
 ``production_model`` records the change (assets/production.py)."""
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from nexa_dagster.assets.common import MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.production import production_change
+from nexa_dagster.core.cluster import warm_python
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.evaluation.promotion import (
     ProductionEntry,
@@ -38,7 +40,12 @@ def _smoke_test_without_service(
     checkpoint_id = context.partition_key
     work_dir = storage.deployment_dir(checkpoint_id)
     manifest = smoke_test_in_temporary_engine(
-        eval_report.checkpoint_path, checkpoint_id, work_dir, logger=context.log
+        eval_report.checkpoint_path,
+        checkpoint_id,
+        work_dir,
+        logger=context.log,
+        # where this process keeps a warm Python (make run's, for its workers) the engine forks from it
+        warm=warm_python.running(sys.executable),
     )
     if manifest.status != "ok":
         raise dg.Failure(

@@ -509,9 +509,10 @@ def test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_c
 @pytest.mark.xdist_group("demo")
 @pytest.mark.timeout(600)
 def test_make_run_forks_every_worker_from_its_warm_python(demo_world: tuple[Path, str]) -> None:
-    """`make run` starts one warm Python and forks every training and evaluation worker from it (its fixed costs,
-    docs/measurements.md): a worker started cold, because an environment variable read at import time differed or
-    the warm Python did not start, is said in the run's log, and would be a silent return of the seconds saved."""
+    """`make run` starts one warm Python and forks every training and evaluation worker, and every deployment's
+    smoke engine, from it (its fixed costs, docs/measurements.md): one started cold, because an environment
+    variable read at import time differed or the warm Python did not start, is said in the run's log, and would
+    be a silent return of the seconds saved."""
     root, _ = demo_world
     instance = dg.DagsterInstance.from_config(str(root / "home"))
     messages = [
@@ -520,10 +521,14 @@ def test_make_run_forks_every_worker_from_its_warm_python(demo_world: tuple[Path
         for entry in instance.all_logs(record.dagster_run.run_id)
     ]
     forked = [m for m in messages if m.startswith("worker forked from the warm Python")]
-    cold = [m for m in messages if "starting the worker cold" in m or "warm Python did not start" in m]
+    cold = [m for m in messages if any(w in m for w in ("worker cold", "engine cold", "did not start"))]
     # make run's workers: the base's pretraining and evaluation, three nights' training and evaluation, DPO and
     # GRPO and their evaluations
     assert len(forked) >= 12 and not cold, (len(forked), cold)
+    # and the smoke engine of each deployment (nights 1-3 and GRPO's: no serving service runs in make run)
+    engines = [m for m in messages if m.startswith("transformers engine forked from the warm Python")]
+    smoke_tests = [m for m in messages if "smoke-testing" in m and "in a temporary engine" in m]
+    assert len(engines) == len(smoke_tests) >= 3, (engines, smoke_tests)
 
 
 def night_guards(summary: str) -> dict[str, str]:

@@ -71,8 +71,10 @@ BENCHES: dict[str, Bench] = {
         slow=True,  # a pool's start (about 6 s) and the tiny model's build: in make test, not in test-fast
     ),
     "warm_workers.py": Bench(
-        ("--rounds", "1"),
-        frozenset({"cold_s", "warm_s", "speedup", "warm_python_start_s", "workers_to_pay_back"}),
+        ("--rounds", "1", "--engine-rounds", "1"),
+        frozenset(
+            {"cold_s", "warm_s", "speedup", "warm_python_start_s", "workers_to_pay_back", "engine_speedup"}
+        ),
         timeout_s=240,
         slow=True,  # three interpreters importing torch, transformers and DeepSpeed: in make test, not test-fast
     ),

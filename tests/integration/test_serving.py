@@ -8,19 +8,25 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 from support.services import child_processes_matching
 
+from nexa_dagster.core.cluster import warm_python
 from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.common.spans import PATTERN
+from nexa_dagster.core.llm.managed_server import ManagedServer
 from nexa_dagster.core.serving.answer_check import text_problem
-from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_test_in_temporary_engine
+from nexa_dagster.core.serving.haproxy import socket_dir
+from nexa_dagster.core.serving.smoke import DeploymentManifest, smoke_request, smoke_test_in_temporary_engine
+from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
 
 
 def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engine(
@@ -83,6 +89,69 @@ def test_a_smoke_test_in_a_temporary_engine_writes_a_manifest_and_stops_the_engi
     assert not list(tmp_path.glob(".*.tmp"))  # the manifest was written under a temporary name, then renamed
     log = Path(manifest.log_path)
     assert log == tmp_path / "transformers-serve-smoke.log" and "serve" in log.read_text()
+
+
+def _gone(processes: list[psutil.Process], timeout_s: float = 30.0) -> list[psutil.Process]:
+    """Those of ``processes`` still running (not a zombie) after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_a_smoke_engine_forked_from_the_warm_python_answers_stops_and_dies_with_it(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`make run` forks each deployment's smoke engine from the warm Python its workers fork from (the server's
+    imports paid once: docs/measurements.md). Forked, it must still be the engine a cold start is: started under
+    the environment make run's warm Python has (not refused for a difference, which would quietly give the seconds
+    back), it answers the smoke request on its socket; its stop takes the model's process `transformers serve`
+    spawned; and a killed warm Python (its launcher killed) leaves neither behind."""
+    cluster = (
+        LocalGPUCluster()
+    )  # the warm Python's environment, as LocalGPUCluster(warm_start=True) starts it
+    env = warm_python.import_time_environment(cluster.worker_env("training", cluster.launch_env()))
+    serving_only = ("uvicorn", "transformers.cli.transformers", "transformers.processing_utils")
+    warm = warm_python.WarmPython(sys.executable, env, serving_only).start()
+    logger = logging.getLogger("test-warm-engine")
+    caplog.set_level(logging.INFO, logger=logger.name)
+    try:
+        assert warm.ready() and warm.process is not None
+        for round_ in ("stopped", "orphaned"):
+            server = ManagedServer(
+                tiny_model_dir,
+                tmp_path / round_,
+                socket_path=socket_dir(tmp_path) / f"{round_}.sock",
+                warm=warm,
+                logger=logger,
+            )
+            server.start()
+            try:
+                assert server.pid is not None
+                engine = psutil.Process(server.pid)
+                assert engine.ppid() == warm.process.pid and os.getsid(engine.pid) == engine.pid
+                answer = smoke_request(
+                    server.base_url, server.model_name, max_tokens=8, uds=server.socket_path
+                )
+                assert answer.ok, answer
+                processes = [engine, *engine.children(recursive=True)]  # the model's process among them
+                assert any("spawn_main" in " ".join(p.cmdline()) for p in processes), processes
+                if round_ == "orphaned":
+                    os.kill(warm.process.pid, signal.SIGKILL)
+                else:
+                    server.stop()
+                    assert warm.process.poll() is None  # the warm Python is not the engine's group
+                alive = _gone(processes)
+                assert not alive, [(p.pid, p.cmdline()) for p in alive]
+            finally:
+                server.stop()
+    finally:
+        warm.close()
+    said = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert sum("engine forked from the warm Python" in m for m in said) == 2, said
+    assert not [m for m in said if "cold" in m], said
 
 
 def test_an_answer_of_replacement_characters_is_not_text() -> None:

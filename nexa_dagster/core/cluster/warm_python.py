@@ -28,12 +28,18 @@ What keeps a forked worker the same as a fresh one:
 
 Only single-process workers are forked (one rank, no ``torchrun``: its agent spawns its ranks itself), and only on
 the local backend. ``LocalGPUCluster.warm_start`` turns it on; ``make run`` does (``nexa_dagster/demo.py``).
+
+A process that keeps one forks the server of a deployment's smoke engine from it as well (``running``;
+``ManagedServer(warm=...)``): that child leads a session of its own, which the engine's stop kills as one, writes
+to the engine's log, and gets SIGTERM when the warm Python dies (``spawn``'s ``own_session`` and ``output``), as a
+cold engine's exec wrapper arranges.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -63,9 +69,16 @@ PRELOAD = (
     # DeepSpeed's ZeRO-1/2 imports it at a rank's first backward to ask whether the optimizer is Muon; its
     # torch.compile decorator imports torch's inductor: 0.8 s idle, several under load, in every training worker
     "deepspeed.runtime.zero.muon.muon_optimizer",
+    # a `transformers serve` engine's server (ManagedServer forks a smoke engine from here): its CLI, its web
+    # server and the processor classes it loads the model's tokenizer with, ~2.5 s of its ~4.7 s before it spawns
+    # the model's process
+    "uvicorn",
+    "transformers.cli.transformers",
+    "transformers.processing_utils",
 )
-# read at run time, not while the preloaded modules import: a child's own value is used as it is
-RUNTIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# read at run time, not while the preloaded modules import: a child's own value is used as it is (tokenizers reads
+# TOKENIZERS_PARALLELISM each time it decides whether to use its thread pool)
+RUNTIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 RUNTIME_PREFIXES = ("NEXA_", "DAGSTER_PIPES_")
 START_TIMEOUT_S = 300.0  # the imports: ~6 s idle, a minute or more on a loaded 2-core machine
 
@@ -205,11 +218,34 @@ class WarmPython:
         """What in ``env`` a forked worker would not see as a fresh one would (``environment_difference``)."""
         return environment_difference(self.env, env, self.set_by_imports)
 
-    def spawn(self, module: str, args: Sequence[str], cwd: str | Path, env: Mapping[str, str]) -> WarmChild:
-        """Fork ``python -m module args`` in ``cwd`` with ``env`` (check ``differs`` first)."""
+    def spawn(
+        self,
+        module: str,
+        args: Sequence[str],
+        cwd: str | Path,
+        env: Mapping[str, str],
+        script: bool = False,
+        own_session: bool = False,
+        output: str | Path | None = None,
+    ) -> WarmChild:
+        """Fork ``python -m module args`` (``script``: ``python module args``, a file) in ``cwd`` with ``env``
+        (check ``differs`` first).
+
+        ``own_session``: the child leads a session and process group of its own, stopped as one by a kill of its
+        group (an engine, ``ManagedServer.stop``), and gets SIGTERM if the warm Python dies (which ends with its
+        launcher), as ``managed_server.with_parent_death_signal`` gives a cold one; without it the child is in the
+        launcher's group, as a cold worker. ``output``: a file its stdout and stderr are appended to."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(self.socket_path))
-        request = {"module": module, "args": list(args), "cwd": str(cwd), "env": dict(env)}
+        request = {
+            "module": module,
+            "script": script,
+            "args": list(args),
+            "cwd": str(cwd),
+            "env": dict(env),
+            "own_session": own_session,
+            "output": str(output) if output else None,
+        }
         conn.sendall(json.dumps(request).encode() + b"\n")
         return WarmChild(conn)
 
@@ -244,10 +280,38 @@ def shared(python: str, env: Mapping[str, str]) -> WarmPython:
         return warm
 
 
+def running(python: str) -> WarmPython | None:
+    """This process's warm interpreter for ``python`` if one was started (``shared``), else None: what else this
+    process starts (a smoke test's engine) may fork from it too, without starting one of its own."""
+    with _shared_lock:
+        warm = _shared.get(python)
+        return warm if warm is not None and warm.process is not None else None
+
+
 # --- the warm interpreter ------------------------------------------------------------------------------------
 
 
-def _run_child(request: dict, closing: list[socket.socket | selectors.BaseSelector | int]) -> None:
+def _own_session(warm_pid: int) -> None:
+    """In a forked child: a session of its own, and SIGTERM when the warm Python (its parent) dies."""
+    os.setsid()
+    with contextlib.suppress(Exception):  # not Linux: no parent-death signal, as with_parent_death_signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() != warm_pid:
+        os._exit(143)  # the warm Python died before prctl took effect
+
+
+def _redirect_output(path: str) -> None:
+    """Stdout and stderr appended to ``path`` (the streams keep their buffering: the warm Python's, which the
+    import-time environment check made the child's own, PYTHONUNBUFFERED included)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _run_child(
+    request: dict, closing: list[socket.socket | selectors.BaseSelector | int], warm_pid: int
+) -> None:
     """In the forked child: become the worker the request describes, then exit with its code (never returns)."""
     code, killed_by = 1, 0
     try:
@@ -255,12 +319,16 @@ def _run_child(request: dict, closing: list[socket.socket | selectors.BaseSelect
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if request.get("own_session"):
+            _own_session(warm_pid)
         for item in closing:
             with contextlib.suppress(OSError):
                 os.close(item) if isinstance(item, int) else item.close()
         null = os.open(os.devnull, os.O_RDONLY)  # not the launcher's pipe: a cold worker reads nothing either
         os.dup2(null, 0)
         os.close(null)
+        if request.get("output"):
+            _redirect_output(request["output"])
         os.chdir(request["cwd"])
         settings.replace_environ(request["env"])
         random.seed()
@@ -269,7 +337,10 @@ def _run_child(request: dict, closing: list[socket.socket | selectors.BaseSelect
             numpy.random.seed()
         sys.argv = [request["module"], *request["args"]]
         try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            if request.get("script"):  # as `python script.py`: spawned children re-run it by its path
+                runpy.run_path(request["module"], run_name="__main__")
+            else:
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -343,6 +414,7 @@ def _fork(conn: socket.socket, children: dict[int, socket.socket], closing: list
     try:
         with conn.makefile("rb") as lines:
             request = json.loads(lines.readline())
+        warm_pid = os.getpid()
         pid = os.fork()
     except Exception as e:  # a bad request or no fork: the launcher starts that worker cold
         with contextlib.suppress(OSError):
@@ -350,7 +422,7 @@ def _fork(conn: socket.socket, children: dict[int, socket.socket], closing: list
             conn.close()
         return
     if pid == 0:
-        _run_child(request, [*closing, conn, *children.values()])
+        _run_child(request, [*closing, conn, *children.values()], warm_pid)
     children[pid] = conn
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.net import free_port
@@ -163,6 +163,54 @@ def transformers_serve_options() -> frozenset[str]:
     return frozenset(inspect.signature(Serve.__init__).parameters) - {"self"}
 
 
+class ChildProcess(Protocol):
+    """What the server's process must offer: a ``subprocess.Popen``, or a child forked from a warm Python."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class WarmInterpreter(Protocol):
+    """A warm Python the server may fork from (``core/cluster/warm_python.WarmPython``, a later stage than this
+    one: passed in, not imported)."""
+
+    python: str
+
+    def ready(self, timeout_s: float = ...) -> bool: ...
+
+    def differs(self, env: Mapping[str, str]) -> list[str]: ...
+
+    def spawn(
+        self,
+        module: str,
+        args: Sequence[str],
+        cwd: str | Path,
+        env: Mapping[str, str],
+        script: bool = False,
+        own_session: bool = False,
+        output: str | Path | None = None,
+    ) -> ChildProcess: ...
+
+
+def script_of(argv: Sequence[str], python: str) -> tuple[str, list[str]] | None:
+    """(script, its arguments) of ``[python, "path/to/script.py", *args]``; None for any other command."""
+    if len(argv) >= 2 and argv[0] == python and argv[1].endswith(".py") and not argv[1].startswith("-"):
+        return argv[1], list(argv[2:])
+    return None
+
+
+def _default_hub_cache() -> Path:
+    """The hub cache huggingface_hub uses when HF_HUB_CACHE is unset (under HF_HOME, else the user's cache)."""
+    # here: only an engine forked from a warm Python needs it, and its import costs 0.3 s otherwise unpaid
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
 def _venv_cli(name: str) -> str | None:
     """A console script from this interpreter's environment first (the venv may not be on ``PATH``)."""
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
@@ -258,6 +306,7 @@ class ManagedServer:
         extra_env: Mapping[str, str] | None = None,
         own_session: bool = True,
         socket_path: str | Path | None = None,
+        warm: WarmInterpreter | None = None,
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         self.socket_path = str(socket_path) if socket_path else None  # no port: HAProxy's, in a 700 folder
@@ -267,6 +316,8 @@ class ManagedServer:
         # own_session=False: a process group of its own (stopped as one) in the starter's session, so that with
         # autogroups its nice counts against the starter's other children (the engine that serves), not the world
         self.own_session = own_session
+        # a warm Python of this process (core/cluster/warm_python.py) the server may fork from (_fork_from_warm)
+        self.warm = warm
         self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(
@@ -294,7 +345,7 @@ class ManagedServer:
         self.stop_grace_s = stop_grace_s
         self.progress_every_s = progress_every_s  # "not healthy yet" lines while a large model loads
         self.log = logger or log
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | ChildProcess | None = None
         self.ready_s: float = 0.0
 
     def _cb_memory_args(self, cb_max_memory_percent: float | None) -> tuple[str, ...]:
@@ -427,9 +478,8 @@ class ManagedServer:
         with open(self.log_path, "wb") as logfile:
             logfile.write(f"$ {' '.join(cmd)}\n".encode())
             logfile.flush()
-            cmd = with_parent_death_signal(cmd, self.nice)
-            self.process = subprocess.Popen(
-                cmd,
+            self.process = self._fork_from_warm(cmd, env) or subprocess.Popen(
+                with_parent_death_signal(cmd, self.nice),
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -439,6 +489,45 @@ class ManagedServer:
                 cwd=self.log_dir,
             )  # own process group: clean stop
         atexit.register(self.stop)
+
+    def _fork_from_warm(self, cmd: list[str], env: dict[str, str]) -> ChildProcess | None:
+        """The server forked from ``warm``, the same process a cold start would be but with torch, transformers
+        and its web server imported already (~3 s of a ~9 s start for the tiny model; the model's own process,
+        which ``transformers serve`` spawns, starts fresh either way); None where it cannot be that same process,
+        said in the log: the engine then starts cold.
+
+        Only an engine in a session of its own at the starter's priority (the warm child makes itself a session
+        leader that dies with the warm Python, ``WarmPython.spawn``), run as a Python script (``transformers
+        serve`` on a Unix socket), whose import-time environment is the warm Python's."""
+        if self.warm is None:
+            return None
+        target = script_of(cmd, self.warm.python)
+        # the hub cache is read as huggingface_hub loads: unless one is set, the one the warm Python has
+        own_cache = bool(settings.HF_HUB_CACHE.get())
+        env = env if own_cache else {k: v for k, v in env.items() if k != "HF_HUB_CACHE"}
+        why = ""
+        if self.nice or not self.own_session:
+            why = "it runs at a lower priority or in its starter's session"
+        elif target is None:
+            why = "its command is not a script run by the warm Python's interpreter"
+        elif not self.warm.ready():
+            why = "the warm Python did not start"
+        elif differs := self.warm.differs(env):
+            why = f"its {', '.join(differs[:4])} differ from the warm Python's"
+        if why or target is None:
+            self.log.info("starting the %s engine cold: %s", self.engine, why)
+            return None
+        if not own_cache:
+            _default_hub_cache().mkdir(parents=True, exist_ok=True)  # scanned on GET /v1/models
+        try:
+            child = self.warm.spawn(
+                *target, self.log_dir, env, script=True, own_session=True, output=self.log_path
+            )
+        except OSError as e:
+            self.log.warning("%s; starting the %s engine cold", e, self.engine)
+            return None
+        self.log.info("%s engine forked from the warm Python (pid %d)", self.engine, child.pid)
+        return child
 
     def _vllm_env(self) -> dict[str, str]:
         """vLLM on a CPU: its KV cache's size in GiB (its default, 4 GiB, is a sixth of a 24 GiB CI machine)."""

@@ -33,7 +33,10 @@ from nexa_dagster.core.training.init import check_init_checkpoint
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 
 STDERR_TAIL_LINES = 40
-WORKER_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+# TQDM_DISABLE: a worker's output goes to the run's log line by line, where a progress bar redrawn in place is noise
+# (the workers say their progress in lines of their own); an engine has it too, so one can fork from the workers'
+# warm Python (tqdm reads it when it loads)
+WORKER_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
 
 
 class WorkerFailed(RuntimeError):

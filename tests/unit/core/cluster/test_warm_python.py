@@ -206,3 +206,67 @@ def test_the_warm_python_ends_with_its_launcher(probe_env: dict[str, str]) -> No
     while psutil.pid_exists(warm_pid) and psutil.Process(warm_pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the warm Python outlived its launcher"
         time.sleep(0.1)
+
+
+# a script (run as `python engine.py`, as ManagedServer runs `transformers serve` on a Unix socket): what it is
+ENGINE_PROBE = textwrap.dedent(
+    """
+    import ctypes, json, os, sys, time
+    pdeathsig = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(pdeathsig))  # PR_GET_PDEATHSIG
+    print(json.dumps({"leads_its_session": os.getsid(0) == os.getpid(), "pdeathsig": pdeathsig.value,
+                      "name": __name__, "argv": sys.argv}), flush=True)
+    if sys.argv[1:] == ["sleep"]:
+        time.sleep(120)
+    """
+)
+
+
+def test_an_engine_forked_in_a_session_of_its_own_writes_its_log_and_dies_with_the_warm_python(
+    probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    """What ``ManagedServer`` relies on when it forks an engine (``own_session``, ``output``, ``script``): the
+    engine leads a session of its own (its stop kills that group, nothing of the launcher's), its output is in its
+    log file, it runs as ``python engine.py`` would, and when the warm Python is killed it gets SIGTERM, as a cold
+    engine's exec wrapper arranges: no engine outlives what started it. A worker (no ``own_session``) is in the
+    launcher's group, without that signal: the contrast the test would lose if the options did nothing."""
+    warm = warm_python.WarmPython(sys.executable, warm_python.import_time_environment(probe_env), ("json",))
+    assert warm.start().ready()
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_PROBE)
+    try:
+        worker_log = tmp_path / "worker.log"
+        worker = warm.spawn(str(script), ["once"], tmp_path, probe_env, script=True, output=worker_log)
+        assert worker.wait(timeout=60) == 0
+        assert json.loads(worker_log.read_text()) == {
+            "leads_its_session": False,
+            "pdeathsig": 0,
+            "name": "__main__",
+            "argv": [str(script), "once"],
+        }
+        log = tmp_path / "engine.log"
+        log.write_text("$ the command line\n")  # ManagedServer's first line: the engine's output follows it
+        engine = warm.spawn(
+            str(script), ["sleep"], tmp_path, probe_env, script=True, own_session=True, output=log
+        )
+        deadline = time.monotonic() + 60
+        while len(log.read_text().splitlines()) < 2:
+            assert engine.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        first, facts = log.read_text().splitlines()[:2]
+        assert first == "$ the command line"
+        assert json.loads(facts) == {
+            "leads_its_session": True,
+            "pdeathsig": signal.SIGTERM,
+            "name": "__main__",
+            "argv": [str(script), "sleep"],
+        }
+        assert os.getpgid(engine.pid) == engine.pid != os.getpgid(0)
+        assert warm.process is not None
+        os.kill(warm.process.pid, signal.SIGKILL)  # no close, no EOF: the warm Python is simply gone
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(engine.pid) and psutil.Process(engine.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the engine outlived the warm Python"
+            time.sleep(0.1)
+    finally:
+        warm.close()
