@@ -10,6 +10,16 @@ worker): every file that needs PostgreSQL, Slurm or a served tiny model shares i
 from __future__ import annotations
 
 import os
+import signal
+
+# A suite started in the background (`make test &`, `nohup`) inherits SIGINT ignored (a shell ignores it for its
+# background jobs), and every process a test starts inherits that in turn: a cold worker would not die of the SIGINT a
+# test sends it, and `dagster dev`, which gives SIGTERM its SIGINT handling, would ignore the SIGTERM that stops it
+# (both seen in clean-clone runs, 2026-12-04). Each pytest process (the controller, every xdist worker) starts as a
+# shell's foreground command would: Python's own SIGINT handler (a child then gets the default) and nothing blocked.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 # before any library reads them: no model hub, one tokenizer thread, DeepSpeed on the CPU
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

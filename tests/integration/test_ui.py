@@ -6,7 +6,6 @@ pipeline from the Launchpad, waits for the run to succeed, and keeps a screensho
 
 import contextlib
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -46,13 +45,6 @@ def chromium() -> str:
     return found
 
 
-def _default_stop_signals() -> None:
-    """A suite started in the background (``cmd &``) inherits SIGINT ignored, and ``dagster dev`` copies its SIGINT
-    handling to SIGTERM: the server would then ignore the SIGTERM that stops it (verified-facts)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 @contextlib.contextmanager
 def dagster_dev(
     env: dict[str, str], tmp_path: Path, workspace: Path = REPO_ROOT / "workspace.yaml"
@@ -70,7 +62,6 @@ def dagster_dev(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_default_stop_signals,
         )
     try:
         deadline = time.monotonic() + 180

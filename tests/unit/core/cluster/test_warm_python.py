@@ -37,17 +37,6 @@ PROBE = textwrap.dedent(
 )
 
 
-# `python -m probe sleep` as a shell starts it: no signal blocked, SIGINT and SIGTERM at their defaults, then exec'd
-# in place (the same pid). A child inherits its starter's ignored signals and signal mask, and the test worker's are
-# whatever the session left: twice in clean-clone runs of the suite (2026-12-04) a cold probe never saw its SIGINT
-# while the forked one did, which a test worker that ignores SIGINT reproduces exactly
-AS_FROM_A_SHELL = (
-    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
-    "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)]; "
-    "os.execv(sys.executable, [sys.executable, '-m', 'probe', 'sleep'])"
-)
-
-
 @pytest.fixture(scope="module")
 def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """An environment whose PYTHONPATH holds ``probe.py`` (PYTHONPATH is read when an interpreter starts: the
@@ -114,7 +103,7 @@ def test_exit_codes_and_signals_read_as_a_fresh_process_s(
     missing = warm.spawn("no_such_module_here", [], tmp_path, probe_env)
     assert missing.wait(timeout=60) == 1  # as `python -m no_such_module_here`
     for sig in (signal.SIGKILL, signal.SIGINT, signal.SIGTERM):
-        cold = subprocess.Popen([sys.executable, "-c", AS_FROM_A_SHELL], cwd=tmp_path, env=probe_env)
+        cold = subprocess.Popen([sys.executable, "-m", "probe", "sleep"], cwd=tmp_path, env=probe_env)
         forked = warm.spawn("probe", ["sleep"], tmp_path, probe_env)
         # both inside the sleep (a cold start under the suite's load took over 1.5 s: an import interrupted by a
         # signal says so in its own way)
