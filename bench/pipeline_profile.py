@@ -12,7 +12,8 @@ work and their fixed costs (``nexa_dagster/core/common/spans.py``: ``span work/t
 * Dagster: the run's start to end less its steps (step launches, events, the executor);
 * worker start-up: a worker process's time less the spans it logged itself (interpreter, imports, teardown);
 * every ``fixed/`` span (model and DeepSpeed start-up, model loads, the judge's start, checkpoint writes, MLflow)
-  and every ``work/`` span (training steps, scoring, judging, generation: the teacher's ``generation_wall_s``);
+  and every ``work/`` span (training steps, scoring, benchmarks, judging, generation: the teacher's
+  ``generation_wall_s``);
 * unattributed/<step>: a step's time outside any span (its tables, IO manager, a model load or the work of a
   stage with no span yet): where a span is still missing.
 

@@ -494,7 +494,7 @@ def test_the_pipeline_profile_splits_each_make_run_job_into_its_work_and_fixed_c
         assert sum(job["parts"].values()) == pytest.approx(job["total_s"], rel=0.01, abs=0.05), job
     parts = {name for job in jobs for name in job["parts"]}
     expected = {
-        *("work/training_steps", "work/scoring", "work/judging", "work/generation"),
+        *("work/training_steps", "work/scoring", "work/judging", "work/generation", "work/benchmarks"),
         *("fixed/model_and_deepspeed", "fixed/model_load", "fixed/checkpoint_write", "fixed/worker_startup"),
         *("fixed/launch", "fixed/dagster", "fixed/mlflow"),
         # make run deploys with no serving service: each deployment's temporary engine, split from its request

@@ -29,6 +29,7 @@ from typing import Any
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
+from nexa_dagster.core.common.spans import span
 
 BENCHMARK_METRIC_PREFIX = "benchmark:"
 
@@ -173,17 +174,7 @@ def run_benchmarks(
     if settings.backend == "vllm":
         out = _evaluate_on_vllm(model_dir, settings, tasks, device, label)
     else:
-        out = lm_eval.simple_evaluate(
-            model=settings.backend,
-            model_args=_model_args(settings, model_dir, device),
-            tasks=tasks.specs,
-            task_manager=tasks.manager,
-            num_fewshot=settings.num_fewshot,
-            limit=settings.limit,
-            batch_size=settings.batch_size,
-            log_samples=False,
-            bootstrap_iters=settings.bootstrap_iters,
-        )
+        out = _evaluate_here(model_dir, settings, tasks, device, log)
     if out is None:  # only on a non-zero rank of a multi-process run
         raise BenchmarkError("lm-evaluation-harness returned no results")
     scores = parse_results(out)
@@ -204,6 +195,34 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None  # the harness writes "N/A" for a stderr it could not compute
     return number if math.isfinite(number) else None
+
+
+def _evaluate_here(
+    model_dir: str, settings: BenchmarkSettings, tasks: ResolvedTasks, device: str, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The harness in this process, its model built first: what ``simple_evaluate`` builds from a backend's name
+    and a dict of arguments (``create_from_arg_obj`` with its batch size, no device or batch-size limit of its
+    own), built here so that its load (lm-evaluation-harness loads a copy of its own) is a fixed cost apart from
+    the tasks' scoring, the work, in the pipeline profile's spans."""
+    import lm_eval.api.registry  # as in resolve_tasks (it binds lm_eval too)
+
+    model_args = _model_args(settings, model_dir, device)
+    with span(log, "fixed", "model_load"):
+        lm = lm_eval.api.registry.get_model(settings.backend).create_from_arg_obj(
+            model_args, {"batch_size": settings.batch_size, "max_batch_size": None, "device": None}
+        )
+    with span(log, "work", "benchmarks"):
+        return lm_eval.simple_evaluate(
+            model=lm,
+            model_args=model_args,
+            tasks=tasks.specs,
+            task_manager=tasks.manager,
+            num_fewshot=settings.num_fewshot,
+            limit=settings.limit,
+            batch_size=settings.batch_size,
+            log_samples=False,
+            bootstrap_iters=settings.bootstrap_iters,
+        )
 
 
 def _evaluate_on_vllm(
