@@ -83,6 +83,18 @@ RUNTIME_PREFIXES = ("NEXA_", "DAGSTER_PIPES_")
 START_TIMEOUT_S = 300.0  # the imports: ~6 s idle, a minute or more on a loaded 2-core machine
 
 
+# the signal dispositions of a fresh interpreter, for those the warm one changes (SIGINT, SIGCHLD) and those it
+# must not hand on changed: CPython ignores SIGPIPE (a write to a closed pipe or socket raises BrokenPipeError, not a
+# silent death: a forked engine whose health-check client hung up first died of it, 2 of 15 under load) and SIGXFSZ
+FRESH_SIGNALS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGCHLD: signal.SIG_DFL,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGPIPE: signal.SIG_IGN,
+    signal.SIGXFSZ: signal.SIG_IGN,
+}
+
+
 def runtime_variable(name: str) -> bool:
     return name in RUNTIME_VARIABLES or name.startswith(RUNTIME_PREFIXES)
 
@@ -316,9 +328,8 @@ def _run_child(
     code, killed_by = 1, 0
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, disposition in FRESH_SIGNALS.items():
+            signal.signal(sig, disposition)
         if request.get("own_session"):
             _own_session(warm_pid)
         for item in closing:

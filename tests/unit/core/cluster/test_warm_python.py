@@ -25,9 +25,11 @@ from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster
 
 PROBE = textwrap.dedent(
     """
-    import json, os, random, sys, time
+    import json, os, random, signal, sys, time
     out = {"cwd": os.getcwd(), "argv": sys.argv[1:], "probe": os.environ.get("PROBE"), "name": __name__,
-           "torch_loaded_before_me": "torch" in sys.modules, "random": random.random(), "pid": os.getpid()}
+           "torch_loaded_before_me": "torch" in sys.modules, "random": random.random(), "pid": os.getpid(),
+           "signals": {s.name: repr(signal.getsignal(s)) for s in signal.Signals
+                       if s not in (signal.SIGKILL, signal.SIGSTOP)}}
     print(json.dumps(out), flush=True)
     if sys.argv[1:2] == ["sleep"]:
         open(f"sleeping.{os.getpid()}", "w").close()  # the test signals it only from here on
@@ -89,7 +91,9 @@ def test_a_forked_worker_runs_the_module_as_python_dash_m_with_torch_already_imp
     )
     a, b = json.loads(cold.stdout), json.loads(forked.stdout)
     assert cold.returncode == forked.returncode == 3, forked.stderr[-2000:]
-    for key in ("cwd", "argv", "probe", "name"):
+    # the signals too: a forked worker handed SIGPIPE at its default (not ignored, as CPython starts) dies silently
+    # of a write to a closed pipe or socket (a forked engine did, under load)
+    for key in ("cwd", "argv", "probe", "name", "signals"):
         assert a[key] == b[key], (key, a, b)
     assert b["argv"] == ["3", "x"] and b["name"] == "__main__" and b["cwd"] == str(tmp_path)
     assert not a["torch_loaded_before_me"] and b["torch_loaded_before_me"]  # the point: imported once, before
