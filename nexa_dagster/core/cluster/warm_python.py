@@ -21,7 +21,8 @@ What keeps a forked worker the same as a fresh one:
   thread (pyarrow's allocator), which jemalloc itself re-creates after a fork.
 * **Randomness.** torch's default generator is untouched by the imports (a fresh process's fixed seed, as cold);
   Python's and NumPy's global generators are re-seeded from the OS in each child, as a fresh process's are.
-* **Signals and exits.** The child restores the default handlers, runs the module as ``__main__``, runs the
+* **Signals and exits.** The child takes a fresh interpreter's signal dispositions (``FRESH_SIGNALS``: Python's
+  SIGINT handler, SIGPIPE and SIGXFSZ ignored, the rest at their defaults), runs the module as ``__main__``, runs the
   ``atexit`` handlers a normal exit runs, and exits with the module's code; a signal that kills it is reported as
   ``subprocess`` reports one (``-signum``). It stays in the launcher's process group, so a kill of the group (a
   lost node, ``make run`` stopped) takes it with the rest; the warm interpreter itself ends with its launcher.
