@@ -224,9 +224,10 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="nexa-profile-") as scratch:
         if args.part:
-            run_part(args.part, Path(args.work or scratch))
+            run_part(args.part, Path(args.work or scratch).resolve())
         elif args.dagster_home:
-            settings.export(settings.DAGSTER_HOME, args.dagster_home)
+            # Dagster takes only an absolute DAGSTER_HOME; a person types `--dagster-home .dagster_home`.
+            settings.export(settings.DAGSTER_HOME, str(Path(args.dagster_home).resolve()))
         if not settings.DAGSTER_HOME.is_set():
             parser.error("no instance: set DAGSTER_HOME, --dagster-home, or --part")
         figures = report(profile(dg.DagsterInstance.get()))
