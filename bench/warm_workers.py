@@ -38,7 +38,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 from nexa_dagster.core.cluster import warm_python  # noqa: E402
 from nexa_dagster.core.serving.smoke import smoke_test_in_temporary_engine  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
-from nexa_dagster.resources.gpu_cluster.local import LocalGPUCluster  # noqa: E402
+from nexa_dagster.resources.gpu_cluster.local import WARM_PRELOAD, LocalGPUCluster  # noqa: E402
 
 PROBE = """
 import sys
@@ -128,7 +128,7 @@ def main() -> None:
         env = cluster.worker_env("evaluation", cluster.launch_env())
         python = sys.executable
         started = time.perf_counter()
-        pool = warm_python.WarmPython(python, warm_python.import_time_environment(env)).start()
+        pool = warm_python.WarmPython(python, warm_python.import_time_environment(env), WARM_PRELOAD).start()
         if not pool.ready():
             raise SystemExit("the warm Python did not start")
         warm_start_s = time.perf_counter() - started

@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import random
@@ -60,13 +61,14 @@ from pathlib import Path
 
 from nexa_dagster import settings
 
-# what the warm interpreter imports: what every worker imports before its first line of work
-PRELOAD = (
+# what the warm interpreter imports of the libraries: what every worker and a smoke engine import before their first
+# line of work. The package's own modules a launcher's workers run are its to add (``LocalGPUCluster``'s
+# ``WARM_PRELOAD``): named here, every asset that reaches this module (a deployment's smoke engine) would reach the
+# training loop's source and turn stale at each edit of it (``assets/versions.py`` follows module names in strings).
+LIBRARIES = (
     "torch",
     "transformers",
     "transformers.models.mixtral.modeling_mixtral",
-    "nexa_dagster.core.training.worker",
-    "nexa_dagster.core.evaluation.worker",
     # DeepSpeed's ZeRO-1/2 imports it at a rank's first backward to ask whether the optimizer is Muon; its
     # torch.compile decorator imports torch's inductor: 0.8 s idle, several under load, in every training worker
     "deepspeed.runtime.zero.muon.muon_optimizer",
@@ -189,7 +191,7 @@ class WarmPython:
 
     python: str
     env: dict[str, str]  # the environment it imported under (thread counts at 1: it computes nothing)
-    preload: tuple[str, ...] = PRELOAD
+    preload: tuple[str, ...] = LIBRARIES  # modules, or ``module:function`` to import and call
     set_by_imports: dict[str, str] | None = (
         None  # what its imports added to its environment (known once ready)
     )
@@ -282,13 +284,14 @@ _shared: dict[str, WarmPython] = {}
 _shared_lock = threading.Lock()
 
 
-def shared(python: str, env: Mapping[str, str]) -> WarmPython:
-    """This process's warm interpreter for ``python``, started on first use under ``env`` (then kept until this
-    process exits: the next worker forks from it)."""
+def shared(python: str, env: Mapping[str, str], preload: Sequence[str] = LIBRARIES) -> WarmPython:
+    """This process's warm interpreter for ``python``, started on first use under ``env`` importing ``preload``
+    (then kept until this process exits: the next worker forks from it)."""
     with _shared_lock:
         warm = _shared.get(python)
         if warm is None or warm.process is None:
-            warm = _shared[python] = WarmPython(python, import_time_environment(env)).start()
+            started = WarmPython(python, import_time_environment(env), tuple(preload)).start()
+            warm = _shared[python] = started
             atexit.register(warm.close)
         return warm
 
@@ -381,14 +384,14 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     """Import ``preload``, listen on ``socket_path``, then fork a worker per connection until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the launcher's group is for the workers
     for name in preload:
-        if name == "nexa_dagster.core.training.worker":
-            from nexa_dagster.core.training.loop import import_deepspeed  # its DeepSpeed, without MLflow
-
-            import_deepspeed()
+        module, _, function = name.partition(":")
         try:
-            __import__(name)
+            imported = importlib.import_module(module)
         except ImportError as e:  # a library that moved a module: the workers import it themselves, as cold
             print(f"warm Python: not preloading {name}: {e}", file=sys.stderr, flush=True)
+            continue
+        if function:
+            getattr(imported, function)()
     after = import_time_environment(
         settings.whole_environ()
     )  # with what the imports set themselves (WarmPython.ready)

@@ -20,6 +20,16 @@ from nexa_dagster.resources.gpu_cluster.base import GPUClusterResource, WorkerFa
 # worker's INTERRUPT_GRACE_S (core/common/workers.py), so the worker's hard exit comes first
 TERMINATION_WAIT_S = 20.0
 
+# what the warm Python imports: DeepSpeed through the training loop's own import of it (without the MLflow import
+# DeepSpeed makes on the way; before the libraries, one of which is a DeepSpeed module), the workers this backend
+# launches, then the libraries
+WARM_PRELOAD = (
+    "nexa_dagster.core.training.loop:import_deepspeed",
+    "nexa_dagster.core.training.worker",
+    "nexa_dagster.core.evaluation.worker",
+    *warm_python.LIBRARIES,
+)
+
 
 class LocalGPUCluster(GPUClusterResource):
     """Runs the worker here in a Dagster Pipes session (``torchrun`` for more than one rank).
@@ -42,7 +52,8 @@ class LocalGPUCluster(GPUClusterResource):
     def prestart_warm(self) -> None:
         """Start the warm Python importing now, beside other work, so the first worker need not wait for it."""
         if self.warm_start:
-            warm_python.shared(self.python(), self.worker_env("training", self.launch_env()))
+            env = self.worker_env("training", self.launch_env())
+            warm_python.shared(self.python(), env, WARM_PRELOAD)
 
     def worker_env(self, kind: str, launch_env: dict[str, str], ranks: int = 1) -> dict[str, str]:
         """A worker's whole environment (before Dagster Pipes' variables): its kind's thread share, the ranks'
@@ -62,7 +73,7 @@ class LocalGPUCluster(GPUClusterResource):
         library reads while importing must be what the warm Python imported under), else a fresh process."""
         target = warm_python.module_of(command, self.python()) if self.warm_start else None
         if target is not None:
-            warm = warm_python.shared(self.python(), env)
+            warm = warm_python.shared(self.python(), env, WARM_PRELOAD)
             if not warm.ready():
                 context.log.warning("the warm Python did not start; starting the worker cold")
             elif differs := warm.differs(env):

@@ -45,6 +45,7 @@ def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     warm Python must have been started with it)."""
     folder = tmp_path_factory.mktemp("probe")
     (folder / "probe.py").write_text(PROBE)
+    (folder / "hooked.py").write_text("import os\ndef mark():\n    os.environ['HOOKED_BY_PRELOAD'] = '1'\n")
     (folder / "draw.py").write_text(
         "import random, sys, numpy\n"
         "open(sys.argv[1], 'w').write(repr((random.random(), numpy.random.random())))\n"
@@ -150,6 +151,24 @@ def test_a_worker_whose_import_time_environment_differs_starts_cold(
     base = {k: v for k, v in base.items() if k != nvml}
     for wanted, differs in (({nvml: "1"}, []), ({}, []), ({nvml: "0"}, [nvml])):
         assert warm_python.environment_difference(base, {**base, **wanted}, {nvml: "1"}) == differs
+
+
+def test_a_preload_entry_module_colon_function_imports_the_module_and_calls_the_function(
+    probe_env: dict[str, str],
+) -> None:
+    """``module:function`` in the preload: how a launcher runs a set-up step in the warm Python (the local backend
+    imports DeepSpeed through the training loop's ``import_deepspeed``); what the call set is what the warm Python's
+    imports set, which a forked worker's environment is checked against."""
+    env = warm_python.import_time_environment(probe_env)
+    for preload, hooked in ((("hooked:mark",), {"HOOKED_BY_PRELOAD": "1"}), (("hooked",), {})):
+        warm = warm_python.WarmPython(sys.executable, env, preload).start()
+        try:
+            assert warm.ready(), preload
+            assert {
+                k: v for k, v in (warm.set_by_imports or {}).items() if k == "HOOKED_BY_PRELOAD"
+            } == hooked
+        finally:
+            warm.close()
 
 
 @pytest.mark.slow  # the full preload (torch, transformers, DeepSpeed): make test; make test-fast keeps the rest
