@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # run as a script, bench/ is sys.path[0] and bench/packaging.py would shadow the installed `packaging`
@@ -93,18 +94,32 @@ def engine_ready_s(folder: Path, checkpoint: Path, pool: warm_python.WarmPython 
     return manifest.ready_s
 
 
+def in_turn(
+    what: str, rounds: int, cold_s: Callable[[], float], warm_s: Callable[[], float]
+) -> tuple[float, float]:
+    """``rounds`` measurements each way, in turn (cold, warm, cold, ...: a machine's drift falls on both), each
+    round printed; their medians (cold, warm)."""
+    times: dict[str, list[float]] = {"cold": [], "warm": []}
+    for i in range(rounds):
+        times["cold"].append(cold_s())
+        times["warm"].append(warm_s())
+        print(
+            f"{what} round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
+            flush=True,
+        )
+    return statistics.median(times["cold"]), statistics.median(times["warm"])
+
+
 def engine_rounds(
     folder: Path, checkpoint: Path, pool: warm_python.WarmPython, rounds: int
 ) -> dict[str, float]:
-    times: dict[str, list[float]] = {"cold": [], "warm": []}
-    for i in range(rounds):
-        times["cold"].append(engine_ready_s(folder, checkpoint, None, 2 * i))
-        times["warm"].append(engine_ready_s(folder, checkpoint, pool, 2 * i + 1))
-        print(
-            f"engine round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
-            flush=True,
-        )
-    cold_s, warm_s = statistics.median(times["cold"]), statistics.median(times["warm"])
+    engines = iter(range(2 * rounds))  # each engine its own folder
+    cold_s, warm_s = in_turn(
+        "engine",
+        rounds,
+        lambda: engine_ready_s(folder, checkpoint, None, next(engines)),
+        lambda: engine_ready_s(folder, checkpoint, pool, next(engines)),
+    )
     return {
         "engine_cold_s": round(cold_s, 3),
         "engine_warm_s": round(warm_s, 3),
@@ -137,20 +152,17 @@ def main() -> None:
                 raise SystemExit(
                     f"the probe's environment differs from the warm Python's: {pool.differs(env)}"
                 )
-            times: dict[str, list[float]] = {"cold": [], "warm": []}
-            for i in range(args.rounds):
-                times["cold"].append(cold(python, folder, checkpoint, env))
-                times["warm"].append(warm(pool, folder, checkpoint, env))
-                print(
-                    f"round {i + 1}: cold {times['cold'][-1]:.2f} s, warm {times['warm'][-1]:.2f} s",
-                    flush=True,
-                )
+            cold_s, warm_s = in_turn(
+                "worker",
+                args.rounds,
+                lambda: cold(python, folder, checkpoint, env),
+                lambda: warm(pool, folder, checkpoint, env),
+            )
             engines = (
                 engine_rounds(folder, checkpoint, pool, args.engine_rounds) if args.engine_rounds else {}
             )
         finally:
             pool.close()
-    cold_s, warm_s = statistics.median(times["cold"]), statistics.median(times["warm"])
     saved = cold_s - warm_s
     result = {
         "rounds": args.rounds,

@@ -290,8 +290,7 @@ def shared(python: str, env: Mapping[str, str], preload: Sequence[str] = LIBRARI
     with _shared_lock:
         warm = _shared.get(python)
         if warm is None or warm.process is None:
-            started = WarmPython(python, import_time_environment(env), tuple(preload)).start()
-            warm = _shared[python] = started
+            warm = _shared[python] = WarmPython(python, import_time_environment(env), tuple(preload)).start()
             atexit.register(warm.close)
         return warm
 
