@@ -1,5 +1,7 @@
 """What Dagster's orchestration costs a ``daily_data_job`` run: the multiprocess executor starting its steps with
-``spawn`` (Dagster's default) or from a ``forkserver`` (the project's ``STEP_EXECUTOR``), and the in-process executor.
+``spawn`` (Dagster's default), from a ``forkserver`` that preloaded the code location (the project's
+``STEP_EXECUTOR``) or from one configured as Dagster's ``forkserver: {}`` (``forkserver_bare``: Dagster 1.13 then
+preloads nothing of the code location, and every step imports it again), and the in-process executor.
 
 Run (from the repo root)::
 
@@ -12,14 +14,16 @@ times with each executor, alternating, each as ``dagster job execute`` in a fres
 and the CPU time (user + system) of the whole process tree, from ``RUSAGE_CHILDREN``. The work inside the steps is
 the same with every executor, so the difference is the orchestration: one process start, Python import of the code
 location, resource set-up and IPC per step with ``multiprocess`` (``spawn``); one import of the code location per
-run, then a fork per step, with ``forkserver`` (compare it by wall time: its steps' CPU is not in RUSAGE_CHILDREN);
-none with ``in_process``. The last line printed is one JSON object.
+run, then a fork per step, with ``forkserver`` (its steps' CPU is not in RUSAGE_CHILDREN: compare it by wall time,
+or by ``machine_cpu_s``, the whole machine's busy CPU seconds from ``/proc/stat`` over the run, which counts them
+when nothing else runs); none with ``in_process``. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -41,6 +45,8 @@ from nexa_dagster.jobs import DATA_ASSETS
 jobs = [dg.define_asset_job(f"daily_{name}", selection=dg.AssetSelection.assets(*DATA_ASSETS),
                             partitions_def=daily_partitions, executor_def=executor)
         for name, executor in (("multiprocess", dg.multiprocess_executor), ("forkserver", STEP_EXECUTOR),
+                               ("forkserver_bare", dg.multiprocess_executor.configured(
+                                   {"start_method": {"forkserver": {}}}, name="forkserver_bare")),
                                ("in_process", dg.in_process_executor))]
 defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=jobs))
 """
@@ -52,6 +58,7 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
     module = root / "executor_defs.py"
     module.write_text(DEFS)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    machine_before = machine_busy_s()
     start = time.perf_counter()
     proc = subprocess.run(
         [
@@ -75,6 +82,7 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
         check=False,
     )
     wall = time.perf_counter() - start
+    machine = machine_busy_s() - machine_before
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise SystemExit(f"daily_data_job ({executor}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -88,7 +96,18 @@ def run_job(root: Path, executor: str) -> dict[str, float]:
         }
     # RUSAGE_CHILDREN counts reaped descendants only: a forkserver's steps are reaped by the forkserver, which the
     # run process never waits for, so their CPU is not seen (compare forkserver runs by wall time)
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "step_processes": len(pids)}
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "machine_cpu_s": round(machine, 2),
+        "step_processes": len(pids),
+    }
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (neither idle nor waiting on I/O) since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -108,27 +127,31 @@ def main() -> None:
     root = make_sandbox(Path(tempfile.mkdtemp(prefix="nexa-executor-")) / "sandbox", [DAY])
     if args.warmup:
         print(f"warm-up: {run_job(root, 'multiprocess')}", flush=True)
-    results: dict[str, list[dict[str, float]]] = {"multiprocess": [], "forkserver": [], "in_process": []}
+    results: dict[str, list[dict[str, float]]] = {
+        e: [] for e in ("multiprocess", "forkserver", "forkserver_bare", "in_process")
+    }
     for _ in range(args.runs):
         for executor in results:
             results[executor].append(run_job(root, executor))
             print(f"{executor}: {results[executor][-1]}", flush=True)
-    mean = {
-        e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in ("wall_s", "cpu_s", "step_processes")}
-        for e, rs in results.items()
-    }
+    mean = {e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in rs[0]} for e, rs in results.items()}
     print(
         json.dumps(
             {
                 "runs": args.runs,
                 "multiprocess": mean["multiprocess"],
                 "forkserver": mean["forkserver"],
+                "forkserver_bare": mean["forkserver_bare"],
                 "in_process": mean["in_process"],
                 "orchestration_cpu_s_saved_per_run": round(
                     mean["multiprocess"]["cpu_s"] - mean["in_process"]["cpu_s"], 2
                 ),
                 "forkserver_vs_spawn_wall": round(
                     mean["forkserver"]["wall_s"] / mean["multiprocess"]["wall_s"], 3
+                ),
+                # the code location preloaded against Dagster's `forkserver: {}`, same job, same run
+                "preload_vs_bare_machine_cpu": round(
+                    mean["forkserver"]["machine_cpu_s"] / mean["forkserver_bare"]["machine_cpu_s"], 3
                 ),
             }
         )

@@ -144,8 +144,11 @@ def local_model_dirs(resources: dict[str, Any]) -> list[str]:
 
 
 def _forked_steps(config: dict[str, Any]) -> dict[str, Any]:
-    """The multiprocess executor's configuration: steps forked from a forkserver, retries as the run asks."""
-    return {"start_method": {"forkserver": {}}, "retries": config["retries"]}
+    """The multiprocess executor's configuration: steps forked from a forkserver that imported this module (the
+    code location), retries as the run asks. The module is named: with ``forkserver: {}`` Dagster 1.13 preloads
+    nothing but its executor (its "preload the job's module" default is never reached: an absent
+    ``preload_modules`` reads as an empty list), and every step imported the code location again."""
+    return {"start_method": {"forkserver": {"preload_modules": [__name__]}}, "retries": config["retries"]}
 
 
 # Every step in a process of its own (a step killed by the OOM killer or a lost node fails alone, and is retried

@@ -143,20 +143,12 @@ class SourceTree:
                         self.subclasses.setdefault(parent, set()).add((module.name, name))
 
     def _parse(self, path: Path) -> Module:
-        parts = path.relative_to(self.root).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        tree = _without_docstrings(parse_python(path.read_text(encoding="utf-8"), str(path)))
-        module = Module(name, package, {}, {}, [])
-        for statement in tree.body:
-            targets = _defined_names(statement)
-            for target in targets:
-                module.definitions.setdefault(target, []).append(statement)
-            if isinstance(statement, ast.Import | ast.ImportFrom):
-                module.imports.update(_bindings(statement, package))
-            elif not targets:
-                module.rest.append(statement)
-        return module
+        key = (path.relative_to(self.root).as_posix(), path.read_text(encoding="utf-8"))
+        if key not in _PARSED:
+            if len(_PARSED) >= PARSED_KEPT:
+                _PARSED.clear()
+            _PARSED[key] = _module(*key, where=str(path))
+        return _PARSED[key]
 
     def _resolve(self, module: str, name: str, seen: frozenset[Symbol] = frozenset()) -> Symbol | None:
         """The definition ``name`` of ``module`` is (through imports and re-exports), or a module; None: outside
@@ -227,6 +219,32 @@ class SourceTree:
                 reach.scale_reads |= scale_reads
                 todo += edges
         return reach
+
+
+# Parsed modules by (path under the source root, source): a process that derives the versions of many edited copies
+# of the package (the code-version tests, `make mutation`) parses each unchanged file once, not once per copy (about
+# a second of CPU for the whole package). A Module is never changed once built, so the copies share it.
+_PARSED: dict[tuple[str, str], Module] = {}
+PARSED_KEPT = 4096  # ~20 copies' worth of files; past it the memory starts again from nothing
+
+
+def _module(relative: str, text: str, where: str) -> Module:
+    """The module at ``relative`` (a path under the source root) whose source is ``text`` (``where``: the file, for
+    a syntax error's message)."""
+    parts = Path(relative).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+    tree = _without_docstrings(parse_python(text, where))
+    module = Module(name, package, {}, {}, [])
+    for statement in tree.body:
+        targets = _defined_names(statement)
+        for target in targets:
+            module.definitions.setdefault(target, []).append(statement)
+        if isinstance(statement, ast.Import | ast.ImportFrom):
+            module.imports.update(_bindings(statement, package))
+        elif not targets:
+            module.rest.append(statement)
+    return module
 
 
 def _defined_names(statement: ast.stmt) -> list[str]:

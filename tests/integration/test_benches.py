@@ -58,6 +58,9 @@ BENCHES: dict[str, Bench] = {
         ("--days", "2", "--samples-per-day", "20", "--repeat", "1", "--workdir", WORK),
         frozenset({"night_1_s", "night_30_s", "growth", "baseline_growth", "shards_packed_night_30"}),
         timeout_s=400,
+        # each night (both sides) in a fresh process importing the packaging stack (31.5 s in the suite at ad03fc0, the
+        # slowest test of make test-fast): in make test, not test-fast
+        slow=True,
     ),
     "packaging.py": Bench(
         ("--mb", "0.2", "--procs", "1", "--pack-size", "256", "--workdir", WORK),
@@ -136,7 +139,12 @@ BENCHES: dict[str, Bench] = {
     ),
     "executor_overhead.py": Bench(
         ("--runs", "1", "--warmup", "0"),
-        frozenset({"multiprocess", "forkserver", "in_process", "orchestration_cpu_s_saved_per_run"}),
+        frozenset(
+            {
+                *("multiprocess", "forkserver", "forkserver_bare", "in_process"),
+                *("orchestration_cpu_s_saved_per_run", "preload_vs_bare_machine_cpu"),
+            }
+        ),
         timeout_s=1500,
         slow=True,
     ),

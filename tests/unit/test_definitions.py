@@ -110,16 +110,18 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
 
 
 def test_steps_are_forked_and_retried_unless_a_run_turns_retries_off() -> None:
-    """Every job's steps start from a forkserver and retry by their policies; a run can turn the retries off
-    (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the start method is fixed."""
+    """Every job's steps start from a forkserver that preloads the code location and retry by their policies; a
+    run can turn the retries off (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the
+    start method is fixed (that no step imports the code location again: tests/integration/test_step_processes.py)."""
     from nexa_dagster.definitions import defs
 
     job = defs.resolve_job_def("training_job")
     default = dg.validate_run_config(job, {})["execution"]["multiprocess_forkserver"]
-    assert default["start_method"] == {"forkserver": {}} and default["retries"] == {"enabled": {}}
+    forked = {"forkserver": {"preload_modules": ["nexa_dagster.definitions"]}}
+    assert default["start_method"] == forked and default["retries"] == {"enabled": {}}
     off = {"execution": {"config": {"retries": {"disabled": {}}}}}
     chosen = dg.validate_run_config(job, off)["execution"]["multiprocess_forkserver"]
-    assert chosen["start_method"] == {"forkserver": {}} and chosen["retries"] == {"disabled": {}}
+    assert chosen["start_method"] == forked and chosen["retries"] == {"disabled": {}}
     with pytest.raises(dg.DagsterInvalidConfigError):
         dg.validate_run_config(job, {"execution": {"config": {"start_method": {"spawn": {}}}}})
 
