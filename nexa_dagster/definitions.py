@@ -143,12 +143,18 @@ def local_model_dirs(resources: dict[str, Any]) -> list[str]:
     return dirs + [m for role in ("teacher_llm", "judge_llm") if (m := getattr(resources[role], "model", ""))]
 
 
+# What every step imports before it computes, imported once per run by the forkserver instead: the code location
+# (this module: ~1 s of CPU per step) and the instance's storage (SQLAlchemy and Dagster's SQLite or Postgres
+# storage: ~0.5 s). The forkserver skips a module that will not import (dagster_postgres where it is not installed).
+STEP_PRELOAD = [__name__, "dagster._core.storage.sqlite_storage", "dagster_postgres"]
+
+
 def _forked_steps(config: dict[str, Any]) -> dict[str, Any]:
-    """The multiprocess executor's configuration: steps forked from a forkserver that imported this module (the
-    code location), retries as the run asks. The module is named: with ``forkserver: {}`` Dagster 1.13 preloads
-    nothing but its executor (its "preload the job's module" default is never reached: an absent
-    ``preload_modules`` reads as an empty list), and every step imported the code location again."""
-    return {"start_method": {"forkserver": {"preload_modules": [__name__]}}, "retries": config["retries"]}
+    """The multiprocess executor's configuration: steps forked from a forkserver that imported ``STEP_PRELOAD``,
+    retries as the run asks. The modules are named: with ``forkserver: {}`` Dagster 1.13 preloads nothing but its
+    executor (its "preload the job's module" default is never reached: an absent ``preload_modules`` reads as an
+    empty list), and every step imported the code location again."""
+    return {"start_method": {"forkserver": {"preload_modules": STEP_PRELOAD}}, "retries": config["retries"]}
 
 
 # Every step in a process of its own (a step killed by the OOM killer or a lost node fails alone, and is retried

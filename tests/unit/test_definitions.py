@@ -113,11 +113,12 @@ def test_steps_are_forked_and_retried_unless_a_run_turns_retries_off() -> None:
     """Every job's steps start from a forkserver that preloads the code location and retry by their policies; a
     run can turn the retries off (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the
     start method is fixed (that no step imports the code location again: tests/integration/test_step_processes.py)."""
-    from nexa_dagster.definitions import defs
+    from nexa_dagster.definitions import STEP_PRELOAD, defs
 
+    assert STEP_PRELOAD[0] == "nexa_dagster.definitions"
     job = defs.resolve_job_def("training_job")
     default = dg.validate_run_config(job, {})["execution"]["multiprocess_forkserver"]
-    forked = {"forkserver": {"preload_modules": ["nexa_dagster.definitions"]}}
+    forked = {"forkserver": {"preload_modules": STEP_PRELOAD}}
     assert default["start_method"] == forked and default["retries"] == {"enabled": {}}
     off = {"execution": {"config": {"retries": {"disabled": {}}}}}
     chosen = dg.validate_run_config(job, off)["execution"]["multiprocess_forkserver"]
