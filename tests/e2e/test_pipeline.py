@@ -23,6 +23,7 @@ from support.checkpoint_files import corrupted_model
 from support.pipeline_runs import configs_with
 from support.sandbox import SAMPLE_LANDING
 
+from nexa_dagster.core.cluster import warm_python
 from nexa_dagster.core.common.config import REPO_ROOT, load_scale
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.serving.answer_check import text_problem
@@ -85,7 +86,10 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     shutil.copy(REPO_ROOT / "dagster.yaml", Path(env["DAGSTER_HOME"]) / "dagster.yaml")
     from nexa_dagster.definitions import build_defs
 
-    defs = build_defs()
+    # one process runs every job, as `make run`: the workers and smoke engines fork from a warm Python (a cold
+    # worker's start is the integration tests' and the CLI-run tests'); closed at the end, so no later test of this
+    # pytest worker forks from it
+    defs = build_defs(warm_workers=True)
     instance = dg.DagsterInstance.get()
     runs = {}
     for day in DAYS:
@@ -123,6 +127,8 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     assert evaluate.execute_in_process(instance=instance, partition_key=checkpoint.checkpoint_id).success
     defs.resolve_job_def("leaderboard_job").execute_in_process(instance=instance)
     yield defs, instance, env, checkpoint, runs
+    if (warm := warm_python.running(sys.executable)) is not None:
+        warm.close()
     mp.undo()
     instance.dispose()
 
