@@ -91,9 +91,11 @@ test: install-dev bytecode
 		echo $$rc > .vllm-install.rc ) </dev/null >/dev/null 2>&1 & echo $$! > .vllm-install.pid
 	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
-# the edit-test loop: unit and integration tests without the slow ones (<= 5 min on 2 cores, docs/testing.md)
+# the edit-test loop: integration and unit tests without the slow ones (<= 5 min on 2 cores, docs/testing.md), the
+# integration tests first: their long ones start at once and the unit tests, a second or less each, fill both workers
+# to the end (unit first, the last minute or two was a few long integration tests on one worker, the other idle)
 test-fast: install-dev bytecode
-	$(BIN)/pytest tests/unit tests/integration -m "not slow and not gpu" -n 2 --dist loadgroup --no-loadscope-reorder \
+	$(BIN)/pytest tests/integration tests/unit -m "not slow and not gpu" -n 2 --dist loadgroup --no-loadscope-reorder \
 		--durations=10
 
 # mutation testing of the code that decides a promotion and a code version ([tool.mutmut] in pyproject.toml names the
