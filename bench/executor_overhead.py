@@ -35,14 +35,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(REPO / "tests"))
 DAY = "2026-11-20"
-# the project's definitions plus daily_data_job's selection under each executor (the project pins one)
+# the project's definitions plus the selection (daily_data_job's by default) under each executor (the project pins one)
 DEFS = """
 import dagster as dg
 from nexa_dagster.assets.partitions import daily_partitions
 from nexa_dagster.definitions import STEP_EXECUTOR, build_defs
-from nexa_dagster.jobs import DATA_ASSETS
 
-jobs = [dg.define_asset_job(f"daily_{name}", selection=dg.AssetSelection.assets(*DATA_ASSETS),
+ASSETS = __ASSETS__
+jobs = [dg.define_asset_job(f"daily_{name}", selection=dg.AssetSelection.assets(*ASSETS),
                             partitions_def=daily_partitions, executor_def=executor)
         for name, executor in (("multiprocess", dg.multiprocess_executor), ("forkserver", STEP_EXECUTOR),
                                ("forkserver_bare", dg.multiprocess_executor.configured(
@@ -52,11 +52,11 @@ defs = dg.Definitions.merge(build_defs(), dg.Definitions(jobs=jobs))
 """
 
 
-def run_job(root: Path, executor: str) -> dict[str, float]:
+def run_job(root: Path, executor: str, assets: list[str]) -> dict[str, float]:
     from support.sandbox import sandbox_env
 
     module = root / "executor_defs.py"
-    module.write_text(DEFS)
+    module.write_text(DEFS.replace("__ASSETS__", json.dumps(assets)))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     machine_before = machine_busy_s()
     start = time.perf_counter()
@@ -121,24 +121,34 @@ def main() -> None:
         help="0: no warm-up run (the first executor's run then pays for the teacher's answers: its figures are "
         "not comparable; for a check that the bench runs, as the suite's)",
     )
+    parser.add_argument(
+        "--assets",
+        default=None,
+        help="the day's assets each run materializes, comma-separated (default daily_data_job's; the suite's "
+        "smallest run takes raw_documents alone: an asset and its check, two steps, no model loaded)",
+    )
     args = parser.parse_args()
+    from nexa_dagster.jobs import DATA_ASSETS
+
+    assets = args.assets.split(",") if args.assets else list(DATA_ASSETS)
     from support.sandbox import make_sandbox
 
     root = make_sandbox(Path(tempfile.mkdtemp(prefix="nexa-executor-")) / "sandbox", [DAY])
     if args.warmup:
-        print(f"warm-up: {run_job(root, 'multiprocess')}", flush=True)
+        print(f"warm-up: {run_job(root, 'multiprocess', assets)}", flush=True)
     results: dict[str, list[dict[str, float]]] = {
         e: [] for e in ("multiprocess", "forkserver", "forkserver_bare", "in_process")
     }
     for _ in range(args.runs):
         for executor in results:
-            results[executor].append(run_job(root, executor))
+            results[executor].append(run_job(root, executor, assets))
             print(f"{executor}: {results[executor][-1]}", flush=True)
     mean = {e: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in rs[0]} for e, rs in results.items()}
     print(
         json.dumps(
             {
                 "runs": args.runs,
+                "assets": assets,
                 "multiprocess": mean["multiprocess"],
                 "forkserver": mean["forkserver"],
                 "forkserver_bare": mean["forkserver_bare"],

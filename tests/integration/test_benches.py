@@ -138,7 +138,8 @@ BENCHES: dict[str, Bench] = {
         slow=True,
     ),
     "executor_overhead.py": Bench(
-        ("--runs", "1", "--warmup", "0"),
+        # one run of each executor on the day's first asset and its check: two steps, no model loaded
+        ("--runs", "1", "--warmup", "0", "--assets", "raw_documents"),
         frozenset(
             {
                 *("multiprocess", "forkserver", "forkserver_bare", "in_process"),
