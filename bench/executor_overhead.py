@@ -85,7 +85,7 @@ def run_job(root: Path, executor: str, assets: list[str]) -> dict[str, float]:
     machine = machine_busy_s() - machine_before
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
-        raise SystemExit(f"daily_data_job ({executor}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise SystemExit(f"{assets} ({executor}) failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     import dagster as dg
 
@@ -95,7 +95,7 @@ def run_job(root: Path, executor: str, assets: list[str]) -> dict[str, float]:
             e.dagster_event.pid for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
         }
     # RUSAGE_CHILDREN counts reaped descendants only: a forkserver's steps are reaped by the forkserver, which the
-    # run process never waits for, so their CPU is not seen (compare forkserver runs by wall time)
+    # run process never waits for, so their CPU is not seen (compare forkserver runs by wall time or machine_cpu_s)
     return {
         "wall_s": round(wall, 2),
         "cpu_s": round(cpu, 2),

@@ -127,7 +127,7 @@ def lifecycle(tmp_path_factory: pytest.TempPathFactory):
     assert evaluate.execute_in_process(instance=instance, partition_key=checkpoint.checkpoint_id).success
     defs.resolve_job_def("leaderboard_job").execute_in_process(instance=instance)
     yield defs, instance, env, checkpoint, runs
-    if (warm := warm_python.running(sys.executable)) is not None:
+    if (warm := warm_python.running(defs.resources["gpu_cluster"].python())) is not None:
         warm.close()
     mp.undo()
     instance.dispose()
