@@ -14,8 +14,10 @@ beside other work), and after how many workers it has paid for itself.
 
 ``--engine-rounds`` then does the same for a deployment's smoke engine (``smoke_test_in_temporary_engine``, what
 ``model_deployment`` runs without a serving service): a ``transformers serve`` of the tiny model on a Unix socket,
-started cold and forked from the same warm Python, in turn; the figure is its start to healthy (``ready_s``, the
-span ``fixed/smoke_engine_start`` of the pipeline profile), medians. Both sides run under the environment
+started cold and forked from the same warm Python, each with the model's own process spawned (transformers' own
+start: a fresh interpreter) and forked from the server (``core/llm/transformers_engine.py``, the default), the four
+in turn; the figure is its start to healthy (``ready_s``, the span ``fixed/smoke_engine_start`` of the pipeline
+profile), medians. Both sides run under the environment
 ``make run``'s local backend gives its workers (``LocalGPUCluster.worker_env``). The last line is one JSON object.
 """
 
@@ -78,19 +80,33 @@ class Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def engine_ready_s(folder: Path, checkpoint: Path, pool: warm_python.WarmPython | None, i: int) -> float:
-    """One smoke test in a temporary engine (forked from ``pool``, or cold): its start to healthy, in seconds."""
+def engine_ready_s(
+    folder: Path, checkpoint: Path, pool: warm_python.WarmPython | None, model_process: str, i: int
+) -> float:
+    """One smoke test in a temporary engine (forked from ``pool``, or cold; its model's process started by
+    ``model_process``): its start to healthy, in seconds. Each side checks from the logs that it ran as named."""
     said, logger = Said(), logging.getLogger(f"warm-bench-engine-{i}")
     logger.addHandler(said)
     logger.setLevel(logging.INFO)
     manifest = smoke_test_in_temporary_engine(
-        checkpoint, "bench", folder / f"engine-{i}", max_tokens=4, logger=logger, warm=pool
+        checkpoint,
+        "bench",
+        folder / f"engine-{i}",
+        max_tokens=4,
+        logger=logger,
+        warm=pool,
+        model_process=model_process,
     )
     if manifest.status != "ok":
         raise SystemExit(f"the smoke engine failed: {manifest.error}")
     forked = any("engine forked from the warm Python" in line for line in said.lines)
     if forked != (pool is not None):
         raise SystemExit(f"the engine was to fork: {pool is not None}; it said: {said.lines}")
+    engine_log = "".join(p.read_text() for p in (folder / f"engine-{i}").glob("*-serve-*.log"))
+    if ("model process forked from the engine" in engine_log) != (model_process == "fork"):
+        raise SystemExit(
+            f"the model's process was to start by {model_process}; the engine's log:\n{engine_log}"
+        )
     return manifest.ready_s
 
 
@@ -113,17 +129,28 @@ def in_turn(
 def engine_rounds(
     folder: Path, checkpoint: Path, pool: warm_python.WarmPython, rounds: int
 ) -> dict[str, float]:
-    engines = iter(range(2 * rounds))  # each engine its own folder
-    cold_s, warm_s = in_turn(
-        "engine",
-        rounds,
-        lambda: engine_ready_s(folder, checkpoint, None, next(engines)),
-        lambda: engine_ready_s(folder, checkpoint, pool, next(engines)),
-    )
+    """The smoke engine four ways, in turn: its server cold or forked from ``pool``, and the model's process it
+    starts spawned (transformers' own start, the project's before) or forked from the server (its default)."""
+    engines = iter(range(4 * rounds))  # each engine its own folder
+    times: dict[str, list[float]] = {}
+    for i in range(rounds):
+        for server, start in (("cold", "spawn"), ("cold", "fork"), ("warm", "spawn"), ("warm", "fork")):
+            ready_s = engine_ready_s(
+                folder, checkpoint, pool if server == "warm" else None, start, next(engines)
+            )
+            times.setdefault(f"{server}_{start}", []).append(ready_s)
+        print(
+            f"engine round {i + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True
+        )
+    med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "engine_cold_s": round(cold_s, 3),
-        "engine_warm_s": round(warm_s, 3),
-        "engine_speedup": round(cold_s / warm_s, 2),
+        **{f"engine_{k}_s": round(v, 3) for k, v in med.items()},
+        "engine_cold_s": round(med["cold_fork"], 3),  # the defaults: the model's process forked
+        "engine_warm_s": round(med["warm_fork"], 3),
+        "engine_speedup": round(med["cold_fork"] / med["warm_fork"], 2),
+        # what forking the model's process saves, the server started either way
+        "model_fork_speedup_cold": round(med["cold_spawn"] / med["cold_fork"], 2),
+        "model_fork_speedup_warm": round(med["warm_spawn"] / med["warm_fork"], 2),
     }
 
 
@@ -184,7 +211,9 @@ def main() -> None:
     if engines:
         print(
             f"smoke engine to healthy, median of {args.engine_rounds}: cold {engines['engine_cold_s']:.2f} s, "
-            f"forked {engines['engine_warm_s']:.2f} s ({engines['engine_speedup']}x)"
+            f"forked {engines['engine_warm_s']:.2f} s ({engines['engine_speedup']}x); with the model's process "
+            f"spawned as transformers does: cold {engines['engine_cold_spawn_s']:.2f} s, forked "
+            f"{engines['engine_warm_spawn_s']:.2f} s"
         )
     print(json.dumps(result))
 

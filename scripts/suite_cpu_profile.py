@@ -32,7 +32,7 @@ KINDS = [
     ("pytest worker", r"pytest-xdist|/pytest |-m pytest"),
     ("compiler (C++)", r"cc1plus|/g\+\+ |/c\+\+ |ninja"),
     ("vLLM engine", r"vllm|VLLM::"),
-    ("transformers serve", r"transformers serve|serve_on_unix_socket"),
+    ("transformers serve", r"transformers serve|transformers_engine"),
     ("training worker", r"core\.training\.worker|torch\.distributed\.run"),
     ("evaluation worker", r"core\.evaluation\.worker"),
     ("dagster / dg CLI or daemon", r"dagster|/dg |nexa_dagster\.cli"),

@@ -230,7 +230,7 @@ def test_continuous_batching_setting_is_passed_as_it_is(
 # Run by every Python that has it on its path; only `transformers serve` itself starts the workers.
 _SERVER_WITH_WORKERS = """\
 import os, subprocess, sys
-if os.path.basename(sys.argv[0]) == "transformers":
+if os.path.basename(sys.argv[0]) == "transformers_engine.py":  # the engine, not its model process
     stay = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     subprocess.Popen([sys.executable, "-c", stay])
     subprocess.Popen([sys.executable, "-c", stay], start_new_session=True)

@@ -108,7 +108,8 @@ def test_a_smoke_engine_forked_from_the_warm_python_answers_stops_and_dies_with_
     imports paid once: docs/measurements.md). Forked, it must still be the engine a cold start is: started under
     the environment make run's warm Python has (not refused for a difference, which would quietly give the seconds
     back), it answers the smoke request on its socket; its stop takes the model's process `transformers serve`
-    spawned; and a killed warm Python (its launcher killed) leaves neither behind."""
+    started (forked from the engine in turn, transformers_engine.py); and a killed warm Python (its launcher
+    killed) leaves neither behind."""
     cluster = (
         LocalGPUCluster()
     )  # the warm Python's environment, as LocalGPUCluster(warm_start=True) starts it
@@ -137,7 +138,9 @@ def test_a_smoke_engine_forked_from_the_warm_python_answers_stops_and_dies_with_
                 )
                 assert answer.ok, answer
                 processes = [engine, *engine.children(recursive=True)]  # the model's process among them
-                assert any("spawn_main" in " ".join(p.cmdline()) for p in processes), processes
+                # forked from the engine (its command line; spawned, it would be multiprocessing's spawn_main)
+                assert [p for p in engine.children() if p.cmdline() == engine.cmdline()], processes
+                assert "model process forked from the engine" in server.log_path.read_text()
                 if round_ == "orphaned":
                     os.kill(warm.process.pid, signal.SIGKILL)
                 else:

@@ -30,7 +30,7 @@ import dagster as dg
 import httpx
 import psutil
 import pytest
-from support.services import child_processes_matching, descendants_matching, missing
+from support.services import child_processes_matching, descendants_matching, engines_under, missing
 
 from nexa_dagster.core.common.artifacts import EvalReport
 from nexa_dagster.core.common.config import REPO_ROOT
@@ -448,7 +448,7 @@ def _service_tree(ep: Endpoint) -> list[psutil.Process]:
 
 def _engines(ep: Endpoint) -> list[psutil.Process]:
     assert ep.process is not None
-    return descendants_matching(ep.process.pid, "serve", excluding=("haproxy",))
+    return engines_under(ep.process.pid)
 
 
 def _listening(procs: list[psutil.Process]) -> set[tuple[str, int]]:
@@ -650,7 +650,7 @@ class _IncomingEngine(threading.Thread):
 
     def run(self) -> None:
         while self.process is None and not self.done.is_set():
-            started = descendants_matching(self.service_pid, "serve", excluding=("haproxy", " -c "))
+            started = engines_under(self.service_pid)
             self.process = next((p for p in started if p.pid != self.serving), None)
             time.sleep(0.05)
         if self.process is None:
@@ -1202,7 +1202,7 @@ def test_a_rollback_whose_service_dies_mid_switch_says_in_one_line_what_producti
     service = psutil.Process(endpoint.process.pid)
 
     def engines() -> list[psutil.Process]:
-        return descendants_matching(service.pid, "serve", excluding=("haproxy",))
+        return engines_under(service.pid)
 
     deadline = time.monotonic() + 120
     while len(engines()) != 1:  # a switch just before (run alone) stops its old engine after routing

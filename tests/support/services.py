@@ -276,6 +276,20 @@ def descendants_matching(pid: int, *words: str, excluding: tuple[str, ...] = ())
     return found
 
 
+def engines_under(pid: int) -> list[psutil.Process]:
+    """The serving engines descending from ``pid``: ``serve`` processes, not HAProxy, and not an engine's own model
+    process (``transformers serve``'s: forked from its engine, the engine's command line under the engine; or
+    spawned, multiprocessing's ``-c``)."""
+    found = descendants_matching(pid, "serve", excluding=("haproxy", " -c "))
+    pids = {p.pid for p in found}
+    engines = []
+    for process in found:
+        with contextlib.suppress(psutil.Error):  # gone between listing and asking: not running
+            if process.ppid() not in pids:
+                engines.append(process)
+    return engines
+
+
 def child_processes_matching(*words: str) -> list[psutil.Process]:
     """Processes descending from this test process whose command line holds one of ``words`` (an orphan's look).
 

@@ -80,7 +80,7 @@ def with_parent_death_signal(cmd: Sequence[str], nice: int = 0) -> list[str]:
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks never go via a proxy
-ON_UNIX_SOCKET = Path(__file__).with_name("serve_on_unix_socket.py")
+TRANSFORMERS_ENGINE = Path(__file__).with_name("transformers_engine.py")
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -231,9 +231,11 @@ def server_command(
     extra_args: Sequence[str] = (),
     served_model_name: str | None = None,
     socket_path: str | Path | None = None,
+    model_process: str = "fork",
 ) -> list[str]:
     """The command line that serves ``model_dir`` on ``127.0.0.1:port``, or on the Unix socket ``socket_path``
-    (no TCP port at all: vLLM's ``--uds``; ``transformers serve`` through ``serve_on_unix_socket.py``).
+    (no TCP port at all: vLLM's ``--uds``; ``transformers serve`` through ``transformers_engine.py``, which also
+    forks its model's process on a CPU, ``model_process``: see that script).
 
     ``transformers serve`` names the model by the path it was given (``model_dir``); to serve it under a stable
     name, pass that name as ``model_dir`` and run the command where a link of that name points at the model.
@@ -250,14 +252,14 @@ def server_command(
         ]
     if engine != "transformers":
         raise ValueError(f"unknown serving engine {engine!r}; use 'vllm', 'transformers' or 'auto'")
-    exe = _venv_cli("transformers")
-    if exe is None:
+    if _venv_cli("transformers") is None:  # the serving extra's CLI: what the engine script runs
         raise LLMError("`transformers` CLI not found: install transformers[serving]")
+    if model_process not in ("fork", "spawn"):
+        raise ValueError(f"model_process is 'fork' or 'spawn', not {model_process!r}")
+    head = [sys.executable, str(TRANSFORMERS_ENGINE), "--model-process", model_process]
     where = ["--host", "127.0.0.1", "--port", str(port)]
     if socket_path:
-        head, where = [sys.executable, str(ON_UNIX_SOCKET), str(socket_path)], []
-    else:
-        head = [exe]
+        head, where = [*head, "--uds", str(socket_path)], []
     cmd = [
         *head,
         "serve",
@@ -307,6 +309,7 @@ class ManagedServer:
         own_session: bool = True,
         socket_path: str | Path | None = None,
         warm: WarmInterpreter | None = None,
+        model_process: str = "fork",
     ) -> None:
         self.model_dir = str(Path(model_dir).resolve())
         self.socket_path = str(socket_path) if socket_path else None  # no port: HAProxy's, in a 700 folder
@@ -318,6 +321,9 @@ class ManagedServer:
         self.own_session = own_session
         # a warm Python of this process (core/cluster/warm_python.py) the server may fork from (_fork_from_warm)
         self.warm = warm
+        # how `transformers serve` starts its model's process: "fork" from the engine where that is safe (a CPU,
+        # one thread), else its own "spawn" (transformers_engine.py); "spawn" always, for a comparison
+        self.model_process = model_process
         self.served_model_name = served_model_name
         if not (Path(self.model_dir) / "config.json").exists():
             raise LLMError(
@@ -458,6 +464,7 @@ class ManagedServer:
             self.extra_args,
             self.served_model_name,
             self.socket_path,
+            self.model_process,
         )
         if self.socket_path:
             Path(self.socket_path).unlink(missing_ok=True)  # a killed engine's socket: the new one binds anew
@@ -492,13 +499,13 @@ class ManagedServer:
 
     def _fork_from_warm(self, cmd: list[str], env: dict[str, str]) -> ChildProcess | None:
         """The server forked from ``warm``, the same process a cold start would be but with torch, transformers
-        and its web server imported already (~3 s of a ~9 s start for the tiny model; the model's own process,
-        which ``transformers serve`` spawns, starts fresh either way); None where it cannot be that same process,
-        said in the log: the engine then starts cold.
+        and its web server imported already (~3 s of a ~9 s start for the tiny model; the model's own process is
+        then forked from it, ``transformers_engine.py``); None where it cannot be that same process, said in the
+        log: the engine then starts cold.
 
         Only an engine in a session of its own at the starter's priority (the warm child makes itself a session
         leader that dies with the warm Python, ``WarmPython.spawn``), run as a Python script (``transformers
-        serve`` on a Unix socket), whose import-time environment is the warm Python's."""
+        serve`` through ``transformers_engine.py``), whose import-time environment is the warm Python's."""
         if self.warm is None:
             return None
         target = script_of(cmd, self.warm.python)

@@ -102,6 +102,7 @@ def _ask_temporary_engine(
     max_tokens: int,
     request_timeout_s: float,
     warm: WarmInterpreter | None,
+    model_process: str,
 ) -> tuple[SmokeAnswer, str | None, dict[str, Any]]:
     """The smoke request to an engine started for it on a Unix socket in a private folder (700), not a TCP port:
     the engine has no key, and any local process could reach a port of it; then the engine is stopped.
@@ -118,6 +119,7 @@ def _ask_temporary_engine(
         logger=logger,
         socket_path=socket_path,
         warm=warm,
+        model_process=model_process,
     )
     say = server.log.info  # the caller's logger, else the engine module's
     try:
@@ -165,11 +167,13 @@ def smoke_test_in_temporary_engine(
     request_timeout_s: float = 120.0,
     logger: logging.Logger | None = None,
     warm: WarmInterpreter | None = None,
+    model_process: str = "fork",
 ) -> DeploymentManifest:
     """Start an engine, send the smoke request, stop the engine, write ``deployment.json`` atomically.
 
     ``warm``: a warm Python of this process the engine's server forks from (``ManagedServer._fork_from_warm``:
-    its imports done, ~3.5 s of a ~8.7 s start for the tiny model); None, a fresh process.
+    its imports done, ~3.5 s of a ~8.7 s start for the tiny model); None, a fresh process. ``model_process``:
+    how the engine starts its model's process (``ManagedServer``: "fork" where safe; "spawn", transformers' own).
 
     The manifest is written even when the smoke test fails (``status`` says how, ``error`` why) so that the
     failure can be read after the fact; an engine that never becomes healthy raises ``LLMError`` with its log tail.
@@ -186,6 +190,7 @@ def smoke_test_in_temporary_engine(
         max_tokens,
         request_timeout_s,
         warm,
+        model_process,
     )
     status = "ok" if answer.ok else ("not_text" if answer.text else "failed")
     manifest = DeploymentManifest(

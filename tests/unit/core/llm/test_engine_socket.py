@@ -1,13 +1,19 @@
 """An engine behind the serving endpoint listens on a Unix socket, never on a TCP port: the command lines that
-start it (vLLM's own ``--uds``; ``transformers serve`` through serve_on_unix_socket.py, which imports nothing of
-this package). The engine started for real on its socket: tests/integration/test_serving_endpoint.py."""
+start it (vLLM's own ``--uds``; ``transformers serve`` through transformers_engine.py, which imports nothing of
+this package); and that script's choice of how the model's process starts (forked only where that is safe). The
+engine started for real on its socket: tests/integration/test_serving_endpoint.py; its model's process forked:
+tests/integration/test_serving.py."""
 
 from __future__ import annotations
 
 import ast
+import multiprocessing
 from pathlib import Path
 
-from nexa_dagster.core.llm.managed_server import ON_UNIX_SOCKET, server_command
+import pytest
+
+from nexa_dagster.core.llm import transformers_engine
+from nexa_dagster.core.llm.managed_server import TRANSFORMERS_ENGINE, server_command
 
 
 def test_an_engine_on_a_socket_is_given_no_host_or_port(tmp_path: Path) -> None:
@@ -15,20 +21,51 @@ def test_an_engine_on_a_socket_is_given_no_host_or_port(tmp_path: Path) -> None:
     vllm = server_command("/m", 9001, "vllm", served_model_name="nexa-moe", socket_path=sock)
     assert vllm[vllm.index("--uds") + 1] == str(sock)
     hf = server_command("/m", 9001, "transformers", socket_path=sock)
-    assert hf[1:5] == [str(ON_UNIX_SOCKET), str(sock), "serve", "/m"]
+    assert hf[1:7] == [str(TRANSFORMERS_ENGINE), "--model-process", "fork", "--uds", str(sock), "serve"]
     for cmd in (vllm, hf):
         assert "--host" not in cmd and "--port" not in cmd and "9001" not in cmd, cmd
     on_port = server_command("/m", 9001, "transformers")
     assert on_port[on_port.index("--host") + 1] == "127.0.0.1" and "--uds" not in on_port
+    assert on_port[1:4] == [
+        str(TRANSFORMERS_ENGINE),
+        "--model-process",
+        "fork",
+    ]  # a teacher's engine forks too
+    with pytest.raises(ValueError, match="'fork' or 'spawn'"):
+        server_command("/m", 9001, "transformers", model_process="forkserver")
 
 
 def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
     """Run as a script in every engine: importing nexa_dagster (and Dagster with it) would slow every start."""
-    tree = ast.parse(ON_UNIX_SOCKET.read_text())
+    tree = ast.parse(TRANSFORMERS_ENGINE.read_text())
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(tree)
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
-    assert imported == {"sys", "uvicorn", "transformers"}, imported
+    assert imported - {"collections", "multiprocessing", "sys", "threading", "types", "typing"} == {
+        "uvicorn",
+        "transformers",
+    }, imported
+
+
+@pytest.mark.parametrize(
+    ("device", "threads", "method", "said"),
+    [
+        ("cpu", 1, "fork", "forked from the engine"),
+        ("cuda", 1, "spawn", "on cuda"),  # a fork could copy a CUDA context
+        ("", 1, "spawn", "on an unnamed device"),  # transformers serve's own `auto` may pick a GPU
+        ("cpu", 3, "spawn", "runs 3 threads"),  # a fork could copy a lock another thread holds
+    ],
+)
+def test_the_model_process_is_forked_only_on_a_cpu_from_a_single_thread(
+    device: str, threads: int, method: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = transformers_engine.ModelProcessStart(device, threads=lambda: threads)
+    assert start.get_context("spawn") is multiprocessing.get_context(method)
+    assert said in capsys.readouterr().err
+    assert start.get_context("forkserver") is multiprocessing.get_context(
+        "forkserver"
+    )  # only spawn is replaced
+    assert start.Queue is multiprocessing.Queue  # the rest of the module as it is

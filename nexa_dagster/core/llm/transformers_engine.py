@@ -1,0 +1,106 @@
+"""Run ``transformers serve`` as this project's engines run it: ``python transformers_engine.py [--uds SOCKET]
+[--model-process fork|spawn] serve <transformers serve arguments...>``.
+
+``--uds``: on a Unix socket instead of a TCP port. ``transformers serve`` has no API key and binds a TCP port, which
+any process of the host could reach around the serving endpoint's key check. On a Unix socket in a folder only the
+service's user may enter (``access.private_dir``), only HAProxy (and that user) reaches the engine.
+``transformers serve`` builds its server with ``uvicorn.Config(app, host=..., port=...)``; this script hands uvicorn
+the socket instead (``uds=``, which uvicorn supports), then runs the transformers CLI as is. A transformers that
+builds its server otherwise leaves no socket: the service then fails the engine's start with its log, never serves
+on a port.
+
+``--model-process``: how the model's own process starts. ``transformers serve`` (5.x) starts it with a hard-coded
+``spawn``: a fresh interpreter that imports torch and transformers again, what this process has just done (~4 of
+the ~10 CPU-s a tiny model's engine takes to start on a 2-core host, docs/measurements.md). ``fork`` (the default)
+starts it from this process instead, where that is safe: on a CPU (``--device cpu``: no CUDA context a child could
+inherit) and while this process runs one thread (the model's process is started before uvicorn's server, so a
+fork copies no lock another thread holds). Otherwise, and on a transformers whose model process starts elsewhere,
+transformers' own ``spawn``. Either way one line on stderr says which, and why.
+
+Run as a script, not as ``-m``: it imports uvicorn and transformers only, never the nexa_dagster package.
+"""
+
+import multiprocessing
+import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import uvicorn
+
+SAID = "nexa engine: transformers serve's model process"
+
+
+class ModelProcessStart:
+    """``multiprocessing`` as transformers' model manager sees it: its ``get_context("spawn")`` forks while forking
+    is safe (see the module's docstring), and says which it did."""
+
+    def __init__(self, device: str, threads: Callable[[], int] = threading.active_count) -> None:
+        self.device, self.threads = device, threads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(multiprocessing, name)
+
+    def get_context(self, method: str | None = None) -> Any:
+        if method != "spawn":
+            return multiprocessing.get_context(method)
+        if self.device != "cpu":
+            why = f"spawned: on {self.device or 'an unnamed device'}, transformers' own start (a fork could copy CUDA)"
+        elif (threads := self.threads()) > 1:
+            why = f"spawned: this process runs {threads} threads (a fork could copy a lock one of them holds)"
+        else:
+            print(f"{SAID} forked from the engine (torch and transformers imported once)", file=sys.stderr)
+            return multiprocessing.get_context("fork")
+        print(f"{SAID} {why}", file=sys.stderr)
+        return multiprocessing.get_context("spawn")
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    socket_path = model_process = None
+    while argv and argv[0] in ("--uds", "--model-process"):
+        if argv[0] == "--uds":
+            socket_path = argv[1]
+        else:
+            model_process = argv[1]
+        argv = argv[2:]
+    if model_process not in (None, "fork", "spawn"):
+        raise SystemExit(f"--model-process is fork or spawn, not {model_process!r}")
+    if socket_path is not None:
+        base = uvicorn.Config
+
+        class OnSocket(base):  # type: ignore[misc, valid-type]
+            def __init__(self, app: object, **kwargs: object) -> None:
+                kwargs.pop("host", None)
+                kwargs.pop("port", None)
+                super().__init__(app, uds=socket_path, **kwargs)
+
+        uvicorn.Config = OnSocket  # type: ignore[misc]
+    # after the patch above: the CLI binds uvicorn.Config when it loads
+    from transformers.cli.transformers import main as transformers_cli
+
+    if model_process != "spawn":
+        _fork_model_process(_option(argv, "--device") or "")
+    sys.argv = ["transformers", *argv]
+    transformers_cli()
+
+
+def _fork_model_process(device: str) -> None:
+    """Transformers' model manager given ``ModelProcessStart`` for ``multiprocessing``, where it has one."""
+    try:
+        from transformers.cli.serving import model_manager
+    except ImportError:
+        model_manager = None
+    if not isinstance(getattr(model_manager, "multiprocessing", None), ModuleType):
+        print(f"{SAID} spawned: this transformers starts it elsewhere", file=sys.stderr)
+        return
+    model_manager.multiprocessing = ModelProcessStart(device)  # type: ignore[union-attr]
+
+
+if __name__ == "__main__":
+    main()
