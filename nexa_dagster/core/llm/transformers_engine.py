@@ -17,10 +17,14 @@ inherit) and while this process runs one thread (the model's process is started 
 fork copies no lock another thread holds). Otherwise, and on a transformers whose model process starts elsewhere,
 transformers' own ``spawn``. Either way one line on stderr says which, and why.
 
-Run as a script, not as ``-m``: it imports uvicorn and transformers only, never the nexa_dagster package.
+The model's process, forked, gets torch's thread pool sized by the engine's ``OMP_NUM_THREADS`` (as a spawned one
+reads it): an engine itself forked from a warm Python would otherwise hand on the warm Python's single thread.
+
+Run as a script, not as ``-m``: it imports uvicorn, transformers and torch only, never the nexa_dagster package.
 """
 
 import multiprocessing
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -50,10 +54,23 @@ class ModelProcessStart:
         elif (threads := self.threads()) > 1:
             why = f"spawned: this process runs {threads} threads (a fork could copy a lock one of them holds)"
         else:
+            _size_torch_pool()
             print(f"{SAID} forked from the engine (torch and transformers imported once)", file=sys.stderr)
             return multiprocessing.get_context("fork")
         print(f"{SAID} {why}", file=sys.stderr)
         return multiprocessing.get_context("spawn")
+
+
+def _size_torch_pool() -> None:
+    """torch's thread pool sized by this process's ``OMP_NUM_THREADS``, as a fresh interpreter's is when it imports
+    torch, for the model's process to inherit: an engine forked from a warm Python (``ManagedServer(warm=...)``)
+    has the pool of the warm Python, which imported torch with one thread, whatever the engine's environment says."""
+    count = os.environ.get("OMP_NUM_THREADS", "")
+    if count.isdigit() and int(count) > 0:
+        import torch  # imported already, with the transformers CLI
+
+        if torch.get_num_threads() != int(count):  # a cold engine's is already: left as it is
+            torch.set_num_threads(int(count))
 
 
 def _option(argv: list[str], name: str) -> str | None:

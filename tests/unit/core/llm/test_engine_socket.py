@@ -44,10 +44,8 @@ def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
-    assert imported - {"collections", "multiprocessing", "sys", "threading", "types", "typing"} == {
-        "uvicorn",
-        "transformers",
-    }, imported
+    stdlib = {"collections", "multiprocessing", "os", "sys", "threading", "types", "typing"}
+    assert imported - stdlib == {"uvicorn", "transformers", "torch"}, imported
 
 
 @pytest.mark.parametrize(
@@ -69,3 +67,20 @@ def test_the_model_process_is_forked_only_on_a_cpu_from_a_single_thread(
         "forkserver"
     )  # only spawn is replaced
     assert start.Queue is multiprocessing.Queue  # the rest of the module as it is
+
+
+def test_a_forked_model_process_gets_the_engines_thread_count_not_a_warm_pythons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine forked from a warm Python has torch's pool of the warm Python (one thread); the model's process it
+    forks must have the engine's ``OMP_NUM_THREADS``, as a spawned one reads it."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the warm Python's
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        transformers_engine.ModelProcessStart("cpu", threads=lambda: 1).get_context("spawn")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
