@@ -58,6 +58,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from nexa_dagster import settings
 
@@ -278,6 +279,42 @@ class WarmPython:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+
+class _Log(Protocol):
+    def info(self, msg: str) -> None: ...
+
+    def warning(self, msg: str) -> None: ...
+
+
+def fork_worker(
+    pool: WarmPython,
+    command: Sequence[str],
+    cwd: str | Path,
+    env: Mapping[str, str],
+    log: _Log,
+    own_session: bool = False,
+    output: str | Path | None = None,
+) -> WarmChild | None:
+    """``command`` (``python -m module ...`` of ``pool``'s interpreter) forked from ``pool`` where the child would be
+    the process a cold start is; None where it would not, said in ``log``: the caller then starts it cold. What a
+    launcher of workers asks before each launch (``LocalGPUCluster``, the benches that train)."""
+    target = module_of(command, pool.python)
+    if target is None:
+        log.info(f"starting {' '.join(command[:3])} cold: not `python -m` of the warm Python's interpreter")
+    elif not pool.ready():
+        log.warning("the warm Python did not start; starting the worker cold")
+    elif differs := pool.differs(env):
+        log.info(f"starting the worker cold: its {', '.join(differs[:4])} differ from the warm Python's")
+    else:
+        try:
+            child = pool.spawn(*target, cwd, env, own_session=own_session, output=output)
+        except OSError as e:
+            log.warning(f"{e}; starting the worker cold")
+            return None
+        log.info(f"worker forked from the warm Python (pid {child.pid})")
+        return child
+    return None
 
 
 _shared: dict[str, WarmPython] = {}

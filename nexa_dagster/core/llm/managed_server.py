@@ -232,6 +232,7 @@ def server_command(
     served_model_name: str | None = None,
     socket_path: str | Path | None = None,
     model_process: str = "fork",
+    model_threads: str | None = None,
 ) -> list[str]:
     """The command line that serves ``model_dir`` on ``127.0.0.1:port``, or on the Unix socket ``socket_path``
     (no TCP port at all: vLLM's ``--uds``; ``transformers serve`` through ``transformers_engine.py``, which also
@@ -257,6 +258,10 @@ def server_command(
     if model_process not in ("fork", "spawn"):
         raise ValueError(f"model_process is 'fork' or 'spawn', not {model_process!r}")
     head = [sys.executable, str(TRANSFORMERS_ENGINE), "--model-process", model_process]
+    if (
+        model_threads
+    ):  # the engine's OMP_NUM_THREADS: a forked model process's torch pool (transformers_engine.py)
+        head += ["--model-threads", model_threads]
     where = ["--host", "127.0.0.1", "--port", str(port)]
     if socket_path:
         head, where = [*head, "--uds", str(socket_path)], []
@@ -335,14 +340,7 @@ class ManagedServer:
                 vllm_env.device_kind() if self.engine == "vllm" else "cuda" if cuda_available() else "cpu"
             )
         self.device = device
-        supported = "continuous_batching" in transformers_serve_options()
-        if continuous_batching is None:
-            continuous_batching = (
-                self.engine == "transformers" and self.device.startswith("cuda") and supported
-            )
-        elif continuous_batching and not supported and self.engine == "transformers":
-            raise LLMError("this transformers version has no `transformers serve --continuous-batching`")
-        self.continuous_batching = bool(continuous_batching) and self.engine == "transformers"
+        self.continuous_batching = self._continuous_batching(continuous_batching)
         self.extra_args = (*self._cb_memory_args(cb_max_memory_percent), *extra_args)
         self._fixed_port = port
         self.port = port or free_port()
@@ -353,6 +351,16 @@ class ManagedServer:
         self.log = logger or log
         self.process: subprocess.Popen[bytes] | ChildProcess | None = None
         self.ready_s: float = 0.0
+
+    def _continuous_batching(self, asked: bool | None) -> bool:
+        """Whether ``transformers serve`` batches continuously: as ``asked``; ``None``, on a GPU only (the class
+        docstring). An error where it is asked of a transformers without it."""
+        supported = "continuous_batching" in transformers_serve_options()
+        if asked is None:
+            asked = self.engine == "transformers" and self.device.startswith("cuda") and supported
+        elif asked and not supported and self.engine == "transformers":
+            raise LLMError("this transformers version has no `transformers serve --continuous-batching`")
+        return bool(asked) and self.engine == "transformers"
 
     def _cb_memory_args(self, cb_max_memory_percent: float | None) -> tuple[str, ...]:
         """The cap of continuous batching's KV cache (5 % of the memory on a CPU host, see the class docstring)."""
@@ -455,19 +463,6 @@ class ManagedServer:
         model = self.model_dir
         if self.served_model_name and self.engine == "transformers":
             model = self._stable_name_link()
-        cmd = server_command(
-            model,
-            self.port,
-            self.engine,
-            self.device,
-            self.continuous_batching,
-            self.extra_args,
-            self.served_model_name,
-            self.socket_path,
-            self.model_process,
-        )
-        if self.socket_path:
-            Path(self.socket_path).unlink(missing_ok=True)  # a killed engine's socket: the new one binds anew
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
@@ -482,6 +477,20 @@ class ManagedServer:
             **self._vllm_env(),
             **self.extra_env,
         }
+        cmd = server_command(
+            model,
+            self.port,
+            self.engine,
+            self.device,
+            self.continuous_batching,
+            self.extra_args,
+            self.served_model_name,
+            self.socket_path,
+            self.model_process,
+            model_threads=env.get("OMP_NUM_THREADS"),
+        )
+        if self.socket_path:
+            Path(self.socket_path).unlink(missing_ok=True)  # a killed engine's socket: the new one binds anew
         with open(self.log_path, "wb") as logfile:
             logfile.write(f"$ {' '.join(cmd)}\n".encode())
             logfile.flush()

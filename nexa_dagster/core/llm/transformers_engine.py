@@ -1,5 +1,5 @@
 """Run ``transformers serve`` as this project's engines run it: ``python transformers_engine.py [--uds SOCKET]
-[--model-process fork|spawn] serve <transformers serve arguments...>``.
+[--model-process fork|spawn] [--model-threads N] serve <transformers serve arguments...>``.
 
 ``--uds``: on a Unix socket instead of a TCP port. ``transformers serve`` has no API key and binds a TCP port, which
 any process of the host could reach around the serving endpoint's key check. On a Unix socket in a folder only the
@@ -17,14 +17,14 @@ inherit) and while this process runs one thread (the model's process is started 
 fork copies no lock another thread holds). Otherwise, and on a transformers whose model process starts elsewhere,
 transformers' own ``spawn``. Either way one line on stderr says which, and why.
 
-The model's process, forked, gets torch's thread pool sized by the engine's ``OMP_NUM_THREADS`` (as a spawned one
-reads it): an engine itself forked from a warm Python would otherwise hand on the warm Python's single thread.
+``--model-threads N`` (the engine's ``OMP_NUM_THREADS``, which ``ManagedServer`` passes): the model's process,
+forked, gets torch's thread pool of that size, as a spawned one reads it from the variable: an engine itself forked
+from a warm Python would otherwise hand on the warm Python's single thread.
 
 Run as a script, not as ``-m``: it imports uvicorn, transformers and torch only, never the nexa_dagster package.
 """
 
 import multiprocessing
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -40,8 +40,13 @@ class ModelProcessStart:
     """``multiprocessing`` as transformers' model manager sees it: its ``get_context("spawn")`` forks while forking
     is safe (see the module's docstring), and says which it did."""
 
-    def __init__(self, device: str, threads: Callable[[], int] = threading.active_count) -> None:
-        self.device, self.threads = device, threads
+    def __init__(
+        self,
+        device: str,
+        model_threads: int | None = None,
+        threads: Callable[[], int] = threading.active_count,
+    ) -> None:
+        self.device, self.model_threads, self.threads = device, model_threads, threads
 
     def __getattr__(self, name: str) -> Any:
         return getattr(multiprocessing, name)
@@ -54,23 +59,22 @@ class ModelProcessStart:
         elif (threads := self.threads()) > 1:
             why = f"spawned: this process runs {threads} threads (a fork could copy a lock one of them holds)"
         else:
-            _size_torch_pool()
+            _size_torch_pool(self.model_threads)
             print(f"{SAID} forked from the engine (torch and transformers imported once)", file=sys.stderr)
             return multiprocessing.get_context("fork")
         print(f"{SAID} {why}", file=sys.stderr)
         return multiprocessing.get_context("spawn")
 
 
-def _size_torch_pool() -> None:
-    """torch's thread pool sized by this process's ``OMP_NUM_THREADS``, as a fresh interpreter's is when it imports
-    torch, for the model's process to inherit: an engine forked from a warm Python (``ManagedServer(warm=...)``)
-    has the pool of the warm Python, which imported torch with one thread, whatever the engine's environment says."""
-    count = os.environ.get("OMP_NUM_THREADS", "")
-    if count.isdigit() and int(count) > 0:
+def _size_torch_pool(threads: int | None) -> None:
+    """torch's thread pool sized ``threads`` (``--model-threads``: the engine's ``OMP_NUM_THREADS``), as a fresh
+    interpreter's is when it imports torch, for the model's process to inherit: an engine forked from a warm Python
+    (``ManagedServer(warm=...)``) has the pool of the warm Python, which imported torch with one thread."""
+    if threads:
         import torch  # imported already, with the transformers CLI
 
-        if torch.get_num_threads() != int(count):  # a cold engine's is already: left as it is
-            torch.set_num_threads(int(count))
+        if torch.get_num_threads() != threads:  # a cold engine's is already: left as it is
+            torch.set_num_threads(threads)
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -79,13 +83,10 @@ def _option(argv: list[str], name: str) -> str | None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    socket_path = model_process = None
-    while argv and argv[0] in ("--uds", "--model-process"):
-        if argv[0] == "--uds":
-            socket_path = argv[1]
-        else:
-            model_process = argv[1]
-        argv = argv[2:]
+    own: dict[str, str] = {}  # this script's options, before transformers serve's
+    while argv and argv[0] in ("--uds", "--model-process", "--model-threads"):
+        own[argv[0]], argv = argv[1], argv[2:]
+    socket_path, model_process = own.get("--uds"), own.get("--model-process")
     if model_process not in (None, "fork", "spawn"):
         raise SystemExit(f"--model-process is fork or spawn, not {model_process!r}")
     if socket_path is not None:
@@ -102,21 +103,22 @@ def main() -> None:
     from transformers.cli.transformers import main as transformers_cli
 
     if model_process != "spawn":
-        _fork_model_process(_option(argv, "--device") or "")
+        threads = own.get("--model-threads")
+        _fork_model_process(_option(argv, "--device") or "", int(threads) if threads else None)
     sys.argv = ["transformers", *argv]
     transformers_cli()
 
 
-def _fork_model_process(device: str) -> None:
+def _fork_model_process(device: str, model_threads: int | None) -> None:
     """Transformers' model manager given ``ModelProcessStart`` for ``multiprocessing``, where it has one."""
     try:
-        from transformers.cli.serving import model_manager
+        from transformers.cli.serving import model_manager  # after the uvicorn patch, as the CLI's import
     except ImportError:
         model_manager = None
     if not isinstance(getattr(model_manager, "multiprocessing", None), ModuleType):
         print(f"{SAID} spawned: this transformers starts it elsewhere", file=sys.stderr)
         return
-    model_manager.multiprocessing = ModelProcessStart(device)  # type: ignore[union-attr]
+    model_manager.multiprocessing = ModelProcessStart(device, model_threads)  # type: ignore[union-attr]
 
 
 if __name__ == "__main__":

@@ -93,34 +93,16 @@ class DeploymentManifest(BaseModel):
 
 
 def _ask_temporary_engine(
-    checkpoint_dir: str | Path,
-    work_dir: Path,
-    engine: str,
-    startup_timeout_s: float,
-    logger: logging.Logger | None,
-    prompt: str,
-    max_tokens: int,
-    request_timeout_s: float,
-    warm: WarmInterpreter | None,
-    model_process: str,
+    server: ManagedServer, prompt: str, max_tokens: int, request_timeout_s: float
 ) -> tuple[SmokeAnswer, str | None, dict[str, Any]]:
-    """The smoke request to an engine started for it on a Unix socket in a private folder (700), not a TCP port:
-    the engine has no key, and any local process could reach a port of it; then the engine is stopped.
+    """The smoke request to ``server``, an engine started for it on a Unix socket in a private folder (700), not a
+    TCP port: the engine has no key, and any local process could reach a port of it; then the engine is stopped.
 
     Its spans (``core/common/spans.py``) split what the deployment pays for the engine, its start to healthy and
     its stop (fixed costs: ~10 s for the tiny model, most of a deployment without a serving service), from the
     request itself (work), for ``bench/pipeline_profile.py``."""
-    socket_path = socket_dir(work_dir) / "smoke.sock"
-    server = ManagedServer(
-        checkpoint_dir,
-        work_dir,
-        engine=engine,
-        startup_timeout_s=startup_timeout_s,
-        logger=logger,
-        socket_path=socket_path,
-        warm=warm,
-        model_process=model_process,
-    )
+    assert server.socket_path is not None
+    socket_path = Path(server.socket_path)
     say = server.log.info  # the caller's logger, else the engine module's
     try:
         with span(say, "fixed", "smoke_engine_start"):
@@ -180,18 +162,17 @@ def smoke_test_in_temporary_engine(
     """
     work_dir = Path(work_dir)
     started = now_utc()
-    answer, error, facts = _ask_temporary_engine(
+    server = ManagedServer(
         checkpoint_dir,
         work_dir,
-        engine,
-        startup_timeout_s,
-        logger,
-        prompt,
-        max_tokens,
-        request_timeout_s,
-        warm,
-        model_process,
+        engine=engine,
+        startup_timeout_s=startup_timeout_s,
+        logger=logger,
+        socket_path=socket_dir(work_dir) / "smoke.sock",
+        warm=warm,
+        model_process=model_process,
     )
+    answer, error, facts = _ask_temporary_engine(server, prompt, max_tokens, request_timeout_s)
     status = "ok" if answer.ok else ("not_text" if answer.text else "failed")
     manifest = DeploymentManifest(
         checkpoint_id=checkpoint_id,

@@ -71,22 +71,11 @@ class LocalGPUCluster(GPUClusterResource):
     ) -> subprocess.Popen[bytes] | warm_python.WarmChild:
         """The worker, forked from the warm Python where it is on and the worker's environment allows (what a
         library reads while importing must be what the warm Python imported under), else a fresh process."""
-        target = warm_python.module_of(command, self.python()) if self.warm_start else None
-        if target is not None:
+        if self.warm_start and warm_python.module_of(command, self.python()) is not None:  # not torchrun
             warm = warm_python.shared(self.python(), env, WARM_PRELOAD)
-            if not warm.ready():
-                context.log.warning("the warm Python did not start; starting the worker cold")
-            elif differs := warm.differs(env):
-                context.log.info(
-                    f"starting the worker cold: its {', '.join(differs[:4])} differ from the warm Python's"
-                )
-            else:
-                try:
-                    child = warm.spawn(*target, cwd, env)
-                    context.log.info(f"worker forked from the warm Python (pid {child.pid})")
-                    return child
-                except OSError as e:
-                    context.log.warning(f"{e}; starting the worker cold")
+            child = warm_python.fork_worker(warm, command, cwd, env, context.log)
+            if child is not None:
+                return child
         return subprocess.Popen(command, cwd=str(cwd), env=env)
 
     def worker_command(self, job_file: Path, log_dir: Path) -> list[str]:

@@ -153,6 +153,40 @@ def test_a_worker_whose_import_time_environment_differs_starts_cold(
         assert warm_python.environment_difference(base, {**base, **wanted}, {nvml: "1"}) == differs
 
 
+class _Said:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, msg: str) -> None:
+        self.lines.append(("info", msg))
+
+    def warning(self, msg: str) -> None:
+        self.lines.append(("warning", msg))
+
+
+def test_fork_worker_forks_what_a_cold_start_would_be_and_says_why_it_does_not(
+    warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    """What every launcher of workers asks before a launch (the local backend, the benches that train): forked,
+    the worker's output goes to ``output``; another import-time environment or a command that is not ``python -m``
+    is left to a cold start (None), with the reason in the log."""
+    said, log = _Said(), tmp_path / "worker.log"
+    command = [sys.executable, "-m", "probe", "5"]
+    child = warm_python.fork_worker(warm, command, tmp_path, dict(probe_env), said, output=log)
+    assert isinstance(child, warm_python.WarmChild) and child.wait(timeout=120) == 5
+    assert json.loads(log.read_text())["torch_loaded_before_me"] is True
+    assert said.lines == [("info", f"worker forked from the warm Python (pid {child.pid})")]
+    said.lines.clear()
+    policy = {**probe_env, "OMP_WAIT_POLICY": "ACTIVE"}
+    assert warm_python.fork_worker(warm, command, tmp_path, policy, said) is None
+    assert said.lines == [
+        ("info", "starting the worker cold: its OMP_WAIT_POLICY differ from the warm Python's")
+    ]
+    said.lines.clear()
+    assert warm_python.fork_worker(warm, ["/bin/true"], tmp_path, dict(probe_env), said) is None
+    assert "not `python -m`" in said.lines[0][1]
+
+
 def test_a_preload_entry_module_colon_function_imports_the_module_and_calls_the_function(
     probe_env: dict[str, str],
 ) -> None:

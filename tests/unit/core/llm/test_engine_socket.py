@@ -33,6 +33,8 @@ def test_an_engine_on_a_socket_is_given_no_host_or_port(tmp_path: Path) -> None:
     ]  # a teacher's engine forks too
     with pytest.raises(ValueError, match="'fork' or 'spawn'"):
         server_command("/m", 9001, "transformers", model_process="forkserver")
+    threads = server_command("/m", 9001, "transformers", model_threads="2")
+    assert threads[1:6] == [str(TRANSFORMERS_ENGINE), "--model-process", "fork", "--model-threads", "2"]
 
 
 def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
@@ -44,7 +46,7 @@ def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
-    stdlib = {"collections", "multiprocessing", "os", "sys", "threading", "types", "typing"}
+    stdlib = {"collections", "multiprocessing", "sys", "threading", "types", "typing"}
     assert imported - stdlib == {"uvicorn", "transformers", "torch"}, imported
 
 
@@ -60,7 +62,7 @@ def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
 def test_the_model_process_is_forked_only_on_a_cpu_from_a_single_thread(
     device: str, threads: int, method: str, said: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    start = transformers_engine.ModelProcessStart(device, threads=lambda: threads)
+    start = transformers_engine.ModelProcessStart(device, None, threads=lambda: threads)
     assert start.get_context("spawn") is multiprocessing.get_context(method)
     assert said in capsys.readouterr().err
     assert start.get_context("forkserver") is multiprocessing.get_context(
@@ -69,18 +71,15 @@ def test_the_model_process_is_forked_only_on_a_cpu_from_a_single_thread(
     assert start.Queue is multiprocessing.Queue  # the rest of the module as it is
 
 
-def test_a_forked_model_process_gets_the_engines_thread_count_not_a_warm_pythons(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_forked_model_process_gets_the_engines_thread_count_not_a_warm_pythons() -> None:
     """An engine forked from a warm Python has torch's pool of the warm Python (one thread); the model's process it
-    forks must have the engine's ``OMP_NUM_THREADS``, as a spawned one reads it."""
+    forks must have the engine's ``OMP_NUM_THREADS`` (``--model-threads``), as a spawned one reads it."""
     import torch
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the warm Python's
-        monkeypatch.setenv("OMP_NUM_THREADS", "3")
-        transformers_engine.ModelProcessStart("cpu", threads=lambda: 1).get_context("spawn")
+        transformers_engine.ModelProcessStart("cpu", 3, threads=lambda: 1).get_context("spawn")
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
