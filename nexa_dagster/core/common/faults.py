@@ -27,8 +27,6 @@ NAN_AT_STEP = "NEXA_FAULT_NAN_AT_STEP"
 KILL_AFTER_ROLLOUT = "NEXA_FAULT_KILL_AFTER_ROLLOUT"
 FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP, KILL_AFTER_ROLLOUT)
 
-_armed: dict[str, str] = {name: os.environ[name] for name in FAULTS if os.environ.get(name)}
-
 
 def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.0) -> bool:
     """Strike the fault ``name`` if a test armed it for this moment.
@@ -37,9 +35,13 @@ def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.
     ``KILL_AFTER_ROLLOUT``: kills this process at the armed step (does not return).
     ``STALL_AT_STEP``: sleeps ``stall_s`` at the armed step. ``NAN_AT_STEP``: returns True at the armed step (the
     caller poisons its loss). Anything else, or nothing armed: returns False at once.
+
+    The variable is read at each call, not when this module is imported: a worker forked from a warm Python
+    (``core/cluster/warm_python.py``, which imported this module under its own environment) takes the fault its
+    launcher armed as a fresh process would.
     """
-    armed = _armed.get(name)
-    if armed is None:
+    armed = os.environ.get(name)
+    if not armed:
         return False
     if name == KILL_BEFORE_RENAME:
         if fnmatch.fnmatch(path, armed):

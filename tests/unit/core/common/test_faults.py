@@ -1,0 +1,20 @@
+"""The fault hooks (core/common/faults.py) a fault test arms through one environment variable of the process it
+starts: armed after the module was imported, as in a worker forked from a warm Python that imported it under its
+own environment (core/cluster/warm_python.py), the fault still strikes; disarmed, nothing does."""
+
+from __future__ import annotations
+
+import pytest
+
+from nexa_dagster.core.common import faults
+
+
+def test_a_fault_armed_after_the_import_strikes_at_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.NAN_AT_STEP, raising=False)
+    assert not faults.fault_point(faults.NAN_AT_STEP, step=3)
+    monkeypatch.setenv(faults.NAN_AT_STEP, "3")  # after the import, as a forked worker's environment
+    assert faults.fault_point(faults.NAN_AT_STEP, step=3)
+    assert not faults.fault_point(faults.NAN_AT_STEP, step=2)
+    assert not faults.fault_point(faults.STALL_AT_STEP, step=3)  # another fault, not armed
+    with pytest.raises(ValueError, match="unknown fault"):
+        faults.fault_env("NEXA_FAULT_NOPE", 1)
