@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -197,19 +198,62 @@ def dpo_job(job: dict[str, Any], reference_logps: Path) -> dict[str, Any]:
     return {**job, "objective": objective}
 
 
-def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A worker in a session of its own (a kill reaches all of it), its output in ``log``."""
+LOG = logging.getLogger("gpu_lifecycle")  # on stderr: stdout's last line is the JSON object
+# the environment every stage's process runs under (and the warm Python imports under, ``warm_start``)
+BASE_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Warm:
+    """On a CPU, a warm Python the stages' processes fork from (``core/cluster/warm_python.py``, what `make run`'s
+    workers fork from): torch, transformers and DeepSpeed imported once, not by each of the seven worker launches
+    (~5 s each on the 2-core machine). On a GPU every stage starts fresh: the GPU check's launches stay those its figures
+    were measured with (docs/measurements.md), and a fork has not been run on a GPU host."""
+
+    pool: Any = None  # a started warm_python.WarmPython, or None: every launch cold
+
+    @classmethod
+    def start(cls) -> None:
+        # here, not at the top: a GPU host runs this script with the repository's source alone on its path
+        from nexa_dagster.core.cluster import warm_python
+        from nexa_dagster.resources.gpu_cluster.local import WARM_PRELOAD
+
+        env = warm_python.import_time_environment({**os.environ, **BASE_ENV})
+        cls.pool = warm_python.WarmPython(sys.executable, env, WARM_PRELOAD).start()
+
+    @classmethod
+    def fork(cls, args: list[str], log: Path, env: dict[str, str]) -> Any:
+        """``args`` forked from the warm Python in a session of its own, its output in ``log``; None where it
+        would not be the process a cold start is (``warm_python.fork_worker`` says why on stderr), or is not a
+        worker: ``python -m nexa_dagster...`` sizes torch's threads by its policy (``threads.use``), while the
+        throughput bench and the generation script take torch's default, which a fork would give as the warm
+        Python's one thread."""
+        if cls.pool is None or len(args) < 3 or args[1] != "-m" or not args[2].startswith("nexa_dagster."):
+            return None
+        from nexa_dagster.core.cluster.warm_python import fork_worker
+
+        log.write_bytes(b"")  # a fresh log, as a cold launch opens it
+        return fork_worker(cls.pool, args, REPO, env, LOG, own_session=True, output=log)
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.pool is not None:
+            cls.pool.close()
+            cls.pool = None
+
+
+def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Any:
+    """A worker in a session of its own (a kill reaches all of it), its output in ``log``: forked from the warm
+    Python where there is one (``Warm``), else a fresh process. Either answers ``pid``, ``poll`` and ``wait``."""
+    env = {**os.environ, **BASE_ENV, **(env or {})}
+    forked = Warm.fork(args, log, env)
+    if forked is not None:
+        return forked
     return subprocess.Popen(
-        args,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        args, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
-def finish(proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+def finish(proc: Any, timeout: float, log: Path) -> None:
     """Wait for ``proc``; kill its session and raise with the log's tail when it fails or overruns."""
     try:
         rc = proc.wait(timeout=timeout)
@@ -387,6 +431,9 @@ def main() -> int:
     out.mkdir(parents=True)
     jobs = first_night_jobs(args.data_root)
     t0 = time.perf_counter()
+    if plan.device == "cpu":
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        Warm.start()  # imports while the jobs are written; the first launch waits for it
     results: dict[str, Any] = {}
     runs: dict[str, dict[str, Any]] = {}
 
@@ -447,6 +494,7 @@ def main() -> int:
     else:
         results["fp16"] = {"status": "skipped", "reason": "fp16 is a GPU path (DeepSpeed has none on CPU)"}
     stage("throughput", lambda t: throughput(plan, out, t))
+    Warm.close()
 
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     print(

@@ -4,7 +4,7 @@
 
 On the tiny profile (``configs/scales/tiny.yaml``: model preset, pack size, batch, learning rate and steps), in one
 run, every model trained by the project's training worker (DeepSpeed, the same process the ``gpu_cluster``
-resource launches):
+resource launches; forked from a warm Python, as `make run`'s workers are):
 
 * ``base``: the MoE pretrained on a bin/idx corpus (``data_kind: pretrain_corpus``, the ``base_model`` stage);
 * ``scratch``: SFT on nights 1+2 from random weights (``init_from: scratch``);
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -44,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from nexa_dagster import settings  # noqa: E402
+from nexa_dagster.core.cluster import warm_python  # noqa: E402
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER  # noqa: E402
 from nexa_dagster.core.common.config import load_deepspeed_config, load_scale  # noqa: E402
 from nexa_dagster.core.data.splits import is_validation  # noqa: E402
@@ -52,6 +55,9 @@ from nexa_dagster.core.packaging.formats.indexed_dataset import IndexedDatasetWr
 from nexa_dagster.core.packaging.packing import ChatTokenizer, conversation, pack_table  # noqa: E402
 from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult  # noqa: E402
+from nexa_dagster.resources.gpu_cluster.local import WARM_PRELOAD  # noqa: E402
+
+LOG = logging.getLogger("learning")  # on stderr: stdout's last line is the JSON object
 
 EVAL_FRACTION = 0.2
 SPLIT_SEED = 11
@@ -107,6 +113,36 @@ def write_corpus(tokenizer, docs: list[tuple[str, str]], root: Path) -> str:
     return str(root)
 
 
+class Workers:
+    """The training workers forked from a warm Python (``core/cluster/warm_python.py``, as `make run`'s): torch,
+    transformers and DeepSpeed imported once, not by each of the five trainings (~5 s each on the 2-core machine);
+    a worker that could not be the process a cold start is starts cold (said on stderr)."""
+
+    pool: warm_python.WarmPython | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        env = warm_python.import_time_environment(settings.environ())
+        cls.pool = warm_python.WarmPython(sys.executable, env, WARM_PRELOAD).start()
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.pool is not None:
+            cls.pool.close()
+            cls.pool = None
+
+    @classmethod
+    def run(cls, command: list[str], log: Path) -> int:
+        """``command`` run to its end, its output in ``log``, under the environment the project gives a child
+        (``settings.environ``, as the local backend's workers: not what this process's imports added, which would
+        differ from the warm Python's)."""
+        env = dict(settings.environ())
+        with open(log, "wb") as out:  # a fresh log; the forked worker appends to it
+            child = cls.pool and warm_python.fork_worker(cls.pool, command, os.getcwd(), env, LOG, output=log)
+            proc = child or subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return proc.wait()
+
+
 def train(job: TrainingJob, work: Path) -> TrainingResult:
     """Train ``job`` in the project's worker process; a checkpoint already complete in ``--work`` (a rerun) is
     reused as it is."""
@@ -118,13 +154,10 @@ def train(job: TrainingJob, work: Path) -> TrainingResult:
     job_file = work / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"training {job.run_id} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    log = work / f"{job.run_id}.log"
+    command = [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)]
+    if Workers.run(command, log) != 0:
+        raise SystemExit(f"training {job.run_id} failed:\n{log.read_text(errors='replace')[-6000:]}")
     result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
     print(
         f"trained {job.run_id:10s} from {job.parent:22s} {job.settings.max_steps:4d} steps, loss "
@@ -165,6 +198,8 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=5000)
     args = parser.parse_args()
     t0 = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    Workers.start()  # it imports while the data is prepared; the first training waits for it
     work = Path(args.work or tempfile.mkdtemp(prefix="nexa-learning-"))
     work.mkdir(parents=True, exist_ok=True)
     scale = load_scale("tiny")
@@ -239,6 +274,7 @@ def main() -> None:
         "continual", nights12, sft_settings, init_from=runs["night1"].output_dir, parent="production:night1"
     )
     train(runs["continual"], work)
+    Workers.close()
 
     scores = {
         name: per_example_nll(runs[name].output_dir, examples["eval"])
