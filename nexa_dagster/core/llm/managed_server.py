@@ -258,9 +258,8 @@ def server_command(
     if model_process not in ("fork", "spawn"):
         raise ValueError(f"model_process is 'fork' or 'spawn', not {model_process!r}")
     head = [sys.executable, str(TRANSFORMERS_ENGINE), "--model-process", model_process]
-    if (
-        model_threads
-    ):  # the engine's OMP_NUM_THREADS: a forked model process's torch pool (transformers_engine.py)
+    # the engine's OMP_NUM_THREADS: the size of a forked model process's torch pool (transformers_engine.py)
+    if model_threads:
         head += ["--model-threads", model_threads]
     where = ["--host", "127.0.0.1", "--port", str(port)]
     if socket_path:

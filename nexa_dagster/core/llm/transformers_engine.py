@@ -102,7 +102,9 @@ def main() -> None:
     # after the patch above: the CLI binds uvicorn.Config when it loads
     from transformers.cli.transformers import main as transformers_cli
 
-    if model_process != "spawn":
+    if model_process == "spawn":
+        print(f"{SAID} spawned: --model-process spawn", file=sys.stderr)
+    else:
         threads = own.get("--model-threads")
         _fork_model_process(_option(argv, "--device") or "", int(threads) if threads else None)
     sys.argv = ["transformers", *argv]
