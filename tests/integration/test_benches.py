@@ -76,7 +76,10 @@ BENCHES: dict[str, Bench] = {
     "warm_workers.py": Bench(
         ("--rounds", "1", "--engine-rounds", "1"),
         frozenset(
-            {"cold_s", "warm_s", "speedup", "warm_python_start_s", "workers_to_pay_back", "engine_speedup"}
+            {
+                *("cold_s", "warm_s", "speedup", "warm_python_start_s", "workers_to_pay_back"),
+                *("engine_speedup", "model_fork_speedup_cold", "model_fork_speedup_warm"),
+            }
         ),
         timeout_s=240,
         slow=True,  # three interpreters importing torch, transformers and DeepSpeed: in make test, not test-fast
