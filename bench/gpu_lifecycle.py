@@ -203,54 +203,38 @@ LOG = logging.getLogger("gpu_lifecycle")  # on stderr: stdout's last line is the
 BASE_ENV = {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-class Warm:
-    """On a CPU, a warm Python the stages' processes fork from (``core/cluster/warm_python.py``, what `make run`'s
-    workers fork from): torch, transformers and DeepSpeed imported once, not by each of the seven worker launches
-    (~5 s each on the 2-core machine). On a GPU every stage starts fresh: the GPU check's launches stay those its figures
-    were measured with (docs/measurements.md), and a fork has not been run on a GPU host."""
+# what starts the stages' processes (``main``): on a CPU it forks the workers from a warm Python
+# (``core/cluster/warm_python.py``, what `make run`'s workers fork from): torch, transformers and DeepSpeed imported
+# once, not by each of the seven worker launches (~5 s each on the 2-core machine). On a GPU every stage starts fresh:
+# the GPU check's launches stay those its figures were measured with (docs/measurements.md), and a fork has not been
+# run on a GPU host.
+STARTER: Any = None
 
-    pool: Any = None  # a started warm_python.WarmPython, or None: every launch cold
 
-    @classmethod
-    def start(cls) -> None:
-        # here, not at the top: a GPU host runs this script with the repository's source alone on its path
-        from nexa_dagster.core.cluster import warm_python
+def worker_starter(device: str) -> Any:
+    """The ``warm_python.WorkerStarter`` of this run, its warm Python importing on a CPU."""
+    # here, not at the top: a GPU host runs this script with the repository's source alone on its path, and the
+    # local backend's preload list comes with Dagster, which only the CPU path needs
+    from nexa_dagster.core.cluster.warm_python import WorkerStarter
+
+    starter = WorkerStarter(sys.executable, {**os.environ, **BASE_ENV}, LOG)
+    if device == "cpu":
         from nexa_dagster.resources.gpu_cluster.local import WARM_PRELOAD
 
-        env = warm_python.import_time_environment({**os.environ, **BASE_ENV})
-        cls.pool = warm_python.WarmPython(sys.executable, env, WARM_PRELOAD).start()
-
-    @classmethod
-    def fork(cls, args: list[str], log: Path, env: dict[str, str]) -> Any:
-        """``args`` forked from the warm Python in a session of its own, its output in ``log``; None where it
-        would not be the process a cold start is (``warm_python.fork_worker`` says why on stderr), or is not a
-        worker: ``python -m nexa_dagster...`` sizes torch's threads by its policy (``threads.use``), while the
-        throughput bench and the generation script take torch's default, which a fork would give as the warm
-        Python's one thread."""
-        if cls.pool is None or len(args) < 3 or args[1] != "-m" or not args[2].startswith("nexa_dagster."):
-            return None
-        from nexa_dagster.core.cluster.warm_python import fork_worker
-
-        log.write_bytes(b"")  # a fresh log, as a cold launch opens it
-        return fork_worker(cls.pool, args, REPO, env, LOG, own_session=True, output=log)
-
-    @classmethod
-    def close(cls) -> None:
-        if cls.pool is not None:
-            cls.pool.close()
-            cls.pool = None
+        starter.preload = WARM_PRELOAD
+        starter.start()  # imports while the jobs are written; the first launch waits for it
+    return starter
 
 
 def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Any:
-    """A worker in a session of its own (a kill reaches all of it), its output in ``log``: forked from the warm
-    Python where there is one (``Warm``), else a fresh process. Either answers ``pid``, ``poll`` and ``wait``."""
+    """A process in a session of its own (a kill reaches all of it), its output in ``log``: forked from the warm
+    Python where there is one and ``args`` is a worker (``warm_python.fork_worker`` says on stderr why one is
+    not), else a fresh process. Only ``python -m nexa_dagster...`` is forked: it sizes torch's threads by its
+    policy (``threads.use``), while the throughput bench and the generation script take torch's default, which a
+    fork would give as the warm Python's one thread. Either answers ``pid``, ``poll`` and ``wait``."""
+    worker = len(args) >= 3 and args[1] == "-m" and args[2].startswith("nexa_dagster.")
     env = {**os.environ, **BASE_ENV, **(env or {})}
-    forked = Warm.fork(args, log, env)
-    if forked is not None:
-        return forked
-    return subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return STARTER.launch(args, REPO, env, log, own_session=True, fork=worker)
 
 
 def finish(proc: Any, timeout: float, log: Path) -> None:
@@ -433,7 +417,8 @@ def main() -> int:
     t0 = time.perf_counter()
     if plan.device == "cpu":
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        Warm.start()  # imports while the jobs are written; the first launch waits for it
+    global STARTER
+    STARTER = worker_starter(plan.device)
     results: dict[str, Any] = {}
     runs: dict[str, dict[str, Any]] = {}
 
@@ -494,7 +479,7 @@ def main() -> int:
     else:
         results["fp16"] = {"status": "skipped", "reason": "fp16 is a GPU path (DeepSpeed has none on CPU)"}
     stage("throughput", lambda t: throughput(plan, out, t))
-    Warm.close()
+    STARTER.close()
 
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     print(

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,34 +112,12 @@ def write_corpus(tokenizer, docs: list[tuple[str, str]], root: Path) -> str:
     return str(root)
 
 
-class Workers:
-    """The training workers forked from a warm Python (``core/cluster/warm_python.py``, as `make run`'s): torch,
-    transformers and DeepSpeed imported once, not by each of the five trainings (~5 s each on the 2-core machine);
-    a worker that could not be the process a cold start is starts cold (said on stderr)."""
-
-    pool: warm_python.WarmPython | None = None
-
-    @classmethod
-    def start(cls) -> None:
-        env = warm_python.import_time_environment(settings.environ())
-        cls.pool = warm_python.WarmPython(sys.executable, env, WARM_PRELOAD).start()
-
-    @classmethod
-    def close(cls) -> None:
-        if cls.pool is not None:
-            cls.pool.close()
-            cls.pool = None
-
-    @classmethod
-    def run(cls, command: list[str], log: Path) -> int:
-        """``command`` run to its end, its output in ``log``, under the environment the project gives a child
-        (``settings.environ``, as the local backend's workers: not what this process's imports added, which would
-        differ from the warm Python's)."""
-        env = dict(settings.environ())
-        with open(log, "wb") as out:  # a fresh log; the forked worker appends to it
-            child = cls.pool and warm_python.fork_worker(cls.pool, command, os.getcwd(), env, LOG, output=log)
-            proc = child or subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        return proc.wait()
+# the training workers forked from a warm Python (``core/cluster/warm_python.py``, as `make run`'s): torch,
+# transformers and DeepSpeed imported once, not by each of the five trainings (~5 s each on the 2-core machine); a
+# worker that could not be the process a cold start is starts cold (said on stderr). Their environment is the one the
+# project gives a child (``settings.environ``, as the local backend's workers), not this process's: what this
+# bench's own imports added (MLflow's telemetry id) would differ from the warm Python's.
+WORKERS = warm_python.WorkerStarter(sys.executable, settings.environ(), LOG, WARM_PRELOAD)
 
 
 def train(job: TrainingJob, work: Path) -> TrainingResult:
@@ -156,7 +133,7 @@ def train(job: TrainingJob, work: Path) -> TrainingResult:
     start = time.perf_counter()
     log = work / f"{job.run_id}.log"
     command = [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)]
-    if Workers.run(command, log) != 0:
+    if WORKERS.launch(command, os.getcwd(), settings.environ(), log).wait() != 0:
         raise SystemExit(f"training {job.run_id} failed:\n{log.read_text(errors='replace')[-6000:]}")
     result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
     print(
@@ -199,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    Workers.start()  # it imports while the data is prepared; the first training waits for it
+    WORKERS.start()  # it imports while the data is prepared; the first training waits for it
     work = Path(args.work or tempfile.mkdtemp(prefix="nexa-learning-"))
     work.mkdir(parents=True, exist_ok=True)
     scale = load_scale("tiny")
@@ -274,7 +251,7 @@ def main() -> None:
         "continual", nights12, sft_settings, init_from=runs["night1"].output_dir, parent="production:night1"
     )
     train(runs["continual"], work)
-    Workers.close()
+    WORKERS.close()
 
     scores = {
         name: per_example_nll(runs[name].output_dir, examples["eval"])

@@ -319,6 +319,60 @@ def fork_worker(
     return None
 
 
+@dataclass
+class WorkerStarter:
+    """What a script that starts several workers itself keeps (the benches that train several models, as `make
+    run` keeps its warm Python): a warm Python started beside it, each worker forked from it where ``fork_worker``
+    allows, else a fresh process, with its output in a file of its own either way. ``env``: the environment the
+    workers will get; what of it a library reads while importing is what the warm Python imports under."""
+
+    python: str
+    env: Mapping[str, str]
+    log: _Log
+    preload: tuple[str, ...] = LIBRARIES
+    pool: WarmPython | None = None
+
+    def start(self) -> WorkerStarter:
+        """Start the warm Python importing, without waiting: the first launch waits for it."""
+        self.pool = WarmPython(self.python, import_time_environment(self.env), self.preload).start()
+        return self
+
+    def launch(
+        self,
+        command: Sequence[str],
+        cwd: str | Path,
+        env: Mapping[str, str],
+        output: Path,
+        own_session: bool = False,
+        fork: bool = True,
+    ) -> WarmChild | subprocess.Popen[bytes]:
+        """``command`` started with its stdout and stderr in a fresh ``output``, in a session of its own if
+        ``own_session``: forked where it can be the process a cold start is, else started cold (``fork``: False
+        starts it cold whatever, for a command the caller knows a fork would change). Either answers ``pid``,
+        ``poll``, ``wait`` and ``send_signal``."""
+        output.write_bytes(b"")
+        if fork and self.pool is not None:
+            child = fork_worker(
+                self.pool, command, cwd, env, self.log, own_session=own_session, output=output
+            )
+            if child is not None:
+                return child
+        with open(output, "ab") as out:
+            return subprocess.Popen(
+                list(command),
+                cwd=str(cwd),
+                env=dict(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=own_session,
+            )
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
 _shared: dict[str, WarmPython] = {}
 _shared_lock = threading.Lock()
 

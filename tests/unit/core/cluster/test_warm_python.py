@@ -187,6 +187,32 @@ def test_fork_worker_forks_what_a_cold_start_would_be_and_says_why_it_does_not(
     assert "not `python -m`" in said.lines[0][1]
 
 
+def test_a_worker_starter_forks_where_it_can_and_starts_cold_where_asked_with_output_in_a_fresh_file(
+    warm: warm_python.WarmPython, probe_env: dict[str, str], tmp_path: Path
+) -> None:
+    """What the benches that train several models start their workers with: forked from the warm Python where
+    ``fork_worker`` allows, cold where the caller says a fork would change the command (``fork=False``) or no warm
+    Python was started; the output in a file emptied first either way; ``own_session`` a session of its own."""
+    said, log = _Said(), tmp_path / "worker.log"
+    log.write_text("a previous run's output\n")
+    starter = warm_python.WorkerStarter(sys.executable, probe_env, said, pool=warm)
+    command = [sys.executable, "-m", "probe", "3"]
+    forked = starter.launch(command, tmp_path, probe_env, log, own_session=True)
+    assert isinstance(forked, warm_python.WarmChild) and forked.wait(timeout=120) == 3
+    out = json.loads(log.read_text())  # one line: the previous run's output is gone
+    assert out["torch_loaded_before_me"] is True and out["cwd"] == str(tmp_path)
+    probe = [sys.executable, "-c", "import os; print(os.getsid(0) == os.getpid())"]
+    for fork in (True, False):  # a session of its own, forked or cold
+        cold = starter.launch(probe, tmp_path, probe_env, log, own_session=True, fork=fork)
+        assert cold.wait(timeout=120) == 0 and log.read_text().strip() == "True"
+    cold = starter.launch(command, tmp_path, probe_env, log, fork=False)
+    assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=120) == 3
+    assert json.loads(log.read_text())["torch_loaded_before_me"] is False
+    unstarted = warm_python.WorkerStarter(sys.executable, probe_env, said)
+    cold = unstarted.launch(command, tmp_path, probe_env, log)
+    assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=120) == 3
+
+
 def test_a_preload_entry_module_colon_function_imports_the_module_and_calls_the_function(
     probe_env: dict[str, str],
 ) -> None:
