@@ -30,7 +30,8 @@ What keeps a forked worker the same as a fresh one:
 Only single-process workers are forked (one rank, no ``torchrun``: its agent spawns its ranks itself), and only on
 the local backend. ``LocalGPUCluster.warm_start`` turns it on; ``make run`` does (``nexa_dagster/demo.py``).
 ``fork_worker`` is the question each launch asks (fork, or start cold and say why): the local backend's, and the
-benches that train several models (``bench/learning.py``, ``bench/gpu_lifecycle.py --device cpu``).
+benches that train several models through ``WorkerStarter`` (``bench/learning.py``, ``bench/gpu_lifecycle.py --device
+cpu``).
 
 A process that keeps one forks the server of a deployment's smoke engine from it as well (``running``;
 ``ManagedServer(warm=...)``): that child leads a session of its own, which the engine's stop kills as one, writes
