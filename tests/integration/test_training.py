@@ -336,6 +336,8 @@ def test_two_ranks_under_torchrun_train_one_model(
         "worker.rank1.stderr.log",
     ]
     assert list(extensions.rglob("*.so")) == [], list(extensions.rglob("*"))
+    # torchrun's own files beside the worker's logs, not in a torchelastic_* folder of the machine's /tmp
+    assert list((tmp_path / "work" / "torchrun").glob("*/attempt_0")), list((tmp_path / "work").iterdir())
 
 
 def _failure_description(job: TrainingJob, tmp_path: Path) -> str:
@@ -704,7 +706,8 @@ def test_slurm_backend_submits_this_sbatch_script(tmp_path: Path, teacher_dir: P
     srun = lines[-1]
     assert srun == (
         "srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run "
-        "--nproc_per_node=8 --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
+        f"--nproc_per_node=8 --log-dir={tmp_path}/work/torchrun --nnodes=2 --rdzv_backend=c10d "
+        "--rdzv_endpoint=$HEAD_NODE:29500 "
         f"--rdzv_id=$SLURM_JOB_ID -m nexa_dagster.core.training.worker --job {tmp_path}/work/job.json "
         f"--log-dir {tmp_path}/work"
     )
@@ -804,6 +807,7 @@ def test_kubernetes_backend_pod_spec(tmp_path: Path, teacher_dir: Path) -> None:
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=4",
+        "--log-dir=/data/work/torchrun",
         "--standalone",
         "-m",
         "nexa_dagster.core.training.worker",

@@ -26,9 +26,8 @@ def worker_argv(
 
     ``rendezvous`` is ``host:port`` of the first node for multi-node runs (``--standalone`` otherwise).
     """
-    return module_argv(
-        python, WORKER_MODULE, ["--job", job_file, "--log-dir", log_dir], procs_per_node, nodes, rendezvous
-    )
+    args = ["--job", job_file, "--log-dir", log_dir]
+    return module_argv(python, WORKER_MODULE, args, procs_per_node, nodes, rendezvous, launcher_logs=log_dir)
 
 
 def evaluation_argv(python: str, job_file: str) -> list[str]:
@@ -37,13 +36,25 @@ def evaluation_argv(python: str, job_file: str) -> list[str]:
 
 
 def module_argv(
-    python: str, module: str, args: Sequence[str], procs_per_node: int, nodes: int = 1, rendezvous: str = ""
+    python: str,
+    module: str,
+    args: Sequence[str],
+    procs_per_node: int,
+    nodes: int = 1,
+    rendezvous: str = "",
+    launcher_logs: str = "",
 ) -> list[str]:
-    """``python -m module args``, under ``torch.distributed.run`` for more than one rank."""
+    """``python -m module args``, under ``torch.distributed.run`` for more than one rank.
+
+    ``launcher_logs``: the folder ``torch.distributed.run`` keeps its per-attempt files in (its ``--log-dir``; a
+    ``torchrun`` subfolder of it): the worker's own log folder, where a person looks, rather than a ``torchelastic_*``
+    folder left in the machine's temporary directory by every launch."""
     worker = ["-m", module, *args]
     if procs_per_node == 1 and nodes == 1:
         return [python, *worker]
     launcher = [python, "-m", "torch.distributed.run", f"--nproc_per_node={procs_per_node}"]
+    if launcher_logs:
+        launcher.append(f"--log-dir={launcher_logs}/torchrun")
     if nodes == 1:
         launcher.append("--standalone")
     else:
