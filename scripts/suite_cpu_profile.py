@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between two samples")
     parser.add_argument("--out", type=Path, help="also write the JSON summary there")
+    parser.add_argument(
+        "--processes",
+        type=Path,
+        help="also write every process there, one JSON object a line (its command line, kind, test and CPU-s): "
+        "what a kind's total is made of",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -136,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cpu:9.1f}  {test}")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
+    if args.processes:
+        rows = sorted(seen.values(), key=lambda e: -e.get("cpu", 0.0))
+        args.processes.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps(summary))
     return proc.returncode
 

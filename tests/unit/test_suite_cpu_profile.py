@@ -7,19 +7,25 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
 BURN = "import time; t = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
 
 
-def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_passes_through() -> None:
+def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_passes_through(
+    tmp_path: Path,
+) -> None:
     # a shell (not profiled as python) starts a child that burns 1.5 CPU-s and one that sleeps, then exits 3
     command = (
         f"{sys.executable} -c '{BURN}' & {sys.executable} -c 'import time; time.sleep(1.5)'; wait; exit 3"
     )
     proc = subprocess.run(
-        [sys.executable, "scripts/suite_cpu_profile.py", "--interval", "0.2", "--", "sh", "-c", command],
+        [
+            *(sys.executable, "scripts/suite_cpu_profile.py", "--interval", "0.2"),
+            *("--processes", str(tmp_path / "processes.jsonl"), "--", "sh", "-c", command),
+        ],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTEST_CURRENT_TEST": "tests/x.py::test_y (call)"},
         capture_output=True,
@@ -33,3 +39,7 @@ def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_
     assert 1.2 <= summary["tests"]["tests/x.py::test_y"] <= 3.0, summary
     assert 0.0 <= summary["idle_share"] <= 1.0 and summary["wall_s"] >= 1.5
     assert "other python" in proc.stdout and "tests/x.py::test_y" in proc.stdout  # the tables a person reads
+    # every process, the costliest first: the burner's command line, kind, test and CPU
+    rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
+    assert BURN[:20] in rows[0]["cmdline"] and rows[0]["kind"] == "other python", rows
+    assert rows[0]["test"] == "tests/x.py::test_y" and 1.2 <= rows[0]["cpu"] <= 3.0, rows
