@@ -423,8 +423,12 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
     (pretraining, SFT, DPO, evaluation, reload and generation, kill-and-resume, throughput) passes on the tiny
     preset, so the command works the day a GPU is there. Its throughput stage is `bench/train_throughput.py` at
     that bench's smallest size (its CPU path, both DeepSpeed sides): the suite's one run of that bench
-    (tests/integration/test_benches.py leaves it to this test), so every figure it promises is checked here."""
+    (tests/integration/test_benches.py leaves it to this test), so every figure it promises is checked here. No
+    stage compiles a C++ op on a machine where nothing was built (an empty torch extensions folder): DeepSpeed's CPU
+    shared-memory op, which no training calls, cost every clean CI machine 45 CPU-s in the throughput bench's
+    baseline side."""
     root, _ = demo_world
+    extensions = tmp_path / "torch_extensions"
     proc = subprocess.run(
         [
             sys.executable,
@@ -437,7 +441,7 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
             str(tmp_path / "out"),
         ],
         cwd=REPO_ROOT,
-        env={**sandbox_env(root), "DS_ACCELERATOR": "cpu"},
+        env={**sandbox_env(root), "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(extensions)},
         capture_output=True,
         text=True,
         timeout=1100,
@@ -464,6 +468,7 @@ def test_the_gpu_lifecycle_check_runs_its_stages_on_cpu(demo_world: tuple[Path, 
         "steps_compared": 6,
     }
     assert stages["throughput"]["tokens_per_s"] > 0 and stages["throughput"]["baseline_tokens_per_s"] > 0
+    assert list(extensions.rglob("*.so")) == [], list(extensions.rglob("*"))
     promised = {"tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_same_micro_batch", "mfu"}
     assert promised <= stages["throughput"].keys(), stages["throughput"]
     assert result["versions"]["torch"] and result["versions"]["deepspeed"] != "absent"
