@@ -2,7 +2,8 @@
 "Step processes"): a real ``dagster asset materialize`` of the day's first two assets (raw_documents, its check, and
 teacher_samples, whose step loads the local teacher model) imports ``nexa_dagster.definitions`` in two processes,
 the command's and the forkserver's, and in no step; nor does a step import the instance's storage (SQLAlchemy), nor
-torch and transformers, which only the forkserver imports (the teacher's step loads its model with them).
+torch and transformers (with the Mixtral modelling code), which only the forkserver imports (the teacher's step loads
+its model with them).
 
 Who imported what is recorded by the processes themselves: a ``sitecustomize`` on ``PYTHONPATH`` (every interpreter
 runs it; a forked step inherits it from the forkserver) appends the module and its process id to a file whenever a
@@ -23,7 +24,8 @@ from support.sandbox import make_sandbox, materialize_command, sandbox_env
 from nexa_dagster.core.common.config import REPO_ROOT
 
 DAY = "2026-11-20"
-MODULES = ("nexa_dagster.definitions", "sqlalchemy", "torch", "transformers")
+MIXTRAL = "transformers.models.mixtral.modeling_mixtral"  # the tiny teacher's modelling code
+MODULES = ("nexa_dagster.definitions", "sqlalchemy", "torch", "transformers", MIXTRAL)
 # a finder first in line that never finds anything: it only notes who asked (a process importing one afresh)
 RECORDER = """
 import os, sys
@@ -74,5 +76,6 @@ def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path:
     assert set(importers["sqlalchemy"]) <= set(code_location), importers
     # torch and transformers: once, by one of the two (the forkserver: no step imported them, and the command plans
     # the run without them)
-    assert len(importers["torch"]) == 1 and importers["transformers"] == importers["torch"], importers
+    assert len(importers["torch"]) == 1, importers
+    assert importers["transformers"] == importers[MIXTRAL] == importers["torch"], importers
     assert importers["torch"][0] in code_location, importers
