@@ -145,22 +145,8 @@ def local_model_dirs(resources: dict[str, Any]) -> list[str]:
 
 # What every step imports before it computes, imported once per run by the forkserver instead: the code location
 # (this module: ~1 s of CPU per step) and the instance's storage (SQLAlchemy and Dagster's SQLite or Postgres
-# storage: ~0.5 s). Then torch and transformers (the project's own model code with them): every job that forks its
-# steps has steps that load a model or a tokenizer in the step itself (packaging's tokenizer, a local teacher or
-# judge, a checkpoint's checks, an evaluation's judge), each importing them afresh, ~4.5 CPU-s a step on the 2-core
-# machine. A `dagster asset materialize` of a selection whose steps touch neither pays them once for nothing
-# (raw_documents alone: 7.4-8.1 -> 12.2-12.4 machine CPU-s); the pipeline's runs save (sft_dataset,moe_checkpoint
-# 31.8-32.0 -> 26.0-27.0; the day's data selection 17.7-18.0 -> 14.3-15.0; docs/measurements.md, "Step processes").
-# The forkserver computes nothing and forks from one thread, as the workers' warm Python (core/cluster/warm_python.py);
-# it skips a module that will not import (dagster_postgres where it is not installed).
-STEP_PRELOAD = [
-    __name__,
-    "dagster._core.storage.sqlite_storage",
-    "dagster_postgres",
-    "torch",
-    "transformers",
-    "transformers.models.mixtral.modeling_mixtral",
-]
+# storage: ~0.5 s). The forkserver skips a module that will not import (dagster_postgres where it is not installed).
+STEP_PRELOAD = [__name__, "dagster._core.storage.sqlite_storage", "dagster_postgres"]
 
 
 def _forked_steps(config: dict[str, Any]) -> dict[str, Any]:

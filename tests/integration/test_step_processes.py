@@ -1,9 +1,7 @@
 """A run's steps fork from a server that imported the code location once (``STEP_EXECUTOR``, docs/operations.md,
-"Step processes"): a real ``dagster asset materialize`` of the day's first two assets (raw_documents, its check, and
-teacher_samples, whose step loads the local teacher model) imports ``nexa_dagster.definitions`` in two processes,
-the command's and the forkserver's, and in no step; nor does a step import the instance's storage (SQLAlchemy), nor
-torch and transformers (with the Mixtral modelling code), which only the forkserver imports (the teacher's step loads
-its model with them).
+"Step processes"): a real ``dagster asset materialize`` of a two-step selection (an asset and its check) imports
+``nexa_dagster.definitions`` in two processes, the command's and the forkserver's, and in no step; nor does a step
+import the instance's storage (SQLAlchemy).
 
 Who imported what is recorded by the processes themselves: a ``sitecustomize`` on ``PYTHONPATH`` (every interpreter
 runs it; a forked step inherits it from the forkserver) appends the module and its process id to a file whenever a
@@ -24,8 +22,7 @@ from support.sandbox import make_sandbox, materialize_command, sandbox_env
 from nexa_dagster.core.common.config import REPO_ROOT
 
 DAY = "2026-11-20"
-MIXTRAL = "transformers.models.mixtral.modeling_mixtral"  # the tiny teacher's modelling code
-MODULES = ("nexa_dagster.definitions", "sqlalchemy", "torch", "transformers", MIXTRAL)
+MODULES = ("nexa_dagster.definitions", "sqlalchemy")
 # a finder first in line that never finds anything: it only notes who asked (a process importing one afresh)
 RECORDER = """
 import os, sys
@@ -48,7 +45,7 @@ def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path:
     (site / "sitecustomize.py").write_text(RECORDER.format(modules=MODULES, log=str(log)))
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        materialize_command("raw_documents,teacher_samples", DAY),
+        materialize_command("raw_documents", DAY),
         cwd=REPO_ROOT,
         env=sandbox_env(root, PYTHONPATH=path),
         capture_output=True,
@@ -66,16 +63,10 @@ def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path:
     for line in log.read_text().splitlines():
         module, pid = line.split()
         importers[module].append(int(pid))
-    # the steps, each in a process of its own, which imported neither the code location, nor the storage, nor the
-    # model libraries (teacher_samples loaded its model: the teacher's answers are in its table)
-    assert "teacher_samples" in steps and len(set(steps.values())) == len(steps) >= 3, steps
+    # two steps, each in a process of its own, which imported neither the code location nor the storage
+    assert len(steps) == 2 and len(set(steps.values())) == 2, steps
     assert not set(steps.values()) & {pid for pids in importers.values() for pid in pids}, (steps, importers)
     # the code location: by the command (which loads it to plan the run) and the forkserver, once each
     code_location = importers["nexa_dagster.definitions"]
     assert len(code_location) == len(set(code_location)) == 2, importers
     assert set(importers["sqlalchemy"]) <= set(code_location), importers
-    # torch and transformers: once, by one of the two (the forkserver: no step imported them, and the command plans
-    # the run without them)
-    assert len(importers["torch"]) == 1, importers
-    assert importers["transformers"] == importers[MIXTRAL] == importers["torch"], importers
-    assert importers["torch"][0] in code_location, importers
