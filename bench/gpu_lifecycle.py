@@ -234,7 +234,7 @@ def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Any
     fork would give as the warm Python's one thread. Either answers ``pid``, ``poll`` and ``wait``."""
     worker = len(args) >= 3 and args[1] == "-m" and args[2].startswith("nexa_dagster.")
     env = {**os.environ, **BASE_ENV, **(env or {})}
-    return STARTER.launch(args, REPO, env, log, own_session=True, fork=worker)
+    return STARTER.launch(args, REPO, log, env, own_session=True, fork=worker)
 
 
 def finish(proc: Any, timeout: float, log: Path) -> None:

@@ -133,7 +133,7 @@ def train(job: TrainingJob, work: Path) -> TrainingResult:
     start = time.perf_counter()
     log = work / f"{job.run_id}.log"
     command = [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)]
-    if WORKERS.launch(command, os.getcwd(), settings.environ(), log).wait() != 0:
+    if WORKERS.launch(command, os.getcwd(), log).wait() != 0:
         raise SystemExit(f"training {job.run_id} failed:\n{log.read_text(errors='replace')[-6000:]}")
     result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
     print(

@@ -342,15 +342,16 @@ class WorkerStarter:
         self,
         command: Sequence[str],
         cwd: str | Path,
-        env: Mapping[str, str],
         output: Path,
+        env: Mapping[str, str] | None = None,
         own_session: bool = False,
         fork: bool = True,
     ) -> WarmChild | subprocess.Popen[bytes]:
-        """``command`` started with its stdout and stderr in a fresh ``output``, in a session of its own if
-        ``own_session``: forked where it can be the process a cold start is, else started cold (``fork``: False
-        starts it cold whatever, for a command the caller knows a fork would change). Either answers ``pid``,
-        ``poll``, ``wait`` and ``send_signal``."""
+        """``command`` started with its stdout and stderr in a fresh ``output``, under ``env`` (default: the
+        starter's), in a session of its own if ``own_session``: forked where it can be the process a cold start is,
+        else started cold (``fork``: False starts it cold whatever, for a command the caller knows a fork would
+        change). Either answers ``pid``, ``poll``, ``wait`` and ``send_signal``."""
+        env = self.env if env is None else env
         output.write_bytes(b"")
         if fork and self.pool is not None:
             child = fork_worker(

@@ -197,19 +197,19 @@ def test_a_worker_starter_forks_where_it_can_and_starts_cold_where_asked_with_ou
     log.write_text("a previous run's output\n")
     starter = warm_python.WorkerStarter(sys.executable, probe_env, said, pool=warm)
     command = [sys.executable, "-m", "probe", "3"]
-    forked = starter.launch(command, tmp_path, probe_env, log, own_session=True)
+    forked = starter.launch(command, tmp_path, log, own_session=True)  # the starter's environment
     assert isinstance(forked, warm_python.WarmChild) and forked.wait(timeout=120) == 3
     out = json.loads(log.read_text())  # one line: the previous run's output is gone
     assert out["torch_loaded_before_me"] is True and out["cwd"] == str(tmp_path)
     probe = [sys.executable, "-c", "import os; print(os.getsid(0) == os.getpid())"]
     for fork in (True, False):  # a session of its own, forked or cold
-        cold = starter.launch(probe, tmp_path, probe_env, log, own_session=True, fork=fork)
+        cold = starter.launch(probe, tmp_path, log, probe_env, own_session=True, fork=fork)
         assert cold.wait(timeout=120) == 0 and log.read_text().strip() == "True"
-    cold = starter.launch(command, tmp_path, probe_env, log, fork=False)
+    cold = starter.launch(command, tmp_path, log, probe_env, fork=False)
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=120) == 3
     assert json.loads(log.read_text())["torch_loaded_before_me"] is False
     unstarted = warm_python.WorkerStarter(sys.executable, probe_env, said)
-    cold = unstarted.launch(command, tmp_path, probe_env, log)
+    cold = unstarted.launch(command, tmp_path, log)
     assert isinstance(cold, subprocess.Popen) and cold.wait(timeout=120) == 3
 
 
