@@ -19,6 +19,7 @@ import pytest
 
 from nexa_dagster.assets import versions
 from nexa_dagster.core.common.config import config_dir
+from nexa_dagster.core.common.python_source import parse_python
 
 CODE_VERSION_TAG = "dagster/code_version"  # what a materialization records, and staleness compares
 
@@ -150,7 +151,7 @@ def test_a_field_read_counts_the_field_and_a_section_used_whole_counts_whole() -
         "c = f(scale.training)\n"
         "d = scale_preset.load().pretraining.settings(x)\n"
     )
-    reads = versions._scale_reads(list(ast.walk(ast.parse(code))))
+    reads = versions._scale_reads(list(ast.walk(parse_python(code, "<test>"))))
     assert reads == {"preference.rank_by", "rl?", "training", "pretraining.settings"}
     assert [versions._as_read(r) for r in sorted(reads)] == [
         "preference.rank_by",

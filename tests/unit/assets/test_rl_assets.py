@@ -11,6 +11,7 @@ import pytest
 
 from nexa_dagster.assets.rl import RLRunConfig, grpo_figures, reward_spec
 from nexa_dagster.core.common.config import RLSettings
+from nexa_dagster.core.common.python_source import parse_python
 from nexa_dagster.core.training.job import TrainingResult
 
 ASSETS = Path(__file__).resolve().parents[3] / "nexa_dagster" / "assets"
@@ -20,7 +21,7 @@ def callers_of(name: str, folder: Path) -> set[str]:
     """The modules of ``folder`` that call ``<anything>.name(...)`` or ``name(...)``."""
     found = set()
     for path in sorted(folder.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_python(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Call):
                 f = node.func
                 called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""

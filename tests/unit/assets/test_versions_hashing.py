@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from nexa_dagster.assets import versions
 from nexa_dagster.assets.ingest import raw_documents
+from nexa_dagster.core.common.python_source import parse_python
 from nexa_dagster.definitions import config_resources
 
 # A package with one of each thing the reach follows. The asset functions live in nexa_dagster/assets_mod.py.
@@ -611,7 +612,8 @@ def test_what_a_preset_read_is_for_sections_of_every_shape() -> None:
     assert versions._as_read("max_docs_per_day.real") == "max_docs_per_day"  # a plain value's attribute
     assert versions._as_read("no_such_section.field") == "no_such_section"
     code = "a = scale.rl is False\nb = scale_preset.load\n"
-    assert versions._scale_reads(list(ast.walk(ast.parse(code)))) == {"rl", "load"}  # not None: the value
+    reads = versions._scale_reads(list(ast.walk(parse_python(code, "<test>"))))
+    assert reads == {"rl", "load"}  # not None: the value
 
 
 # -- the versions remembered -----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from nexa_dagster.core.common.python_source import parse_python
 from nexa_dagster.core.llm import transformers_engine
 from nexa_dagster.core.llm.managed_server import TRANSFORMERS_ENGINE, server_command
 
@@ -39,7 +40,7 @@ def test_an_engine_on_a_socket_is_given_no_host_or_port(tmp_path: Path) -> None:
 
 def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
     """Run as a script in every engine: importing nexa_dagster (and Dagster with it) would slow every start."""
-    tree = ast.parse(TRANSFORMERS_ENGINE.read_text())
+    tree = parse_python(TRANSFORMERS_ENGINE.read_text(), str(TRANSFORMERS_ENGINE))
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(tree)
