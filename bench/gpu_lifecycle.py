@@ -233,7 +233,8 @@ def launch(args: list[str], log: Path, env: dict[str, str] | None = None) -> Any
     policy (``threads.use``), while the throughput bench and the generation script take torch's default, which a
     fork would give as the warm Python's one thread. Either answers ``pid``, ``poll`` and ``wait``."""
     worker = len(args) >= 3 and args[1] == "-m" and args[2].startswith("nexa_dagster.")
-    env = {**os.environ, **BASE_ENV, **(env or {})}
+    # the starter's environment (the one its warm Python imported under), with what this launch adds
+    env = {**STARTER.env, **env} if env else None
     return STARTER.launch(args, REPO, log, env, own_session=True, fork=worker)
 
 
