@@ -58,13 +58,15 @@ def _register_as_training_does(tracking: TrackingResource, checkpoint: Path) -> 
     return version, run_id
 
 
-def _assert_loads_as_the_checkpoint(checkpoint: Path) -> None:
+def _assert_loads_as_the_checkpoint(checkpoint: Path, download: Path) -> None:
     """The registered model, loaded by MLflow's own loader, is the checkpoint: same logits, same chat template,
-    and it generates."""
+    and it generates. It is downloaded to ``download`` (new), as docs/operations.md tells a user to: without a
+    ``dst_path`` MLflow copies the model into a temporary folder it never removes, the weights in it."""
     import mlflow.transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    pipeline = mlflow.transformers.load_model(f"models:/{MODEL}@production")
+    download.mkdir(parents=True)
+    pipeline = mlflow.transformers.load_model(f"models:/{MODEL}@production", dst_path=str(download))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
     with torch.no_grad():
@@ -97,7 +99,7 @@ def test_local_store_holds_the_model_not_a_path(checkpoint: Path, tmp_path: Path
     assert {"model", "loss_curve.png"} <= {a.path for a in client.list_artifacts(run_id)}
     assert "MLmodel" in {Path(a.path).name for a in client.list_artifacts(run_id, "model")}
     client_of(tracking.uri())
-    _assert_loads_as_the_checkpoint(checkpoint)
+    _assert_loads_as_the_checkpoint(checkpoint, tmp_path / "download")
 
 
 @pytest.mark.slow  # an `mlflow server` process: left out of make test-fast
@@ -121,11 +123,14 @@ def test_a_tracking_server_holds_and_serves_the_model(
     checkpoint.rename(moved)  # the registry must not need the training host's directory
     try:
         client_of(url)
-        _assert_loads_as_the_checkpoint(moved)
+        _assert_loads_as_the_checkpoint(moved, tmp_path / "download")
         # the python_function flavor, what `mlflow models serve -m models:/nexa-moe@production` serves
         import mlflow.pyfunc
 
-        served = mlflow.pyfunc.load_model(f"models:/{MODEL}@production")
+        (tmp_path / "download-pyfunc").mkdir()
+        served = mlflow.pyfunc.load_model(
+            f"models:/{MODEL}@production", dst_path=str(tmp_path / "download-pyfunc")
+        )
         assert served.metadata.flavors["python_function"]["loader_module"] == "mlflow.transformers"
         answer = served.predict(["def f(x):"], params={"max_new_tokens": 4, "do_sample": False})
         assert isinstance(answer[0], str) and answer[0]
