@@ -2,7 +2,8 @@
 an MoE checkpoint as the project writes them (head size 32), and on SmolLM2 upcycled into the MoE and written as a
 training writes it, through the teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens'
 log-probabilities, which ``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy
-tokens that equal transformers' own on the same prompts.
+tokens that equal transformers' own on the same prompts. What the engine leaves in the temporary folder (its ZMQ
+sockets, its distributed-init file) is in a folder of its own, gone once it stops.
 
 One engine per model for the module, which every test here only reads from: a start takes about 40 s on the
 2-core machine at load 3, 3 to 4.5 minutes at load 10-14.
@@ -14,10 +15,12 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from support.vllm_install import require_vllm
 
 from nexa_dagster.core.llm.base import SamplingParams
+from nexa_dagster.core.llm.managed_server import default_inductor_cache
 from nexa_dagster.core.llm.openai_compat import OpenAICompatibleClient
 from nexa_dagster.resources.llm import ManagedLLM
 
@@ -82,12 +85,38 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return _moe_of_head_size_32(tiny, tmp_path_factory.mktemp("moe") / "moe-head-32")
 
 
+def _environ(process: psutil.Process) -> dict[str, str]:
+    try:
+        return process.environ()
+    except psutil.Error:  # a process that ended since it was listed
+        return {}
+
+
+def _engine_scratch() -> Path:
+    """The temporary folder of this process's vLLM engine, from the engine's own environment, holding the ZMQ
+    sockets vLLM made (it leaves them behind even on a clean stop: ``ManagedServer._vllm_env``); torch inductor's
+    cache outside it, where torch keeps it between engines."""
+    envs = [
+        env
+        for child in psutil.Process().children(recursive=True)
+        if "VLLM_RPC_BASE_PATH" in (env := _environ(child))
+    ]
+    folders = {Path(env["VLLM_RPC_BASE_PATH"]) for env in envs}
+    assert len(folders) == 1, f"the engine's processes name {folders or 'no'} folder for their sockets"
+    (folder,) = folders
+    assert folder.name.startswith("nexa-vllm-") and any(p.is_socket() for p in folder.iterdir()), folder
+    assert {env["TORCHINDUCTOR_CACHE_DIR"] for env in envs} == {default_inductor_cache()}
+    return folder
+
+
 @pytest.fixture(scope="module")
 def vllm_client(model_dir: Path) -> Iterator[OpenAICompatibleClient]:
     resource = ManagedLLM(model=str(model_dir), engine="vllm", max_concurrency=4, timeout_s=300)
     with resource.get_client() as client:
         assert isinstance(client, OpenAICompatibleClient)
+        scratch = _engine_scratch()
         yield client
+    assert not scratch.exists(), f"the stopped engine left {sorted(p.name for p in scratch.iterdir())}"
 
 
 def _chat(prompt: str) -> list[dict[str, str]]:

@@ -14,15 +14,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import getpass
 import http.client
 import inspect
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -350,6 +353,7 @@ class ManagedServer:
         self.log = logger or log
         self.process: subprocess.Popen[bytes] | ChildProcess | None = None
         self.ready_s: float = 0.0
+        self.scratch: Path | None = None  # a vLLM engine's temporary folder while it runs (_vllm_env)
 
     def _continuous_batching(self, asked: bool | None) -> bool:
         """Whether ``transformers serve`` batches continuously: as ``asked``; ``None``, on a GPU only (the class
@@ -465,15 +469,16 @@ class ManagedServer:
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
+        inherited = settings.child_environ(
+            "engine"
+        )  # its share of the cores, idle threads asleep between requests
         env = {
-            **settings.child_environ(
-                "engine"
-            ),  # its share of the cores, idle threads asleep between requests
+            **inherited,
             "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(),
             "HF_HUB_CACHE": str(cache),
             "PYTHONUNBUFFERED": "1",
             "TQDM_DISABLE": "1",
-            **self._vllm_env(),
+            **self._vllm_env(inherited),
             **self.extra_env,
         }
         cmd = server_command(
@@ -544,11 +549,28 @@ class ManagedServer:
         self.log.info("%s engine forked from the warm Python (pid %d)", self.engine, child.pid)
         return child
 
-    def _vllm_env(self) -> dict[str, str]:
-        """vLLM on a CPU: its KV cache's size in GiB (its default, 4 GiB, is a sixth of a 24 GiB CI machine)."""
-        if self.engine != "vllm" or self.device.startswith("cuda"):
+    def _vllm_env(self, inherited: Mapping[str, str]) -> dict[str, str]:
+        """A vLLM engine's variables: a temporary folder of its own, and on a CPU its KV cache's size in GiB (its
+        default, 4 GiB, is a sixth of a 24 GiB CI machine).
+
+        The folder (made here, removed by ``stop``) is the engine's ``TMPDIR`` and ``VLLM_RPC_BASE_PATH``: `vllm
+        serve` leaves its ZMQ sockets (the front end's and the engine core's, seven with vLLM 0.32) and its
+        distributed-init file (``vllm_dist_*``) in the temporary folder even when stopped cleanly, so a serving
+        host that starts an engine at every promotion gathered them in ``/tmp`` for good (systemd's
+        ``PrivateTmp``, per engine). Torch inductor's cache, which lives in the temporary folder too (compiled
+        kernels an engine reuses at its next start, eager engines included), stays where it was: its variable is
+        set to the folder torch would have chosen (``inherited`` keeps one a person set)."""
+        if self.engine != "vllm":
             return {}
-        return {settings.VLLM_CPU_KVCACHE_SPACE.name: settings.VLLM_CPU_KVCACHE_SPACE.get()}
+        self.scratch = Path(tempfile.mkdtemp(prefix="nexa-vllm-"))  # short: a socket's path has 107 bytes
+        env = {
+            "TMPDIR": str(self.scratch),
+            "VLLM_RPC_BASE_PATH": str(self.scratch),
+            INDUCTOR_CACHE: inherited.get(INDUCTOR_CACHE) or default_inductor_cache(),
+        }
+        if not self.device.startswith("cuda"):
+            env[settings.VLLM_CPU_KVCACHE_SPACE.name] = settings.VLLM_CPU_KVCACHE_SPACE.get()
+        return env
 
     def _wait_healthy(self) -> None:
         started = time.monotonic()
@@ -635,6 +657,7 @@ class ManagedServer:
         proc, self.process = self.process, None
         atexit.unregister(self.stop)
         if proc is None:
+            self._remove_scratch()  # a start that failed before its process began
             return
         descendants = _descendants(proc.pid)
         try:
@@ -656,6 +679,13 @@ class ManagedServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)  # reap: no zombie left in the process table
             _wait_until_exited(descendants, timeout_s=5.0)
+            self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        """The vLLM engine's temporary folder (``_vllm_env``) and what it left there, once it has exited."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
     def __enter__(self) -> ManagedServer:
         return self.start()
@@ -664,6 +694,19 @@ class ManagedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_inductor_cache() -> str:
+    """The folder torch inductor caches in when ``TORCHINDUCTOR_CACHE_DIR`` is unset, as torch 2.13 names it
+    (``torch/_inductor/runtime/cache_dir_utils.py``): in this process's temporary folder, per user."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's): torch names it by the number
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def _threads(pid: int) -> list[int]:

@@ -11,7 +11,12 @@ import pytest
 
 from nexa_dagster.core.llm import vllm_env
 from nexa_dagster.core.llm.base import LLMError
-from nexa_dagster.core.llm.managed_server import ManagedServer, choose_engine, server_command
+from nexa_dagster.core.llm.managed_server import (
+    ManagedServer,
+    choose_engine,
+    default_inductor_cache,
+    server_command,
+)
 from nexa_dagster.core.llm.vllm_models import (
     CPU_HEAD_SIZES,
     UnsupportedByVLLM,
@@ -179,3 +184,27 @@ def test_the_vllm_environment_holds_the_projects_harness_release() -> None:
 
     deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert vllm_env.LM_EVAL_REQUIREMENT in deps
+
+
+def test_a_vllm_engine_gets_a_temporary_folder_of_its_own_and_keeps_torchs_cache(
+    tmp_path: Path, installed: Path
+) -> None:
+    """`vllm serve` leaves its ZMQ sockets and its distributed-init file in the temporary folder even on a clean
+    stop: each engine gets a folder of its own (removed by ``stop``, also after a start that never began its
+    process), and torch inductor's cache stays where torch would put it (a person's own choice kept)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch: seconds, this test only
+
+    smol = ManagedServer(_smollm2_like(tmp_path), tmp_path / "logs")
+    env = smol._vllm_env({})
+    assert smol.scratch is not None and smol.scratch.is_dir() and smol.scratch.name.startswith("nexa-vllm-")
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == str(smol.scratch)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == default_inductor_cache() == default_cache_dir()
+    assert env["VLLM_CPU_KVCACHE_SPACE"]
+    scratch = smol.scratch
+    smol.stop()
+    assert not scratch.exists() and smol.scratch is None
+    mine = smol._vllm_env({"TORCHINDUCTOR_CACHE_DIR": "/data/inductor"})
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/data/inductor"
+    smol.stop()
+    tiny = ManagedServer(_tiny_like(tmp_path), tmp_path / "logs", engine="transformers")
+    assert tiny._vllm_env({}) == {} and tiny.scratch is None
