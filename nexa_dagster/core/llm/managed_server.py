@@ -559,7 +559,9 @@ class ManagedServer:
         host that starts an engine at every promotion gathered them in ``/tmp`` for good (systemd's
         ``PrivateTmp``, per engine). Torch inductor's cache, which lives in the temporary folder too (compiled
         kernels an engine reuses at its next start, eager engines included), stays where it was: its variable is
-        set to the folder torch would have chosen (``inherited`` keeps one a person set)."""
+        set to the folder torch would have chosen (``inherited`` keeps one a person set). What else vLLM 0.32 keeps
+        there is not shared by these engines: the locks of its hub downloads (an engine here loads a local
+        directory, checked in ``__init__``) and the socket of a weight-cache service (not used)."""
         if self.engine != "vllm":
             return {}
         self.scratch = Path(tempfile.mkdtemp(prefix="nexa-vllm-"))  # short: a socket's path has 107 bytes
