@@ -469,9 +469,8 @@ class ManagedServer:
         # `transformers serve` scans the hub cache on GET /v1/models and fails when there is none
         cache = Path(settings.HF_HUB_CACHE.get() or self.log_dir / "hf-cache")
         cache.mkdir(parents=True, exist_ok=True)
-        inherited = settings.child_environ(
-            "engine"
-        )  # its share of the cores, idle threads asleep between requests
+        # its share of the cores, idle threads asleep between requests
+        inherited = settings.child_environ("engine")
         env = {
             **inherited,
             "HF_HUB_OFFLINE": settings.HF_HUB_OFFLINE.get(),
