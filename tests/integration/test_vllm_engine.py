@@ -3,7 +3,8 @@ an MoE checkpoint as the project writes them (head size 32), and on SmolLM2 upcy
 training writes it, through the teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens'
 log-probabilities, which ``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy
 tokens that equal transformers' own on the same prompts. What the engine leaves in the temporary folder (its ZMQ
-sockets, its distributed-init file) is in a folder of its own, gone once it stops.
+sockets, its distributed-init file) is in a folder of its own, gone once it stops; the model runs in the engine
+core's process, not a third one.
 
 One engine per model for the module, which every test here only reads from: a start takes about 40 s on the
 2-core machine at load 3, 3 to 4.5 minutes at load 10-14.
@@ -109,12 +110,25 @@ def _engine_scratch() -> Path:
     return folder
 
 
+def _engine_process_titles() -> list[str]:
+    """vLLM's own processes under this one, by the title vLLM gives them: on a CPU host the model runs in the
+    engine core's process (``managed_server.vllm_device_args``), no ``VLLM::Worker`` of its own beside it."""
+    titles = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            titles.append(child.name())
+        except psutil.Error:  # ended since it was listed
+            continue
+    return sorted(t for t in titles if t.startswith("VLLM::"))
+
+
 @pytest.fixture(scope="module")
 def vllm_client(model_dir: Path) -> Iterator[OpenAICompatibleClient]:
     resource = ManagedLLM(model=str(model_dir), engine="vllm", max_concurrency=4, timeout_s=300)
     with resource.get_client() as client:
         assert isinstance(client, OpenAICompatibleClient)
         scratch = _engine_scratch()
+        assert _engine_process_titles() == ["VLLM::EngineCore"], _engine_process_titles()
         yield client
     assert not scratch.exists(), f"the stopped engine left {sorted(p.name for p in scratch.iterdir())}"
 

@@ -117,9 +117,15 @@ def test_auto_takes_vllm_where_it_is_installed_and_runs_the_model(tmp_path: Path
         cmd[cmd.index("--model") + 1] == smol.model_dir
     )  # the CPU build's `vllm` CLI cannot start (vllm_env)
     assert "--enforce-eager" in cmd and cmd[cmd.index("--dtype") + 1] == "float32"
+    # the model in the engine core's process on a CPU (vllm_device_args: why), unless a lab's flag comes after
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    mine = server_command(
+        smol.model_dir, 9001, "vllm", "cpu", extra_args=["--distributed-executor-backend", "mp"]
+    )
+    assert mine[-2:] == ["--distributed-executor-backend", "mp"]  # last on the line: argparse keeps it
     on_gpu = server_command(smol.model_dir, 9001, "vllm", "cuda")
     assert on_gpu[:3] == [str(installed / "bin" / "vllm"), "serve", smol.model_dir]
-    assert "--enforce-eager" not in on_gpu
+    assert "--enforce-eager" not in on_gpu and "--distributed-executor-backend" not in on_gpu
 
 
 def test_an_environment_stamped_for_another_device_is_not_vllm_for_this_one(
@@ -199,7 +205,9 @@ def test_a_vllm_engine_gets_a_temporary_folder_of_its_own_and_keeps_torchs_cache
     assert smol.scratch is not None and smol.scratch.is_dir() and smol.scratch.name.startswith("nexa-vllm-")
     assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == str(smol.scratch)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == default_inductor_cache() == default_cache_dir()
-    assert env["VLLM_CPU_KVCACHE_SPACE"]
+    assert (
+        env["VLLM_CPU_KVCACHE_SPACE"] and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    )  # else "uni" -> "mp"
     scratch = smol.scratch
     smol.stop()
     assert not scratch.exists() and smol.scratch is None
