@@ -14,11 +14,13 @@ model and engine]}``, and with both engines on a model, ``vllm_over_transformers
 thread setting over transformers' best) per model.
 
 ``--engine`` (repeatable; default ``auto``): ``transformers`` (``transformers serve``), ``vllm`` (vLLM from its own
-environment, ``make vllm``) or ``auto``, each optionally with ``:THREADS``, its compute threads: OpenMP threads for
-``transformers serve`` (``OMP_NUM_THREADS``); for vLLM on a CPU, its OpenMP threads bound to cores ``0..THREADS-1``
-with no core reserved (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), where vLLM's own default
-binds one thread a physical core and keeps a core for its scheduler (one thread on 2 cores). Give an engine twice
-with different threads to find its best setting in the same run.
+environment, ``make vllm``) or ``auto``, each optionally with ``:THREADS``, its compute threads (OpenMP threads,
+``OMP_NUM_THREADS``). On a CPU the project runs vLLM's model in the engine core's process
+(``managed_server.vllm_device_args``); ``vllm@mp`` runs it as ``vllm serve`` does by default there, in a worker
+process of its own (``--distributed-executor-backend mp``), whose OpenMP threads vLLM binds to cores: its default
+binds one thread a physical core and keeps a core for its scheduler (one thread on 2 cores), ``vllm@mp:THREADS``
+binds ``0..THREADS-1`` with no core reserved (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
+Give an engine several times with different settings to compare them in the same run.
 """
 
 from __future__ import annotations
@@ -88,19 +90,30 @@ def client_run(
     return elapsed, sum(c.completion_tokens for c in answers)
 
 
-def thread_env(engine: str, threads: int | None) -> dict[str, str]:
+MULTIPROCESS = ["--distributed-executor-backend", "mp"]  # vllm@mp: the model in a worker process of its own
+
+
+def thread_env(engine: str, threads: int | None, executor: str = "") -> dict[str, str]:
     """The environment that gives ``engine`` ``threads`` compute threads (``None``: the engine's default)."""
     if threads is None:
         return {}
-    if engine == "vllm":
+    if engine == "vllm" and executor == "mp":  # the worker binds its threads to cores
         return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return {"OMP_NUM_THREADS": str(threads)}
 
 
+def parse_engine(spec: str) -> tuple[str, str, int | None]:
+    """``ENGINE[@mp][:THREADS]`` as (engine, executor, threads)."""
+    head, _, threads_text = spec.partition(":")
+    engine, _, executor = head.partition("@")
+    if executor not in ("", "mp") or (executor and engine != "vllm"):
+        raise SystemExit(f"--engine {spec}: the executor suffix is @mp, and only for vllm")
+    return engine, executor, int(threads_text) if threads_text else None
+
+
 def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = "auto") -> dict[str, object]:
     """The sequential baseline and the client at each concurrency against one engine, best of ``--rounds``."""
-    engine_name, _, threads_text = engine_spec.partition(":")
-    threads = int(threads_text) if threads_text else None
+    engine_name, executor, threads = parse_engine(engine_spec)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95)
     with ExitStack() as stack:
         if args.url:
@@ -130,13 +143,15 @@ def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = 
                     engine=engine_name,
                     continuous_batching=not args.no_continuous_batching,
                     startup_timeout_s=900,  # vLLM on a loaded 2-core CPU: minutes
-                    extra_env=thread_env(choose_engine(model_dir, engine_name), threads),
+                    extra_env=thread_env(choose_engine(model_dir, engine_name), threads, executor),
+                    extra_args=MULTIPROCESS if executor else (),
                 )
             )
             base_url, model, served = server.base_url, server.model_name, str(model_dir)
             engine = f"{server.engine} serve" + (
                 " --continuous-batching" if server.continuous_batching else ""
             )
+            engine += " (its model in a worker process)" if executor else ""
             engine += f" ({threads} threads)" if threads else " (its default threads)"
             ready_s = round(server.ready_s, 1)
             print(f"{engine} on {model_dir}: healthy after {ready_s} s")
@@ -151,6 +166,7 @@ def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = 
                     best[name] = (secs, toks)
     figures = report(args, engine, served, best)
     figures["threads"] = threads or "default"
+    figures["executor"] = executor or "default"
     figures["engine_kind"] = engine.split()[0]
     figures["ready_s"] = ready_s  # the engine's start, to its first healthy answer
     return figures
