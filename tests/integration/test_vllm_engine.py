@@ -6,8 +6,8 @@ tokens that equal transformers' own on the same prompts. What the engine leaves 
 sockets, its distributed-init file) is in a folder of its own, gone once it stops; the model runs in the engine
 core's process, not a third one.
 
-One engine per model for the module, which every test here only reads from: a start takes about 40 s on the
-2-core machine at load 3, 3 to 4.5 minutes at load 10-14.
+One engine per model for the module, which every test here only reads from: a start takes about 20 s on the idle
+2-core machine (30 s while the model ran in a worker process of its own), 3 to 4.5 minutes at load 10-14.
 """
 
 from __future__ import annotations

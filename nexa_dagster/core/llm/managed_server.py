@@ -230,10 +230,11 @@ def vllm_device_args(device: str) -> list[str]:
     worker process is one more import of vLLM and torch at every start, and its reader of the engine core's
     shared-memory queue spins a core for a second after every call (vLLM 0.32's ``SpinCondition``). Measured on
     SmolLM2 on the 2-core machine, idle: a start 30.0 -> 21.0 s to healthy and 31.7 -> 20.4 CPU-s; 20 chats of
-    16 tokens 28.6 -> 14.4 CPU-s at the same wall time, and 0.34 -> 0.02 of a core after them. What the
-    multiprocess executor gives instead, pinning the model's threads to cores and reserving one for the
-    scheduler, pays on a host with many cores; a lab's ``--distributed-executor-backend mp`` in the engine's
-    extra arguments comes later on the command line and wins. A GPU keeps vLLM's defaults."""
+    16 tokens 28.6 -> 14.4 CPU-s at the same wall time, and 0.34 -> 0.02 of a core after them; at 8 requests in
+    flight as fast as the worker bound to both cores and 1.4x its default binding (``bench/generation.py``'s
+    ``vllm@mp``, docs/measurements.md). Where the worker's binding of threads to cores may pay, a host with many
+    cores (not measured here), a lab's ``--distributed-executor-backend mp`` in the engine's extra arguments comes
+    later on the command line and wins. A GPU keeps vLLM's defaults."""
     if device.startswith("cuda"):
         return []
     return ["--enforce-eager", "--dtype", "float32", "--distributed-executor-backend", "uni"]
