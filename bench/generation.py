@@ -93,11 +93,11 @@ def client_run(
 MULTIPROCESS = ["--distributed-executor-backend", "mp"]  # vllm@mp: the model in a worker process of its own
 
 
-def thread_env(engine: str, threads: int | None, executor: str = "") -> dict[str, str]:
-    """The environment that gives ``engine`` ``threads`` compute threads (``None``: the engine's default)."""
+def thread_env(threads: int | None, executor: str = "") -> dict[str, str]:
+    """The environment that gives an engine ``threads`` compute threads (``None``: the engine's default)."""
     if threads is None:
         return {}
-    if engine == "vllm" and executor == "mp":  # the worker binds its threads to cores
+    if executor == "mp":  # vLLM's worker process binds its threads to cores (parse_engine: vllm only)
         return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return {"OMP_NUM_THREADS": str(threads)}
 
@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = 
                 with OpenAICompatibleClient(base_url) as probe:
                     model = probe.model_id
         else:
-            from nexa_dagster.core.llm.managed_server import ManagedServer, choose_engine
+            from nexa_dagster.core.llm.managed_server import ManagedServer
             from nexa_dagster.core.tiny.model import build_tiny_causal_lm
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = 
                     engine=engine_name,
                     continuous_batching=not args.no_continuous_batching,
                     startup_timeout_s=900,  # vLLM on a loaded 2-core CPU: minutes
-                    extra_env=thread_env(choose_engine(model_dir, engine_name), threads, executor),
+                    extra_env=thread_env(threads, executor),
                     extra_args=MULTIPROCESS if executor else (),
                 )
             )

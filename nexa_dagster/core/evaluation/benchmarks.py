@@ -276,11 +276,13 @@ def _evaluate_on_vllm(
 
 def _harness_environ(device: str) -> dict[str, str]:
     """The environment of the harness's process in the vLLM environment."""
+    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
+
     return {
         **settings.child_environ("engine"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: see core/llm/vllm_engine.py
+        **vllm_env.ONE_PROCESS,  # the engine core in the harness's process (core/llm/vllm_engine.py: why)
         # the CPU build is told it is one: vLLM finds it from version("vllm") naming "cpu", which the harness's
         # stand-in for the CPU build's version does not (lm_eval_on_vllm.py)
         **({} if device == "cuda" else {"VLLM_TARGET_DEVICE": "cpu"}),

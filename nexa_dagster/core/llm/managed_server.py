@@ -219,14 +219,10 @@ def _venv_cli(name: str) -> str | None:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
 
 
-# vLLM's one-process executor: on a CPU host its platform turns it into the multiprocess one unless this is "0"
-ONE_PROCESS_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
 def vllm_device_args(device: str) -> list[str]:
     """What vLLM needs on a CPU host: eager mode (its torch.compile path wants triton-cpu, absent here) and
     float32 (the checkpoints' own dtype; bf16 kernels need AVX-512); and the model in the engine core's process
-    (``uni``, with ``ONE_PROCESS_EXECUTOR`` in its environment) rather than in a third process of its own. That
+    (``uni``, with ``vllm_env.ONE_PROCESS`` in its environment) rather than in a third process of its own. That
     worker process is one more import of vLLM and torch at every start, and its reader of the engine core's
     shared-memory queue spins a core for a second after every call (vLLM 0.32's ``SpinCondition``). Measured on
     SmolLM2 on the 2-core machine, idle: a start 30.0 -> 21.0 s to healthy and 31.7 -> 20.4 CPU-s; 20 chats of
@@ -586,7 +582,7 @@ class ManagedServer:
         }
         if not self.device.startswith("cuda"):
             env[settings.VLLM_CPU_KVCACHE_SPACE.name] = settings.VLLM_CPU_KVCACHE_SPACE.get()
-            env.update(ONE_PROCESS_EXECUTOR)  # with vllm_device_args' "uni": why there
+            env.update(vllm_env.ONE_PROCESS)  # with vllm_device_args' "uni": why there
         return env
 
     def _wait_healthy(self) -> None:

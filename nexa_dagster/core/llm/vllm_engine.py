@@ -86,7 +86,7 @@ class VLLMEngine:
             # reader of the engine's shared-memory queue spins a core for a second after every call (vLLM 0.32's
             # SpinCondition, busy_loop_s=1; measured: 96-99 % of a core, the trainer's next second at a third of its
             # speed on 2 cores)
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            **vllm_env.ONE_PROCESS,
         }
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())

@@ -56,6 +56,11 @@ print(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__versi
                   "architectures": sorted(ModelRegistry.get_supported_archs())}))
 """
 INSTALL_HINT = "install it with `make vllm` (python -m nexa_dagster.core.llm.vllm_env install)"
+# vLLM in as few processes as it runs in: the offline engine (the rollout engine, the harness) runs its engine core
+# in the caller's process; `vllm serve`, whose engine core always has a process of its own, keeps the model in it
+# with `--distributed-executor-backend uni`, which vLLM's CPU platform turns back into `mp` without this. Why each:
+# vllm_engine.VLLMEngine and managed_server.vllm_device_args (a worker process's queue reader spins a core).
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @functools.cache
