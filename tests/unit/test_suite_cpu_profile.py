@@ -34,12 +34,21 @@ def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    python = summary["kinds"]["other python"]
-    assert python["processes"] == 2 and 1.2 <= python["cpu_s"] <= 3.0, summary  # the burner's, short of 0.2 s
-    assert 1.2 <= summary["tests"]["tests/x.py::test_y"] <= 3.0, summary
+    # The script samples every process on the machine started after the command (by start time, not ancestry), so
+    # under xdist the other worker's test may add its own processes to a kind's total: what this command started is
+    # told apart by the test its processes inherited, as it is in the suite.
+    rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
+    ours = [row for row in rows if row["test"] == "tests/x.py::test_y"]
+    assert [row["kind"] for row in ours if row["kind"] == "other python"] == ["other python"] * 2, ours
+    burner = next(
+        row for row in ours if BURN[:20] in row["cmdline"]
+    )  # every process: command line, kind, CPU
+    assert burner["kind"] == "other python" and 1.2 <= burner["cpu"] <= 3.0, (
+        ours
+    )  # 1.5 s, short of an interval
+    assert summary["kinds"]["other python"]["processes"] >= 2, summary  # the kinds table counts both children
+    assert summary["kinds"]["other python"]["cpu_s"] >= 1.2, summary
+    assert 1.2 <= summary["tests"]["tests/x.py::test_y"] <= 3.0, summary  # the sleeper and the shell add ~0
     assert 0.0 <= summary["idle_share"] <= 1.0 and summary["wall_s"] >= 1.5
     assert "other python" in proc.stdout and "tests/x.py::test_y" in proc.stdout  # the tables a person reads
-    # every process, the costliest first: the burner's command line, kind, test and CPU
-    rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
-    assert BURN[:20] in rows[0]["cmdline"] and rows[0]["kind"] == "other python", rows
-    assert rows[0]["test"] == "tests/x.py::test_y" and 1.2 <= rows[0]["cpu"] <= 3.0, rows
+    assert rows == sorted(rows, key=lambda row: -row.get("cpu", 0.0)), rows  # the costliest first
