@@ -30,6 +30,7 @@ from typing import Any
 from nexa_dagster import settings
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
 from nexa_dagster.core.common.spans import span
+from nexa_dagster.core.llm import vllm_env
 
 BENCHMARK_METRIC_PREFIX = "benchmark:"
 
@@ -129,8 +130,6 @@ def resolve_tasks(settings: BenchmarkSettings, log: Callable[[str], None] = prin
 
 def _harness_in_vllm_env() -> Path:
     """The vLLM environment's interpreter, where the harness is installed beside vLLM, or a ``BenchmarkError``."""
-    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
-
     python = vllm_env.vllm_python()
     if python is None or not (vllm_env.installed_versions() or {}).get("lm_eval"):
         raise BenchmarkError(
@@ -230,8 +229,6 @@ def _evaluate_on_vllm(
 ) -> dict[str, Any]:
     """The harness's vllm backend in the vLLM environment (``lm_eval_on_vllm.py``) on one request file; the last
     lines of its output quoted when it fails."""
-    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
-
     python = _harness_in_vllm_env()
     request = {
         "specs": tasks.specs,
@@ -276,8 +273,6 @@ def _evaluate_on_vllm(
 
 def _harness_environ(device: str) -> dict[str, str]:
     """The environment of the harness's process in the vLLM environment."""
-    from nexa_dagster.core.llm import vllm_env  # a stamp read: only for the vllm backend
-
     return {
         **settings.child_environ("engine"),
         "HF_HUB_OFFLINE": "1",
