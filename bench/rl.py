@@ -16,12 +16,15 @@ prompts of an RL stage: a passage of a standard-library module's docstring (a re
    many completions came out different, ``shared_prefill_rows_differing``). Tokens: completion tokens up to and
    with the end of turn. Each side three times, in turn; the median.
 2. Training tokens/s: ``loop.optimizer_step`` with the GRPO objective (the micro-batches of that rollout, one
-   prompt's group each, with advantages from the reference-F1 reward) against the same step with SFT's
-   language-model objective on the same rows (same tokens, same padding, loss on the completions), and against
-   the same GRPO step with the LM head run on every position (``head_on_learned_only = False``: the model before
-   issue 49 ran the head and its softmax on prompt and padding positions too; ``learned_only_speedup``). Three
-   engines from the same weights, stepped in turn so that all see the same machine load; the median over the
-   timed steps (the first ``--warmup`` left out). Tokens: real (non-padding) tokens.
+   prompt's group each as one row, its prompt shared by the K completions' branches, with advantages from the
+   reference-F1 reward) against the same step on the same group laid out as K rows of prompt + completion
+   (``share_prompt=False``, the layout before: ``shared_prompt_speedup``); the rows' step against SFT's
+   language-model objective on the same rows (same tokens, same padding, loss on the completions:
+   ``grpo_over_sft``) and against the same rows with the LM head run on every position (``head_on_learned_only =
+   False``: the model before issue 49 ran the head and its softmax on prompt and padding positions too;
+   ``learned_only_speedup``). Four engines from the same weights, stepped in turn so that all see the same machine
+   load; the median over the timed steps (the first ``--warmup`` left out). Tokens: the rows' real (non-padding)
+   tokens, the same count in both layouts (a shared prompt counts K times), so the rates compare the work done.
 
 3. Rollout engines (``--vllm auto``, the default: when ``make vllm`` installed it): the same K x B rollout sampled by
    GRPO's two engines on the same weights, in turn, three rounds each, the median: ``BatchedSampler`` (transformers
@@ -208,8 +211,9 @@ def engine_bench(
 
 def training_batches(
     objective: Any, token_ids: list[list[int]], completions: list[list[int]], k: int
-) -> tuple[list, list]:
-    """(GRPO micro-batches, SFT micro-batches) of the same rows: one prompt's group each."""
+) -> tuple[list, list, list]:
+    """(GRPO micro-batches with each group's prompt shared, the same as K rows each, SFT micro-batches of those
+    rows): one prompt's group each."""
     import torch
 
     from nexa_dagster.core.training.data import LOSS_TOKENS
@@ -218,13 +222,13 @@ def training_batches(
     texts = [objective.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
     rewards, _ = objective.reward(texts, **objective.train.rows(range(len(token_ids)), k))
     advantages, _ = group_advantages(torch.tensor(rewards), k, "group")
-    grpo, sft = [], []
+    grpo, grpo_rows, sft = [], [], []
     for g, prompt in enumerate(token_ids):
         rows = slice(g * k, (g + 1) * k)
-        batch = completion_batch(
-            prompt, completions[rows], advantages[rows], objective.pad_id, torch.device("cpu")
-        )
-        grpo.append(batch)
+        group = (prompt, completions[rows], advantages[rows], objective.pad_id, torch.device("cpu"))
+        grpo.append(completion_batch(*group))
+        batch = completion_batch(*group, share_prompt=False)
+        grpo_rows.append(batch)
         labels = batch["labels"]
         sft.append(
             {
@@ -234,20 +238,28 @@ def training_batches(
                 LOSS_TOKENS: labels[:, 1:].ne(-100).sum(),
             }
         )
-    return grpo, sft
+    return grpo, grpo_rows, sft
 
 
-def train_bench(job: Any, objective: Any, grpo: list, sft: list, steps: int, warmup: int) -> dict[str, Any]:
-    """GRPO and SFT optimizer steps on the same rows, two engines stepped in turn."""
+def train_bench(
+    job: Any, objective: Any, batches: tuple[list, list, list], steps: int, warmup: int
+) -> dict[str, Any]:
+    """GRPO and SFT optimizer steps on the same rows, the engines stepped in turn."""
     import torch
 
     from nexa_dagster.core.training.lm_objective import LanguageModelLoss
     from nexa_dagster.core.training.loop import Control, build_engine, build_model, optimizer_step
     from nexa_dagster.core.training.nonfinite import NonFiniteGuard
 
+    grpo, grpo_rows, sft = batches
     lm = LanguageModelLoss(sft[0], sft[0], micro_batch=len(sft[0]["input_ids"]))
-    tokens = sum(int(b["real_tokens"]) for b in grpo)
-    sides = {"grpo": (objective, grpo), "sft": (lm, sft), "grpo_head_everywhere": (objective, grpo)}
+    tokens = sum(int(b["real_tokens"]) for b in grpo)  # the rows' real tokens: the same in both layouts
+    sides = {
+        "grpo": (objective, grpo),
+        "grpo_rows": (objective, grpo_rows),
+        "sft": (lm, sft),
+        "grpo_head_everywhere": (objective, grpo_rows),
+    }
     engines = {
         name: build_engine(build_model(job, len(objective.tokenizer), objective.tokenizer), job, 1)
         for name in sides
@@ -271,8 +283,9 @@ def train_bench(job: Any, objective: Any, grpo: list, sft: list, steps: int, war
         "tokens_per_step": tokens,
         "timed_steps": steps - warmup,
         "tokens_per_s": {name: round(v, 1) for name, v in median.items()},
-        "grpo_over_sft": round(median["grpo"] / median["sft"], 3),
-        "learned_only_speedup": round(median["grpo"] / median["grpo_head_everywhere"], 2),
+        "grpo_over_sft": round(median["grpo_rows"] / median["sft"], 3),
+        "learned_only_speedup": round(median["grpo_rows"] / median["grpo_head_everywhere"], 2),
+        "shared_prompt_speedup": round(median["grpo"] / median["grpo_rows"], 2),
     }
 
 
@@ -356,8 +369,8 @@ def main() -> None:
     rollout = rollout_bench(sampler, objective.train.token_ids, args.k, args.max_new)
     completions = rollout.pop("last_completions")
     print(f"rollout: {json.dumps(rollout)}", flush=True)
-    grpo, sft = training_batches(objective, objective.train.token_ids, completions, args.k)
-    training = train_bench(job, objective, grpo, sft, args.steps, args.warmup)
+    batches = training_batches(objective, objective.train.token_ids, completions, args.k)
+    training = train_bench(job, objective, batches, args.steps, args.warmup)
     print(f"training: {json.dumps(training)}", flush=True)
     from nexa_dagster.core.llm.vllm_env import vllm_python
 

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.faults import KILL_AFTER_ROLLOUT, fault_point
@@ -183,38 +184,103 @@ def completion_batch(
     device: torch.device,
     sampling_logps: list[list[float]] | None = None,
     longest: int = 0,
+    share_prompt: bool = True,
 ) -> Batch:
-    """One prompt's group as a right-padded micro-batch: prompt + completion per row, only completions labelled;
-    with the engine's log-probability of each completion token where another engine sampled them. With
-    ``longest`` (a run's longest row, for compiled layers) the width is rounded up to its ``bucket_width``: more
-    padding, unlabelled and unattended, so the same loss and gradients."""
-    width = len(prompt) + max(len(c) for c in completions)
+    """One prompt's group as a micro-batch: only the completions labelled, and where each completion's tokens are
+    (``completion_index``, ``completion_mask``: ``[K, longest completion]``, what the loss reads); with the engine's
+    log-probability of each completion token where another engine sampled them (``sampling_logps``, the same shape).
+
+    ``share_prompt`` (the default) lays the group out as one row: the prompt but its last token once (the trunk),
+    then per completion a branch of the prompt's last token and the completion (``branch_ids``: each branch attends
+    to the trunk and itself, at the positions it would have as a row of its own). A group's K rows repeat one prompt
+    of ~140 tokens before completions of a few: the trunk computed once is most of the update's work saved, with the
+    same log-probabilities and gradients (``tests/unit/core/training/test_grpo_loss.py``). The last prompt token
+    opens every branch because its hidden state predicts each completion's first token. ``attention_mask`` weighs a
+    trunk token K times in the router's statistics, as K rows would. ``share_prompt=False``: K right-padded rows
+    (the layout before; ``bench/rl.py``'s baseline). With ``longest`` (a run's longest micro-batch, for compiled
+    layers) the width is rounded up to its ``bucket_width``: more padding, unlabelled and attended by nothing, so
+    the same loss and gradients."""
+    rows, widest = len(completions), max(len(c) for c in completions)
+    layout = _shared_layout if share_prompt else _row_layout
+    ids, labels, positions, branches, weights, index = layout(prompt, completions, pad_id)
+    width = ids.shape[1]
     if longest:
-        width = bucket_width(width, longest)
-    rows = len(completions)
+        padded = bucket_width(width, longest)
+        ids = F.pad(ids, (0, padded - width), value=pad_id)
+        labels = F.pad(labels, (0, padded - width), value=IGNORE_INDEX)
+        weights = F.pad(weights, (0, padded - width))
+        # padding continues the last position and opens a branch of its own: it attends to the trunk and itself
+        tail = positions[:, -1:] + torch.arange(1, padded - width + 1)
+        positions = torch.cat([positions, tail], 1)
+        branches = torch.cat([branches, torch.full_like(tail, rows + 1)], 1)
+        index = index + (torch.arange(rows)[:, None] * (padded - width) if not share_prompt else 0)
+    mask = torch.zeros((rows, widest))
+    for row, completion in enumerate(completions):
+        mask[row, : len(completion)] = 1
+    batch = {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": weights,
+        "position_ids": positions,
+        "advantages": advantages.float(),
+        "completion_index": index * mask.long(),
+        "completion_mask": mask,
+    }
+    if share_prompt:
+        batch["branch_ids"] = branches
+    if sampling_logps is not None:
+        sampled = torch.zeros((rows, widest), dtype=torch.float32)
+        for row, values in enumerate(sampling_logps):
+            sampled[row, : len(values)] = torch.tensor(values)
+        batch["sampling_logps"] = sampled
+    real_tokens = weights.sum()  # the K rows' real tokens, whichever the layout
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), real_tokens.long()
+    return batch
+
+
+_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _shared_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> _Layout:
+    """(ids, labels, positions, branch ids, token weights: ``[1, width]``; completion index ``[K, widest]``) of
+    the trunk ``prompt[:-1]`` then one branch ``[prompt[-1], *completion]`` per completion."""
+    trunk, head, k = prompt[:-1], prompt[-1], len(completions)
+    ids, labels, positions, branches = (
+        list(trunk),
+        [IGNORE_INDEX] * len(trunk),
+        list(range(len(trunk))),
+        [0] * len(trunk),
+    )
+    weights = [float(k)] * len(trunk)
+    index = torch.zeros((k, max(len(c) for c in completions)), dtype=torch.long)
+    for j, completion in enumerate(completions, start=1):
+        start = len(ids) + 1  # the branch's first completion token
+        index[j - 1, : len(completion)] = torch.arange(start, start + len(completion))
+        ids += [head, *completion]
+        labels += [IGNORE_INDEX, *completion]
+        positions += range(len(trunk), len(trunk) + 1 + len(completion))
+        branches += [j] * (1 + len(completion))
+        weights += [1.0] * (1 + len(completion))
+    rows = (torch.tensor([values]) for values in (ids, labels, positions, branches))
+    return (*rows, torch.tensor([weights]), index)
+
+
+def _row_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> _Layout:
+    """The same group as K rows of prompt + completion, right-padded with ``pad_id`` (``[K, width]``)."""
+    rows, width = len(completions), len(prompt) + max(len(c) for c in completions)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
+    weights = torch.zeros((rows, width))
+    index = torch.zeros((rows, width - len(prompt)), dtype=torch.long)
     for row, completion in enumerate(completions):
         end = len(prompt) + len(completion)
         ids[row, :end] = torch.tensor(prompt + completion)
         labels[row, len(prompt) : end] = torch.tensor(completion)
-        attention[row, :end] = 1
-    batch = {
-        "input_ids": ids,
-        "labels": labels,
-        "attention_mask": attention,
-        "position_ids": torch.arange(width).expand(rows, width).contiguous(),
-        "advantages": advantages.float(),
-    }
-    if sampling_logps is not None:
-        sampled = torch.zeros((rows, width), dtype=torch.float32)
-        for row, values in enumerate(sampling_logps):
-            sampled[row, len(prompt) : len(prompt) + len(values)] = torch.tensor(values)
-        batch["sampling_logps"] = sampled
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), attention.sum()
-    return batch
+        weights[row, :end] = 1
+        index[row, : len(completion)] = row * width + torch.arange(len(prompt), end)
+    positions = torch.arange(width).expand(rows, width).contiguous()
+    return ids, labels, positions, torch.zeros_like(ids), weights, index
 
 
 def bucket_width(width: int, longest: int, buckets: int = WIDTH_BUCKETS, block: int = FLEX_BLOCK) -> int:
@@ -224,16 +290,20 @@ def bucket_width(width: int, longest: int, buckets: int = WIDTH_BUCKETS, block: 
     return step * math.ceil(width / step)
 
 
-def sequence_token_logps(model: Callable[..., Any], batch: Batch, temperature: float) -> Any:
-    """The model's output with ``token_logps`` of the batch's completion tokens (0 elsewhere) at ``temperature``."""
-    return model(
+def completion_logps(model: Callable[..., Any], batch: Batch, temperature: float) -> tuple[Any, torch.Tensor]:
+    """(the model's output, ``[K, longest completion]`` log-probabilities of each completion's tokens at
+    ``temperature``, 0 past its end), whichever layout ``completion_batch`` chose."""
+    out = model(
         input_ids=batch["input_ids"],
         labels=batch["labels"],
         position_ids=batch["position_ids"],
         attention_mask=batch["attention_mask"],
         per_token=True,
         temperature=temperature,
+        **({"branch_ids": batch["branch_ids"]} if "branch_ids" in batch else {}),
     )
+    flat = out.token_logps.reshape(-1)
+    return out, flat[batch["completion_index"]] * batch["completion_mask"]
 
 
 def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> MicroTerms:
@@ -242,8 +312,8 @@ def grpo_terms(model: Callable[..., Any], batch: Batch, c: GRPOObjective) -> Mic
     ``old_logps`` in the batch (the sampling policy's, for more than one update per rollout) is used when present,
     else the detached log-probabilities of this pass (one update per rollout: ratio 1, TRL's shortcut).
     """
-    out = sequence_token_logps(model, batch, c.temperature)
-    logps, mask = out.token_logps, batch["labels"].ne(IGNORE_INDEX).float()
+    out, logps = completion_logps(model, batch, c.temperature)
+    mask = batch["completion_mask"]
     old = batch["old_logps"] if "old_logps" in batch else logps.detach()
     weights = None
     # another engine sampled them: TRL's correction, against the trainer's old_logps
@@ -292,9 +362,12 @@ class GRPOLoss:
         self.held_out = self._prompts(self.config.held_out_path) if self.config.held_out_path else None
         self.reward = combined_reward(self.config.rewards)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.seq_len = max(len(p) for p in self.train.token_ids) + self.config.max_completion_tokens
-        # compiled layers: rows padded to a few widths up to the longest (bucket_width); 0: each group's own width
-        self.bucket_longest = self.seq_len if job.compiles_layers else 0
+        longest_prompt, c = max(len(p) for p in self.train.token_ids), self.config
+        self.seq_len = longest_prompt + c.max_completion_tokens
+        # compiled layers: micro-batches padded to a few widths up to the widest (bucket_width), a group's one row
+        # of the trunk and K branches of the last prompt token and a completion; 0: each group's own width
+        widest = longest_prompt - 1 + c.num_generations * (1 + c.max_completion_tokens)
+        self.bucket_longest = widest if job.compiles_layers else 0
         self.ptx = (
             PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
         )
@@ -458,9 +531,7 @@ class GRPOLoss:
                 batch[f"m:reward/{name}"] = torch.tensor(float(sum(values[rows])))
             if self.reference is not None:
                 with torch.no_grad():
-                    batch["ref_logps"] = sequence_token_logps(
-                        self.reference, batch, self.config.temperature
-                    ).token_logps
+                    batch["ref_logps"] = completion_logps(self.reference, batch, self.config.temperature)[1]
             batches.append(batch)
         return batches
 

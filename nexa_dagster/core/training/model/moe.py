@@ -97,27 +97,45 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class DocumentMask:
-    """Causal attention confined to each packed document, in the form the attention kernel wants."""
+    """Causal attention confined to each packed document, in the form the attention kernel wants.
 
-    def __init__(self, position_ids: torch.Tensor, use_flex: bool) -> None:
+    ``branch_ids`` (``[batch, seq]``, optional) lays one prompt's completions out as branches of a shared trunk
+    (GRPO's group, ``core/training/grpo.py``): 0 marks the trunk, ``j > 0`` branch ``j``; a token attends, within its
+    document and causally, to the trunk and to its own branch only, so each branch reads exactly what it would read
+    as a row of its own after the trunk, which is computed once instead of once per branch.
+    """
+
+    def __init__(
+        self, position_ids: torch.Tensor, use_flex: bool, branch_ids: torch.Tensor | None = None
+    ) -> None:
         docs = document_ids(position_ids)
         batch, seq = docs.shape
+        branch = torch.zeros_like(docs) if branch_ids is None else branch_ids
         self.flex = None
         self.dense = None
         if use_flex:
             # optional: torch >= 2.5 only (pyproject allows 2.4), and only the FlexAttention path needs it
             from torch.nn.attention.flex_attention import create_block_mask
 
-            def same_document_causal(b, h, q, kv):  # noqa: ANN001 - FlexAttention's mask_mod signature
-                return (docs[b, q] == docs[b, kv]) & (q >= kv)
-
             self.flex = create_block_mask(
-                same_document_causal, batch, None, seq, seq, device=docs.device, _compile=docs.is_cuda
+                attends(docs, branch), batch, None, seq, seq, device=docs.device, _compile=docs.is_cuda
             )
-        else:
+        else:  # attends() for every pair at once
             causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
-            self.dense = (docs[:, :, None] == docs[:, None, :]) & causal  # [batch, q, kv]
+            own = (branch[:, :, None] == branch[:, None, :]) | (branch[:, None, :] == 0)
+            self.dense = (docs[:, :, None] == docs[:, None, :]) & causal & own  # [batch, q, kv]
             self.dense = self.dense[:, None]
+
+
+def attends(docs: torch.Tensor, branch: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """FlexAttention's ``mask_mod``: query ``q`` of row ``b`` sees key ``kv`` in its own document, causally, in the
+    trunk (branch 0) or its own branch. ``DocumentMask``'s dense mask is the same rule computed for all pairs."""
+
+    def mask_mod(b, h, q, kv):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
+        own = (branch[b, q] == branch[b, kv]) | (branch[b, kv] == 0)
+        return (docs[b, q] == docs[b, kv]) & (q >= kv) & own
+
+    return mask_mod
 
 
 _flex_attention = None
@@ -228,7 +246,8 @@ class MoEBlock(nn.Module):
         """Returns the output and this layer's two load-balancing statistics (per-expert means).
 
         ``token_mask`` (``[batch, seq]``, 1 for real tokens) leaves padding out of the statistics, as Hugging Face's
-        ``load_balancing_loss_func`` does with an attention mask; None: every token counts (packed rows).
+        ``load_balancing_loss_func`` does with an attention mask; None: every token counts (packed rows). It is a
+        weight: a shared trunk's token that stands for ``n`` rows' copies of it counts ``n`` times.
         """
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -331,6 +350,7 @@ class NexaMoEForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         per_token: bool = False,
         temperature: float = 1.0,
+        branch_ids: torch.Tensor | None = None,
     ) -> MoEOutput:
         """The LM loss of packed rows (SFT, pretraining); with ``per_token`` the log-probability of each labelled
         token instead (``token_logps``: what a preference objective sums per document), so that a DeepSpeed engine,
@@ -338,9 +358,9 @@ class NexaMoEForCausalLM(nn.Module):
         if per_token:
             if labels is None:
                 raise ValueError("per_token scoring needs labels (the tokens to score, -100 elsewhere)")
-            return self.token_logps(input_ids, labels, position_ids, attention_mask, temperature)
+            return self.token_logps(input_ids, labels, position_ids, attention_mask, temperature, branch_ids)
         cfg = self.config
-        x, aux_loss, expert_load = self._trunk(input_ids, position_ids)
+        x, aux_loss, expert_load = self._trunk(input_ids, position_ids, branch_ids=branch_ids)
         logits = self.lm_head(x) if return_logits else None
         lm_loss = lm_loss_sum = loss = None
         if labels is not None:
@@ -363,6 +383,7 @@ class NexaMoEForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         temperature: float = 1.0,
+        branch_ids: torch.Tensor | None = None,
     ) -> MoEOutput:
         """``[rows, seq]``: at each labelled token its log-probability, 0 elsewhere (summed per document by a
         preference objective).
@@ -371,12 +392,13 @@ class NexaMoEForCausalLM(nn.Module):
         ``DPOTrainer`` scoring, computed in chunks as ``_loss`` is (``tokens x vocab`` never materialised in fp32).
         A document's first token (position 0) is a prompt token and never labelled, so no document is scored from
         the one before it. ``attention_mask`` (1 for real tokens) leaves padding out of the router aux loss and
-        the expert load, as Hugging Face's Mixtral does; attention stays within documents (``position_ids``).
+        the expert load, as Hugging Face's Mixtral does (a weight: ``MoEBlock.forward``); attention stays within
+        documents (``position_ids``) and, with ``branch_ids``, within a branch and its trunk (``DocumentMask``).
         Returns ``token_logps``, ``aux_loss`` and ``expert_load`` (no LM loss). ``temperature``: the
         log-probabilities of logits / temperature (what GRPO samples from; the LM head has no bias, so the hidden
         state is divided instead of the vocabulary-wide logits).
         """
-        x, aux_loss, expert_load = self._trunk(input_ids, position_ids, attention_mask)
+        x, aux_loss, expert_load = self._trunk(input_ids, position_ids, attention_mask, branch_ids)
         if temperature != 1.0:
             x = x / temperature
         per_token = self._token_logps(x, labels).view(input_ids.shape)  # [:, t]: the token at t + 1
@@ -391,6 +413,7 @@ class NexaMoEForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         token_mask: torch.Tensor | None = None,
+        branch_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decoder: final hidden states, the router aux loss over all layers and the expert load."""
         cfg = self.config
@@ -399,8 +422,8 @@ class NexaMoEForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_tables(position_ids, self.head_dim, rope_theta(cfg), x.dtype)
         use_flex = self.attention == "flex" or (self.attention == "auto" and x.is_cuda)
-        if use_flex:  # a block mask costs little even for single-document rows; no GPU sync to find out
-            mask = DocumentMask(position_ids, use_flex=True)
+        if use_flex or branch_ids is not None:  # a block mask costs little even for single-document rows
+            mask = DocumentMask(position_ids, use_flex, branch_ids)
         elif self.attention == "causal" or not bool((position_ids[:, 1:] == 0).any()):
             mask = (
                 None  # plain causal attention (one document per row, or asked for: the baseline's attention)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from nexa_dagster.core.training.grpo import (
-    IGNORE_INDEX,
     bucket_width,
     check_resume,
     completion_batch,
@@ -80,10 +79,10 @@ def trl_inputs(
 
 
 def ours_layout(per_row: list[torch.Tensor], batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
-    """Per-completion values placed at the completion tokens of our micro-batch (0 elsewhere)."""
-    out = torch.zeros(batch["labels"].shape)
+    """Per-completion values as our micro-batch holds them: ``[K, longest completion]``, 0 past each one's end."""
+    out = torch.zeros(batch["completion_mask"].shape)
     for r, v in enumerate(per_row[rows]):
-        out[r, batch["labels"][r].ne(IGNORE_INDEX)] = v
+        out[r, : len(v)] = v
     return out
 
 
@@ -160,6 +159,10 @@ def our_loss(
             pad,
             torch.device("cpu"),
             longest=case.get("longest", 0),
+            share_prompt=case.get("share_prompt", True),
+        )
+        assert batch["input_ids"].shape[0] == (1 if case.get("share_prompt", True) else K), (
+            "the layout asked for"
         )
         if case.get("longest"):
             assert batch["input_ids"].shape[1] == 128, "the rows are padded to their bucket"
@@ -188,6 +191,16 @@ CASES = [
     {"loss_type": "grpo", "beta": 0.0, "temperature": 1.0, "aux": 0.0, "sampling": "token_truncate"},
     # rows padded to a compiled layer's bucket (128 tokens for rows of ~40): the padding changes nothing
     {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.02, "longest": 300},
+    # the group as K rows of its own (the layout before the shared prompt; bench/rl.py's baseline), padded too
+    {"loss_type": "dr_grpo", "beta": 0.04, "temperature": 1.0, "aux": 0.02, "share_prompt": False},
+    {
+        "loss_type": "grpo",
+        "beta": 0.0,
+        "temperature": 1.0,
+        "aux": 0.02,
+        "share_prompt": False,
+        "longest": 300,
+    },
 ]
 
 

@@ -78,6 +78,54 @@ def test_packed_documents_do_not_attend_to_each_other() -> None:
     assert not torch.allclose(leaky[:, 18:], alone[:, 18:], atol=1e-4), "the test would not see a leak"
 
 
+def test_branches_of_a_shared_trunk_each_see_the_trunk_and_themselves_only() -> None:
+    """A row of a trunk and three branches (GRPO's group with its prompt once, ``branch_ids``) gives each branch
+    the logits it has as a row of its own after the trunk, and with the trunk's tokens weighted by the branch count
+    the router's aux loss and expert load of the three rows; without ``branch_ids`` a branch would read the ones
+    before it. FlexAttention's rule (the GPU path, ``attends``) is the dense mask the CPU uses, pair for pair."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from nexa_dagster.core.training.model.moe import DocumentMask, attends, document_ids
+
+    torch.manual_seed(7)
+    model = NexaMoEForCausalLM(small_config()).eval()
+    trunk, tails = torch.randint(0, 300, (9,)), [torch.randint(0, 300, (n,)) for n in (4, 6, 3)]
+    ids = torch.cat([trunk, *tails])[None]
+    positions = torch.cat([torch.arange(9)] + [torch.arange(9, 9 + len(t)) for t in tails])[None]
+    branches = torch.cat(
+        [torch.zeros(9)] + [torch.full((len(t),), j + 1.0) for j, t in enumerate(tails)]
+    ).long()
+    weights = torch.cat([torch.full((9,), 3.0), torch.ones(13)])[None]
+    rows = torch.full((3, 15), 0)
+    alone = torch.zeros((3, 15))
+    for r, tail in enumerate(tails):
+        rows[r, : 9 + len(tail)], alone[r, : 9 + len(tail)] = torch.cat([trunk, tail]), 1
+    with torch.no_grad():
+        shared = model(ids, position_ids=positions, return_logits=True, branch_ids=branches[None])
+        leaky = model(ids, position_ids=positions, return_logits=True).logits
+        separate = model(rows, return_logits=True).logits
+        stats = model.token_logps(ids, ids, positions, weights, branch_ids=branches[None])
+        row_stats = model.token_logps(rows, rows, None, alone)
+    start = 9
+    for r, tail in enumerate(tails):
+        torch.testing.assert_close(shared.logits[0, :9], separate[r, :9], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            shared.logits[0, start : start + len(tail)], separate[r, 9 : 9 + len(tail)], rtol=1e-5, atol=1e-5
+        )
+        start += len(tail)
+    assert not torch.allclose(leaky[0, 13:19], separate[1, 9:15], atol=1e-4), "the test would not see a leak"
+    torch.testing.assert_close(stats.aux_loss, row_stats.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.expert_load, row_stats.expert_load, rtol=1e-5, atol=1e-6)
+
+    docs = document_ids(torch.cat([positions, torch.cat([torch.arange(12), torch.arange(10)])[None]]))
+    branch = torch.stack([branches, torch.zeros(22, dtype=torch.long)])
+    dense = DocumentMask(
+        torch.cat([positions, torch.cat([torch.arange(12), torch.arange(10)])[None]]), False, branch
+    ).dense
+    flex = create_mask(attends(docs, branch), 2, None, 22, 22, device="cpu")
+    assert torch.equal(flex, dense)
+
+
 def test_experts_are_trained_and_load_is_reported() -> None:
     torch.manual_seed(4)
     model = NexaMoEForCausalLM(small_config())
