@@ -202,18 +202,10 @@ def completion_batch(
     the same loss and gradients."""
     rows, widest = len(completions), max(len(c) for c in completions)
     layout = _shared_layout if share_prompt else _row_layout
-    ids, labels, positions, branches, weights, index = layout(prompt, completions, pad_id)
-    width = ids.shape[1]
+    laid_out = layout(prompt, completions, pad_id)
     if longest:
-        padded = bucket_width(width, longest)
-        ids = F.pad(ids, (0, padded - width), value=pad_id)
-        labels = F.pad(labels, (0, padded - width), value=IGNORE_INDEX)
-        weights = F.pad(weights, (0, padded - width))
-        # padding continues the last position and opens a branch of its own: it attends to the trunk and itself
-        tail = positions[:, -1:] + torch.arange(1, padded - width + 1)
-        positions = torch.cat([positions, tail], 1)
-        branches = torch.cat([branches, torch.full_like(tail, rows + 1)], 1)
-        index = index + (torch.arange(rows)[:, None] * (padded - width) if not share_prompt else 0)
+        laid_out = _padded(laid_out, bucket_width(laid_out[0].shape[1], longest), pad_id)
+    ids, labels, positions, branches, weights, index = laid_out
     mask = torch.zeros((rows, widest))
     for row, completion in enumerate(completions):
         mask[row, : len(completion)] = 1
@@ -223,7 +215,7 @@ def completion_batch(
         "attention_mask": weights,
         "position_ids": positions,
         "advantages": advantages.float(),
-        "completion_index": index * mask.long(),
+        "completion_index": index,
         "completion_mask": mask,
     }
     if share_prompt:
@@ -240,6 +232,23 @@ def completion_batch(
 
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _padded(layout: _Layout, padded: int, pad_id: int) -> _Layout:
+    """``layout`` with its rows ``padded`` wide: padding unlabelled, weighing nothing in the router's statistics, at
+    the positions after the last and in a branch of its own (it attends to the trunk and itself; nothing attends to
+    it), so the same loss and gradients; the completion index follows each row's new start."""
+    ids, labels, positions, branches, weights, index = layout
+    width, extra = ids.shape[1], padded - ids.shape[1]
+    tail = positions[:, -1:] + torch.arange(1, extra + 1)
+    return (
+        F.pad(ids, (0, extra), value=pad_id),
+        F.pad(labels, (0, extra), value=IGNORE_INDEX),
+        torch.cat([positions, tail], 1),
+        torch.cat([branches, torch.full_like(tail, int(branches.max()) + 1)], 1),
+        F.pad(weights, (0, extra)),
+        index // width * padded + index % width,
+    )
 
 
 def _shared_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> _Layout:
