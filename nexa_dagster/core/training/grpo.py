@@ -378,7 +378,9 @@ class GRPOLoss:
         widest = longest_prompt - 1 + c.num_generations * (1 + c.max_completion_tokens)
         self.bucket_longest = widest if job.compiles_layers else 0
         self.ptx = (
-            PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer)) if self.config.ptx_coef else None
+            PtxRows(self.config.ptx_path, job.settings.seed, len(tokenizer), not job.compiles_layers)
+            if self.config.ptx_coef
+            else None
         )
         extra = (
             *(("kl",) if self.config.beta else ()),

@@ -27,8 +27,10 @@ PTX = "ptx:"  # the batch entries of the SFT row, beside the completions'
 class PtxRows:
     """The packed SFT rows of ``path`` (a split manifest or packed Parquet), one per micro-batch of every step."""
 
-    def __init__(self, path: str, seed: int, vocab_size: int) -> None:
-        self.path, self.seed = path, seed
+    def __init__(self, path: str, seed: int, vocab_size: int, trim_padding: bool = True) -> None:
+        """``trim_padding``: attach each row without the padding after its last real token (below); off for
+        compiled layers, which trace one graph per width and take the packed rows' one width."""
+        self.path, self.seed, self.trim_padding = path, seed, trim_padding
         self.rows = load_packed(path)
         self.count = int(self.rows["input_ids"].shape[0])
         top = int(self.rows["input_ids"].max())
@@ -48,9 +50,16 @@ class PtxRows:
         return int(self._epoch[1][offset])
 
     def attach(self, batch: Batch, position: int, device: torch.device) -> None:
-        """Put row ``index(position)`` into ``batch`` under ``ptx:`` keys (input ids, positions, targets)."""
+        """Put row ``index(position)`` into ``batch`` under ``ptx:`` keys (input ids, positions, targets).
+
+        A packed row is its documents then padding to the pack size (a quarter of ``make run``'s rows: 396 real
+        tokens of 512 on average). The padding is unlabelled and comes last, so no learned token attends to it and
+        the term below takes nothing from it: cut off, the same loss and gradients for less of the step's work."""
         row = self.index(position)
-        one = {k: v[row : row + 1] for k, v in self.rows.items()}
+        end = self.rows["input_ids"].shape[1]
+        if self.trim_padding:
+            end = int(self.rows["attention_mask"][row].nonzero().max()) + 1
+        one = {k: v[row : row + 1, :end] for k, v in self.rows.items()}
         batch[f"{PTX}input_ids"] = one["input_ids"].to(device)
         batch[f"{PTX}position_ids"] = one["position_ids"].to(device)
         batch[f"{PTX}labels"] = labels_for(one).to(device)

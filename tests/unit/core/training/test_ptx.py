@@ -66,7 +66,8 @@ def test_the_term_is_gamma_times_the_groups_completions_times_the_rows_mean_toke
     rows.attach(batch, position=2, device=torch.device("cpu"))
     row = load_packed(packed)
     index = rows.index(2)
-    assert torch.equal(batch["ptx:input_ids"][0], row["input_ids"][index])
+    real = int(row["attention_mask"][index].sum())  # attached without its trailing padding
+    assert torch.equal(batch["ptx:input_ids"][0], row["input_ids"][index][:real])
     expected = model(
         input_ids=row["input_ids"][index : index + 1],
         position_ids=row["position_ids"][index : index + 1],
@@ -81,6 +82,31 @@ def test_the_term_is_gamma_times_the_groups_completions_times_the_rows_mean_toke
     grpo = grpo_terms(model, batch, config)  # the ptx entries are not GRPO's inputs
     del batch["ptx:input_ids"], batch["ptx:position_ids"], batch["ptx:labels"]
     assert float(grpo_terms(model, batch, config).loss_sum) == pytest.approx(float(grpo.loss_sum), abs=1e-7)
+
+
+def test_a_row_attached_without_its_padding_adds_the_same_term_and_gradients(
+    packed: str, tokenizer: Any, teacher_dir: Path
+) -> None:
+    """The padding after a packed row's last real token is cut off before the row rides with a micro-batch: the
+    term and every gradient are those of the whole row (nothing learned attends to trailing padding)."""
+    batches, grads = [], []
+    for trim in (True, False):
+        model = load_mixtral_checkpoint(str(teacher_dir)).train()
+        batch: dict[str, torch.Tensor] = {}
+        PtxRows(packed, seed=0, vocab_size=len(tokenizer), trim_padding=trim).attach(
+            batch, 1, torch.device("cpu")
+        )
+        added, _ = ptx_loss_sum(model, batch, gamma=0.3, units=8)
+        added.backward()
+        batches.append((batch, float(added.detach())))
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    (trimmed, term), (whole, whole_term) = batches
+    row = PtxRows(packed, seed=0, vocab_size=len(tokenizer)).index(1)
+    real = int(load_packed(packed)["attention_mask"][row].sum())
+    assert trimmed["ptx:input_ids"].shape[1] == real < whole["ptx:input_ids"].shape[1], "padding was cut off"
+    assert term == pytest.approx(whole_term, rel=1e-6)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_a_ptx_coefficient_without_rows_is_refused() -> None:
