@@ -166,6 +166,15 @@ def test_gpu_paths_match_the_exported_model() -> None:
         )
         packed = model(ids, position_ids=position_ids, return_logits=True).logits
         torch.testing.assert_close(packed[:, 100:], hf(input_ids=ids[:, 100:]).logits, rtol=1e-4, atol=1e-4)
+        # GRPO's group as one row (a trunk of 100 tokens, two branches of 78) under FlexAttention: each branch's
+        # logits are those of its own row after the trunk
+        branches = torch.cat([torch.zeros(100), torch.ones(78), torch.full((78,), 2.0)]).long().cuda()[None]
+        positions = torch.cat([torch.arange(178), torch.arange(100, 178)]).cuda()[None]
+        shared = model(ids[:1], position_ids=positions, return_logits=True, branch_ids=branches).logits
+        second = torch.cat([ids[:1, :100], ids[:1, 178:]], 1)
+        torch.testing.assert_close(
+            shared[:, 178:], hf(input_ids=second).logits[:, 100:], rtol=1e-4, atol=1e-4
+        )
 
     model, hf = model.to(torch.bfloat16), hf.to(torch.bfloat16)
     model.compile_layers()
