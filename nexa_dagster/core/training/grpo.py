@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -204,56 +204,63 @@ def completion_batch(
     layout = _shared_layout if share_prompt else _row_layout
     laid_out = layout(prompt, completions, pad_id)
     if longest:
-        laid_out = _padded(laid_out, bucket_width(laid_out[0].shape[1], longest), pad_id)
-    ids, labels, positions, branches, weights, index = laid_out
+        laid_out = _padded(laid_out, bucket_width(laid_out.ids.shape[1], longest), pad_id)
     mask = torch.zeros((rows, widest))
     for row, completion in enumerate(completions):
         mask[row, : len(completion)] = 1
     batch = {
-        "input_ids": ids,
-        "labels": labels,
-        "attention_mask": weights,
-        "position_ids": positions,
+        "input_ids": laid_out.ids,
+        "labels": laid_out.labels,
+        "attention_mask": laid_out.weights,
+        "position_ids": laid_out.positions,
         "advantages": advantages.float(),
-        "completion_index": index,
+        "completion_index": laid_out.index,
         "completion_mask": mask,
     }
     if share_prompt:
-        batch["branch_ids"] = branches
+        batch["branch_ids"] = laid_out.branches
     if sampling_logps is not None:
         sampled = torch.zeros((rows, widest), dtype=torch.float32)
         for row, values in enumerate(sampling_logps):
             sampled[row, : len(values)] = torch.tensor(values)
         batch["sampling_logps"] = sampled
-    real_tokens = weights.sum()  # the K rows' real tokens, whichever the layout
+    real_tokens = laid_out.weights.sum()  # the K rows' real tokens, whichever the layout
     batch = {k: v.to(device) for k, v in batch.items()}
     batch[COMPLETIONS], batch[REAL_TOKENS] = torch.tensor(rows), real_tokens.long()
     return batch
 
 
-_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+class GroupLayout(NamedTuple):
+    """A group's tokens as the model reads them (``[rows, width]`` each) and where its completions' tokens are."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor  # the completion tokens, IGNORE_INDEX elsewhere
+    positions: torch.Tensor
+    branches: torch.Tensor  # 0: the shared trunk; j: completion j's branch
+    weights: (
+        torch.Tensor
+    )  # a token's weight in the router's statistics: the rows it stands for, 0 for padding
+    index: torch.Tensor  # [K, longest completion]: each completion token's place in the flattened rows
 
 
-def _padded(layout: _Layout, padded: int, pad_id: int) -> _Layout:
+def _padded(layout: GroupLayout, padded: int, pad_id: int) -> GroupLayout:
     """``layout`` with its rows ``padded`` wide: padding unlabelled, weighing nothing in the router's statistics, at
     the positions after the last and in a branch of its own (it attends to the trunk and itself; nothing attends to
     it), so the same loss and gradients; the completion index follows each row's new start."""
-    ids, labels, positions, branches, weights, index = layout
-    width, extra = ids.shape[1], padded - ids.shape[1]
-    tail = positions[:, -1:] + torch.arange(1, extra + 1)
-    return (
-        F.pad(ids, (0, extra), value=pad_id),
-        F.pad(labels, (0, extra), value=IGNORE_INDEX),
-        torch.cat([positions, tail], 1),
-        torch.cat([branches, torch.full_like(tail, int(branches.max()) + 1)], 1),
-        F.pad(weights, (0, extra)),
-        index // width * padded + index % width,
+    width, extra = layout.ids.shape[1], padded - layout.ids.shape[1]
+    tail = layout.positions[:, -1:] + torch.arange(1, extra + 1)
+    return GroupLayout(
+        ids=F.pad(layout.ids, (0, extra), value=pad_id),
+        labels=F.pad(layout.labels, (0, extra), value=IGNORE_INDEX),
+        positions=torch.cat([layout.positions, tail], 1),
+        branches=torch.cat([layout.branches, torch.full_like(tail, int(layout.branches.max()) + 1)], 1),
+        weights=F.pad(layout.weights, (0, extra)),
+        index=layout.index // width * padded + layout.index % width,
     )
 
 
-def _shared_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> _Layout:
-    """(ids, labels, positions, branch ids, token weights: ``[1, width]``; completion index ``[K, widest]``) of
-    the trunk ``prompt[:-1]`` then one branch ``[prompt[-1], *completion]`` per completion."""
+def _shared_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> GroupLayout:
+    """One row: the trunk ``prompt[:-1]``, then one branch ``[prompt[-1], *completion]`` per completion."""
     trunk, head, k = prompt[:-1], prompt[-1], len(completions)
     ids, labels, positions, branches = (
         list(trunk),
@@ -271,11 +278,11 @@ def _shared_layout(prompt: list[int], completions: list[list[int]], pad_id: int)
         positions += range(len(trunk), len(trunk) + 1 + len(completion))
         branches += [j] * (1 + len(completion))
         weights += [1.0] * (1 + len(completion))
-    rows = (torch.tensor([values]) for values in (ids, labels, positions, branches))
-    return (*rows, torch.tensor([weights]), index)
+    row = [torch.tensor([values]) for values in (ids, labels, positions, branches, weights)]
+    return GroupLayout(*row, index=index)
 
 
-def _row_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> _Layout:
+def _row_layout(prompt: list[int], completions: list[list[int]], pad_id: int) -> GroupLayout:
     """The same group as K rows of prompt + completion, right-padded with ``pad_id`` (``[K, width]``)."""
     rows, width = len(completions), len(prompt) + max(len(c) for c in completions)
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
@@ -289,7 +296,7 @@ def _row_layout(prompt: list[int], completions: list[list[int]], pad_id: int) ->
         weights[row, :end] = 1
         index[row, : len(completion)] = row * width + torch.arange(len(prompt), end)
     positions = torch.arange(width).expand(rows, width).contiguous()
-    return ids, labels, positions, torch.zeros_like(ids), weights, index
+    return GroupLayout(ids, labels, positions, torch.zeros_like(ids), weights, index)
 
 
 def bucket_width(width: int, longest: int, buckets: int = WIDTH_BUCKETS, block: int = FLEX_BLOCK) -> int:
