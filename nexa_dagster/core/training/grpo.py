@@ -237,9 +237,8 @@ class GroupLayout(NamedTuple):
     labels: torch.Tensor  # the completion tokens, IGNORE_INDEX elsewhere
     positions: torch.Tensor
     branches: torch.Tensor  # 0: the shared trunk; j: completion j's branch
-    weights: (
-        torch.Tensor
-    )  # a token's weight in the router's statistics: the rows it stands for, 0 for padding
+    # a token's weight in the router's statistics: the rows it stands for, 0 for padding
+    weights: torch.Tensor
     index: torch.Tensor  # [K, longest completion]: each completion token's place in the flattened rows
 
 

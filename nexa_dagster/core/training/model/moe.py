@@ -110,7 +110,6 @@ class DocumentMask:
     ) -> None:
         docs = document_ids(position_ids)
         batch, seq = docs.shape
-        branch = torch.zeros_like(docs) if branch_ids is None else branch_ids
         self.flex = None
         self.dense = None
         if use_flex:
@@ -118,24 +117,33 @@ class DocumentMask:
             from torch.nn.attention.flex_attention import create_block_mask
 
             self.flex = create_block_mask(
-                attends(docs, branch), batch, None, seq, seq, device=docs.device, _compile=docs.is_cuda
+                attends(docs, branch_ids), batch, None, seq, seq, device=docs.device, _compile=docs.is_cuda
             )
         else:  # attends() for every pair at once
             causal = torch.ones(seq, seq, dtype=torch.bool, device=docs.device).tril()
-            own = (branch[:, :, None] == branch[:, None, :]) | (branch[:, None, :] == 0)
-            self.dense = (docs[:, :, None] == docs[:, None, :]) & causal & own  # [batch, q, kv]
+            self.dense = (docs[:, :, None] == docs[:, None, :]) & causal  # [batch, q, kv]
+            if branch_ids is not None:
+                b = branch_ids
+                self.dense &= (b[:, :, None] == b[:, None, :]) | (b[:, None, :] == 0)
             self.dense = self.dense[:, None]
 
 
-def attends(docs: torch.Tensor, branch: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """FlexAttention's ``mask_mod``: query ``q`` of row ``b`` sees key ``kv`` in its own document, causally, in the
-    trunk (branch 0) or its own branch. ``DocumentMask``'s dense mask is the same rule computed for all pairs."""
+def attends(docs: torch.Tensor, branch: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """FlexAttention's ``mask_mod``: query ``q`` of row ``b`` sees key ``kv`` in its own document, causally, and with
+    ``branch`` ids in the trunk (branch 0) or its own branch only. ``DocumentMask``'s dense mask is the same rule
+    computed for all pairs. Packed rows without branches (SFT, pretraining, DPO) get the document rule alone."""
 
-    def mask_mod(b, h, q, kv):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
+    def same_document_causal(b, h, q, kv):  # noqa: ANN001, ANN202 - FlexAttention's mask_mod signature
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+    if branch is None:
+        return same_document_causal
+
+    def in_trunk_or_own_branch(b, h, q, kv):  # noqa: ANN001, ANN202 - as above
         own = (branch[b, q] == branch[b, kv]) | (branch[b, kv] == 0)
-        return (docs[b, q] == docs[b, kv]) & (q >= kv) & own
+        return same_document_causal(b, h, q, kv) & own
 
-    return mask_mod
+    return in_trunk_or_own_branch
 
 
 _flex_attention = None
@@ -422,7 +430,8 @@ class NexaMoEForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_tables(position_ids, self.head_dim, rope_theta(cfg), x.dtype)
         use_flex = self.attention == "flex" or (self.attention == "auto" and x.is_cuda)
-        if use_flex or branch_ids is not None:  # a block mask costs little even for single-document rows
+        # a block mask costs little even for single-document rows; branches always need their mask
+        if use_flex or branch_ids is not None:
             mask = DocumentMask(position_ids, use_flex, branch_ids)
         elif self.attention == "causal" or not bool((position_ids[:, 1:] == 0).any()):
             mask = (

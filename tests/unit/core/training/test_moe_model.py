@@ -124,6 +124,12 @@ def test_branches_of_a_shared_trunk_each_see_the_trunk_and_themselves_only() -> 
     ).dense
     flex = create_mask(attends(docs, branch), 2, None, 22, 22, device="cpu")
     assert torch.equal(flex, dense)
+    # and for packed rows without branches (SFT, pretraining, DPO) the document rule alone, in both forms
+    plain = DocumentMask(
+        torch.cat([positions, torch.cat([torch.arange(12), torch.arange(10)])[None]]), False
+    ).dense
+    assert torch.equal(create_mask(attends(docs, None), 2, None, 22, 22, device="cpu"), plain)
+    assert not torch.equal(plain, dense), "the branches' rule is seen"
 
 
 def test_experts_are_trained_and_load_is_reported() -> None:
