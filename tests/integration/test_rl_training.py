@@ -146,20 +146,26 @@ def test_a_killed_grpo_run_resumes_with_the_same_completions_rewards_and_loss(
     assert summary.resumed_from_step == 4 and summary.reward_curve == _summary(straight).reward_curve
 
 
-def test_grpo_with_ptx_trains_on_an_sft_row_beside_every_group(tmp_path: Path, policy_dir: Path) -> None:
-    """rl.ptx_coef > 0 through the real worker: the engine line names the SFT rows, every step logs the rows' LM
-    loss (finite, about the policy's own next-token loss: a real packed row scored, not a zero), and the run ends
-    with a checkpoint."""
+def test_grpo_with_ptx_and_a_kl_term_trains_on_an_sft_row_beside_every_group(
+    tmp_path: Path, policy_dir: Path
+) -> None:
+    """rl.ptx_coef > 0 and beta > 0 through the real worker: the engine line names the SFT rows, every step logs the
+    rows' LM loss (finite, about the policy's own next-token loss: a real packed row scored, not a zero), and the run
+    ends with a checkpoint. The KL's reference (the starting weights, scoring each group's shared-prompt row as the
+    policy does) agrees with the policy before the first update (KL 0 at step 1) and departs from it after."""
     from support.training_jobs import write_packed
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     rows = write_packed(tmp_path / "sft.parquet", 6, len(tokenizer), tokenizer.pad_token_id)
     prompts = write_prompts(tmp_path / "train.jsonl", 8)
-    job = grpo_job(tmp_path, policy_dir, prompts, steps=3, num_generations=4, ptx_coef=0.3, ptx_path=rows)
+    job = grpo_job(
+        tmp_path, policy_dir, prompts, steps=3, num_generations=4, ptx_coef=0.3, ptx_path=rows, beta=0.04
+    )
     out, _ = start_worker(job, tmp_path).communicate(timeout=600)
     assert "ptx 0.3 x the LM loss of 6 SFT rows" in out, out[-3000:]
     steps = [json.loads(line) for line in (Path(job.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(2.0 < s["ptx_loss"] < 12.0 for s in steps), [s["ptx_loss"] for s in steps]  # random-token rows
+    assert abs(steps[0]["kl"]) < 1e-6 < steps[2]["kl"], [s["kl"] for s in steps]
     assert (Path(job.output_dir) / COMPLETION_MARKER).exists()
