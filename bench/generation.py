@@ -102,18 +102,31 @@ def thread_env(threads: int | None, executor: str = "") -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads)}
 
 
+ENGINES = ("transformers", "vllm", "auto")
+
+
 def parse_engine(spec: str) -> tuple[str, str, int | None]:
-    """``ENGINE[@mp][:THREADS]`` as (engine, executor, threads)."""
+    """``ENGINE[@mp][:THREADS]`` as (engine, executor, threads). The ``--engine`` option's type: a wrong spec is
+    refused when the arguments are parsed, not after the engines before it in the run have been measured."""
     head, _, threads_text = spec.partition(":")
     engine, _, executor = head.partition("@")
+    if engine not in ENGINES:
+        raise argparse.ArgumentTypeError(f"{spec}: the engine is one of {', '.join(ENGINES)}")
     if executor not in ("", "mp") or (executor and engine != "vllm"):
-        raise SystemExit(f"--engine {spec}: the executor suffix is @mp, and only for vllm")
+        raise argparse.ArgumentTypeError(f"{spec}: the executor suffix is @mp, and only for vllm")
+    if threads_text and not (threads_text.isdigit() and int(threads_text) > 0):
+        raise argparse.ArgumentTypeError(f"{spec}: THREADS is a whole number of threads, at least 1")
     return engine, executor, int(threads_text) if threads_text else None
 
 
-def measure(args: argparse.Namespace, model_arg: str | None, engine_spec: str = "auto") -> dict[str, object]:
-    """The sequential baseline and the client at each concurrency against one engine, best of ``--rounds``."""
-    engine_name, executor, threads = parse_engine(engine_spec)
+def measure(
+    args: argparse.Namespace,
+    model_arg: str | None,
+    engine_spec: tuple[str, str, int | None] = ("auto", "", None),
+) -> dict[str, object]:
+    """The sequential baseline and the client at each concurrency against one engine (``parse_engine``'s tuple),
+    best of ``--rounds``."""
+    engine_name, executor, threads = engine_spec
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95)
     with ExitStack() as stack:
         if args.url:
@@ -201,7 +214,7 @@ def report(
     return figures
 
 
-def main() -> dict[str, object]:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -218,12 +231,13 @@ def main() -> dict[str, object]:
     parser.add_argument(
         "--engine",
         action="append",
+        type=parse_engine,
         help="transformers, vllm or auto (default), optionally :THREADS; repeat it to compare engines, or thread "
         "settings of one, in one run (e.g. --engine transformers:1 --engine transformers:2 --engine vllm:2)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     models = [None] if args.url else (args.model or ["tiny"])
-    runs = [measure(args, m, e) for m in models for e in (args.engine or ["auto"])]
+    runs = [measure(args, m, e) for m in models for e in (args.engine or [parse_engine("auto")])]
     if len(runs) == 1:
         return runs[0]
     return {"runs": runs, "vllm_over_transformers": engine_ratios(runs)}

@@ -1,0 +1,57 @@
+"""``bench/generation.py``'s ``--engine`` values are checked when its arguments are parsed: a run that compares
+engines one after the other must not measure the first for minutes and then die on a typo in the last."""
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from nexa_dagster.core.common.config import REPO_ROOT
+
+
+def _bench() -> ModuleType:
+    path = Path(REPO_ROOT) / "bench" / "generation.py"
+    spec = importlib.util.spec_from_file_location("bench_generation", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("auto", ("auto", "", None)),
+        ("transformers:1", ("transformers", "", 1)),
+        ("vllm@mp", ("vllm", "mp", None)),
+        ("vllm@mp:2", ("vllm", "mp", 2)),
+    ],
+)
+def test_engine_specs_parse(spec: str, parsed: tuple[str, str, int | None]) -> None:
+    assert BENCH.parse_engine(spec) == parsed
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("transformers@mp", "only for vllm"),
+        ("vllm@ray", "the executor suffix is @mp"),
+        ("vlm", "the engine is one of"),
+        ("vllm:two", "whole number of threads"),
+        ("vllm:0", "whole number of threads"),
+    ],
+)
+def test_a_wrong_engine_is_refused_before_any_engine_runs(
+    spec: str, reason: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measured: list[object] = []
+    monkeypatch.setattr(BENCH, "measure", lambda *a: measured.append(a) or {})
+    with pytest.raises(SystemExit) as exit_:
+        BENCH.main(["--engine", "transformers", "--engine", spec])
+    assert exit_.value.code == 2  # argparse's usage error
+    assert reason in capsys.readouterr().err
+    assert measured == []  # refused before the first (valid) engine was measured
