@@ -8,7 +8,6 @@ report; the promotion gate can decide on one; and a task that cannot run fails b
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from support.worker_launch import run_worker_command
 
 from nexa_dagster.core.common.config import REPO_ROOT, BenchmarkSettings, ConfigError
 from nexa_dagster.core.evaluation.benchmarks import BenchmarkComparison, compare_benchmark, flat_scores
@@ -51,13 +51,11 @@ def _worker(job: EvaluationJob, tmp_path: Path) -> subprocess.CompletedProcess:
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
     # run where the Dagster resource runs it: in a scratch folder, not the repo (relative data files must resolve)
-    return subprocess.run(
+    return run_worker_command(
         [sys.executable, "-m", "nexa_dagster.core.evaluation.worker", "--job", str(job_file)],
-        capture_output=True,
-        text=True,
+        env=OFFLINE,
         timeout=600,
         cwd=tmp_path,
-        env={**os.environ, **OFFLINE},
     )
 
 

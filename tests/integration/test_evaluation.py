@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pandas as pd
 import pytest
 from support.openai_stub import chat_payload, stub_server
 from support.tiny_training import train_steps
+from support.worker_launch import run_worker_command
 
 from nexa_dagster.core.data.splits import is_held_out
 from nexa_dagster.core.evaluation.eval_set import eval_prompts, freeze_eval_set, load_eval_set
@@ -137,7 +137,7 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
             output_path=str(tmp_path / f"{name}.json"),
         )
         (tmp_path / f"{name}.job.json").write_text(job.model_dump_json())
-        proc = subprocess.run(
+        proc = run_worker_command(
             [
                 sys.executable,
                 "-m",
@@ -145,11 +145,9 @@ def test_the_gate_promotes_a_better_checkpoint_and_blocks_a_worse_one_on_the_sam
                 "--job",
                 str(tmp_path / f"{name}.job.json"),
             ],
-            capture_output=True,
-            text=True,
             timeout=600,
         )
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.returncode == 0, proc.stdout[-3000:]
         import json
 
         return json.loads((tmp_path / f"{name}.json").read_text())["scores"]

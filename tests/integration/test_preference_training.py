@@ -32,6 +32,7 @@ from support.preference_pairs import (
 )
 from support.services import descendants_matching
 from support.training_jobs import end_process_group
+from support.worker_launch import run_worker_command
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
@@ -407,13 +408,10 @@ def test_a_pair_on_two_days_packed_together_trains_once_without_failing(
         dataset_run_hash=snapshot.run_hash,
     )
     (tmp_path / "job.json").write_text(job.model_dump_json())
-    proc = subprocess.run(
-        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(tmp_path / "job.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_worker_command(
+        [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(tmp_path / "job.json")]
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-4000:]
     result = TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
     assert (Path(job.output_dir) / COMPLETION_MARKER).exists()
     assert result.validation_pairs == snapshot.pairs["validation"] and result.reward_accuracy is not None
@@ -573,14 +571,11 @@ def test_bad_pairs_and_a_foreign_reference_file_fail_before_training(
     )
     (tmp_path / "job.json").write_text(job.model_dump_json())
     logs = tmp_path / "logs"
-    proc = subprocess.run(
+    proc = run_worker_command(
         [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(tmp_path / "job.json")]
-        + ["--log-dir", str(logs)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        + ["--log-dir", str(logs)]
     )
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert f"reference log-probabilities {ours} were computed with checkpoint 'sha256:0123" in proc.stderr
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert f"reference log-probabilities {ours} were computed with checkpoint 'sha256:0123" in proc.stdout
     assert json.loads((logs / "worker.rank0.failure.json").read_text())["retryable"] is False
     assert not Path(job.output_dir).parent.exists()

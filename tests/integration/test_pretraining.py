@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from support.corpus_files import random_documents, write_corpus
+from support.worker_launch import LaunchedWorker, start_worker_process
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
@@ -145,17 +145,11 @@ def pretrain_job(
     )
 
 
-def _worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> LaunchedWorker:
+    """The worker in a session of its own (the test kills its group), forked from the warm Python where it can be."""
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
-    return subprocess.Popen(
-        [*WORKER, "--job", str(job_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    return start_worker_process([*WORKER, "--job", str(job_file)], env=env, own_session=True)
 
 
 def _losses(job: TrainingJob) -> list[tuple[int, float]]:

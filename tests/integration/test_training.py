@@ -26,6 +26,7 @@ from support.checkpoint_files import assert_portable_checkpoint
 from support.planted_secrets import PLANTED, environ_of, leaked
 from support.services import descendants_matching
 from support.training_jobs import end_process_group, launch_training_in_dagster, make_job
+from support.worker_launch import run_worker_command
 
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
 from nexa_dagster.core.common.config import load_deepspeed_config
@@ -84,15 +85,11 @@ def host_counts_marked(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, 
 def run_worker(
     job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """The worker on ``job``, forked from this pytest process's warm Python where it can be (``support.
+    worker_launch``): its stdout and stderr together in ``stdout``."""
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    return subprocess.run(
-        [*WORKER, "--job", str(job_file)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+    return run_worker_command([*WORKER, "--job", str(job_file)], env=env, timeout=300)
 
 
 def summary_of(job: TrainingJob) -> TrainingResult:
@@ -169,10 +166,8 @@ def test_progress_reaches_the_log_on_the_clock_between_metric_lines(
 
 def test_worker_refuses_an_unusable_job_file(tmp_path: Path) -> None:
     (tmp_path / "job.json").write_text('{"run_id": "x"}')
-    proc = subprocess.run(
-        [*WORKER, "--job", str(tmp_path / "job.json")], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2 and "invalid training job" in proc.stderr
+    proc = run_worker_command([*WORKER, "--job", str(tmp_path / "job.json")], timeout=120)
+    assert proc.returncode == 2 and "invalid training job" in proc.stdout
 
 
 # -- the loss of a step: weighted by tokens, checked before the update ------------------------------------------
@@ -660,16 +655,10 @@ def test_a_stalled_step_fails_the_run_with_diagnostics(tmp_path: Path, teacher_d
     job = job.model_copy(update={"settings": job.settings.model_copy(update={"stall_timeout_s": 3.0})})
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    proc = subprocess.run(
-        [*WORKER, "--job", str(job_file)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NEXA_FAULT_STALL_AT_STEP": "2"},
-    )
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "STALL: no training step completed" in proc.stderr and "last completed step 2" in proc.stderr
-    assert 'File "' in proc.stderr.split("STALL:")[1], "the stacks of the threads are in the diagnostics"
+    proc = run_worker_command([*WORKER, "--job", str(job_file)], env={"NEXA_FAULT_STALL_AT_STEP": "2"})
+    assert proc.returncode == 3, proc.stdout[-3000:]
+    assert "STALL: no training step completed" in proc.stdout and "last completed step 2" in proc.stdout
+    assert 'File "' in proc.stdout.split("STALL:")[1], "the stacks of the threads are in the diagnostics"
 
 
 # -- what the cluster backends submit ---------------------------------------------------------------------------

@@ -5,12 +5,12 @@ computes the dense model's logits before any step."""
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support.training_jobs import make_job
+from support.worker_launch import run_worker_command
 
 from nexa_dagster.core.training.job import TrainingJob, TrainingResult
 
@@ -20,8 +20,8 @@ WORKER = [sys.executable, "-m", "nexa_dagster.core.training.worker"]
 def train(job: TrainingJob, tmp_path: Path) -> TrainingResult:
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
-    proc = subprocess.run([*WORKER, "--job", str(job_file)], capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = run_worker_command([*WORKER, "--job", str(job_file)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return TrainingResult.model_validate_json((Path(job.output_dir) / "training_summary.json").read_text())
 
 

@@ -10,14 +10,13 @@ reward can visibly rise in a few steps; nothing else about the task is easy for 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from nexa_dagster.core.common.config import TrainingSettings, load_deepspeed_config
 from nexa_dagster.core.training.job import GRPOObjective, TrainingJob
+from support.worker_launch import LaunchedWorker, start_worker_process
 
 MODULES = [
     "json",
@@ -106,19 +105,15 @@ def grpo_job(
     )
 
 
-def start_worker(
-    job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
-    """The training worker on ``job`` as a process of its own session (a test kills its group), output piped."""
+def start_worker(job: TrainingJob, tmp_path: Path, env: dict[str, str] | None = None) -> LaunchedWorker:
+    """The training worker on ``job`` as a process of its own session (a test kills its group), forked from the
+    warm Python where it can be (``support.worker_launch``), its stdout and stderr together."""
     job_file = tmp_path / f"{job.run_id}.json"
     job_file.write_text(job.model_dump_json())
-    return subprocess.Popen(
+    return start_worker_process(
         [sys.executable, "-m", "nexa_dagster.core.training.worker", "--job", str(job_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
+        env=env,
+        own_session=True,
     )
 
 
