@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from nexa_dagster.core.cluster.warm_python import WarmChild, WorkerStarter
+from nexa_dagster.core.cluster.warm_python import WarmChild, WorkerStarter, import_time_environment
 
 # pytest's per-test variable: not read by any library, but a different value would make every launch "differ" from
 # the warm Python's environment and start cold
@@ -55,10 +55,22 @@ def _environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def starter() -> WorkerStarter:
-    """This pytest process's warm Python (started on first use, importing in the background; closed at exit)."""
+    """This pytest process's warm Python for its environment now (started on first use, importing in the
+    background; closed at exit). The session's fixtures set variables as they start (the Slurm cluster's
+    ``SLURM_CONF``, say): once the environment a library would import under has changed, every fork would start
+    cold, so the warm Python is started again under the new one (~6 CPU-s in the background, against ~6 a cold
+    worker)."""
     global _starter
+    env = _environment()
+    if (
+        _starter is not None
+        and _starter.pool is not None
+        and _starter.pool.env != import_time_environment(env)
+    ):
+        _starter.close()
+        _starter = None
     if _starter is None:
-        _starter = WorkerStarter(sys.executable, _environment(), _StderrLog()).start()
+        _starter = WorkerStarter(sys.executable, env, _StderrLog()).start()
         atexit.register(_starter.close)
     return _starter
 
