@@ -36,6 +36,7 @@ class _StderrLog:
 
 
 _starter: WorkerStarter | None = None
+_launched: list[LaunchedWorker] = []  # the workers the current warm Python started
 _output_dir: tempfile.TemporaryDirectory[str] | None = None
 
 
@@ -67,7 +68,11 @@ def starter() -> WorkerStarter:
         and _starter.pool is not None
         and _starter.pool.env != import_time_environment(env)
     ):
-        _starter.close()
+        # a worker still running from it would die with it (its exit code comes through the warm Python): closed
+        # now only when none is, else at this process's exit (atexit below)
+        if all(w.poll() is not None for w in _launched):
+            _starter.close()
+        _launched.clear()
         _starter = None
     if _starter is None:
         _starter = WorkerStarter(sys.executable, env, _StderrLog()).start()
@@ -121,7 +126,9 @@ def start_worker_process(
     proc = starter().launch(
         command, cwd or os.getcwd(), output, env=_environment(env), own_session=own_session
     )
-    return LaunchedWorker(proc, output)
+    worker = LaunchedWorker(proc, output)
+    _launched.append(worker)
+    return worker
 
 
 def run_worker_command(
