@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from nexa_dagster.core.cluster.warm_python import WarmChild, WorkerStarter, import_time_environment
+from nexa_dagster.core.cluster.warm_python import WarmChild, WorkerStarter
 
 # pytest's per-test variable: not read by any library, but a different value would make every launch "differ" from
 # the warm Python's environment and start cold
@@ -66,7 +66,9 @@ def starter() -> WorkerStarter:
     if (
         _starter is not None
         and _starter.pool is not None
-        and _starter.pool.env != import_time_environment(env)
+        and _starter.pool.differs(
+            env
+        )  # what its own imports set (DeepSpeed's CUDA-check variable) not counted
     ):
         # a worker still running from it would die with it (its exit code comes through the warm Python): closed
         # now only when none is, else at this process's exit (atexit below)
