@@ -77,8 +77,15 @@ def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]])
         entry = seen.get(key)
         if entry is None:
             argv = info["cmdline"] or [info["name"] or ""]
-            entry = seen[key] = {"cmdline": " ".join(argv)[:300], "kind": kind_of(argv), "test": test_of(p)}
+            entry = seen[key] = {
+                "cmdline": " ".join(argv)[:300],
+                "kind": kind_of(argv),
+                "test": test_of(p),
+                "started_s": round(info["create_time"] - since, 1),
+            }
         entry["cpu"] = info["cpu_times"].user + info["cpu_times"].system
+        # how long it lived (to the last sample that saw it): a long life at little CPU is a process that idles
+        entry["lived_s"] = round(time.time() - info["create_time"], 1)
 
 
 def summarize(
@@ -113,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--processes",
         type=Path,
-        help="also write every process there, one JSON object a line (its command line, kind, test and CPU-s): "
-        "what a kind's total is made of",
+        help="also write every process there, one JSON object a line (its command line, kind, test, CPU-s, "
+        "start after the command's and life in seconds): what a kind's total is made of",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)

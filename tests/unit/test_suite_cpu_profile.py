@@ -43,6 +43,9 @@ def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_
     # every process with its command line, kind and CPU: the burner's 1.5 s, short of the last interval
     burner = next(row for row in ours if BURN[:20] in row["cmdline"])
     assert burner["kind"] == "other python" and 1.2 <= burner["cpu"] <= 3.0, ours
+    # and how long each lived: the sleeper's 1.5 s at ~0 CPU is what an idling process looks like
+    sleeper = next(row for row in ours if "time.sleep(1.5)" in row["cmdline"])
+    assert 1.0 <= sleeper["lived_s"] <= 10.0 and sleeper["cpu"] < 0.5 and sleeper["started_s"] >= 0.0, sleeper
     assert summary["kinds"]["other python"]["processes"] >= 2, summary  # the kinds table counts both children
     assert summary["kinds"]["other python"]["cpu_s"] >= 1.2, summary
     assert 1.2 <= summary["tests"]["tests/x.py::test_y"] <= 3.0, summary  # the sleeper and the shell add ~0
