@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 # A suite started in the background (`make test &`, `nohup`) inherits SIGINT ignored (a shell ignores it for its
 # background jobs), and every process a test starts inherits that in turn: a cold worker would not die of the SIGINT a
@@ -56,6 +57,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
     for message, category in known_warnings():
         config.addinivalue_line("filterwarnings", f"ignore:{message}:dagster.{category.__name__}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """While the test modules are imported, pytest may keep the copies its assertion rewriting made (beside each
+    module, in ``__pycache__``): under ``PYTHONDONTWRITEBYTECODE`` (this machine's shell, CI's) each xdist worker of
+    each run rewrote every module again, about 5 of its 17 CPU-s of collection on the 2-core machine. Only here: a
+    module a test writes and imports later (a copy of the package, a sandbox's) is never cached, as before, and the
+    processes the tests start keep the environment's setting."""
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
 
 
 # first: pytest-xdist's own hook (registered after this file on a worker) turns xdist_group marks into groups
