@@ -22,6 +22,7 @@ from support.training_jobs import launch_training_in_dagster, make_job
 
 from nexa_dagster.core.cluster.slurm import slurm_job_fields, slurm_state, wait_for_slurm_job
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.faults import STEP_PAUSE, fault_env
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set, load_eval_set
 from nexa_dagster.core.evaluation.worker import EvaluationJob
 from nexa_dagster.resources.gpu_cluster import (
@@ -218,7 +219,10 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
         "slurm_time_limit": "10",
         "slurm_stop_warning_s": SLURM_WARNING_S,
     }
-    launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, cluster, timeout_s=300)
+    # a step a second: the wait for slurmctld's warning (35-95 s) spent asleep, not training at full speed on one
+    # core (~70 CPU-s of the suite's); the warning still lands while the job trains and is seen at the next step
+    pace = fault_env(STEP_PAUSE, 1)
+    launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, cluster, timeout_s=300, env=pace)
     job_id = next(
         line.split("submitted Slurm job ")[1].split()[0]
         for line in log.read_text().splitlines()

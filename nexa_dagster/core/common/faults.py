@@ -11,6 +11,10 @@ lookup, done once per process: the variables are read when this module is first 
 ``NEXA_FAULT_NAN_AT_STEP``            a step: that step's loss is NaN (the non-finite guard test)
 ``NEXA_FAULT_KILL_AFTER_ROLLOUT``     a step: SIGKILL the training process once that step's GRPO rollouts
                                       are sampled (on vLLM: after the weight sync), before its update
+``NEXA_FAULT_STEP_PAUSE_S``           seconds: the training loop sleeps that long after every step, a
+                                      training that lasts minutes at little CPU (the Slurm time-limit test
+                                      waits up to 90 s for slurmctld's warning; at full speed one core
+                                      trained throughout, ~70 of the suite's CPU-s)
 ====================================  ==================================================================
 """
 
@@ -25,7 +29,8 @@ KILL_BEFORE_RENAME = "NEXA_FAULT_KILL_BEFORE_RENAME"
 STALL_AT_STEP = "NEXA_FAULT_STALL_AT_STEP"
 NAN_AT_STEP = "NEXA_FAULT_NAN_AT_STEP"
 KILL_AFTER_ROLLOUT = "NEXA_FAULT_KILL_AFTER_ROLLOUT"
-FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP, KILL_AFTER_ROLLOUT)
+STEP_PAUSE = "NEXA_FAULT_STEP_PAUSE_S"
+FAULTS = (KILL_BEFORE_RENAME, STALL_AT_STEP, NAN_AT_STEP, KILL_AFTER_ROLLOUT, STEP_PAUSE)
 
 
 def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.0) -> bool:
@@ -34,7 +39,8 @@ def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.
     ``KILL_BEFORE_RENAME``: kills this process when ``path`` matches the armed glob (does not return).
     ``KILL_AFTER_ROLLOUT``: kills this process at the armed step (does not return).
     ``STALL_AT_STEP``: sleeps ``stall_s`` at the armed step. ``NAN_AT_STEP``: returns True at the armed step (the
-    caller poisons its loss). Anything else, or nothing armed: returns False at once.
+    caller poisons its loss). ``STEP_PAUSE``: sleeps the armed seconds, at every step. Anything else, or nothing
+    armed: returns False at once.
 
     The variable is read at each call, not when this module is imported: a worker forked from a warm Python
     (``core/cluster/warm_python.py``, which imported this module under its own environment) takes the fault its
@@ -47,6 +53,9 @@ def fault_point(name: str, *, path: str = "", step: int = 0, stall_s: float = 0.
         if fnmatch.fnmatch(path, armed):
             os.kill(os.getpid(), signal.SIGKILL)
         return False
+    if name == STEP_PAUSE:
+        time.sleep(float(armed))
+        return True
     if int(armed) != step:
         return False
     if name == KILL_AFTER_ROLLOUT:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
-from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, fault_point
+from nexa_dagster.core.common.faults import NAN_AT_STEP, STALL_AT_STEP, STEP_PAUSE, fault_point
 from nexa_dagster.core.common.progress import Progress
 from nexa_dagster.core.common.spans import span, span_line
 from nexa_dagster.core.training import monitor
@@ -650,6 +650,7 @@ class StepLoop:
                 watchdog.beat()
                 progress(self.step, s.max_steps)
                 fault_point(STALL_AT_STEP, step=self.step, stall_s=10 * s.stall_timeout_s)  # test-only
+                fault_point(STEP_PAUSE)  # test-only
                 self.after_step(self.step, *last)
         return time.perf_counter() - train_start
 

@@ -18,3 +18,17 @@ def test_a_fault_armed_after_the_import_strikes_at_its_step(monkeypatch: pytest.
     assert not faults.fault_point(faults.STALL_AT_STEP, step=3)  # another fault, not armed
     with pytest.raises(ValueError, match="unknown fault"):
         faults.fault_env("NEXA_FAULT_NOPE", 1)
+
+
+def test_a_step_pause_sleeps_its_seconds_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    monkeypatch.delenv(faults.STEP_PAUSE, raising=False)
+    started = time.monotonic()
+    assert not faults.fault_point(faults.STEP_PAUSE, step=1)
+    assert time.monotonic() - started < 0.1  # disarmed: no pause
+    monkeypatch.setenv(faults.STEP_PAUSE, "0.3")
+    for step in (1, 2):  # every step, not one armed step
+        started = time.monotonic()
+        assert faults.fault_point(faults.STEP_PAUSE, step=step)
+        assert time.monotonic() - started >= 0.3
