@@ -640,9 +640,8 @@ class StepLoop:
                         self.objective,
                         poison=fault_point(NAN_AT_STEP, step=self.step),
                     )
-                except (
-                    StopRequested
-                ) as stop:  # every rank is here, at the same step: save together, then leave
+                except StopRequested as stop:
+                    # every rank is here, at the same step: save together, then leave
                     self.save_on_stop(stop.step, start_step, last)
                     raise
                 last = (totals, lr)
