@@ -201,8 +201,9 @@ def run_part(part: str, work: Path) -> None:
     from nexa_dagster.core.common.config import resolve_path
     from nexa_dagster.core.data.ingest import landed_days
     from nexa_dagster.core.tiny.install import install_tiny_models
-    from nexa_dagster.definitions import build_defs, local_model_dirs
+    from nexa_dagster.definitions import build_defs
     from nexa_dagster.demo import Demo
+    from nexa_dagster.resources.build import local_model_dirs
 
     defs = build_defs()
     install_tiny_models(local_model_dirs(defs.resources))

@@ -50,8 +50,9 @@ def _measured(entry: Any) -> str:
 def _all_resources() -> dict[str, Any]:
     with warnings.catch_warnings():  # Dagster's beta notices about the asset definitions: not for an operator
         warnings.simplefilter("ignore")
-        # the code location, every configuration file checked (seconds): only the commands that need it
-        from nexa_dagster.definitions import build_resources
+        # the resources (~1.5 s: Dagster and the resource classes, not the code location's assets): the commands
+        # that need them only
+        from nexa_dagster.resources.build import build_resources
 
         return build_resources()
 
@@ -74,7 +75,7 @@ def tiny_models() -> int:
     """Copy the shipped tiny teacher/judge into every configured model directory named ``tiny-*``."""
     # torch and transformers (3+ s): this command only
     from nexa_dagster.core.tiny.install import install_tiny_models
-    from nexa_dagster.definitions import local_model_dirs  # the code location (seconds): this command only
+    from nexa_dagster.resources.build import local_model_dirs  # the resources (~1.5 s): this command only
 
     installed = install_tiny_models(local_model_dirs(_all_resources()))
     for path in installed:

@@ -35,7 +35,8 @@ from nexa_dagster.core.data.ingest import landed_days
 from nexa_dagster.core.evaluation.promotion import ProductionRegistry
 from nexa_dagster.core.serving.outcomes import describe, read_outcome
 from nexa_dagster.core.tiny.install import install_tiny_models
-from nexa_dagster.definitions import build_defs, local_model_dirs
+from nexa_dagster.definitions import build_defs
+from nexa_dagster.resources.build import local_model_dirs
 
 LAUNCHER_TAG = "nexa/launcher"  # host:pid:start of the `make run` process that executes the run in-process
 

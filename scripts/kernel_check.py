@@ -18,7 +18,8 @@ import dagster as dg
 import pandas as pd
 
 from nexa_dagster.core.tiny.install import install_tiny_models
-from nexa_dagster.definitions import build_defs, local_model_dirs
+from nexa_dagster.definitions import build_defs
+from nexa_dagster.resources.build import local_model_dirs
 
 DAY = "2026-11-20"
 
