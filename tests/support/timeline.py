@@ -1,11 +1,17 @@
 """Where the suite's wall time goes: ``pytest -p support.timeline --timeline=FILE`` appends one JSON line per test
-phase (worker, node id, phase, start, end) and prints, at the end, each worker's busy time and how long the last
-worker ran alone (the tail an ordering change could save). docs/testing.md, "Suite time"."""
+phase (worker, node id, phase, start, end, and ``cpu_s``: the CPU its pytest process spent in it) and prints, at the
+end, each worker's busy time and how long the last worker ran alone (the tail an ordering change could save).
+docs/testing.md, "Suite time".
+
+``cpu_s`` is the test's own work in its pytest process (an in-process Dagster run, a client's requests); what it
+starts in other processes is ``scripts/suite_cpu_profile.py``'s to count (by the test they inherit), so the two
+together say what a test costs a CPU-bound suite."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +33,26 @@ def pytest_configure(config: pytest.Config) -> None:
         _PATH = Path(config.getoption("timeline"))
 
 
+_MARK: dict[str, float] = {}  # this process's CPU clock at the end of the last phase it ran
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:  # noqa: ARG001
+    """On the process that runs the test: its CPU clock when the test starts."""
+    _MARK["cpu"] = time.process_time()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:  # noqa: ARG001
+    """After each phase, on the process that ran it: the CPU it spent since the phase before (or the test's start),
+    carried to the controller in the report's ``user_properties`` (what pytest-xdist serializes)."""
+    report: pytest.TestReport = yield
+    if item.config.getoption("timeline"):
+        now = time.process_time()
+        report.user_properties.append(("cpu_s", round(now - _MARK.get("cpu", now), 3)))
+        _MARK["cpu"] = now
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """On the controller (or a lone process): every phase's report carries its start and stop times."""
     if _PATH is None:
@@ -41,6 +67,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "outcome": report.outcome,
         "start": report.start,
         "stop": report.stop,
+        "cpu_s": dict(report.user_properties).get("cpu_s"),
     }
     with _PATH.open("a") as f:
         f.write(json.dumps(line) + "\n")

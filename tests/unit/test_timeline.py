@@ -1,0 +1,59 @@
+"""tests/support/timeline.py: each test phase's wall times and the CPU its pytest process spent in it, through
+pytest-xdist's workers to the controller's file (a test that waits and one that computes take the same wall time
+and not the same CPU, which is what a CPU-bound suite pays)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nexa_dagster.core.common.config import REPO_ROOT
+
+TESTS = """
+import time
+
+def test_computes():
+    end = time.process_time() + 0.4
+    while time.process_time() < end:
+        pass
+
+def test_waits():
+    time.sleep(0.4)
+"""
+
+
+def test_a_phase_that_computes_is_told_from_one_that_waits_through_xdist(tmp_path: Path) -> None:
+    (tmp_path / "test_two.py").write_text(TESTS)
+    timeline = tmp_path / "timeline.jsonl"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"),
+            *("-p", "support.timeline", f"--timeline={timeline}", "."),
+        ],
+        cwd=tmp_path,
+        # a pytest of its own: the suite's options stay out; support/ importable as in the suite
+        env={
+            **{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+            "PYTHONPATH": str(REPO_ROOT / "tests"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    calls = {
+        line["nodeid"].split("::")[1]: line
+        for line in map(json.loads, timeline.read_text().splitlines())
+        if line["phase"] == "call"
+    }
+    for name in ("test_computes", "test_waits"):
+        assert calls[name]["stop"] - calls[name]["start"] >= 0.35, calls[name]  # both take the wall time
+        assert calls[name]["worker"].startswith("gw"), calls[
+            name
+        ]  # run on a worker, written by the controller
+    assert calls["test_computes"]["cpu_s"] >= 0.35, calls
+    assert calls["test_waits"]["cpu_s"] < 0.1, calls
+    assert "timeline:" in proc.stdout
