@@ -244,9 +244,8 @@ class NonStopClient:
         import openai
 
         t0 = time.monotonic()
-        with httpx.Client(
-            limits=httpx.Limits(max_keepalive_connections=0)
-        ) as http:  # a connection per request
+        no_idle_connection = httpx.Limits(max_keepalive_connections=0)  # so a connection per request
+        with httpx.Client(limits=no_idle_connection) as http:
             while (
                 not self._stop.is_set()
                 and len(self.records) < self.max_requests

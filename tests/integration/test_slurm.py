@@ -219,8 +219,8 @@ def test_a_time_limited_slurm_job_is_warned_saves_its_state_and_the_relaunch_res
         "slurm_time_limit": "10",
         "slurm_stop_warning_s": SLURM_WARNING_S,
     }
-    # a step a second: the wait for slurmctld's warning (35-95 s) spent asleep, not training at full speed on one
-    # core (~70 CPU-s of the suite's); the warning still lands while the job trains and is seen at the next step
+    # a step a second: the wait for slurmctld's warning (35-95 s) spent asleep, not training at full speed (92
+    # CPU-s of its worker in the suite); the warning still lands while the job trains and is seen at the next step
     pace = fault_env(STEP_PAUSE, 1)
     launcher, log = launch_training_in_dagster(tmp_path, teacher_dir, cluster, timeout_s=300, env=pace)
     job_id = next(

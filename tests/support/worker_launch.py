@@ -63,13 +63,8 @@ def starter() -> WorkerStarter:
     worker)."""
     global _starter
     env = _environment()
-    if (
-        _starter is not None
-        and _starter.pool is not None
-        and _starter.pool.differs(
-            env
-        )  # what its own imports set (DeepSpeed's CUDA-check variable) not counted
-    ):
+    # the product's rule: what the warm Python's own imports set (DeepSpeed's CUDA-check variable) does not count
+    if _starter is not None and _starter.pool is not None and _starter.pool.differs(env):
         # a worker still running from it would die with it (its exit code comes through the warm Python): closed
         # now only when none is, else at this process's exit (atexit below)
         if all(w.poll() is not None for w in _launched):

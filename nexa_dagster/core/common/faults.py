@@ -2,7 +2,7 @@
 
 A fault test sets one environment variable in the process it starts (never in its own), and the production code
 calls ``fault_point(name, ...)`` at the moment the fault must strike. Unset, a fault point costs one dictionary
-lookup, done once per process: the variables are read when this module is first imported.
+lookup: the variable is read at each call (``fault_point`` says why).
 
 ====================================  ==================================================================
 ``NEXA_FAULT_KILL_BEFORE_RENAME``     a glob: SIGKILL the process when a file matching it is fully
@@ -13,8 +13,8 @@ lookup, done once per process: the variables are read when this module is first 
                                       are sampled (on vLLM: after the weight sync), before its update
 ``NEXA_FAULT_STEP_PAUSE_S``           seconds: the training loop sleeps that long after every step, a
                                       training that lasts minutes at little CPU (the Slurm time-limit test
-                                      waits up to 90 s for slurmctld's warning; at full speed one core
-                                      trained throughout, ~70 of the suite's CPU-s)
+                                      waits up to 95 s for slurmctld's warning; at full speed its worker
+                                      trained throughout, 92 CPU-s in the suite of 2026-12-06)
 ====================================  ==================================================================
 """
 

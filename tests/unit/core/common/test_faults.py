@@ -4,6 +4,8 @@ own environment (core/cluster/warm_python.py), the fault still strikes; disarmed
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from nexa_dagster.core.common import faults
@@ -21,8 +23,6 @@ def test_a_fault_armed_after_the_import_strikes_at_its_step(monkeypatch: pytest.
 
 
 def test_a_step_pause_sleeps_its_seconds_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
     monkeypatch.delenv(faults.STEP_PAUSE, raising=False)
     started = time.monotonic()
     assert not faults.fault_point(faults.STEP_PAUSE, step=1)
