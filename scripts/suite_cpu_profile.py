@@ -4,13 +4,23 @@ scripts/suite_cpu_profile.py -- make test``.
 Why: the suite is CPU-bound on 2 cores (issue 49), and pytest's ``--durations`` gives wall seconds, which on a loaded
 machine say little about cost: a test that waits on a timer and one that compiles C++ can take the same time. This
 samples every process started after the command, once a ``--interval`` (1 s): its CPU seconds (user + system, the
-last value seen is its total, short of the last interval), its command line, and the test that started it (the
-``PYTEST_CURRENT_TEST`` its environment inherited). Processes are matched by start time, not by ancestry, so the
-ones that daemonize or are re-parented to init (forked workers, engines' children) are counted too; a process that
-lives less than an interval is missed. The machine's idle share comes from ``/proc/stat`` over the same run.
+last value seen is its total, short of the last interval), its command line, and the test that started it.
+Processes are matched by start time, not by ancestry, so the ones that daemonize or are re-parented to init (forked
+workers, engines' children) are counted too; a process that lives less than an interval is missed. The machine's
+idle share comes from ``/proc/stat`` over the same run.
 
-It prints a table of process kinds, the 25 tests whose processes cost the most, and one JSON object last. The
-command's exit code is this script's.
+The test that started a process, the first of these that says (its row's ``by``):
+* ``timeline``: with ``--timeline FILE`` (what ``pytest -p support.timeline --timeline=FILE`` wrote in the same run),
+  the test its pytest process was running when the process started, that pytest process found among the process's
+  ancestors when it was first seen (a start time is known to a clock tick, 10 ms: a process started in a phase's
+  first or last hundredth of a second may go to the phase beside it). The product starts its engines, workers and Dagster processes with a filtered
+  environment that carries no ``PYTEST_CURRENT_TEST``, and a warm Python forks a child for a later test than the one
+  that started it: about 2,500 of the suite's 4,000 CPU-s went to no test without this;
+* ``environment``: the ``PYTEST_CURRENT_TEST`` its environment inherited;
+* ``parent``: the test of the nearest ancestor already seen with one.
+
+It prints a table of process kinds, the 25 tests whose processes cost the most (with ``--timeline``, plus each
+test's CPU in its own pytest process), and one JSON object last. The command's exit code is this script's.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import re
 import subprocess
 import sys
 import time
+from bisect import bisect_right
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -66,7 +77,16 @@ def test_of(process: psutil.Process) -> str:
     return current.rsplit(" ", 1)[0]  # "path::name (call)" -> "path::name"
 
 
+def ancestors(process: psutil.Process) -> list[int]:
+    """The pids of ``process``'s parent, its parent's parent, ... up to init, as they are now."""
+    try:
+        return [parent.pid for parent in process.parents()]
+    except (psutil.Error, OSError):
+        return []
+
+
 def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]]) -> None:
+    live: dict[int, dict[str, Any]] = {}  # this sample's processes by pid, for a new one's ancestors' tests
     for p in psutil.process_iter(["pid", "create_time", "cmdline", "name", "cpu_times"]):
         info = p.info
         if info["pid"] == me or info["create_time"] is None or info["create_time"] < since:
@@ -81,18 +101,58 @@ def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]])
                 "cmdline": " ".join(argv)[:300],
                 "kind": kind_of(argv),
                 "test": test_of(p),
+                "by": "environment",
                 "started_s": round(info["create_time"] - since, 1),
+                "created": info["create_time"],
+                "ancestors": ancestors(p),
             }
+            if not entry["test"]:  # the nearest ancestor seen with a test (parents come first in pid order)
+                known = (live.get(pid) for pid in entry["ancestors"])
+                entry["test"] = next((a["test"] for a in known if a is not None and a["test"]), "")
+                entry["by"] = "parent" if entry["test"] else ""
+        live[info["pid"]] = entry
         entry["cpu"] = info["cpu_times"].user + info["cpu_times"].system
         # how long it lived (to the last sample that saw it): a long life at little CPU is a process that idles
         entry["lived_s"] = round(time.time() - info["create_time"], 1)
 
 
+def attribute_by_timeline(
+    seen: dict[tuple[int, float], dict[str, Any]], timeline: list[dict[str, Any]], skew: float = 0.0
+) -> None:
+    """Each process descending from a pytest process of ``timeline`` (its rows' ``pid``) given to the test that
+    pytest process was running when it started: the last phase that had begun by then (a module's fixture starts in
+    the set-up of its first test; a process started after a phase ended, by its teardown's leftovers, is still that
+    test's). ``skew``: how far psutil's start times run ahead of the clock the timeline was written by."""
+    phases: dict[int, list[tuple[float, str]]] = defaultdict(list)  # pid -> (start, test), by start
+    for row in sorted(timeline, key=lambda row: row["start"]):
+        if row.get("pid"):
+            phases[row["pid"]].append((row["start"], row["nodeid"]))
+    for entry in seen.values():
+        runner = next((pid for pid in entry["ancestors"] if pid in phases), None)
+        if runner is None:
+            continue
+        starts = [start for start, _ in phases[runner]]
+        i = bisect_right(starts, entry["created"] - skew) - 1
+        if i >= 0:
+            entry["test"], entry["by"] = phases[runner][i][1], "timeline"
+
+
+def own_cpu(timeline: list[dict[str, Any]]) -> dict[str, float]:
+    """Each test's CPU in its own pytest process, its phases summed (``support/timeline.py``'s ``cpu_s``)."""
+    cpu: dict[str, float] = defaultdict(float)
+    for row in timeline:
+        cpu[row["nodeid"]] += row.get("cpu_s") or 0.0
+    return cpu
+
+
 def summarize(
-    seen: dict[tuple[int, float], dict[str, Any]], wall_s: float, idle_share: float
+    seen: dict[tuple[int, float], dict[str, Any]],
+    wall_s: float,
+    idle_share: float,
+    in_pytest: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    tests: dict[str, float] = defaultdict(float)
+    tests: dict[str, float] = defaultdict(float, in_pytest or {})
     for entry in seen.values():
         kinds[entry["kind"]][0] += 1
         kinds[entry["kind"]][1] += entry.get("cpu", 0.0)
@@ -109,6 +169,7 @@ def summarize(
             k: {"processes": int(n), "cpu_s": round(c, 1), "share": round(c / total, 3) if total else 0.0}
             for k, (n, c) in sorted(kinds.items(), key=lambda kv: -kv[1][1])
         },
+        "unattributed_cpu_s": round(sum(e.get("cpu", 0.0) for e in seen.values() if not e["test"]), 1),
         "tests": {t: round(c, 1) for t, c in sorted(tests.items(), key=lambda kv: -kv[1])[:25]},
     }
 
@@ -123,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also write every process there, one JSON object a line (its command line, kind, test, CPU-s, "
         "start after the command's and life in seconds): what a kind's total is made of",
     )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        help="the file `pytest -p support.timeline --timeline=FILE` writes in the same run: processes given to "
+        "the test their pytest process was running when they started, and each test's own CPU added",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -130,13 +197,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command: python scripts/suite_cpu_profile.py -- make test")
     seen: dict[tuple[int, float], dict[str, Any]] = {}
     since, (idle0, all0) = time.time() - 1.0, idle_ticks()
-    started = time.monotonic()
+    started, launched = time.monotonic(), time.time()
     proc, me = subprocess.Popen(command), psutil.Process().pid
+    # a process's start time as psutil reads it (boot time, a whole second, plus the jiffies since) is off the
+    # clock's by up to a second: measured on the command's own start, and taken off every process's
+    skew = psutil.Process(proc.pid).create_time() - launched
     while proc.poll() is None:
         sample(since, me, seen)
         time.sleep(args.interval)
     idle1, all1 = idle_ticks()
-    summary = summarize(seen, time.monotonic() - started, (idle1 - idle0) / max(1, all1 - all0))
+    in_pytest = None
+    if args.timeline and args.timeline.exists():
+        timeline = [json.loads(line) for line in args.timeline.read_text().splitlines() if line.strip()]
+        attribute_by_timeline(seen, timeline, skew)
+        in_pytest = own_cpu(timeline)
+    summary = summarize(seen, time.monotonic() - started, (idle1 - idle0) / max(1, all1 - all0), in_pytest)
     print(
         f"\n{' '.join(command)}: {summary['wall_s']} s wall, {summary['cpu_s']} CPU-s in {summary['processes']} "
         f"processes started by it, the machine {summary['idle_share']:.0%} idle"
@@ -144,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'CPU-s':>9} {'share':>6} {'procs':>6}  kind")
     for kind, row in summary["kinds"].items():
         print(f"{row['cpu_s']:9.1f} {row['share']:6.1%} {row['processes']:6d}  {kind}")
-    print(f"\n{'CPU-s':>9}  the processes a test started (its pytest worker's own CPU not counted)")
+    own = (
+        "its own pytest process's CPU included"
+        if in_pytest is not None
+        else "its pytest process's own not counted"
+    )
+    print(
+        f"\n{'CPU-s':>9}  the processes a test started ({own}; {summary['unattributed_cpu_s']} CPU-s to no test)"
+    )
     for test, cpu in summary["tests"].items():
         print(f"{cpu:9.1f}  {test}")
     if args.out:

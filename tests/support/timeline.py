@@ -1,11 +1,12 @@
 """Where the suite's wall time goes: ``pytest -p support.timeline --timeline=FILE`` appends one JSON line per test
-phase (worker, node id, phase, start, end, and ``cpu_s``: the CPU its pytest process spent in it) and prints, at the
-end, each worker's busy time and how long the last worker ran alone (the tail an ordering change could save).
-docs/testing.md, "Suite time".
+phase (worker, node id, phase, start, end, ``cpu_s``: the CPU its pytest process spent in it, and ``pid``: that
+process) and prints, at the end, each worker's busy time and how long the last worker ran alone (the tail an
+ordering change could save). docs/testing.md, "Suite time".
 
 ``cpu_s`` is the test's own work in its pytest process (an in-process Dagster run, a client's requests); what it
-starts in other processes is ``scripts/suite_cpu_profile.py``'s to count (by the test they inherit), so the two
-together say what a test costs a CPU-bound suite."""
+starts in other processes is ``scripts/suite_cpu_profile.py``'s to count, so the two together say what a test costs
+a CPU-bound suite. Given this file (``--timeline``), the profiler gives a process to the test its pytest process
+(``pid``, found among the process's ancestors) was running when the process started."""
 
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:  # noqa: ARG001
-    """After each phase, on the process that ran it: the CPU it spent since the phase before (or the test's start),
-    carried to the controller in the report's ``user_properties`` (what pytest-xdist serializes)."""
+    """After each phase, on the process that ran it: the CPU it spent since the phase before (or the test's start)
+    and its pid, carried to the controller in the report's ``user_properties`` (what pytest-xdist serializes)."""
     report: pytest.TestReport = yield
     if item.config.getoption("timeline"):
         now = time.process_time()
         report.user_properties.append(("cpu_s", round(now - _MARK.get("cpu", now), 3)))
+        report.user_properties.append(("pid", os.getpid()))
         _MARK["cpu"] = now
     return report
 
@@ -68,6 +70,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "start": report.start,
         "stop": report.stop,
         "cpu_s": dict(report.user_properties).get("cpu_s"),
+        "pid": dict(report.user_properties).get("pid"),
     }
     with _PATH.open("a") as f:
         f.write(json.dumps(line) + "\n")

@@ -52,3 +52,76 @@ def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_
     assert 0.0 <= summary["idle_share"] <= 1.0 and summary["wall_s"] >= 1.5
     assert "other python" in proc.stdout and "tests/x.py::test_y" in proc.stdout  # the tables a person reads
     assert rows == sorted(rows, key=lambda row: -row.get("cpu", 0.0)), rows  # the costliest first
+
+
+# Under the profiler with its --timeline: test_a starts a "warm Python" (its environment says test_a) and a child with
+# an environment stripped of PYTEST_CURRENT_TEST (as the product's filtered environments are); test_b asks the warm
+# Python for a child, which inherits test_a's environment. Each child burns 0.6 CPU-s.
+WARM_TESTS = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+BURN = "import time; t = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+WARM = (
+    "import os, sys, time\\nfrom pathlib import Path\\n"
+    "while not Path('go').exists(): time.sleep(0.05)\\n"
+    "if os.fork() == 0:\\n"
+    "    t = time.process_time()\\n"
+    "    while time.process_time() - t < 0.6: pass\\n"
+    "    Path('done').write_text('')\\n"
+    "    os._exit(0)\\n"
+    "os.wait()\\n"
+)
+warm = []
+
+def test_a():
+    time.sleep(0.3)  # a start time is known to a clock tick (10 ms): not at the very start of the phase
+    warm.append(subprocess.Popen([sys.executable, "-c", WARM]))
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    subprocess.run([sys.executable, "-c", BURN], env=env, check=True)
+    time.sleep(1.0)  # the warm Python seen by a sample while test_a runs
+
+def test_b():
+    time.sleep(0.3)  # a start time is known to a clock tick (10 ms): not at the very start of the phase
+    Path("go").write_text("")
+    deadline = time.monotonic() + 30
+    while not Path("done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    warm[0].wait(timeout=30)
+    time.sleep(0.5)
+"""
+
+
+def test_with_the_timeline_a_process_belongs_to_the_test_its_pytest_process_ran_when_it_started(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "test_warm.py").write_text(WARM_TESTS)
+    timeline = tmp_path / "timeline.jsonl"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(REPO_ROOT / "scripts/suite_cpu_profile.py"), "--interval", "0.1"),
+            *("--timeline", str(timeline), "--processes", str(tmp_path / "processes.jsonl"), "--"),
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "support.timeline"),
+            *(f"--timeline={timeline}", "test_warm.py"),
+        ],
+        cwd=tmp_path,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")},
+            "PYTHONPATH": str(REPO_ROOT / "tests"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
+    burners = [row for row in rows if row.get("cpu", 0.0) >= 0.4 and row["kind"] == "other python"]
+    by_test = {row["test"].split("::")[-1]: row for row in burners if "pytest" not in row["cmdline"]}
+    # the stripped child: no environment to say, its pytest process was in test_a
+    assert by_test["test_a"]["by"] == "timeline" and BURN[:20] in by_test["test_a"]["cmdline"], burners
+    # the warm Python's fork: its environment says test_a, its pytest process was in test_b when it started
+    assert by_test["test_b"]["by"] == "timeline" and "fork" in by_test["test_b"]["cmdline"], burners
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # each test's own pytest-process CPU is added: test_b's is a polling loop, test_a's its subprocess calls
+    assert summary["tests"]["test_warm.py::test_b"] >= 0.5, summary
+    assert summary["tests"]["test_warm.py::test_a"] >= 0.5, summary

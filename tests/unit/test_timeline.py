@@ -13,14 +13,18 @@ from pathlib import Path
 from nexa_dagster.core.common.config import REPO_ROOT
 
 TESTS = """
+import os
 import time
+from pathlib import Path
 
 def test_computes():
+    Path("test_computes.pid").write_text(str(os.getpid()))
     end = time.process_time() + 0.4
     while time.process_time() < end:
         pass
 
 def test_waits():
+    Path("test_waits.pid").write_text(str(os.getpid()))
     time.sleep(0.4)
 """
 
@@ -54,6 +58,8 @@ def test_a_phase_that_computes_is_told_from_one_that_waits_through_xdist(tmp_pat
         assert calls[name]["worker"].startswith("gw"), calls[
             name
         ]  # run on a worker, written by the controller
+        # the process that ran it, which scripts/suite_cpu_profile.py finds among a process's ancestors
+        assert calls[name]["pid"] == int((tmp_path / f"{name}.pid").read_text()), calls[name]
     assert calls["test_computes"]["cpu_s"] >= 0.35, calls
     assert calls["test_waits"]["cpu_s"] < 0.1, calls
     assert "timeline:" in proc.stdout
