@@ -12,8 +12,10 @@ idle share comes from ``/proc/stat`` over the same run.
 The test that started a process, the first of these that says (its row's ``by``):
 * ``timeline``: with ``--timeline FILE`` (what ``pytest -p support.timeline --timeline=FILE`` wrote in the same run),
   the test its pytest process was running when the process started, that pytest process found among the process's
-  ancestors when it was first seen (a start time is known to a clock tick, 10 ms: a process started in a phase's
-  first or last hundredth of a second may go to the phase beside it). The product starts its engines, workers and Dagster processes with a filtered
+  ancestors when it was first seen. A start time is known to a clock tick (10 ms), and the skew measured with it
+  (below): the start is read two ticks late, so that a process a test starts in its first milliseconds (a bench's
+  subprocess, a fixture's server) is its own and not the phase's before; one started in a phase's last 20 ms goes to
+  the next (a phase's end stops processes more than it starts them). The product starts its engines, workers and Dagster processes with a filtered
   environment that carries no ``PYTEST_CURRENT_TEST``, and a warm Python forks a child for a later test than the one
   that started it: about 2,500 of the suite's 4,000 CPU-s went to no test without this;
 * ``environment``: the ``PYTEST_CURRENT_TEST`` its environment inherited;
@@ -116,6 +118,9 @@ def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]])
         entry["lived_s"] = round(time.time() - info["create_time"], 1)
 
 
+CLOCK_TICK_S = 0.01  # the resolution of a process's start time in /proc (USER_HZ = 100)
+
+
 def attribute_by_timeline(
     seen: dict[tuple[int, float], dict[str, Any]], timeline: list[dict[str, Any]], skew: float = 0.0
 ) -> None:
@@ -132,7 +137,7 @@ def attribute_by_timeline(
         if runner is None:
             continue
         starts = [start for start, _ in phases[runner]]
-        i = bisect_right(starts, entry["created"] - skew) - 1
+        i = bisect_right(starts, entry["created"] - skew + 2 * CLOCK_TICK_S) - 1
         if i >= 0:
             entry["test"], entry["by"] = phases[runner][i][1], "timeline"
 
