@@ -1,6 +1,6 @@
 """What Dagster's orchestration costs a ``daily_data_job`` run: the multiprocess executor starting its steps with
 ``spawn`` (Dagster's default), from a ``forkserver`` that preloaded the code location (the project's
-``STEP_EXECUTOR``) or from one configured as Dagster's ``forkserver: {}`` (``forkserver_bare``: Dagster 1.13 then
+``step_executor``, nexa_dagster/step_executor.py) or from one configured as Dagster's ``forkserver: {}`` (``forkserver_bare``: Dagster 1.13 then
 preloads nothing of the code location, and every step imports it again), and the in-process executor.
 
 Run (from the repo root)::
@@ -39,12 +39,13 @@ DAY = "2026-11-20"
 DEFS = """
 import dagster as dg
 from nexa_dagster.assets.partitions import daily_partitions
-from nexa_dagster.definitions import STEP_EXECUTOR, build_defs
+from nexa_dagster.definitions import build_defs
+from nexa_dagster.step_executor import step_executor
 
 ASSETS = __ASSETS__
 jobs = [dg.define_asset_job(f"daily_{name}", selection=dg.AssetSelection.assets(*ASSETS),
                             partitions_def=daily_partitions, executor_def=executor)
-        for name, executor in (("multiprocess", dg.multiprocess_executor), ("forkserver", STEP_EXECUTOR),
+        for name, executor in (("multiprocess", dg.multiprocess_executor), ("forkserver", step_executor),
                                ("forkserver_bare", dg.multiprocess_executor.configured(
                                    {"start_method": {"forkserver": {}}}, name="forkserver_bare")),
                                ("in_process", dg.in_process_executor))]

@@ -8,8 +8,6 @@ Tests call it after pointing the environment at a temporary data root.
 
 from __future__ import annotations
 
-from typing import Any
-
 import dagster as dg
 
 from nexa_dagster import settings
@@ -37,6 +35,7 @@ from nexa_dagster.core.common.config import pipeline_config
 from nexa_dagster.jobs import JOBS, nightly_schedule
 from nexa_dagster.resources.build import build_resources, config_resources
 from nexa_dagster.sensors import SENSORS
+from nexa_dagster.step_executor import step_executor
 
 ASSET_MODULES = [
     ingest,
@@ -53,38 +52,6 @@ ASSET_MODULES = [
 ]
 
 
-# What every step imports before it computes, imported once per run by the forkserver instead: the code location
-# (this module: ~1 s of CPU per step) and the instance's storage (SQLAlchemy and Dagster's SQLite or Postgres
-# storage: ~0.5 s). The forkserver skips a module that will not import (dagster_postgres where it is not installed).
-STEP_PRELOAD = [__name__, "dagster._core.storage.sqlite_storage", "dagster_postgres"]
-
-
-def _forked_steps(config: dict[str, Any]) -> dict[str, Any]:
-    """The multiprocess executor's configuration: steps forked from a forkserver that imported ``STEP_PRELOAD``,
-    retries as the run asks. The modules are named: with ``forkserver: {}`` Dagster 1.13 preloads nothing but its
-    executor (its "preload the job's module" default is never reached: an absent ``preload_modules`` reads as an
-    empty list), and every step imported the code location again."""
-    return {"start_method": {"forkserver": {"preload_modules": STEP_PRELOAD}}, "retries": config["retries"]}
-
-
-# Every step in a process of its own (a step killed by the OOM killer or a lost node fails alone, and is retried
-# alone), forked from a server that imported the code location once per run: Dagster's default `spawn` start
-# imports it again for every step, about 3.5 s of CPU each on a 2-core host (docs/operations.md, "Step processes").
-# A run may still turn its steps' retry policies off, as Dagster's own executor lets it (run config `execution:
-# {config: {retries: {disabled: {}}}}`): the kill tests do, where each retry would be killed at the same point.
-STEP_EXECUTOR = dg.multiprocess_executor.configured(
-    _forked_steps,
-    config_schema={
-        "retries": dg.Field(
-            dg.Selector({"enabled": {}, "disabled": {}}),
-            default_value={"enabled": {}},
-            description="`disabled`: a failed step is not retried, whatever its retry policy",
-        )
-    },
-    name="multiprocess_forkserver",
-)
-
-
 def build_defs(warm_workers: bool = False) -> dg.Definitions:
     """The code location. Every file under ``configs/`` is checked first: a bad key fails the load (``make
     validate``, the UI) naming the file and the key, not a run hours later. ``warm_workers``: for a process that
@@ -98,7 +65,7 @@ def build_defs(warm_workers: bool = False) -> dg.Definitions:
     assets = with_code_versions(loaded, config_resources())
     assets = with_column_schemas(assets)  # assets/columns.py: from the pandera models
     return dg.Definitions(
-        executor=STEP_EXECUTOR,
+        executor=step_executor,  # step_executor.py: each step forked from a server that imported what it needs
         assets=with_freshness(assets, schedule),  # assets/freshness.py
         asset_checks=dg.load_asset_checks_from_modules(
             [*ASSET_MODULES, checks]

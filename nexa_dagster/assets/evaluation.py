@@ -14,7 +14,7 @@ import dagster as dg
 import numpy as np
 import pandas as pd
 
-from nexa_dagster.assets.common import MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
+from nexa_dagster.assets.common import IMPORTS_MODELS, MODEL_CALL_RETRY, no_retry_on_permanent_llm_errors
 from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.types import LeaderboardType
@@ -165,6 +165,7 @@ def production_to_compare(storage: StorageResource, checkpoint_id: str, log) -> 
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="evaluation",
     partitions_def=checkpoint_partitions,
     pool="gpu",

@@ -8,6 +8,7 @@ a version, once frozen, never changes (``core.eval_set``), so the gate and the l
 import dagster as dg
 import pandas as pd
 
+from nexa_dagster.assets.common import IMPORTS_MODELS
 from nexa_dagster.assets.packaging import load_student_tokenizer
 from nexa_dagster.assets.types import FilteredSamplesType
 from nexa_dagster.core.evaluation.eval_set import freeze_eval_set
@@ -19,6 +20,7 @@ from nexa_dagster.resources.storage import StorageResource
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="evaluation",
     ins={"filtered_samples": dg.AssetIn(dagster_type=FilteredSamplesType)},
     deps=[

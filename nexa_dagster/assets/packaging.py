@@ -17,7 +17,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from nexa_dagster.assets.common import preview
+from nexa_dagster.assets.common import IMPORTS_MODELS, preview
 from nexa_dagster.core.cluster.shard_task import ShardTasksFailed
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import SFTDataset
@@ -196,6 +196,7 @@ class SFTDatasetConfig(dg.Config):
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
     ins={
@@ -324,6 +325,7 @@ def _valid_raw_documents(frame: pd.DataFrame, path: str) -> None:
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="packaging",
     # not loaded by the IO manager: the asset streams the partitions' files one day at a time (bounded memory)
     ins={"raw_documents": dg.AssetIn(dagster_type=dg.Nothing)},

@@ -28,6 +28,7 @@ from nexa_dagster.assets.checkpoint_launch import (
     registered,
 )
 from nexa_dagster.assets.common import (
+    IMPORTS_MODELS,
     MODEL_CALL_RETRY,
     no_retry_on_permanent_llm_errors,
     preview,
@@ -394,6 +395,7 @@ def dataset_metadata(dataset: PreferenceDataset, refused: list[str], repeated: i
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="preference",
     # streamed from the partitions' files a day at a time, like sft_dataset (bounded memory)
     ins={"preference_pairs": dg.AssetIn(dagster_type=dg.Nothing)},
@@ -513,6 +515,7 @@ class PreferenceRunConfig(dg.Config):
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="preference",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,

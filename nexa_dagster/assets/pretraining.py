@@ -17,7 +17,7 @@ from nexa_dagster.assets.checkpoint_launch import (
     launch_and_record,
     preset_on_cluster,
 )
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.common import IMPORTS_MODELS, MODEL_CALL_RETRY
 from nexa_dagster.assets.packaging import contamination_index, load_student_tokenizer
 from nexa_dagster.assets.partitions import base_model_partitions
 from nexa_dagster.assets.training import checkpoint_id_for
@@ -70,6 +70,7 @@ def contaminated_documents(
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="training",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,

@@ -27,7 +27,7 @@ from nexa_dagster.assets.checkpoint_launch import (
     preset_on_cluster,
     registered,
 )
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.common import IMPORTS_MODELS, MODEL_CALL_RETRY
 from nexa_dagster.assets.preference import PRODUCTION_MODEL, require_production
 from nexa_dagster.assets.production import production_metadata
 from nexa_dagster.assets.training import checkpoint_id_for, loads_with_transformers, training_summary
@@ -179,6 +179,7 @@ def reward_spec(text: str) -> dict[str, object]:
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="rl",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,

@@ -14,7 +14,7 @@ from typing import Any
 import dagster as dg
 from pydantic import ValidationError
 
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.common import IMPORTS_MODELS, MODEL_CALL_RETRY
 from nexa_dagster.assets.partitions import checkpoint_partitions
 from nexa_dagster.assets.production import production_change
 from nexa_dagster.core.cluster import warm_python
@@ -66,6 +66,7 @@ def _smoke_test_without_service(
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="serving",
     partitions_def=checkpoint_partitions,
     output_required=False,

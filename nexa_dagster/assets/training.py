@@ -19,7 +19,7 @@ from nexa_dagster.assets.checkpoint_launch import (
     preset_on_cluster,
     registered,
 )
-from nexa_dagster.assets.common import MODEL_CALL_RETRY
+from nexa_dagster.assets.common import IMPORTS_MODELS, MODEL_CALL_RETRY
 from nexa_dagster.core.common import roots
 from nexa_dagster.core.common import storage as io
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER, Checkpoint, SFTDataset
@@ -129,6 +129,7 @@ def resolve_init(
 
 
 @dg.asset(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     group_name="training",
     pool="gpu",
     retry_policy=MODEL_CALL_RETRY,
@@ -201,6 +202,7 @@ def sft_record(
 
 
 @dg.asset_check(
+    op_tags=IMPORTS_MODELS,  # step_executor.py: torch and transformers in its own process
     asset=moe_checkpoint,
     description="The checkpoint loads with plain transformers "
     "(AutoModelForCausalLM) and gives finite logits.",

@@ -1,4 +1,4 @@
-"""A run's steps fork from a server that imported the code location once (``STEP_EXECUTOR``, docs/operations.md,
+"""A run's steps fork from a server that imported the code location once (``step_executor``, docs/operations.md,
 "Step processes"): a real ``dagster asset materialize`` of a two-step selection (an asset and its check) imports
 ``nexa_dagster.definitions`` in two processes, the command's and the forkserver's, and in no step; nor does a step
 import the instance's storage (SQLAlchemy).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import dagster as dg
@@ -70,3 +71,86 @@ def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path:
     code_location = importers["nexa_dagster.definitions"]
     assert len(code_location) == len(set(code_location)) == 2, importers
     assert set(importers["sqlalchemy"]) <= set(code_location), importers
+
+
+JOBS = """
+import dagster as dg
+
+from nexa_dagster.assets.common import IMPORTS_MODELS
+from nexa_dagster.step_executor import step_executor
+
+
+@dg.op(tags=IMPORTS_MODELS)
+def tokenize() -> int:
+    import torch
+
+    return int(torch.ones(1).item())
+
+
+@dg.op(tags=IMPORTS_MODELS)
+def train(x: int) -> int:
+    import torch
+
+    return x + int(torch.zeros(1).item())
+
+
+@dg.op
+def report(x: int) -> int:  # imports torch too, untagged: as a step with a local model only would
+    import torch
+
+    return x + int(torch.zeros(1).item())
+
+
+@dg.job(executor_def=step_executor)
+def two_model_steps():
+    train(tokenize())
+
+
+@dg.job(executor_def=step_executor)
+def one_model_step():
+    report(tokenize())
+
+
+defs = dg.Definitions(jobs=[two_model_steps, one_model_step])
+"""
+
+
+def _torch_importers(tmp_path: Path, job: str) -> tuple[dict[str, int], list[int]]:
+    """A real ``dagster job execute`` of ``job`` (JOBS) on the step executor: its steps' pids, and every process
+    that imported torch afresh."""
+    root = make_sandbox(tmp_path / job)
+    site, log = tmp_path / f"site-{job}", tmp_path / f"torch-{job}.log"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RECORDER.format(modules=("torch",), log=str(log)))
+    (tmp_path / "model_jobs.py").write_text(JOBS)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dagster", "job", "execute", "-f", str(tmp_path / "model_jobs.py"), "-j", job],
+        cwd=REPO_ROOT,
+        env=sandbox_env(root, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        (run,) = instance.get_runs()
+        steps = {
+            e.dagster_event.step_key: e.dagster_event.pid
+            for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
+        }
+    return steps, [int(line.split()[1]) for line in log.read_text().splitlines()]
+
+
+def test_torch_is_imported_once_by_the_server_for_two_steps_that_need_it_and_by_the_step_for_one(
+    tmp_path: Path,
+) -> None:
+    """The step executor's per-run preload (step_executor.py), in real runs: with two steps tagged IMPORTS_MODELS
+    the forkserver imports torch before the first step and neither step imports it; with one, nothing preloads it,
+    and each step that uses it imports it itself, as every step did before."""
+    steps, importers = _torch_importers(tmp_path, "two_model_steps")
+    assert len(steps) == 2 and len(importers) == 1, (steps, importers)
+    assert not set(steps.values()) & set(importers), (steps, importers)  # the server's, not a step's
+
+    steps, importers = _torch_importers(tmp_path, "one_model_step")
+    assert len(steps) == 2 and sorted(importers) == sorted(steps.values()), (steps, importers)

@@ -110,21 +110,64 @@ def test_model_calling_stages_retry_and_training_uses_the_gpu_pool() -> None:
 
 
 def test_steps_are_forked_and_retried_unless_a_run_turns_retries_off() -> None:
-    """Every job's steps start from a forkserver that preloads the code location and retry by their policies; a
-    run can turn the retries off (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the
-    start method is fixed (that no step imports the code location again: tests/integration/test_step_processes.py)."""
-    from nexa_dagster.definitions import STEP_PRELOAD, defs
+    """Every job's steps start from a forkserver and retry by their policies; a run can turn the retries off
+    (`execution.config.retries: disabled`, as the kill tests do) and nothing else: the start method is fixed (that
+    no step imports the code location again: tests/integration/test_step_processes.py)."""
+    from nexa_dagster.definitions import defs
+    from nexa_dagster.step_executor import STEP_PRELOAD, PlanPreloadingExecutor
 
     assert STEP_PRELOAD[0] == "nexa_dagster.definitions"
     job = defs.resolve_job_def("training_job")
-    default = dg.validate_run_config(job, {})["execution"]["multiprocess_forkserver"]
-    forked = {"forkserver": {"preload_modules": STEP_PRELOAD}}
-    assert default["start_method"] == forked and default["retries"] == {"enabled": {}}
+    assert job.executor_def.name == "multiprocess_forkserver"
+    assert dg.validate_run_config(job, {})["execution"]["multiprocess_forkserver"] == {
+        "retries": {"enabled": {}}
+    }
     off = {"execution": {"config": {"retries": {"disabled": {}}}}}
-    chosen = dg.validate_run_config(job, off)["execution"]["multiprocess_forkserver"]
-    assert chosen["start_method"] == forked and chosen["retries"] == {"disabled": {}}
+    assert (
+        dg.validate_run_config(job, off)["execution"]["multiprocess_forkserver"] == off["execution"]["config"]
+    )
     with pytest.raises(dg.DagsterInvalidConfigError):
         dg.validate_run_config(job, {"execution": {"config": {"start_method": {"spawn": {}}}}})
+    executor = job.executor_def.executor_creation_fn(  # type: ignore[misc]
+        dg.InitExecutorContext(
+            job=dg.reconstructable(_training_job),
+            executor_def=job.executor_def,
+            executor_config={"retries": {"disabled": {}}},
+            instance=dg.DagsterInstance.ephemeral(),
+        )
+    )
+    assert isinstance(executor, PlanPreloadingExecutor) and not executor.retries.enabled
+
+
+def _training_job() -> dg.JobDefinition:
+    from nexa_dagster.definitions import defs
+
+    return defs.resolve_job_def("training_job")
+
+
+def test_torch_is_preloaded_for_a_run_of_two_steps_that_import_it_and_not_for_one() -> None:
+    """The forkserver imports torch and transformers for a plan with two or more steps tagged IMPORTS_MODELS
+    (training_job: the packing, the training launch and the checkpoint's check), not for one with fewer: the daily
+    data, the leaderboard, a training alone. Which steps import them, measured: tests/integration/
+    test_step_processes.py."""
+    from dagster._core.execution.api import create_execution_plan
+
+    from nexa_dagster.definitions import defs
+    from nexa_dagster.step_executor import MODEL_PRELOAD, STEP_PRELOAD, preload_for
+
+    def preload(job_name: str, steps: list[str] | None = None) -> list[str]:
+        job = defs.resolve_job_def(job_name)
+        plan = create_execution_plan(job, step_keys_to_execute=steps)
+        return preload_for(plan)
+
+    with_models, without = [*STEP_PRELOAD, *MODEL_PRELOAD], list(STEP_PRELOAD)
+    assert preload("training_job") == with_models
+    assert preload("pretraining_job") == with_models
+    assert preload("leaderboard_job") == without
+    assert preload("training_job", ["moe_checkpoint"]) == without  # one such step: it imports them itself
+    assert preload(
+        "training_job", ["moe_checkpoint", "moe_checkpoint_checkpoint_loads_with_transformers"]
+    ) == (with_models)
 
 
 # -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------
