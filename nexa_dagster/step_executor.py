@@ -9,7 +9,7 @@ A step in a process of its own fails alone (the OOM killer, a lost node) and is 
 What the server imports is chosen per run, from the run's plan:
 
 * always ``STEP_PRELOAD``: the code location (~1 s of CPU per step) and the instance's storage (~0.5 s);
-* and ``MODEL_PRELOAD`` (torch and transformers, ~3.5 s of CPU) when two or more of the run's steps are tagged
+* and ``MODEL_PRELOAD`` (torch and transformers' tokenizers, ~3.5 s of CPU) when two or more of the run's steps are tagged
   ``IMPORTS_MODELS`` (``assets/common.py``): steps that load a tokenizer, a model or the training configuration in
   their own process. A run with one such step gains nothing (the step imports them itself, at the same cost), and a
   run with none would pay for them for nothing: ``ingest_job``, the leaderboard's runs and a day's data runs, the
@@ -35,10 +35,13 @@ from nexa_dagster.assets.common import IMPORTS_MODELS
 # The code location (this package's definitions), then the instance's storage: SQLAlchemy and Dagster's SQLite or
 # Postgres storage. The forkserver skips a module that will not import (dagster_postgres where it is not installed).
 STEP_PRELOAD = ("nexa_dagster.definitions", "dagster._core.storage.sqlite_storage", "dagster_postgres")
-# What a step that loads a tokenizer or a model imports (tests/integration/test_step_processes.py records which
-# steps do): torch, transformers and the tiny student's modelling code, as the forked steps of the pipeline's
-# selections imported them (py-spy, 2026-12-05: 491 of 628 samples of two such steps were these imports).
-MODEL_PRELOAD = ("torch", "transformers", "transformers.models.mixtral.modeling_mixtral")
+# What every step tagged IMPORTS_MODELS imports: torch and transformers' tokenizer classes (`from transformers import
+# AutoTokenizer`), which the packing steps need, and a training launch's configuration check and a checkpoint's check
+# import anyway. With these preloaded each of them imports nothing more of either before its work (measured on the
+# code location's process, 2026-12-06: the preload 3.4-4.1 CPU-s, then 0.00-0.03). The modelling code is left to the
+# steps that load a model: preloading the tiny student's too (`transformers.models.mixtral.modeling_mixtral`) cost
+# 5.8-7.0 CPU-s, and the packing and launch steps never import it.
+MODEL_PRELOAD = ("torch", "transformers.models.auto.tokenization_auto")
 
 
 def preload_for(plan: Any) -> list[str]:
