@@ -39,14 +39,17 @@ sys.meta_path.insert(0, _Recorder())
 """
 
 
-def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path: Path) -> None:
-    root = make_sandbox(tmp_path / "world", [DAY])
-    site, log = tmp_path / "site", tmp_path / "imports.log"
+def _recorded_run(
+    root: Path, command: list[str], modules: tuple[str, ...], site: Path
+) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """``command`` (a Dagster CLI run) on ``root`` with the recorder of ``modules`` on ``PYTHONPATH`` (in ``site``):
+    its one run's steps with their pids, and every (module, pid) imported afresh."""
+    log = site / "imports.log"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(RECORDER.format(modules=MODULES, log=str(log)))
+    (site / "sitecustomize.py").write_text(RECORDER.format(modules=modules, log=str(log)))
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        materialize_command("raw_documents", DAY),
+        command,
         cwd=REPO_ROOT,
         env=sandbox_env(root, PYTHONPATH=path),
         capture_output=True,
@@ -60,10 +63,17 @@ def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path:
             e.dagster_event.step_key: e.dagster_event.pid
             for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
         }
+    return steps, [(line.split()[0], int(line.split()[1])) for line in log.read_text().splitlines()]
+
+
+def test_steps_fork_from_a_server_that_imported_the_code_location_once(tmp_path: Path) -> None:
+    root = make_sandbox(tmp_path / "world", [DAY])
+    steps, imports = _recorded_run(
+        root, materialize_command("raw_documents", DAY), MODULES, tmp_path / "site"
+    )
     importers: dict[str, list[int]] = {module: [] for module in MODULES}
-    for line in log.read_text().splitlines():
-        module, pid = line.split()
-        importers[module].append(int(pid))
+    for module, pid in imports:
+        importers[module].append(pid)
     # two steps, each in a process of its own, which imported neither the code location nor the storage
     assert len(steps) == 2 and len(set(steps.values())) == 2, steps
     assert not set(steps.values()) & {pid for pids in importers.values() for pid in pids}, (steps, importers)
@@ -118,28 +128,13 @@ defs = dg.Definitions(jobs=[two_model_steps, one_model_step])
 def _torch_importers(tmp_path: Path, job: str) -> tuple[dict[str, int], list[int]]:
     """A real ``dagster job execute`` of ``job`` (JOBS) on the step executor: its steps' pids, and every process
     that imported torch afresh."""
-    root = make_sandbox(tmp_path / job)
-    site, log = tmp_path / f"site-{job}", tmp_path / f"torch-{job}.log"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(RECORDER.format(modules=("torch",), log=str(log)))
-    (tmp_path / "model_jobs.py").write_text(JOBS)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "dagster", "job", "execute", "-f", str(tmp_path / "model_jobs.py"), "-j", job],
-        cwd=REPO_ROOT,
-        env=sandbox_env(root, PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    jobs = tmp_path / "model_jobs.py"
+    jobs.write_text(JOBS)
+    command = [sys.executable, *("-m", "dagster", "job", "execute"), "-f", str(jobs), "-j", job]
+    steps, imports = _recorded_run(
+        make_sandbox(tmp_path / job), command, ("torch",), tmp_path / f"site-{job}"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
-        (run,) = instance.get_runs()
-        steps = {
-            e.dagster_event.step_key: e.dagster_event.pid
-            for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_START)
-        }
-    return steps, [int(line.split()[1]) for line in log.read_text().splitlines()]
+    return steps, [pid for _, pid in imports]
 
 
 def test_torch_is_imported_once_by_the_server_for_two_steps_that_need_it_and_by_the_step_for_one(

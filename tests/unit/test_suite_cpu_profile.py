@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.inner_pytest import inner_pytest
+
 from nexa_dagster.core.common.config import REPO_ROOT
 
 BURN = "import time; t = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
@@ -95,23 +97,19 @@ def test_with_the_timeline_a_process_belongs_to_the_test_its_pytest_process_ran_
 ) -> None:
     (tmp_path / "test_warm.py").write_text(WARM_TESTS)
     timeline = tmp_path / "timeline.jsonl"
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(REPO_ROOT / "scripts/suite_cpu_profile.py"), "--interval", "0.1"),
-            *("--timeline", str(timeline), "--processes", str(tmp_path / "processes.jsonl"), "--"),
-            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "support.timeline"),
-            *(f"--timeline={timeline}", "test_warm.py"),
-        ],
-        cwd=tmp_path,
-        env={
-            **{k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST")},
-            "PYTHONPATH": str(REPO_ROOT / "tests"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
+    profiler = (sys.executable, str(REPO_ROOT / "scripts/suite_cpu_profile.py"), "--interval", "0.1")
+    proc = inner_pytest(
+        tmp_path,
+        *("-p", "support.timeline", f"--timeline={timeline}", "test_warm.py"),
+        under=(
+            *profiler,
+            "--timeline",
+            str(timeline),
+            "--processes",
+            str(tmp_path / "processes.jsonl"),
+            "--",
+        ),
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
     burners = [row for row in rows if row.get("cpu", 0.0) >= 0.4 and row["kind"] == "other python"]
     by_test = {row["test"].split("::")[-1]: row for row in burners if "pytest" not in row["cmdline"]}

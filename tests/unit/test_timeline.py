@@ -5,12 +5,9 @@ and not the same CPU, which is what a CPU-bound suite pays)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from nexa_dagster.core.common.config import REPO_ROOT
+from support.inner_pytest import inner_pytest
 
 TESTS = """
 import os
@@ -32,22 +29,7 @@ def test_waits():
 def test_a_phase_that_computes_is_told_from_one_that_waits_through_xdist(tmp_path: Path) -> None:
     (tmp_path / "test_two.py").write_text(TESTS)
     timeline = tmp_path / "timeline.jsonl"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider"),
-            *("-p", "support.timeline", f"--timeline={timeline}", "."),
-        ],
-        cwd=tmp_path,
-        # a pytest of its own: the suite's options stay out; support/ importable as in the suite
-        env={
-            **{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
-            "PYTHONPATH": str(REPO_ROOT / "tests"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = inner_pytest(tmp_path, "-n", "2", "-p", "support.timeline", f"--timeline={timeline}", ".")
     calls = {
         line["nodeid"].split("::")[1]: line
         for line in map(json.loads, timeline.read_text().splitlines())
