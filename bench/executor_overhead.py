@@ -1,7 +1,8 @@
 """What Dagster's orchestration costs a ``daily_data_job`` run: the multiprocess executor starting its steps with
 ``spawn`` (Dagster's default), from a ``forkserver`` that preloaded the code location (the project's
-``step_executor``, nexa_dagster/step_executor.py) or from one configured as Dagster's ``forkserver: {}`` (``forkserver_bare``: Dagster 1.13 then
-preloads nothing of the code location, and every step imports it again), and the in-process executor.
+``step_executor``, nexa_dagster/step_executor.py) or from one configured as Dagster's ``forkserver: {}``
+(``forkserver_bare``: Dagster 1.13 then preloads nothing of the code location, and every step imports it again),
+and the in-process executor.
 
 Run (from the repo root)::
 

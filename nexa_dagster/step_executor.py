@@ -8,13 +8,15 @@ A step in a process of its own fails alone (the OOM killer, a lost node) and is 
 
 What the server imports is chosen per run, from the run's plan:
 
-* always ``STEP_PRELOAD``: the code location (~1 s of CPU per step) and the instance's storage (~0.5 s);
-* and ``MODEL_PRELOAD`` (torch and transformers' tokenizers, ~3.5 s of CPU) when two or more of the run's steps are tagged
-  ``IMPORTS_MODELS`` (``assets/common.py``): steps that load a tokenizer, a model or the training configuration in
-  their own process. A run with one such step gains nothing (the step imports them itself, at the same cost), and a
-  run with none would pay for them for nothing: ``ingest_job``, the leaderboard's runs and a day's data runs, the
-  runs the product starts most often on their own (preloading torch for every run cost them +4.5 CPU-s a run,
-  measured 2026-12-05: docs/measurements.md).
+* always ``STEP_PRELOAD``: the code location (~1 s of CPU per step) and the instance's storage (~0.5 s). Named,
+  because with ``forkserver: {}`` Dagster 1.13 preloads only its executor (its "the job's module" default is never
+  reached: an absent ``preload_modules`` reads as an empty list);
+* and ``MODEL_PRELOAD`` (torch and transformers' tokenizers, ~3.5 s of CPU) when two or more of the run's steps are
+  tagged ``IMPORTS_MODELS`` (``assets/common.py``): steps that load a tokenizer, a model or the training
+  configuration in their own process. A run with one such step gains nothing (the step imports them itself, at
+  the same cost), and a run with none would pay for them for nothing: ``ingest_job``, the leaderboard's runs and a
+  day's data runs, the runs the product starts most often on their own (preloading torch for every run cost them
+  +4.5 CPU-s a run, measured 2026-12-05: docs/measurements.md).
 
 The forkserver is one per process (Python's ``multiprocessing``): the choice holds for the first run a process
 executes, as in a run worker, which executes one. A process that executes several runs (a test's

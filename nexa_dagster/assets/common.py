@@ -17,7 +17,8 @@ MODEL_CALL_RETRY = dg.RetryPolicy(
 SINGLE_RUN_BACKFILL = dg.BackfillPolicy.single_run()
 # The op tag of a step that imports torch and transformers in its own process (a tokenizer, a model, a training
 # launch's configuration check, the transformers engine's options): a run with two or more forks them from a server
-# that imported them once (step_executor.py; which steps import them: tests/integration/test_step_processes.py).
+# that imported them once (step_executor.py; which steps import them, recorded: docs/measurements.md, "Step
+# processes").
 # A wrong tag costs only a run whose tagged steps all import neither. The teacher and judge steps have none: they
 # import them for a local model only, and a lab's endpoints make a day's two such steps import nothing.
 IMPORTS_MODELS = {"nexa/imports_models": "true"}

@@ -62,6 +62,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     node = getattr(
         report, "node", None
     )  # set by pytest-xdist on the controller: the worker that ran the test
+    props = dict(report.user_properties)
     line = {
         "worker": node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main"),
         "nodeid": report.nodeid,
@@ -69,8 +70,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         "outcome": report.outcome,
         "start": report.start,
         "stop": report.stop,
-        "cpu_s": dict(report.user_properties).get("cpu_s"),
-        "pid": dict(report.user_properties).get("pid"),
+        "cpu_s": props.get("cpu_s"),
+        "pid": props.get("pid"),
     }
     with _PATH.open("a") as f:
         f.write(json.dumps(line) + "\n")

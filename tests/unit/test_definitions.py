@@ -147,9 +147,9 @@ def _training_job() -> dg.JobDefinition:
 
 def test_torch_is_preloaded_for_a_run_of_two_steps_that_import_it_and_not_for_one() -> None:
     """The forkserver imports torch and transformers for a plan with two or more steps tagged IMPORTS_MODELS
-    (training_job: the packing, the training launch and the checkpoint's check), not for one with fewer: the daily
-    data, the leaderboard, a training alone. Which steps import them, measured: tests/integration/
-    test_step_processes.py."""
+    (training_job: the packing, the training launch and the checkpoint's check), not for one with fewer: the
+    leaderboard, a training alone. Which steps import them was recorded (docs/measurements.md, "Step processes");
+    that the server, not the steps, then imports torch: tests/integration/test_step_processes.py."""
     from dagster._core.execution.api import create_execution_plan
 
     from nexa_dagster.definitions import defs
@@ -165,9 +165,8 @@ def test_torch_is_preloaded_for_a_run_of_two_steps_that_import_it_and_not_for_on
     assert preload("pretraining_job") == with_models
     assert preload("leaderboard_job") == without
     assert preload("training_job", ["moe_checkpoint"]) == without  # one such step: it imports them itself
-    assert preload(
-        "training_job", ["moe_checkpoint", "moe_checkpoint_checkpoint_loads_with_transformers"]
-    ) == (with_models)
+    launch_and_check = ["moe_checkpoint", "moe_checkpoint_checkpoint_loads_with_transformers"]
+    assert preload("training_job", launch_and_check) == with_models
 
 
 # -- configuration files are validated when the code location loads (issue 17.8) ---------------------------------
