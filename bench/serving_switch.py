@@ -1,12 +1,12 @@
 """The serving endpoint through repeated blue/green switches: throughput, latency and failures before vs during.
 
 Run: .venv/bin/python bench/serving_switch.py [--switches 10] [--before-s 6] [--clients 2] [--max-tokens 8]
-     [--compare] [--canaries 2] [--engines transformers,vllm]
+     [--think-s 0] [--compare] [--canaries 2] [--engines transformers,vllm]
 
 Builds two tiny models (other seeds, other answers), puts the first in production and starts the serving service
 (`nexa-dagster serve`: HAProxy in front of `transformers serve`, with an API key every request sends) on a temporary
 data root. Then, with ``--clients`` clients sending chat requests without pause (plain httpx, no retry: a failure
-counts), it switches ``--switches`` times, promotion and rollback in turn (a -> b -> a ...). Each cycle has:
+counts; ``--think-s``: each client waits that long after an answer before its next request), it switches ``--switches`` times, promotion and rollback in turn (a -> b -> a ...). Each cycle has:
 
 - ``before``: ``--before-s`` seconds on the serving engine, after a settling second (the baseline, measured between
   the switches of the same run, so a machine whose load drifts moves both);
@@ -64,10 +64,12 @@ MIN_DURING = 300  # requests during the switches below which the goal is not dec
 
 
 class Load:
-    """``clients`` threads sending requests one after another to ``base_url`` until stopped."""
+    """``clients`` threads sending requests one after another to ``base_url`` until stopped, each waiting
+    ``think_s`` after an answer (0: a closed loop that keeps the engine saturated, what the goals were measured
+    under; more: users who read an answer before asking again, an engine partly idle)."""
 
-    def __init__(self, base_url: str, clients: int, max_tokens: int) -> None:
-        self.base_url, self.max_tokens = base_url, max_tokens
+    def __init__(self, base_url: str, clients: int, max_tokens: int, think_s: float = 0.0) -> None:
+        self.base_url, self.max_tokens, self.think_s = base_url, max_tokens, think_s
         self.records: list[tuple[float, float, bool]] = []  # (sent, latency, ok)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
@@ -88,6 +90,8 @@ class Load:
                 except httpx.HTTPError:
                     ok = False
                 self.records.append((sent, time.monotonic() - sent, ok))
+                if self.think_s:
+                    self._stop.wait(self.think_s)
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -120,8 +124,10 @@ class Load:
         }
 
 
-def verdict(before: dict, during: dict) -> dict[str, object]:
-    """The ratios and whether they meet the goal; undecided on fewer than ``MIN_DURING`` requests during."""
+def verdict(before: dict, during: dict, think_s: float = 0.0) -> dict[str, object]:
+    """The ratios and whether they meet the goal; undecided on fewer than ``MIN_DURING`` requests during, and
+    with clients that pause (``think_s``): the throughput goal is about an engine kept busy, and paused clients'
+    rate is set by their pauses."""
     throughput = during["requests_per_s"] / before["requests_per_s"] if before["requests_per_s"] else None
     p99 = during["p99_ms"] / before["p99_ms"] if before["p99_ms"] and during["p99_ms"] else None
     out: dict[str, object] = {
@@ -129,7 +135,10 @@ def verdict(before: dict, during: dict) -> dict[str, object]:
         "p99_during_over_before": round(p99, 3) if p99 is not None else None,
         "failed": during["failed"] + before["failed"],
     }
-    if during["requests"] < MIN_DURING or throughput is None or p99 is None:
+    if think_s:
+        out["goal_met"] = None
+        out["why"] = f"clients pausing {think_s} s between requests: the goal is decided with --think-s 0"
+    elif during["requests"] < MIN_DURING or throughput is None or p99 is None:
         out["goal_met"] = None
         out["why"] = f"{during['requests']} requests during the switches, {MIN_DURING} needed: not decided"
     else:
@@ -187,7 +196,7 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
         endpoint = f"http://127.0.0.1:{port}/v1"
         load_at_start = load_average()
         befores, durings, switch_s = [], [], []
-        with Load(endpoint, args.clients, args.max_tokens) as load:
+        with Load(endpoint, args.clients, args.max_tokens, args.think_s) as load:
             for i in range(args.switches):
                 time.sleep(1.0)  # settling: the engine that just took the traffic answers its first requests
                 t0 = time.monotonic()
@@ -257,7 +266,7 @@ def run_configuration(args: argparse.Namespace, root: Path, a: Path, b: Path, ex
             "canary": load.windows(canary_spans) if canary_spans else None,
             "load_average_start": load_at_start,
             "load_average_end": load_average(),
-            **verdict(before, during),
+            **verdict(before, during, args.think_s),
         }
     finally:
         service.terminate()
@@ -270,6 +279,12 @@ def main() -> dict[str, object]:
     ap.add_argument("--before-s", type=float, default=6.0, help="seconds of baseline before each switch")
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="seconds each client waits after an answer (default 0: the engine saturated, as the goals were measured)",
+    )
     ap.add_argument("--compare", action="store_true", help="first with the loading engine unrestrained")
     ap.add_argument("--canaries", type=int, default=0, help="canaries after the switches, each until decided")
     ap.add_argument("--canary-share", type=float, default=0.5, help="the share of requests a canary serves")
@@ -304,6 +319,7 @@ def main() -> dict[str, object]:
         "switches": args.switches,
         "clients": args.clients,
         "max_tokens": args.max_tokens,
+        "think_s": args.think_s,
         "before_s": args.before_s,
         "canaries_asked": args.canaries,
         "engines": engines,

@@ -1,7 +1,8 @@
 """The UI as a person uses it: `dagster dev` on the loopback, driven by headless Chromium (Debian's package).
 
-Opens the asset graph of every group and checks each stage asset is drawn, launches a partition of the daily
-pipeline from the Launchpad, waits for the run to succeed, and keeps a screenshot of the run that is not blank.
+One session: shows a code change and a promotion on the asset pages, opens the asset graph of every group and
+checks each stage asset is drawn, launches a partition of the daily pipeline from the Launchpad, waits for the run
+to succeed, keeps a screenshot of the run that is not blank, and shows a configuration edit as unsynced.
 """
 
 import contextlib
@@ -46,9 +47,7 @@ def chromium() -> str:
 
 
 @contextlib.contextmanager
-def dagster_dev(
-    env: dict[str, str], tmp_path: Path, workspace: Path = REPO_ROOT / "workspace.yaml"
-) -> Iterator[str]:
+def dagster_dev(env: dict[str, str], tmp_path: Path, workspace: Path) -> Iterator[str]:
     """``dagster dev`` of ``workspace`` on a free loopback port, until it answers; yields its base URL, then stops
     it (SIGTERM, then SIGKILL of whatever else its group keeps)."""
     port = free_port()
@@ -90,109 +89,99 @@ def reload_location(base: str) -> None:
     assert b"error" not in urllib.request.urlopen(request, timeout=120).read().lower()
 
 
-def test_the_ui_shows_every_stage_and_launches_a_run(tmp_path: Path) -> None:
-    browser_path = chromium()
-    from playwright.sync_api import sync_playwright
+def graph_and_a_launched_run(page, base: str, home: Path, tmp_path: Path) -> Path:  # noqa: ANN001
+    """Every stage asset drawn in its group's graph; a partition of the daily job launched from the Launchpad
+    succeeds; returns the screenshot of its run page."""
+    for group, assets in GROUPS.items():
+        page.goto(f"{base}/locations/{LOCATION}/asset-groups/{group}", wait_until="networkidle")
+        for asset in assets:
+            page.get_by_text(asset, exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "graph.png"))
 
-    # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
-    # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
-    make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
-    # a copy of configs/ this test edits later: an asset's code version follows its configuration file
-    configs = configs_with(tmp_path / "configs", {})
-    home, env = tmp_path / "home", sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs))
-    with dagster_dev(env, tmp_path) as base, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    # the Launchpad of the daily job: pick the day in its partition box, launch
+    page.goto(f"{base}/locations/{LOCATION}/jobs/daily_data_job/playground", wait_until="networkidle")
+    partition = page.get_by_placeholder("Partition")
+    try:
+        partition.click()
+    except Exception:
+        page.screenshot(path=str(tmp_path / "launch-failed.png"))
+        raise
+    partition.fill(DAY)
+    page.get_by_role("menuitem", name=DAY).or_(page.get_by_text(DAY, exact=True)).last.click()
+    page.get_by_text(f"partition: {DAY}").first.wait_for(timeout=30_000)
+    page.get_by_role("button", name="Launch Run").click()
+    try:
+        page.wait_for_url("**/runs/**", timeout=60_000, wait_until="commit")  # client-side navigation
+    except Exception:
+        page.screenshot(path=str(tmp_path / "launch-failed.png"))
+        raise
+    run_id = page.url.rstrip("/").split("/")[-1]
 
-        for group, assets in GROUPS.items():
-            page.goto(f"{base}/locations/{LOCATION}/asset-groups/{group}", wait_until="networkidle")
-            for asset in assets:
-                page.get_by_text(asset, exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "graph.png"))
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        deadline = time.monotonic() + 600
+        while (run := instance.get_run_by_id(run_id)) is None or not run.is_finished:
+            assert time.monotonic() < deadline, "the run launched from the UI did not finish"
+            time.sleep(2)
+        errors = [
+            str(e.dagster_event.event_specific_data)[:1500]
+            for e in instance.all_logs(run_id)
+            if e.dagster_event and e.dagster_event.is_failure
+        ]
+        assert run.status == dg.DagsterRunStatus.SUCCESS, errors
+        assert run.tags["dagster/partition"] == DAY
+        assert instance.get_materialized_partitions(dg.AssetKey("filtered_samples")) == {DAY}
+    finally:
+        instance.dispose()
+    page.reload(wait_until="networkidle")
+    page.get_by_text("Success").first.wait_for(timeout=60_000)
+    shot = tmp_path / "run.png"
+    page.screenshot(path=str(shot))
+    return shot
 
-        # the Launchpad of the daily job: pick the day in its partition box, launch
-        page.goto(f"{base}/locations/{LOCATION}/jobs/daily_data_job/playground", wait_until="networkidle")
-        partition = page.get_by_placeholder("Partition")
-        try:
-            partition.click()
-        except Exception:
-            page.screenshot(path=str(tmp_path / "launch-failed.png"))
-            raise
-        partition.fill(DAY)
-        page.get_by_role("menuitem", name=DAY).or_(page.get_by_text(DAY, exact=True)).last.click()
-        page.get_by_text(f"partition: {DAY}").first.wait_for(timeout=30_000)
-        page.get_by_role("button", name="Launch Run").click()
-        try:
-            page.wait_for_url("**/runs/**", timeout=60_000, wait_until="commit")  # client-side navigation
-        except Exception:
-            page.screenshot(path=str(tmp_path / "launch-failed.png"))
-            raise
-        run_id = page.url.rstrip("/").split("/")[-1]
 
-        instance = dg.DagsterInstance.from_config(str(home))
-        try:
-            deadline = time.monotonic() + 600
-            while (run := instance.get_run_by_id(run_id)) is None or not run.is_finished:
-                assert time.monotonic() < deadline, "the run launched from the UI did not finish"
-                time.sleep(2)
-            errors = [
-                str(e.dagster_event.event_specific_data)[:1500]
-                for e in instance.all_logs(run_id)
-                if e.dagster_event and e.dagster_event.is_failure
-            ]
-            assert run.status == dg.DagsterRunStatus.SUCCESS, errors
-            assert run.tags["dagster/partition"] == DAY
-            assert instance.get_materialized_partitions(dg.AssetKey("filtered_samples")) == {DAY}
-        finally:
-            instance.dispose()
-        page.reload(wait_until="networkidle")
-        page.get_by_text("Success").first.wait_for(timeout=60_000)
-        shot = tmp_path / "run.png"
-        page.screenshot(path=str(shot))
+def asset_pages(page, base: str, tmp_path: Path) -> None:  # noqa: ANN001
+    """What the code location feeds the asset pages (docs/architecture.md): the run's check results and the column
+    schema of raw_documents, and the freshness policy of eval_report."""
+    page.goto(f"{base}/assets/raw_documents", wait_until="networkidle")
+    for text in ("Columns", "doc_id", "n_chars"):
+        page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "asset.png"))
+    page.goto(f"{base}/assets/raw_documents?view=checks", wait_until="networkidle")
+    for text in ("raw_documents_are_new", "This is a blocking asset check.", "Passed"):
+        page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "checks.png"))
+    page.goto(f"{base}/assets/eval_report", wait_until="networkidle")
+    page.get_by_text("Freshness policy", exact=True).first.wait_for(timeout=60_000)
+    page.get_by_text("Deadline: At 08:00 AM UTC").first.wait_for(timeout=60_000)  # pipeline.yaml: 2 + 6 h
+    page.screenshot(path=str(tmp_path / "freshness.png"))
 
-        # what the code location feeds the asset pages (docs/architecture.md): the run's check results and the
-        # column schema of raw_documents, and the freshness policy of eval_report
-        page.goto(f"{base}/assets/raw_documents", wait_until="networkidle")
-        for text in ("Columns", "doc_id", "n_chars"):
-            page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "asset.png"))
-        page.goto(f"{base}/assets/raw_documents?view=checks", wait_until="networkidle")
-        for text in ("raw_documents_are_new", "This is a blocking asset check.", "Passed"):
-            page.get_by_text(text, exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "checks.png"))
-        page.goto(f"{base}/assets/eval_report", wait_until="networkidle")
-        page.get_by_text("Freshness policy", exact=True).first.wait_for(timeout=60_000)
-        page.get_by_text("Deadline: At 08:00 AM UTC").first.wait_for(timeout=60_000)  # pipeline.yaml: 2 + 6 h
-        page.screenshot(path=str(tmp_path / "freshness.png"))
 
-        # a stale marker after a version change: pretrain_corpus materialized, then its configuration edited and
-        # the code location reloaded: its code version changed, and the asset page says it is unsynced
-        corpus = subprocess.run(
-            materialize_command("pretrain_corpus"),
-            cwd=REPO_ROOT,
-            env=env,
-            capture_output=True,
-            timeout=600,
-        )
-        assert corpus.returncode == 0, corpus.stderr[-3000:]
-        page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
-        page.get_by_text("pretrain_corpus").first.wait_for(timeout=60_000)
-        time.sleep(3)  # the page's status queries
-        assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before any change"
-        packaging = configs / "packaging.yaml"
-        packaging.write_text(packaging.read_text().replace("rows_per_shard: 5000", "rows_per_shard: 4000"))
-        reload_location(base)
-        page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
-        page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "stale.png"))
-        browser.close()
-
-    from PIL import Image, ImageStat
-
-    image = Image.open(shot).convert("L")
-    assert image.size == (1600, 1000)
-    assert ImageStat.Stat(image).stddev[0] > 10, "the screenshot is blank"
-    assert len(image.getcolors(maxcolors=1_000_000) or []) > 50, "the screenshot is nearly one colour"
+def stale_after_a_configuration_edit(
+    page, base: str, env: dict[str, str], source: Path, configs: Path, tmp_path: Path
+) -> None:  # noqa: ANN001
+    """pretrain_corpus materialized, then its configuration edited and the code location reloaded: its code
+    version changed, and the asset page says it is unsynced. Materialized by the copy of the package the UI runs
+    (``source`` the working directory, its training loop edited by then): a version from the installed package's
+    sources would differ before any configuration edit."""
+    corpus = subprocess.run(
+        materialize_command("pretrain_corpus", None, "-d", str(source)),
+        cwd=source,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    assert corpus.returncode == 0, corpus.stderr[-3000:]
+    page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
+    page.get_by_text("pretrain_corpus").first.wait_for(timeout=60_000)
+    time.sleep(3)  # the page's status queries
+    assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before any change"
+    packaging = configs / "packaging.yaml"
+    packaging.write_text(packaging.read_text().replace("rows_per_shard: 5000", "rows_per_shard: 4000"))
+    reload_location(base)
+    page.goto(f"{base}/assets/pretrain_corpus", wait_until="networkidle")
+    page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "stale.png"))
 
 
 def pairs_made_from_production(root: Path):  # noqa: ANN201
@@ -245,67 +234,97 @@ def show_code_version(page, base: str, asset: str) -> None:  # noqa: ANN001 (a p
         time.sleep(2)
 
 
-def test_the_ui_shows_a_code_change_and_a_promotion(tmp_path: Path) -> None:
-    """After an edit of the training loop and a reload, moe_checkpoint's page shows its new code version; after a
-    promotion, production_model's page shows the new checkpoint and preference_pairs (made from the old one) is
-    unsynced. The code location runs from a copy of the package (its own workspace file), which the test edits; production and
-    the pairs are events on the instance, as a deployment run and a pairs run record them."""
+def a_code_change_shows(page, base: str, source: Path, configs: Path, before: str, tmp_path: Path) -> None:  # noqa: ANN001
+    """After an edit of the training loop and a reload, moe_checkpoint's page shows its new code version."""
+    from nexa_dagster.assets import versions
+    from nexa_dagster.definitions import ASSET_MODULES, config_resources
+
+    show_code_version(page, base, "moe_checkpoint")
+    page.get_by_text(before, exact=True).first.wait_for(timeout=60_000)
+    loop = source / "nexa_dagster" / "core" / "training" / "loop.py"
+    loop.write_text(loop.read_text().replace("floor: float = 0.1", "floor: float = 0.2", 1))
+    assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
+    after = versions.code_versions(assets, config_resources(), source, configs)["moe_checkpoint"]
+    assert after != before
+    reload_location(base)
+    show_code_version(page, base, "moe_checkpoint")
+    page.get_by_text(after, exact=True).first.wait_for(timeout=60_000)
+    assert page.get_by_text(before, exact=True).count() == 0
+    page.screenshot(path=str(tmp_path / "code-version.png"))
+
+
+def a_promotion_unsyncs_the_pairs(page, base: str, promote, tmp_path: Path) -> None:  # noqa: ANN001
+    """After a promotion, production_model's page shows the new checkpoint and preference_pairs (made from the old
+    one) is unsynced."""
+    from nexa_dagster.assets.production import PRODUCTION_MODEL
+
+    partitions = (
+        f"{base}/assets/preference_pairs?view=partitions&partition={DAY}"  # where a day's state shows
+    )
+    page.goto(partitions, wait_until="networkidle")
+    page.get_by_text(DAY).first.wait_for(timeout=60_000)
+    time.sleep(5)  # the page's status queries
+    assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before the promotion"
+    promote("ckpt-b", "ckpt-a")
+    page.goto(f"{base}/assets/{PRODUCTION_MODEL}", wait_until="networkidle")
+    page.get_by_text("ckpt-b", exact=False).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "production.png"))
+    page.goto(partitions, wait_until="networkidle")
+    page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(tmp_path / "pairs-stale.png"))
+
+
+def test_the_ui_shows_every_stage_launches_a_run_and_shows_what_changed(tmp_path: Path) -> None:
+    """One `dagster dev` and one browser, as a person's session: the code location runs from a copy of the package
+    (its own workspace file, which the test edits) and a copy of configs/ (an asset's code version follows its
+    configuration file). In order, so that no part sees another's changes: a training-loop edit shows as
+    moe_checkpoint's new code version; a promotion unsyncs the pairs made from the old production model (both
+    events on the instance, as a deployment run and a pairs run record them); every stage is drawn and a daily run
+    launched from the Launchpad succeeds; the asset pages show their schema, checks and freshness; a configuration
+    edit marks pretrain_corpus unsynced. One session, not two: the second `dagster dev` and Chromium cost ~30 CPU-s
+    of the suite (docs/testing.md)."""
     browser_path = chromium()
     from playwright.sync_api import sync_playwright
 
     from nexa_dagster.assets import versions
-    from nexa_dagster.assets.production import PRODUCTION_MODEL
     from nexa_dagster.definitions import ASSET_MODULES, config_resources
 
+    # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
+    # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
     make_sandbox(tmp_path, [DAY], extra_settings="nux:\n  enabled: false\n")
+    configs = configs_with(tmp_path / "configs", {})
     source = tmp_path / "src"
     shutil.copytree(
         versions.SOURCE_ROOT / "nexa_dagster",
         source / "nexa_dagster",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    # the code location imports the copy (its working directory first on sys.path) and reads the repository's configs
+    # the code location imports the copy (its working directory first on sys.path)
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(
         f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {source}\n"
     )
-    env = sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(REPO_ROOT / "configs"))
+    home, env = tmp_path / "home", sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs))
     assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
-    before = versions.code_versions(assets, config_resources(), source)["moe_checkpoint"]
-
+    before = versions.code_versions(assets, config_resources(), source, configs)["moe_checkpoint"]
     promote = pairs_made_from_production(tmp_path)  # production ckpt-a, and pairs of DAY answered by it
 
     with dagster_dev(env, tmp_path, workspace) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        show_code_version(page, base, "moe_checkpoint")
-        page.get_by_text(before, exact=True).first.wait_for(timeout=60_000)
-
-        loop = source / "nexa_dagster" / "core" / "training" / "loop.py"
-        loop.write_text(loop.read_text().replace("floor: float = 0.1", "floor: float = 0.2", 1))
-        after = versions.code_versions(assets, config_resources(), source)["moe_checkpoint"]
-        assert after != before
-        reload_location(base)
-        show_code_version(page, base, "moe_checkpoint")
-        page.get_by_text(after, exact=True).first.wait_for(timeout=60_000)
-        assert page.get_by_text(before, exact=True).count() == 0
-        page.screenshot(path=str(tmp_path / "code-version.png"))
-
-        partitions = (
-            f"{base}/assets/preference_pairs?view=partitions&partition={DAY}"  # where a day's state shows
-        )
-        page.goto(partitions, wait_until="networkidle")
-        page.get_by_text(DAY).first.wait_for(timeout=60_000)
-        time.sleep(5)  # the page's status queries
-        assert page.get_by_text("Unsynced", exact=False).count() == 0, "unsynced before the promotion"
-        promote("ckpt-b", "ckpt-a")
-        page.goto(f"{base}/assets/{PRODUCTION_MODEL}", wait_until="networkidle")
-        page.get_by_text("ckpt-b", exact=False).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "production.png"))
-        page.goto(partitions, wait_until="networkidle")
-        page.get_by_text("Unsynced", exact=False).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(tmp_path / "pairs-stale.png"))
+        a_code_change_shows(page, base, source, configs, before, tmp_path)
+        a_promotion_unsyncs_the_pairs(page, base, promote, tmp_path)
+        shot = graph_and_a_launched_run(page, base, home, tmp_path)
+        asset_pages(page, base, tmp_path)
+        stale_after_a_configuration_edit(page, base, env, source, configs, tmp_path)
         browser.close()
+
+    from PIL import Image, ImageStat
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1600, 1000)
+    assert ImageStat.Stat(image).stddev[0] > 10, "the screenshot is blank"
+    assert len(image.getcolors(maxcolors=1_000_000) or []) > 50, "the screenshot is nearly one colour"
 
 
 @pytest.fixture(autouse=True)
