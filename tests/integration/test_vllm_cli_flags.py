@@ -2,6 +2,10 @@
 argument parser (the one its OpenAI server builds, from the vLLM environment `make test` installs): every flag the
 manifest gives exists and takes the value given, so a vLLM upgrade that renames one fails here, not in a pod.
 
+The same process, which imports the serving CLI's modules from the environment without writing bytecode (as every
+engine under PYTHONDONTWRITEBYTECODE does), finds each one's bytecode there: the install compiled what an engine's
+start imports (``vllm_env``'s probe; pip installs without compiling), so no engine compiles it again.
+
 The parser's import takes ~20 s on the 2-core machine: one subprocess parses every engine container's command."""
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-engine")]
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "serving.yaml"
 # what `vllm serve` itself does before its parser: the model as the positional model_tag
 PARSE = """
-import json, sys
+import sys
+sys.dont_write_bytecode = True  # what an engine under PYTHONDONTWRITEBYTECODE does: only the install's bytecode
+import importlib.util, json, os, sysconfig
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 parser = make_arg_parser(FlexibleArgumentParser())
@@ -32,7 +38,13 @@ for argv in json.loads(sys.argv[1]):
         out.append({"ok": True, "model": a.model_tag, "served": a.served_model_name, "host": a.host, "port": a.port})
     except SystemExit as e:
         out.append({"ok": False, "code": e.code})
-print(json.dumps(out))
+site = sysconfig.get_paths()["purelib"] + os.sep
+imported = {getattr(m, "__file__", None) or "" for m in list(sys.modules.values())}
+uncompiled = sorted(
+    f for f in imported
+    if f.startswith(site) and f.endswith(".py") and not os.path.exists(importlib.util.cache_from_source(f))
+)
+print(json.dumps({"parsed": out, "imported": sum(f.startswith(site) for f in imported), "uncompiled": uncompiled}))
 """
 
 
@@ -48,7 +60,10 @@ def _engine_commands() -> list[list[str]]:
     return commands
 
 
-def test_the_manifests_vllm_serve_flags_are_the_real_clis() -> None:
+@pytest.fixture(scope="module")
+def parsed() -> tuple[dict, str]:
+    """Every engine container's command and a misspelled one, parsed in one process of the vLLM environment: its
+    last line's JSON, and its stderr."""
     require_vllm()
     commands = _engine_commands()
     assert len(commands) == 2, "one engine per colour"
@@ -60,9 +75,14 @@ def test_the_manifests_vllm_serve_flags_are_the_real_clis() -> None:
         timeout=300,
         check=True,
     )
-    *parsed, wrong = json.loads(out.stdout.strip().splitlines()[-1])
-    for result in parsed:
-        assert result == {
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_the_manifests_vllm_serve_flags_are_the_real_clis(parsed: tuple[dict, str]) -> None:
+    result, stderr = parsed
+    *flags, wrong = result["parsed"]
+    for one in flags:
+        assert one == {
             "ok": True,
             "model": "/data/checkpoints/x",
             "served": ["nexa-moe"],
@@ -70,4 +90,14 @@ def test_the_manifests_vllm_serve_flags_are_the_real_clis() -> None:
             "port": 8001,
         }
     assert wrong == {"ok": False, "code": 2}  # the same parser refuses a flag it does not have
-    assert "unrecognized arguments: --served-modle-name" in out.stderr
+    assert "unrecognized arguments: --served-modle-name" in stderr
+
+
+def test_what_an_engine_imports_from_the_environment_has_its_bytecode(parsed: tuple[dict, str]) -> None:
+    result, _ = parsed
+    assert (
+        result["imported"] > 500
+    )  # torch, transformers, vLLM's server: the check below has something to check
+    assert result["uncompiled"] == [], (
+        f"{len(result['uncompiled'])} modules without bytecode: {result['uncompiled'][:10]}"
+    )

