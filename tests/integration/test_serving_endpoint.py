@@ -684,8 +684,13 @@ class _IncomingEngine(threading.Thread):
         assert samples and samples[0][0] and set(samples[0][0]) == {10}, samples[:3]  # loading: every thread
         assert all(set(s[1]) <= {0} for s in samples), samples  # the serving engine keeps its priority
         levels = [set(s[0]) for s in samples if s[0]]
+        # nice 10 until the promotion, then 0; the service renices thread by thread, so a sample taken meanwhile
+        # holds both (seen once, the machine loaded by a vLLM promotion beside it), never 10 again after it
         raised = next((i for i, lv in enumerate(levels) if lv != {10}), len(levels))
-        assert all(lv == {10} for lv in levels[:raised]) and all(lv == {0} for lv in levels[raised:]), levels
+        settled = next((i for i, lv in enumerate(levels) if lv == {0}), len(levels))
+        assert all(lv == {10} for lv in levels[:raised]), levels
+        assert all(lv == {0, 10} for lv in levels[raised:settled]), levels
+        assert all(lv == {0} for lv in levels[settled:]), levels
         assert set(_nice(self.process.pid)) == {0}  # promoted: the normal priority, every thread
         autogroup = Path(f"/proc/{self.process.pid}/autogroup")
         if autogroup.exists():  # the kernel's autogroups: the engines share the service's, so nice ranks them
@@ -752,8 +757,10 @@ def test_a_promotion_a_rollback_and_a_key_rotation_fail_no_request(endpoint: End
             _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=API_KEY, max_retries=0))
         assert _streamed_chat(openai.OpenAI(base_url=endpoint.base_url, api_key=new_key, max_retries=0))
         _a_weak_key_changes_nothing(endpoint, new_key)
-    finally:  # as the other tests expect it: the first key
+    finally:  # as the other tests expect it: the first key, and A in production
         _rotate(endpoint, API_KEY)
+        if endpoint.registry.current().checkpoint_id == "b":  # failed between the promotion and the rollback
+            _cli(endpoint, "rollback", timeout_s=600)  # its own failure would hide this test's: not checked
 
 
 def _answers_follow_the_switches(
