@@ -6,7 +6,8 @@ Run: .venv/bin/python bench/serving_switch.py [--switches 10] [--before-s 6] [--
 Builds two tiny models (other seeds, other answers), puts the first in production and starts the serving service
 (`nexa-dagster serve`: HAProxy in front of `transformers serve`, with an API key every request sends) on a temporary
 data root. Then, with ``--clients`` clients sending chat requests without pause (plain httpx, no retry: a failure
-counts; ``--think-s``: each client waits that long after an answer before its next request), it switches ``--switches`` times, promotion and rollback in turn (a -> b -> a ...). Each cycle has:
+counts; ``--think-s``: each client waits that long after an answer before its next request), it switches
+``--switches`` times, promotion and rollback in turn (a -> b -> a ...). Each cycle has:
 
 - ``before``: ``--before-s`` seconds on the serving engine, after a settling second (the baseline, measured between
   the switches of the same run, so a machine whose load drifts moves both);

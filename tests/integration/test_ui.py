@@ -256,16 +256,18 @@ def show_code_version(page, base: str, asset: str) -> None:  # noqa: ANN001 (a p
         time.sleep(2)
 
 
-def a_code_change_shows(page, base: str, source: Path, configs: Path, before: str, tmp_path: Path) -> None:  # noqa: ANN001
-    """After an edit of the training loop and a reload, moe_checkpoint's page shows its new code version."""
+def a_code_change_shows(page, base: str, source: Path, configs: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """After an edit of the training loop in the copy ``source`` and a reload, moe_checkpoint's page shows its new
+    code version (both versions derived here from the copy and ``configs``, before and after the edit)."""
     from nexa_dagster.assets import versions
     from nexa_dagster.definitions import ASSET_MODULES, config_resources
 
+    assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
+    before = versions.code_versions(assets, config_resources(), source, configs)["moe_checkpoint"]
     show_code_version(page, base, "moe_checkpoint")
     page.get_by_text(before, exact=True).first.wait_for(timeout=60_000)
     loop = source / "nexa_dagster" / "core" / "training" / "loop.py"
     loop.write_text(loop.read_text().replace("floor: float = 0.1", "floor: float = 0.2", 1))
-    assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
     after = versions.code_versions(assets, config_resources(), source, configs)["moe_checkpoint"]
     assert after != before
     reload_location(base)
@@ -302,13 +304,12 @@ def test_the_ui_shows_every_stage_launches_a_run_and_shows_what_changed(tmp_path
     moe_checkpoint's new code version; a promotion unsyncs the pairs made from the old production model (both
     events on the instance, as a deployment run and a pairs run record them); every stage is drawn and a daily run
     launched from the Launchpad succeeds; the asset pages show their schema, checks and freshness; a configuration
-    edit marks pretrain_corpus unsynced. One session, not two: the second `dagster dev` and Chromium cost ~30 CPU-s
-    of the suite (docs/testing.md)."""
+    edit marks pretrain_corpus unsynced. One session where there were two saves a start of `dagster dev` and of
+    Chromium; the suite's runs show no CPU saved within their spread (docs/testing.md)."""
     browser_path = chromium()
     from playwright.sync_api import sync_playwright
 
     from nexa_dagster.assets import versions
-    from nexa_dagster.definitions import ASSET_MODULES, config_resources
 
     # the project's instance settings, with the one-time "join the community" dialog off: it opens a few seconds
     # after the first page, at a moment no test can wait for, and its backdrop swallows every click under it
@@ -326,14 +327,12 @@ def test_the_ui_shows_every_stage_launches_a_run_and_shows_what_changed(tmp_path
         f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {source}\n"
     )
     home, env = tmp_path / "home", sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs))
-    assets = [a for a in dg.load_assets_from_modules(ASSET_MODULES) if isinstance(a, dg.AssetsDefinition)]
-    before = versions.code_versions(assets, config_resources(), source, configs)["moe_checkpoint"]
     promote = pairs_made_from_production(tmp_path)  # production ckpt-a, and pairs of DAY answered by it
 
     with dagster_dev(env, tmp_path, workspace) as base, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=browser_path, args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        a_code_change_shows(page, base, source, configs, before, tmp_path)
+        a_code_change_shows(page, base, source, configs, tmp_path)
         a_promotion_unsyncs_the_pairs(page, base, promote, tmp_path)
         shot = graph_and_a_launched_run(page, base, home, tmp_path)
         asset_pages(page, base, tmp_path)
