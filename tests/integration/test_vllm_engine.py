@@ -1,8 +1,7 @@
-"""A real vLLM engine (``vllm serve`` from its own environment, which ``make test`` installs) on the real model, on
-an MoE checkpoint as the project writes them (head size 32), and on SmolLM2 upcycled into the MoE and written as a
-training writes it, through the teacher's and judge's resource (``ManagedLLM``): ``n`` samples with their tokens'
-log-probabilities, which ``transformers serve`` ignores, the judge's score read from log-probabilities, and greedy
-tokens that equal transformers' own on the same prompts. What the engine leaves in the temporary folder (its ZMQ
+"""A real vLLM engine (``vllm serve`` from its own environment, which ``make test`` installs) on the real model and
+on SmolLM2 upcycled into the MoE and written as a training writes it, through the teacher's and judge's resource
+(``ManagedLLM``): ``n`` samples with their tokens' log-probabilities, which ``transformers serve`` ignores, the
+judge's score read from log-probabilities, and greedy tokens that equal transformers' own on the same prompts. What the engine leaves in the temporary folder (its ZMQ
 sockets, its distributed-init file) is in a folder of its own, gone once it stops; the model runs in the engine
 core's process, not a third one.
 
@@ -33,23 +32,9 @@ PROMPTS = [
     "Write a haiku about the sea.",
 ]
 # greedy log-probabilities of the same tokens from vLLM's CPU kernels and from torch, both float32: the gap is
-# summation order alone; the largest measured (2026-12-02) 1.5e-5 nats on SmolLM2, 4.8e-7 on the MoE (the test
+# summation order alone; the largest measured 1.5e-5 nats on SmolLM2 (2026-12-02), 1.1e-5 on it upcycled (the test
 # prints it)
 LOGPROB_TOLERANCE = 1e-3
-
-
-def _moe_of_head_size_32(tiny_model_dir: Path, out: Path) -> Path:
-    """The tiny MoE as the project writes it (``MixtralForCausalLM``, 4 experts, top-2, the tiny tokenizer), with
-    2 attention heads of 32 instead of 4 of 16: the smallest head size vLLM's CPU attention takes."""
-    import torch
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig.from_pretrained(tiny_model_dir)
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 2, 32
-    torch.manual_seed(0)
-    MixtralForCausalLM(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
 
 
 def _upcycled_smollm2(smollm2_dir: Path, out: Path) -> Path:
@@ -72,18 +57,19 @@ def _upcycled_smollm2(smollm2_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2", "moe-head-32", "smollm2-upcycled"])
+# Not here (issue 49, the suite's time): the tiny MoE of head size 32, a third engine start (about 30 CPU-s). The MoE
+# architecture on `vllm serve` is the upcycled SmolLM2's below, written as a training writes it; the tiny MoE's own
+# tokens on vLLM against transformers' are test_vllm_rollouts.py's (greedy answers, sampled pass@1, the weights of
+# every sync).
+@pytest.fixture(scope="module", params=["smollm2", "smollm2-upcycled"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real model, an MoE checkpoint of head size 32, SmolLM2 upcycled into the MoE as a training writes it:
-    one engine at a time (pytest orders the tests by this param)."""
+    """The real model, then SmolLM2 upcycled into the MoE as a training writes it: one engine at a time (pytest
+    orders the tests by this param)."""
     require_vllm()  # make test installs it beside the suite: wait for it (a failed install fails here)
     if request.param == "smollm2":  # after the check: a skip converts nothing
         return request.getfixturevalue("smollm2_dir")
-    if request.param == "smollm2-upcycled":
-        smollm2 = request.getfixturevalue("smollm2_dir")
-        return _upcycled_smollm2(smollm2, tmp_path_factory.mktemp("upcycled") / "smollm2-moe")
-    tiny = request.getfixturevalue("tiny_model_dir")
-    return _moe_of_head_size_32(tiny, tmp_path_factory.mktemp("moe") / "moe-head-32")
+    smollm2 = request.getfixturevalue("smollm2_dir")
+    return _upcycled_smollm2(smollm2, tmp_path_factory.mktemp("upcycled") / "smollm2-moe")
 
 
 def _environ(process: psutil.Process) -> dict[str, str]:
@@ -151,15 +137,14 @@ def test_n_samples_come_back_with_their_tokens_log_probabilities(vllm_client: Op
 
 
 def test_the_engine_honours_logprobs_and_the_judge_reads_its_score_from_them(
-    vllm_client: OpenAICompatibleClient, request: pytest.FixtureRequest
+    vllm_client: OpenAICompatibleClient,
 ) -> None:
     assert vllm_client.capabilities().logprobs
     scores = vllm_client.choice_logprobs(
         _chat("Rate this answer from 1 to 5: 'Paris is in France.'"), "12345"
     )
     assert set(scores) == set("12345") and all(v <= 0.0 for v in scores.values()), scores
-    if request.node.callspec.params["model_dir"] == "smollm2":  # a random MoE puts no digit in its top 20
-        assert len(set(scores.values())) > 1, scores  # read from the distribution, not five floors
+    assert len(set(scores.values())) > 1, scores  # read from the distribution, not five floors
 
 
 def test_greedy_tokens_equal_transformers_greedy_tokens(
