@@ -326,7 +326,11 @@ def test_the_ui_shows_every_stage_launches_a_run_and_shows_what_changed(tmp_path
     workspace.write_text(
         f"load_from:\n  - python_module:\n      module_name: {LOCATION}\n      working_directory: {source}\n"
     )
-    home, env = tmp_path / "home", sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs))
+    # the schedule and sensors stopped, as `make ui AUTOMATION=off` starts them: no part here looks at them, and the
+    # daemon would launch runs on the session's assets meanwhile (a training once the corpus lands, a preference run on
+    # the stand-in pairs), work no page is checked for
+    home = tmp_path / "home"
+    env = sandbox_env(tmp_path, NEXA_CONFIG_DIR=str(configs), NEXA_AUTOMATION="off")
     promote = pairs_made_from_production(tmp_path)  # production ckpt-a, and pairs of DAY answered by it
 
     with dagster_dev(env, tmp_path, workspace) as base, sync_playwright() as pw:
