@@ -11,10 +11,11 @@ person writes, not the model's own phrasings.
 
 The engines batch the requests in flight (``--continuous-batching``), as a serving engine under live traffic does.
 The test's cost is its answers: the decision took 90 to 170 scored answers a colour in the runs below, what the
-always-valid test needed for this difference on that run's traffic. A 135M model's decoding on a CPU is bound by reading its weights, which a batch reads once
-for all its requests. Measured on the idle 2-core Xeon, one engine, one thread, 12-token answers: 0.79-0.87 CPU-s an
-answer one at a time, 0.45 with two in flight, the same greedy answers. This test alone, one thread an engine as in
-the suite: 0.83 CPU-s of the engines a request before (two clients, no batching), 0.58 after (issue 49)."""
+always-valid test needed for this difference on that run's traffic. A 135M model's decoding on a CPU is bound by
+reading its weights, which a batch reads once for all its requests. Measured on the idle 2-core Xeon, one engine,
+one thread, 12-token answers: 0.79-0.87 CPU-s an answer one at a time, 0.45 with two in flight, the same greedy
+answers. This test alone, one thread an engine as in the suite: 0.83 CPU-s of the engines a request before (two
+clients, no batching), 0.58 after (issue 49)."""
 
 from __future__ import annotations
 
