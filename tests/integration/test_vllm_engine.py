@@ -1,9 +1,9 @@
 """A real vLLM engine (``vllm serve`` from its own environment, which ``make test`` installs) on the real model and
 on SmolLM2 upcycled into the MoE and written as a training writes it, through the teacher's and judge's resource
 (``ManagedLLM``): ``n`` samples with their tokens' log-probabilities, which ``transformers serve`` ignores, the
-judge's score read from log-probabilities, and greedy tokens that equal transformers' own on the same prompts. What the engine leaves in the temporary folder (its ZMQ
-sockets, its distributed-init file) is in a folder of its own, gone once it stops; the model runs in the engine
-core's process, not a third one.
+judge's score read from log-probabilities, and greedy tokens that equal transformers' own on the same prompts.
+What the engine leaves in the temporary folder (its ZMQ sockets, its distributed-init file) is in a folder of its
+own, gone once it stops; the model runs in the engine core's process, not a third one.
 
 One engine per model for the module, which every test here only reads from: a start takes about 20 s on the idle
 2-core machine (30 s while the model ran in a worker process of its own), 3 to 4.5 minutes at load 10-14.
