@@ -114,7 +114,7 @@ def test_a_smoke_engine_forked_from_the_warm_python_answers_stops_and_dies_with_
         LocalGPUCluster()
     )  # the warm Python's environment, as LocalGPUCluster(warm_start=True) starts it
     env = warm_python.import_time_environment(cluster.worker_env("training", cluster.launch_env()))
-    serving_only = ("uvicorn", "transformers.cli.transformers", "transformers.processing_utils")
+    serving_only = ("uvicorn", "transformers.cli.serve", "transformers.processing_utils")
     warm = warm_python.WarmPython(sys.executable, env, serving_only).start()
     logger = logging.getLogger("test-warm-engine")
     caplog.set_level(logging.INFO, logger=logger.name)

@@ -80,7 +80,7 @@ LIBRARIES = (
     # server and the processor classes it loads the model's tokenizer with, ~2.5 s of its ~4.7 s before it spawns
     # the model's process
     "uvicorn",
-    "transformers.cli.transformers",
+    "transformers.cli.serve",
     "transformers.processing_utils",
 )
 # read at run time, not while the preloaded modules import: a child's own value is used as it is (tokenizers reads

@@ -5,9 +5,9 @@
 any process of the host could reach around the serving endpoint's key check. On a Unix socket in a folder only the
 service's user may enter (``access.private_dir``), only HAProxy (and that user) reaches the engine.
 ``transformers serve`` builds its server with ``uvicorn.Config(app, host=..., port=...)``; this script hands uvicorn
-the socket instead (``uds=``, which uvicorn supports), then runs the transformers CLI as is. A transformers that
-builds its server otherwise leaves no socket: the service then fails the engine's start with its log, never serves
-on a port.
+the socket instead (``uds=``, which uvicorn supports), then runs transformers' own ``serve`` command (``serve_cli``:
+that command alone, not the whole CLI). A transformers that builds its server otherwise leaves no socket: the service
+then fails the engine's start with its log, never serves on a port.
 
 ``--model-process``: how the model's own process starts. ``transformers serve`` (5.x) starts it with a hard-coded
 ``spawn``: a fresh interpreter that imports torch and transformers again, what this process has just done (~4 of
@@ -100,7 +100,7 @@ def main() -> None:
 
         uvicorn.Config = OnSocket  # type: ignore[misc]
     # after the patch above: the CLI binds uvicorn.Config when it loads
-    from transformers.cli.transformers import main as transformers_cli
+    transformers_cli = serve_cli()
 
     if model_process == "spawn":
         print(f"{SAID} spawned: --model-process spawn", file=sys.stderr)
@@ -109,6 +109,25 @@ def main() -> None:
         _fork_model_process(_option(argv, "--device") or "", int(threads) if threads else None)
     sys.argv = ["transformers", *argv]
     transformers_cli()
+
+
+def serve_cli() -> Callable[[], None]:
+    """The ``transformers`` command with ``serve`` alone, as the full CLI registers it (``transformers.cli.
+    transformers``: ``Serve`` on huggingface_hub's ``typer_factory`` group, so ``transformers serve ...`` parses as
+    there). The full CLI imports every other command first, which an engine never runs: ``add-new-model-like``
+    imports libcst, ``chat`` rich and markdown-it, ~0.6 of the ~2.8 CPU-s its import takes (measured 2026-12-06 on
+    the 2-core Xeon), at every engine's start; and its entry asks PyPI for a newer transformers once a day, a call a
+    serving engine has no business making. A transformers laid out otherwise gets its own full CLI."""
+    try:  # after uvicorn's patch in main(), as the CLI's own import
+        from huggingface_hub import typer_factory
+        from transformers.cli.serve import Serve
+    except ImportError:  # a transformers whose CLI is laid out otherwise: its own, whole
+        from transformers.cli.transformers import main
+
+        return main
+    app = typer_factory(help="Transformers CLI: serve")
+    app.command(name="serve")(Serve)
+    return app
 
 
 def _fork_model_process(device: str, model_threads: int | None) -> None:

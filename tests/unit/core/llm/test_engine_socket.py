@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,28 @@ def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
     stdlib = {"collections", "multiprocessing", "sys", "threading", "types", "typing"}
-    assert imported - stdlib == {"uvicorn", "transformers", "torch"}, imported
+    # huggingface_hub: the command group transformers' own CLI is built on (serve_cli)
+    assert imported - stdlib == {"uvicorn", "transformers", "torch", "huggingface_hub"}, imported
+
+
+def test_the_engine_runs_transformers_serve_without_importing_the_other_commands() -> None:
+    """``transformers serve ...`` parses as in transformers' own CLI (the same ``Serve`` command on the same group),
+    but an engine's start imports none of the commands it never runs (libcst for ``add-new-model-like``, the chat
+    client's rich): measured in a fresh interpreter, whose modules are its own."""
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import transformers_engine as t; app = t.serve_cli(); "
+        "print(sorted(app.commands)); "
+        "print(sorted(m for m in ('libcst', 'transformers.cli.chat', 'transformers.cli.add_new_model_like') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(TRANSFORMERS_ENGINE.parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
+    assert out[-2:] == ["['serve']", "[]"], out
 
 
 @pytest.mark.parametrize(
