@@ -53,11 +53,10 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import yaml
 
 from nexa_dagster import settings
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.config import ScalePreset, config_dir
+from nexa_dagster.core.common.config import ScalePreset, config_dir, parse_yaml
 from nexa_dagster.core.common.python_source import parse_python
 
 PACKAGE = "nexa_dagster"
@@ -357,7 +356,7 @@ class ConfigReader:
     def scale(self) -> dict[str, Any]:
         resource = self.resources.get(SCALE_RESOURCE)
         name = resource.name if resource is not None else settings.SCALE.get()
-        return yaml.safe_load((self.root / "scales" / f"{name}.yaml").read_text()) or {}
+        return parse_yaml((self.root / "scales" / f"{name}.yaml").read_text()) or {}
 
     def scale_sections(self, reads: Iterable[str]) -> list[tuple[str, bytes]]:
         """What of the preset ``reads`` names (``_scale_reads``: a section whole, one field of it, or whether it
@@ -399,7 +398,7 @@ class ConfigReader:
         paths = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         out = [(p.relative_to(self.root).as_posix(), _content(p)) for p in paths]
         if depth and path.suffix == ".yaml":
-            for value in _strings(yaml.safe_load(path.read_text()) or {}):
+            for value in _strings(parse_yaml(path.read_text()) or {}):
                 out += self.files(value, depth - 1)
         return out
 
@@ -424,7 +423,7 @@ def _content(path: Path) -> bytes:
     """What of a configuration file counts: a YAML file's parsed values (its comments and layout do not), any
     other file's bytes (a template's every character reaches a prompt)."""
     if path.suffix in (".yaml", ".yml"):
-        return json.dumps(yaml.safe_load(path.read_text()), sort_keys=True, default=str).encode()
+        return json.dumps(parse_yaml(path.read_text()), sort_keys=True, default=str).encode()
     return path.read_bytes()
 
 

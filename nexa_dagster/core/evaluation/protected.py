@@ -17,10 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
+from nexa_dagster.core.common.config import BenchmarkSettings, parse_yaml, resolve_path
 from nexa_dagster.core.data.contamination import ProtectedItem
 from nexa_dagster.core.evaluation.rl_eval_set import read_prompts
 from nexa_dagster.core.rl.tasks import document_text
@@ -60,7 +58,7 @@ def benchmark_items(settings: BenchmarkSettings) -> tuple[list[ProtectedItem], l
     found: set[str] = set()
     for folder in (resolve_path(p) for p in settings.include_path):
         for task_yaml in sorted(Path(folder).rglob("*.yaml")):
-            spec = yaml.safe_load(task_yaml.read_text(encoding="utf-8")) or {}
+            spec = parse_yaml(task_yaml.read_text(encoding="utf-8")) or {}
             tags = spec.get("tag", [])
             names = {spec.get("task"), *(tags if isinstance(tags, list) else [tags])}
             if not wanted & names or not isinstance(spec.get("task"), str):

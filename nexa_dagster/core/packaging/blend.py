@@ -18,11 +18,17 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nexa_dagster.core.common import storage
-from nexa_dagster.core.common.config import config_dir, invalid_file, load_yaml, resolve_path, validated
+from nexa_dagster.core.common.config import (
+    config_dir,
+    invalid_file,
+    load_yaml,
+    parse_yaml,
+    resolve_path,
+    validated,
+)
 from nexa_dagster.core.packaging.shards import default_workers
 from nexa_dagster.core.packaging.transforms import build_transform
 
@@ -86,7 +92,7 @@ class DataBlend(BaseModel):
         if not p.is_absolute():
             p = config_dir() / p
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+            data = parse_yaml(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise FileNotFoundError(f"blend file not found: {p}") from None
         try:
