@@ -39,8 +39,7 @@ _FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 def parse_yaml(text: str) -> Any:
     """``yaml.safe_load(text)``, parsed by libyaml. A document libyaml refuses is parsed again by PyYAML's own
-    loader, which raises the same error with the offending line quoted under a caret (libyaml's gives only its
-    line and column)."""
+    loader, whose error quotes the offending line under a caret (libyaml's gives only its line and column)."""
     try:
         # a safe loader: CSafeLoader, or SafeLoader where PyYAML has no libyaml
         return yaml.load(text, Loader=_FAST_LOADER)

@@ -52,9 +52,9 @@ def without_environment_probe() -> Iterator[None]:
     ``collect_env`` for a ``pretty_env_info``, which runs ``pip list``, ``lscpu``, ``gcc --version`` and more in
     subprocesses: half of a harness run on the tiny preset (1.27-1.41 CPU-s and 1.04-1.12 s with it, 0.63-0.76
     CPU-s and 0.41-0.51 s without, the 2-core Xeon, 2026-12-06), at every evaluation, for a field that neither
-    this script's result nor ``benchmarks.parse_results`` keeps. The field says
-    so instead (with torch's version and the platform); the harness's other records (its version, transformers',
-    the git hash) are its own. A harness without torch never probes: nothing to do."""
+    this script's result nor ``benchmarks.parse_results`` keeps. The field says so instead (with torch's version
+    and the system); the harness's other records (its version, transformers', the git hash) are its own. A harness
+    without torch never probes: nothing to do."""
     try:
         import torch
         import torch.utils.collect_env as collect_env  # the harness's source of the record (lm_eval.loggers.utils)

@@ -3,8 +3,6 @@ every file the project ships, and, for a document it refuses, PyYAML's own error
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
@@ -27,7 +25,7 @@ def test_the_fast_loader_is_libyamls_where_pyyaml_has_it() -> None:
     assert config._FAST_LOADER is yaml.CSafeLoader
 
 
-def test_a_broken_document_raises_pyyamls_error_quoting_the_line(tmp_path: Path) -> None:
+def test_a_broken_document_raises_pyyamls_error_quoting_the_line() -> None:
     broken = "scale: tiny\ntraining:\n  max_steps: [1, 2\n"
     with pytest.raises(yaml.YAMLError) as caught:
         parse_yaml(broken)
