@@ -47,7 +47,9 @@ def parse_yaml(text: str) -> Any:
         return yaml.safe_load(text)
 
 
-def load_yaml(relative: str) -> Any:
+def load_yaml(relative: str | os.PathLike[str]) -> Any:
+    """``configs/<relative>`` parsed; an absolute path is read where it is (a blend kept outside ``configs/``).
+    A missing file or invalid YAML raises an error naming the file."""
     path = config_dir() / relative
     try:
         return parse_yaml(path.read_text(encoding="utf-8"))
@@ -110,12 +112,18 @@ def invalid_file(path: str | os.PathLike[str], error: ValidationError, model: ty
     return ConfigError("\n".join(f"{path}: {problem}" for problem in explain(error, model)))
 
 
-def validated(model: type[M], relative: str, data: Any) -> M:
+def validated(model: type[M], relative: str | os.PathLike[str], data: Any) -> M:
     """``data`` read from ``configs/<relative>`` as a ``model``, or a ``ConfigError`` naming the file and key."""
     try:
         return model.model_validate({} if data is None else data)
     except ValidationError as e:
         raise invalid_file(config_dir() / relative, e, model) from None
+
+
+def load_validated(model: type[M], relative: str | os.PathLike[str]) -> M:
+    """``configs/<relative>`` (or an absolute path) read as a ``model``: the one sequence every configuration file
+    goes through, so each names its file the same way when it is missing, not YAML, or says the wrong thing."""
+    return validated(model, relative, load_yaml(relative))
 
 
 class TeacherSampling(_Strict):
@@ -410,7 +418,7 @@ def load_scale(name: str | None = None) -> ScalePreset:
 @lru_cache(maxsize=16)
 def _load_scale(directory: str, name: str) -> ScalePreset:
     # keyed by the directory too: a process that moves NEXA_CONFIG_DIR (the tests) must not get another's preset
-    return validated(ScalePreset, f"scales/{name}.yaml", load_yaml(f"scales/{name}.yaml"))
+    return load_validated(ScalePreset, f"scales/{name}.yaml")
 
 
 class UpcyclingConfig(_Strict):
@@ -525,7 +533,7 @@ class PipelineConfig(_Strict):
 
 def pipeline_config() -> PipelineConfig:
     """``configs/pipeline.yaml``, validated: an unknown or missing key fails naming the file and the key."""
-    return validated(PipelineConfig, "pipeline.yaml", load_yaml("pipeline.yaml"))
+    return load_validated(PipelineConfig, "pipeline.yaml")
 
 
 def load_pipeline_config() -> dict[str, Any]:

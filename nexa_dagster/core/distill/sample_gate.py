@@ -20,7 +20,7 @@ from typing import Literal
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nexa_dagster.core.common.config import load_yaml, validated
+from nexa_dagster.core.common.config import load_validated
 from nexa_dagster.core.distill.dedup import DedupIndex, DedupSettings, load_history, save_partition
 from nexa_dagster.core.distill.judge import SCORE_CHOICES, VERDICT_MIN_TOKENS, Judge, Verdict, judge_one
 from nexa_dagster.core.llm.base import LLMClient
@@ -101,7 +101,7 @@ class GateConfig(_Strict):
 
 
 def load_gate_config(name: str = "filters.yaml") -> GateConfig:
-    return validated(GateConfig, name, load_yaml(name))
+    return load_validated(GateConfig, name)
 
 
 # -- heuristics ----------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import roots, storage
-from nexa_dagster.core.common.config import load_yaml, validated
+from nexa_dagster.core.common.config import load_validated
 from nexa_dagster.core.evaluation.attempts import Attempt, attempt_confidence
 from nexa_dagster.core.evaluation.benchmarks import BENCHMARK_METRIC_PREFIX, BenchmarkComparison, parse_metric
 from nexa_dagster.core.evaluation.guards import GuardPolicy, GuardReport, Verdict, paired_guards
@@ -251,7 +251,7 @@ class PromotionPolicy(BaseModel):
 
 def load_policy(name: str = "promotion.yaml") -> PromotionPolicy:
     """``configs/<name>``, checked: an unknown or missing key fails naming the file and the key."""
-    return validated(PromotionPolicy, name, load_yaml(name))
+    return load_validated(PromotionPolicy, name)
 
 
 class ProductionEntry(BaseModel):

@@ -18,16 +18,12 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nexa_dagster.core.common import storage
 from nexa_dagster.core.common.config import (
-    config_dir,
-    invalid_file,
-    load_yaml,
-    parse_yaml,
+    load_validated,
     resolve_path,
-    validated,
 )
 from nexa_dagster.core.packaging.shards import default_workers
 from nexa_dagster.core.packaging.transforms import build_transform
@@ -88,17 +84,7 @@ class DataBlend(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> DataBlend:
         """A blend from YAML: a path relative to ``configs/`` (``blends/sft.yaml``) or an absolute one."""
-        p = Path(path)
-        if not p.is_absolute():
-            p = config_dir() / p
-        try:
-            data = parse_yaml(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"blend file not found: {p}") from None
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise invalid_file(p, e, cls) from None
+        return load_validated(cls, path)
 
     def fingerprint(self) -> str:
         """A hash of what the blend says (not of its formatting or comments)."""
@@ -185,4 +171,4 @@ class PackagingConfig(BaseModel):
 
 
 def load_packaging_config(name: str = "packaging.yaml") -> PackagingConfig:
-    return validated(PackagingConfig, name, load_yaml(name))
+    return load_validated(PackagingConfig, name)
