@@ -21,9 +21,22 @@ transformers' own ``spawn``. Either way one line on stderr says which, and why.
 forked, gets torch's thread pool of that size, as a spawned one reads it from the variable: an engine itself forked
 from a warm Python would otherwise hand on the warm Python's single thread.
 
+**A request's temperature decides whether it samples**, as on an OpenAI endpoint and on vLLM (``requests_decide_
+sampling``): 0 is greedy, above 0 samples at it (with its ``top_p``); a request that gives none gets the model's
+generation config. ``transformers serve`` 5.x takes ``do_sample`` from the model's generation config alone: on
+SmolLM2-135M-Instruct (no ``do_sample``) a request at temperature 1.0 came back greedy, the same answer every time.
+And with continuous batching a request can set only the sampling settings the model's generation config already
+sets: on the tiny models (``do_sample``, temperature 0.8, top-p 0.95, no top-k) a greedy request, which it sends as
+top-k 1, was sampled at 0.8 (six identical judge prompts at temperature 0: four to six different answers; one
+without batching). Both measured 2026-12-06, transformers 5.25.0. The batching manager now starts with every
+per-request setting in place (``batching_generation_config``) and each request sends all of its own
+(``per_request_sampling``). A transformers laid out otherwise keeps its own behaviour, and one line says so.
+
 Run as a script, not as ``-m``: it imports uvicorn, transformers and torch only, never the nexa_dagster package.
 """
 
+import copy
+import functools
 import multiprocessing
 import sys
 import threading
@@ -77,6 +90,82 @@ def _size_torch_pool(threads: int | None) -> None:
             torch.set_num_threads(threads)
 
 
+def per_request_sampling(generation_kwargs: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """What a request samples with in the batching manager: greedy (top-k 1) unless it samples, and then every
+    setting of its own (temperature, top-k, top-p; none given: 1.0, the whole vocabulary, 1.0, which change
+    nothing), so that the manager's placeholders (``batching_generation_config``) never apply to it."""
+    temperature = generation_kwargs.get("temperature")
+    if not generation_kwargs.get("do_sample") or temperature == 0:
+        return {"top_k": 1}
+    top_k, top_p = generation_kwargs.get("top_k"), generation_kwargs.get("top_p")
+    return {
+        "temperature": float(1.0 if temperature is None else temperature),
+        "top_k": int(top_k) if top_k else vocab_size,
+        "top_p": float(1.0 if top_p is None else top_p),
+    }
+
+
+def batching_generation_config(model_config: Any, vocab_size: int) -> Any:
+    """The model's generation config with sampling on and a temperature, a top-k and a top-p: transformers builds a
+    per-request setting only where the manager's config has one (a temperature other than 1, a top-k, a top-p under
+    1), so these values are placeholders: every request sends its own (``per_request_sampling``); a greedy one
+    sends top-k 1, under which neither the temperature nor the top-p changes the token. The rest of the model's
+    config (its suppressed tokens, say) stays."""
+    config = copy.deepcopy(model_config)
+    config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.5, vocab_size, 0.5
+    return config
+
+
+def requests_decide_sampling() -> None:
+    """``transformers serve``'s request handling patched as the module's docstring says (in the engine, which
+    builds each request's settings, and in the model's process, which batches them)."""
+    try:  # in the engine after uvicorn's patch (main), as the CLI's own import; at import in a spawned model process
+        from transformers.cli.serving.utils import BaseHandler, CBGenerateRunner
+    except ImportError:
+        BaseHandler = CBGenerateRunner = None  # noqa: N806 (the classes, when this transformers has them)
+    handler = ("_build_generation_kwargs",)
+    runner = ("_start_continuous_batching", "_build_continuous_batching_kwargs")
+    if not (
+        all(hasattr(BaseHandler, n) for n in handler) and all(hasattr(CBGenerateRunner, n) for n in runner)
+    ):
+        print(
+            "nexa engine: requests sample as this transformers decides (not laid out as 5.x)", file=sys.stderr
+        )
+        return
+    build_kwargs, start_batching = (
+        BaseHandler._build_generation_kwargs,
+        CBGenerateRunner._start_continuous_batching,
+    )
+
+    def generation_kwargs(self: Any, body: dict[str, Any], model_generation_config: Any) -> dict[str, Any]:
+        kwargs = build_kwargs(self, body, model_generation_config)
+        if body.get("temperature") is not None and float(body["temperature"]) > 0:
+            kwargs["do_sample"] = True
+        return kwargs
+
+    def start_continuous_batching(self: Any, model: Any, cb_config: Any, context_length: int | None) -> Any:
+        self.vocab_size = model.config.get_text_config().vocab_size
+        config = batching_generation_config(model.generation_config, self.vocab_size)
+        model.init_continuous_batching = functools.partial(
+            model.init_continuous_batching, generation_config=config
+        )
+        try:
+            return start_batching(self, model, cb_config, context_length)
+        finally:
+            del model.init_continuous_batching  # the instance's partial: the class's method again
+
+    def continuous_batching_kwargs(self: Any, generation_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "max_new_tokens": generation_kwargs["max_new_tokens"],
+            "eos_token_id": generation_kwargs["eos_token_id"],
+            **per_request_sampling(generation_kwargs, self.vocab_size),
+        }
+
+    BaseHandler._build_generation_kwargs = generation_kwargs
+    CBGenerateRunner._start_continuous_batching = start_continuous_batching
+    CBGenerateRunner._build_continuous_batching_kwargs = continuous_batching_kwargs
+
+
 def _option(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
@@ -107,6 +196,7 @@ def main() -> None:
     else:
         threads = own.get("--model-threads")
         _fork_model_process(_option(argv, "--device") or "", int(threads) if threads else None)
+    requests_decide_sampling()  # inherited by a forked model process; a spawned one applies it at import (below)
     sys.argv = ["transformers", *argv]
     transformers_cli()
 
@@ -144,3 +234,7 @@ def _fork_model_process(device: str, model_threads: int | None) -> None:
 
 if __name__ == "__main__":
     main()
+elif (
+    __name__ == "__mp_main__"
+):  # transformers' model process, spawned: it imports this script as its main module
+    requests_decide_sampling()

@@ -49,7 +49,7 @@ def test_the_socket_launcher_imports_nothing_of_the_package() -> None:
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
     }
-    stdlib = {"collections", "multiprocessing", "sys", "threading", "types", "typing"}
+    stdlib = {"collections", "copy", "functools", "multiprocessing", "sys", "threading", "types", "typing"}
     # huggingface_hub: the command group transformers' own CLI is built on (serve_cli)
     assert imported - stdlib == {"uvicorn", "transformers", "torch", "huggingface_hub"}, imported
 
