@@ -67,6 +67,12 @@ BENCHES: dict[str, Bench] = {
         frozenset({"tokens_per_s", "baseline_tokens_per_s", "speedup", "packing_efficiency"}),
         timeout_s=300,
     ),
+    "serving_batching.py": Bench(
+        ("--clients", "1", "--seconds", "1", "--rounds", "1"),
+        frozenset({"batching", "one_at_a_time", "rps_ratio", "p99_ratio", "rss_mb"}),
+        timeout_s=300,
+        slow=True,  # two `transformers serve` engines (about 25 s in all): in make test, not test-fast
+    ),
     "shard_pool.py": Bench(
         ("--sizes", "120", "--repeats", "1"),
         frozenset({"workers", "pool_start_s", "sizes"}),

@@ -396,6 +396,24 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
+    # the engine batches the requests in flight (the service's default): four at once, each the answer it gets alone
+    assert all("--continuous-batching" in e.cmdline() for e in _engines(endpoint))
+
+    def ask(prompt: str) -> str:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
+        )
+        return reply.choices[0].message.content or ""
+
+    prompts = [
+        "hi",
+        "what is two plus two?",
+        "name a river",
+        "a much longer question about the weather today",
+    ]
+    alone = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(ask, prompts)) == alone
     status = httpx.get(endpoint.base_url.removesuffix("/v1") + "/status", headers=AUTH).json()
     assert status["checkpoint_id"] == "a" and status["model"] == MODEL
     proc = _cli(endpoint, "status", timeout_s=300)

@@ -20,6 +20,7 @@ def test_serve_help_shows_the_defaults_and_the_secrets(capsys: pytest.CaptureFix
         ("--control-port", "0"),
         ("--loading-nice", "10"),
         ("--loading-threads", str(default_loading_threads())),
+        ("--continuous-batching", "True"),
     ):
         assert option in text and f"(default: {default})" in text, (option, text)
     assert "NEXA_SERVING_API_KEY_FILE" in text and "NEXA_SERVING_CONTROL_TOKEN" in text
