@@ -4,7 +4,7 @@ the model's generation config says, and a temperature above 0 samples on a model
 (``transformers_engine.requests_decide_sampling``). Without it, on transformers 5.25, the first test's repeated
 greedy requests came back different and the second's sampled requests all the same (both fail).
 
-Two engines of the tiny model (5-9 s each to start on the 2-core machine)."""
+Three engines of the tiny model (5-10 s each to start on the 2-core machine)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,14 @@ import pytest
 from nexa_dagster.core.llm.managed_server import ManagedServer
 
 
-def _engine(model: Path, tmp_path: Path) -> Iterator[ManagedServer]:
+def _engine(model: Path, tmp_path: Path, model_process: str = "fork") -> Iterator[ManagedServer]:
     server = ManagedServer(
-        model, tmp_path / "engine", engine="transformers", continuous_batching=True, served_model_name="m"
+        model,
+        tmp_path / "engine",
+        engine="transformers",
+        continuous_batching=True,
+        served_model_name="m",
+        model_process=model_process,
     )
     server.start(attempts=1)
     try:
@@ -37,12 +42,16 @@ def _answer(server: ManagedServer, prompt: str, **sampling: float | int) -> str:
     return reply.json()["choices"][0]["message"]["content"]
 
 
-@pytest.fixture
-def sampling_model_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ManagedServer]:
-    """The random tiny model, whose generation config samples (temperature 0.8, top-p 0.95, no top-k)."""
+@pytest.fixture(params=["fork", "spawn"])
+def sampling_model_engine(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path: Path
+) -> Iterator[ManagedServer]:
+    """The random tiny model, whose generation config samples (temperature 0.8, top-p 0.95, no top-k); its model
+    process forked from the engine (a CPU) or spawned (transformers' own start, a GPU's: the patch is applied
+    there when the process imports the engine script as its main module)."""
     config = json.loads((tiny_model_dir / "generation_config.json").read_text())
     assert config.get("do_sample") and not config.get("top_k"), config  # the case this test is about
-    yield from _engine(tiny_model_dir, tmp_path)
+    yield from _engine(tiny_model_dir, tmp_path, request.param)
 
 
 @pytest.fixture

@@ -234,7 +234,6 @@ def _fork_model_process(device: str, model_threads: int | None) -> None:
 
 if __name__ == "__main__":
     main()
-elif (
-    __name__ == "__mp_main__"
-):  # transformers' model process, spawned: it imports this script as its main module
+# transformers' model process, spawned (a GPU): multiprocessing imports this script as its main module there
+elif __name__ == "__mp_main__":
     requests_decide_sampling()
