@@ -220,6 +220,17 @@ def plain_ast_parses(roots: list[Path], allowed: set[str]) -> list[str]:
     return problems
 
 
+def same_named_test_files(tests: Path) -> list[str]:
+    """Test files that share a name: pytest imports a test file under its bare name (the test folders are not
+    packages), so in a run that collects both, as ``make test`` does, the second fails the whole collection
+    ("import file mismatch"); a run of one folder never shows it. It failed the suite's clean-clone run once
+    (2026-12-07: ``test_engine_sampling.py`` in tests/unit/core/llm and tests/integration)."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(path.relative_to(tests).as_posix())
+    return [f"{name}: {', '.join(paths)}" for name, paths in by_name.items() if len(paths) > 1]
+
+
 @pytest.fixture(scope="module")
 def package() -> dict[str, ast.Module]:
     return modules(PACKAGE)
@@ -247,6 +258,14 @@ def test_every_function_level_import_says_why_it_is_there() -> None:
 
 def test_every_parse_of_python_source_goes_through_parse_python() -> None:
     assert plain_ast_parses(PYTHON_ROOTS, PLAIN_PARSE_ALLOWED) == []
+
+
+def test_no_two_test_files_share_a_name(tmp_path: Path) -> None:
+    assert same_named_test_files(REPO / "tests") == []
+    for folder in ("unit", "integration"):  # the failing case
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test_x.py").write_text("")
+    assert same_named_test_files(tmp_path) == ["test_x.py: integration/test_x.py, unit/test_x.py"]
 
 
 def test_core_holds_only_stage_folders() -> None:
