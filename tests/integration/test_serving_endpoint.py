@@ -397,7 +397,8 @@ def test_the_official_openai_client_lists_chats_and_streams_by_the_stable_name(e
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == answer.choices[0].message.content  # greedy: the same answer, token by token
     # the engine batches the requests in flight (the service's default): four at once, each the answer it gets alone
-    assert all("--continuous-batching" in e.cmdline() for e in _engines(endpoint))
+    engines = _engines(endpoint)
+    assert engines and all("--continuous-batching" in e.cmdline() for e in engines), engines
 
     def ask(prompt: str) -> str:
         reply = client.chat.completions.create(
