@@ -229,6 +229,15 @@ def test_every_bench_script_has_its_smallest_run_here() -> None:
             assert f"bench/{name}" in (REPO_ROOT / bench.run_by).read_text(), (name, bench.run_by)
 
 
+def test_every_bench_has_a_row_in_the_testing_docs() -> None:
+    """docs/testing.md's table of the benches in the suite names each one (its smallest run, its time, its marker):
+    four benches added after the table had none (shard_pool, threads, pipeline_profile, vllm_compile)."""
+    docs = (REPO_ROOT / "docs" / "testing.md").read_text()
+    table = docs.split("## The benches in the suite", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    assert sorted(set(BENCHES) - rows) == [], "benches without a row in docs/testing.md"
+
+
 def last_json_line(stdout: str) -> dict[str, object]:
     lines = [line for line in stdout.splitlines() if line.strip()]
     assert lines, "the bench printed nothing"
