@@ -6,7 +6,7 @@ Paris" where the stable model says "The capital of France is Paris.".
 
 Real `transformers serve` engines on the colours' sockets, the real HAProxy keeping every exchange, the runner
 scoring them with the answer book's reference answers (``reward: reference_f1``, word bigrams: open questions a
-sentence can phrase many ways) and deciding under load from four clients. The references are the plain answers a
+sentence can phrase many ways) and deciding under load from eight clients. The references are the plain answers a
 person writes, not the model's own phrasings.
 
 The engines batch the requests in flight (``--continuous-batching``), as a serving engine under live traffic does.
@@ -15,7 +15,11 @@ always-valid test needed for this difference on that run's traffic. A 135M model
 reading its weights, which a batch reads once for all its requests. Measured on the idle 2-core Xeon, one engine,
 one thread, 12-token answers: 0.79-0.87 CPU-s an answer one at a time, 0.45 with two in flight, the same greedy
 answers. This test alone, one thread an engine as in the suite: 0.83 CPU-s of the engines a request before (two
-clients, no batching), 0.58 after (issue 49)."""
+clients, no batching), 0.58 after (issue 49). Eight clients, about four requests in flight on each colour, since
+2026-12-07: the machine's busy CPU over the whole test, alternating with four clients (the idle 2-core AMD EPYC), 0.76
+and 0.81 CPU-s a request with four (407 and 328 requests), 0.59 and 0.61 with eight (188 and 239): a fuller batch.
+How many answers the decision takes is the traffic's, not the client count's: 76 to 196 scored a colour in six runs,
+three with each count."""
 
 from __future__ import annotations
 
@@ -122,10 +126,10 @@ def test_a_canary_with_a_broken_chat_template_is_rolled_back_on_its_live_answers
     state = CanaryState.start("smollm2", "smollm2-broken-template", policy, now=time.time())
     t0 = time.monotonic()
     with ExitStack() as clients:
-        # four clients, about two requests in flight on each colour: each client asks in an order of its own
+        # eight clients, about four requests in flight on each colour: each client asks in an order of its own
         loads = [
             clients.enter_context(Load(proxy.port, body=lambda i, k=k: traffic(10_000 * k + i)))
-            for k in range(4)
+            for k in range(8)
         ]
         runner = CanaryRunner(
             proxy, tmp_path / "serving", log_socket, check_every_s=1.0, answer_book=AnswerBook.load(book_path)
