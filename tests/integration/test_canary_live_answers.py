@@ -126,9 +126,12 @@ def test_a_canary_with_a_broken_chat_template_is_rolled_back_on_its_live_answers
     state = CanaryState.start("smollm2", "smollm2-broken-template", policy, now=time.time())
     t0 = time.monotonic()
     with ExitStack() as clients:
-        # eight clients, about four requests in flight on each colour: each client asks in an order of its own
+        # eight clients, about four requests in flight on each colour: each client asks in an order of its own.
+        # A request waits behind the three others in its engine's batch: 2 s alone, 3.3 s beside a core kept busy
+        # (2026-12-07, the AMD EPYC); the client waits up to a minute, since latency is not what this canary
+        # watches and a slower machine or hour must not turn a slow answer into a failed request
         loads = [
-            clients.enter_context(Load(proxy.port, body=lambda i, k=k: traffic(10_000 * k + i)))
+            clients.enter_context(Load(proxy.port, body=lambda i, k=k: traffic(10_000 * k + i), timeout_s=60))
             for k in range(8)
         ]
         runner = CanaryRunner(

@@ -80,12 +80,17 @@ def stand_in_engine(
 
 class Load:
     """A client sending requests one after another until stopped (bounded: at most ``limit`` requests), counting
-    (engine, status) and transport errors. ``body(i)``: the i-th request's JSON (default: an empty chat)."""
+    (engine, status) and transport errors. ``body(i)``: the i-th request's JSON (default: an empty chat).
+    ``timeout_s``: how long one request may take before it counts as an error."""
 
     def __init__(
-        self, port: int, limit: int = 20000, body: Callable[[int], dict[str, Any]] | None = None
+        self,
+        port: int,
+        limit: int = 20000,
+        body: Callable[[int], dict[str, Any]] | None = None,
+        timeout_s: float = 10.0,
     ) -> None:
-        self.port, self.limit = port, limit
+        self.port, self.limit, self.timeout_s = port, limit, timeout_s
         self.body = body or (lambda i: {"messages": []})
         self.answers: Counter = Counter()
         self.errors: list[str] = []
@@ -95,7 +100,7 @@ class Load:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=self.timeout_s) as client:
             for i in range(self.limit):
                 if self._stop.is_set():
                     return
