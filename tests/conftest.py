@@ -44,7 +44,6 @@ from support.services import postgres_server, slurm_cluster  # noqa: E402
 from support.xdist_groups import ungrouped  # noqa: E402
 
 from nexa_dagster.core.llm.managed_server import ManagedServer  # noqa: E402
-from nexa_dagster.core.tiny.model import build_tiny_causal_lm  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e")
@@ -117,6 +116,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny tokenizer + random Mixtral, saved with save_pretrained (built once per test session)."""
+    # imported here, not at the top: it imports torch and transformers' Mixtral (4.8 of conftest's 4.9 s, 2-core
+    # AMD EPYC), and pytest-xdist's controller imports this file before it starts a worker and never builds a
+    # model: every `make test`, `make test-fast` or one-test run waited for it (the workers' test modules import
+    # torch anyway)
+    from nexa_dagster.core.tiny.model import build_tiny_causal_lm
+
     return build_tiny_causal_lm(tmp_path_factory.mktemp("shared") / "models" / "tiny-teacher")
 
 
