@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pandas as pd
 import pytest
+from support.repo_scripts import load_script
 from support.sandbox import make_sandbox, materialize_command, sandbox_env
 from transformers import AutoTokenizer
 
@@ -155,6 +156,9 @@ def test_make_run_runs_three_nights_with_the_gates_figures_from_a_teacher_that_w
     ]
     guards = night_guards(summary)
     assert len(nights) == 3 and all(nights), summary
+    # what scripts/clean_clone_times.py reads of it (a clean clone's make run, timed against issue 49's goals)
+    timed = load_script("scripts/clean_clone_times.py").make_run_figures(summary)
+    assert timed and timed["nights"] == 3 and timed["pipeline_s"] > 0, summary[:300]
     assert [(m.group(1), m.group(2)) for m in nights] == [(str(i), d) for i, d in enumerate(SAMPLE_DAYS, 1)]
     assert len({m.group(3) for m in nights}) == 3, "each night trains a checkpoint of its own"
     assert len({m.group(4) for m in nights}) == 1, "every night is measured on the same eval-set version"

@@ -1,25 +1,10 @@
 """``bench/generation.py``'s ``--engine`` values are checked when its arguments are parsed: a run that compares
 engines one after the other must not measure the first for minutes and then die on a typo in the last."""
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from support.repo_scripts import load_script
 
-from nexa_dagster.core.common.config import REPO_ROOT
-
-
-def _bench() -> ModuleType:
-    path = Path(REPO_ROOT) / "bench" / "generation.py"
-    spec = importlib.util.spec_from_file_location("bench_generation", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_script("bench/generation.py")
 
 
 @pytest.mark.parametrize(

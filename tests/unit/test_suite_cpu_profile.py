@@ -3,7 +3,6 @@ them, and the command's exit code as its own."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 from support.inner_pytest import inner_pytest
+from support.repo_scripts import load_script
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
@@ -128,12 +128,7 @@ def test_xdist_workers_and_installs_are_named_by_their_own_kind() -> None:
     """Command lines seen in the clean-clone suite at 3376a9d: an xdist worker (execnet's bootstrap names no pytest)
     and the vLLM environment's install and byte-compiling probe (which name vllm) were filed as "other python" and
     "vLLM engine"; an engine and a plain Python program keep their kinds."""
-    spec = importlib.util.spec_from_file_location(
-        "suite_cpu_profile", REPO_ROOT / "scripts" / "suite_cpu_profile.py"
-    )
-    assert spec is not None and spec.loader is not None
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = load_script("scripts/suite_cpu_profile.py")
     venv = "/tmp/clone/.venv/bin/python"
     vllm_env = "/tmp/caches/nexa/vllm-0.32.0-cpu/bin/python"
     assert (
