@@ -7,8 +7,8 @@ Run: python3 scripts/clean_clone_times.py [--commit REV] [--work DIR] [--suite] 
   ``.ci/run`` sets them: pip downloads every wheel), then ``make install`` and ``make run``, each timed; the
   pipeline's seconds from the run's own summary, then ``bench/pipeline_profile.py`` on the run's instance (its
   fixed-cost share). Clone to summary is the install's and the run's wall time together.
-* ``--test-fast``: ``make test-fast`` in that clone afterwards (the dev extra installed first, untimed: a
-  contributor's first ``make test-fast`` after ``make run``).
+* ``--test-fast``: ``make test-fast`` in that clone afterwards (the dev extra installed first, a step of its own:
+  a contributor's first ``make test-fast`` after ``make run``).
 * ``--suite``: ``.ci/run`` in a second clean clone (the Debian services, the install, lint, then ``make test``, as
   CI runs it), timed whole; the suite's seconds from pytest's last line.
 
@@ -209,7 +209,10 @@ def measure_make_run(clone: Path, logs: Path, test_fast: bool) -> list[Step]:
         profile = Step("profile", ".venv/bin/python bench/pipeline_profile.py --dagster-home .dagster_home")
         steps.append(run_step(profile, clone, env, logs))
         profile.figures = last_json(profile.log) or {}
-        if test_fast and not subprocess.run(["make", "install-dev"], cwd=clone, env=env).returncode:
+        if test_fast:  # the dev extra first, timed apart: a contributor's `make test-fast` after `make run`
+            steps.append(run_step(Step("install_dev", "make install-dev"), clone, env, logs))
+            if steps[-1].returncode:
+                return steps
             fast = run_step(Step("test_fast", "make test-fast"), clone, env, logs)
             fast.figures = pytest_figures(Path(fast.log).read_text(errors="replace")) or {}
             steps.append(fast)
@@ -231,6 +234,30 @@ def figures_of(steps: dict[str, Step]) -> dict[str, float | None]:
         "suite_s": suite.figures.get("seconds") if suite else None,
         "test_fast_s": fast.figures.get("seconds") if fast else None,
     }
+
+
+def print_table(
+    commit: str,
+    machine: dict[str, Any],
+    started: str,
+    steps: list[Step],
+    figures: dict[str, float | None],
+    verdicts: dict[str, dict[str, Any]],
+) -> None:
+    """What a person reads: each step's time and the machine's state around it, then each figure and its goal."""
+    print(
+        f"\n{commit[:12]} on {machine['kind']} ({machine['model_name']}, {machine['cores']} cores), from {started}"
+    )
+    for s in steps:
+        print(
+            f"  {s.name:<10} {s.wall_s:8.1f} s  rc {s.returncode}  load before {s.load_before:<5} idle {s.idle_share}"
+        )
+    for name, value in figures.items():
+        goal = verdicts.get(name)
+        said = (
+            f"goal {goal['goal']}: {'met' if goal['met'] else 'NOT met'}" if goal else "no goal on this kind"
+        )
+        print(f"  {name:<20} {value!s:>8}  {said}")
 
 
 def main() -> int:
@@ -264,19 +291,7 @@ def main() -> int:
     by_name = {s.name: s for s in steps}
     figures = figures_of(by_name)
     verdicts = against_goals(machine["kind"], figures)
-    print(
-        f"\n{commit[:12]} on {machine['kind']} ({machine['model_name']}, {machine['cores']} cores), from {started}"
-    )
-    for s in steps:
-        print(
-            f"  {s.name:<10} {s.wall_s:8.1f} s  rc {s.returncode}  load before {s.load_before:<5} idle {s.idle_share}"
-        )
-    for name, value in figures.items():
-        goal = verdicts.get(name)
-        said = (
-            f"goal {goal['goal']}: {'met' if goal['met'] else 'NOT met'}" if goal else "no goal on this kind"
-        )
-        print(f"  {name:<20} {value!s:>8}  {said}")
+    print_table(commit, machine, started, steps, figures, verdicts)
     clone_dir = work / ("run" if not args.no_run else "suite")
     report = {
         "commit": commit,

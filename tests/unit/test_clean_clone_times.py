@@ -4,8 +4,10 @@ tested here is what it reads and decides; test_demo.py holds its reading against
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -118,3 +120,28 @@ def test_make_run_s_summary_gives_the_pipeline_s_seconds_and_its_decisions(scrip
     assert (figures["pipeline_s"], figures["nights"]) == (190, 3)
     assert figures["summary"][-1] == "  production        c-20261122-0a1b"
     assert script.make_run_figures(output.replace("finished in", "failed after")) is None
+
+
+def test_the_command_with_nothing_to_time_still_ends_with_its_machine_and_commit(tmp_path: Path) -> None:
+    """The command line itself (arguments, the commit resolved, the machine read, the table, the JSON line), with
+    every costly step left out: what a person on another machine kind runs first."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/clean_clone_times.py", "--no-run", "--work", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
+    assert report["commit"] == head.strip() and report["steps"] == []
+    assert report["machine"]["cores"] == os.cpu_count() and report["machine"]["kind"]
+    assert set(report["figures"]) == {
+        "make_run_pipeline_s",
+        "clone_to_summary_s",
+        "fixed_share",
+        "suite_s",
+        "test_fast_s",
+    }
+    assert "no goal on this kind" in proc.stdout or "NOT met" in proc.stdout  # nothing measured meets a goal
