@@ -94,10 +94,10 @@ test: install-dev bytecode
 # the edit-test loop: integration and unit tests without the slow ones (<= 5 min on 2 cores, docs/testing.md), the
 # integration tests first: their long ones start at once and the unit tests, a second or less each, fill the workers
 # to the end (unit first, the last minute or two was a few long integration tests on one worker, the other idle).
-# Three workers on the 2-core machines: with two, the cores idled 15-17 % of the run while a test waited (a retry
+# Three workers on the 2-core machines: with two, the cores idled 14-17 % of the run while a test waited (a retry
 # policy's backoff, a server's start, a daemon's tick); a third fills that (3-4 % idle): pytest took 228-240 s
-# against 252-258 s, three runs each, alternating (docs/measurements.md, "Suite time"). `make test` keeps two: its timer-bound tests
-# need the room, and a third worker gained it 3.5 %, within its spread (docs/testing.md)
+# against 252-258 s, three runs each, alternating (docs/measurements.md, "Suite time"). `make test` keeps two: its
+# timer-bound tests need the room, and a third worker gained it 3.5 %, within its spread (docs/testing.md)
 test-fast: install-dev bytecode
 	$(BIN)/pytest tests/integration tests/unit -m "not slow and not gpu" -n 3 --dist loadgroup --no-loadscope-reorder \
 		--durations=10

@@ -82,7 +82,7 @@ def test_pytest_s_last_line_gives_the_suite_s_seconds_and_counts(script: ModuleT
 
 def test_the_caches_start_empty_in_a_new_folder_as_ci_s_do(script: ModuleType) -> None:
     env, caches = script.clean_environment(REPO_ROOT)
-    again, other = script.clean_environment(REPO_ROOT)
+    _, other = script.clean_environment(REPO_ROOT)
     try:
         assert caches.is_dir() and not any(caches.iterdir()) and other != caches
         names = ("XDG_CACHE_HOME", "NEXA_CACHE_DIR", "NEXA_MODEL_CACHE", "HF_HOME", "TORCH_EXTENSIONS_DIR")
