@@ -23,7 +23,8 @@ The test that started a process, the first of these that says (its row's ``by``)
 * ``parent``: the test of the nearest ancestor already seen with one.
 
 It prints a table of process kinds, the 25 tests whose processes cost the most (with ``--timeline``, plus each
-test's CPU in its own pytest process), and one JSON object last. The command's exit code is this script's.
+test's CPU in its own pytest process; and the 25 slowest tests with their CPU), and one JSON object last. The
+command's exit code is this script's.
 """
 
 from __future__ import annotations
@@ -156,12 +157,25 @@ def own_cpu(timeline: list[dict[str, Any]]) -> dict[str, float]:
     return cpu
 
 
+def wall_seconds(timeline: list[dict[str, Any]]) -> dict[str, float]:
+    """Each test's wall seconds, its set-up, call and teardown summed: a module fixture's build counts to the first
+    test that uses it, as pytest's ``--durations`` and junit's ``time`` count it."""
+    wall: dict[str, float] = defaultdict(float)
+    for row in timeline:
+        wall[row["nodeid"]] += row["stop"] - row["start"]
+    return wall
+
+
 def summarize(
     seen: dict[tuple[int, float], dict[str, Any]],
     wall_s: float,
     idle_share: float,
     in_pytest: dict[str, float] | None = None,
+    walls: dict[str, float] | None = None,
 ) -> dict[str, Any]:
+    """The kinds' and the tests' CPU; with ``walls`` (from a timeline) also ``slowest``: the 25 tests that took the
+    longest, each with its CPU, since a test that waits on a timer and one that computes take the same wall time
+    and not the same CPU (docs/testing.md's list of the slowest tests is this table)."""
     kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     tests: dict[str, float] = defaultdict(float, in_pytest or {})
     for entry in seen.values():
@@ -182,6 +196,10 @@ def summarize(
         },
         "unattributed_cpu_s": round(sum(e.get("cpu", 0.0) for e in seen.values() if not e["test"]), 1),
         "tests": {t: round(c, 1) for t, c in sorted(tests.items(), key=lambda kv: -kv[1])[:25]},
+        "slowest": [
+            {"test": t, "s": round(s, 1), "cpu_s": round(tests.get(t, 0.0), 1)}
+            for t, s in sorted((walls or {}).items(), key=lambda kv: -kv[1])[:25]
+        ],
     }
 
 
@@ -217,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         sample(since, me, seen)
         time.sleep(args.interval)
     idle1, all1 = idle_ticks()
-    in_pytest = None
+    in_pytest = walls = None
     if args.timeline and args.timeline.exists():
         timeline = [json.loads(line) for line in args.timeline.read_text().splitlines() if line.strip()]
         attribute_by_timeline(seen, timeline, skew)
-        in_pytest = own_cpu(timeline)
-    summary = summarize(seen, time.monotonic() - started, (idle1 - idle0) / max(1, all1 - all0), in_pytest)
+        in_pytest, walls = own_cpu(timeline), wall_seconds(timeline)
+    idle_share = (idle1 - idle0) / max(1, all1 - all0)
+    summary = summarize(seen, time.monotonic() - started, idle_share, in_pytest, walls)
     print(
         f"\n{' '.join(command)}: {summary['wall_s']} s wall, {summary['cpu_s']} CPU-s in {summary['processes']} "
         f"processes started by it, the machine {summary['idle_share']:.0%} idle"
@@ -240,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for test, cpu in summary["tests"].items():
         print(f"{cpu:9.1f}  {test}")
+    if summary["slowest"]:
+        print(f"\n{'s':>9} {'CPU-s':>9}  the slowest tests (set-up, call and teardown)")
+        for row in summary["slowest"]:
+            print(f"{row['s']:9.1f} {row['cpu_s']:9.1f}  {row['test']}")
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     if args.processes:

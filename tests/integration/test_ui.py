@@ -305,7 +305,8 @@ def test_the_ui_shows_every_stage_launches_a_run_and_shows_what_changed(tmp_path
     events on the instance, as a deployment run and a pairs run record them); every stage is drawn and a daily run
     launched from the Launchpad succeeds; the asset pages show their schema, checks and freshness; a configuration
     edit marks pretrain_corpus unsynced. One session where there were two saves a start of `dagster dev` and of
-    Chromium; the suite's runs show no CPU saved within their spread (docs/testing.md)."""
+    Chromium; the suite's runs show no CPU saved within their spread (docs/measurements.md, "The slowest tests,
+    run by run")."""
     browser_path = chromium()
     from playwright.sync_api import sync_playwright
 

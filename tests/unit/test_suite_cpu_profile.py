@@ -122,6 +122,15 @@ def test_with_the_timeline_a_process_belongs_to_the_test_its_pytest_process_ran_
     # each test's own pytest-process CPU is added: test_b's is a polling loop, test_a's its subprocess calls
     assert summary["tests"]["test_warm.py::test_b"] >= 0.5, summary
     assert summary["tests"]["test_warm.py::test_a"] >= 0.5, summary
+    # and the slowest tests by wall time, each with that CPU: test_a sleeps 1 s after its child's 0.6 CPU-s, test_b
+    # waits for the fork's 0.6 CPU-s and sleeps 0.5 s; the longest first
+    walls = [row["s"] for row in summary["slowest"]]
+    assert walls == sorted(walls, reverse=True), summary["slowest"]
+    slowest = {row["test"].split("::")[-1]: row for row in summary["slowest"]}
+    assert slowest["test_a"]["s"] >= 1.5 and slowest["test_b"]["s"] >= 1.0, slowest
+    assert slowest["test_a"]["cpu_s"] == summary["tests"]["test_warm.py::test_a"], slowest
+    assert slowest["test_b"]["cpu_s"] == summary["tests"]["test_warm.py::test_b"], slowest
+    assert "the slowest tests" in proc.stdout
 
 
 def test_xdist_workers_and_installs_are_named_by_their_own_kind() -> None:
