@@ -116,6 +116,12 @@ def vllm_client(model_dir: Path) -> Iterator[OpenAICompatibleClient]:
         scratch = _engine_scratch()
         assert _engine_process_titles() == ["VLLM::EngineCore"], _engine_process_titles()
         yield client
+        # the module's requests made the engine compile torch inductor's C++ header and kernels: into the folder
+        # torch shares between engines, through the link in the engine's own, not into a copy its stop removes
+        # (ManagedServer._vllm_env: 5.5-6 CPU-s and ~6 s of the first answer at every start)
+        inductor = [p for p in scratch.iterdir() if p.name.startswith("torchinductor_")]
+        assert [p.is_symlink() for p in inductor] == [True], inductor
+        assert inductor[0].resolve() == Path(default_inductor_cache()).resolve(), inductor
     assert not scratch.exists(), f"the stopped engine left {sorted(p.name for p in scratch.iterdir())}"
 
 

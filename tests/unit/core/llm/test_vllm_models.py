@@ -215,3 +215,30 @@ def test_a_vllm_engine_gets_a_temporary_folder_of_its_own_and_keeps_torchs_cache
     smol.stop()
     tiny = ManagedServer(_tiny_like(tmp_path), tmp_path / "logs", engine="transformers")
     assert tiny._vllm_env({}) == {} and tiny.scratch is None
+
+
+def test_a_vllm_engine_s_precompiled_headers_land_in_torchs_shared_folder_not_its_own(
+    tmp_path: Path, installed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Torch keeps inductor's precompiled C++ headers under the temporary folder's ``torchinductor_<user>``, whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says: in the engine's own temporary folder each start compiled the header again
+    (4.5-6.5 CPU-s) into a folder ``stop`` removes. torch's own function, run as the engine runs it (its temporary
+    folder the engine's), names a folder that is the shared one, and ``stop`` leaves what is in it."""
+    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch: seconds, this test only
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the host's /tmp, made for this test
+    (tmp_path / "tmp").mkdir()
+    shared = Path(default_cache_dir())
+    smol = ManagedServer(_smollm2_like(tmp_path), tmp_path / "logs")
+    env = smol._vllm_env({})
+    monkeypatch.setattr(tempfile, "tempdir", env["TMPDIR"])  # as inside the engine
+    in_engine = Path(default_cache_dir()) / "precompiled_headers"
+    assert in_engine.parent.parent == smol.scratch and in_engine.parent.is_symlink()
+    in_engine.mkdir()
+    (in_engine / "header.h.gch").write_bytes(b"compiled")  # what torch writes there
+    assert (shared / "precompiled_headers" / "header.h.gch").read_bytes() == b"compiled"
+    smol.stop()
+    assert not in_engine.parent.parent.exists()  # the engine's folder gone with its link
+    assert (shared / "precompiled_headers" / "header.h.gch").read_bytes() == b"compiled"  # the header kept
