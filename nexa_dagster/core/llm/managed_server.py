@@ -572,8 +572,9 @@ class ManagedServer:
         set to the folder torch would have chosen (``inherited`` keeps one a person set). Its precompiled C++
         headers do not follow that variable: torch 2.13 keeps them under the temporary folder's
         ``torchinductor_<user>`` whatever it says, so the engine's folder holds a link of that name to the folder
-        torch would have chosen. Without it each engine compiled the same header again into a folder ``stop``
-        removes: 4.5-6.5 CPU-s of ``cc1plus`` at every start on a CPU host (the clean-clone suites of 2026-12-07).
+        torch would have chosen. Without it each engine compiled the same header again, on its first sampled
+        request, into a folder ``stop`` removes: 4.5-6.5 CPU-s of ``cc1plus`` and ~6 s of that first answer at
+        every start on a CPU host (docs/measurements.md, "vLLM on the CPU machine").
         What else vLLM 0.32 keeps there is not shared by these engines: the locks of its hub downloads (an
         engine here loads a local directory, checked in ``__init__``) and the socket of a weight-cache service
         (not used)."""
