@@ -46,12 +46,13 @@ import psutil
 # (execnet's bootstrap is how pytest-xdist starts its workers: ``python -u -c "import sys;exec(eval(sys.stdin.
 # readline()))"``, no word of pytest on the line; 289 CPU-s of the clean-clone suite at 3376a9d were filed as
 # "other python" before it was named here. An install comes before vLLM: the vLLM environment's pip and its
-# byte-compiling probe name vllm, and were 99 CPU-s of "vLLM engine" in the same run.)
+# byte-compiling probe name vllm, and were 99 CPU-s of "vLLM engine" in the same run. vLLM is named by its
+# environment, modules and process titles, not the bare word: `bench/rl.py --vllm no` runs no vLLM.)
 KINDS = [
     ("pytest worker", r"pytest-xdist|/pytest |-m pytest|exec\(eval\(sys\.stdin\.readline\(\)\)\)"),
     ("install (pip, byte-compiling)", r"-m pip |compileall"),
     ("compiler (C++)", r"cc1plus|/g\+\+ |/c\+\+ |ninja"),
-    ("vLLM engine", r"vllm|VLLM::"),
+    ("vLLM engine", r"vllm[-_.]|/vllm\b|VLLM::"),
     ("transformers serve", r"transformers serve|transformers_engine"),
     ("training worker", r"core\.training\.worker|torch\.distributed\.run"),
     ("evaluation worker", r"core\.evaluation\.worker"),

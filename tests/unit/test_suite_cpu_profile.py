@@ -151,4 +151,10 @@ def test_xdist_workers_and_installs_are_named_by_their_own_kind() -> None:
     )
     assert profile.kind_of([venv, "-m", "pip", "install", "-q", "-e", "."]) == install
     assert profile.kind_of([vllm_env, "-m", "vllm.entrypoints.openai.api_server"]) == "vLLM engine"
+    # and the rollout worker, the harness's backend and the engine core by their names; a bench told to run no vLLM
+    # (`bench/rl.py --vllm no`: 8 CPU-s filed as an engine in make test-fast's profile at bf1362d) is not one
+    assert profile.kind_of([vllm_env, "/c/nexa_dagster/core/llm/vllm_rollout_worker.py"]) == "vLLM engine"
+    assert profile.kind_of([vllm_env, "/c/nexa_dagster/core/evaluation/lm_eval_on_vllm.py"]) == "vLLM engine"
+    assert profile.kind_of(["VLLM::EngineCore"]) == "vLLM engine"
+    assert profile.kind_of([venv, "/c/bench/rl.py", "--steps", "1", "--vllm", "no"]) == "other python"
     assert profile.kind_of([venv, "-c", "import time; time.sleep(1)"]) == "other python"
