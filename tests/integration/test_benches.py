@@ -30,7 +30,7 @@ WORK = "{work}"  # replaced by the test's own folder: no bench writes into a sha
 @dataclass(frozen=True)
 class Bench:
     """A bench's smallest run: its arguments, the figures its last line promises, and a time limit (about twice
-    what it took on the shared 2-core machine at load 10-17, docs/testing.md: a loaded CI machine does not fail it,
+    what it took on the shared 2-core machine at load 8-17, docs/testing.md: a loaded CI machine does not fail it,
     a hung bench does)."""
 
     args: tuple[str, ...]
