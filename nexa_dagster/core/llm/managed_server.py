@@ -588,7 +588,7 @@ class ManagedServer:
         env = {
             "TMPDIR": str(self.scratch),
             "VLLM_RPC_BASE_PATH": str(self.scratch),
-            INDUCTOR_CACHE: inherited.get(INDUCTOR_CACHE) or default_inductor_cache(),
+            INDUCTOR_CACHE: inherited.get(INDUCTOR_CACHE) or str(shared),
         }
         if not self.device.startswith("cuda"):
             env[settings.VLLM_CPU_KVCACHE_SPACE.name] = settings.VLLM_CPU_KVCACHE_SPACE.get()
