@@ -42,7 +42,7 @@ endif
 venv-elsewhere:
 	@echo "==> $(VENV) was built for $$(grep . $(VENV)/.installed 2>/dev/null || echo 'another path'), not $(CURDIR) (a moved or copied checkout): rebuilding it"
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml nexa_dagster/core/common/installer.py
 	@echo "==> creating $(VENV) and installing nexa-dagster with uv (torch CPU build first)"
 	$(PYTHON) -m venv $(if $(filter yes,$(VENV_BUILT_HERE)),,--clear) $(VENV)
 	$(INSTALL) --bootstrap -- torch==2.13.0 2>&1 | $(QUIET_PIP)

@@ -1,0 +1,64 @@
+"""pip's configuration read and translated into uv's options: where packages come from must not change with the
+installer (this machine's wheels on disk and constraints file are pip's configuration, and so is a lab's mirror)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nexa_dagster.core.common.installer import Untranslatable, pip_options, uv_options
+
+# `pip config list` on a machine like the CI's: a global file, a PIP_* variable, and a [freeze] section
+LISTING = """\
+:env:.default-timeout='180'
+:env:.disable-pip-version-check='1'
+:env:.find-links='/opt/wheels'
+freeze.find-links='/not/for/install'
+global.cert='/etc/ssl/certs/ca-certificates.crt'
+global.constraint='/etc/xdg/pip/constraints.txt'
+global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
+global.find-links='/overridden/by/the/variable'
+install.constraint='/etc/install-constraints.txt'
+"""
+
+
+def test_the_variable_overrides_the_install_section_over_global_and_other_commands_do_not_count() -> None:
+    assert pip_options(LISTING) == {
+        "default-timeout": "180",
+        "disable-pip-version-check": "1",
+        "find-links": "/opt/wheels",
+        "cert": "/etc/ssl/certs/ca-certificates.crt",
+        "constraint": "/etc/install-constraints.txt",
+        "extra-index-url": "file:///opt/pypi/simple file:///opt/pypi-more/simple",
+    }
+
+
+def test_where_packages_come_from_goes_to_uv_which_picks_the_best_version_across_indexes_as_pip() -> None:
+    options = uv_options(pip_options(LISTING))
+    args = list(options.args)
+    assert args[:2] == ["--index-strategy", "unsafe-best-match"]
+    pairs = list(zip(args[2::2], args[3::2], strict=True))
+    assert sorted(pairs) == [
+        ("--constraint", "/etc/install-constraints.txt"),
+        ("--extra-index-url", "file:///opt/pypi-more/simple"),
+        ("--extra-index-url", "file:///opt/pypi/simple"),
+        ("--find-links", "/opt/wheels"),
+    ]
+    assert options.env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_HTTP_TIMEOUT": "180"}
+
+
+def test_an_index_url_a_false_flag_and_a_true_one() -> None:
+    options = uv_options({"index-url": "https://mirror.example/simple", "no-index": "false", "pre": "yes"})
+    assert list(options.args) == [
+        "--index-strategy",
+        "unsafe-best-match",
+        "--index-url",
+        "https://mirror.example/simple",
+        "--prerelease=allow",
+    ]
+
+
+@pytest.mark.parametrize("option", ["only-binary", "no-binary", "require-hashes", "use-feature"])
+def test_an_option_that_changes_what_pip_would_install_is_refused_by_name(option: str) -> None:
+    """Silently dropped, such an option would install something other than what pip would: the install is pip's."""
+    with pytest.raises(Untranslatable, match=f"pip's option {option}="):
+        uv_options({"find-links": "/opt/wheels", option: ":all:"})
