@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # pip on these machines prints one warning per package about optional local indexes; keep the log readable.
 QUIET_PIP := (grep -v "^WARNING: Location" || true)
 # uv with pip's configuration translated, byte-compiled as pip does, pip where uv cannot (its first `--bootstrap`
-# installs uv with pip): 2.6x faster than pip alone on the 2-core machine. nexa_dagster/core/common/installer.py
+# installs uv with pip): about 3x faster than pip alone on the 2-core machine. nexa_dagster/core/common/installer.py
 # says why, docs/measurements.md what it saves. Run from the checkout: nothing is installed in the venv yet.
 INSTALL := $(BIN)/python -m nexa_dagster.core.common.installer --compile
 
@@ -84,8 +84,8 @@ run: install bytecode $(DAGSTER_HOME)/dagster.yaml
 # collection order (e2e, the longest, first: the `make run` world's group starts at once, not after the groups with
 # more tests), not pytest-xdist's default of the groups with most tests first
 #
-# vLLM's own environment (`make vllm`) installs beside the suite, in the background: its minutes are mostly downloads
-# (2 min from nothing on the idle 2-core machine; nothing to do when the machine's cache has it), and the tests of
+# vLLM's own environment (`make vllm`) installs beside the suite, in the background, with uv (1-1.5 min from nothing
+# on the idle 2-core machine, 2 with pip; nothing to do when the machine's cache has it), and the tests of
 # the real engine wait for it (tests/support/vllm_install.py), failing with its log if it failed. Tried twice: a
 # registry's hiccup is transient, a wrong requirement fails both times.
 test: install-dev bytecode

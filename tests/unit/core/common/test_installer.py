@@ -18,6 +18,7 @@ global.constraint='/etc/xdg/pip/constraints.txt'
 global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
 global.find-links='/overridden/by/the/variable'
 install.constraint='/etc/install-constraints.txt'
+install.no-input=unquoted
 """
 
 
@@ -29,6 +30,7 @@ def test_the_variable_overrides_the_install_section_over_global_and_other_comman
         "cert": "/etc/ssl/certs/ca-certificates.crt",
         "constraint": "/etc/install-constraints.txt",
         "extra-index-url": "file:///opt/pypi/simple file:///opt/pypi-more/simple",
+        "no-input": "unquoted",
     }
 
 
