@@ -14,13 +14,16 @@ import pytest
 
 from nexa_dagster.core.common.config import REPO_ROOT
 
+INSTALLER = "nexa_dagster/core/common/installer.py"  # what `make install` installs with (uv, or pip)
+
 
 def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
     """A checkout at ``tmp_path/checkout`` with a ``.venv`` built at ``built_at`` (its pip's shebang), whose stamp
     holds ``stamp`` (None: no stamp, an empty string: the stamp older makes wrote)."""
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    for name in ("Makefile", "pyproject.toml", "dagster.yaml"):
+    for name in ("Makefile", "pyproject.toml", "dagster.yaml", INSTALLER):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / name, checkout / name)
     if built_at is not None:
         (checkout / ".venv" / "bin").mkdir(parents=True)
@@ -29,8 +32,9 @@ def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
         )
     if stamp is not None:
         (checkout / ".venv" / ".installed").write_text(f"{stamp}\n" if stamp else "")
-    earlier = time.time() - 60  # pyproject.toml older than the stamp: only the path can make the .venv stale
-    os.utime(checkout / "pyproject.toml", (earlier, earlier))
+    earlier = time.time() - 60  # both older than the stamp: only the path can make the .venv stale
+    for name in ("pyproject.toml", INSTALLER):
+        os.utime(checkout / name, (earlier, earlier))
     return checkout
 
 
@@ -47,7 +51,8 @@ def test_a_venv_built_for_another_path_is_rebuilt(tmp_path: Path, stamp: str) ->
     checkout = _checkout(tmp_path, elsewhere, elsewhere if stamp == "elsewhere" else "")
     out = _dry_run(checkout)
     assert "-m venv --clear .venv" in out, out  # from nothing: its scripts point at the old place
-    assert "install -q --disable-pip-version-check -e . " in out and "'.[dev]'" not in out, out
+    assert "installer --compile --bootstrap -- torch==2.13.0" in out, out
+    assert "installer --compile -- -e . " in out and "'.[dev]'" not in out, out
     assert f'echo "{checkout}" > .venv/.installed' in out, out
     assert "not " + str(checkout) in out and "rebuilding it" in out, out
     # the tests' and lint's install rebuilds it too, then adds the dev extra on the new .venv
@@ -77,3 +82,14 @@ def test_make_run_s_install_leaves_the_dev_extra_to_the_tests(tmp_path: Path) ->
     assert "-e '.[dev]'" in dev and "-m venv" not in dev, dev
     (checkout / ".venv" / ".installed-dev").touch()
     assert "Nothing to be done for 'install-dev'" in _dry_run(checkout, "install-dev")
+
+
+def test_a_changed_installer_installs_again_into_the_same_venv(tmp_path: Path) -> None:
+    """How the install is done changed (core/common/installer.py): `make install` runs it again on the .venv built
+    here, which keeps what it has (nothing rebuilt from nothing, nothing the new way would not install)."""
+    here = str(tmp_path / "checkout")
+    checkout = _checkout(tmp_path, here, here)
+    later = time.time() + 60  # newer than the stamp (a touch now could share the stamp's clock tick)
+    os.utime(checkout / INSTALLER, (later, later))
+    out = _dry_run(checkout)
+    assert "installer --compile -- -e . " in out and "--clear" not in out and "rebuilding" not in out, out
