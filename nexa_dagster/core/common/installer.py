@@ -12,7 +12,8 @@ file) is set in pip's configuration on this machine and in a lab's, and uv reads
 ``uv_options`` translates what ``pip config list`` says into uv's options, and an option it cannot translate (one
 that would change *what* is installed, such as ``only-binary``) makes the install pip's, saying which. uv picks
 the best version across every index, as pip does (``--index-strategy unsafe-best-match``; uv's own default is the
-first index that has the package).
+first index that has the package), but takes that version's files from the first index that has it where pip pools
+them: on this machine one package of 212 (``multiprocess``) gets its ``py310`` wheel, not pip's ``py311``.
 
 pip stays the fallback: where uv is not installed (a venv made without ``make``), where its install failed (the
 platform has no uv wheel), and where uv's install fails (it prints why), pip installs the same requirements.
