@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from support.sandbox import SAMPLE_LANDING
 
@@ -189,15 +191,50 @@ def test_a_day_counts_its_files_not_its_rows(tmp_path: Path) -> None:
     assert (len(got.documents), got.files) == (5, 2)
 
 
-def test_the_generator_writes_the_shipped_days_and_the_suites_small_copy_byte_for_byte(
-    tmp_path: Path,
-) -> None:
+def _parquet_without_writer_version(path: Path) -> tuple[pa.Table, int, dict[bytes, object]]:
+    """The table, its row groups and its schema metadata, less the two places pyarrow writes its own version
+    (the footer's created_by and pandas' "creator"): a new pyarrow release must not make the shipped file "wrong"
+    when every value, type and row group is the same."""
+    table = pq.read_table(path)
+    metadata = dict(table.schema.metadata or {})
+    pandas_meta = json.loads(metadata.pop(b"pandas", b"{}"))
+    pandas_meta.pop("creator", None)
+    return (
+        table.replace_schema_metadata(None),
+        pq.ParquetFile(path).metadata.num_row_groups,
+        {
+            **metadata,
+            b"pandas": pandas_meta,
+        },
+    )
+
+
+def test_the_generator_writes_the_shipped_days_and_the_suites_small_copy(tmp_path: Path) -> None:
     """sample_corpus regenerates make run's days and the suite's small copy (each day's first 12 documents) from
-    Python's own pydoc topics, byte for byte: the shipped files are what the code says they are."""
+    Python's own pydoc topics: the JSONL byte for byte, the Parquet value for value (the same schema, metadata and
+    row groups; only the writing pyarrow's version may differ): the shipped files are what the code says they are."""
     from nexa_dagster.core.data.sample_corpus import write_sample_landing
 
     write_sample_landing(tmp_path / "shipped")
     write_sample_landing(tmp_path / "small", 12)
     for root, copy in ((tmp_path / "shipped", SHIPPED), (tmp_path / "small", LANDING)):
-        for name in ("2026-11-20/python_reference.jsonl", "2026-11-21/python_reference.parquet"):
-            assert (root / name).read_bytes() == (copy / name).read_bytes(), (copy, name)
+        name = "2026-11-20/python_reference.jsonl"
+        assert (root / name).read_bytes() == (copy / name).read_bytes(), (copy, name)
+        name = "2026-11-21/python_reference.parquet"
+        written, shipped = (
+            _parquet_without_writer_version(root / name),
+            _parquet_without_writer_version(copy / name),
+        )
+        assert written[0].equals(shipped[0]), (copy, name)
+        assert written[1:] == shipped[1:], (copy, name)
+
+
+def test_the_parquet_comparison_sees_one_changed_value(tmp_path: Path) -> None:
+    """The failing case of the comparison above: one document's text changed is a different file."""
+    table = pq.read_table(SHIPPED / "2026-11-21/python_reference.parquet")
+    content = table.column("content").to_pylist()
+    content[3] += " "
+    changed = table.set_column(table.schema.get_field_index("content"), "content", pa.array(content))
+    pq.write_table(changed, tmp_path / "changed.parquet")
+    original = _parquet_without_writer_version(SHIPPED / "2026-11-21/python_reference.parquet")
+    assert not _parquet_without_writer_version(tmp_path / "changed.parquet")[0].equals(original[0])
