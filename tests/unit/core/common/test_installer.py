@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nexa_dagster.core.common.installer import Untranslatable, pip_options, uv_options
+from nexa_dagster.core.common.installer import Untranslatable, lock_pins, pip_options, uv_options
 
 # `pip config list` on a machine like the CI's: a global file, a PIP_* variable, and a [freeze] section
 LISTING = """\
@@ -64,3 +64,14 @@ def test_an_option_that_changes_what_pip_would_install_is_refused_by_name(option
     """Silently dropped, such an option would install something other than what pip would: the install is pip's."""
     with pytest.raises(Untranslatable, match=f"pip's option {option}="):
         uv_options({"find-links": "/opt/wheels", option: ":all:"})
+
+
+def test_the_lock_pins_name_and_version_sorted_without_local_labels_or_the_installer_s_own() -> None:
+    freeze = "uv==0.13.10\nPyYAML==6.0.3\ntorch==2.13.0+cpu\naccelerate==1.16.0\npip==23.2.1\n\n"
+    assert lock_pins(freeze) == ["accelerate==1.16.0", "PyYAML==6.0.3", "torch==2.13.0"]
+
+
+@pytest.mark.parametrize("line", ["mylib @ file:///home/me/mylib", "git+https://example.org/lib.git#egg=lib"])
+def test_a_package_from_a_path_or_a_url_is_not_a_pin_another_machine_can_meet(line: str) -> None:
+    with pytest.raises(ValueError, match="is not name==version"):
+        lock_pins(f"accelerate==1.16.0\n{line}\n")
