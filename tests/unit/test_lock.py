@@ -4,6 +4,7 @@ run in is the one it names (what CI's clean clone installs is what passed here).
 
 from __future__ import annotations
 
+import sysconfig
 import tomllib
 from importlib import metadata
 
@@ -75,7 +76,10 @@ def drift(pins: dict[str, str], installed: dict[str, str]) -> dict[str, tuple[st
 def test_the_environment_under_test_is_the_lock() -> None:
     """Every locked package installed here at its locked version, and everything `make install-dev` installs
     present: a venv that drifted (a package upgraded by hand, a lock changed since the install) is named."""
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # the environment's site-packages only: once imported, setuptools puts the packages it vendors on sys.path
+    # (setuptools/_vendor: its own older packaging, zipp, ...), which are not what the environment installed
+    site = [sysconfig.get_paths()["purelib"]]
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=site)}
     drifted = drift(_pins(LOCK.read_text()), installed)
     assert not drifted, f"installed differs from constraints.txt (run `make install`): {drifted}"
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
