@@ -159,11 +159,13 @@ def uv_binary() -> Path | None:
 
 def bootstrap(log: Callable[[str], None] = print) -> Path | None:
     """Install ``UV_REQUIREMENT`` beside this interpreter with pip (a few seconds), unless it is there; None (and
-    why, logged) where pip cannot: the install then goes on with pip."""
+    pip's error, logged) where pip cannot: ``install`` then goes on with pip and says so, once."""
     if uv_binary() is None:
         done = _run([sys.executable, "-m", "pip", "install", "-q", UV_REQUIREMENT], settings.PIP)
         if done.returncode != 0:
-            log(f"{UV_REQUIREMENT} not installed ({done.stderr.strip()[-300:]}): installing with pip")
+            log(
+                f"{UV_REQUIREMENT} could not be installed: {done.stderr.strip()[-300:]}"
+            )  # install() says pip
     return uv_binary()
 
 

@@ -173,7 +173,11 @@ def install(device: str | None = None, base_python: str | None = None) -> Path:
         frozen = env / "vllm-constraints.txt"
         frozen.write_text(
             subprocess.run(
-                [str(python), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
+                [str(python), "-m", "pip", "freeze"],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=settings.environ(settings.PIP),
             ).stdout
         )
         installer.install(python, ["-c", str(frozen), LM_EVAL_REQUIREMENT], compile_bytecode=False)

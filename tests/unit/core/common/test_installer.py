@@ -3,9 +3,12 @@ installer (this machine's wheels on disk and constraints file are pip's configur
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from nexa_dagster.core.common.installer import Untranslatable, lock_pins, pip_options, uv_options
+from nexa_dagster.core.common.installer import Untranslatable, install, lock_pins, pip_options, uv_options
 
 # `pip config list` on a machine like the CI's: a global file, a PIP_* variable, and a [freeze] section
 LISTING = """\
@@ -57,6 +60,34 @@ def test_an_index_url_a_false_flag_and_a_true_one() -> None:
         "https://mirror.example/simple",
         "--prerelease=allow",
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False)]
+)
+def test_a_flag_is_on_as_pip_reads_it(value: str, on: bool) -> None:
+    """pip's own spellings of a boolean (``PIP_NO_INDEX=1`` is the usual one): a flag missed would make uv reach an
+    index the configuration turned off."""
+    assert ("--no-index" in uv_options({"no-index": value}).args) is on
+
+
+def test_uv_gets_pip_s_and_uv_s_variables_and_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uv process, a real one (a script standing in for uv that records its environment): its own ``UV_*``
+    settings and pip's reach it; an API key the launching process holds does not."""
+    seen = tmp_path / "environment"
+    uv = tmp_path / "uv"
+    uv.write_text(f"#!/bin/sh\nenv > {seen}\n")
+    uv.chmod(0o755)
+    monkeypatch.setenv("UV_CONCURRENT_DOWNLOADS", "4")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("NEXA_TEACHER_API_KEY", "sk-not-for-uv")
+    monkeypatch.setenv("CLOUD_DEPLOY_CREDENTIALS", "not-for-uv-either")
+    assert install(Path(sys.executable), ["nothing-installed"], compile_bytecode=False, uv=uv) == "uv"
+    environment = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
+    assert environment["UV_CONCURRENT_DOWNLOADS"] == "4" and environment["PIP_NO_CACHE_DIR"] == "1"
+    assert "NEXA_TEACHER_API_KEY" not in environment and "CLOUD_DEPLOY_CREDENTIALS" not in environment
 
 
 @pytest.mark.parametrize("option", ["only-binary", "no-binary", "require-hashes", "use-feature"])
