@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support.vllm_install import require_vllm
 
-from nexa_dagster.core.common.installer import lock_pins
+from nexa_dagster.core.common.installer import freeze, lock_pins
 from nexa_dagster.core.llm.vllm_env import LOCKS, device_kind, installed_versions, lock_digest, vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-engine")]
@@ -115,9 +115,6 @@ def test_the_environment_the_engines_run_in_is_its_lock() -> None:
         stamp.get("lock"),
         "the lock changed: make vllm installs it",
     )
-    freeze = subprocess.run(
-        [str(vllm_python()), "-m", "pip", "freeze"], capture_output=True, text=True, timeout=120, check=True
-    ).stdout
-    assert set(lock_pins(freeze)) == {
+    assert set(lock_pins(freeze(vllm_python()))) == {
         line for line in LOCKS["cpu"].read_text().splitlines() if line and not line.startswith("#")
     }

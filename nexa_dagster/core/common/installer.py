@@ -163,9 +163,8 @@ def bootstrap(log: Callable[[str], None] = print) -> Path | None:
     if uv_binary() is None:
         done = _run([sys.executable, "-m", "pip", "install", "-q", UV_REQUIREMENT], settings.PIP)
         if done.returncode != 0:
-            log(
-                f"{UV_REQUIREMENT} could not be installed: {done.stderr.strip()[-300:]}"
-            )  # install() says pip
+            # install() then says that pip installs, once
+            log(f"{UV_REQUIREMENT} could not be installed: {done.stderr.strip()[-300:]}")
     return uv_binary()
 
 
@@ -219,13 +218,24 @@ def _run(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
 
 
-def lock_pins(freeze: str) -> list[str]:
+def freeze(python: Path, *options: str) -> str:
+    """``pip freeze`` of the environment of ``python`` (with pip's variables, as every pip call here)."""
+    return subprocess.run(
+        [str(python), "-m", "pip", "freeze", *options],
+        env=settings.environ(settings.PIP),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def lock_pins(frozen: str) -> list[str]:
     """The lock's lines from ``pip freeze --exclude-editable``: one ``name==version`` per package, sorted by name,
     less what the installer installs itself, less local version labels (``torch==2.13.0+cpu`` pins ``2.13.0``, which
     the CPU index and PyPI both serve). A package installed from a URL or a path cannot be a constraint another
     machine can meet: ``ValueError`` names it."""
     pins: dict[str, str] = {}
-    for line in freeze.splitlines():
+    for line in frozen.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -243,14 +253,7 @@ def write_lock(python: Path, path: Path, header: str) -> int:
     """``path`` from what the environment of ``python`` has installed (``lock_pins``) under ``header`` and the
     day, Python and machine it was resolved on, written beside it and renamed (a failed freeze leaves the old lock);
     returns how many packages it pins."""
-    freeze = subprocess.run(
-        [str(python), "-m", "pip", "freeze", "--exclude-editable"],
-        env=settings.environ(settings.PIP),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    pins = lock_pins(freeze.stdout)
+    pins = lock_pins(freeze(python, "--exclude-editable"))
     resolved = (
         f"Resolved {time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {platform.machine()}."
     )

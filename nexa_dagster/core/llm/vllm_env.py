@@ -210,7 +210,7 @@ def install(
             _pip(python, "uninstall", "-q", "-y", *_CPU_REMOVE)
     if not stamp.get("lm_eval"):  # vLLM's packages held where they are: the harness adds, never replaces
         frozen = env / "vllm-constraints.txt"
-        frozen.write_text(_freeze(python))
+        frozen.write_text(installer.freeze(python))
         installer.install(python, [*pinned, "-c", str(frozen), LM_EVAL_REQUIREMENT], compile_bytecode=False)
     found = json.loads(
         subprocess.run(
@@ -222,16 +222,6 @@ def install(
     (env / STAMP).write_text(json.dumps(stamp, indent=1))
     print(f"vLLM {found['vllm']} for {device} ready at {env} after {stamp['install_s']} s")
     return python
-
-
-def _freeze(python: Path) -> str:
-    return subprocess.run(
-        [str(python), "-m", "pip", "freeze"],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=settings.environ(settings.PIP),
-    ).stdout
 
 
 def write_lock(base_python: str | None = None) -> int:
