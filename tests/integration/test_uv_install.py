@@ -78,13 +78,16 @@ def test_the_lock_of_a_real_environment_pins_what_an_index_served_and_refuses_a_
         == "uv"
     )
     lock = tmp_path / "constraints.txt"
-    assert write_lock(python, lock, "what it is\nhow it is made") == 1
+    long = "what it is, " * 12  # 144 characters: refilled into lines of 110 at most
+    assert write_lock(python, lock, f"{long}\nhow it is made") == 1
     header, pins = lock.read_text().split("\n# Resolved ")
-    assert header == "# what it is\n# how it is made" and pins.splitlines()[1:] == [f"{NAME}=={VERSION}"]
+    assert [len(line) <= 110 for line in header.splitlines()] == [True, True]
+    assert " ".join(line.removeprefix("# ") for line in header.splitlines()) == f"{long}how it is made"
+    assert pins.splitlines()[1:] == [f"{NAME}=={VERSION}"]
     assert install(python, ["--reinstall", str(wheel)], compile_bytecode=False) == "uv"  # now from its path
     with pytest.raises(ValueError, match=f"'{NAME} @ file://"):
         write_lock(python, lock, "a new lock")
-    assert lock.read_text().startswith("# what it is")
+    assert lock.read_text().startswith("# what it is, what it is")
 
 
 def test_where_uv_fails_pip_installs_the_same_and_the_log_says_why(tmp_path: Path, wheel: Path) -> None:

@@ -35,6 +35,7 @@ import ast
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ LOCK_HEADER = """The versions `make install` and `make install-dev` install (`-c
 what a fresh, unconstrained install of torch==2.13.0 and nexa-dagster[dev,k8s] resolved (`make lock` resolves it
 again from nothing: then `make test` on it, and commit both). pyproject.toml keeps the ranges the code supports;
 this file keeps a clean clone's install the same from one day to the next (core/common/installer.py says why)."""
+LOCK_WIDTH = 110  # a lock's comment lines, as the project's code (pyproject.toml's ruff line-length)
 # installed by the installer itself, not by a requirement of the project: never in the lock
 _NOT_LOCKED = {"pip", "setuptools", "wheel", "uv"}
 
@@ -257,13 +259,17 @@ def write_lock(python: Path, path: Path, header: str) -> int:
     resolved = (
         f"Resolved {time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {platform.machine()}."
     )
-    header = f"{header}\n{resolved}"
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(
-        "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + "\n".join(pins) + "\n"
-    )
+    partial.write_text(lock_comment(header) + f"# {resolved}\n" + "\n".join(pins) + "\n")
     partial.replace(path)
     return len(pins)
+
+
+def lock_comment(header: str) -> str:
+    """``header`` as a lock's comment: one paragraph, refilled into lines of ``LOCK_WIDTH`` characters at most
+    whatever the requirements filled into it (a vLLM lock's second line was 122)."""
+    text = textwrap.fill(" ".join(header.split()), width=LOCK_WIDTH - 2, break_on_hyphens=False)
+    return "".join(f"# {line}\n" for line in text.splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,12 +165,16 @@ def _pip(python: Path, *args: str) -> None:
 
 
 def lock_digest(device: str, locked: bool = True) -> str | None:
-    """The digest of the lock ``device``'s environment installs with (``LOCKS``), or None: no lock for that device,
-    or an unconstrained install (``locked=False``, what ``write_lock`` resolves)."""
+    """The digest of the pins of the lock ``device``'s environment installs with (``LOCKS``), or None: no lock for
+    that device, or an unconstrained install (``locked=False``, what ``write_lock`` resolves)."""
     lock = LOCKS.get(device)
     if not locked or lock is None or not lock.exists():
         return None
-    return hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
+    # the pins only: a lock whose comments were reworded installs the same environment, kept
+    pins = [
+        line.strip() for line in lock.read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
+    return hashlib.sha256("\n".join(pins).encode()).hexdigest()[:16]
 
 
 def up_to_date(stamp: dict, device: str, digest: str | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from nexa_dagster.core.common.config import REPO_ROOT
 from nexa_dagster.core.llm import vllm_env
 from nexa_dagster.core.llm.vllm_env import LOCKS, lock_digest, up_to_date
 
@@ -46,3 +47,24 @@ def test_a_changed_lock_has_another_digest(tmp_path, monkeypatch: pytest.MonkeyP
     before = lock_digest("cpu")
     lock.write_text(lock.read_text().replace("lm_eval==0.4.13", "lm_eval==0.4.14"))
     assert lock_digest("cpu") != before
+
+
+def test_a_reworded_header_keeps_the_digest_and_the_environment(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest is the pins': a lock whose comments changed installs the same packages, so `make vllm` keeps the
+    environment (the whole file's digest reinstalled it, 2 minutes, for a reworded line)."""
+    lock = tmp_path / "vllm-cpu-constraints.txt"
+    lock.write_text(LOCKS["cpu"].read_text())
+    monkeypatch.setitem(vllm_env.LOCKS, "cpu", lock)
+    before = lock_digest("cpu")
+    lock.write_text("# another wording\n\n" + lock.read_text().replace("# Resolved", "# resolved"))
+    assert lock_digest("cpu") == before
+    assert up_to_date({**DONE, "lock": before}, "cpu", lock_digest("cpu"))
+
+
+def test_the_shipped_locks_lines_fit_the_projects_line_length() -> None:
+    """`installer.lock_comment` refills a header whatever is filled into it (the vLLM lock's line was 122)."""
+    for lock in (LOCKS["cpu"], REPO_ROOT / "constraints.txt"):
+        long = [line for line in lock.read_text().splitlines() if len(line) > 110]
+        assert long == [], (lock.name, long)
