@@ -94,10 +94,12 @@ bytecode: install
 run: install bytecode $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m nexa_dagster.demo   # installs the tiny models it configures first (nexa-dagster tiny-models)
 
-# everything (what .ci/run calls and what must pass): two xdist workers (tests wait on servers, daemons and ranks as
-# much as they compute), tests sharing a Slurm cluster or a PostgreSQL server kept on one worker; handed out in
-# collection order (e2e, the longest, first: the `make run` world's group starts at once, not after the groups with
-# more tests), not pytest-xdist's default of the groups with most tests first
+# everything (what .ci/run calls and what must pass): two xdist workers for the tests that compute, and a third for
+# those that wait on a clock not their own (the `waits` marker: the Slurm cluster's, a retry policy's delays), which
+# gets nothing else (tests/support/waits_lane.py: a plain third worker slowed every test 1.44x); tests sharing a Slurm
+# cluster or a PostgreSQL server kept on one worker; handed out in collection order (e2e, the longest, first: the
+# `make run` world's group starts at once, not after the groups with more tests), not pytest-xdist's default of the
+# groups with most tests first
 #
 # vLLM's own environment (`make vllm`) installs beside the suite, in the background, with uv (1-1.5 min from nothing
 # on the idle 2-core machine, 2 with pip; nothing to do when the machine's cache has it), and the tests of
@@ -108,15 +110,15 @@ test: install-dev bytecode
 	@( rc=0; ( $(BIN)/python -m nexa_dagster.core.llm.vllm_env install \
 		|| $(BIN)/python -m nexa_dagster.core.llm.vllm_env install ) > .vllm-install.log 2>&1 || rc=$$?; \
 		echo $$rc > .vllm-install.rc ) </dev/null >/dev/null 2>&1 & echo $$! > .vllm-install.pid
-	$(BIN)/pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(BIN)/pytest -n 3 -p support.waits_lane --dist loadgroup --no-loadscope-reorder --durations=25
 
 # the edit-test loop: integration and unit tests without the slow ones (<= 5 min on 2 cores, docs/testing.md), the
 # integration tests first: their long ones start at once and the unit tests, a second or less each, fill the workers
 # to the end (unit first, the last minute or two was a few long integration tests on one worker, the other idle).
 # Three workers on the 2-core machines: with two, the cores idled 14-17 % of the run while a test waited (a retry
 # policy's backoff, a server's start, a daemon's tick); a third fills that (3-4 % idle): pytest took 228-240 s
-# against 252-258 s, three runs each, alternating (docs/measurements.md, "Suite time"). `make test` keeps two: its
-# timer-bound tests need the room, and a third worker gained it 3.5 %, within its spread (docs/testing.md)
+# against 252-258 s, three runs each, alternating (docs/measurements.md, "Suite time"). `make test`'s third worker
+# runs only the tests that wait: its timer-bound tests need the room (docs/testing.md)
 test-fast: install-dev bytecode
 	$(BIN)/pytest tests/integration tests/unit -m "not slow and not gpu" -n 3 --dist loadgroup --no-loadscope-reorder \
 		--durations=10

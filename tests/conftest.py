@@ -41,6 +41,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from support.services import postgres_server, slurm_cluster  # noqa: E402
+from support.waits_lane import WAITS  # noqa: E402
 from support.xdist_groups import ungrouped  # noqa: E402
 
 from nexa_dagster.core.llm.managed_server import ManagedServer  # noqa: E402
@@ -91,6 +92,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ):  # one cluster, one server: one xdist worker
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(group))
+        # the Slurm cluster's tests wait on slurmctld's and slurmd's clocks (8 tests: 202 s, ~45 CPU-s in the suite
+        # at 5d334ac); with support.waits_lane loaded, a third worker runs every test that waits
+        if item.get_closest_marker("waits") or "slurm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(WAITS))
 
 
 UNGROUPED = pytest.StashKey[set[str]]()

@@ -82,6 +82,7 @@ def test_wrong_column_type_fails_the_typed_boundary(tmp_path: Path) -> None:
     assert "day" in message
 
 
+@pytest.mark.waits  # 14 s of the retry policy's delays (below)
 def test_unreachable_teacher_endpoint_names_the_url(tmp_path: Path) -> None:
     _land(tmp_path, [json.dumps({"title": "t", "text": f"document number {i}"}) for i in range(2)])
     resources = {
