@@ -53,11 +53,14 @@ def _workers(tmp_path: Path, *options: str) -> dict[str, set[str]]:
     ran.unlink(missing_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "3", "--dist", "loadgroup", "-p", "no:cacheprovider"]
-        + [*options, "."],
+        + ["-p", "xdist.plugin", *options, "."],
         cwd=tmp_path,
-        # a pytest of its own (PYTEST_ADDOPTS is the suite's), the plugin importable as make test imports it
+        # a pytest of its own (PYTEST_ADDOPTS is the suite's), the plugin importable as make test imports it; only
+        # pytest-xdist among the installed plugins (hypothesis', typeguard's and the others' imports in each of the
+        # four processes were 4 of its 5 CPU-s)
         env={
             **{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
             "RAN": str(ran),
             "PYTHONPATH": str(REPO_ROOT / "tests"),
         },
