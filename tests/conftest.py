@@ -86,15 +86,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e":
             item.add_marker(pytest.mark.slow)
-        for fixture, group in (
-            ("slurm", "slurm"),
-            ("pg", "postgres"),
-        ):  # one cluster, one server: one xdist worker
+        # one cluster, one server: one xdist worker. The Slurm cluster's tests also wait on slurmctld's and slurmd's
+        # clocks (8 tests: 202 s, ~45 CPU-s in the suite at 5d334ac): with support.waits_lane loaded, a third worker
+        # runs every test that waits
+        for fixture, groups in (("slurm", ("slurm", WAITS)), ("pg", ("postgres",))):
             if fixture in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(group))
-        # the Slurm cluster's tests wait on slurmctld's and slurmd's clocks (8 tests: 202 s, ~45 CPU-s in the suite
-        # at 5d334ac); with support.waits_lane loaded, a third worker runs every test that waits
-        if item.get_closest_marker("waits") or "slurm" in getattr(item, "fixturenames", ()):
+                for group in groups:
+                    item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("waits"):
             item.add_marker(pytest.mark.xdist_group(WAITS))
 
 

@@ -33,10 +33,8 @@ class WaitsLaneScheduling(LoadGroupScheduling):
     def _lane(self) -> WorkerController | None:
         """The lane's worker (the last, ``gw<n-1>``), or None: fewer than three workers, or the lane is gone (a
         crash), when any worker takes any unit so that nothing is left unrun."""
-        if self.numnodes < 3:
-            return None
-        lane = max(self.nodes, key=lambda node: int(node.gateway.id.removeprefix("gw")), default=None)
-        return lane if lane is not None and lane.gateway.id == f"gw{self.numnodes - 1}" else None
+        lane = f"gw{self.numnodes - 1}"
+        return next((n for n in self.nodes if n.gateway.id == lane), None) if self.numnodes >= 3 else None
 
     def _next_scope(self, node: WorkerController) -> str | None:
         """The first unit in the queue this worker may take: the lane, those that wait; the others, the rest."""
@@ -51,20 +49,14 @@ class WaitsLaneScheduling(LoadGroupScheduling):
         if scope is None:  # nothing left for this worker: it finishes what it has, then stops
             node.shutdown()
             return
-        work_unit = self.workqueue.pop(scope)
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+        self.workqueue.move_to_end(scope, last=False)  # pytest-xdist's own assignment takes the queue's first
+        super()._assign_work_unit(node)
 
     def _reschedule(self, node: WorkerController) -> None:
-        if node.shutting_down:
+        if not node.shutting_down and self._next_scope(node) is None:
+            node.shutdown()  # pytest-xdist's stops a worker only once the whole queue is empty
             return
-        if self._next_scope(node) is None:
-            node.shutdown()
-            return
-        if self._pending_of(self.assigned_work[node]) > 2:  # pytest-xdist's heuristic: a couple queued ahead
-            return
-        self._assign_work_unit(node)
+        super()._reschedule(node)
 
 
 @pytest.hookimpl(tryfirst=True)

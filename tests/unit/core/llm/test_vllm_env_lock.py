@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nexa_dagster.core.common.config import REPO_ROOT
+from nexa_dagster.core.common.installer import LOCK_WIDTH
 from nexa_dagster.core.llm import vllm_env
 from nexa_dagster.core.llm.vllm_env import LOCKS, lock_digest, up_to_date
 
@@ -66,5 +67,5 @@ def test_a_reworded_header_keeps_the_digest_and_the_environment(
 def test_the_shipped_locks_lines_fit_the_projects_line_length() -> None:
     """`installer.lock_comment` refills a header whatever is filled into it (the vLLM lock's line was 122)."""
     for lock in (LOCKS["cpu"], REPO_ROOT / "constraints.txt"):
-        long = [line for line in lock.read_text().splitlines() if len(line) > 110]
+        long = [line for line in lock.read_text().splitlines() if len(line) > LOCK_WIDTH]
         assert long == [], (lock.name, long)
