@@ -108,6 +108,7 @@ def sample(since: float, me: int, seen: dict[tuple[int, float], dict[str, Any]])
         if entry is None:
             argv = info["cmdline"] or [info["name"] or ""]
             entry = seen[key] = {
+                "pid": info["pid"],  # with ancestors[0], the parent: a fork shares its parent's command line
                 "cmdline": " ".join(argv)[:300],
                 "kind": kind_of(argv),
                 "test": test_of(p),

@@ -43,6 +43,9 @@ def test_a_child_s_cpu_is_counted_under_its_kind_and_its_test_and_the_exit_code_
     rows = [json.loads(line) for line in (tmp_path / "processes.jsonl").read_text().splitlines()]
     ours = [row for row in rows if row["test"] == "tests/x.py::test_y"]
     assert sum(row["kind"] == "other python" for row in ours) == 2, ours  # the burner and the sleeper
+    # each with its pid, its parent first among its ancestors: the shell (what start_up_floor.py tells forks by)
+    (shell,) = [row for row in ours if row["cmdline"].startswith("sh -c")]
+    assert all(row["ancestors"][0] == shell["pid"] for row in ours if row is not shell), ours
     # every process with its command line, kind and CPU: the burner's 1.5 s, short of the last interval
     burner = next(row for row in ours if BURN[:20] in row["cmdline"])
     assert burner["kind"] == "other python" and 1.2 <= burner["cpu"] <= 3.0, ours
