@@ -93,25 +93,22 @@ CLASSES = [
 
 def forked(rows: list[dict[str, Any]]) -> set[int]:
     """Indices of the rows that are forks of a process in the file with the same command line."""
+    found = set()
+    in_order = sorted(enumerate(rows), key=lambda ir: ir[1]["created"])
     if all("pid" in r for r in rows):
-        by_pid = {(r["pid"], r["created"]): r for r in rows}
-        latest: dict[
-            int, dict[str, Any]
-        ] = {}  # a pid reused: the parent is the latest started before the child
-        found = set()
-        for i, r in sorted(enumerate(rows), key=lambda ir: ir[1]["created"]):
-            parent = latest.get(r["ancestors"][0]) if r["ancestors"] else None
+        holder: dict[int, dict[str, Any]] = {}  # pid -> the latest process started with it (pids are reused)
+        for i, r in in_order:
+            parent = holder.get(r["ancestors"][0]) if r["ancestors"] else None
             if parent is not None and parent["cmdline"] == r["cmdline"]:
                 found.add(i)
-            latest[r["pid"]] = by_pid[(r["pid"], r["created"])]
+            holder[r["pid"]] = r
         return found
     # files without pids: the parent is known only by its own ancestry (see the module's docstring)
-    seen: dict[tuple[str, tuple[int, ...]], float] = {}
-    found = set()
-    for i, r in sorted(enumerate(rows), key=lambda ir: ir[1]["created"]):
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    for i, r in in_order:
         if (r["cmdline"], tuple(r["ancestors"][1:])) in seen:
             found.add(i)
-        seen.setdefault((r["cmdline"], tuple(r["ancestors"])), r["created"])
+        seen.add((r["cmdline"], tuple(r["ancestors"])))
     return found
 
 
@@ -134,7 +131,8 @@ def floor(rows: list[dict[str, Any]], costs: dict[str, float]) -> dict[str, Any]
         row["forked" if i in forks else "started"] += 1
         row["cpu_s"] += r.get("cpu", 0.0)
         if i not in forks and klass is not None:
-            cost = r.get("cpu", 0.0) if klass.imports == ALL else costs[klass.name]
+            # a class not measured (vLLM not installed where the costs were measured) counts none
+            cost = r.get("cpu", 0.0) if klass.imports == ALL else costs.get(klass.name, 0.0)
             row["start_up_s"] += min(r.get("cpu", 0.0), cost)
     total = sum(r.get("cpu", 0.0) for r in rows)
     start_up = sum(row["start_up_s"] for row in table.values())

@@ -70,6 +70,14 @@ def test_a_reused_pid_is_the_parent_that_held_it_when_the_child_started() -> Non
     assert result["classes"]["training worker"]["started"] == 2
 
 
+def test_a_class_whose_imports_were_not_measured_counts_none() -> None:
+    """Costs measured where vLLM is not installed have no vLLM figure: its processes count no start-up."""
+    vllm = "/cache/vllm-0.32.0-cpu/bin/python -m vllm.entrypoints.openai.api_server --model m"
+    result = floor_script.floor([row(30, 2, vllm, 12.0, 1.0), row(31, 2, ENGINE, 6.0, 2.0)], COSTS)
+    assert result["classes"]["vLLM process"] == {"started": 1, "forked": 0, "cpu_s": 12.0, "start_up_s": 0.0}
+    assert result["start_up_cpu_s"] == 5.0
+
+
 def test_rows_without_pids_take_a_child_by_its_parent_s_ancestry() -> None:
     rows = [
         {k: v for k, v in r.items() if k != "pid"}
