@@ -9,6 +9,8 @@ Run: python3 scripts/clean_clone_times.py [--commit REV] [--work DIR] [--suite] 
   fixed-cost share). Clone to summary is the install's and the run's wall time together.
 * ``--test-fast``: ``make test-fast`` in that clone afterwards (the dev extra installed first, a step of its own:
   a contributor's first ``make test-fast`` after ``make run``).
+* after ``make run`` (and ``make test-fast``): ``scripts/start_up_floor.py``, what a fresh process of each class the
+  suite starts imports on this machine (its CPU-s, about two minutes): the kind's figures beside another's.
 * ``--suite``: ``.ci/run`` in a second clean clone (the Debian services, the install, lint, then ``make test``, as
   CI runs it), timed whole; the suite's seconds from pytest's last line.
 
@@ -216,6 +218,11 @@ def measure_make_run(clone: Path, logs: Path, test_fast: bool) -> list[Step]:
             fast = run_step(Step("test_fast", "make test-fast"), clone, env, logs)
             fast.figures = pytest_figures(Path(fast.log).read_text(errors="replace")) or {}
             steps.append(fast)
+        # what a fresh process of each class imports, here: set beside another kind's, the two kinds' ratio on the
+        # suite's start-up, more than a third of its CPU (docs/measurements.md, "How much of the CPU is start-up")
+        start_up = run_step(Step("start_up", ".venv/bin/python scripts/start_up_floor.py"), clone, env, logs)
+        start_up.figures = (last_json(start_up.log) or {}).get("costs", {})
+        steps.append(start_up)
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     return steps
@@ -300,6 +307,7 @@ def main() -> int:
         "versions": library_versions(clone_dir),
         "figures": figures,
         "goals": verdicts,
+        "start_up_costs": by_name["start_up"].figures if "start_up" in by_name else {},
         "steps": [asdict(s) for s in steps],
     }
     print(json.dumps(report))

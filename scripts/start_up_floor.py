@@ -23,7 +23,9 @@ before stop 81) a process counts as forked when an earlier process of the same c
 ancestry, which can take a fresh engine started beside another for a fork: less start-up, never more.
 
 It prints one row per class and one JSON object last (the run's CPU-s, the start-up CPU-s, their share, and the
-measured costs, which ``--costs`` can give instead of measuring: another machine's, or a test's).
+measured costs, which ``--costs`` can give instead of measuring: another machine's, or a test's). Without
+``--processes`` it measures and prints the costs alone: a machine kind's figures (``scripts/clean_clone_times.py``
+records them), whose ratio to another kind's is the two kinds' on the suite's start-up.
 """
 
 from __future__ import annotations
@@ -159,19 +161,21 @@ def cpu_of(argv: list[str], env: dict[str, str]) -> float:
 
 def measure(classes: Iterable[StartClass], repeats: int = 3) -> dict[str, float]:
     """Each class's imports in a fresh Python, the median of ``repeats`` runs, in CPU-s. A class whose interpreter
-    is missing here (vLLM not installed) is left out: its processes then count no start-up."""
+    is missing here (vLLM not installed), or whose imports fail (no dev extra: no pytest-xdist), is left out, said
+    on stderr: its processes then count no start-up."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     vllm = _vllm_python()
     costs = {}
     for klass in classes:
-        if klass.imports == ALL:
-            continue
         python = vllm if klass.vllm else sys.executable
-        if python is None:
+        if klass.imports == ALL or python is None:
             continue
-        costs[klass.name] = round(
-            statistics.median(cpu_of([str(python), "-c", klass.imports], env) for _ in range(repeats)), 2
-        )
+        try:
+            runs = [cpu_of([str(python), "-c", klass.imports], env) for _ in range(repeats)]
+        except subprocess.CalledProcessError:
+            print(f"{klass.name}: `{klass.imports}` fails here; left out", file=sys.stderr)
+            continue
+        costs[klass.name] = round(statistics.median(runs), 2)
     return costs
 
 
@@ -186,14 +190,21 @@ def _vllm_python() -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--processes", type=Path, required=True, help="suite_cpu_profile.py's --processes file"
+        "--processes", type=Path, help="suite_cpu_profile.py's --processes file (without it: the costs alone)"
     )
     parser.add_argument(
         "--costs", type=Path, help="a JSON object of class -> CPU-s, instead of measuring here"
     )
     args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in args.processes.read_text().splitlines() if line.strip()]
     costs = json.loads(args.costs.read_text()) if args.costs else measure(CLASSES)
+    if (
+        args.processes is None
+    ):  # this machine's figures, to set beside another's (scripts/clean_clone_times.py)
+        for name, cost in costs.items():
+            print(f"{cost:8.2f}  {name}")
+        print(json.dumps({"costs": costs}))
+        return 0
+    rows = [json.loads(line) for line in args.processes.read_text().splitlines() if line.strip()]
     result = floor(rows, costs)
     print(
         f"{'started':>8} {'forked':>7} {'CPU-s':>8} {'start-up':>9}  class (its imports' CPU-s, measured alone)"

@@ -135,7 +135,7 @@ def test_the_command_with_nothing_to_time_still_ends_with_its_machine_and_commit
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
-    assert report["commit"] == head.strip() and report["steps"] == []
+    assert report["commit"] == head.strip() and report["steps"] == [] and report["start_up_costs"] == {}
     assert report["machine"]["cores"] == os.cpu_count() and report["machine"]["kind"]
     assert set(report["figures"]) == {
         "make_run_pipeline_s",
