@@ -167,9 +167,9 @@ def measure(classes: Iterable[StartClass], repeats: int = 3) -> dict[str, float]
     vllm = _vllm_python()
     costs = {}
     for klass in classes:
-        python = vllm if klass.vllm else sys.executable
         if klass.imports == ALL:
             continue
+        python = vllm if klass.vllm else sys.executable
         if python is None:
             print(f"{klass.name}: no vLLM environment here; left out", file=sys.stderr)
             continue
@@ -200,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     costs = json.loads(args.costs.read_text()) if args.costs else measure(CLASSES)
-    if (
-        args.processes is None
-    ):  # this machine's figures, to set beside another's (scripts/clean_clone_times.py)
+    # without a run's processes: this machine's figures, to set beside another's (scripts/clean_clone_times.py)
+    if args.processes is None:
         for name, cost in costs.items():
             print(f"{cost:8.2f}  {name}")
         print(json.dumps({"costs": costs}))
@@ -212,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'started':>8} {'forked':>7} {'CPU-s':>8} {'start-up':>9}  class (its imports' CPU-s, measured alone)"
     )
+    servers = {c.name for c in CLASSES if c.imports == ALL}
     for name, row in result["classes"].items():
-        cost = costs.get(name, ALL if any(c.name == name and c.imports == ALL for c in CLASSES) else "-")
+        cost = ALL if name in servers else costs.get(name, "-")
         print(
             f"{row['started']:8.0f} {row['forked']:7.0f} {row['cpu_s']:8.1f} {row['start_up_s']:9.1f}  {name} ({cost})"
         )

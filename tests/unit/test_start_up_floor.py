@@ -33,16 +33,14 @@ def test_a_fork_pays_no_start_up_a_fresh_start_its_classs_at_most_its_own_cpu_an
     rows = [
         row(10, 2, ENGINE, 6.5, 1.0),  # an engine: its class's 5.0
         row(11, 10, ENGINE, 40.0, 2.0),  # its model process, forked from it: none, however long it served
-        row(
-            12, 2, ENGINE, 4.0, 3.0
-        ),  # a second engine beside the first, same command line: fresh, capped at 4.0
+        # a second engine beside the first, the same command line: a fresh start, capped at its 4.0
+        row(12, 2, ENGINE, 4.0, 3.0),
         row(13, 2, WORKER, 3.0, 4.0),  # a worker that failed early: at most the 3.0 it spent
         row(14, 2, FORKSERVER, 2.5, 5.0),  # a forkserver: importing is all it does
         row(15, 14, FORKSERVER, 9.0, 6.0),  # a step forked from it: none
         row(16, 2, "/bin/bash -c make", 1.0, 7.0),  # not a class: none
-        row(
-            17, 2, "/venv/bin/python -m pip install x", 8.0, 8.0, kind=floor_script.INSTALL
-        ),  # an install: none
+        # an install: an interpreter at work, not starting: none
+        row(17, 2, "/venv/bin/python -m pip install x", 8.0, 8.0, kind=floor_script.INSTALL),
     ]
     result = floor_script.floor(rows, COSTS)
     assert result["start_up_cpu_s"] == pytest.approx(5.0 + 4.0 + 3.0 + 2.5)
